@@ -1,0 +1,57 @@
+/* Environment overrides (see env.h). */
+#include "base/env.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "base/log.h"
+
+int env_parse_i64(const char *s, int64_t *out) {
+  if (!s || !*s) return KVF_EINVAL;
+  const char *p = s;
+  if (*p == '-') p++;
+  if (!*p) return KVF_EINVAL;
+  for (const char *q = p; *q; q++)
+    if (*q < '0' || *q > '9') return KVF_EINVAL;
+  errno = 0;
+  char *end = NULL;
+  long long v = strtoll(s, &end, 10);
+  if (errno || *end) return KVF_EINVAL;
+  *out = v;
+  return 0;
+}
+
+int64_t env_get_int(const char *name, int64_t def) {
+  const char *v = getenv(name);
+  if (!v || !*v) return def;
+  int64_t out;
+  if (env_parse_i64(v, &out) == 0) return out;
+  LOG_WARN("env", "%s=%s is not an integer; using %lld", name, v, (long long)def);
+  return def;
+}
+
+double env_get_double(const char *name, double def) {
+  const char *v = getenv(name);
+  if (!v || !*v) return def;
+  char *end = NULL;
+  errno = 0;
+  double d = strtod(v, &end);
+  if (errno || end == v || *end) {
+    LOG_WARN("env", "%s=%s is not a number; using %g", name, v, def);
+    return def;
+  }
+  return d;
+}
+
+int env_get_bool(const char *name, int def) {
+  const char *v = getenv(name);
+  if (!v || !*v) return def;
+  if (!strcasecmp(v, "true") || !strcmp(v, "1") || !strcasecmp(v, "yes") || !strcasecmp(v, "y"))
+    return 1;
+  if (!strcasecmp(v, "false") || !strcmp(v, "0") || !strcasecmp(v, "no") || !strcasecmp(v, "n"))
+    return 0;
+  LOG_WARN("env", "%s=%s is not a boolean; using %s", name, v, def ? "true" : "false");
+  return def;
+}

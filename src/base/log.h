@@ -1,0 +1,31 @@
+/* Logging for the whole library: levelled messages to stderr with a
+ * component tag, and a "log once per key" helper so that a peer sending bad
+ * input is reported once, not once per message. */
+#ifndef KVF_BASE_LOG_H
+#define KVF_BASE_LOG_H
+
+#include <stdint.h>
+#include "kvferry/common.h"
+
+int log_level(void);
+void log_write(int level, const char *component, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#define KVF_LOG(level, comp, ...)                                 \
+  do {                                                            \
+    if ((level) <= log_level()) log_write((level), (comp), __VA_ARGS__); \
+  } while (0)
+#define LOG_ERROR(comp, ...) KVF_LOG(KVF_LOG_ERROR, comp, __VA_ARGS__)
+#define LOG_WARN(comp, ...) KVF_LOG(KVF_LOG_WARN, comp, __VA_ARGS__)
+#define LOG_INFO(comp, ...) KVF_LOG(KVF_LOG_INFO, comp, __VA_ARGS__)
+#define LOG_DEBUG(comp, ...) KVF_LOG(KVF_LOG_DEBUG, comp, __VA_ARGS__)
+
+/* Returns 1 the first time `key` (e.g. a hash of a peer address and an error
+ * kind) is seen, 0 afterwards; a small fixed table, so very many distinct
+ * keys may log again after eviction. Thread-safe. */
+int log_first_time(uint64_t key);
+
+/* FNV-1a of a string, for log_first_time keys and hash tables. */
+uint64_t log_hash_str(const char *s, uint64_t seed);
+
+#endif

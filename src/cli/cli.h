@@ -1,0 +1,15 @@
+/* The kvferry command: one function per subcommand, each taking the
+ * arguments after its name. Subcommands use only the public API. */
+#ifndef KVF_CLI_H
+#define KVF_CLI_H
+
+int cli_demo(int argc, char **argv);
+int cli_bench(int argc, char **argv);
+int cli_bootstrap(int argc, char **argv);
+int cli_engine_peer(int argc, char **argv);
+
+/* Shared helpers (cli_util.c). */
+int cli_parse_size(const char *s, unsigned long long *out);
+int cli_is_tty(void);
+
+#endif
