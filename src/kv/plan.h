@@ -1,0 +1,206 @@
+/* Transfer planning, pure arithmetic shared by both managers: which prefill
+ * ranks a decode rank pulls from and which byte ranges of each page (the
+ * route plan, PROTOCOL §5.2, §6.5), and how a list of page pairs turns into
+ * the kvf_write blocks the engine executes (§6.4, §6.5.6), plus the two
+ * small routing functions of §0/§1.1 (DP group) and §6.12 (queue shard).
+ *
+ * Nothing here locks, logs or keeps state; every function may be called from
+ * any thread. Functions on the per-chunk path (plan_runs, plan_*_writes)
+ * never allocate: callers size their arrays once per room with the *_count
+ * functions. Addresses are checked against buffer lengths where the caller
+ * knows them, because a page index from the network must never steer a write
+ * outside a buffer (§8 item 8). Functions return 0 or a negative KVF_E* code;
+ * output parameters are set only on success, except that the contents of
+ * caller arrays are unspecified after a failure. */
+#ifndef KVF_KV_PLAN_H
+#define KVF_KV_PLAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvferry/common.h"
+#include "kvferry/engine.h"
+
+/* Largest TP size the planner accepts on either side. */
+#define PLAN_MAX_TP 4096
+
+/* ---- Page runs (§6.4) ---- */
+
+/* A maximal run: src pages s0..s0+len-1 map to dst pages d0..d0+len-1. */
+typedef struct plan_run {
+  int64_t src;
+  int64_t dst;
+  int64_t len;
+} plan_run;
+
+/* Group the aligned pairs (src[k], dst[k]), k < n, into maximal runs in which
+ * both sides step by exactly +1. `out` must hold n entries (the worst case);
+ * *nruns gets the count. A negative index is KVF_ERANGE. */
+int plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *out, size_t *nruns);
+
+/* ---- Buffers ---- */
+
+/* Which buffers belong to each KV layer index (`offsets` of §6.1), in CSR
+ * form: layer l owns bufs[start[l] .. start[l+1]). MHA: {l, L+l}; MLA: {l}. */
+typedef struct plan_layout {
+  size_t nlayers;
+  const size_t *start; /* nlayers + 1 entries, start[0] == 0 */
+  const size_t *bufs;  /* start[nlayers] buffer indices */
+} plan_layout;
+
+/* Fill an MHA layout for L layers (buffers K0..K(L-1), V0..V(L-1)): start
+ * needs L+1 entries, bufs 2L. */
+void plan_layout_mha(size_t nlayers, size_t *start, size_t *bufs, plan_layout *out);
+
+/* One side's buffers: base addresses and, where known, byte lengths. */
+typedef struct plan_mem {
+  const uint64_t *base;
+  const uint64_t *len; /* NULL = lengths unknown, ranges unchecked on this side */
+  size_t nbufs;
+} plan_mem;
+
+/* ---- Plain (identity) address computation (§6.4) ---- */
+
+/* Blocks plan_plain_writes emits for KV layer indices [l0, l1) and nruns
+ * runs; 0 if the range is invalid. */
+size_t plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_t nruns);
+
+/* Blocks for KV layers [l0, l1): layer-major, buffer order within the layer,
+ * run order within the buffer; for buffer b and run (s0, d0, r):
+ *   src = src.base[b] + s0*item[b], dst = dst.base[b] + d0*item[b],
+ *   len = item[b]*r, count 1
+ * (`item` is the prefill's item lengths, used for both sides as the
+ * reference does, §6.4). Checks: buffer index within both sides
+ * (KVF_EINVAL), item > 0 (KVF_EINVAL), pages non-negative and, where lengths
+ * are given, (page+r)*item <= len on each side (KVF_ERANGE); arithmetic
+ * overflow is KVF_ERANGE. KVF_ETOOBIG if cap is short of the count. State
+ * buffers (§6.6) use the same function with a layout of one layer listing
+ * the state buffers. */
+int plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs,
+                      size_t nruns, const plan_mem *src, const plan_mem *dst,
+                      const uint64_t *item, kvf_write *out, size_t cap, size_t *nout);
+
+/* ---- Route plan (§5.2, §6.5) ---- */
+
+typedef enum plan_kind {
+  PLAN_TARGET_K = 0,
+  PLAN_TARGET_V,
+  PLAN_DRAFT_K,
+  PLAN_DRAFT_V,
+  PLAN_MAMBA_STATE,
+} plan_kind;
+
+/* Wire name of a kind ("target_k", ...), or NULL for a bad value; and back:
+ * KVF_EINVAL for an unknown name. */
+const char *plan_kind_name(int kind);
+int plan_kind_parse(const char *name, plan_kind *out);
+
+/* One fragment: the ten fields of §6.5.5. */
+typedef struct plan_fragment {
+  uint32_t buffer_index;   /* KV buffer index, or state buffer index for mamba_state */
+  plan_kind kind;
+  int32_t src_rank;        /* prefill TP rank (informational on the wire) */
+  int32_t dst_rank;        /* decode TP rank (informational) */
+  uint64_t src_page_stride;
+  uint64_t dst_page_stride;
+  uint64_t src_byte_offset;
+  uint64_t dst_byte_offset;
+  uint64_t bytes_per_page;
+  int64_t page_count;      /* -1 = null (the planner always emits null) */
+} plan_fragment;
+
+/* Inputs of the generic planner, as the decode rank knows them. Lists from
+ * the prefill are the parallel-info reply's; an empty prefill item list is
+ * "published none" (Id*Td/Tp is substituted), an empty unit list means 1. */
+typedef struct plan_route_params {
+  int decode_tp_size;
+  int decode_tp_rank;
+  int prefill_tp_size;
+  const plan_layout *layout;  /* decode's KV layers -> buffer indices */
+  size_t target_layer_num;    /* layer indices >= this are draft; 0 = all target */
+  const int64_t *d_kv_item, *d_kv_unit;  /* decode lists; unit may be NULL (all 1) */
+  size_t n_d_kv, n_d_kv_unit;
+  const int64_t *p_kv_item, *p_kv_unit;  /* prefill lists (may be empty) */
+  size_t n_p_kv, n_p_kv_unit;
+  const int64_t *d_state_item, *d_state_unit; /* decode state buffers: n_d_state of them */
+  size_t n_d_state, n_d_state_unit;
+  const int64_t *p_state_item, *p_state_unit;
+  size_t n_p_state, n_p_state_unit;
+  char *err;                  /* optional: on failure, a reason is written here */
+  size_t err_cap;
+} plan_route_params;
+
+typedef struct plan_target {
+  int rank;                  /* prefill TP rank to contact */
+  int is_dummy;              /* legacy MLA: handshake only, no data, no M3 */
+  int required_dst_info_num; /* M2 frame 6 for this target (its fan-out) */
+  size_t frag_start;         /* this target's fragments: frags[frag_start ..+nfrags) */
+  size_t nfrags;
+} plan_target;
+
+typedef struct plan_route {
+  int is_identity;           /* whole pages, no fragment frames (§6.4 on the prefill) */
+  int supports_spec;         /* supports_remote_spec_candidates */
+  int required_prefill_response_num;
+  int ntargets;
+  plan_target *targets;      /* ascending rank order */
+  int prefill_tp_size;
+  int *fanout;               /* fanout[p], p < prefill_tp_size: decode ranks that contact p */
+  size_t nfrags;
+  plan_fragment *frags;      /* grouped by target, pair order within a target */
+} plan_route;
+
+/* The generic planner (§6.5.1-6.5.4) for one decode TP rank. The caller owns
+ * *out and frees it with plan_route_free. KVF_EINVAL for sizes out of range
+ * or any layout the reference rejects (the reason goes to p->err). Prefill
+ * ranks with fanout 0 are never targets (§8 item 4: the manager decides
+ * whether to send them dummies). */
+int plan_route_build(const plan_route_params *p, plan_route *out);
+
+/* The legacy MLA rows and the L1.5 row of §5.2 (no fragments). */
+int plan_route_legacy_mla(int decode_tp_size, int decode_tp_rank, int prefill_tp_size,
+                          int l15_cache, plan_route *out);
+
+/* Free what a plan_route_* call allocated; the struct is zeroed. */
+void plan_route_free(plan_route *r);
+
+/* ---- Fragment execution (§6.5.6) ---- */
+
+/* Exact number of blocks plan_frag_writes emits for the same arguments. */
+size_t plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
+                       size_t nfrags, int state, const plan_run *runs, size_t nruns);
+
+/* Blocks for fragment mode, in the reference's order: for each buffer b of
+ * layers [l0, l1) (state != 0: every buffer listed in the layout, matched
+ * against mamba_state fragments; else against the other kinds), each fragment
+ * of b in list order, each run: the m = min(r, page_count if set) pages of
+ * the run become ONE block, strided when m > 1:
+ *   src = src.base[b] + s0*src_page_stride + src_byte_offset   (stride src_page_stride)
+ *   dst = dst.base[b] + d0*dst_page_stride + dst_byte_offset   (stride dst_page_stride)
+ *   len = bytes_per_page, count = m
+ * and a plain block of m*bytes_per_page when both strides equal
+ * bytes_per_page. Buffers without a fragment are skipped. Fragments come
+ * from the network, so each is checked: bytes_per_page > 0 and
+ * offset + bytes <= stride on each side (no spill into the next page), pages
+ * in range of known buffer lengths, no overflow (KVF_ERANGE); buffer index
+ * past either side: KVF_EINVAL. KVF_ETOOBIG if cap is short. */
+int plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
+                     size_t nfrags, int state, const plan_run *runs, size_t nruns,
+                     const plan_mem *src, const plan_mem *dst, kvf_write *out, size_t cap,
+                     size_t *nout);
+
+/* ---- Small routing helpers ---- */
+
+/* room mod dp_size as a non-negative floor modulo (§0). KVF_EINVAL if
+ * dp_size <= 0. */
+int plan_dp_group(int64_t room, int64_t dp_size, int64_t *out);
+
+/* Port of a session id "host:port" (or "[v6]:port"): host non-empty, exactly
+ * one ':' outside brackets, port all digits in 1..65535. KVF_EINVAL else. */
+int plan_session_port(const char *session, int *port);
+
+/* Queue shard of a room (§6.12): sum of the session ports mod nqueues.
+ * KVF_EINVAL for nqueues <= 0 or a malformed session id. */
+int plan_queue_shard(const char *const *sessions, size_t n, int nqueues, int *out);
+
+#endif

@@ -1,0 +1,489 @@
+/* The per-manager room table (see rooms.h): a hash map from room id to a
+ * small heap record, behind one mutex. The record is kept small because a
+ * busy decode holds many rooms: responders below 64 live in one inline word
+ * and only larger ranks allocate a bitmap; candidate arrays and reasons are
+ * allocated only when present. The status rule and the Success bookkeeping
+ * follow the reference decode listener (PROTOCOL §2.2, §3.5) except that no
+ * message ever creates a room. */
+#include "kv/rooms.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/map.h"
+
+#define HI_WORDS ((ROOMS_MAX_RANKS - 64) / 64)
+
+typedef struct room_entry {
+  int status;
+  int required;          /* 0 = never set, which means 1 */
+  int nresponded;
+  uint64_t resp_lo;      /* responder bits for ranks 0..63 */
+  uint64_t *resp_hi;     /* ranks 64..ROOMS_MAX_RANKS-1, allocated on first use */
+  int64_t pending_token; /* -1 = none */
+  int64_t final_token;   /* -1 = none */
+  int32_t *pending_cands;
+  size_t npending_cands; /* 0 = none */
+  int32_t *final_cands;
+  size_t nfinal_cands;
+  char *reason;
+  void *user;
+  int64_t init_time_ns;
+} room_entry;
+
+struct rooms {
+  pthread_mutex_t mu;
+  map m;
+  size_t max_rooms;
+  rooms_stats st;
+};
+
+static int status_valid(int s) { return s >= ROOM_FAILED && s <= ROOM_STATUS_MAX; }
+
+/* §2.2 rules 2 and 3. */
+static int merge_status(int cur, int s) {
+  if (cur == ROOM_FAILED || s == ROOM_FAILED) return ROOM_FAILED;
+  return cur > s ? cur : s;
+}
+
+static void entry_free(room_entry *e) {
+  free(e->resp_hi);
+  free(e->pending_cands);
+  free(e->final_cands);
+  free(e->reason);
+  free(e);
+}
+
+int rooms_table_new(size_t max_rooms, rooms **out) {
+  int rc = KVF_ENOMEM;
+  rooms *t = calloc(1, sizeof *t);
+  if (!t) goto err;
+  if (map_init(&t->m) != 0) goto err_free_table;
+  if (pthread_mutex_init(&t->mu, NULL) != 0) goto err_free_map;
+  t->max_rooms = max_rooms ? max_rooms : ROOMS_DEFAULT_MAX;
+  *out = t;
+  return 0;
+err_free_map:
+  map_free(&t->m);
+err_free_table:
+  free(t);
+err:
+  return rc;
+}
+
+void rooms_table_free(rooms *t, void (*free_user)(void *)) {
+  if (!t) return;
+  map_iter it;
+  map_iter_init(&it);
+  void *v;
+  while (map_next(&t->m, &it, NULL, &v)) {
+    room_entry *e = v;
+    if (free_user && e->user) free_user(e->user);
+    entry_free(e);
+  }
+  map_free(&t->m);
+  pthread_mutex_destroy(&t->mu);
+  free(t);
+}
+
+static room_entry *find(rooms *t, int64_t room) { return map_get(&t->m, (uint64_t)room); }
+
+/* Caller holds the lock and has checked that the room is absent. */
+static int insert(rooms *t, int64_t room, int status) {
+  if (map_size(&t->m) >= t->max_rooms) {
+    t->st.rejected_full++;
+    return KVF_ENOMEM;
+  }
+  room_entry *e = calloc(1, sizeof *e);
+  if (!e) return KVF_ENOMEM;
+  e->status = status;
+  e->pending_token = -1;
+  e->final_token = -1;
+  e->init_time_ns = -1;
+  int rc = map_put(&t->m, (uint64_t)room, e, NULL);
+  if (rc != 0) {
+    free(e);
+    return rc;
+  }
+  t->st.created++;
+  return 0;
+}
+
+int rooms_create(rooms *t, int64_t room, int status) {
+  if (!status_valid(status)) return KVF_EINVAL;
+  pthread_mutex_lock(&t->mu);
+  int rc = find(t, room) ? KVF_EEXIST : insert(t, room, status);
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+int rooms_upsert(rooms *t, int64_t room, int status, int *new_status) {
+  if (!status_valid(status)) return KVF_EINVAL;
+  int rc = 0, now = status;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e)
+    now = e->status = merge_status(e->status, status);
+  else
+    rc = insert(t, room, status);
+  pthread_mutex_unlock(&t->mu);
+  if (rc == 0 && new_status) *new_status = now;
+  return rc;
+}
+
+int rooms_update(rooms *t, int64_t room, int status, int *new_status) {
+  int rc = 0, now = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!status_valid(status)) {
+    t->st.rejected_invalid++;
+    rc = KVF_EINVAL;
+  } else if (!e) {
+    t->st.dropped_unknown++;
+    rc = KVF_ENOTFOUND;
+  } else {
+    now = e->status = merge_status(e->status, status);
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (rc == 0 && new_status) *new_status = now;
+  return rc;
+}
+
+int rooms_get_status(rooms *t, int64_t room, int *status) {
+  int rc = KVF_ENOTFOUND, s = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e) {
+    s = e->status;
+    rc = 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (rc == 0) *status = s;
+  return rc;
+}
+
+int rooms_exists(rooms *t, int64_t room) {
+  pthread_mutex_lock(&t->mu);
+  int r = find(t, room) != NULL;
+  pthread_mutex_unlock(&t->mu);
+  return r;
+}
+
+static void fill_info(const room_entry *e, rooms_info *out) {
+  out->status = e->status;
+  out->required = e->required ? e->required : 1;
+  out->responded = e->nresponded;
+  out->has_reason = e->reason != NULL;
+  out->has_token = e->final_token != -1;
+  out->init_time_ns = e->init_time_ns;
+  out->user = e->user;
+}
+
+int rooms_get_info(rooms *t, int64_t room, rooms_info *out) {
+  int rc = KVF_ENOTFOUND;
+  rooms_info info;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e) {
+    fill_info(e, &info);
+    rc = 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (rc == 0) *out = info;
+  return rc;
+}
+
+/* Copy of reason bounded by ROOMS_REASON_MAX; made outside the lock. */
+static char *reason_dup(const char *reason) {
+  if (!reason) reason = "";
+  size_t n = strnlen(reason, ROOMS_REASON_MAX - 1);
+  char *r = malloc(n + 1);
+  if (!r) return NULL;
+  memcpy(r, reason, n);
+  r[n] = '\0';
+  return r;
+}
+
+/* Caller holds the lock; takes ownership of r. */
+static void fail_entry(room_entry *e, char *r) {
+  free(e->reason);
+  e->reason = r;
+  e->status = ROOM_FAILED;
+}
+
+int rooms_fail(rooms *t, int64_t room, const char *reason) {
+  char *r = reason_dup(reason);
+  int rc = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!e) {
+    t->st.dropped_unknown++;
+    rc = KVF_ENOTFOUND;
+  } else {
+    /* Without memory for the text the room still fails: the status is what
+     * stops a hang; the reason is a courtesy. */
+    fail_entry(e, r);
+    r = NULL;
+  }
+  pthread_mutex_unlock(&t->mu);
+  free(r);
+  return rc;
+}
+
+int rooms_get_reason(rooms *t, int64_t room, char *buf, size_t cap) {
+  if (cap == 0) return KVF_EINVAL;
+  int rc = KVF_ENOTFOUND;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e) {
+    const char *r = e->reason ? e->reason : "";
+    size_t n = strnlen(r, cap - 1);
+    memcpy(buf, r, n);
+    buf[n] = '\0';
+    rc = 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+int rooms_set_required(rooms *t, int64_t room, int required) {
+  if (required < 1 || required > ROOMS_MAX_RANKS) return KVF_EINVAL;
+  int rc = KVF_ENOTFOUND;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e) {
+    e->required = required;
+    rc = 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+/* Adds rank to the responder set. Returns 1 if it was new, 0 if already
+ * there, KVF_ENOMEM if the high bitmap could not be allocated. */
+static int add_responder(room_entry *e, int rank) {
+  uint64_t *word;
+  int bit;
+  if (rank < 64) {
+    word = &e->resp_lo;
+    bit = rank;
+  } else {
+    if (!e->resp_hi && !(e->resp_hi = calloc(HI_WORDS, sizeof *e->resp_hi))) return KVF_ENOMEM;
+    word = &e->resp_hi[(rank - 64) / 64];
+    bit = (rank - 64) % 64;
+  }
+  uint64_t m = 1ULL << bit;
+  if (*word & m) return 0;
+  *word |= m;
+  e->nresponded++;
+  return 1;
+}
+
+int rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token,
+                          const int32_t *cands, size_t ncand, int *became_success) {
+  int rc = 0, became = 0;
+  int32_t *copy = NULL;
+  if (ncand > ROOMS_MAX_CANDS || prefill_rank < 0 || prefill_rank >= ROOMS_MAX_RANKS ||
+      (ncand && !cands)) {
+    pthread_mutex_lock(&t->mu);
+    t->st.rejected_invalid++;
+    pthread_mutex_unlock(&t->mu);
+    return ncand > ROOMS_MAX_CANDS ? KVF_ETOOBIG : KVF_EINVAL;
+  }
+  /* Allocate before locking; most reports do not need it (first wins) but a
+   * malloc under the table lock would stall the other threads. */
+  if (ncand) {
+    if (!(copy = malloc(ncand * sizeof *copy))) return KVF_ENOMEM;
+    memcpy(copy, cands, ncand * sizeof *copy);
+  }
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!e) {
+    t->st.dropped_unknown++;
+    rc = KVF_ENOTFOUND;
+    goto out_unlock;
+  }
+  int added = add_responder(e, prefill_rank);
+  if (added < 0) {
+    rc = added;
+    goto out_unlock;
+  }
+  if (added == 0) t->st.duplicate_responses++;
+  if (token != -1 && e->pending_token == -1) e->pending_token = token;
+  if (copy && !e->pending_cands) {
+    e->pending_cands = copy;
+    e->npending_cands = ncand;
+    copy = NULL;
+  }
+  int expected = e->required ? e->required : 1;
+  if (e->nresponded < expected) goto out_unlock;
+  /* Publish before Success (the reference overwrites an unpopped final value
+   * here too, which only matters for a repeated report after Success). */
+  if (e->pending_token != -1) {
+    e->final_token = e->pending_token;
+    e->pending_token = -1;
+  }
+  if (e->pending_cands) {
+    free(e->final_cands);
+    e->final_cands = e->pending_cands;
+    e->nfinal_cands = e->npending_cands;
+    e->pending_cands = NULL;
+    e->npending_cands = 0;
+  }
+  int before = e->status;
+  e->status = merge_status(e->status, ROOM_SUCCESS);
+  became = before != ROOM_SUCCESS && e->status == ROOM_SUCCESS;
+out_unlock:
+  pthread_mutex_unlock(&t->mu);
+  free(copy);
+  if (rc == 0 && became_success) *became_success = became;
+  return rc;
+}
+
+int rooms_pop_token(rooms *t, int64_t room, int64_t *token) {
+  int rc = KVF_ENOTFOUND;
+  int64_t tok = -1;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e) {
+    tok = e->final_token;
+    e->final_token = -1;
+    rc = 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (rc == 0) *token = tok;
+  return rc;
+}
+
+int rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap,
+                       size_t *ncand) {
+  int rc = KVF_ENOTFOUND;
+  int64_t tok = -1;
+  size_t n = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!e) goto out_unlock;
+  if (e->nfinal_cands > cap || (e->nfinal_cands && !cands)) {
+    rc = KVF_ETOOBIG;
+    goto out_unlock;
+  }
+  tok = e->final_token;
+  e->final_token = -1;
+  n = e->nfinal_cands;
+  if (n) memcpy(cands, e->final_cands, n * sizeof *cands);
+  free(e->final_cands);
+  e->final_cands = NULL;
+  e->nfinal_cands = 0;
+  rc = 0;
+out_unlock:
+  pthread_mutex_unlock(&t->mu);
+  if (rc == 0) {
+    *token = tok;
+    *ncand = n;
+  }
+  return rc;
+}
+
+int rooms_set_user(rooms *t, int64_t room, void *user) {
+  int rc = KVF_ENOTFOUND;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e) {
+    e->user = user;
+    rc = 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+int rooms_get_user(rooms *t, int64_t room, void **user) {
+  int rc = KVF_ENOTFOUND;
+  void *u = NULL;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e) {
+    u = e->user;
+    rc = 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (rc == 0) *user = u;
+  return rc;
+}
+
+int rooms_set_init_time(rooms *t, int64_t room, int64_t ns) {
+  int rc = KVF_ENOTFOUND;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e) {
+    e->init_time_ns = ns;
+    rc = 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+int rooms_clear(rooms *t, int64_t room, void **user) {
+  void *v = NULL;
+  pthread_mutex_lock(&t->mu);
+  int found = map_del(&t->m, (uint64_t)room, &v);
+  if (found) t->st.cleared++;
+  pthread_mutex_unlock(&t->mu);
+  if (!found) return KVF_ENOTFOUND;
+  room_entry *e = v;
+  if (user) *user = e->user;
+  entry_free(e); /* outside the lock: the entry is unreachable now */
+  return 0;
+}
+
+size_t rooms_count(rooms *t) {
+  pthread_mutex_lock(&t->mu);
+  size_t n = map_size(&t->m);
+  pthread_mutex_unlock(&t->mu);
+  return n;
+}
+
+void rooms_get_stats(rooms *t, rooms_stats *out) {
+  pthread_mutex_lock(&t->mu);
+  rooms_stats s = t->st;
+  s.live = map_size(&t->m);
+  pthread_mutex_unlock(&t->mu);
+  *out = s;
+}
+
+int rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info, void *arg), void *arg) {
+  int rc = 0;
+  map_iter it;
+  map_iter_init(&it);
+  uint64_t key;
+  void *v;
+  pthread_mutex_lock(&t->mu);
+  while (rc == 0 && map_next(&t->m, &it, &key, &v)) {
+    rooms_info info;
+    fill_info(v, &info);
+    rc = cb((int64_t)key, &info, arg);
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+int rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, void *arg), void *arg,
+                        const char *reason, size_t *nfailed) {
+  size_t n = 0;
+  map_iter it;
+  map_iter_init(&it);
+  uint64_t key;
+  void *v;
+  pthread_mutex_lock(&t->mu);
+  while (map_next(&t->m, &it, &key, &v)) {
+    room_entry *e = v;
+    if (e->status == ROOM_SUCCESS || !pred((int64_t)key, e->user, arg)) continue;
+    /* One copy per room, because each room owns its reason; a failed copy
+     * still fails the room (see rooms_fail). */
+    fail_entry(e, reason_dup(reason));
+    n++;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (nfailed) *nfailed = n;
+  return 0;
+}
