@@ -96,6 +96,13 @@ int kvf_batch_wait(kvf_batch *batch, int timeout_ms);
 /* Wait for completion (bounded by the batch deadline) and free. NULL ok. */
 void kvf_batch_free(kvf_batch *batch);
 
+/* Memory ordering point for registered memory. Peers write into it from the
+ * engine's threads; call this after learning (by any channel: an M3, an ack,
+ * a pipe) that bytes have landed and before reading them, and after changing
+ * registered memory locally before telling a peer it may write there. It is
+ * free on x86 and makes the ordering visible to ThreadSanitizer. Any thread. */
+void kvf_engine_sync(kvf_engine *engine);
+
 /* Copy the engine's counters into *out. Any thread. */
 void kvf_engine_get_stats(const kvf_engine *engine, kvf_engine_stats *out);
 

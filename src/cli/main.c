@@ -12,12 +12,14 @@ struct command {
 };
 
 static const struct command commands[] = {
-    {NULL, NULL, NULL},
+    {"demo", cli_demo, "move a scattered set of pages between two processes and verify every byte"},
+    {"bench", cli_bench, "benchmarks with same-run baselines (engine, ...); --json for machine output"},
+    {"engine-peer", cli_engine_peer, "run a transfer engine target with a registered buffer (testing)"},
 };
 
 static void usage(FILE *f) {
   fprintf(f, "usage: kvferry <command> [options]\n\ncommands:\n");
-  for (size_t i = 0; i < sizeof commands / sizeof commands[0] && commands[i].name; i++)
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     fprintf(f, "  %-12s %s\n", commands[i].name, commands[i].help);
   fprintf(f, "\nkvferry %s; 'kvferry <command> --help' for a command's options\n", kvf_version());
 }
@@ -31,7 +33,7 @@ int main(int argc, char **argv) {
     printf("kvferry %s\n", kvf_version());
     return 0;
   }
-  for (size_t i = 0; i < sizeof commands / sizeof commands[0] && commands[i].name; i++)
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     if (!strcmp(argv[1], commands[i].name)) return commands[i].run(argc - 1, argv + 1);
   fprintf(stderr, "kvferry: unknown command '%s'\n", argv[1]);
   usage(stderr);

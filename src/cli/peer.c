@@ -1,0 +1,37 @@
+/* Engine peer child processes (see peer.h). */
+#include "peer.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int engine_peer_start(engine_peer *ep, uint64_t bytes, const char *token) {
+  char sz[32];
+  snprintf(sz, sizeof sz, "%llu", (unsigned long long)bytes);
+  /* Tests are not the kvferry binary: they name it in KVFERRY_CLI. */
+  const char *exe = getenv("KVFERRY_CLI");
+  if (!exe || !*exe) exe = proc_self_exe();
+  char *argv[8] = {(char *)exe, "engine-peer", "--bytes", sz, NULL, NULL, NULL};
+  if (token) {
+    argv[4] = "--token";
+    argv[5] = (char *)token;
+  }
+  memset(ep, 0, sizeof *ep);
+  if (proc_start(&ep->p, argv)) {
+    fprintf(stderr, "kvferry: cannot start engine peer\n");
+    return -1;
+  }
+  char line[512];
+  unsigned long long base = 0, len = 0;
+  if (proc_read_line(&ep->p, line, sizeof line, 10000) ||
+      sscanf(line, "ready %299s %llx %llu", ep->session, &base, &len) != 3) {
+    fprintf(stderr, "kvferry: engine peer did not start\n");
+    proc_stop(&ep->p, 1000);
+    return -1;
+  }
+  ep->base = base;
+  ep->bytes = len;
+  return 0;
+}
+
+void engine_peer_stop(engine_peer *ep) { proc_stop(&ep->p, 5000); }

@@ -1,0 +1,22 @@
+/* Starting a `kvferry engine-peer` child and writing into it: shared by the
+ * demo and the engine benchmark. */
+#ifndef KVF_CLI_PEER_H
+#define KVF_CLI_PEER_H
+
+#include <stdint.h>
+
+#include "proc.h"
+
+typedef struct engine_peer {
+  proc p;
+  char session[300];
+  uint64_t base; /* address of the peer's registered buffer, in its process */
+  uint64_t bytes;
+} engine_peer;
+
+/* Start a peer with a buffer of `bytes`; token may be NULL. 0 or -1 (and a
+ * message on stderr). */
+int engine_peer_start(engine_peer *ep, uint64_t bytes, const char *token);
+void engine_peer_stop(engine_peer *ep);
+
+#endif

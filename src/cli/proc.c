@@ -1,0 +1,117 @@
+/* Child processes over pipes (see proc.h). */
+#include "proc.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+int proc_start(proc *p, char *const argv[]) {
+  int in[2], out[2];
+  if (pipe2(in, O_CLOEXEC)) return -1;
+  if (pipe2(out, O_CLOEXEC)) {
+    close(in[0]);
+    close(in[1]);
+    return -1;
+  }
+  pid_t pid = fork();
+  if (pid < 0) {
+    close(in[0]), close(in[1]), close(out[0]), close(out[1]);
+    return -1;
+  }
+  if (pid == 0) {
+    dup2(in[0], STDIN_FILENO);
+    dup2(out[1], STDOUT_FILENO);
+    execv(argv[0], argv);
+    _exit(127);
+  }
+  close(in[0]);
+  close(out[1]);
+  p->pid = pid;
+  p->in = fdopen(in[1], "w");
+  p->out_fd = out[0];
+  p->rlen = 0;
+  if (!p->in) {
+    close(out[0]);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    return -1;
+  }
+  return 0;
+}
+
+static long long now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+int proc_read_line(proc *p, char *buf, size_t cap, int timeout_ms) {
+  long long until = now_ms() + timeout_ms;
+  for (;;) {
+    char *nl = memchr(p->rbuf, '\n', p->rlen);
+    if (nl || p->rlen == sizeof p->rbuf) {
+      size_t len = nl ? (size_t)(nl - p->rbuf) : p->rlen;
+      size_t copy = len < cap - 1 ? len : cap - 1;
+      memcpy(buf, p->rbuf, copy);
+      buf[copy] = 0;
+      size_t used = nl ? len + 1 : len;
+      memmove(p->rbuf, p->rbuf + used, p->rlen - used);
+      p->rlen -= used;
+      return 0;
+    }
+    long long left = until - now_ms();
+    if (left <= 0) return -1;
+    struct pollfd pf = {.fd = p->out_fd, .events = POLLIN};
+    int r = poll(&pf, 1, (int)left);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return -1;
+    ssize_t k = read(p->out_fd, p->rbuf + p->rlen, sizeof p->rbuf - p->rlen);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return -1;
+    p->rlen += (size_t)k;
+  }
+}
+
+int proc_ask(proc *p, const char *line, char *reply, size_t cap, int timeout_ms) {
+  if (fprintf(p->in, "%s\n", line) < 0 || fflush(p->in)) return -1;
+  return proc_read_line(p, reply, cap, timeout_ms);
+}
+
+int proc_stop(proc *p, int timeout_ms) {
+  if (p->in) fclose(p->in);
+  p->in = NULL;
+  int status = -1;
+  long long until = now_ms() + timeout_ms;
+  for (;;) {
+    pid_t r = waitpid(p->pid, &status, WNOHANG);
+    if (r == p->pid) break;
+    if (r < 0) {
+      status = -1;
+      break;
+    }
+    if (now_ms() >= until) {
+      kill(p->pid, SIGKILL);
+      kill(p->pid, SIGCONT);
+      waitpid(p->pid, &status, 0);
+      break;
+    }
+    usleep(5000);
+  }
+  if (p->out_fd >= 0) close(p->out_fd);
+  p->out_fd = -1;
+  return status;
+}
+
+const char *proc_self_exe(void) {
+  static char path[4096];
+  ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
+  if (n <= 0) return "kvferry";
+  path[n] = 0;
+  return path;
+}

@@ -1,0 +1,31 @@
+/* Child processes driven over pipes: the demo, the benchmarks and the tests
+ * start peers (`kvferry engine-peer`, managers, a bootstrap server) as real
+ * processes and talk to them line by line. */
+#ifndef KVF_CLI_PROC_H
+#define KVF_CLI_PROC_H
+
+#include <stdio.h>
+#include <sys/types.h>
+
+typedef struct proc {
+  pid_t pid;
+  FILE *in;  /* child's stdin */
+  int out_fd; /* child's stdout */
+  char rbuf[4096];
+  size_t rlen; /* bytes read but not yet returned as lines */
+} proc;
+
+/* Start argv[0] (a path) with argv; stderr is inherited. 0 or -1. */
+int proc_start(proc *p, char *const argv[]);
+/* Read one line (without '\n') into buf, waiting at most timeout_ms.
+ * 0 on success, -1 on EOF, error or timeout. */
+int proc_read_line(proc *p, char *buf, size_t cap, int timeout_ms);
+/* Send a line and read the one-line answer. */
+int proc_ask(proc *p, const char *line, char *reply, size_t cap, int timeout_ms);
+/* Close stdin and wait up to timeout_ms for a clean exit, then SIGKILL.
+ * Returns the exit status as from waitpid, or -1. */
+int proc_stop(proc *p, int timeout_ms);
+/* Path of the running executable, for re-launching kvferry itself. */
+const char *proc_self_exe(void);
+
+#endif

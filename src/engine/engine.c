@@ -1,0 +1,378 @@
+/* The transfer engine's public face: configuration, registration, batches
+ * and their completion. Transport-neutral: a batch is cut into chunks here
+ * and handed to the transport's submit; each chunk reports back through
+ * batch_chunk_done, and the batch completes when the last chunk has. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "base/env.h"
+#include "base/log.h"
+#include "engine/engine_internal.h"
+
+#define ENGINE_MAX_DESC_PER_CHUNK 4096
+/* Below this a batch goes on one connection: a second ack costs more than
+ * the parallel copy saves. */
+#define ENGINE_SPLIT_MIN_BYTES (512u * 1024u)
+
+void kvf_engine_config_init(kvf_engine_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->host = "127.0.0.1";
+  cfg->port = 0;
+  cfg->transport = "tcp";
+  cfg->auth_token = NULL;
+  cfg->timeout_ms = 30000;
+  cfg->conns_per_peer = 2;
+  cfg->max_inbound_conns = 256;
+}
+
+int engine_parse_session(const char *session, char *host_out, size_t host_cap, uint16_t *port_out) {
+  if (!session) return KVF_EINVAL;
+  const char *colon = strrchr(session, ':');
+  if (!colon || colon == session) return KVF_EINVAL;
+  const char *h = session;
+  size_t hlen = (size_t)(colon - session);
+  if (h[0] == '[') {
+    if (hlen < 3 || h[hlen - 1] != ']') return KVF_EINVAL;
+    h++;
+    hlen -= 2;
+  } else if (memchr(h, ':', hlen)) {
+    return KVF_EINVAL; /* bare IPv6 is ambiguous: require brackets */
+  }
+  if (hlen == 0 || hlen >= host_cap) return KVF_EINVAL;
+  for (size_t i = 0; i < hlen; i++)
+    if (h[i] <= ' ' || h[i] > '~' || h[i] == '/' || h[i] == '[' || h[i] == ']') return KVF_EINVAL;
+  const char *p = colon + 1;
+  if (!*p || strlen(p) > 5) return KVF_EINVAL;
+  unsigned v = 0;
+  for (; *p; p++) {
+    if (*p < '0' || *p > '9') return KVF_EINVAL;
+    v = v * 10 + (unsigned)(*p - '0');
+  }
+  if (v == 0 || v > 65535) return KVF_EINVAL;
+  memcpy(host_out, h, hlen);
+  host_out[hlen] = '\0';
+  *port_out = (uint16_t)v;
+  return 0;
+}
+
+int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
+  kvf_engine_config cfg;
+  if (cfg_in) cfg = *cfg_in;
+  else kvf_engine_config_init(&cfg);
+  if (!out) return KVF_EINVAL;
+  if (!cfg.host || !*cfg.host) cfg.host = "127.0.0.1";
+  if (!cfg.transport || !*cfg.transport) cfg.transport = "tcp";
+  cfg.timeout_ms = (int)env_get_int("KVFERRY_TIMEOUT_MS", cfg.timeout_ms > 0 ? cfg.timeout_ms : 30000);
+  cfg.conns_per_peer = (int)env_get_int("KVFERRY_CONNS_PER_PEER", cfg.conns_per_peer);
+  if (cfg.timeout_ms <= 0) cfg.timeout_ms = 30000;
+  if (cfg.conns_per_peer < 1) cfg.conns_per_peer = 1;
+  if (cfg.conns_per_peer > 16) cfg.conns_per_peer = 16;
+  if (cfg.max_inbound_conns <= 0) cfg.max_inbound_conns = 256;
+
+  const transport_ops *ops = NULL;
+  if (!strcmp(cfg.transport, "tcp")) ops = &tcp_transport_ops;
+  if (!ops) {
+    LOG_ERROR("engine", "unknown transport '%s' (available: tcp)", cfg.transport);
+    return KVF_EINVAL;
+  }
+  if (strlen(cfg.host) >= 256) return KVF_EINVAL;
+
+  kvf_engine *e = calloc(1, sizeof *e);
+  if (!e) return KVF_ENOMEM;
+  int rc = regions_init(&e->regions);
+  if (rc) goto err_free;
+  snprintf(e->host, sizeof e->host, "%s", cfg.host);
+  const char *tok = cfg.auth_token ? cfg.auth_token : getenv("KVFERRY_AUTH_TOKEN");
+  if (tok && strlen(tok) >= sizeof e->auth_token) {
+    LOG_ERROR("engine", "auth token longer than %zu bytes", sizeof e->auth_token - 1);
+    rc = KVF_EINVAL;
+    goto err_regions;
+  }
+  snprintf(e->auth_token, sizeof e->auth_token, "%s", tok ? tok : "");
+  cfg.host = e->host;
+  cfg.auth_token = e->auth_token;
+  e->cfg = cfg;
+  e->ops = ops;
+  e->port = cfg.port;
+  rc = ops->start(e);
+  if (rc) goto err_regions;
+  snprintf(e->session_id, sizeof e->session_id, strchr(e->host, ':') ? "[%s]:%u" : "%s:%u", e->host,
+           (unsigned)e->port);
+  LOG_INFO("engine", "listening as %s (transport %s)", e->session_id, ops->name);
+  *out = e;
+  return 0;
+
+err_regions:
+  regions_destroy(&e->regions);
+err_free:
+  free(e);
+  return rc;
+}
+
+void kvf_engine_destroy(kvf_engine *e) {
+  if (!e) return;
+  e->ops->stop(e);
+  regions_destroy(&e->regions);
+  free(e);
+}
+
+const char *kvf_engine_session_id(const kvf_engine *e) { return e->session_id; }
+uint16_t kvf_engine_port(const kvf_engine *e) { return e->port; }
+
+int kvf_engine_register(kvf_engine *e, void *addr, size_t len) {
+  if (!e || !addr || !len) return KVF_EINVAL;
+  int rc = regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len);
+  if (rc) LOG_WARN("engine", "register %p+%zu failed: %s", addr, len, kvf_strerror(rc));
+  return rc;
+}
+
+int kvf_engine_unregister(kvf_engine *e, void *addr) {
+  if (!e || !addr) return KVF_EINVAL;
+  return regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
+}
+
+void kvf_engine_sync(kvf_engine *e) {
+  if (e) atomic_fetch_add_explicit(&e->sync_point, 1, memory_order_acq_rel);
+}
+
+void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *o) {
+  engine_counters *c = (engine_counters *)&e->stats;
+  o->batches_sent = atomic_load(&c->batches_sent);
+  o->bytes_sent = atomic_load(&c->bytes_sent);
+  o->batches_failed = atomic_load(&c->batches_failed);
+  o->batches_received = atomic_load(&c->batches_received);
+  o->bytes_received = atomic_load(&c->bytes_received);
+  o->batches_refused = atomic_load(&c->batches_refused);
+  o->auth_refused = atomic_load(&c->auth_refused);
+  o->protocol_errors = atomic_load(&c->protocol_errors);
+  o->conns_refused = atomic_load(&c->conns_refused);
+}
+
+uint64_t write_block_bytes(const kvf_write *w) { return w->len * (w->count > 1 ? w->count : 1); }
+
+/* Every source piece must lie in locally registered memory, as Mooncake
+ * requires; it catches a caller's stale pointer before it reaches a peer. */
+static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *total) {
+  uint64_t sum = 0;
+  int rc = 0;
+  pthread_rwlock_rdlock(&e->regions.lock);
+  for (size_t i = 0; i < n; i++) {
+    uint64_t count = w[i].count > 1 ? w[i].count : 1, bytes;
+    if (__builtin_mul_overflow(w[i].len, count, &bytes) || __builtin_add_overflow(sum, bytes, &sum)) {
+      rc = KVF_EINVAL;
+      break;
+    }
+    if (w[i].len == 0) continue;
+    if (!regions_block_ok_locked(&e->regions, w[i].src, w[i].len, count, w[i].src_stride)) {
+      LOG_WARN("engine", "write %zu: source 0x%llx+%llu is not in registered memory", i,
+               (unsigned long long)w[i].src, (unsigned long long)bytes);
+      rc = KVF_ERANGE;
+      break;
+    }
+  }
+  pthread_rwlock_unlock(&e->regions.lock);
+  if (!rc) *total = sum;
+  return rc;
+}
+
+void chunk_free(chunk *c) {
+  if (!c) return;
+  free(c->writes);
+  free(c);
+}
+
+void chunk_release(chunk *c) {
+  if (c && atomic_fetch_sub(&c->refs, 1) == 1) chunk_free(c);
+}
+
+static chunk *chunk_new(kvf_batch *b, size_t cap) {
+  chunk *c = calloc(1, sizeof *c);
+  if (!c) return NULL;
+  c->writes = malloc((cap ? cap : 1) * sizeof *c->writes);
+  if (!c->writes) {
+    free(c);
+    return NULL;
+  }
+  c->batch = b;
+  atomic_init(&c->refs, 1);
+  return c;
+}
+
+int engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks,
+                       size_t max_desc, chunk ***out, size_t *nout) {
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; i++) total += write_block_bytes(&writes[i]);
+  /* Aim for `want` chunks of `target` bytes; a chunk also closes at max_desc. */
+  size_t want = total >= ENGINE_SPLIT_MIN_BYTES ? max_chunks : 1;
+  uint64_t target = (total + want - 1) / want;
+  if (target == 0) target = 1;
+  size_t nc = 0, cap = 0;
+  chunk **list = NULL, *cur = NULL;
+  int rc = 0;
+  for (size_t i = 0; i < n; i++) {
+    kvf_write w = writes[i];
+    if (w.len == 0) continue;
+    if (w.count == 0) w.count = 1;
+    while (w.count > 0) {
+      if (!cur || cur->n == max_desc || cur->bytes >= target) {
+        if (nc == cap) {
+          size_t ncap = cap ? cap * 2 : want + 1;
+          chunk **l = realloc(list, ncap * sizeof *l);
+          if (!l) {
+            rc = KVF_ENOMEM;
+            goto err_free;
+          }
+          list = l;
+          cap = ncap;
+        }
+        cur = chunk_new(b, max_desc < n ? max_desc : n);
+        if (!cur) {
+          rc = KVF_ENOMEM;
+          goto err_free;
+        }
+        list[nc++] = cur;
+      }
+      uint64_t room = target - cur->bytes;
+      int last = nc >= want; /* the last wanted chunk takes everything left */
+      kvf_write piece = w;
+      if (w.count == 1) {
+        if (!last && w.len > room) piece.len = room; /* cut a big block across connections */
+        w.src += piece.len;
+        w.dst += piece.len;
+        w.len -= piece.len;
+        if (w.len == 0) w.count = 0;
+      } else {
+        uint64_t pieces = last ? w.count : (room + w.len - 1) / w.len;
+        if (pieces > w.count) pieces = w.count;
+        piece.count = pieces;
+        w.src += pieces * w.src_stride;
+        w.dst += pieces * w.dst_stride;
+        w.count -= pieces;
+      }
+      cur->writes[cur->n++] = piece;
+      cur->bytes += write_block_bytes(&piece);
+    }
+  }
+  *out = list;
+  *nout = nc;
+  return 0;
+err_free:
+  for (size_t i = 0; i < nc; i++) chunk_free(list[i]);
+  free(list);
+  return rc;
+}
+
+void batch_chunk_done(kvf_batch *b, int status) {
+  pthread_mutex_lock(&b->mu);
+  if (status && !b->status) b->status = status;
+  if (--b->pending == 0) {
+    if (!b->counted) {
+      b->counted = 1;
+      engine_counters *c = &b->engine->stats;
+      if (b->status) {
+        atomic_fetch_add(&c->batches_failed, 1);
+      } else {
+        atomic_fetch_add(&c->batches_sent, 1);
+        atomic_fetch_add(&c->bytes_sent, b->bytes);
+      }
+    }
+    pthread_cond_broadcast(&b->cv);
+  }
+  pthread_mutex_unlock(&b->mu);
+}
+
+int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                      kvf_batch **out) {
+  if (!e || !session || !out || (n && !writes)) return KVF_EINVAL;
+  char host[256];
+  uint16_t port;
+  if (engine_parse_session(session, host, sizeof host, &port)) {
+    LOG_WARN("engine", "malformed session id '%.64s' (want host:port)", session);
+    return KVF_EINVAL;
+  }
+  uint64_t total = 0;
+  int rc = check_writes(e, writes, n, &total);
+  if (rc) return rc;
+
+  kvf_batch *b = calloc(1, sizeof *b);
+  if (!b) return KVF_ENOMEM;
+  pthread_mutex_init(&b->mu, NULL);
+  clock_cond_init(&b->cv);
+  b->engine = e;
+  b->bytes = total;
+  b->deadline_ns = clock_deadline_ms(e->cfg.timeout_ms);
+
+  chunk **chunks = NULL;
+  size_t nchunks = 0;
+  rc = engine_make_chunks(b, writes, n, (size_t)e->cfg.conns_per_peer, ENGINE_MAX_DESC_PER_CHUNK,
+                          &chunks, &nchunks);
+  if (rc) goto err_batch;
+  if (nchunks == 0) { /* nothing to move: done at once, as Mooncake does */
+    free(chunks);
+    *out = b;
+    return 0;
+  }
+  b->pending = (int)nchunks;
+  rc = e->ops->submit(e, session, chunks, nchunks);
+  if (rc) {
+    for (size_t i = 0; i < nchunks; i++) chunk_free(chunks[i]);
+    free(chunks);
+    atomic_fetch_add(&e->stats.batches_failed, 1);
+    goto err_batch;
+  }
+  free(chunks);
+  *out = b;
+  return 0;
+
+err_batch:
+  pthread_cond_destroy(&b->cv);
+  pthread_mutex_destroy(&b->mu);
+  free(b);
+  return rc;
+}
+
+int kvf_batch_poll(kvf_batch *b) {
+  if (!b) return KVF_EINVAL;
+  pthread_mutex_lock(&b->mu);
+  int r = b->pending ? 0 : (b->status ? b->status : 1);
+  pthread_mutex_unlock(&b->mu);
+  return r;
+}
+
+int kvf_batch_wait(kvf_batch *b, int timeout_ms) {
+  if (!b) return KVF_EINVAL;
+  /* The transport fails chunks at the batch deadline; the extra second only
+   * guards against a transport bug turning into a hang. */
+  int64_t until = timeout_ms < 0 ? b->deadline_ns + 1000000000LL : clock_deadline_ms(timeout_ms);
+  pthread_mutex_lock(&b->mu);
+  while (b->pending) {
+    struct timespec ts = clock_ts_from_ns(until);
+    if (pthread_cond_timedwait(&b->cv, &b->mu, &ts) == ETIMEDOUT && b->pending) break;
+  }
+  int r = b->pending ? KVF_ETIMEDOUT : b->status;
+  pthread_mutex_unlock(&b->mu);
+  return r;
+}
+
+void kvf_batch_free(kvf_batch *b) {
+  if (!b) return;
+  /* Chunks point at the batch, so it may only go once all have reported. */
+  pthread_mutex_lock(&b->mu);
+  while (b->pending) pthread_cond_wait(&b->cv, &b->mu);
+  pthread_mutex_unlock(&b->mu);
+  pthread_cond_destroy(&b->cv);
+  pthread_mutex_destroy(&b->mu);
+  free(b);
+}
+
+int kvf_engine_write(kvf_engine *e, const char *session, const kvf_write *writes, size_t n) {
+  kvf_batch *b = NULL;
+  int rc = kvf_engine_submit(e, session, writes, n, &b);
+  if (rc) return rc;
+  rc = kvf_batch_wait(b, -1);
+  kvf_batch_free(b);
+  return rc;
+}

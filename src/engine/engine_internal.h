@@ -1,0 +1,110 @@
+/* Internal shape of the transfer engine: the engine object, registered
+ * regions, batches split into per-connection chunks, and the table of
+ * transport operations that a transport (tcp today; cma, ucx later) fills.
+ * The public functions in engine.c are transport-neutral; everything that
+ * touches a socket lives in the transport. */
+#ifndef KVF_ENGINE_INTERNAL_H
+#define KVF_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "base/map.h"
+#include "kvferry/engine.h"
+
+/* ---- registered memory (regions.c) ---- */
+typedef struct region {
+  uint64_t base;
+  uint64_t len;
+} region;
+
+typedef struct region_table {
+  pthread_rwlock_t lock; /* writer-preferring: unregister is not starved */
+  region *items;         /* sorted by base, non-overlapping */
+  size_t n, cap;
+} region_table;
+
+int regions_init(region_table *t);
+void regions_destroy(region_table *t);
+int regions_add(region_table *t, uint64_t base, uint64_t len);
+int regions_remove(region_table *t, uint64_t base);
+/* With the read lock held by the caller: is [addr, addr+len) inside one region? */
+int regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len);
+/* Is every piece of a (possibly strided) block inside registered memory?
+ * `dst` selects the destination side of the block. Caller holds the read lock. */
+int regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
+                            uint64_t stride);
+
+/* ---- batches ---- */
+typedef struct kvf_batch {
+  struct kvf_engine *engine;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int pending;      /* chunks not yet acknowledged or failed */
+  int status;       /* first error, or 0 */
+  int64_t deadline_ns;
+  uint64_t bytes;
+  int counted;      /* stats recorded once */
+} kvf_batch;
+
+/* A contiguous part of a batch sent on one connection. Descriptors are owned
+ * by the chunk. */
+typedef struct chunk {
+  struct chunk *next;
+  atomic_int refs; /* the transport may hold one while it sends */
+  kvf_batch *batch;
+  kvf_write *writes;
+  size_t n;
+  uint64_t bytes;
+  uint64_t seq;
+} chunk;
+
+void batch_chunk_done(kvf_batch *b, int status);
+uint64_t write_block_bytes(const kvf_write *w);
+
+/* ---- transports ---- */
+typedef struct transport_ops {
+  const char *name;
+  int (*start)(struct kvf_engine *e);
+  void (*stop)(struct kvf_engine *e);
+  /* Queue the chunks of one batch to `session`; each chunk later reports
+   * through batch_chunk_done. On error nothing was queued. */
+  int (*submit)(struct kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
+} transport_ops;
+
+extern const transport_ops tcp_transport_ops;
+
+typedef struct engine_counters {
+  atomic_ullong batches_sent, bytes_sent, batches_failed;
+  atomic_ullong batches_received, bytes_received, batches_refused;
+  atomic_ullong auth_refused, protocol_errors, conns_refused;
+} engine_counters;
+
+typedef struct kvf_engine {
+  kvf_engine_config cfg;
+  char host[256];
+  char auth_token[256];
+  uint16_t port;
+  char session_id[300];
+  region_table regions;
+  engine_counters stats;
+  atomic_ullong sync_point; /* see kvf_engine_sync */
+  const transport_ops *ops;
+  void *transport; /* transport-private state */
+} kvf_engine;
+
+/* Parse "host:port" (host may be "[v6addr]"). host_out gets the bare host.
+ * KVF_EINVAL for anything else. */
+int engine_parse_session(const char *session, char *host_out, size_t host_cap, uint16_t *port_out);
+
+/* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
+ * each with at most `max_desc` descriptors; a single large block may be cut
+ * into pieces. Chunks are allocated and linked to `b`. */
+int engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks,
+                       size_t max_desc, chunk ***out, size_t *nout);
+void chunk_free(chunk *c);
+/* Drop one reference; frees at zero. */
+void chunk_release(chunk *c);
+
+#endif

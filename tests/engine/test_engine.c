@@ -1,0 +1,401 @@
+/* Transfer engine tests. Peers are real processes (`kvferry engine-peer`,
+ * found through KVFERRY_CLI) over 127.0.0.1, except where two engines in one
+ * process are enough to show the behaviour. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "cli/pattern.h"
+#include "cli/peer.h"
+#include "engine/engine_internal.h"
+#include "kvferry.h"
+
+#define PAGE 4096u
+#define PEER_BYTES (16u << 20)
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+typedef struct fixture {
+  engine_peer peer;
+  kvf_engine *e;
+  unsigned char *pool;
+  size_t pool_bytes;
+} fixture;
+
+static kvf_engine *make_engine(int timeout_ms, const char *token) {
+  kvf_engine_config cfg;
+  kvf_engine_config_init(&cfg);
+  cfg.timeout_ms = timeout_ms;
+  cfg.auth_token = token ? token : "";
+  kvf_engine *e = NULL;
+  assert_int_equal(kvf_engine_create(&cfg, &e), 0);
+  return e;
+}
+
+static int setup(void **state) {
+  fixture *f = calloc(1, sizeof *f);
+  if (engine_peer_start(&f->peer, PEER_BYTES, NULL)) return -1;
+  f->pool_bytes = 64u << 20;
+  f->pool = mmap(NULL, f->pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  f->e = make_engine(2000, NULL);
+  assert_int_equal(kvf_engine_register(f->e, f->pool, f->pool_bytes), 0);
+  *state = f;
+  return 0;
+}
+
+static int teardown(void **state) {
+  fixture *f = *state;
+  kvf_engine_destroy(f->e);
+  engine_peer_stop(&f->peer);
+  munmap(f->pool, f->pool_bytes);
+  free(f);
+  return 0;
+}
+
+static void ask(fixture *f, const char *cmd, char *reply, size_t cap) {
+  assert_int_equal(proc_ask(&f->peer.p, cmd, reply, cap, 20000), 0);
+}
+
+/* Scattered pages: a random source page set into a random destination set,
+ * one block per page, then the peer checks every page's pattern. */
+static void scattered_pages_land_byte_exact(void **state) {
+  fixture *f = *state;
+  enum { N = 1000 };
+  uint64_t npages = PEER_BYTES / PAGE, rng = 42;
+  static kvf_write w[N];
+  static char line[N * 24 + 64];
+  uint8_t *used = calloc(npages, 1);
+  int off = snprintf(line, sizeof line, "verify 7 %u ", PAGE);
+  for (int i = 0; i < N; i++) {
+    uint64_t d;
+    do {
+      rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+      d = (rng >> 33) % npages;
+    } while (used[d]);
+    used[d] = 1;
+    uint64_t s = (uint64_t)(N - 1 - i) * 3; /* scattered source pages */
+    pattern_fill(f->pool + s * PAGE, PAGE, 7, 1000 + d);
+    w[i] = (kvf_write){.src = (uint64_t)(uintptr_t)(f->pool + s * PAGE), .dst = f->peer.base + d * PAGE,
+                       .len = PAGE};
+    off += snprintf(line + off, sizeof line - (size_t)off, "%s%llu:%llu", i ? "," : "",
+                    (unsigned long long)d, (unsigned long long)(1000 + d));
+  }
+  assert_int_equal(kvf_engine_write(f->e, f->peer.session, w, N), 0);
+  char reply[64];
+  ask(f, line, reply, sizeof reply);
+  assert_string_equal(reply, "ok 1000");
+  free(used);
+  kvf_engine_stats st;
+  kvf_engine_get_stats(f->e, &st);
+  assert_int_equal(st.batches_sent, 1);
+  assert_int_equal(st.bytes_sent, (uint64_t)N * PAGE);
+}
+
+/* Large blocks are cut across connections; the bytes must still line up. */
+static void large_block_split_across_connections(void **state) {
+  fixture *f = *state;
+  size_t len = 8u << 20;
+  for (size_t p = 0; p < len / PAGE; p++) pattern_fill(f->pool + p * PAGE, PAGE, 9, p);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base + PAGE, .len = len};
+  assert_int_equal(kvf_engine_write(f->e, f->peer.session, &w, 1), 0);
+  char cmd[64 + 2048 * 16], reply[64];
+  int off = snprintf(cmd, sizeof cmd, "verify 9 %u ", PAGE);
+  for (size_t p = 0; p < len / PAGE; p++)
+    off += snprintf(cmd + off, sizeof cmd - (size_t)off, "%s%zu:%zu", p ? "," : "", p + 1, p);
+  ask(f, cmd, reply, sizeof reply);
+  assert_string_equal(reply, "ok 2048");
+}
+
+static void outside_registered_memory_refused_untouched(void **state) {
+  fixture *f = *state;
+  char reply[64];
+  ask(f, "fill 0", reply, sizeof reply);
+  memset(f->pool, 0xab, 3 * PAGE);
+  kvf_write w[3] = {
+      {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base, .len = PAGE},
+      {.src = (uint64_t)(uintptr_t)f->pool + PAGE, .dst = f->peer.base + 2 * PAGE, .len = PAGE},
+      /* Straddles the end of the peer's region by one byte. */
+      {.src = (uint64_t)(uintptr_t)f->pool + 2 * PAGE, .dst = f->peer.base + PEER_BYTES - PAGE + 1, .len = PAGE},
+  };
+  assert_int_equal(kvf_engine_write(f->e, f->peer.session, w, 3), KVF_ERANGE);
+  ask(f, "untouched 0", reply, sizeof reply);
+  assert_string_equal(reply, "ok");
+  ask(f, "stats", reply, sizeof reply);
+  assert_string_equal(reply, "stats 0 1 0");
+  /* The connection stays usable after a refusal. */
+  assert_int_equal(kvf_engine_write(f->e, f->peer.session, w, 2), 0);
+  ask(f, "stats", reply, sizeof reply);
+  assert_string_equal(reply, "stats 1 1 0");
+}
+
+static void unregistered_source_rejected_locally(void **state) {
+  fixture *f = *state;
+  static unsigned char stray[PAGE];
+  kvf_write w = {.src = (uint64_t)(uintptr_t)stray, .dst = f->peer.base, .len = PAGE};
+  assert_int_equal(kvf_engine_write(f->e, f->peer.session, &w, 1), KVF_ERANGE);
+}
+
+static void malformed_session_ids(void **state) {
+  fixture *f = *state;
+  kvf_write w = {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base, .len = 8};
+  const char *bad[] = {"", "host", ":80", "host:", "host:0", "host:65536", "host:12a", "::1:80",
+                       "host:+80", "host: 80", "[::1:80", "a b:80", "host:123456"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    assert_int_equal(kvf_engine_write(f->e, bad[i], &w, 1), KVF_EINVAL);
+  assert_int_equal(kvf_engine_write(f->e, NULL, &w, 1), KVF_EINVAL);
+  char host[64];
+  uint16_t port;
+  assert_int_equal(engine_parse_session("[::1]:8080", host, sizeof host, &port), 0);
+  assert_string_equal(host, "::1");
+  assert_int_equal(port, 8080);
+}
+
+static void async_submit_poll_wait(void **state) {
+  fixture *f = *state;
+  pattern_fill(f->pool, PAGE, 3, 5);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base + 5 * PAGE, .len = PAGE};
+  kvf_batch *b = NULL;
+  assert_int_equal(kvf_engine_submit(f->e, f->peer.session, &w, 1, &b), 0);
+  int r = 0;
+  for (int i = 0; i < 2000 && (r = kvf_batch_poll(b)) == 0; i++) usleep(1000);
+  assert_int_equal(r, 1);
+  assert_int_equal(kvf_batch_wait(b, 0), 0);
+  kvf_batch_free(b);
+  char reply[64];
+  ask(f, "verify 3 4096 5:5", reply, sizeof reply);
+  assert_string_equal(reply, "ok 1");
+  /* An empty batch completes at once. */
+  assert_int_equal(kvf_engine_submit(f->e, f->peer.session, &w, 0, &b), 0);
+  assert_int_equal(kvf_batch_poll(b), 1);
+  kvf_batch_free(b);
+}
+
+static void connection_refused_fails_fast(void **state) {
+  fixture *f = *state;
+  kvf_engine *other = make_engine(2000, NULL);
+  char dead[64];
+  snprintf(dead, sizeof dead, "127.0.0.1:%u", kvf_engine_port(other));
+  kvf_engine_destroy(other); /* nobody listens there now */
+  kvf_write w = {.src = (uint64_t)(uintptr_t)f->pool, .dst = 4096, .len = 8};
+  double t0 = now_s();
+  assert_int_equal(kvf_engine_write(f->e, dead, &w, 1), KVF_ECONNREFUSED);
+  assert_true(now_s() - t0 < 1.0);
+}
+
+typedef struct writer_arg {
+  fixture *f;
+  int id;
+  int rc;
+} writer_arg;
+
+static void *writer_main(void *p) {
+  writer_arg *a = p;
+  fixture *f = a->f;
+  enum { PER = 64, ROUNDS = 20 };
+  kvf_write w[PER];
+  for (int r = 0; r < ROUNDS && !a->rc; r++) {
+    for (int i = 0; i < PER; i++) {
+      uint64_t page = (uint64_t)a->id * PER + i; /* disjoint destinations per thread */
+      unsigned char *src = f->pool + ((uint64_t)a->id * PER + i) * PAGE;
+      pattern_fill(src, PAGE, 100 + (uint64_t)r, page);
+      w[i] = (kvf_write){.src = (uint64_t)(uintptr_t)src, .dst = f->peer.base + page * PAGE, .len = PAGE};
+    }
+    a->rc = kvf_engine_write(f->e, f->peer.session, w, PER);
+  }
+  return NULL;
+}
+
+static void four_threads_write_concurrently(void **state) {
+  fixture *f = *state;
+  pthread_t t[4];
+  writer_arg a[4];
+  for (int i = 0; i < 4; i++) {
+    a[i] = (writer_arg){f, i, 0};
+    pthread_create(&t[i], NULL, writer_main, &a[i]);
+  }
+  for (int i = 0; i < 4; i++) pthread_join(t[i], NULL);
+  for (int i = 0; i < 4; i++) assert_int_equal(a[i].rc, 0);
+  char cmd[8192], reply[64];
+  int off = snprintf(cmd, sizeof cmd, "verify 119 %u ", PAGE); /* last round: seed 100 + 19 */
+  for (int p = 0; p < 256; p++) off += snprintf(cmd + off, sizeof cmd - (size_t)off, "%s%d:%d", p ? "," : "", p, p);
+  ask(f, cmd, reply, sizeof reply);
+  assert_string_equal(reply, "ok 256");
+}
+
+static void killed_peer_fails_batch_quickly(void **state) {
+  fixture *f = *state;
+  /* A batch big enough to still be in flight when the peer dies. */
+  kvf_write w[64];
+  for (int i = 0; i < 64; i++)
+    w[i] = (kvf_write){.src = (uint64_t)(uintptr_t)f->pool + (uint64_t)i * (1u << 20),
+                       .dst = f->peer.base + (uint64_t)(i % 16) * (1u << 20), .len = 1u << 20};
+  kvf_batch *b[8];
+  for (int i = 0; i < 8; i++) assert_int_equal(kvf_engine_submit(f->e, f->peer.session, w, 64, &b[i]), 0);
+  double t0 = now_s();
+  kill(f->peer.p.pid, SIGKILL);
+  int failed = 0;
+  for (int i = 0; i < 8; i++) {
+    int rc = kvf_batch_wait(b[i], -1);
+    if (rc) {
+      failed++;
+      assert_true(rc == KVF_ECLOSED || rc == KVF_ETIMEDOUT);
+    }
+    kvf_batch_free(b[i]);
+  }
+  assert_true(failed >= 1);
+  assert_true(now_s() - t0 < 1.5); /* well inside the 2 s deadline */
+  /* A new write to the dead session fails cleanly, not with a hang. */
+  assert_int_not_equal(kvf_engine_write(f->e, f->peer.session, w, 1), 0);
+}
+
+static void stopped_peer_fails_at_deadline(void **state) {
+  fixture *f = *state;
+  kvf_write w = {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base, .len = 4u << 20};
+  assert_int_equal(kvf_engine_write(f->e, f->peer.session, &w, 1), 0); /* connections up */
+  kill(f->peer.p.pid, SIGSTOP);
+  double t0 = now_s();
+  kvf_write big = {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base, .len = 16u << 20};
+  int rc = kvf_engine_write(f->e, f->peer.session, &big, 1);
+  double dt = now_s() - t0;
+  kill(f->peer.p.pid, SIGCONT);
+  assert_int_equal(rc, KVF_ETIMEDOUT);
+  assert_true(dt >= 1.8 && dt < 4.0); /* deadline is 2 s */
+  /* A fresh connection to a stopped peer also ends at the deadline. */
+  kill(f->peer.p.pid, SIGSTOP);
+  kvf_engine *fresh = make_engine(1000, NULL);
+  unsigned char *src = f->pool;
+  assert_int_equal(kvf_engine_register(fresh, src, PAGE), 0);
+  kvf_write one = {.src = (uint64_t)(uintptr_t)src, .dst = f->peer.base, .len = PAGE};
+  t0 = now_s();
+  rc = kvf_engine_write(fresh, f->peer.session, &one, 1);
+  dt = now_s() - t0;
+  kill(f->peer.p.pid, SIGCONT);
+  assert_int_equal(rc, KVF_ETIMEDOUT);
+  assert_true(dt >= 0.9 && dt < 3.0);
+  kvf_engine_destroy(fresh);
+}
+
+static void auth_token_required(void **state) {
+  engine_peer peer;
+  assert_int_equal(engine_peer_start(&peer, 1u << 20, "s3cret"), 0);
+  static unsigned char src[PAGE];
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
+  const char *tokens[] = {NULL, "wrong", "s3cre", "s3cret"};
+  int want[] = {KVF_EACCES, KVF_EACCES, KVF_EACCES, 0};
+  for (int i = 0; i < 4; i++) {
+    kvf_engine *e = make_engine(2000, tokens[i]);
+    assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+    assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), want[i]);
+    kvf_engine_destroy(e);
+  }
+  char reply[64];
+  assert_int_equal(proc_ask(&peer.p, "stats", reply, sizeof reply, 5000), 0);
+  assert_string_equal(reply, "stats 1 0 3");
+  engine_peer_stop(&peer);
+}
+
+/* In-process: registration rules and unregister while idle. */
+static void register_unregister_rules(void **state) {
+  kvf_engine *target = make_engine(2000, NULL), *writer = make_engine(2000, NULL);
+  unsigned char *buf = calloc(4, PAGE), *src = calloc(1, PAGE);
+  assert_int_equal(kvf_engine_register(target, buf, 4 * PAGE), 0);
+  assert_int_equal(kvf_engine_register(target, buf + PAGE, PAGE), KVF_EEXIST);
+  assert_int_equal(kvf_engine_register(target, buf, 0), KVF_EINVAL);
+  assert_int_equal(kvf_engine_register(writer, src, PAGE), 0);
+  memset(src, 0x11, PAGE);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)buf + PAGE, .len = PAGE};
+  const char *sid = kvf_engine_session_id(target);
+  assert_int_equal(kvf_engine_write(writer, sid, &w, 1), 0);
+  kvf_engine_sync(target);
+  assert_int_equal(buf[PAGE], 0x11);
+  assert_int_equal(kvf_engine_unregister(target, buf + PAGE), KVF_ENOTFOUND);
+  assert_int_equal(kvf_engine_unregister(target, buf), 0);
+  memset(src, 0x22, PAGE);
+  assert_int_equal(kvf_engine_write(writer, sid, &w, 1), KVF_ERANGE);
+  kvf_engine_sync(target);
+  assert_int_equal(buf[PAGE], 0x11);
+  /* Strided block: 4 pieces of 16 bytes every 64 source / 128 destination bytes. */
+  assert_int_equal(kvf_engine_register(target, buf, 4 * PAGE), 0);
+  memset(buf, 0, 4 * PAGE);
+  kvf_engine_sync(target);
+  for (unsigned i = 0; i < PAGE; i++) src[i] = (unsigned char)i;
+  kvf_write s = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)buf, .len = 16, .count = 4,
+                 .src_stride = 64, .dst_stride = 128};
+  assert_int_equal(kvf_engine_write(writer, sid, &s, 1), 0);
+  kvf_engine_sync(target);
+  for (int i = 0; i < 4; i++) {
+    assert_memory_equal(buf + i * 128, src + i * 64, 16);
+    assert_int_equal(buf[i * 128 + 16], 0);
+  }
+  kvf_engine_destroy(writer);
+  kvf_engine_destroy(target);
+  free(buf);
+  free(src);
+}
+
+/* Chunking keeps every byte exactly once and in order. */
+static void chunking_covers_every_byte(void **state) {
+  kvf_batch b = {0};
+  kvf_write w[3] = {{.src = 0, .dst = 1000000, .len = 3u << 20},
+                    {.src = 1u << 24, .dst = 1u << 25, .len = 100, .count = 5000, .src_stride = 200, .dst_stride = 300},
+                    {.src = 7, .dst = 9, .len = 0}};
+  chunk **c = NULL;
+  size_t n = 0;
+  assert_int_equal(engine_make_chunks(&b, w, 3, 2, 4096, &c, &n), 0);
+  assert_true(n >= 2);
+  uint64_t total = 0, next_dst = 1000000, pieces = 0;
+  for (size_t i = 0; i < n; i++) {
+    for (size_t k = 0; k < c[i]->n; k++) {
+      kvf_write *p = &c[i]->writes[k];
+      if (p->count <= 1 && p->dst < (1u << 25)) {
+        assert_int_equal(p->dst, next_dst);
+        assert_int_equal(p->src, next_dst - 1000000);
+        next_dst += p->len;
+      } else {
+        assert_int_equal(p->dst, (1u << 25) + pieces * 300);
+        assert_int_equal(p->src, (1u << 24) + pieces * 200);
+        pieces += p->count;
+      }
+      total += write_block_bytes(p);
+    }
+    chunk_free(c[i]);
+  }
+  free(c);
+  assert_int_equal(next_dst, 1000000 + (3u << 20));
+  assert_int_equal(pieces, 5000);
+  assert_int_equal(total, (3u << 20) + 500000);
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(scattered_pages_land_byte_exact, setup, teardown),
+      cmocka_unit_test_setup_teardown(large_block_split_across_connections, setup, teardown),
+      cmocka_unit_test_setup_teardown(outside_registered_memory_refused_untouched, setup, teardown),
+      cmocka_unit_test_setup_teardown(unregistered_source_rejected_locally, setup, teardown),
+      cmocka_unit_test_setup_teardown(malformed_session_ids, setup, teardown),
+      cmocka_unit_test_setup_teardown(async_submit_poll_wait, setup, teardown),
+      cmocka_unit_test_setup_teardown(connection_refused_fails_fast, setup, teardown),
+      cmocka_unit_test_setup_teardown(four_threads_write_concurrently, setup, teardown),
+      cmocka_unit_test_setup_teardown(killed_peer_fails_batch_quickly, setup, teardown),
+      cmocka_unit_test_setup_teardown(stopped_peer_fails_at_deadline, setup, teardown),
+      cmocka_unit_test(auth_token_required),
+      cmocka_unit_test(register_unregister_rules),
+      cmocka_unit_test(chunking_covers_every_byte),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
