@@ -44,7 +44,7 @@ tsan: deps
 FUZZ_SECONDS ?= 20
 fuzz: deps
 	cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang -DKVF_FUZZ=ON -DKVF_TESTS=OFF
-	cmake --build build-fuzz -j $(JOBS)
+	cmake --build build-fuzz -j $(JOBS) --target $$(cd tests/fuzz && ls fuzz_*.c | sed 's/\.c$$//' | tr '\n' ' ')
 	scripts/run-fuzzers.sh build-fuzz $(FUZZ_SECONDS)
 
 bench: build

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Runs every libFuzzer target in BUILD_DIR for SECONDS each, starting from its
+# Runs every libFuzzer target in BUILD_DIR/fuzz/ for SECONDS each, starting from its
 # kept corpus (tests/fuzz/corpus/<name>/, regression inputs included). New
 # corpus entries go to a scratch folder so the tree stays clean.
 set -euo pipefail
-build=${1:-build-fuzz}
+build=$(cd "${1:-build-fuzz}" && pwd)
 seconds=${2:-20}
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
-for bin in "$build"/fuzz_*; do
+for bin in "$build"/fuzz/fuzz_*; do
   [ -x "$bin" ] || continue
   name=$(basename "$bin")
   corpus="$root/tests/fuzz/corpus/$name"

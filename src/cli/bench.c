@@ -25,6 +25,8 @@
 
 typedef struct bench_opts {
   int json;
+  uint64_t block;    /* --block: one extra case with this block size */
+  int per_batch;
   uint64_t bytes;    /* per case */
   int inflight;      /* batches in flight */
 } bench_opts;
@@ -161,6 +163,12 @@ static int bench_engine(const bench_opts *o) {
     double gbps;
   } cases[] = {{"engine_1MiB_blocks", 1 << 20, 16, 0}, {"engine_256x32KiB_scattered", 32 << 10, 256, 0}};
   size_t nc = sizeof cases / sizeof cases[0];
+  if (o->block) { /* a single custom case replaces the standard ones */
+    cases[0].name = "engine_custom";
+    cases[0].block = o->block;
+    cases[0].per_batch = (size_t)o->per_batch;
+    nc = 1;
+  }
   for (size_t i = 0; i < nc && !failed; i++)
     cases[i].gbps = bench_engine_case(e, &peer, pool, pool_bytes, cases[i].block, cases[i].per_batch,
                                       o->inflight, o->bytes, &failed);
@@ -191,20 +199,31 @@ out:
 }
 
 static void usage(void) {
-  printf("usage: kvferry bench [engine] [--json] [--bytes 2G] [--inflight 4]\n");
+  printf("usage: kvferry bench [engine] [--json] [--bytes 2G] [--inflight 4]\n"
+         "                     [--block SIZE --per-batch N]   (one custom engine case)\n");
 }
 
 int cli_bench(int argc, char **argv) {
-  bench_opts o = {.json = 0, .bytes = 2ull << 30, .inflight = 4};
+  bench_opts o = {.json = 0, .bytes = 2ull << 30, .inflight = 4, .block = 0, .per_batch = 16};
   static const struct option opts[] = {{"json", no_argument, 0, 'j'},
                                        {"bytes", required_argument, 0, 'b'},
                                        {"inflight", required_argument, 0, 'i'},
+                                       {"block", required_argument, 0, 'B'},
+                                       {"per-batch", required_argument, 0, 'P'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
   unsigned long long v;
-  while ((c = getopt_long(argc, argv, "jb:i:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "jb:i:B:P:h", opts, NULL)) != -1) {
     switch (c) {
+      case 'B':
+        if (cli_parse_size(optarg, &v) || v == 0 || v > (64u << 20)) return usage(), 2;
+        o.block = v;
+        break;
+      case 'P':
+        o.per_batch = atoi(optarg);
+        if (o.per_batch < 1 || o.per_batch > 4096) return usage(), 2;
+        break;
       case 'j': o.json = 1; break;
       case 'b':
         if (cli_parse_size(optarg, &v) || v < (1 << 20)) return usage(), 2;
