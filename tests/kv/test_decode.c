@@ -1,0 +1,499 @@
+/* Tests of the decode manager with real parts on 127.0.0.1: a real bootstrap
+ * server, a fake prefill rank registered with the project's client whose
+ * control socket is a raw ZMQ PULL socket owned by the test, and a raw PUSH
+ * socket that plays the prefill's M3s. Covers M1/M2 contents, the pool cache,
+ * Success/Failed M3s, malformed and unknown-room M3s, the waiting timeout,
+ * lookup failures, the heartbeat's node-failure handling and a bounded churn.
+ * Every wait is bounded in time. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "base/clock.h"
+#include "bootstrap/bootstrap.h"
+#include "kv/manager.h"
+#include "kvferry.h"
+#include "wire/messages.h"
+#include "wire/route_json.h"
+
+#define NPAGES 16
+#define ITEM 64
+
+typedef struct fixture {
+  kvf_bootstrap_server *srv;
+  char addr[64];
+  void *zctx;
+  void *pull; /* the fake prefill rank's control socket */
+  uint16_t pull_port;
+  void *push; /* plays the prefill's M3s to the decode */
+  kvf_manager *m;
+  uint8_t *kbuf, *vbuf;
+} fixture;
+
+static double secs_since(int64_t t0) { return (double)(clock_now_ns() - t0) / 1e9; }
+
+static uint16_t free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  socklen_t l = sizeof a;
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &l), 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+static kvf_bootstrap_server *start_server(void) {
+  kvf_bootstrap_server_config cfg;
+  kvf_bootstrap_server_config_init(&cfg);
+  cfg.host = "127.0.0.1";
+  cfg.port = 0;
+  cfg.auth_token = "";
+  kvf_bootstrap_server *srv = NULL;
+  assert_int_equal(kvf_bootstrap_server_start(&cfg, &srv), 0);
+  return srv;
+}
+
+/* Register prefill rank `rank` of a (world, dp) instance at our raw PULL socket. */
+static void register_rank(fixture *f, int world, int dp, int rank) {
+  bootstrap_client_opts o = {.token = "", .connect_timeout_ms = 1000, .timeout_ms = 3000};
+  bootstrap_client *c = NULL;
+  assert_int_equal(bootstrap_client_create(f->addr, &o, &c), 0);
+  route_reg r;
+  memset(&r, 0, sizeof r);
+  strcpy(r.role, "Prefill");
+  r.world_size = world;
+  r.dp_size = dp;
+  r.engine_rank = rank;
+  strcpy(r.rank_ip, "127.0.0.1");
+  r.rank_port = f->pull_port;
+  assert_int_equal(bootstrap_client_put_route(c, &r, 3000), 0);
+  bootstrap_client_destroy(c);
+}
+
+static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) {
+  f->kbuf = calloc(NPAGES, ITEM);
+  f->vbuf = calloc(NPAGES, ITEM);
+  void *ptrs[2] = {f->kbuf, f->vbuf};
+  uint64_t lens[2] = {NPAGES * ITEM, NPAGES * ITEM}, items[2] = {ITEM, ITEM};
+  kvf_kv_buffers b = {.n_kv = 2, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  cfg.role = KVF_ROLE_DECODE;
+  cfg.engine_cfg.auth_token = "";
+  cfg.waiting_timeout_s = waiting_s;
+  cfg.heartbeat_interval_s = hb_s;
+  cfg.heartbeat_max_failures = hb_max;
+  cfg.http_timeout_ms = 2000;
+  assert_int_equal(kvf_manager_create(&cfg, &b, &f->m), 0);
+  char ep[64];
+  snprintf(ep, sizeof ep, "tcp://127.0.0.1:%u", (unsigned)f->m->rank_port);
+  f->push = zmq_socket(f->zctx, ZMQ_PUSH);
+  int linger = 0;
+  zmq_setsockopt(f->push, ZMQ_LINGER, &linger, sizeof linger);
+  assert_int_equal(zmq_connect(f->push, ep), 0);
+}
+
+static fixture *setup_full(int world, int dp, double waiting_s, double hb_s, int hb_max) {
+  fixture *f = calloc(1, sizeof *f);
+  f->srv = start_server();
+  snprintf(f->addr, sizeof f->addr, "127.0.0.1:%u", (unsigned)kvf_bootstrap_server_port(f->srv));
+  f->zctx = zmq_ctx_new();
+  f->pull = zmq_socket(f->zctx, ZMQ_PULL);
+  int linger = 0, tmo = 3000;
+  zmq_setsockopt(f->pull, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(f->pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+  assert_int_equal(zmq_bind(f->pull, "tcp://127.0.0.1:*"), 0);
+  char last[128];
+  size_t len = sizeof last;
+  assert_int_equal(zmq_getsockopt(f->pull, ZMQ_LAST_ENDPOINT, last, &len), 0);
+  f->pull_port = (uint16_t)atoi(strrchr(last, ':') + 1);
+  register_rank(f, world, dp, 0);
+  make_manager(f, waiting_s, hb_s, hb_max);
+  return f;
+}
+
+static fixture *setup_default(void) { return setup_full(1, 1, 300, 5, 2); }
+
+static void teardown(fixture *f) {
+  kvf_manager_destroy(f->m);
+  zmq_close(f->push);
+  zmq_close(f->pull);
+  zmq_ctx_term(f->zctx);
+  if (f->srv) kvf_bootstrap_server_stop(f->srv);
+  free(f->kbuf);
+  free(f->vbuf);
+  free(f);
+}
+
+/* One multipart message from the fake prefill's socket (<= 16 frames). */
+typedef struct raw_msg {
+  zmq_msg_t parts[16];
+  wire_frame frames[16];
+  size_t n;
+} raw_msg;
+
+static int recv_raw(void *sock, raw_msg *r) {
+  r->n = 0;
+  int more = 1;
+  while (more && r->n < 16) {
+    zmq_msg_init(&r->parts[r->n]);
+    if (zmq_msg_recv(&r->parts[r->n], sock, 0) < 0) {
+      zmq_msg_close(&r->parts[r->n]);
+      return -1;
+    }
+    more = zmq_msg_more(&r->parts[r->n]);
+    r->frames[r->n] = (wire_frame){zmq_msg_data(&r->parts[r->n]), zmq_msg_size(&r->parts[r->n])};
+    r->n++;
+  }
+  return 0;
+}
+
+static void raw_free(raw_msg *r) {
+  for (size_t i = 0; i < r->n; i++) zmq_msg_close(&r->parts[i]);
+  r->n = 0;
+}
+
+static void send_frames(void *sock, const char *const *frames, const size_t *lens, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    assert_true(zmq_send(sock, frames[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
+}
+
+static void send_m3(fixture *f, int64_t room, int status, int rank, int64_t token, const int32_t *cands,
+                    size_t ncand) {
+  wire_m3 m3 = {.room = room, .status = status, .prefill_rank = rank, .bootstrap_token = token,
+                .candidates = wire_array_of(cands, ncand)};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  for (size_t i = 0; i < msg.nframes; i++)
+    assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes ? ZMQ_SNDMORE : 0) >=
+                0);
+  wire_msg_free(&msg);
+}
+
+/* Poll until a final status or `limit_s` seconds. */
+static int poll_final(kvf_receiver *r, double limit_s) {
+  int64_t t0 = clock_now_ns();
+  int s = kvf_receiver_poll(r);
+  while (s != KVF_POLL_SUCCESS && s != KVF_POLL_FAILED && secs_since(t0) < limit_s) {
+    usleep(5000);
+    s = kvf_receiver_poll(r);
+  }
+  return s;
+}
+
+static void stats(fixture *f, kvf_manager_stats *s) { kvf_manager_get_stats(f->m, s); }
+
+/* Wait until the counter read by `get` reaches `want` (bounded). */
+static uint64_t wait_counter(fixture *f, size_t offset, uint64_t want, double limit_s) {
+  int64_t t0 = clock_now_ns();
+  kvf_manager_stats s;
+  for (;;) {
+    stats(f, &s);
+    uint64_t v = *(const uint64_t *)((const char *)&s + offset);
+    if (v >= want || secs_since(t0) >= limit_s) return v;
+    usleep(5000);
+  }
+}
+
+/* ---------------------------------------------------------------- tests */
+
+static void happy_path(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 10, &r), 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+
+  raw_msg rm;
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(rm.n, 8);
+  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
+  wire_m1 m1;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m1_decode(rm.frames, rm.n, &m1, why), 0);
+  assert_string_equal(m1.endpoint, "127.0.0.1");
+  assert_int_equal(m1.dst_port, f->m->rank_port);
+  assert_string_equal(m1.session, kvf_manager_session_id(f->m));
+  assert_int_equal(m1.kv_ptrs.count, 2);
+  assert_true(wire_u64_at(m1.kv_ptrs, 0) == (uint64_t)(uintptr_t)f->kbuf);
+  assert_true(wire_u64_at(m1.kv_ptrs, 1) == (uint64_t)(uintptr_t)f->vbuf);
+  assert_int_equal(m1.aux_ptrs.count, 0);
+  assert_int_equal(m1.state_ptrs.count, 0);
+  assert_int_equal(m1.decode_prefix_len, 0);
+  raw_free(&rm);
+
+  int64_t pages[3] = {3, 4, 9};
+  assert_int_equal(kvf_receiver_init(r, pages, 3, 7, 0, NULL, 0), 0);
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(rm.n, 12);
+  wire_m2 m2;
+  assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+  assert_int_equal(m2.room, 10);
+  assert_int_equal(m2.dst_port, f->m->rank_port);
+  assert_string_equal(m2.session, kvf_manager_session_id(f->m));
+  assert_int_equal(m2.is_dummy, 0);
+  assert_int_equal(m2.kv_indices.count, 3);
+  assert_int_equal(wire_i64_at(m2.kv_indices, 0), 3);
+  assert_int_equal(wire_i64_at(m2.kv_indices, 2), 9);
+  assert_int_equal(m2.dst_aux_index, 7);
+  assert_int_equal(m2.required_dst_info_num, 1);
+  assert_int_equal(m2.nfrags, 0);
+  wire_m2_free(&m2);
+  raw_free(&rm);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+
+  int32_t cands[3] = {101, 102, 103};
+  send_m3(f, 10, WIRE_STATUS_SUCCESS, 0, 42, cands, 3);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  int64_t tok = 0;
+  int32_t got[8];
+  size_t n = 99;
+  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, got, 8, &n), 0);
+  assert_int_equal(tok, 42);
+  assert_int_equal(n, 3);
+  assert_int_equal(got[2], 103);
+  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, got, 8, &n), 0);
+  assert_int_equal(tok, -1);
+  assert_int_equal(n, 0);
+  char reason[64];
+  kvf_receiver_failure(r, reason, sizeof reason);
+  assert_string_equal(reason, "");
+
+  /* A live room cannot be created twice. */
+  kvf_receiver *dup = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 10, &dup), KVF_EEXIST);
+  kvf_receiver_destroy(r);
+
+  /* Same address and DP group: the pool entry is reused, so no second M1;
+   * the next message the prefill sees is this receiver's M2. */
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 11, &r), 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M2);
+  raw_free(&rm);
+  /* Negative pages are refused before anything is sent. */
+  int64_t bad[1] = {-1};
+  assert_int_equal(kvf_receiver_init(r, bad, 1, 0, 0, NULL, 0), KVF_EINVAL);
+  kvf_receiver_destroy(r);
+  kvf_manager_stats s;
+  stats(f, &s);
+  assert_int_equal(s.live_rooms, 0);
+  teardown(f);
+}
+
+static void failed_m3(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 20, &r), 0);
+  send_m3(f, 20, WIRE_STATUS_FAILED, 0, -1, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_FAILED);
+  char reason[256];
+  kvf_receiver_failure(r, reason, sizeof reason);
+  assert_string_equal(reason, "Failed to get kvcache from prefill instance, it might be dead");
+  /* A late Success does not revive it. */
+  send_m3(f, 20, WIRE_STATUS_SUCCESS, 0, 5, NULL, 0);
+  wait_counter(f, offsetof(kvf_manager_stats, messages_received), 2, 3);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_FAILED);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+static void malformed_and_unknown(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 30, &r), 0);
+
+  const char *a[] = {"abc", "5", "0"};
+  const size_t al[] = {3, 1, 1};
+  send_frames(f->push, a, al, 3); /* room not an int */
+  const char *b[] = {"30", "9", "0"};
+  send_frames(f->push, b, al, 3); /* status out of range */
+  const char *c[] = {"30", "5"};
+  const size_t cl[] = {2, 1};
+  send_frames(f->push, c, cl, 2); /* too few frames */
+  const char *d[] = {"30", "5", "0", "1", "abc"};
+  const size_t dl[] = {2, 1, 1, 1, 3};
+  send_frames(f->push, d, dl, 5); /* candidates not a multiple of 4 */
+  const char *e[] = {"30", "5", "-1"};
+  const size_t el[] = {2, 1, 2};
+  send_frames(f->push, e, el, 3); /* negative rank */
+  assert_int_equal(wait_counter(f, offsetof(kvf_manager_stats, messages_malformed), 5, 5), 5);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+
+  /* Unknown rooms: dropped, counted, never created. */
+  send_m3(f, 999, WIRE_STATUS_SUCCESS, 0, 1, NULL, 0);
+  send_m3(f, 998, WIRE_STATUS_FAILED, 0, -1, NULL, 0);
+  send_m3(f, 997, WIRE_STATUS_TRANSFERRING, 0, -1, NULL, 0);
+  assert_int_equal(wait_counter(f, offsetof(kvf_manager_stats, messages_unknown_room), 3, 5), 3);
+  assert_int_equal(rooms_exists(f->m->rooms, 999), 0);
+  assert_int_equal(rooms_exists(f->m->rooms, 998), 0);
+  kvf_manager_stats s;
+  stats(f, &s);
+  assert_int_equal(s.live_rooms, 1);
+
+  /* The listener survived: a valid Success still lands. */
+  send_m3(f, 30, WIRE_STATUS_SUCCESS, 0, 8, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+static void waiting_timeout_fires(void **state) {
+  (void)state;
+  fixture *f = setup_full(1, 1, 1, 5, 2);
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 40, &r), 0);
+  int64_t pages[1] = {0};
+  /* Not started before init. */
+  usleep(100000);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  assert_int_equal(poll_final(r, 4), KVF_POLL_FAILED);
+  double took = secs_since(t0);
+  assert_true(took >= 0.9 && took < 3.5);
+  char reason[256];
+  kvf_receiver_failure(r, reason, sizeof reason);
+  assert_non_null(strstr(reason, "Request 40 timed out after 1."));
+  assert_non_null(strstr(reason, "s in TransferPoll.WaitingForInput"));
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+static void lookup_failures(void **state) {
+  (void)state;
+  /* Prefill world 2, dp 2: only rank 0 of group 0 registers. */
+  fixture *f = setup_full(2, 2, 300, 5, 2);
+  char dead[64];
+  snprintf(dead, sizeof dead, "127.0.0.1:%u", (unsigned)free_port());
+  kvf_receiver *r = NULL;
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(kvf_receiver_create(f->m, dead, 50, &r), 0);
+  assert_true(secs_since(t0) < 3);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_FAILED);
+  char reason[256], want[256];
+  kvf_receiver_failure(r, reason, sizeof reason);
+  snprintf(want, sizeof want, "Could not fetch prefill parallel info from bootstrap_addr: %s", dead);
+  assert_string_equal(reason, want);
+  int64_t pages[1] = {0};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0); /* no-op on a Failed room */
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_FAILED);
+  kvf_receiver_destroy(r);
+
+  /* Room 51 -> DP group 1, whose rank 0 never registered. */
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 51, &r), 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_FAILED);
+  kvf_receiver_failure(r, reason, sizeof reason);
+  assert_string_equal(reason, "Could not fetch bootstrap info for engine rank: 0 and target_dp_group: 1");
+  kvf_receiver_destroy(r);
+
+  /* Room 52 -> group 0 works; negative room -> floor modulo group 0 too. */
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 52, &r), 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  kvf_receiver_destroy(r);
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, -2, &r), 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+static void heartbeat_node_failure(void **state) {
+  (void)state;
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  fixture *f = setup_full(1, 1, 300, 0.3, 2);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+  kvf_receiver *r = NULL, *done = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 60, &r), 0);
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 61, &done), 0);
+  int64_t pages[1] = {1};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  send_m3(f, 61, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0);
+  assert_int_equal(poll_final(done, 5), KVF_POLL_SUCCESS);
+  /* A healthy server: a few rounds pass without failures. */
+  usleep(800000);
+  kvf_manager_stats s;
+  stats(f, &s);
+  assert_int_equal(s.heartbeat_failures, 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+
+  kvf_bootstrap_server_stop(f->srv);
+  f->srv = NULL;
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_FAILED);
+  assert_true(secs_since(t0) < 0.3 * 2 + 2);
+  char reason[256], want[256];
+  kvf_receiver_failure(r, reason, sizeof reason);
+  snprintf(want, sizeof want, "Losing connection with prefill instance (bootstrap_addr: %s)", f->addr);
+  assert_string_equal(reason, want);
+  /* The Success room keeps its result. */
+  assert_int_equal(kvf_receiver_poll(done), KVF_POLL_SUCCESS);
+  stats(f, &s);
+  assert_true(s.node_failures >= 1);
+  assert_true(s.heartbeat_failures >= 2);
+
+  /* The address is forgotten: a new receiver looks it up again and fails. */
+  kvf_receiver *again = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 62, &again), 0);
+  assert_int_equal(kvf_receiver_poll(again), KVF_POLL_FAILED);
+  kvf_receiver_destroy(again);
+  kvf_receiver_destroy(r);
+  kvf_receiver_destroy(done);
+  teardown(f);
+}
+
+static void churn_is_bounded(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  int64_t t0 = clock_now_ns();
+  for (int i = 0; i < 10000 && secs_since(t0) < 60; i++) {
+    kvf_receiver *r = NULL;
+    assert_int_equal(kvf_receiver_create(f->m, f->addr, 1000 + i, &r), 0);
+    assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+    kvf_receiver_destroy(r);
+  }
+  kvf_manager_stats s;
+  stats(f, &s);
+  assert_int_equal(s.live_rooms, 0);
+  rooms_stats rs;
+  rooms_get_stats(f->m->rooms, &rs);
+  assert_int_equal(rs.created, 10000);
+  assert_int_equal(rs.cleared, 10000);
+  /* Only the first receiver registered (one M1). */
+  raw_msg rm;
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
+  raw_free(&rm);
+  int tmo = 200;
+  zmq_setsockopt(f->pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+  assert_int_equal(recv_raw(f->pull, &rm), -1);
+  teardown(f);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(happy_path),
+      cmocka_unit_test(failed_m3),
+      cmocka_unit_test(malformed_and_unknown),
+      cmocka_unit_test(waiting_timeout_fires),
+      cmocka_unit_test(lookup_failures),
+      cmocka_unit_test(heartbeat_node_failure),
+      cmocka_unit_test(churn_is_bounded),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
