@@ -1,0 +1,1002 @@
+/* The prefill half of a KV manager (PROTOCOL §1.5, §3.3-§3.5, §6, §7.4):
+ * the PUT /route registration at startup, the listener's handling of M1
+ * (decode registrations, keyed by session) and M2 (transfer requests, per
+ * room and session), the senders the scheduler drives, and queue_size
+ * transfer workers that turn chunks into engine writes and report M3.
+ *
+ * Tables and bounds. All prefill tables sit behind one mutex (ps->lock):
+ * registrations (at most PF_MAX_SESSIONS sessions), per-room state `pf_room`
+ * keyed by room id, and per-room transfer infos in arrival order (at most
+ * PF_MAX_INFOS). An M2 may arrive before its sender exists (a legitimate
+ * race): it is stored in a pf_room without a sender, an "early" room, of
+ * which at most PF_MAX_EARLY exist; when that bound is reached early rooms
+ * idle for longer than the bootstrap timeout are pruned, and if none can be
+ * pruned the M2 is dropped and counted as unknown-room. Early rooms are not
+ * in the shared room table (m->rooms holds exactly the rooms with a sender),
+ * so kvf_manager_get_stats' live_rooms counts senders only.
+ *
+ * Lifetime. A pf_room is reference counted: one reference for its map entry
+ * and one per chunk that is pending on it or queued/being processed. Destroy
+ * removes the map entry and marks the room dead; a worker that still holds
+ * a chunk sees `dead` and drops it, and every call into m->rooms that names
+ * the room by id is made under ps->lock after checking `dead`, so a room id
+ * reused by a new sender is never touched by an old chunk. Transfer infos
+ * are reference counted too, because a repeated M2 replaces one while a
+ * worker may be using it. Lock order: ps->lock, then a queue's lock, then
+ * the room table's internal lock. Nothing that blocks (engine writes, M3
+ * sends) runs under ps->lock.
+ *
+ * Chunks sent before every M2 arrived wait on the room (`pending`) and are
+ * queued, in order, when the room becomes Bootstrapped; the sender's poll
+ * fails the room after bootstrap_timeout_s in Bootstrapping (which the
+ * reference never does, §8 item 2). The queue shard is fixed when the room
+ * becomes Bootstrapped, so every chunk of a room runs on one worker in order.
+ *
+ * decode_prefix_len (§6.8): kvf_sender_send's pages are the request's full
+ * page list, chunk after chunk; the worker skips the first
+ * decode_prefix_len / page_size positions (those the decode already holds)
+ * and maps position p >= P onto the decode's destination index p - P, as
+ * the reference scheduler does before submitting. With a prefix of 0 this is
+ * the identity.
+ *
+ * Deviations from the reference, on purpose: an M2 from an unregistered
+ * session is rejected at the listener (§8 item 3); a decode whose KV pointer
+ * count differs from ours fails the room with a reason instead of indexing
+ * past its list; a dummy destination makes the room Success on the last
+ * chunk only when the room has no real destination (otherwise Success comes
+ * from the real transfers, so a dummy cannot report Success before the data
+ * landed). L1.5 partial-cache indices (§6.3 modes other than OFF/OFF) are not
+ * supported: such a request fails the room with a reason. Layerwise transfer
+ * and the metadata wait are not implemented (the token rides on the last
+ * chunk). */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "base/map.h"
+#include "bootstrap/bootstrap.h"
+#include "kv/manager.h"
+#include "kv/plan.h"
+#include "kv/rooms.h"
+
+#define PF_MAX_SESSIONS 4096   /* registered decode sessions */
+#define PF_MAX_INFOS 4096      /* transfer infos (decode sessions) per room */
+#define PF_MAX_EARLY 4096      /* rooms with M2s but no sender yet */
+#define PF_MAX_PENDING 65536   /* chunks waiting on one room for its M2s */
+#define PF_QUEUE_MAX 65536     /* chunks in one worker FIFO */
+
+typedef struct pf_reg { /* one decode registration (M1) */
+  wire_m1 *m1;          /* heap copy (wire_m1_dup) */
+  int64_t failed_ns;    /* monotonic time of the last transfer error; 0 = not failed (§7.4) */
+} pf_reg;
+
+typedef struct pf_info { /* one M2, shared with workers */
+  int refs;
+  wire_m2 *m2; /* heap copy (wire_m2_dup) */
+} pf_info;
+
+typedef struct pf_chunk {
+  struct pf_chunk *next;
+  struct pf_room *r; /* holds a room reference once queued or pending */
+  int64_t *pages;
+  size_t npages;
+  int64_t pos;       /* index_slice start: position of pages[0] in the request's page list */
+  int is_last;
+  int64_t aux_index;
+  int64_t token;
+  int32_t *cands;
+  size_t ncand;
+  int64_t *state_slots;
+  size_t nstate;
+} pf_chunk;
+
+typedef struct pf_room {
+  int64_t room;
+  int refs;
+  int dead;          /* destroyed: chunks still holding it are dropped */
+  int has_sender;
+  int bootstrapped;
+  int shard;
+  int64_t create_ns; /* sender creation, for the bootstrap timeout */
+  int64_t last_m2_ns;
+  pf_info **infos;   /* arrival order */
+  size_t ninfos, cap;
+  pf_chunk *pend_head, *pend_tail;
+  size_t npending;
+} pf_room;
+
+typedef struct pf_queue {
+  struct prefill_state *ps;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  pf_chunk *head, *tail;
+  size_t count;
+  int stop;
+  pthread_t thread;
+  int started;
+} pf_queue;
+
+struct kvf_sender {
+  kvf_manager *m;
+  pf_room *r;
+  int64_t room;
+  int64_t curr; /* next index_slice start (§6.2) */
+  int last_sent;
+};
+
+typedef struct prefill_state {
+  kvf_manager *m;
+  pthread_mutex_t lock;
+  smap regs;   /* session -> pf_reg */
+  map rooms;   /* room id -> pf_room */
+  size_t nearly;
+  int nqueues;
+  pf_queue *queues;
+  /* plan layouts, converted once from the manager's buffers */
+  size_t *kv_start, *kv_bufs, *st_start, *st_bufs;
+  plan_layout kv_lay, st_lay;
+} prefill_state;
+
+typedef struct pf_dest { /* where an M3 goes */
+  char host[WIRE_STR_MAX + 1];
+  uint16_t port;
+} pf_dest;
+
+/* ------------------------------------------------------------- helpers */
+
+static void chunk_free(pf_chunk *c) {
+  if (!c) return;
+  free(c->pages), free(c->cands), free(c->state_slots);
+  free(c);
+}
+
+static void info_unref(pf_info *i) {
+  if (i && --i->refs == 0) {
+    free(i->m2);
+    free(i);
+  }
+}
+
+/* ps->lock held. */
+static void room_unref(prefill_state *ps, pf_room *r) {
+  (void)ps;
+  if (--r->refs > 0) return;
+  for (size_t i = 0; i < r->ninfos; i++) info_unref(r->infos[i]);
+  free(r->infos);
+  for (pf_chunk *c = r->pend_head, *n; c; c = n) {
+    n = c->next;
+    chunk_free(c);
+  }
+  free(r);
+}
+
+/* ps->lock held: drop a chunk and the room reference it holds. */
+static void chunk_release_locked(prefill_state *ps, pf_chunk *c) {
+  pf_room *r = c->r;
+  chunk_free(c);
+  if (r) room_unref(ps, r);
+}
+
+static void send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
+                    const int32_t *cands, size_t ncand) {
+  wire_m3 m3 = {.room = room, .status = status, .prefill_rank = m->tp_rank, .bootstrap_token = token,
+                .candidates = wire_array_of(cands, cands ? ncand : 0)};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  if (wire_m3_encode(&m3, &msg, why)) {
+    LOG_WARN("kv", "cannot encode the status of room %" PRId64 " for %s:%u: %s", room, host, (unsigned)port, why);
+    return;
+  }
+  manager_push_send(m, host, port, &msg);
+  wire_msg_free(&msg);
+}
+
+/* ps->lock held: the non-dummy destinations of r, for M3 Failed. */
+static pf_dest *collect_dests(pf_room *r, size_t *n) {
+  *n = 0;
+  pf_dest *d = calloc(r->ninfos ? r->ninfos : 1, sizeof *d);
+  if (!d) return NULL;
+  for (size_t i = 0; i < r->ninfos; i++) {
+    const wire_m2 *x = r->infos[i]->m2;
+    if (x->is_dummy) continue;
+    snprintf(d[*n].host, sizeof d[*n].host, "%s", x->endpoint);
+    d[*n].port = x->dst_port;
+    (*n)++;
+  }
+  return d;
+}
+
+static void send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n) {
+  for (size_t i = 0; i < n; i++) send_m3(m, d[i].host, d[i].port, room, ROOM_FAILED, -1, NULL, 0);
+  free(d);
+}
+
+/* ps->lock held: the queue shard of the room's destination sessions (§6.12). */
+static int room_shard(prefill_state *ps, pf_room *r) {
+  const char **s = calloc(r->ninfos ? r->ninfos : 1, sizeof *s);
+  int shard = 0;
+  if (!s) return 0;
+  for (size_t i = 0; i < r->ninfos; i++) s[i] = r->infos[i]->m2->session;
+  if (plan_queue_shard(s, r->ninfos, ps->nqueues, &shard)) shard = 0;
+  free(s);
+  return shard;
+}
+
+/* ps->lock held (taken before the queue lock). KVF_ETOOBIG when full. */
+static int queue_push(pf_queue *q, pf_chunk *c) {
+  pthread_mutex_lock(&q->lock);
+  if (q->count >= PF_QUEUE_MAX || q->stop) {
+    pthread_mutex_unlock(&q->lock);
+    return KVF_ETOOBIG;
+  }
+  c->next = NULL;
+  if (q->tail) q->tail->next = c;
+  else q->head = c;
+  q->tail = c;
+  q->count++;
+  pthread_cond_signal(&q->cond);
+  pthread_mutex_unlock(&q->lock);
+  return 0;
+}
+
+/* ps->lock held: queue every pending chunk of a now-Bootstrapped room, in
+ * order. A full queue fails the room (the chunk cannot wait forever). */
+static void flush_pending(prefill_state *ps, pf_room *r) {
+  pf_chunk *c = r->pend_head;
+  r->pend_head = r->pend_tail = NULL;
+  r->npending = 0;
+  while (c) {
+    pf_chunk *n = c->next;
+    if (queue_push(&ps->queues[r->shard], c)) {
+      if (r->has_sender && !r->dead)
+        rooms_fail(ps->m->rooms, r->room, "Prefill transfer queue is full");
+      chunk_release_locked(ps, c);
+    }
+    c = n;
+  }
+}
+
+/* ps->lock held: drop early rooms idle past the bootstrap timeout. */
+static void prune_early(prefill_state *ps) {
+  int64_t now = clock_now_ns(), max_ns = (int64_t)(ps->m->cfg.bootstrap_timeout_s * 1e9);
+  map_iter it;
+  map_iter_init(&it);
+  uint64_t key;
+  void *v;
+  while (map_next(&ps->rooms, &it, &key, &v)) {
+    pf_room *r = v;
+    if (r->has_sender || now - r->last_m2_ns < max_ns) continue;
+    map_del(&ps->rooms, key, NULL);
+    ps->nearly--;
+    r->dead = 1;
+    room_unref(ps, r);
+  }
+}
+
+/* --------------------------------------------------------------- listener */
+
+static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
+  wire_m1 d;
+  wire_m1 *copy = NULL;
+  char why[WIRE_REASON_LEN];
+  if (wire_m1_decode(frames, n, &d, why)) {
+    manager_reject(m, peer, "M1", why);
+    return;
+  }
+  if (wire_m1_dup(&d, &copy)) {
+    manager_reject(m, peer, "M1", "out of memory");
+    return;
+  }
+  pthread_mutex_lock(&ps->lock);
+  pf_reg *reg = smap_get(&ps->regs, d.session);
+  if (!reg) {
+    if (smap_size(&ps->regs) >= PF_MAX_SESSIONS || !(reg = calloc(1, sizeof *reg)) ||
+        smap_put(&ps->regs, d.session, reg, NULL)) {
+      pthread_mutex_unlock(&ps->lock);
+      free(reg);
+      free(copy);
+      manager_reject(m, peer, "M1", "registration table full");
+      return;
+    }
+  } else {
+    free(reg->m1);
+  }
+  reg->m1 = copy;
+  reg->failed_ns = 0; /* a new registration clears the failed mark (§3.3, §7.4) */
+  pthread_mutex_unlock(&ps->lock);
+  if (d.kv_ptrs.count != m->bufs.n_kv)
+    LOG_WARN("kv", "decode session %s registered %zu KV buffers, this prefill rank has %zu: its rooms will fail",
+             d.session, d.kv_ptrs.count, m->bufs.n_kv);
+  atomic_fetch_add(&m->stats.messages_received, 1);
+}
+
+static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
+  wire_m2 d;
+  char why[ROOMS_REASON_MAX];
+  if (wire_m2_decode(frames, n, &d, why)) {
+    manager_reject(m, peer, "M2", why);
+    return;
+  }
+  pf_info *info = calloc(1, sizeof *info);
+  if (!info || wire_m2_dup(&d, &info->m2)) {
+    free(info);
+    wire_m2_free(&d);
+    manager_reject(m, peer, "M2", "out of memory");
+    return;
+  }
+  info->refs = 1;
+  wire_m2_free(&d);
+  const wire_m2 *x = info->m2;
+  if (!x->is_dummy && (x->indices_are_local || x->page_mask.count || x->local_indices.count)) {
+    /* L1.5 partial cache indices: not supported, and silently ignoring them
+     * would write whole pages to the wrong places. */
+    info_unref(info);
+    manager_reject(m, peer, "M2", "L1.5 local indices are not supported");
+    return;
+  }
+
+  pthread_mutex_lock(&ps->lock);
+  pf_reg *reg = smap_get(&ps->regs, x->session);
+  if (!reg) {
+    pthread_mutex_unlock(&ps->lock);
+    snprintf(why, sizeof why, "decode session %s never registered (no M1)", x->session);
+    info_unref(info);
+    manager_reject(m, peer, "M2", why);
+    return;
+  }
+  int mismatch = !x->is_dummy && reg->m1->kv_ptrs.count != m->bufs.n_kv;
+  pf_room *r = map_get(&ps->rooms, (uint64_t)x->room);
+  if (!r) {
+    if (ps->nearly >= PF_MAX_EARLY) prune_early(ps);
+    if (ps->nearly >= PF_MAX_EARLY || !(r = calloc(1, sizeof *r)) || map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
+      pthread_mutex_unlock(&ps->lock);
+      free(r);
+      info_unref(info);
+      atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+      if (log_first_time(log_hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
+        LOG_WARN("kv", "dropped an M2 from %s: too many rooms without a sender", peer ? peer : "?");
+      return;
+    }
+    r->room = x->room;
+    r->refs = 1;
+    ps->nearly++;
+  }
+  size_t k = 0;
+  while (k < r->ninfos && strcmp(r->infos[k]->m2->session, x->session)) k++;
+  if (k < r->ninfos) {
+    info_unref(r->infos[k]); /* a repeat from the same session replaces it in place */
+    r->infos[k] = info;
+  } else {
+    if (r->ninfos == r->cap) {
+      size_t nc = r->cap ? r->cap * 2 : 4;
+      pf_info **ni = r->ninfos < PF_MAX_INFOS ? realloc(r->infos, nc * sizeof *ni) : NULL;
+      if (!ni) {
+        pthread_mutex_unlock(&ps->lock);
+        info_unref(info);
+        manager_reject(m, peer, "M2", "too many decode sessions for one room");
+        return;
+      }
+      r->infos = ni;
+      r->cap = nc;
+    }
+    r->infos[r->ninfos++] = info;
+  }
+  r->last_m2_ns = clock_now_ns();
+  if (mismatch && r->has_sender && !r->dead) {
+    snprintf(why, sizeof why, "Decode session %s registered %zu KV buffers, this prefill rank has %zu",
+             x->session, reg->m1->kv_ptrs.count, m->bufs.n_kv);
+    rooms_fail(m->rooms, r->room, why);
+  }
+  if (!r->bootstrapped && (int64_t)r->ninfos == x->required_dst_info_num) {
+    r->bootstrapped = 1;
+    r->shard = room_shard(ps, r);
+    if (r->has_sender) rooms_update(m->rooms, r->room, ROOM_BOOTSTRAPPED, NULL);
+    flush_pending(ps, r);
+  }
+  pthread_mutex_unlock(&ps->lock);
+  atomic_fetch_add(&m->stats.messages_received, 1);
+}
+
+void prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
+  prefill_state *ps = m->prefill;
+  int kind = wire_classify(frames, n);
+  if (kind == WIRE_MSG_M1) on_m1(m, ps, frames, n, peer);
+  else if (kind == WIRE_MSG_M2) on_m2(m, ps, frames, n, peer);
+  else manager_reject(m, peer, "message", "no frames");
+}
+
+/* ----------------------------------------------------------------- worker */
+
+enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
+
+static uint64_t writes_bytes(const kvf_write *w, size_t n) {
+  uint64_t b = 0;
+  for (size_t i = 0; i < n; i++) b += w[i].len * (w[i].count > 1 ? w[i].count : 1);
+  return b;
+}
+
+static plan_fragment *convert_frags(const wire_m2 *x, int *any_state) {
+  *any_state = 0;
+  plan_fragment *f = calloc(x->nfrags ? x->nfrags : 1, sizeof *f);
+  if (!f) return NULL;
+  for (size_t i = 0; i < x->nfrags; i++) {
+    const wire_fragment *w = &x->frags[i];
+    f[i] = (plan_fragment){.buffer_index = (uint32_t)w->buffer_index, .kind = (plan_kind)w->buffer_kind,
+                           .src_rank = (int32_t)w->src_rank, .dst_rank = (int32_t)w->dst_rank,
+                           .src_page_stride = (uint64_t)w->src_page_stride_bytes,
+                           .dst_page_stride = (uint64_t)w->dst_page_stride_bytes,
+                           .src_byte_offset = (uint64_t)w->src_byte_offset,
+                           .dst_byte_offset = (uint64_t)w->dst_byte_offset,
+                           .bytes_per_page = (uint64_t)w->bytes_per_page, .page_count = w->page_count};
+    if (w->buffer_kind == WIRE_KIND_MAMBA_STATE) *any_state = 1;
+  }
+  return f;
+}
+
+/* Plan and write one set of page pairs (KV when state == 0, state slots
+ * otherwise) to the destination. Arrays are sized once per call. */
+static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, const int64_t *src, const int64_t *dst,
+                       size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags, size_t nfrags,
+                       int frag_mode, uint64_t *bytes, char *why, size_t whycap, int *xfer) {
+  kvf_manager *m = ps->m;
+  const manager_buffers *b = &m->bufs;
+  const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
+  plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens, state ? b->n_state : b->n_kv};
+  plan_mem dm = {dst_ptrs, NULL, sm.nbufs};
+  const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
+  plan_run *runs = malloc((n ? n : 1) * sizeof *runs);
+  kvf_write *w = NULL;
+  size_t nruns = 0, nw = 0, cap;
+  int rc = runs ? plan_runs(src, dst, n, runs, &nruns) : KVF_ENOMEM;
+  if (rc) goto out;
+  cap = frag_mode ? plan_frag_count(lay, 0, lay->nlayers, frags, nfrags, state, runs, nruns)
+                  : plan_plain_count(lay, 0, lay->nlayers, nruns);
+  if (!cap) goto out;
+  if (!(w = malloc(cap * sizeof *w))) {
+    rc = KVF_ENOMEM;
+    goto out;
+  }
+  rc = frag_mode ? plan_frag_writes(lay, 0, lay->nlayers, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
+                 : plan_plain_writes(lay, 0, lay->nlayers, runs, nruns, &sm, &dm, item, w, cap, &nw);
+  if (rc) goto out;
+  if (nw && (rc = kvf_engine_write(m->engine, x->session, w, nw))) {
+    *xfer = 1;
+    snprintf(why, whycap, "%s", kvf_strerror(rc)); /* completed by send_to_dest */
+    goto out;
+  }
+  *bytes += writes_bytes(w, nw);
+out:
+  if (rc && !*xfer)
+    snprintf(why, whycap, "%s pages of the chunk cannot be mapped onto decode session %s: %s",
+             state ? "State" : "KV", x->session, kvf_strerror(rc));
+  free(w);
+  free(runs);
+  return rc;
+}
+
+/* One chunk to one real destination (§6.3-§6.6). DEST_FAIL with a reason,
+ * or DEST_XFER_FAIL when the engine refused or failed the write. */
+static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,
+                        size_t whycap) {
+  kvf_manager *m = ps->m;
+  const manager_buffers *b = &m->bufs;
+  int64_t page_size = m->cfg.page_size, now = clock_now_ns();
+  uint64_t *dptr = NULL, *sptr = NULL;
+  size_t nsptr = 0;
+  int64_t *src = NULL, *dst = NULL;
+  plan_fragment *frags = NULL;
+  int ret = DEST_FAIL, xfer = 0, any_state = 0;
+
+  pthread_mutex_lock(&ps->lock);
+  pf_reg *reg = smap_get(&ps->regs, x->session);
+  if (!reg) {
+    snprintf(why, whycap, "Decode session %s is not registered", x->session);
+  } else if (reg->failed_ns && m->cfg.failed_session_ttl_s > 0 &&
+             now - reg->failed_ns < (int64_t)(m->cfg.failed_session_ttl_s * 1e9)) {
+    snprintf(why, whycap, "Decode instance could be dead, remote mooncake session %s is not alive", x->session);
+  } else if (reg->m1->kv_ptrs.count != b->n_kv) {
+    snprintf(why, whycap, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", x->session,
+             reg->m1->kv_ptrs.count, b->n_kv);
+  } else {
+    if (reg->failed_ns) reg->failed_ns = 0; /* the TTL passed */
+    nsptr = reg->m1->state_ptrs.count;
+    dptr = malloc(b->n_kv * sizeof *dptr);
+    sptr = malloc((nsptr ? nsptr : 1) * sizeof *sptr);
+    for (size_t i = 0; dptr && i < b->n_kv; i++) dptr[i] = wire_u64_at(reg->m1->kv_ptrs, i);
+    for (size_t i = 0; sptr && i < nsptr; i++) sptr[i] = wire_u64_at(reg->m1->state_ptrs, i);
+    ret = DEST_OK;
+  }
+  pthread_mutex_unlock(&ps->lock);
+  if (ret != DEST_OK) goto out;
+  ret = DEST_FAIL;
+  if (!dptr || !sptr) {
+    snprintf(why, whycap, "Out of memory");
+    goto out;
+  }
+  if (x->decode_prefix_len % page_size) {
+    snprintf(why, whycap, "decode_prefix_len %" PRId64 " is not a multiple of page_size %" PRId64,
+             x->decode_prefix_len, page_size);
+    goto out;
+  }
+  if (x->nfrags && !(frags = convert_frags(x, &any_state))) {
+    snprintf(why, whycap, "Out of memory");
+    goto out;
+  }
+
+  /* §6.8: skip the pages the decode already holds; position p maps to
+   * destination index p - P. Then truncate to what both sides have (§6.3). */
+  int64_t prefix = x->decode_prefix_len / page_size;
+  size_t skip = c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
+  int64_t dstart = c->pos + (int64_t)skip - prefix;
+  size_t ndst = x->kv_indices.count, nsrc = c->npages - skip;
+  size_t avail = (uint64_t)dstart < ndst ? ndst - (size_t)dstart : 0;
+  size_t n = nsrc < avail ? nsrc : avail;
+  if (n) {
+    src = malloc(n * sizeof *src);
+    dst = malloc(n * sizeof *dst);
+    if (!src || !dst) {
+      snprintf(why, whycap, "Out of memory");
+      goto out;
+    }
+    memcpy(src, c->pages + skip, n * sizeof *src);
+    for (size_t k = 0; k < n; k++) dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
+    if (write_pairs(ps, x, 0, src, dst, n, dptr, frags, x->nfrags, x->nfrags > 0, bytes, why, whycap, &xfer))
+      goto out;
+  }
+
+  /* §6.6: state slots in non-layerwise mode, last chunk only. */
+  if (c->is_last && b->n_state && nsptr && c->nstate && x->mamba_indices.count) {
+    size_t nm = x->mamba_indices.count, np = 0;
+    if (nsptr != b->n_state) {
+      snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu", x->session,
+               nsptr, b->n_state);
+      goto out;
+    }
+    if (c->nstate != nm && c->nstate != 1) {
+      snprintf(why, whycap, "State slot counts differ: %zu on prefill, %zu on decode", c->nstate, nm);
+      goto out;
+    }
+    free(src), free(dst);
+    src = malloc(nm * sizeof *src);
+    dst = malloc(nm * sizeof *dst);
+    if (!src || !dst) {
+      snprintf(why, whycap, "Out of memory");
+      goto out;
+    }
+    for (size_t k = 0; k < nm; k++) {
+      int64_t s = c->state_slots[c->nstate == 1 ? 0 : k], d = wire_i64_at(x->mamba_indices, k);
+      if (s < 0 || d < 0) continue;
+      src[np] = s, dst[np] = d, np++;
+    }
+    if (np && write_pairs(ps, x, 1, src, dst, np, sptr, frags, x->nfrags, any_state, bytes, why, whycap, &xfer))
+      goto out;
+  }
+  ret = DEST_OK;
+out:
+  if (ret != DEST_OK && xfer) {
+    char err[128];
+    snprintf(err, sizeof err, "%.120s", why);
+    snprintf(why, whycap, "Failed to send kv chunk of %" PRId64 " to %s:%u (%s)", c->r->room, x->endpoint,
+             (unsigned)x->dst_port, err);
+    ret = DEST_XFER_FAIL;
+  }
+  free(frags), free(src), free(dst), free(dptr), free(sptr);
+  return ret;
+}
+
+/* Fail the room (if it is still this room) and tell the destination. */
+static void fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const char *why, int mark) {
+  kvf_manager *m = ps->m;
+  pthread_mutex_lock(&ps->lock);
+  if (mark && m->cfg.failed_session_ttl_s > 0) {
+    pf_reg *reg = smap_get(&ps->regs, x->session);
+    if (reg) reg->failed_ns = clock_now_ns();
+  }
+  int live = !r->dead;
+  if (live) rooms_fail(m->rooms, r->room, why);
+  pthread_mutex_unlock(&ps->lock);
+  if (!live) return;
+  LOG_WARN("kv", "room %" PRId64 ": %s", r->room, why);
+  send_m3(m, x->endpoint, x->dst_port, r->room, ROOM_FAILED, -1, NULL, 0);
+}
+
+static void process_chunk(prefill_state *ps, pf_chunk *c) {
+  kvf_manager *m = ps->m;
+  pf_room *r = c->r;
+  int st = ROOM_FAILED;
+  pthread_mutex_lock(&ps->lock);
+  if (r->dead || rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) {
+    pthread_mutex_unlock(&ps->lock);
+    return;
+  }
+  size_t n = r->ninfos;
+  pf_info **infos = malloc((n ? n : 1) * sizeof *infos);
+  size_t *done = malloc((n ? n : 1) * sizeof *done);
+  if (!infos || !done) {
+    rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
+    pthread_mutex_unlock(&ps->lock);
+    free(infos), free(done);
+    return;
+  }
+  for (size_t i = 0; i < n; i++) (infos[i] = r->infos[i])->refs++;
+  pthread_mutex_unlock(&ps->lock);
+
+  uint64_t bytes = 0;
+  size_t ndone = 0, nreal = 0;
+  int ok = 1;
+  char why[ROOMS_REASON_MAX];
+  for (size_t i = 0; i < n && ok; i++) {
+    const wire_m2 *x = infos[i]->m2;
+    if (x->is_dummy) continue;
+    nreal++;
+    int rc = send_to_dest(ps, c, x, &bytes, why, sizeof why);
+    if (rc != DEST_OK) {
+      fail_dest(ps, r, x, why, rc == DEST_XFER_FAIL);
+      ok = 0; /* §6.11 step 5: stop processing this chunk */
+      break;
+    }
+    if (!c->is_last) continue;
+    done[ndone++] = i;
+    if ((int64_t)ndone != x->required_dst_info_num) continue;
+    /* §6.11 step 6: every required destination has the data. */
+    pthread_mutex_lock(&ps->lock);
+    int fin = ROOM_FAILED;
+    if (!r->dead) {
+      rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+      rooms_get_status(m->rooms, r->room, &fin);
+    }
+    int dead = r->dead;
+    pthread_mutex_unlock(&ps->lock);
+    if (dead) break;
+    for (size_t k = 0; k < ndone; k++) {
+      const wire_m2 *y = infos[done[k]]->m2;
+      send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED, c->token,
+              c->cands, c->ncand);
+    }
+  }
+  if (ok && c->is_last && nreal == 0 && n > 0) { /* all destinations are dummies (§6.11 step 1) */
+    pthread_mutex_lock(&ps->lock);
+    if (!r->dead) rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+    pthread_mutex_unlock(&ps->lock);
+  }
+  if (ok) {
+    atomic_fetch_add(&m->stats.chunks_sent, 1);
+    atomic_fetch_add(&m->stats.bytes_sent, bytes);
+  }
+  pthread_mutex_lock(&ps->lock);
+  for (size_t i = 0; i < n; i++) info_unref(infos[i]);
+  pthread_mutex_unlock(&ps->lock);
+  free(infos), free(done);
+}
+
+static void *worker_main(void *arg) {
+  pf_queue *q = arg;
+  prefill_state *ps = q->ps;
+  for (;;) {
+    pthread_mutex_lock(&q->lock);
+    while (!q->head && !q->stop) pthread_cond_wait(&q->cond, &q->lock);
+    if (q->stop) {
+      pthread_mutex_unlock(&q->lock);
+      break;
+    }
+    pf_chunk *c = q->head;
+    q->head = c->next;
+    if (!q->head) q->tail = NULL;
+    q->count--;
+    pthread_mutex_unlock(&q->lock);
+    process_chunk(ps, c);
+    pthread_mutex_lock(&ps->lock);
+    chunk_release_locked(ps, c);
+    pthread_mutex_unlock(&ps->lock);
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------- start and stop */
+
+static int put_route(kvf_manager *m) {
+  const manager_buffers *b = &m->bufs;
+  route_reg reg;
+  memset(&reg, 0, sizeof reg);
+  snprintf(reg.role, sizeof reg.role, "Prefill");
+  reg.world_size = m->cfg.world_size;
+  reg.dp_size = m->cfg.dp_size;
+  snprintf(reg.rank_ip, sizeof reg.rank_ip, "%s", m->host);
+  reg.rank_port = m->rank_port;
+  reg.engine_rank = m->cfg.engine_rank;
+  const uint64_t *src[ROUTE_NLISTS] = {b->kv_item_lens, b->kv_unit_lens, b->state_item_lens, b->state_unit_lens};
+  size_t cnt[ROUTE_NLISTS] = {b->n_kv, b->n_kv, b->n_state, b->n_state};
+  int rc = 0;
+  for (int l = 0; l < ROUTE_NLISTS; l++) {
+    reg.lists[l].v = calloc(cnt[l] ? cnt[l] : 1, sizeof(int64_t));
+    if (!reg.lists[l].v) rc = KVF_ENOMEM;
+    for (size_t i = 0; reg.lists[l].v && i < cnt[l]; i++) reg.lists[l].v[i] = (int64_t)src[l][i];
+    reg.lists[l].n = cnt[l];
+    reg.lists[l].present = 1;
+  }
+  bootstrap_client *bc = NULL;
+  bootstrap_client_opts opts = {.token = m->bootstrap_token, .timeout_ms = m->cfg.http_timeout_ms};
+  if (!rc) rc = bootstrap_client_create(m->bootstrap_addr, &opts, &bc);
+  if (!rc) rc = bootstrap_client_put_route(bc, &reg, 3 * m->cfg.http_timeout_ms);
+  if (rc)
+    LOG_ERROR("kv", "prefill rank %d could not register with the bootstrap server %s: %s", m->cfg.engine_rank,
+              m->bootstrap_addr, kvf_strerror(rc));
+  bootstrap_client_destroy(bc);
+  for (int l = 0; l < ROUTE_NLISTS; l++) free(reg.lists[l].v);
+  return rc;
+}
+
+static int build_layouts(prefill_state *ps) {
+  const manager_buffers *b = &ps->m->bufs;
+  size_t nb = b->layer_buf_start[b->n_layers];
+  ps->kv_start = malloc((b->n_layers + 1) * sizeof(size_t));
+  ps->kv_bufs = malloc((nb ? nb : 1) * sizeof(size_t));
+  ps->st_start = malloc(2 * sizeof(size_t));
+  ps->st_bufs = malloc((b->n_state ? b->n_state : 1) * sizeof(size_t));
+  if (!ps->kv_start || !ps->kv_bufs || !ps->st_start || !ps->st_bufs) return KVF_ENOMEM;
+  for (size_t l = 0; l <= b->n_layers; l++) ps->kv_start[l] = b->layer_buf_start[l];
+  for (size_t k = 0; k < nb; k++) ps->kv_bufs[k] = b->layer_bufs[k];
+  ps->kv_lay = (plan_layout){b->n_layers, ps->kv_start, ps->kv_bufs};
+  ps->st_start[0] = 0;
+  ps->st_start[1] = b->n_state;
+  for (size_t k = 0; k < b->n_state; k++) ps->st_bufs[k] = k;
+  ps->st_lay = (plan_layout){1, ps->st_start, ps->st_bufs};
+  return 0;
+}
+
+static void free_state(prefill_state *ps) {
+  map_iter it;
+  void *v;
+  map_iter_init(&it);
+  while (smap_next(&ps->regs, &it, NULL, &v)) {
+    pf_reg *reg = v;
+    free(reg->m1);
+    free(reg);
+  }
+  smap_free(&ps->regs);
+  map_iter_init(&it);
+  while (map_next(&ps->rooms, &it, NULL, &v)) {
+    pf_room *r = v;
+    r->refs = 1; /* workers are gone: nothing else can hold it */
+    room_unref(ps, r);
+  }
+  map_free(&ps->rooms);
+  free(ps->kv_start), free(ps->kv_bufs), free(ps->st_start), free(ps->st_bufs);
+  pthread_mutex_destroy(&ps->lock);
+  free(ps->queues);
+  free(ps);
+}
+
+static void stop_workers(prefill_state *ps) {
+  for (int i = 0; i < ps->nqueues; i++) {
+    pf_queue *q = &ps->queues[i];
+    pthread_mutex_lock(&q->lock);
+    q->stop = 1;
+    pthread_cond_broadcast(&q->cond);
+    pthread_mutex_unlock(&q->lock);
+  }
+  for (int i = 0; i < ps->nqueues; i++) {
+    pf_queue *q = &ps->queues[i];
+    if (q->started) pthread_join(q->thread, NULL);
+    /* chunks never processed: drop them with their room references */
+    pthread_mutex_lock(&ps->lock);
+    for (pf_chunk *c = q->head, *n; c; c = n) {
+      n = c->next;
+      chunk_release_locked(ps, c);
+    }
+    q->head = q->tail = NULL;
+    pthread_mutex_unlock(&ps->lock);
+    pthread_cond_destroy(&q->cond);
+    pthread_mutex_destroy(&q->lock);
+  }
+}
+
+int prefill_start(kvf_manager *m) {
+  prefill_state *ps = calloc(1, sizeof *ps);
+  if (!ps) return KVF_ENOMEM;
+  ps->m = m;
+  pthread_mutex_init(&ps->lock, NULL);
+  int rc = smap_init(&ps->regs);
+  if (!rc) rc = map_init(&ps->rooms);
+  if (!rc) rc = build_layouts(ps);
+  ps->nqueues = m->cfg.queue_size;
+  if (!rc && !(ps->queues = calloc((size_t)ps->nqueues, sizeof *ps->queues))) rc = KVF_ENOMEM;
+  if (rc) goto err_free;
+  if (m->bootstrap_addr[0] && (rc = put_route(m))) goto err_free;
+  for (int i = 0; i < ps->nqueues; i++) {
+    pf_queue *q = &ps->queues[i];
+    q->ps = ps;
+    pthread_mutex_init(&q->lock, NULL);
+    pthread_cond_init(&q->cond, NULL);
+  }
+  for (int i = 0; i < ps->nqueues; i++) {
+    if (pthread_create(&ps->queues[i].thread, NULL, worker_main, &ps->queues[i])) {
+      rc = KVF_ENOMEM;
+      goto err_workers;
+    }
+    ps->queues[i].started = 1;
+  }
+  m->prefill = ps;
+  return 0;
+
+err_workers:
+  stop_workers(ps);
+err_free:
+  free_state(ps);
+  return rc;
+}
+
+void prefill_stop(kvf_manager *m) {
+  prefill_state *ps = m->prefill;
+  if (!ps) return;
+  stop_workers(ps);
+  free_state(ps);
+  m->prefill = NULL;
+}
+
+/* ----------------------------------------------------------------- sender */
+
+int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
+  if (!m || !out || !m->prefill) return KVF_EINVAL;
+  prefill_state *ps = m->prefill;
+  kvf_sender *s = calloc(1, sizeof *s);
+  if (!s) return KVF_ENOMEM;
+  pthread_mutex_lock(&ps->lock);
+  pf_room *r = map_get(&ps->rooms, (uint64_t)room);
+  int rc = r && r->has_sender ? KVF_EEXIST : 0;
+  if (!rc) rc = rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
+  if (rc) goto err_unlock;
+  if (!r) {
+    if (!(r = calloc(1, sizeof *r)) || map_put(&ps->rooms, (uint64_t)room, r, NULL)) {
+      free(r);
+      rooms_clear(m->rooms, room, NULL);
+      rc = KVF_ENOMEM;
+      goto err_unlock;
+    }
+    r->room = room;
+    r->refs = 1;
+  } else {
+    ps->nearly--; /* the M2s came first */
+  }
+  r->has_sender = 1;
+  r->create_ns = clock_now_ns();
+  if (r->bootstrapped) rooms_update(m->rooms, room, ROOM_BOOTSTRAPPED, NULL);
+  pthread_mutex_unlock(&ps->lock);
+  s->m = m;
+  s->r = r;
+  s->room = room;
+  *out = s;
+  return 0;
+
+err_unlock:
+  pthread_mutex_unlock(&ps->lock);
+  free(s);
+  return rc;
+}
+
+int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux_index,
+                    int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
+                    size_t nstate) {
+  if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
+  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES) return KVF_ETOOBIG;
+  if (s->last_sent) return KVF_ESTATE;
+  prefill_state *ps = s->m->prefill;
+  pf_chunk *c = calloc(1, sizeof *c);
+  if (!c) return KVF_ENOMEM;
+  c->pages = malloc((npages ? npages : 1) * sizeof *c->pages);
+  c->cands = is_last && ncand ? malloc(ncand * sizeof *c->cands) : NULL;
+  c->state_slots = is_last && nstate ? malloc(nstate * sizeof *c->state_slots) : NULL;
+  if (!c->pages || (is_last && ncand && !c->cands) || (is_last && nstate && !c->state_slots)) {
+    chunk_free(c);
+    return KVF_ENOMEM;
+  }
+  if (npages) memcpy(c->pages, pages, npages * sizeof *pages);
+  c->npages = npages;
+  c->pos = s->curr;
+  c->is_last = is_last != 0;
+  /* non-last chunks carry no aux index, token or candidates (§6.2) */
+  c->aux_index = is_last ? aux_index : -1;
+  c->token = is_last ? bootstrap_token : -1;
+  if (c->cands) memcpy(c->cands, cands, ncand * sizeof *cands), c->ncand = ncand;
+  if (c->state_slots) memcpy(c->state_slots, state_slots, nstate * sizeof *state_slots), c->nstate = nstate;
+
+  int rc = 0, st = ROOM_FAILED;
+  pf_room *r = s->r;
+  pthread_mutex_lock(&ps->lock);
+  if (rooms_get_status(s->m->rooms, s->room, &st) || st == ROOM_FAILED) {
+    chunk_free(c); /* the reference drops chunks of a failed room silently */
+    goto out;
+  }
+  if (!r->bootstrapped && r->npending >= PF_MAX_PENDING) {
+    chunk_free(c);
+    rc = KVF_ETOOBIG;
+    goto out;
+  }
+  c->r = r;
+  r->refs++;
+  if (r->bootstrapped) {
+    if (queue_push(&ps->queues[r->shard], c)) {
+      chunk_release_locked(ps, c);
+      rc = KVF_ETOOBIG;
+      goto out;
+    }
+  } else {
+    c->next = NULL;
+    if (r->pend_tail) r->pend_tail->next = c;
+    else r->pend_head = c;
+    r->pend_tail = c;
+    r->npending++;
+  }
+out:
+  pthread_mutex_unlock(&ps->lock);
+  if (!rc) {
+    s->curr += (int64_t)npages;
+    if (is_last) s->last_sent = 1;
+  }
+  return rc;
+}
+
+int kvf_sender_poll(kvf_sender *s) {
+  if (!s) return KVF_POLL_FAILED;
+  prefill_state *ps = s->m->prefill;
+  pf_dest *d = NULL;
+  size_t nd = 0;
+  int st = ROOM_FAILED;
+  pthread_mutex_lock(&ps->lock);
+  if (rooms_get_status(s->m->rooms, s->room, &st)) st = ROOM_FAILED;
+  double limit = s->m->cfg.bootstrap_timeout_s;
+  if (st == ROOM_BOOTSTRAPPING && clock_now_ns() - s->r->create_ns >= (int64_t)(limit * 1e9)) {
+    char why[ROOMS_REASON_MAX];
+    snprintf(why, sizeof why, "Request %" PRId64 " timed out after %.1fs in TransferPoll.Bootstrapping", s->room,
+             limit);
+    rooms_fail(s->m->rooms, s->room, why);
+    st = ROOM_FAILED;
+    d = collect_dests(s->r, &nd);
+    LOG_WARN("kv", "%s", why);
+  }
+  pthread_mutex_unlock(&ps->lock);
+  if (d) send_failed_all(s->m, s->room, d, nd);
+  return st;
+}
+
+void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap) {
+  if (!buf || !cap) return;
+  buf[0] = 0;
+  if (s && rooms_get_reason(s->m->rooms, s->room, buf, cap)) buf[0] = 0;
+}
+
+void kvf_sender_abort(kvf_sender *s, const char *reason) {
+  if (!s) return;
+  prefill_state *ps = s->m->prefill;
+  size_t nd = 0;
+  pthread_mutex_lock(&ps->lock);
+  rooms_fail(s->m->rooms, s->room, reason && *reason ? reason : "Aborted");
+  pf_dest *d = collect_dests(s->r, &nd);
+  pthread_mutex_unlock(&ps->lock);
+  if (d) send_failed_all(s->m, s->room, d, nd);
+}
+
+void kvf_sender_destroy(kvf_sender *s) {
+  if (!s) return;
+  prefill_state *ps = s->m->prefill;
+  pf_room *r = s->r;
+  pthread_mutex_lock(&ps->lock);
+  rooms_clear(s->m->rooms, s->room, NULL);
+  r->dead = 1;
+  if (map_get(&ps->rooms, (uint64_t)s->room) == r) map_del(&ps->rooms, (uint64_t)s->room, NULL);
+  pf_chunk *c = r->pend_head;
+  r->pend_head = r->pend_tail = NULL;
+  r->npending = 0;
+  while (c) {
+    pf_chunk *n = c->next;
+    chunk_release_locked(ps, c);
+    c = n;
+  }
+  room_unref(ps, r); /* the map's reference; queued chunks keep theirs */
+  pthread_mutex_unlock(&ps->lock);
+  free(s);
+}

@@ -1,0 +1,519 @@
+/* The prefill manager against a fake decode made of real parts on
+ * 127.0.0.1: a transfer engine with registered buffers, a ZMQ PULL socket
+ * for M3 and a PUSH socket into the prefill's control port carrying M1/M2
+ * encoded with the wire codecs. Covers single and multi-chunk transfers
+ * (bytes compared), a chunk that waits for its M2, the bootstrap timeout,
+ * malformed and unregistered messages, an engine-refused write, PUT /route
+ * to a real bootstrap server, and many senders created and destroyed. Every
+ * wait is bounded in time. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include <time.h>
+#include <zmq.h>
+
+#include "base/clock.h"
+#include "bootstrap/bootstrap.h"
+#include "kv/manager.h"
+#include "kvferry/bootstrap.h"
+#include "kvferry/kv.h"
+#include "wire/messages.h"
+
+#define NKV 2     /* one MHA layer: K and V */
+#define NPAGES 16
+#define ITEM 64
+
+typedef struct fixture {
+  uint8_t *pbuf[NKV]; /* prefill buffers */
+  kvf_manager *m;
+  /* fake decode */
+  kvf_engine *eng;
+  uint8_t *dbuf[NKV];
+  void *zctx, *pull, *push;
+  uint16_t pull_port;
+  char session[64];
+} fixture;
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static void fx_manager(fixture *f, const char *bootstrap_addr) {
+  uint64_t lens[NKV], items[NKV];
+  void *ptrs[NKV];
+  for (int b = 0; b < NKV; b++) {
+    f->pbuf[b] = malloc(NPAGES * ITEM);
+    assert_non_null(f->pbuf[b]);
+    for (size_t i = 0; i < NPAGES * ITEM; i++) f->pbuf[b][i] = (uint8_t)(b * 101 + i * 7 + i / ITEM);
+    ptrs[b] = f->pbuf[b];
+    lens[b] = NPAGES * ITEM;
+    items[b] = ITEM;
+  }
+  kvf_kv_buffers bufs = {.n_kv = NKV, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  cfg.role = KVF_ROLE_PREFILL;
+  cfg.bootstrap_addr = bootstrap_addr;
+  cfg.queue_size = 2;
+  cfg.engine_cfg.timeout_ms = 5000;
+  assert_int_equal(kvf_manager_create(&cfg, &bufs, &f->m), 0);
+}
+
+static void fx_decode(fixture *f) {
+  kvf_engine_config ec;
+  kvf_engine_config_init(&ec);
+  ec.timeout_ms = 5000;
+  assert_int_equal(kvf_engine_create(&ec, &f->eng), 0);
+  snprintf(f->session, sizeof f->session, "%s", kvf_engine_session_id(f->eng));
+  for (int b = 0; b < NKV; b++) {
+    f->dbuf[b] = calloc(NPAGES, ITEM);
+    assert_non_null(f->dbuf[b]);
+    assert_int_equal(kvf_engine_register(f->eng, f->dbuf[b], NPAGES * ITEM), 0);
+  }
+  kvf_engine_sync(f->eng);
+  f->zctx = zmq_ctx_new();
+  f->pull = zmq_socket(f->zctx, ZMQ_PULL);
+  f->push = zmq_socket(f->zctx, ZMQ_PUSH);
+  int linger = 0;
+  zmq_setsockopt(f->pull, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(f->push, ZMQ_LINGER, &linger, sizeof linger);
+  assert_int_equal(zmq_bind(f->pull, "tcp://127.0.0.1:*"), 0);
+  char ep[128];
+  size_t len = sizeof ep;
+  assert_int_equal(zmq_getsockopt(f->pull, ZMQ_LAST_ENDPOINT, ep, &len), 0);
+  f->pull_port = (uint16_t)atoi(strrchr(ep, ':') + 1);
+  snprintf(ep, sizeof ep, "tcp://127.0.0.1:%u", (unsigned)f->m->rank_port);
+  assert_int_equal(zmq_connect(f->push, ep), 0);
+}
+
+static void fx_setup(fixture *f, const char *bootstrap_addr) {
+  memset(f, 0, sizeof *f);
+  fx_manager(f, bootstrap_addr);
+  fx_decode(f);
+}
+
+static void fx_teardown(fixture *f) {
+  kvf_manager_destroy(f->m);
+  zmq_close(f->pull);
+  zmq_close(f->push);
+  zmq_ctx_term(f->zctx);
+  kvf_engine_destroy(f->eng);
+  for (int b = 0; b < NKV; b++) free(f->pbuf[b]), free(f->dbuf[b]);
+}
+
+static void send_frames(fixture *f, const wire_frame *fr, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    assert_true(zmq_send(f->push, fr[i].data, fr[i].len, i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
+}
+
+static void send_msg(fixture *f, const wire_msg *msg) { send_frames(f, msg->frames, msg->nframes); }
+
+static uint64_t stat_received(fixture *f) {
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f->m, &st);
+  return st.messages_received;
+}
+static uint64_t stat_malformed(fixture *f) {
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f->m, &st);
+  return st.messages_malformed;
+}
+
+/* Wait (bounded) until the listener has counted `want` accepted messages. */
+static void wait_received(fixture *f, uint64_t want) {
+  int64_t end = clock_now_ns() + 5000000000LL;
+  while (stat_received(f) < want && clock_now_ns() < end) sleep_ms(2);
+  assert_true(stat_received(f) >= want);
+}
+static void wait_malformed(fixture *f, uint64_t want) {
+  int64_t end = clock_now_ns() + 5000000000LL;
+  while (stat_malformed(f) < want && clock_now_ns() < end) sleep_ms(2);
+  assert_true(stat_malformed(f) >= want);
+}
+
+static void send_m1(fixture *f) {
+  uint64_t ptrs[NKV];
+  for (int b = 0; b < NKV; b++) ptrs[b] = (uint64_t)(uintptr_t)f->dbuf[b];
+  wire_m1 m1;
+  memset(&m1, 0, sizeof m1);
+  snprintf(m1.endpoint, sizeof m1.endpoint, "127.0.0.1");
+  m1.dst_port = f->pull_port;
+  snprintf(m1.session, sizeof m1.session, "%s", f->session);
+  m1.kv_ptrs = wire_array_of(ptrs, NKV);
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m1_encode(&m1, &msg, why), 0);
+  send_msg(f, &msg);
+  wire_msg_free(&msg);
+}
+
+static void send_m2(fixture *f, int64_t room, const int64_t *dst, size_t n) {
+  wire_m2 m2;
+  memset(&m2, 0, sizeof m2);
+  m2.room = room;
+  snprintf(m2.endpoint, sizeof m2.endpoint, "127.0.0.1");
+  m2.dst_port = f->pull_port;
+  snprintf(m2.session, sizeof m2.session, "%s", f->session);
+  m2.required_dst_info_num = 1;
+  m2.kv_indices = wire_array_of(dst, n);
+  m2.dst_aux_index = 0;
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m2_encode(&m2, &msg, why), 0);
+  send_msg(f, &msg);
+  wire_msg_free(&msg);
+}
+
+/* Receive one M3 within 5 s; copies candidates into cands (cap 8). */
+static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
+  zmq_msg_t parts[8];
+  size_t n = 0;
+  zmq_pollitem_t pi = {.socket = f->pull, .events = ZMQ_POLLIN};
+  assert_int_equal(zmq_poll(&pi, 1, 5000), 1);
+  int more = 1;
+  while (more && n < 8) {
+    zmq_msg_init(&parts[n]);
+    assert_true(zmq_msg_recv(&parts[n], f->pull, 0) >= 0);
+    more = zmq_msg_more(&parts[n]);
+    n++;
+  }
+  wire_frame fr[8];
+  for (size_t i = 0; i < n; i++) fr[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m3_decode(fr, n, out, why), 0);
+  *ncand = out->candidates.count < 8 ? out->candidates.count : 8;
+  for (size_t i = 0; i < *ncand; i++) cands[i] = wire_i32_at(out->candidates, i);
+  out->candidates = wire_array_of(NULL, 0);
+  for (size_t i = 0; i < n; i++) zmq_msg_close(&parts[i]);
+}
+
+static int wait_final(kvf_sender *s, int ms) {
+  int64_t end = clock_now_ns() + (int64_t)ms * 1000000;
+  int st = kvf_sender_poll(s);
+  while (st != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED && clock_now_ns() < end) {
+    sleep_ms(2);
+    st = kvf_sender_poll(s);
+  }
+  return st;
+}
+
+static void check_pages(fixture *f, const int64_t *src, const int64_t *dst, size_t n) {
+  kvf_engine_sync(f->eng);
+  for (int b = 0; b < NKV; b++)
+    for (size_t k = 0; k < n; k++)
+      assert_memory_equal(f->dbuf[b] + dst[k] * ITEM, f->pbuf[b] + src[k] * ITEM, ITEM);
+}
+
+static void expect_success_m3(fixture *f, int64_t room, int64_t token, const int32_t *cands, size_t ncand) {
+  wire_m3 m3;
+  int32_t got[8];
+  size_t ng = 0;
+  recv_m3(f, &m3, got, &ng);
+  assert_int_equal(m3.room, room);
+  assert_int_equal(m3.status, WIRE_STATUS_SUCCESS);
+  assert_int_equal(m3.prefill_rank, 0);
+  assert_int_equal(m3.bootstrap_token, token);
+  assert_int_equal(ng, ncand);
+  for (size_t i = 0; i < ncand; i++) assert_int_equal(got[i], cands[i]);
+}
+
+/* ---------------------------------------------------------------- tests */
+
+static void one_chunk(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 7, &s), 0);
+  assert_int_equal(kvf_sender_create(f.m, 7, &(kvf_sender *){NULL}), KVF_EEXIST);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+  int64_t src[] = {0, 1, 2, 7, 8}, dst[] = {3, 4, 5, 9, 15};
+  send_m1(&f);
+  send_m2(&f, 7, dst, 5);
+  wait_received(&f, 2);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
+  int32_t cands[] = {11, 12, 13};
+  assert_int_equal(kvf_sender_send(s, src, 5, 1, 0, 42, cands, 3, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 7, 42, cands, 3);
+  check_pages(&f, src, dst, 5);
+  /* untouched page stays zero */
+  uint8_t zero[ITEM] = {0};
+  assert_memory_equal(f.dbuf[0] + 0 * ITEM, zero, ITEM);
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.chunks_sent, 1);
+  assert_int_equal(st.bytes_sent, 5 * ITEM * NKV);
+  assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), KVF_ESTATE);
+  kvf_sender_destroy(s);
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.live_rooms, 0);
+  fx_teardown(&f);
+}
+
+static void many_chunks(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  int64_t src[] = {10, 11, 12, 4, 5, 6, 0}, dst[] = {0, 1, 2, 3, 8, 9, 14};
+  send_m1(&f);
+  send_m2(&f, -3, dst, 7); /* M2 before the sender: stored as an early room */
+  wait_received(&f, 2);
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, -3, &s), 0);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
+  assert_int_equal(kvf_sender_send(s, src, 3, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(kvf_sender_send(s, src + 3, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(kvf_sender_send(s, src + 5, 2, 1, 3, 99, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, -3, 99, NULL, 0);
+  check_pages(&f, src, dst, 7);
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.chunks_sent, 3);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+/* A chunk submitted before the M2 waits on the room and completes after. */
+static void chunk_waits_for_m2(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 100, &s), 0);
+  int64_t src[] = {5, 6}, dst[] = {1, 2};
+  assert_int_equal(kvf_sender_send(s, src, 2, 1, 0, 5, NULL, 0, NULL, 0), 0);
+  sleep_ms(100);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+  send_m1(&f);
+  send_m2(&f, 100, dst, 2);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 100, 5, NULL, 0);
+  check_pages(&f, src, dst, 2);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+static void bootstrap_timeout(void **state) {
+  (void)state;
+  setenv("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "1", 1);
+  fixture f;
+  fx_setup(&f, "");
+  unsetenv("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 5, &s), 0);
+  int64_t src[] = {1};
+  assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(wait_final(s, 4000), KVF_POLL_FAILED);
+  assert_true(clock_now_ns() - t0 >= 500000000LL);
+  char why[256];
+  kvf_sender_failure(s, why, sizeof why);
+  assert_non_null(strstr(why, "Request 5 timed out after 1.0s in TransferPoll.Bootstrapping"));
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+static void malformed_and_unregistered(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  /* M1 with a non-numeric port, M2 with a short index frame, a lone frame */
+  wire_frame bad1[] = {{(const uint8_t *)"None", 4}, {(const uint8_t *)"127.0.0.1", 9}, {(const uint8_t *)"x", 1},
+                       {(const uint8_t *)"1.2.3.4:5", 9}, {NULL, 0}, {NULL, 0}};
+  send_frames(&f, bad1, 6);
+  wire_frame bad2[] = {{(const uint8_t *)"3", 1}, {(const uint8_t *)"127.0.0.1", 9}, {(const uint8_t *)"9", 1},
+                       {(const uint8_t *)"1.2.3.4:5", 9}, {(const uint8_t *)"abc", 3}, {(const uint8_t *)"0", 1},
+                       {(const uint8_t *)"1", 1}};
+  send_frames(&f, bad2, 7);
+  wire_frame bad3[] = {{(const uint8_t *)"junk", 4}};
+  send_frames(&f, bad3, 1);
+  wait_malformed(&f, 3);
+  /* M2 from a session that never sent M1: rejected, room stays Bootstrapping */
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 1, &s), 0);
+  int64_t dst[] = {0};
+  send_m2(&f, 1, dst, 1);
+  wait_malformed(&f, 4);
+  assert_int_equal(stat_received(&f), 0);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+  /* the listener still works */
+  send_m1(&f);
+  send_m2(&f, 1, dst, 1);
+  int64_t src[] = {3};
+  assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 1, -1, NULL, 0);
+  check_pages(&f, src, dst, 1);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+/* Decode indices past the decode's registered buffer: the engine refuses,
+ * the room fails with a reason and the decode gets M3 Failed. */
+static void refused_write_fails_room(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 9, &s), 0);
+  int64_t src[] = {0, 1}, dst[] = {NPAGES - 1, NPAGES + 100};
+  send_m1(&f);
+  send_m2(&f, 9, dst, 2);
+  assert_int_equal(kvf_sender_send(s, src, 2, 1, 0, 3, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 8000), KVF_POLL_FAILED);
+  char why[256];
+  kvf_sender_failure(s, why, sizeof why);
+  char want[128];
+  snprintf(want, sizeof want, "Failed to send kv chunk of 9 to 127.0.0.1:%u", (unsigned)f.pull_port);
+  assert_non_null(strstr(why, want));
+  wire_m3 m3;
+  int32_t c[8];
+  size_t nc;
+  recv_m3(&f, &m3, c, &nc);
+  assert_int_equal(m3.room, 9);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  assert_int_equal(m3.bootstrap_token, -1);
+  kvf_engine_stats es;
+  kvf_engine_get_stats(f.eng, &es);
+  assert_true(es.batches_refused >= 1);
+  /* the session is now marked failed: the next room to it fails at once */
+  kvf_sender *s2 = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 10, &s2), 0);
+  int64_t ok_dst[] = {2};
+  send_m2(&f, 10, ok_dst, 1);
+  assert_int_equal(kvf_sender_send(s2, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s2, 5000), KVF_POLL_FAILED);
+  kvf_sender_failure(s2, why, sizeof why);
+  assert_non_null(strstr(why, "is not alive"));
+  recv_m3(&f, &m3, c, &nc);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  /* a new M1 clears the mark */
+  kvf_sender *s3 = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 11, &s3), 0);
+  send_m1(&f);
+  send_m2(&f, 11, ok_dst, 1);
+  assert_int_equal(kvf_sender_send(s3, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s3, 5000), KVF_POLL_SUCCESS);
+  kvf_sender_destroy(s);
+  kvf_sender_destroy(s2);
+  kvf_sender_destroy(s3);
+  fx_teardown(&f);
+}
+
+static void abort_tells_decode(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 21, &s), 0);
+  int64_t dst[] = {1};
+  send_m1(&f);
+  send_m2(&f, 21, dst, 1);
+  wait_received(&f, 2);
+  kvf_sender_abort(s, "scheduler gave up");
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_FAILED);
+  char why[128];
+  kvf_sender_failure(s, why, sizeof why);
+  assert_string_equal(why, "scheduler gave up");
+  wire_m3 m3;
+  int32_t c[8];
+  size_t nc;
+  recv_m3(&f, &m3, c, &nc);
+  assert_int_equal(m3.room, 21);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+/* Senders created and destroyed, some with chunks pending or queued. */
+static void many_senders(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  send_m1(&f);
+  wait_received(&f, 1);
+  int64_t src[] = {1, 2}, dst[] = {3, 4};
+  for (int i = 0; i < 1000; i++) {
+    kvf_sender *s = NULL;
+    assert_int_equal(kvf_sender_create(f.m, 1000 + i, &s), 0);
+    if (i % 3 == 0) assert_int_equal(kvf_sender_send(s, src, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+    if (i % 10 == 0) {
+      send_m2(&f, 1000 + i, dst, 2); /* may arrive before or after the destroy */
+      assert_int_equal(kvf_sender_send(s, src, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+    }
+    kvf_sender_destroy(s);
+  }
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.live_rooms, 0);
+  /* and the same ids are usable again */
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 1000, &s), 0);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+static void registers_with_bootstrap(void **state) {
+  (void)state;
+  kvf_bootstrap_server_config bc;
+  kvf_bootstrap_server_config_init(&bc);
+  bc.host = "127.0.0.1";
+  bc.port = 0;
+  bc.auth_token = "";
+  kvf_bootstrap_server *srv = NULL;
+  assert_int_equal(kvf_bootstrap_server_start(&bc, &srv), 0);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%u", (unsigned)kvf_bootstrap_server_port(srv));
+  fixture f;
+  fx_setup(&f, addr);
+  /* the rank is now findable: GET the rank lookup */
+  bootstrap_client *c = NULL;
+  assert_int_equal(bootstrap_client_create(addr, NULL, &c), 0);
+  char ip[64];
+  int port = 0;
+  assert_int_equal(bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), 0);
+  assert_string_equal(ip, "127.0.0.1");
+  assert_int_equal(port, f.m->rank_port);
+  bootstrap_client_destroy(c);
+  fx_teardown(&f);
+  kvf_bootstrap_server_stop(srv);
+  /* an unreachable bootstrap server fails manager creation */
+  setenv("KVFERRY_BOOTSTRAP_TIMEOUT_MS", "200", 1);
+  uint64_t lens[1] = {ITEM}, items[1] = {ITEM};
+  uint8_t buf[ITEM];
+  void *ptrs[1] = {buf};
+  kvf_kv_buffers bufs = {.n_kv = 1, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  cfg.role = KVF_ROLE_PREFILL;
+  cfg.bootstrap_addr = addr; /* stopped above */
+  cfg.http_timeout_ms = 200;
+  kvf_manager *m = NULL;
+  assert_int_not_equal(kvf_manager_create(&cfg, &bufs, &m), 0);
+  assert_null(m);
+  unsetenv("KVFERRY_BOOTSTRAP_TIMEOUT_MS");
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(one_chunk),
+      cmocka_unit_test(many_chunks),
+      cmocka_unit_test(chunk_waits_for_m2),
+      cmocka_unit_test(bootstrap_timeout),
+      cmocka_unit_test(malformed_and_unregistered),
+      cmocka_unit_test(refused_write_fails_room),
+      cmocka_unit_test(abort_tells_decode),
+      cmocka_unit_test(many_senders),
+      cmocka_unit_test(registers_with_bootstrap),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
