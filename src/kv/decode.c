@@ -109,7 +109,9 @@ struct kvf_receiver {
   kvf_manager *m;
   int64_t room;
   char addr[DECODE_ADDR_MAX];
-  uint64_t epoch;   /* of the addr_entry the receiver was built from; 0 = none */
+  /* Of the addr_entry the receiver was built from; 0 = none. Atomic: the
+   * heartbeat's node-failure predicate reads it while create may set it. */
+  _Atomic uint64_t epoch;
   pool_entry *pool; /* NULL when construction failed */
 };
 
@@ -377,7 +379,7 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
   if (p) {
     atomic_fetch_add(&p->refs, 1);
     r->pool = p;
-    r->epoch = epoch;
+    atomic_store(&r->epoch, epoch);
     pthread_mutex_unlock(&ds->lock);
     goto cleanup;
   }
@@ -396,20 +398,26 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
 
   pthread_mutex_lock(&ds->lock);
   a = smap_get(&ds->infos, r->addr);
+  if (!a || a->epoch != epoch) {
+    /* The heartbeat declared the address dead while we were resolving; its
+     * sweep could not see this receiver yet, so fail it here. */
+    pthread_mutex_unlock(&ds->lock);
+    set_reason(reason, rcap, "Losing connection with prefill instance (bootstrap_addr: %s)", r->addr);
+    rc = KVF_ECLOSED;
+    goto cleanup;
+  }
   p = smap_get(&ds->pools, key);
   if (p) {
     atomic_fetch_add(&p->refs, 1);
     r->pool = p;
   } else {
     r->pool = np;
-    /* Cache only while the address entry we planned from is still current;
-     * otherwise the heartbeat already declared it dead. */
-    if (a && a->epoch == epoch && smap_size(&ds->pools) < DECODE_MAX_POOLS &&
-        !smap_put(&ds->pools, key, np, NULL))
+    /* Past the bound the entry is used uncached: correct, only slower. */
+    if (smap_size(&ds->pools) < DECODE_MAX_POOLS && !smap_put(&ds->pools, key, np, NULL))
       atomic_fetch_add(&np->refs, 1);
     np = NULL;
   }
-  r->epoch = epoch;
+  atomic_store(&r->epoch, epoch);
   pthread_mutex_unlock(&ds->lock);
 
 cleanup:
@@ -593,7 +601,9 @@ static int match_dead(int64_t room, void *user, void *arg) {
   (void)room;
   const kvf_receiver *r = user;
   const dead_addr *d = arg;
-  return r && r->epoch && r->epoch <= d->epoch && !strcmp(r->addr, d->addr);
+  if (!r) return 0;
+  uint64_t e = atomic_load(&r->epoch);
+  return e && e <= d->epoch && !strcmp(r->addr, d->addr);
 }
 
 /* §7.2, with exact address matching: drop the address's cache entries,
