@@ -10,6 +10,7 @@
 #define KVFERRY_H
 
 #include "kvferry/common.h"
+#include "kvferry/bootstrap.h"
 #include "kvferry/engine.h"
 
 #endif

@@ -1,0 +1,55 @@
+/*
+ * The bootstrap server: the HTTP rendezvous point of one prefill instance
+ * (tokenspeed's `--disaggregation-bootstrap-port`, PROTOCOL §4). Prefill ranks
+ * PUT /route their ZMQ address; decode ranks GET the parallel layout and the
+ * address of the prefill rank they need; GET /health is the decode heartbeat.
+ * The wire format is the reference's, so tokenspeed peers can use a kvferry
+ * server. Unlike the reference it answers 404 for unknown ranks, 400 for bad
+ * input, 413 for oversized bodies, can require a bearer token for PUT, and
+ * exports counters on GET /metrics (Prometheus text format).
+ */
+#ifndef KVFERRY_BOOTSTRAP_H
+#define KVFERRY_BOOTSTRAP_H
+
+#include "kvferry/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvf_bootstrap_server kvf_bootstrap_server;
+
+typedef struct kvf_bootstrap_server_config {
+  const char *host;       /* address to bind; default "0.0.0.0" (all IPv4 interfaces, as the reference);
+                             an IPv6 literal such as "::" binds IPv6 */
+  uint16_t port;          /* default 8998; 0 = any free port (see kvf_bootstrap_server_port) */
+  const char *auth_token; /* bearer token PUT /route must carry; NULL = $KVFERRY_BOOTSTRAP_TOKEN,
+                             "" = none. GETs and HEADs stay open. */
+  size_t max_body;        /* largest PUT body accepted, bytes; default 65536, 413 beyond */
+  unsigned max_conns;     /* concurrent connections; default 256 */
+  unsigned idle_timeout_s; /* a connection idle this long is closed; default 30 */
+} kvf_bootstrap_server_config;
+
+/* Fill `cfg` with the defaults above. */
+void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg);
+
+/* Bind and start serving on an internal thread. `cfg` may be NULL for the
+ * defaults; it is only read during the call (strings are copied). On success
+ * the caller owns *out and must release it with kvf_bootstrap_server_stop.
+ * Errors: KVF_EINVAL (bad host or config), KVF_EIO (bind failed, e.g. port in
+ * use), KVF_ENOMEM. Any thread. */
+int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg, kvf_bootstrap_server **out);
+
+/* The port the server listens on (the chosen one when cfg->port was 0).
+ * Any thread, while the server exists. */
+uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv);
+
+/* Stop serving, close every connection and free the server; requests in
+ * progress finish first. NULL is ignored. Call once, from any thread except a
+ * request handler, with no other call on `srv` in progress. */
+void kvf_bootstrap_server_stop(kvf_bootstrap_server *srv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,494 @@
+/* The bootstrap HTTP rendezvous server (PROTOCOL §4) on libmicrohttpd. One
+ * internal polling thread serves every connection: each request is a table
+ * lookup or a small JSON parse, so a thread pool would only add hand-offs,
+ * and MHD's event loop keeps a slow client from blocking the others. The
+ * routing table is sized once, from the first registration's world size
+ * (bounded by the PUT parser), and never grows afterwards; a mutex guards it
+ * because the public API promises nothing about which thread MHD calls us on.
+ * Every rejected request is counted by kind for GET /metrics and logged once
+ * per peer and kind. */
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+
+#include "base/log.h"
+#include "bootstrap/bootstrap.h"
+#include "kvferry/bootstrap.h"
+#include "wire/route_json.h"
+
+#define COMP "bootstrap"
+#define DEFAULT_PORT 8998
+#define DEFAULT_MAX_BODY (64u * 1024)
+#define DEFAULT_MAX_CONNS 256
+#define DEFAULT_IDLE_S 30
+
+/* Rejection kinds, the label values of kvferry_bootstrap_errors_total. */
+enum { ERR_BAD_REQUEST, ERR_NOT_FOUND, ERR_METHOD, ERR_TOO_LARGE, ERR_UNAUTHORIZED, ERR_CONFLICT, ERR_NKINDS };
+static const char *const err_names[ERR_NKINDS] = {"bad_request", "not_found",    "method",
+                                                  "too_large",   "unauthorized", "conflict"};
+
+typedef struct rank_entry {
+  int set;
+  int port;
+  char ip[ROUTE_IP_MAX + 1];
+} rank_entry;
+
+struct kvf_bootstrap_server {
+  struct MHD_Daemon *mhd;
+  uint16_t port;
+  char *token; /* NULL = PUT is open */
+  size_t max_body;
+
+  pthread_mutex_t lock;
+  /* Guarded by lock. Sizes are -1 until the first PUT, then frozen. */
+  int64_t world_size, dp_size, tp;
+  rank_entry *table; /* [dp_group * tp + tp_rank], world_size entries */
+  int64_t ranks_set;
+  int enable_mla_l1_5_cache;
+  route_lens lists[ROUTE_NLISTS]; /* owned; present = sent at least once */
+
+  atomic_uint_fast64_t registrations, lookups, parallel_infos, health_checks;
+  atomic_uint_fast64_t errors[ERR_NKINDS];
+};
+
+/* Per-request state, from the first handler call to MHD's completion
+ * notification. */
+typedef struct request {
+  int endpoint;
+  char *body;
+  size_t len;
+  int replied; /* a response was queued before the body was read */
+} request;
+
+enum { EP_ROUTE, EP_HEALTH, EP_METRICS, EP_UNKNOWN };
+
+void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->host = "0.0.0.0";
+  cfg->port = DEFAULT_PORT;
+  cfg->max_body = DEFAULT_MAX_BODY;
+  cfg->max_conns = DEFAULT_MAX_CONNS;
+  cfg->idle_timeout_s = DEFAULT_IDLE_S;
+}
+
+static void peer_name(struct MHD_Connection *conn, char *out, size_t outlen) {
+  const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+  snprintf(out, outlen, "?");
+  if (!ci || !ci->client_addr) return;
+  const struct sockaddr *sa = ci->client_addr;
+  socklen_t salen = sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+  char host[INET6_ADDRSTRLEN], serv[8];
+  if (getnameinfo(sa, salen, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) == 0)
+    snprintf(out, outlen, sa->sa_family == AF_INET6 ? "[%s]:%s" : "%s:%s", host, serv);
+}
+
+static enum MHD_Result send_reply(struct MHD_Connection *conn, unsigned status, const char *ctype,
+                                  const char *body, size_t len, const char *hname, const char *hval) {
+  struct MHD_Response *resp = MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
+  if (!resp) return MHD_NO;
+  MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+  if (hname) MHD_add_response_header(resp, hname, hval);
+  enum MHD_Result r = MHD_queue_response(conn, status, resp);
+  MHD_destroy_response(resp);
+  return r;
+}
+
+static enum MHD_Result send_text(struct MHD_Connection *conn, unsigned status, const char *text) {
+  return send_reply(conn, status, "text/plain; charset=utf-8", text, strlen(text), NULL, NULL);
+}
+
+/* Count and answer a rejected request. The first rejection of each kind from
+ * each peer host is logged at warn; repeats (a misconfigured peer retrying)
+ * only count. A 404 is a normal answer to a decode asking too early, so it
+ * logs at debug. */
+static enum MHD_Result reject(kvf_bootstrap_server *srv, struct MHD_Connection *conn, int kind, unsigned status,
+                              const char *method, const char *url, const char *why, const char *hname,
+                              const char *hval) {
+  atomic_fetch_add(&srv->errors[kind], 1);
+  char peer[INET6_ADDRSTRLEN + 16];
+  peer_name(conn, peer, sizeof peer);
+  if (kind == ERR_NOT_FOUND) {
+    LOG_DEBUG(COMP, "%s %s from %s: %u %s", method, url, peer, status, why);
+  } else {
+    /* Key on the host only: each connection comes from a new port. */
+    char host[sizeof peer];
+    snprintf(host, sizeof host, "%s", peer);
+    char *colon = strrchr(host, ':');
+    if (colon) *colon = '\0';
+    if (log_first_time(log_hash_str(host, 0xb007ULL + (uint64_t)kind)))
+      LOG_WARN(COMP, "rejected %s %s from %s: %u %s (further %s rejections from this host are only counted)",
+               method, url, peer, status, why, err_names[kind]);
+  }
+  return send_reply(conn, status, "text/plain; charset=utf-8", why, strlen(why), hname, hval);
+}
+
+/* Constant-time so the reply time does not reveal how much of a guess was
+ * right. */
+static int token_matches(const char *expected, const char *got) {
+  size_t n = strlen(expected), m = strlen(got);
+  unsigned char diff = (unsigned char)(n != m);
+  for (size_t i = 0; i < n; i++) diff |= (unsigned char)(expected[i] ^ got[i < m ? i : 0]);
+  return diff == 0;
+}
+
+static int authorized(const kvf_bootstrap_server *srv, struct MHD_Connection *conn) {
+  if (!srv->token) return 1;
+  const char *h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+  if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
+  h += 7;
+  while (*h == ' ') h++;
+  return token_matches(srv->token, h);
+}
+
+static void free_lists(route_lens *lists) {
+  for (int i = 0; i < ROUTE_NLISTS; i++) {
+    free(lists[i].v);
+    memset(&lists[i], 0, sizeof lists[i]);
+  }
+}
+
+static enum MHD_Result handle_put(kvf_bootstrap_server *srv, struct MHD_Connection *conn, request *rq,
+                                  const char *url) {
+  route_reg reg;
+  char why[160];
+  if (route_json_parse_put(rq->body, rq->len, &reg, why, sizeof why))
+    return reject(srv, conn, ERR_BAD_REQUEST, MHD_HTTP_BAD_REQUEST, "PUT", url, why, NULL, NULL);
+
+  pthread_mutex_lock(&srv->lock);
+  if (srv->world_size < 0) {
+    rank_entry *t = calloc((size_t)reg.world_size, sizeof *t);
+    if (!t) {
+      pthread_mutex_unlock(&srv->lock);
+      route_reg_free(&reg);
+      return send_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory");
+    }
+    srv->table = t;
+    srv->world_size = reg.world_size;
+    srv->dp_size = reg.dp_size;
+    srv->tp = reg.world_size / reg.dp_size;
+  } else if (reg.world_size != srv->world_size || reg.dp_size != srv->dp_size) {
+    /* The reference keeps the first sizes but places the rank with the new
+     * ones, which silently mis-files it; refusing tells the sender. */
+    snprintf(why, sizeof why, "world_size %lld / dp_size %lld differ from the first registration (%lld / %lld)",
+             (long long)reg.world_size, (long long)reg.dp_size, (long long)srv->world_size,
+             (long long)srv->dp_size);
+    pthread_mutex_unlock(&srv->lock);
+    route_reg_free(&reg);
+    return reject(srv, conn, ERR_CONFLICT, MHD_HTTP_CONFLICT, "PUT", url, why, NULL, NULL);
+  }
+  /* Extras: last writer wins, lists only when sent (as the reference). */
+  srv->enable_mla_l1_5_cache = reg.enable_mla_l1_5_cache;
+  for (int i = 0; i < ROUTE_NLISTS; i++) {
+    if (!reg.lists[i].present) continue;
+    free(srv->lists[i].v);
+    srv->lists[i] = reg.lists[i];
+    memset(&reg.lists[i], 0, sizeof reg.lists[i]);
+  }
+  if (route_reg_is_prefill(&reg)) {
+    int64_t g = reg.engine_rank / srv->tp, t = reg.engine_rank % srv->tp;
+    rank_entry *e = &srv->table[g * srv->tp + t];
+    if (!e->set) srv->ranks_set++;
+    e->set = 1;
+    e->port = (int)reg.rank_port;
+    memcpy(e->ip, reg.rank_ip, sizeof e->ip);
+    LOG_INFO(COMP, "registered prefill rank %lld (dp group %lld, tp rank %lld) at %s:%d",
+             (long long)reg.engine_rank, (long long)g, (long long)t, e->ip, e->port);
+  }
+  pthread_mutex_unlock(&srv->lock);
+  route_reg_free(&reg);
+  atomic_fetch_add(&srv->registrations, 1);
+  return send_text(conn, MHD_HTTP_OK, "OK");
+}
+
+static enum MHD_Result reply_json(struct MHD_Connection *conn, char *json) {
+  if (!json) return send_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory");
+  enum MHD_Result r = send_reply(conn, MHD_HTTP_OK, "application/json; charset=utf-8", json, strlen(json), NULL, NULL);
+  free(json);
+  return r;
+}
+
+static enum MHD_Result handle_get_route(kvf_bootstrap_server *srv, struct MHD_Connection *conn,
+                                        const char *method, const char *url) {
+  const char *rs = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "engine_rank");
+  const char *gs = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "target_dp_group");
+  if (!rs || !*rs || !gs || !*gs)
+    return reject(srv, conn, ERR_BAD_REQUEST, MHD_HTTP_BAD_REQUEST, method, url,
+                  "Missing inputs for bootstrap server.", NULL, NULL);
+  int64_t t, g;
+  if (route_parse_int(rs, strlen(rs), &t) || route_parse_int(gs, strlen(gs), &g))
+    return reject(srv, conn, ERR_BAD_REQUEST, MHD_HTTP_BAD_REQUEST, method, url,
+                  "engine_rank and target_dp_group must be integers", NULL, NULL);
+
+  char *json = NULL;
+  if (t == -1 && g == -1) {
+    route_parallel_info p;
+    memset(&p, 0, sizeof p);
+    pthread_mutex_lock(&srv->lock);
+    p.world_size = srv->world_size;
+    p.dp_size = srv->dp_size;
+    p.enable_mla_l1_5_cache = srv->enable_mla_l1_5_cache;
+    memcpy(p.lists, srv->lists, sizeof p.lists); /* borrowed for the encode only */
+    json = route_json_encode_parallel_info(&p);
+    pthread_mutex_unlock(&srv->lock);
+    atomic_fetch_add(&srv->parallel_infos, 1);
+    return reply_json(conn, json);
+  }
+
+  int found = 0;
+  pthread_mutex_lock(&srv->lock);
+  if (srv->table && g >= 0 && g < srv->dp_size && t >= 0 && t < srv->tp) {
+    const rank_entry *e = &srv->table[g * srv->tp + t];
+    if (e->set) {
+      found = 1;
+      json = route_json_encode_rank(e->ip, e->port);
+    }
+  }
+  pthread_mutex_unlock(&srv->lock);
+  if (!found)
+    return reject(srv, conn, ERR_NOT_FOUND, MHD_HTTP_NOT_FOUND, method, url, "Bootstrap info not Found", NULL,
+                  NULL);
+  atomic_fetch_add(&srv->lookups, 1);
+  return reply_json(conn, json);
+}
+
+/* A fixed buffer that drops what does not fit, for the /metrics page (about
+ * 1.5 KiB; the buffer is sized well past it). */
+typedef struct textbuf {
+  char buf[4096];
+  size_t n;
+} textbuf;
+
+static void appendf(textbuf *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void appendf(textbuf *t, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int w = vsnprintf(t->buf + t->n, sizeof t->buf - t->n, fmt, ap);
+  va_end(ap);
+  if (w > 0) t->n = (size_t)w < sizeof t->buf - t->n ? t->n + (size_t)w : sizeof t->buf - 1;
+}
+
+static void counter(textbuf *t, const char *name, const char *help, atomic_uint_fast64_t *v) {
+  appendf(t, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,
+          (unsigned long long)atomic_load(v));
+}
+
+static enum MHD_Result handle_metrics(kvf_bootstrap_server *srv, struct MHD_Connection *conn) {
+  textbuf t = {.n = 0};
+  pthread_mutex_lock(&srv->lock);
+  long long ranks = (long long)srv->ranks_set, world = (long long)srv->world_size;
+  pthread_mutex_unlock(&srv->lock);
+  counter(&t, "kvferry_bootstrap_registrations_total", "Accepted PUT /route registrations.", &srv->registrations);
+  counter(&t, "kvferry_bootstrap_lookups_total", "Answered rank lookups.", &srv->lookups);
+  counter(&t, "kvferry_bootstrap_parallel_info_total", "Answered parallel-info requests.", &srv->parallel_infos);
+  counter(&t, "kvferry_bootstrap_health_checks_total", "Answered /health probes.", &srv->health_checks);
+  appendf(&t, "# HELP kvferry_bootstrap_errors_total Rejected requests by kind.\n"
+              "# TYPE kvferry_bootstrap_errors_total counter\n");
+  for (int k = 0; k < ERR_NKINDS; k++)
+    appendf(&t, "kvferry_bootstrap_errors_total{kind=\"%s\"} %llu\n", err_names[k],
+            (unsigned long long)atomic_load(&srv->errors[k]));
+  appendf(&t, "# HELP kvferry_bootstrap_registered_ranks Prefill ranks in the routing table.\n"
+              "# TYPE kvferry_bootstrap_registered_ranks gauge\n"
+              "kvferry_bootstrap_registered_ranks %lld\n"
+              "# HELP kvferry_bootstrap_world_size Prefill world size from the first registration (-1 before).\n"
+              "# TYPE kvferry_bootstrap_world_size gauge\n"
+              "kvferry_bootstrap_world_size %lld\n",
+          ranks, world);
+  return send_reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", t.buf, t.n, NULL, NULL);
+}
+
+static int endpoint_of(const char *url) {
+  if (!strcmp(url, "/route")) return EP_ROUTE;
+  if (!strcmp(url, "/health")) return EP_HEALTH;
+  if (!strcmp(url, "/metrics")) return EP_METRICS;
+  return EP_UNKNOWN;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
+                                  const char *version, const char *upload_data, size_t *upload_data_size,
+                                  void **con_cls) {
+  kvf_bootstrap_server *srv = cls;
+  request *rq = *con_cls;
+  int is_get = !strcmp(method, MHD_HTTP_METHOD_GET), is_head = !strcmp(method, MHD_HTTP_METHOD_HEAD);
+  int is_put = !strcmp(method, MHD_HTTP_METHOD_PUT);
+
+  if (!rq) {
+    /* First call: headers only. Everything that can be decided without the
+     * body is decided here, so a refused upload is never read. */
+    rq = calloc(1, sizeof *rq);
+    if (!rq) return MHD_NO;
+    *con_cls = rq;
+    rq->endpoint = endpoint_of(url);
+    if (rq->endpoint == EP_UNKNOWN) {
+      rq->replied = 1;
+      return reject(srv, conn, ERR_NOT_FOUND, MHD_HTTP_NOT_FOUND, method, url, "Not Found", NULL, NULL);
+    }
+    int allowed = is_get || is_head || (is_put && rq->endpoint == EP_ROUTE);
+    if (!allowed) {
+      rq->replied = 1;
+      return reject(srv, conn, ERR_METHOD, MHD_HTTP_METHOD_NOT_ALLOWED, method, url, "Method not allowed",
+                    MHD_HTTP_HEADER_ALLOW, rq->endpoint == EP_ROUTE ? "GET, HEAD, PUT" : "GET, HEAD");
+    }
+    if (is_put && !authorized(srv, conn)) {
+      rq->replied = 1;
+      return reject(srv, conn, ERR_UNAUTHORIZED, MHD_HTTP_UNAUTHORIZED, method, url,
+                    "missing or wrong bearer token", MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    }
+    const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    int64_t declared;
+    if (cl && route_parse_int(cl, strlen(cl), &declared) == 0 && declared > (int64_t)srv->max_body) {
+      rq->replied = 1;
+      return reject(srv, conn, ERR_TOO_LARGE, MHD_HTTP_CONTENT_TOO_LARGE, method, url, "body too large", NULL,
+                    NULL);
+    }
+    return MHD_YES;
+  }
+
+  if (rq->replied) {
+    *upload_data_size = 0;
+    return MHD_YES;
+  }
+  if (*upload_data_size) {
+    size_t n = *upload_data_size;
+    if (n > srv->max_body - rq->len) {
+      /* A chunked body with no Content-Length grew past the bound. MHD can
+       * only queue a reply once the upload is complete, so drop the
+       * connection: nothing more of this body is read or buffered. */
+      atomic_fetch_add(&srv->errors[ERR_TOO_LARGE], 1);
+      char peer[INET6_ADDRSTRLEN + 16];
+      peer_name(conn, peer, sizeof peer);
+      if (log_first_time(log_hash_str(peer, 0xb00fULL)))
+        LOG_WARN(COMP, "closed connection from %s: %s %s body over %zu bytes", peer, method, url, srv->max_body);
+      return MHD_NO;
+    }
+    char *b = realloc(rq->body, rq->len + n + 1);
+    if (!b) return MHD_NO;
+    memcpy(b + rq->len, upload_data, n);
+    rq->body = b;
+    rq->len += n;
+    rq->body[rq->len] = '\0';
+    *upload_data_size = 0;
+    return MHD_YES;
+  }
+
+  /* Last call: the whole request is here. */
+  switch (rq->endpoint) {
+    case EP_HEALTH:
+      atomic_fetch_add(&srv->health_checks, 1);
+      return send_text(conn, MHD_HTTP_OK, "OK");
+    case EP_METRICS:
+      return handle_metrics(srv, conn);
+    default:
+      return is_put ? handle_put(srv, conn, rq, url) : handle_get_route(srv, conn, method, url);
+  }
+}
+
+static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                         enum MHD_RequestTerminationCode toe) {
+  request *rq = *con_cls;
+  if (!rq) return;
+  free(rq->body);
+  free(rq);
+  *con_cls = NULL;
+}
+
+static void mhd_log(void *cls, const char *fmt, va_list ap) {
+  char msg[512];
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  size_t n = strlen(msg);
+  while (n && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = '\0';
+  LOG_INFO(COMP, "libmicrohttpd: %s", msg);
+}
+
+static int resolve_bind(const char *host, uint16_t port, struct sockaddr_storage *ss) {
+  struct addrinfo hints, *res = NULL;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  char serv[8];
+  snprintf(serv, sizeof serv, "%u", (unsigned)port);
+  int rc = getaddrinfo(host, serv, &hints, &res);
+  if (rc || !res) {
+    LOG_ERROR(COMP, "cannot resolve bind host '%s': %s", host, gai_strerror(rc));
+    return KVF_EINVAL;
+  }
+  memcpy(ss, res->ai_addr, res->ai_addrlen);
+  freeaddrinfo(res);
+  return 0;
+}
+
+int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg_in, kvf_bootstrap_server **out) {
+  kvf_bootstrap_server_config cfg;
+  if (cfg_in) {
+    cfg = *cfg_in;
+  } else {
+    kvf_bootstrap_server_config_init(&cfg);
+  }
+  if (!out) return KVF_EINVAL;
+  if (!cfg.host || !*cfg.host) cfg.host = "0.0.0.0";
+  if (!cfg.max_body) cfg.max_body = DEFAULT_MAX_BODY;
+  if (!cfg.max_conns) cfg.max_conns = DEFAULT_MAX_CONNS;
+  if (!cfg.idle_timeout_s) cfg.idle_timeout_s = DEFAULT_IDLE_S;
+  const char *token = cfg.auth_token ? cfg.auth_token : getenv("KVFERRY_BOOTSTRAP_TOKEN");
+
+  int rc = KVF_ENOMEM;
+  kvf_bootstrap_server *srv = calloc(1, sizeof *srv);
+  if (!srv) return KVF_ENOMEM;
+  srv->max_body = cfg.max_body;
+  srv->world_size = srv->dp_size = srv->tp = -1;
+  if (token && *token && !(srv->token = strdup(token))) goto err_free_srv;
+  if (pthread_mutex_init(&srv->lock, NULL)) {
+    rc = KVF_EIO;
+    goto err_free_token;
+  }
+
+  struct sockaddr_storage ss;
+  if ((rc = resolve_bind(cfg.host, cfg.port, &ss))) goto err_destroy_lock;
+  unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | MHD_USE_ERROR_LOG;
+  if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
+  srv->mhd = MHD_start_daemon(flags, cfg.port, NULL, NULL, on_request, srv,
+                              MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
+                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg.max_conns,
+                              MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)cfg.idle_timeout_s,
+                              MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
+                              MHD_OPTION_EXTERNAL_LOGGER, mhd_log, srv,
+                              MHD_OPTION_END);
+  if (!srv->mhd) {
+    LOG_ERROR(COMP, "cannot listen on %s:%u (port in use or address not local?)", cfg.host, (unsigned)cfg.port);
+    rc = KVF_EIO;
+    goto err_destroy_lock;
+  }
+  const union MHD_DaemonInfo *di = MHD_get_daemon_info(srv->mhd, MHD_DAEMON_INFO_BIND_PORT);
+  srv->port = di && di->port ? di->port : cfg.port;
+  LOG_INFO(COMP, "listening on %s:%u%s", cfg.host, (unsigned)srv->port, srv->token ? " (PUT needs a token)" : "");
+  *out = srv;
+  return 0;
+
+err_destroy_lock:
+  pthread_mutex_destroy(&srv->lock);
+err_free_token:
+  free(srv->token);
+err_free_srv:
+  free(srv);
+  return rc;
+}
+
+uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv) { return srv ? srv->port : 0; }
+
+void kvf_bootstrap_server_stop(kvf_bootstrap_server *srv) {
+  if (!srv) return;
+  MHD_stop_daemon(srv->mhd);
+  free(srv->table);
+  free_lists(srv->lists);
+  pthread_mutex_destroy(&srv->lock);
+  free(srv->token);
+  free(srv);
+}
