@@ -1,0 +1,388 @@
+"""Loading libkvferry.so and declaring its C API for ctypes.
+
+The structures below mirror include/kvferry/*.h field for field; ctypes lays
+them out with the platform's C alignment rules, so the padding the compiler
+inserts (after a uint16_t port, after an int before a pointer) is reproduced
+as long as the field order and types match the header. tests/python checks
+the offsets against the C compiler.
+"""
+
+import ctypes
+import ctypes.util
+import os
+
+c_u8p = ctypes.POINTER(ctypes.c_uint8)
+c_u64p = ctypes.POINTER(ctypes.c_uint64)
+c_i64p = ctypes.POINTER(ctypes.c_int64)
+c_i32p = ctypes.POINTER(ctypes.c_int32)
+c_u32p = ctypes.POINTER(ctypes.c_uint32)
+
+# Error codes (include/kvferry/common.h).
+KVF_OK = 0
+KVF_EINVAL = -1
+KVF_ENOMEM = -2
+KVF_EIO = -3
+KVF_ETIMEDOUT = -4
+KVF_ECLOSED = -5
+KVF_EACCES = -6
+KVF_ERANGE = -7
+KVF_ENOTFOUND = -8
+KVF_EBUSY = -9
+KVF_EPROTO = -10
+KVF_ECONNREFUSED = -11
+KVF_ESTATE = -12
+KVF_EEXIST = -13
+KVF_ETOOBIG = -14
+
+KVF_ROLE_PREFILL = 0
+KVF_ROLE_DECODE = 1
+
+
+class kvf_engine_config(ctypes.Structure):
+    _fields_ = [
+        ("host", ctypes.c_char_p),
+        ("port", ctypes.c_uint16),
+        ("transport", ctypes.c_char_p),
+        ("auth_token", ctypes.c_char_p),
+        ("timeout_ms", ctypes.c_int),
+        ("conns_per_peer", ctypes.c_int),
+        ("max_inbound_conns", ctypes.c_int),
+    ]
+
+
+class kvf_write(ctypes.Structure):
+    _fields_ = [
+        ("src", ctypes.c_uint64),
+        ("dst", ctypes.c_uint64),
+        ("len", ctypes.c_uint64),
+        ("count", ctypes.c_uint64),
+        ("src_stride", ctypes.c_uint64),
+        ("dst_stride", ctypes.c_uint64),
+    ]
+
+
+class kvf_engine_stats(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "batches_sent",
+            "bytes_sent",
+            "batches_failed",
+            "batches_received",
+            "bytes_received",
+            "batches_refused",
+            "auth_refused",
+            "protocol_errors",
+            "conns_refused",
+        )
+    ]
+
+
+class kvf_bootstrap_server_config(ctypes.Structure):
+    _fields_ = [
+        ("host", ctypes.c_char_p),
+        ("port", ctypes.c_uint16),
+        ("auth_token", ctypes.c_char_p),
+        ("max_body", ctypes.c_size_t),
+        ("max_conns", ctypes.c_uint),
+        ("idle_timeout_s", ctypes.c_uint),
+    ]
+
+
+class kvf_kv_buffers(ctypes.Structure):
+    _fields_ = [
+        ("n_kv", ctypes.c_size_t),
+        ("kv_ptrs", ctypes.POINTER(ctypes.c_void_p)),
+        ("kv_lens", c_u64p),
+        ("kv_item_lens", c_u64p),
+        ("kv_unit_lens", c_u64p),
+        ("n_layers", ctypes.c_size_t),
+        ("layer_buf_start", c_u32p),
+        ("layer_bufs", c_u32p),
+        ("n_state", ctypes.c_size_t),
+        ("state_ptrs", ctypes.POINTER(ctypes.c_void_p)),
+        ("state_lens", c_u64p),
+        ("state_item_lens", c_u64p),
+        ("state_unit_lens", c_u64p),
+    ]
+
+
+class kvf_manager_config(ctypes.Structure):
+    _fields_ = [
+        ("role", ctypes.c_int),
+        ("host", ctypes.c_char_p),
+        ("engine_rank", ctypes.c_int),
+        ("world_size", ctypes.c_int),
+        ("dp_size", ctypes.c_int),
+        ("page_size", ctypes.c_int),
+        ("is_mla", ctypes.c_int),
+        ("bootstrap_addr", ctypes.c_char_p),
+        ("bootstrap_token", ctypes.c_char_p),
+        ("engine", ctypes.c_void_p),
+        ("engine_cfg", kvf_engine_config),
+        ("bootstrap_timeout_s", ctypes.c_double),
+        ("waiting_timeout_s", ctypes.c_double),
+        ("heartbeat_interval_s", ctypes.c_double),
+        ("heartbeat_max_failures", ctypes.c_int),
+        ("failed_session_ttl_s", ctypes.c_double),
+        ("queue_size", ctypes.c_int),
+        ("http_timeout_ms", ctypes.c_int),
+        ("max_rooms", ctypes.c_size_t),
+    ]
+
+
+class kvf_manager_stats(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "messages_received",
+            "messages_malformed",
+            "messages_unknown_room",
+            "live_rooms",
+            "chunks_sent",
+            "bytes_sent",
+            "heartbeat_failures",
+            "node_failures",
+        )
+    ]
+
+
+# Every struct the binding passes by pointer, for the layout test.
+STRUCTS = {
+    "kvf_engine_config": kvf_engine_config,
+    "kvf_write": kvf_write,
+    "kvf_engine_stats": kvf_engine_stats,
+    "kvf_bootstrap_server_config": kvf_bootstrap_server_config,
+    "kvf_kv_buffers": kvf_kv_buffers,
+    "kvf_manager_config": kvf_manager_config,
+    "kvf_manager_stats": kvf_manager_stats,
+}
+
+_vp = ctypes.c_void_p
+_int = ctypes.c_int
+_cp = ctypes.c_char_p
+_sz = ctypes.c_size_t
+_i64 = ctypes.c_int64
+
+# name: (restype, argtypes). Handles are opaque void pointers.
+_PROTOTYPES = {
+    "kvf_strerror": (_cp, [_int]),
+    "kvf_set_log_level": (None, [_int]),
+    "kvf_version": (_cp, []),
+    # engine
+    "kvf_engine_config_init": (None, [ctypes.POINTER(kvf_engine_config)]),
+    "kvf_engine_create": (_int, [ctypes.POINTER(kvf_engine_config), ctypes.POINTER(_vp)]),
+    "kvf_engine_destroy": (None, [_vp]),
+    "kvf_engine_session_id": (_cp, [_vp]),
+    "kvf_engine_port": (ctypes.c_uint16, [_vp]),
+    "kvf_engine_register": (_int, [_vp, _vp, _sz]),
+    "kvf_engine_unregister": (_int, [_vp, _vp]),
+    "kvf_engine_write": (_int, [_vp, _cp, _vp, _sz]),
+    "kvf_engine_submit": (_int, [_vp, _cp, _vp, _sz, ctypes.POINTER(_vp)]),
+    "kvf_batch_poll": (_int, [_vp]),
+    "kvf_batch_wait": (_int, [_vp, _int]),
+    "kvf_batch_free": (None, [_vp]),
+    "kvf_engine_sync": (None, [_vp]),
+    "kvf_engine_get_stats": (None, [_vp, ctypes.POINTER(kvf_engine_stats)]),
+    # bootstrap server
+    "kvf_bootstrap_server_config_init": (None, [ctypes.POINTER(kvf_bootstrap_server_config)]),
+    "kvf_bootstrap_server_start": (_int, [ctypes.POINTER(kvf_bootstrap_server_config), ctypes.POINTER(_vp)]),
+    "kvf_bootstrap_server_port": (ctypes.c_uint16, [_vp]),
+    "kvf_bootstrap_server_stop": (None, [_vp]),
+    # kv managers
+    "kvf_manager_config_init": (None, [ctypes.POINTER(kvf_manager_config)]),
+    "kvf_manager_create": (
+        _int,
+        [ctypes.POINTER(kvf_manager_config), ctypes.POINTER(kvf_kv_buffers), ctypes.POINTER(_vp)],
+    ),
+    "kvf_manager_destroy": (None, [_vp]),
+    "kvf_manager_session_id": (_cp, [_vp]),
+    "kvf_manager_engine": (_vp, [_vp]),
+    "kvf_manager_get_stats": (None, [_vp, ctypes.POINTER(kvf_manager_stats)]),
+    "kvf_receiver_create": (_int, [_vp, _cp, _i64, ctypes.POINTER(_vp)]),
+    "kvf_receiver_init": (_int, [_vp, c_i64p, _sz, _i64, _i64, c_i64p, _sz]),
+    "kvf_receiver_poll": (_int, [_vp]),
+    "kvf_receiver_failure": (None, [_vp, _cp, _sz]),
+    "kvf_receiver_pop_metadata": (_int, [_vp, c_i64p, c_i32p, _sz, ctypes.POINTER(_sz)]),
+    "kvf_receiver_destroy": (None, [_vp]),
+    "kvf_sender_create": (_int, [_vp, _i64, ctypes.POINTER(_vp)]),
+    "kvf_sender_send": (_int, [_vp, c_i64p, _sz, _int, _i64, _i64, c_i32p, _sz, c_i64p, _sz]),
+    "kvf_sender_poll": (_int, [_vp]),
+    "kvf_sender_failure": (None, [_vp, _cp, _sz]),
+    "kvf_sender_abort": (None, [_vp, _cp]),
+    "kvf_sender_destroy": (None, [_vp]),
+}
+
+
+def _candidates():
+    """Where to look for the library, in order (see README, "Python")."""
+    env = os.environ.get("KVFERRY_LIB")
+    if env:
+        return [env], True
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = []
+    for name in ("libkvferry.so", "libkvferry.so.0"):
+        found.append(os.path.join(here, name))
+    d = here
+    for _ in range(6):  # python/kvferry -> python -> repo root, and a little beyond
+        d = os.path.dirname(d)
+        found.append(os.path.join(d, "build", "libkvferry.so"))
+    return found, False
+
+
+def _load():
+    paths, from_env = _candidates()
+    tried = []
+    for p in paths:
+        if not os.path.exists(p):
+            tried.append(p)
+            continue
+        try:
+            return ctypes.CDLL(p), p
+        except OSError as e:
+            if from_env:
+                raise ImportError(f"kvferry: KVFERRY_LIB={p} could not be loaded: {e}") from e
+            tried.append(f"{p} ({e})")
+    if from_env:
+        raise ImportError(f"kvferry: KVFERRY_LIB={paths[0]} does not exist")
+    name = ctypes.util.find_library("kvferry")
+    if name:
+        try:
+            return ctypes.CDLL(name), name
+        except OSError as e:
+            tried.append(f"{name} ({e})")
+    else:
+        tried.append('ctypes.util.find_library("kvferry"): not found')
+    raise ImportError(
+        "kvferry: libkvferry.so not found. Build it (`make` in the kvferry repository, "
+        "which writes build/libkvferry.so), `make install` it, or point KVFERRY_LIB at it. "
+        "Tried: " + "; ".join(tried)
+    )
+
+
+class _Missing:
+    """Stands in for a symbol the loaded library lacks (an older or partial
+    build), so the rest of the API stays usable; calling it explains."""
+
+    def __init__(self, name, path):
+        self.name, self.path = name, path
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"kvferry: {self.path} has no symbol {self.name}; rebuild the library")
+
+
+class _Api:
+    pass
+
+
+def _bind(cdll, path):
+    api = _Api()
+    missing = []
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        try:
+            fn = getattr(cdll, name)
+        except AttributeError:
+            setattr(api, name, _Missing(name, path))
+            missing.append(name)
+            continue
+        fn.restype = restype
+        fn.argtypes = argtypes
+        setattr(api, name, fn)
+    api.missing = tuple(missing)
+    return api
+
+
+_cdll, LIB_PATH = _load()
+lib = _bind(_cdll, LIB_PATH)
+
+
+def strerror(code):
+    return lib.kvf_strerror(int(code)).decode("utf-8", "replace")
+
+
+class KVFerryError(Exception):
+    """A kvferry C call failed; `code` is the negative KVF_E* value."""
+
+    def __init__(self, code, what=""):
+        self.code = int(code)
+        self.what = what
+        text = strerror(code)
+        super().__init__(f"{what}: {text} ({code})" if what else f"{text} ({code})")
+
+
+def check(rc, what=""):
+    if rc < 0:
+        raise KVFerryError(rc, what)
+    return rc
+
+
+def to_bytes(s):
+    if s is None:
+        return None
+    if isinstance(s, bytes):
+        return s
+    return str(s).encode("utf-8")
+
+
+# ---- memory of Python objects -------------------------------------------------
+
+def _typestr_itemsize(typestr):
+    try:
+        return int(typestr[2:])
+    except ValueError:
+        raise TypeError(f"unsupported array typestr {typestr!r}") from None
+
+
+def buffer_address(obj, writable=True):
+    """(address, nbytes) of the memory behind `obj` and a keep-alive object.
+
+    Accepts a numpy array (or anything with __array_interface__), a ctypes
+    array/structure, an object with data_ptr() (a CPU torch tensor), or a
+    writable buffer (bytearray, mmap, memoryview). The memory must be
+    C-contiguous. The returned keep-alive must be held for as long as the
+    address is in use.
+    """
+    ai = getattr(obj, "__array_interface__", None)
+    if ai is not None:
+        addr, readonly = ai["data"]
+        if writable and readonly:
+            raise ValueError("kvferry: array is read-only")
+        shape = ai["shape"]
+        itemsize = _typestr_itemsize(ai["typestr"])
+        n = 1
+        for s in shape:
+            n *= s
+        strides = ai.get("strides")
+        if strides is not None and n > 1:
+            # Explicit strides: accept only the C-contiguous ones.
+            expect = itemsize
+            for dim, st in zip(reversed(shape), reversed(strides)):
+                if dim != 1 and st != expect:
+                    raise ValueError("kvferry: array is not C-contiguous")
+                expect *= dim
+        return int(addr or 0), n * itemsize, obj
+    if isinstance(obj, (ctypes.Array, ctypes.Structure, ctypes.Union)) or isinstance(
+        obj, ctypes._SimpleCData
+    ):
+        return ctypes.addressof(obj), ctypes.sizeof(obj), obj
+    data_ptr = getattr(obj, "data_ptr", None)
+    if callable(data_ptr) and hasattr(obj, "element_size"):
+        if hasattr(obj, "is_contiguous") and not obj.is_contiguous():
+            raise ValueError("kvferry: tensor is not contiguous")
+        return int(data_ptr()), int(obj.numel()) * int(obj.element_size()), obj
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"kvferry: cannot take the address of {type(obj).__name__}; pass a numpy array, "
+            "a ctypes buffer or a writable buffer"
+        ) from None
+    if not mv.c_contiguous:
+        raise ValueError("kvferry: buffer is not C-contiguous")
+    if mv.readonly:
+        raise ValueError("kvferry: buffer is read-only")
+    n = mv.nbytes
+    if n == 0:
+        return 0, 0, obj
+    holder = (ctypes.c_char * n).from_buffer(mv.cast("B"))
+    return ctypes.addressof(holder), n, (obj, holder)

@@ -1,0 +1,388 @@
+"""kvferry's transfer engine behind the interface of mooncake.engine.TransferEngine.
+
+The Mooncake-named methods keep Mooncake's return conventions (0 or a
+non-negative value on success, a negative number on failure, never an
+exception for a failed transfer), so code written against Mooncake, such as
+tokenspeed's PD layer, runs unchanged. The extra methods (register_array,
+write, sync, get_stats, close) are kvferry's own and raise KVFerryError.
+
+Memory registered through the Mooncake methods is named by raw addresses,
+which the caller keeps alive; register_array also keeps the Python object
+alive until it is unregistered or the engine is closed.
+"""
+
+import ctypes
+import logging
+import re
+import threading
+import weakref
+from array import array
+
+from ._lib import (
+    KVF_EINVAL,
+    KVF_ENOTFOUND,
+    KVF_ESTATE,
+    KVFerryError,
+    buffer_address,
+    check,
+    kvf_engine_config,
+    kvf_engine_stats,
+    lib,
+    strerror,
+    to_bytes,
+)
+
+log = logging.getLogger("kvferry")
+
+_WRITE_WORDS = 6  # u64 fields of struct kvf_write
+
+
+def _pack_writes(srcs, dsts, lens):
+    """A contiguous kvf_write[] for the three lists, as an array('Q') (its
+    buffer is passed to C). None when the lengths differ; raises
+    OverflowError/TypeError for values that are not u64."""
+    if hasattr(srcs, "tolist"):
+        srcs = srcs.tolist()
+    if hasattr(dsts, "tolist"):
+        dsts = dsts.tolist()
+    if hasattr(lens, "tolist"):
+        lens = lens.tolist()
+    n = len(srcs)
+    if len(dsts) != n or len(lens) != n:
+        return None
+    buf = array("Q", bytes(8 * _WRITE_WORDS * n))
+    if n:
+        buf[0::_WRITE_WORDS] = array("Q", srcs)
+        buf[1::_WRITE_WORDS] = array("Q", dsts)
+        buf[2::_WRITE_WORDS] = array("Q", lens)
+    return buf
+
+
+def _split_hostname(hostname):
+    """Mooncake accepts "host" or "host:port" ("[v6]:port"); kvferry's engine
+    wants the host and the port apart."""
+    h = hostname.strip()
+    m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?", h)
+    if m:
+        return m.group(1), int(m.group(2) or 0)
+    m = re.fullmatch(r"([^:]+):(\d+)", h)
+    if m:
+        return m.group(1), int(m.group(2))
+    return h, 0
+
+
+class TransferEngine:
+    """A kvferry engine with the methods tokenspeed calls on Mooncake's."""
+
+    def __init__(self):
+        self._h = None
+        self._lock = threading.Lock()
+        self._arrays = {}  # addr -> keep-alive of register_array
+        self._batches = {}  # batch id -> kvf_batch handle
+        self._next_batch = 1
+        self._hostname = None
+        self._owner = None  # the KVManager whose engine this is (borrowed handle)
+        self._users = weakref.WeakSet()  # KVManagers sharing this engine
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def initialize(self, local_hostname, metadata_server="P2PHANDSHAKE", protocol="tcp", device_name="",
+                   *, port=None, auth_token=None, timeout_ms=0, conns_per_peer=0, max_inbound_conns=0):
+        """Start listening on local_hostname (optionally "host:port"). Returns 0,
+        or a negative KVF_E* value (Mooncake: non-zero is a fatal startup error).
+
+        metadata_server: only Mooncake's "P2PHANDSHAKE" mode exists here (peers
+        are named by "host:port"); anything else is warned about and ignored.
+        protocol: every protocol ("rdma", "tcp", ...) is served by kvferry's tcp
+        transport; a warning says so when it is not "tcp". device_name (the
+        RDMA NIC filter) has no meaning for tcp and is ignored.
+        """
+        if self._h is not None or self._owner is not None:
+            log.error("kvferry: TransferEngine.initialize called twice")
+            return KVF_ESTATE
+        host, hport = _split_hostname(str(local_hostname or "127.0.0.1"))
+        if port is not None:
+            hport = int(port)
+        if metadata_server not in (None, "", "P2PHANDSHAKE"):
+            log.warning("kvferry: metadata server %r ignored; kvferry uses P2P handshakes (session = host:port)",
+                        metadata_server)
+        proto = str(protocol or "tcp").lower()
+        if proto != "tcp":
+            log.warning("kvferry: protocol %r is served by kvferry's tcp transport", protocol)
+        if device_name:
+            log.info("kvferry: device_name %r ignored by the tcp transport", device_name)
+        cfg = kvf_engine_config()
+        lib.kvf_engine_config_init(ctypes.byref(cfg))
+        hb = to_bytes(host)
+        cfg.host = hb
+        if not 0 <= hport <= 65535:
+            return KVF_EINVAL
+        cfg.port = hport
+        tb = to_bytes(auth_token)
+        if auth_token is not None:
+            cfg.auth_token = tb
+        if timeout_ms:
+            cfg.timeout_ms = int(timeout_ms)
+        if conns_per_peer:
+            cfg.conns_per_peer = int(conns_per_peer)
+        if max_inbound_conns:
+            cfg.max_inbound_conns = int(max_inbound_conns)
+        h = ctypes.c_void_p()
+        rc = lib.kvf_engine_create(ctypes.byref(cfg), ctypes.byref(h))
+        if rc != 0:
+            log.error("kvferry: engine on %s failed to start: %s", host, strerror(rc))
+            return rc
+        self._h = h.value
+        self._hostname = host
+        return 0
+
+    @classmethod
+    def _wrap(cls, handle, owner):
+        """An engine object over the engine of KVManager `owner` (borrowed:
+        usable while the manager is open; close() does not destroy it)."""
+        e = cls()
+        e._h = handle
+        e._owner = owner
+        sid = lib.kvf_engine_session_id(handle).decode()
+        e._hostname = _split_hostname(sid)[0]
+        return e
+
+    def _live(self):
+        """The handle, or None when closed (or when the owning manager is)."""
+        if self._owner is not None and self._owner._h is None:
+            return None
+        return self._h
+
+    def close(self):
+        """Close the KVManagers sharing this engine, wait for and free
+        outstanding batches, then destroy the engine (its registrations go
+        with it). Idempotent. No other call may be in progress."""
+        for user in list(self._users):
+            user.close()
+        h, self._h = self._h, None
+        with self._lock:
+            batches, self._batches = self._batches, {}
+            self._arrays.clear()
+        for b in batches.values():
+            lib.kvf_batch_free(b)
+        if h is not None and self._owner is None:
+            lib.kvf_engine_destroy(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def handle(self):
+        """The kvf_engine pointer (an int), e.g. to share with a KVManager."""
+        return self._require()
+
+    def _require(self):
+        h = self._live()
+        if h is None:
+            raise RuntimeError("kvferry: TransferEngine is not initialized (or was closed)")
+        return h
+
+    # ---- identity --------------------------------------------------------------
+
+    def get_rpc_port(self):
+        return int(lib.kvf_engine_port(self._require()))
+
+    def get_session_id(self):
+        """ "host:port", the name peers use to write into this engine."""
+        return lib.kvf_engine_session_id(self._require()).decode()
+
+    def get_hostname(self):
+        self._require()
+        return self._hostname
+
+    # ---- registration (Mooncake conventions) ------------------------------------
+
+    def register_memory(self, buffer_addr, capacity):
+        """Register [buffer_addr, buffer_addr+capacity) for peers' writes and
+        as a source of local writes. 0, or negative (overlap, zero length)."""
+        h = self._live()
+        if h is None:
+            return KVF_ESTATE
+        return lib.kvf_engine_register(h, int(buffer_addr), int(capacity))
+
+    def unregister_memory(self, buffer_addr):
+        h = self._live()
+        if h is None:
+            return KVF_ESTATE
+        addr = int(buffer_addr)
+        rc = lib.kvf_engine_unregister(h, addr)
+        if rc == 0:
+            with self._lock:
+                self._arrays.pop(addr, None)
+        return rc
+
+    def batch_register_memory(self, buffer_addrs, capacities):
+        if len(buffer_addrs) != len(capacities):
+            return KVF_EINVAL
+        done = []
+        for a, n in zip(buffer_addrs, capacities):
+            rc = self.register_memory(a, n)
+            if rc:
+                for d in done:
+                    self.unregister_memory(d)
+                return rc
+            done.append(a)
+        return 0
+
+    def batch_unregister_memory(self, buffer_addrs):
+        worst = 0
+        for a in buffer_addrs:
+            rc = self.unregister_memory(a)
+            if rc < worst:
+                worst = rc
+        return worst
+
+    # ---- transfers (Mooncake conventions) ---------------------------------------
+
+    def _packed(self, srcs, dsts, lens):
+        if self._live() is None:
+            return None, KVF_ESTATE
+        try:
+            buf = _pack_writes(srcs, dsts, lens)
+        except (OverflowError, TypeError, ValueError) as e:
+            log.error("kvferry: bad transfer list: %s", e)
+            return None, KVF_EINVAL
+        if buf is None:
+            log.error("kvferry: batch lists differ in length (%d sources, %d destinations, %d lengths)",
+                      len(srcs), len(dsts), len(lens))
+            return None, KVF_EINVAL
+        return buf, 0
+
+    def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length):
+        """Write `length` bytes from local `buffer` to `peer_buffer_address` in
+        the engine `target_hostname` ("host:port") and wait until they landed.
+        0, or negative (refused range, unknown peer, timeout)."""
+        return self.batch_transfer_sync_write(target_hostname, [buffer], [peer_buffer_address], [length])
+
+    def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths):
+        """All blocks as one batch: 0 iff every byte landed, negative otherwise
+        (including lists of different lengths)."""
+        buf, rc = self._packed(buffers, peer_buffer_addresses, lengths)
+        if rc:
+            return rc
+        n = len(buf) // _WRITE_WORDS
+        return lib.kvf_engine_write(self._h, to_bytes(target_hostname), buf.buffer_info()[0] if n else None, n)
+
+    def _submit(self, target_hostname, buffers, peer_buffer_addresses, lengths):
+        buf, rc = self._packed(buffers, peer_buffer_addresses, lengths)
+        if rc:
+            return rc
+        n = len(buf) // _WRITE_WORDS
+        b = ctypes.c_void_p()
+        rc = lib.kvf_engine_submit(self._h, to_bytes(target_hostname), buf.buffer_info()[0] if n else None, n,
+                                   ctypes.byref(b))
+        if rc:
+            return rc
+        with self._lock:
+            bid = self._next_batch
+            self._next_batch += 1
+            self._batches[bid] = b.value
+        return bid
+
+    def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length):
+        """Start one write; returns a batch id (> 0) for transfer_check_status,
+        or negative if it could not start. The source must stay valid until
+        the batch is done."""
+        return self._submit(target_hostname, [buffer], [peer_buffer_address], [length])
+
+    def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses, lengths):
+        return self._submit(target_hostname, buffers, peer_buffer_addresses, lengths)
+
+    def transfer_check_status(self, batch_id):
+        """1 = done, 0 = in progress, negative = failed (or unknown id). A
+        finished batch (1 or negative) is released; its id is then unknown."""
+        with self._lock:
+            b = self._batches.get(batch_id)
+        if b is None:
+            return KVF_ENOTFOUND
+        st = lib.kvf_batch_poll(b)
+        if st != 0:
+            with self._lock:
+                b = self._batches.pop(batch_id, None)
+            if b is not None:
+                lib.kvf_batch_free(b)
+        return st
+
+    def get_batch_transfer_status(self, batch_ids):
+        """Wait for every batch in batch_ids; 0 if all succeeded, else the first
+        failure. The batches are released."""
+        worst = 0
+        for bid in batch_ids:
+            with self._lock:
+                b = self._batches.pop(bid, None)
+            if b is None:
+                rc = KVF_ENOTFOUND
+            else:
+                rc = lib.kvf_batch_wait(b, -1)
+                lib.kvf_batch_free(b)
+            if rc < 0 and worst == 0:
+                worst = rc
+        return worst
+
+    def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length):
+        """Not supported: kvferry's engine only writes (as tokenspeed does)."""
+        log.error("kvferry: transfer_sync_read is not supported (one-sided writes only)")
+        return KVF_EINVAL
+
+    # ---- kvferry's own ------------------------------------------------------------
+
+    def register_array(self, arr):
+        """Register the memory of a numpy array (or ctypes buffer, bytearray,
+        mmap, CPU tensor). Returns (ptr, nbytes); the object is kept alive
+        until unregister_array/unregister_memory(ptr) or close(). Raises
+        KVFerryError on failure."""
+        h = self._require()
+        addr, n, keep = buffer_address(arr)
+        check(lib.kvf_engine_register(h, addr, n), f"register {n} bytes at {addr:#x}")
+        with self._lock:
+            self._arrays[addr] = keep
+        return addr, n
+
+    def unregister_array(self, arr):
+        addr, _, _ = buffer_address(arr)
+        check(self.unregister_memory(addr), f"unregister {addr:#x}")
+
+    def write(self, target_hostname, writes):
+        """Write blocks [(src, dst, len) or (src, dst, len, count, src_stride,
+        dst_stride)] as one batch; raises KVFerryError on failure."""
+        h = self._require()
+        n = len(writes)
+        arr = (ctypes.c_uint64 * (_WRITE_WORDS * n))()
+        for i, w in enumerate(writes):
+            if len(w) not in (3, 6):
+                raise ValueError("kvferry: a write is (src, dst, len) or (src, dst, len, count, src_stride, dst_stride)")
+            arr[i * _WRITE_WORDS:i * _WRITE_WORDS + len(w)] = [int(x) for x in w]
+        check(lib.kvf_engine_write(h, to_bytes(target_hostname), arr if n else None, n),
+              f"write to {target_hostname}")
+
+    def sync(self):
+        """Memory ordering point (kvf_engine_sync): call after learning that a
+        peer's bytes landed and before reading them."""
+        lib.kvf_engine_sync(self._require())
+
+    def get_stats(self):
+        st = kvf_engine_stats()
+        lib.kvf_engine_get_stats(self._require(), ctypes.byref(st))
+        return {name: getattr(st, name) for name, _ in kvf_engine_stats._fields_}
+
+    def __repr__(self):
+        if self._live() is None:
+            return "<kvferry.TransferEngine (not initialized)>"
+        return f"<kvferry.TransferEngine {self.get_session_id()}>"
+
+
+__all__ = ["TransferEngine", "KVFerryError"]
