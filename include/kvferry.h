@@ -12,5 +12,6 @@
 #include "kvferry/common.h"
 #include "kvferry/bootstrap.h"
 #include "kvferry/engine.h"
+#include "kvferry/kv.h"
 
 #endif

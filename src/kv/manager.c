@@ -1,0 +1,440 @@
+/* The shared core of the KV managers (see manager.h): configuration,
+ * buffers, engine, rooms, the PULL listener and the PUSH socket cache. */
+#include "kv/manager.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "base/env.h"
+#include "base/log.h"
+
+#define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
+#define MANAGER_MAX_PUSHES 4096
+
+typedef struct manager_push {
+  pthread_mutex_t lock;
+  void *sock;
+} manager_push;
+
+void kvf_manager_config_init(kvf_manager_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->role = KVF_ROLE_DECODE;
+  cfg->host = "127.0.0.1";
+  cfg->world_size = 1;
+  cfg->dp_size = 1;
+  cfg->page_size = 1;
+  kvf_engine_config_init(&cfg->engine_cfg);
+  cfg->bootstrap_timeout_s = 120;
+  cfg->waiting_timeout_s = 300;
+  cfg->heartbeat_interval_s = 5;
+  cfg->heartbeat_max_failures = 2;
+  cfg->failed_session_ttl_s = 30;
+  cfg->queue_size = 4;
+  cfg->http_timeout_ms = 5000;
+  cfg->max_rooms = 0;
+}
+
+/* Defaults for unset fields, then the tokenspeed environment names, then
+ * the clamps the reference applies (PROTOCOL §7.6). */
+static void resolve_config(kvf_manager_config *c) {
+  kvf_manager_config d;
+  kvf_manager_config_init(&d);
+  if (c->world_size <= 0) c->world_size = 1;
+  if (c->dp_size <= 0) c->dp_size = 1;
+  if (c->page_size <= 0) c->page_size = 1;
+  if (c->bootstrap_timeout_s <= 0) c->bootstrap_timeout_s = d.bootstrap_timeout_s;
+  if (c->waiting_timeout_s <= 0) c->waiting_timeout_s = d.waiting_timeout_s;
+  if (c->heartbeat_interval_s <= 0) c->heartbeat_interval_s = d.heartbeat_interval_s;
+  if (c->heartbeat_max_failures <= 0) c->heartbeat_max_failures = d.heartbeat_max_failures;
+  if (c->failed_session_ttl_s < 0) c->failed_session_ttl_s = d.failed_session_ttl_s;
+  if (c->queue_size <= 0) c->queue_size = d.queue_size;
+  if (c->http_timeout_ms <= 0) c->http_timeout_ms = d.http_timeout_ms;
+  c->bootstrap_timeout_s = (double)env_get_int("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT", (int64_t)c->bootstrap_timeout_s);
+  c->waiting_timeout_s = (double)env_get_int("TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT", (int64_t)c->waiting_timeout_s);
+  c->heartbeat_interval_s = env_get_double("TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL", c->heartbeat_interval_s);
+  c->heartbeat_max_failures = (int)env_get_int("TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", c->heartbeat_max_failures);
+  c->failed_session_ttl_s = (double)env_get_int("TOKENSPEED_DISAGGREGATION_FAILED_SESSION_TTL", (int64_t)c->failed_session_ttl_s);
+  c->queue_size = (int)env_get_int("TOKENSPEED_DISAGGREGATION_QUEUE_SIZE", c->queue_size);
+  /* The reference's floors: a heartbeat faster than 2 s or a threshold of 0
+   * would declare healthy peers dead. KVFERRY_HEARTBEAT_MIN_S lets tests go
+   * below 2 s; production keeps the floor. */
+  double floor_s = env_get_double("KVFERRY_HEARTBEAT_MIN_S", 2.0);
+  if (c->heartbeat_interval_s < floor_s) c->heartbeat_interval_s = floor_s;
+  if (c->heartbeat_max_failures < 1) c->heartbeat_max_failures = 1;
+  if (c->failed_session_ttl_s < 0) c->failed_session_ttl_s = 0;
+  if (c->queue_size < 1) c->queue_size = 1;
+  if (c->queue_size > 64) c->queue_size = 64;
+}
+
+static uint64_t *dup_u64(const uint64_t *src, size_t n, uint64_t def, int *err) {
+  uint64_t *p = calloc(n ? n : 1, sizeof *p);
+  if (!p) {
+    *err = KVF_ENOMEM;
+    return NULL;
+  }
+  for (size_t i = 0; i < n; i++) p[i] = src ? src[i] : def;
+  return p;
+}
+
+static void free_buffers(manager_buffers *b) {
+  free(b->kv_ptrs), free(b->kv_lens), free(b->kv_item_lens), free(b->kv_unit_lens);
+  free(b->layer_buf_start), free(b->layer_bufs);
+  free(b->state_ptrs), free(b->state_lens), free(b->state_item_lens), free(b->state_unit_lens);
+  memset(b, 0, sizeof *b);
+}
+
+static int copy_buffers(manager_buffers *b, const kvf_kv_buffers *in) {
+  int err = 0;
+  memset(b, 0, sizeof *b);
+  if (!in || in->n_kv == 0 || !in->kv_ptrs || !in->kv_lens || !in->kv_item_lens) return KVF_EINVAL;
+  if (in->n_state && (!in->state_ptrs || !in->state_lens || !in->state_item_lens)) return KVF_EINVAL;
+  b->n_kv = in->n_kv;
+  b->kv_ptrs = dup_u64(NULL, in->n_kv, 0, &err);
+  for (size_t i = 0; b->kv_ptrs && i < in->n_kv; i++) b->kv_ptrs[i] = (uint64_t)(uintptr_t)in->kv_ptrs[i];
+  b->kv_lens = dup_u64(in->kv_lens, in->n_kv, 0, &err);
+  b->kv_item_lens = dup_u64(in->kv_item_lens, in->n_kv, 0, &err);
+  b->kv_unit_lens = dup_u64(in->kv_unit_lens, in->n_kv, 1, &err);
+  b->n_state = in->n_state;
+  b->state_ptrs = dup_u64(NULL, in->n_state, 0, &err);
+  for (size_t i = 0; b->state_ptrs && i < in->n_state; i++)
+    b->state_ptrs[i] = (uint64_t)(uintptr_t)in->state_ptrs[i];
+  b->state_lens = dup_u64(in->state_lens, in->n_state, 0, &err);
+  b->state_item_lens = dup_u64(in->state_item_lens, in->n_state, 0, &err);
+  b->state_unit_lens = dup_u64(in->state_unit_lens, in->n_state, 1, &err);
+  if (err) goto err_free;
+  for (size_t i = 0; i < b->n_kv; i++)
+    if (!b->kv_ptrs[i] || !b->kv_item_lens[i] || b->kv_lens[i] < b->kv_item_lens[i] || !b->kv_unit_lens[i]) {
+      LOG_ERROR("kv", "KV buffer %zu: null pointer or item length 0 or larger than the buffer", i);
+      err = KVF_EINVAL;
+      goto err_free;
+    }
+  if (in->layer_buf_start) {
+    b->n_layers = in->n_layers;
+    size_t nb = in->layer_buf_start[in->n_layers];
+    b->layer_buf_start = malloc((in->n_layers + 1) * sizeof *b->layer_buf_start);
+    b->layer_bufs = malloc((nb ? nb : 1) * sizeof *b->layer_bufs);
+    if (!b->layer_buf_start || !b->layer_bufs) {
+      err = KVF_ENOMEM;
+      goto err_free;
+    }
+    memcpy(b->layer_buf_start, in->layer_buf_start, (in->n_layers + 1) * sizeof *b->layer_buf_start);
+    memcpy(b->layer_bufs, in->layer_bufs, nb * sizeof *b->layer_bufs);
+    for (size_t l = 0; l < in->n_layers; l++)
+      if (b->layer_buf_start[l] > b->layer_buf_start[l + 1]) err = KVF_EINVAL;
+    for (size_t k = 0; k < nb; k++)
+      if (b->layer_bufs[k] >= b->n_kv) err = KVF_EINVAL;
+    if (err) {
+      LOG_ERROR("kv", "layer mapping names a buffer that does not exist");
+      goto err_free;
+    }
+  } else {
+    /* MHA: K of every layer, then V of every layer; an odd count is one
+     * buffer per layer (MLA). */
+    int mha = b->n_kv % 2 == 0;
+    b->n_layers = mha ? b->n_kv / 2 : b->n_kv;
+    size_t per = mha ? 2 : 1;
+    b->layer_buf_start = malloc((b->n_layers + 1) * sizeof *b->layer_buf_start);
+    b->layer_bufs = malloc(b->n_kv * sizeof *b->layer_bufs);
+    if (!b->layer_buf_start || !b->layer_bufs) {
+      err = KVF_ENOMEM;
+      goto err_free;
+    }
+    for (size_t l = 0; l <= b->n_layers; l++) b->layer_buf_start[l] = (uint32_t)(l * per);
+    for (size_t l = 0; l < b->n_layers; l++) {
+      b->layer_bufs[l * per] = (uint32_t)l;
+      if (mha) b->layer_bufs[l * per + 1] = (uint32_t)(b->n_layers + l);
+    }
+  }
+  return 0;
+err_free:
+  free_buffers(b);
+  return err ? err : KVF_ENOMEM;
+}
+
+void manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+  atomic_fetch_add(&m->stats.messages_malformed, 1);
+  char key[128];
+  snprintf(key, sizeof key, "%s/%s/%p", peer ? peer : "?", kind, (void *)m);
+  if (log_first_time(log_hash_str(key, 11)))
+    LOG_WARN("kv", "dropped %s from %s: %s (further ones from this peer are counted, not logged)", kind,
+             peer ? peer : "unknown peer", reason);
+}
+
+/* ------------------------------------------------------------ PUSH cache */
+
+static int push_key(char *key, size_t cap, const char *host, uint16_t port) {
+  int n = snprintf(key, cap, strchr(host, ':') ? "[%s]:%u" : "%s:%u", host, (unsigned)port);
+  return n > 0 && (size_t)n < cap ? 0 : KVF_EINVAL;
+}
+
+int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
+  char key[300];
+  if (!host || !*host || !port || push_key(key, sizeof key, host, port)) return KVF_EINVAL;
+  pthread_mutex_lock(&m->push_lock);
+  manager_push *p = smap_get(&m->pushes, key);
+  int rc = 0;
+  if (!p) {
+    if (smap_size(&m->pushes) >= MANAGER_MAX_PUSHES || !(p = calloc(1, sizeof *p))) {
+      pthread_mutex_unlock(&m->push_lock);
+      return KVF_ENOMEM;
+    }
+    pthread_mutex_init(&p->lock, NULL);
+    p->sock = zmq_socket(m->zctx, ZMQ_PUSH);
+    int linger = 200, hwm = 1000, sndtimeo = 1000, ipv6 = strchr(host, ':') != NULL;
+    char ep[320];
+    snprintf(ep, sizeof ep, "tcp://%s", key);
+    if (!p->sock || zmq_setsockopt(p->sock, ZMQ_LINGER, &linger, sizeof linger) ||
+        zmq_setsockopt(p->sock, ZMQ_SNDHWM, &hwm, sizeof hwm) ||
+        zmq_setsockopt(p->sock, ZMQ_SNDTIMEO, &sndtimeo, sizeof sndtimeo) ||
+        zmq_setsockopt(p->sock, ZMQ_IPV6, &ipv6, sizeof ipv6) || zmq_connect(p->sock, ep) ||
+        smap_put(&m->pushes, key, p, NULL)) {
+      LOG_WARN("kv", "cannot open a PUSH socket to %s: %s", ep, zmq_strerror(zmq_errno()));
+      if (p->sock) zmq_close(p->sock);
+      pthread_mutex_destroy(&p->lock);
+      free(p);
+      pthread_mutex_unlock(&m->push_lock);
+      return KVF_EIO;
+    }
+  }
+  pthread_mutex_lock(&p->lock);
+  pthread_mutex_unlock(&m->push_lock);
+  for (size_t i = 0; i < msg->nframes && !rc; i++) {
+    int flags = i + 1 < msg->nframes ? ZMQ_SNDMORE : 0;
+    if (zmq_send(p->sock, msg->frames[i].data, msg->frames[i].len, flags) < 0)
+      rc = zmq_errno() == EAGAIN ? KVF_ETIMEDOUT : KVF_EIO;
+  }
+  pthread_mutex_unlock(&p->lock);
+  if (rc) LOG_WARN("kv", "sending to %s failed: %s", key, kvf_strerror(rc));
+  return rc;
+}
+
+void manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {
+  char key[300];
+  if (push_key(key, sizeof key, host, port)) return;
+  void *v = NULL;
+  pthread_mutex_lock(&m->push_lock);
+  int had = smap_del(&m->pushes, key, &v);
+  pthread_mutex_unlock(&m->push_lock);
+  if (had) {
+    manager_push *p = v;
+    /* A sender may still hold p->lock: take it before closing. */
+    pthread_mutex_lock(&p->lock);
+    zmq_close(p->sock);
+    pthread_mutex_unlock(&p->lock);
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+  }
+}
+
+static void close_pushes(kvf_manager *m) {
+  map_iter it;
+  map_iter_init(&it);
+  void *v;
+  while (smap_next(&m->pushes, &it, NULL, &v)) {
+    manager_push *p = v;
+    zmq_close(p->sock);
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+  }
+  smap_free(&m->pushes);
+}
+
+/* -------------------------------------------------------------- listener */
+
+static void *listener_main(void *arg) {
+  kvf_manager *m = arg;
+  zmq_msg_t parts[WIRE_MAX_FRAMES];
+  for (size_t i = 0; i < WIRE_MAX_FRAMES; i++) zmq_msg_init(&parts[i]);
+  while (!atomic_load(&m->stopping)) {
+    zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
+    int r = zmq_poll(&pi, 1, 100);
+    if (r <= 0) continue;
+    size_t n = 0, extra = 0;
+    int more = 1;
+    char peer[64] = "?";
+    while (more) {
+      zmq_msg_t *part = n < WIRE_MAX_FRAMES ? &parts[n] : NULL;
+      zmq_msg_t sink;
+      if (!part) {
+        zmq_msg_init(&sink);
+        part = &sink;
+      }
+      if (zmq_msg_recv(part, m->pull, 0) < 0) {
+        if (part == &sink) zmq_msg_close(&sink);
+        more = 0;
+        break;
+      }
+      if (n == 0) {
+        const char *pa = zmq_msg_gets(part, "Peer-Address");
+        if (pa) snprintf(peer, sizeof peer, "%s", pa);
+      }
+      more = zmq_msg_more(part);
+      if (part == &sink) {
+        zmq_msg_close(&sink);
+        extra++;
+      } else {
+        n++;
+      }
+    }
+    (void)extra; /* frames past the last one any message defines are ignored, as the spec says */
+    wire_frame frames[WIRE_MAX_FRAMES];
+    for (size_t i = 0; i < n; i++)
+      frames[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
+    if (m->decode) decode_on_message(m, frames, n, peer);
+    else prefill_on_message(m, frames, n, peer);
+  }
+  for (size_t i = 0; i < WIRE_MAX_FRAMES; i++) zmq_msg_close(&parts[i]);
+  return NULL;
+}
+
+/* Bind to an ephemeral port chosen by the kernel (no bind-then-release race
+ * as in the reference) and read back which one. */
+static int bind_pull(kvf_manager *m) {
+  m->pull = zmq_socket(m->zctx, ZMQ_PULL);
+  if (!m->pull) return KVF_EIO;
+  int64_t maxmsg = MANAGER_MAX_FRAME_BYTES;
+  int linger = 0, ipv6 = strchr(m->host, ':') != NULL, hwm = 10000;
+  zmq_setsockopt(m->pull, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+  zmq_setsockopt(m->pull, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(m->pull, ZMQ_IPV6, &ipv6, sizeof ipv6);
+  zmq_setsockopt(m->pull, ZMQ_RCVHWM, &hwm, sizeof hwm);
+  char ep[300];
+  snprintf(ep, sizeof ep, ipv6 ? "tcp://[%s]:*" : "tcp://%s:*", m->host);
+  if (zmq_bind(m->pull, ep)) {
+    LOG_ERROR("kv", "cannot bind the control socket on %s: %s", ep, zmq_strerror(zmq_errno()));
+    return KVF_EIO;
+  }
+  char last[300];
+  size_t len = sizeof last;
+  if (zmq_getsockopt(m->pull, ZMQ_LAST_ENDPOINT, last, &len)) return KVF_EIO;
+  const char *colon = strrchr(last, ':');
+  int64_t port = 0;
+  if (!colon || env_parse_i64(colon + 1, &port) || port <= 0 || port > 65535) return KVF_EIO;
+  m->rank_port = (uint16_t)port;
+  return 0;
+}
+
+int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *bufs, kvf_manager **out) {
+  if (!cfg_in || !out) return KVF_EINVAL;
+  if (cfg_in->role != KVF_ROLE_PREFILL && cfg_in->role != KVF_ROLE_DECODE) return KVF_EINVAL;
+  kvf_manager *m = calloc(1, sizeof *m);
+  if (!m) return KVF_ENOMEM;
+  m->cfg = *cfg_in;
+  resolve_config(&m->cfg);
+  kvf_manager_config *c = &m->cfg;
+  int rc = KVF_EINVAL;
+  snprintf(m->host, sizeof m->host, "%s", c->host && *c->host ? c->host : "127.0.0.1");
+  c->host = m->host;
+  snprintf(m->bootstrap_addr, sizeof m->bootstrap_addr, "%s", c->bootstrap_addr ? c->bootstrap_addr : "");
+  c->bootstrap_addr = m->bootstrap_addr;
+  const char *tok = c->bootstrap_token ? c->bootstrap_token : getenv("KVFERRY_BOOTSTRAP_TOKEN");
+  snprintf(m->bootstrap_token, sizeof m->bootstrap_token, "%s", tok ? tok : "");
+  c->bootstrap_token = m->bootstrap_token;
+  if (c->world_size % c->dp_size || c->engine_rank < 0 || c->engine_rank >= c->world_size) {
+    LOG_ERROR("kv", "bad parallel layout: rank %d of world %d with dp %d", c->engine_rank, c->world_size,
+              c->dp_size);
+    goto err_free;
+  }
+  m->tp_size = c->world_size / c->dp_size;
+  m->tp_rank = c->engine_rank % m->tp_size;
+  m->dp_rank = c->engine_rank / m->tp_size;
+  if ((rc = copy_buffers(&m->bufs, bufs))) goto err_free;
+  if ((rc = rooms_table_new(c->max_rooms, &m->rooms))) goto err_bufs;
+
+  if (c->engine) {
+    m->engine = c->engine;
+  } else {
+    kvf_engine_config ec = c->engine_cfg;
+    if (!ec.host || !strcmp(ec.host, "127.0.0.1")) ec.host = m->host;
+    if ((rc = kvf_engine_create(&ec, &m->engine))) goto err_rooms;
+    m->own_engine = 1;
+  }
+  c->engine = m->engine;
+  for (size_t i = 0; i < m->bufs.n_kv; i++)
+    if ((rc = kvf_engine_register(m->engine, (void *)(uintptr_t)m->bufs.kv_ptrs[i], m->bufs.kv_lens[i])) &&
+        rc != KVF_EEXIST)
+      goto err_engine;
+  for (size_t i = 0; i < m->bufs.n_state; i++)
+    if ((rc = kvf_engine_register(m->engine, (void *)(uintptr_t)m->bufs.state_ptrs[i], m->bufs.state_lens[i])) &&
+        rc != KVF_EEXIST)
+      goto err_engine;
+
+  pthread_mutex_init(&m->push_lock, NULL);
+  if ((rc = smap_init(&m->pushes))) goto err_engine;
+  m->zctx = zmq_ctx_new();
+  if (!m->zctx) {
+    rc = KVF_EIO;
+    goto err_pushes;
+  }
+  if ((rc = bind_pull(m))) goto err_zmq;
+  rc = c->role == KVF_ROLE_DECODE ? decode_start(m) : prefill_start(m);
+  if (rc) goto err_zmq;
+  if (pthread_create(&m->listener, NULL, listener_main, m)) {
+    rc = KVF_ENOMEM;
+    goto err_role;
+  }
+  m->listener_started = 1;
+  LOG_INFO("kv", "%s manager rank %d: engine %s, control port %u", c->role == KVF_ROLE_DECODE ? "decode" : "prefill",
+           c->engine_rank, kvf_engine_session_id(m->engine), (unsigned)m->rank_port);
+  *out = m;
+  return 0;
+
+err_role:
+  if (c->role == KVF_ROLE_DECODE) decode_stop(m);
+  else prefill_stop(m);
+err_zmq:
+  if (m->pull) zmq_close(m->pull);
+  zmq_ctx_term(m->zctx);
+err_pushes:
+  smap_free(&m->pushes);
+err_engine:
+  pthread_mutex_destroy(&m->push_lock);
+  if (m->own_engine) kvf_engine_destroy(m->engine);
+err_rooms:
+  rooms_table_free(m->rooms, NULL);
+err_bufs:
+  free_buffers(&m->bufs);
+err_free:
+  free(m);
+  return rc;
+}
+
+void kvf_manager_destroy(kvf_manager *m) {
+  if (!m) return;
+  atomic_store(&m->stopping, 1);
+  if (m->listener_started) pthread_join(m->listener, NULL);
+  if (m->cfg.role == KVF_ROLE_DECODE) decode_stop(m);
+  else prefill_stop(m);
+  zmq_close(m->pull);
+  close_pushes(m);
+  zmq_ctx_term(m->zctx);
+  pthread_mutex_destroy(&m->push_lock);
+  if (m->own_engine) {
+    kvf_engine_destroy(m->engine);
+  } else {
+    for (size_t i = 0; i < m->bufs.n_kv; i++) kvf_engine_unregister(m->engine, (void *)(uintptr_t)m->bufs.kv_ptrs[i]);
+    for (size_t i = 0; i < m->bufs.n_state; i++)
+      kvf_engine_unregister(m->engine, (void *)(uintptr_t)m->bufs.state_ptrs[i]);
+  }
+  rooms_table_free(m->rooms, NULL);
+  free_buffers(&m->bufs);
+  free(m);
+}
+
+const char *kvf_manager_session_id(const kvf_manager *m) { return kvf_engine_session_id(m->engine); }
+kvf_engine *kvf_manager_engine(kvf_manager *m) { return m->engine; }
+
+void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *o) {
+  memset(o, 0, sizeof *o);
+  o->messages_received = atomic_load(&m->stats.messages_received);
+  o->messages_malformed = atomic_load(&m->stats.messages_malformed);
+  o->messages_unknown_room = atomic_load(&m->stats.messages_unknown_room);
+  o->chunks_sent = atomic_load(&m->stats.chunks_sent);
+  o->bytes_sent = atomic_load(&m->stats.bytes_sent);
+  o->heartbeat_failures = atomic_load(&m->stats.heartbeat_failures);
+  o->node_failures = atomic_load(&m->stats.node_failures);
+  o->live_rooms = rooms_count(m->rooms);
+}
