@@ -27,13 +27,6 @@
 #include "wire/messages.h"
 #include "wire/route_json.h"
 
-/* libzmq is not built with TSan: a frame past its small-message size is
- * copied into malloc'd memory on the sending thread and read by libzmq's I/O
- * thread through its own lock-free pipe, which TSan cannot see (the fragment
- * plan JSON of an M2 is such a frame). Ignore what happens inside libzmq (and the
- * libstdc++ it calls into). */
-const char *__tsan_default_suppressions(void);
-const char *__tsan_default_suppressions(void) { return "called_from_lib:libzmq.so\ncalled_from_lib:libstdc++.so\n"; }
 
 #define NPAGES 16
 #define ITEM 64

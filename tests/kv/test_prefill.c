@@ -25,10 +25,6 @@
 #include "kvferry/kv.h"
 #include "wire/messages.h"
 
-/* libzmq is not built with ThreadSanitizer: its I/O thread reads message
- * bodies the caller's thread wrote, ordered by atomics TSan cannot see. */
-const char *__tsan_default_suppressions(void);
-const char *__tsan_default_suppressions(void) { return "called_from_lib:libzmq.so\ncalled_from_lib:libstdc++.so\n"; }
 
 #define NKV 2     /* one MHA layer: K and V */
 #define NPAGES 16
