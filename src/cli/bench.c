@@ -3,8 +3,16 @@
  *   kvferry bench engine  plain TCP loopback stream (baseline) vs the engine
  *                         on 1 MiB blocks and on batches of 256 scattered
  *                         32 KiB pages, with peers in separate processes
+ *   kvferry bench rooms   whole requests through the KV managers: a prefill
+ *                         instance (`kvferry kv-peer`) in a child process,
+ *                         the decode manager here; rooms per second and the
+ *                         latency from the prefill's last send to the
+ *                         decode's Success, 1- and 256-page requests, 1 and
+ *                         64 in flight; baseline: a ZeroMQ PUSH/PULL round
+ *                         trip between the same two kinds of process
  * --json prints one JSON object whose `cases` array holds, per case, name,
- * gbps, baseline_gbps and ratio. */
+ * and the case's figures (gbps, baseline_gbps, ratio for engine; rooms_per_s,
+ * p50_us, p99_us for rooms). */
 #include <arpa/inet.h>
 #include <getopt.h>
 #include <netinet/in.h>
@@ -18,15 +26,18 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "cli.h"
 #include "kvferry.h"
+#include "kvpool.h"
 #include "peer.h"
 
 typedef struct bench_opts {
   int json;
   uint64_t block;    /* --block: one extra case with this block size */
   int per_batch;
+  int quick;         /* --quick: fewer rooms, for CI smoke runs */
   uint64_t bytes;    /* per case */
   int inflight;      /* batches in flight */
 } bench_opts;
@@ -46,8 +57,10 @@ static uint64_t rng_next(uint64_t *s) {
 
 /* Baseline: one blocking TCP stream over loopback, 1 MiB writes, to a child
  * process that receives into a buffer; timed until the child confirms it has
- * every byte. */
-static double bench_tcp_baseline(uint64_t total) {
+ * every byte. With pool_bytes > 1 MiB both ends walk a pool of that size, as
+ * the engine cases do (a page pool is not cache-resident); with 1 MiB both
+ * ends reuse one cache-hot buffer. */
+static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
   int ls = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t al = sizeof a;
@@ -58,10 +71,12 @@ static double bench_tcp_baseline(uint64_t total) {
   pid_t pid = fork();
   if (pid == 0) {
     int fd = accept(ls, NULL, NULL);
-    char *buf = malloc(blk);
+    char *buf = malloc(pool_bytes);
+    if (!buf) _exit(1);
+    memset(buf, 0, pool_bytes);
     uint64_t got = 0;
-    while (fd >= 0 && buf && got < total) {
-      ssize_t r = recv(fd, buf, blk, MSG_WAITALL);
+    while (fd >= 0 && got < total) {
+      ssize_t r = recv(fd, buf + got % pool_bytes, blk, MSG_WAITALL);
       if (r <= 0) _exit(1);
       got += (uint64_t)r;
     }
@@ -71,14 +86,14 @@ static double bench_tcp_baseline(uint64_t total) {
   }
   close(ls);
   int fd = socket(AF_INET, SOCK_STREAM, 0);
-  char *buf = malloc(blk);
+  char *buf = malloc(pool_bytes);
   double gbps = 0;
   if (fd >= 0 && buf && connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
-    memset(buf, 7, blk);
+    memset(buf, 7, pool_bytes);
     double t0 = now_s();
     uint64_t sent = 0;
     while (sent < total) {
-      ssize_t r = send(fd, buf, blk, MSG_NOSIGNAL);
+      ssize_t r = send(fd, buf + sent % pool_bytes, blk - sent % blk, MSG_NOSIGNAL);
       if (r <= 0) break;
       sent += (uint64_t)r;
     }
@@ -142,7 +157,8 @@ static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char 
 
 static int bench_engine(const bench_opts *o) {
   const uint64_t pool_bytes = 256ull << 20;
-  double base = bench_tcp_baseline(o->bytes);
+  double base = bench_tcp_baseline(o->bytes, pool_bytes);
+  double base_hot = bench_tcp_baseline(o->bytes, 1 << 20);
   engine_peer peer;
   if (engine_peer_start(&peer, pool_bytes, NULL)) return 1;
   unsigned char *pool = mmap(NULL, pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -182,9 +198,11 @@ static int bench_engine(const bench_opts *o) {
     for (size_t i = 0; i < nc; i++)
       printf("%s{\"name\":\"%s\",\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f}", i ? "," : "",
              cases[i].name, cases[i].gbps, base, base > 0 ? cases[i].gbps / base : 0);
-    printf("]}\n");
+    printf("],\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes through a 256 MiB pool\","
+           "\"baseline_hot_gbps\":%.3f}\n", base_hot);
   } else {
-    printf("baseline: plain TCP loopback, one stream, 1 MiB writes: %.2f GB/s\n", base);
+    printf("baseline: plain TCP loopback, one stream, 1 MiB writes through a 256 MiB pool: %.2f GB/s\n"
+           "          (same, one cache-hot 1 MiB buffer at both ends: %.2f GB/s)\n", base, base_hot);
     printf("%-30s %10s %10s %8s\n", "case", "GB/s", "base GB/s", "ratio");
     for (size_t i = 0; i < nc; i++)
       printf("%-30s %10.2f %10.2f %8.2f\n", cases[i].name, cases[i].gbps, base,
@@ -198,8 +216,248 @@ out:
   return rc;
 }
 
+
+static int cmp_dbl(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+typedef struct rooms_case {
+  const char *name;
+  size_t pages;
+  int inflight;
+  int rooms;
+  double rooms_per_s, p50_us, p99_us;
+} rooms_case;
+
+typedef struct rooms_slot {
+  kvf_receiver *rx;
+  int64_t room;
+  int64_t *pages;
+  int active;
+} rooms_slot;
+
+#define ROOMS_LAYERS 2
+#define ROOMS_ITEM 4096
+#define ROOMS_POOL_PAGES 20000
+
+/* One case: `rooms` requests of `pages` pages, `inflight` at a time. */
+static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *baddr, rooms_case *c,
+                            int64_t base_room) {
+  rooms_slot *slots = calloc((size_t)c->inflight, sizeof *slots);
+  double *t_success = calloc((size_t)c->rooms, sizeof *t_success);
+  double *t_send = calloc((size_t)c->rooms, sizeof *t_send);
+  double *lat = calloc((size_t)c->rooms, sizeof *lat);
+  int rc = -1, next = 0, finished = 0, reported = 0, failed = 0;
+  uint64_t rng = 0x9e3779b97f4a7c15ULL;
+  if (!slots || !t_success || !t_send || !lat) goto out;
+  for (int i = 0; i < c->inflight; i++)
+    if (!(slots[i].pages = malloc(c->pages * sizeof(int64_t)))) goto out;
+  double t0 = now_s(), limit = t0 + 120;
+  while ((finished < c->rooms || reported < c->rooms) && now_s() < limit) {
+    int progress = 0;
+    for (int i = 0; i < c->inflight; i++) {
+      rooms_slot *s = &slots[i];
+      if (s->active) {
+        int st = kvf_receiver_poll(s->rx);
+        if (st != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED) continue;
+        t_success[s->room - base_room] = st == KVF_POLL_SUCCESS ? now_s() : -1;
+        if (st != KVF_POLL_SUCCESS) failed++;
+        kvf_receiver_destroy(s->rx);
+        kvpool_give(pool, s->pages, c->pages);
+        s->active = 0;
+        finished++;
+        progress = 1;
+      }
+      if (!s->active && next < c->rooms) {
+        s->room = base_room + next++;
+        if (kvf_receiver_create(m, baddr, s->room, &s->rx) || kvpool_take(pool, c->pages, &rng, s->pages) ||
+            kvf_receiver_init(s->rx, s->pages, c->pages, 0, 0, NULL, 0))
+          goto out;
+        fprintf(peer->in, "send %lld %zu 1 7 0\n", (long long)s->room, c->pages);
+        fflush(peer->in);
+        s->active = 1;
+        progress = 1;
+      }
+    }
+    char line[512];
+    while (reported < c->rooms && proc_read_line(peer, line, sizeof line, 0) == 0) {
+      long long room, ns;
+      int st;
+      if (sscanf(line, "done %lld %d %lld", &room, &st, &ns) == 3 && room >= base_room &&
+          room < base_room + c->rooms) {
+        t_send[room - base_room] = ns / 1e9;
+        reported++;
+        progress = 1;
+      }
+    }
+    if (!progress) usleep(20);
+  }
+  double dt = now_s() - t0;
+  if (finished < c->rooms || failed) {
+    fprintf(stderr, "bench rooms: %s: %d of %d finished, %d failed\n", c->name, finished, c->rooms, failed);
+    goto out;
+  }
+  int n = 0;
+  for (int i = 0; i < c->rooms; i++)
+    if (t_success[i] > 0 && t_send[i] > 0) lat[n++] = (t_success[i] - t_send[i]) * 1e6;
+  qsort(lat, (size_t)n, sizeof *lat, cmp_dbl);
+  c->rooms_per_s = c->rooms / dt;
+  c->p50_us = n ? lat[n / 2] : 0;
+  c->p99_us = n ? lat[(size_t)((n - 1) * 0.99)] : 0;
+  rc = 0;
+out:
+  for (int i = 0; slots && i < c->inflight; i++) {
+    if (slots[i].active) kvf_receiver_destroy(slots[i].rx);
+    free(slots[i].pages);
+  }
+  free(slots);
+  free(t_success);
+  free(t_send);
+  free(lat);
+  return rc;
+}
+
+/* Baseline: a ZeroMQ PUSH/PULL round trip (one 3-frame message each way)
+ * between this process and a forked child: the floor for any request that
+ * needs a control message there and back. Returns the median in µs. */
+static double bench_zmq_rtt_us(int rounds) {
+  void *ctx = zmq_ctx_new();
+  void *pull = zmq_socket(ctx, ZMQ_PULL);
+  char ep[128];
+  size_t len = sizeof ep;
+  if (zmq_bind(pull, "tcp://127.0.0.1:*") || zmq_getsockopt(pull, ZMQ_LAST_ENDPOINT, ep, &len)) return 0;
+  int sv[2];
+  if (pipe(sv)) return 0;
+  pid_t pid = fork();
+  if (pid == 0) {
+    /* Child: fresh context; echo every message back to the parent's PULL
+     * through its own PULL/PUSH pair. */
+    void *cctx = zmq_ctx_new();
+    void *cpull = zmq_socket(cctx, ZMQ_PULL), *cpush = zmq_socket(cctx, ZMQ_PUSH);
+    char cep[128];
+    size_t cl = sizeof cep;
+    zmq_bind(cpull, "tcp://127.0.0.1:*");
+    zmq_getsockopt(cpull, ZMQ_LAST_ENDPOINT, cep, &cl);
+    zmq_connect(cpush, ep);
+    if (write(sv[1], cep, sizeof cep) != (ssize_t)sizeof cep) _exit(1);
+    char buf[128];
+    for (int i = 0; i < rounds; i++)
+      for (int f = 0; f < 3; f++) {
+        int more, n = zmq_recv(cpull, buf, sizeof buf, 0);
+        size_t ml = sizeof more;
+        zmq_getsockopt(cpull, ZMQ_RCVMORE, &more, &ml);
+        zmq_send(cpush, buf, n > 0 ? (size_t)n : 0, more ? ZMQ_SNDMORE : 0);
+      }
+    _exit(0);
+  }
+  char cep[128];
+  double med = 0;
+  if (read(sv[0], cep, sizeof cep) == (ssize_t)sizeof cep) {
+    void *push = zmq_socket(ctx, ZMQ_PUSH);
+    zmq_connect(push, cep);
+    double *t = calloc((size_t)rounds, sizeof *t);
+    char buf[128];
+    for (int i = 0; t && i < rounds; i++) {
+      double a = now_s();
+      zmq_send(push, "7215963401", 10, ZMQ_SNDMORE);
+      zmq_send(push, "5", 1, ZMQ_SNDMORE);
+      zmq_send(push, "0", 1, 0);
+      for (int f = 0; f < 3; f++) zmq_recv(pull, buf, sizeof buf, 0);
+      t[i] = (now_s() - a) * 1e6;
+    }
+    if (t) {
+      qsort(t, (size_t)rounds, sizeof *t, cmp_dbl);
+      med = t[rounds / 2];
+    }
+    free(t);
+    int linger = 0;
+    zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_close(push);
+  }
+  int linger = 0;
+  zmq_setsockopt(pull, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_close(pull);
+  zmq_ctx_term(ctx);
+  close(sv[0]);
+  close(sv[1]);
+  kill(pid, SIGKILL);
+  waitpid(pid, NULL, 0);
+  return med;
+}
+
+static int bench_rooms(const bench_opts *o) {
+  double rtt_us = bench_zmq_rtt_us(2000);
+  const char *exe = getenv("KVFERRY_CLI");
+  if (!exe || !*exe) exe = proc_self_exe();
+  char pages[32], layers[16], item[16];
+  snprintf(pages, sizeof pages, "%d", ROOMS_POOL_PAGES);
+  snprintf(layers, sizeof layers, "%d", ROOMS_LAYERS);
+  snprintf(item, sizeof item, "%d", ROOMS_ITEM);
+  char *argv[] = {(char *)exe, "kv-peer", "--layers", layers, "--item", item, "--pages", pages, NULL};
+  proc peer;
+  if (proc_start(&peer, argv)) return 1;
+  char line[400], baddr[300];
+  kvpool pool;
+  kvf_manager *m = NULL;
+  int rc = 1;
+  if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready %299s", baddr) != 1) {
+    fprintf(stderr, "bench rooms: the prefill peer did not start\n");
+    proc_stop(&peer, 1000);
+    return 1;
+  }
+  if (kvpool_init(&pool, ROOMS_LAYERS, ROOMS_POOL_PAGES, ROOMS_ITEM)) goto out_peer;
+  kvf_manager_config mc;
+  kvf_manager_config_init(&mc);
+  mc.role = KVF_ROLE_DECODE;
+  if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
+  rooms_case cases[] = {
+      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0},
+      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0},
+      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0},
+      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0},
+  };
+  size_t nc = sizeof cases / sizeof cases[0];
+  int64_t base = 1;
+  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0};
+  if (bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
+  base += warm.rooms;
+  for (size_t i = 0; i < nc; i++) {
+    if (bench_rooms_case(m, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;
+    base += cases[i].rooms;
+  }
+  if (o->json) {
+    printf("{\"bench\":\"rooms\",\"model\":{\"layers\":%d,\"page_bytes_per_buffer\":%d,\"buffers\":%d},"
+           "\"baseline\":\"ZeroMQ PUSH/PULL round trip between two processes\",\"baseline_rtt_us\":%.1f,"
+           "\"cases\":[",
+           ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS, rtt_us);
+    for (size_t i = 0; i < nc; i++)
+      printf("%s{\"name\":\"%s\",\"rooms\":%d,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
+             "\"p50_over_zmq_rtt\":%.2f}",
+             i ? "," : "", cases[i].name, cases[i].rooms, cases[i].rooms_per_s, cases[i].p50_us, cases[i].p99_us,
+             rtt_us > 0 ? cases[i].p50_us / rtt_us : 0);
+    printf("]}\n");
+  } else {
+    printf("rooms through the KV managers (prefill in a child process, %d layers, %d B pages x %d buffers)\n",
+           ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS);
+    printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us\n", rtt_us);
+    printf("%-28s %8s %12s %10s %10s %12s\n", "case", "rooms", "rooms/s", "p50 us", "p99 us", "p50/zmq rtt");
+    for (size_t i = 0; i < nc; i++)
+      printf("%-28s %8d %12.0f %10.1f %10.1f %12.2f\n", cases[i].name, cases[i].rooms, cases[i].rooms_per_s,
+             cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0);
+  }
+  rc = 0;
+out_mgr:
+  kvf_manager_destroy(m);
+out_pool:
+  kvpool_free(&pool);
+out_peer:
+  proc_stop(&peer, 5000);
+  return rc;
+}
+
 static void usage(void) {
-  printf("usage: kvferry bench [engine] [--json] [--bytes 2G] [--inflight 4]\n"
+  printf("usage: kvferry bench [engine|rooms] [--json] [--quick] [--bytes 2G] [--inflight 4]\n"
          "                     [--block SIZE --per-batch N]   (one custom engine case)\n");
 }
 
@@ -209,13 +467,15 @@ int cli_bench(int argc, char **argv) {
                                        {"bytes", required_argument, 0, 'b'},
                                        {"inflight", required_argument, 0, 'i'},
                                        {"block", required_argument, 0, 'B'},
+                                       {"quick", no_argument, 0, 'q'},
                                        {"per-batch", required_argument, 0, 'P'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
   unsigned long long v;
-  while ((c = getopt_long(argc, argv, "jb:i:B:P:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "jb:i:B:P:qh", opts, NULL)) != -1) {
     switch (c) {
+      case 'q': o.quick = 1; break;
       case 'B':
         if (cli_parse_size(optarg, &v) || v == 0 || v > (64u << 20)) return usage(), 2;
         o.block = v;
@@ -239,6 +499,7 @@ int cli_bench(int argc, char **argv) {
   }
   const char *which = optind < argc ? argv[optind] : "engine";
   if (!strcmp(which, "engine")) return bench_engine(&o);
-  fprintf(stderr, "bench: unknown benchmark '%s' (available: engine)\n", which);
+  if (!strcmp(which, "rooms")) return bench_rooms(&o);
+  fprintf(stderr, "bench: unknown benchmark '%s' (available: engine, rooms)\n", which);
   return 2;
 }

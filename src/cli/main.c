@@ -15,6 +15,7 @@ static const struct command commands[] = {
     {"bootstrap", cli_bootstrap, "run the bootstrap HTTP rendezvous server (--port 8998)"},
     {"demo", cli_demo, "move a scattered set of pages between two processes and verify every byte"},
     {"bench", cli_bench, "benchmarks with same-run baselines (engine, ...); --json for machine output"},
+    {"kv-peer", cli_kv_peer, "run a prefill instance (bootstrap server + ranks) driven over stdin (testing)"},
     {"engine-peer", cli_engine_peer, "run a transfer engine target with a registered buffer (testing)"},
 };
 

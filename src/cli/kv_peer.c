@@ -1,0 +1,216 @@
+/* `kvferry kv-peer`: a whole prefill instance in one process, for the demo,
+ * the benchmarks and the end-to-end tests: a bootstrap server and `world`
+ * prefill ranks (each a KV manager with its own engine and model-shaped
+ * pool). It prints
+ *   ready <bootstrap-host:port>
+ * and takes commands on stdin:
+ *   send <room> <npages> <seed> <token> [chunk]
+ *       every TP rank of DP group room % dp creates a sender, fills npages
+ *       scattered pages with the request's pattern and sends them in chunks
+ *       (the last carries the token and the candidates token+1, token+2)
+ *   quit
+ * and reports each request when its senders are final:
+ *   done <room> <poll-status> <last-send-ns> <reason or ->
+ * where last-send-ns is CLOCK_MONOTONIC at the return of the last send call
+ * (comparable across processes on one host, for latency measurements).
+ * It exits on EOF of stdin, so a test that dies takes its peer with it. */
+#include <getopt.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "kvferry.h"
+#include "kvpool.h"
+
+#define PEER_MAX_REQS 4096
+
+typedef struct peer_req {
+  int64_t room;
+  int rank0, nranks; /* the TP ranks of the room's DP group */
+  kvf_sender *tx[64];
+  int64_t *pages[64];
+  size_t npages;
+  long long last_send_ns;
+} peer_req;
+
+typedef struct peer_opts {
+  int world, dp, layers, chunk;
+  unsigned long long item, pages;
+  const char *host;
+} peer_opts;
+
+static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed,
+                         long long token, int chunk, uint64_t *rng) {
+  for (int i = 0; i < r->nranks; i++) {
+    int rank = r->rank0 + i;
+    r->pages[i] = malloc((r->npages ? r->npages : 1) * sizeof *r->pages[i]);
+    if (!r->pages[i] || kvpool_take(&pools[rank], r->npages, rng, r->pages[i])) {
+      free(r->pages[i]);
+      r->pages[i] = NULL;
+      return -1;
+    }
+    kvpool_fill(&pools[rank], r->room, r->pages[i], r->npages, seed);
+    if (kvf_sender_create(mgr[rank], r->room, &r->tx[i])) return -1;
+    int32_t cands[2] = {(int32_t)token + 1, (int32_t)token + 2};
+    size_t step = chunk > 0 ? (size_t)chunk : r->npages;
+    if (step == 0) step = 1;
+    for (size_t off = 0; off < r->npages || off == 0; off += step) {
+      size_t n = r->npages - off < step ? r->npages - off : step;
+      int last = off + n >= r->npages;
+      if (kvf_sender_send(r->tx[i], r->pages[i] + off, n, last, last ? 0 : -1, last ? token : -1, last ? cands : NULL,
+                          last ? 2 : 0, NULL, 0))
+        return -1;
+      if (last) break;
+    }
+  }
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  r->last_send_ns = ts.tv_sec * 1000000000LL + ts.tv_nsec;
+  return 0;
+}
+
+static void finish_req(peer_req *r, kvpool *pools, int status, const char *reason) {
+  printf("done %lld %d %lld %s\n", (long long)r->room, status, r->last_send_ns, reason && *reason ? reason : "-");
+  fflush(stdout);
+  for (int i = 0; i < r->nranks; i++) {
+    if (r->tx[i]) kvf_sender_destroy(r->tx[i]);
+    if (r->pages[i]) kvpool_give(&pools[r->rank0 + i], r->pages[i], r->npages);
+    free(r->pages[i]);
+  }
+  memset(r, 0, sizeof *r);
+}
+
+int cli_kv_peer(int argc, char **argv) {
+  peer_opts o = {.world = 1, .dp = 1, .layers = 2, .chunk = 0, .item = 4096, .pages = 4096, .host = "127.0.0.1"};
+  static const struct option opts[] = {{"world", required_argument, 0, 'w'}, {"dp", required_argument, 0, 'd'},
+                                       {"layers", required_argument, 0, 'l'}, {"item", required_argument, 0, 'i'},
+                                       {"pages", required_argument, 0, 'p'},  {"host", required_argument, 0, 'H'},
+                                       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
+  int c;
+  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'w': o.world = atoi(optarg); break;
+      case 'd': o.dp = atoi(optarg); break;
+      case 'l': o.layers = atoi(optarg); break;
+      case 'i': if (cli_parse_size(optarg, &o.item)) return 2; break;
+      case 'p': if (cli_parse_size(optarg, &o.pages)) return 2; break;
+      case 'H': o.host = optarg; break;
+      case 'h':
+        printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n");
+        return 0;
+      default: return 2;
+    }
+  }
+  if (o.world < 1 || o.world > 64 || o.dp < 1 || o.world % o.dp || o.layers < 1 || !o.item || !o.pages) {
+    fprintf(stderr, "kv-peer: bad layout\n");
+    return 2;
+  }
+  int tp = o.world / o.dp, rc = 1;
+  kvf_bootstrap_server_config bc;
+  kvf_bootstrap_server_config_init(&bc);
+  bc.host = o.host;
+  bc.port = 0;
+  bc.auth_token = "";
+  kvf_bootstrap_server *srv = NULL;
+  kvf_manager **mgr = calloc((size_t)o.world, sizeof *mgr);
+  kvpool *pools = calloc((size_t)o.world, sizeof *pools);
+  peer_req *reqs = calloc(PEER_MAX_REQS, sizeof *reqs);
+  if (!mgr || !pools || !reqs || kvf_bootstrap_server_start(&bc, &srv)) {
+    fprintf(stderr, "kv-peer: cannot start the bootstrap server\n");
+    goto out;
+  }
+  char baddr[300];
+  snprintf(baddr, sizeof baddr, "%s:%u", o.host, (unsigned)kvf_bootstrap_server_port(srv));
+  for (int r = 0; r < o.world; r++) {
+    if (kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item)) goto out;
+    kvf_manager_config mc;
+    kvf_manager_config_init(&mc);
+    mc.role = KVF_ROLE_PREFILL;
+    mc.host = o.host;
+    mc.engine_rank = r;
+    mc.world_size = o.world;
+    mc.dp_size = o.dp;
+    mc.bootstrap_addr = baddr;
+    int err = kvf_manager_create(&mc, &pools[r].bufs, &mgr[r]);
+    if (err) {
+      fprintf(stderr, "kv-peer: prefill rank %d: %s\n", r, kvf_strerror(err));
+      goto out;
+    }
+  }
+  printf("ready %s\n", baddr);
+  fflush(stdout);
+  uint64_t rng = 0x2545F4914F6CDD1DULL;
+  char line[512];
+  size_t llen = 0;
+  int eof = 0;
+  while (!eof) {
+    struct pollfd pf = {.fd = STDIN_FILENO, .events = POLLIN};
+    if (poll(&pf, 1, 1) > 0) {
+      ssize_t k = read(STDIN_FILENO, line + llen, sizeof line - 1 - llen);
+      if (k <= 0) eof = 1;
+      else llen += (size_t)k;
+      char *nl;
+      while ((nl = memchr(line, '\n', llen))) {
+        *nl = 0;
+        long long room, npages, token;
+        unsigned long long seed;
+        int chunk = 0;
+        if (!strcmp(line, "quit")) eof = 1;
+        else if (sscanf(line, "send %lld %lld %llu %lld %d", &room, &npages, &seed, &token, &chunk) >= 4 &&
+                 npages >= 0) {
+          peer_req *r = NULL;
+          for (int i = 0; i < PEER_MAX_REQS && !r; i++)
+            if (!reqs[i].nranks) r = &reqs[i];
+          if (!r) {
+            printf("done %lld 0 0 too-many-requests\n", room);
+          } else {
+            r->room = room;
+            r->npages = (size_t)npages;
+            r->rank0 = (int)(((room % o.dp) + o.dp) % o.dp) * tp;
+            r->nranks = tp;
+            if (start_senders(r, mgr, pools, seed, token, chunk, &rng)) finish_req(r, pools, 0, "cannot-start");
+          }
+        } else {
+          printf("error bad command\n");
+        }
+        fflush(stdout);
+        size_t used = (size_t)(nl - line) + 1;
+        memmove(line, nl + 1, llen - used);
+        llen -= used;
+      }
+      if (llen == sizeof line - 1) llen = 0; /* an overlong line is dropped */
+    }
+    for (int i = 0; i < PEER_MAX_REQS; i++) {
+      peer_req *r = &reqs[i];
+      if (!r->nranks) continue;
+      int st = KVF_POLL_SUCCESS, final = 1;
+      char reason[256] = "";
+      for (int k = 0; k < r->nranks; k++) {
+        int s = kvf_sender_poll(r->tx[k]);
+        if (s != KVF_POLL_SUCCESS && s != KVF_POLL_FAILED) final = 0;
+        if (s == KVF_POLL_FAILED && !*reason) kvf_sender_failure(r->tx[k], reason, sizeof reason);
+        if (s < st) st = s;
+      }
+      if (final || st == KVF_POLL_FAILED) {
+        for (char *p = reason; *p; p++)
+          if (*p == '\n') *p = ' ';
+        finish_req(r, pools, st, reason);
+      }
+    }
+  }
+  rc = 0;
+out:
+  for (int i = 0; reqs && i < PEER_MAX_REQS; i++)
+    if (reqs[i].nranks) finish_req(&reqs[i], pools, 0, "shutdown");
+  for (int r = 0; mgr && r < o.world; r++) kvf_manager_destroy(mgr[r]);
+  for (int r = 0; pools && r < o.world; r++) kvpool_free(&pools[r]);
+  kvf_bootstrap_server_stop(srv);
+  free(mgr);
+  free(pools);
+  free(reqs);
+  return rc;
+}

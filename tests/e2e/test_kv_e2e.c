@@ -1,0 +1,306 @@
+/* End to end: prefill instances as real processes (`kvferry kv-peer`: a
+ * bootstrap server and prefill ranks), a decode manager in this process,
+ * real libzmq, real HTTP and the real engine over 127.0.0.1. */
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+#include <cmocka.h>
+
+#include "bootstrap/bootstrap.h"
+#include "cli/kvpool.h"
+#include "cli/proc.h"
+#include "kv/manager.h"
+#include "kvferry.h"
+
+#define LAYERS 2
+#define ITEM 4096
+#define PAGES 4096
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+typedef struct prefill_proc {
+  proc p;
+  char addr[300];
+} prefill_proc;
+
+static void peer_prefill_start(prefill_proc *pp, int world, int dp) {
+  const char *exe = getenv("KVFERRY_CLI");
+  assert_non_null(exe);
+  char w[16], d[16], l[16], it[16], pg[16];
+  snprintf(w, sizeof w, "%d", world);
+  snprintf(d, sizeof d, "%d", dp);
+  snprintf(l, sizeof l, "%d", LAYERS);
+  snprintf(it, sizeof it, "%d", ITEM);
+  snprintf(pg, sizeof pg, "%d", PAGES);
+  char *argv[] = {(char *)exe, "kv-peer", "--world", w, "--dp", d, "--layers", l, "--item", it, "--pages", pg, NULL};
+  assert_int_equal(proc_start(&pp->p, argv), 0);
+  char line[400];
+  assert_int_equal(proc_read_line(&pp->p, line, sizeof line, 20000), 0);
+  assert_int_equal(sscanf(line, "ready %299s", pp->addr), 1);
+}
+
+static void prefill_send(prefill_proc *pp, int64_t room, size_t npages, uint64_t seed, int64_t token, int chunk) {
+  fprintf(pp->p.in, "send %lld %zu %llu %lld %d\n", (long long)room, npages, (unsigned long long)seed,
+          (long long)token, chunk);
+  fflush(pp->p.in);
+}
+
+typedef struct decode_side {
+  kvf_manager *m;
+  kvpool pool;
+} decode_side;
+
+static void decode_start_side(decode_side *d, double hb_interval, double waiting_s) {
+  assert_int_equal(kvpool_init(&d->pool, LAYERS, PAGES, ITEM), 0);
+  kvf_manager_config c;
+  kvf_manager_config_init(&c);
+  c.role = KVF_ROLE_DECODE;
+  c.heartbeat_interval_s = hb_interval;
+  c.heartbeat_max_failures = 2;
+  c.waiting_timeout_s = waiting_s;
+  c.http_timeout_ms = 2000;
+  assert_int_equal(kvf_manager_create(&c, &d->pool.bufs, &d->m), 0);
+}
+
+static void decode_stop_side(decode_side *d) {
+  kvf_manager_stats st;
+  kvf_manager_get_stats(d->m, &st);
+  assert_int_equal(st.live_rooms, 0); /* every room cleared: nothing left behind */
+  kvf_manager_destroy(d->m);
+  kvpool_free(&d->pool);
+}
+
+typedef struct request {
+  int64_t room;
+  kvf_receiver *rx;
+  int64_t pages[64];
+  size_t n;
+  int64_t token;
+  uint64_t seed;
+  int active;
+} request;
+
+/* Wait for a request to end; verify bytes, token and candidates on Success. */
+static int finish(decode_side *d, request *r, int want_success) {
+  int st;
+  double until = now_s() + 30;
+  while ((st = kvf_receiver_poll(r->rx)) != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED && now_s() < until)
+    usleep(200);
+  if (want_success) {
+    char why[256];
+    kvf_receiver_failure(r->rx, why, sizeof why);
+    if (st != KVF_POLL_SUCCESS) fprintf(stderr, "room %lld: status %d: %s\n", (long long)r->room, st, why);
+    assert_int_equal(st, KVF_POLL_SUCCESS);
+    int64_t tok;
+    int32_t cands[8];
+    size_t nc = 0;
+    assert_int_equal(kvf_receiver_pop_metadata(r->rx, &tok, cands, 8, &nc), 0);
+    assert_int_equal(tok, r->token);
+    assert_int_equal(nc, 2);
+    assert_int_equal(cands[0], r->token + 1);
+    assert_int_equal(cands[1], r->token + 2);
+    kvf_engine_sync(kvf_manager_engine(d->m));
+    assert_int_equal(kvpool_check(&d->pool, r->room, r->pages, r->n, r->seed), 0);
+  }
+  kvf_receiver_destroy(r->rx);
+  kvpool_give(&d->pool, r->pages, r->n);
+  r->active = 0;
+  return st;
+}
+
+static void begin(decode_side *d, prefill_proc *pp, request *r, int64_t room, size_t n, uint64_t *rng, int chunk) {
+  memset(r, 0, sizeof *r);
+  r->room = room;
+  r->n = n;
+  r->token = 1000 + room % 50000;
+  r->seed = 77;
+  assert_int_equal(kvf_receiver_create(d->m, pp->addr, room, &r->rx), 0);
+  assert_int_equal(kvpool_take(&d->pool, n, rng, r->pages), 0);
+  assert_int_equal(kvf_receiver_init(r->rx, r->pages, n, 0, 0, NULL, 0), 0);
+  prefill_send(pp, room, n, r->seed, r->token, chunk);
+  r->active = 1;
+}
+
+/* 200 requests with random page sets over dp = 2, 16 in flight. */
+static void two_hundred_requests_byte_exact_dp2(void **state) {
+  prefill_proc pp;
+  peer_prefill_start(&pp, 2, 2);
+  decode_side d;
+  decode_start_side(&d, 5, 60);
+  request reqs[16];
+  memset(reqs, 0, sizeof reqs);
+  uint64_t rng = 99;
+  int next = 0, done = 0;
+  double t0 = now_s();
+  while (done < 200 && now_s() - t0 < 120) {
+    for (int i = 0; i < 16; i++) {
+      if (reqs[i].active && kvf_receiver_poll(reqs[i].rx) >= KVF_POLL_SUCCESS) {
+        finish(&d, &reqs[i], 1);
+        done++;
+      }
+      if (!reqs[i].active && next < 200) {
+        rng = rng * 6364136223846793005ULL + 1;
+        size_t n = 1 + (rng >> 33) % 64;
+        begin(&d, &pp, &reqs[i], 7215963401LL + next, n, &rng, next % 3 == 0 ? 8 : 0);
+        next++;
+      }
+    }
+    usleep(200);
+  }
+  assert_int_equal(done, 200);
+  /* Every prefill request reported Success too. */
+  char line[400];
+  int ok = 0;
+  for (int i = 0; i < 200; i++)
+    if (proc_read_line(&pp.p, line, sizeof line, 5000) == 0 && !strncmp(line, "done ", 5) && strstr(line, " 5 "))
+      ok++;
+  assert_int_equal(ok, 200);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&d);
+}
+
+/* SIGKILL one prefill instance: its rooms fail within interval x failures +
+ * 2 s while a second instance keeps being served. */
+static void killed_prefill_fails_its_rooms_other_keeps_serving(void **state) {
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  prefill_proc a, b;
+  peer_prefill_start(&a, 1, 1);
+  peer_prefill_start(&b, 1, 1);
+  decode_side d;
+  decode_start_side(&d, 0.5, 60);
+  uint64_t rng = 5;
+  request ra[4], rb[4];
+  for (int i = 0; i < 4; i++) {
+    /* Rooms on A: receivers wait for a transfer that never comes. */
+    memset(&ra[i], 0, sizeof ra[i]);
+    ra[i].room = 500 + i;
+    ra[i].n = 4;
+    assert_int_equal(kvf_receiver_create(d.m, a.addr, ra[i].room, &ra[i].rx), 0);
+    assert_int_equal(kvpool_take(&d.pool, 4, &rng, ra[i].pages), 0);
+    assert_int_equal(kvf_receiver_init(ra[i].rx, ra[i].pages, 4, 0, 0, NULL, 0), 0);
+  }
+  kill(a.p.pid, SIGKILL);
+  double t0 = now_s();
+  for (int i = 0; i < 4; i++) begin(&d, &b, &rb[i], 900 + i, 8, &rng, 0);
+  for (int i = 0; i < 4; i++) finish(&d, &rb[i], 1);
+  for (int i = 0; i < 4; i++) {
+    int st;
+    while ((st = kvf_receiver_poll(ra[i].rx)) != KVF_POLL_FAILED && now_s() - t0 < 10) usleep(1000);
+    assert_int_equal(st, KVF_POLL_FAILED);
+    char why[256];
+    kvf_receiver_failure(ra[i].rx, why, sizeof why);
+    assert_non_null(strstr(why, "Losing connection with prefill instance"));
+    kvf_receiver_destroy(ra[i].rx);
+    kvpool_give(&d.pool, ra[i].pages, 4);
+  }
+  assert_true(now_s() - t0 < 0.5 * 2 + 2 + 0.5);
+  /* B still serves after A's failure was handled. */
+  begin(&d, &b, &rb[0], 950, 16, &rng, 4);
+  finish(&d, &rb[0], 1);
+  proc_stop(&a.p, 1000);
+  proc_stop(&b.p, 5000);
+  decode_stop_side(&d);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+}
+
+/* A request the prefill never sends ends Failed at the waiting timeout. */
+static void waiting_timeout_fires(void **state) {
+  prefill_proc pp;
+  peer_prefill_start(&pp, 1, 1);
+  decode_side d;
+  decode_start_side(&d, 5, 1);
+  uint64_t rng = 3;
+  request r = {.room = 42, .n = 2};
+  assert_int_equal(kvf_receiver_create(d.m, pp.addr, r.room, &r.rx), 0);
+  assert_int_equal(kvpool_take(&d.pool, 2, &rng, r.pages), 0);
+  double t0 = now_s();
+  assert_int_equal(kvf_receiver_init(r.rx, r.pages, 2, 0, 0, NULL, 0), 0);
+  int st;
+  while ((st = kvf_receiver_poll(r.rx)) != KVF_POLL_FAILED && now_s() - t0 < 5) usleep(1000);
+  double dt = now_s() - t0;
+  assert_int_equal(st, KVF_POLL_FAILED);
+  assert_true(dt >= 0.9 && dt < 2.5);
+  char why[256];
+  kvf_receiver_failure(r.rx, why, sizeof why);
+  assert_non_null(strstr(why, "timed out"));
+  kvf_receiver_destroy(r.rx);
+  kvpool_give(&d.pool, r.pages, 2);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&d);
+}
+
+static void push_frames(void *ctx, const char *ep, const char *const *frames, const size_t *lens, size_t n) {
+  void *s = zmq_socket(ctx, ZMQ_PUSH);
+  int linger = 1000;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  assert_int_equal(zmq_connect(s, ep), 0);
+  for (size_t i = 0; i < n; i++) zmq_send(s, frames[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0);
+  zmq_close(s);
+}
+
+/* Malformed M1/M2/M3 from a raw socket are dropped and counted; the
+ * listeners keep serving other rooms. */
+static void malformed_control_messages_do_no_harm(void **state) {
+  prefill_proc pp;
+  peer_prefill_start(&pp, 1, 1);
+  decode_side d;
+  decode_start_side(&d, 5, 60);
+  void *ctx = zmq_ctx_new();
+  char dep[64], pep[128];
+  snprintf(dep, sizeof dep, "tcp://127.0.0.1:%u", (unsigned)d.m->rank_port);
+  bootstrap_client *bc = NULL;
+  assert_int_equal(bootstrap_client_create(pp.addr, NULL, &bc), 0);
+  char ip[64];
+  int port = 0;
+  assert_int_equal(bootstrap_client_get_rank(bc, 0, 0, ip, sizeof ip, &port), 0);
+  bootstrap_client_destroy(bc);
+  snprintf(pep, sizeof pep, "tcp://%s:%d", ip, port);
+  /* M3s: too few frames, non-integer room, status 9, odd candidate bytes. */
+  const char *m3a[] = {"12"}, *m3b[] = {"x1", "5", "0"}, *m3c[] = {"12", "9", "0"},
+             *m3d[] = {"12", "5", "0", "1", "abc"};
+  size_t l1[] = {2}, l3[] = {2, 1, 1}, l5[] = {2, 1, 1, 1, 3};
+  push_frames(ctx, dep, m3a, l1, 1);
+  push_frames(ctx, dep, m3b, l3, 3);
+  push_frames(ctx, dep, m3c, l3, 3);
+  push_frames(ctx, dep, m3d, l5, 5);
+  /* M1/M2 to the prefill rank: short M1, M2 with a 5-byte index frame. */
+  const char *m1[] = {"None", "127.0.0.1", "notaport", "127.0.0.1:1", "", ""};
+  size_t lm1[] = {4, 9, 8, 11, 0, 0};
+  push_frames(ctx, pep, m1, lm1, 6);
+  const char *m2[] = {"77", "127.0.0.1", "5555", "127.0.0.1:1", "12345", "0", "1", "0", "0", "", "", ""};
+  size_t lm2[] = {2, 9, 4, 11, 5, 1, 1, 1, 1, 0, 0, 0};
+  push_frames(ctx, pep, m2, lm2, 12);
+  zmq_ctx_term(ctx);
+  uint64_t rng = 11;
+  request r[8];
+  for (int i = 0; i < 8; i++) begin(&d, &pp, &r[i], 3000 + i, 1 + (size_t)i * 3, &rng, 2);
+  for (int i = 0; i < 8; i++) finish(&d, &r[i], 1);
+  kvf_manager_stats st;
+  kvf_manager_get_stats(d.m, &st);
+  assert_true(st.messages_malformed >= 4);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&d);
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(two_hundred_requests_byte_exact_dp2),
+      cmocka_unit_test(killed_prefill_fails_its_rooms_other_keeps_serving),
+      cmocka_unit_test(waiting_timeout_fires),
+      cmocka_unit_test(malformed_control_messages_do_no_harm),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
