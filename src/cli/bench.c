@@ -38,6 +38,7 @@ typedef struct bench_opts {
   uint64_t block;    /* --block: one extra case with this block size */
   int per_batch;
   int quick;         /* --quick: fewer rooms, for CI smoke runs */
+  int room_pages;    /* --room-pages: one custom rooms case (with --inflight) */
   uint64_t bytes;    /* per case */
   int inflight;      /* batches in flight */
 } bench_opts;
@@ -274,7 +275,7 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
         if (kvf_receiver_create(m, baddr, s->room, &s->rx) || kvpool_take(pool, c->pages, &rng, s->pages) ||
             kvf_receiver_init(s->rx, s->pages, c->pages, 0, 0, NULL, 0))
           goto out;
-        fprintf(peer->in, "send %lld %zu 1 7 0\n", (long long)s->room, c->pages);
+        fprintf(peer->in, "send %lld %zu 0 7 0\n", (long long)s->room, c->pages);
         fflush(peer->in);
         s->active = 1;
         progress = 1;
@@ -320,67 +321,73 @@ out:
 
 /* Baseline: a ZeroMQ PUSH/PULL round trip (one 3-frame message each way)
  * between this process and a forked child: the floor for any request that
- * needs a control message there and back. Returns the median in µs. */
-static double bench_zmq_rtt_us(int rounds) {
-  void *ctx = zmq_ctx_new();
+ * needs a control message there and back. Returns the median in µs, 0 on
+ * failure. The child is forked before either side creates a ZeroMQ context
+ * (a context does not survive fork), and every receive has a timeout. */
+static void *zmq_pair_open(void *ctx, int pipe_out, int pipe_in, void **push) {
   void *pull = zmq_socket(ctx, ZMQ_PULL);
-  char ep[128];
+  int tmo = 2000, linger = 0;
+  char ep[128] = {0}, peer[128] = {0};
   size_t len = sizeof ep;
-  if (zmq_bind(pull, "tcp://127.0.0.1:*") || zmq_getsockopt(pull, ZMQ_LAST_ENDPOINT, ep, &len)) return 0;
-  int sv[2];
-  if (pipe(sv)) return 0;
+  zmq_setsockopt(pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+  zmq_setsockopt(pull, ZMQ_LINGER, &linger, sizeof linger);
+  if (zmq_bind(pull, "tcp://127.0.0.1:*") || zmq_getsockopt(pull, ZMQ_LAST_ENDPOINT, ep, &len) ||
+      write(pipe_out, ep, sizeof ep) != (ssize_t)sizeof ep || read(pipe_in, peer, sizeof peer) != (ssize_t)sizeof peer)
+    return NULL;
+  *push = zmq_socket(ctx, ZMQ_PUSH);
+  zmq_setsockopt(*push, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(*push, ZMQ_SNDTIMEO, &tmo, sizeof tmo);
+  peer[sizeof peer - 1] = 0;
+  if (zmq_connect(*push, peer)) return NULL;
+  return pull;
+}
+
+static double bench_zmq_rtt_us(int rounds) {
+  int p2c[2], c2p[2];
+  if (pipe(p2c)) return 0;
+  if (pipe(c2p)) return 0;
   pid_t pid = fork();
   if (pid == 0) {
-    /* Child: fresh context; echo every message back to the parent's PULL
-     * through its own PULL/PUSH pair. */
-    void *cctx = zmq_ctx_new();
-    void *cpull = zmq_socket(cctx, ZMQ_PULL), *cpush = zmq_socket(cctx, ZMQ_PUSH);
-    char cep[128];
-    size_t cl = sizeof cep;
-    zmq_bind(cpull, "tcp://127.0.0.1:*");
-    zmq_getsockopt(cpull, ZMQ_LAST_ENDPOINT, cep, &cl);
-    zmq_connect(cpush, ep);
-    if (write(sv[1], cep, sizeof cep) != (ssize_t)sizeof cep) _exit(1);
+    void *ctx = zmq_ctx_new(), *push = NULL;
+    void *pull = zmq_pair_open(ctx, c2p[1], p2c[0], &push);
     char buf[128];
-    for (int i = 0; i < rounds; i++)
+    for (int i = 0; pull && i < rounds; i++)
       for (int f = 0; f < 3; f++) {
-        int more, n = zmq_recv(cpull, buf, sizeof buf, 0);
+        int more = 0, n = zmq_recv(pull, buf, sizeof buf, 0);
+        if (n < 0) _exit(1);
         size_t ml = sizeof more;
-        zmq_getsockopt(cpull, ZMQ_RCVMORE, &more, &ml);
-        zmq_send(cpush, buf, n > 0 ? (size_t)n : 0, more ? ZMQ_SNDMORE : 0);
+        zmq_getsockopt(pull, ZMQ_RCVMORE, &more, &ml);
+        zmq_send(push, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf, more ? ZMQ_SNDMORE : 0);
       }
+    /* Flush the last echo before leaving: linger 0 would drop it. */
+    int linger = 2000;
+    if (push) zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger), zmq_close(push);
+    if (pull) zmq_close(pull);
+    zmq_ctx_term(ctx);
     _exit(0);
   }
-  char cep[128];
-  double med = 0;
-  if (read(sv[0], cep, sizeof cep) == (ssize_t)sizeof cep) {
-    void *push = zmq_socket(ctx, ZMQ_PUSH);
-    zmq_connect(push, cep);
-    double *t = calloc((size_t)rounds, sizeof *t);
-    char buf[128];
-    for (int i = 0; t && i < rounds; i++) {
-      double a = now_s();
-      zmq_send(push, "7215963401", 10, ZMQ_SNDMORE);
-      zmq_send(push, "5", 1, ZMQ_SNDMORE);
-      zmq_send(push, "0", 1, 0);
-      for (int f = 0; f < 3; f++) zmq_recv(pull, buf, sizeof buf, 0);
-      t[i] = (now_s() - a) * 1e6;
-    }
-    if (t) {
-      qsort(t, (size_t)rounds, sizeof *t, cmp_dbl);
-      med = t[rounds / 2];
-    }
-    free(t);
-    int linger = 0;
-    zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger);
-    zmq_close(push);
+  void *ctx = zmq_ctx_new(), *push = NULL;
+  void *pull = zmq_pair_open(ctx, p2c[1], c2p[0], &push);
+  double *t = calloc((size_t)rounds, sizeof *t), med = 0;
+  int ok = pull && t;
+  char buf[128];
+  for (int i = 0; ok && i < rounds; i++) {
+    double a = now_s();
+    zmq_send(push, "7215963401", 10, ZMQ_SNDMORE);
+    zmq_send(push, "5", 1, ZMQ_SNDMORE);
+    zmq_send(push, "0", 1, 0);
+    for (int f = 0; f < 3 && ok; f++) ok = zmq_recv(pull, buf, sizeof buf, 0) >= 0;
+    t[i] = (now_s() - a) * 1e6;
   }
-  int linger = 0;
-  zmq_setsockopt(pull, ZMQ_LINGER, &linger, sizeof linger);
-  zmq_close(pull);
+  if (ok) {
+    qsort(t, (size_t)rounds, sizeof *t, cmp_dbl);
+    med = t[rounds / 2];
+  }
+  free(t);
+  if (push) zmq_close(push);
+  if (pull) zmq_close(pull);
   zmq_ctx_term(ctx);
-  close(sv[0]);
-  close(sv[1]);
+  close(p2c[0]), close(p2c[1]), close(c2p[0]), close(c2p[1]);
   kill(pid, SIGKILL);
   waitpid(pid, NULL, 0);
   return med;
@@ -418,6 +425,10 @@ static int bench_rooms(const bench_opts *o) {
       {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0},
   };
   size_t nc = sizeof cases / sizeof cases[0];
+  if (o->room_pages) { /* a single custom case replaces the standard ones */
+    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, o->quick ? 100 : 1000, 0, 0, 0};
+    nc = 1;
+  }
   int64_t base = 1;
   rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0};
   if (bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
@@ -458,7 +469,8 @@ out_peer:
 
 static void usage(void) {
   printf("usage: kvferry bench [engine|rooms] [--json] [--quick] [--bytes 2G] [--inflight 4]\n"
-         "                     [--block SIZE --per-batch N]   (one custom engine case)\n");
+         "                     [--block SIZE --per-batch N]   (one custom engine case)\n"
+         "                     [--room-pages N --inflight M]  (one custom rooms case)\n");
 }
 
 int cli_bench(int argc, char **argv) {
@@ -468,13 +480,18 @@ int cli_bench(int argc, char **argv) {
                                        {"inflight", required_argument, 0, 'i'},
                                        {"block", required_argument, 0, 'B'},
                                        {"quick", no_argument, 0, 'q'},
+                                       {"room-pages", required_argument, 0, 'R'},
                                        {"per-batch", required_argument, 0, 'P'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
   unsigned long long v;
-  while ((c = getopt_long(argc, argv, "jb:i:B:P:qh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:h", opts, NULL)) != -1) {
     switch (c) {
+      case 'R':
+        o.room_pages = atoi(optarg);
+        if (o.room_pages < 1 || o.room_pages > 4096) return usage(), 2;
+        break;
       case 'q': o.quick = 1; break;
       case 'B':
         if (cli_parse_size(optarg, &v) || v == 0 || v > (64u << 20)) return usage(), 2;

@@ -7,7 +7,8 @@
  *   send <room> <npages> <seed> <token> [chunk]
  *       every TP rank of DP group room % dp creates a sender, fills npages
  *       scattered pages with the request's pattern and sends them in chunks
- *       (the last carries the token and the candidates token+1, token+2)
+ *       (the last carries the token and the candidates token+1, token+2);
+ *       seed 0 sends the pages as they are (benchmarks: no pattern cost)
  *   quit
  * and reports each request when its senders are final:
  *   done <room> <poll-status> <last-send-ns> <reason or ->
@@ -53,7 +54,7 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
       r->pages[i] = NULL;
       return -1;
     }
-    kvpool_fill(&pools[rank], r->room, r->pages[i], r->npages, seed);
+    if (seed) kvpool_fill(&pools[rank], r->room, r->pages[i], r->npages, seed); /* seed 0: benchmarks, no pattern */
     if (kvf_sender_create(mgr[rank], r->room, &r->tx[i])) return -1;
     int32_t cands[2] = {(int32_t)token + 1, (int32_t)token + 2};
     size_t step = chunk > 0 ? (size_t)chunk : r->npages;

@@ -65,10 +65,10 @@ int proc_read_line(proc *p, char *buf, size_t cap, int timeout_ms) {
       p->rlen -= used;
       return 0;
     }
+    /* Poll at least once, so a timeout of 0 still takes what is there. */
     long long left = until - now_ms();
-    if (left <= 0) return -1;
     struct pollfd pf = {.fd = p->out_fd, .events = POLLIN};
-    int r = poll(&pf, 1, (int)left);
+    int r = poll(&pf, 1, left > 0 ? (int)left : 0);
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) return -1;
     ssize_t k = read(p->out_fd, p->rbuf + p->rlen, sizeof p->rbuf - p->rlen);

@@ -215,13 +215,20 @@ static void send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n) 
   free(d);
 }
 
-/* ps->lock held: the queue shard of the room's destination sessions (§6.12). */
+/* ps->lock held: the room's queue shard. The reference shards by the
+ * destination sessions alone (§6.12), which puts every room from one decode
+ * rank on one worker, one synchronous write after another. kvferry mixes in
+ * the room id: a room's chunks still run in order on one worker, while rooms
+ * to the same decode spread over all workers. The failed-session mark is
+ * shared, so a dead session is still seen by every worker at once. */
 static int room_shard(prefill_state *ps, pf_room *r) {
   const char **s = calloc(r->ninfos ? r->ninfos : 1, sizeof *s);
   int shard = 0;
   if (!s) return 0;
   for (size_t i = 0; i < r->ninfos; i++) s[i] = r->infos[i]->m2->session;
   if (plan_queue_shard(s, r->ninfos, ps->nqueues, &shard)) shard = 0;
+  uint64_t h = (uint64_t)r->room * 0x9e3779b97f4a7c15ULL;
+  shard = (int)(((uint64_t)shard + (h >> 32)) % (uint64_t)ps->nqueues);
   free(s);
   return shard;
 }
