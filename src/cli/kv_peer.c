@@ -42,6 +42,7 @@ typedef struct peer_opts {
   int world, dp, layers, chunk;
   unsigned long long item, pages;
   const char *host;
+  const char *bootstrap; /* external bootstrap server; NULL = start one here */
 } peer_opts;
 
 static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed,
@@ -90,9 +91,10 @@ int cli_kv_peer(int argc, char **argv) {
   static const struct option opts[] = {{"world", required_argument, 0, 'w'}, {"dp", required_argument, 0, 'd'},
                                        {"layers", required_argument, 0, 'l'}, {"item", required_argument, 0, 'i'},
                                        {"pages", required_argument, 0, 'p'},  {"host", required_argument, 0, 'H'},
+                                       {"bootstrap", required_argument, 0, 'b'},
                                        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:h", opts, NULL)) != -1) {
     switch (c) {
       case 'w': o.world = atoi(optarg); break;
       case 'd': o.dp = atoi(optarg); break;
@@ -100,8 +102,10 @@ int cli_kv_peer(int argc, char **argv) {
       case 'i': if (cli_parse_size(optarg, &o.item)) return 2; break;
       case 'p': if (cli_parse_size(optarg, &o.pages)) return 2; break;
       case 'H': o.host = optarg; break;
+      case 'b': o.bootstrap = optarg; break;
       case 'h':
-        printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n");
+        printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n"
+               "                       [--host 127.0.0.1] [--bootstrap HOST:PORT (default: start one here)]\n");
         return 0;
       default: return 2;
     }
@@ -120,12 +124,13 @@ int cli_kv_peer(int argc, char **argv) {
   kvf_manager **mgr = calloc((size_t)o.world, sizeof *mgr);
   kvpool *pools = calloc((size_t)o.world, sizeof *pools);
   peer_req *reqs = calloc(PEER_MAX_REQS, sizeof *reqs);
-  if (!mgr || !pools || !reqs || kvf_bootstrap_server_start(&bc, &srv)) {
+  if (!mgr || !pools || !reqs || (!o.bootstrap && kvf_bootstrap_server_start(&bc, &srv))) {
     fprintf(stderr, "kv-peer: cannot start the bootstrap server\n");
     goto out;
   }
   char baddr[300];
-  snprintf(baddr, sizeof baddr, "%s:%u", o.host, (unsigned)kvf_bootstrap_server_port(srv));
+  if (o.bootstrap) snprintf(baddr, sizeof baddr, "%s", o.bootstrap);
+  else snprintf(baddr, sizeof baddr, "%s:%u", o.host, (unsigned)kvf_bootstrap_server_port(srv));
   for (int r = 0; r < o.world; r++) {
     if (kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item)) goto out;
     kvf_manager_config mc;
