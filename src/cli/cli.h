@@ -8,6 +8,7 @@ int cli_bench(int argc, char **argv);
 int cli_bootstrap(int argc, char **argv);
 int cli_engine_peer(int argc, char **argv);
 int cli_kv_peer(int argc, char **argv);
+int cli_kv_decode(int argc, char **argv);
 
 /* Shared helpers (cli_util.c). */
 int cli_parse_size(const char *s, unsigned long long *out);

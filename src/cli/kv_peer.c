@@ -4,11 +4,17 @@
  * pool). It prints
  *   ready <bootstrap-host:port>
  * and takes commands on stdin:
- *   send <room> <npages> <seed> <token> [chunk]
+ *   send <room> <npages> <seed> <token> [chunk] [state]
  *       every TP rank of DP group room % dp creates a sender, fills npages
  *       scattered pages with the request's pattern and sends them in chunks
  *       (the last carries the token and the candidates token+1, token+2);
- *       seed 0 sends the pages as they are (benchmarks: no pattern cost)
+ *       seed 0 sends the pages as they are (benchmarks: no pattern cost);
+ *       state 1 also fills a state slot and sends it with the last chunk
+ * With --heads the pools are head-aware (kvpool_init_heads): each rank holds
+ * `heads` KV heads of `unit` bytes per token, page_size tokens per page,
+ * token-major; of --kv-heads global heads (default heads x tp) rank t holds
+ * those of its replica group, heads (t / R) * heads .., R = tp*heads/kv-heads
+ * (GQA with fewer KV heads than ranks; MLA: --kv-heads = --heads).
  *   quit
  * and reports each request when its senders are final:
  *   done <room> <poll-status> <last-send-ns> <reason or ->
@@ -28,6 +34,7 @@
 #include "kvpool.h"
 
 #define PEER_MAX_REQS 4096
+#define PEER_STATE_SLOTS 64
 
 typedef struct peer_req {
   int64_t room;
@@ -35,12 +42,15 @@ typedef struct peer_req {
   kvf_sender *tx[64];
   int64_t *pages[64];
   size_t npages;
+  int64_t state_slot; /* -1 = none */
   long long last_send_ns;
 } peer_req;
 
 typedef struct peer_opts {
   int world, dp, layers, chunk;
   unsigned long long item, pages;
+  int page_size, heads, kv_heads, nstate;
+  unsigned long long unit, state_item;
   const char *host;
   const char *bootstrap; /* external bootstrap server; NULL = start one here */
 } peer_opts;
@@ -56,6 +66,7 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
       return -1;
     }
     if (seed) kvpool_fill(&pools[rank], r->room, r->pages[i], r->npages, seed); /* seed 0: benchmarks, no pattern */
+    if (r->state_slot >= 0) kvpool_fill_state(&pools[rank], r->room, r->state_slot, seed);
     if (kvf_sender_create(mgr[rank], r->room, &r->tx[i])) return -1;
     int32_t cands[2] = {(int32_t)token + 1, (int32_t)token + 2};
     size_t step = chunk > 0 ? (size_t)chunk : r->npages;
@@ -64,7 +75,8 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
       size_t n = r->npages - off < step ? r->npages - off : step;
       int last = off + n >= r->npages;
       if (kvf_sender_send(r->tx[i], r->pages[i] + off, n, last, last ? 0 : -1, last ? token : -1, last ? cands : NULL,
-                          last ? 2 : 0, NULL, 0))
+                          last ? 2 : 0, last && r->state_slot >= 0 ? &r->state_slot : NULL,
+                          last && r->state_slot >= 0 ? 1 : 0))
         return -1;
       if (last) break;
     }
@@ -87,14 +99,18 @@ static void finish_req(peer_req *r, kvpool *pools, int status, const char *reaso
 }
 
 int cli_kv_peer(int argc, char **argv) {
-  peer_opts o = {.world = 1, .dp = 1, .layers = 2, .chunk = 0, .item = 4096, .pages = 4096, .host = "127.0.0.1"};
+  peer_opts o = {.world = 1, .dp = 1, .layers = 2, .chunk = 0, .item = 4096, .pages = 4096, .host = "127.0.0.1",
+                 .page_size = 1, .unit = 256, .state_item = 4096};
   static const struct option opts[] = {{"world", required_argument, 0, 'w'}, {"dp", required_argument, 0, 'd'},
                                        {"layers", required_argument, 0, 'l'}, {"item", required_argument, 0, 'i'},
                                        {"pages", required_argument, 0, 'p'},  {"host", required_argument, 0, 'H'},
                                        {"bootstrap", required_argument, 0, 'b'},
+                                       {"page-size", required_argument, 0, 'P'}, {"heads", required_argument, 0, 'E'},
+                                       {"kv-heads", required_argument, 0, 'K'},  {"unit", required_argument, 0, 'U'},
+                                       {"state", required_argument, 0, 'S'},     {"state-item", required_argument, 0, 'T'},
                                        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:P:E:K:U:S:T:h", opts, NULL)) != -1) {
     switch (c) {
       case 'w': o.world = atoi(optarg); break;
       case 'd': o.dp = atoi(optarg); break;
@@ -103,9 +119,16 @@ int cli_kv_peer(int argc, char **argv) {
       case 'p': if (cli_parse_size(optarg, &o.pages)) return 2; break;
       case 'H': o.host = optarg; break;
       case 'b': o.bootstrap = optarg; break;
+      case 'P': o.page_size = atoi(optarg); break;
+      case 'E': o.heads = atoi(optarg); break;
+      case 'K': o.kv_heads = atoi(optarg); break;
+      case 'U': if (cli_parse_size(optarg, &o.unit)) return 2; break;
+      case 'S': o.nstate = atoi(optarg); break;
+      case 'T': if (cli_parse_size(optarg, &o.state_item)) return 2; break;
       case 'h':
         printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n"
-               "                       [--host 127.0.0.1] [--bootstrap HOST:PORT (default: start one here)]\n");
+               "                       [--host 127.0.0.1] [--bootstrap HOST:PORT (default: start one here)]\n"
+               "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N --state-item 4096]\n");
         return 0;
       default: return 2;
     }
@@ -115,6 +138,20 @@ int cli_kv_peer(int argc, char **argv) {
     return 2;
   }
   int tp = o.world / o.dp, rc = 1;
+  int replica = 1;
+  if (o.heads) {
+    if (!o.kv_heads) o.kv_heads = o.heads * tp;
+    if (o.page_size < 1 || o.heads < 0 || !o.unit || o.kv_heads < o.heads || (o.heads * tp) % o.kv_heads ||
+        o.kv_heads % o.heads) {
+      fprintf(stderr, "kv-peer: bad head layout\n");
+      return 2;
+    }
+    replica = o.heads * tp / o.kv_heads;
+  }
+  if (o.nstate < 0 || o.page_size < 1) {
+    fprintf(stderr, "kv-peer: bad layout\n");
+    return 2;
+  }
   kvf_bootstrap_server_config bc;
   kvf_bootstrap_server_config_init(&bc);
   bc.host = o.host;
@@ -132,7 +169,10 @@ int cli_kv_peer(int argc, char **argv) {
   if (o.bootstrap) snprintf(baddr, sizeof baddr, "%s", o.bootstrap);
   else snprintf(baddr, sizeof baddr, "%s:%u", o.host, (unsigned)kvf_bootstrap_server_port(srv));
   for (int r = 0; r < o.world; r++) {
-    if (kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item)) goto out;
+    int prc = o.heads ? kvpool_init_heads(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size, (size_t)o.heads,
+                                          (size_t)((r % tp) / replica * o.heads), o.unit)
+                      : kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item);
+    if (prc || (o.nstate && kvpool_add_state(&pools[r], (size_t)o.nstate, PEER_STATE_SLOTS, o.state_item))) goto out;
     kvf_manager_config mc;
     kvf_manager_config_init(&mc);
     mc.role = KVF_ROLE_PREFILL;
@@ -141,6 +181,7 @@ int cli_kv_peer(int argc, char **argv) {
     mc.world_size = o.world;
     mc.dp_size = o.dp;
     mc.bootstrap_addr = baddr;
+    mc.page_size = o.page_size;
     int err = kvf_manager_create(&mc, &pools[r].bufs, &mgr[r]);
     if (err) {
       fprintf(stderr, "kv-peer: prefill rank %d: %s\n", r, kvf_strerror(err));
@@ -164,9 +205,9 @@ int cli_kv_peer(int argc, char **argv) {
         *nl = 0;
         long long room, npages, token;
         unsigned long long seed;
-        int chunk = 0;
+        int chunk = 0, state = 0;
         if (!strcmp(line, "quit")) eof = 1;
-        else if (sscanf(line, "send %lld %lld %llu %lld %d", &room, &npages, &seed, &token, &chunk) >= 4 &&
+        else if (sscanf(line, "send %lld %lld %llu %lld %d %d", &room, &npages, &seed, &token, &chunk, &state) >= 4 &&
                  npages >= 0) {
           peer_req *r = NULL;
           for (int i = 0; i < PEER_MAX_REQS && !r; i++)
@@ -178,6 +219,7 @@ int cli_kv_peer(int argc, char **argv) {
             r->npages = (size_t)npages;
             r->rank0 = (int)(((room % o.dp) + o.dp) % o.dp) * tp;
             r->nranks = tp;
+            r->state_slot = state && o.nstate ? (int64_t)((size_t)(r - reqs) % PEER_STATE_SLOTS) : -1;
             if (start_senders(r, mgr, pools, seed, token, chunk, &rng)) finish_req(r, pools, 0, "cannot-start");
           }
         } else {

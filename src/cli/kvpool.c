@@ -32,13 +32,69 @@ int kvpool_init(kvpool *p, size_t layers, size_t pages, uint64_t item_len) {
   p->nfree = pages;
   p->bufs = (kvf_kv_buffers){.n_kv = p->nbuf, .kv_ptrs = p->ptrs, .kv_lens = p->lens,
                              .kv_item_lens = p->item_lens};
+  p->page_size = 1;
   return 0;
 err:
   kvpool_free(p);
   return -1;
 }
 
+int kvpool_init_heads(kvpool *p, size_t layers, size_t pages, size_t page_size, size_t heads, size_t head0,
+                      uint64_t unit) {
+  if (!page_size || !heads || !unit || kvpool_init(p, layers, pages, page_size * heads * unit)) return -1;
+  p->page_size = page_size;
+  p->heads = heads;
+  p->head0 = head0;
+  p->unit = unit;
+  if (!(p->unit_lens = calloc(p->nbuf, sizeof *p->unit_lens))) {
+    kvpool_free(p);
+    return -1;
+  }
+  for (size_t b = 0; b < p->nbuf; b++) p->unit_lens[b] = unit;
+  p->bufs.kv_unit_lens = p->unit_lens;
+  return 0;
+}
+
+int kvpool_add_state(kvpool *p, size_t nstate, size_t slots, uint64_t item) {
+  if (!nstate || !slots || !item || p->nstate) return -1;
+  p->state_ptrs = calloc(nstate, sizeof *p->state_ptrs);
+  p->state_lens = calloc(nstate, sizeof *p->state_lens);
+  p->state_item_lens = calloc(nstate, sizeof *p->state_item_lens);
+  if (!p->state_ptrs || !p->state_lens || !p->state_item_lens) return -1;
+  p->nstate = nstate;
+  p->state_slots = slots;
+  p->state_item = item;
+  for (size_t j = 0; j < nstate; j++) {
+    p->state_lens[j] = slots * item;
+    p->state_item_lens[j] = item;
+    if (!(p->state_ptrs[j] = calloc(slots, item))) return -1;
+  }
+  p->bufs.n_state = nstate;
+  p->bufs.state_ptrs = p->state_ptrs;
+  p->bufs.state_lens = p->state_lens;
+  p->bufs.state_item_lens = p->state_item_lens;
+  return 0;
+}
+
+void kvpool_fill_state(kvpool *p, int64_t room, int64_t slot, uint64_t seed) {
+  for (size_t j = 0; j < p->nstate; j++)
+    pattern_fill((char *)p->state_ptrs[j] + slot * p->state_item, p->state_item, seed, kvpool_label(room, 0, 1000 + j));
+}
+
+size_t kvpool_check_state(kvpool *p, int64_t room, int64_t slot, uint64_t seed) {
+  size_t bad = 0;
+  for (size_t j = 0; j < p->nstate; j++)
+    bad += !pattern_check((char *)p->state_ptrs[j] + slot * p->state_item, p->state_item, seed,
+                          kvpool_label(room, 0, 1000 + j));
+  return bad;
+}
+
 void kvpool_free(kvpool *p) {
+  for (size_t j = 0; p->state_ptrs && j < p->nstate; j++) free(p->state_ptrs[j]);
+  free(p->state_ptrs);
+  free(p->state_lens);
+  free(p->state_item_lens);
+  free(p->unit_lens);
   for (size_t b = 0; p->ptrs && b < p->nbuf; b++)
     if (p->ptrs[b]) munmap(p->ptrs[b], p->lens[b]);
   free(p->ptrs);
@@ -72,7 +128,21 @@ void kvpool_give(kvpool *p, const int64_t *pages, size_t n) {
   for (size_t i = 0; i < n && p->nfree < p->pages; i++) p->free_pages[p->nfree++] = pages[i];
 }
 
+/* Unit (token t, local head j) of page `page` in buffer b: token-major. */
+static char *unit_at(kvpool *p, size_t b, int64_t page, size_t t, size_t j) {
+  return (char *)p->ptrs[b] + (uint64_t)page * p->item_len + (t * p->heads + j) * p->unit;
+}
+
 void kvpool_fill(kvpool *p, int64_t room, const int64_t *pages, size_t n, uint64_t seed) {
+  if (p->heads) {
+    for (size_t b = 0; b < p->nbuf; b++)
+      for (size_t k = 0; k < n; k++)
+        for (size_t t = 0; t < p->page_size; t++)
+          for (size_t j = 0; j < p->heads; j++)
+            pattern_fill(unit_at(p, b, pages[k], t, j), p->unit, seed,
+                         kvpool_unit_label(room, k * p->page_size + t, p->head0 + j, b));
+    return;
+  }
   for (size_t b = 0; b < p->nbuf; b++)
     for (size_t k = 0; k < n; k++)
       pattern_fill((char *)p->ptrs[b] + pages[k] * p->item_len, p->item_len, seed, kvpool_label(room, k, b));
@@ -80,6 +150,15 @@ void kvpool_fill(kvpool *p, int64_t room, const int64_t *pages, size_t n, uint64
 
 size_t kvpool_check(kvpool *p, int64_t room, const int64_t *pages, size_t n, uint64_t seed) {
   size_t bad = 0;
+  if (p->heads) {
+    for (size_t b = 0; b < p->nbuf; b++)
+      for (size_t k = 0; k < n; k++)
+        for (size_t t = 0; t < p->page_size; t++)
+          for (size_t j = 0; j < p->heads; j++)
+            bad += !pattern_check(unit_at(p, b, pages[k], t, j), p->unit, seed,
+                                  kvpool_unit_label(room, k * p->page_size + t, p->head0 + j, b));
+    return bad;
+  }
   for (size_t b = 0; b < p->nbuf; b++)
     for (size_t k = 0; k < n; k++)
       bad += !pattern_check((char *)p->ptrs[b] + pages[k] * p->item_len, p->item_len, seed,

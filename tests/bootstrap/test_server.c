@@ -614,7 +614,9 @@ static void put_retries_until_the_server_appears(void **state) {
 
   /* With the server gone the retry gives up at the deadline. */
   t0 = clock_now_ns();
-  assert_int_equal(bootstrap_client_put_route(c, &r, 400), KVF_ECONNREFUSED);
+  rc = bootstrap_client_put_route(c, &r, 400);
+  /* The last try may be cut short by the deadline on a loaded machine. */
+  assert_true(rc == KVF_ECONNREFUSED || rc == KVF_ETIMEDOUT);
   took = ms_since(t0);
   assert_true(took >= 350 && took < 1500);
   /* Deadline 0 is one try. */
