@@ -1,0 +1,227 @@
+/* End to end, heterogeneous TP: a prefill instance with Tp ranks in one
+ * process (`kvferry kv-peer --heads ...`) and Td decode ranks, each its own
+ * forked process with its own manager, engine and head-aware pool. Every
+ * unit (token, head) of every page is labelled with its GLOBAL token and
+ * head, so a decode rank proves byte-exactly that each head slice it holds
+ * came from the prefill rank that owns that head (PROTOCOL §5, §6.5-§6.6). */
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "cli/kvpool.h"
+#include "cli/pattern.h"
+#include "cli/proc.h"
+#include "kvferry.h"
+
+#define LAYERS 2
+#define PAGES 256
+#define UNIT 256 /* one head of one token: head_dim 128, bf16 */
+#define SEED 1234
+#define STATE_ITEM 1024
+
+typedef struct hcase {
+  int tp_p, tp_d;
+  int page_size;
+  int heads_p, heads_d; /* KV heads per rank on each side */
+  int kv_heads;         /* global KV heads (0 = heads_p * tp_p) */
+  int mla;              /* decode uses the legacy MLA routing (replicated latent) */
+  int nstate;           /* state buffers on both sides */
+  int chunk;            /* prefill chunk size in pages (0 = one chunk) */
+  int npages;
+  int prefix;           /* pages the decode already holds (decode_prefix_len / page_size) */
+  const char *fail_with; /* expected failure reason substring on the decode, NULL = success */
+} hcase;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void start_peer(proc *p, const hcase *c, char *addr, size_t cap) {
+  const char *exe = getenv("KVFERRY_CLI");
+  assert_non_null(exe);
+  char w[16], l[16], pg[16], ps[16], h[16], kh[16], u[16], ns[16], si[16];
+  snprintf(w, sizeof w, "%d", c->tp_p);
+  snprintf(l, sizeof l, "%d", LAYERS);
+  snprintf(pg, sizeof pg, "%d", PAGES);
+  snprintf(ps, sizeof ps, "%d", c->page_size);
+  snprintf(h, sizeof h, "%d", c->heads_p);
+  snprintf(kh, sizeof kh, "%d", c->kv_heads ? c->kv_heads : c->heads_p * c->tp_p);
+  snprintf(u, sizeof u, "%d", UNIT);
+  snprintf(ns, sizeof ns, "%d", c->nstate);
+  snprintf(si, sizeof si, "%d", STATE_ITEM);
+  char *argv[] = {(char *)exe, "kv-peer", "--world", w, "--layers", l, "--pages", pg, "--page-size", ps,
+                  "--heads", h, "--kv-heads", kh, "--unit", u, "--state", ns, "--state-item", si, NULL};
+  assert_int_equal(proc_start(p, argv), 0);
+  char line[400], fmt[32];
+  assert_int_equal(proc_read_line(p, line, sizeof line, 20000), 0);
+  snprintf(fmt, sizeof fmt, "ready %%%zus", cap - 1);
+  assert_int_equal(sscanf(line, fmt, addr), 1);
+}
+
+/* One decode rank, in a forked child: no cmocka calls here, the exit code
+ * says what happened (0 = as expected). */
+static int decode_rank(const hcase *c, int d, const char *addr, int64_t room) {
+  kvpool pool;
+  kvf_manager *m = NULL;
+  kvf_receiver *rx = NULL;
+  int code = 10;
+  size_t head0 = c->mla ? 0 : (size_t)d * (size_t)c->heads_d;
+  if (kvpool_init_heads(&pool, LAYERS, PAGES, (size_t)c->page_size, (size_t)c->heads_d, head0, UNIT)) return 11;
+  if (c->nstate && kvpool_add_state(&pool, (size_t)c->nstate, 8, STATE_ITEM)) goto out_pool;
+  kvf_manager_config mc;
+  kvf_manager_config_init(&mc);
+  mc.role = KVF_ROLE_DECODE;
+  mc.engine_rank = d;
+  mc.world_size = c->tp_d;
+  mc.page_size = c->page_size;
+  mc.is_mla = c->mla;
+  mc.waiting_timeout_s = 30;
+  mc.http_timeout_ms = 3000;
+  if (kvf_manager_create(&mc, &pool.bufs, &m)) {
+    code = 12;
+    goto out_pool;
+  }
+  if (kvf_receiver_create(m, addr, room, &rx)) {
+    code = 13;
+    goto out_mgr;
+  }
+  uint64_t rng = 0x9E3779B97F4A7C15ULL + (uint64_t)d * 7919;
+  int64_t pages[PAGES];
+  size_t n = (size_t)(c->npages - c->prefix);
+  int64_t slot = 5;
+  if (kvpool_take(&pool, n, &rng, pages)) goto out_rx;
+  kvf_receiver_init(rx, pages, n, 0, (int64_t)c->prefix * c->page_size, c->nstate ? &slot : NULL, c->nstate ? 1 : 0);
+  int st;
+  double until = now_s() + 40;
+  while ((st = kvf_receiver_poll(rx)) != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED && now_s() < until) usleep(500);
+  char why[256];
+  kvf_receiver_failure(rx, why, sizeof why);
+  if (c->fail_with) {
+    code = st == KVF_POLL_FAILED && strstr(why, c->fail_with) ? 0 : 20;
+    if (code) fprintf(stderr, "decode rank %d: status %d, reason '%s'\n", d, st, why);
+    goto out_rx;
+  }
+  if (st != KVF_POLL_SUCCESS) {
+    fprintf(stderr, "decode rank %d: status %d: %s\n", d, st, why);
+    code = 21;
+    goto out_rx;
+  }
+  int64_t tok = 0;
+  int32_t cands[4];
+  size_t nc = 0;
+  kvf_receiver_pop_metadata(rx, &tok, cands, 4, &nc);
+  kvf_engine_sync(kvf_manager_engine(m));
+  /* The decode's pages are request positions prefix .. npages-1: check
+   * them as the tail of a request whose first `prefix` pages it already had. */
+  size_t bad = 0;
+  for (size_t k = 0; k < n; k++) {
+    for (size_t b = 0; b < pool.nbuf; b++)
+      for (size_t t = 0; t < pool.page_size; t++)
+        for (size_t j = 0; j < pool.heads; j++) {
+          char *u = (char *)pool.ptrs[b] + (uint64_t)pages[k] * pool.item_len + (t * pool.heads + j) * pool.unit;
+          uint64_t tokpos = ((size_t)c->prefix + k) * pool.page_size + t;
+          bad += !pattern_check(u, pool.unit, SEED, kvpool_unit_label(room, tokpos, pool.head0 + j, b));
+        }
+  }
+  size_t sbad = c->nstate ? kvpool_check_state(&pool, room, slot, SEED) : 0;
+  if (bad || sbad || tok != 4242 || nc != 2) {
+    fprintf(stderr, "decode rank %d: %zu bad units, %zu bad state buffers, token %lld, %zu candidates\n", d, bad,
+            sbad, (long long)tok, nc);
+    code = 22;
+    goto out_rx;
+  }
+  code = 0;
+out_rx:
+  kvf_receiver_destroy(rx);
+out_mgr:
+  kvf_manager_destroy(m);
+out_pool:
+  kvpool_free(&pool);
+  return code;
+}
+
+/* Run one case: the peer, Td forked decode ranks, one request. */
+static void run_case(const hcase *c) {
+  static int64_t next_room = 91000;
+  int64_t room = next_room++;
+  proc peer;
+  char addr[300];
+  start_peer(&peer, c, addr, sizeof addr);
+  pid_t kids[8];
+  assert_true(c->tp_d <= 8);
+  fflush(NULL);
+  for (int d = 0; d < c->tp_d; d++) {
+    kids[d] = fork();
+    assert_true(kids[d] >= 0);
+    if (kids[d] == 0) _exit(decode_rank(c, d, addr, room));
+  }
+  fprintf(peer.in, "send %lld %d %d 4242 %d %d\n", (long long)room, c->npages, SEED, c->chunk, c->nstate ? 1 : 0);
+  fflush(peer.in);
+  /* Children first (bounded), then the peer's verdict. */
+  int codes[8];
+  double until = now_s() + 60;
+  for (int d = 0; d < c->tp_d; d++) {
+    int status = 0;
+    pid_t w = 0;
+    while ((w = waitpid(kids[d], &status, WNOHANG)) == 0 && now_s() < until) usleep(2000);
+    if (w == 0) {
+      kill(kids[d], SIGKILL);
+      waitpid(kids[d], &status, 0);
+      codes[d] = 99;
+    } else {
+      codes[d] = WIFEXITED(status) ? WEXITSTATUS(status) : 98;
+    }
+  }
+  char line[512];
+  int got = proc_read_line(&peer, line, sizeof line, 20000);
+  proc_stop(&peer, 5000);
+  for (int d = 0; d < c->tp_d; d++) {
+    if (codes[d]) fprintf(stderr, "decode rank %d exited %d\n", d, codes[d]);
+    assert_int_equal(codes[d], 0);
+  }
+  assert_int_equal(got, 0);
+  long long r = 0;
+  int st = -1;
+  assert_int_equal(sscanf(line, "done %lld %d", &r, &st), 2);
+  assert_int_equal(r, room);
+  if (!c->fail_with) {
+    if (st != KVF_POLL_SUCCESS) fprintf(stderr, "prefill: %s\n", line);
+    assert_int_equal(st, KVF_POLL_SUCCESS); /* every prefill rank, covered or not, reached Success */
+  }
+}
+
+static void tp2_to_tp1_page1(void **state) {
+  hcase c = {.tp_p = 2, .tp_d = 1, .page_size = 1, .heads_p = 2, .heads_d = 4, .npages = 37};
+  run_case(&c);
+}
+
+static void tp1_to_tp2_page1(void **state) {
+  hcase c = {.tp_p = 1, .tp_d = 2, .page_size = 1, .heads_p = 4, .heads_d = 2, .npages = 37, .chunk = 8};
+  run_case(&c);
+}
+
+static void tp4_to_tp2_page1(void **state) {
+  hcase c = {.tp_p = 4, .tp_d = 2, .page_size = 1, .heads_p = 2, .heads_d = 4, .npages = 40, .chunk = 16};
+  run_case(&c);
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(tp2_to_tp1_page1),
+      cmocka_unit_test(tp1_to_tp2_page1),
+      cmocka_unit_test(tp4_to_tp2_page1),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
