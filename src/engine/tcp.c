@@ -148,11 +148,16 @@ static int iter_fill(const piece_src *s, piece_iter *it, struct iovec *iov, int 
   return k;
 }
 
-static int xfer_pieces(int fd, const piece_src *s, int sending) {
+/* Move every piece; `head` (may be NULL) goes first in the same system call,
+ * so a small chunk is one sendmsg: header, descriptors and payload. */
+static int xfer_pieces(int fd, const piece_src *s, int sending, const struct iovec *head, int nhead) {
   struct iovec iov[TCP_IOV_BATCH];
   piece_iter it = {0, 0};
   for (;;) {
-    int k = iter_fill(s, &it, iov, TCP_IOV_BATCH);
+    int k = 0;
+    for (; k < nhead; k++) iov[k] = head[k];
+    nhead = 0;
+    k += iter_fill(s, &it, iov + k, TCP_IOV_BATCH - k);
     if (k == 0) return 0;
     int rc = iov_xfer(fd, iov, k, sending);
     if (rc) return rc;
@@ -275,8 +280,7 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
   atomic_fetch_add(&ch->refs, 1);
   piece_src src = {.writes = ch->writes, .n = ch->n};
   struct iovec head[2] = {{&h, sizeof h}, {descs, ch->n * sizeof *descs}};
-  int rc = iov_xfer(c->fd, head, 2, 1);
-  if (!rc) rc = xfer_pieces(c->fd, &src, 1);
+  int rc = xfer_pieces(c->fd, &src, 1, head, 2);
   chunk_release(ch);
   if (descs != descs_small) free(descs);
   if (rc) conn_fail(c, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED);
@@ -665,7 +669,7 @@ static void *inbound_main(void *arg) {
     if (ok) {
       piece_src src = {.descs = descs, .n = h.ndesc};
       kvf_engine_sync(e); /* order after the owner's last local change */
-      rc = xfer_pieces(in->fd, &src, 0);
+      rc = xfer_pieces(in->fd, &src, 0, NULL, 0);
       kvf_engine_sync(e); /* publish the bytes to the owner's next sync */
       pthread_rwlock_unlock(&e->regions.lock);
     } else {

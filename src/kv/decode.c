@@ -213,6 +213,8 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
         .err = err, .err_cap = sizeof err,
     };
     rc = plan_route_build(&p, &a->plan);
+    /* §8 item 4: uncovered prefill ranks get a dummy, or they never finish. */
+    if (!rc) rc = plan_route_add_dummies(&a->plan, m->tp_size, m->tp_rank);
   }
   if (!rc && a->plan.ntargets <= 0) {
     snprintf(err, sizeof err, "the route plan has no target rank");

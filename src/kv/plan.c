@@ -475,6 +475,32 @@ err_free:
   return rc;
 }
 
+int plan_route_add_dummies(plan_route *r, int Td, int d) {
+  int Tp = r->prefill_tp_size, nd = 0;
+  if (r->is_identity || !r->fanout || !sizes_ok(Td, d, Tp)) return 0;
+  for (int q = 0; q < Tp; q++) nd += r->fanout[q] == 0 && (int)(((int64_t)q * Td) / Tp) == d;
+  if (nd == 0) {
+    for (int q = 0; q < Tp; q++)
+      if (r->fanout[q] == 0) r->fanout[q] = 1;
+    return 0;
+  }
+  plan_target *t = calloc((size_t)(r->ntargets + nd), sizeof *t);
+  if (!t) return KVF_ENOMEM;
+  int n = 0, i = 0;
+  for (int q = 0; q < Tp; q++) {
+    while (i < r->ntargets && r->targets[i].rank < q) t[n++] = r->targets[i++];
+    if (r->fanout[q] == 0 && (int)(((int64_t)q * Td) / Tp) == d)
+      t[n++] = (plan_target){.rank = q, .is_dummy = 1, .required_dst_info_num = 1};
+  }
+  while (i < r->ntargets) t[n++] = r->targets[i++];
+  for (int q = 0; q < Tp; q++)
+    if (r->fanout[q] == 0) r->fanout[q] = 1;
+  free(r->targets);
+  r->targets = t;
+  r->ntargets = n;
+  return 0;
+}
+
 int plan_route_legacy_mla(int Td, int d, int Tp, int l15_cache, plan_route *out) {
   plan_route r = {0};
   if (!sizes_ok(Td, d, Tp)) return KVF_EINVAL;

@@ -157,6 +157,16 @@ typedef struct plan_route {
  * whether to send them dummies). */
 int plan_route_build(const plan_route_params *p, plan_route *out);
 
+/* §8 item 4: give every prefill rank that no decode rank contacts (fanout
+ * 0: GQA replica groups, replicated buffers with Tp > Td) one dummy M2, so
+ * it still reaches Bootstrapped and, on its last chunk, Success. Prefill
+ * rank q is handed to decode rank (q * Td) / Tp, so exactly one decode rank
+ * sends it a dummy and every decode rank agrees on fanout[q] = 1. Adds the
+ * dummies of decode rank d to r->targets (kept in ascending rank order;
+ * required_prefill_response_num unchanged: dummies send no M3). A no-op for
+ * an identity plan. KVF_ENOMEM leaves r unchanged. */
+int plan_route_add_dummies(plan_route *r, int decode_tp_size, int decode_tp_rank);
+
 /* The legacy MLA rows and the L1.5 row of §5.2 (no fragments). */
 int plan_route_legacy_mla(int decode_tp_size, int decode_tp_rank, int prefill_tp_size,
                           int l15_cache, plan_route *out);
