@@ -426,8 +426,7 @@ static uint64_t writes_bytes(const kvf_write *w, size_t n) {
   return b;
 }
 
-static plan_fragment *convert_frags(const wire_m2 *x, int *any_state) {
-  *any_state = 0;
+static plan_fragment *convert_frags(const wire_m2 *x) {
   plan_fragment *f = calloc(x->nfrags ? x->nfrags : 1, sizeof *f);
   if (!f) return NULL;
   for (size_t i = 0; i < x->nfrags; i++) {
@@ -439,7 +438,6 @@ static plan_fragment *convert_frags(const wire_m2 *x, int *any_state) {
                            .src_byte_offset = (uint64_t)w->src_byte_offset,
                            .dst_byte_offset = (uint64_t)w->dst_byte_offset,
                            .bytes_per_page = (uint64_t)w->bytes_per_page, .page_count = w->page_count};
-    if (w->buffer_kind == WIRE_KIND_MAMBA_STATE) *any_state = 1;
   }
   return f;
 }
@@ -496,7 +494,7 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
   size_t nsptr = 0;
   int64_t *src = NULL, *dst = NULL;
   plan_fragment *frags = NULL;
-  int ret = DEST_FAIL, xfer = 0, any_state = 0;
+  int ret = DEST_FAIL, xfer = 0;
 
   pthread_mutex_lock(&ps->lock);
   pf_reg *reg = smap_get(&ps->regs, x->session);
@@ -529,7 +527,7 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
              x->decode_prefix_len, page_size);
     goto out;
   }
-  if (x->nfrags && !(frags = convert_frags(x, &any_state))) {
+  if (x->nfrags && !(frags = convert_frags(x))) {
     snprintf(why, whycap, "Out of memory");
     goto out;
   }
@@ -579,7 +577,10 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
       if (s < 0 || d < 0) continue;
       src[np] = s, dst[np] = d, np++;
     }
-    if (np && write_pairs(ps, x, 1, src, dst, np, sptr, frags, x->nfrags, any_state, bytes, why, whycap, &xfer))
+    /* §8 item 11: with a fragment plan, state goes through it too; a rank
+     * whose plan has no state fragment writes no state (the reference
+     * would send whole slots of its own, possibly larger, item size). */
+    if (np && write_pairs(ps, x, 1, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, bytes, why, whycap, &xfer))
       goto out;
   }
   ret = DEST_OK;

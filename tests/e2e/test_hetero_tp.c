@@ -216,12 +216,60 @@ static void tp4_to_tp2_page1(void **state) {
   run_case(&c);
 }
 
+/* GQA with replicated KV heads: 2 global KV heads over prefill TP 4, so
+ * ranks {0,1} and {2,3} hold the same heads (R = 2). Ranks 1 and 3 hold
+ * nothing the decode needs; they get dummies and must still succeed (§8.4). */
+static void gqa_replicated_tp4_to_tp1(void **state) {
+  hcase c = {.tp_p = 4, .tp_d = 1, .page_size = 1, .heads_p = 1, .heads_d = 2, .kv_heads = 2, .npages = 21};
+  run_case(&c);
+}
+
+/* MLA through the generic planner (the reference runtime's path: the latent
+ * is "replicated"): one real sender, the other prefill rank a dummy. */
+static void mla_replicated_generic_tp2_to_tp1(void **state) {
+  hcase c = {.tp_p = 2, .tp_d = 1, .page_size = 16, .heads_p = 1, .heads_d = 1, .kv_heads = 1, .npages = 9};
+  run_case(&c);
+}
+
+/* MLA through the legacy rows (decode is_mla): prefill wider (the second
+ * prefill rank gets a dummy M2) and decode wider (one prefill rank serves
+ * both decode ranks, frame 6 = 2). */
+static void mla_legacy_tp2_to_tp1_and_tp1_to_tp2(void **state) {
+  hcase a = {.tp_p = 2, .tp_d = 1, .page_size = 16, .heads_p = 1, .heads_d = 1, .kv_heads = 1, .mla = 1,
+             .npages = 9, .chunk = 4};
+  run_case(&a);
+  hcase b = {.tp_p = 1, .tp_d = 2, .page_size = 16, .heads_p = 1, .heads_d = 1, .kv_heads = 1, .mla = 1,
+             .npages = 9};
+  run_case(&b);
+}
+
+/* State buffers (replicated across TP, like a per-request recurrent state
+ * here) next to sharded KV heads: only the planned source rank writes the
+ * state slot; the other rank's plan has KV fragments only (§8.11). */
+static void state_buffers_tp2_to_tp1(void **state) {
+  hcase c = {.tp_p = 2, .tp_d = 1, .page_size = 1, .heads_p = 2, .heads_d = 4, .nstate = 2, .npages = 12,
+             .chunk = 5};
+  run_case(&c);
+}
+
+/* decode_prefix_len: the decode already holds the first pages; chunked. */
+static void decode_prefix_tp1_to_tp2_chunked(void **state) {
+  hcase c = {.tp_p = 1, .tp_d = 2, .page_size = 1, .heads_p = 4, .heads_d = 2, .npages = 30, .prefix = 7,
+             .chunk = 4};
+  run_case(&c);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(tp2_to_tp1_page1),
       cmocka_unit_test(tp1_to_tp2_page1),
       cmocka_unit_test(tp4_to_tp2_page1),
+      cmocka_unit_test(gqa_replicated_tp4_to_tp1),
+      cmocka_unit_test(mla_replicated_generic_tp2_to_tp1),
+      cmocka_unit_test(mla_legacy_tp2_to_tp1_and_tp1_to_tp2),
+      cmocka_unit_test(state_buffers_tp2_to_tp1),
+      cmocka_unit_test(decode_prefix_tp1_to_tp2_chunked),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -298,7 +298,44 @@ static void route_gqa_replicas(void **state) {
   int want[4] = {1, 0, 1, 0};
   for (int q = 0; q < 4; q++) assert_int_equal(r.fanout[q], want[q]);
   assert_int_equal(r.targets[0].required_dst_info_num, 1);
+  /* §8 item 4: ranks 1 and 3 get dummies from decode rank 0, in rank order;
+   * the response count stays 2 (dummies send no M3). */
+  assert_int_equal(plan_route_add_dummies(&r, 1, 0), 0);
+  assert_int_equal(r.ntargets, 4);
+  for (int q = 0; q < 4; q++) {
+    assert_int_equal(r.targets[q].rank, q);
+    assert_int_equal(r.targets[q].is_dummy, q % 2);
+    assert_int_equal(r.targets[q].required_dst_info_num, 1);
+    assert_int_equal(r.fanout[q], 1);
+  }
+  assert_int_equal(r.targets[1].nfrags, 0);
+  assert_int_equal(r.targets[2].nfrags, 1);
+  check_frag(&r.frags[r.targets[2].frag_start], 0, PLAN_TARGET_K, 2, 0, 16384, 32768, 0, 16384, 16384);
+  assert_int_equal(r.required_prefill_response_num, 2);
   plan_route_free(&r);
+}
+
+/* Dummies spread over decode ranks: Tp 4 replicated onto Td 2 (sources 0
+ * and 2): rank 1 goes to decode 0, rank 3 to decode 1, each exactly once. */
+static void route_dummies_spread(void **state) {
+  size_t start[2] = {0, 1}, bufs[1] = {0};
+  plan_layout lay = {.nlayers = 1, .start = start, .bufs = bufs};
+  int64_t di[1] = {4096}, pi[1] = {4096}, unit[1] = {4096};
+  for (int d = 0; d < 2; d++) {
+    plan_route_params p = params(2, d, 4, &lay, di, pi, unit, 1);
+    plan_route r;
+    assert_int_equal(plan_route_build(&p, &r), 0);
+    assert_int_equal(r.ntargets, 1);
+    assert_int_equal(r.targets[0].rank, 2 * d);
+    assert_int_equal(plan_route_add_dummies(&r, 2, d), 0);
+    assert_int_equal(r.ntargets, 2);
+    assert_int_equal(r.targets[0].rank, 2 * d);
+    assert_int_equal(r.targets[0].is_dummy, 0);
+    assert_int_equal(r.targets[1].rank, 2 * d + 1);
+    assert_int_equal(r.targets[1].is_dummy, 1);
+    assert_int_equal(r.required_prefill_response_num, 1);
+    plan_route_free(&r);
+  }
 }
 
 /* Identical latent buffers with different TP (MLA under the generic
@@ -675,6 +712,7 @@ int main(void) {
       cmocka_unit_test(route_prefill_wider),
       cmocka_unit_test(route_decode_wider),
       cmocka_unit_test(route_gqa_replicas),
+      cmocka_unit_test(route_dummies_spread),
       cmocka_unit_test(route_replicated_draft_state),
       cmocka_unit_test(route_kinds_and_pair_order),
       cmocka_unit_test(route_rejects_bad_layouts),
