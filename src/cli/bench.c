@@ -10,9 +10,19 @@
  *                         decode's Success, 1- and 256-page requests, 1 and
  *                         64 in flight; baseline: a ZeroMQ PUSH/PULL round
  *                         trip between the same two kinds of process
- * --json prints one JSON object whose `cases` array holds, per case, name,
- * and the case's figures (gbps, baseline_gbps, ratio for engine; rooms_per_s,
- * p50_us, p99_us for rooms). */
+ *   kvferry bench e2e     one llama-3.1-8b request of 4096 tokens (512 MiB)
+ *                         through bootstrap + prefill + decode processes,
+ *                         as `kvferry demo` runs them: transfer time (the
+ *                         decode's M2 to its Success) against the time a
+ *                         plain TCP stream measured in the same run needs
+ *                         for the same bytes; memcpy for context
+ *   kvferry bench         all three
+ * --json prints one JSON object per benchmark (engine and rooms: a `cases`
+ * array with, per case, name and the case's figures: gbps, baseline_gbps,
+ * ratio for engine; rooms_per_s, p50_us, p99_us for rooms); with all three,
+ * one object {"engine": ..., "rooms": ..., "e2e": ...}.
+ * --plot FILE.png (needs gnuplot) draws engine throughput against block size
+ * and end-to-end throughput against request length. */
 #include <arpa/inet.h>
 #include <getopt.h>
 #include <netinet/in.h>
@@ -31,6 +41,7 @@
 #include "cli.h"
 #include "kvferry.h"
 #include "kvpool.h"
+#include "pd.h"
 #include "peer.h"
 
 typedef struct bench_opts {
@@ -41,6 +52,7 @@ typedef struct bench_opts {
   int room_pages;    /* --room-pages: one custom rooms case (with --inflight) */
   uint64_t bytes;    /* per case */
   int inflight;      /* batches in flight */
+  const char *plot;  /* --plot FILE.png */
 } bench_opts;
 
 static double now_s(void) {
@@ -75,6 +87,10 @@ static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
     char *buf = malloc(pool_bytes);
     if (!buf) _exit(1);
     memset(buf, 0, pool_bytes);
+    /* Ready only now: faulting in the pool (about 2 s per GiB on these
+     * VMs) is not part of the stream's time. */
+    char ready = 1;
+    if (fd < 0 || send(fd, &ready, 1, 0) != 1) _exit(1);
     uint64_t got = 0;
     while (fd >= 0 && got < total) {
       ssize_t r = recv(fd, buf + got % pool_bytes, blk, MSG_WAITALL);
@@ -91,6 +107,8 @@ static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
   double gbps = 0;
   if (fd >= 0 && buf && connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
     memset(buf, 7, pool_bytes);
+    char ready;
+    if (recv(fd, &ready, 1, MSG_WAITALL) != 1) goto done;
     double t0 = now_s();
     uint64_t sent = 0;
     while (sent < total) {
@@ -101,6 +119,7 @@ static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
     char ok;
     if (sent >= total && recv(fd, &ok, 1, MSG_WAITALL) == 1) gbps = total / (now_s() - t0) / 1e9;
   }
+done:
   if (fd >= 0) close(fd);
   free(buf);
   kill(pid, SIGKILL);
@@ -156,23 +175,51 @@ static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char 
   return *failed ? 0 : done / dt / 1e9;
 }
 
+/* An engine, a registered 256 MiB pool and a peer process with its own:
+ * what every engine case runs on. */
+typedef struct engine_rig {
+  engine_peer peer;
+  int peer_up;
+  unsigned char *pool;
+  uint64_t pool_bytes;
+  kvf_engine *e;
+} engine_rig;
+
+static void engine_rig_stop(engine_rig *g) {
+  kvf_engine_destroy(g->e);
+  if (g->peer_up) engine_peer_stop(&g->peer);
+  if (g->pool && g->pool != MAP_FAILED) munmap(g->pool, g->pool_bytes);
+  memset(g, 0, sizeof *g);
+}
+
+static int engine_rig_start(engine_rig *g) {
+  memset(g, 0, sizeof *g);
+  g->pool_bytes = 256ull << 20;
+  if (engine_peer_start(&g->peer, g->pool_bytes, NULL)) return -1;
+  g->peer_up = 1;
+  g->pool = mmap(NULL, g->pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (g->pool == MAP_FAILED || kvf_engine_create(NULL, &g->e) || kvf_engine_register(g->e, g->pool, g->pool_bytes)) {
+    fprintf(stderr, "bench: cannot set up the engine\n");
+    engine_rig_stop(g);
+    return -1;
+  }
+  memset(g->pool, 3, g->pool_bytes);
+  /* Warm up: connections, peer page faults. */
+  int failed = 0;
+  bench_engine_case(g->e, &g->peer, g->pool, g->pool_bytes, 1 << 20, 16, 2, g->pool_bytes, &failed);
+  return 0;
+}
+
 static int bench_engine(const bench_opts *o) {
   const uint64_t pool_bytes = 256ull << 20;
   double base = bench_tcp_baseline(o->bytes, pool_bytes);
   double base_hot = bench_tcp_baseline(o->bytes, 1 << 20);
-  engine_peer peer;
-  if (engine_peer_start(&peer, pool_bytes, NULL)) return 1;
-  unsigned char *pool = mmap(NULL, pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  kvf_engine *e = NULL;
-  int rc = 1;
-  if (pool == MAP_FAILED || kvf_engine_create(NULL, &e) || kvf_engine_register(e, pool, pool_bytes)) {
-    fprintf(stderr, "bench: cannot set up the engine\n");
-    goto out;
-  }
-  memset(pool, 3, pool_bytes);
-  /* Warm up: connections, peer page faults. */
-  int failed = 0;
-  bench_engine_case(e, &peer, pool, pool_bytes, 1 << 20, 16, 2, pool_bytes, &failed);
+  engine_rig g;
+  if (engine_rig_start(&g)) return 1;
+  kvf_engine *e = g.e;
+  engine_peer *peer = &g.peer;
+  unsigned char *pool = g.pool;
+  int rc = 1, failed = 0;
   struct {
     const char *name;
     uint64_t block;
@@ -187,7 +234,7 @@ static int bench_engine(const bench_opts *o) {
     nc = 1;
   }
   for (size_t i = 0; i < nc && !failed; i++)
-    cases[i].gbps = bench_engine_case(e, &peer, pool, pool_bytes, cases[i].block, cases[i].per_batch,
+    cases[i].gbps = bench_engine_case(e, peer, pool, pool_bytes, cases[i].block, cases[i].per_batch,
                                       o->inflight, o->bytes, &failed);
   if (failed) {
     fprintf(stderr, "bench: a batch failed\n");
@@ -211,9 +258,7 @@ static int bench_engine(const bench_opts *o) {
   }
   rc = 0;
 out:
-  kvf_engine_destroy(e);
-  engine_peer_stop(&peer);
-  if (pool != MAP_FAILED) munmap(pool, pool_bytes);
+  engine_rig_stop(&g);
   return rc;
 }
 
@@ -467,10 +512,221 @@ out_peer:
   return rc;
 }
 
+/* Baseline for same-host copies: memcpy of `total` bytes between two
+ * pre-faulted 256 MiB buffers in this process, one thread. */
+static double bench_memcpy_gbps(uint64_t total) {
+  const uint64_t n = 256ull << 20;
+  char *a = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  char *b = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  double gbps = 0;
+  if (a != MAP_FAILED && b != MAP_FAILED) {
+    memset(a, 1, n);
+    memset(b, 2, n);
+    double t0 = now_s();
+    for (uint64_t done = 0; done < total; done += n) memcpy(b, a, total - done < n ? total - done : n);
+    double dt = now_s() - t0;
+    gbps = dt > 0 && b[n / 2] == 1 ? total / dt / 1e9 : 0;
+  }
+  if (a != MAP_FAILED) munmap(a, n);
+  if (b != MAP_FAILED) munmap(b, n);
+  return gbps;
+}
+
+/* The model the end-to-end benchmark moves: llama-3.1-8b, 32 layers of K and
+ * V, 16-token pages of 8 heads x 128 x bf16 = 32 KiB per buffer. */
+#define E2E_LAYERS 32
+#define E2E_ITEM (32u << 10)
+#define E2E_PAGE_TOKENS 16
+#define E2E_PAGE_BYTES ((uint64_t)E2E_ITEM * 2 * E2E_LAYERS)
+
+/* `runs` requests of `tokens` tokens, one at a time (seed 0: no pattern, so
+ * the time is the transfer's alone); the median and the fastest transfer
+ * time in seconds. */
+static int e2e_case(pd_pair *pp, size_t tokens, int runs, int64_t *room, double *p50_s, double *min_s) {
+  double *t = calloc((size_t)runs, sizeof *t);
+  int rc = -1;
+  if (!t) return -1;
+  for (int i = 0; i < runs; i++) {
+    pd_req r = {.room = (*room)++, .token = 42, .npages = (tokens + E2E_PAGE_TOKENS - 1) / E2E_PAGE_TOKENS};
+    if (pd_issue(pp, &r)) goto out;
+    double until = now_s() + 60;
+    while (!(r.prefill_done && r.decode_done) && now_s() < until)
+      if (pd_collect(pp, &r, 1, r.room, 200) < 0) break;
+    if (!r.prefill_done || !r.decode_done || pd_failed(&r)) {
+      fprintf(stderr, "bench e2e: request of %zu tokens failed: %s\n", tokens, *r.reason ? r.reason : "timed out");
+      goto out;
+    }
+    t[i] = pd_transfer_s(&r);
+  }
+  qsort(t, (size_t)runs, sizeof *t, cmp_dbl);
+  *p50_s = t[runs / 2];
+  *min_s = t[0];
+  rc = 0;
+out:
+  free(t);
+  return rc;
+}
+
+static int bench_e2e(const bench_opts *o) {
+  const size_t tokens = 4096;
+  const uint64_t pages = tokens / E2E_PAGE_TOKENS, bytes = pages * E2E_PAGE_BYTES;
+  const int runs = o->quick ? 3 : 7;
+  /* The baseline is the faster of the two plain streams (cache-hot
+   * buffers), so the ideal time is the least a plain socket needs here. */
+  double base_pool = bench_tcp_baseline(2 * bytes, 256ull << 20), base = bench_tcp_baseline(2 * bytes, 1 << 20);
+  double mc = bench_memcpy_gbps(2 * bytes);
+  pd_pair pp;
+  char err[256];
+  if (pd_start(&pp, E2E_LAYERS, E2E_ITEM, pages, err, sizeof err)) {
+    fprintf(stderr, "bench e2e: %s\n", err);
+    return 1;
+  }
+  int64_t room = 1;
+  double p50 = 0, best = 0, w50, wmin;
+  /* Warm up: the decode's M1 registration, connections, first-touch of the
+   * engine's buffers. */
+  int rc = e2e_case(&pp, tokens, 1, &room, &w50, &wmin) || e2e_case(&pp, tokens, runs, &room, &p50, &best);
+  pd_stop(&pp);
+  if (rc) return 1;
+  double ideal = base > 0 ? bytes / (base * 1e9) : 0, gbps = p50 > 0 ? bytes / p50 / 1e9 : 0;
+  if (o->json) {
+    printf("{\"bench\":\"e2e\",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"bytes\":%llu,\"runs\":%d,"
+           "\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"gbps\":%.3f,"
+           "\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes, cache-hot buffers\","
+           "\"baseline_gbps\":%.3f,\"baseline_pool_gbps\":%.3f,\"ideal_s\":%.4f,\"ratio\":%.3f,\"memcpy_gbps\":%.3f,"
+           "\"memcpy_ratio\":%.3f}\n",
+           tokens, (unsigned long long)bytes, runs, p50, best, gbps, base, base_pool, ideal, p50 > 0 ? ideal / p50 : 0, mc,
+           mc > 0 ? gbps / mc : 0);
+  } else {
+    printf("end to end: one llama-3.1-8b request of %zu tokens (%llu pages x %d buffers x %u KiB = %llu MiB),\n"
+           "bootstrap, prefill and decode in separate processes; transfer = decode M2 -> decode Success; %d runs\n",
+           tokens, (unsigned long long)pages, 2 * E2E_LAYERS, E2E_ITEM >> 10, (unsigned long long)(bytes >> 20), runs);
+    printf("baseline: plain TCP loopback, one stream, 1 MiB writes, cache-hot buffers: %.2f GB/s\n"
+           "          -> ideal %.1f ms for these bytes (through 256 MiB pools at both ends: %.2f GB/s)\n",
+           base, ideal * 1e3, base_pool);
+    printf("context:  memcpy in one process, one thread: %.2f GB/s -> %.1f ms\n", mc,
+           mc > 0 ? bytes / (mc * 1e9) * 1e3 : 0.0);
+    printf("%-28s %10s %10s %10s %10s %14s\n", "case", "p50 ms", "min ms", "GB/s", "ideal ms", "ratio (ideal/p50)");
+    printf("%-28s %10.1f %10.1f %10.2f %10.1f %14.2f\n", "e2e_llama8b_4096tok", p50 * 1e3, best * 1e3, gbps,
+           ideal * 1e3, p50 > 0 ? ideal / p50 : 0);
+  }
+  return 0;
+}
+
+/* Look for an executable `name` on PATH. */
+static int on_path(const char *name) {
+  const char *path = getenv("PATH");
+  char buf[4096];
+  while (path && *path) {
+    const char *colon = strchr(path, ':');
+    size_t len = colon ? (size_t)(colon - path) : strlen(path);
+    snprintf(buf, sizeof buf, "%.*s/%s", (int)len, path, name);
+    if (len && access(buf, X_OK) == 0) return 1;
+    path = colon ? colon + 1 : NULL;
+  }
+  return 0;
+}
+
+/* --plot: engine throughput over block sizes and end-to-end throughput over
+ * request lengths, each with the TCP baseline of the same run, drawn by
+ * gnuplot from a data file and a script in a temporary directory. */
+static int bench_plot(const bench_opts *o) {
+  if (!on_path("gnuplot")) {
+    fprintf(stderr, "bench: --plot needs gnuplot, which is not on PATH (Debian: apt-get install gnuplot-nox)\n");
+    return 2;
+  }
+  char dir[] = "/tmp/kvferry-plot-XXXXXX", file[64];
+  if (!mkdtemp(dir)) {
+    perror("bench: mkdtemp");
+    return 1;
+  }
+  int rc = 1;
+  const uint64_t case_bytes = o->quick ? 256ull << 20 : 1ull << 30;
+  double base = bench_tcp_baseline(case_bytes, 256ull << 20);
+  engine_rig g;
+  FILE *f = NULL;
+  if (engine_rig_start(&g)) goto out;
+  snprintf(file, sizeof file, "%s/engine.dat", dir);
+  if (!(f = fopen(file, "w"))) goto out_rig;
+  fprintf(f, "# block_bytes gbps tcp_baseline_gbps\n");
+  for (uint64_t block = 4096; block <= (1u << 20); block *= 4) {
+    int failed = 0;
+    size_t per = (size_t)((8u << 20) / block); /* 8 MiB batches */
+    double gbps = bench_engine_case(g.e, &g.peer, g.pool, g.pool_bytes, block, per, o->inflight, case_bytes, &failed);
+    if (failed) goto out_rig;
+    fprintf(f, "%llu %.3f %.3f\n", (unsigned long long)block, gbps, base);
+    fprintf(stderr, "  engine %7llu B blocks: %.2f GB/s\n", (unsigned long long)block, gbps);
+  }
+  fclose(f);
+  f = NULL;
+  engine_rig_stop(&g);
+  pd_pair pp;
+  char err[256];
+  if (pd_start(&pp, E2E_LAYERS, E2E_ITEM, 8192 / E2E_PAGE_TOKENS, err, sizeof err)) {
+    fprintf(stderr, "bench e2e: %s\n", err);
+    goto out;
+  }
+  snprintf(file, sizeof file, "%s/e2e.dat", dir);
+  f = fopen(file, "w");
+  int64_t room = 1;
+  double p50, best;
+  int bad = !f || e2e_case(&pp, 512, 1, &room, &p50, &best);
+  if (f) fprintf(f, "# tokens gbps tcp_baseline_gbps\n");
+  for (size_t tokens = 512; !bad && tokens <= 8192; tokens *= 2) {
+    bad = e2e_case(&pp, tokens, o->quick ? 2 : 3, &room, &p50, &best);
+    double gbps = bad || p50 <= 0 ? 0 : tokens / E2E_PAGE_TOKENS * E2E_PAGE_BYTES / p50 / 1e9;
+    if (!bad) fprintf(f, "%zu %.3f %.3f\n", tokens, gbps, base);
+    if (!bad) fprintf(stderr, "  e2e %5zu tokens: %.2f GB/s (p50 %.1f ms)\n", tokens, gbps, p50 * 1e3);
+  }
+  pd_stop(&pp);
+  if (bad) goto out;
+  fclose(f);
+  f = NULL;
+  snprintf(file, sizeof file, "%s/plot.gp", dir);
+  if (!(f = fopen(file, "w"))) goto out;
+  fprintf(f,
+          "set terminal pngcairo size 1200,500 noenhanced\n"
+          "set output '%s'\n"
+          "set multiplot layout 1,2 title 'kvferry throughput (TCP loopback baseline measured in the same run)'\n"
+          "set grid\nset logscale x 2\nset yrange [0:*]\nset ylabel 'GB/s'\nset key bottom right\n"
+          "set xlabel 'engine block size (bytes, 8 MiB batches, random offsets)'\n"
+          "plot '%s/engine.dat' using 1:2 with linespoints lw 2 title 'kvferry engine', "
+          "'' using 1:3 with lines dt 2 lw 2 title 'plain TCP stream'\n"
+          "set xlabel 'request length (tokens, llama-3.1-8b: 128 KiB per token)'\n"
+          "plot '%s/e2e.dat' using 1:2 with linespoints lw 2 title 'kvferry end to end (M2 -> Success)', "
+          "'' using 1:3 with lines dt 2 lw 2 title 'plain TCP stream'\n"
+          "unset multiplot\n",
+          o->plot, dir, dir);
+  fclose(f);
+  f = NULL;
+  char cmd[1400];
+  snprintf(cmd, sizeof cmd, "gnuplot '%s'", file);
+  int st = system(cmd);
+  if (st != 0) {
+    /* pngcairo is in gnuplot-nox and gnuplot-qt; fall back to the libgd png terminal. */
+    snprintf(cmd, sizeof cmd, "sed -i 's/^set terminal pngcairo/set terminal png/' '%s' && gnuplot '%s'", file, file);
+    st = system(cmd);
+  }
+  if (st != 0) {
+    fprintf(stderr, "bench: gnuplot failed; the data and script are in %s\n", dir);
+    goto out;
+  }
+  printf("plot written to %s (data in %s)\n", o->plot, dir);
+  rc = 0;
+  goto out;
+out_rig:
+  engine_rig_stop(&g);
+out:
+  if (f) fclose(f);
+  return rc;
+}
+
 static void usage(void) {
-  printf("usage: kvferry bench [engine|rooms] [--json] [--quick] [--bytes 2G] [--inflight 4]\n"
+  printf("usage: kvferry bench [engine|rooms|e2e] [--json] [--quick] [--bytes 2G] [--inflight 4]\n"
+         "                     (no benchmark named: all three; --json then prints one object)\n"
          "                     [--block SIZE --per-batch N]   (one custom engine case)\n"
-         "                     [--room-pages N --inflight M]  (one custom rooms case)\n");
+         "                     [--room-pages N --inflight M]  (one custom rooms case)\n"
+         "       kvferry bench --plot FILE.png [--quick]        (needs gnuplot)\n");
 }
 
 int cli_bench(int argc, char **argv) {
@@ -482,17 +738,19 @@ int cli_bench(int argc, char **argv) {
                                        {"quick", no_argument, 0, 'q'},
                                        {"room-pages", required_argument, 0, 'R'},
                                        {"per-batch", required_argument, 0, 'P'},
+                                       {"plot", required_argument, 0, 'p'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
   unsigned long long v;
-  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:h", opts, NULL)) != -1) {
     switch (c) {
       case 'R':
         o.room_pages = atoi(optarg);
         if (o.room_pages < 1 || o.room_pages > 4096) return usage(), 2;
         break;
       case 'q': o.quick = 1; break;
+      case 'p': o.plot = optarg; break;
       case 'B':
         if (cli_parse_size(optarg, &v) || v == 0 || v > (64u << 20)) return usage(), 2;
         o.block = v;
@@ -514,9 +772,26 @@ int cli_bench(int argc, char **argv) {
       default: usage(); return 2;
     }
   }
-  const char *which = optind < argc ? argv[optind] : "engine";
+  if (o.plot) return bench_plot(&o);
+  const char *which = optind < argc ? argv[optind] : NULL;
+  if (!which) { /* all three; --json: one object holding the three */
+    int rc = 0;
+    if (o.json) printf("{\"engine\":");
+    else printf("== engine ==\n");
+    fflush(stdout);
+    rc |= bench_engine(&o);
+    printf(o.json ? ",\"rooms\":" : "\n== rooms ==\n");
+    fflush(stdout);
+    rc |= bench_rooms(&o);
+    printf(o.json ? ",\"e2e\":" : "\n== e2e ==\n");
+    fflush(stdout);
+    rc |= bench_e2e(&o);
+    if (o.json) printf("}\n");
+    return rc ? 1 : 0;
+  }
   if (!strcmp(which, "engine")) return bench_engine(&o);
   if (!strcmp(which, "rooms")) return bench_rooms(&o);
-  fprintf(stderr, "bench: unknown benchmark '%s' (available: engine, rooms)\n", which);
+  if (!strcmp(which, "e2e")) return bench_e2e(&o);
+  fprintf(stderr, "bench: unknown benchmark '%s' (available: engine, rooms, e2e)\n", which);
   return 2;
 }

@@ -54,11 +54,11 @@ static int cmp_dbl(const void *a, const void *b) {
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: kvferry demo [--model llama-3.1-8b|qwen3-32b] [--requests 32] [--inflight 4]\n"
-          "                    [--max-tokens 8192] [--pool-gib 2] [--prefill-tp 1] [--decode-tp 1]\n"
+          "usage: kvferry demo [--model llama-3.1-8b|qwen3-32b] [--requests 32] [--inflight 2]\n"
+          "                    [--max-tokens 8192] [--pool-gib G] [--prefill-tp 1] [--decode-tp 1]\n"
           "                    [--transport tcp] [--seed S] [--corrupt] [--short]\n"
           "Starts a bootstrap server, a prefill and a decode instance as processes on 127.0.0.1\n"
-          "with model-shaped KV pools (--pool-gib per side), moves the KV of --requests requests\n"
+          "with model-shaped KV pools (--pool-gib per side; default: room for one request of\n--max-tokens, 1 GiB for llama-3.1-8b), moves the KV of --requests requests\n"
           "(prompts of 128..--max-tokens tokens, log-uniform) and verifies every byte.\n"
           "  --short    a few small requests (CI): 6 requests, up to 1024 tokens, 0.25 GiB pools\n"
           "  --corrupt  flip one byte of one landed page before the check: the demo must catch it\n"
@@ -79,10 +79,10 @@ static void progress(int done, int total, double bytes, double t0) {
 
 int cli_demo(int argc, char **argv) {
   const char *model_name = "llama-3.1-8b", *transport = "tcp";
-  int requests = 32, inflight = 4, prefill_tp = 1, decode_tp = 1, corrupt = 0, is_short = 0;
+  int requests = 32, inflight = 2, prefill_tp = 1, decode_tp = 1, corrupt = 0, is_short = 0;
   int set_requests = 0, set_inflight = 0, set_max = 0, set_pool = 0;
   unsigned long long seed = 1, max_tokens = 8192;
-  double pool_gib = 2;
+  double pool_gib = 0; /* 0: room for one request of --max-tokens */
   static const struct option opts[] = {{"model", required_argument, 0, 'm'},
                                        {"requests", required_argument, 0, 'n'},
                                        {"inflight", required_argument, 0, 'k'},
@@ -109,7 +109,7 @@ int cli_demo(int argc, char **argv) {
         break;
       case 'g':
         pool_gib = strtod(optarg, &end);
-        if (*end) pool_gib = 0;
+        if (*end || !(pool_gib > 0)) pool_gib = -1;
         set_pool = 1;
         break;
       case 'P': prefill_tp = atoi(optarg); break;
@@ -155,7 +155,7 @@ int cli_demo(int argc, char **argv) {
     return 2;
   }
   if (requests < 1 || requests > 100000 || inflight < 1 || inflight > 512 || max_tokens < 128 ||
-      max_tokens > (1u << 20) || !(pool_gib > 0) || pool_gib > 1024 || !seed) {
+      max_tokens > (1u << 20) || pool_gib < 0 || pool_gib > 1024 || !seed) {
     fprintf(stderr, "demo: bad value (need requests >= 1, inflight 1..512, max-tokens 128..1M, pool-gib > 0, "
                     "seed > 0)\n");
     return 2;
@@ -163,6 +163,12 @@ int cli_demo(int argc, char **argv) {
 
   const uint64_t item = (uint64_t)md->page_tokens * md->kv_heads * md->head_dim * md->dtype_bytes;
   const uint64_t page_bytes = item * 2 * (uint64_t)md->layers; /* one page across every buffer */
+  /* --inflight defaults to 2: on a 2-core machine more requests in flight
+   * only make the pattern fill and check compete with the transfers. */
+  /* Faulting in a pool costs about 2 s per GiB on these VMs, so the default
+   * is the least that runs every request length: one longest request. */
+  if (pool_gib == 0)
+    pool_gib = (double)((max_tokens + md->page_tokens - 1) / md->page_tokens * page_bytes) / (1ull << 30);
   const uint64_t pool_pages = (uint64_t)(pool_gib * (1ull << 30)) / page_bytes;
   const uint64_t max_pages_fit = pool_pages;
   if (pool_pages < 8) {
@@ -206,6 +212,7 @@ int cli_demo(int argc, char **argv) {
   printf("  pools: %llu pages (%llu tokens, %.2f GiB) per side; up to %d requests in flight; transport %s\n",
          (unsigned long long)pool_pages, (unsigned long long)pool_pages * md->page_tokens,
          pool_pages * page_bytes / (double)(1ull << 30), inflight, transport);
+  printf("  starting the bootstrap server, the prefill and the decode process (faulting in the pools)...\n");
   fflush(stdout);
   if (pd_start(&pp, md->layers, item, pool_pages, err, sizeof err)) {
     fprintf(stderr, "demo: %s\n", err);

@@ -1,0 +1,146 @@
+/* A prefill/decode pair of processes and its requests (see pd.h). */
+#include "pd.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvferry.h"
+
+static const char *cli_exe(void) {
+  const char *exe = getenv("KVFERRY_CLI");
+  return exe && *exe ? exe : proc_self_exe();
+}
+
+static long long now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+int pd_start(pd_pair *pp, int layers, uint64_t item, uint64_t pages, char *err, size_t cap) {
+  memset(pp, 0, sizeof *pp);
+  char *exe = (char *)cli_exe(), line[400], l[16], it[32], pg[32];
+  snprintf(l, sizeof l, "%d", layers);
+  snprintf(it, sizeof it, "%llu", (unsigned long long)item);
+  snprintf(pg, sizeof pg, "%llu", (unsigned long long)pages);
+  char *bargv[] = {exe, "bootstrap", "--port", "0", "--host", "127.0.0.1", NULL};
+  if (proc_start(&pp->boot, bargv)) {
+    snprintf(err, cap, "cannot start %s bootstrap", exe);
+    return -1;
+  }
+  pp->up = 1;
+  if (proc_read_line(&pp->boot, line, sizeof line, 10000) ||
+      sscanf(line, "kvferry bootstrap listening on %299s", pp->baddr) != 1) {
+    snprintf(err, cap, "the bootstrap server did not start");
+    goto err;
+  }
+  char *pargv[] = {exe, "kv-peer", "--bootstrap", pp->baddr, "--layers", l, "--item", it, "--pages", pg, NULL};
+  char *dargv[] = {exe, "kv-decode", "--bootstrap", pp->baddr, "--layers", l, "--item", it, "--pages", pg, NULL};
+  /* Both fault in their pools at start: let them do it at the same time. */
+  if (proc_start(&pp->prefill, pargv)) {
+    snprintf(err, cap, "cannot start the prefill process");
+    goto err;
+  }
+  pp->up |= 2;
+  if (proc_start(&pp->decode, dargv)) {
+    snprintf(err, cap, "cannot start the decode process");
+    goto err;
+  }
+  pp->up |= 4;
+  if (proc_read_line(&pp->prefill, line, sizeof line, 60000) || strncmp(line, "ready ", 6)) {
+    snprintf(err, cap, "the prefill process did not start (pool of %s pages x %d buffers x %s B)", pg, 2 * layers, it);
+    goto err;
+  }
+  if (proc_read_line(&pp->decode, line, sizeof line, 60000) || strncmp(line, "ready ", 6)) {
+    snprintf(err, cap, "the decode process did not start (pool of %s pages x %d buffers x %s B)", pg, 2 * layers, it);
+    goto err;
+  }
+  return 0;
+err:
+  pd_stop(pp);
+  return -1;
+}
+
+void pd_stop(pd_pair *pp) {
+  if (pp->up & 4) proc_stop(&pp->decode, 10000);
+  if (pp->up & 2) proc_stop(&pp->prefill, 10000);
+  if (pp->up & 1) {
+    kill(pp->boot.pid, SIGTERM); /* it stops on a signal, not on EOF */
+    proc_stop(&pp->boot, 5000);
+  }
+  pp->up = 0;
+}
+
+int pd_issue(pd_pair *pp, const pd_req *r) {
+  if (fprintf(pp->decode.in, "recv %lld %zu %llu %lld%s\n", (long long)r->room, r->npages,
+              (unsigned long long)r->seed, (long long)r->token, r->corrupt ? " corrupt" : "") < 0 ||
+      fflush(pp->decode.in))
+    return -1;
+  if (fprintf(pp->prefill.in, "send %lld %zu %llu %lld 0\n", (long long)r->room, r->npages,
+              (unsigned long long)r->seed, (long long)r->token) < 0 ||
+      fflush(pp->prefill.in))
+    return -1;
+  return 0;
+}
+
+static void set_reason(pd_req *r, const char *side, const char *why) {
+  if (!*r->reason && why && strcmp(why, "-")) snprintf(r->reason, sizeof r->reason, "%s: %s", side, why);
+}
+
+/* Take every line already available from one side; count completions. */
+static int drain(proc *p, int is_decode, pd_req *reqs, size_t n, int64_t room_base) {
+  char line[600], why[300];
+  int done = 0;
+  while (proc_read_line(p, line, sizeof line, 0) == 0) {
+    long long room, a, b, c;
+    int st;
+    why[0] = 0;
+    if (is_decode ? sscanf(line, "done %lld %d %lld %lld %lld %299s", &room, &st, &a, &b, &c, why) < 5
+                  : sscanf(line, "done %lld %d %lld %299s", &room, &st, &a, why) < 3)
+      continue;
+    if (room < room_base || room - room_base >= (long long)n) continue;
+    pd_req *r = &reqs[room - room_base];
+    if (is_decode) {
+      r->decode_done = 1;
+      r->decode_status = st;
+      r->bad_pages = (size_t)a;
+      r->t_init_ns = b;
+      r->t_final_ns = c;
+      set_reason(r, "decode", why);
+    } else {
+      r->prefill_done = 1;
+      r->prefill_status = st;
+      r->t_send_ns = a;
+      set_reason(r, "prefill", why);
+    }
+    done += r->prefill_done && r->decode_done;
+  }
+  return done;
+}
+
+int pd_collect(pd_pair *pp, pd_req *reqs, size_t n, int64_t room_base, int timeout_ms) {
+  long long until = now_ms() + timeout_ms;
+  for (;;) {
+    int done = drain(&pp->prefill, 0, reqs, n, room_base) + drain(&pp->decode, 1, reqs, n, room_base);
+    long long left = until - now_ms();
+    if (done || left <= 0) return done;
+    struct pollfd pf[2] = {{.fd = pp->prefill.out_fd, .events = POLLIN}, {.fd = pp->decode.out_fd, .events = POLLIN}};
+    if (poll(pf, 2, (int)left) < 0) continue;
+    for (int i = 0; i < 2; i++)
+      if ((pf[i].revents & (POLLHUP | POLLERR)) && !(pf[i].revents & POLLIN)) return -1;
+  }
+}
+
+int pd_failed(const pd_req *r) {
+  return r->prefill_status != KVF_POLL_SUCCESS || r->decode_status != KVF_POLL_SUCCESS || r->bad_pages ||
+         *r->reason;
+}
+
+double pd_transfer_s(const pd_req *r) {
+  long long t0 = r->t_init_ns > r->t_send_ns ? r->t_init_ns : r->t_send_ns;
+  return r->t_final_ns > t0 ? (r->t_final_ns - t0) / 1e9 : 0;
+}

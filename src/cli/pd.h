@@ -1,0 +1,50 @@
+/* A prefill/decode pair as three processes on 127.0.0.1 (`kvferry
+ * bootstrap`, `kvferry kv-peer` as the prefill instance, `kvferry
+ * kv-decode` as the decode instance), and the bookkeeping of requests driven
+ * through them: shared by `kvferry demo` and `kvferry bench e2e`, so the
+ * benchmark measures exactly what the demo shows. */
+#ifndef KVF_CLI_PD_H
+#define KVF_CLI_PD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "proc.h"
+
+typedef struct pd_pair {
+  proc boot, prefill, decode;
+  int up; /* bit 0 boot, 1 prefill, 2 decode: which to stop */
+  char baddr[300];
+} pd_pair;
+
+/* One request. The caller sets room..corrupt; pd_collect fills the rest. */
+typedef struct pd_req {
+  int64_t room, token;
+  size_t npages;
+  uint64_t seed; /* 0: no pattern fill or check (benchmarks) */
+  int corrupt;   /* kv-decode flips one landed byte before its check */
+  int prefill_done, decode_done;
+  int prefill_status, decode_status;
+  size_t bad_pages;
+  long long t_send_ns, t_init_ns, t_final_ns;
+  char reason[256]; /* first failure reason, empty if none */
+} pd_req;
+
+/* Start the three processes with pools of `pages` pages x 2*layers buffers x
+ * item bytes on each side. On failure writes why into err and stops what
+ * started. 0 or -1. */
+int pd_start(pd_pair *pp, int layers, uint64_t item, uint64_t pages, char *err, size_t cap);
+void pd_stop(pd_pair *pp);
+/* Ask the decode for the pages (M2), then the prefill to send them. */
+int pd_issue(pd_pair *pp, const pd_req *r);
+/* Read the reports available within timeout_ms into reqs[room - room_base];
+ * returns how many requests became complete (both sides reported), or -1
+ * if a process died. */
+int pd_collect(pd_pair *pp, pd_req *reqs, size_t n, int64_t room_base, int timeout_ms);
+/* 1 if a complete request failed in any way (status, bytes, metadata). */
+int pd_failed(const pd_req *r);
+/* Transfer time in seconds: from the later of the decode's init and the
+ * prefill's last send call (its KV is then ready) to the decode's Success. */
+double pd_transfer_s(const pd_req *r);
+
+#endif
