@@ -68,6 +68,7 @@ typedef struct pool_entry {
   size_t nfrags;
   wire_fragment *frags; /* sent only when the plan is fragmented */
   int fragmented;
+  int64_t page_layout; /* M2 frame 14 (kvferry): tokens per token-major page; 0 = not sent */
   int required_prefill_response_num;
 } pool_entry;
 
@@ -75,6 +76,7 @@ typedef struct pool_entry {
 typedef struct addr_entry {
   uint64_t epoch;   /* distinguishes this entry from a later one of the same address */
   int64_t tp_p, dp_p;
+  int64_t page_layout; /* see pool_entry */
   plan_route plan;
   char ranks[DECODE_KEY_MAX / 2]; /* target ranks joined by ',' (the pool key's tail) */
 } addr_entry;
@@ -216,6 +218,33 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
     /* §8 item 4: uncovered prefill ranks get a dummy, or they never finish. */
     if (!rc) rc = plan_route_add_dummies(&a->plan, m->tp_size, m->tp_rank);
   }
+  /* §6.5.7 caveat, §8 item 11: a plan that cuts head ranges out of a page
+   * is right only for pages that hold their heads contiguously. Ours are
+   * token-major, so with page_size > 1 the slices must be cut per token,
+   * which only a prefill that publishes its page layout (kvferry) does. A
+   * tokenspeed prefill would land wrong bytes: refuse instead. */
+  int slicing = 0;
+  for (size_t i = 0; !rc && i < a->plan.nfrags; i++) {
+    const plan_fragment *f = &a->plan.frags[i];
+    if (f->kind != PLAN_MAMBA_STATE &&
+        (f->bytes_per_page != f->src_page_stride || f->bytes_per_page != f->dst_page_stride))
+      slicing = 1;
+  }
+  if (!rc && slicing && m->cfg.page_size > 1) {
+    const route_lens *lay = &pi.lists[ROUTE_KVF_PAGE_LAYOUT];
+    if (lay->n >= 2 && lay->v[1] == 1 && lay->v[0] == m->cfg.page_size) {
+      a->page_layout = m->cfg.page_size;
+    } else {
+      if (lay->n >= 2)
+        snprintf(err, sizeof err, "heterogeneous TP needs equal token-major page sizes, prefill has %lld "
+                 "(layout %lld), this decode %d", (long long)lay->v[0], (long long)lay->v[1], m->cfg.page_size);
+      else
+        snprintf(err, sizeof err, "heterogeneous TP with page_size %d: the prefill publishes no page layout (not "
+                 "a kvferry peer), and cutting heads per page out of token-major pages would corrupt the KV cache",
+                 m->cfg.page_size);
+      rc = KVF_EINVAL;
+    }
+  }
   if (!rc && a->plan.ntargets <= 0) {
     snprintf(err, sizeof err, "the route plan has no target rank");
     rc = KVF_EINVAL;
@@ -252,6 +281,7 @@ static pool_entry *pool_from_plan(const addr_entry *a, const char *addr) {
   p->ntargets = a->plan.ntargets;
   p->targets = calloc((size_t)p->ntargets, sizeof *p->targets);
   p->fragmented = !a->plan.is_identity && a->plan.nfrags > 0;
+  p->page_layout = a->page_layout;
   p->nfrags = a->plan.nfrags;
   p->frags = calloc(p->nfrags ? p->nfrags : 1, sizeof *p->frags);
   p->required_prefill_response_num = a->plan.required_prefill_response_num;
@@ -485,6 +515,7 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
       if (p->fragmented && t->nfrags) {
         m2.frags = p->frags + t->frag_start;
         m2.nfrags = t->nfrags;
+        m2.page_layout = p->page_layout;
       }
     }
     wire_msg msg;

@@ -442,11 +442,55 @@ static plan_fragment *convert_frags(const wire_m2 *x) {
   return f;
 }
 
+/* Token-major pages ([token][head][dim], our MHA pool) hold a head range
+ * contiguously only per token. A plan that cuts a byte range out of each
+ * page (§6.5.7 caveat) is therefore cut per token when the decode says its
+ * pages are token-major with our page size (kvferry's M2 frame 14): each
+ * KV fragment is rescaled to one token (strides, offsets and bytes / P)
+ * and the caller scales page runs to token runs. A slicing plan without
+ * that frame, or with another page size, would land wrong bytes: refused.
+ * Whole-page fragments (replicated buffers) and page_size 1 need nothing.
+ * Returns the tokens per page to scale by (1 = plain), or 0 with a reason. */
+static int64_t per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, char *why, size_t whycap) {
+  int slicing = 0;
+  for (size_t i = 0; i < n; i++)
+    if (f[i].kind != PLAN_MAMBA_STATE &&
+        (f[i].bytes_per_page != f[i].src_page_stride || f[i].bytes_per_page != f[i].dst_page_stride))
+      slicing = 1;
+  if (P <= 1 || !slicing) return 1;
+  if (layout != P) {
+    if (layout)
+      snprintf(why, whycap, "Refusing a heterogeneous-TP plan: the decode's pages hold %" PRId64
+               " tokens, this prefill's %" PRId64, layout, P);
+    else
+      snprintf(why, whycap, "Refusing a heterogeneous-TP plan that cuts head ranges out of whole pages: with "
+               "page_size %" PRId64 " and token-major pages that would write wrong bytes (the decode sent no "
+               "page layout)", P);
+    return 0;
+  }
+  uint64_t u = (uint64_t)P;
+  for (size_t i = 0; i < n; i++) {
+    plan_fragment *g = &f[i];
+    if (g->kind == PLAN_MAMBA_STATE) continue;
+    if (g->src_page_stride % u || g->dst_page_stride % u || g->src_byte_offset % u || g->dst_byte_offset % u ||
+        g->bytes_per_page % u || (g->page_count >= 0 && g->page_count > INT64_MAX / P)) {
+      snprintf(why, whycap, "Refusing a fragment of buffer %u: its slice does not split into %" PRId64
+               " equal token slices", (unsigned)g->buffer_index, P);
+      return 0;
+    }
+    g->src_page_stride /= u, g->dst_page_stride /= u;
+    g->src_byte_offset /= u, g->dst_byte_offset /= u;
+    g->bytes_per_page /= u;
+    if (g->page_count >= 0) g->page_count *= P;
+  }
+  return P;
+}
+
 /* Plan and write one set of page pairs (KV when state == 0, state slots
  * otherwise) to the destination. Arrays are sized once per call. */
 static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, const int64_t *src, const int64_t *dst,
                        size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags, size_t nfrags,
-                       int frag_mode, uint64_t *bytes, char *why, size_t whycap, int *xfer) {
+                       int frag_mode, int64_t tokens, uint64_t *bytes, char *why, size_t whycap, int *xfer) {
   kvf_manager *m = ps->m;
   const manager_buffers *b = &m->bufs;
   const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
@@ -458,6 +502,16 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, const int
   size_t nruns = 0, nw = 0, cap;
   int rc = runs ? plan_runs(src, dst, n, runs, &nruns) : KVF_ENOMEM;
   if (rc) goto out;
+  /* Per-token fragments (tokens > 1): a run of r pages is r*tokens token
+   * slots of the per-token stride, so each (fragment, run) stays one
+   * strided block of r*tokens pieces. */
+  for (size_t k = 0; tokens > 1 && k < nruns; k++)
+    if (__builtin_mul_overflow(runs[k].src, tokens, &runs[k].src) ||
+        __builtin_mul_overflow(runs[k].dst, tokens, &runs[k].dst) ||
+        __builtin_mul_overflow(runs[k].len, tokens, &runs[k].len)) {
+      rc = KVF_ERANGE;
+      goto out;
+    }
   cap = frag_mode ? plan_frag_count(lay, 0, lay->nlayers, frags, nfrags, state, runs, nruns)
                   : plan_plain_count(lay, 0, lay->nlayers, nruns);
   if (!cap) goto out;
@@ -531,6 +585,8 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
     snprintf(why, whycap, "Out of memory");
     goto out;
   }
+  int64_t tokens = 1;
+  if (frags && (tokens = per_token(frags, x->nfrags, page_size, x->page_layout, why, whycap)) < 1) goto out;
 
   /* §6.8: skip the pages the decode already holds; position p maps to
    * destination index p - P. Then truncate to what both sides have (§6.3). */
@@ -549,7 +605,7 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
     }
     memcpy(src, c->pages + skip, n * sizeof *src);
     for (size_t k = 0; k < n; k++) dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
-    if (write_pairs(ps, x, 0, src, dst, n, dptr, frags, x->nfrags, x->nfrags > 0, bytes, why, whycap, &xfer))
+    if (write_pairs(ps, x, 0, src, dst, n, dptr, frags, x->nfrags, x->nfrags > 0, tokens, bytes, why, whycap, &xfer))
       goto out;
   }
 
@@ -580,7 +636,7 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
     /* §8 item 11: with a fragment plan, state goes through it too; a rank
      * whose plan has no state fragment writes no state (the reference
      * would send whole slots of its own, possibly larger, item size). */
-    if (np && write_pairs(ps, x, 1, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, bytes, why, whycap, &xfer))
+    if (np && write_pairs(ps, x, 1, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, bytes, why, whycap, &xfer))
       goto out;
   }
   ret = DEST_OK;
@@ -716,8 +772,11 @@ static int put_route(kvf_manager *m) {
   snprintf(reg.rank_ip, sizeof reg.rank_ip, "%s", m->host);
   reg.rank_port = m->rank_port;
   reg.engine_rank = m->cfg.engine_rank;
-  const uint64_t *src[ROUTE_NLISTS] = {b->kv_item_lens, b->kv_unit_lens, b->state_item_lens, b->state_unit_lens};
-  size_t cnt[ROUTE_NLISTS] = {b->n_kv, b->n_kv, b->n_state, b->n_state};
+  /* kvferry's page layout: our MHA pages are token-major (§6.5.7 caveat). */
+  const uint64_t layout[2] = {(uint64_t)m->cfg.page_size, 1};
+  const uint64_t *src[ROUTE_NLISTS] = {b->kv_item_lens, b->kv_unit_lens, b->state_item_lens, b->state_unit_lens,
+                                       layout};
+  size_t cnt[ROUTE_NLISTS] = {b->n_kv, b->n_kv, b->n_state, b->n_state, 2};
   int rc = 0;
   for (int l = 0; l < ROUTE_NLISTS; l++) {
     reg.lists[l].v = calloc(cnt[l] ? cnt[l] : 1, sizeof(int64_t));

@@ -23,7 +23,7 @@ static const char *const m2_names[] = {
     "session_id",     "dst_kv_indices",   "dst_aux_index",
     "required_dst_info_num", "decode_prefix_len", "dst_indices_are_local",
     "dst_page_transfer_mask", "dst_page_local_indices", "dst_mamba_indices",
-    "plan_version",   "fragments"};
+    "plan_version",   "fragments",        "kvferry_page_layout"};
 static const char *const m3_names[] = {"room", "status", "prefill_rank", "bootstrap_token",
                                        "spec_candidate_ids"};
 
@@ -581,6 +581,12 @@ int wire_m2_decode(const wire_frame *f, size_t n, wire_m2 *out, char *reason) {
     if (rc) return rc;
     m.frags = frags;
     m.frags_owned = 1;
+    /* kvferry's page layout. Frames past the 14th are the reference's to
+     * ignore, so anything that is not a page size reads as absent (and a
+     * prefill then refuses a plan that needs it, never guesses). */
+    ctx quiet = c;
+    quiet.reason = NULL;
+    if (n >= 15 && f[14].len && get_int(&quiet, 14, 1, WIRE_MAX_PAGE_SIZE, &m.page_layout)) m.page_layout = 0;
   }
   *out = m;
   return 0;
@@ -782,6 +788,11 @@ int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
     if (rc) goto err;
     put_int(out, WIRE_FRAGMENT_VERSION);
     put_bytes(out, out->json, len);
+    if (m->page_layout < 0 || m->page_layout > WIRE_MAX_PAGE_SIZE) {
+      rc = bad(&c, 14, "%" PRId64 " is outside 0..%d", m->page_layout, WIRE_MAX_PAGE_SIZE);
+      goto err;
+    }
+    if (m->page_layout > 0) put_int(out, m->page_layout);
   }
   return 0;
 

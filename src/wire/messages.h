@@ -52,7 +52,8 @@ enum {
   WIRE_MAX_JSON = 1 << 20,        /* bytes of M2 frame 13 */
   WIRE_MAX_CANDIDATES = 1 << 16,  /* per M3 */
   WIRE_MAX_FANOUT = 1 << 16,      /* M2 required_dst_info_num */
-  WIRE_MAX_FRAMES = 14,           /* most frames an encoder emits */
+  WIRE_MAX_FRAMES = 15,           /* most frames an encoder emits (14 + kvferry's frame 14) */
+  WIRE_MAX_PAGE_SIZE = 1 << 20,   /* tokens per page in the kvferry page-layout frame */
   WIRE_FRAGMENT_VERSION = 1,
 };
 
@@ -172,6 +173,13 @@ typedef struct wire_m2 {
   const wire_fragment *frags;    /* plan of frames 12-13; NULL/0 = none */
   size_t nfrags;
   int frags_owned; /* internal: frags is heap memory wire_m2_free releases */
+  /* kvferry extension, frame 14, sent only next to a plan: the decode's
+   * pages are token-major ([token][head][dim]) with this many tokens per
+   * page, and the plan's per-page slices are head ranges to be cut per
+   * token. 0 = not sent. The reference parser ignores frames past the 14th
+   * (§3.4), so a tokenspeed prefill never sees it; on decode, a frame 14
+   * that is not an ascii int in 1..WIRE_MAX_PAGE_SIZE reads as 0. */
+  int64_t page_layout;
 } wire_m2;
 
 /* Decodes an M2 (>= 7 frames). On success fills *out (release with
@@ -231,7 +239,8 @@ void wire_msg_free(wire_msg *m);
 /* Encoders validate their input with the decoder's rules and return 0, or
  * KVF_EINVAL (KVF_ETOOBIG / KVF_ENOMEM for the plan JSON) with a reason and
  * *out zeroed. M1: always 8 frames. M2: 12 frames, 14 when nfrags > 0; a
- * dummy (is_dummy) is the 12-frame form of Appendix A.7. M3: 5 frames. */
+ * dummy (is_dummy) is the 12-frame form of Appendix A.7; 15 with a plan
+ * and page_layout > 0. M3: 5 frames. */
 int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason);
 int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason);
 int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason);

@@ -15,7 +15,7 @@
 #include "kvferry/common.h"
 
 const char *const route_list_names[ROUTE_NLISTS] = {"kv_item_lens", "kv_unit_lens", "state_item_lens",
-                                                    "state_unit_lens"};
+                                                    "state_unit_lens", "kvferry_kv_page_layout"};
 
 static void set_why(char *why, size_t whylen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void set_why(char *why, size_t whylen, const char *fmt, ...) {
@@ -290,7 +290,8 @@ char *route_json_encode_parallel_info(const route_parallel_info *p) {
   bad |= json_object_set_new(o, "prefill_dp_size", p->dp_size < 0 ? json_null() : json_integer(p->dp_size));
   bad |= json_object_set_new(o, "enable_mla_l1_5_cache", json_boolean(p->enable_mla_l1_5_cache));
   for (int i = 0; i < ROUTE_NLISTS; i++)
-    bad |= json_object_set_new(o, route_list_names[i], lens_to_json(&p->lists[i]));
+    if (i != ROUTE_KVF_PAGE_LAYOUT || p->lists[i].n)
+      bad |= json_object_set_new(o, route_list_names[i], lens_to_json(&p->lists[i]));
   if (bad) {
     json_decref(o);
     return NULL;

@@ -18,8 +18,20 @@
 #define ROUTE_IP_MAX 255     /* rank_ip: an IPv4/IPv6 literal or a host name */
 #define ROUTE_ROLE_MAX 63
 
-/* The four optional per-buffer length lists, in the order they are sent. */
-enum { ROUTE_KV_ITEM_LENS, ROUTE_KV_UNIT_LENS, ROUTE_STATE_ITEM_LENS, ROUTE_STATE_UNIT_LENS, ROUTE_NLISTS };
+/* The four optional per-buffer length lists, in the order they are sent,
+ * and kvferry's page layout [tokens per page, 1 = token-major]: a kvferry
+ * prefill rank sends it in its PUT; a parallel-info reply carries it only
+ * when a rank sent it (so replies stay byte-identical to the reference's
+ * otherwise, and a tokenspeed server simply drops it). Its presence tells a
+ * kvferry decode that the prefill can cut heads per token (§6.5.7 caveat). */
+enum {
+  ROUTE_KV_ITEM_LENS,
+  ROUTE_KV_UNIT_LENS,
+  ROUTE_STATE_ITEM_LENS,
+  ROUTE_STATE_UNIT_LENS,
+  ROUTE_KVF_PAGE_LAYOUT,
+  ROUTE_NLISTS
+};
 extern const char *const route_list_names[ROUTE_NLISTS];
 
 /* A list of non-negative byte counts. `present` says whether the key was in

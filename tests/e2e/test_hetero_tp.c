@@ -259,6 +259,26 @@ static void decode_prefix_tp1_to_tp2_chunked(void **state) {
   run_case(&c);
 }
 
+/* page_size 16, token-major pages: the plan's per-page head ranges are cut
+ * per token on the prefill (kvferry's page-layout frame), one strided block
+ * per (fragment, run). */
+static void tp2_to_tp1_page16(void **state) {
+  hcase c = {.tp_p = 2, .tp_d = 1, .page_size = 16, .heads_p = 2, .heads_d = 4, .npages = 13, .chunk = 5};
+  run_case(&c);
+}
+
+static void tp1_to_tp2_page16(void **state) {
+  hcase c = {.tp_p = 1, .tp_d = 2, .page_size = 16, .heads_p = 4, .heads_d = 2, .npages = 13, .prefix = 2};
+  run_case(&c);
+}
+
+static void tp4_to_tp2_page16_gqa(void **state) {
+  hcase a = {.tp_p = 4, .tp_d = 2, .page_size = 16, .heads_p = 2, .heads_d = 4, .npages = 11};
+  run_case(&a);
+  hcase b = {.tp_p = 4, .tp_d = 1, .page_size = 16, .heads_p = 1, .heads_d = 2, .kv_heads = 2, .npages = 7};
+  run_case(&b);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
@@ -270,6 +290,9 @@ int main(void) {
       cmocka_unit_test(mla_legacy_tp2_to_tp1_and_tp1_to_tp2),
       cmocka_unit_test(state_buffers_tp2_to_tp1),
       cmocka_unit_test(decode_prefix_tp1_to_tp2_chunked),
+      cmocka_unit_test(tp2_to_tp1_page16),
+      cmocka_unit_test(tp1_to_tp2_page16),
+      cmocka_unit_test(tp4_to_tp2_page16_gqa),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

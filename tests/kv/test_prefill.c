@@ -41,6 +41,8 @@ typedef struct fixture {
   char session[64];
 } fixture;
 
+static int g_page_size = 1; /* the prefill manager's tokens per page */
+
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
   nanosleep(&ts, NULL);
@@ -63,6 +65,7 @@ static void fx_manager(fixture *f, const char *bootstrap_addr) {
   cfg.role = KVF_ROLE_PREFILL;
   cfg.bootstrap_addr = bootstrap_addr;
   cfg.queue_size = 2;
+  cfg.page_size = g_page_size;
   cfg.engine_cfg.timeout_ms = 5000;
   assert_int_equal(kvf_manager_create(&cfg, &bufs, &f->m), 0);
 }
@@ -229,6 +232,78 @@ static void expect_success_m3(fixture *f, int64_t room, int64_t token, const int
 }
 
 /* ---------------------------------------------------------------- tests */
+
+/* Token-major pages of 4 tokens x 2 heads x 8 bytes (ITEM 64) sent to a
+ * decode with 4 heads per token (stride 128), into heads 2-3: the plan
+ * (§6.5.5, per page: offset 32, 32 bytes) is right only for head-major
+ * pages. Without kvferry's page-layout frame the prefill refuses; with it,
+ * every token's 16-byte head slice lands at its own token's heads 2-3. */
+static void token_major_slices(void **state) {
+  (void)state;
+  g_page_size = 4;
+  for (int with_layout = 0; with_layout < 2; with_layout++) {
+    fixture f;
+    fx_setup(&f, "");
+    int64_t room = 70 + with_layout;
+    kvf_sender *s = NULL;
+    assert_int_equal(kvf_sender_create(f.m, room, &s), 0);
+    send_m1(&f);
+    wire_fragment fr[2];
+    for (int b = 0; b < 2; b++)
+      fr[b] = (wire_fragment){.buffer_index = b, .buffer_kind = b ? WIRE_KIND_TARGET_V : WIRE_KIND_TARGET_K,
+                              .src_rank = 0, .dst_rank = 0, .src_page_stride_bytes = ITEM,
+                              .dst_page_stride_bytes = 2 * ITEM, .src_byte_offset = 0, .dst_byte_offset = ITEM / 2,
+                              .bytes_per_page = ITEM, .page_count = -1};
+    fr[0].bytes_per_page = fr[1].bytes_per_page = ITEM; /* whole source page into half a decode page */
+    fr[0].dst_byte_offset = fr[1].dst_byte_offset = ITEM;
+    int64_t src[] = {3, 4, 9}, dst[] = {1, 2, 5};
+    wire_m2 m2;
+    memset(&m2, 0, sizeof m2);
+    m2.room = room;
+    snprintf(m2.endpoint, sizeof m2.endpoint, "127.0.0.1");
+    m2.dst_port = f.pull_port;
+    snprintf(m2.session, sizeof m2.session, "%s", f.session);
+    m2.required_dst_info_num = 1;
+    m2.kv_indices = wire_array_of(dst, 3);
+    m2.frags = fr;
+    m2.nfrags = 2;
+    m2.page_layout = with_layout ? 4 : 0;
+    wire_msg msg;
+    char why[WIRE_REASON_LEN];
+    assert_int_equal(wire_m2_encode(&m2, &msg, why), 0);
+    assert_int_equal(msg.nframes, with_layout ? 15 : 14);
+    send_msg(&f, &msg);
+    wire_msg_free(&msg);
+    assert_int_equal(kvf_sender_send(s, src, 3, 1, 0, 7, NULL, 0, NULL, 0), 0);
+    int st = wait_final(s, 5000);
+    wire_m3 m3;
+    int32_t c[8];
+    size_t nc;
+    recv_m3(&f, &m3, c, &nc);
+    if (!with_layout) {
+      assert_int_equal(st, KVF_POLL_FAILED);
+      assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+      char reason[512];
+      kvf_sender_failure(s, reason, sizeof reason);
+      assert_non_null(strstr(reason, "Refusing a heterogeneous-TP plan"));
+      kvf_engine_sync(f.eng);
+      for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < NPAGES * ITEM; i++) assert_int_equal(f.dbuf[b][i], 0); /* nothing written */
+    } else {
+      assert_int_equal(st, KVF_POLL_SUCCESS);
+      assert_int_equal(m3.status, WIRE_STATUS_SUCCESS);
+      kvf_engine_sync(f.eng);
+      /* per token: source token t (16 bytes) -> decode token t, bytes 16..32 */
+      for (int b = 0; b < NKV; b++)
+        for (int k = 0; k < 3; k++)
+          for (int t = 0; t < 4; t++)
+            assert_memory_equal(f.dbuf[b] + dst[k] * 2 * ITEM + t * 32 + 16, f.pbuf[b] + src[k] * ITEM + t * 16, 16);
+    }
+    kvf_sender_destroy(s);
+    fx_teardown(&f);
+  }
+  g_page_size = 1;
+}
 
 static void one_chunk(void **state) {
   (void)state;
@@ -532,6 +607,7 @@ static void registers_with_bootstrap(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(one_chunk),
+      cmocka_unit_test(token_major_slices),
       cmocka_unit_test(many_chunks),
       cmocka_unit_test(chunk_waits_for_m2),
       cmocka_unit_test(decode_prefix_skipped),

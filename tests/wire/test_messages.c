@@ -653,6 +653,22 @@ static void m2_base_is_valid(void **state) {
   char reason[WIRE_REASON_LEN];
   assert_int_equal(wire_m2_decode(m2_base, 15, &m, reason), 0);
   assert_int_equal(m.nfrags, 1);
+  assert_int_equal(m.page_layout, 0); /* not a page size: ignored, as the reference ignores it */
+  wire_m2_free(&m);
+  /* kvferry's frame 14: tokens per token-major page, next to a plan only. */
+  m2_base[14] = (wire_frame)FR("16");
+  assert_int_equal(wire_m2_decode(m2_base, 15, &m, reason), 0);
+  assert_int_equal(m.page_layout, 16);
+  wire_msg msg;
+  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(msg.nframes, 15);
+  assert_int_equal(msg.frames[14].len, 2);
+  assert_memory_equal(msg.frames[14].data, "16", 2);
+  wire_msg_free(&msg);
+  wire_m2_free(&m);
+  m2_base[14] = (wire_frame)FR("0");
+  assert_int_equal(wire_m2_decode(m2_base, 15, &m, reason), 0);
+  assert_int_equal(m.page_layout, 0);
   wire_m2_free(&m);
 }
 
