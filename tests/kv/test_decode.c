@@ -69,6 +69,7 @@ static kvf_bootstrap_server *start_server(void) {
 /* Register prefill rank `rank` of a (world, dp) instance at our raw PULL socket. */
 static const int64_t *g_item_lens; /* next registrations: published kv_item_lens */
 static size_t g_nitem;
+static const int64_t *g_layout; /* next registrations: kvferry_kv_page_layout (NULL = none, as tokenspeed) */
 
 static void register_rank(fixture *f, int world, int dp, int rank) {
   bootstrap_client_opts o = {.token = "", .connect_timeout_ms = 1000, .timeout_ms = 3000};
@@ -87,11 +88,17 @@ static void register_rank(fixture *f, int world, int dp, int rank) {
     r.lists[ROUTE_KV_ITEM_LENS].n = g_nitem;
     r.lists[ROUTE_KV_ITEM_LENS].present = 1;
   }
+  if (g_layout) {
+    r.lists[ROUTE_KVF_PAGE_LAYOUT].v = (int64_t *)g_layout;
+    r.lists[ROUTE_KVF_PAGE_LAYOUT].n = 2;
+    r.lists[ROUTE_KVF_PAGE_LAYOUT].present = 1;
+  }
   assert_int_equal(bootstrap_client_put_route(c, &r, 3000), 0);
   bootstrap_client_destroy(c);
 }
 
 static int g_mla; /* next manager: MLA (one buffer, legacy MLA routing) */
+static int g_page_size = 1; /* next manager's tokens per page */
 
 static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) {
   f->kbuf = calloc(NPAGES, ITEM);
@@ -108,6 +115,7 @@ static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) 
   cfg.heartbeat_max_failures = hb_max;
   cfg.http_timeout_ms = 2000;
   cfg.is_mla = g_mla;
+  cfg.page_size = g_page_size;
   assert_int_equal(kvf_manager_create(&cfg, &b, &f->m), 0);
   char ep[64];
   snprintf(ep, sizeof ep, "tcp://127.0.0.1:%u", (unsigned)f->m->rank_port);
@@ -561,6 +569,54 @@ static void hetero_tp_fragments(void **state) {
   teardown(f);
 }
 
+/* page_size > 1 and a plan that cuts heads out of pages: refused against a
+ * prefill that publishes no page layout (a tokenspeed peer would land wrong
+ * bytes in token-major pages); with kvferry's layout, M2 carries frame 14. */
+static void token_major_needs_layout(void **state) {
+  (void)state;
+  static const int64_t half[2] = {ITEM / 2, ITEM / 2}, layout[2] = {4, 1};
+  for (int with = 0; with < 2; with++) {
+    g_item_lens = half;
+    g_nitem = 2;
+    g_page_size = 4;
+    g_layout = with ? layout : NULL;
+    fixture *f = setup_full(2, 1, 300, 5, 2);
+    register_rank(f, 2, 1, 1);
+    g_nitem = 0;
+    g_page_size = 1;
+    g_layout = NULL;
+    kvf_receiver *r = NULL;
+    assert_int_equal(kvf_receiver_create(f->m, f->addr, 81, &r), 0);
+    if (!with) {
+      assert_int_equal(kvf_receiver_poll(r), KVF_POLL_FAILED);
+      char why[512];
+      kvf_receiver_failure(r, why, sizeof why);
+      assert_non_null(strstr(why, "publishes no page layout"));
+    } else {
+      assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+      raw_msg rm;
+      for (int i = 0; i < 2; i++) {
+        assert_int_equal(recv_raw(f->pull, &rm), 0);
+        raw_free(&rm);
+      }
+      int64_t pages[1] = {2};
+      assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+      for (int i = 0; i < 2; i++) {
+        assert_int_equal(recv_raw(f->pull, &rm), 0);
+        assert_int_equal(rm.n, 15);
+        wire_m2 m2;
+        char why[WIRE_REASON_LEN];
+        assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+        assert_int_equal(m2.page_layout, 4);
+        wire_m2_free(&m2);
+        raw_free(&rm);
+      }
+    }
+    kvf_receiver_destroy(r);
+    teardown(f);
+  }
+}
+
 static void churn_is_bounded(void **state) {
   (void)state;
   fixture *f = setup_default();
@@ -599,6 +655,7 @@ int main(void) {
       cmocka_unit_test(heartbeat_node_failure),
       cmocka_unit_test(mla_dummy_target),
       cmocka_unit_test(hetero_tp_fragments),
+      cmocka_unit_test(token_major_needs_layout),
       cmocka_unit_test(churn_is_bounded),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
