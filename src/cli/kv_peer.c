@@ -65,6 +65,9 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
       r->pages[i] = NULL;
       return -1;
     }
+    /* The pages may have been read by an earlier request's transfer: order
+     * our writes after those reads (free on x86, visible to TSan). */
+    kvf_engine_sync(kvf_manager_engine(mgr[rank]));
     if (seed) kvpool_fill(&pools[rank], r->room, r->pages[i], r->npages, seed); /* seed 0: benchmarks, no pattern */
     if (r->state_slot >= 0) kvpool_fill_state(&pools[rank], r->room, r->state_slot, seed);
     if (kvf_sender_create(mgr[rank], r->room, &r->tx[i])) return -1;
