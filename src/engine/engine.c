@@ -185,7 +185,16 @@ void chunk_free(chunk *c) {
 }
 
 void chunk_release(chunk *c) {
-  if (c && atomic_fetch_sub(&c->refs, 1) == 1) chunk_free(c);
+  if (!c || atomic_fetch_sub(&c->refs, 1) != 1) return;
+  kvf_batch *b = c->batch;
+  int status = c->status;
+  chunk_free(c);
+  batch_chunk_done(b, status);
+}
+
+void chunk_finish(chunk *c, int status) {
+  c->status = status;
+  chunk_release(c);
 }
 
 static chunk *chunk_new(kvf_batch *b, size_t cap) {

@@ -53,6 +53,7 @@ typedef struct kvf_batch {
 typedef struct chunk {
   struct chunk *next;
   atomic_int refs; /* the transport may hold one while it sends */
+  int status;      /* set once by chunk_finish */
   kvf_batch *batch;
   kvf_write *writes;
   size_t n;
@@ -104,7 +105,13 @@ int engine_parse_session(const char *session, char *host_out, size_t host_cap, u
 int engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks,
                        size_t max_desc, chunk ***out, size_t *nout);
 void chunk_free(chunk *c);
-/* Drop one reference; frees at zero. */
+/* The chunk's outcome is known (an ack, a failure): record it and drop the
+ * owner's reference. Called exactly once per submitted chunk. */
+void chunk_finish(chunk *c, int status);
+/* Drop a reference taken while sending. Whoever drops the last one reports
+ * the outcome to the batch, so the batch completes only after the sending
+ * thread is done reading the source memory (an ack can arrive before the
+ * sendmsg call that carried the last byte has returned). */
 void chunk_release(chunk *c);
 
 #endif

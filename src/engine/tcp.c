@@ -219,11 +219,6 @@ static chunk *list_pop(chunk **head, chunk **tail) {
   return c;
 }
 
-static void chunk_finish(chunk *c, int status) {
-  kvf_batch *b = c->batch;
-  chunk_release(c);
-  batch_chunk_done(b, status);
-}
 
 /* Declare the connection dead: wake every thread blocked on it and fail
  * every chunk it holds. Idempotent; any thread. */
