@@ -691,7 +691,7 @@ static void process_chunk(prefill_state *ps, pf_chunk *c) {
 
   uint64_t bytes = 0;
   size_t ndone = 0, nreal = 0;
-  int ok = 1;
+  int ok = 1, counted = 0;
   char why[ROOMS_REASON_MAX];
   for (size_t i = 0; i < n && ok; i++) {
     const wire_m2 *x = infos[i]->m2;
@@ -706,7 +706,11 @@ static void process_chunk(prefill_state *ps, pf_chunk *c) {
     if (!c->is_last) continue;
     done[ndone++] = i;
     if ((int64_t)ndone != x->required_dst_info_num) continue;
-    /* §6.11 step 6: every required destination has the data. */
+    /* §6.11 step 6: every required destination has the data. The counters
+     * move first, so whoever sees Success also sees them. */
+    atomic_fetch_add(&m->stats.chunks_sent, 1);
+    atomic_fetch_add(&m->stats.bytes_sent, bytes);
+    counted = 1;
     pthread_mutex_lock(&ps->lock);
     int fin = ROOM_FAILED;
     if (!r->dead) {
@@ -722,14 +726,14 @@ static void process_chunk(prefill_state *ps, pf_chunk *c) {
               c->cands, c->ncand);
     }
   }
+  if (ok && !counted) {
+    atomic_fetch_add(&m->stats.chunks_sent, 1);
+    atomic_fetch_add(&m->stats.bytes_sent, bytes);
+  }
   if (ok && c->is_last && nreal == 0 && n > 0) { /* all destinations are dummies (§6.11 step 1) */
     pthread_mutex_lock(&ps->lock);
     if (!r->dead) rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
     pthread_mutex_unlock(&ps->lock);
-  }
-  if (ok) {
-    atomic_fetch_add(&m->stats.chunks_sent, 1);
-    atomic_fetch_add(&m->stats.bytes_sent, bytes);
   }
   pthread_mutex_lock(&ps->lock);
   for (size_t i = 0; i < n; i++) info_unref(infos[i]);
