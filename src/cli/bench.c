@@ -50,6 +50,7 @@ typedef struct bench_opts {
   int per_batch;
   int quick;         /* --quick: fewer rooms, for CI smoke runs */
   int room_pages;    /* --room-pages: one custom rooms case (with --inflight) */
+  uint64_t pool_bytes; /* --pool: engine cases' pool per side (and the baseline's) */
   uint64_t bytes;    /* per case */
   int inflight;      /* batches in flight */
   const char *plot;  /* --plot FILE.png */
@@ -192,9 +193,9 @@ static void engine_rig_stop(engine_rig *g) {
   memset(g, 0, sizeof *g);
 }
 
-static int engine_rig_start(engine_rig *g) {
+static int engine_rig_start(engine_rig *g, uint64_t pool_bytes) {
   memset(g, 0, sizeof *g);
-  g->pool_bytes = 256ull << 20;
+  g->pool_bytes = pool_bytes;
   if (engine_peer_start(&g->peer, g->pool_bytes, NULL)) return -1;
   g->peer_up = 1;
   g->pool = mmap(NULL, g->pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -211,11 +212,11 @@ static int engine_rig_start(engine_rig *g) {
 }
 
 static int bench_engine(const bench_opts *o) {
-  const uint64_t pool_bytes = 256ull << 20;
+  const uint64_t pool_bytes = o->pool_bytes;
   double base = bench_tcp_baseline(o->bytes, pool_bytes);
   double base_hot = bench_tcp_baseline(o->bytes, 1 << 20);
   engine_rig g;
-  if (engine_rig_start(&g)) return 1;
+  if (engine_rig_start(&g, pool_bytes)) return 1;
   kvf_engine *e = g.e;
   engine_peer *peer = &g.peer;
   unsigned char *pool = g.pool;
@@ -246,11 +247,14 @@ static int bench_engine(const bench_opts *o) {
     for (size_t i = 0; i < nc; i++)
       printf("%s{\"name\":\"%s\",\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f}", i ? "," : "",
              cases[i].name, cases[i].gbps, base, base > 0 ? cases[i].gbps / base : 0);
-    printf("],\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes through a 256 MiB pool\","
-           "\"baseline_hot_gbps\":%.3f}\n", base_hot);
+    printf("],\"pool_bytes\":%llu,\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes through a pool of "
+           "pool_bytes at both ends\","
+           "\"baseline_hot_gbps\":%.3f}\n", (unsigned long long)pool_bytes, base_hot);
   } else {
-    printf("baseline: plain TCP loopback, one stream, 1 MiB writes through a 256 MiB pool: %.2f GB/s\n"
-           "          (same, one cache-hot 1 MiB buffer at both ends: %.2f GB/s)\n", base, base_hot);
+    printf("baseline: plain TCP loopback, one stream, 1 MiB writes through a %llu MiB pool at both ends\n"
+           "          (the engine cases' footprint): %.2f GB/s\n"
+           "          (same, one cache-hot 1 MiB buffer at both ends: %.2f GB/s)\n",
+           (unsigned long long)(pool_bytes >> 20), base, base_hot);
     printf("%-30s %10s %10s %8s\n", "case", "GB/s", "base GB/s", "ratio");
     for (size_t i = 0; i < nc; i++)
       printf("%-30s %10.2f %10.2f %8.2f\n", cases[i].name, cases[i].gbps, base,
@@ -645,7 +649,7 @@ static int bench_plot(const bench_opts *o) {
   double base = bench_tcp_baseline(case_bytes, 1 << 20); /* the faster plain stream: cache-hot buffers */
   engine_rig g;
   FILE *f = NULL;
-  if (engine_rig_start(&g)) goto out;
+  if (engine_rig_start(&g, 256ull << 20)) goto out;
   snprintf(file, sizeof file, "%s/engine.dat", dir);
   if (!(f = fopen(file, "w"))) goto out_rig;
   fprintf(f, "# block_bytes gbps tcp_baseline_gbps\n");
@@ -726,15 +730,18 @@ static void usage(void) {
          "                     (no benchmark named: all three; --json then prints one object)\n"
          "                     [--block SIZE --per-batch N]   (one custom engine case)\n"
          "                     [--room-pages N --inflight M]  (one custom rooms case)\n"
+         "                     [--pool SIZE]  engine: pool per side, also the baseline's (default 256M)\n"
          "       kvferry bench --plot FILE.png [--quick]        (needs gnuplot)\n");
 }
 
 int cli_bench(int argc, char **argv) {
-  bench_opts o = {.json = 0, .bytes = 2ull << 30, .inflight = 4, .block = 0, .per_batch = 16};
+  bench_opts o = {.json = 0, .bytes = 2ull << 30, .inflight = 4, .block = 0, .per_batch = 16,
+                  .pool_bytes = 256ull << 20};
   static const struct option opts[] = {{"json", no_argument, 0, 'j'},
                                        {"bytes", required_argument, 0, 'b'},
                                        {"inflight", required_argument, 0, 'i'},
                                        {"block", required_argument, 0, 'B'},
+                                       {"pool", required_argument, 0, 'M'},
                                        {"quick", no_argument, 0, 'q'},
                                        {"room-pages", required_argument, 0, 'R'},
                                        {"per-batch", required_argument, 0, 'P'},
@@ -743,8 +750,12 @@ int cli_bench(int argc, char **argv) {
                                        {0, 0, 0, 0}};
   int c;
   unsigned long long v;
-  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:M:h", opts, NULL)) != -1) {
     switch (c) {
+      case 'M':
+        if (cli_parse_size(optarg, &v) || v < (2u << 20) || v > (4ull << 30)) return usage(), 2;
+        o.pool_bytes = v;
+        break;
       case 'R':
         o.room_pages = atoi(optarg);
         if (o.room_pages < 1 || o.room_pages > 4096) return usage(), 2;
