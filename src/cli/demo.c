@@ -8,7 +8,12 @@
  * the first token and the candidates. A progress bar runs on a terminal; a
  * summary table ends the run. Any failure or mismatch is reported with its
  * reason and the exit status is 1. `--corrupt` flips one byte of one landed
- * page on the decode side to show that the ordinary check catches it. */
+ * page on the decode side to show that the ordinary check catches it.
+ * --prefill-tp P / --decode-tp D run P prefill ranks (in the kv-peer) and D
+ * decode ranks (in the kv-decode), each holding its slice of the KV heads in
+ * head-aware token-major pages: every (token, head) of every decode rank is
+ * checked against the pattern of its global token and head, so a head slice
+ * from the wrong prefill rank or token shows up (heterogeneous TP). */
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -60,6 +65,7 @@ static void usage(FILE *f) {
           "Starts a bootstrap server, a prefill and a decode instance as processes on 127.0.0.1\n"
           "with model-shaped KV pools (--pool-gib per side; default: room for one request of\n--max-tokens, 1 GiB for llama-3.1-8b), moves the KV of --requests requests\n"
           "(prompts of 128..--max-tokens tokens, log-uniform) and verifies every byte.\n"
+          "  --prefill-tp/--decode-tp  TP ranks on each side; each divides the 8 KV heads\n"
           "  --short    a few small requests (CI): 6 requests, up to 1024 tokens, 0.25 GiB pools\n"
           "  --corrupt  flip one byte of one landed page before the check: the demo must catch it\n"
           "             and exit 1\n"
@@ -142,12 +148,12 @@ int cli_demo(int argc, char **argv) {
     return 2;
   }
   if (md->mla) {
-    fprintf(stderr, "demo: %s keeps an MLA latent cache; the demo's pools are MHA only: it needs MLA support "
-                    "(issue 5)\n", md->name);
+    fprintf(stderr, "demo: %s preset not implemented yet (its MLA latent cache)\n", md->name);
     return 2;
   }
-  if (prefill_tp != 1 || decode_tp != 1) {
-    fprintf(stderr, "demo: --prefill-tp/--decode-tp other than 1: heterogeneous TP arrives with issue 5\n");
+  if (prefill_tp < 1 || decode_tp < 1 || md->kv_heads % prefill_tp || md->kv_heads % decode_tp) {
+    fprintf(stderr, "demo: --prefill-tp/--decode-tp must divide the %d KV heads of %s (1, 2, 4 or 8)\n",
+            md->kv_heads, md->name);
     return 2;
   }
   if (strcmp(transport, "tcp")) {
@@ -161,7 +167,9 @@ int cli_demo(int argc, char **argv) {
     return 2;
   }
 
-  const uint64_t item = (uint64_t)md->page_tokens * md->kv_heads * md->head_dim * md->dtype_bytes;
+  /* One head of one token; each rank's pages hold its heads, token-major. */
+  const uint64_t unit = (uint64_t)md->head_dim * md->dtype_bytes;
+  const uint64_t item = (uint64_t)md->page_tokens * md->kv_heads * unit;
   const uint64_t page_bytes = item * 2 * (uint64_t)md->layers; /* one page across every buffer */
   /* --inflight defaults to 2: on a 2-core machine more requests in flight
    * only make the pattern fill and check compete with the transfers. */
@@ -212,9 +220,13 @@ int cli_demo(int argc, char **argv) {
   printf("  pools: %llu pages (%llu tokens, %.2f GiB) per side; up to %d requests in flight; transport %s\n",
          (unsigned long long)pool_pages, (unsigned long long)pool_pages * md->page_tokens,
          pool_pages * page_bytes / (double)(1ull << 30), inflight, transport);
+  printf("  TP: prefill %d rank(s) x %d KV heads, decode %d rank(s) x %d KV heads; every (token, head) checked\n",
+         prefill_tp, md->kv_heads / prefill_tp, decode_tp, md->kv_heads / decode_tp);
   printf("  starting the bootstrap server, the prefill and the decode process (faulting in the pools)...\n");
   fflush(stdout);
-  if (pd_start(&pp, md->layers, item, pool_pages, err, sizeof err)) {
+  pd_layout lo = {.layers = md->layers, .item = item, .pages = pool_pages, .prefill_tp = prefill_tp,
+                  .decode_tp = decode_tp, .page_size = md->page_tokens, .kv_heads = md->kv_heads, .unit = unit};
+  if (pd_start_layout(&pp, &lo, err, sizeof err)) {
     fprintf(stderr, "demo: %s\n", err);
     goto out_free;
   }
@@ -261,7 +273,8 @@ int cli_demo(int argc, char **argv) {
         fprintf(stderr, "demo: request %d (%zu tokens, %zu pages): FAILED: %s%s", i, tokens[i], r->npages,
                 r->bad_pages ? "MISMATCH, " : "", *r->reason ? r->reason : "failed without a reason");
         if (r->bad_pages)
-          fprintf(stderr, " (%zu of %zu pages x buffers differ)", r->bad_pages, r->npages * 2 * (size_t)md->layers);
+          fprintf(stderr, " (%zu of %zu pages x buffers x decode ranks differ)", r->bad_pages,
+                  r->npages * 2 * (size_t)md->layers * (size_t)decode_tp);
         fputc('\n', stderr);
         continue;
       }

@@ -1,23 +1,28 @@
-/* `kvferry kv-decode`: a decode instance in one process (one decode rank: a
- * KV manager with its own engine and model-shaped pool), the counterpart of
+/* `kvferry kv-decode`: a decode instance in one process (--world D decode
+ * ranks, each a KV manager with its own engine and model-shaped pool; with
+ * --heads the pools are head-aware and rank d holds global KV heads
+ * d*heads .., or with --mla the one replicated latent), the counterpart of
  * `kvferry kv-peer` for the demo and the end-to-end benchmark, which then
  * run prefill and decode as separate processes the way a deployment does.
  * It prints
  *   ready <engine-session>
  * and takes commands on stdin:
  *   recv <room> <npages> <seed> <token> [corrupt]
- *       creates the receiver against the --bootstrap server, takes npages
- *       scattered pages and sends its M2 (kvf_receiver_init); once the room
- *       is final it checks the token, the candidates (token+1, token+2) and
- *       every byte of every page against the request's pattern. `corrupt`
- *       flips one byte of one landed page before the check, to show that the
+ *       creates a receiver on every decode rank against the --bootstrap
+ *       server, each takes npages scattered pages of its pool and sends its
+ *       M2 (kvf_receiver_init); once the room is final on every rank it
+ *       checks each rank's token, candidates (token+1, token+2) and every
+ *       byte of every page (head-aware: every (token, head) unit) against the
+ *       request's pattern. `corrupt` flips one byte of one landed page of the
+ *       last rank before the check, to show that the
  *       check catches it. Seed 0 skips the byte check (benchmarks).
  *   quit
  * and reports each request once it is final and checked:
  *   done <room> <poll-status> <bad-pages> <t-init-ns> <t-final-ns> <reason or ->
  * with CLOCK_MONOTONIC times (comparable across processes on one host) of
- * the init call and of the poll that first saw the final status. bad-pages
- * counts (page, buffer) pairs that differ. It exits on EOF of stdin. */
+ * the last rank's init call and of the poll that first saw every rank final
+ * (Failed as soon as one rank is). bad-pages counts (rank, page, buffer)
+ * triples that differ. It exits on EOF of stdin. */
 #include <getopt.h>
 #include <poll.h>
 #include <stdio.h>
@@ -32,13 +37,20 @@
 #include "pattern.h"
 
 #define DEC_MAX_REQS 1024
+#define DEC_MAX_RANKS 64
+
+/* One decode rank: its manager and its pool. */
+typedef struct dec_rank {
+  kvf_manager *m;
+  kvpool pool;
+} dec_rank;
 
 typedef struct dec_req {
   int active, corrupt;
   int64_t room, token;
   uint64_t seed;
-  kvf_receiver *rx;
-  int64_t *pages;
+  kvf_receiver *rx[DEC_MAX_RANKS]; /* one per decode rank */
+  int64_t *pages[DEC_MAX_RANKS];
   size_t npages;
   long long t_init_ns;
 } dec_req;
@@ -49,125 +61,183 @@ static long long now_ns(void) {
   return ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* Count the (page, buffer) pairs that do not hold their pattern; describe the
- * first in `why`. kvpool_check only counts, and a user wants to know where. */
-static size_t check_pages(kvpool *pool, dec_req *r, char *why, size_t cap) {
+/* Count the (rank, page, buffer) triples that do not hold their pattern
+ * (for a head-aware pool: any unit (token, head) of it); describe the first
+ * in `why`. kvpool_check only counts, and a user wants to know where. */
+static size_t check_pages(kvpool *pool, int rank, const int64_t *pages, dec_req *r, char *why, size_t cap) {
   size_t bad = 0;
   for (size_t b = 0; b < pool->nbuf; b++)
     for (size_t k = 0; k < r->npages; k++) {
-      const char *p = (const char *)pool->ptrs[b] + r->pages[k] * pool->item_len;
-      if (pattern_check(p, pool->item_len, r->seed, kvpool_label(r->room, k, b))) continue;
-      if (!bad++)
-        snprintf(why, cap, "byte-mismatch:request-page-%zu(pool-page-%lld),layer-%zu-%s", k,
-                 (long long)r->pages[k], b % pool->layers, b < pool->layers ? "K" : "V");
+      const char *p = (const char *)pool->ptrs[b] + pages[k] * pool->item_len;
+      const char *kind = pool->nbuf == pool->layers ? "latent" : b < pool->layers ? "K" : "V";
+      if (!pool->heads) {
+        if (pattern_check(p, pool->item_len, r->seed, kvpool_label(r->room, k, b))) continue;
+        if (!bad++)
+          snprintf(why, cap, "byte-mismatch:rank-%d,request-page-%zu(pool-page-%lld),layer-%zu-%s", rank, k,
+                   (long long)pages[k], b % pool->layers, kind);
+        continue;
+      }
+      int page_bad = 0;
+      for (size_t t = 0; t < pool->page_size; t++)
+        for (size_t j = 0; j < pool->heads; j++) {
+          uint64_t tok = k * pool->page_size + t, h = pool->head0 + j;
+          if (pattern_check(p + (t * pool->heads + j) * pool->unit, pool->unit, r->seed,
+                            kvpool_unit_label(r->room, tok, h, b)))
+            continue;
+          if (!bad && !page_bad)
+            snprintf(why, cap, "byte-mismatch:rank-%d,request-page-%zu(pool-page-%lld),token-%llu,head-%llu,layer-%zu-%s",
+                     rank, k, (long long)pages[k], (unsigned long long)tok, (unsigned long long)h, b % pool->layers,
+                     kind);
+          page_bad = 1;
+        }
+      bad += (size_t)page_bad;
     }
   return bad;
 }
 
-static void finish(kvf_manager *m, kvpool *pool, dec_req *r, int st, long long t_final) {
+static void finish(dec_rank *rk, int nranks, dec_req *r, int st, long long t_final) {
   char why[256] = "";
   size_t bad = 0;
   if (st == KVF_POLL_SUCCESS) {
-    int64_t tok = -1;
-    int32_t cands[8];
-    size_t nc = 0;
-    kvf_receiver_pop_metadata(r->rx, &tok, cands, 8, &nc);
-    /* Bytes landed from the engine's threads: order them before reading. */
-    kvf_engine_sync(kvf_manager_engine(m));
-    if (r->corrupt && r->npages) {
-      /* One byte in the middle of one page of one V buffer, as a torn or
-       * misdirected write would leave it; the normal check must find it. */
-      size_t b = pool->nbuf - 1, k = r->npages / 2;
-      ((unsigned char *)pool->ptrs[b])[r->pages[k] * pool->item_len + pool->item_len / 2] ^= 0x40;
+    for (int d = 0; d < nranks; d++) {
+      int64_t tok = -1;
+      int32_t cands[8];
+      size_t nc = 0;
+      kvpool *pool = &rk[d].pool;
+      kvf_receiver_pop_metadata(r->rx[d], &tok, cands, 8, &nc);
+      /* Bytes landed from the engine's threads: order them before reading. */
+      kvf_engine_sync(kvf_manager_engine(rk[d].m));
+      if (r->corrupt && r->npages && d == nranks - 1) {
+        /* One byte in the middle of one page of the last buffer of the last
+         * rank, as a torn or misdirected write would leave it; the normal
+         * check must find it. */
+        size_t b = pool->nbuf - 1, k = r->npages / 2;
+        ((unsigned char *)pool->ptrs[b])[r->pages[d][k] * pool->item_len + pool->item_len / 2] ^= 0x40;
+      }
+      if (r->seed) bad += check_pages(pool, d, r->pages[d], r, why + strlen(why), sizeof why - strlen(why));
+      if (!*why && (tok != r->token || nc != 2 || cands[0] != r->token + 1 || cands[1] != r->token + 2))
+        snprintf(why, sizeof why, "metadata-mismatch:rank-%d,token-%lld-want-%lld,candidates-%zu", d,
+                 (long long)tok, (long long)r->token, nc);
     }
-    if (r->seed) bad = check_pages(pool, r, why, sizeof why);
-    if (!*why && (tok != r->token || nc != 2 || cands[0] != r->token + 1 || cands[1] != r->token + 2))
-      snprintf(why, sizeof why, "metadata-mismatch:token-%lld-want-%lld,candidates-%zu", (long long)tok,
-               (long long)r->token, nc);
   } else {
-    kvf_receiver_failure(r->rx, why, sizeof why);
+    for (int d = 0; d < nranks && !*why; d++)
+      if (kvf_receiver_poll(r->rx[d]) == KVF_POLL_FAILED) kvf_receiver_failure(r->rx[d], why, sizeof why);
     for (char *p = why; *p; p++)
       if (*p == '\n' || *p == ' ') *p = '_';
   }
   printf("done %lld %d %zu %lld %lld %s\n", (long long)r->room, st, bad, r->t_init_ns, t_final, *why ? why : "-");
   fflush(stdout);
-  kvf_receiver_destroy(r->rx);
-  kvpool_give(pool, r->pages, r->npages);
-  free(r->pages);
+  for (int d = 0; d < nranks; d++) {
+    kvf_receiver_destroy(r->rx[d]);
+    if (r->pages[d]) kvpool_give(&rk[d].pool, r->pages[d], r->npages);
+    free(r->pages[d]);
+  }
   memset(r, 0, sizeof *r);
 }
 
-static void start(kvf_manager *m, kvpool *pool, const char *baddr, dec_req *r, uint64_t *rng) {
+/* A receiver on every decode rank for the room, each with its own pages. */
+static void start(dec_rank *rk, int nranks, const char *baddr, dec_req *r, uint64_t *rng) {
   const char *why = NULL;
-  r->pages = malloc((r->npages ? r->npages : 1) * sizeof *r->pages);
-  if (!r->pages || kvpool_take(pool, r->npages, rng, r->pages)) {
-    free(r->pages);
-    r->pages = NULL;
-    why = "no-free-pages";
-  } else if (kvf_receiver_create(m, baddr, r->room, &r->rx)) {
-    kvpool_give(pool, r->pages, r->npages);
-    free(r->pages);
-    why = "cannot-create-receiver";
-  } else {
-    r->t_init_ns = now_ns();
-    if (kvf_receiver_init(r->rx, r->pages, r->npages, 0, 0, NULL, 0)) why = "cannot-init";
+  for (int d = 0; d < nranks && !why; d++) {
+    r->pages[d] = malloc((r->npages ? r->npages : 1) * sizeof *r->pages[d]);
+    if (!r->pages[d] || kvpool_take(&rk[d].pool, r->npages, rng, r->pages[d])) {
+      free(r->pages[d]);
+      r->pages[d] = NULL;
+      why = "no-free-pages";
+    } else if (kvf_receiver_create(rk[d].m, baddr, r->room, &r->rx[d])) {
+      r->rx[d] = NULL;
+      why = "cannot-create-receiver";
+    }
+  }
+  if (!why) {
     r->active = 1;
+    for (int d = 0; d < nranks && !why; d++) {
+      r->t_init_ns = now_ns(); /* the last rank's M2: the decode is ready then */
+      if (kvf_receiver_init(r->rx[d], r->pages[d], r->npages, 0, 0, NULL, 0)) why = "cannot-init";
+    }
     if (!why) return;
-    finish(m, pool, r, KVF_POLL_FAILED, now_ns());
+    finish(rk, nranks, r, KVF_POLL_FAILED, now_ns());
     return;
   }
   printf("done %lld 0 0 0 0 %s\n", (long long)r->room, why);
   fflush(stdout);
+  for (int d = 0; d < nranks; d++) {
+    kvf_receiver_destroy(r->rx[d]);
+    if (r->pages[d]) kvpool_give(&rk[d].pool, r->pages[d], r->npages);
+    free(r->pages[d]);
+  }
   memset(r, 0, sizeof *r);
 }
 
 int cli_kv_decode(int argc, char **argv) {
-  int layers = 2;
-  unsigned long long item = 4096, pages = 4096;
+  int layers = 2, world = 1, page_size = 1, heads = 0, mla = 0;
+  unsigned long long item = 4096, pages = 4096, unit = 256;
   const char *host = "127.0.0.1", *baddr = NULL;
   static const struct option opts[] = {{"layers", required_argument, 0, 'l'},  {"item", required_argument, 0, 'i'},
                                        {"pages", required_argument, 0, 'p'},   {"host", required_argument, 0, 'H'},
-                                       {"bootstrap", required_argument, 0, 'b'}, {"help", no_argument, 0, 'h'},
-                                       {0, 0, 0, 0}};
+                                       {"bootstrap", required_argument, 0, 'b'}, {"world", required_argument, 0, 'w'},
+                                       {"page-size", required_argument, 0, 'P'}, {"heads", required_argument, 0, 'E'},
+                                       {"unit", required_argument, 0, 'U'},     {"mla", no_argument, 0, 'M'},
+                                       {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "l:i:p:H:b:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "l:i:p:H:b:w:P:E:U:Mh", opts, NULL)) != -1) {
     switch (c) {
       case 'l': layers = atoi(optarg); break;
       case 'i': if (cli_parse_size(optarg, &item)) return 2; break;
       case 'p': if (cli_parse_size(optarg, &pages)) return 2; break;
       case 'H': host = optarg; break;
       case 'b': baddr = optarg; break;
+      case 'w': world = atoi(optarg); break;
+      case 'P': page_size = atoi(optarg); break;
+      case 'E': heads = atoi(optarg); break;
+      case 'U': if (cli_parse_size(optarg, &unit)) return 2; break;
+      case 'M': mla = 1; break;
       case 'h':
         printf("usage: kvferry kv-decode --bootstrap HOST:PORT [--layers 2] [--item 4096] [--pages 4096]\n"
-               "                         [--host 127.0.0.1]\n");
+               "                         [--host 127.0.0.1] [--world 1]\n"
+               "                         [--heads H --unit 256 --page-size 1 [--mla]]\n"
+               "  --world D  D decode ranks in this process (TP D), each a manager with its own pool\n"
+               "  --heads H  head-aware pools: rank d holds global KV heads d*H .. d*H+H-1 (--mla: the\n"
+               "             one replicated latent, head 0, legacy MLA routing), page-size tokens a page\n");
         return 0;
       default: return 2;
     }
   }
-  if (!baddr || layers < 1 || !item || !pages) {
+  if (!baddr || layers < 1 || !item || !pages || world < 1 || world > DEC_MAX_RANKS || page_size < 1 ||
+      heads < 0 || (heads && !unit)) {
     fprintf(stderr, "kv-decode: --bootstrap HOST:PORT and a non-empty layout are required\n");
     return 2;
   }
-  int rc = 1;
-  kvpool pool;
-  kvf_manager *m = NULL;
+  int rc = 1, nranks = 0;
+  dec_rank *rk = calloc((size_t)world, sizeof *rk);
   dec_req *reqs = calloc(DEC_MAX_REQS, sizeof *reqs);
-  if (!reqs) goto out;
-  if (kvpool_init(&pool, (size_t)layers, pages, item)) {
-    fprintf(stderr, "kv-decode: cannot allocate a pool of %llu pages x %d buffers x %llu B\n", pages, 2 * layers,
-            item);
-    goto out_reqs;
+  if (!reqs || !rk) goto out;
+  for (int d = 0; d < world; d++) {
+    kvpool *pool = &rk[d].pool;
+    int prc = heads ? kvpool_init_heads(pool, (size_t)layers, pages, (size_t)page_size, (size_t)heads,
+                                        mla ? 0 : (size_t)d * (size_t)heads, unit)
+                    : kvpool_init(pool, (size_t)layers, pages, item);
+    if (prc) {
+      fprintf(stderr, "kv-decode: cannot allocate a pool of %llu pages x %d buffers x %llu B\n", pages, 2 * layers,
+              heads ? (unsigned long long)page_size * (unsigned long long)heads * unit : item);
+      goto out;
+    }
+    nranks = d + 1;
+    kvf_manager_config mc;
+    kvf_manager_config_init(&mc);
+    mc.role = KVF_ROLE_DECODE;
+    mc.host = host;
+    mc.engine_rank = d;
+    mc.world_size = world;
+    mc.page_size = page_size;
+    mc.is_mla = mla;
+    int err = kvf_manager_create(&mc, &pool->bufs, &rk[d].m);
+    if (err) {
+      fprintf(stderr, "kv-decode: decode rank %d: %s\n", d, kvf_strerror(err));
+      goto out;
+    }
   }
-  kvf_manager_config mc;
-  kvf_manager_config_init(&mc);
-  mc.role = KVF_ROLE_DECODE;
-  mc.host = host;
-  int err = kvf_manager_create(&mc, &pool.bufs, &m);
-  if (err) {
-    fprintf(stderr, "kv-decode: %s\n", kvf_strerror(err));
-    goto out_pool;
-  }
-  printf("ready %s\n", kvf_manager_session_id(m));
+  printf("ready %s\n", kvf_manager_session_id(rk[0].m));
   fflush(stdout);
   uint64_t rng = 0x9E3779B97F4A7C15ULL;
   char line[512];
@@ -198,7 +268,7 @@ int cli_kv_decode(int argc, char **argv) {
           } else {
             *r = (dec_req){.room = room, .npages = (size_t)np, .seed = seed, .token = token,
                            .corrupt = !strcmp(extra, "corrupt")};
-            start(m, &pool, baddr, r, &rng);
+            start(rk, nranks, baddr, r, &rng);
           }
         } else {
           printf("error bad command\n");
@@ -210,35 +280,41 @@ int cli_kv_decode(int argc, char **argv) {
       }
       if (llen == sizeof line - 1) llen = 0; /* an overlong line is dropped */
     }
-    /* Stamp every room that is final before checking any: a check of a
-     * large request takes a while and must not delay the others' stamps. */
-    int st[DEC_MAX_REQS];
+    /* Stamp every room that is final on every rank before checking any: a
+     * check of a large request takes a while and must not delay the others'
+     * stamps. A room is Failed as soon as one rank is, Success once all are. */
+    static int st[DEC_MAX_REQS];
     nactive = 0;
     for (int i = 0; i < DEC_MAX_REQS; i++) {
       st[i] = -1;
       if (!reqs[i].active) continue;
-      st[i] = kvf_receiver_poll(reqs[i].rx);
+      int all = KVF_POLL_SUCCESS;
+      for (int d = 0; d < nranks; d++) {
+        int s = kvf_receiver_poll(reqs[i].rx[d]);
+        if (s < all) all = s;
+      }
+      st[i] = all;
       nactive++;
     }
     long long t = now_ns();
     for (int i = 0; i < DEC_MAX_REQS; i++)
       if (st[i] == KVF_POLL_SUCCESS || st[i] == KVF_POLL_FAILED) {
-        finish(m, &pool, &reqs[i], st[i], t);
+        finish(rk, nranks, &reqs[i], st[i], t);
         nactive--;
       }
     if (nactive) usleep(50);
   }
   rc = 0;
-  for (int i = 0; i < DEC_MAX_REQS; i++)
-    if (reqs[i].active) {
-      kvf_receiver_destroy(reqs[i].rx);
-      free(reqs[i].pages);
-    }
-  kvf_manager_destroy(m);
-out_pool:
-  kvpool_free(&pool);
-out_reqs:
-  free(reqs);
 out:
+  for (int i = 0; reqs && i < DEC_MAX_REQS; i++)
+    if (reqs[i].active)
+      for (int d = 0; d < nranks; d++) {
+        kvf_receiver_destroy(reqs[i].rx[d]);
+        free(reqs[i].pages[d]);
+      }
+  for (int d = 0; d < nranks; d++) kvf_manager_destroy(rk[d].m);
+  for (int d = 0; rk && d < world; d++) kvpool_free(&rk[d].pool);
+  free(rk);
+  free(reqs);
   return rc;
 }

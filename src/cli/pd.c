@@ -22,11 +22,24 @@ static long long now_ms(void) {
 }
 
 int pd_start(pd_pair *pp, int layers, uint64_t item, uint64_t pages, char *err, size_t cap) {
+  pd_layout lo = {.layers = layers, .item = item, .pages = pages, .prefill_tp = 1, .decode_tp = 1};
+  return pd_start_layout(pp, &lo, err, cap);
+}
+
+int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
   memset(pp, 0, sizeof *pp);
   char *exe = (char *)cli_exe(), line[400], l[16], it[32], pg[32];
-  snprintf(l, sizeof l, "%d", layers);
-  snprintf(it, sizeof it, "%llu", (unsigned long long)item);
-  snprintf(pg, sizeof pg, "%llu", (unsigned long long)pages);
+  char pw[16], dw[16], ps[16], ph[16], dh[16], kh[16], un[32];
+  snprintf(l, sizeof l, "%d", lo->layers);
+  snprintf(it, sizeof it, "%llu", (unsigned long long)lo->item);
+  snprintf(pg, sizeof pg, "%llu", (unsigned long long)lo->pages);
+  snprintf(pw, sizeof pw, "%d", lo->prefill_tp);
+  snprintf(dw, sizeof dw, "%d", lo->decode_tp);
+  snprintf(ps, sizeof ps, "%d", lo->page_size);
+  snprintf(ph, sizeof ph, "%d", lo->mla ? 1 : lo->kv_heads / lo->prefill_tp);
+  snprintf(dh, sizeof dh, "%d", lo->mla ? 1 : lo->kv_heads / lo->decode_tp);
+  snprintf(kh, sizeof kh, "%d", lo->mla ? 1 : lo->kv_heads);
+  snprintf(un, sizeof un, "%llu", (unsigned long long)lo->unit);
   char *bargv[] = {exe, "bootstrap", "--port", "0", "--host", "127.0.0.1", NULL};
   if (proc_start(&pp->boot, bargv)) {
     snprintf(err, cap, "cannot start %s bootstrap", exe);
@@ -38,8 +51,16 @@ int pd_start(pd_pair *pp, int layers, uint64_t item, uint64_t pages, char *err, 
     snprintf(err, cap, "the bootstrap server did not start");
     goto err;
   }
-  char *pargv[] = {exe, "kv-peer", "--bootstrap", pp->baddr, "--layers", l, "--item", it, "--pages", pg, NULL};
-  char *dargv[] = {exe, "kv-decode", "--bootstrap", pp->baddr, "--layers", l, "--item", it, "--pages", pg, NULL};
+  char *pargv[24] = {exe, "kv-peer", "--bootstrap", pp->baddr, "--layers", l, "--item", it, "--pages", pg,
+                     "--world", pw, NULL};
+  char *dargv[24] = {exe, "kv-decode", "--bootstrap", pp->baddr, "--layers", l, "--item", it, "--pages", pg,
+                     "--world", dw, NULL};
+  if (lo->kv_heads) {
+    char *pa[] = {"--page-size", ps, "--heads", ph, "--kv-heads", kh, "--unit", un, NULL};
+    char *da[] = {"--page-size", ps, "--heads", dh, "--unit", un, lo->mla ? "--mla" : NULL, NULL};
+    memcpy(pargv + 12, pa, sizeof pa);
+    memcpy(dargv + 12, da, sizeof da);
+  }
   /* Both fault in their pools at start: let them do it at the same time. */
   if (proc_start(&pp->prefill, pargv)) {
     snprintf(err, cap, "cannot start the prefill process");
@@ -52,11 +73,11 @@ int pd_start(pd_pair *pp, int layers, uint64_t item, uint64_t pages, char *err, 
   }
   pp->up |= 4;
   if (proc_read_line(&pp->prefill, line, sizeof line, 60000) || strncmp(line, "ready ", 6)) {
-    snprintf(err, cap, "the prefill process did not start (pool of %s pages x %d buffers x %s B)", pg, 2 * layers, it);
+    snprintf(err, cap, "the prefill process did not start (pool of %s pages x %d buffers)", pg, 2 * lo->layers);
     goto err;
   }
   if (proc_read_line(&pp->decode, line, sizeof line, 60000) || strncmp(line, "ready ", 6)) {
-    snprintf(err, cap, "the decode process did not start (pool of %s pages x %d buffers x %s B)", pg, 2 * layers, it);
+    snprintf(err, cap, "the decode process did not start (pool of %s pages x %d buffers)", pg, 2 * lo->layers);
     goto err;
   }
   return 0;

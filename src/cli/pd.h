@@ -30,9 +30,26 @@ typedef struct pd_req {
   char reason[256]; /* first failure reason, empty if none */
 } pd_req;
 
-/* Start the three processes with pools of `pages` pages x 2*layers buffers x
- * item bytes on each side. On failure writes why into err and stops what
- * started. 0 or -1. */
+/* The pools' shape. kv_heads 0: plain pools of `pages` pages x 2*layers
+ * buffers x item bytes per rank, checked per page. Otherwise head-aware pools
+ * (kvpool_init_heads): page_size tokens a page, token-major, `unit` bytes per
+ * head per token; each prefill rank holds kv_heads / prefill_tp heads, each
+ * decode rank kv_heads / decode_tp, and the decode checks every (token, head)
+ * of every rank; mla: one latent "head" replicated on every rank of both
+ * sides (kv_heads 1), the decode with the legacy MLA routing. */
+typedef struct pd_layout {
+  int layers;
+  uint64_t item, pages;
+  int prefill_tp, decode_tp;
+  int page_size, kv_heads, mla;
+  uint64_t unit;
+} pd_layout;
+
+/* Start the three processes (the prefill hosting prefill_tp ranks, the decode
+ * decode_tp ranks). On failure writes why into err and stops what started.
+ * 0 or -1. */
+int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap);
+/* Plain pools, TP 1 on both sides. */
 int pd_start(pd_pair *pp, int layers, uint64_t item, uint64_t pages, char *err, size_t cap);
 void pd_stop(pd_pair *pp);
 /* Ask the decode for the pages (M2), then the prefill to send them. */

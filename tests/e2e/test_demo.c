@@ -2,7 +2,8 @@
  * summary that counts every request and no failure, and a deliberately
  * corrupted page (--corrupt: one byte of one landed page flipped before the
  * decode's ordinary byte check) makes it exit non-zero and name the
- * mismatch. The demo starts its own bootstrap, prefill and decode processes
+ * mismatch; heterogeneous TP (2 -> 1, 1 -> 2) verifies every (token, head)
+ * on every decode rank. The demo starts its own bootstrap, prefill and decode processes
  * on 127.0.0.1. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -59,19 +60,44 @@ static void corrupted_page_is_caught_and_named(void **state) {
   assert_non_null(strstr(out, "demo FAILED"));
 }
 
+/* Heterogeneous TP: the prefill's ranks and the decode's ranks hold
+ * different head slices; every (token, head) on every decode rank must carry
+ * the pattern of its global token and head. */
+static void short_demo_prefill_tp2_decode_tp1(void **state) {
+  (void)state;
+  static char out[65536];
+  assert_int_equal(run_demo("--short --prefill-tp 2 --decode-tp 1", out, sizeof out), 0);
+  assert_int_equal(summary_value(out, "requests"), 6);
+  assert_int_equal(summary_value(out, "failures"), 0);
+  assert_non_null(strstr(out, "prefill (TP 2)"));
+  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+}
+
+static void short_demo_prefill_tp1_decode_tp2(void **state) {
+  (void)state;
+  static char out[65536];
+  assert_int_equal(run_demo("--short --prefill-tp 1 --decode-tp 2", out, sizeof out), 0);
+  assert_int_equal(summary_value(out, "requests"), 6);
+  assert_int_equal(summary_value(out, "failures"), 0);
+  assert_non_null(strstr(out, "decode (TP 2)"));
+  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+}
+
 static void unsupported_options_say_why(void **state) {
   (void)state;
   static char out[4096];
   assert_int_equal(run_demo("--model deepseek-v3", out, sizeof out), 2);
-  assert_non_null(strstr(out, "MLA"));
-  assert_int_equal(run_demo("--prefill-tp 2", out, sizeof out), 2);
-  assert_non_null(strstr(out, "heterogeneous TP"));
+  assert_non_null(strstr(out, "deepseek-v3 preset not implemented yet"));
+  assert_int_equal(run_demo("--prefill-tp 3", out, sizeof out), 2);
+  assert_non_null(strstr(out, "must divide the 8 KV heads"));
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(short_demo_verifies_every_request),
       cmocka_unit_test(corrupted_page_is_caught_and_named),
+      cmocka_unit_test(short_demo_prefill_tp2_decode_tp1),
+      cmocka_unit_test(short_demo_prefill_tp1_decode_tp2),
       cmocka_unit_test(unsupported_options_say_why),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
