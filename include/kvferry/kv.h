@@ -135,6 +135,31 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out);
 int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux_index,
                     int64_t bootstrap_token, const int32_t *cands, size_t ncand,
                     const int64_t *state_slots, size_t nstate);
+/* Layerwise send (PROTOCOL §6.9, the reference's send_layerwise): submit the
+ * KV of layer indices [layer_begin, layer_end) only, for `npages` prefill
+ * pages. index_begin is the position of pages[0] in the decode's
+ * destination page list, i.e. already after the decode's prefix (§6.9
+ * index_slice = [start - pp, end - pp)): unlike kvf_sender_send, no
+ * decode_prefix_len pages are skipped here, the caller has done it. The
+ * sender's running index becomes max(current, index_begin + npages); do not
+ * mix this call with kvf_sender_send in one room.
+ *
+ * Call it as each layer group's KV is written: kvferry has no device step
+ * counter (§6.10), the readiness wait is the caller's, so the library never
+ * waits on the device (§8 item 2). The same pages may be sent once per layer
+ * group. A non-last chunk with no pages or no layers is skipped (§6.2) and
+ * returns 0. The chunk with is_last set ends the room: it carries the
+ * aux index, first token (-1 none), speculative ids and state slots (state
+ * buffers go with it), and Success and the decode's M3 come only after it
+ * landed; a room's chunks are written in submission order, so every earlier
+ * layer group has landed by then. A last chunk may have an empty layer
+ * range. KVF_EINVAL if layer_begin > layer_end or layer_end exceeds the KV
+ * layer count; KVF_ETOOBIG for lists (or index_begin) past the wire limits;
+ * KVF_ESTATE after the last chunk. */
+int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, size_t index_begin,
+                           size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
+                           int64_t bootstrap_token, const int32_t *cands, size_t ncand,
+                           const int64_t *state_slots, size_t nstate);
 int kvf_sender_poll(kvf_sender *s);
 void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap);
 /* Fail the room with `reason` and tell every known decode destination. */

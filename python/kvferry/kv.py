@@ -31,7 +31,26 @@ from ._lib import (
     lib,
     to_bytes,
 )
+from . import _lib
 from .engine import TransferEngine
+
+# kvf_sender_send_layers is bound here (the shared prototype table in
+# _lib.py predates it), the same way: argtypes set, or a stand-in that
+# explains when the loaded library lacks the symbol.
+def _bind_send_layers():
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    try:
+        fn = getattr(_lib._cdll, "kvf_sender_send_layers")
+    except AttributeError:
+        return _lib._Missing("kvf_sender_send_layers", _lib.LIB_PATH)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, i64p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
+                   ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
+                   i64p, ctypes.c_size_t]
+    return fn
+
+
+_kvf_sender_send_layers = _bind_send_layers()
 
 _REASON_CAP = 1024
 _CANDS_CAP = 4096
@@ -396,6 +415,31 @@ class KVSender(_Handle):
                                   -1 if bootstrap_token is None else int(bootstrap_token),
                                   _ptr(cands, ctypes.c_int32), ncand, _ptr(states, ctypes.c_int64), nstate),
               f"send for room {self.bootstrap_room}")
+
+    def send_layers(self, page_indices, index_begin, layer_begin, layer_end, is_last=False, *, aux_index=None,
+                    bootstrap_token=-1, spec_candidate_ids=None, state_indices=None):
+        """Layerwise chunk (kvf_sender_send_layers, tokenspeed's send_layerwise):
+        the KV of layers [layer_begin, layer_end) for these prefill pages,
+        written onto the decode's destination pages from index_begin on (an
+        index after the decode's prefix; nothing is skipped here). Call it as
+        each layer group's KV is ready; an empty non-last chunk is skipped. The
+        is_last chunk carries the first token, speculative ids and state slots,
+        and only after it lands is the room Success."""
+        pages, npages = _i64(page_indices)
+        states, nstate = _i64(state_indices)
+        cands = None
+        if spec_candidate_ids is not None:
+            c = spec_candidate_ids.tolist() if hasattr(spec_candidate_ids, "tolist") else spec_candidate_ids
+            cands = array("i", c)
+        ncand = len(cands) if cands is not None else 0
+        if min(int(index_begin), int(layer_begin), int(layer_end)) < 0:
+            raise ValueError("index_begin, layer_begin and layer_end must be >= 0")
+        check(_kvf_sender_send_layers(self._require(), _ptr(pages, ctypes.c_int64), npages, int(index_begin),
+                                      int(layer_begin), int(layer_end), int(bool(is_last)),
+                                      -1 if aux_index is None else int(aux_index),
+                                      -1 if bootstrap_token is None else int(bootstrap_token),
+                                      _ptr(cands, ctypes.c_int32), ncand, _ptr(states, ctypes.c_int64), nstate),
+              f"send_layers for room {self.bootstrap_room}")
 
     def abort(self, reason="Aborted"):
         """Fail the room with `reason` and tell every known decode destination."""

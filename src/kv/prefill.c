@@ -37,7 +37,18 @@
  * decode_prefix_len / page_size positions (those the decode already holds)
  * and maps position p >= P onto the decode's destination index p - P, as
  * the reference scheduler does before submitting. With a prefix of 0 this is
- * the identity.
+ * the identity. kvf_sender_send_layers instead names the destination index
+ * of its first page itself (the reference's send_layerwise index_slice, the
+ * scheduler having already skipped the prefix): such a chunk (`explicit_idx`)
+ * maps pages[k] onto destination index pos + k with no skip.
+ *
+ * Layerwise sends (§6.9, §6.10): a chunk carries the KV layer range
+ * [layer_begin, layer_end) it writes; kvf_sender_send's chunks cover every
+ * layer. There is no device step counter: the caller submits a layer group
+ * once its KV is written, so no worker ever waits on the device (§8 item 2).
+ * A room's chunks run in order on one worker, so when the is_last chunk
+ * completes, every earlier layer group has landed; Success and the M3 come
+ * only then. State buffers go with the last chunk.
  *
  * Deviations from the reference, on purpose: an M2 from an unregistered
  * session is rejected at the listener (§8 item 3); a decode whose KV pointer
@@ -46,9 +57,8 @@
  * chunk only when the room has no real destination (otherwise Success comes
  * from the real transfers, so a dummy cannot report Success before the data
  * landed). L1.5 partial-cache indices (§6.3 modes other than OFF/OFF) are not
- * supported: such a request fails the room with a reason. Layerwise transfer
- * and the metadata wait are not implemented (the token rides on the last
- * chunk). */
+ * supported: such a request fails the room with a reason. The metadata wait
+ * is not implemented (the token rides on the last chunk). */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -84,7 +94,10 @@ typedef struct pf_chunk {
   struct pf_room *r; /* holds a room reference once queued or pending */
   int64_t *pages;
   size_t npages;
-  int64_t pos;       /* index_slice start: position of pages[0] in the request's page list */
+  int64_t pos;       /* index_slice start: position of pages[0] in the request's page list,
+                        or (explicit_idx) in the decode's destination list */
+  int explicit_idx;  /* pos is a destination index: no decode-prefix skip */
+  size_t layer_begin, layer_end; /* KV layer indices written: [layer_begin, layer_end) */
   int is_last;
   int64_t aux_index;
   int64_t token;
@@ -488,9 +501,10 @@ static int64_t per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, 
 
 /* Plan and write one set of page pairs (KV when state == 0, state slots
  * otherwise) to the destination. Arrays are sized once per call. */
-static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, const int64_t *src, const int64_t *dst,
-                       size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags, size_t nfrags,
-                       int frag_mode, int64_t tokens, uint64_t *bytes, char *why, size_t whycap, int *xfer) {
+static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0, size_t l1, const int64_t *src,
+                       const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags,
+                       size_t nfrags, int frag_mode, int64_t tokens, uint64_t *bytes, char *why, size_t whycap,
+                       int *xfer) {
   kvf_manager *m = ps->m;
   const manager_buffers *b = &m->bufs;
   const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
@@ -512,15 +526,16 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, const int
       rc = KVF_ERANGE;
       goto out;
     }
-  cap = frag_mode ? plan_frag_count(lay, 0, lay->nlayers, frags, nfrags, state, runs, nruns)
-                  : plan_plain_count(lay, 0, lay->nlayers, nruns);
+  if (state) l0 = 0, l1 = lay->nlayers;
+  cap = frag_mode ? plan_frag_count(lay, l0, l1, frags, nfrags, state, runs, nruns)
+                  : plan_plain_count(lay, l0, l1, nruns);
   if (!cap) goto out;
   if (!(w = malloc(cap * sizeof *w))) {
     rc = KVF_ENOMEM;
     goto out;
   }
-  rc = frag_mode ? plan_frag_writes(lay, 0, lay->nlayers, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
-                 : plan_plain_writes(lay, 0, lay->nlayers, runs, nruns, &sm, &dm, item, w, cap, &nw);
+  rc = frag_mode ? plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
+                 : plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
   if (rc) goto out;
   if (nw && (rc = kvf_engine_write(m->engine, x->session, w, nw))) {
     *xfer = 1;
@@ -590,7 +605,7 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
 
   /* §6.8: skip the pages the decode already holds; position p maps to
    * destination index p - P. Then truncate to what both sides have (§6.3). */
-  int64_t prefix = x->decode_prefix_len / page_size;
+  int64_t prefix = c->explicit_idx ? 0 : x->decode_prefix_len / page_size;
   size_t skip = c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
   int64_t dstart = c->pos + (int64_t)skip - prefix;
   size_t ndst = x->kv_indices.count, nsrc = c->npages - skip;
@@ -605,7 +620,8 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
     }
     memcpy(src, c->pages + skip, n * sizeof *src);
     for (size_t k = 0; k < n; k++) dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
-    if (write_pairs(ps, x, 0, src, dst, n, dptr, frags, x->nfrags, x->nfrags > 0, tokens, bytes, why, whycap, &xfer))
+    if (write_pairs(ps, x, 0, c->layer_begin, c->layer_end, src, dst, n, dptr, frags, x->nfrags, x->nfrags > 0,
+                    tokens, bytes, why, whycap, &xfer))
       goto out;
   }
 
@@ -636,7 +652,8 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
     /* §8 item 11: with a fragment plan, state goes through it too; a rank
      * whose plan has no state fragment writes no state (the reference
      * would send whole slots of its own, possibly larger, item size). */
-    if (np && write_pairs(ps, x, 1, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, bytes, why, whycap, &xfer))
+    if (np && write_pairs(ps, x, 1, 0, 0, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, bytes, why,
+                          whycap, &xfer))
       goto out;
   }
   ret = DEST_OK;
@@ -949,12 +966,12 @@ err_unlock:
   return rc;
 }
 
-int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux_index,
-                    int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
-                    size_t nstate) {
-  if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
-  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES) return KVF_ETOOBIG;
-  if (s->last_sent) return KVF_ESTATE;
+/* Both send calls: validate, copy and queue (or park) one chunk. pos is the
+ * index_slice start; explicit_idx says it is a destination index. */
+static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int64_t pos, int explicit_idx,
+                         size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
+                         int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
+                         size_t nstate) {
   prefill_state *ps = s->m->prefill;
   pf_chunk *c = calloc(1, sizeof *c);
   if (!c) return KVF_ENOMEM;
@@ -967,7 +984,10 @@ int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_l
   }
   if (npages) memcpy(c->pages, pages, npages * sizeof *pages);
   c->npages = npages;
-  c->pos = s->curr;
+  c->pos = pos;
+  c->explicit_idx = explicit_idx;
+  c->layer_begin = layer_begin;
+  c->layer_end = layer_end;
   c->is_last = is_last != 0;
   /* non-last chunks carry no aux index, token or candidates (§6.2) */
   c->aux_index = is_last ? aux_index : -1;
@@ -1005,10 +1025,40 @@ int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_l
 out:
   pthread_mutex_unlock(&ps->lock);
   if (!rc) {
-    s->curr += (int64_t)npages;
+    if (s->curr < pos + (int64_t)npages) s->curr = pos + (int64_t)npages;
     if (is_last) s->last_sent = 1;
   }
   return rc;
+}
+
+int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux_index,
+                    int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
+                    size_t nstate) {
+  if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
+  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES) return KVF_ETOOBIG;
+  if (s->last_sent) return KVF_ESTATE;
+  return sender_submit(s, pages, npages, s->curr, 0, 0, s->m->bufs.n_layers, is_last, aux_index, bootstrap_token,
+                       cands, ncand, state_slots, nstate);
+}
+
+int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, size_t index_begin,
+                           size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
+                           int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
+                           size_t nstate) {
+  if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
+  if (layer_begin > layer_end || layer_end > s->m->bufs.n_layers) return KVF_EINVAL;
+  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES ||
+      index_begin > (size_t)WIRE_MAX_PAGES)
+    return KVF_ETOOBIG;
+  if (s->last_sent) return KVF_ESTATE;
+  /* §6.2: send_layerwise skips an empty non-last chunk (no pages or no
+   * layers: nothing to write, and it completes nothing). */
+  if (!is_last && (!npages || layer_begin == layer_end)) {
+    if (s->curr < (int64_t)(index_begin + npages)) s->curr = (int64_t)(index_begin + npages);
+    return 0;
+  }
+  return sender_submit(s, pages, npages, (int64_t)index_begin, 1, layer_begin, layer_end, is_last, aux_index,
+                       bootstrap_token, cands, ncand, state_slots, nstate);
 }
 
 int kvf_sender_poll(kvf_sender *s) {

@@ -4,7 +4,8 @@
  * encoded with the wire codecs. Covers single and multi-chunk transfers
  * (bytes compared), a chunk that waits for its M2, the bootstrap timeout,
  * malformed and unregistered messages, an engine-refused write, PUT /route
- * to a real bootstrap server, and many senders created and destroyed. Every
+ * to a real bootstrap server, many senders created and destroyed, and
+ * layerwise sends (two MHA layers, per-layer bytes and one M3). Every
  * wait is bounded in time. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -26,22 +27,24 @@
 #include "wire/messages.h"
 
 
-#define NKV 2     /* one MHA layer: K and V */
-#define NPAGES 16
+#define NKV_MAX 4 /* up to two MHA layers: K0 K1 V0 V1 */
+#define NKV g_nkv /* KV buffers of this test: 2 (one layer) unless a test sets 4 */
+#define NPAGES 32
 #define ITEM 64
 
 typedef struct fixture {
-  uint8_t *pbuf[NKV]; /* prefill buffers */
+  uint8_t *pbuf[NKV_MAX]; /* prefill buffers */
   kvf_manager *m;
   /* fake decode */
   kvf_engine *eng;
-  uint8_t *dbuf[NKV];
+  uint8_t *dbuf[NKV_MAX];
   void *zctx, *pull, *push;
   uint16_t pull_port;
   char session[64];
 } fixture;
 
 static int g_page_size = 1; /* the prefill manager's tokens per page */
+static int g_nkv = 2;       /* KV buffers (MHA: 2 per layer) */
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
@@ -49,8 +52,8 @@ static void sleep_ms(int ms) {
 }
 
 static void fx_manager(fixture *f, const char *bootstrap_addr) {
-  uint64_t lens[NKV], items[NKV];
-  void *ptrs[NKV];
+  uint64_t lens[NKV_MAX], items[NKV_MAX];
+  void *ptrs[NKV_MAX];
   for (int b = 0; b < NKV; b++) {
     f->pbuf[b] = malloc(NPAGES * ITEM);
     assert_non_null(f->pbuf[b]);
@@ -59,7 +62,7 @@ static void fx_manager(fixture *f, const char *bootstrap_addr) {
     lens[b] = NPAGES * ITEM;
     items[b] = ITEM;
   }
-  kvf_kv_buffers bufs = {.n_kv = NKV, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_kv_buffers bufs = {.n_kv = (size_t)NKV, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
   kvf_manager_config cfg;
   kvf_manager_config_init(&cfg);
   cfg.role = KVF_ROLE_PREFILL;
@@ -143,14 +146,14 @@ static void wait_malformed(fixture *f, uint64_t want) {
 }
 
 static void send_m1(fixture *f) {
-  uint64_t ptrs[NKV];
+  uint64_t ptrs[NKV_MAX];
   for (int b = 0; b < NKV; b++) ptrs[b] = (uint64_t)(uintptr_t)f->dbuf[b];
   wire_m1 m1;
   memset(&m1, 0, sizeof m1);
   snprintf(m1.endpoint, sizeof m1.endpoint, "127.0.0.1");
   m1.dst_port = f->pull_port;
   snprintf(m1.session, sizeof m1.session, "%s", f->session);
-  m1.kv_ptrs = wire_array_of(ptrs, NKV);
+  m1.kv_ptrs = wire_array_of(ptrs, (size_t)NKV);
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   assert_int_equal(wire_m1_encode(&m1, &msg, why), 0);
@@ -229,6 +232,42 @@ static void expect_success_m3(fixture *f, int64_t room, int64_t token, const int
   assert_int_equal(m3.bootstrap_token, token);
   assert_int_equal(ng, ncand);
   for (size_t i = 0; i < ncand; i++) assert_int_equal(got[i], cands[i]);
+}
+
+/* MHA with NKV buffers: layer l is buffers {l, NKV/2 + l}. */
+static void check_layer(fixture *f, int l, const int64_t *src, const int64_t *dst, size_t n) {
+  kvf_engine_sync(f->eng);
+  int bufs[2] = {l, NKV / 2 + l};
+  for (int i = 0; i < 2; i++)
+    for (size_t k = 0; k < n; k++)
+      assert_memory_equal(f->dbuf[bufs[i]] + dst[k] * ITEM, f->pbuf[bufs[i]] + src[k] * ITEM, ITEM);
+}
+
+static void check_layer_zero(fixture *f, int l, const int64_t *dst, size_t n) {
+  kvf_engine_sync(f->eng);
+  uint8_t zero[ITEM] = {0};
+  int bufs[2] = {l, NKV / 2 + l};
+  for (int i = 0; i < 2; i++)
+    for (size_t k = 0; k < n; k++) assert_memory_equal(f->dbuf[bufs[i]] + dst[k] * ITEM, zero, ITEM);
+}
+
+/* No M3 arrives within ms. */
+static void expect_no_m3(fixture *f, int ms) {
+  zmq_pollitem_t pi = {.socket = f->pull, .events = ZMQ_POLLIN};
+  assert_int_equal(zmq_poll(&pi, 1, ms), 0);
+}
+
+static uint64_t stat_chunks(fixture *f) {
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f->m, &st);
+  return st.chunks_sent;
+}
+
+/* Wait (bounded) until the workers have counted `want` chunks. */
+static void wait_chunks(fixture *f, uint64_t want) {
+  int64_t end = clock_now_ns() + 5000000000LL;
+  while (stat_chunks(f) < want && clock_now_ns() < end) sleep_ms(2);
+  assert_int_equal(stat_chunks(f), want);
 }
 
 /* ---------------------------------------------------------------- tests */
@@ -563,6 +602,124 @@ static void many_senders(void **state) {
   fx_teardown(&f);
 }
 
+/* Appendix A in layerwise mode, interval 1: 2 MHA layers [K0 K1 V0 V1],
+ * prefill pages [20, 21, 25] onto decode pages [7, 8, 9]. Layer 0 lands
+ * alone and reports nothing; layer 1 with is_last completes the room with
+ * exactly one M3 Success carrying the token and candidates (A.6). */
+static void layerwise_appendix_a(void **state) {
+  (void)state;
+  g_nkv = 4;
+  fixture f;
+  fx_setup(&f, "");
+  int64_t room = 7215963401LL;
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, room, &s), 0);
+  int64_t src[] = {20, 21, 25}, dst[] = {7, 8, 9};
+  send_m1(&f);
+  send_m2(&f, room, dst, 3);
+  wait_received(&f, 2);
+  /* §6.11 bounds: a layer range past the 2 KV layers, or reversed */
+  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 0, 3, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
+  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 2, 1, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
+  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 2, 3, 1, 3, -1, NULL, 0, NULL, 0), KVF_EINVAL);
+  assert_int_equal(kvf_sender_send_layers(NULL, src, 3, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
+
+  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  wait_chunks(&f, 1);
+  check_layer(&f, 0, src, dst, 3);
+  check_layer_zero(&f, 1, dst, 3);
+  expect_no_m3(&f, 100);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
+
+  int32_t cands[] = {1734, 2211, 90};
+  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 1, 2, 1, 3, 1734, cands, 3, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, room, 1734, cands, 3);
+  check_layer(&f, 0, src, dst, 3);
+  check_layer(&f, 1, src, dst, 3);
+  expect_no_m3(&f, 100); /* exactly one */
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.chunks_sent, 2);
+  assert_int_equal(st.bytes_sent, 3 * ITEM * 4);
+  assert_int_equal(kvf_sender_send_layers(s, src, 1, 0, 0, 1, 1, 3, -1, NULL, 0, NULL, 0), KVF_ESTATE);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+  g_nkv = 2;
+}
+
+/* The §6.9 example: page 16, decode_prefix_len 32, prompt 100, forward
+ * chunks of 48 tokens. Chunk A -> pages [2,3) slice [0,1), B -> [3,6)
+ * slice [1,4), C -> [6,7) slice [4,5); each sent layer by layer, the last
+ * layer of C with is_last. index_begin is already after the prefix: no
+ * page is skipped again, and the prefix pages go nowhere. */
+static void layerwise_windows(void **state) {
+  (void)state;
+  g_nkv = 4;
+  g_page_size = 16;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 77, &s), 0);
+  int64_t occupied[] = {10, 11, 12, 13, 14, 15, 16}; /* ceil(100 / 16) pages */
+  int64_t dst[] = {20, 3, 4, 5, 30};                 /* the decode's pages after its prefix */
+  send_m1(&f);
+  send_m2_prefix(&f, 77, dst, 5, 32);
+  wait_received(&f, 2);
+  const struct { size_t start, end; } win[] = {{2, 3}, {3, 6}, {6, 7}};
+  const size_t pp = 2;
+  for (int c = 0; c < 3; c++)
+    for (size_t l = 0; l < 2; l++) {
+      int last = c == 2 && l == 1;
+      assert_int_equal(kvf_sender_send_layers(s, occupied + win[c].start, win[c].end - win[c].start,
+                                              win[c].start - pp, l, l + 1, last, last ? 0 : -1, last ? 5 : -1,
+                                              NULL, 0, NULL, 0),
+                       0);
+    }
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 77, 5, NULL, 0);
+  check_layer(&f, 0, occupied + pp, dst, 5);
+  check_layer(&f, 1, occupied + pp, dst, 5);
+  int64_t others[] = {0, 1, 2, 6, 10, 11, 12};
+  check_layer_zero(&f, 0, others, 7);
+  check_layer_zero(&f, 1, others, 7);
+  assert_int_equal(stat_chunks(&f), 6);
+  expect_no_m3(&f, 50);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+  g_page_size = 1;
+  g_nkv = 2;
+}
+
+/* §6.2: an empty non-last chunk (no pages, or no layers) is skipped; an
+ * empty last chunk still completes the room. */
+static void layerwise_empty_chunks(void **state) {
+  (void)state;
+  g_nkv = 4;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 88, &s), 0);
+  int64_t src[] = {1, 2}, dst[] = {5, 6};
+  send_m1(&f);
+  send_m2(&f, 88, dst, 2);
+  wait_received(&f, 2);
+  assert_int_equal(kvf_sender_send_layers(s, NULL, 0, 0, 0, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 1, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 0, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  wait_chunks(&f, 1);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
+  assert_int_equal(kvf_sender_send_layers(s, NULL, 0, 2, 0, 0, 1, 0, 8, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 88, 8, NULL, 0);
+  check_layer(&f, 0, src, dst, 2);
+  check_layer(&f, 1, src, dst, 2);
+  assert_int_equal(stat_chunks(&f), 2);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+  g_nkv = 2;
+}
+
 static void registers_with_bootstrap(void **state) {
   (void)state;
   kvf_bootstrap_server_config bc;
@@ -616,6 +773,9 @@ int main(void) {
       cmocka_unit_test(refused_write_fails_room),
       cmocka_unit_test(abort_tells_decode),
       cmocka_unit_test(many_senders),
+      cmocka_unit_test(layerwise_appendix_a),
+      cmocka_unit_test(layerwise_windows),
+      cmocka_unit_test(layerwise_empty_chunks),
       cmocka_unit_test(registers_with_bootstrap),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

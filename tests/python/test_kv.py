@@ -329,6 +329,41 @@ def test_prefix_state_raw_addresses_and_shared_engine(closing):
     assert r.poll() == TransferPoll.Success  # concluded state survives clear()
 
 
+def test_send_layers_two_layers(closing):
+    """Layerwise: layer 0 lands alone with no Success; layer 1 with is_last
+    completes the room; a layer range past the model is refused."""
+    rng = np.random.default_rng(5)
+    pages, item = 8, 32
+    src = [rng.integers(0, 256, size=(pages, item), dtype=np.uint8) for _ in range(4)]
+    dst = [np.zeros((pages, item), dtype=np.uint8) for _ in range(4)]
+    lay = [[0, 2], [1, 3]]  # [K0, K1, V0, V1]
+    srv = closing(BootstrapServer("127.0.0.1", 0))
+    pm = closing(KVManager("prefill", src, layer_bufs=lay, bootstrap_addr=srv.addr))
+    dm = closing(KVManager("decode", dst, layer_bufs=lay))
+    room = 4242
+    r = closing(KVReceiver(dm, srv.addr, room))
+    s = closing(KVSender(pm, room))
+    src_pages, dst_pages = [5, 6, 1], [0, 3, 4]
+    r.prefill(dst_pages, aux_index=0)
+    with pytest.raises(KVFerryError):
+        s.send_layers(src_pages, 0, 1, 3)
+    s.send_layers(src_pages, 0, 0, 1)
+    deadline = time.monotonic() + POLL_LIMIT_S
+    while pm.get_stats()["chunks_sent"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.poll() != TransferPoll.Success
+    s.send_layers(src_pages[1:], 1, 1, 2)
+    s.send_layers(src_pages[:1], 0, 1, 2, is_last=True, aux_index=0, bootstrap_token=17)
+    assert wait_final(r) == TransferPoll.Success, r.failure_reason()
+    assert wait_final(s) == TransferPoll.Success
+    dm.sync()
+    for b in range(4):
+        for p, d in zip(src_pages, dst_pages):
+            assert (dst[b][d] == src[b][p]).all()
+        assert not np.delete(dst[b], dst_pages, axis=0).any()
+    assert r.pop_metadata() == (17, None)
+
+
 def test_receiver_against_nothing_listening(closing):
     dm = closing(KVManager("decode", [np.zeros((4, 16), np.uint8)], http_timeout_ms=2000))
     port = free_port()
