@@ -13,7 +13,14 @@
  * decode ranks (in the kv-decode), each holding its slice of the KV heads in
  * head-aware token-major pages: every (token, head) of every decode rank is
  * checked against the pattern of its global token and head, so a head slice
- * from the wrong prefill rank or token shows up (heterogeneous TP). */
+ * from the wrong prefill rank or token shows up (heterogeneous TP).
+ * --model deepseek-v3 has an MLA latent cache: one buffer per layer holding
+ * the 576-value latent (kv_lora_rank 512 + rope 64) of each token, the same
+ * on every TP rank. Every prefill rank fills the same (token, layer)
+ * pattern; the library's generic planner takes the latent as replicated when
+ * the TP sizes differ (one prefill rank serves each decode rank) and as
+ * identity when they are equal, and every decode rank checks the whole
+ * latent of every token of every layer. */
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -32,7 +39,8 @@ typedef struct model {
 } model;
 
 /* KV shapes from the models' configs (bf16, 16-token pages as a serving
- * engine allocates them). */
+ * engine allocates them). MLA: one "head" of head_dim latent values per
+ * token and layer, in one buffer per layer. */
 static const model models[] = {
     {"llama-3.1-8b", 32, 8, 128, 2, 16, 0},
     {"qwen3-32b", 64, 8, 128, 2, 16, 0},
@@ -59,13 +67,16 @@ static int cmp_dbl(const void *a, const void *b) {
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: kvferry demo [--model llama-3.1-8b|qwen3-32b] [--requests 32] [--inflight 2]\n"
+          "usage: kvferry demo [--model llama-3.1-8b|qwen3-32b|deepseek-v3] [--requests 32] [--inflight 2]\n"
           "                    [--max-tokens 8192] [--pool-gib G] [--prefill-tp 1] [--decode-tp 1]\n"
           "                    [--transport tcp] [--seed S] [--corrupt] [--short]\n"
           "Starts a bootstrap server, a prefill and a decode instance as processes on 127.0.0.1\n"
           "with model-shaped KV pools (--pool-gib per side; default: room for one request of\n--max-tokens, 1 GiB for llama-3.1-8b), moves the KV of --requests requests\n"
           "(prompts of 128..--max-tokens tokens, log-uniform) and verifies every byte.\n"
+          "  --model    deepseek-v3: MLA, one 576-value latent buffer per layer, the same on every\n"
+          "             TP rank (each decode rank checks the whole latent)\n"
           "  --prefill-tp/--decode-tp  TP ranks on each side; each divides the 8 KV heads\n"
+          "             (deepseek-v3: any of 1..8)\n"
           "  --short    a few small requests (CI): 6 requests, up to 1024 tokens, 0.25 GiB pools\n"
           "  --corrupt  flip one byte of one landed page before the check: the demo must catch it\n"
           "             and exit 1\n"
@@ -147,11 +158,11 @@ int cli_demo(int argc, char **argv) {
     fprintf(stderr, "demo: unknown model '%s' (llama-3.1-8b, qwen3-32b, deepseek-v3)\n", model_name);
     return 2;
   }
-  if (md->mla) {
-    fprintf(stderr, "demo: %s preset not implemented yet (its MLA latent cache)\n", md->name);
+  if (md->mla && (prefill_tp < 1 || decode_tp < 1 || prefill_tp > 8 || decode_tp > 8)) {
+    fprintf(stderr, "demo: --prefill-tp/--decode-tp must be 1..8 for %s\n", md->name);
     return 2;
   }
-  if (prefill_tp < 1 || decode_tp < 1 || md->kv_heads % prefill_tp || md->kv_heads % decode_tp) {
+  if (!md->mla && (prefill_tp < 1 || decode_tp < 1 || md->kv_heads % prefill_tp || md->kv_heads % decode_tp)) {
     fprintf(stderr, "demo: --prefill-tp/--decode-tp must divide the %d KV heads of %s (1, 2, 4 or 8)\n",
             md->kv_heads, md->name);
     return 2;
@@ -167,10 +178,14 @@ int cli_demo(int argc, char **argv) {
     return 2;
   }
 
-  /* One head of one token; each rank's pages hold its heads, token-major. */
+  /* One head of one token; each rank's pages hold its heads, token-major.
+   * MLA: the whole latent of one token, one buffer per layer. */
   const uint64_t unit = (uint64_t)md->head_dim * md->dtype_bytes;
   const uint64_t item = (uint64_t)md->page_tokens * md->kv_heads * unit;
-  const uint64_t page_bytes = item * 2 * (uint64_t)md->layers; /* one page across every buffer */
+  const int nbuf = md->mla ? md->layers : 2 * md->layers;
+  const uint64_t page_bytes = item * (uint64_t)nbuf; /* one page across every buffer */
+  /* Bytes landed per page: the MLA latent goes whole to every decode rank. */
+  const uint64_t page_moved = page_bytes * (uint64_t)(md->mla ? decode_tp : 1);
   /* --inflight defaults to 2: on a 2-core machine more requests in flight
    * only make the pattern fill and check compete with the transfers. */
   /* Faulting in a pool costs about 2 s per GiB on these VMs, so the default
@@ -215,17 +230,28 @@ int cli_demo(int argc, char **argv) {
                        .corrupt = corrupt && i == requests / 2};
   }
 
-  printf("kvferry demo: %s, %d layers x K,V, %d KV heads x %d, bf16, %d-token pages (%.0f KiB of KV per token)\n",
-         md->name, md->layers, md->kv_heads, md->head_dim, md->page_tokens, page_bytes / md->page_tokens / 1024.0);
-  printf("  pools: %llu pages (%llu tokens, %.2f GiB) per side; up to %d requests in flight; transport %s\n",
+  if (md->mla)
+    printf("kvferry demo: %s, %d layers x MLA latent of %d values (kv_lora_rank 512 + rope 64), bf16, %d-token "
+           "pages (%.1f KiB of KV per token)\n",
+           md->name, md->layers, md->head_dim, md->page_tokens, page_bytes / md->page_tokens / 1024.0);
+  else
+    printf("kvferry demo: %s, %d layers x K,V, %d KV heads x %d, bf16, %d-token pages (%.0f KiB of KV per token)\n",
+           md->name, md->layers, md->kv_heads, md->head_dim, md->page_tokens, page_bytes / md->page_tokens / 1024.0);
+  printf("  pools: %llu pages (%llu tokens, %.2f GiB) per %s; up to %d requests in flight; transport %s\n",
          (unsigned long long)pool_pages, (unsigned long long)pool_pages * md->page_tokens,
-         pool_pages * page_bytes / (double)(1ull << 30), inflight, transport);
-  printf("  TP: prefill %d rank(s) x %d KV heads, decode %d rank(s) x %d KV heads; every (token, head) checked\n",
-         prefill_tp, md->kv_heads / prefill_tp, decode_tp, md->kv_heads / decode_tp);
+         pool_pages * page_bytes / (double)(1ull << 30), md->mla ? "rank" : "side", inflight, transport);
+  if (md->mla)
+    printf("  TP: prefill %d rank(s), decode %d rank(s), each with the whole latent (%s); every (token, layer) "
+           "latent checked on every decode rank\n",
+           prefill_tp, decode_tp, prefill_tp == decode_tp ? "identity" : "replicated");
+  else
+    printf("  TP: prefill %d rank(s) x %d KV heads, decode %d rank(s) x %d KV heads; every (token, head) checked\n",
+           prefill_tp, md->kv_heads / prefill_tp, decode_tp, md->kv_heads / decode_tp);
   printf("  starting the bootstrap server, the prefill and the decode process (faulting in the pools)...\n");
   fflush(stdout);
   pd_layout lo = {.layers = md->layers, .item = item, .pages = pool_pages, .prefill_tp = prefill_tp,
-                  .decode_tp = decode_tp, .page_size = md->page_tokens, .kv_heads = md->kv_heads, .unit = unit};
+                  .decode_tp = decode_tp, .page_size = md->page_tokens, .kv_heads = md->mla ? 0 : md->kv_heads, .mla = md->mla,
+                  .unit = unit};
   if (pd_start_layout(&pp, &lo, err, sizeof err)) {
     fprintf(stderr, "demo: %s\n", err);
     goto out_free;
@@ -274,11 +300,11 @@ int cli_demo(int argc, char **argv) {
                 r->bad_pages ? "MISMATCH, " : "", *r->reason ? r->reason : "failed without a reason");
         if (r->bad_pages)
           fprintf(stderr, " (%zu of %zu pages x buffers x decode ranks differ)", r->bad_pages,
-                  r->npages * 2 * (size_t)md->layers * (size_t)decode_tp);
+                  r->npages * (size_t)nbuf * (size_t)decode_tp);
         fputc('\n', stderr);
         continue;
       }
-      double bytes = (double)r->npages * (double)page_bytes, dt = pd_transfer_s(r);
+      double bytes = (double)r->npages * (double)page_moved, dt = pd_transfer_s(r);
       moved += bytes;
       lat[completed - failures - 1] = dt;
       rate[completed - failures - 1] = dt > 0 ? bytes / dt / 1e9 : 0;

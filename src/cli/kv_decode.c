@@ -1,7 +1,9 @@
 /* `kvferry kv-decode`: a decode instance in one process (--world D decode
  * ranks, each a KV manager with its own engine and model-shaped pool; with
  * --heads the pools are head-aware and rank d holds global KV heads
- * d*heads .., or with --mla the one replicated latent), the counterpart of
+ * d*heads ..; with --mla they are MLA pools, one latent buffer per layer,
+ * the same on every rank, planned by the generic planner as replicated, or
+ * with --mla-legacy by the legacy MLA routing), the counterpart of
  * `kvferry kv-peer` for the demo and the end-to-end benchmark, which then
  * run prefill and decode as separate processes the way a deployment does.
  * It prints
@@ -178,9 +180,10 @@ int cli_kv_decode(int argc, char **argv) {
                                        {"bootstrap", required_argument, 0, 'b'}, {"world", required_argument, 0, 'w'},
                                        {"page-size", required_argument, 0, 'P'}, {"heads", required_argument, 0, 'E'},
                                        {"unit", required_argument, 0, 'U'},     {"mla", no_argument, 0, 'M'},
+                                       {"mla-legacy", no_argument, 0, 'L'},
                                        {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "l:i:p:H:b:w:P:E:U:Mh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "l:i:p:H:b:w:P:E:U:MLh", opts, NULL)) != -1) {
     switch (c) {
       case 'l': layers = atoi(optarg); break;
       case 'i': if (cli_parse_size(optarg, &item)) return 2; break;
@@ -192,19 +195,24 @@ int cli_kv_decode(int argc, char **argv) {
       case 'E': heads = atoi(optarg); break;
       case 'U': if (cli_parse_size(optarg, &unit)) return 2; break;
       case 'M': mla = 1; break;
+      case 'L': mla = 2; break;
       case 'h':
         printf("usage: kvferry kv-decode --bootstrap HOST:PORT [--layers 2] [--item 4096] [--pages 4096]\n"
                "                         [--host 127.0.0.1] [--world 1]\n"
-               "                         [--heads H --unit 256 --page-size 1 [--mla]]\n"
+               "                         [--heads H --unit 256 --page-size 1] [--mla|--mla-legacy]\n"
                "  --world D  D decode ranks in this process (TP D), each a manager with its own pool\n"
-               "  --heads H  head-aware pools: rank d holds global KV heads d*H .. d*H+H-1 (--mla: the\n"
-               "             one replicated latent, head 0, legacy MLA routing), page-size tokens a page\n");
+               "  --heads H  head-aware pools: rank d holds global KV heads d*H .. d*H+H-1, page-size\n"
+               "             tokens a page\n"
+               "  --mla      MLA pools: one latent buffer per layer, page-size tokens of --unit bytes a\n"
+               "             page, the same on every rank (--heads ignored); the generic planner\n"
+               "             treats the latent as replicated when the TP sizes differ\n"
+               "  --mla-legacy  MLA pools with the legacy MLA routing (is_mla)\n");
         return 0;
       default: return 2;
     }
   }
   if (!baddr || layers < 1 || !item || !pages || world < 1 || world > DEC_MAX_RANKS || page_size < 1 ||
-      heads < 0 || (heads && !unit)) {
+      heads < 0 || ((heads || mla) && !unit)) {
     fprintf(stderr, "kv-decode: --bootstrap HOST:PORT and a non-empty layout are required\n");
     return 2;
   }
@@ -214,12 +222,16 @@ int cli_kv_decode(int argc, char **argv) {
   if (!reqs || !rk) goto out;
   for (int d = 0; d < world; d++) {
     kvpool *pool = &rk[d].pool;
-    int prc = heads ? kvpool_init_heads(pool, (size_t)layers, pages, (size_t)page_size, (size_t)heads,
-                                        mla ? 0 : (size_t)d * (size_t)heads, unit)
-                    : kvpool_init(pool, (size_t)layers, pages, item);
+    int prc = mla     ? kvpool_init_mla(pool, (size_t)layers, pages, (size_t)page_size, unit)
+              : heads ? kvpool_init_heads(pool, (size_t)layers, pages, (size_t)page_size, (size_t)heads,
+                                          (size_t)d * (size_t)heads, unit)
+                      : kvpool_init(pool, (size_t)layers, pages, item);
     if (prc) {
-      fprintf(stderr, "kv-decode: cannot allocate a pool of %llu pages x %d buffers x %llu B\n", pages, 2 * layers,
-              heads ? (unsigned long long)page_size * (unsigned long long)heads * unit : item);
+      fprintf(stderr, "kv-decode: cannot allocate a pool of %llu pages x %d buffers x %llu B\n", pages,
+              mla ? layers : 2 * layers,
+              mla     ? (unsigned long long)page_size * unit
+              : heads ? (unsigned long long)page_size * (unsigned long long)heads * unit
+                      : item);
       goto out;
     }
     nranks = d + 1;
@@ -230,7 +242,7 @@ int cli_kv_decode(int argc, char **argv) {
     mc.engine_rank = d;
     mc.world_size = world;
     mc.page_size = page_size;
-    mc.is_mla = mla;
+    mc.is_mla = mla == 2;
     int err = kvf_manager_create(&mc, &pool->bufs, &rk[d].m);
     if (err) {
       fprintf(stderr, "kv-decode: decode rank %d: %s\n", d, kvf_strerror(err));

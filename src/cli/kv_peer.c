@@ -15,6 +15,8 @@
  * token-major; of --kv-heads global heads (default heads x tp) rank t holds
  * those of its replica group, heads (t / R) * heads .., R = tp*heads/kv-heads
  * (GQA with fewer KV heads than ranks; MLA: --kv-heads = --heads).
+ * With --mla the pools are MLA pools (kvpool_init_mla): one latent buffer per
+ * layer, page_size tokens of `unit` bytes a page, the same on every rank.
  *   quit
  * and reports each request when its senders are final:
  *   done <room> <poll-status> <last-send-ns> <reason or ->
@@ -49,7 +51,7 @@ typedef struct peer_req {
 typedef struct peer_opts {
   int world, dp, layers, chunk;
   unsigned long long item, pages;
-  int page_size, heads, kv_heads, nstate;
+  int page_size, heads, kv_heads, nstate, mla;
   unsigned long long unit, state_item;
   const char *host;
   const char *bootstrap; /* external bootstrap server; NULL = start one here */
@@ -111,9 +113,10 @@ int cli_kv_peer(int argc, char **argv) {
                                        {"page-size", required_argument, 0, 'P'}, {"heads", required_argument, 0, 'E'},
                                        {"kv-heads", required_argument, 0, 'K'},  {"unit", required_argument, 0, 'U'},
                                        {"state", required_argument, 0, 'S'},     {"state-item", required_argument, 0, 'T'},
+                                       {"mla", no_argument, 0, 'M'},
                                        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:P:E:K:U:S:T:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:P:E:K:U:S:T:Mh", opts, NULL)) != -1) {
     switch (c) {
       case 'w': o.world = atoi(optarg); break;
       case 'd': o.dp = atoi(optarg); break;
@@ -128,10 +131,13 @@ int cli_kv_peer(int argc, char **argv) {
       case 'U': if (cli_parse_size(optarg, &o.unit)) return 2; break;
       case 'S': o.nstate = atoi(optarg); break;
       case 'T': if (cli_parse_size(optarg, &o.state_item)) return 2; break;
+      case 'M': o.mla = 1; break;
       case 'h':
         printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n"
                "                       [--host 127.0.0.1] [--bootstrap HOST:PORT (default: start one here)]\n"
-               "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N --state-item 4096]\n");
+               "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N --state-item 4096]\n"
+               "                       [--mla --unit 1152 --page-size 16]\n"
+               "  --mla  MLA pools: one latent buffer per layer, the same on every rank (--heads ignored)\n");
         return 0;
       default: return 2;
     }
@@ -142,7 +148,12 @@ int cli_kv_peer(int argc, char **argv) {
   }
   int tp = o.world / o.dp, rc = 1;
   int replica = 1;
-  if (o.heads) {
+  if (o.mla) {
+    if (o.page_size < 1 || !o.unit) {
+      fprintf(stderr, "kv-peer: bad MLA layout\n");
+      return 2;
+    }
+  } else if (o.heads) {
     if (!o.kv_heads) o.kv_heads = o.heads * tp;
     if (o.page_size < 1 || o.heads < 0 || !o.unit || o.kv_heads < o.heads || (o.heads * tp) % o.kv_heads ||
         o.kv_heads % o.heads) {
@@ -172,9 +183,10 @@ int cli_kv_peer(int argc, char **argv) {
   if (o.bootstrap) snprintf(baddr, sizeof baddr, "%s", o.bootstrap);
   else snprintf(baddr, sizeof baddr, "%s:%u", o.host, (unsigned)kvf_bootstrap_server_port(srv));
   for (int r = 0; r < o.world; r++) {
-    int prc = o.heads ? kvpool_init_heads(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size, (size_t)o.heads,
-                                          (size_t)((r % tp) / replica * o.heads), o.unit)
-                      : kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item);
+    int prc = o.mla     ? kvpool_init_mla(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size, o.unit)
+              : o.heads ? kvpool_init_heads(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size,
+                                            (size_t)o.heads, (size_t)((r % tp) / replica * o.heads), o.unit)
+                        : kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item);
     if (prc || (o.nstate && kvpool_add_state(&pools[r], (size_t)o.nstate, PEER_STATE_SLOTS, o.state_item))) goto out;
     kvf_manager_config mc;
     kvf_manager_config_init(&mc);

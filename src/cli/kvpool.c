@@ -7,10 +7,11 @@
 
 #include "pattern.h"
 
-int kvpool_init(kvpool *p, size_t layers, size_t pages, uint64_t item_len) {
+/* nbuf buffers of `pages` pages of item_len bytes, faulted in. */
+static int pool_alloc(kvpool *p, size_t layers, size_t nbuf, size_t pages, uint64_t item_len) {
   memset(p, 0, sizeof *p);
   p->layers = layers;
-  p->nbuf = 2 * layers;
+  p->nbuf = nbuf;
   p->pages = pages;
   p->item_len = item_len;
   p->ptrs = calloc(p->nbuf, sizeof *p->ptrs);
@@ -39,9 +40,12 @@ err:
   return -1;
 }
 
-int kvpool_init_heads(kvpool *p, size_t layers, size_t pages, size_t page_size, size_t heads, size_t head0,
-                      uint64_t unit) {
-  if (!page_size || !heads || !unit || kvpool_init(p, layers, pages, page_size * heads * unit)) return -1;
+int kvpool_init(kvpool *p, size_t layers, size_t pages, uint64_t item_len) {
+  return pool_alloc(p, layers, 2 * layers, pages, item_len);
+}
+
+/* Head-aware unit lens for every buffer of an allocated pool. */
+static int set_heads(kvpool *p, size_t page_size, size_t heads, size_t head0, uint64_t unit) {
   p->page_size = page_size;
   p->heads = heads;
   p->head0 = head0;
@@ -52,6 +56,33 @@ int kvpool_init_heads(kvpool *p, size_t layers, size_t pages, size_t page_size, 
   }
   for (size_t b = 0; b < p->nbuf; b++) p->unit_lens[b] = unit;
   p->bufs.kv_unit_lens = p->unit_lens;
+  return 0;
+}
+
+int kvpool_init_heads(kvpool *p, size_t layers, size_t pages, size_t page_size, size_t heads, size_t head0,
+                      uint64_t unit) {
+  if (!page_size || !heads || !unit || kvpool_init(p, layers, pages, page_size * heads * unit)) return -1;
+  return set_heads(p, page_size, heads, head0, unit);
+}
+
+int kvpool_init_mla(kvpool *p, size_t layers, size_t pages, size_t page_size, uint64_t unit) {
+  if (!layers || layers > UINT32_MAX || !page_size || !unit || pool_alloc(p, layers, layers, pages, page_size * unit) ||
+      set_heads(p, page_size, 1, 0, unit))
+    return -1;
+  /* Layer l is buffer l, said explicitly rather than left to the library's
+   * odd-count rule (an even layer count would read as K/V pairs). */
+  p->layer_start = calloc(layers + 1, sizeof *p->layer_start);
+  p->layer_bufs = calloc(layers, sizeof *p->layer_bufs);
+  if (!p->layer_start || !p->layer_bufs) {
+    kvpool_free(p);
+    return -1;
+  }
+  for (size_t l = 0; l <= layers; l++) p->layer_start[l] = (uint32_t)l;
+  for (size_t l = 0; l < layers; l++) p->layer_bufs[l] = (uint32_t)l;
+  p->mla = 1;
+  p->bufs.n_layers = layers;
+  p->bufs.layer_buf_start = p->layer_start;
+  p->bufs.layer_bufs = p->layer_bufs;
   return 0;
 }
 
@@ -95,6 +126,8 @@ void kvpool_free(kvpool *p) {
   free(p->state_lens);
   free(p->state_item_lens);
   free(p->unit_lens);
+  free(p->layer_start);
+  free(p->layer_bufs);
   for (size_t b = 0; p->ptrs && b < p->nbuf; b++)
     if (p->ptrs[b]) munmap(p->ptrs[b], p->lens[b]);
   free(p->ptrs);

@@ -1,5 +1,6 @@
 /* A model-shaped KV pool for one rank (MHA: a K and a V buffer per layer,
- * each `pages` pages of `item_len` bytes), the page-label scheme that the
+ * each `pages` pages of `item_len` bytes; MLA: one latent buffer per layer),
+ * the page-label scheme that the
  * demo, the kv peer and the tests fill and verify with, and a free list of
  * page indices.
  *
@@ -29,6 +30,9 @@ typedef struct kvpool {
   size_t page_size, heads, head0;
   uint64_t unit;
   uint64_t *unit_lens;
+  /* MLA (kvpool_init_mla): nbuf == layers, layer l = buffer l */
+  int mla;
+  uint32_t *layer_start, *layer_bufs;
   /* state buffers (kvpool_add_state): nstate buffers of state_slots slots */
   size_t nstate, state_slots;
   uint64_t state_item;
@@ -44,6 +48,12 @@ int kvpool_init(kvpool *p, size_t layers, size_t pages, uint64_t item_len);
  * global KV heads head0 .. head0 + heads - 1 (MLA or replicated: head0 0). */
 int kvpool_init_heads(kvpool *p, size_t layers, size_t pages, size_t page_size, size_t heads, size_t head0,
                       uint64_t unit);
+/* An MLA pool: one latent buffer per layer (nbuf = layers, layer l = buffer
+ * l, given to the library as an explicit layer mapping), page_size tokens a
+ * page of `unit` bytes each (the whole latent of one token). The latent is
+ * the same on every TP rank: it fills and checks as one head, head 0, on
+ * every rank, so the pattern does not depend on the rank. */
+int kvpool_init_mla(kvpool *p, size_t layers, size_t pages, size_t page_size, uint64_t unit);
 /* Add nstate state buffers of `slots` slots of `item` bytes (after init). */
 int kvpool_add_state(kvpool *p, size_t nstate, size_t slots, uint64_t item);
 /* Fill (prefill) or check (decode) state slot `slot` with the pattern of

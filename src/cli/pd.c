@@ -36,9 +36,9 @@ int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
   snprintf(pw, sizeof pw, "%d", lo->prefill_tp);
   snprintf(dw, sizeof dw, "%d", lo->decode_tp);
   snprintf(ps, sizeof ps, "%d", lo->page_size);
-  snprintf(ph, sizeof ph, "%d", lo->mla ? 1 : lo->kv_heads / lo->prefill_tp);
-  snprintf(dh, sizeof dh, "%d", lo->mla ? 1 : lo->kv_heads / lo->decode_tp);
-  snprintf(kh, sizeof kh, "%d", lo->mla ? 1 : lo->kv_heads);
+  snprintf(ph, sizeof ph, "%d", lo->kv_heads ? lo->kv_heads / lo->prefill_tp : 0);
+  snprintf(dh, sizeof dh, "%d", lo->kv_heads ? lo->kv_heads / lo->decode_tp : 0);
+  snprintf(kh, sizeof kh, "%d", lo->kv_heads);
   snprintf(un, sizeof un, "%llu", (unsigned long long)lo->unit);
   char *bargv[] = {exe, "bootstrap", "--port", "0", "--host", "127.0.0.1", NULL};
   if (proc_start(&pp->boot, bargv)) {
@@ -55,12 +55,18 @@ int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
                      "--world", pw, NULL};
   char *dargv[24] = {exe, "kv-decode", "--bootstrap", pp->baddr, "--layers", l, "--item", it, "--pages", pg,
                      "--world", dw, NULL};
-  if (lo->kv_heads) {
+  if (lo->mla) {
+    char *pa[] = {"--page-size", ps, "--unit", un, "--mla", NULL};
+    char *da[] = {"--page-size", ps, "--unit", un, lo->mla == 2 ? "--mla-legacy" : "--mla", NULL};
+    memcpy(pargv + 12, pa, sizeof pa);
+    memcpy(dargv + 12, da, sizeof da);
+  } else if (lo->kv_heads) {
     char *pa[] = {"--page-size", ps, "--heads", ph, "--kv-heads", kh, "--unit", un, NULL};
-    char *da[] = {"--page-size", ps, "--heads", dh, "--unit", un, lo->mla ? "--mla" : NULL, NULL};
+    char *da[] = {"--page-size", ps, "--heads", dh, "--unit", un, NULL};
     memcpy(pargv + 12, pa, sizeof pa);
     memcpy(dargv + 12, da, sizeof da);
   }
+  const int nbuf = lo->mla ? lo->layers : 2 * lo->layers;
   /* Both fault in their pools at start: let them do it at the same time. */
   if (proc_start(&pp->prefill, pargv)) {
     snprintf(err, cap, "cannot start the prefill process");
@@ -73,11 +79,11 @@ int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
   }
   pp->up |= 4;
   if (proc_read_line(&pp->prefill, line, sizeof line, 60000) || strncmp(line, "ready ", 6)) {
-    snprintf(err, cap, "the prefill process did not start (pool of %s pages x %d buffers)", pg, 2 * lo->layers);
+    snprintf(err, cap, "the prefill process did not start (pool of %s pages x %d buffers)", pg, nbuf);
     goto err;
   }
   if (proc_read_line(&pp->decode, line, sizeof line, 60000) || strncmp(line, "ready ", 6)) {
-    snprintf(err, cap, "the decode process did not start (pool of %s pages x %d buffers)", pg, 2 * lo->layers);
+    snprintf(err, cap, "the decode process did not start (pool of %s pages x %d buffers)", pg, nbuf);
     goto err;
   }
   return 0;

@@ -35,8 +35,11 @@ typedef struct pd_req {
  * (kvpool_init_heads): page_size tokens a page, token-major, `unit` bytes per
  * head per token; each prefill rank holds kv_heads / prefill_tp heads, each
  * decode rank kv_heads / decode_tp, and the decode checks every (token, head)
- * of every rank; mla: one latent "head" replicated on every rank of both
- * sides (kv_heads 1), the decode with the legacy MLA routing. */
+ * of every rank. mla: MLA pools (kvpool_init_mla) on both sides, one latent
+ * buffer per layer of page_size tokens x unit bytes a page, the same on every
+ * rank (kv_heads unused), checked whole on every decode rank; 1: the generic
+ * planner (replicated latent when the TP sizes differ, identity when equal),
+ * 2: the decode with the legacy MLA routing (is_mla). */
 typedef struct pd_layout {
   int layers;
   uint64_t item, pages;

@@ -3,7 +3,10 @@
  * corrupted page (--corrupt: one byte of one landed page flipped before the
  * decode's ordinary byte check) makes it exit non-zero and name the
  * mismatch; heterogeneous TP (2 -> 1, 1 -> 2) verifies every (token, head)
- * on every decode rank. The demo starts its own bootstrap, prefill and decode processes
+ * on every decode rank; deepseek-v3 (MLA: one latent buffer per layer, the
+ * same on every rank) verifies the whole latent on every decode rank, with
+ * equal TP and with prefill TP 2 -> decode TP 1 (the latent replicated).
+ * The demo starts its own bootstrap, prefill and decode processes
  * on 127.0.0.1. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -83,11 +86,36 @@ static void short_demo_prefill_tp1_decode_tp2(void **state) {
   assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
 }
 
+/* MLA: 61 latent buffers (one per layer), every prefill rank holding the
+ * same latent; every decode rank checks every (token, layer) latent. */
+static void short_demo_deepseek_v3_mla(void **state) {
+  (void)state;
+  static char out[65536];
+  assert_int_equal(run_demo("--short --model deepseek-v3", out, sizeof out), 0);
+  assert_int_equal(summary_value(out, "requests"), 6);
+  assert_int_equal(summary_value(out, "failures"), 0);
+  assert_non_null(strstr(out, "61 layers x MLA latent"));
+  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+}
+
+/* MLA with prefill TP 2 -> decode TP 1: the generic planner takes the
+ * latent as replicated, one prefill rank serves the decode rank. */
+static void short_demo_deepseek_v3_prefill_tp2_decode_tp1(void **state) {
+  (void)state;
+  static char out[65536];
+  assert_int_equal(run_demo("--short --model deepseek-v3 --prefill-tp 2 --decode-tp 1", out, sizeof out), 0);
+  assert_int_equal(summary_value(out, "requests"), 6);
+  assert_int_equal(summary_value(out, "failures"), 0);
+  assert_non_null(strstr(out, "prefill (TP 2)"));
+  assert_non_null(strstr(out, "(replicated)"));
+  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+}
+
 static void unsupported_options_say_why(void **state) {
   (void)state;
   static char out[4096];
-  assert_int_equal(run_demo("--model deepseek-v3", out, sizeof out), 2);
-  assert_non_null(strstr(out, "deepseek-v3 preset not implemented yet"));
+  assert_int_equal(run_demo("--model deepseek-v3 --prefill-tp 9", out, sizeof out), 2);
+  assert_non_null(strstr(out, "must be 1..8 for deepseek-v3"));
   assert_int_equal(run_demo("--prefill-tp 3", out, sizeof out), 2);
   assert_non_null(strstr(out, "must divide the 8 KV heads"));
 }
@@ -98,6 +126,8 @@ int main(void) {
       cmocka_unit_test(corrupted_page_is_caught_and_named),
       cmocka_unit_test(short_demo_prefill_tp2_decode_tp1),
       cmocka_unit_test(short_demo_prefill_tp1_decode_tp2),
+      cmocka_unit_test(short_demo_deepseek_v3_mla),
+      cmocka_unit_test(short_demo_deepseek_v3_prefill_tp2_decode_tp1),
       cmocka_unit_test(unsupported_options_say_why),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
