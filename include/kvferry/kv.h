@@ -160,6 +160,25 @@ int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, s
                            size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
                            int64_t bootstrap_token, const int32_t *cands, size_t ncand,
                            const int64_t *state_slots, size_t nstate);
+
+/* bootstrap_token value for the last chunk (kvf_sender_send or
+ * kvf_sender_send_layers): "the first token will come through
+ * kvf_sender_set_metadata" (PROTOCOL §6.9, §6.11 metadata wait; layerwise
+ * sends the last layer group before sampling). The chunk's candidates are
+ * then ignored. -1 still means "no token": the M3 carries -1 at once. */
+#define KVF_TOKEN_LATER (-2)
+
+/* Publish the room's first token (-1 none) and speculative ids (the
+ * reference's set_prefill_metadata). Once the KVF_TOKEN_LATER last chunk has
+ * landed on every destination, this sends the M3 Success with them and makes
+ * the room Success; published earlier, they are kept and used when the chunk
+ * lands. While the room waits, kvf_sender_poll bounds the wait (the reference
+ * waits forever, §8 item 2): bootstrap_timeout_s after the chunk landed it
+ * fails the room ("Request <R>: first token not published within <X>s after
+ * its KV landed") and sends M3 Failed. 0; KVF_EEXIST if already published
+ * (the first wins); KVF_ENOTFOUND if the room is no longer known; KVF_EINVAL,
+ * KVF_ETOOBIG (ncand past the wire limit). Scheduler thread. */
+int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand);
 int kvf_sender_poll(kvf_sender *s);
 void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap);
 /* Fail the room with `reason` and tell every known decode destination. */

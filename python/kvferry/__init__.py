@@ -19,6 +19,7 @@ from .kv import (
     KVReceiver,
     KVSender,
     KVTransferError,
+    TOKEN_LATER,
     TransferPoll,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "KVReceiver",
     "KVSender",
     "KVTransferError",
+    "TOKEN_LATER",
     "TransferEngine",
     "TransferPoll",
     "set_log_level",

@@ -52,6 +52,23 @@ def _bind_send_layers():
 
 _kvf_sender_send_layers = _bind_send_layers()
 
+
+def _bind_set_metadata():
+    try:
+        fn = getattr(_lib._cdll, "kvf_sender_set_metadata")
+    except AttributeError:
+        return _lib._Missing("kvf_sender_set_metadata", _lib.LIB_PATH)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t]
+    return fn
+
+
+_kvf_sender_set_metadata = _bind_set_metadata()
+
+# bootstrap_token for the last chunk: "the first token comes later, through
+# KVSender.set_metadata" (C: KVF_TOKEN_LATER). -1 means "no token".
+TOKEN_LATER = -2
+
 _REASON_CAP = 1024
 _CANDS_CAP = 4096
 UNKNOWN_REASON = "Failed due to an unknown reason from another rank"
@@ -440,6 +457,21 @@ class KVSender(_Handle):
                                       -1 if bootstrap_token is None else int(bootstrap_token),
                                       _ptr(cands, ctypes.c_int32), ncand, _ptr(states, ctypes.c_int64), nstate),
               f"send_layers for room {self.bootstrap_room}")
+
+    def set_metadata(self, bootstrap_token, spec_candidate_ids=None):
+        """Publish the first token (-1 none) and speculative ids (tokenspeed's
+        set_prefill_metadata) for a last chunk sent with bootstrap_token=
+        TOKEN_LATER: once its KV landed, the room becomes Success and the decode
+        gets them. Unpublished, the room fails bootstrap_timeout_s after the KV
+        landed. A second call raises KVFerryError (KVF_EEXIST; the first wins)."""
+        cands = None
+        if spec_candidate_ids is not None:
+            c = spec_candidate_ids.tolist() if hasattr(spec_candidate_ids, "tolist") else spec_candidate_ids
+            cands = array("i", c)
+        ncand = len(cands) if cands is not None else 0
+        check(_kvf_sender_set_metadata(self._require(), -1 if bootstrap_token is None else int(bootstrap_token),
+                                       _ptr(cands, ctypes.c_int32), ncand),
+              f"set_metadata for room {self.bootstrap_room}")
 
     def abort(self, reason="Aborted"):
         """Fail the room with `reason` and tell every known decode destination."""

@@ -57,8 +57,20 @@
  * chunk only when the room has no real destination (otherwise Success comes
  * from the real transfers, so a dummy cannot report Success before the data
  * landed). L1.5 partial-cache indices (§6.3 modes other than OFF/OFF) are not
- * supported: such a request fails the room with a reason. The metadata wait
- * is not implemented (the token rides on the last chunk). */
+ * supported: such a request fails the room with a reason.
+ *
+ * First-token hand-off (§6.9, §6.11 metadata wait). The token usually rides
+ * on the last chunk. A last chunk whose token is KVF_TOKEN_LATER (layerwise:
+ * the last layer group goes out before sampling) instead parks the room once
+ * it landed on every required destination: the worker stores those
+ * destinations in the room (`park`) and moves on, so no worker ever waits
+ * for a token. kvf_sender_set_metadata stores the token (first wins) and, if
+ * the room is parked, makes it Success and sends the M3s; published before
+ * the chunk lands, the worker uses it at once. The reference waits forever;
+ * kvferry bounds the wait in kvf_sender_poll: bootstrap_timeout_s after the
+ * chunk landed the room fails and the parked destinations get M3 Failed. A
+ * parked room that failed another way (abort sends its own M3s and unparks)
+ * gets M3 Failed from the next poll. A destroyed room just drops its park. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -107,6 +119,11 @@ typedef struct pf_chunk {
   size_t nstate;
 } pf_chunk;
 
+typedef struct pf_dest { /* where an M3 goes */
+  char host[WIRE_STR_MAX + 1];
+  uint16_t port;
+} pf_dest;
+
 typedef struct pf_room {
   int64_t room;
   int refs;
@@ -120,6 +137,15 @@ typedef struct pf_room {
   size_t ninfos, cap;
   pf_chunk *pend_head, *pend_tail;
   size_t npending;
+  /* first token published by kvf_sender_set_metadata (immutable once set) */
+  int meta_set;
+  int64_t meta_token;
+  int32_t *meta_cands;
+  size_t meta_ncand;
+  /* KVF_TOKEN_LATER: the last chunk landed, waiting for the token */
+  pf_dest *park; /* the completed destinations, NULL when not parked */
+  size_t npark;
+  int64_t landed_ns;
 } pf_room;
 
 typedef struct pf_queue {
@@ -154,11 +180,6 @@ typedef struct prefill_state {
   plan_layout kv_lay, st_lay;
 } prefill_state;
 
-typedef struct pf_dest { /* where an M3 goes */
-  char host[WIRE_STR_MAX + 1];
-  uint16_t port;
-} pf_dest;
-
 /* ------------------------------------------------------------- helpers */
 
 static void chunk_free(pf_chunk *c) {
@@ -180,6 +201,8 @@ static void room_unref(prefill_state *ps, pf_room *r) {
   if (--r->refs > 0) return;
   for (size_t i = 0; i < r->ninfos; i++) info_unref(r->infos[i]);
   free(r->infos);
+  free(r->meta_cands);
+  free(r->park);
   for (pf_chunk *c = r->pend_head, *n; c; c = n) {
     n = c->next;
     chunk_free(c);
@@ -729,18 +752,44 @@ static void process_chunk(prefill_state *ps, pf_chunk *c) {
     atomic_fetch_add(&m->stats.bytes_sent, bytes);
     counted = 1;
     pthread_mutex_lock(&ps->lock);
-    int fin = ROOM_FAILED;
-    if (!r->dead) {
+    int fin = ROOM_FAILED, parked = 0;
+    int64_t tok = c->token;
+    const int32_t *cd = c->cands;
+    size_t ncd = c->ncand;
+    if (!r->dead && c->token == KVF_TOKEN_LATER) {
+      if (r->meta_set) { /* published before the chunk landed */
+        tok = r->meta_token, cd = r->meta_cands, ncd = r->meta_ncand;
+      } else {
+        tok = -1, cd = NULL, ncd = 0; /* the chunk's values, should the room be Failed */
+        rooms_get_status(m->rooms, r->room, &fin);
+        if (fin != ROOM_FAILED) {
+          pf_dest *d = calloc(ndone, sizeof *d);
+          if (d) {
+            for (size_t k = 0; k < ndone; k++) {
+              const wire_m2 *y = infos[done[k]]->m2;
+              snprintf(d[k].host, sizeof d[k].host, "%s", y->endpoint);
+              d[k].port = y->dst_port;
+            }
+            free(r->park); /* a later, larger completed list replaces it */
+            r->park = d, r->npark = ndone, r->landed_ns = clock_now_ns();
+            parked = 1;
+          } else {
+            rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
+          }
+        }
+      }
+    }
+    if (!r->dead && !parked) {
       rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
       rooms_get_status(m->rooms, r->room, &fin);
     }
     int dead = r->dead;
     pthread_mutex_unlock(&ps->lock);
-    if (dead) break;
+    if (dead || parked) break; /* parked: kvf_sender_set_metadata or the poll sends the M3s */
     for (size_t k = 0; k < ndone; k++) {
       const wire_m2 *y = infos[done[k]]->m2;
-      send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED, c->token,
-              c->cands, c->ncand);
+      send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED, tok, cd,
+              ncd);
     }
   }
   if (ok && !counted) {
@@ -1061,6 +1110,48 @@ int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, s
                        bootstrap_token, cands, ncand, state_slots, nstate);
 }
 
+int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand) {
+  if (!s || (ncand && !cands) || bootstrap_token < -1) return KVF_EINVAL;
+  if (ncand > WIRE_MAX_CANDIDATES) return KVF_ETOOBIG;
+  prefill_state *ps = s->m->prefill;
+  pf_room *r = s->r;
+  int32_t *copy = ncand ? malloc(ncand * sizeof *copy) : NULL;
+  if (ncand && !copy) return KVF_ENOMEM;
+  if (ncand) memcpy(copy, cands, ncand * sizeof *cands);
+  int st = ROOM_FAILED, rc = 0;
+  pf_dest *d = NULL;
+  size_t nd = 0;
+  const int32_t *cd = NULL;
+  pthread_mutex_lock(&ps->lock);
+  if (r->dead || rooms_get_status(s->m->rooms, s->room, &st)) {
+    rc = KVF_ENOTFOUND;
+  } else if (r->meta_set) {
+    rc = KVF_EEXIST;
+  } else {
+    r->meta_set = 1;
+    r->meta_token = bootstrap_token;
+    r->meta_cands = copy, r->meta_ncand = ncand;
+    cd = copy, copy = NULL;
+    if (r->park) { /* the KV landed: Success now (§6.11 step 6) */
+      d = r->park, nd = r->npark;
+      r->park = NULL, r->npark = 0;
+      if (st != ROOM_FAILED) {
+        rooms_update(s->m->rooms, s->room, ROOM_SUCCESS, NULL);
+        rooms_get_status(s->m->rooms, s->room, &st);
+      }
+    }
+  }
+  pthread_mutex_unlock(&ps->lock);
+  free(copy);
+  /* cd stays valid: the room lives as long as the sender, and its metadata
+   * never changes once set. */
+  for (size_t k = 0; k < nd; k++)
+    send_m3(s->m, d[k].host, d[k].port, s->room, st == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED, bootstrap_token,
+            cd, ncand);
+  free(d);
+  return rc;
+}
+
 int kvf_sender_poll(kvf_sender *s) {
   if (!s) return KVF_POLL_FAILED;
   prefill_state *ps = s->m->prefill;
@@ -1078,6 +1169,21 @@ int kvf_sender_poll(kvf_sender *s) {
     st = ROOM_FAILED;
     d = collect_dests(s->r, &nd);
     LOG_WARN("kv", "%s", why);
+  } else if (s->r->park) {
+    /* KVF_TOKEN_LATER: the KV landed and the token is late (§8 item 2). */
+    limit = s->m->cfg.bootstrap_timeout_s;
+    if (st != ROOM_FAILED && clock_now_ns() - s->r->landed_ns >= (int64_t)(limit * 1e9)) {
+      char why[ROOMS_REASON_MAX];
+      snprintf(why, sizeof why, "Request %" PRId64 ": first token not published within %.1fs after its KV landed",
+               s->room, limit);
+      rooms_fail(s->m->rooms, s->room, why);
+      st = ROOM_FAILED;
+      LOG_WARN("kv", "%s", why);
+    }
+    if (st == ROOM_FAILED) { /* timed out, or failed another way without telling these */
+      d = s->r->park, nd = s->r->npark;
+      s->r->park = NULL, s->r->npark = 0;
+    }
   }
   pthread_mutex_unlock(&ps->lock);
   if (d) send_failed_all(s->m, s->room, d, nd);
@@ -1097,6 +1203,8 @@ void kvf_sender_abort(kvf_sender *s, const char *reason) {
   pthread_mutex_lock(&ps->lock);
   rooms_fail(s->m->rooms, s->room, reason && *reason ? reason : "Aborted");
   pf_dest *d = collect_dests(s->r, &nd);
+  free(s->r->park); /* the parked destinations are told here */
+  s->r->park = NULL, s->r->npark = 0;
   pthread_mutex_unlock(&ps->lock);
   if (d) send_failed_all(s->m, s->room, d, nd);
 }

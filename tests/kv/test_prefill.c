@@ -5,7 +5,8 @@
  * (bytes compared), a chunk that waits for its M2, the bootstrap timeout,
  * malformed and unregistered messages, an engine-refused write, PUT /route
  * to a real bootstrap server, many senders created and destroyed, and
- * layerwise sends (two MHA layers, per-layer bytes and one M3). Every
+ * layerwise sends (two MHA layers, per-layer bytes and one M3), and the
+ * first token published after the KV landed (KVF_TOKEN_LATER). Every
  * wait is bounded in time. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -720,6 +721,145 @@ static void layerwise_empty_chunks(void **state) {
   g_nkv = 2;
 }
 
+/* ---- first-token hand-off (KVF_TOKEN_LATER, kvf_sender_set_metadata) ---- */
+
+/* Layerwise: the last layer group lands before sampling; the M3 and Success
+ * wait for the token, which then rides on the M3. Published twice: the
+ * first wins. */
+static void token_after_landing(void **state) {
+  (void)state;
+  g_nkv = 4;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 61, &s), 0);
+  int64_t src[] = {3, 4}, dst[] = {10, 11};
+  send_m1(&f);
+  send_m2(&f, 61, dst, 2);
+  wait_received(&f, 2);
+  int32_t ignored[] = {5};
+  assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 1, 2, 1, 0, KVF_TOKEN_LATER, ignored, 1, NULL, 0), 0);
+  wait_chunks(&f, 2);
+  check_layer(&f, 0, src, dst, 2);
+  check_layer(&f, 1, src, dst, 2);
+  expect_no_m3(&f, 150);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
+  int32_t cands[] = {7, 8};
+  assert_int_equal(kvf_sender_set_metadata(s, -3, NULL, 0), KVF_EINVAL);
+  assert_int_equal(kvf_sender_set_metadata(s, 4242, NULL, 1), KVF_EINVAL);
+  assert_int_equal(kvf_sender_set_metadata(s, 4242, cands, 2), 0);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 61, 4242, cands, 2);
+  assert_int_equal(kvf_sender_set_metadata(s, 1, NULL, 0), KVF_EEXIST);
+  expect_no_m3(&f, 100); /* exactly one */
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+  g_nkv = 2;
+}
+
+/* Published before the last chunk landed (here before the M2 even came):
+ * kept and used when the chunk lands. */
+static void token_before_landing(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 62, &s), 0);
+  int64_t src[] = {1, 2, 3}, dst[] = {4, 5, 6};
+  assert_int_equal(kvf_sender_send(s, src, 3, 1, 0, KVF_TOKEN_LATER, NULL, 0, NULL, 0), 0);
+  int32_t cands[] = {9};
+  assert_int_equal(kvf_sender_set_metadata(s, 17, cands, 1), 0);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+  send_m1(&f);
+  send_m2(&f, 62, dst, 3);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 62, 17, cands, 1);
+  check_pages(&f, src, dst, 3);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+/* Never published: the reference waits forever; kvferry fails the room
+ * bootstrap_timeout_s after the KV landed and tells the decode. */
+static void token_never_published(void **state) {
+  (void)state;
+  setenv("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "1", 1);
+  fixture f;
+  fx_setup(&f, "");
+  unsetenv("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT");
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 63, &s), 0);
+  int64_t src[] = {1}, dst[] = {2};
+  send_m1(&f);
+  send_m2(&f, 63, dst, 1);
+  wait_received(&f, 2);
+  assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, KVF_TOKEN_LATER, NULL, 0, NULL, 0), 0);
+  wait_chunks(&f, 1);
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(wait_final(s, 4000), KVF_POLL_FAILED);
+  assert_true(clock_now_ns() - t0 >= 500000000LL);
+  char why[256];
+  kvf_sender_failure(s, why, sizeof why);
+  assert_string_equal(why, "Request 63: first token not published within 1.0s after its KV landed");
+  wire_m3 m3;
+  int32_t c[8];
+  size_t nc;
+  recv_m3(&f, &m3, c, &nc);
+  assert_int_equal(m3.room, 63);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  assert_int_equal(m3.bootstrap_token, -1);
+  /* a late publication changes nothing and sends nothing */
+  assert_int_equal(kvf_sender_set_metadata(s, 5, NULL, 0), 0);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_FAILED);
+  expect_no_m3(&f, 100);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+/* Waiting rooms destroyed, aborted or cleared: no crash, nothing leaked,
+ * an abort tells the decode once, a cleared room is KVF_ENOTFOUND. */
+static void token_wait_ends(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  int64_t src[] = {1}, dst[] = {2};
+  send_m1(&f);
+  wait_received(&f, 1);
+  kvf_sender *s[3] = {NULL, NULL, NULL};
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(kvf_sender_create(f.m, 64 + i, &s[i]), 0);
+    send_m2(&f, 64 + i, dst, 1);
+    assert_int_equal(kvf_sender_send(s[i], src, 1, 1, 0, KVF_TOKEN_LATER, NULL, 0, NULL, 0), 0);
+  }
+  wait_chunks(&f, 3);
+  expect_no_m3(&f, 100);
+  kvf_sender_destroy(s[0]); /* destroyed while waiting */
+  kvf_sender_abort(s[1], "gave up");
+  wire_m3 m3;
+  int32_t c[8];
+  size_t nc;
+  recv_m3(&f, &m3, c, &nc);
+  assert_int_equal(m3.room, 65);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  assert_int_equal(kvf_sender_poll(s[1]), KVF_POLL_FAILED);
+  assert_int_equal(kvf_sender_set_metadata(s[1], 3, NULL, 0), 0);
+  expect_no_m3(&f, 100);
+  assert_int_equal(rooms_clear(f.m->rooms, 66, NULL), 0);
+  assert_int_equal(kvf_sender_set_metadata(s[2], 3, NULL, 0), KVF_ENOTFOUND);
+  kvf_sender_destroy(s[1]);
+  kvf_sender_destroy(s[2]);
+  /* the id is usable again, and a new room knows nothing of the old one */
+  kvf_sender *t = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 64, &t), 0);
+  send_m2(&f, 64, dst, 1);
+  assert_int_equal(kvf_sender_send(t, src, 1, 1, 0, 11, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(t, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 64, 11, NULL, 0);
+  kvf_sender_destroy(t);
+  fx_teardown(&f);
+}
+
 static void registers_with_bootstrap(void **state) {
   (void)state;
   kvf_bootstrap_server_config bc;
@@ -777,6 +917,10 @@ int main(void) {
       cmocka_unit_test(layerwise_windows),
       cmocka_unit_test(layerwise_empty_chunks),
       cmocka_unit_test(registers_with_bootstrap),
+      cmocka_unit_test(token_after_landing),
+      cmocka_unit_test(token_before_landing),
+      cmocka_unit_test(token_never_published),
+      cmocka_unit_test(token_wait_ends),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

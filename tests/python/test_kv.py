@@ -364,6 +364,33 @@ def test_send_layers_two_layers(closing):
     assert r.pop_metadata() == (17, None)
 
 
+def test_set_metadata_after_last_layer(closing):
+    """The last layer group goes out before sampling (TOKEN_LATER): no
+    Success until set_metadata publishes the token, which the decode pops."""
+    pages, item = 4, 16
+    src = [np.full((pages, item), b + 1, dtype=np.uint8) for b in range(2)]
+    dst = [np.zeros((pages, item), dtype=np.uint8) for _ in range(2)]
+    srv = closing(BootstrapServer("127.0.0.1", 0))
+    pm = closing(KVManager("prefill", src, bootstrap_addr=srv.addr))
+    dm = closing(KVManager("decode", dst))
+    room = 5151
+    r = closing(KVReceiver(dm, srv.addr, room))
+    s = closing(KVSender(pm, room))
+    r.prefill([2, 3], aux_index=0)
+    s.send_layers([0, 1], 0, 0, 1, is_last=True, aux_index=0, bootstrap_token=kvferry.TOKEN_LATER)
+    deadline = time.monotonic() + POLL_LIMIT_S
+    while pm.get_stats()["chunks_sent"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert s.poll() != TransferPoll.Success and r.poll() != TransferPoll.Success
+    s.set_metadata(321, [4, 5])
+    with pytest.raises(KVFerryError):
+        s.set_metadata(1)
+    assert wait_final(s) == TransferPoll.Success
+    assert wait_final(r) == TransferPoll.Success, r.failure_reason()
+    assert r.pop_metadata() == (321, [4, 5])
+
+
 def test_receiver_against_nothing_listening(closing):
     dm = closing(KVManager("decode", [np.zeros((4, 16), np.uint8)], http_timeout_ms=2000))
     port = free_port()
