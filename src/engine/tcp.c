@@ -35,6 +35,7 @@
 #define TCP_INLINE_MAX_BYTES (1u << 20)
 #define TCP_MAX_SESSIONS 4096
 #define TCP_HELLO_TIMEOUT_MS 5000
+#define TCP_READER_TICK_MS 100
 
 typedef struct tcp_state tcp_state;
 
@@ -71,6 +72,32 @@ static int send_all(int fd, const void *buf, size_t len) {
       len -= (size_t)r;
     } else if (r < 0 && errno != EINTR) {
       return (errno == EAGAIN || errno == EWOULDBLOCK) ? KVF_ETIMEDOUT : KVF_ECLOSED;
+    }
+  }
+  return 0;
+}
+
+/* Read one fixed-size message from a socket whose SO_RCVTIMEO is a short
+ * tick, without a poll() call first (each system call is costly on these
+ * VMs). Returns 0 when the message is in, 1 when a tick passed with nothing
+ * read (idle), or an error. Once a first byte has arrived the rest must
+ * follow within `rest_ms`. */
+static int recv_msg_or_idle(int fd, void *buf, size_t len, int tick_ms, int rest_ms) {
+  char *p = buf;
+  size_t got = 0;
+  int waited = 0;
+  while (got < len) {
+    ssize_t r = recv(fd, p + got, len - got, MSG_WAITALL);
+    if (r > 0) {
+      got += (size_t)r;
+    } else if (r == 0) {
+      return KVF_ECLOSED;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (got == 0) return 1;
+      waited += tick_ms;
+      if (waited >= rest_ms) return KVF_ETIMEDOUT;
+    } else if (errno != EINTR) {
+      return KVF_ECLOSED;
     }
   }
   return 0;
@@ -303,13 +330,10 @@ static void *conn_writer_main(void *arg) {
 static void *conn_reader_main(void *arg) {
   tcp_conn *c = arg;
   while (!atomic_load(&c->dead)) {
-    struct pollfd p = {.fd = c->fd, .events = POLLIN};
-    int r = poll(&p, 1, 100);
-    if (r < 0 && errno != EINTR) {
-      conn_fail(c, KVF_EIO);
-      break;
-    }
-    if (r <= 0) {
+    /* The socket's receive timeout is the idle tick (TCP_READER_TICK_MS). */
+    tcp_ack a;
+    int r = recv_msg_or_idle(c->fd, &a, sizeof a, TCP_READER_TICK_MS, c->timeout_ms);
+    if (r == 1) {
       /* Idle tick: a chunk whose deadline passed means the peer stopped
        * answering (SIGSTOP, a hung host): fail the connection, and with it
        * everything it carries, rather than wait on TCP's own timers. */
@@ -323,9 +347,7 @@ static void *conn_reader_main(void *arg) {
       }
       continue;
     }
-    tcp_ack a;
-    int rc = recv_all(c->fd, &a, sizeof a);
-    if (rc) {
+    if (r) {
       conn_fail(c, KVF_ECLOSED);
       break;
     }
@@ -416,8 +438,9 @@ static int conn_open(kvf_engine *e, tcp_session *s, int64_t deadline_ns, tcp_con
     goto err_close;
   }
   /* Data-phase sends may block while the peer drains; the reader's deadline
-   * check is what bounds them (it shuts the socket down). */
-  set_timeout(fd, SO_RCVTIMEO, 0);
+   * check is what bounds them (it shuts the socket down). Receives wake at
+   * least every tick so the reader can check deadlines. */
+  set_timeout(fd, SO_RCVTIMEO, TCP_READER_TICK_MS);
   set_timeout(fd, SO_SNDTIMEO, 0);
 
   tcp_conn *c = calloc(1, sizeof *c);
@@ -621,14 +644,13 @@ static void *inbound_main(void *arg) {
   set_timeout(in->fd, SO_RCVTIMEO, e->cfg.timeout_ms);
   set_timeout(in->fd, SO_SNDTIMEO, e->cfg.timeout_ms);
   for (;;) {
-    struct pollfd p = {.fd = in->fd, .events = POLLIN};
-    if (poll(&p, 1, -1) < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    if (atomic_load(&in->t->stopping)) break;
+    /* Idle between chunks is fine (a tick with nothing read); a chunk that
+     * starts must arrive within the timeout. */
     tcp_chunk_hdr h;
-    if (recv_all(in->fd, &h, sizeof h)) break;
+    int r = recv_msg_or_idle(in->fd, &h, sizeof h, e->cfg.timeout_ms, e->cfg.timeout_ms);
+    if (atomic_load(&in->t->stopping)) break;
+    if (r == 1) continue;
+    if (r) break;
     if (h.magic != TCP_CHUNK_MAGIC || h.ndesc == 0 || h.ndesc > TCP_MAX_DESC) {
       atomic_fetch_add(&e->stats.protocol_errors, 1);
       log_peer_once(in->peer, "frame", "malformed chunk header; connection dropped");
