@@ -93,8 +93,8 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
 }
 
 static void finish_req(peer_req *r, kvpool *pools, int status, const char *reason) {
+  /* Flushed once per main-loop turn, not per line: one write for many rooms. */
   printf("done %lld %d %lld %s\n", (long long)r->room, status, r->last_send_ns, reason && *reason ? reason : "-");
-  fflush(stdout);
   for (int i = 0; i < r->nranks; i++) {
     if (r->tx[i]) kvf_sender_destroy(r->tx[i]);
     if (r->pages[i]) kvpool_give(&pools[r->rank0 + i], r->pages[i], r->npages);
@@ -240,7 +240,6 @@ int cli_kv_peer(int argc, char **argv) {
         } else {
           printf("error bad command\n");
         }
-        fflush(stdout);
         size_t used = (size_t)(nl - line) + 1;
         memmove(line, nl + 1, llen - used);
         llen -= used;
@@ -264,11 +263,13 @@ int cli_kv_peer(int argc, char **argv) {
         finish_req(r, pools, st, reason);
       }
     }
+    fflush(stdout);
   }
   rc = 0;
 out:
   for (int i = 0; reqs && i < PEER_MAX_REQS; i++)
     if (reqs[i].nranks) finish_req(&reqs[i], pools, 0, "shutdown");
+  fflush(stdout);
   for (int r = 0; mgr && r < o.world; r++) kvf_manager_destroy(mgr[r]);
   for (int r = 0; pools && r < o.world; r++) kvpool_free(&pools[r]);
   kvf_bootstrap_server_stop(srv);
