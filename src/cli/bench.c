@@ -57,19 +57,6 @@ typedef struct bench_opts {
   const char *plot;  /* --plot FILE.png */
 } bench_opts;
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-static uint64_t rng_next(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return *s;
-}
-
 /* Baseline: one blocking TCP stream over loopback, 1 MiB writes, to a child
  * process that receives into a buffer; timed until the child confirms it has
  * every byte. With pool_bytes > 1 MiB both ends walk a pool of that size, as
@@ -111,7 +98,7 @@ static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
     memset(buf, 7, pool_bytes);
     char ready;
     if (recv(fd, &ready, 1, MSG_WAITALL) != 1) goto done;
-    double t0 = now_s();
+    double t0 = cli_now_s();
     uint64_t sent = 0;
     while (sent < total) {
       ssize_t r = send(fd, buf + sent % pool_bytes, blk - sent % blk, MSG_NOSIGNAL);
@@ -119,7 +106,7 @@ static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
       sent += (uint64_t)r;
     }
     char ok;
-    if (sent >= total && recv(fd, &ok, 1, MSG_WAITALL) == 1) gbps = total / (now_s() - t0) / 1e9;
+    if (sent >= total && recv(fd, &ok, 1, MSG_WAITALL) == 1) gbps = total / (cli_now_s() - t0) / 1e9;
   }
 done:
   if (fd >= 0) close(fd);
@@ -146,7 +133,7 @@ static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char 
     return 0;
   }
   uint64_t per = block * per_batch, submitted = 0, done = 0;
-  double t0 = now_s();
+  double t0 = cli_now_s();
   size_t slot = 0;
   while (done < total && !*failed) {
     if (b[slot]) { /* oldest batch in this slot: wait for it first */
@@ -158,8 +145,8 @@ static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char 
     if (submitted < total) {
       kvf_write *ws = &w[slot * per_batch];
       for (size_t i = 0; i < per_batch; i++) {
-        ws[i] = (kvf_write){.src = (uint64_t)(uintptr_t)pool + (rng_next(&rng) % slots) * block,
-                            .dst = peer->base + (rng_next(&rng) % slots) * block, .len = block};
+        ws[i] = (kvf_write){.src = (uint64_t)(uintptr_t)pool + (cli_rng_next(&rng) % slots) * block,
+                            .dst = peer->base + (cli_rng_next(&rng) % slots) * block, .len = block};
       }
       if (kvf_engine_submit(e, peer->session, ws, per_batch, &b[slot])) *failed = 1;
       submitted += per;
@@ -171,7 +158,7 @@ static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char 
       if (kvf_batch_wait(b[i], -1)) *failed = 1;
       kvf_batch_free(b[i]);
     }
-  double dt = now_s() - t0;
+  double dt = cli_now_s() - t0;
   free(w);
   free(b);
   return *failed ? 0 : done / dt / 1e9;
@@ -304,15 +291,15 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
   if (!slots || !t_success || !t_send || !lat) goto out;
   for (int i = 0; i < c->inflight; i++)
     if (!(slots[i].pages = malloc(c->pages * sizeof(int64_t)))) goto out;
-  double t0 = now_s(), limit = t0 + 120;
-  while ((finished < c->rooms || reported < c->rooms) && now_s() < limit) {
+  double t0 = cli_now_s(), limit = t0 + 120;
+  while ((finished < c->rooms || reported < c->rooms) && cli_now_s() < limit) {
     int progress = 0;
     for (int i = 0; i < c->inflight; i++) {
       rooms_slot *s = &slots[i];
       if (s->active) {
         int st = kvf_receiver_poll(s->rx);
         if (st != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED) continue;
-        t_success[s->room - base_room] = st == KVF_POLL_SUCCESS ? now_s() : -1;
+        t_success[s->room - base_room] = st == KVF_POLL_SUCCESS ? cli_now_s() : -1;
         if (st != KVF_POLL_SUCCESS) failed++;
         kvf_receiver_destroy(s->rx);
         kvpool_give(pool, s->pages, c->pages);
@@ -348,7 +335,7 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
      * one room in flight, whose latency this loop is measuring). */
     if (!progress) usleep(c->inflight > 1 ? 100 : 20);
   }
-  double dt = now_s() - t0;
+  double dt = cli_now_s() - t0;
   if (finished < c->rooms || failed) {
     fprintf(stderr, "bench rooms: %s: %d of %d finished, %d failed\n", c->name, finished, c->rooms, failed);
     goto out;
@@ -426,12 +413,12 @@ static double bench_zmq_rtt_us(int rounds) {
   int ok = pull && t;
   char buf[128];
   for (int i = 0; ok && i < rounds; i++) {
-    double a = now_s();
+    double a = cli_now_s();
     zmq_send(push, "7215963401", 10, ZMQ_SNDMORE);
     zmq_send(push, "5", 1, ZMQ_SNDMORE);
     zmq_send(push, "0", 1, 0);
     for (int f = 0; f < 3 && ok; f++) ok = zmq_recv(pull, buf, sizeof buf, 0) >= 0;
-    t[i] = (now_s() - a) * 1e6;
+    t[i] = (cli_now_s() - a) * 1e6;
   }
   if (ok) {
     qsort(t, (size_t)rounds, sizeof *t, cmp_dbl);
@@ -532,9 +519,9 @@ static double bench_memcpy_gbps(uint64_t total) {
   if (a != MAP_FAILED && b != MAP_FAILED) {
     memset(a, 1, n);
     memset(b, 2, n);
-    double t0 = now_s();
+    double t0 = cli_now_s();
     for (uint64_t done = 0; done < total; done += n) memcpy(b, a, total - done < n ? total - done : n);
-    double dt = now_s() - t0;
+    double dt = cli_now_s() - t0;
     gbps = dt > 0 && b[n / 2] == 1 ? total / dt / 1e9 : 0;
   }
   if (a != MAP_FAILED) munmap(a, n);
@@ -559,8 +546,8 @@ static int e2e_case(pd_pair *pp, size_t tokens, int runs, int64_t *room, double 
   for (int i = 0; i < runs; i++) {
     pd_req r = {.room = (*room)++, .token = 42, .npages = (tokens + E2E_PAGE_TOKENS - 1) / E2E_PAGE_TOKENS};
     if (pd_issue(pp, &r)) goto out;
-    double until = now_s() + 60;
-    while (!(r.prefill_done && r.decode_done) && now_s() < until)
+    double until = cli_now_s() + 60;
+    while (!(r.prefill_done && r.decode_done) && cli_now_s() < until)
       if (pd_collect(pp, &r, 1, r.room, 200) < 0) break;
     if (!r.prefill_done || !r.decode_done || pd_failed(&r)) {
       fprintf(stderr, "bench e2e: request of %zu tokens failed: %s\n", tokens, *r.reason ? r.reason : "timed out");

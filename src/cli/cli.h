@@ -3,6 +3,8 @@
 #ifndef KVF_CLI_H
 #define KVF_CLI_H
 
+#include <stdint.h>
+
 int cli_demo(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 int cli_bootstrap(int argc, char **argv);
@@ -13,5 +15,11 @@ int cli_kv_decode(int argc, char **argv);
 /* Shared helpers (cli_util.c). */
 int cli_parse_size(const char *s, unsigned long long *out);
 int cli_is_tty(void);
+/* CLOCK_MONOTONIC in seconds, milliseconds, nanoseconds. */
+double cli_now_s(void);
+long long cli_now_ms(void);
+long long cli_now_ns(void);
+/* xorshift64: advances *s and returns it (s must not be 0). */
+uint64_t cli_rng_next(uint64_t *s);
 
 #endif

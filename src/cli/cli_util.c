@@ -1,6 +1,7 @@
 /* Small helpers shared by the subcommands. */
 #include <ctype.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -24,3 +25,24 @@ int cli_parse_size(const char *s, unsigned long long *out) {
 }
 
 int cli_is_tty(void) { return isatty(STDOUT_FILENO) || isatty(STDERR_FILENO); }
+
+double cli_now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+long long cli_now_ms(void) { return cli_now_ns() / 1000000; }
+
+long long cli_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+uint64_t cli_rng_next(uint64_t *s) {
+  *s ^= *s << 13;
+  *s ^= *s >> 7;
+  *s ^= *s << 17;
+  return *s;
+}

@@ -47,19 +47,6 @@ static const model models[] = {
     {"deepseek-v3", 61, 1, 576, 2, 16, 1},
 };
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-static uint64_t rng_next(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return *s;
-}
-
 static int cmp_dbl(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -86,7 +73,7 @@ static void usage(FILE *f) {
 static void progress(int done, int total, double bytes, double t0) {
   const int width = 30;
   int fill = total ? done * width / total : width;
-  double dt = now_s() - t0;
+  double dt = cli_now_s() - t0;
   fprintf(stderr, "\r  [");
   for (int i = 0; i < width; i++) fputc(i < fill ? '#' : '.', stderr);
   fprintf(stderr, "] %d/%d requests  %.2f GiB  %.2f GB/s ", done, total, bytes / (1u << 30),
@@ -220,7 +207,7 @@ int cli_demo(int argc, char **argv) {
   uint64_t rng = seed * 0x9e3779b97f4a7c15ULL + 1;
   const int64_t room_base = (int64_t)(seed % 1000000) * 1000000 + 1;
   for (int i = 0; i < requests; i++) {
-    double u = (rng_next(&rng) >> 11) * (1.0 / 9007199254740992.0);
+    double u = (cli_rng_next(&rng) >> 11) * (1.0 / 9007199254740992.0);
     size_t t = (size_t)exp(log(128.0) + u * (log((double)max_tokens) - log(128.0)));
     if (t < 128) t = 128;
     if (t > max_tokens) t = (size_t)max_tokens;
@@ -263,7 +250,7 @@ int cli_demo(int argc, char **argv) {
   const int tty = isatty(STDERR_FILENO);
   int next = 0, running = 0, completed = 0, failures = 0;
   uint64_t free_pages = pool_pages;
-  double moved = 0, t0 = now_s(), last_progress = t0;
+  double moved = 0, t0 = cli_now_s(), last_progress = t0;
   char *accounted = calloc((size_t)requests, 1);
   const char *fatal = NULL;
   if (!accounted) {
@@ -309,14 +296,14 @@ int cli_demo(int argc, char **argv) {
       lat[completed - failures - 1] = dt;
       rate[completed - failures - 1] = dt > 0 ? bytes / dt / 1e9 : 0;
     }
-    if (got) last_progress = now_s();
-    else if (now_s() - last_progress > 120) {
+    if (got) last_progress = cli_now_s();
+    else if (cli_now_s() - last_progress > 120) {
       fatal = "no request finished in 120 s";
       goto out_stop;
     }
     if (tty) progress(completed, requests, moved, t0);
   }
-  double wall = now_s() - t0;
+  double wall = cli_now_s() - t0;
   if (tty) fputc('\n', stderr);
   int ok = completed - failures;
   qsort(lat, (size_t)ok, sizeof *lat, cmp_dbl);

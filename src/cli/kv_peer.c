@@ -86,9 +86,7 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
       if (last) break;
     }
   }
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  r->last_send_ns = ts.tv_sec * 1000000000LL + ts.tv_nsec;
+  r->last_send_ns = cli_now_ns();
   return 0;
 }
 

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "cli.h"
 #include "pattern.h"
 
 /* nbuf buffers of `pages` pages of item_len bytes, faulted in. */
@@ -137,18 +138,11 @@ void kvpool_free(kvpool *p) {
   memset(p, 0, sizeof *p);
 }
 
-static uint64_t rng_next(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return *s;
-}
-
 int kvpool_take(kvpool *p, size_t n, uint64_t *rng, int64_t *out) {
   if (n > p->nfree) return -1;
   for (size_t i = 0; i < n; i++) {
     /* Swap a random free entry to the end and pop it: scattered, O(1). */
-    size_t j = (size_t)(rng_next(rng) % p->nfree);
+    size_t j = (size_t)(cli_rng_next(rng) % p->nfree);
     int64_t t = p->free_pages[j];
     p->free_pages[j] = p->free_pages[p->nfree - 1];
     p->nfree--;

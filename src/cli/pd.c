@@ -8,17 +8,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "cli.h"
 #include "kvferry.h"
 
 static const char *cli_exe(void) {
   const char *exe = getenv("KVFERRY_CLI");
   return exe && *exe ? exe : proc_self_exe();
-}
-
-static long long now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
 }
 
 int pd_start(pd_pair *pp, int layers, uint64_t item, uint64_t pages, char *err, size_t cap) {
@@ -150,10 +145,10 @@ static int drain(proc *p, int is_decode, pd_req *reqs, size_t n, int64_t room_ba
 }
 
 int pd_collect(pd_pair *pp, pd_req *reqs, size_t n, int64_t room_base, int timeout_ms) {
-  long long until = now_ms() + timeout_ms;
+  long long until = cli_now_ms() + timeout_ms;
   for (;;) {
     int done = drain(&pp->prefill, 0, reqs, n, room_base) + drain(&pp->decode, 1, reqs, n, room_base);
-    long long left = until - now_ms();
+    long long left = until - cli_now_ms();
     if (done || left <= 0) return done;
     struct pollfd pf[2] = {{.fd = pp->prefill.out_fd, .events = POLLIN}, {.fd = pp->decode.out_fd, .events = POLLIN}};
     if (poll(pf, 2, (int)left) < 0) continue;

@@ -1,6 +1,8 @@
 /* Child processes over pipes (see proc.h). */
 #include "proc.h"
 
+#include "cli.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -45,14 +47,8 @@ int proc_start(proc *p, char *const argv[]) {
   return 0;
 }
 
-static long long now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
-}
-
 int proc_read_line(proc *p, char *buf, size_t cap, int timeout_ms) {
-  long long until = now_ms() + timeout_ms;
+  long long until = cli_now_ms() + timeout_ms;
   for (;;) {
     char *nl = memchr(p->rbuf, '\n', p->rlen);
     if (nl || p->rlen == sizeof p->rbuf) {
@@ -66,7 +62,7 @@ int proc_read_line(proc *p, char *buf, size_t cap, int timeout_ms) {
       return 0;
     }
     /* Poll at least once, so a timeout of 0 still takes what is there. */
-    long long left = until - now_ms();
+    long long left = until - cli_now_ms();
     struct pollfd pf = {.fd = p->out_fd, .events = POLLIN};
     int r = poll(&pf, 1, left > 0 ? (int)left : 0);
     if (r < 0 && errno == EINTR) continue;
@@ -87,7 +83,7 @@ int proc_stop(proc *p, int timeout_ms) {
   if (p->in) fclose(p->in);
   p->in = NULL;
   int status = -1;
-  long long until = now_ms() + timeout_ms;
+  long long until = cli_now_ms() + timeout_ms;
   for (;;) {
     pid_t r = waitpid(p->pid, &status, WNOHANG);
     if (r == p->pid) break;
@@ -95,7 +91,7 @@ int proc_stop(proc *p, int timeout_ms) {
       status = -1;
       break;
     }
-    if (now_ms() >= until) {
+    if (cli_now_ms() >= until) {
       kill(p->pid, SIGKILL);
       kill(p->pid, SIGCONT);
       waitpid(p->pid, &status, 0);
