@@ -23,16 +23,17 @@
 #include <stdint.h>
 
 #include "kvferry/common.h"
+#include "kvferry/kv.h" /* KVF_POLL_*: the one definition of the values */
 
 /* Status values, wire-exact (§2.1): sent as ascii ints in M3, MIN-reduced
  * across ranks, so Failed must stay the smallest. */
 enum {
-  ROOM_FAILED = 0,
-  ROOM_BOOTSTRAPPING = 1,
-  ROOM_BOOTSTRAPPED = 2,
-  ROOM_WAITING_FOR_INPUT = 3,
-  ROOM_TRANSFERRING = 4,
-  ROOM_SUCCESS = 5,
+  ROOM_FAILED = KVF_POLL_FAILED,
+  ROOM_BOOTSTRAPPING = KVF_POLL_BOOTSTRAPPING,
+  ROOM_BOOTSTRAPPED = KVF_POLL_BOOTSTRAPPED,
+  ROOM_WAITING_FOR_INPUT = KVF_POLL_WAITING_FOR_INPUT,
+  ROOM_TRANSFERRING = KVF_POLL_TRANSFERRING,
+  ROOM_SUCCESS = KVF_POLL_SUCCESS,
 };
 #define ROOM_STATUS_MAX ROOM_SUCCESS
 

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "kvferry/common.h"
+#include "kvferry/kv.h" /* KVF_POLL_*: the one definition of the values */
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "kvferry wire arrays are native little-endian; big-endian hosts are not supported"
@@ -59,12 +60,12 @@ enum {
 
 /* Status values of M3 frame 1 (§2.1). */
 enum {
-  WIRE_STATUS_FAILED = 0,
-  WIRE_STATUS_BOOTSTRAPPING = 1,
-  WIRE_STATUS_BOOTSTRAPPED = 2,
-  WIRE_STATUS_WAITING_FOR_INPUT = 3,
-  WIRE_STATUS_TRANSFERRING = 4,
-  WIRE_STATUS_SUCCESS = 5,
+  WIRE_STATUS_FAILED = KVF_POLL_FAILED,
+  WIRE_STATUS_BOOTSTRAPPING = KVF_POLL_BOOTSTRAPPING,
+  WIRE_STATUS_BOOTSTRAPPED = KVF_POLL_BOOTSTRAPPED,
+  WIRE_STATUS_WAITING_FOR_INPUT = KVF_POLL_WAITING_FOR_INPUT,
+  WIRE_STATUS_TRANSFERRING = KVF_POLL_TRANSFERRING,
+  WIRE_STATUS_SUCCESS = KVF_POLL_SUCCESS,
 };
 
 /* One part of a multipart message; the bytes belong to the caller. */
