@@ -57,12 +57,6 @@ typedef struct dec_req {
   long long t_init_ns;
 } dec_req;
 
-static long long now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 /* Count the (rank, page, buffer) triples that do not hold their pattern
  * (for a head-aware pool: any unit (token, head) of it); describe the first
  * in `why`. kvpool_check only counts, and a user wants to know where. */
@@ -97,6 +91,16 @@ static size_t check_pages(kvpool *pool, int rank, const int64_t *pages, dec_req 
   return bad;
 }
 
+/* Destroy the room's receivers, give its pages back, clear the slot. */
+static void release(dec_rank *rk, int nranks, dec_req *r) {
+  for (int d = 0; d < nranks; d++) {
+    kvf_receiver_destroy(r->rx[d]);
+    if (r->pages[d]) kvpool_give(&rk[d].pool, r->pages[d], r->npages);
+    free(r->pages[d]);
+  }
+  memset(r, 0, sizeof *r);
+}
+
 static void finish(dec_rank *rk, int nranks, dec_req *r, int st, long long t_final) {
   char why[256] = "";
   size_t bad = 0;
@@ -129,12 +133,7 @@ static void finish(dec_rank *rk, int nranks, dec_req *r, int st, long long t_fin
   }
   printf("done %lld %d %zu %lld %lld %s\n", (long long)r->room, st, bad, r->t_init_ns, t_final, *why ? why : "-");
   fflush(stdout);
-  for (int d = 0; d < nranks; d++) {
-    kvf_receiver_destroy(r->rx[d]);
-    if (r->pages[d]) kvpool_give(&rk[d].pool, r->pages[d], r->npages);
-    free(r->pages[d]);
-  }
-  memset(r, 0, sizeof *r);
+  release(rk, nranks, r);
 }
 
 /* A receiver on every decode rank for the room, each with its own pages. */
@@ -154,21 +153,16 @@ static void start(dec_rank *rk, int nranks, const char *baddr, dec_req *r, uint6
   if (!why) {
     r->active = 1;
     for (int d = 0; d < nranks && !why; d++) {
-      r->t_init_ns = now_ns(); /* the last rank's M2: the decode is ready then */
+      r->t_init_ns = cli_now_ns(); /* the last rank's M2: the decode is ready then */
       if (kvf_receiver_init(r->rx[d], r->pages[d], r->npages, 0, 0, NULL, 0)) why = "cannot-init";
     }
     if (!why) return;
-    finish(rk, nranks, r, KVF_POLL_FAILED, now_ns());
+    finish(rk, nranks, r, KVF_POLL_FAILED, cli_now_ns());
     return;
   }
   printf("done %lld 0 0 0 0 %s\n", (long long)r->room, why);
   fflush(stdout);
-  for (int d = 0; d < nranks; d++) {
-    kvf_receiver_destroy(r->rx[d]);
-    if (r->pages[d]) kvpool_give(&rk[d].pool, r->pages[d], r->npages);
-    free(r->pages[d]);
-  }
-  memset(r, 0, sizeof *r);
+  release(rk, nranks, r);
 }
 
 int cli_kv_decode(int argc, char **argv) {
@@ -308,7 +302,7 @@ int cli_kv_decode(int argc, char **argv) {
       st[i] = all;
       nactive++;
     }
-    long long t = now_ns();
+    long long t = cli_now_ns();
     for (int i = 0; i < DEC_MAX_REQS; i++)
       if (st[i] == KVF_POLL_SUCCESS || st[i] == KVF_POLL_FAILED) {
         finish(rk, nranks, &reqs[i], st[i], t);

@@ -483,6 +483,21 @@ static void copy_text(char *dst, const wire_frame *f) {
   dst[f->len] = '\0';
 }
 
+/* Frames 1..3 of M1 and M2: endpoint, dst_port, session ("ip:port"). */
+static int get_peer_fields(const ctx *c, char *endpoint, uint16_t *dst_port, char *session,
+                           uint16_t *session_port) {
+  const wire_frame *f = c->f;
+  int64_t v;
+  int rc;
+  if ((rc = check_text(c, 1, f[1].data, f[1].len))) return rc;
+  copy_text(endpoint, &f[1]);
+  if ((rc = get_int(c, 2, 1, 65535, &v))) return rc;
+  *dst_port = (uint16_t)v;
+  if ((rc = check_session(c, 3, f[3].data, f[3].len, session_port))) return rc;
+  copy_text(session, &f[3]);
+  return 0;
+}
+
 int wire_classify(const wire_frame *frames, size_t nframes) {
   if (nframes == 0 || !frames) return KVF_EPROTO;
   if (frames[0].len && !frames[0].data) return KVF_EINVAL;
@@ -495,7 +510,6 @@ int wire_m1_decode(const wire_frame *f, size_t n, wire_m1 *out, char *reason) {
   ctx c = {"M1", m1_names, f, reason, KVF_EPROTO};
   wire_m1 m;
   memset(&m, 0, sizeof m);
-  int64_t v;
   if (n < 6) {
     why(reason, "M1: %zu frames, needs at least 6", n);
     return KVF_EPROTO;
@@ -503,12 +517,7 @@ int wire_m1_decode(const wire_frame *f, size_t n, wire_m1 *out, char *reason) {
   char q[128];
   if (!frame_is(&f[0], "None"))
     return bad(&c, 0, "%s, an M1 must carry \"None\"", quote(f[0].data, f[0].len, q));
-  if ((rc = check_text(&c, 1, f[1].data, f[1].len))) return rc;
-  copy_text(m.endpoint, &f[1]);
-  if ((rc = get_int(&c, 2, 1, 65535, &v))) return rc;
-  m.dst_port = (uint16_t)v;
-  if ((rc = check_session(&c, 3, f[3].data, f[3].len, &m.session_port))) return rc;
-  copy_text(m.session, &f[3]);
+  if ((rc = get_peer_fields(&c, m.endpoint, &m.dst_port, m.session, &m.session_port))) return rc;
   if ((rc = get_array(&c, 4, 8, WIRE_MAX_PTRS, &m.kv_ptrs))) return rc;
   if ((rc = get_array(&c, 5, 8, WIRE_MAX_PTRS, &m.aux_ptrs))) return rc;
   /* 7 frames is the older form whose frame 6 is the prefix length. */
@@ -539,12 +548,7 @@ int wire_m2_decode(const wire_frame *f, size_t n, wire_m2 *out, char *reason) {
   }
   if (frame_is(&f[0], "None")) return bad(&c, 0, "\"None\" marks an M1, not an M2");
   if ((rc = get_int(&c, 0, INT64_MIN, INT64_MAX, &m.room))) return rc;
-  if ((rc = check_text(&c, 1, f[1].data, f[1].len))) return rc;
-  copy_text(m.endpoint, &f[1]);
-  if ((rc = get_int(&c, 2, 1, 65535, &v))) return rc;
-  m.dst_port = (uint16_t)v;
-  if ((rc = check_session(&c, 3, f[3].data, f[3].len, &m.session_port))) return rc;
-  copy_text(m.session, &f[3]);
+  if ((rc = get_peer_fields(&c, m.endpoint, &m.dst_port, m.session, &m.session_port))) return rc;
   if ((rc = get_int(&c, 6, 1, WIRE_MAX_FANOUT, &m.required_dst_info_num))) return rc;
 
   /* Dummy: byte-exact empty frames 4 and 5; nothing after frame 6 is read. */
@@ -718,6 +722,15 @@ static int check_str_field(const ctx *c, size_t i, const char *s, int session, u
   return check_text(c, i, (const uint8_t *)s, len);
 }
 
+/* Frames 1..3 of M1 and M2, as get_peer_fields reads them. */
+static int check_peer_fields(const ctx *c, const char *endpoint, int64_t dst_port, const char *session) {
+  uint16_t port;
+  int rc;
+  if ((rc = check_str_field(c, 1, endpoint, 0, NULL))) return rc;
+  if ((rc = check_port(c, 2, dst_port))) return rc;
+  return check_str_field(c, 3, session, 1, &port);
+}
+
 int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason) {
   if (!m || !out) {
     why(reason, "M1: invalid arguments");
@@ -725,11 +738,8 @@ int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason) {
   }
   memset(out, 0, sizeof *out);
   ctx c = {"M1", m1_names, NULL, reason, KVF_EINVAL};
-  uint16_t port;
   int rc;
-  if ((rc = check_str_field(&c, 1, m->endpoint, 0, NULL))) return rc;
-  if ((rc = check_port(&c, 2, m->dst_port))) return rc;
-  if ((rc = check_str_field(&c, 3, m->session, 1, &port))) return rc;
+  if ((rc = check_peer_fields(&c, m->endpoint, m->dst_port, m->session))) return rc;
   if ((rc = check_count(&c, 4, m->kv_ptrs, WIRE_MAX_PTRS))) return rc;
   if ((rc = check_count(&c, 5, m->aux_ptrs, WIRE_MAX_PTRS))) return rc;
   if ((rc = check_count(&c, 6, m->state_ptrs, WIRE_MAX_PTRS))) return rc;
@@ -753,11 +763,8 @@ int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
   }
   memset(out, 0, sizeof *out);
   ctx c = {"M2", m2_names, NULL, reason, KVF_EINVAL};
-  uint16_t port;
   int rc;
-  if ((rc = check_str_field(&c, 1, m->endpoint, 0, NULL))) return rc;
-  if ((rc = check_port(&c, 2, m->dst_port))) return rc;
-  if ((rc = check_str_field(&c, 3, m->session, 1, &port))) return rc;
+  if ((rc = check_peer_fields(&c, m->endpoint, m->dst_port, m->session))) return rc;
   if (m->required_dst_info_num < 1 || m->required_dst_info_num > WIRE_MAX_FANOUT)
     return bad(&c, 6, "%" PRId64 " is outside 1..%d", m->required_dst_info_num, WIRE_MAX_FANOUT);
   put_int(out, m->room);
