@@ -310,6 +310,23 @@ class KVFerryError(Exception):
         super().__init__(f"{what}: {text} ({code})" if what else f"{text} ({code})")
 
 
+class _Closing:
+    """A context manager around self.close(), which __del__ also calls as a
+    last resort (its errors ignored)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 def check(rc, what=""):
     if rc < 0:
         raise KVFerryError(rc, what)

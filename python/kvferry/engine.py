@@ -23,6 +23,7 @@ from ._lib import (
     KVF_ENOTFOUND,
     KVF_ESTATE,
     KVFerryError,
+    _Closing,
     buffer_address,
     check,
     kvf_engine_config,
@@ -71,7 +72,7 @@ def _split_hostname(hostname):
     return h, 0
 
 
-class TransferEngine:
+class TransferEngine(_Closing):
     """A kvferry engine with the methods tokenspeed calls on Mooncake's."""
 
     def __init__(self):
@@ -167,18 +168,6 @@ class TransferEngine:
             lib.kvf_batch_free(b)
         if h is not None and self._owner is None:
             lib.kvf_engine_destroy(h)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     @property
     def handle(self):

@@ -22,6 +22,7 @@ from ._lib import (
     KVF_ROLE_DECODE,
     KVF_ROLE_PREFILL,
     KVFerryError,
+    _Closing,
     buffer_address,
     check,
     kvf_bootstrap_server_config,
@@ -161,7 +162,7 @@ def _describe(kind, ptrs, lens, item_lens, unit_lens, keep):
             _u64_arr(unit_lens) if unit_lens is not None else None)
 
 
-class KVManager:
+class KVManager(_Closing):
     """One rank's KV manager (kvf_manager).
 
     Buffers: kv_data_ptrs[i] is an address (then kv_data_lens[i] and
@@ -310,20 +311,8 @@ class KVManager:
         self._keep = []
         self._engine_obj = None
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class _Handle:
+class _Handle(_Closing):
     _destroy_fn = None
     _poll_fn = None
     _failure_fn = None
@@ -386,18 +375,6 @@ class _Handle:
             type(self)._destroy_fn(h)
 
     close = clear
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.clear()
-
-    def __del__(self):
-        try:
-            self.clear()
-        except Exception:
-            pass
 
 
 class KVSender(_Handle):
@@ -525,7 +502,7 @@ class KVReceiver(_Handle):
         return self.pop_metadata()[0]
 
 
-class BootstrapServer:
+class BootstrapServer(_Closing):
     """The prefill instance's bootstrap HTTP server (kvf_bootstrap_server).
     port=0 picks a free port (see .port)."""
 
@@ -565,18 +542,6 @@ class BootstrapServer:
             lib.kvf_bootstrap_server_stop(h)
 
     close = stop
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-    def __del__(self):
-        try:
-            self.stop()
-        except Exception:
-            pass
 
 
 __all__ = ["TransferPoll", "KVTransferError", "KVManager", "KVSender", "KVReceiver", "BootstrapServer"]
