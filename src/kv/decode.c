@@ -24,6 +24,9 @@
  * - node failure drops cache entries of exactly that address (not by string
  *   prefix), resets the failure count, and forgets the PUSH sockets of its
  *   ranks, so a restarted prefill gets fresh M1s (§8.10);
+ * - after each good /health probe the heartbeat looks the cached target ranks
+ *   up again: a rank re-registered at another (ip, port) restarted, so its
+ *   pool entries are dropped and the rooms sent through them fail (§8.10);
  * - HTTP calls never run under the cache lock; scheduler threads use a
  *   short-lived client on cache misses, the heartbeat its own clients.
  *
@@ -63,6 +66,7 @@ typedef struct pool_target {
 typedef struct pool_entry {
   atomic_int refs;
   char addr[DECODE_ADDR_MAX];
+  int64_t group; /* the target dp group, for the heartbeat's rank revalidation */
   int ntargets;
   pool_target *targets;
   size_t nfrags;
@@ -115,6 +119,10 @@ struct kvf_receiver {
    * heartbeat's node-failure predicate reads it while create may set it. */
   _Atomic uint64_t epoch;
   pool_entry *pool; /* NULL when construction failed */
+  /* The pool entry's address as a tag, stored under ds->lock when `pool` is
+   * set: the heartbeat's rank-restart predicate compares it while create may
+   * set it. Never dereferenced; the receiver's reference keeps it unique. */
+  _Atomic uintptr_t pool_tag;
 };
 
 /* ------------------------------------------------------------ helpers */
@@ -411,11 +419,13 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
   if (p) {
     atomic_fetch_add(&p->refs, 1);
     r->pool = p;
+    atomic_store(&r->pool_tag, (uintptr_t)p);
     atomic_store(&r->epoch, epoch);
     pthread_mutex_unlock(&ds->lock);
     goto cleanup;
   }
   np = pool_from_plan(a, r->addr);
+  if (np) np->group = group;
   pthread_mutex_unlock(&ds->lock);
   if (!np) {
     set_reason(reason, rcap, "Could not fetch bootstrap info for engine rank: %d and target_dp_group: %" PRId64,
@@ -449,6 +459,7 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
       atomic_fetch_add(&np->refs, 1);
     np = NULL;
   }
+  atomic_store(&r->pool_tag, (uintptr_t)r->pool);
   atomic_store(&r->epoch, epoch);
   pthread_mutex_unlock(&ds->lock);
 
@@ -680,6 +691,97 @@ static void node_failure(kvf_manager *m, const char *addr) {
             nfailed);
 }
 
+static int match_pool(int64_t room, void *user, void *arg) {
+  (void)room;
+  const kvf_receiver *r = user;
+  return r && atomic_load(&r->pool_tag) == (uintptr_t)arg;
+}
+
+/* One rank lookup of a revalidation round, shared by the entries that target it. */
+typedef struct rank_seen {
+  int rank;
+  int64_t group;
+  int ok; /* the lookup answered; otherwise the /health logic decides */
+  char ip[ROUTE_IP_MAX + 1];
+  int port;
+} rank_seen;
+
+/* §8.10: /health proves only the HTTP thread alive. After a good probe,
+ * look the cached targets of `addr` up again; a rank that re-registered at
+ * another (ip, port) restarted, so drop the entries that point at its old
+ * address, forget that socket and fail the live rooms sent there. A lookup
+ * that fails is not a restart. At most one lookup per distinct (rank, group)
+ * of the cached entries; no lock is held across HTTP. */
+static void revalidate_ranks(kvf_manager *m, bootstrap_client *c, const char *addr) {
+  struct decode_state *ds = m->decode;
+  pool_entry **ps = NULL;
+  char **keys = NULL;
+  rank_seen *seen = NULL;
+  size_t n = 0, nseen = 0, ntargets = 0;
+
+  pthread_mutex_lock(&ds->lock);
+  size_t cap = smap_size(&ds->pools);
+  ps = calloc(cap ? cap : 1, sizeof *ps);
+  keys = calloc(cap ? cap : 1, sizeof *keys);
+  map_iter it;
+  map_iter_init(&it);
+  const char *key;
+  void *v;
+  while (ps && keys && n < cap && smap_next(&ds->pools, &it, &key, &v)) {
+    pool_entry *p = v;
+    if (strcmp(p->addr, addr) || !(keys[n] = strdup(key))) continue;
+    atomic_fetch_add(&p->refs, 1);
+    ntargets += (size_t)p->ntargets;
+    ps[n++] = p;
+  }
+  pthread_mutex_unlock(&ds->lock);
+  if (n) seen = calloc(ntargets ? ntargets : 1, sizeof *seen);
+
+  for (size_t i = 0; seen && i < n; i++) {
+    pool_entry *p = ps[i];
+    int changed = -1; /* index of the first restarted target */
+    const rank_seen *now = NULL;
+    for (int t = 0; t < p->ntargets; t++) {
+      const pool_target *pt = &p->targets[t];
+      rank_seen *s = NULL;
+      for (size_t k = 0; k < nseen && !s; k++)
+        if (seen[k].rank == pt->rank && seen[k].group == p->group) s = &seen[k];
+      if (!s) {
+        s = &seen[nseen++];
+        *s = (rank_seen){.rank = pt->rank, .group = p->group};
+        s->ok = !bootstrap_client_get_rank(c, pt->rank, (int)p->group, s->ip, sizeof s->ip, &s->port) &&
+                s->port > 0 && s->port <= 65535;
+      }
+      if (!s->ok || (!strcmp(s->ip, pt->ip) && s->port == pt->port)) continue;
+      if (changed < 0) changed = t, now = s;
+      manager_push_forget(m, pt->ip, pt->port);
+    }
+    if (changed < 0) continue;
+
+    pthread_mutex_lock(&ds->lock);
+    int owned = smap_get(&ds->pools, keys[i]) == p && smap_del(&ds->pools, keys[i], NULL);
+    pthread_mutex_unlock(&ds->lock);
+    if (owned) pool_unref(p); /* the map's reference; ours keeps the tag unique */
+
+    char reason[ROOMS_REASON_MAX];
+    set_reason(reason, sizeof reason, "Prefill rank %d of %s restarted (now %s:%d)", p->targets[changed].rank, addr,
+               now->ip, now->port);
+    size_t nfailed = 0;
+    rooms_fail_matching(m->rooms, match_pool, p, reason, &nfailed);
+    atomic_fetch_add(&m->stats.node_failures, 1);
+    LOG_ERROR("kv", "%s (was %s:%u), affected %zu requests", reason, p->targets[changed].ip,
+              (unsigned)p->targets[changed].port, nfailed);
+  }
+
+  for (size_t i = 0; i < n; i++) {
+    pool_unref(ps[i]);
+    free(keys[i]);
+  }
+  free(ps);
+  free(keys);
+  free(seen);
+}
+
 static void hb_peer_free(hb_peer *p) {
   if (!p) return;
   bootstrap_client_destroy(p->client);
@@ -726,6 +828,7 @@ static void heartbeat_round(kvf_manager *m) {
     int rc = p->client ? bootstrap_client_health(p->client) : KVF_EIO;
     if (!rc) {
       p->failures = 0;
+      revalidate_ranks(m, p->client, addrs[i]);
       continue;
     }
     LOG_INFO("kv", "Attempting to reconnect to %s...", addrs[i]);

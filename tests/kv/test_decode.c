@@ -71,7 +71,7 @@ static const int64_t *g_item_lens; /* next registrations: published kv_item_lens
 static size_t g_nitem;
 static const int64_t *g_layout; /* next registrations: kvferry_kv_page_layout (NULL = none, as tokenspeed) */
 
-static void register_rank(fixture *f, int world, int dp, int rank) {
+static void register_rank_at(fixture *f, int world, int dp, int rank, uint16_t port) {
   bootstrap_client_opts o = {.token = "", .connect_timeout_ms = 1000, .timeout_ms = 3000};
   bootstrap_client *c = NULL;
   assert_int_equal(bootstrap_client_create(f->addr, &o, &c), 0);
@@ -82,7 +82,7 @@ static void register_rank(fixture *f, int world, int dp, int rank) {
   r.dp_size = dp;
   r.engine_rank = rank;
   strcpy(r.rank_ip, "127.0.0.1");
-  r.rank_port = f->pull_port;
+  r.rank_port = port;
   if (g_nitem) {
     r.lists[ROUTE_KV_ITEM_LENS].v = (int64_t *)g_item_lens;
     r.lists[ROUTE_KV_ITEM_LENS].n = g_nitem;
@@ -96,6 +96,8 @@ static void register_rank(fixture *f, int world, int dp, int rank) {
   assert_int_equal(bootstrap_client_put_route(c, &r, 3000), 0);
   bootstrap_client_destroy(c);
 }
+
+static void register_rank(fixture *f, int world, int dp, int rank) { register_rank_at(f, world, dp, rank, f->pull_port); }
 
 static int g_mla; /* next manager: MLA (one buffer, legacy MLA routing) */
 static int g_page_size = 1; /* next manager's tokens per page */
@@ -477,6 +479,89 @@ static void heartbeat_node_failure(void **state) {
   teardown(f);
 }
 
+/* §8.10: a prefill rank restarts on a new port while its bootstrap server
+ * stays up. The heartbeat's revalidation notices the re-registration, fails
+ * the room sent to the old address and drops the cached targets, so the next
+ * receiver sends M1 and M2 to the new socket. */
+static void heartbeat_rank_restart(void **state) {
+  (void)state;
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  fixture *f = setup_full(1, 1, 300, 0.3, 2);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+  kvf_receiver *r = NULL, *r2 = NULL;
+  raw_msg rm;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 70, &r), 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
+  raw_free(&rm);
+  int64_t pages[2] = {1, 2};
+  assert_int_equal(kvf_receiver_init(r, pages, 2, 0, 0, NULL, 0), 0);
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M2);
+  raw_free(&rm);
+  /* Unchanged ranks: a few healthy rounds fail nothing. */
+  usleep(700000);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+
+  /* The rank restarts on a second socket and re-registers. */
+  void *pull2 = zmq_socket(f->zctx, ZMQ_PULL);
+  int linger = 0, tmo = 3000;
+  zmq_setsockopt(pull2, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(pull2, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+  assert_int_equal(zmq_bind(pull2, "tcp://127.0.0.1:*"), 0);
+  char last[128];
+  size_t len = sizeof last;
+  assert_int_equal(zmq_getsockopt(pull2, ZMQ_LAST_ENDPOINT, last, &len), 0);
+  uint16_t port2 = (uint16_t)atoi(strrchr(last, ':') + 1);
+  assert_int_not_equal(port2, f->pull_port);
+  register_rank_at(f, 1, 1, 0, port2);
+
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_FAILED);
+  assert_true(secs_since(t0) < 0.3 * 2 + 2);
+  char reason[256], want[256];
+  kvf_receiver_failure(r, reason, sizeof reason);
+  snprintf(want, sizeof want, "Prefill rank 0 of %s restarted (now 127.0.0.1:%u)", f->addr, (unsigned)port2);
+  assert_string_equal(reason, want);
+  kvf_manager_stats s;
+  stats(f, &s);
+  assert_true(s.node_failures >= 1);
+
+  /* A new receiver re-resolves: M1 and M2 reach the new socket. */
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 71, &r2), 0);
+  assert_int_equal(kvf_receiver_poll(r2), KVF_POLL_BOOTSTRAPPED);
+  assert_int_equal(recv_raw(pull2, &rm), 0);
+  wire_m1 m1;
+  assert_int_equal(wire_m1_decode(rm.frames, rm.n, &m1, why), 0);
+  assert_int_equal(m1.dst_port, f->m->rank_port);
+  assert_string_equal(m1.session, kvf_manager_session_id(f->m));
+  raw_free(&rm);
+  assert_int_equal(kvf_receiver_init(r2, pages, 2, 0, 0, NULL, 0), 0);
+  assert_int_equal(recv_raw(pull2, &rm), 0);
+  wire_m2 m2;
+  assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+  assert_int_equal(m2.room, 71);
+  assert_int_equal(m2.kv_indices.count, 2);
+  wire_m2_free(&m2);
+  raw_free(&rm);
+  /* Later rounds see the new address as current: the new room lives on. */
+  usleep(700000);
+  assert_int_equal(kvf_receiver_poll(r2), KVF_POLL_BOOTSTRAPPED);
+  send_m3(f, 71, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0);
+  assert_int_equal(poll_final(r2, 5), KVF_POLL_SUCCESS);
+  /* Nothing more went to the old socket. */
+  tmo = 200;
+  zmq_setsockopt(f->pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+  assert_int_equal(recv_raw(f->pull, &rm), -1);
+
+  kvf_receiver_destroy(r);
+  kvf_receiver_destroy(r2);
+  zmq_close(pull2);
+  teardown(f);
+}
+
 /* Legacy MLA, prefill TP 2 > decode TP 1: rank 0 is real, rank 1 a dummy.
  * Both get M1 and an M2 (the dummy in its empty form); one M3 suffices.
  * Both ranks register the same raw socket, so all four messages arrive there. */
@@ -653,6 +738,7 @@ int main(void) {
       cmocka_unit_test(waiting_timeout_fires),
       cmocka_unit_test(lookup_failures),
       cmocka_unit_test(heartbeat_node_failure),
+      cmocka_unit_test(heartbeat_rank_restart),
       cmocka_unit_test(mla_dummy_target),
       cmocka_unit_test(hetero_tp_fragments),
       cmocka_unit_test(token_major_needs_layout),
