@@ -182,6 +182,20 @@ static void send_m2_prefix(fixture *f, int64_t room, const int64_t *dst, size_t 
 
 static void send_m2(fixture *f, int64_t room, const int64_t *dst, size_t n) { send_m2_prefix(f, room, dst, n, 0); }
 
+/* The usual start of a test: the decode registers (M1) and asks for `room`
+ * (M2), and the prefill has both before the test goes on. */
+static void register_and_request(fixture *f, int64_t room, const int64_t *dst, size_t n) {
+  send_m1(f);
+  send_m2(f, room, dst, n);
+  wait_received(f, 2);
+}
+
+static kvf_sender *new_sender(fixture *f, int64_t room) {
+  kvf_sender *s = NULL;
+  assert_int_equal(kvf_sender_create(f->m, room, &s), 0);
+  return s;
+}
+
 /* Receive one M3 within 5 s; copies candidates into cands (cap 8). */
 static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
   zmq_msg_t parts[8];
@@ -349,14 +363,11 @@ static void one_chunk(void **state) {
   (void)state;
   fixture f;
   fx_setup(&f, "");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 7, &s), 0);
+  kvf_sender *s = new_sender(&f, 7);
   assert_int_equal(kvf_sender_create(f.m, 7, &(kvf_sender *){NULL}), KVF_EEXIST);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
   int64_t src[] = {0, 1, 2, 7, 8}, dst[] = {3, 4, 5, 9, 15};
-  send_m1(&f);
-  send_m2(&f, 7, dst, 5);
-  wait_received(&f, 2);
+  register_and_request(&f, 7, dst, 5);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
   int32_t cands[] = {11, 12, 13};
   assert_int_equal(kvf_sender_send(s, src, 5, 1, 0, 42, cands, 3, NULL, 0), 0);
@@ -385,8 +396,7 @@ static void many_chunks(void **state) {
   send_m1(&f);
   send_m2(&f, -3, dst, 7); /* M2 before the sender: stored as an early room */
   wait_received(&f, 2);
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, -3, &s), 0);
+  kvf_sender *s = new_sender(&f, -3);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
   assert_int_equal(kvf_sender_send(s, src, 3, 0, -1, -1, NULL, 0, NULL, 0), 0);
   assert_int_equal(kvf_sender_send(s, src + 3, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
@@ -406,8 +416,7 @@ static void chunk_waits_for_m2(void **state) {
   (void)state;
   fixture f;
   fx_setup(&f, "");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 100, &s), 0);
+  kvf_sender *s = new_sender(&f, 100);
   int64_t src[] = {5, 6}, dst[] = {1, 2};
   assert_int_equal(kvf_sender_send(s, src, 2, 1, 0, 5, NULL, 0, NULL, 0), 0);
   sleep_ms(100);
@@ -428,8 +437,7 @@ static void decode_prefix_skipped(void **state) {
   (void)state;
   fixture f;
   fx_setup(&f, "");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 31, &s), 0);
+  kvf_sender *s = new_sender(&f, 31);
   int64_t src[] = {9, 8, 7, 6, 5}, dst[] = {0, 1, 2};
   send_m1(&f);
   send_m2_prefix(&f, 31, dst, 3, 2);
@@ -449,8 +457,7 @@ static void bootstrap_timeout(void **state) {
   fixture f;
   fx_setup(&f, "");
   unsetenv("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 5, &s), 0);
+  kvf_sender *s = new_sender(&f, 5);
   int64_t src[] = {1};
   assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
   int64_t t0 = clock_now_ns();
@@ -479,8 +486,7 @@ static void malformed_and_unregistered(void **state) {
   send_frames(&f, bad3, 1);
   wait_malformed(&f, 3);
   /* M2 from a session that never sent M1: rejected, room stays Bootstrapping */
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 1, &s), 0);
+  kvf_sender *s = new_sender(&f, 1);
   int64_t dst[] = {0};
   send_m2(&f, 1, dst, 1);
   wait_malformed(&f, 4);
@@ -504,8 +510,7 @@ static void refused_write_fails_room(void **state) {
   (void)state;
   fixture f;
   fx_setup(&f, "");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 9, &s), 0);
+  kvf_sender *s = new_sender(&f, 9);
   int64_t src[] = {0, 1}, dst[] = {NPAGES - 1, NPAGES + 100};
   send_m1(&f);
   send_m2(&f, 9, dst, 2);
@@ -554,12 +559,9 @@ static void abort_tells_decode(void **state) {
   (void)state;
   fixture f;
   fx_setup(&f, "");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 21, &s), 0);
+  kvf_sender *s = new_sender(&f, 21);
   int64_t dst[] = {1};
-  send_m1(&f);
-  send_m2(&f, 21, dst, 1);
-  wait_received(&f, 2);
+  register_and_request(&f, 21, dst, 1);
   kvf_sender_abort(s, "scheduler gave up");
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_FAILED);
   char why[128];
@@ -597,8 +599,7 @@ static void many_senders(void **state) {
   kvf_manager_get_stats(f.m, &st);
   assert_int_equal(st.live_rooms, 0);
   /* and the same ids are usable again */
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 1000, &s), 0);
+  kvf_sender *s = new_sender(&f, 1000);
   kvf_sender_destroy(s);
   fx_teardown(&f);
 }
@@ -613,12 +614,9 @@ static void layerwise_appendix_a(void **state) {
   fixture f;
   fx_setup(&f, "");
   int64_t room = 7215963401LL;
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, room, &s), 0);
+  kvf_sender *s = new_sender(&f, room);
   int64_t src[] = {20, 21, 25}, dst[] = {7, 8, 9};
-  send_m1(&f);
-  send_m2(&f, room, dst, 3);
-  wait_received(&f, 2);
+  register_and_request(&f, room, dst, 3);
   /* §6.11 bounds: a layer range past the 2 KV layers, or reversed */
   assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 0, 3, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
   assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 2, 1, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
@@ -660,8 +658,7 @@ static void layerwise_windows(void **state) {
   g_page_size = 16;
   fixture f;
   fx_setup(&f, "");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 77, &s), 0);
+  kvf_sender *s = new_sender(&f, 77);
   int64_t occupied[] = {10, 11, 12, 13, 14, 15, 16}; /* ceil(100 / 16) pages */
   int64_t dst[] = {20, 3, 4, 5, 30};                 /* the decode's pages after its prefix */
   send_m1(&f);
@@ -699,12 +696,9 @@ static void layerwise_empty_chunks(void **state) {
   g_nkv = 4;
   fixture f;
   fx_setup(&f, "");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 88, &s), 0);
+  kvf_sender *s = new_sender(&f, 88);
   int64_t src[] = {1, 2}, dst[] = {5, 6};
-  send_m1(&f);
-  send_m2(&f, 88, dst, 2);
-  wait_received(&f, 2);
+  register_and_request(&f, 88, dst, 2);
   assert_int_equal(kvf_sender_send_layers(s, NULL, 0, 0, 0, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
   assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 1, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
   assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 0, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
@@ -731,12 +725,9 @@ static void token_after_landing(void **state) {
   g_nkv = 4;
   fixture f;
   fx_setup(&f, "");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 61, &s), 0);
+  kvf_sender *s = new_sender(&f, 61);
   int64_t src[] = {3, 4}, dst[] = {10, 11};
-  send_m1(&f);
-  send_m2(&f, 61, dst, 2);
-  wait_received(&f, 2);
+  register_and_request(&f, 61, dst, 2);
   int32_t ignored[] = {5};
   assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
   assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 1, 2, 1, 0, KVF_TOKEN_LATER, ignored, 1, NULL, 0), 0);
@@ -764,8 +755,7 @@ static void token_before_landing(void **state) {
   (void)state;
   fixture f;
   fx_setup(&f, "");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 62, &s), 0);
+  kvf_sender *s = new_sender(&f, 62);
   int64_t src[] = {1, 2, 3}, dst[] = {4, 5, 6};
   assert_int_equal(kvf_sender_send(s, src, 3, 1, 0, KVF_TOKEN_LATER, NULL, 0, NULL, 0), 0);
   int32_t cands[] = {9};
@@ -788,12 +778,9 @@ static void token_never_published(void **state) {
   fixture f;
   fx_setup(&f, "");
   unsetenv("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT");
-  kvf_sender *s = NULL;
-  assert_int_equal(kvf_sender_create(f.m, 63, &s), 0);
+  kvf_sender *s = new_sender(&f, 63);
   int64_t src[] = {1}, dst[] = {2};
-  send_m1(&f);
-  send_m2(&f, 63, dst, 1);
-  wait_received(&f, 2);
+  register_and_request(&f, 63, dst, 1);
   assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, KVF_TOKEN_LATER, NULL, 0, NULL, 0), 0);
   wait_chunks(&f, 1);
   int64_t t0 = clock_now_ns();

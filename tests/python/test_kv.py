@@ -5,9 +5,7 @@ process: decode prefix, state buffers, raw-address buffer lists, a shared
 engine, and failures carrying the C library's reason in KVTransferError."""
 
 import os
-import select
 import socket
-import subprocess
 import sys
 import time
 
@@ -30,6 +28,8 @@ from kvferry import (  # noqa: E402
     TransferPoll,
 )
 
+from subproc import Proc, free_port  # noqa: E402  (tests/python/subproc.py)
+
 np = pytest.importorskip("numpy")
 
 LINE_TIMEOUT_S = 30
@@ -38,67 +38,6 @@ FINAL = (TransferPoll.Success, TransferPoll.Failed)
 
 
 # ---------------------------------------------------------------- helpers
-
-
-class Proc:
-    """A Python subprocess driven by lines on stdin/stdout, every read bounded."""
-
-    def __init__(self, script, args, env, tmp_path, name):
-        self.errpath = tmp_path / f"{name}.stderr"
-        self.err = open(self.errpath, "wb")
-        self.p = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=self.err, env=env, cwd=str(tmp_path))
-        self.buf = b""
-
-    def line(self, timeout=LINE_TIMEOUT_S):
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.fail("no line within %.0fs" % timeout)
-            ready, _, _ = select.select([self.p.stdout], [], [], left)
-            if not ready:
-                continue
-            chunk = os.read(self.p.stdout.fileno(), 65536)
-            if not chunk:
-                try:
-                    rc = self.p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    rc = None
-                self.fail("closed its stdout (rc=%s)" % rc)
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
-
-    def send(self, text):
-        self.p.stdin.write((text + "\n").encode())
-        self.p.stdin.flush()
-
-    def fail(self, why):
-        self.kill()
-        raise AssertionError(f"subprocess {why}; stderr:\n{self.errpath.read_text(errors='replace')[-4000:]}")
-
-    def finish(self, timeout=15):
-        try:
-            self.p.stdin.close()
-        except OSError:
-            pass
-        try:
-            rc = self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.fail("did not exit")
-        assert rc == 0, f"rc={rc}; stderr:\n{self.errpath.read_text(errors='replace')[-4000:]}"
-
-    def kill(self):
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait(timeout=10)
-        for f in (self.p.stdin, self.p.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-        self.err.close()
 
 
 @pytest.fixture
@@ -110,7 +49,7 @@ def spawn(tmp_path):
         env["PYTHONPATH"] = PYDIR
         if env.get("KVFERRY_LIB"):  # the children run in tmp_path
             env["KVFERRY_LIB"] = os.path.abspath(env["KVFERRY_LIB"])
-        p = Proc(script, args, env, tmp_path, f"{name}{len(procs)}")
+        p = Proc(script, args, env, tmp_path, line_timeout=LINE_TIMEOUT_S, finish_timeout=15, name=f"{name}{len(procs)}")
         procs.append(p)
         return p
 
@@ -140,14 +79,6 @@ def wait_final(handle, limit=POLL_LIMIT_S):
         time.sleep(0.005)
         st = handle.poll()
     return st
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 # ---------------------------------------------------------------- two processes
