@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-/* TransferPoll values (PROTOCOL.md §2.1). */
+/* TransferPoll values (docs/PROTOCOL.md §2.1). */
 enum {
   KVF_POLL_FAILED = 0,
   KVF_POLL_BOOTSTRAPPING = 1,

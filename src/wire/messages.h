@@ -1,5 +1,5 @@
 /* Byte-exact codecs for the three tokenspeed ZMQ control messages
- * (spec/PROTOCOL.md §3): M1 registration and M2 transfer request (decode ->
+ * (docs/PROTOCOL.md §3): M1 registration and M2 transfer request (decode ->
  * prefill), M3 status (prefill -> decode), plus the fragment-plan JSON that
  * rides in M2 frames 12-13 (§6.5.5). Decoders work on the parts of one ZMQ
  * multipart message exactly as received and validate every frame, more

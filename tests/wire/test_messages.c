@@ -1,4 +1,4 @@
-/* Unit tests for the M1/M2/M3 codecs: the golden bytes of PROTOCOL.md
+/* Unit tests for the M1/M2/M3 codecs: the golden bytes of docs/PROTOCOL.md
  * Appendix A and §6.5.5 (encode byte-equal, decode field-equal), round trips
  * of every frame-count form, and one case per rejection rule of §3.3-3.5 and
  * of kvferry's stricter checks, each asserting the error code, the frame
