@@ -414,34 +414,39 @@ class MooncakeKVManagerPrefill(_Base):
         counter = self.step_counter
         modulus = getattr(type(counter), "COUNT_NUM_MAX", STEP_COUNT_MAX)
         ready = counter.query_ready_cache_step() if counter is not None else None
-        moved = False
         try:
-            while job.next_layer < self.layer_num:
-                begin = job.next_layer
-                end = min(begin + job.interval, self.layer_num)
-                if counter is not None and not _step_ready(ready, job.begin_step + end - 1, modulus):
-                    now = time.monotonic()
-                    job.wait_since = job.wait_since or now
-                    limit = LAYERWISE_STEP_TIMEOUT_S or self.bootstrap_time_out
-                    if now - job.wait_since >= limit:
-                        job.sender._h.abort(
-                            f"Request {job.sender.bootstrap_room}: layers [{begin},{end}) not computed within "
-                            f"{limit:.0f}s (step counter at {ready}, waiting for step {job.begin_step + end - 1})")
-                        return True, True
-                    return moved, False
-                job.wait_since = None
-                if job.pages:
-                    self._send_group(job, begin, end)
-                job.next_layer = end
-                moved = True
-            if job.is_last:
-                job.sender._h.send_layers(job.pages, job.index_begin, 0, 0, is_last=True, aux_index=job.aux_index,
-                                          bootstrap_token=job.token, spec_candidate_ids=job.cands,
-                                          state_indices=job.state)
-            return True, True
+            with job.sender._lock:  # not while the scheduler clears the sender
+                return self._advance_locked(job, counter, modulus, ready)
         except (KVFerryError, RuntimeError) as e:  # the room failed or was cleared meanwhile
             logger.debug("kvferry: layerwise chunk of room %s dropped: %s", job.sender.bootstrap_room, e)
             return True, True
+
+    def _advance_locked(self, job, counter, modulus, ready):
+        """_advance with the sender's lock held."""
+        moved = False
+        while job.next_layer < self.layer_num:
+            begin = job.next_layer
+            end = min(begin + job.interval, self.layer_num)
+            if counter is not None and not _step_ready(ready, job.begin_step + end - 1, modulus):
+                now = time.monotonic()
+                job.wait_since = job.wait_since or now
+                limit = LAYERWISE_STEP_TIMEOUT_S or self.bootstrap_time_out
+                if now - job.wait_since >= limit:
+                    job.sender._h.abort(
+                        f"Request {job.sender.bootstrap_room}: layers [{begin},{end}) not computed within "
+                        f"{limit:g}s (step counter at {ready}, waiting for step {job.begin_step + end - 1})")
+                    return True, True
+                return moved, False
+            job.wait_since = None
+            if job.pages:
+                self._send_group(job, begin, end)
+            job.next_layer = end
+            moved = True
+        if job.is_last:
+            job.sender._h.send_layers(job.pages, job.index_begin, 0, 0, is_last=True, aux_index=job.aux_index,
+                                      bootstrap_token=job.token, spec_candidate_ids=job.cands,
+                                      state_indices=job.state)
+        return True, True
 
     def close(self):
         worker, self._worker = self._worker, None
@@ -461,6 +466,7 @@ class MooncakeKVSender:
         self.conclude_state = None
         self.curr_idx = 0
         self._layerwise_transfer_started = False
+        self._lock = threading.Lock()  # the layerwise worker's sends vs clear()
         self._h = KVSender(mgr.kv, self.bootstrap_room, bootstrap_addr)
         mgr._add(self.bootstrap_room, self)
         early = mgr._take_metadata(self.bootstrap_room)
@@ -539,15 +545,22 @@ class MooncakeKVSender:
         return self.conclude_state
 
     def clear(self):
-        self._h.clear()
+        with self._lock:
+            self._h.clear()
 
     def failure_exception(self):
         if self.conclude_state is None:
             self.conclude_state = TransferPoll.Failed
-        try:
-            self._h.failure_exception()
-        except KVTransferError as e:
-            raise _error_cls(e.bootstrap_room, e.failure_reason, e.remote_endpoint) from None
+        with self._lock:
+            _raise_failure(self._h)
+
+
+def _raise_failure(handle):
+    """handle.failure_exception(), raised as the class tokenspeed catches."""
+    try:
+        handle.failure_exception()
+    except KVTransferError as e:
+        raise _error_cls(e.bootstrap_room, e.failure_reason, e.remote_endpoint) from None
 
 
 # ---------------------------------------------------------------- decode
@@ -621,10 +634,7 @@ class MooncakeKVReceiver:
     def failure_exception(self):
         if self.conclude_state is None:
             self.conclude_state = TransferPoll.Failed
-        try:
-            self._h.failure_exception()
-        except KVTransferError as e:
-            raise _error_cls(e.bootstrap_room, e.failure_reason, e.remote_endpoint) from None
+        _raise_failure(self._h)
 
 
 class MooncakeKVBootstrapServer(BootstrapServer):

@@ -14,6 +14,7 @@ against a fake `tokenspeed` package tree with the reference's module paths.
 """
 
 import json
+import time
 import os
 import sys
 import textwrap
@@ -582,3 +583,93 @@ print("RESTORED", pe.MooncakeKVManagerPrefill is orig and utils.get_kv_class(T.M
         assert name in patched, patched
     assert p.line() == "RESTORED True"
     p.finish()
+
+
+def test_layerwise_wait_is_bounded_and_early_metadata(monkeypatch):
+    """In one process: a step counter that never advances fails the room
+    after the layerwise step timeout (tokenspeed would wait forever) and the
+    decode is told; metadata published before the room's sender exists is
+    used once the sender comes; abort_room on a room with a sender."""
+    import numpy as np
+
+    from kvferry import tokenspeed as kt
+
+    monkeypatch.setenv("KVFERRY_HOST", "127.0.0.1")
+    monkeypatch.setenv("KVFERRY_BOOTSTRAP_HOST", "127.0.0.1")
+    monkeypatch.setattr(kt, "LAYERWISE_STEP_TIMEOUT_S", 0.3)
+
+    class Args:
+        dist_init_addr, world_size, dp_size, attn_tp_rank, attn_dp_rank = "127.0.0.1", 1, 1, 0, 0
+        is_mla_backend = draft_is_mla_backend = enable_dp_attention = enable_mla_l1_5_cache = False
+
+    class Counter:  # never advances
+        def current_step(self):
+            return 0, 0
+
+        def advance_step(self, delta_cache_step, delta_aux_step):
+            pass
+
+        def query_ready_cache_step(self):
+            return 0
+
+    def kv_args(bufs):
+        class KV:
+            engine_rank, target_layer_num, draft_layer_num = 0, 1, 0
+            kv_data_ptrs = [b.ctypes.data for b in bufs]
+            kv_data_lens = [b.nbytes for b in bufs]
+            kv_item_lens = [b.shape[1] for b in bufs]
+            offsets = [[0, 1]]
+        return KV()
+
+    src = [np.full((8, 32), 7 + b, dtype=np.uint8) for b in range(2)]
+    dst = [np.zeros((8, 32), dtype=np.uint8) for _ in range(2)]
+    srv = kt.MooncakeKVBootstrapServer(0)
+    Args.bootstrap_port = srv.port
+    pm = kt.MooncakeKVManagerPrefill(Args(), kv_args(src))
+    dm = kt.MooncakeKVManagerDecode(Args(), kv_args(dst))
+    addr = f"127.0.0.1:{srv.port}"
+    try:
+        def pair(room):
+            r = kt.MooncakeKVReceiver(mgr=dm, bootstrap_addr=addr, bootstrap_room=room)
+            r.prefill(np.array([4, 5]), 0, 0, None, None)
+            s = kt.MooncakeKVSender(mgr=pm, bootstrap_addr=addr, bootstrap_room=room)
+            return r, s
+
+        def final(h, limit=10):
+            deadline = time.monotonic() + limit
+            while h.poll() not in (kt.TransferPoll.Success, kt.TransferPoll.Failed) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return h.poll()
+
+        # metadata first, sender later (non-layerwise TOKEN_LATER is layerwise-only: use send_layerwise)
+        pm.set_prefill_metadata(1, 55, [1, 2])
+        r, s = pair(1)
+        s.send_layerwise(np.array([0, 1]), slice(0, 2), 0, True, begin_cache_step=0, layerwise_interval=1,
+                         wait_for_bootstrap_token=True)
+        assert final(s) == kt.TransferPoll.Success and final(r) == kt.TransferPoll.Success
+        assert dm.pop_prefill_metadata(1) == (55, [1, 2])
+        assert (dst[0][4] == 7).all() and (dst[1][5] == 8).all()
+
+        pm.register_layerwise_step_counter(Counter(), 1)
+        r, s = pair(2)
+        t0 = time.monotonic()
+        s.send_layerwise(np.array([2]), slice(0, 1), 0, True, begin_cache_step=pm.reserve_layerwise_cache_steps(),
+                         layerwise_interval=1, wait_for_bootstrap_token=True)
+        assert final(s) == kt.TransferPoll.Failed
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(kt.KVTransferError, match=r"layers \[0,1\) not computed within 0.3s"):
+            s.failure_exception()
+        assert final(r) == kt.TransferPoll.Failed
+        with pytest.raises(kt.KVTransferError, match="it might be dead"):
+            r.failure_exception()
+
+        r, s = pair(3)
+        assert final(s, 0.5) == kt.TransferPoll.Bootstrapped
+        pm.abort_room(3, "scheduler gave up")
+        assert final(s) == kt.TransferPoll.Failed and final(r) == kt.TransferPoll.Failed
+        with pytest.raises(kt.KVTransferError, match="scheduler gave up"):
+            s.failure_exception()
+    finally:
+        pm.close()
+        dm.close()
+        srv.close()
