@@ -106,6 +106,8 @@ class KVManagerArgs:
 SPEC = json.loads(sys.argv[1])
 L, D, PAGES, SLOTS = SPEC["layers"], SPEC["draft"], SPEC["pages"], 4
 MLA, TP, PS = SPEC["mla"], SPEC["tp"], SPEC["page_size"]
+DP, PEER_DP = SPEC["dp"], SPEC["peer_dp"]  # DP attention: TP // DP ranks per DP group
+TPD = TP // DP
 UNIT, HEADS, STATE = SPEC["unit"], SPEC["heads"], SPEC["state"]   # STATE: bytes of one state slot (all ranks)
 # Global layer ids: target KV layers at even ids, the state layer between,
 # draft layers after them (factory.get_kv_args: draft ids follow max(kv ids)).
@@ -115,16 +117,16 @@ DRAFT_IDS = list(range(max(KV_IDS) + 1, max(KV_IDS) + 1 + D))
 NBUF = L + D if MLA else 2 * (L + D)
 FULL = HEADS * UNIT  # one page of one buffer with every head (MLA: the latent row)
 
-def full(b):  # the logical content of KV buffer b, every head
-    return np.random.default_rng(1000 + b).integers(0, 256, size=(PAGES, FULL), dtype=np.uint8)
+def full(b, group=0):  # the logical content of KV buffer b, every head, in a prefill DP group
+    return np.random.default_rng(1000 + b + 100 * group).integers(0, 256, size=(PAGES, FULL), dtype=np.uint8)
 
-def full_state():
-    return np.random.default_rng(999).integers(0, 256, size=(SLOTS, STATE), dtype=np.uint8)
+def full_state(group=0):
+    return np.random.default_rng(999 + 100 * group).integers(0, 256, size=(SLOTS, STATE), dtype=np.uint8)
 
 def part(a, rank):  # this rank's head slice (MLA: replicated)
     if MLA:
         return a.copy()
-    w = a.shape[1] // TP
+    w = a.shape[1] // TPD
     return np.ascontiguousarray(a[:, rank * w:(rank + 1) * w])
 
 def offsets():
@@ -142,9 +144,10 @@ def make_args(rank, bufs, state, port):
         kv.state_data_ptrs, kv.state_data_lens = [state.ctypes.data], [state.nbytes]
         kv.state_item_lens, kv.state_unit_lens = [state.shape[1]], [1]
         kv.state_type, kv.state_layer_ids = "mamba", STATE_IDS
-    args = KVManagerArgs(bootstrap_port=port, dist_init_addr="127.0.0.1", world_size=TP, dp_size=1,
-                         attn_tp_rank=rank, attn_dp_rank=0, is_mla_backend=MLA, draft_is_mla_backend=MLA,
-                         enable_metrics=False, enable_dp_attention=False, enable_mla_l1_5_cache=False,
+    args = KVManagerArgs(bootstrap_port=port, dist_init_addr="127.0.0.1", world_size=TP, dp_size=DP,
+                         attn_tp_rank=rank % TPD, attn_dp_rank=rank // TPD, is_mla_backend=MLA,
+                         draft_is_mla_backend=MLA, enable_metrics=False, enable_dp_attention=DP > 1,
+                         enable_mla_l1_5_cache=False,
                          served_model_name="m", app_key="", metrics_reporters="")
     return args, kv
 
@@ -177,14 +180,14 @@ class StepCounter:  # tokenspeed's StepCounter interface, host-side
         return self.ready
 
 srv = MooncakeKVBootstrapServer(0)
-pools = [[part(full(b), r) for b in range(NBUF)] for r in range(TP)]
-states = [part(full_state(), r) if STATE else None for r in range(TP)]
-mgrs = [MooncakeKVManagerPrefill(*make_args(r, pools[r], states[r], srv.port)) for r in range(TP)]
-counters = [StepCounter() for _ in range(TP)]
+pools = [[part(full(b, r // TPD), r % TPD) for b in range(NBUF)] for r in range(TP)]
+states = [part(full_state(r // TPD), r % TPD) if STATE else None for r in range(TP)]
+all_mgrs = [MooncakeKVManagerPrefill(*make_args(r, pools[r], states[r], srv.port)) for r in range(TP)]
+all_counters = [StepCounter() for _ in range(TP)]
 print("READY", f"127.0.0.1:{srv.port}", flush=True)
-seen = 0
+seen = {}  # manager -> control messages received when its last room ended
 
-def forward(layer_num):  # the device writes the layers one by one
+def forward(counters, layer_num):  # the device writes the layers one by one
     for _ in range(layer_num):
         time.sleep(0.003)
         for c in counters:
@@ -194,12 +197,15 @@ for line in sys.stdin:
     room, mode, pages, nchunks, token, cands, slot = line.split()
     room, pages, nchunks, token, cands = int(room), ints(pages), int(nchunks), int(token), ints(cands)
     mamba = np.array([int(slot)], dtype=np.int64) if STATE else None
+    # the ranks of the DP group that serves the room (the scheduler routes it there)
+    mgrs = [m for r, m in enumerate(all_mgrs) if r // TPD == room % DP]
+    counters = [c for r, c in enumerate(all_counters) if r // TPD == room % DP]
     if mode == "abort":  # EPD: the prefill gives up before registering a sender
         deadline = time.monotonic() + 10  # once the decode's request (M2) is in
-        while mgrs[0].kv.get_stats()["messages_received"] <= seen and time.monotonic() < deadline:
+        while mgrs[0].kv.get_stats()["messages_received"] <= seen.get(mgrs[0], 0) and time.monotonic() < deadline:
             time.sleep(0.002)
         mgrs[0].abort_room(room, f"EPD: prefill aborted request r{room} (embedding receive timed out)")
-        seen = mgrs[0].kv.get_stats()["messages_received"]
+        seen[mgrs[0]] = mgrs[0].kv.get_stats()["messages_received"]
         print("ABORTED", flush=True)
         continue
     senders = [MooncakeKVSender(mgr=m, bootstrap_addr=f"127.0.0.1:{srv.port}", bootstrap_room=room) for m in mgrs]
@@ -242,7 +248,7 @@ for line in sys.stdin:
             time.sleep(0.05)
             if k == 0:  # nothing may go out before the device wrote a layer
                 notes.append("early=%d" % (sum(m.kv.get_stats()["chunks_sent"] for m in mgrs) - sent0))
-            forward(mgrs[0].layer_num)
+            forward(counters, mgrs[0].layer_num)
         # the KV landed, the token is not published yet: no Success
         time.sleep(0.1)
         notes.append("before_token=%s" % ("Success" if any(s.poll() == TransferPoll.Success for s in senders)
@@ -259,9 +265,10 @@ for line in sys.stdin:
             reason = str(e)
     for m, s in zip(mgrs, senders):  # _drop_request_state
         m.discard_expired_metadata_room(s.bootstrap_room)
-    seen = mgrs[0].kv.get_stats()["messages_received"]  # every M1/M2 of this room is in
+    for m in mgrs:  # every M1/M2 of this room is in
+        seen[m] = m.kv.get_stats()["messages_received"]
     print("SENT", TransferPoll(st).name, *notes, reason, flush=True)
-for m in mgrs:
+for m in all_mgrs:
     m.close()
 srv.close()
 """
@@ -301,12 +308,12 @@ for line in sys.stdin:
     bad = stray = 0
     for r in range(TP):
         for b in range(NBUF):
-            want = part(full(b), r)
+            want = part(full(b, room % PEER_DP), r)
             for p, d in zip(src[skip:], dst):
                 bad += int(not (pools[r][b][d] == want[p]).all())
             stray += int(np.delete(pools[r][b], dst, axis=0).any())
         if STATE:
-            bad += int(not (states[r][slot] == part(full_state(), r)[src_slot]).all())
+            bad += int(not (states[r][slot] == part(full_state(room % PEER_DP), r)[src_slot]).all())
             stray += int(np.delete(states[r], [slot], axis=0).any())
     token, cands = mgrs[0].pop_prefill_metadata(room)
     again = mgrs[0].pop_prefill_metadata(room)
@@ -319,7 +326,7 @@ for m in mgrs:
 
 
 def spec(**kw):
-    s = dict(layers=2, draft=1, pages=24, mla=False, tp=1, page_size=1, unit=64, heads=4, state=48)
+    s = dict(layers=2, draft=1, pages=24, mla=False, tp=1, dp=1, peer_dp=1, page_size=1, unit=64, heads=4, state=48)
     s.update(kw)
     return s
 
@@ -411,6 +418,19 @@ def test_mla(spawn, tp_d):
     assert sent.split() == ["SENT", "Success"], sent
     done, sent = run_room(prefill, decode, 22, "layerwise", SRC, DST[:5], prefix=5, nchunks=1, token=4)
     assert done.split()[:5] == ["DONE", "Success", "bad=0", "stray=0", "4"], done
+    prefill.finish()
+    decode.finish()
+
+
+def test_dp_attention(spawn):
+    """A prefill instance with DP attention (world 2, dp 2: one rank per DP
+    group, different content per group): room r is served by DP group
+    r mod 2 (floor modulo for a negative room), chunked and layerwise."""
+    prefill, decode = start_pair(spawn, spec(tp=2, dp=2), spec(peer_dp=2))
+    for room, mode in ((6, "send"), (7, "send"), (-3, "layerwise")):
+        done, sent = run_room(prefill, decode, room, mode, SRC, DST, token=100 + room)
+        assert done.split()[:5] == ["DONE", "Success", "bad=0", "stray=0", str(100 + room)], (room, done)
+        assert sent.split()[:2] == ["SENT", "Success"], sent
     prefill.finish()
     decode.finish()
 
