@@ -422,6 +422,19 @@ def test_mla(spawn, tp_d):
     decode.finish()
 
 
+def test_page_size_two(spawn):
+    """Pages of 2 tokens: the executors' page arithmetic (a 4-token decode
+    prefix is 2 pages; layerwise windows in tokens) with the same TP."""
+    prefill, decode = start_pair(spawn, spec(page_size=2), spec(page_size=2))
+    done, sent = run_room(prefill, decode, 51, "send", SRC, DST[:8], prefix=4, nchunks=2)
+    assert done.split()[:6] == ["DONE", "Success", "bad=0", "stray=0", "77", "5,6,7"], done
+    assert sent.split() == ["SENT", "Success"], sent
+    done, sent = run_room(prefill, decode, 52, "layerwise", SRC, DST[:9], prefix=2, nchunks=3, token=6)
+    assert done.split()[:5] == ["DONE", "Success", "bad=0", "stray=0", "6"], done
+    prefill.finish()
+    decode.finish()
+
+
 def test_dp_attention(spawn):
     """A prefill instance with DP attention (world 2, dp 2: one rank per DP
     group, different content per group): room r is served by DP group
