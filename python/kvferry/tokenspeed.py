@@ -57,6 +57,10 @@ LAYERWISE_POLL_S = 1e-4
 # default 120 s).
 LAYERWISE_STEP_TIMEOUT_S = None
 _DEFAULT_BOOTSTRAP_TIMEOUT_S = 120
+# Rooms whose first token was published before the room had a sender, kept
+# until the sender comes or discard_expired_metadata_room; past this many the
+# oldest is dropped (tokenspeed's table is unbounded).
+MAX_EARLY_METADATA = 65536
 
 
 class KVClassType(enum.Enum):
@@ -354,6 +358,9 @@ class MooncakeKVManagerPrefill(_Base):
         sender = self._handle(room)
         if sender is None:
             with self._lock:
+                self._metadata.pop(room, None)
+                if len(self._metadata) >= MAX_EARLY_METADATA:
+                    self._metadata.pop(next(iter(self._metadata)))
                 self._metadata[room] = (int(token), spec_candidate_ids)
             return
         sender._publish(int(token), spec_candidate_ids)
@@ -372,8 +379,11 @@ class MooncakeKVManagerPrefill(_Base):
         sender for the room."""
         sender = self._handle(room)
         if sender is not None:
-            sender._h.abort(reason)
-            return
+            try:
+                sender._h.abort(reason)
+                return
+            except RuntimeError:
+                pass  # cleared: the room is gone from libkvferry, abort it afresh
         tmp = KVSender(self.kv, room)
         try:
             tmp.abort(reason)
