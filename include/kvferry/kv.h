@@ -69,6 +69,11 @@ typedef struct kvf_manager_config {
   int queue_size;               /* prefill transfer queues/workers; default 4 */
   int http_timeout_ms;          /* bootstrap HTTP calls; default 5000 */
   size_t max_rooms;             /* live-room bound; default 1<<20 */
+  /* Decode: KV layers [0, target_layer_num) of the layer layout are the
+   * target model's, the rest the draft model's (the reference's
+   * KVArgs.target_layer_num): heterogeneous-TP plans label the latter's
+   * fragments draft_k/draft_v. 0 (default) = every layer is a target layer. */
+  size_t target_layer_num;
 } kvf_manager_config;
 
 typedef struct kvf_manager kvf_manager;
@@ -120,6 +125,11 @@ void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap);
 /* After Success: the first token (-1 none) and up to cap speculative ids
  * (*ncand set; 0 none). Pops: a second call returns -1 / 0. */
 int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, size_t cap, size_t *ncand);
+/* The route plan's supports_remote_spec_candidates (the reference's
+ * receiver attribute): 1 for identity and legacy-MLA plans, 0 for
+ * fragmented (heterogeneous-TP) ones, whose speculative ids the reference's
+ * decode scheduler ignores. KVF_ESTATE when construction failed (no plan). */
+int kvf_receiver_supports_spec(const kvf_receiver *r);
 /* Clear the room from every table and free the handle. NULL ok. */
 void kvf_receiver_destroy(kvf_receiver *r);
 
@@ -179,6 +189,11 @@ int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, s
  * (the first wins); KVF_ENOTFOUND if the room is no longer known; KVF_EINVAL,
  * KVF_ETOOBIG (ncand past the wire limit). Scheduler thread. */
 int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand);
+/* The decode destinations known so far (the reference's
+ * transfer_infos[room]): M2s received from real (*nreal) and dummy (*ndummy)
+ * destinations, and the decode_prefix_len (tokens) of the first real one (0
+ * when none). 0; KVF_ENOTFOUND if the room is gone. Any thread. */
+int kvf_sender_dest_info(kvf_sender *s, size_t *nreal, size_t *ndummy, int64_t *decode_prefix_len);
 int kvf_sender_poll(kvf_sender *s);
 void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap);
 /* Fail the room with `reason` and tell every known decode destination. */

@@ -7,6 +7,10 @@
     KVTransferError     raised by failure_exception()
     KVFerryError        a C call failed (.code is the negative KVF_E* value)
 
+kvferry.tokenspeed (imported on demand) holds tokenspeed's Mooncake PD classes
+on kvferry and install(), which switches a tokenspeed process to them
+(docs/TOKENSPEED.md).
+
 The shared library is found through $KVFERRY_LIB, next to this package, in a
 kvferry checkout's build/ directory, or on the system library path.
 """

@@ -128,6 +128,7 @@ class kvf_manager_config(ctypes.Structure):
         ("queue_size", ctypes.c_int),
         ("http_timeout_ms", ctypes.c_int),
         ("max_rooms", ctypes.c_size_t),
+        ("target_layer_num", ctypes.c_size_t),
     ]
 
 

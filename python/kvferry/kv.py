@@ -66,6 +66,22 @@ def _bind_set_metadata():
 
 _kvf_sender_set_metadata = _bind_set_metadata()
 
+
+def _bind_fn(name, restype, argtypes):
+    """Bind one symbol the shared prototype table does not list yet."""
+    try:
+        fn = getattr(_lib._cdll, name)
+    except AttributeError:
+        return _lib._Missing(name, _lib.LIB_PATH)
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
+_kvf_sender_dest_info = _bind_fn("kvf_sender_dest_info", ctypes.c_int,
+                                 [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t),
+                                  ctypes.POINTER(ctypes.c_int64)])
+_kvf_receiver_supports_spec = _bind_fn("kvf_receiver_supports_spec", ctypes.c_int, [ctypes.c_void_p])
+
 # bootstrap_token for the last chunk: "the first token comes later, through
 # KVSender.set_metadata" (C: KVF_TOKEN_LATER). -1 means "no token".
 TOKEN_LATER = -2
@@ -172,6 +188,8 @@ class KVManager(_Closing):
     layer_bufs (a list per layer of KV buffer indices) overrides the MHA
     layout (layer l = buffers l and n/2 + l).
     A kv_args object with tokenspeed's attribute names may be given instead.
+    target_layer_num: layers [0, n) are the target model's, later ones the
+    draft model's (labels of heterogeneous-TP fragments); 0 = all target.
     Timeouts and sizes left at 0 / None take the C defaults and the
     TOKENSPEED_DISAGGREGATION_* environment overrides.
     """
@@ -184,7 +202,7 @@ class KVManager(_Closing):
                  engine_port=0, auth_token=None, transfer_timeout_ms=0, conns_per_peer=0,
                  bootstrap_timeout_s=0, waiting_timeout_s=0, heartbeat_interval_s=0,
                  heartbeat_max_failures=0, failed_session_ttl_s=None, queue_size=0,
-                 http_timeout_ms=0, max_rooms=0):
+                 http_timeout_ms=0, max_rooms=0, target_layer_num=0):
         self._h = None
         self._handles = weakref.WeakSet()
         self._keep = []
@@ -265,6 +283,8 @@ class KVManager(_Closing):
             cfg.http_timeout_ms = int(http_timeout_ms)
         if max_rooms:
             cfg.max_rooms = int(max_rooms)
+        if target_layer_num:
+            cfg.target_layer_num = int(target_layer_num)
 
         h = ctypes.c_void_p()
         check(lib.kvf_manager_create(ctypes.byref(cfg), ctypes.byref(bufs), ctypes.byref(h)),
@@ -450,6 +470,15 @@ class KVSender(_Handle):
                                        _ptr(cands, ctypes.c_int32), ncand),
               f"set_metadata for room {self.bootstrap_room}")
 
+    def dest_info(self):
+        """(real, dummy, decode_prefix_len): the decode destinations whose
+        transfer request (M2) arrived, and the first real one's prefix length
+        in tokens (tokenspeed's transfer_infos[room])."""
+        nreal, ndummy, prefix = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_int64()
+        check(_kvf_sender_dest_info(self._require(), ctypes.byref(nreal), ctypes.byref(ndummy), ctypes.byref(prefix)),
+              f"dest_info for room {self.bootstrap_room}")
+        return nreal.value, ndummy.value, prefix.value
+
     def abort(self, reason="Aborted"):
         """Fail the room with `reason` and tell every known decode destination."""
         lib.kvf_sender_abort(self._require(), to_bytes(reason))
@@ -497,6 +526,14 @@ class KVReceiver(_Handle):
             return -1, None
         check(rc, f"pop_metadata for room {self.bootstrap_room}")
         return int(tok.value), (list(cands[: n.value]) if n.value else None)
+
+    @property
+    def supports_spec_candidates(self):
+        """tokenspeed's supports_remote_spec_candidates: False for a
+        fragmented (heterogeneous-TP) plan, True otherwise (and when the
+        receiver failed before it had a plan)."""
+        rc = _kvf_receiver_supports_spec(self._require())
+        return rc != 0
 
     def pop_bootstrap_token(self):
         return self.pop_metadata()[0]

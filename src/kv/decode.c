@@ -74,6 +74,7 @@ typedef struct pool_entry {
   int fragmented;
   int64_t page_layout; /* M2 frame 14 (kvferry): tokens per token-major page; 0 = not sent */
   int required_prefill_response_num;
+  int supports_spec; /* the plan's supports_remote_spec_candidates */
 } pool_entry;
 
 /* What is known about one bootstrap address. */
@@ -211,7 +212,7 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
         .decode_tp_rank = m->tp_rank,
         .prefill_tp_size = (int)a->tp_p,
         .layout = &ds->layout,
-        .target_layer_num = 0,
+        .target_layer_num = m->cfg.target_layer_num,
         .d_kv_item = ds->d_kv_item, .d_kv_unit = ds->d_kv_unit,
         .n_d_kv = m->bufs.n_kv, .n_d_kv_unit = m->bufs.n_kv,
         .p_kv_item = L[ROUTE_KV_ITEM_LENS].v, .p_kv_unit = L[ROUTE_KV_UNIT_LENS].v,
@@ -293,6 +294,7 @@ static pool_entry *pool_from_plan(const addr_entry *a, const char *addr) {
   p->nfrags = a->plan.nfrags;
   p->frags = calloc(p->nfrags ? p->nfrags : 1, sizeof *p->frags);
   p->required_prefill_response_num = a->plan.required_prefill_response_num;
+  p->supports_spec = a->plan.supports_spec;
   if (!p->targets || !p->frags) {
     pool_unref(p);
     return NULL;
@@ -584,6 +586,11 @@ void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap) {
   if (!buf || !cap) return;
   buf[0] = 0;
   if (r) rooms_get_reason(r->m->rooms, r->room, buf, cap);
+}
+
+int kvf_receiver_supports_spec(const kvf_receiver *r) {
+  if (!r) return KVF_EINVAL;
+  return r->pool ? r->pool->supports_spec : KVF_ESTATE;
 }
 
 int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, size_t cap, size_t *ncand) {

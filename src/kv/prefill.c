@@ -1190,6 +1190,29 @@ int kvf_sender_poll(kvf_sender *s) {
   return st;
 }
 
+int kvf_sender_dest_info(kvf_sender *s, size_t *nreal, size_t *ndummy, int64_t *decode_prefix_len) {
+  if (!s || !nreal || !ndummy || !decode_prefix_len) return KVF_EINVAL;
+  prefill_state *ps = s->m->prefill;
+  int rc = 0;
+  *nreal = *ndummy = 0;
+  *decode_prefix_len = 0;
+  pthread_mutex_lock(&ps->lock);
+  if (s->r->dead) {
+    rc = KVF_ENOTFOUND;
+  } else {
+    for (size_t i = 0; i < s->r->ninfos; i++) {
+      const wire_m2 *x = s->r->infos[i]->m2;
+      if (x->is_dummy) {
+        (*ndummy)++;
+      } else if ((*nreal)++ == 0) {
+        *decode_prefix_len = x->decode_prefix_len;
+      }
+    }
+  }
+  pthread_mutex_unlock(&ps->lock);
+  return rc;
+}
+
 void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap) {
   if (!buf || !cap) return;
   buf[0] = 0;

@@ -101,6 +101,7 @@ static void register_rank(fixture *f, int world, int dp, int rank) { register_ra
 
 static int g_mla; /* next manager: MLA (one buffer, legacy MLA routing) */
 static int g_page_size = 1; /* next manager's tokens per page */
+static size_t g_target_layers; /* next manager: >0 = one buffer per layer, layers >= this are draft */
 
 static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) {
   f->kbuf = calloc(NPAGES, ITEM);
@@ -108,6 +109,8 @@ static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) 
   void *ptrs[2] = {f->kbuf, f->vbuf};
   uint64_t lens[2] = {NPAGES * ITEM, NPAGES * ITEM}, items[2] = {ITEM, ITEM};
   kvf_kv_buffers b = {.n_kv = g_mla ? 1 : 2, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  static const uint32_t split_start[3] = {0, 1, 2}, split_bufs[2] = {0, 1};
+  if (g_target_layers) b.n_layers = 2, b.layer_buf_start = split_start, b.layer_bufs = split_bufs;
   kvf_manager_config cfg;
   kvf_manager_config_init(&cfg);
   cfg.role = KVF_ROLE_DECODE;
@@ -118,6 +121,7 @@ static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) 
   cfg.http_timeout_ms = 2000;
   cfg.is_mla = g_mla;
   cfg.page_size = g_page_size;
+  cfg.target_layer_num = g_target_layers;
   assert_int_equal(kvf_manager_create(&cfg, &b, &f->m), 0);
   char ep[64];
   snprintf(ep, sizeof ep, "tcp://127.0.0.1:%u", (unsigned)f->m->rank_port);
@@ -654,6 +658,47 @@ static void hetero_tp_fragments(void **state) {
   teardown(f);
 }
 
+/* Draft layers (config target_layer_num): layer 0 = buffer 0 is the
+ * target's, layer 1 = buffer 1 the draft's, so the plan sent to each
+ * prefill rank labels buffer 1 draft_k, as the reference's decode does; a
+ * fragmented plan does not support remote speculative ids. */
+static void hetero_tp_draft_kinds(void **state) {
+  (void)state;
+  static const int64_t half[2] = {ITEM / 2, ITEM / 2};
+  g_item_lens = half;
+  g_nitem = 2;
+  g_target_layers = 1;
+  fixture *f = setup_full(2, 1, 300, 5, 2);
+  register_rank(f, 2, 1, 1);
+  g_nitem = 0;
+  g_target_layers = 0;
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 81, &r), 0);
+  assert_int_equal(kvf_receiver_supports_spec(r), 0);
+  raw_msg rm;
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(recv_raw(f->pull, &rm), 0);
+    raw_free(&rm); /* M1s */
+  }
+  int64_t pages[1] = {2};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(recv_raw(f->pull, &rm), 0);
+    wire_m2 m2;
+    char why[WIRE_REASON_LEN];
+    assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+    assert_int_equal(m2.nfrags, 2);
+    assert_int_equal(m2.frags[0].buffer_index, 0);
+    assert_string_equal(wire_buffer_kind_name(m2.frags[0].buffer_kind), "target_k");
+    assert_int_equal(m2.frags[1].buffer_index, 1);
+    assert_string_equal(wire_buffer_kind_name(m2.frags[1].buffer_kind), "draft_k");
+    wire_m2_free(&m2);
+    raw_free(&rm);
+  }
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
 /* page_size > 1 and a plan that cuts heads out of pages: refused against a
  * prefill that publishes no page layout (a tokenspeed peer would land wrong
  * bytes in token-major pages); with kvferry's layout, M2 carries frame 14. */
@@ -741,6 +786,7 @@ int main(void) {
       cmocka_unit_test(heartbeat_rank_restart),
       cmocka_unit_test(mla_dummy_target),
       cmocka_unit_test(hetero_tp_fragments),
+      cmocka_unit_test(hetero_tp_draft_kinds),
       cmocka_unit_test(token_major_needs_layout),
       cmocka_unit_test(churn_is_bounded),
   };
