@@ -26,6 +26,11 @@ enum {
 
 enum { KVF_ROLE_PREFILL = 0, KVF_ROLE_DECODE = 1 };
 
+/* Most speculative candidate ids one room carries (one M3). Both sides use
+ * this one limit: a sender refuses more (KVF_ETOOBIG), a decode drops an M3
+ * with more. */
+#define KVF_MAX_CANDIDATES 64
+
 /* The rank's buffers. KV buffer i holds pages of kv_item_lens[i] bytes from
  * kv_ptrs[i] (kv_lens[i] bytes in all). Layers: layer l uses the buffers
  * layer_bufs[layer_buf_start[l] .. layer_buf_start[l+1]); when layer_buf_start

@@ -1084,7 +1084,7 @@ int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_l
                     int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
                     size_t nstate) {
   if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
-  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES) return KVF_ETOOBIG;
+  if (npages > WIRE_MAX_PAGES || ncand > KVF_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES) return KVF_ETOOBIG;
   if (s->last_sent) return KVF_ESTATE;
   return sender_submit(s, pages, npages, s->curr, 0, 0, s->m->bufs.n_layers, is_last, aux_index, bootstrap_token,
                        cands, ncand, state_slots, nstate);
@@ -1096,7 +1096,7 @@ int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, s
                            size_t nstate) {
   if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
   if (layer_begin > layer_end || layer_end > s->m->bufs.n_layers) return KVF_EINVAL;
-  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES ||
+  if (npages > WIRE_MAX_PAGES || ncand > KVF_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES ||
       index_begin > (size_t)WIRE_MAX_PAGES)
     return KVF_ETOOBIG;
   if (s->last_sent) return KVF_ESTATE;
@@ -1112,7 +1112,7 @@ int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, s
 
 int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand) {
   if (!s || (ncand && !cands) || bootstrap_token < -1) return KVF_EINVAL;
-  if (ncand > WIRE_MAX_CANDIDATES) return KVF_ETOOBIG;
+  if (ncand > KVF_MAX_CANDIDATES) return KVF_ETOOBIG;
   prefill_state *ps = s->m->prefill;
   pf_room *r = s->r;
   int32_t *copy = ncand ? malloc(ncand * sizeof *copy) : NULL;

@@ -196,7 +196,7 @@ static kvf_sender *new_sender(fixture *f, int64_t room) {
   return s;
 }
 
-/* Receive one M3 within 5 s; copies candidates into cands (cap 8). */
+/* Receive one M3 within 5 s; copies candidates into cands (cap KVF_MAX_CANDIDATES). */
 static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
   zmq_msg_t parts[8];
   size_t n = 0;
@@ -213,7 +213,7 @@ static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
   for (size_t i = 0; i < n; i++) fr[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
   char why[WIRE_REASON_LEN];
   assert_int_equal(wire_m3_decode(fr, n, out, why), 0);
-  *ncand = out->candidates.count < 8 ? out->candidates.count : 8;
+  *ncand = out->candidates.count < KVF_MAX_CANDIDATES ? out->candidates.count : KVF_MAX_CANDIDATES;
   for (size_t i = 0; i < *ncand; i++) cands[i] = wire_i32_at(out->candidates, i);
   out->candidates = wire_array_of(NULL, 0);
   for (size_t i = 0; i < n; i++) zmq_msg_close(&parts[i]);
@@ -238,7 +238,7 @@ static void check_pages(fixture *f, const int64_t *src, const int64_t *dst, size
 
 static void expect_success_m3(fixture *f, int64_t room, int64_t token, const int32_t *cands, size_t ncand) {
   wire_m3 m3;
-  int32_t got[8];
+  int32_t got[KVF_MAX_CANDIDATES];
   size_t ng = 0;
   recv_m3(f, &m3, got, &ng);
   assert_int_equal(m3.room, room);
@@ -331,7 +331,7 @@ static void token_major_slices(void **state) {
     assert_int_equal(kvf_sender_send(s, src, 3, 1, 0, 7, NULL, 0, NULL, 0), 0);
     int st = wait_final(s, 5000);
     wire_m3 m3;
-    int32_t c[8];
+    int32_t c[KVF_MAX_CANDIDATES];
     size_t nc;
     recv_m3(&f, &m3, c, &nc);
     if (!with_layout) {
@@ -385,6 +385,29 @@ static void one_chunk(void **state) {
   kvf_sender_destroy(s);
   kvf_manager_get_stats(f.m, &st);
   assert_int_equal(st.live_rooms, 0);
+  fx_teardown(&f);
+}
+
+/* One candidate limit, public and shared with the decode: a sender with
+ * KVF_MAX_CANDIDATES + 1 ids is refused at the call (the decode would drop
+ * such an M3 and its room would wait for the waiting timeout); exactly the
+ * limit still works end to end. */
+static void candidate_limit(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = new_sender(&f, 9);
+  int64_t src[] = {0, 1}, dst[] = {2, 3};
+  register_and_request(&f, 9, dst, 2);
+  int32_t cands[KVF_MAX_CANDIDATES + 1];
+  for (int i = 0; i <= KVF_MAX_CANDIDATES; i++) cands[i] = 100 + i;
+  assert_int_equal(kvf_sender_send(s, src, 2, 1, 0, 42, cands, KVF_MAX_CANDIDATES + 1, NULL, 0), KVF_ETOOBIG);
+  assert_int_equal(kvf_sender_set_metadata(s, 42, cands, KVF_MAX_CANDIDATES + 1), KVF_ETOOBIG);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
+  assert_int_equal(kvf_sender_send(s, src, 2, 1, 0, 42, cands, KVF_MAX_CANDIDATES, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 9, 42, cands, KVF_MAX_CANDIDATES);
+  kvf_sender_destroy(s);
   fx_teardown(&f);
 }
 
@@ -522,7 +545,7 @@ static void refused_write_fails_room(void **state) {
   snprintf(want, sizeof want, "Failed to send kv chunk of 9 to 127.0.0.1:%u", (unsigned)f.pull_port);
   assert_non_null(strstr(why, want));
   wire_m3 m3;
-  int32_t c[8];
+  int32_t c[KVF_MAX_CANDIDATES];
   size_t nc;
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.room, 9);
@@ -568,7 +591,7 @@ static void abort_tells_decode(void **state) {
   kvf_sender_failure(s, why, sizeof why);
   assert_string_equal(why, "scheduler gave up");
   wire_m3 m3;
-  int32_t c[8];
+  int32_t c[KVF_MAX_CANDIDATES];
   size_t nc;
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.room, 21);
@@ -790,7 +813,7 @@ static void token_never_published(void **state) {
   kvf_sender_failure(s, why, sizeof why);
   assert_string_equal(why, "Request 63: first token not published within 1.0s after its KV landed");
   wire_m3 m3;
-  int32_t c[8];
+  int32_t c[KVF_MAX_CANDIDATES];
   size_t nc;
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.room, 63);
@@ -824,7 +847,7 @@ static void token_wait_ends(void **state) {
   kvf_sender_destroy(s[0]); /* destroyed while waiting */
   kvf_sender_abort(s[1], "gave up");
   wire_m3 m3;
-  int32_t c[8];
+  int32_t c[KVF_MAX_CANDIDATES];
   size_t nc;
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.room, 65);
@@ -892,6 +915,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(one_chunk),
       cmocka_unit_test(token_major_slices),
+      cmocka_unit_test(candidate_limit),
       cmocka_unit_test(many_chunks),
       cmocka_unit_test(chunk_waits_for_m2),
       cmocka_unit_test(decode_prefix_skipped),
