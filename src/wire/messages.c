@@ -804,6 +804,7 @@ int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
   return 0;
 
 err:
+  free(out->json); /* the plan JSON, when the error came after it was built */
   memset(out, 0, sizeof *out);
   return rc;
 }

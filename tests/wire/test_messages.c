@@ -1004,6 +1004,14 @@ static void encoder_rejections(void **state) {
   fr = frag_example_struct;
   fr.page_count = -2;
   assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  /* A valid plan with a bad page layout: the plan JSON was already built
+   * and must be freed on the error path (LeakSanitizer in `make asan`). */
+  fr = frag_example_struct;
+  m2.page_layout = -1;
+  assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  assert_string_equal(reason, "M2 frame 14 (kvferry_page_layout): -1 is outside 0..1048576");
+  assert_memory_equal(&msg, &zero, sizeof msg);
+  m2.page_layout = 0;
   /* A dummy ignores its array fields. */
   m2.is_dummy = 1;
   assert_int_equal(wire_m2_encode(&m2, &msg, reason), 0);
