@@ -317,6 +317,42 @@ static int bind_pull(kvf_manager *m) {
   return 0;
 }
 
+/* Undo register_buffers (only the buffers this manager registered). */
+static void unregister_buffers(kvf_manager *m) {
+  for (size_t i = 0; m->own_regions && i < m->bufs.n_kv + m->bufs.n_state; i++)
+    if (m->own_regions[i])
+      kvf_engine_unregister(m->engine, (void *)(uintptr_t)(i < m->bufs.n_kv ? m->bufs.kv_ptrs[i]
+                                                                             : m->bufs.state_ptrs[i - m->bufs.n_kv]));
+  free(m->own_regions);
+  m->own_regions = NULL;
+}
+
+/* Register every KV and state buffer with the engine. A buffer already
+ * registered (KVF_EEXIST: a shared engine where another manager of this
+ * process holds the same memory) is used as is and left to its owner; the
+ * flags in own_regions say which ones this manager must unregister. On
+ * failure the buffers registered so far are unregistered again, so a shared
+ * engine is left as it was. */
+static int register_buffers(kvf_manager *m) {
+  size_t n = m->bufs.n_kv + m->bufs.n_state;
+  m->own_regions = calloc(n, 1);
+  if (!m->own_regions) return KVF_ENOMEM;
+  for (size_t i = 0; i < n; i++) {
+    int kv = i < m->bufs.n_kv;
+    size_t k = kv ? i : i - m->bufs.n_kv;
+    uint64_t ptr = kv ? m->bufs.kv_ptrs[k] : m->bufs.state_ptrs[k];
+    uint64_t len = kv ? m->bufs.kv_lens[k] : m->bufs.state_lens[k];
+    int rc = kvf_engine_register(m->engine, (void *)(uintptr_t)ptr, len);
+    if (rc == KVF_EEXIST) continue;
+    if (rc) {
+      unregister_buffers(m);
+      return rc;
+    }
+    m->own_regions[i] = 1;
+  }
+  return 0;
+}
+
 int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *bufs, kvf_manager **out) {
   if (!cfg_in || !out) return KVF_EINVAL;
   if (cfg_in->role != KVF_ROLE_PREFILL && cfg_in->role != KVF_ROLE_DECODE) return KVF_EINVAL;
@@ -353,17 +389,10 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
     m->own_engine = 1;
   }
   c->engine = m->engine;
-  for (size_t i = 0; i < m->bufs.n_kv; i++)
-    if ((rc = kvf_engine_register(m->engine, (void *)(uintptr_t)m->bufs.kv_ptrs[i], m->bufs.kv_lens[i])) &&
-        rc != KVF_EEXIST)
-      goto err_engine;
-  for (size_t i = 0; i < m->bufs.n_state; i++)
-    if ((rc = kvf_engine_register(m->engine, (void *)(uintptr_t)m->bufs.state_ptrs[i], m->bufs.state_lens[i])) &&
-        rc != KVF_EEXIST)
-      goto err_engine;
+  if ((rc = register_buffers(m))) goto err_engine;
 
   pthread_mutex_init(&m->push_lock, NULL);
-  if ((rc = smap_init(&m->pushes))) goto err_engine;
+  if ((rc = smap_init(&m->pushes))) goto err_lock;
   m->zctx = zmq_ctx_new();
   if (!m->zctx) {
     rc = KVF_EIO;
@@ -390,8 +419,10 @@ err_zmq:
   zmq_ctx_term(m->zctx);
 err_pushes:
   smap_free(&m->pushes);
-err_engine:
+err_lock:
   pthread_mutex_destroy(&m->push_lock);
+  unregister_buffers(m);
+err_engine:
   if (m->own_engine) kvf_engine_destroy(m->engine);
 err_rooms:
   rooms_table_free(m->rooms, NULL);
@@ -412,13 +443,8 @@ void kvf_manager_destroy(kvf_manager *m) {
   close_pushes(m);
   zmq_ctx_term(m->zctx);
   pthread_mutex_destroy(&m->push_lock);
-  if (m->own_engine) {
-    kvf_engine_destroy(m->engine);
-  } else {
-    for (size_t i = 0; i < m->bufs.n_kv; i++) kvf_engine_unregister(m->engine, (void *)(uintptr_t)m->bufs.kv_ptrs[i]);
-    for (size_t i = 0; i < m->bufs.n_state; i++)
-      kvf_engine_unregister(m->engine, (void *)(uintptr_t)m->bufs.state_ptrs[i]);
-  }
+  unregister_buffers(m);
+  if (m->own_engine) kvf_engine_destroy(m->engine);
   rooms_table_free(m->rooms, NULL);
   free_buffers(&m->bufs);
   free(m);

@@ -730,8 +730,40 @@ static void churn_is_bounded(void **state) {
   teardown(f);
 }
 
+/* A manager on a shared engine whose second buffer cannot be registered
+ * (its length wraps the address space): create fails and the engine is left
+ * as it was, with the first buffer no longer registered. A buffer the
+ * engine already had stays registered after the manager is gone. */
+static void shared_engine_register_failure(void **state) {
+  (void)state;
+  kvf_engine *eng = NULL;
+  assert_int_equal(kvf_engine_create(NULL, &eng), 0);
+  static uint8_t a[4096], b[4096], c[4096];
+  void *ptrs[2] = {a, b};
+  uint64_t lens[2] = {sizeof a, UINT64_MAX - 16}, items[2] = {64, 64};
+  kvf_kv_buffers bufs = {.n_kv = 2, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  cfg.role = KVF_ROLE_DECODE;
+  cfg.engine = eng;
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&cfg, &bufs, &m), KVF_EINVAL);
+  assert_null(m);
+  assert_int_equal(kvf_engine_unregister(eng, a), KVF_ENOTFOUND); /* no leftover region */
+  /* c is the engine's own: the manager uses it and leaves it registered. */
+  assert_int_equal(kvf_engine_register(eng, c, sizeof c), 0);
+  ptrs[1] = c;
+  lens[1] = sizeof c;
+  assert_int_equal(kvf_manager_create(&cfg, &bufs, &m), 0);
+  kvf_manager_destroy(m);
+  assert_int_equal(kvf_engine_unregister(eng, a), KVF_ENOTFOUND);
+  assert_int_equal(kvf_engine_unregister(eng, c), 0);
+  kvf_engine_destroy(eng);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(shared_engine_register_failure),
       cmocka_unit_test(happy_path),
       cmocka_unit_test(failed_m3),
       cmocka_unit_test(malformed_and_unknown),
