@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/addr.h"
 #include "base/clock.h"
 #include "base/env.h"
 #include "base/log.h"
@@ -26,36 +27,6 @@ void kvf_engine_config_init(kvf_engine_config *cfg) {
   cfg->timeout_ms = 30000;
   cfg->conns_per_peer = 2;
   cfg->max_inbound_conns = 256;
-}
-
-int engine_parse_session(const char *session, char *host_out, size_t host_cap, uint16_t *port_out) {
-  if (!session) return KVF_EINVAL;
-  const char *colon = strrchr(session, ':');
-  if (!colon || colon == session) return KVF_EINVAL;
-  const char *h = session;
-  size_t hlen = (size_t)(colon - session);
-  if (h[0] == '[') {
-    if (hlen < 3 || h[hlen - 1] != ']') return KVF_EINVAL;
-    h++;
-    hlen -= 2;
-  } else if (memchr(h, ':', hlen)) {
-    return KVF_EINVAL; /* bare IPv6 is ambiguous: require brackets */
-  }
-  if (hlen == 0 || hlen >= host_cap) return KVF_EINVAL;
-  for (size_t i = 0; i < hlen; i++)
-    if (h[i] <= ' ' || h[i] > '~' || h[i] == '/' || h[i] == '[' || h[i] == ']') return KVF_EINVAL;
-  const char *p = colon + 1;
-  if (!*p || strlen(p) > 5) return KVF_EINVAL;
-  unsigned v = 0;
-  for (; *p; p++) {
-    if (*p < '0' || *p > '9') return KVF_EINVAL;
-    v = v * 10 + (unsigned)(*p - '0');
-  }
-  if (v == 0 || v > 65535) return KVF_EINVAL;
-  memcpy(host_out, h, hlen);
-  host_out[hlen] = '\0';
-  *port_out = (uint16_t)v;
-  return 0;
 }
 
 int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
@@ -99,8 +70,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   e->port = cfg.port;
   rc = ops->start(e);
   if (rc) goto err_regions;
-  snprintf(e->session_id, sizeof e->session_id, strchr(e->host, ':') ? "[%s]:%u" : "%s:%u", e->host,
-           (unsigned)e->port);
+  kvf__addr_format(e->session_id, sizeof e->session_id, e->host, e->port);
   LOG_INFO("engine", "listening as %s (transport %s)", e->session_id, ops->name);
   *out = e;
   return 0;
@@ -298,7 +268,7 @@ int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *write
   if (!e || !session || !out || (n && !writes)) return KVF_EINVAL;
   char host[256];
   uint16_t port;
-  if (engine_parse_session(session, host, sizeof host, &port)) {
+  if (kvf__addr_parse(session, strlen(session), host, sizeof host, &port, NULL)) {
     LOG_WARN("engine", "malformed session id '%.64s' (want host:port)", session);
     return KVF_EINVAL;
   }

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <zmq.h>
 
+#include "base/addr.h"
 #include "base/env.h"
 #include "base/log.h"
 
@@ -166,8 +167,7 @@ void manager_reject(kvf_manager *m, const char *peer, const char *kind, const ch
 /* ------------------------------------------------------------ PUSH cache */
 
 static int push_key(char *key, size_t cap, const char *host, uint16_t port) {
-  int n = snprintf(key, cap, strchr(host, ':') ? "[%s]:%u" : "%s:%u", host, (unsigned)port);
-  return n > 0 && (size_t)n < cap ? 0 : KVF_EINVAL;
+  return kvf__addr_format(key, cap, host, port);
 }
 
 int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
@@ -310,10 +310,8 @@ static int bind_pull(kvf_manager *m) {
   char last[300];
   size_t len = sizeof last;
   if (zmq_getsockopt(m->pull, ZMQ_LAST_ENDPOINT, last, &len)) return KVF_EIO;
-  const char *colon = strrchr(last, ':');
-  int64_t port = 0;
-  if (!colon || env_parse_i64(colon + 1, &port) || port <= 0 || port > 65535) return KVF_EIO;
-  m->rank_port = (uint16_t)port;
+  const char *hp = strncmp(last, "tcp://", 6) ? last : last + 6;
+  if (kvf__addr_parse(hp, strlen(hp), NULL, 0, &m->rank_port, NULL)) return KVF_EIO;
   return 0;
 }
 

@@ -15,6 +15,7 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "base/addr.h"
 #include "cli/pattern.h"
 #include "cli/peer.h"
 #include "engine/engine_internal.h"
@@ -159,7 +160,7 @@ static void malformed_session_ids(void **state) {
   assert_int_equal(kvf_engine_write(f->e, NULL, &w, 1), KVF_EINVAL);
   char host[64];
   uint16_t port;
-  assert_int_equal(engine_parse_session("[::1]:8080", host, sizeof host, &port), 0);
+  assert_int_equal(kvf__addr_parse("[::1]:8080", 10, host, sizeof host, &port, NULL), 0);
   assert_string_equal(host, "::1");
   assert_int_equal(port, 8080);
 }
