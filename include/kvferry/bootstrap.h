@@ -31,23 +31,23 @@ typedef struct kvf_bootstrap_server_config {
 } kvf_bootstrap_server_config;
 
 /* Fill `cfg` with the defaults above. */
-void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg);
+KVF_API void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg);
 
 /* Bind and start serving on an internal thread. `cfg` may be NULL for the
  * defaults; it is only read during the call (strings are copied). On success
  * the caller owns *out and must release it with kvf_bootstrap_server_stop.
  * Errors: KVF_EINVAL (bad host or config), KVF_EIO (bind failed, e.g. port in
  * use), KVF_ENOMEM. Any thread. */
-int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg, kvf_bootstrap_server **out);
+KVF_API int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg, kvf_bootstrap_server **out);
 
 /* The port the server listens on (the chosen one when cfg->port was 0).
  * Any thread, while the server exists. */
-uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv);
+KVF_API uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv);
 
 /* Stop serving, close every connection and free the server; requests in
  * progress finish first. NULL is ignored. Call once, from any thread except a
  * request handler, with no other call on `srv` in progress. */
-void kvf_bootstrap_server_stop(kvf_bootstrap_server *srv);
+KVF_API void kvf_bootstrap_server_stop(kvf_bootstrap_server *srv);
 
 #ifdef __cplusplus
 }

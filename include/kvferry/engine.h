@@ -53,58 +53,58 @@ typedef struct kvf_engine_stats {
 } kvf_engine_stats;
 
 /* Fill `cfg` with defaults (environment overrides are applied at create). */
-void kvf_engine_config_init(kvf_engine_config *cfg);
+KVF_API void kvf_engine_config_init(kvf_engine_config *cfg);
 
 /* Create an engine and start listening. `cfg` may be NULL for defaults. The
  * caller owns *out and frees it with kvf_engine_destroy. Any thread. */
-int kvf_engine_create(const kvf_engine_config *cfg, kvf_engine **out);
+KVF_API int kvf_engine_create(const kvf_engine_config *cfg, kvf_engine **out);
 
 /* Stop listening, fail in-flight batches, join threads, free. Batches still
  * held by the caller must be freed before this call. NULL is a no-op. */
-void kvf_engine_destroy(kvf_engine *engine);
+KVF_API void kvf_engine_destroy(kvf_engine *engine);
 
 /* "host:port" of this engine; owned by the engine, valid until destroy. */
-const char *kvf_engine_session_id(const kvf_engine *engine);
+KVF_API const char *kvf_engine_session_id(const kvf_engine *engine);
 /* The port the engine listens on. */
-uint16_t kvf_engine_port(const kvf_engine *engine);
+KVF_API uint16_t kvf_engine_port(const kvf_engine *engine);
 
 /* Register [addr, addr+len) so peers may write into it and local writes may
  * read from it. Overlapping an existing region is KVF_EEXIST. Any thread. */
-int kvf_engine_register(kvf_engine *engine, void *addr, size_t len);
+KVF_API int kvf_engine_register(kvf_engine *engine, void *addr, size_t len);
 /* Unregister the region that starts at addr. KVF_ENOTFOUND if none. Waits for
  * writes into the region that are in progress. Any thread. */
-int kvf_engine_unregister(kvf_engine *engine, void *addr);
+KVF_API int kvf_engine_unregister(kvf_engine *engine, void *addr);
 
 /* Write `n` blocks to the engine named by `session` ("host:port") and wait
  * until the peer confirms every byte landed, or the deadline passes. The
  * peer refuses the whole batch (KVF_ERANGE, no byte written) unless every
  * destination lies inside memory it registered. Sources must lie in memory
  * registered locally. Any thread; many threads may write at once. */
-int kvf_engine_write(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n);
+KVF_API int kvf_engine_write(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n);
 
 /* Start the same batch asynchronously. The blocks are copied; the source
  * memory must stay valid until the batch completes. The caller owns *out and
  * frees it with kvf_batch_free (which waits for completion first). */
-int kvf_engine_submit(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
+KVF_API int kvf_engine_submit(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
                       kvf_batch **out);
 
 /* 1 = done, 0 = in progress, negative KVF_E* = failed. Never blocks. */
-int kvf_batch_poll(kvf_batch *batch);
+KVF_API int kvf_batch_poll(kvf_batch *batch);
 /* Wait up to timeout_ms (< 0: until the batch deadline) for completion; returns
  * 0 when done, KVF_ETIMEDOUT if still in progress, or the batch's error. */
-int kvf_batch_wait(kvf_batch *batch, int timeout_ms);
+KVF_API int kvf_batch_wait(kvf_batch *batch, int timeout_ms);
 /* Wait for completion (bounded by the batch deadline) and free. NULL ok. */
-void kvf_batch_free(kvf_batch *batch);
+KVF_API void kvf_batch_free(kvf_batch *batch);
 
 /* Memory ordering point for registered memory. Peers write into it from the
  * engine's threads; call this after learning (by any channel: an M3, an ack,
  * a pipe) that bytes have landed and before reading them, and after changing
  * registered memory locally before telling a peer it may write there. It is
  * free on x86 and makes the ordering visible to ThreadSanitizer. Any thread. */
-void kvf_engine_sync(kvf_engine *engine);
+KVF_API void kvf_engine_sync(kvf_engine *engine);
 
 /* Copy the engine's counters into *out. Any thread. */
-void kvf_engine_get_stats(const kvf_engine *engine, kvf_engine_stats *out);
+KVF_API void kvf_engine_get_stats(const kvf_engine *engine, kvf_engine_stats *out);
 
 #ifdef __cplusplus
 }

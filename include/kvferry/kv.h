@@ -91,20 +91,20 @@ typedef struct kvf_manager_stats {
   uint64_t node_failures;       /* decode: prefill instances declared dead */
 } kvf_manager_stats;
 
-void kvf_manager_config_init(kvf_manager_config *cfg);
+KVF_API void kvf_manager_config_init(kvf_manager_config *cfg);
 
 /* Create a manager for one rank: engine (or the shared one), buffer
  * registration, PULL socket and listener thread; prefill: PUT /route to its
  * bootstrap server (retried within http_timeout_ms * 3) and transfer
  * workers; decode: heartbeat thread. The caller owns *out. Any thread. */
-int kvf_manager_create(const kvf_manager_config *cfg, const kvf_kv_buffers *bufs, kvf_manager **out);
+KVF_API int kvf_manager_create(const kvf_manager_config *cfg, const kvf_kv_buffers *bufs, kvf_manager **out);
 /* Stop threads, close sockets, free rooms and handles' state. Handles must
  * be destroyed first. NULL ok. */
-void kvf_manager_destroy(kvf_manager *m);
+KVF_API void kvf_manager_destroy(kvf_manager *m);
 /* The engine's session id "ip:port"; owned by the manager. */
-const char *kvf_manager_session_id(const kvf_manager *m);
-kvf_engine *kvf_manager_engine(kvf_manager *m);
-void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
+KVF_API const char *kvf_manager_session_id(const kvf_manager *m);
+KVF_API kvf_engine *kvf_manager_engine(kvf_manager *m);
+KVF_API void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
 
 /* ---- decode side ---- */
 
@@ -113,31 +113,31 @@ void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
  * (cached), M1 registration once per target set. Never fails because of the
  * peer: a lookup failure leaves the receiver Failed with a reason. Fails
  * (KVF_EEXIST) if the room is already live on this manager. Scheduler thread. */
-int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out);
+KVF_API int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out);
 /* Send M2: destination pages (after the decode prefix), request-pool slot,
  * decode_prefix_len in tokens, optional state slots. Starts the waiting timeout. */
-int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int64_t aux_index,
+KVF_API int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int64_t aux_index,
                       int64_t decode_prefix_len, const int64_t *state_slots, size_t nstate);
 /* Current KVF_POLL_* value; Success/Failed are final. */
-int kvf_receiver_poll(kvf_receiver *r);
+KVF_API int kvf_receiver_poll(kvf_receiver *r);
 /* Copy the failure reason (empty if none). */
-void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap);
+KVF_API void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap);
 /* After Success: the first token (-1 none) and up to cap speculative ids
  * (*ncand set; 0 none). Pops: a second call returns -1 / 0. */
-int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, size_t cap, size_t *ncand);
+KVF_API int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, size_t cap, size_t *ncand);
 /* Clear the room from every table and free the handle. NULL ok. */
-void kvf_receiver_destroy(kvf_receiver *r);
+KVF_API void kvf_receiver_destroy(kvf_receiver *r);
 
 /* ---- prefill side ---- */
 
 /* Create the sender for `room` (Bootstrapping until every expected decode
  * rank has sent its M2). KVF_EEXIST if live. Scheduler thread. */
-int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out);
+KVF_API int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out);
 /* Submit a chunk: prefill page indices (mapped onto the decode's pages in
  * order), is_last, and on the last chunk the first token (-1 none),
  * speculative ids and state slots. A chunk sent before the decode's M2
  * arrived waits for it (bounded by the bootstrap timeout). */
-int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux_index,
+KVF_API int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux_index,
                     int64_t bootstrap_token, const int32_t *cands, size_t ncand,
                     const int64_t *state_slots, size_t nstate);
 /* Layerwise send (PROTOCOL §6.9, the reference's send_layerwise): submit the
@@ -161,7 +161,7 @@ int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_l
  * range. KVF_EINVAL if layer_begin > layer_end or layer_end exceeds the KV
  * layer count; KVF_ETOOBIG for lists (or index_begin) past the wire limits;
  * KVF_ESTATE after the last chunk. */
-int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, size_t index_begin,
+KVF_API int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, size_t index_begin,
                            size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
                            int64_t bootstrap_token, const int32_t *cands, size_t ncand,
                            const int64_t *state_slots, size_t nstate);
@@ -183,12 +183,12 @@ int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, s
  * its KV landed") and sends M3 Failed. 0; KVF_EEXIST if already published
  * (the first wins); KVF_ENOTFOUND if the room is no longer known; KVF_EINVAL,
  * KVF_ETOOBIG (ncand past the wire limit). Scheduler thread. */
-int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand);
-int kvf_sender_poll(kvf_sender *s);
-void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap);
+KVF_API int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand);
+KVF_API int kvf_sender_poll(kvf_sender *s);
+KVF_API void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap);
 /* Fail the room with `reason` and tell every known decode destination. */
-void kvf_sender_abort(kvf_sender *s, const char *reason);
-void kvf_sender_destroy(kvf_sender *s);
+KVF_API void kvf_sender_abort(kvf_sender *s, const char *reason);
+KVF_API void kvf_sender_destroy(kvf_sender *s);
 
 #ifdef __cplusplus
 }
