@@ -1,4 +1,8 @@
-/* Error codes, logging control and version: shared by every part of the API. */
+/* Error codes, constants, logging control and version: shared by every part
+ * of the API.
+ *
+ * Threads. Every function declared here may be called from any thread at any
+ * time and returns at once (none blocks). */
 #ifndef KVFERRY_COMMON_H
 #define KVFERRY_COMMON_H
 
@@ -61,6 +65,15 @@ KVF_API const char *kvf_strerror(int err);
 /* Static name of an error code ("KVF_EINVAL"; "KVF_E?" when unknown); never
  * NULL. Any thread. */
 KVF_API const char *kvf_err_name(int err);
+
+/* Named integer constants of the API (error codes, KVF_POLL_*, KVF_ROLE_*,
+ * KVF_SEND_*, KVF_LOG_*, KVF_MAX_CANDIDATES, KVF_VERSION_*, and the sizes
+ * KVF_SIZEOF_{ENGINE,MANAGER,BOOTSTRAP_SERVER}_CONFIG and
+ * KVF_SIZEOF_SEND_PARAMS), for bindings that cannot read these headers.
+ * kvf_const: 0 and *out set, or KVF_ENOTFOUND. kvf_const_at: the i-th name
+ * (static) and *out, or NULL past the end, to list them all. Any thread. */
+KVF_API int kvf_const(const char *name, int64_t *out);
+KVF_API const char *kvf_const_at(size_t i, int64_t *out);
 
 /* Log levels for kvf_set_log_level(). The default comes from KVFERRY_LOG_LEVEL
  * (error, warn, info, debug) and is warn when unset. Any thread. */

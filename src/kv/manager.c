@@ -9,6 +9,7 @@
 #include <zmq.h>
 
 #include "base/addr.h"
+#include "base/config.h"
 #include "base/env.h"
 #include "base/log.h"
 
@@ -21,13 +22,14 @@ typedef struct manager_push {
 } manager_push;
 
 void kvf_manager_config_init(kvf_manager_config *cfg) {
+  if (!cfg) return;
   memset(cfg, 0, sizeof *cfg);
+  cfg->size = sizeof *cfg;
   cfg->role = KVF_ROLE_DECODE;
   cfg->host = "127.0.0.1";
   cfg->world_size = 1;
   cfg->dp_size = 1;
   cfg->page_size = 1;
-  kvf_engine_config_init(&cfg->engine_cfg);
   cfg->bootstrap_timeout_s = 120;
   cfg->waiting_timeout_s = 300;
   cfg->heartbeat_interval_s = 5;
@@ -36,6 +38,41 @@ void kvf_manager_config_init(kvf_manager_config *cfg) {
   cfg->queue_size = 4;
   cfg->http_timeout_ms = 5000;
   cfg->max_rooms = 0;
+}
+
+static const kvf__field manager_fields[] = {
+    KVF__FIELD(kvf_manager_config, role, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, host, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, engine_rank, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, world_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, dp_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, page_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, is_mla, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, bootstrap_addr, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, bootstrap_token, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, bootstrap_timeout_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, waiting_timeout_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, heartbeat_interval_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, heartbeat_max_failures, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, failed_session_ttl_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, queue_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, http_timeout_ms, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, max_rooms, KVF__FIELD_SIZE),
+};
+
+int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value) {
+  if (name && value && !strcmp(name, "role") && (!strcmp(value, "prefill") || !strcmp(value, "decode")))
+    value = !strcmp(value, "prefill") ? "0" : "1";
+  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, manager_fields,
+                         sizeof manager_fields / sizeof manager_fields[0], name, value);
+}
+
+int kvf_manager_config_set_ptr(kvf_manager_config *cfg, const char *name, void *value) {
+  if (!cfg || !name || cfg->size != sizeof *cfg) return KVF_EINVAL;
+  if (!strcmp(name, "engine")) cfg->engine = value;
+  else if (!strcmp(name, "engine_cfg")) cfg->engine_cfg = value;
+  else return KVF_ENOTFOUND;
+  return 0;
 }
 
 /* Defaults for unset fields, then the tokenspeed environment names, then
@@ -352,11 +389,13 @@ static int register_buffers(kvf_manager *m) {
 }
 
 int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *bufs, kvf_manager **out) {
-  if (!cfg_in || !out) return KVF_EINVAL;
-  if (cfg_in->role != KVF_ROLE_PREFILL && cfg_in->role != KVF_ROLE_DECODE) return KVF_EINVAL;
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  if (!cfg_in || !out || kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg)) return KVF_EINVAL;
+  if (cfg.role != KVF_ROLE_PREFILL && cfg.role != KVF_ROLE_DECODE) return KVF_EINVAL;
   kvf_manager *m = calloc(1, sizeof *m);
   if (!m) return KVF_ENOMEM;
-  m->cfg = *cfg_in;
+  m->cfg = cfg;
   resolve_config(&m->cfg);
   kvf_manager_config *c = &m->cfg;
   int rc = KVF_EINVAL;
@@ -381,12 +420,15 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   if (c->engine) {
     m->engine = c->engine;
   } else {
-    kvf_engine_config ec = c->engine_cfg;
+    kvf_engine_config ec;
+    kvf_engine_config_init(&ec);
+    if (c->engine_cfg && (rc = kvf__config_copy(&ec, sizeof ec, c->engine_cfg, sizeof ec))) goto err_rooms;
     if (!ec.host || !strcmp(ec.host, "127.0.0.1")) ec.host = m->host;
     if ((rc = kvf_engine_create(&ec, &m->engine))) goto err_rooms;
     m->own_engine = 1;
   }
   c->engine = m->engine;
+  c->engine_cfg = NULL; /* the caller's, read only during create */
   if ((rc = register_buffers(m))) goto err_engine;
 
   pthread_mutex_init(&m->push_lock, NULL);

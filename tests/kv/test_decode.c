@@ -62,7 +62,7 @@ static kvf_bootstrap_server *start_server(void) {
   cfg.port = 0;
   cfg.auth_token = "";
   kvf_bootstrap_server *srv = NULL;
-  assert_int_equal(kvf_bootstrap_server_start(&cfg, &srv), 0);
+  assert_int_equal(kvf_bootstrap_server_create(&cfg, &srv), 0);
   return srv;
 }
 
@@ -111,7 +111,10 @@ static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) 
   kvf_manager_config cfg;
   kvf_manager_config_init(&cfg);
   cfg.role = KVF_ROLE_DECODE;
-  cfg.engine_cfg.auth_token = "";
+  static kvf_engine_config ec;
+  kvf_engine_config_init(&ec);
+  ec.auth_token = "";
+  cfg.engine_cfg = &ec;
   cfg.waiting_timeout_s = waiting_s;
   cfg.heartbeat_interval_s = hb_s;
   cfg.heartbeat_max_failures = hb_max;
@@ -153,7 +156,7 @@ static void teardown(fixture *f) {
   zmq_close(f->push);
   zmq_close(f->pull);
   zmq_ctx_term(f->zctx);
-  if (f->srv) kvf_bootstrap_server_stop(f->srv);
+  if (f->srv) kvf_bootstrap_server_destroy(f->srv);
   free(f->kbuf);
   free(f->vbuf);
   free(f);
@@ -454,7 +457,7 @@ static void heartbeat_node_failure(void **state) {
   assert_int_equal(s.heartbeat_failures, 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
 
-  kvf_bootstrap_server_stop(f->srv);
+  kvf_bootstrap_server_destroy(f->srv);
   f->srv = NULL;
   int64_t t0 = clock_now_ns();
   assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_FAILED);
