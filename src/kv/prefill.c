@@ -37,7 +37,7 @@
  * decode_prefix_len / page_size positions (those the decode already holds)
  * and maps position p >= P onto the decode's destination index p - P, as
  * the reference scheduler does before submitting. With a prefix of 0 this is
- * the identity. kvf_sender_send_layers instead names the destination index
+ * the identity. A layerwise chunk (KVF_SEND_LAYERS) instead names the destination index
  * of its first page itself (the reference's send_layerwise index_slice, the
  * scheduler having already skipped the prefix): such a chunk (`explicit_idx`)
  * maps pages[k] onto destination index pos + k with no skip.
