@@ -460,6 +460,18 @@ a.close(); b.close()
     p.finish()
 
 
+def test_prototype_table_is_the_whole_api():
+    """_lib declares exactly the functions the library exports (nm -D)."""
+    nm = shutil.which("nm")
+    if not nm:
+        pytest.skip("no nm")
+    out = subprocess.run([nm, "-D", "--defined-only", _lib.LIB_PATH], check=True, capture_output=True, text=True,
+                         timeout=30).stdout
+    exported = {line.split()[2] for line in out.splitlines() if len(line.split()) >= 3}
+    assert exported == set(_lib._PROTOTYPES)
+    assert not _lib.lib.missing
+
+
 def test_struct_layouts_match_c(tmp_path):
     """Every ctypes structure has the C header's size and field offsets."""
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
