@@ -16,6 +16,10 @@ int main(void) {
   kvf_engine *a = NULL, *b = NULL;
   unsigned char *src = malloc(LEN), *dst = calloc(1, LEN);
   int rc = 1;
+  if (!KVF_VERSION_OK()) {
+    fprintf(stderr, "consumer: built for kvferry %s, loaded %s\n", KVF_VERSION_STRING, kvf_version());
+    goto out;
+  }
   if (!src || !dst) goto out;
   for (size_t i = 0; i < LEN; i++) src[i] = (unsigned char)(i * 31 + 7);
   if (kvf_engine_create(NULL, &a) || kvf_engine_create(NULL, &b)) {

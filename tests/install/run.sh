@@ -1,7 +1,8 @@
 #!/bin/sh
 # Installs the build in BUILD_DIR into a temporary prefix, then builds and
-# runs the consumer program against that install twice: with
-# `pkg-config --cflags --libs kvferry` and with a CMake project that calls
+# runs the consumer program against that install: with
+# `pkg-config --cflags --libs kvferry` (and the static archive with the
+# dependencies kvferry.pc lists), and with a CMake project that calls
 # find_package(kvferry) (shared and static targets). Nothing outside the
 # temporary directory is touched.
 #   run.sh BUILD_DIR CONSUMER_DIR [CC]
@@ -26,6 +27,19 @@ echo "pkg-config --cflags --libs kvferry: $flags"
 # shellcheck disable=SC2086
 "$cc" -std=c11 -Wall -Wextra -Werror -o "$tmp/consumer_pc" "$here/consumer.c" $flags -Wl,-rpath,"$libdir"
 "$tmp/consumer_pc"
+# The static archive with its dependencies as kvferry.pc names them
+# (Requires.private modules, linked as shared libraries: Debian's static
+# .pc chains are incomplete, e.g. libcurl's, so `--static` cannot be used
+# here, and Libs.private).
+requires=$(pkg-config --print-requires-private kvferry | awk '{print $1}' | tr '\n' ' ')
+test -n "$requires"
+# shellcheck disable=SC2086
+dep_libs=$(pkg-config --libs $requires)
+libs_private=$(sed -n 's/^Libs.private: //p' "$pc")
+# shellcheck disable=SC2086
+"$cc" -std=c11 -Wall -Wextra -Werror -o "$tmp/consumer_pc_static" "$here/consumer.c" \
+  $(pkg-config --cflags kvferry) "$libdir/libkvferry.a" $dep_libs $libs_private
+"$tmp/consumer_pc_static"
 
 echo "== find_package"
 cmake -S "$here" -B "$tmp/cmake" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_COMPILER="$cc" \
@@ -33,4 +47,4 @@ cmake -S "$here" -B "$tmp/cmake" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_COMPILE
 cmake --build "$tmp/cmake" >"$tmp/build.log" || { cat "$tmp/build.log"; exit 1; }
 "$tmp/cmake/consumer_shared"
 "$tmp/cmake/consumer_static"
-echo "run.sh: install consumer OK (pkg-config, find_package shared and static)"
+echo "run.sh: install consumer OK (pkg-config shared and static, find_package shared and static)"
