@@ -19,6 +19,7 @@
 #include <strings.h>
 #include <sys/socket.h>
 
+#include "base/config.h"
 #include "base/log.h"
 #include "bootstrap/bootstrap.h"
 #include "kvferry/bootstrap.h"
@@ -71,7 +72,9 @@ typedef struct request {
 enum { EP_ROUTE, EP_HEALTH, EP_METRICS, EP_UNKNOWN };
 
 void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg) {
+  if (!cfg) return;
   memset(cfg, 0, sizeof *cfg);
+  cfg->size = sizeof *cfg;
   cfg->host = "0.0.0.0";
   cfg->port = DEFAULT_PORT;
   cfg->max_body = DEFAULT_MAX_BODY;
@@ -425,14 +428,24 @@ static int resolve_bind(const char *host, uint16_t port, struct sockaddr_storage
   return 0;
 }
 
-int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg_in, kvf_bootstrap_server **out) {
+static const kvf__field server_fields[] = {
+    KVF__FIELD(kvf_bootstrap_server_config, host, KVF__FIELD_STR),
+    KVF__FIELD(kvf_bootstrap_server_config, port, KVF__FIELD_U16),
+    KVF__FIELD(kvf_bootstrap_server_config, auth_token, KVF__FIELD_STR),
+    KVF__FIELD(kvf_bootstrap_server_config, max_body, KVF__FIELD_SIZE),
+    KVF__FIELD(kvf_bootstrap_server_config, max_conns, KVF__FIELD_UINT),
+    KVF__FIELD(kvf_bootstrap_server_config, idle_timeout_s, KVF__FIELD_UINT),
+};
+
+int kvf_bootstrap_server_config_set(kvf_bootstrap_server_config *cfg, const char *name, const char *value) {
+  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, server_fields, sizeof server_fields / sizeof server_fields[0],
+                         name, value);
+}
+
+int kvf_bootstrap_server_create(const kvf_bootstrap_server_config *cfg_in, kvf_bootstrap_server **out) {
   kvf_bootstrap_server_config cfg;
-  if (cfg_in) {
-    cfg = *cfg_in;
-  } else {
-    kvf_bootstrap_server_config_init(&cfg);
-  }
-  if (!out) return KVF_EINVAL;
+  kvf_bootstrap_server_config_init(&cfg);
+  if (!out || (cfg_in && kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg))) return KVF_EINVAL;
   if (!cfg.host || !*cfg.host) cfg.host = "0.0.0.0";
   if (!cfg.max_body) cfg.max_body = DEFAULT_MAX_BODY;
   if (!cfg.max_conns) cfg.max_conns = DEFAULT_MAX_CONNS;
@@ -483,7 +496,7 @@ err_free_srv:
 
 uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv) { return srv ? srv->port : 0; }
 
-void kvf_bootstrap_server_stop(kvf_bootstrap_server *srv) {
+void kvf_bootstrap_server_destroy(kvf_bootstrap_server *srv) {
   if (!srv) return;
   MHD_stop_daemon(srv->mhd);
   free(srv->table);

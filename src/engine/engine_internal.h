@@ -95,10 +95,6 @@ typedef struct kvf_engine {
   void *transport; /* transport-private state */
 } kvf_engine;
 
-/* Parse "host:port" (host may be "[v6addr]"). host_out gets the bare host.
- * KVF_EINVAL for anything else. */
-int engine_parse_session(const char *session, char *host_out, size_t host_cap, uint16_t *port_out);
-
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
  * each with at most `max_desc` descriptors; a single large block may be cut
  * into pieces. Chunks are allocated and linked to `b`. */

@@ -26,6 +26,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "base/addr.h"
 #include "base/clock.h"
 #include "base/log.h"
 #include "engine/engine_internal.h"
@@ -489,7 +490,7 @@ static int session_get(tcp_state *t, const char *id, tcp_session **out) {
       rc = KVF_ENOMEM;
       goto out;
     }
-    if (engine_parse_session(id, s->host, sizeof s->host, &s->port) ||
+    if (kvf__addr_parse(id, strlen(id), s->host, sizeof s->host, &s->port, NULL) ||
         smap_put(&t->sessions, id, s, NULL)) {
       free(s);
       rc = KVF_EINVAL;

@@ -557,12 +557,12 @@ static int match_room(int64_t room, void *user, void *arg) {
   return room == *(const int64_t *)arg;
 }
 
-int kvf_receiver_poll(kvf_receiver *r) {
+kvf_poll_status kvf_receiver_poll(kvf_receiver *r) {
   if (!r) return KVF_POLL_FAILED;
   kvf_manager *m = r->m;
   rooms_info info;
   if (rooms_get_info(m->rooms, r->room, &info)) return KVF_POLL_FAILED;
-  if (info.status == ROOM_SUCCESS || info.status == ROOM_FAILED) return info.status;
+  if (info.status == ROOM_SUCCESS || info.status == ROOM_FAILED) return (kvf_poll_status)info.status;
   if (info.init_time_ns >= 0) {
     double waited = (double)(clock_now_ns() - info.init_time_ns) / 1e9;
     if (waited >= m->cfg.waiting_timeout_s) {
@@ -576,10 +576,10 @@ int kvf_receiver_poll(kvf_receiver *r) {
       if (n) LOG_WARN("kv", "%s", reason);
       int s = ROOM_FAILED;
       rooms_get_status(m->rooms, r->room, &s);
-      return s;
+      return (kvf_poll_status)s;
     }
   }
-  return info.status;
+  return (kvf_poll_status)info.status;
 }
 
 void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap) {

@@ -8,6 +8,8 @@
 #include <string.h>
 #include <zmq.h>
 
+#include "base/addr.h"
+#include "base/config.h"
 #include "base/env.h"
 #include "base/log.h"
 
@@ -20,13 +22,14 @@ typedef struct manager_push {
 } manager_push;
 
 void kvf_manager_config_init(kvf_manager_config *cfg) {
+  if (!cfg) return;
   memset(cfg, 0, sizeof *cfg);
+  cfg->size = sizeof *cfg;
   cfg->role = KVF_ROLE_DECODE;
   cfg->host = "127.0.0.1";
   cfg->world_size = 1;
   cfg->dp_size = 1;
   cfg->page_size = 1;
-  kvf_engine_config_init(&cfg->engine_cfg);
   cfg->bootstrap_timeout_s = 120;
   cfg->waiting_timeout_s = 300;
   cfg->heartbeat_interval_s = 5;
@@ -35,6 +38,42 @@ void kvf_manager_config_init(kvf_manager_config *cfg) {
   cfg->queue_size = 4;
   cfg->http_timeout_ms = 5000;
   cfg->max_rooms = 0;
+}
+
+static const kvf__field manager_fields[] = {
+    KVF__FIELD(kvf_manager_config, role, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, host, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, engine_rank, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, world_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, dp_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, page_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, is_mla, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, bootstrap_addr, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, bootstrap_token, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, bootstrap_timeout_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, waiting_timeout_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, heartbeat_interval_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, heartbeat_max_failures, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, failed_session_ttl_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, queue_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, http_timeout_ms, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, max_rooms, KVF__FIELD_SIZE),
+    KVF__FIELD(kvf_manager_config, target_layer_num, KVF__FIELD_SIZE),
+};
+
+int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value) {
+  if (name && value && !strcmp(name, "role") && (!strcmp(value, "prefill") || !strcmp(value, "decode")))
+    value = !strcmp(value, "prefill") ? "0" : "1";
+  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, manager_fields,
+                         sizeof manager_fields / sizeof manager_fields[0], name, value);
+}
+
+int kvf_manager_config_set_ptr(kvf_manager_config *cfg, const char *name, void *value) {
+  if (!cfg || !name || cfg->size != sizeof *cfg) return KVF_EINVAL;
+  if (!strcmp(name, "engine")) cfg->engine = value;
+  else if (!strcmp(name, "engine_cfg")) cfg->engine_cfg = value;
+  else return KVF_ENOTFOUND;
+  return 0;
 }
 
 /* Defaults for unset fields, then the tokenspeed environment names, then
@@ -166,8 +205,7 @@ void manager_reject(kvf_manager *m, const char *peer, const char *kind, const ch
 /* ------------------------------------------------------------ PUSH cache */
 
 static int push_key(char *key, size_t cap, const char *host, uint16_t port) {
-  int n = snprintf(key, cap, strchr(host, ':') ? "[%s]:%u" : "%s:%u", host, (unsigned)port);
-  return n > 0 && (size_t)n < cap ? 0 : KVF_EINVAL;
+  return kvf__addr_format(key, cap, host, port);
 }
 
 int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
@@ -310,19 +348,55 @@ static int bind_pull(kvf_manager *m) {
   char last[300];
   size_t len = sizeof last;
   if (zmq_getsockopt(m->pull, ZMQ_LAST_ENDPOINT, last, &len)) return KVF_EIO;
-  const char *colon = strrchr(last, ':');
-  int64_t port = 0;
-  if (!colon || env_parse_i64(colon + 1, &port) || port <= 0 || port > 65535) return KVF_EIO;
-  m->rank_port = (uint16_t)port;
+  const char *hp = strncmp(last, "tcp://", 6) ? last : last + 6;
+  if (kvf__addr_parse(hp, strlen(hp), NULL, 0, &m->rank_port, NULL)) return KVF_EIO;
+  return 0;
+}
+
+/* Undo register_buffers (only the buffers this manager registered). */
+static void unregister_buffers(kvf_manager *m) {
+  for (size_t i = 0; m->own_regions && i < m->bufs.n_kv + m->bufs.n_state; i++)
+    if (m->own_regions[i])
+      kvf_engine_unregister(m->engine, (void *)(uintptr_t)(i < m->bufs.n_kv ? m->bufs.kv_ptrs[i]
+                                                                             : m->bufs.state_ptrs[i - m->bufs.n_kv]));
+  free(m->own_regions);
+  m->own_regions = NULL;
+}
+
+/* Register every KV and state buffer with the engine. A buffer already
+ * registered (KVF_EEXIST: a shared engine where another manager of this
+ * process holds the same memory) is used as is and left to its owner; the
+ * flags in own_regions say which ones this manager must unregister. On
+ * failure the buffers registered so far are unregistered again, so a shared
+ * engine is left as it was. */
+static int register_buffers(kvf_manager *m) {
+  size_t n = m->bufs.n_kv + m->bufs.n_state;
+  m->own_regions = calloc(n, 1);
+  if (!m->own_regions) return KVF_ENOMEM;
+  for (size_t i = 0; i < n; i++) {
+    int kv = i < m->bufs.n_kv;
+    size_t k = kv ? i : i - m->bufs.n_kv;
+    uint64_t ptr = kv ? m->bufs.kv_ptrs[k] : m->bufs.state_ptrs[k];
+    uint64_t len = kv ? m->bufs.kv_lens[k] : m->bufs.state_lens[k];
+    int rc = kvf_engine_register(m->engine, (void *)(uintptr_t)ptr, len);
+    if (rc == KVF_EEXIST) continue;
+    if (rc) {
+      unregister_buffers(m);
+      return rc;
+    }
+    m->own_regions[i] = 1;
+  }
   return 0;
 }
 
 int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *bufs, kvf_manager **out) {
-  if (!cfg_in || !out) return KVF_EINVAL;
-  if (cfg_in->role != KVF_ROLE_PREFILL && cfg_in->role != KVF_ROLE_DECODE) return KVF_EINVAL;
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  if (!cfg_in || !out || kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg)) return KVF_EINVAL;
+  if (cfg.role != KVF_ROLE_PREFILL && cfg.role != KVF_ROLE_DECODE) return KVF_EINVAL;
   kvf_manager *m = calloc(1, sizeof *m);
   if (!m) return KVF_ENOMEM;
-  m->cfg = *cfg_in;
+  m->cfg = cfg;
   resolve_config(&m->cfg);
   kvf_manager_config *c = &m->cfg;
   int rc = KVF_EINVAL;
@@ -347,23 +421,19 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   if (c->engine) {
     m->engine = c->engine;
   } else {
-    kvf_engine_config ec = c->engine_cfg;
+    kvf_engine_config ec;
+    kvf_engine_config_init(&ec);
+    if (c->engine_cfg && (rc = kvf__config_copy(&ec, sizeof ec, c->engine_cfg, sizeof ec))) goto err_rooms;
     if (!ec.host || !strcmp(ec.host, "127.0.0.1")) ec.host = m->host;
     if ((rc = kvf_engine_create(&ec, &m->engine))) goto err_rooms;
     m->own_engine = 1;
   }
   c->engine = m->engine;
-  for (size_t i = 0; i < m->bufs.n_kv; i++)
-    if ((rc = kvf_engine_register(m->engine, (void *)(uintptr_t)m->bufs.kv_ptrs[i], m->bufs.kv_lens[i])) &&
-        rc != KVF_EEXIST)
-      goto err_engine;
-  for (size_t i = 0; i < m->bufs.n_state; i++)
-    if ((rc = kvf_engine_register(m->engine, (void *)(uintptr_t)m->bufs.state_ptrs[i], m->bufs.state_lens[i])) &&
-        rc != KVF_EEXIST)
-      goto err_engine;
+  c->engine_cfg = NULL; /* the caller's, read only during create */
+  if ((rc = register_buffers(m))) goto err_engine;
 
   pthread_mutex_init(&m->push_lock, NULL);
-  if ((rc = smap_init(&m->pushes))) goto err_engine;
+  if ((rc = smap_init(&m->pushes))) goto err_lock;
   m->zctx = zmq_ctx_new();
   if (!m->zctx) {
     rc = KVF_EIO;
@@ -390,8 +460,10 @@ err_zmq:
   zmq_ctx_term(m->zctx);
 err_pushes:
   smap_free(&m->pushes);
-err_engine:
+err_lock:
   pthread_mutex_destroy(&m->push_lock);
+  unregister_buffers(m);
+err_engine:
   if (m->own_engine) kvf_engine_destroy(m->engine);
 err_rooms:
   rooms_table_free(m->rooms, NULL);
@@ -412,13 +484,8 @@ void kvf_manager_destroy(kvf_manager *m) {
   close_pushes(m);
   zmq_ctx_term(m->zctx);
   pthread_mutex_destroy(&m->push_lock);
-  if (m->own_engine) {
-    kvf_engine_destroy(m->engine);
-  } else {
-    for (size_t i = 0; i < m->bufs.n_kv; i++) kvf_engine_unregister(m->engine, (void *)(uintptr_t)m->bufs.kv_ptrs[i]);
-    for (size_t i = 0; i < m->bufs.n_state; i++)
-      kvf_engine_unregister(m->engine, (void *)(uintptr_t)m->bufs.state_ptrs[i]);
-  }
+  unregister_buffers(m);
+  if (m->own_engine) kvf_engine_destroy(m->engine);
   rooms_table_free(m->rooms, NULL);
   free_buffers(&m->bufs);
   free(m);

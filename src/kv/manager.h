@@ -42,6 +42,7 @@ struct kvf_manager {
   manager_buffers bufs;
   kvf_engine *engine;
   int own_engine;
+  uint8_t *own_regions; /* n_kv + n_state flags: 1 = this manager registered that buffer */
   rooms *rooms;
   manager_counters stats;
 

@@ -37,7 +37,7 @@
  * decode_prefix_len / page_size positions (those the decode already holds)
  * and maps position p >= P onto the decode's destination index p - P, as
  * the reference scheduler does before submitting. With a prefix of 0 this is
- * the identity. kvf_sender_send_layers instead names the destination index
+ * the identity. A layerwise chunk (KVF_SEND_LAYERS) instead names the destination index
  * of its first page itself (the reference's send_layerwise index_slice, the
  * scheduler having already skipped the prefix): such a chunk (`explicit_idx`)
  * maps pages[k] onto destination index pos + k with no skip.
@@ -60,7 +60,7 @@
  * supported: such a request fails the room with a reason.
  *
  * First-token hand-off (§6.9, §6.11 metadata wait). The token usually rides
- * on the last chunk. A last chunk whose token is KVF_TOKEN_LATER (layerwise:
+ * on the last chunk. A last chunk sent with KVF_SEND_TOKEN_LATER (layerwise:
  * the last layer group goes out before sampling) instead parks the room once
  * it landed on every required destination: the worker stores those
  * destinations in the room (`park`) and moves on, so no worker ever waits
@@ -78,6 +78,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/config.h"
 #include "base/log.h"
 #include "base/map.h"
 #include "bootstrap/bootstrap.h"
@@ -85,6 +86,7 @@
 #include "kv/plan.h"
 #include "kv/rooms.h"
 
+#define PF_TOKEN_LATER (-2)    /* a chunk's token: "comes through kvf_sender_set_metadata" */
 #define PF_MAX_SESSIONS 4096   /* registered decode sessions */
 #define PF_MAX_INFOS 4096      /* transfer infos (decode sessions) per room */
 #define PF_MAX_EARLY 4096      /* rooms with M2s but no sender yet */
@@ -142,7 +144,7 @@ typedef struct pf_room {
   int64_t meta_token;
   int32_t *meta_cands;
   size_t meta_ncand;
-  /* KVF_TOKEN_LATER: the last chunk landed, waiting for the token */
+  /* PF_TOKEN_LATER: the last chunk landed, waiting for the token */
   pf_dest *park; /* the completed destinations, NULL when not parked */
   size_t npark;
   int64_t landed_ns;
@@ -756,7 +758,7 @@ static void process_chunk(prefill_state *ps, pf_chunk *c) {
     int64_t tok = c->token;
     const int32_t *cd = c->cands;
     size_t ncd = c->ncand;
-    if (!r->dead && c->token == KVF_TOKEN_LATER) {
+    if (!r->dead && c->token == PF_TOKEN_LATER) {
       if (r->meta_set) { /* published before the chunk landed */
         tok = r->meta_token, cd = r->meta_cands, ncd = r->meta_ncand;
       } else {
@@ -1080,39 +1082,46 @@ out:
   return rc;
 }
 
-int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux_index,
-                    int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
-                    size_t nstate) {
-  if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
-  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES) return KVF_ETOOBIG;
-  if (s->last_sent) return KVF_ESTATE;
-  return sender_submit(s, pages, npages, s->curr, 0, 0, s->m->bufs.n_layers, is_last, aux_index, bootstrap_token,
-                       cands, ncand, state_slots, nstate);
+void kvf_send_params_init(kvf_send_params *p) {
+  if (!p) return;
+  memset(p, 0, sizeof *p);
+  p->size = sizeof *p;
+  p->aux_index = -1;
+  p->bootstrap_token = -1;
 }
 
-int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, size_t index_begin,
-                           size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
-                           int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
-                           size_t nstate) {
-  if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
-  if (layer_begin > layer_end || layer_end > s->m->bufs.n_layers) return KVF_EINVAL;
-  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES ||
-      index_begin > (size_t)WIRE_MAX_PAGES)
+int kvf_sender_send(kvf_sender *s, const kvf_send_params *in) {
+  kvf_send_params p;
+  kvf_send_params_init(&p);
+  if (!s || !in || kvf__config_copy(&p, sizeof p, in, sizeof p)) return KVF_EINVAL;
+  const uint32_t known = KVF_SEND_LAST | KVF_SEND_TOKEN_LATER | KVF_SEND_LAYERS;
+  int is_last = (p.flags & KVF_SEND_LAST) != 0, layers = (p.flags & KVF_SEND_LAYERS) != 0;
+  if ((p.flags & ~known) || ((p.flags & KVF_SEND_TOKEN_LATER) && !is_last)) return KVF_EINVAL;
+  if ((p.npages && !p.pages) || (p.ncand && !p.cands) || (p.nstate && !p.state_slots)) return KVF_EINVAL;
+  if (p.bootstrap_token < -1) return KVF_EINVAL;
+  if (layers && (p.layer_begin > p.layer_end || p.layer_end > s->m->bufs.n_layers)) return KVF_EINVAL;
+  if (p.npages > WIRE_MAX_PAGES || p.ncand > KVF_MAX_CANDIDATES || p.nstate > WIRE_MAX_PAGES ||
+      (layers && p.index_begin > (size_t)WIRE_MAX_PAGES))
     return KVF_ETOOBIG;
   if (s->last_sent) return KVF_ESTATE;
+  int64_t token = p.bootstrap_token;
+  if (p.flags & KVF_SEND_TOKEN_LATER) token = PF_TOKEN_LATER, p.ncand = 0;
+  if (!layers)
+    return sender_submit(s, p.pages, p.npages, s->curr, 0, 0, s->m->bufs.n_layers, is_last, p.aux_index, token,
+                         p.cands, p.ncand, p.state_slots, p.nstate);
   /* §6.2: send_layerwise skips an empty non-last chunk (no pages or no
    * layers: nothing to write, and it completes nothing). */
-  if (!is_last && (!npages || layer_begin == layer_end)) {
-    if (s->curr < (int64_t)(index_begin + npages)) s->curr = (int64_t)(index_begin + npages);
+  if (!is_last && (!p.npages || p.layer_begin == p.layer_end)) {
+    if (s->curr < (int64_t)(p.index_begin + p.npages)) s->curr = (int64_t)(p.index_begin + p.npages);
     return 0;
   }
-  return sender_submit(s, pages, npages, (int64_t)index_begin, 1, layer_begin, layer_end, is_last, aux_index,
-                       bootstrap_token, cands, ncand, state_slots, nstate);
+  return sender_submit(s, p.pages, p.npages, (int64_t)p.index_begin, 1, p.layer_begin, p.layer_end, is_last,
+                       p.aux_index, token, p.cands, p.ncand, p.state_slots, p.nstate);
 }
 
 int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand) {
   if (!s || (ncand && !cands) || bootstrap_token < -1) return KVF_EINVAL;
-  if (ncand > WIRE_MAX_CANDIDATES) return KVF_ETOOBIG;
+  if (ncand > KVF_MAX_CANDIDATES) return KVF_ETOOBIG;
   prefill_state *ps = s->m->prefill;
   pf_room *r = s->r;
   int32_t *copy = ncand ? malloc(ncand * sizeof *copy) : NULL;
@@ -1152,7 +1161,7 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
   return rc;
 }
 
-int kvf_sender_poll(kvf_sender *s) {
+kvf_poll_status kvf_sender_poll(kvf_sender *s) {
   if (!s) return KVF_POLL_FAILED;
   prefill_state *ps = s->m->prefill;
   pf_dest *d = NULL;
@@ -1170,7 +1179,7 @@ int kvf_sender_poll(kvf_sender *s) {
     d = collect_dests(s->r, &nd);
     LOG_WARN("kv", "%s", why);
   } else if (s->r->park) {
-    /* KVF_TOKEN_LATER: the KV landed and the token is late (§8 item 2). */
+    /* PF_TOKEN_LATER: the KV landed and the token is late (§8 item 2). */
     limit = s->m->cfg.bootstrap_timeout_s;
     if (st != ROOM_FAILED && clock_now_ns() - s->r->landed_ns >= (int64_t)(limit * 1e9)) {
       char why[ROOMS_REASON_MAX];
@@ -1187,7 +1196,7 @@ int kvf_sender_poll(kvf_sender *s) {
   }
   pthread_mutex_unlock(&ps->lock);
   if (d) send_failed_all(s->m, s->room, d, nd);
-  return st;
+  return (kvf_poll_status)st;
 }
 
 int kvf_sender_dest_info(kvf_sender *s, size_t *nreal, size_t *ndummy, int64_t *decode_prefix_len) {

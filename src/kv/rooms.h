@@ -39,7 +39,7 @@ enum {
 
 /* Bounds on what one room keeps, so a peer cannot make a room large. */
 #define ROOMS_MAX_RANKS 4096   /* prefill ranks accepted in rooms_record_response: [0, 4096) */
-#define ROOMS_MAX_CANDS 64     /* speculative candidate ids per message */
+#define ROOMS_MAX_CANDS KVF_MAX_CANDIDATES /* speculative candidate ids per message */
 #define ROOMS_REASON_MAX 512   /* failure reasons are truncated to this many bytes (with NUL) */
 #define ROOMS_DEFAULT_MAX (1u << 20) /* live rooms when rooms_table_new gets 0 */
 

@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "base/addr.h"
+
 _Static_assert(sizeof(wire_fragment) % 8 == 0, "fragments pack in dup blocks");
 
 static const char *const m1_names[] = {"room",         "endpoint",       "dst_port",
@@ -151,19 +153,13 @@ static int check_text(const ctx *c, size_t i, const uint8_t *p, size_t len) {
   return 0;
 }
 
-/* "host:port", split at the last ':' so a bracketed IPv6 host also works. */
+/* "host:port" by the library's one address parser (base/addr.h). */
 static int check_session(const ctx *c, size_t i, const uint8_t *p, size_t len, uint16_t *port) {
   char q[128];
   int rc = check_text(c, i, p, len);
   if (rc) return rc;
-  size_t colon = len;
-  while (colon > 0 && p[colon - 1] != ':') colon--;
-  if (colon == 0) return bad(c, i, "%s is not \"host:port\"", quote(p, len, q));
-  if (colon == 1) return bad(c, i, "%s has an empty host", quote(p, len, q));
-  int64_t v;
-  if (ascii_int(p + colon, len - colon, &v) != INT_OK || v < 1 || v > 65535)
-    return bad(c, i, "%s: port is not an integer in 1..65535", quote(p, len, q));
-  *port = (uint16_t)v;
+  const char *what;
+  if (kvf__addr_parse((const char *)p, len, NULL, 0, port, &what)) return bad(c, i, "%s %s", quote(p, len, q), what);
   return 0;
 }
 
@@ -804,6 +800,7 @@ int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
   return 0;
 
 err:
+  free(out->json); /* the plan JSON, when the error came after it was built */
   memset(out, 0, sizeof *out);
   return rc;
 }

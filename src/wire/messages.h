@@ -51,7 +51,7 @@ enum {
   WIRE_MAX_PAGES = 1 << 20,       /* per M2 index/mask frame */
   WIRE_MAX_FRAGMENTS = 4096,      /* per M2 plan */
   WIRE_MAX_JSON = 1 << 20,        /* bytes of M2 frame 13 */
-  WIRE_MAX_CANDIDATES = 1 << 16,  /* per M3 */
+  WIRE_MAX_CANDIDATES = KVF_MAX_CANDIDATES, /* per M3 (the public limit) */
   WIRE_MAX_FANOUT = 1 << 16,      /* M2 required_dst_info_num */
   WIRE_MAX_FRAMES = 15,           /* most frames an encoder emits (14 + kvferry's frame 14) */
   WIRE_MAX_PAGE_SIZE = 1 << 20,   /* tokens per page in the kvferry page-layout frame */

@@ -62,7 +62,7 @@ static kvf_bootstrap_server *start_server(void) {
   cfg.port = 0;
   cfg.auth_token = "";
   kvf_bootstrap_server *srv = NULL;
-  assert_int_equal(kvf_bootstrap_server_start(&cfg, &srv), 0);
+  assert_int_equal(kvf_bootstrap_server_create(&cfg, &srv), 0);
   return srv;
 }
 
@@ -114,7 +114,10 @@ static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) 
   kvf_manager_config cfg;
   kvf_manager_config_init(&cfg);
   cfg.role = KVF_ROLE_DECODE;
-  cfg.engine_cfg.auth_token = "";
+  static kvf_engine_config ec;
+  kvf_engine_config_init(&ec);
+  ec.auth_token = "";
+  cfg.engine_cfg = &ec;
   cfg.waiting_timeout_s = waiting_s;
   cfg.heartbeat_interval_s = hb_s;
   cfg.heartbeat_max_failures = hb_max;
@@ -157,7 +160,7 @@ static void teardown(fixture *f) {
   zmq_close(f->push);
   zmq_close(f->pull);
   zmq_ctx_term(f->zctx);
-  if (f->srv) kvf_bootstrap_server_stop(f->srv);
+  if (f->srv) kvf_bootstrap_server_destroy(f->srv);
   free(f->kbuf);
   free(f->vbuf);
   free(f);
@@ -458,7 +461,7 @@ static void heartbeat_node_failure(void **state) {
   assert_int_equal(s.heartbeat_failures, 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
 
-  kvf_bootstrap_server_stop(f->srv);
+  kvf_bootstrap_server_destroy(f->srv);
   f->srv = NULL;
   int64_t t0 = clock_now_ns();
   assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_FAILED);
@@ -775,8 +778,40 @@ static void churn_is_bounded(void **state) {
   teardown(f);
 }
 
+/* A manager on a shared engine whose second buffer cannot be registered
+ * (its length wraps the address space): create fails and the engine is left
+ * as it was, with the first buffer no longer registered. A buffer the
+ * engine already had stays registered after the manager is gone. */
+static void shared_engine_register_failure(void **state) {
+  (void)state;
+  kvf_engine *eng = NULL;
+  assert_int_equal(kvf_engine_create(NULL, &eng), 0);
+  static uint8_t a[4096], b[4096], c[4096];
+  void *ptrs[2] = {a, b};
+  uint64_t lens[2] = {sizeof a, UINT64_MAX - 16}, items[2] = {64, 64};
+  kvf_kv_buffers bufs = {.n_kv = 2, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  cfg.role = KVF_ROLE_DECODE;
+  cfg.engine = eng;
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&cfg, &bufs, &m), KVF_EINVAL);
+  assert_null(m);
+  assert_int_equal(kvf_engine_unregister(eng, a), KVF_ENOTFOUND); /* no leftover region */
+  /* c is the engine's own: the manager uses it and leaves it registered. */
+  assert_int_equal(kvf_engine_register(eng, c, sizeof c), 0);
+  ptrs[1] = c;
+  lens[1] = sizeof c;
+  assert_int_equal(kvf_manager_create(&cfg, &bufs, &m), 0);
+  kvf_manager_destroy(m);
+  assert_int_equal(kvf_engine_unregister(eng, a), KVF_ENOTFOUND);
+  assert_int_equal(kvf_engine_unregister(eng, c), 0);
+  kvf_engine_destroy(eng);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(shared_engine_register_failure),
       cmocka_unit_test(happy_path),
       cmocka_unit_test(failed_m3),
       cmocka_unit_test(malformed_and_unknown),
