@@ -43,6 +43,7 @@
 #include "kvpool.h"
 #include "pd.h"
 #include "peer.h"
+#include "../base/wake.h"
 
 typedef struct bench_opts {
   int json;
@@ -266,6 +267,7 @@ typedef struct rooms_case {
   int inflight;
   int rooms;
   double rooms_per_s, p50_us, p99_us;
+  double wakeups_per_room; /* library thread wake-ups, both processes, per room */
 } rooms_case;
 
 typedef struct rooms_slot {
@@ -279,6 +281,19 @@ typedef struct rooms_slot {
 #define ROOMS_ITEM 4096
 #define ROOMS_POOL_PAGES 20000
 
+/* The prefill peer's wake-up counter (its `wakeups` command); -1 on failure. */
+static long long peer_wakeups(proc *peer) {
+  char line[128];
+  long long n = -1;
+  fprintf(peer->in, "wakeups\n");
+  fflush(peer->in);
+  for (int i = 0; i < 1000 && n < 0; i++) {
+    if (proc_read_line(peer, line, sizeof line, 5000)) break;
+    if (sscanf(line, "wakeups %lld", &n) != 1) n = -1;
+  }
+  return n;
+}
+
 /* One case: `rooms` requests of `pages` pages, `inflight` at a time. */
 static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *baddr, rooms_case *c,
                             int64_t base_room) {
@@ -291,6 +306,8 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
   if (!slots || !t_success || !t_send || !lat) goto out;
   for (int i = 0; i < c->inflight; i++)
     if (!(slots[i].pages = malloc(c->pages * sizeof(int64_t)))) goto out;
+  long long wake_peer0 = peer_wakeups(peer);
+  uint64_t wake_here0 = kvf__wake_total();
   double t0 = cli_now_s(), limit = t0 + 120;
   while ((finished < c->rooms || reported < c->rooms) && cli_now_s() < limit) {
     int progress = 0;
@@ -336,6 +353,11 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
     if (!progress) usleep(c->inflight > 1 ? 100 : 20);
   }
   double dt = cli_now_s() - t0;
+  uint64_t wake_here = kvf__wake_total() - wake_here0;
+  long long wake_peer1 = peer_wakeups(peer);
+  c->wakeups_per_room = wake_peer0 >= 0 && wake_peer1 >= wake_peer0
+                            ? (double)(wake_here + (uint64_t)(wake_peer1 - wake_peer0)) / c->rooms
+                            : -1;
   if (finished < c->rooms || failed) {
     fprintf(stderr, "bench rooms: %s: %d of %d finished, %d failed\n", c->name, finished, c->rooms, failed);
     goto out;
@@ -460,19 +482,19 @@ static int bench_rooms(const bench_opts *o) {
   mc.role = KVF_ROLE_DECODE;
   if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
   rooms_case cases[] = {
-      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0},
-      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0},
-      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0},
-      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0},
+      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0, 0},
+      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0, 0},
+      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0, 0},
+      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0, 0},
   };
   size_t nc = sizeof cases / sizeof cases[0];
   if (o->room_pages) { /* a single custom case replaces the standard ones */
     int n = o->rooms > 0 ? o->rooms : o->quick ? 100 : 1000;
-    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0};
+    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0, 0};
     nc = 1;
   }
   int64_t base = 1;
-  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0};
+  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0};
   if (bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   for (size_t i = 0; i < nc; i++) {
@@ -486,18 +508,19 @@ static int bench_rooms(const bench_opts *o) {
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS, rtt_us);
     for (size_t i = 0; i < nc; i++)
       printf("%s{\"name\":\"%s\",\"rooms\":%d,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
-             "\"p50_over_zmq_rtt\":%.2f}",
+             "\"p50_over_zmq_rtt\":%.2f,\"wakeups_per_room\":%.2f}",
              i ? "," : "", cases[i].name, cases[i].rooms, cases[i].rooms_per_s, cases[i].p50_us, cases[i].p99_us,
-             rtt_us > 0 ? cases[i].p50_us / rtt_us : 0);
+             rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room);
     printf("]}\n");
   } else {
     printf("rooms through the KV managers (prefill in a child process, %d layers, %d B pages x %d buffers)\n",
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS);
     printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us\n", rtt_us);
-    printf("%-28s %8s %12s %10s %10s %12s\n", "case", "rooms", "rooms/s", "p50 us", "p99 us", "p50/zmq rtt");
+    printf("%-28s %8s %12s %10s %10s %12s %10s\n", "case", "rooms", "rooms/s", "p50 us", "p99 us", "p50/zmq rtt",
+           "wakeups/room");
     for (size_t i = 0; i < nc; i++)
-      printf("%-28s %8d %12.0f %10.1f %10.1f %12.2f\n", cases[i].name, cases[i].rooms, cases[i].rooms_per_s,
-             cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0);
+      printf("%-28s %8d %12.0f %10.1f %10.1f %12.2f %10.2f\n", cases[i].name, cases[i].rooms, cases[i].rooms_per_s,
+             cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room);
   }
   rc = 0;
 out_mgr:

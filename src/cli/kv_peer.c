@@ -17,6 +17,9 @@
  * (GQA with fewer KV heads than ranks; MLA: --kv-heads = --heads).
  * With --mla the pools are MLA pools (kvpool_init_mla): one latent buffer per
  * layer, page_size tokens of `unit` bytes a page, the same on every rank.
+ *   wakeups
+ *       prints `wakeups <n>`: the library's thread wake-ups in this process
+ *       so far (base/wake.h; benchmarks report them per room)
  *   quit
  * and reports each request when its senders are final:
  *   done <room> <poll-status> <last-send-ns> <reason or ->
@@ -34,6 +37,7 @@
 #include "cli.h"
 #include "kvferry.h"
 #include "kvpool.h"
+#include "../base/wake.h"
 
 #define PEER_MAX_REQS 4096
 #define PEER_STATE_SLOTS 64
@@ -227,6 +231,7 @@ int cli_kv_peer(int argc, char **argv) {
         unsigned long long seed;
         int chunk = 0, state = 0;
         if (!strcmp(line, "quit")) eof = 1;
+        else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf__wake_total());
         else if (sscanf(line, "send %lld %lld %llu %lld %d %d", &room, &npages, &seed, &token, &chunk, &state) >= 4 &&
                  npages >= 0) {
           peer_req *r = NULL;

@@ -12,6 +12,7 @@
 #include "base/config.h"
 #include "base/env.h"
 #include "base/log.h"
+#include "base/wake.h"
 #include "engine/engine_internal.h"
 
 #define ENGINE_MAX_DESC_PER_CHUNK 4096
@@ -344,6 +345,7 @@ int kvf_batch_wait(kvf_batch *b, int timeout_ms) {
    * guards against a transport bug turning into a hang. */
   int64_t until = timeout_ms < 0 ? b->deadline_ns + 1000000000LL : clock_deadline_ms(timeout_ms);
   pthread_mutex_lock(&b->mu);
+  if (b->pending) kvf__wake_count(); /* this thread sleeps until the transport wakes it */
   while (b->pending) {
     struct timespec ts = clock_ts_from_ns(until);
     if (pthread_cond_timedwait(&b->cv, &b->mu, &ts) == ETIMEDOUT && b->pending) break;

@@ -29,6 +29,7 @@
 #include "base/addr.h"
 #include "base/clock.h"
 #include "base/log.h"
+#include "base/wake.h"
 #include "engine/engine_internal.h"
 #include "engine/tcp_proto.h"
 
@@ -317,6 +318,7 @@ static void *conn_writer_main(void *arg) {
     chunk *ch = atomic_load(&c->dead) ? NULL : list_pop(&c->q_head, &c->q_tail);
     pthread_mutex_unlock(&c->q_lock);
     if (!ch) break;
+    kvf__wake_count();
     if (clock_now_ns() > ch->batch->deadline_ns) {
       chunk_finish(ch, KVF_ETIMEDOUT);
       continue;
@@ -352,6 +354,7 @@ static void *conn_reader_main(void *arg) {
       conn_fail(c, KVF_ECLOSED);
       break;
     }
+    kvf__wake_count();
     pthread_mutex_lock(&c->q_lock);
     chunk *ch = c->f_head;
     int ok = ch && a.magic == TCP_ACK_MAGIC && a.seq == ch->seq;
@@ -652,6 +655,7 @@ static void *inbound_main(void *arg) {
     if (atomic_load(&in->t->stopping)) break;
     if (r == 1) continue;
     if (r) break;
+    kvf__wake_count();
     if (h.magic != TCP_CHUNK_MAGIC || h.ndesc == 0 || h.ndesc > TCP_MAX_DESC) {
       atomic_fetch_add(&e->stats.protocol_errors, 1);
       log_peer_once(in->peer, "frame", "malformed chunk header; connection dropped");

@@ -12,6 +12,7 @@
 #include "base/config.h"
 #include "base/env.h"
 #include "base/log.h"
+#include "base/wake.h"
 
 #define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
 #define MANAGER_MAX_PUSHES 4096
@@ -290,6 +291,7 @@ static void *listener_main(void *arg) {
     zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
     int r = zmq_poll(&pi, 1, 100);
     if (r <= 0) continue;
+    kvf__wake_count();
     size_t n = 0, extra = 0;
     int more = 1;
     char peer[64] = "?";

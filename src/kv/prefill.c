@@ -81,6 +81,7 @@
 #include "base/config.h"
 #include "base/log.h"
 #include "base/map.h"
+#include "base/wake.h"
 #include "bootstrap/bootstrap.h"
 #include "kv/manager.h"
 #include "kv/plan.h"
@@ -819,6 +820,7 @@ static void *worker_main(void *arg) {
       pthread_mutex_unlock(&q->lock);
       break;
     }
+    kvf__wake_count();
     pf_chunk *c = q->head;
     q->head = c->next;
     if (!q->head) q->tail = NULL;
