@@ -102,7 +102,26 @@ typedef struct pf_reg { /* one decode registration (M1) */
 typedef struct pf_info { /* one M2, shared with workers */
   int refs;
   wire_m2 *m2; /* heap copy (wire_m2_dup) */
+  /* its plan, converted once when the M2 arrives */
+  plan_fragment *frags; /* m2->nfrags, per token when tokens > 1 */
+  int64_t tokens;       /* tokens per page the runs scale by; 0 = plan refused (plan_why) */
+  char plan_why[200];
 } pf_info;
+
+/* A transfer context's arrays: the destination pointer lists sized once,
+ * the rest grow-only, so the hot path does not allocate per room. */
+typedef struct pf_scratch {
+  uint64_t *dptr, *sptr; /* n_kv, n_state */
+  int64_t *src, *dst;
+  size_t cap_src, cap_dst;
+  plan_run *runs;
+  size_t cap_runs;
+  kvf_write *w;
+  size_t cap_w, nw;
+  struct pf_info **infos;
+  size_t *done;
+  size_t cap_infos, cap_done;
+} pf_scratch;
 
 typedef struct pf_chunk {
   struct pf_chunk *next;
@@ -160,6 +179,7 @@ typedef struct pf_queue {
   int stop;
   pthread_t thread;
   int started;
+  pf_scratch sc; /* the worker's */
 } pf_queue;
 
 struct kvf_sender {
@@ -193,6 +213,7 @@ static void chunk_free(pf_chunk *c) {
 
 static void info_unref(pf_info *i) {
   if (i && --i->refs == 0) {
+    free(i->frags);
     free(i->m2);
     free(i);
   }
@@ -360,6 +381,8 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   atomic_fetch_add(&m->stats.messages_received, 1);
 }
 
+static int info_plan(kvf_manager *m, pf_info *info);
+
 static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
   wire_m2 d;
   char why[ROOMS_REASON_MAX];
@@ -382,6 +405,11 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
      * would write whole pages to the wrong places. */
     info_unref(info);
     manager_reject(m, peer, "M2", "L1.5 local indices are not supported");
+    return;
+  }
+  if (info_plan(m, info)) {
+    info_unref(info);
+    manager_reject(m, peer, "M2", "out of memory");
     return;
   }
 
@@ -525,23 +553,62 @@ static int64_t per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, 
   return P;
 }
 
-/* Plan and write one set of page pairs (KV when state == 0, state slots
- * otherwise) to the destination. Arrays are sized once per call. */
-static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0, size_t l1, const int64_t *src,
-                       const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags,
-                       size_t nfrags, int frag_mode, int64_t tokens, uint64_t *bytes, char *why, size_t whycap,
-                       int *xfer) {
+/* Grow a scratch array to hold `need` elements of `elem` bytes. Arrays only
+ * grow, so a worker stops allocating once it has seen its largest chunk. */
+static int scratch_grow(void **p, size_t *cap, size_t need, size_t elem) {
+  if (need <= *cap) return 0;
+  size_t nc = *cap * 2 > need ? *cap * 2 : need;
+  void *q = realloc(*p, nc * elem);
+  if (!q) return KVF_ENOMEM;
+  *p = q;
+  *cap = nc;
+  return 0;
+}
+
+static void scratch_free(pf_scratch *sc) {
+  free(sc->dptr), free(sc->sptr), free(sc->src), free(sc->dst), free(sc->runs), free(sc->w);
+  free(sc->infos), free(sc->done);
+  memset(sc, 0, sizeof *sc);
+}
+
+/* Sized once: the destination pointer lists (n_kv, n_state entries). */
+static int scratch_init(pf_scratch *sc, const manager_buffers *b) {
+  memset(sc, 0, sizeof *sc);
+  sc->dptr = malloc((b->n_kv ? b->n_kv : 1) * sizeof *sc->dptr);
+  sc->sptr = malloc((b->n_state ? b->n_state : 1) * sizeof *sc->sptr);
+  return sc->dptr && sc->sptr ? 0 : KVF_ENOMEM;
+}
+
+/* The M2's plan, once, when it arrives: fragments converted (and cut per
+ * token). info->tokens = 0 when the plan is refused (reason in plan_why:
+ * its rooms fail when a chunk is sent). KVF_ENOMEM only without memory. */
+static int info_plan(kvf_manager *m, pf_info *info) {
+  const wire_m2 *x = info->m2;
+  info->tokens = 1;
+  if (!x->nfrags || x->is_dummy) return 0;
+  if (!(info->frags = convert_frags(x))) return KVF_ENOMEM;
+  info->tokens = per_token(info->frags, x->nfrags, m->cfg.page_size, x->page_layout, info->plan_why,
+                           sizeof info->plan_why);
+  return 0;
+}
+
+/* Plan one set of page pairs (KV when state == 0, state slots otherwise) to
+ * the destination, appending the writes to sc->w. Uses only sc's arrays. */
+static int plan_pairs(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, int state, size_t l0, size_t l1,
+                      const int64_t *src, const int64_t *dst, size_t n, const uint64_t *dst_ptrs,
+                      const plan_fragment *frags, size_t nfrags, int frag_mode, int64_t tokens, char *why,
+                      size_t whycap) {
   kvf_manager *m = ps->m;
   const manager_buffers *b = &m->bufs;
   const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
   plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens, state ? b->n_state : b->n_kv};
   plan_mem dm = {dst_ptrs, NULL, sm.nbufs};
   const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
-  plan_run *runs = malloc((n ? n : 1) * sizeof *runs);
-  kvf_write *w = NULL;
   size_t nruns = 0, nw = 0, cap;
-  int rc = runs ? plan_runs(src, dst, n, runs, &nruns) : KVF_ENOMEM;
+  int rc = scratch_grow((void **)&sc->runs, &sc->cap_runs, n ? n : 1, sizeof *sc->runs);
+  if (!rc) rc = plan_runs(src, dst, n, sc->runs, &nruns);
   if (rc) goto out;
+  plan_run *runs = sc->runs;
   /* Per-token fragments (tokens > 1): a run of r pages is r*tokens token
    * slots of the per-token stride, so each (fragment, run) stays one
    * strided block of r*tokens pieces. */
@@ -556,40 +623,30 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0
   cap = frag_mode ? plan_frag_count(lay, l0, l1, frags, nfrags, state, runs, nruns)
                   : plan_plain_count(lay, l0, l1, nruns);
   if (!cap) goto out;
-  if (!(w = malloc(cap * sizeof *w))) {
-    rc = KVF_ENOMEM;
-    goto out;
-  }
+  if ((rc = scratch_grow((void **)&sc->w, &sc->cap_w, sc->nw + cap, sizeof *sc->w))) goto out;
+  kvf_write *w = sc->w + sc->nw;
   rc = frag_mode ? plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
                  : plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
-  if (rc) goto out;
-  if (nw && (rc = kvf_engine_write(m->engine, x->session, w, nw))) {
-    *xfer = 1;
-    snprintf(why, whycap, "%s", kvf_strerror(rc)); /* completed by send_to_dest */
-    goto out;
-  }
-  *bytes += writes_bytes(w, nw);
+  if (!rc) sc->nw += nw;
 out:
-  if (rc && !*xfer)
+  if (rc)
     snprintf(why, whycap, "%s pages of the chunk cannot be mapped onto decode session %s: %s",
              state ? "State" : "KV", x->session, kvf_strerror(rc));
-  free(w);
-  free(runs);
   return rc;
 }
 
-/* One chunk to one real destination (§6.3-§6.6). DEST_FAIL with a reason,
- * or DEST_XFER_FAIL when the engine refused or failed the write. */
-static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,
-                        size_t whycap) {
+/* Plan one chunk to one real destination (§6.3-§6.6): sc->w[0..sc->nw)
+ * holds the writes (KV, then state slots) afterwards. DEST_FAIL with a
+ * reason; DEST_OK otherwise. No allocation beyond sc's grow-only arrays. */
+static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, char *why,
+                     size_t whycap) {
   kvf_manager *m = ps->m;
+  const wire_m2 *x = info->m2;
   const manager_buffers *b = &m->bufs;
   int64_t page_size = m->cfg.page_size, now = clock_now_ns();
-  uint64_t *dptr = NULL, *sptr = NULL;
   size_t nsptr = 0;
-  int64_t *src = NULL, *dst = NULL;
-  plan_fragment *frags = NULL;
-  int ret = DEST_FAIL, xfer = 0;
+  int ret = DEST_FAIL;
+  sc->nw = 0;
 
   pthread_mutex_lock(&ps->lock);
   pf_reg *reg = smap_get(&ps->regs, x->session);
@@ -604,30 +661,23 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
   } else {
     if (reg->failed_ns) reg->failed_ns = 0; /* the TTL passed */
     nsptr = reg->m1->state_ptrs.count;
-    dptr = malloc(b->n_kv * sizeof *dptr);
-    sptr = malloc((nsptr ? nsptr : 1) * sizeof *sptr);
-    for (size_t i = 0; dptr && i < b->n_kv; i++) dptr[i] = wire_u64_at(reg->m1->kv_ptrs, i);
-    for (size_t i = 0; sptr && i < nsptr; i++) sptr[i] = wire_u64_at(reg->m1->state_ptrs, i);
+    for (size_t i = 0; i < b->n_kv; i++) sc->dptr[i] = wire_u64_at(reg->m1->kv_ptrs, i);
+    for (size_t i = 0; i < nsptr && i < b->n_state; i++) sc->sptr[i] = wire_u64_at(reg->m1->state_ptrs, i);
     ret = DEST_OK;
   }
   pthread_mutex_unlock(&ps->lock);
-  if (ret != DEST_OK) goto out;
+  if (ret != DEST_OK) return ret;
   ret = DEST_FAIL;
-  if (!dptr || !sptr) {
-    snprintf(why, whycap, "Out of memory");
-    goto out;
-  }
   if (x->decode_prefix_len % page_size) {
     snprintf(why, whycap, "decode_prefix_len %" PRId64 " is not a multiple of page_size %" PRId64,
              x->decode_prefix_len, page_size);
-    goto out;
+    return ret;
   }
-  if (x->nfrags && !(frags = convert_frags(x))) {
-    snprintf(why, whycap, "Out of memory");
-    goto out;
+  if (info->tokens < 1) { /* the plan was refused when the M2 arrived */
+    snprintf(why, whycap, "%s", info->plan_why);
+    return ret;
   }
-  int64_t tokens = 1;
-  if (frags && (tokens = per_token(frags, x->nfrags, page_size, x->page_layout, why, whycap)) < 1) goto out;
+  const plan_fragment *frags = info->frags;
 
   /* §6.8: skip the pages the decode already holds; position p maps to
    * destination index p - P. Then truncate to what both sides have (§6.3). */
@@ -638,61 +688,69 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
   size_t avail = (uint64_t)dstart < ndst ? ndst - (size_t)dstart : 0;
   size_t n = nsrc < avail ? nsrc : avail;
   if (n) {
-    src = malloc(n * sizeof *src);
-    dst = malloc(n * sizeof *dst);
-    if (!src || !dst) {
+    if (scratch_grow((void **)&sc->dst, &sc->cap_dst, n, sizeof *sc->dst)) {
       snprintf(why, whycap, "Out of memory");
-      goto out;
+      return ret;
     }
-    memcpy(src, c->pages + skip, n * sizeof *src);
-    for (size_t k = 0; k < n; k++) dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
-    if (write_pairs(ps, x, 0, c->layer_begin, c->layer_end, src, dst, n, dptr, frags, x->nfrags, x->nfrags > 0,
-                    tokens, bytes, why, whycap, &xfer))
-      goto out;
+    for (size_t k = 0; k < n; k++) sc->dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
+    if (plan_pairs(ps, sc, x, 0, c->layer_begin, c->layer_end, c->pages + skip, sc->dst, n, sc->dptr, frags,
+                   x->nfrags, x->nfrags > 0, info->tokens, why, whycap))
+      return ret;
   }
 
-  /* §6.6: state slots in non-layerwise mode, last chunk only. */
-  if (c->is_last && b->n_state && nsptr && c->nstate && x->mamba_indices.count) {
+  /* §6.6: state slots, with the chunk that carries them (the last chunk, or
+   * a layerwise chunk of the layer group they belong to). */
+  if (b->n_state && nsptr && c->nstate && x->mamba_indices.count) {
     size_t nm = x->mamba_indices.count, np = 0;
     if (nsptr != b->n_state) {
       snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu", x->session,
                nsptr, b->n_state);
-      goto out;
+      return ret;
     }
     if (c->nstate != nm && c->nstate != 1) {
       snprintf(why, whycap, "State slot counts differ: %zu on prefill, %zu on decode", c->nstate, nm);
-      goto out;
+      return ret;
     }
-    free(src), free(dst);
-    src = malloc(nm * sizeof *src);
-    dst = malloc(nm * sizeof *dst);
-    if (!src || !dst) {
+    if (scratch_grow((void **)&sc->src, &sc->cap_src, nm, sizeof *sc->src) ||
+        scratch_grow((void **)&sc->dst, &sc->cap_dst, nm, sizeof *sc->dst)) {
       snprintf(why, whycap, "Out of memory");
-      goto out;
+      return ret;
     }
     for (size_t k = 0; k < nm; k++) {
       int64_t s = c->state_slots[c->nstate == 1 ? 0 : k], d = wire_i64_at(x->mamba_indices, k);
       if (s < 0 || d < 0) continue;
-      src[np] = s, dst[np] = d, np++;
+      sc->src[np] = s, sc->dst[np] = d, np++;
     }
     /* §8 item 11: with a fragment plan, state goes through it too; a rank
      * whose plan has no state fragment writes no state (the reference
      * would send whole slots of its own, possibly larger, item size). */
-    if (np && write_pairs(ps, x, 1, 0, 0, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, bytes, why,
-                          whycap, &xfer))
-      goto out;
+    if (np && plan_pairs(ps, sc, x, 1, 0, 0, sc->src, sc->dst, np, sc->sptr, frags, x->nfrags, x->nfrags > 0, 1,
+                         why, whycap))
+      return ret;
   }
-  ret = DEST_OK;
-out:
-  if (ret != DEST_OK && xfer) {
-    char err[128];
-    snprintf(err, sizeof err, "%.120s", why);
-    snprintf(why, whycap, "Failed to send kv chunk of %" PRId64 " to %s:%u (%s)", c->r->room, x->endpoint,
-             (unsigned)x->dst_port, err);
-    ret = DEST_XFER_FAIL;
+  return DEST_OK;
+}
+
+/* The reason for a failed engine write to one destination. */
+static void xfer_why(const pf_room *r, const wire_m2 *x, int rc, char *why, size_t whycap) {
+  snprintf(why, whycap, "Failed to send kv chunk of %" PRId64 " to %s:%u (%s)", r->room, x->endpoint,
+           (unsigned)x->dst_port, kvf_strerror(rc));
+}
+
+/* One chunk to one real destination, written and confirmed (worker path).
+ * DEST_FAIL with a reason, or DEST_XFER_FAIL when the engine refused or
+ * failed the write. */
+static int send_to_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, uint64_t *bytes,
+                        char *why, size_t whycap) {
+  int ret = plan_dest(ps, sc, c, info, why, whycap);
+  if (ret != DEST_OK || !sc->nw) return ret;
+  int rc = kvf_engine_write(ps->m->engine, info->m2->session, sc->w, sc->nw);
+  if (rc) {
+    xfer_why(c->r, info->m2, rc, why, whycap);
+    return DEST_XFER_FAIL;
   }
-  free(frags), free(src), free(dst), free(dptr), free(sptr);
-  return ret;
+  *bytes += writes_bytes(sc->w, sc->nw);
+  return DEST_OK;
 }
 
 /* Fail the room (if it is still this room) and tell the destination. */
@@ -711,7 +769,7 @@ static void fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const cha
   send_m3(m, x->endpoint, x->dst_port, r->room, ROOM_FAILED, -1, NULL, 0);
 }
 
-static void process_chunk(prefill_state *ps, pf_chunk *c) {
+static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
   kvf_manager *m = ps->m;
   pf_room *r = c->r;
   int st = ROOM_FAILED;
@@ -721,14 +779,14 @@ static void process_chunk(prefill_state *ps, pf_chunk *c) {
     return;
   }
   size_t n = r->ninfos;
-  pf_info **infos = malloc((n ? n : 1) * sizeof *infos);
-  size_t *done = malloc((n ? n : 1) * sizeof *done);
-  if (!infos || !done) {
+  if (scratch_grow((void **)&sc->infos, &sc->cap_infos, n ? n : 1, sizeof *sc->infos) ||
+      scratch_grow((void **)&sc->done, &sc->cap_done, n ? n : 1, sizeof *sc->done)) {
     rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
     pthread_mutex_unlock(&ps->lock);
-    free(infos), free(done);
     return;
   }
+  pf_info **infos = sc->infos;
+  size_t *done = sc->done;
   for (size_t i = 0; i < n; i++) (infos[i] = r->infos[i])->refs++;
   pthread_mutex_unlock(&ps->lock);
 
@@ -740,7 +798,7 @@ static void process_chunk(prefill_state *ps, pf_chunk *c) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
     nreal++;
-    int rc = send_to_dest(ps, c, x, &bytes, why, sizeof why);
+    int rc = send_to_dest(ps, sc, c, infos[i], &bytes, why, sizeof why);
     if (rc != DEST_OK) {
       fail_dest(ps, r, x, why, rc == DEST_XFER_FAIL);
       ok = 0; /* §6.11 step 5: stop processing this chunk */
@@ -807,7 +865,6 @@ static void process_chunk(prefill_state *ps, pf_chunk *c) {
   pthread_mutex_lock(&ps->lock);
   for (size_t i = 0; i < n; i++) info_unref(infos[i]);
   pthread_mutex_unlock(&ps->lock);
-  free(infos), free(done);
 }
 
 static void *worker_main(void *arg) {
@@ -826,7 +883,7 @@ static void *worker_main(void *arg) {
     if (!q->head) q->tail = NULL;
     q->count--;
     pthread_mutex_unlock(&q->lock);
-    process_chunk(ps, c);
+    process_chunk(ps, &q->sc, c);
     pthread_mutex_lock(&ps->lock);
     chunk_release_locked(ps, c);
     pthread_mutex_unlock(&ps->lock);
@@ -933,6 +990,7 @@ static void stop_workers(prefill_state *ps) {
     pthread_mutex_unlock(&ps->lock);
     pthread_cond_destroy(&q->cond);
     pthread_mutex_destroy(&q->lock);
+    scratch_free(&q->sc);
   }
 }
 
@@ -954,6 +1012,11 @@ int prefill_start(kvf_manager *m) {
     pthread_mutex_init(&q->lock, NULL);
     pthread_cond_init(&q->cond, NULL);
   }
+  for (int i = 0; i < ps->nqueues; i++)
+    if (scratch_init(&ps->queues[i].sc, &m->bufs)) {
+      rc = KVF_ENOMEM;
+      goto err_workers;
+    }
   for (int i = 0; i < ps->nqueues; i++) {
     if (pthread_create(&ps->queues[i].thread, NULL, worker_main, &ps->queues[i])) {
       rc = KVF_ENOMEM;
