@@ -13,6 +13,7 @@
 #include "base/env.h"
 #include "base/log.h"
 #include "base/wake.h"
+#include "engine/async.h"
 #include "engine/engine_internal.h"
 
 #define ENGINE_MAX_DESC_PER_CHUNK 4096
@@ -262,7 +263,16 @@ err_free:
   return rc;
 }
 
+static void batch_free(kvf_batch *b) {
+  pthread_cond_destroy(&b->cv);
+  pthread_mutex_destroy(&b->mu);
+  free(b);
+}
+
 void batch_chunk_done(kvf_batch *b, int status) {
+  void (*cb)(void *, int) = NULL;
+  void *cb_arg = NULL;
+  int cb_status = 0;
   pthread_mutex_lock(&b->mu);
   if (status && !b->status) b->status = status;
   if (--b->pending == 0) {
@@ -276,14 +286,20 @@ void batch_chunk_done(kvf_batch *b, int status) {
         atomic_fetch_add(&c->bytes_sent, b->bytes);
       }
     }
-    pthread_cond_broadcast(&b->cv);
+    if (b->on_done) cb = b->on_done, cb_arg = b->on_done_arg, cb_status = b->status;
+    else pthread_cond_broadcast(&b->cv);
   }
   pthread_mutex_unlock(&b->mu);
+  if (cb) { /* nobody holds a handle: the batch goes, then its owner hears */
+    batch_free(b);
+    cb(cb_arg, cb_status);
+  }
 }
 
-int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                      kvf_batch **out) {
-  if (!e || !session || !out || (n && !writes)) return KVF_EINVAL;
+/* kvf_engine_submit, or with on_done (out unused) kvf__engine_submit_cb. */
+static int engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                         void (*on_done)(void *, int), void *arg, kvf_batch **out) {
+  if (!e || !session || (!out && !on_done) || (n && !writes)) return KVF_EINVAL;
   char host[256];
   uint16_t port;
   if (kvf__addr_parse(session, strlen(session), host, sizeof host, &port, NULL)) {
@@ -301,6 +317,8 @@ int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *write
   b->engine = e;
   b->bytes = total;
   b->deadline_ns = clock_deadline_ms(e->cfg.timeout_ms);
+  b->on_done = on_done;
+  b->on_done_arg = arg;
 
   chunk **chunks = NULL;
   size_t nchunks = 0;
@@ -309,7 +327,12 @@ int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *write
   if (rc) goto err_batch;
   if (nchunks == 0) { /* nothing to move: done at once, as Mooncake does */
     free(chunks);
-    *out = b;
+    if (on_done) {
+      batch_free(b);
+      on_done(arg, 0);
+    } else {
+      *out = b;
+    }
     return 0;
   }
   b->pending = (int)nchunks;
@@ -321,7 +344,7 @@ int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *write
     goto err_batch;
   }
   free(chunks);
-  *out = b;
+  if (!on_done) *out = b; /* with on_done, b may already be gone */
   return 0;
 
 err_batch:
@@ -329,6 +352,17 @@ err_batch:
   pthread_mutex_destroy(&b->mu);
   free(b);
   return rc;
+}
+
+int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                      kvf_batch **out) {
+  return engine_submit(e, session, writes, n, NULL, NULL, out);
+}
+
+int kvf__engine_submit_cb(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                          void (*on_done)(void *arg, int status), void *arg) {
+  if (!on_done) return KVF_EINVAL;
+  return engine_submit(e, session, writes, n, on_done, arg, NULL);
 }
 
 int kvf_batch_poll(kvf_batch *b) {

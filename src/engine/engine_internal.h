@@ -46,6 +46,10 @@ typedef struct kvf_batch {
   int64_t deadline_ns;
   uint64_t bytes;
   int counted;      /* stats recorded once */
+  /* kvf__engine_submit_cb: called once when pending reaches 0, then the
+   * batch is freed (no handle was given out) */
+  void (*on_done)(void *arg, int status);
+  void *on_done_arg;
 } kvf_batch;
 
 /* A contiguous part of a batch sent on one connection. Descriptors are owned

@@ -73,6 +73,7 @@
  * gets M3 Failed from the next poll. A destroyed room just drops its park. */
 #include <errno.h>
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,6 +84,7 @@
 #include "base/map.h"
 #include "base/wake.h"
 #include "bootstrap/bootstrap.h"
+#include "engine/async.h"
 #include "kv/manager.h"
 #include "kv/plan.h"
 #include "kv/rooms.h"
@@ -93,6 +95,10 @@
 #define PF_MAX_EARLY 4096      /* rooms with M2s but no sender yet */
 #define PF_MAX_PENDING 65536   /* chunks waiting on one room for its M2s */
 #define PF_QUEUE_MAX 65536     /* chunks in one worker FIFO */
+#define PF_DIRECT_MAX_BYTES (256u << 10) /* a room's only chunk up to this size skips the worker */
+#define PF_DIRECT_MAX_DESTS 8  /* ... when it has at most this many destinations */
+#define PF_DIRECT_SLOTS 256    /* direct chunks in flight per prefill rank */
+#define PF_DIRECT_DRAIN_MS 120000 /* stop: wait this long for direct chunks' engine callbacks */
 
 typedef struct pf_reg { /* one decode registration (M1) */
   wire_m1 *m1;          /* heap copy (wire_m1_dup) */
@@ -149,6 +155,7 @@ typedef struct pf_dest { /* where an M3 goes */
 typedef struct pf_room {
   int64_t room;
   int refs;
+  size_t nchunks;    /* chunks accepted from the sender */
   int dead;          /* destroyed: chunks still holding it are dropped */
   int has_sender;
   int bootstrapped;
@@ -190,9 +197,38 @@ struct kvf_sender {
   int last_sent;
 };
 
+/* One destination of a direct chunk: the engine callback's argument. */
+typedef struct pf_direct_dest {
+  struct pf_direct *owner;
+  pf_info *info; /* referenced */
+} pf_direct_dest;
+
+/* A direct chunk in flight (see "direct transfers"): from a pool sized once. */
+typedef struct pf_direct {
+  struct pf_direct *next; /* free list (ps->lock) */
+  struct prefill_state *ps;
+  pf_room *r; /* referenced */
+  int64_t token;
+  int32_t cands[KVF_MAX_CANDIDATES];
+  size_t ncand;
+  uint64_t bytes;
+  size_t n;            /* the room's infos, dummies included */
+  atomic_size_t left;  /* engine writes outstanding + the submitter's guard */
+  atomic_int failed;
+  pf_direct_dest d[PF_DIRECT_MAX_DESTS];
+} pf_direct;
+
 typedef struct prefill_state {
   kvf_manager *m;
   pthread_mutex_t lock;
+  /* direct transfers: the records (free list and count under lock), the
+   * calling threads' planning scratch (direct_lock, only ever try-locked) */
+  pf_direct *direct_pool, *direct_free;
+  size_t direct_busy;
+  pthread_cond_t direct_cv; /* direct_busy reached 0 */
+  pthread_mutex_t direct_lock;
+  pf_scratch direct_sc;
+  uint64_t *layer_bytes; /* n_layers + 1: KV bytes per page of layers [0, l) */
   smap regs;   /* session -> pf_reg */
   map rooms;   /* room id -> pf_room */
   size_t nearly;
@@ -310,10 +346,20 @@ static int queue_push(pf_queue *q, pf_chunk *c) {
   return 0;
 }
 
+static pf_direct *direct_take_locked(prefill_state *ps, pf_room *r, const pf_chunk *c, size_t prior);
+
 /* ps->lock held: queue every pending chunk of a now-Bootstrapped room, in
- * order. A full queue fails the room (the chunk cannot wait forever). */
-static void flush_pending(prefill_state *ps, pf_room *r) {
+ * order. A full queue fails the room (the chunk cannot wait forever). A
+ * room's only chunk, small enough, is instead returned in *direct (with its
+ * record in *dj) for this thread to send once it dropped the lock. */
+static void flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct) {
   pf_chunk *c = r->pend_head;
+  if (c && !c->next && (*dj = direct_take_locked(ps, r, c, 1))) {
+    r->pend_head = r->pend_tail = NULL;
+    r->npending = 0;
+    *direct = c;
+    return;
+  }
   r->pend_head = r->pend_tail = NULL;
   r->npending = 0;
   while (c) {
@@ -382,6 +428,7 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
 }
 
 static int info_plan(kvf_manager *m, pf_info *info);
+static void direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c);
 
 static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
   wire_m2 d;
@@ -465,13 +512,21 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
              x->session, reg->m1->kv_ptrs.count, m->bufs.n_kv);
     rooms_fail(m->rooms, r->room, why);
   }
+  pf_direct *dj = NULL;
+  pf_chunk *direct = NULL;
   if (!r->bootstrapped && (int64_t)r->ninfos == x->required_dst_info_num) {
     r->bootstrapped = 1;
     r->shard = room_shard(ps, r);
     if (r->has_sender) rooms_update(m->rooms, r->room, ROOM_BOOTSTRAPPED, NULL);
-    flush_pending(ps, r);
+    flush_pending(ps, r, &dj, &direct);
   }
   pthread_mutex_unlock(&ps->lock);
+  if (direct) { /* the room's only chunk waited for this M2: send it from here */
+    direct_run(ps, dj, direct);
+    pthread_mutex_lock(&ps->lock);
+    chunk_release_locked(ps, direct);
+    pthread_mutex_unlock(&ps->lock);
+  }
   atomic_fetch_add(&m->stats.messages_received, 1);
 }
 
@@ -867,6 +922,134 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
   pthread_mutex_unlock(&ps->lock);
 }
 
+/* ------------------------------------------------------- direct transfers */
+
+/* A room sent in one chunk small enough (PF_DIRECT_MAX_BYTES) skips the
+ * worker: the calling thread plans it and submits one engine write per
+ * destination with a completion callback, and the thread that reads the
+ * engine's acknowledgements makes the room Success and sends the M3s. No
+ * thread wakes up only to pass the chunk on, and the sender's call does not
+ * wait for the bytes. Only a room's first and last chunk goes this way, so
+ * no earlier chunk of the room can still be in flight when it completes.
+ * Records come from a pool sized once (PF_DIRECT_SLOTS); with none free, or
+ * the planning scratch busy on another thread, the chunk takes the worker
+ * path. */
+
+static void direct_finish(pf_direct *dj) {
+  prefill_state *ps = dj->ps;
+  kvf_manager *m = ps->m;
+  pf_room *r = dj->r;
+  size_t upto = 0, nreal = 0;
+  int ok = !atomic_load(&dj->failed), success = 0;
+  for (size_t i = 0; ok && i < dj->n && !upto; i++) {
+    const wire_m2 *x = dj->d[i].info->m2;
+    if (x->is_dummy) continue;
+    if ((int64_t)++nreal == x->required_dst_info_num) upto = i + 1; /* §6.11 step 6 */
+  }
+  for (size_t i = upto; ok && i < dj->n; i++) nreal += !dj->d[i].info->m2->is_dummy;
+  if (ok) { /* the counters move first, so whoever sees Success also sees them */
+    atomic_fetch_add(&m->stats.chunks_sent, 1);
+    atomic_fetch_add(&m->stats.bytes_sent, dj->bytes);
+  }
+  int fin = ROOM_FAILED;
+  pthread_mutex_lock(&ps->lock);
+  if (ok && !r->dead && (upto || (nreal == 0 && dj->n > 0))) { /* or only dummies (§6.11 step 1) */
+    rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+    rooms_get_status(m->rooms, r->room, &fin);
+    success = upto > 0;
+  }
+  pthread_mutex_unlock(&ps->lock);
+  for (size_t i = 0; success && i < upto; i++) {
+    const wire_m2 *y = dj->d[i].info->m2;
+    if (y->is_dummy) continue;
+    send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED, dj->token,
+            dj->cands, dj->ncand);
+  }
+  pthread_mutex_lock(&ps->lock);
+  for (size_t i = 0; i < dj->n; i++) info_unref(dj->d[i].info);
+  room_unref(ps, r);
+  dj->r = NULL;
+  dj->next = ps->direct_free;
+  ps->direct_free = dj;
+  if (--ps->direct_busy == 0) pthread_cond_broadcast(&ps->direct_cv);
+  pthread_mutex_unlock(&ps->lock);
+}
+
+static void direct_release(pf_direct *dj) {
+  if (atomic_fetch_sub(&dj->left, 1) == 1) direct_finish(dj);
+}
+
+/* Engine completion of one destination's write (a transport thread). */
+static void direct_done(void *arg, int status) {
+  pf_direct_dest *d = arg;
+  pf_direct *dj = d->owner;
+  if (status) {
+    char why[ROOMS_REASON_MAX];
+    xfer_why(dj->r, d->info->m2, status, why, sizeof why);
+    atomic_store(&dj->failed, 1);
+    fail_dest(dj->ps, dj->r, d->info->m2, why, 1);
+  }
+  direct_release(dj);
+}
+
+/* ps->lock held: a direct record for the chunk, or NULL (worker path). On
+ * success the room and its infos are referenced and ps->direct_lock is held. */
+static pf_direct *direct_take_locked(prefill_state *ps, pf_room *r, const pf_chunk *c, size_t prior) {
+  int st = ROOM_FAILED;
+  if (!c->is_last || c->token == PF_TOKEN_LATER || !r->bootstrapped || r->nchunks != prior || r->dead ||
+      r->ninfos > PF_DIRECT_MAX_DESTS || !ps->direct_free)
+    return NULL;
+  uint64_t per_page = ps->layer_bytes[c->layer_end] - ps->layer_bytes[c->layer_begin];
+  if (c->npages && per_page > PF_DIRECT_MAX_BYTES / c->npages) return NULL;
+  if (rooms_get_status(ps->m->rooms, r->room, &st) || st == ROOM_FAILED) return NULL;
+  if (pthread_mutex_trylock(&ps->direct_lock)) return NULL;
+  pf_direct *dj = ps->direct_free;
+  ps->direct_free = dj->next;
+  ps->direct_busy++;
+  dj->r = r;
+  r->refs++;
+  dj->n = r->ninfos;
+  for (size_t i = 0; i < dj->n; i++) {
+    dj->d[i] = (pf_direct_dest){.owner = dj, .info = r->infos[i]};
+    r->infos[i]->refs++;
+  }
+  return dj;
+}
+
+/* Plan and submit a direct chunk (ps->direct_lock held; released here). */
+static void direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
+  pf_scratch *sc = &ps->direct_sc;
+  char why[ROOMS_REASON_MAX];
+  dj->ps = ps;
+  dj->token = c->token;
+  dj->ncand = c->ncand;
+  if (c->ncand) memcpy(dj->cands, c->cands, c->ncand * sizeof *c->cands);
+  dj->bytes = 0;
+  atomic_store(&dj->failed, 0);
+  atomic_store(&dj->left, 1); /* this thread's guard: no finish while submitting */
+  for (size_t i = 0; i < dj->n; i++) {
+    const wire_m2 *x = dj->d[i].info->m2;
+    if (x->is_dummy) continue;
+    if (plan_dest(ps, sc, c, dj->d[i].info, why, sizeof why) != DEST_OK) {
+      atomic_store(&dj->failed, 1);
+      fail_dest(ps, dj->r, x, why, 0);
+      break; /* §6.11 step 5: stop processing this chunk */
+    }
+    dj->bytes += writes_bytes(sc->w, sc->nw);
+    atomic_fetch_add(&dj->left, 1);
+    int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, direct_done, &dj->d[i]);
+    if (rc) {
+      atomic_fetch_sub(&dj->left, 1);
+      atomic_store(&dj->failed, 1);
+      xfer_why(dj->r, x, rc, why, sizeof why);
+      fail_dest(ps, dj->r, x, why, 1);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&ps->direct_lock);
+  direct_release(dj);
+}
+
 static void *worker_main(void *arg) {
   pf_queue *q = arg;
   prefill_state *ps = q->ps;
@@ -946,6 +1129,25 @@ static int build_layouts(prefill_state *ps) {
   return 0;
 }
 
+/* The direct-transfer records, their planning scratch and the per-layer
+ * page bytes that decide which chunks are small enough: sized once. */
+static int direct_init(prefill_state *ps) {
+  const manager_buffers *b = &ps->m->bufs;
+  ps->layer_bytes = calloc(b->n_layers + 1, sizeof *ps->layer_bytes);
+  ps->direct_pool = calloc(PF_DIRECT_SLOTS, sizeof *ps->direct_pool);
+  if (!ps->layer_bytes || !ps->direct_pool || scratch_init(&ps->direct_sc, b)) return KVF_ENOMEM;
+  for (size_t l = 0; l < b->n_layers; l++) {
+    uint64_t sum = 0;
+    for (uint32_t k = b->layer_buf_start[l]; k < b->layer_buf_start[l + 1]; k++) sum += b->kv_item_lens[b->layer_bufs[k]];
+    ps->layer_bytes[l + 1] = ps->layer_bytes[l] + sum;
+  }
+  for (size_t i = PF_DIRECT_SLOTS; i-- > 0;) {
+    ps->direct_pool[i].next = ps->direct_free;
+    ps->direct_free = &ps->direct_pool[i];
+  }
+  return 0;
+}
+
 static void free_state(prefill_state *ps) {
   map_iter it;
   void *v;
@@ -964,6 +1166,10 @@ static void free_state(prefill_state *ps) {
   }
   map_free(&ps->rooms);
   free(ps->kv_start), free(ps->kv_bufs), free(ps->st_start), free(ps->st_bufs);
+  free(ps->layer_bytes), free(ps->direct_pool);
+  scratch_free(&ps->direct_sc);
+  pthread_cond_destroy(&ps->direct_cv);
+  pthread_mutex_destroy(&ps->direct_lock);
   pthread_mutex_destroy(&ps->lock);
   free(ps->queues);
   free(ps);
@@ -999,9 +1205,12 @@ int prefill_start(kvf_manager *m) {
   if (!ps) return KVF_ENOMEM;
   ps->m = m;
   pthread_mutex_init(&ps->lock, NULL);
+  pthread_mutex_init(&ps->direct_lock, NULL);
+  clock_cond_init(&ps->direct_cv);
   int rc = smap_init(&ps->regs);
   if (!rc) rc = map_init(&ps->rooms);
   if (!rc) rc = build_layouts(ps);
+  if (!rc) rc = direct_init(ps);
   ps->nqueues = m->cfg.queue_size;
   if (!rc && !(ps->queues = calloc((size_t)ps->nqueues, sizeof *ps->queues))) rc = KVF_ENOMEM;
   if (rc) goto err_free;
@@ -1037,6 +1246,22 @@ err_free:
 void prefill_stop(kvf_manager *m) {
   prefill_state *ps = m->prefill;
   if (!ps) return;
+  /* Direct chunks end in an engine callback, which the transport always
+   * delivers by the batch deadline; the state must outlive them. */
+  int64_t until = clock_deadline_ms(PF_DIRECT_DRAIN_MS);
+  pthread_mutex_lock(&ps->lock);
+  while (ps->direct_busy && clock_now_ns() < until) {
+    struct timespec ts = clock_ts_from_ns(until);
+    pthread_cond_timedwait(&ps->direct_cv, &ps->lock, &ts);
+  }
+  size_t busy = ps->direct_busy;
+  pthread_mutex_unlock(&ps->lock);
+  if (busy) { /* a transport bug: leak the state rather than free it under a callback */
+    LOG_ERROR("kv", "prefill stop: %zu direct transfers never completed; their state is leaked", busy);
+    stop_workers(ps);
+    m->prefill = NULL;
+    return;
+  }
   stop_workers(ps);
   free_state(ps);
   m->prefill = NULL;
@@ -1089,6 +1314,22 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
                          int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
                          size_t nstate) {
   prefill_state *ps = s->m->prefill;
+  if (is_last) { /* a room's only chunk, small enough: straight to the engine */
+    pf_chunk view = {.r = s->r, .pages = (int64_t *)pages, .npages = npages, .pos = pos, .explicit_idx = explicit_idx,
+                     .layer_begin = layer_begin, .layer_end = layer_end, .is_last = 1, .aux_index = aux_index,
+                     .token = bootstrap_token, .cands = (int32_t *)cands, .ncand = ncand,
+                     .state_slots = (int64_t *)state_slots, .nstate = nstate};
+    pthread_mutex_lock(&ps->lock);
+    pf_direct *dj = direct_take_locked(ps, s->r, &view, 0);
+    if (dj) s->r->nchunks++;
+    pthread_mutex_unlock(&ps->lock);
+    if (dj) {
+      direct_run(ps, dj, &view);
+      if (s->curr < pos + (int64_t)npages) s->curr = pos + (int64_t)npages;
+      s->last_sent = 1;
+      return 0;
+    }
+  }
   pf_chunk *c = calloc(1, sizeof *c);
   if (!c) return KVF_ENOMEM;
   c->pages = malloc((npages ? npages : 1) * sizeof *c->pages);
@@ -1125,6 +1366,7 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
   }
   c->r = r;
   r->refs++;
+  r->nchunks++;
   if (r->bootstrapped) {
     if (queue_push(&ps->queues[r->shard], c)) {
       chunk_release_locked(ps, c);
