@@ -151,7 +151,7 @@ static fixture *setup_default(void) { return setup_full(1, 1, 300, 5, 2); }
 static void teardown(fixture *f) {
   kvf_manager_destroy(f->m);
   zmq_close(f->push);
-  zmq_close(f->pull);
+  if (f->pull) zmq_close(f->pull);
   zmq_ctx_term(f->zctx);
   if (f->srv) kvf_bootstrap_server_stop(f->srv);
   free(f->kbuf);
@@ -454,15 +454,19 @@ static void heartbeat_node_failure(void **state) {
   assert_int_equal(s.heartbeat_failures, 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
 
+  /* The whole prefill dies: its bootstrap server and its rank's socket. */
   kvf_bootstrap_server_stop(f->srv);
   f->srv = NULL;
+  zmq_close(f->pull);
+  f->pull = NULL;
   int64_t t0 = clock_now_ns();
   assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_FAILED);
   assert_true(secs_since(t0) < 0.3 * 2 + 2);
   char reason[256], want[256];
   kvf_receiver_failure(r, reason, sizeof reason);
-  snprintf(want, sizeof want, "Losing connection with prefill instance (bootstrap_addr: %s)", f->addr);
-  assert_string_equal(reason, want);
+  snprintf(want, sizeof want, "Losing connection with prefill instance (bootstrap_addr: %s): prefill rank 0 at "
+           "127.0.0.1:%u does not answer", f->addr, (unsigned)f->pull_port);
+  assert_memory_equal(reason, want, strlen(want));
   /* The Success room keeps its result. */
   assert_int_equal(kvf_receiver_poll(done), KVF_POLL_SUCCESS);
   stats(f, &s);
@@ -476,6 +480,31 @@ static void heartbeat_node_failure(void **state) {
   kvf_receiver_destroy(again);
   kvf_receiver_destroy(r);
   kvf_receiver_destroy(done);
+  teardown(f);
+}
+
+/* Issue 13 defect 2: the bootstrap server stops answering while the prefill
+ * rank lives. Failed /health probes alone condemn nothing: the room stays
+ * waiting past interval x max_failures + 2 s and still completes. */
+static void heartbeat_bootstrap_down_ranks_alive(void **state) {
+  (void)state;
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  fixture *f = setup_full(1, 1, 300, 0.3, 2);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 65, &r), 0);
+  int64_t pages[1] = {1};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  kvf_bootstrap_server_stop(f->srv);
+  f->srv = NULL;
+  kvf_manager_stats s;
+  assert_true(wait_counter(f, offsetof(kvf_manager_stats, heartbeat_failures), 3, 0.3 * 2 + 3) >= 3);
+  assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_BOOTSTRAPPED); /* waited the whole bound */
+  stats(f, &s);
+  assert_int_equal(s.node_failures, 0);
+  send_m3(f, 65, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  kvf_receiver_destroy(r);
   teardown(f);
 }
 
@@ -738,6 +767,7 @@ int main(void) {
       cmocka_unit_test(waiting_timeout_fires),
       cmocka_unit_test(lookup_failures),
       cmocka_unit_test(heartbeat_node_failure),
+      cmocka_unit_test(heartbeat_bootstrap_down_ranks_alive),
       cmocka_unit_test(heartbeat_rank_restart),
       cmocka_unit_test(mla_dummy_target),
       cmocka_unit_test(hetero_tp_fragments),
