@@ -35,7 +35,8 @@ typedef struct prefill_proc {
   char addr[300];
 } prefill_proc;
 
-static void peer_prefill_start(prefill_proc *pp, int world, int dp) {
+/* bootstrap: an external bootstrap server's host:port, or NULL for one in the peer. */
+static void peer_prefill_start_at(prefill_proc *pp, int world, int dp, const char *bootstrap) {
   const char *exe = getenv("KVFERRY_CLI");
   assert_non_null(exe);
   char w[16], d[16], l[16], it[16], pg[16];
@@ -44,11 +45,31 @@ static void peer_prefill_start(prefill_proc *pp, int world, int dp) {
   snprintf(l, sizeof l, "%d", LAYERS);
   snprintf(it, sizeof it, "%d", ITEM);
   snprintf(pg, sizeof pg, "%d", PAGES);
-  char *argv[] = {(char *)exe, "kv-peer", "--world", w, "--dp", d, "--layers", l, "--item", it, "--pages", pg, NULL};
+  char *argv[] = {(char *)exe, "kv-peer", "--world", w, "--dp", d, "--layers", l, "--item", it, "--pages", pg,
+                  bootstrap ? "--bootstrap" : NULL, (char *)bootstrap, NULL};
   assert_int_equal(proc_start(&pp->p, argv), 0);
   char line[400];
   assert_int_equal(proc_read_line(&pp->p, line, sizeof line, 20000), 0);
   assert_int_equal(sscanf(line, "ready %299s", pp->addr), 1);
+}
+
+static void peer_prefill_start(prefill_proc *pp, int world, int dp) { peer_prefill_start_at(pp, world, dp, NULL); }
+
+/* `kvferry bootstrap` in its own process, as deployments run it. */
+static void bootstrap_proc_start(prefill_proc *bp) {
+  const char *exe = getenv("KVFERRY_CLI");
+  assert_non_null(exe);
+  char *argv[] = {(char *)exe, "bootstrap", "--host", "127.0.0.1", "--port", "0", NULL};
+  assert_int_equal(proc_start(&bp->p, argv), 0);
+  char line[400];
+  assert_int_equal(proc_read_line(&bp->p, line, sizeof line, 20000), 0);
+  assert_int_equal(sscanf(line, "kvferry bootstrap listening on %299s", bp->addr), 1);
+}
+
+static void bootstrap_proc_stop(prefill_proc *bp) {
+  kill(bp->p.pid, SIGCONT);
+  kill(bp->p.pid, SIGTERM);
+  proc_stop(&bp->p, 5000);
 }
 
 static void prefill_send(prefill_proc *pp, int64_t room, size_t npages, uint64_t seed, int64_t token, int chunk) {
@@ -215,6 +236,127 @@ static void killed_prefill_fails_its_rooms_other_keeps_serving(void **state) {
   unsetenv("KVFERRY_HEARTBEAT_MIN_S");
 }
 
+/* Issue 13 defects 1 and 2: heartbeat interval and threshold of these tests,
+ * and the bound on detecting a dead or stopped prefill. */
+#define HB_S 0.5
+#define HB_FAILS 2
+#define DETECT_BOUND_S (HB_S * HB_FAILS + 2)
+
+/* A room whose M2 went out but whose prefill has not been told to send. */
+static void begin_waiting(decode_side *d, prefill_proc *pp, request *r, int64_t room, size_t n, uint64_t *rng) {
+  memset(r, 0, sizeof *r);
+  r->room = room;
+  r->n = n;
+  r->token = 1000 + room;
+  r->seed = 77;
+  assert_int_equal(kvf_receiver_create(d->m, pp->addr, room, &r->rx), 0);
+  assert_int_equal(kvpool_take(&d->pool, n, rng, r->pages), 0);
+  assert_int_equal(kvf_receiver_init(r->rx, r->pages, n, 0, 0, NULL, 0), 0);
+  r->active = 1;
+}
+
+/* Poll until Failed or `limit_s`; returns the seconds waited (asserts Failed). */
+static double wait_failed(request *r, double limit_s, char *why, size_t cap) {
+  double t0 = now_s();
+  int st;
+  while ((st = kvf_receiver_poll(r->rx)) != KVF_POLL_FAILED && now_s() - t0 < limit_s) usleep(1000);
+  double dt = now_s() - t0;
+  kvf_receiver_failure(r->rx, why, cap);
+  assert_int_equal(st, KVF_POLL_FAILED);
+  return dt;
+}
+
+/* Defect 1: the bootstrap server runs in its own process and lives on; the
+ * prefill process is SIGKILLed. Its waiting room fails within the bound,
+ * with a reason that names the rank. */
+static void dead_prefill_detected_while_bootstrap_lives(void **state) {
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  prefill_proc bs, pp;
+  bootstrap_proc_start(&bs);
+  peer_prefill_start_at(&pp, 1, 1, bs.addr);
+  decode_side d;
+  decode_start_side(&d, HB_S, 60);
+  uint64_t rng = 21;
+  request ok, w;
+  begin(&d, &pp, &ok, 10, 8, &rng, 0);
+  finish(&d, &ok, 1);
+  begin_waiting(&d, &pp, &w, 11, 4, &rng);
+  kill(pp.p.pid, SIGKILL);
+  char why[256];
+  double dt = wait_failed(&w, 10, why, sizeof why);
+  fprintf(stderr, "dead prefill detected in %.2f s (bound %.1f s): %s\n", dt, DETECT_BOUND_S, why);
+  assert_true(dt < DETECT_BOUND_S);
+  assert_non_null(strstr(why, "prefill rank 0 at "));
+  assert_non_null(strstr(why, "does not answer"));
+  finish(&d, &w, 0);
+  proc_stop(&pp.p, 1000);
+  bootstrap_proc_stop(&bs);
+  decode_stop_side(&d);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+}
+
+/* Defect 2, decode side: the bootstrap server stops answering (SIGSTOP),
+ * then dies (SIGKILL), while the prefill ranks live. No room is failed for
+ * it, and the waiting room completes byte-exact afterwards. */
+static void silent_bootstrap_condemns_no_live_prefill(void **state) {
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  prefill_proc bs, pp;
+  bootstrap_proc_start(&bs);
+  peer_prefill_start_at(&pp, 1, 1, bs.addr);
+  decode_side d;
+  decode_start_side(&d, HB_S, 60);
+  uint64_t rng = 22;
+  request ok, w;
+  begin(&d, &pp, &ok, 20, 8, &rng, 0);
+  finish(&d, &ok, 1);
+  begin_waiting(&d, &pp, &w, 21, 6, &rng);
+  for (int phase = 0; phase < 2; phase++) {
+    kill(bs.p.pid, phase ? SIGKILL : SIGSTOP);
+    double t0 = now_s();
+    while (now_s() - t0 < DETECT_BOUND_S + 0.5) {
+      assert_int_equal(kvf_receiver_poll(w.rx), KVF_POLL_BOOTSTRAPPED);
+      usleep(20000);
+    }
+  }
+  kvf_manager_stats st;
+  kvf_manager_get_stats(d.m, &st);
+  assert_int_equal(st.node_failures, 0);
+  assert_true(st.heartbeat_failures >= HB_FAILS);
+  prefill_send(&pp, w.room, w.n, w.seed, w.token, 0);
+  finish(&d, &w, 1);
+  proc_stop(&pp.p, 5000);
+  bootstrap_proc_stop(&bs);
+  decode_stop_side(&d);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+}
+
+/* Defect 2's other half: a SIGSTOPped prefill (ranks and bootstrap server in
+ * one process) is detected within the bound, not after max_failures x
+ * (interval + the 5 s HTTP timeout). */
+static void stopped_prefill_detected_within_bound(void **state) {
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  prefill_proc pp;
+  peer_prefill_start(&pp, 1, 1);
+  decode_side d;
+  decode_start_side(&d, HB_S, 60);
+  uint64_t rng = 23;
+  request ok, w;
+  begin(&d, &pp, &ok, 30, 8, &rng, 0);
+  finish(&d, &ok, 1);
+  begin_waiting(&d, &pp, &w, 31, 4, &rng);
+  kill(pp.p.pid, SIGSTOP);
+  char why[256];
+  double dt = wait_failed(&w, 20, why, sizeof why);
+  fprintf(stderr, "stopped prefill detected in %.2f s (bound %.1f s): %s\n", dt, DETECT_BOUND_S, why);
+  assert_true(dt < DETECT_BOUND_S);
+  assert_non_null(strstr(why, "prefill rank 0 at "));
+  finish(&d, &w, 0);
+  kill(pp.p.pid, SIGCONT);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&d);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+}
+
 /* A request the prefill never sends ends Failed at the waiting timeout. */
 static void waiting_timeout_fires(void **state) {
   prefill_proc pp;
@@ -300,6 +442,9 @@ int main(void) {
       cmocka_unit_test(two_hundred_requests_byte_exact_dp2),
       cmocka_unit_test(killed_prefill_fails_its_rooms_other_keeps_serving),
       cmocka_unit_test(waiting_timeout_fires),
+      cmocka_unit_test(dead_prefill_detected_while_bootstrap_lives),
+      cmocka_unit_test(silent_bootstrap_condemns_no_live_prefill),
+      cmocka_unit_test(stopped_prefill_detected_within_bound),
       cmocka_unit_test(malformed_control_messages_do_no_harm),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
