@@ -622,6 +622,15 @@ void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const
     kvf_engine_sync(m->engine);
     rc = rooms_record_response(m->rooms, m3.room, (int)m3.prefill_rank, m3.bootstrap_token, cands,
                                m3.candidates.count, NULL);
+  } else if (m3.status == WIRE_STATUS_FAILED && m3.reason_len) {
+    /* A kvferry prefill says why (M3 frame 5); keep it printable. */
+    char said[WIRE_REASON_LEN], reason[ROOMS_REASON_MAX];
+    for (size_t i = 0; i < m3.reason_len; i++)
+      said[i] = m3.reason[i] >= 0x20 && m3.reason[i] < 0x7f ? m3.reason[i] : '?';
+    said[m3.reason_len] = 0;
+    set_reason(reason, sizeof reason, "Failed to get kvcache from prefill rank %" PRId64 " (%s): %s", m3.prefill_rank,
+               peer, said);
+    rc = rooms_fail(m->rooms, m3.room, reason);
   } else if (m3.status == WIRE_STATUS_FAILED) {
     rc = rooms_fail(m->rooms, m3.room, "Failed to get kvcache from prefill instance, it might be dead");
   } else {

@@ -17,6 +17,10 @@
 #include "kvferry/kv.h"
 #include "wire/messages.h"
 
+/* Rooms with an M2 but no sender yet that one decode session may hold on a
+ * prefill rank (prefill.c; issue 13 defect 6). */
+#define PF_MAX_EARLY_PER_SESSION 4096
+
 typedef struct manager_counters {
   atomic_ullong messages_received, messages_malformed, messages_unknown_room;
   atomic_ullong chunks_sent, bytes_sent, heartbeat_failures, node_failures;

@@ -256,12 +256,12 @@ static void begin_waiting(decode_side *d, prefill_proc *pp, request *r, int64_t 
 }
 
 /* Poll until Failed or `limit_s`; returns the seconds waited (asserts Failed). */
-static double wait_failed(request *r, double limit_s, char *why, size_t cap) {
+static double wait_failed(kvf_receiver *rx, double limit_s, char *why, size_t cap) {
   double t0 = now_s();
   int st;
-  while ((st = kvf_receiver_poll(r->rx)) != KVF_POLL_FAILED && now_s() - t0 < limit_s) usleep(1000);
+  while ((st = kvf_receiver_poll(rx)) != KVF_POLL_FAILED && now_s() - t0 < limit_s) usleep(1000);
   double dt = now_s() - t0;
-  kvf_receiver_failure(r->rx, why, cap);
+  kvf_receiver_failure(rx, why, cap);
   assert_int_equal(st, KVF_POLL_FAILED);
   return dt;
 }
@@ -283,7 +283,7 @@ static void dead_prefill_detected_while_bootstrap_lives(void **state) {
   begin_waiting(&d, &pp, &w, 11, 4, &rng);
   kill(pp.p.pid, SIGKILL);
   char why[256];
-  double dt = wait_failed(&w, 10, why, sizeof why);
+  double dt = wait_failed(w.rx, 10, why, sizeof why);
   fprintf(stderr, "dead prefill detected in %.2f s (bound %.1f s): %s\n", dt, DETECT_BOUND_S, why);
   assert_true(dt < DETECT_BOUND_S);
   assert_non_null(strstr(why, "prefill rank 0 at "));
@@ -346,7 +346,7 @@ static void stopped_prefill_detected_within_bound(void **state) {
   begin_waiting(&d, &pp, &w, 31, 4, &rng);
   kill(pp.p.pid, SIGSTOP);
   char why[256];
-  double dt = wait_failed(&w, 20, why, sizeof why);
+  double dt = wait_failed(w.rx, 20, why, sizeof why);
   fprintf(stderr, "stopped prefill detected in %.2f s (bound %.1f s): %s\n", dt, DETECT_BOUND_S, why);
   assert_true(dt < DETECT_BOUND_S);
   assert_non_null(strstr(why, "prefill rank 0 at "));
@@ -355,6 +355,47 @@ static void stopped_prefill_detected_within_bound(void **state) {
   proc_stop(&pp.p, 5000);
   decode_stop_side(&d);
   unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+}
+
+/* Defect 6: one decode session floods a prefill rank with transfer requests
+ * whose sender does not exist yet, past its bound. The requests past the
+ * bound fail at once on that decode with the prefill's reason (long before
+ * any timeout), the ones within it keep waiting, and another decode
+ * session's normal decode-before-prefill room still succeeds byte-exact. */
+static void early_request_flood_is_bounded_per_session(void **state) {
+  enum { EXTRA = 8, FIRST = 100000 };
+  prefill_proc pp;
+  peer_prefill_start(&pp, 1, 1);
+  decode_side a, b;
+  decode_start_side(&a, 5, 60);
+  decode_start_side(&b, 5, 60);
+  size_t n = PF_MAX_EARLY_PER_SESSION + EXTRA;
+  kvf_receiver **rx = calloc(n, sizeof *rx);
+  assert_non_null(rx);
+  int64_t page = 0;
+  for (size_t i = 0; i < n; i++) {
+    assert_int_equal(kvf_receiver_create(a.m, pp.addr, FIRST + (int64_t)i, &rx[i]), 0);
+    assert_int_equal(kvf_receiver_init(rx[i], &page, 1, 0, 0, NULL, 0), 0);
+  }
+  uint64_t rng = 24;
+  request r;
+  begin_waiting(&b, &pp, &r, 99, 8, &rng);
+  char why[256];
+  double worst = 0;
+  for (size_t i = PF_MAX_EARLY_PER_SESSION; i < n; i++) {
+    double dt = wait_failed(rx[i], 10, why, sizeof why);
+    worst = dt > worst ? dt : worst;
+    assert_non_null(strstr(why, "refused the transfer request: too many requests from this decode session"));
+  }
+  fprintf(stderr, "refused rooms failed after the flood within %.2f s: %s\n", worst, why);
+  for (size_t i = 0; i < PF_MAX_EARLY_PER_SESSION; i++) assert_int_equal(kvf_receiver_poll(rx[i]), KVF_POLL_BOOTSTRAPPED);
+  prefill_send(&pp, r.room, r.n, r.seed, r.token, 0);
+  finish(&b, &r, 1);
+  for (size_t i = 0; i < n; i++) kvf_receiver_destroy(rx[i]);
+  free(rx);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&a);
+  decode_stop_side(&b);
 }
 
 /* A request the prefill never sends ends Failed at the waiting timeout. */
@@ -445,6 +486,7 @@ int main(void) {
       cmocka_unit_test(dead_prefill_detected_while_bootstrap_lives),
       cmocka_unit_test(silent_bootstrap_condemns_no_live_prefill),
       cmocka_unit_test(stopped_prefill_detected_within_bound),
+      cmocka_unit_test(early_request_flood_is_bounded_per_session),
       cmocka_unit_test(malformed_control_messages_do_no_harm),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
