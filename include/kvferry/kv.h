@@ -69,6 +69,11 @@ typedef struct kvf_manager_config {
   int queue_size;               /* prefill transfer queues/workers; default 4 */
   int http_timeout_ms;          /* bootstrap HTTP calls; default 5000 */
   size_t max_rooms;             /* live-room bound; default 1<<20 */
+  /* Shared secret that authenticates every control message (M1/M2/M3) with an
+   * HMAC frame (docs/WIRE-EXTENSIONS.md); every kvferry peer of the deployment
+   * must use the same one, and tokenspeed peers cannot join while it is set.
+   * NULL = $KVFERRY_CONTROL_TOKEN; "" (or unset) = off. */
+  const char *control_token;
 } kvf_manager_config;
 
 typedef struct kvf_manager kvf_manager;
@@ -84,6 +89,7 @@ typedef struct kvf_manager_stats {
   uint64_t bytes_sent;
   uint64_t heartbeat_failures;  /* decode: failed probes */
   uint64_t node_failures;       /* decode: prefill instances declared dead */
+  uint64_t messages_forged;     /* from a peer the room was not planned with, or a missing/wrong MAC: dropped */
 } kvf_manager_stats;
 
 void kvf_manager_config_init(kvf_manager_config *cfg);

@@ -128,6 +128,7 @@ class kvf_manager_config(ctypes.Structure):
         ("queue_size", ctypes.c_int),
         ("http_timeout_ms", ctypes.c_int),
         ("max_rooms", ctypes.c_size_t),
+        ("control_token", ctypes.c_char_p),
     ]
 
 
@@ -143,6 +144,7 @@ class kvf_manager_stats(ctypes.Structure):
             "bytes_sent",
             "heartbeat_failures",
             "node_failures",
+            "messages_forged",
         )
     ]
 

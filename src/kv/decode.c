@@ -121,9 +121,11 @@ struct kvf_receiver {
    * heartbeat's node-failure predicate reads it while create may set it. */
   _Atomic uint64_t epoch;
   pool_entry *pool; /* NULL when construction failed */
-  /* The pool entry's address as a tag, stored under ds->lock when `pool` is
-   * set: the heartbeat's rank-restart predicate compares it while create may
-   * set it. Never dereferenced; the receiver's reference keeps it unique. */
+  /* The pool entry's address, stored under ds->lock when `pool` is set: the
+   * heartbeat's rank-restart predicate compares it while create may set it,
+   * and the listener reads the planned ranks through it under the room
+   * table's lock (the receiver's reference keeps it alive and unique until
+   * kvf_receiver_destroy has cleared the room). */
   _Atomic uintptr_t pool_tag;
 };
 
@@ -602,6 +604,23 @@ void kvf_receiver_destroy(kvf_receiver *r) {
 
 /* ------------------------------------------------------------ listener */
 
+typedef struct m3_origin {
+  kvf_manager *m;
+  const char *peer;
+} m3_origin;
+
+/* Under the room table's lock: did the M3 come from a rank the room was
+ * planned with? (Issue 13 defect 5: PROTOCOL §8 lets any ZMQ peer end any
+ * room.) A room without a plan yet has sent no M2, so nobody may answer. */
+static int from_planned_rank(void *user, void *arg) {
+  const kvf_receiver *r = user;
+  const m3_origin *o = arg;
+  const pool_entry *p = r ? (const pool_entry *)atomic_load(&r->pool_tag) : NULL;
+  for (int i = 0; p && i < p->ntargets; i++)
+    if (manager_peer_is(o->m, o->peer, p->targets[i].ip)) return 1;
+  return 0;
+}
+
 void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
   wire_m3 m3;
   char why[WIRE_REASON_LEN] = "";
@@ -609,7 +628,12 @@ void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const
     manager_reject(m, peer, "M3", why);
     return;
   }
-  int rc;
+  m3_origin origin = {m, peer};
+  int rc = rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
+  if (rc == 0) {
+    manager_reject_forged(m, peer, "M3", "the sender is not a prefill rank this room was planned with");
+    return;
+  }
   if (m3.status == WIRE_STATUS_SUCCESS) {
     int32_t cands[ROOMS_MAX_CANDS];
     if (m3.candidates.count > ROOMS_MAX_CANDS || m3.prefill_rank >= ROOMS_MAX_RANKS) {

@@ -23,7 +23,7 @@
 
 typedef struct manager_counters {
   atomic_ullong messages_received, messages_malformed, messages_unknown_room;
-  atomic_ullong chunks_sent, bytes_sent, heartbeat_failures, node_failures;
+  atomic_ullong chunks_sent, bytes_sent, heartbeat_failures, node_failures, messages_forged;
 } manager_counters;
 
 /* Buffers as copied from kvf_kv_buffers, with the layer mapping resolved. */
@@ -56,6 +56,13 @@ struct kvf_manager {
   int listener_started;
   atomic_int stopping;
 
+  /* Control-plane authentication (issue 13 defect 5): the HMAC key, 0 bytes
+   * = off; whether a message's sender IP must match what it claims or what
+   * the room was planned with ($KVFERRY_CHECK_PEER_IP, default 1). */
+  unsigned char ctl_key[257]; /* NUL-terminated: cfg.control_token points here */
+  size_t ctl_keylen;
+  int check_peer_ip;
+
   pthread_mutex_t push_lock; /* guards `pushes` (the map, not the sockets) */
   smap pushes;               /* "host:port" -> manager_push */
 
@@ -85,5 +92,12 @@ void manager_push_forget(kvf_manager *m, const char *host, uint16_t port);
 
 /* Log a malformed message once per (peer host, kind) and count it. */
 void manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason);
+/* The same for a message that is well formed but not from whom it should be
+ * (counted in messages_forged). */
+void manager_reject_forged(kvf_manager *m, const char *peer, const char *kind, const char *reason);
+/* 1 when `peer` (libzmq's Peer-Address of a message) is the address `ip`
+ * (an IPv4/IPv6 literal; IPv4-mapped IPv6 counts as IPv4), or when the check
+ * is off or `ip` is a host name (not checkable without DNS); 0 otherwise. */
+int manager_peer_is(const kvf_manager *m, const char *peer, const char *ip);
 
 #endif

@@ -367,6 +367,12 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     manager_reject(m, peer, "M1", why);
     return;
   }
+  /* Issue 13 defect 5: a registration names where the decode's memory and
+   * status socket are; only that host may make it. */
+  if (!manager_peer_is(m, peer, d.endpoint)) {
+    manager_reject_forged(m, peer, "M1", "the sender is not the decode host the registration names");
+    return;
+  }
   if (wire_m1_dup(&d, &copy)) {
     manager_reject(m, peer, "M1", "out of memory");
     return;
@@ -399,6 +405,11 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   char why[ROOMS_REASON_MAX];
   if (wire_m2_decode(frames, n, &d, why)) {
     manager_reject(m, peer, "M2", why);
+    return;
+  }
+  if (!manager_peer_is(m, peer, d.endpoint)) {
+    wire_m2_free(&d);
+    manager_reject_forged(m, peer, "M2", "the sender is not the decode host the request names");
     return;
   }
   pf_info *info = calloc(1, sizeof *info);
