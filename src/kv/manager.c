@@ -27,8 +27,8 @@
 #define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
 #define MANAGER_MAX_PUSHES 4096
 #define MANAGER_MAC_LABEL "kvferry-control-mac-v1"
-#define MANAGER_MAC_LEN (8 + crypto_auth_hmacsha256_BYTES)
 #define MANAGER_MAC_WINDOW_S 300 /* clock skew and delivery delay accepted, seconds */
+_Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
 #define MANAGER_MAX_RECV_FRAMES (WIRE_MAX_FRAMES + 1) /* the largest message and its MAC */
 
 typedef struct manager_push {
@@ -226,7 +226,7 @@ static void mac_compute(const kvf_manager *m, const unsigned char clock[8], cons
   sodium_memzero(&st, sizeof st);
 }
 
-static void mac_frame(const kvf_manager *m, const wire_frame *f, size_t n, unsigned char out[MANAGER_MAC_LEN]) {
+void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsigned char out[MANAGER_MAC_LEN]) {
   uint64_t ms = (uint64_t)(clock_wall_s() * 1000);
   for (int i = 0; i < 8; i++) out[i] = (unsigned char)(ms >> (56 - 8 * i));
   mac_compute(m, out, f, n, out + 8);
@@ -284,7 +284,7 @@ int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wir
   }
   unsigned char mac[MANAGER_MAC_LEN];
   size_t nsend = msg->nframes + (m->ctl_keylen ? 1 : 0);
-  if (m->ctl_keylen) mac_frame(m, msg->frames, msg->nframes, mac);
+  if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
   pthread_mutex_lock(&p->lock);
   pthread_mutex_unlock(&m->push_lock);
   for (size_t i = 0; i < nsend && !rc; i++) {

@@ -100,4 +100,9 @@ void manager_reject_forged(kvf_manager *m, const char *peer, const char *kind, c
  * is off or `ip` is a host name (not checkable without DNS); 0 otherwise. */
 int manager_peer_is(const kvf_manager *m, const char *peer, const char *ip);
 
+/* The MAC frame (see manager.c) of frames f[0..n) under m's control token:
+ * MANAGER_MAC_LEN bytes into out. Any thread. */
+#define MANAGER_MAC_LEN 40 /* 8 bytes of clock + HMAC-SHA256 */
+void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsigned char out[MANAGER_MAC_LEN]);
+
 #endif

@@ -398,6 +398,28 @@ static void early_request_flood_is_bounded_per_session(void **state) {
   decode_stop_side(&b);
 }
 
+/* Defect 5: kvferry peers that share KVFERRY_CONTROL_TOKEN (the prefill
+ * process inherits it) authenticate every control message and still move
+ * the KV byte-exact; nothing is counted as forged on either side. */
+static void control_token_between_kvferry_peers(void **state) {
+  setenv("KVFERRY_CONTROL_TOKEN", "e2e-shared-control-secret", 1);
+  prefill_proc pp;
+  peer_prefill_start(&pp, 2, 2);
+  decode_side d;
+  decode_start_side(&d, 5, 60);
+  unsetenv("KVFERRY_CONTROL_TOKEN");
+  uint64_t rng = 25;
+  request r[8];
+  for (int i = 0; i < 8; i++) begin(&d, &pp, &r[i], 4000 + i, 1 + (size_t)i * 5, &rng, 3);
+  for (int i = 0; i < 8; i++) finish(&d, &r[i], 1);
+  kvf_manager_stats st;
+  kvf_manager_get_stats(d.m, &st);
+  assert_int_equal(st.messages_forged, 0);
+  assert_int_equal(st.messages_malformed, 0);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&d);
+}
+
 /* A request the prefill never sends ends Failed at the waiting timeout. */
 static void waiting_timeout_fires(void **state) {
   prefill_proc pp;
@@ -487,6 +509,7 @@ int main(void) {
       cmocka_unit_test(silent_bootstrap_condemns_no_live_prefill),
       cmocka_unit_test(stopped_prefill_detected_within_bound),
       cmocka_unit_test(early_request_flood_is_bounded_per_session),
+      cmocka_unit_test(control_token_between_kvferry_peers),
       cmocka_unit_test(malformed_control_messages_do_no_harm),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
