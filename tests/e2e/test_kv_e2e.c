@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -55,12 +56,44 @@ static void peer_prefill_start_at(prefill_proc *pp, int world, int dp, const cha
 
 static void peer_prefill_start(prefill_proc *pp, int world, int dp) { peer_prefill_start_at(pp, world, dp, NULL); }
 
+/* Children that would outlive a failed test: `kvferry bootstrap` stops only
+ * on a signal, and a SIGSTOPped kv-peer never reads its stdin's EOF. The
+ * teardown kills whatever is still listed. */
+#define MAX_STRAYS 4
+static pid_t g_strays[MAX_STRAYS];
+
+static void stray_add(pid_t pid) {
+  for (int i = 0; i < MAX_STRAYS; i++)
+    if (!g_strays[i]) {
+      g_strays[i] = pid;
+      return;
+    }
+  fail_msg("more than %d children to watch", MAX_STRAYS);
+}
+
+static void stray_del(pid_t pid) {
+  for (int i = 0; i < MAX_STRAYS; i++)
+    if (g_strays[i] == pid) g_strays[i] = 0;
+}
+
+static int kill_strays(void **state) {
+  (void)state;
+  for (int i = 0; i < MAX_STRAYS; i++)
+    if (g_strays[i]) {
+      kill(g_strays[i], SIGKILL);
+      waitpid(g_strays[i], NULL, 0);
+      g_strays[i] = 0;
+    }
+  return 0;
+}
+
 /* `kvferry bootstrap` in its own process, as deployments run it. */
 static void bootstrap_proc_start(prefill_proc *bp) {
   const char *exe = getenv("KVFERRY_CLI");
   assert_non_null(exe);
   char *argv[] = {(char *)exe, "bootstrap", "--host", "127.0.0.1", "--port", "0", NULL};
   assert_int_equal(proc_start(&bp->p, argv), 0);
+  stray_add(bp->p.pid);
   char line[400];
   assert_int_equal(proc_read_line(&bp->p, line, sizeof line, 20000), 0);
   assert_int_equal(sscanf(line, "kvferry bootstrap listening on %299s", bp->addr), 1);
@@ -70,6 +103,7 @@ static void bootstrap_proc_stop(prefill_proc *bp) {
   kill(bp->p.pid, SIGCONT);
   kill(bp->p.pid, SIGTERM);
   proc_stop(&bp->p, 5000);
+  stray_del(bp->p.pid);
 }
 
 static void prefill_send(prefill_proc *pp, int64_t room, size_t npages, uint64_t seed, int64_t token, int chunk) {
@@ -344,6 +378,7 @@ static void stopped_prefill_detected_within_bound(void **state) {
   begin(&d, &pp, &ok, 30, 8, &rng, 0);
   finish(&d, &ok, 1);
   begin_waiting(&d, &pp, &w, 31, 4, &rng);
+  stray_add(pp.p.pid);
   kill(pp.p.pid, SIGSTOP);
   char why[256];
   double dt = wait_failed(w.rx, 20, why, sizeof why);
@@ -353,6 +388,7 @@ static void stopped_prefill_detected_within_bound(void **state) {
   finish(&d, &w, 0);
   kill(pp.p.pid, SIGCONT);
   proc_stop(&pp.p, 5000);
+  stray_del(pp.p.pid);
   decode_stop_side(&d);
   unsetenv("KVFERRY_HEARTBEAT_MIN_S");
 }
@@ -505,9 +541,9 @@ int main(void) {
       cmocka_unit_test(two_hundred_requests_byte_exact_dp2),
       cmocka_unit_test(killed_prefill_fails_its_rooms_other_keeps_serving),
       cmocka_unit_test(waiting_timeout_fires),
-      cmocka_unit_test(dead_prefill_detected_while_bootstrap_lives),
-      cmocka_unit_test(silent_bootstrap_condemns_no_live_prefill),
-      cmocka_unit_test(stopped_prefill_detected_within_bound),
+      cmocka_unit_test_teardown(dead_prefill_detected_while_bootstrap_lives, kill_strays),
+      cmocka_unit_test_teardown(silent_bootstrap_condemns_no_live_prefill, kill_strays),
+      cmocka_unit_test_teardown(stopped_prefill_detected_within_bound, kill_strays),
       cmocka_unit_test(early_request_flood_is_bounded_per_session),
       cmocka_unit_test(control_token_between_kvferry_peers),
       cmocka_unit_test(malformed_control_messages_do_no_harm),
