@@ -202,9 +202,18 @@ static int ip_bytes(const char *s, unsigned char out[16]) {
 }
 
 int manager_peer_is(const kvf_manager *m, const char *peer, const char *ip) {
+  static const unsigned char any6[16], any4[16] = {[10] = 0xff, [11] = 0xff};
   unsigned char a[16], b[16];
-  if (!m->check_peer_ip) return 1;
-  if (!ip || ip_bytes(ip, b)) return 1; /* a host name: not checkable here */
+  char head[64];
+  if (!m->check_peer_ip || !ip) return 1;
+  /* "ip:x" names the host before the first ':' (PROTOCOL §3: where M3 goes) */
+  const char *colon = strchr(ip, ':');
+  if (ip_bytes(ip, b) && colon && !strchr(colon + 1, ':') && (size_t)(colon - ip) < sizeof head) {
+    snprintf(head, sizeof head, "%.*s", (int)(colon - ip), ip);
+    ip = head;
+  }
+  /* A host name, or the unspecified address: not checkable here. */
+  if (ip_bytes(ip, b) || !memcmp(b, any6, 16) || !memcmp(b, any4, 16)) return 1;
   return peer && !ip_bytes(peer, a) && !memcmp(a, b, sizeof a);
 }
 

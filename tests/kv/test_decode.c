@@ -524,6 +524,25 @@ static void forged_m3_from_third_party(void **state) {
   teardown(f);
 }
 
+/* The address rule behind the checks: literals compare as addresses
+ * (IPv4-mapped IPv6 as IPv4), "ip:x" names ip, and host names and the
+ * unspecified address cannot be checked so they pass. */
+static void peer_address_rule(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  assert_true(manager_peer_is(f->m, "127.0.0.1", "127.0.0.1"));
+  assert_true(manager_peer_is(f->m, "::ffff:10.0.0.2", "10.0.0.2"));
+  assert_true(manager_peer_is(f->m, "10.0.0.2", "10.0.0.2:7000"));
+  assert_true(manager_peer_is(f->m, "fe80::1", "FE80:0::1"));
+  assert_true(manager_peer_is(f->m, "10.0.0.9", "prefill-0.local"));
+  assert_true(manager_peer_is(f->m, "10.0.0.9", "0.0.0.0"));
+  assert_false(manager_peer_is(f->m, "127.0.0.2", "127.0.0.1"));
+  assert_false(manager_peer_is(f->m, "?", "127.0.0.1"));
+  assert_false(manager_peer_is(f->m, "::1", "127.0.0.1"));
+  assert_false(manager_peer_is(f->m, NULL, "10.0.0.2"));
+  teardown(f);
+}
+
 /* Send an encoded M3 plus `mac` (NULL = none) as its last frame. */
 static void send_m3_mac(fixture *f, int64_t room, const unsigned char *mac) {
   wire_m3 m3 = {.room = room, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = 9};
@@ -862,6 +881,7 @@ int main(void) {
       cmocka_unit_test(heartbeat_node_failure),
       cmocka_unit_test(heartbeat_bootstrap_down_ranks_alive),
       cmocka_unit_test(forged_m3_from_third_party),
+      cmocka_unit_test(peer_address_rule),
       cmocka_unit_test(control_token_mac),
       cmocka_unit_test(heartbeat_rank_restart),
       cmocka_unit_test(mla_dummy_target),
