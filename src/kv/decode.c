@@ -24,9 +24,15 @@
  * - node failure drops cache entries of exactly that address (not by string
  *   prefix), resets the failure count, and forgets the PUSH sockets of its
  *   ranks, so a restarted prefill gets fresh M1s (§8.10);
+ * - the heartbeat probes the cached target ranks themselves (their ZMQ
+ *   sockets, kv/probe.c), so a dead or stopped prefill is found whether or
+ *   not its bootstrap server lives, and a silent bootstrap server alone does
+ *   not condemn live ranks (issue 13 defects 1, 2; rule at probe_addr);
  * - after each good /health probe the heartbeat looks the cached target ranks
  *   up again: a rank re-registered at another (ip, port) restarted, so its
  *   pool entries are dropped and the rooms sent through them fail (§8.10);
+ * - an M3 counts only when it comes from the address of a rank the room was
+ *   planned with (§8 lets any ZMQ peer end any room; issue 13 defect 5);
  * - HTTP calls never run under the cache lock; scheduler threads use a
  *   short-lived client on cache misses, the heartbeat its own clients.
  *

@@ -74,7 +74,9 @@ struct kvf_manager {
  * common parts are up (the listener is not started yet); stop before they
  * are torn down, after the listener has been joined. on_message runs on the
  * listener thread with frames valid only during the call; `peer` is the
- * sender's address as libzmq reports it (for logs). */
+ * sender's address as libzmq reports it ("?" if unknown), for logs and for
+ * the sender checks (manager_peer_is). With a control token the frames are
+ * already authenticated and exclude the MAC frame. */
 int decode_start(kvf_manager *m);
 void decode_stop(kvf_manager *m);
 void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
