@@ -64,7 +64,11 @@ static int step(probe_sock *s, short revents, int *res) {
       *res = err == ECONNREFUSED ? KVF_ECLOSED : KVF_EIO;
       return 1;
     }
-    if (!(revents & POLLOUT)) return 0;
+    if (!(revents & POLLOUT)) {
+      if (!(revents & (POLLHUP | POLLERR))) return 0;
+      *res = KVF_ECLOSED; /* hung up without an error: do not poll it again */
+      return 1;
+    }
     s->connected = 1;
     return 0;
   }
