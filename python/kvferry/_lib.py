@@ -83,6 +83,7 @@ class kvf_manager_stats(ctypes.Structure):
             "bytes_sent",
             "heartbeat_failures",
             "node_failures",
+            "messages_forged",
         )
     ]
 
