@@ -118,6 +118,13 @@ typedef struct kvf_manager_config {
    * must use the same one, and tokenspeed peers cannot join while it is set.
    * NULL = $KVFERRY_CONTROL_TOKEN; "" (or unset) = off. */
   const char *control_token;
+  /* Prefill, hybrid models: the KV layer index (< n_layers) of each state
+   * buffer, kvf_kv_buffers.n_state entries, read only during
+   * kvf_manager_create; NULL (default) = none. A layerwise chunk
+   * (KVF_SEND_LAYERS) that carries state slots writes the state buffers of
+   * its layer range [layer_begin, layer_end), so state goes with its layer
+   * group; without ids it writes every state buffer. */
+  const uint32_t *state_layer_ids;
 } kvf_manager_config;
 
 typedef struct kvf_manager kvf_manager;
@@ -144,7 +151,8 @@ KVF_API void kvf_manager_config_init(kvf_manager_config *cfg);
  * are set directly or with kvf_manager_config_set_ptr. 0, KVF_ENOTFOUND,
  * KVF_EINVAL. Any thread, on a cfg no other thread uses. */
 KVF_API int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value);
-/* Set the pointer field `name` ("engine" or "engine_cfg"), for bindings.
+/* Set the pointer field `name` ("engine", "engine_cfg" or
+ * "state_layer_ids"), for bindings.
  * 0, KVF_ENOTFOUND, KVF_EINVAL. Any thread, on a cfg no other thread uses. */
 KVF_API int kvf_manager_config_set_ptr(kvf_manager_config *cfg, const char *name, void *value);
 
@@ -263,7 +271,8 @@ typedef struct kvf_send_params {
   int64_t bootstrap_token;    /* last chunk: the first token, -1 none */
   const int32_t *cands;       /* last chunk: speculative ids, at most KVF_MAX_CANDIDATES */
   size_t ncand;
-  const int64_t *state_slots; /* last chunk: state slots */
+  const int64_t *state_slots; /* last chunk, or (KVF_SEND_LAYERS) the chunk of the state's layer group:
+                                 state slots (see kvf_manager_config.state_layer_ids) */
   size_t nstate;
 } kvf_send_params;
 

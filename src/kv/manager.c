@@ -91,6 +91,7 @@ int kvf_manager_config_set_ptr(kvf_manager_config *cfg, const char *name, void *
   if (!cfg || !name || cfg->size != sizeof *cfg) return KVF_EINVAL;
   if (!strcmp(name, "engine")) cfg->engine = value;
   else if (!strcmp(name, "engine_cfg")) cfg->engine_cfg = value;
+  else if (!strcmp(name, "state_layer_ids")) cfg->state_layer_ids = value;
   else return KVF_ENOTFOUND;
   return 0;
 }
@@ -141,6 +142,7 @@ static void free_buffers(manager_buffers *b) {
   free(b->kv_ptrs), free(b->kv_lens), free(b->kv_item_lens), free(b->kv_unit_lens);
   free(b->layer_buf_start), free(b->layer_bufs);
   free(b->state_ptrs), free(b->state_lens), free(b->state_item_lens), free(b->state_unit_lens);
+  free(b->state_layer);
   memset(b, 0, sizeof *b);
 }
 
@@ -537,6 +539,16 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   m->tp_rank = c->engine_rank % m->tp_size;
   m->dp_rank = c->engine_rank / m->tp_size;
   if ((rc = copy_buffers(&m->bufs, bufs))) goto err_free;
+  if (c->state_layer_ids && m->bufs.n_state) { /* validated and copied; the caller's is read only here */
+    if (!(m->bufs.state_layer = malloc(m->bufs.n_state * sizeof *m->bufs.state_layer))) rc = KVF_ENOMEM;
+    for (size_t i = 0; !rc && i < m->bufs.n_state; i++)
+      if ((m->bufs.state_layer[i] = c->state_layer_ids[i]) >= m->bufs.n_layers) rc = KVF_EINVAL;
+    if (rc) {
+      LOG_ERROR("kv", "state_layer_ids: %s", rc == KVF_EINVAL ? "a layer index past the KV layers" : "no memory");
+      goto err_bufs;
+    }
+  }
+  c->state_layer_ids = NULL;
   if ((rc = rooms_table_new(c->max_rooms, &m->rooms))) goto err_bufs;
 
   if (c->engine) {

@@ -35,6 +35,7 @@ typedef struct manager_buffers {
   uint32_t *layer_bufs;
   size_t n_state;
   uint64_t *state_ptrs, *state_lens, *state_item_lens, *state_unit_lens;
+  uint32_t *state_layer; /* n_state KV layer indices (config state_layer_ids), or NULL */
 } manager_buffers;
 
 struct kvf_manager {

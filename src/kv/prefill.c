@@ -54,7 +54,10 @@
  * once its KV is written, so no worker ever waits on the device (§8 item 2).
  * A room's chunks run in order on one worker, so when the is_last chunk
  * completes, every earlier layer group has landed; Success and the M3 come
- * only then. State buffers go with the last chunk.
+ * only then. State buffers go with the chunk that carries state slots: the
+ * last chunk, or a layerwise chunk, which then writes the state buffers of
+ * its layer range when the manager has state_layer_ids (every state buffer
+ * without), so a layer group's recurrent state leaves with its KV (§6.10).
  *
  * Deviations from the reference, on purpose: an M2 from an unregistered
  * session is rejected at the listener (§8 item 3); a decode whose KV pointer
@@ -248,6 +251,9 @@ typedef struct prefill_state {
   /* plan layouts, converted once from the manager's buffers */
   size_t *kv_start, *kv_bufs, *st_start, *st_bufs;
   plan_layout kv_lay, st_lay;
+  /* with state_layer_ids: state buffers grouped by KV layer (nlayers 0 without) */
+  size_t *stl_start, *stl_bufs;
+  plan_layout stl_lay;
 } prefill_state;
 
 /* ------------------------------------------------------------- helpers */
@@ -717,7 +723,8 @@ static int plan_pairs(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, int s
                       size_t whycap) {
   kvf_manager *m = ps->m;
   const manager_buffers *b = &m->bufs;
-  const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
+  /* state 2: state buffers of KV layers [l0, l1) (state_layer_ids) */
+  const plan_layout *lay = state == 2 ? &ps->stl_lay : state ? &ps->st_lay : &ps->kv_lay;
   plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens, state ? b->n_state : b->n_kv};
   plan_mem dm = {dst_ptrs, NULL, sm.nbufs};
   const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
@@ -736,7 +743,7 @@ static int plan_pairs(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, int s
       rc = KVF_ERANGE;
       goto out;
     }
-  if (state) l0 = 0, l1 = lay->nlayers;
+  if (state == 1) l0 = 0, l1 = lay->nlayers;
   cap = frag_mode ? plan_frag_count(lay, l0, l1, frags, nfrags, state, runs, nruns)
                   : plan_plain_count(lay, l0, l1, nruns);
   if (!cap) goto out;
@@ -841,8 +848,10 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
     /* §8 item 11: with a fragment plan, state goes through it too; a rank
      * whose plan has no state fragment writes no state (the reference
      * would send whole slots of its own, possibly larger, item size). */
-    if (np && plan_pairs(ps, sc, x, 1, 0, 0, sc->src, sc->dst, np, sc->sptr, frags, x->nfrags, x->nfrags > 0, 1,
-                         why, whycap))
+    /* A layerwise chunk with state_layer_ids: the state of its layer group. */
+    int by_layer = c->explicit_idx && ps->stl_lay.nlayers;
+    if (np && plan_pairs(ps, sc, x, by_layer ? 2 : 1, c->layer_begin, c->layer_end, sc->src, sc->dst, np, sc->sptr,
+                         frags, x->nfrags, x->nfrags > 0, 1, why, whycap))
       return ret;
   }
   return DEST_OK;
@@ -1188,6 +1197,17 @@ static int build_layouts(prefill_state *ps) {
   ps->st_start[1] = b->n_state;
   for (size_t k = 0; k < b->n_state; k++) ps->st_bufs[k] = k;
   ps->st_lay = (plan_layout){1, ps->st_start, ps->st_bufs};
+  if (!b->state_layer) return 0;
+  /* State buffers by layer (a counting sort), for layerwise chunks. */
+  ps->stl_start = calloc(b->n_layers + 1, sizeof(size_t));
+  ps->stl_bufs = malloc((b->n_state ? b->n_state : 1) * sizeof(size_t));
+  if (!ps->stl_start || !ps->stl_bufs) return KVF_ENOMEM;
+  for (size_t k = 0; k < b->n_state; k++) ps->stl_start[b->state_layer[k] + 1]++;
+  for (size_t l = 0; l < b->n_layers; l++) ps->stl_start[l + 1] += ps->stl_start[l];
+  for (size_t l = 0, k = 0; l < b->n_layers; l++)
+    for (size_t j = 0; j < b->n_state; j++)
+      if (b->state_layer[j] == l) ps->stl_bufs[k++] = j;
+  ps->stl_lay = (plan_layout){b->n_layers, ps->stl_start, ps->stl_bufs};
   return 0;
 }
 
@@ -1228,6 +1248,7 @@ static void free_state(prefill_state *ps) {
   }
   map_free(&ps->rooms);
   free(ps->kv_start), free(ps->kv_bufs), free(ps->st_start), free(ps->st_bufs);
+  free(ps->stl_start), free(ps->stl_bufs);
   free(ps->layer_bytes), free(ps->direct_pool);
   scratch_free(&ps->direct_sc);
   pthread_cond_destroy(&ps->direct_cv);
@@ -1396,8 +1417,8 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
   if (!c) return KVF_ENOMEM;
   c->pages = malloc((npages ? npages : 1) * sizeof *c->pages);
   c->cands = is_last && ncand ? malloc(ncand * sizeof *c->cands) : NULL;
-  c->state_slots = is_last && nstate ? malloc(nstate * sizeof *c->state_slots) : NULL;
-  if (!c->pages || (is_last && ncand && !c->cands) || (is_last && nstate && !c->state_slots)) {
+  c->state_slots = nstate ? malloc(nstate * sizeof *c->state_slots) : NULL;
+  if (!c->pages || (is_last && ncand && !c->cands) || (nstate && !c->state_slots)) {
     chunk_free(c);
     return KVF_ENOMEM;
   }
@@ -1477,10 +1498,11 @@ int kvf_sender_send(kvf_sender *s, const kvf_send_params *in) {
   if (p.flags & KVF_SEND_TOKEN_LATER) token = PF_TOKEN_LATER, p.ncand = 0;
   if (!layers)
     return sender_submit(s, p.pages, p.npages, s->curr, 0, 0, s->m->bufs.n_layers, is_last, p.aux_index, token,
-                         p.cands, p.ncand, p.state_slots, p.nstate);
+                         p.cands, p.ncand, p.state_slots, is_last ? p.nstate : 0);
   /* §6.2: send_layerwise skips an empty non-last chunk (no pages or no
-   * layers: nothing to write, and it completes nothing). */
-  if (!is_last && (!p.npages || p.layer_begin == p.layer_end)) {
+   * layers: nothing to write, and it completes nothing), unless it carries
+   * the state of its layer group. */
+  if (!is_last && (!p.npages || p.layer_begin == p.layer_end) && !p.nstate) {
     if (s->curr < (int64_t)(p.index_begin + p.npages)) s->curr = (int64_t)(p.index_begin + p.npages);
     return 0;
   }

@@ -6,7 +6,8 @@
  * malformed and unregistered messages, an engine-refused write, PUT /route
  * to a real bootstrap server, many senders created and destroyed, and
  * layerwise sends (two MHA layers, per-layer bytes and one M3), and the
- * first token published after the KV landed (KVF_SEND_TOKEN_LATER). Every
+ * first token published after the KV landed (KVF_SEND_TOKEN_LATER), and
+ * layerwise sends whose state buffers go with their layer group. Every
  * wait is bounded in time. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -32,6 +33,9 @@
 #define NKV g_nkv /* KV buffers of this test: 2 (one layer) unless a test sets 4 */
 #define NPAGES 32
 #define ITEM 64
+#define NSTATE_MAX 2    /* state buffers: one per layer of a 2-layer hybrid model */
+#define STATE_SLOTS 4
+#define STATE_ITEM 48
 
 typedef struct fixture {
   uint8_t *pbuf[NKV_MAX]; /* prefill buffers */
@@ -39,6 +43,7 @@ typedef struct fixture {
   /* fake decode */
   kvf_engine *eng;
   uint8_t *dbuf[NKV_MAX];
+  uint8_t *pstate[NSTATE_MAX], *dstate[NSTATE_MAX]; /* g_nstate state buffers on each side */
   void *zctx, *pull, *push;
   uint16_t pull_port;
   char session[64];
@@ -46,6 +51,7 @@ typedef struct fixture {
 
 static int g_page_size = 1; /* the prefill manager's tokens per page */
 static int g_nkv = 2;       /* KV buffers (MHA: 2 per layer) */
+static int g_nstate = 0;    /* state buffers; state buffer j belongs to KV layer j */
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
@@ -64,8 +70,22 @@ static void fx_manager(fixture *f, const char *bootstrap_addr) {
     items[b] = ITEM;
   }
   kvf_kv_buffers bufs = {.n_kv = (size_t)NKV, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  void *sptrs[NSTATE_MAX];
+  uint64_t slens[NSTATE_MAX], sitems[NSTATE_MAX];
+  static const uint32_t slayers[NSTATE_MAX] = {0, 1};
+  for (int j = 0; j < g_nstate; j++) {
+    f->pstate[j] = malloc(STATE_SLOTS * STATE_ITEM);
+    assert_non_null(f->pstate[j]);
+    for (size_t i = 0; i < STATE_SLOTS * STATE_ITEM; i++) f->pstate[j][i] = (uint8_t)(j * 37 + i * 3 + 1);
+    sptrs[j] = f->pstate[j];
+    slens[j] = STATE_SLOTS * STATE_ITEM;
+    sitems[j] = STATE_ITEM;
+  }
+  bufs.n_state = (size_t)g_nstate;
+  bufs.state_ptrs = sptrs, bufs.state_lens = slens, bufs.state_item_lens = sitems;
   kvf_manager_config cfg;
   kvf_manager_config_init(&cfg);
+  if (g_nstate) assert_int_equal(kvf_manager_config_set_ptr(&cfg, "state_layer_ids", (void *)slayers), 0);
   cfg.role = KVF_ROLE_PREFILL;
   cfg.bootstrap_addr = bootstrap_addr;
   cfg.queue_size = 2;
@@ -87,6 +107,11 @@ static void fx_decode(fixture *f) {
     f->dbuf[b] = calloc(NPAGES, ITEM);
     assert_non_null(f->dbuf[b]);
     assert_int_equal(kvf_engine_register(f->eng, f->dbuf[b], NPAGES * ITEM), 0);
+  }
+  for (int j = 0; j < g_nstate; j++) {
+    f->dstate[j] = calloc(STATE_SLOTS, STATE_ITEM);
+    assert_non_null(f->dstate[j]);
+    assert_int_equal(kvf_engine_register(f->eng, f->dstate[j], STATE_SLOTS * STATE_ITEM), 0);
   }
   kvf_engine_sync(f->eng);
   f->zctx = zmq_ctx_new();
@@ -117,6 +142,7 @@ static void fx_teardown(fixture *f) {
   zmq_ctx_term(f->zctx);
   kvf_engine_destroy(f->eng);
   for (int b = 0; b < NKV; b++) free(f->pbuf[b]), free(f->dbuf[b]);
+  for (int j = 0; j < g_nstate; j++) free(f->pstate[j]), free(f->dstate[j]);
 }
 
 static void send_frames(fixture *f, const wire_frame *fr, size_t n) {
@@ -158,6 +184,9 @@ static void send_m1(fixture *f) {
   m1.dst_port = f->pull_port;
   snprintf(m1.session, sizeof m1.session, "%s", f->session);
   m1.kv_ptrs = wire_array_of(ptrs, (size_t)NKV);
+  uint64_t sptrs[NSTATE_MAX];
+  for (int j = 0; j < g_nstate; j++) sptrs[j] = (uint64_t)(uintptr_t)f->dstate[j];
+  m1.state_ptrs = wire_array_of(sptrs, (size_t)g_nstate);
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   assert_int_equal(wire_m1_encode(&m1, &msg, why), 0);
@@ -165,7 +194,8 @@ static void send_m1(fixture *f) {
   wire_msg_free(&msg);
 }
 
-static void send_m2_prefix(fixture *f, int64_t room, const int64_t *dst, size_t n, int64_t prefix) {
+static void send_m2_full(fixture *f, int64_t room, const int64_t *dst, size_t n, int64_t prefix,
+                         const int64_t *mamba, size_t nmamba) {
   wire_m2 m2;
   memset(&m2, 0, sizeof m2);
   m2.room = room;
@@ -176,11 +206,16 @@ static void send_m2_prefix(fixture *f, int64_t room, const int64_t *dst, size_t 
   m2.kv_indices = wire_array_of(dst, n);
   m2.dst_aux_index = 0;
   m2.decode_prefix_len = prefix;
+  m2.mamba_indices = wire_array_of(mamba, nmamba);
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   assert_int_equal(wire_m2_encode(&m2, &msg, why), 0);
   send_msg(f, &msg);
   wire_msg_free(&msg);
+}
+
+static void send_m2_prefix(fixture *f, int64_t room, const int64_t *dst, size_t n, int64_t prefix) {
+  send_m2_full(f, room, dst, n, prefix, NULL, 0);
 }
 
 static void send_m2(fixture *f, int64_t room, const int64_t *dst, size_t n) { send_m2_prefix(f, room, dst, n, 0); }
@@ -792,6 +827,51 @@ static void layerwise_appendix_a(void **state) {
  * slice [1,4), C -> [6,7) slice [4,5); each sent layer by layer, the last
  * layer of C with is_last. index_begin is already after the prefix: no
  * page is skipped again, and the prefix pages go nowhere. */
+/* A hybrid model, 2 KV layers and one state buffer per layer: a layerwise
+ * chunk that carries the state slot writes its layer group's state with its
+ * KV, byte for byte, and leaves the other group's state alone until that
+ * group's chunk (the last) goes. */
+static void layerwise_state_with_layer_group(void **state) {
+  (void)state;
+  g_nkv = 4;
+  g_nstate = 2;
+  fixture f;
+  fx_setup(&f, "");
+  int64_t room = 88;
+  kvf_sender *s = new_sender(&f, room);
+  int64_t src[] = {3, 4, 9}, dst[] = {10, 11, 12}, pslot[] = {2}, dslot[] = {1};
+  send_m1(&f);
+  send_m2_full(&f, room, dst, 3, 0, dslot, 1);
+  wait_received(&f, 2);
+  uint8_t zero[STATE_ITEM] = {0};
+
+  assert_int_equal(send_layers(s, src, 3, 0, 0, 1, 0, -1, -1, NULL, 0, pslot, 1), 0);
+  wait_chunks(&f, 1);
+  check_layer(&f, 0, src, dst, 3);
+  check_layer_zero(&f, 1, dst, 3);
+  assert_memory_equal(f.dstate[0] + dslot[0] * STATE_ITEM, f.pstate[0] + pslot[0] * STATE_ITEM, STATE_ITEM);
+  assert_memory_equal(f.dstate[1] + dslot[0] * STATE_ITEM, zero, STATE_ITEM); /* layer 1's: not yet */
+  expect_no_m3(&f, 50);
+
+  assert_int_equal(send_layers(s, src, 3, 0, 1, 2, 1, 0, 5, NULL, 0, pslot, 1), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, room, 5, NULL, 0);
+  check_layer(&f, 1, src, dst, 3);
+  kvf_engine_sync(f.eng);
+  for (int j = 0; j < 2; j++)
+    assert_memory_equal(f.dstate[j] + dslot[0] * STATE_ITEM, f.pstate[j] + pslot[0] * STATE_ITEM, STATE_ITEM);
+  for (int j = 0; j < 2; j++) /* the other slots stay untouched */
+    for (int k = 0; k < STATE_SLOTS; k++)
+      if (k != dslot[0]) assert_memory_equal(f.dstate[j] + k * STATE_ITEM, zero, STATE_ITEM);
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.bytes_sent, 3 * ITEM * 4 + 2 * STATE_ITEM);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+  g_nkv = 2;
+  g_nstate = 0;
+}
+
 static void layerwise_windows(void **state) {
   (void)state;
   g_nkv = 4;
@@ -1047,6 +1127,7 @@ int main(void) {
       cmocka_unit_test(layerwise_windows),
       cmocka_unit_test(layerwise_empty_chunks),
       cmocka_unit_test(registers_with_bootstrap),
+      cmocka_unit_test(layerwise_state_with_layer_group),
       cmocka_unit_test(token_after_landing),
       cmocka_unit_test(token_before_landing),
       cmocka_unit_test(token_never_published),
