@@ -16,7 +16,14 @@
  *                         decode's M2 to its Success) against the time a
  *                         plain TCP stream measured in the same run needs
  *                         for the same bytes; memcpy for context
- *   kvferry bench         all three
+ *   kvferry bench layerwise  one llama-3.1-8b request whose prefill "computes"
+ *                         each layer (busy work, --layer-ms) and sends each
+ *                         layer's KV when computed, against the same request
+ *                         sent whole after the last layer: compute time,
+ *                         transfer time alone, time to Success for both, and
+ *                         hidden_fraction (the share of the transfer that
+ *                         finished inside the compute window)
+ *   kvferry bench         engine, rooms and e2e
  * --json prints one JSON object per benchmark (engine and rooms: a `cases`
  * array with, per case, name and the case's figures: gbps, baseline_gbps,
  * ratio for engine; rooms_per_s, p50_us, p99_us for rooms); with all three,
@@ -56,6 +63,7 @@ typedef struct bench_opts {
   uint64_t bytes;    /* per case */
   int inflight;      /* batches in flight */
   const char *plot;  /* --plot FILE.png */
+  double layer_ms;   /* --layer-ms: layerwise compute per layer; < 0 = the measured transfer per layer */
 } bench_opts;
 
 /* Baseline: one blocking TCP stream over loopback, 1 MiB writes, to a child
@@ -633,6 +641,164 @@ static int bench_e2e(const bench_opts *o) {
   return 0;
 }
 
+/* ---- layerwise: how much of the transfer hides behind the compute ---- */
+
+/* One layerwise-bench request: the decode's receiver here, the prefill's
+ * compute and sends in the peer. Times in CLOCK_MONOTONIC seconds, which
+ * both processes share. */
+typedef struct lw_run {
+  double compute_start, compute_end, last_send, success;
+} lw_run;
+
+static int lw_request(kvf_manager *m, kvpool *pool, proc *peer, const char *baddr, int64_t room, size_t npages,
+                      double layer_ms, int per_layer, lw_run *out) {
+  kvf_receiver *rx = NULL;
+  uint64_t rng = 0x9e3779b97f4a7c15ULL ^ (uint64_t)room;
+  int64_t *pages = malloc(npages * sizeof *pages);
+  int rc = -1, got_lw = 0, got_done = 0, st = KVF_POLL_BOOTSTRAPPING;
+  memset(out, 0, sizeof *out);
+  if (!pages || kvf_receiver_create(m, baddr, room, &rx) || kvpool_take(pool, npages, &rng, pages)) {
+    free(pages);
+    kvf_receiver_destroy(rx);
+    return -1;
+  }
+  if (kvf_receiver_init(rx, pages, npages, 0, 0, NULL, 0)) goto out;
+  /* Let the M2 land first, as in a running system where the decode asks
+   * well before the prefill's forward pass ends. */
+  double until = cli_now_s() + 60;
+  usleep(20000);
+  fprintf(peer->in, "layerwise %lld %zu %lld %d 7\n", (long long)room, npages, (long long)(layer_ms * 1000),
+          per_layer);
+  fflush(peer->in);
+  while ((st != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED) || !got_lw || !got_done) {
+    if (cli_now_s() > until) goto out;
+    if (st != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED) {
+      st = kvf_receiver_poll(rx);
+      if (st == KVF_POLL_SUCCESS) out->success = cli_now_s();
+      else if (st != KVF_POLL_FAILED) usleep(20);
+      continue;
+    }
+    char line[256];
+    long long r, a, b, ns;
+    int ps;
+    if (proc_read_line(peer, line, sizeof line, 1000)) continue;
+    if (sscanf(line, "lw %lld %lld %lld", &r, &a, &b) == 3 && r == room) {
+      out->compute_start = a / 1e9, out->compute_end = b / 1e9, got_lw = 1;
+    } else if (sscanf(line, "done %lld %d %lld", &r, &ps, &ns) == 3 && r == room) {
+      out->last_send = ns / 1e9, got_done = 1;
+      if (ps != KVF_POLL_SUCCESS) goto out;
+    }
+  }
+  rc = st == KVF_POLL_SUCCESS ? 0 : -1;
+out:
+  if (rc) fprintf(stderr, "bench layerwise: request %lld failed or timed out\n", (long long)room);
+  kvf_receiver_destroy(rx);
+  kvpool_give(pool, pages, npages);
+  free(pages);
+  return rc;
+}
+
+static int cmp_lw_success(const void *a, const void *b) {
+  const lw_run *x = a, *y = b;
+  double dx = x->success - x->compute_end, dy = y->success - y->compute_end;
+  return dx < dy ? -1 : dx > dy;
+}
+
+/* `runs` requests of one mode; the run with the median time from the end of
+ * the compute to Success. */
+static int lw_case(kvf_manager *m, kvpool *pool, proc *peer, const char *baddr, int64_t *room, size_t npages,
+                   double layer_ms, int per_layer, int runs, lw_run *med) {
+  lw_run r[16];
+  if (runs > 16) runs = 16;
+  for (int i = 0; i < runs; i++)
+    if (lw_request(m, pool, peer, baddr, (*room)++, npages, layer_ms, per_layer, &r[i])) return -1;
+  qsort(r, (size_t)runs, sizeof r[0], cmp_lw_success);
+  *med = r[runs / 2];
+  return 0;
+}
+
+static int bench_layerwise(const bench_opts *o) {
+  const size_t tokens = o->quick ? 1024 : 4096, npages = tokens / E2E_PAGE_TOKENS;
+  const uint64_t bytes = npages * E2E_PAGE_BYTES;
+  const int runs = o->quick ? 3 : 5;
+  double rtt_us = bench_zmq_rtt_us(500);
+  const char *exe = getenv("KVFERRY_CLI");
+  if (!exe || !*exe) exe = proc_self_exe();
+  char pages_s[32], layers_s[16], item_s[16];
+  snprintf(pages_s, sizeof pages_s, "%zu", npages);
+  snprintf(layers_s, sizeof layers_s, "%d", E2E_LAYERS);
+  snprintf(item_s, sizeof item_s, "%u", E2E_ITEM);
+  char *argv[] = {(char *)exe, "kv-peer", "--layers", layers_s, "--item", item_s, "--pages", pages_s, NULL};
+  proc peer;
+  if (proc_start(&peer, argv)) return 1;
+  char line[400], baddr[300];
+  kvpool pool;
+  kvf_manager *m = NULL;
+  int rc = 1;
+  if (proc_read_line(&peer, line, sizeof line, 60000) || sscanf(line, "ready %299s", baddr) != 1) {
+    fprintf(stderr, "bench layerwise: the prefill peer did not start\n");
+    proc_stop(&peer, 1000);
+    return 1;
+  }
+  if (kvpool_init(&pool, E2E_LAYERS, npages, E2E_ITEM)) goto out_peer;
+  kvf_manager_config mc;
+  kvf_manager_config_init(&mc);
+  mc.role = KVF_ROLE_DECODE;
+  if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
+  int64_t room = 1;
+  lw_run warm, alone, whole, lw;
+  /* Warm-up (connections, first touch), then the transfer alone: the whole
+   * request sent with no compute before it. */
+  if (lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, 1, &warm) ||
+      lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, runs, &alone))
+    goto out_mgr;
+  double transfer_s = alone.success - alone.last_send;
+  /* Default: compute per layer = transfer per layer, as measured. */
+  double layer_ms = o->layer_ms >= 0 ? o->layer_ms : transfer_s * 1e3 / E2E_LAYERS;
+  if (lw_case(m, &pool, &peer, baddr, &room, npages, layer_ms, 0, runs, &whole) ||
+      lw_case(m, &pool, &peer, baddr, &room, npages, layer_ms, 1, runs, &lw))
+    goto out_mgr;
+  double compute_s = lw.compute_end - lw.compute_start;
+  double whole_after = whole.success - whole.compute_end, lw_after = lw.success - lw.compute_end;
+  double whole_ttft = whole.success - whole.compute_start, lw_ttft = lw.success - lw.compute_start;
+  /* The share of the transfer that finished inside the compute window. */
+  double hidden = transfer_s > 0 ? 1 - lw_after / transfer_s : 0;
+  if (hidden < 0) hidden = 0;
+  if (hidden > 1) hidden = 1;
+  double layer_xfer_ms = transfer_s * 1e3 / E2E_LAYERS;
+  if (o->json) {
+    printf("{\"bench\":\"layerwise\",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"layers\":%d,\"bytes\":%llu,\"runs\":%d,"
+           "\"layer_ms\":%.3f,\"compute_ms\":%.2f,\"transfer_alone_ms\":%.2f,\"transfer_per_layer_ms\":%.3f,"
+           "\"whole_success_after_compute_ms\":%.2f,\"whole_time_to_success_ms\":%.2f,"
+           "\"layerwise_success_after_last_layer_ms\":%.2f,\"layerwise_time_to_success_ms\":%.2f,"
+           "\"hidden_fraction\":%.3f,\"baseline_rtt_us\":%.1f,"
+           "\"after_last_layer_over_layer_plus_rtt\":%.2f}\n",
+           tokens, E2E_LAYERS, (unsigned long long)bytes, runs, layer_ms, compute_s * 1e3, transfer_s * 1e3,
+           layer_xfer_ms, whole_after * 1e3, whole_ttft * 1e3, lw_after * 1e3, lw_ttft * 1e3, hidden, rtt_us,
+           lw_after * 1e3 / (layer_xfer_ms + rtt_us / 1e3));
+  } else {
+    printf("layerwise: one llama-3.1-8b request of %zu tokens (%d layers, %llu MiB), prefill computing each layer\n"
+           "for %.3f ms of busy work (default: the transfer time per layer measured below); median of %d runs\n",
+           tokens, E2E_LAYERS, (unsigned long long)(bytes >> 20), layer_ms, runs);
+    printf("compute (all layers)               %10.2f ms\n", compute_s * 1e3);
+    printf("transfer alone (no compute)        %10.2f ms  (%.3f ms per layer; ZeroMQ round trip %.1f us)\n",
+           transfer_s * 1e3, layer_xfer_ms, rtt_us);
+    printf("whole after the last layer:  Success %8.2f ms after the compute, %8.2f ms after its start\n",
+           whole_after * 1e3, whole_ttft * 1e3);
+    printf("each layer when computed:    Success %8.2f ms after the compute, %8.2f ms after its start\n",
+           lw_after * 1e3, lw_ttft * 1e3);
+    printf("hidden_fraction (transfer finished inside the compute): %.3f\n", hidden);
+  }
+  rc = 0;
+out_mgr:
+  kvf_manager_destroy(m);
+out_pool:
+  kvpool_free(&pool);
+out_peer:
+  proc_stop(&peer, 5000);
+  return rc;
+}
+
 /* Look for an executable `name` on PATH. */
 static int on_path(const char *name) {
   const char *path = getenv("PATH");
@@ -742,17 +908,19 @@ out:
 }
 
 static void usage(void) {
-  printf("usage: kvferry bench [engine|rooms|e2e] [--json] [--quick] [--bytes 2G] [--inflight 4]\n"
+  printf("usage: kvferry bench [engine|rooms|e2e|layerwise] [--json] [--quick] [--bytes 2G] [--inflight 4]\n"
          "                     (no benchmark named: all three; --json then prints one object)\n"
          "                     [--block SIZE --per-batch N]   (one custom engine case)\n"
          "                     [--room-pages N --inflight M [--rooms R]]  (one custom rooms case)\n"
          "                     [--pool SIZE]  engine: pool per side, also the baseline's (default 256M)\n"
+         "                     [--layer-ms MS]  layerwise: compute per layer (default: the measured transfer\n"
+         "                                      time per layer); layerwise is not part of the default three\n"
          "       kvferry bench --plot FILE.png [--quick]        (needs gnuplot)\n");
 }
 
 int cli_bench(int argc, char **argv) {
   bench_opts o = {.json = 0, .bytes = 2ull << 30, .inflight = 4, .block = 0, .per_batch = 16,
-                  .pool_bytes = 256ull << 20};
+                  .pool_bytes = 256ull << 20, .layer_ms = -1};
   static const struct option opts[] = {{"json", no_argument, 0, 'j'},
                                        {"bytes", required_argument, 0, 'b'},
                                        {"inflight", required_argument, 0, 'i'},
@@ -763,11 +931,12 @@ int cli_bench(int argc, char **argv) {
                                        {"room-pages", required_argument, 0, 'R'},
                                        {"per-batch", required_argument, 0, 'P'},
                                        {"plot", required_argument, 0, 'p'},
+                                       {"layer-ms", required_argument, 0, 'L'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
   unsigned long long v;
-  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:M:N:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:M:N:L:h", opts, NULL)) != -1) {
     switch (c) {
       case 'N':
         o.rooms = atoi(optarg);
@@ -782,6 +951,10 @@ int cli_bench(int argc, char **argv) {
         if (o.room_pages < 1 || o.room_pages > 4096) return usage(), 2;
         break;
       case 'q': o.quick = 1; break;
+      case 'L':
+        o.layer_ms = atof(optarg);
+        if (!(o.layer_ms >= 0 && o.layer_ms <= 10000)) return usage(), 2;
+        break;
       case 'p': o.plot = optarg; break;
       case 'B':
         if (cli_parse_size(optarg, &v) || v == 0 || v > (64u << 20)) return usage(), 2;
@@ -824,6 +997,7 @@ int cli_bench(int argc, char **argv) {
   if (!strcmp(which, "engine")) return bench_engine(&o);
   if (!strcmp(which, "rooms")) return bench_rooms(&o);
   if (!strcmp(which, "e2e")) return bench_e2e(&o);
-  fprintf(stderr, "bench: unknown benchmark '%s' (available: engine, rooms, e2e)\n", which);
+  if (!strcmp(which, "layerwise")) return bench_layerwise(&o);
+  fprintf(stderr, "bench: unknown benchmark '%s' (available: engine, rooms, e2e, layerwise)\n", which);
   return 2;
 }

@@ -17,6 +17,12 @@
  * (GQA with fewer KV heads than ranks; MLA: --kv-heads = --heads).
  * With --mla the pools are MLA pools (kvpool_init_mla): one latent buffer per
  * layer, page_size tokens of `unit` bytes a page, the same on every rank.
+ *   layerwise <room> <npages> <layer-us> <per-layer 0|1> <token>
+ *       (benchmarks, one TP rank) a request whose prefill "computes" each
+ *       KV layer for layer-us of busy work; per-layer 1 sends each layer's
+ *       KV as soon as it is computed (KVF_SEND_LAYERS, the last with the
+ *       token), 0 sends the whole request after the last layer; prints
+ *       `lw <room> <compute-start-ns> <compute-end-ns>` once sent
  *   wakeups
  *       prints `wakeups <n>`: the library's thread wake-ups in this process
  *       so far (base/wake.h; benchmarks report them per room)
@@ -98,6 +104,43 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
     }
   }
   r->last_send_ns = cli_now_ns();
+  return 0;
+}
+
+/* Busy work until `end_ns` (CLOCK_MONOTONIC): a stand-in for a layer's
+ * forward pass that keeps this core busy, as a GPU launch thread would. */
+static void busy_until(long long end_ns, uint64_t *acc) {
+  while (cli_now_ns() < end_ns)
+    for (int i = 0; i < 256; i++) *acc = *acc * 6364136223846793005ULL + 1442695040888963407ULL;
+}
+
+/* The `layerwise` command: compute layer by layer, sending each layer's KV
+ * when it is done (per_layer) or the whole request after the last. */
+static int start_layerwise(peer_req *r, kvf_manager *m, kvpool *pool, size_t layers, long long layer_us,
+                           int per_layer, long long token, uint64_t *rng) {
+  r->pages[0] = malloc((r->npages ? r->npages : 1) * sizeof *r->pages[0]);
+  if (!r->pages[0] || kvpool_take(pool, r->npages, rng, r->pages[0])) {
+    free(r->pages[0]);
+    r->pages[0] = NULL;
+    return -1;
+  }
+  kvf_engine_sync(kvf_manager_engine(m));
+  if (kvf_sender_create(m, r->room, &r->tx[0])) return -1;
+  uint64_t acc = 1;
+  long long t0 = cli_now_ns();
+  for (size_t l = 0; l < layers; l++) {
+    busy_until(t0 + (long long)(l + 1) * layer_us * 1000, &acc);
+    if (!per_layer && l + 1 < layers) continue;
+    kvf_send_params p;
+    kvf_send_params_init(&p);
+    p.pages = r->pages[0], p.npages = r->npages;
+    if (per_layer) p.flags = KVF_SEND_LAYERS, p.layer_begin = l, p.layer_end = l + 1;
+    if (l + 1 == layers) p.flags |= KVF_SEND_LAST, p.aux_index = 0, p.bootstrap_token = token;
+    if (kvf_sender_send(r->tx[0], &p)) return -1;
+  }
+  long long t1 = cli_now_ns();
+  r->last_send_ns = t1;
+  printf("lw %lld %lld %lld %llu\n", (long long)r->room, t0, t1, (unsigned long long)(acc & 1));
   return 0;
 }
 
@@ -227,11 +270,27 @@ int cli_kv_peer(int argc, char **argv) {
       char *nl;
       while ((nl = memchr(line, '\n', llen))) {
         *nl = 0;
-        long long room, npages, token;
+        long long room, npages, token, layer_us;
         unsigned long long seed;
-        int chunk = 0, state = 0;
+        int chunk = 0, state = 0, per_layer;
         if (!strcmp(line, "quit")) eof = 1;
         else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf__wake_total());
+        else if (sscanf(line, "layerwise %lld %lld %lld %d %lld", &room, &npages, &layer_us, &per_layer, &token) == 5 &&
+                 npages > 0 && layer_us >= 0 && o.world == 1) {
+          peer_req *r = NULL;
+          for (int i = 0; i < PEER_MAX_REQS && !r; i++)
+            if (!reqs[i].nranks) r = &reqs[i];
+          if (!r) {
+            printf("done %lld 0 0 too-many-requests\n", room);
+          } else {
+            r->room = room;
+            r->npages = (size_t)npages;
+            r->nranks = 1;
+            r->state_slot = -1;
+            if (start_layerwise(r, mgr[0], &pools[0], (size_t)o.layers, layer_us, per_layer, token, &rng))
+              finish_req(r, pools, 0, "cannot-start");
+          }
+        }
         else if (sscanf(line, "send %lld %lld %llu %lld %d %d", &room, &npages, &seed, &token, &chunk, &state) >= 4 &&
                  npages >= 0) {
           peer_req *r = NULL;
