@@ -9,6 +9,32 @@
 
 #include "kvferry/engine.h"
 
+/* A completion trailer: opaque bytes a writer may attach to a batch, which
+ * the target engine hands to its trailer callback once the batch's bytes
+ * have landed in its memory, before it acknowledges them (between kvferry
+ * peers: a room's completion riding behind its data, docs/WIRE-EXTENSIONS.md).
+ * Only a batch that travels as one transport chunk (under the engine's
+ * split size) carries it; a larger one drops it, so a trailer is an
+ * optimisation that must never be the only way a completion gets there. */
+#define KVF_ENGINE_MAX_TRAILER 1024
+
+/* Target side: `data` (len bytes, valid during the call) arrived from `peer`
+ * (its IP address) behind a chunk whose bytes are in place. Runs on a
+ * transport receive thread: must not block for long. */
+typedef void (*kvf__trailer_fn)(void *arg, const unsigned char *data, size_t len, const char *peer);
+
+/* Set the engine's one trailer callback: KVF_EEXIST when another is set
+ * (a shared engine: the first manager gets it). Any thread. */
+int kvf__engine_on_trailer(kvf_engine *engine, kvf__trailer_fn cb, void *arg);
+/* Unset it if `arg` set it; returns once no call to it is running. Any
+ * thread but the callback's. */
+void kvf__engine_off_trailer(kvf_engine *engine, void *arg);
+
+/* kvf_engine_write with a trailer (NULL/0 = none; at most
+ * KVF_ENGINE_MAX_TRAILER bytes). Blocks as kvf_engine_write. Any thread. */
+int kvf__engine_write_trailer(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
+                              const void *trailer, size_t tlen);
+
 /* Like kvf_engine_submit, but no batch handle: the engine calls
  * on_done(arg, status) exactly once, when every block is confirmed (0) or
  * one failed (a KVF_E* error), on a transport thread, or on the calling
@@ -17,6 +43,6 @@
  * (it runs on the thread that reads acknowledgements). On error on_done is
  * never called and nothing was sent. Any thread. */
 int kvf__engine_submit_cb(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
-                          void (*on_done)(void *arg, int status), void *arg);
+                          const void *trailer, size_t tlen, void (*on_done)(void *arg, int status), void *arg);
 
 #endif

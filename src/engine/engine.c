@@ -74,6 +74,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   if (!e) return KVF_ENOMEM;
   int rc = regions_init(&e->regions);
   if (rc) goto err_free;
+  pthread_rwlock_init(&e->trailer_lock, NULL);
   snprintf(e->host, sizeof e->host, "%s", cfg.host);
   const char *tok = cfg.auth_token ? cfg.auth_token : getenv("KVFERRY_AUTH_TOKEN");
   if (tok && strlen(tok) >= sizeof e->auth_token) {
@@ -95,6 +96,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   return 0;
 
 err_regions:
+  pthread_rwlock_destroy(&e->trailer_lock);
   regions_destroy(&e->regions);
 err_free:
   free(e);
@@ -104,6 +106,7 @@ err_free:
 void kvf_engine_destroy(kvf_engine *e) {
   if (!e) return;
   e->ops->stop(e);
+  pthread_rwlock_destroy(&e->trailer_lock);
   regions_destroy(&e->regions);
   free(e);
 }
@@ -169,6 +172,7 @@ static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *t
 
 void chunk_free(chunk *c) {
   if (!c) return;
+  free(c->trailer);
   free(c->writes);
   free(c);
 }
@@ -298,8 +302,11 @@ void batch_chunk_done(kvf_batch *b, int status) {
 
 /* kvf_engine_submit, or with on_done (out unused) kvf__engine_submit_cb. */
 static int engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                         void (*on_done)(void *, int), void *arg, kvf_batch **out) {
-  if (!e || !session || (!out && !on_done) || (n && !writes)) return KVF_EINVAL;
+                         const void *trailer, size_t tlen, void (*on_done)(void *, int), void *arg,
+                         kvf_batch **out) {
+  if (!e || !session || (!out && !on_done) || (n && !writes) || (tlen && !trailer) ||
+      tlen > KVF_ENGINE_MAX_TRAILER)
+    return KVF_EINVAL;
   char host[256];
   uint16_t port;
   if (kvf__addr_parse(session, strlen(session), host, sizeof host, &port, NULL)) {
@@ -325,6 +332,16 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
   rc = engine_make_chunks(b, writes, n, (size_t)e->cfg.conns_per_peer, ENGINE_MAX_DESC_PER_CHUNK,
                           &chunks, &nchunks);
   if (rc) goto err_batch;
+  if (tlen && nchunks == 1) { /* a trailer rides only on a batch of one chunk (async.h) */
+    if (!(chunks[0]->trailer = malloc(tlen))) {
+      chunk_free(chunks[0]);
+      free(chunks);
+      rc = KVF_ENOMEM;
+      goto err_batch;
+    }
+    memcpy(chunks[0]->trailer, trailer, tlen);
+    chunks[0]->tlen = (uint32_t)tlen;
+  }
   if (nchunks == 0) { /* nothing to move: done at once, as Mooncake does */
     free(chunks);
     if (on_done) {
@@ -356,13 +373,45 @@ err_batch:
 
 int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
                       kvf_batch **out) {
-  return engine_submit(e, session, writes, n, NULL, NULL, out);
+  return engine_submit(e, session, writes, n, NULL, 0, NULL, NULL, out);
 }
 
 int kvf__engine_submit_cb(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                          void (*on_done)(void *arg, int status), void *arg) {
+                          const void *trailer, size_t tlen, void (*on_done)(void *arg, int status), void *arg) {
   if (!on_done) return KVF_EINVAL;
-  return engine_submit(e, session, writes, n, on_done, arg, NULL);
+  return engine_submit(e, session, writes, n, trailer, tlen, on_done, arg, NULL);
+}
+
+int kvf__engine_write_trailer(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                              const void *trailer, size_t tlen) {
+  kvf_batch *b = NULL;
+  int rc = engine_submit(e, session, writes, n, trailer, tlen, NULL, NULL, &b);
+  if (rc) return rc;
+  rc = kvf_batch_wait(b, -1);
+  kvf_batch_destroy(b);
+  return rc;
+}
+
+int kvf__engine_on_trailer(kvf_engine *e, kvf__trailer_fn cb, void *arg) {
+  if (!e || !cb) return KVF_EINVAL;
+  pthread_rwlock_wrlock(&e->trailer_lock);
+  int rc = e->trailer_cb ? KVF_EEXIST : 0;
+  if (!rc) e->trailer_cb = cb, e->trailer_arg = arg;
+  pthread_rwlock_unlock(&e->trailer_lock);
+  return rc;
+}
+
+void kvf__engine_off_trailer(kvf_engine *e, void *arg) {
+  if (!e) return;
+  pthread_rwlock_wrlock(&e->trailer_lock);
+  if (e->trailer_cb && e->trailer_arg == arg) e->trailer_cb = NULL, e->trailer_arg = NULL;
+  pthread_rwlock_unlock(&e->trailer_lock);
+}
+
+void engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_t len, const char *peer) {
+  pthread_rwlock_rdlock(&e->trailer_lock);
+  if (e->trailer_cb) e->trailer_cb(e->trailer_arg, data, len, peer);
+  pthread_rwlock_unlock(&e->trailer_lock);
 }
 
 int kvf_batch_poll(kvf_batch *b) {

@@ -6,6 +6,7 @@
 #ifndef KVF_ENGINE_INTERNAL_H
 #define KVF_ENGINE_INTERNAL_H
 
+#include "engine/async.h"
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -63,6 +64,8 @@ typedef struct chunk {
   size_t n;
   uint64_t bytes;
   uint64_t seq;
+  unsigned char *trailer; /* owned; delivered to the target's trailer callback after the bytes (async.h) */
+  uint32_t tlen;
 } chunk;
 
 void batch_chunk_done(kvf_batch *b, int status);
@@ -97,7 +100,16 @@ typedef struct kvf_engine {
   atomic_ullong sync_point; /* see kvf_engine_sync */
   const transport_ops *ops;
   void *transport; /* transport-private state */
+  /* target side: the trailer callback (async.h); transports call it under
+   * the read lock, setting it takes the write lock */
+  pthread_rwlock_t trailer_lock;
+  kvf__trailer_fn trailer_cb;
+  void *trailer_arg;
 } kvf_engine;
+
+/* Target side: hand a chunk's trailer to the callback, if one is set (a
+ * transport thread, after the chunk's bytes landed). */
+void engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_t len, const char *peer);
 
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
  * each with at most `max_desc` descriptors; a single large block may be cut

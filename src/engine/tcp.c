@@ -298,13 +298,18 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
     const kvf_write *w = &ch->writes[i];
     descs[i] = (tcp_desc){w->dst, w->len, w->count > 1 ? w->count : 1, w->dst_stride};
   }
-  tcp_chunk_hdr h = {TCP_CHUNK_MAGIC, (uint32_t)ch->n, ch->seq, ch->bytes};
+  tcp_chunk_hdr h = {ch->trailer ? TCP_CHUNK_TRAILER_MAGIC : TCP_CHUNK_MAGIC, (uint32_t)ch->n, ch->seq, ch->bytes};
   /* The reader may see the ack and finish the chunk before the last send
    * call returns: hold a reference so its blocks stay readable until then. */
   atomic_fetch_add(&ch->refs, 1);
   piece_src src = {.writes = ch->writes, .n = ch->n};
   struct iovec head[2] = {{&h, sizeof h}, {descs, ch->n * sizeof *descs}};
   int rc = xfer_pieces(c->fd, &src, 1, head, 2);
+  if (!rc && ch->trailer) { /* behind the payload, on the same connection */
+    tcp_trailer t = {TCP_TRAILER_MAGIC, ch->tlen};
+    rc = send_all(c->fd, &t, sizeof t);
+    if (!rc) rc = send_all(c->fd, ch->trailer, ch->tlen);
+  }
   chunk_release(ch);
   if (descs != descs_small) free(descs);
   if (rc) conn_fail(c, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED);
@@ -596,6 +601,26 @@ static void log_peer_once(const char *peer, const char *kind, const char *detail
     LOG_WARN("tcp", "peer %s: %s (further reports of this kind from it are not logged)", peer, detail);
 }
 
+/* A chunk's trailer, after its payload: read it whole (bounded) and, when
+ * the payload was written (`landed`), hand it to the trailer callback with
+ * the peer's IP address. Non-zero drops the connection. */
+static int inbound_trailer(tcp_inbound *in, kvf_engine *e, int landed) {
+  tcp_trailer t;
+  unsigned char buf[KVF_ENGINE_MAX_TRAILER];
+  if (recv_all(in->fd, &t, sizeof t)) return -1;
+  if (t.magic != TCP_TRAILER_MAGIC || t.len > sizeof buf) {
+    atomic_fetch_add(&e->stats.protocol_errors, 1);
+    log_peer_once(in->peer, "frame", "malformed chunk trailer; connection dropped");
+    return -1;
+  }
+  if (t.len && recv_all(in->fd, buf, t.len)) return -1;
+  char ip[64];
+  const char *colon = strrchr(in->peer, ':');
+  snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - in->peer) : (int)strlen(in->peer), in->peer);
+  if (landed) engine_deliver_trailer(e, buf, t.len, ip);
+  return 0;
+}
+
 static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
   tcp_hello h;
   char token[TCP_MAX_TOKEN];
@@ -656,7 +681,8 @@ static void *inbound_main(void *arg) {
     if (r == 1) continue;
     if (r) break;
     kvf__wake_count();
-    if (h.magic != TCP_CHUNK_MAGIC || h.ndesc == 0 || h.ndesc > TCP_MAX_DESC) {
+    int has_trailer = h.magic == TCP_CHUNK_TRAILER_MAGIC;
+    if ((h.magic != TCP_CHUNK_MAGIC && !has_trailer) || h.ndesc == 0 || h.ndesc > TCP_MAX_DESC) {
       atomic_fetch_add(&e->stats.protocol_errors, 1);
       log_peer_once(in->peer, "frame", "malformed chunk header; connection dropped");
       break;
@@ -701,6 +727,7 @@ static void *inbound_main(void *arg) {
       rc = drain(in->fd, h.total_bytes);
     }
     if (rc) break;
+    if (has_trailer && inbound_trailer(in, e, ok)) break;
     if (ok) {
       atomic_fetch_add(&e->stats.batches_received, 1);
       atomic_fetch_add(&e->stats.bytes_received, h.total_bytes);

@@ -4,7 +4,11 @@
  *   reply   server → client: 0 or a negative KVF_E* code, then close if not 0
  *   chunk   header, ndesc descriptors, then the payload bytes of every piece
  *           in descriptor order
- *   ack     server → client per chunk, in order: 0 or a negative KVF_E* code */
+ *   ack     server → client per chunk, in order: 0 or a negative KVF_E* code
+ *   A chunk with a completion trailer (async.h) has TCP_CHUNK_TRAILER_MAGIC
+ *   in its header and, after its payload, a tcp_trailer and tlen bytes
+ *   (at most KVF_ENGINE_MAX_TRAILER), handed to the target's trailer
+ *   callback once the payload landed, before the ack. */
 #ifndef KVF_ENGINE_TCP_PROTO_H
 #define KVF_ENGINE_TCP_PROTO_H
 
@@ -13,6 +17,8 @@
 #define TCP_HELLO_MAGIC 0x4b564648u /* "HFVK" */
 #define TCP_CHUNK_MAGIC 0x4b564643u
 #define TCP_ACK_MAGIC 0x4b564641u
+#define TCP_CHUNK_TRAILER_MAGIC 0x4b564645u
+#define TCP_TRAILER_MAGIC 0x4b564652u
 #define TCP_PROTO_VERSION 1
 #define TCP_MAX_TOKEN 1024
 /* Receivers refuse (as a protocol error) chunks with more descriptors. */
@@ -45,6 +51,11 @@ typedef struct tcp_desc {
   uint64_t stride;
 } tcp_desc;
 
+typedef struct tcp_trailer {
+  uint32_t magic; /* TCP_TRAILER_MAGIC */
+  uint32_t len;
+} tcp_trailer;
+
 typedef struct tcp_ack {
   uint64_t seq;
   int32_t status;
@@ -55,6 +66,7 @@ _Static_assert(sizeof(tcp_hello) == 16, "hello layout");
 _Static_assert(sizeof(tcp_chunk_hdr) == 24, "chunk header layout");
 _Static_assert(sizeof(tcp_desc) == 32, "descriptor layout");
 _Static_assert(sizeof(tcp_ack) == 16, "ack layout");
+_Static_assert(sizeof(tcp_trailer) == 8, "trailer layout");
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "kvferry assumes a little-endian host");
 
 #endif

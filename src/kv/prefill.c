@@ -1108,7 +1108,7 @@ static void direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
     }
     dj->bytes += writes_bytes(sc->w, sc->nw);
     atomic_fetch_add(&dj->left, 1);
-    int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, direct_done, &dj->d[i]);
+    int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, NULL, 0, direct_done, &dj->d[i]);
     if (rc) {
       atomic_fetch_sub(&dj->left, 1);
       atomic_store(&dj->failed, 1);

@@ -588,6 +588,11 @@ int wire_m2_decode(const wire_frame *f, size_t n, wire_m2 *out, char *reason) {
     quiet.reason = NULL;
     if (n >= 15 && f[14].len && get_int(&quiet, 14, 1, WIRE_MAX_PAGE_SIZE, &m.page_layout)) m.page_layout = 0;
   }
+  if (n >= 16 && f[15].len) { /* kvferry's feature bits: anything else reads as none */
+    ctx quiet = c;
+    quiet.reason = NULL;
+    if (get_int(&quiet, 15, 0, INT32_MAX, &m.features)) m.features = 0;
+  }
   *out = m;
   return 0;
 }
@@ -800,7 +805,15 @@ int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
       goto err;
     }
     if (m->page_layout > 0) put_int(out, m->page_layout);
+    else if (m->features) put_bytes(out, NULL, 0);
+  } else if (m->features) {
+    for (int i = 12; i < 15; i++) put_bytes(out, NULL, 0); /* no plan, no layout */
   }
+  if (m->features < 0 || m->features > INT32_MAX) {
+    rc = bad(&c, 15, "%" PRId64 " is outside 0..2^31-1", m->features);
+    goto err;
+  }
+  if (m->features) put_int(out, m->features);
   return 0;
 
 err:

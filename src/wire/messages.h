@@ -53,9 +53,11 @@ enum {
   WIRE_MAX_JSON = 1 << 20,        /* bytes of M2 frame 13 */
   WIRE_MAX_CANDIDATES = KVF_MAX_CANDIDATES, /* per M3 (the public limit) */
   WIRE_MAX_FANOUT = 1 << 16,      /* M2 required_dst_info_num */
-  WIRE_MAX_FRAMES = 15,           /* most frames an encoder emits (14 + kvferry's frame 14) */
+  WIRE_MAX_FRAMES = 16,           /* most frames an encoder emits (14 + kvferry's frames 14, 15) */
   WIRE_MAX_PAGE_SIZE = 1 << 20,   /* tokens per page in the kvferry page-layout frame */
   WIRE_FRAGMENT_VERSION = 1,
+  /* kvferry M2 frame 15 bits (wire_m2.features) */
+  WIRE_FEATURE_FAST_COMPLETION = 1, /* the decode takes a room's completion from the engine trailer */
 };
 
 /* Status values of M3 frame 1 (§2.1). */
@@ -181,6 +183,12 @@ typedef struct wire_m2 {
    * (§3.4), so a tokenspeed prefill never sees it; on decode, a frame 14
    * that is not an ascii int in 1..WIRE_MAX_PAGE_SIZE reads as 0. */
   int64_t page_layout;
+  /* kvferry extension, frame 15: WIRE_FEATURE_* bits the decode
+   * understands (docs/WIRE-EXTENSIONS.md); 0 = not sent. Frames 12-14 go
+   * out empty before it when there is no plan or layout (the reference reads
+   * empty 12-13 as "no plan" and ignores frames past the 14th). On decode,
+   * a frame 15 that is not an ascii int in 0..2^31-1 reads as 0. */
+  int64_t features;
 } wire_m2;
 
 /* Decodes an M2 (>= 7 frames). On success fills *out (release with
@@ -246,7 +254,7 @@ void wire_msg_free(wire_msg *m);
  * KVF_EINVAL (KVF_ETOOBIG / KVF_ENOMEM for the plan JSON) with a reason and
  * *out zeroed. M1: always 8 frames. M2: 12 frames, 14 when nfrags > 0; a
  * dummy (is_dummy) is the 12-frame form of Appendix A.7; 15 with a plan
- * and page_layout > 0. M3: 5 frames, 6 with a reason. */
+ * and page_layout > 0; 16 with features. M3: 5 frames, 6 with a reason. */
 int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason);
 int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason);
 int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason);

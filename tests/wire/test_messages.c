@@ -269,6 +269,37 @@ static void m2_frame_count_forms(void **state) {
   assert_null(m.frags);
 }
 
+/* kvferry's feature frame 15: without a plan, frames 12-14 go out empty
+ * (no plan for any parser) and the bits come back; a frame 15 that is not a
+ * number reads as none; a dummy never carries it. */
+static void m2_features_frame(void **state) {
+  (void)state;
+  wire_m2 m, d;
+  wire_msg msg;
+  char reason[WIRE_REASON_LEN];
+  m2_fill_a4(&m);
+  m.features = WIRE_FEATURE_FAST_COMPLETION;
+  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(msg.nframes, 16);
+  for (int i = 12; i < 15; i++) assert_int_equal(msg.frames[i].len, 0);
+  assert_int_equal(wire_m2_decode(msg.frames, msg.nframes, &d, reason), 0);
+  assert_int_equal(d.features, WIRE_FEATURE_FAST_COMPLETION);
+  assert_null(d.frags);
+  assert_int_equal(d.page_layout, 0);
+  wire_frame f[16];
+  memcpy(f, msg.frames, sizeof f);
+  f[15] = (wire_frame)FR("fast");
+  assert_int_equal(wire_m2_decode(f, 16, &d, reason), 0);
+  assert_int_equal(d.features, 0);
+  assert_int_equal(wire_m2_decode(msg.frames, 15, &d, reason), 0); /* a 15-frame form: none */
+  assert_int_equal(d.features, 0);
+  wire_msg_free(&msg);
+  m.features = 0;
+  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(msg.nframes, 12);
+  wire_msg_free(&msg);
+}
+
 /* Mask, local indices and state slots survive encode/decode, and the mask
  * may sit at an odd address (alignment-safe accessors). */
 static void m2_roundtrip_full(void **state) {
@@ -1088,6 +1119,7 @@ int main(void) {
       cmocka_unit_test(m2_dummy_ignores_tail),
       cmocka_unit_test(m2_zero_pages_not_dummy),
       cmocka_unit_test(m2_frame_count_forms),
+      cmocka_unit_test(m2_features_frame),
       cmocka_unit_test(m2_roundtrip_full),
       cmocka_unit_test(m2_int64_room_bounds),
       cmocka_unit_test(m2_fragments_golden),
