@@ -125,6 +125,12 @@ typedef struct kvf_manager_config {
    * its layer range [layer_begin, layer_end), so state goes with its layer
    * group; without ids it writes every state buffer. */
   const uint32_t *state_layer_ids;
+  /* Decode: ask kvferry prefills to send each room's completion on the
+   * engine connection right behind its last bytes (M2 frame 15,
+   * docs/WIRE-EXTENSIONS.md), so Success needs no control-plane hop; the M3
+   * still comes and tokenspeed prefills ignore the request. Default 1; 0 =
+   * completion by M3 only. */
+  int fast_completion;
 } kvf_manager_config;
 
 typedef struct kvf_manager kvf_manager;

@@ -48,6 +48,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "bootstrap/bootstrap.h"
+#include "engine/async.h"
 #include "kv/manager.h"
 #include "kv/plan.h"
 #include "kv/probe.h"
@@ -102,6 +103,7 @@ typedef struct hb_peer {
 } hb_peer;
 
 struct decode_state {
+  int fast; /* this manager holds the engine's trailer callback: M2s ask for the fast completion */
   pthread_mutex_t lock; /* guards infos, pools, next_epoch */
   smap infos;           /* bootstrap addr -> addr_entry */
   smap pools;           /* pool key -> pool_entry (one reference held by the map) */
@@ -134,6 +136,9 @@ struct kvf_receiver {
    * table's lock (the receiver's reference keeps it alive and unique until
    * kvf_receiver_destroy has cleared the room). */
   _Atomic uintptr_t pool_tag;
+  /* Set just before the M2s go out when they ask for the fast completion:
+   * only then may a completion come in an engine trailer. */
+  atomic_int asked_fast;
 };
 
 /* ------------------------------------------------------------ helpers */
@@ -522,6 +527,7 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
   pool_entry *p = r->pool;
   char reason[ROOMS_REASON_MAX] = "";
   int rc = 0;
+  if (m->decode->fast) atomic_store(&r->asked_fast, 1);
   for (int i = 0; i < p->ntargets && !rc; i++) {
     const pool_target *t = &p->targets[i];
     wire_m2 m2;
@@ -540,6 +546,7 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
         m2.nfrags = t->nfrags;
         m2.page_layout = p->page_layout;
       }
+      if (m->decode->fast) m2.features = WIRE_FEATURE_FAST_COMPLETION;
     }
     wire_msg msg;
     char why[WIRE_REASON_LEN] = "";
@@ -632,6 +639,38 @@ static int from_planned_rank(void *user, void *arg) {
   for (int i = 0; p && i < p->ntargets; i++)
     if (manager_peer_is(o->m, o->peer, p->targets[i].ip)) return 1;
   return 0;
+}
+
+static int asked_fast(void *user, void *arg) {
+  (void)arg;
+  const kvf_receiver *r = user;
+  return r && atomic_load(&r->asked_fast);
+}
+
+/* The engine's trailer callback (a transport thread, after the bytes of the
+ * chunk that carried it landed): a room's completion riding behind its
+ * data, an encoded M3 (and its MAC with a control token). It counts only for
+ * a room whose M2s asked for it, and then takes the M3's path: the MAC, the
+ * planned-rank origin check, and one response per prefill rank, so the M3
+ * that still follows changes nothing. Anything else is rejected and
+ * counted, and never makes a room Success. */
+static void decode_on_trailer(void *arg, const unsigned char *data, size_t len, const char *peer) {
+  kvf_manager *m = arg;
+  wire_frame frames[MANAGER_MAX_RECV_FRAMES];
+  size_t n = 0, extra = 0;
+  wire_m3 m3;
+  char why[WIRE_REASON_LEN] = "";
+  if (kvf__trailer_unpack(data, len, frames, MANAGER_MAX_RECV_FRAMES, &n, &extra) ||
+      wire_m3_decode(frames, n - (m->ctl_keylen && n > 1 && !extra ? 1 : 0), &m3, why)) {
+    manager_reject(m, peer, "completion trailer", *why ? why : "malformed");
+    return;
+  }
+  if (rooms_with_user(m->rooms, m3.room, asked_fast, NULL) != 1) {
+    manager_reject_forged(m, peer, "completion trailer", "for a room that did not ask for one (no M2 yet)");
+    return;
+  }
+  atomic_fetch_add(&m->stats.completions_fast, 1);
+  kvf__manager_dispatch(m, frames, n, extra, peer);
 }
 
 void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
@@ -1054,7 +1093,10 @@ int decode_start(kvf_manager *m) {
   for (size_t k = 0; k < nb; k++) ds->lay_bufs[k] = b->layer_bufs[k];
   ds->layout = (plan_layout){.nlayers = b->n_layers, .start = ds->lay_start, .bufs = ds->lay_bufs};
   m->decode = ds;
+  /* A shared engine has one trailer callback: the first decode manager gets it. */
+  ds->fast = m->cfg.fast_completion && !kvf__engine_on_trailer(m->engine, decode_on_trailer, m);
   if (pthread_create(&ds->hb, NULL, heartbeat_main, m)) {
+    if (ds->fast) kvf__engine_off_trailer(m->engine, m);
     m->decode = NULL;
     goto fail;
   }
@@ -1068,6 +1110,7 @@ fail:
 void decode_stop(kvf_manager *m) {
   struct decode_state *ds = m->decode;
   if (!ds) return;
+  if (ds->fast) kvf__engine_off_trailer(m->engine, m); /* returns once no trailer is being handled */
   if (ds->hb_started) {
     pthread_mutex_lock(&ds->hb_lock);
     ds->hb_stop = 1;

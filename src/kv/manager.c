@@ -32,7 +32,6 @@
 #define MANAGER_MAC_LABEL "kvferry-control-mac-v1"
 #define MANAGER_MAC_WINDOW_S 300 /* clock skew and delivery delay accepted, seconds */
 _Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
-#define MANAGER_MAX_RECV_FRAMES (WIRE_MAX_FRAMES + 1) /* the largest message and its MAC */
 
 typedef struct manager_push {
   pthread_mutex_t lock;
@@ -56,6 +55,7 @@ void kvf_manager_config_init(kvf_manager_config *cfg) {
   cfg->queue_size = 4;
   cfg->http_timeout_ms = 5000;
   cfg->max_rooms = 0;
+  cfg->fast_completion = 1;
 }
 
 static const kvf__field manager_fields[] = {
@@ -78,6 +78,7 @@ static const kvf__field manager_fields[] = {
     KVF__FIELD(kvf_manager_config, max_rooms, KVF__FIELD_SIZE),
     KVF__FIELD(kvf_manager_config, target_layer_num, KVF__FIELD_SIZE),
     KVF__FIELD(kvf_manager_config, control_token, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, fast_completion, KVF__FIELD_INT),
 };
 
 int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value) {
@@ -298,6 +299,56 @@ static const char *mac_check(const kvf_manager *m, const wire_frame *f, size_t n
   return NULL;
 }
 
+void kvf__manager_dispatch(kvf_manager *m, const wire_frame *frames, size_t n, size_t extra, const char *peer) {
+  if (m->ctl_keylen) {
+    const char *bad = extra ? "more frames than any message and its MAC" : mac_check(m, frames, n);
+    if (bad) {
+      manager_reject_forged(m, peer, "message", bad);
+      return;
+    }
+    n--; /* the codecs never see the MAC */
+  } else if (n > WIRE_MAX_FRAMES) {
+    n = WIRE_MAX_FRAMES; /* frames past the last one any message defines are ignored, as the spec says */
+  }
+  if (m->decode) decode_on_message(m, frames, n, peer);
+  else prefill_on_message(m, frames, n, peer);
+}
+
+/* Trailer layout: a 2-byte frame count, then per frame a 4-byte length and
+ * its bytes (little-endian, as the engine's framing). */
+size_t kvf__trailer_pack(const kvf_manager *m, const wire_msg *msg, unsigned char *out, size_t cap) {
+  unsigned char mac[MANAGER_MAC_LEN];
+  size_t nf = msg->nframes + (m->ctl_keylen ? 1 : 0), len = 2;
+  if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
+  if (cap < 2) return 0;
+  out[0] = (unsigned char)nf, out[1] = (unsigned char)(nf >> 8);
+  for (size_t i = 0; i < nf; i++) {
+    const unsigned char *d = i < msg->nframes ? msg->frames[i].data : mac;
+    uint32_t fl = (uint32_t)(i < msg->nframes ? msg->frames[i].len : MANAGER_MAC_LEN);
+    if (cap - len < 4 || cap - len - 4 < fl) return 0;
+    memcpy(out + len, &fl, 4);
+    if (fl) memcpy(out + len + 4, d, fl);
+    len += 4 + fl;
+  }
+  return len;
+}
+
+int kvf__trailer_unpack(const unsigned char *p, size_t len, wire_frame *f, size_t cap, size_t *n, size_t *extra) {
+  if (len < 2) return KVF_EPROTO;
+  size_t nf = (size_t)p[0] | (size_t)p[1] << 8, off = 2;
+  *n = *extra = 0;
+  for (size_t i = 0; i < nf; i++) {
+    uint32_t fl;
+    if (len - off < 4) return KVF_EPROTO;
+    memcpy(&fl, p + off, 4);
+    if (len - off - 4 < fl) return KVF_EPROTO;
+    if (*n < cap) f[(*n)++] = (wire_frame){p + off + 4, fl};
+    else (*extra)++;
+    off += 4 + fl;
+  }
+  return off == len && *n ? 0 : KVF_EPROTO;
+}
+
 /* ------------------------------------------------------------ PUSH cache */
 
 static int push_key(char *key, size_t cap, const char *host, uint16_t port) {
@@ -421,18 +472,7 @@ static void *listener_main(void *arg) {
     wire_frame frames[MANAGER_MAX_RECV_FRAMES];
     for (size_t i = 0; i < n; i++)
       frames[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
-    if (m->ctl_keylen) {
-      const char *bad = extra ? "more frames than any message and its MAC" : mac_check(m, frames, n);
-      if (bad) {
-        manager_reject_forged(m, peer, "message", bad);
-        continue;
-      }
-      n--; /* the codecs never see the MAC */
-    } else if (n > WIRE_MAX_FRAMES) {
-      n = WIRE_MAX_FRAMES; /* frames past the last one any message defines are ignored, as the spec says */
-    }
-    if (m->decode) decode_on_message(m, frames, n, peer);
-    else prefill_on_message(m, frames, n, peer);
+    kvf__manager_dispatch(m, frames, n, extra, peer);
   }
   for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_close(&parts[i]);
   return NULL;

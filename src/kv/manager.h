@@ -24,6 +24,7 @@
 typedef struct manager_counters {
   atomic_ullong messages_received, messages_malformed, messages_unknown_room;
   atomic_ullong chunks_sent, bytes_sent, heartbeat_failures, node_failures, messages_forged;
+  atomic_ullong completions_fast; /* decode: room completions taken from engine trailers */
 } manager_counters;
 
 /* Buffers as copied from kvf_kv_buffers, with the layer mapping resolved. */
@@ -93,6 +94,19 @@ void prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, cons
 int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg);
 /* Forget the cached PUSH socket to host:port (after the peer restarted). */
 void manager_push_forget(kvf_manager *m, const char *host, uint16_t port);
+
+/* A control message's frames (with `extra` more than fit) from `peer`:
+ * the MAC check when a control token is set, then the role's on_message.
+ * The listener's path, also taken by completions that ride the engine
+ * (decode). Any thread. */
+void kvf__manager_dispatch(kvf_manager *m, const wire_frame *frames, size_t n, size_t extra, const char *peer);
+/* An encoded message (and its MAC frame, with a control token) as an engine
+ * trailer: its length, or 0 when it does not fit in cap. Any thread. */
+size_t kvf__trailer_pack(const kvf_manager *m, const wire_msg *msg, unsigned char *out, size_t cap);
+/* A trailer's frames, pointing into p (at most cap; the rest counted in
+ * *extra); KVF_EPROTO when malformed. Any thread. */
+int kvf__trailer_unpack(const unsigned char *p, size_t len, wire_frame *f, size_t cap, size_t *n, size_t *extra);
+#define MANAGER_MAX_RECV_FRAMES (WIRE_MAX_FRAMES + 1) /* the largest message and its MAC */
 
 /* Log a malformed message once per (peer host, kind) and count it. */
 void manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason);

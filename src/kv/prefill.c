@@ -863,14 +863,38 @@ static void xfer_why(const pf_room *r, const wire_m2 *x, int rc, char *why, size
            (unsigned)x->dst_port, kvf_strerror(rc));
 }
 
+/* A room's completion as an engine trailer to destination x (docs/WIRE-
+ * EXTENSIONS.md, "completion rides the data"), when it may ride: x asked
+ * for it (M2 frame 15), x is the room's only real destination and needs no
+ * other, and the first token is known. Its length, or 0: the M3, which
+ * goes out either way, then completes the room alone. */
+static size_t completion_trailer(prefill_state *ps, int64_t room, const wire_m2 *x, size_t nreal, int64_t token,
+                                 const int32_t *cands, size_t ncand, unsigned char *out, size_t cap) {
+  if (!(x->features & WIRE_FEATURE_FAST_COMPLETION) || nreal != 1 || x->required_dst_info_num != 1 ||
+      token == PF_TOKEN_LATER)
+    return 0;
+  wire_m3 m3 = {.room = room, .status = ROOM_SUCCESS, .prefill_rank = ps->m->tp_rank, .bootstrap_token = token,
+                .candidates = wire_array_of(cands, cands ? ncand : 0)};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  if (wire_m3_encode(&m3, &msg, why)) return 0;
+  size_t len = kvf__trailer_pack(ps->m, &msg, out, cap);
+  wire_msg_free(&msg);
+  return len;
+}
+
 /* One chunk to one real destination, written and confirmed (worker path).
  * DEST_FAIL with a reason, or DEST_XFER_FAIL when the engine refused or
  * failed the write. */
-static int send_to_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, uint64_t *bytes,
-                        char *why, size_t whycap) {
+static int send_to_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, size_t nreal,
+                        uint64_t *bytes, char *why, size_t whycap) {
   int ret = plan_dest(ps, sc, c, info, why, whycap);
   if (ret != DEST_OK || !sc->nw) return ret;
-  int rc = kvf_engine_write(ps->m->engine, info->m2->session, sc->w, sc->nw);
+  unsigned char tb[KVF_ENGINE_MAX_TRAILER];
+  size_t tlen = c->is_last ? completion_trailer(ps, c->r->room, info->m2, nreal, c->token, c->cands, c->ncand, tb,
+                                                sizeof tb)
+                           : 0;
+  int rc = kvf__engine_write_trailer(ps->m->engine, info->m2->session, sc->w, sc->nw, tlen ? tb : NULL, tlen);
   if (rc) {
     xfer_why(c->r, info->m2, rc, why, whycap);
     return DEST_XFER_FAIL;
@@ -917,14 +941,15 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
   pthread_mutex_unlock(&ps->lock);
 
   uint64_t bytes = 0;
-  size_t ndone = 0, nreal = 0;
+  size_t ndone = 0, nreal = 0, nreal_all = 0;
   int ok = 1, counted = 0;
   char why[ROOMS_REASON_MAX];
+  for (size_t i = 0; i < n; i++) nreal_all += !infos[i]->m2->is_dummy;
   for (size_t i = 0; i < n && ok; i++) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
     nreal++;
-    int rc = send_to_dest(ps, sc, c, infos[i], &bytes, why, sizeof why);
+    int rc = send_to_dest(ps, sc, c, infos[i], nreal_all, &bytes, why, sizeof why);
     if (rc != DEST_OK) {
       fail_dest(ps, r, x, why, rc == DEST_XFER_FAIL);
       ok = 0; /* §6.11 step 5: stop processing this chunk */
@@ -1098,6 +1123,8 @@ static void direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
   dj->bytes = 0;
   atomic_store(&dj->failed, 0);
   atomic_store(&dj->left, 1); /* this thread's guard: no finish while submitting */
+  size_t nreal = 0;
+  for (size_t i = 0; i < dj->n; i++) nreal += !dj->d[i].info->m2->is_dummy;
   for (size_t i = 0; i < dj->n; i++) {
     const wire_m2 *x = dj->d[i].info->m2;
     if (x->is_dummy) continue;
@@ -1108,7 +1135,10 @@ static void direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
     }
     dj->bytes += writes_bytes(sc->w, sc->nw);
     atomic_fetch_add(&dj->left, 1);
-    int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, NULL, 0, direct_done, &dj->d[i]);
+    unsigned char tb[KVF_ENGINE_MAX_TRAILER];
+    size_t tlen = completion_trailer(ps, dj->r->room, x, nreal, dj->token, dj->cands, dj->ncand, tb, sizeof tb);
+    int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, tlen ? tb : NULL, tlen, direct_done,
+                                   &dj->d[i]);
     if (rc) {
       atomic_fetch_sub(&dj->left, 1);
       atomic_store(&dj->failed, 1);

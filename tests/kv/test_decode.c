@@ -267,9 +267,10 @@ static void happy_path(void **state) {
   int64_t pages[3] = {3, 4, 9};
   assert_int_equal(kvf_receiver_init(r, pages, 3, 7, 0, NULL, 0), 0);
   assert_int_equal(recv_raw(f->pull, &rm), 0);
-  assert_int_equal(rm.n, 12);
+  assert_int_equal(rm.n, 16); /* 12, frames 12-14 empty, 15: the fast-completion bit (on by default) */
   wire_m2 m2;
   assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+  assert_int_equal(m2.features, WIRE_FEATURE_FAST_COMPLETION);
   assert_int_equal(m2.room, 10);
   assert_int_equal(m2.dst_port, f->m->rank_port);
   assert_string_equal(m2.session, kvf_manager_session_id(f->m));
@@ -780,7 +781,7 @@ static void hetero_tp_fragments(void **state) {
   assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
   for (int i = 0; i < 2; i++) {
     assert_int_equal(recv_raw(f->pull, &rm), 0);
-    assert_int_equal(rm.n, 14);
+    assert_int_equal(rm.n, 16); /* the plan, an empty frame 14, the feature bits */
     wire_m2 m2;
     char why[WIRE_REASON_LEN];
     assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
@@ -877,7 +878,7 @@ static void token_major_needs_layout(void **state) {
       assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
       for (int i = 0; i < 2; i++) {
         assert_int_equal(recv_raw(f->pull, &rm), 0);
-        assert_int_equal(rm.n, 15);
+        assert_int_equal(rm.n, 16);
         wire_m2 m2;
         char why[WIRE_REASON_LEN];
         assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
