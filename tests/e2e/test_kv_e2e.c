@@ -117,6 +117,8 @@ typedef struct decode_side {
   kvpool pool;
 } decode_side;
 
+static int g_fast_completion = 1; /* next decode side: kvf_manager_config.fast_completion */
+
 static void decode_start_side(decode_side *d, double hb_interval, double waiting_s) {
   assert_int_equal(kvpool_init(&d->pool, LAYERS, PAGES, ITEM), 0);
   kvf_manager_config c;
@@ -126,6 +128,7 @@ static void decode_start_side(decode_side *d, double hb_interval, double waiting
   c.heartbeat_max_failures = 2;
   c.waiting_timeout_s = waiting_s;
   c.http_timeout_ms = 2000;
+  c.fast_completion = g_fast_completion;
   assert_int_equal(kvf_manager_create(&c, &d->pool.bufs, &d->m), 0);
 }
 
@@ -452,8 +455,44 @@ static void control_token_between_kvferry_peers(void **state) {
   kvf_manager_get_stats(d.m, &st);
   assert_int_equal(st.messages_forged, 0);
   assert_int_equal(st.messages_malformed, 0);
+  assert_true(atomic_load(&d.m->stats.completions_fast) > 0); /* the trailers carry the MAC too */
   proc_stop(&pp.p, 5000);
   decode_stop_side(&d);
+}
+
+/* Completion riding the data between two kvferry peers (on by default):
+ * every room, sent in one chunk or several, ends Success byte-exact with
+ * its token, each completed by the engine trailer behind its last bytes
+ * (but one whose last batch is too large to carry it, which its M3 ends);
+ * the M3s that follow are duplicates and change nothing. The same pair
+ * forced onto M3 only (the decode does not ask) completes every room too,
+ * with no trailer taken. */
+static void completion_rides_the_data(void **state) {
+  (void)state;
+  for (int fast = 1; fast >= 0; fast--) {
+    prefill_proc pp;
+    peer_prefill_start(&pp, 1, 1);
+    g_fast_completion = fast;
+    decode_side d;
+    decode_start_side(&d, 5, 60);
+    g_fast_completion = 1;
+    uint64_t rng = 31;
+    request r[13];
+    for (int i = 0; i < 12; i++) /* every third room in chunks of 2 pages */
+      begin(&d, &pp, &r[i], 5000 + i, 1 + (size_t)i * 2, &rng, i % 3 == 0 ? 2 : 0);
+    /* 40 pages of 16 KiB in one chunk: over the engine's split size, so
+     * the batch travels as several chunks and carries no trailer; the M3
+     * completes it. */
+    begin(&d, &pp, &r[12], 5012, 40, &rng, 0);
+    for (int i = 0; i < 13; i++) finish(&d, &r[i], 1);
+    kvf_manager_stats st;
+    kvf_manager_get_stats(d.m, &st);
+    assert_int_equal(st.messages_forged, 0);
+    assert_int_equal(st.messages_malformed, 0);
+    assert_int_equal(atomic_load(&d.m->stats.completions_fast), fast ? 12 : 0);
+    proc_stop(&pp.p, 5000);
+    decode_stop_side(&d);
+  }
 }
 
 /* A request the prefill never sends ends Failed at the waiting timeout. */
@@ -540,6 +579,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(two_hundred_requests_byte_exact_dp2),
       cmocka_unit_test(killed_prefill_fails_its_rooms_other_keeps_serving),
+      cmocka_unit_test(completion_rides_the_data),
       cmocka_unit_test(waiting_timeout_fires),
       cmocka_unit_test_teardown(dead_prefill_detected_while_bootstrap_lives, kill_strays),
       cmocka_unit_test_teardown(silent_bootstrap_condemns_no_live_prefill, kill_strays),

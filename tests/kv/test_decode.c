@@ -22,6 +22,7 @@
 
 #include "base/clock.h"
 #include "bootstrap/bootstrap.h"
+#include "engine/async.h"
 #include "kv/manager.h"
 #include "kvferry.h"
 #include "wire/messages.h"
@@ -237,7 +238,95 @@ static uint64_t wait_counter(fixture *f, size_t offset, uint64_t want, double li
   }
 }
 
+/* The fake prefill's engine writes `len` bytes of `src` to the decode's K
+ * buffer at page `page`, with an M3 for `room` behind them as a completion
+ * trailer (packed as a kvferry prefill packs it; `garble` breaks it). */
+static int write_with_completion(fixture *f, kvf_engine *eng, const uint8_t *src, int64_t page, int64_t room,
+                                 int64_t token, int garble) {
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)(f->kbuf + page * ITEM), .len = ITEM};
+  wire_m3 m3 = {.room = room, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = token};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  unsigned char tb[KVF_ENGINE_MAX_TRAILER];
+  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  size_t tlen = kvf__trailer_pack(f->m, &msg, tb, sizeof tb);
+  wire_msg_free(&msg);
+  assert_true(tlen > 0);
+  if (garble) tb[0] = 0xff; /* a frame count past the bytes */
+  return kvf__engine_write_trailer(eng, kvf_manager_session_id(f->m), &w, 1, tb, tlen);
+}
+
 /* ---------------------------------------------------------------- tests */
+
+/* Completion riding the data (M2 frame 15): a trailer before the room's M2
+ * went out (early, or forged: nobody was asked) and a malformed one never
+ * make the room Success; a good one after the M2 does, with its token, and
+ * the M3 that still follows is a harmless duplicate. */
+static void completion_trailer_rules(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  kvf_engine *eng = NULL;
+  kvf_engine_config ec;
+  kvf_engine_config_init(&ec);
+  ec.auth_token = "";
+  assert_int_equal(kvf_engine_create(&ec, &eng), 0);
+  uint8_t *src = malloc(ITEM);
+  for (int i = 0; i < ITEM; i++) src[i] = (uint8_t)(i * 5 + 3);
+  assert_int_equal(kvf_engine_register(eng, src, ITEM), 0);
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 30, &r), 0);
+  raw_msg rm;
+  assert_int_equal(recv_raw(f->pull, &rm), 0); /* M1 */
+  raw_free(&rm);
+  kvf_manager_stats s0, s;
+  stats(f, &s0);
+
+  /* Early: the bytes land (the decode's memory is registered), the
+   * completion does not count. */
+  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 5, 0), 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  stats(f, &s);
+  assert_int_equal(s.messages_forged, s0.messages_forged + 1);
+  assert_int_equal(f->m->stats.completions_fast, 0);
+
+  int64_t pages[1] = {2};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  assert_int_equal(recv_raw(f->pull, &rm), 0); /* M2, asking for the fast completion */
+  wire_m2 m2;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+  assert_int_equal(m2.features, WIRE_FEATURE_FAST_COMPLETION);
+  wire_m2_free(&m2);
+  raw_free(&rm);
+  int waiting = kvf_receiver_poll(r);
+  assert_true(waiting != KVF_POLL_SUCCESS && waiting != KVF_POLL_FAILED);
+
+  /* Malformed: rejected, no Success. */
+  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 5, 1), 0);
+  assert_int_equal(kvf_receiver_poll(r), waiting);
+  stats(f, &s);
+  assert_int_equal(s.messages_malformed, s0.messages_malformed + 1);
+  /* For another room: not live, nothing happens to this one. */
+  assert_int_equal(write_with_completion(f, eng, src, 2, 31, 5, 0), 0);
+  assert_int_equal(kvf_receiver_poll(r), waiting);
+
+  /* Good: Success with no M3, once the bytes are in place. */
+  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 77, 0), 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
+  assert_int_equal(f->m->stats.completions_fast, 1);
+  assert_memory_equal(f->kbuf + 2 * ITEM, src, ITEM);
+  send_m3(f, 30, WIRE_STATUS_SUCCESS, 0, 77, NULL, 0); /* the M3 still comes: a duplicate */
+  usleep(50000);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
+  int64_t tok = 0;
+  size_t nc = 1;
+  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &nc), 0);
+  assert_int_equal(tok, 77);
+  kvf_receiver_destroy(r);
+  kvf_engine_destroy(eng);
+  free(src);
+  teardown(f);
+}
 
 static void happy_path(void **state) {
   (void)state;
@@ -955,6 +1044,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(shared_engine_register_failure),
       cmocka_unit_test(happy_path),
+      cmocka_unit_test(completion_trailer_rules),
       cmocka_unit_test(failed_m3),
       cmocka_unit_test(malformed_and_unknown),
       cmocka_unit_test(waiting_timeout_fires),
