@@ -274,6 +274,7 @@ typedef struct rooms_case {
   size_t pages;
   int inflight;
   int rooms;
+  int m3_only; /* through a decode that completes rooms by M3 only, as against a tokenspeed prefill */
   double rooms_per_s, p50_us, p99_us;
   double wakeups_per_room; /* library thread wake-ups, both processes, per room */
 } rooms_case;
@@ -477,7 +478,7 @@ static int bench_rooms(const bench_opts *o) {
   if (proc_start(&peer, argv)) return 1;
   char line[400], baddr[300];
   kvpool pool;
-  kvf_manager *m = NULL;
+  kvf_manager *m = NULL, *m3only = NULL;
   int rc = 1;
   if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready %299s", baddr) != 1) {
     fprintf(stderr, "bench rooms: the prefill peer did not start\n");
@@ -490,23 +491,29 @@ static int bench_rooms(const bench_opts *o) {
   mc.role = KVF_ROLE_DECODE;
   if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
   rooms_case cases[] = {
-      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0, 0},
-      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0, 0},
-      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0, 0},
-      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0, 0},
+      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0, 0, 0},
+      {"rooms_1page_inflight1_m3_only", 1, 1, o->quick ? 300 : 2000, 1, 0, 0, 0, 0},
+      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0, 0, 0},
+      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0, 0, 0},
+      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0, 0, 0},
   };
   size_t nc = sizeof cases / sizeof cases[0];
   if (o->room_pages) { /* a single custom case replaces the standard ones */
     int n = o->rooms > 0 ? o->rooms : o->quick ? 100 : 1000;
-    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0, 0};
+    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0, 0, 0};
     nc = 1;
   }
   int64_t base = 1;
-  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0};
+  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0, 0};
   if (bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
+  mc.fast_completion = 0;
+  if (kvf_manager_create(&mc, &pool.bufs, &m3only)) goto out_mgr;
+  warm.m3_only = 1;
+  if (bench_rooms_case(m3only, &pool, &peer, baddr, &warm, base)) goto out_mgr;
+  base += warm.rooms;
   for (size_t i = 0; i < nc; i++) {
-    if (bench_rooms_case(m, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;
+    if (bench_rooms_case(cases[i].m3_only ? m3only : m, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;
     base += cases[i].rooms;
   }
   if (o->json) {
@@ -532,6 +539,7 @@ static int bench_rooms(const bench_opts *o) {
   }
   rc = 0;
 out_mgr:
+  kvf_manager_destroy(m3only);
   kvf_manager_destroy(m);
 out_pool:
   kvpool_free(&pool);
