@@ -438,10 +438,16 @@ static void *listener_main(void *arg) {
   zmq_msg_t parts[MANAGER_MAX_RECV_FRAMES];
   for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_init(&parts[i]);
   while (!atomic_load(&m->stopping)) {
-    zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
-    int r = zmq_poll(&pi, 1, 100);
-    if (r <= 0) continue;
-    kvf__wake_count();
+    /* Messages already queued are taken without a poll (and without going
+     * back to sleep): one wake-up drains a burst. */
+    int events = 0;
+    size_t elen = sizeof events;
+    if (zmq_getsockopt(m->pull, ZMQ_EVENTS, &events, &elen) || !(events & ZMQ_POLLIN)) {
+      zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
+      int r = zmq_poll(&pi, 1, 100);
+      if (r <= 0) continue;
+      kvf__wake_count();
+    }
     size_t n = 0, extra = 0;
     int more = 1;
     char peer[64] = "?";
