@@ -105,7 +105,7 @@
 #define PF_EXPIRE_PER_MSG 4    /* idle early rooms dropped per M2 at most */
 #define PF_MAX_PENDING 65536   /* chunks waiting on one room for its M2s */
 #define PF_QUEUE_MAX 65536     /* chunks in one worker FIFO */
-#define PF_DIRECT_MAX_BYTES (256u << 10) /* a room's only chunk up to this size skips the worker */
+#define PF_DIRECT_MAX_BYTES (16u << 20) /* a room's only chunk up to this size skips the worker */
 #define PF_DIRECT_MAX_DESTS 8  /* ... when it has at most this many destinations */
 #define PF_DIRECT_SLOTS 256    /* direct chunks in flight per prefill rank */
 #define PF_DIRECT_DRAIN_MS 120000 /* stop: wait this long for direct chunks' engine callbacks */
