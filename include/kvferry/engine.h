@@ -50,6 +50,8 @@ typedef struct kvf_engine_stats {
   uint64_t auth_refused;       /* target side: peers refused for a wrong or missing secret */
   uint64_t protocol_errors;    /* target side: malformed frames (connection dropped) */
   uint64_t conns_refused;      /* target side: over max_inbound_conns */
+  uint64_t conns_timed_out;    /* target side: dropped at the hello or chunk deadline */
+  uint64_t conns_evicted;      /* target side: idle or unauthenticated, closed to make room */
 } kvf_engine_stats;
 
 /* Fill `cfg` with defaults (environment overrides are applied at create). */
