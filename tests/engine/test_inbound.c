@@ -77,6 +77,7 @@ typedef struct flood {
   int complete_hello; /* 1: send a whole hello then idle; 0: trickle a hello */
   double run_s;
   atomic_int stop;
+  atomic_int ready; /* every connection is open */
   int opened, closed;
   double last_close; /* seconds after start */
   int fds[FLOOD];
@@ -90,6 +91,11 @@ static int peer_closed(int fd) {
   return 0; /* a hello reply: still open */
 }
 
+static void wait_ready(flood *f) {
+  while (!atomic_load(&f->ready)) usleep(10000);
+  usleep(300000); /* and accepted */
+}
+
 static void *flood_main(void *arg) {
   flood *f = arg;
   int *fds = f->fds;
@@ -101,6 +107,7 @@ static void *flood_main(void *arg) {
     if (fds[i] >= 0) f->opened++;
     if (fds[i] >= 0 && f->complete_hello) send(fds[i], &hello, sizeof hello, MSG_NOSIGNAL);
   }
+  atomic_store(&f->ready, 1);
   while (!atomic_load(&f->stop) && now_s() - t0 < f->run_s) {
     int trickle = !f->complete_hello && now_s() >= next_byte && sent < (int)sizeof hello - 1;
     for (int i = 0; i < FLOOD; i++) {
@@ -135,7 +142,7 @@ static void trickled_hellos_cannot_hold_slots(void **state) {
   flood f = {.port = kvf_engine_port(target), .complete_hello = 0, .run_s = HELLO_DEADLINE_S + 3};
   pthread_t th;
   pthread_create(&th, NULL, flood_main, &f);
-  usleep(500000); /* the flood is connected */
+  wait_ready(&f);
   for (int i = 1; i <= 5; i++) {
     assert_int_equal(legit_write(target, buf + 64 * i, (unsigned char)i, "tok"), 0);
     usleep(700000);
@@ -162,7 +169,7 @@ static void idle_connections_evicted_for_writers(void **state) {
   flood f = {.port = kvf_engine_port(target), .complete_hello = 1, .run_s = 3};
   pthread_t th;
   pthread_create(&th, NULL, flood_main, &f);
-  usleep(800000);
+  wait_ready(&f);
   for (int i = 1; i <= 3; i++) assert_int_equal(legit_write(target, buf + 64 * i, (unsigned char)(10 + i), NULL), 0);
   pthread_join(th, NULL);
   kvf_engine_stats st;
