@@ -73,8 +73,11 @@ uint16_t kvf_engine_port(const kvf_engine *engine);
 /* Register [addr, addr+len) so peers may write into it and local writes may
  * read from it. Overlapping an existing region is KVF_EEXIST. Any thread. */
 int kvf_engine_register(kvf_engine *engine, void *addr, size_t len);
-/* Unregister the region that starts at addr. KVF_ENOTFOUND if none. Waits for
- * writes into the region that are in progress. Any thread. */
+/* Unregister the region that starts at addr. KVF_ENOTFOUND if none. A peer's
+ * write into the region that is in progress is cut short (its batch is
+ * refused with KVF_ERANGE); this waits only until that receiver lets go, about
+ * 100 ms at most, and no byte lands in the region after it returns. Register
+ * never waits on a peer. Any thread. */
 int kvf_engine_unregister(kvf_engine *engine, void *addr);
 
 /* Write `n` blocks to the engine named by `session` ("host:port") and wait
