@@ -44,6 +44,8 @@
 /* Every blocking receive ends within a tick, so overall deadlines (a batch's,
  * a hello's, an inbound chunk's) and unregisters are noticed in time. */
 #define TCP_READER_TICK_MS 100
+/* Attempts to evict a connection that keeps changing state under us. */
+#define TCP_EVICT_TRIES 8
 
 typedef struct tcp_state tcp_state;
 
@@ -850,9 +852,9 @@ out:
  * out. Order: the oldest still in its hello, then the oldest idle one that
  * never sent a chunk, then the one idle longest. A connection inside a chunk
  * is never chosen. Caller holds in_lock; 1 if one was evicted. */
-static int evict_one_locked(tcp_state *t) {
+static tcp_inbound *pick_victim_locked(tcp_state *t, int *phase_out) {
   tcp_inbound *victim = NULL;
-  int vrank = 0, vphase = 0;
+  int vrank = 0;
   int64_t vkey = 0;
   for (tcp_inbound *in = t->inbound; in; in = in->next) {
     int ph = atomic_load(&in->phase), rank;
@@ -860,9 +862,22 @@ static int evict_one_locked(tcp_state *t) {
     if (ph == IN_HELLO) rank = 0, key = in->accepted_ns;
     else if (ph == IN_IDLE) rank = atomic_load(&in->chunks) ? 2 : 1, key = atomic_load(&in->idle_since_ns);
     else continue;
-    if (!victim || rank < vrank || (rank == vrank && key < vkey)) victim = in, vrank = rank, vkey = key, vphase = ph;
+    if (!victim || rank < vrank || (rank == vrank && key < vkey)) victim = in, vrank = rank, vkey = key, *phase_out = ph;
   }
-  if (!victim || !atomic_compare_exchange_strong(&victim->phase, &vphase, IN_EVICTED)) return 0;
+  return victim;
+}
+
+static int evict_one_locked(tcp_state *t) {
+  tcp_inbound *victim = NULL;
+  /* The victim's own thread may move it on meanwhile (its hello done, a
+   * chunk begun): then look again. */
+  for (int tries = 0; !victim && tries < TCP_EVICT_TRIES; tries++) {
+    int phase = 0;
+    victim = pick_victim_locked(t, &phase);
+    if (!victim) return 0;
+    if (!atomic_compare_exchange_strong(&victim->phase, &phase, IN_EVICTED)) victim = NULL;
+  }
+  if (!victim) return 0;
   shutdown(victim->fd, SHUT_RDWR);
   t->n_evicted++;
   atomic_fetch_add(&t->e->stats.conns_evicted, 1);
