@@ -142,13 +142,16 @@ static void *flood_main(void *arg) {
 }
 
 static void probes_answered(kvf_bootstrap_server *srv, double for_s) {
-  double t0 = now_s();
+  double t0 = now_s(), worst = 0;
   int n = 0;
   while (now_s() - t0 < for_s) {
+    double t1 = now_s();
     assert_int_equal(request(srv, "GET", "/health", NULL), 200);
+    if (now_s() - t1 > worst) worst = now_s() - t1;
     n++;
     usleep(200000);
   }
+  printf("/health under the flood: %d probes, slowest %.1f ms (bound %d ms)\n", n, worst * 1e3, PROBE_TIMEOUT_MS);
   assert_true(n >= 3);
   assert_int_equal(request(srv, "PUT", "/route", PUT_BODY), 200);
   assert_int_equal(request(srv, "GET", "/route?engine_rank=0&target_dp_group=0", NULL), 200);
@@ -201,6 +204,7 @@ static void trickling_client_cut_at_the_deadline(void **state) {
   pthread_t th;
   pthread_create(&th, NULL, flood_main, f);
   pthread_join(th, NULL);
+  printf("trickling HTTP clients: %d of 10 cut, the last after %.2f s (deadline 2 s)\n", f->closed, f->last_close);
   assert_int_equal(f->closed, 10);
   assert_true(f->last_close > 1.5 && f->last_close < 3.5);
   assert_int_equal(metric(srv, "kvferry_bootstrap_errors_total{kind=\"slow\"}"), 10);
