@@ -7,7 +7,8 @@
  * connection itself — each request must be complete within a deadline from
  * the connection's start or the previous reply (a guard thread shuts down the
  * ones that are not), and when the slots are nearly all taken a new
- * connection evicts the oldest one still waiting for its request headers. The
+ * connection evicts the oldest one still waiting for its request headers, or
+ * else the oldest request still in progress. The
  * routing table is sized once, from the first registration's world size
  * (bounded by the PUT parser), and never grows afterwards; a mutex guards it
  * because the public API promises nothing about which thread MHD calls us on.
@@ -42,7 +43,8 @@
 /* How often the guard thread looks for connections past their deadline. */
 #define GUARD_TICK_MS 200
 /* Connections kept free for newcomers: at this many free slots or fewer, a
- * new connection evicts the oldest one still waiting for its headers. */
+ * new connection evicts the oldest one still waiting for its headers (or,
+ * if none, the oldest request in progress). */
 #define MIN_FREE_SLOTS 8
 
 /* Rejection kinds, the label values of kvferry_bootstrap_errors_total. */
@@ -368,7 +370,7 @@ static void cut_locked(kvf_bootstrap_server *srv, conn_track *c, int kind) {
   if (log_first_time(log_hash_str(err_names[kind], 0xb0c1ULL)))
     LOG_WARN(COMP, "%s (further such connections are only counted in /metrics)",
              kind == ERR_SLOW ? "closed a connection whose request was not complete within the deadline"
-                              : "connection slots nearly full: closed the oldest connection still sending headers");
+                              : "connection slots nearly full: closed the oldest connection still sending a request");
 }
 
 static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
@@ -390,10 +392,16 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
       *socket_context = c;
     }
     if (srv->nconns + MIN_FREE_SLOTS > srv->max_conns) {
-      conn_track *victim = NULL;
-      for (conn_track *o = srv->conns.next; o != &srv->conns; o = o->next)
-        if (o != c && !o->in_request && !o->cut && (!victim || o->since_ns < victim->since_ns)) victim = o;
-      if (victim) cut_locked(srv, victim, ERR_EVICTED);
+      /* The oldest still waiting for headers; failing that, the oldest
+       * request (a body or a reply that trickles: a live one takes
+       * milliseconds). Either way the deadline would cut it soon. */
+      conn_track *victim = NULL, *busy = NULL;
+      for (conn_track *o = srv->conns.next; o != &srv->conns; o = o->next) {
+        if (o == c || o->cut) continue;
+        conn_track **best = o->in_request ? &busy : &victim;
+        if (!*best || o->since_ns < (*best)->since_ns) *best = o;
+      }
+      if (victim || busy) cut_locked(srv, victim ? victim : busy, ERR_EVICTED);
     }
   } else if (c) {
     c->prev->next = c->next;

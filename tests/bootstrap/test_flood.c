@@ -101,6 +101,7 @@ static uint64_t metric(kvf_bootstrap_server *srv, const char *name) {
 typedef struct flood {
   uint16_t port;
   int half_open, trickling;
+  const char *opening; /* what a half-open connection sends; default a request line */
   double period_s, run_s;
   int opened, closed;
   double last_close;
@@ -116,7 +117,8 @@ static void *flood_main(void *arg) {
     f->fds[i] = raw_connect(f->port);
     if (f->fds[i] < 0) continue;
     f->opened++;
-    if (i < f->half_open) send(f->fds[i], "GET /health HTTP/1.1\r\n", 22, MSG_NOSIGNAL);
+    const char *opening = f->opening ? f->opening : "GET /health HTTP/1.1\r\n";
+    if (i < f->half_open) send(f->fds[i], opening, strlen(opening), MSG_NOSIGNAL);
   }
   while (now_s() - t0 < f->run_s) {
     int tick = now_s() >= next && sent < sizeof TRICKLE - 1;
@@ -192,6 +194,25 @@ static void flood_over_the_limit_evicts_the_oldest(void **state) {
   free(f);
 }
 
+/* The same with requests whose headers are complete but whose body never
+ * comes: with no connection left waiting for headers, the oldest request in
+ * progress makes room. */
+static void stalled_bodies_over_the_limit_evict_the_oldest(void **state) {
+  (void)state;
+  kvf_bootstrap_server *srv = start(64, 0);
+  flood *f = calloc(1, sizeof *f);
+  *f = (flood){.port = kvf_bootstrap_server_port(srv), .half_open = 200, .trickling = 0, .run_s = 3,
+               .opening = "PUT /route HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{"};
+  pthread_t th;
+  pthread_create(&th, NULL, flood_main, f);
+  usleep(1000000);
+  probes_answered(srv, 1.0);
+  pthread_join(th, NULL);
+  assert_true(f->closed >= 200 - 64);
+  kvf_bootstrap_server_stop(srv);
+  free(f);
+}
+
 /* MHD's own timeout is an idle timeout: a byte every 0.3 s would hold the
  * connection forever. The request deadline (here idle_timeout_s = 2) cuts
  * it however busy it keeps. */
@@ -216,6 +237,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(flood_does_not_starve_health_or_route),
       cmocka_unit_test(flood_over_the_limit_evicts_the_oldest),
+      cmocka_unit_test(stalled_bodies_over_the_limit_evict_the_oldest),
       cmocka_unit_test(trickling_client_cut_at_the_deadline),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
