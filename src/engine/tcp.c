@@ -39,8 +39,6 @@
 #define TCP_IOV_BATCH 512
 #define TCP_INLINE_MAX_BYTES (1u << 20)
 #define TCP_MAX_SESSIONS 4096
-/* The whole hello (header and token) must arrive this soon after accept. */
-#define TCP_HELLO_DEADLINE_MS 5000
 /* Every blocking receive ends within a tick, so overall deadlines (a batch's,
  * a hello's, an inbound chunk's) and unregisters are noticed in time. */
 #define TCP_READER_TICK_MS 100
