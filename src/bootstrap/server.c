@@ -42,9 +42,9 @@
 #define REQUEST_DEADLINE_S 10
 /* How often the guard thread looks for connections past their deadline. */
 #define GUARD_TICK_MS 200
-/* Connections kept free for newcomers: at this many free slots or fewer, a
- * new connection evicts the oldest one still waiting for its headers (or,
- * if none, the oldest request in progress). */
+/* Connections kept free for newcomers: at this many free slots or fewer (an
+ * eighth of max_conns at most), a new connection evicts the oldest one still
+ * waiting for its headers (or, if none, the oldest request in progress). */
 #define MIN_FREE_SLOTS 8
 
 /* Rejection kinds, the label values of kvferry_bootstrap_errors_total. */
@@ -56,7 +56,7 @@ enum {
   ERR_UNAUTHORIZED,
   ERR_CONFLICT,
   ERR_SLOW,    /* connection shut down at the request deadline */
-  ERR_EVICTED, /* connection waiting for headers, closed to make room */
+  ERR_EVICTED, /* connection closed to make room for a new one */
   ERR_NKINDS
 };
 static const char *const err_names[ERR_NKINDS] = {"bad_request",  "not_found", "method", "too_large",
@@ -99,7 +99,7 @@ struct kvf_bootstrap_server {
   pthread_mutex_t conns_lock;
   pthread_cond_t guard_cv;
   conn_track conns; /* list head; scans are O(open connections), at most max_conns */
-  unsigned nconns, max_conns;
+  unsigned nconns, max_conns, free_slots; /* free_slots: see MIN_FREE_SLOTS */
   int64_t deadline_ns;
   int stopping;
   pthread_t guard;
@@ -391,7 +391,7 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
       srv->nconns++;
       *socket_context = c;
     }
-    if (srv->nconns + MIN_FREE_SLOTS > srv->max_conns) {
+    if (srv->nconns + srv->free_slots > srv->max_conns) {
       /* The oldest still waiting for headers; failing that, the oldest
        * request (a body or a reply that trickles: a live one takes
        * milliseconds). Either way the deadline would cut it soon. */
@@ -611,6 +611,8 @@ int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg_in, kvf_bo
   pthread_condattr_destroy(&ca);
   srv->conns.next = srv->conns.prev = &srv->conns;
   srv->max_conns = cfg.max_conns;
+  srv->free_slots = cfg.max_conns / 8 < MIN_FREE_SLOTS ? cfg.max_conns / 8 : MIN_FREE_SLOTS;
+  if (srv->free_slots < 1) srv->free_slots = 1;
   unsigned deadline_s = cfg.idle_timeout_s < REQUEST_DEADLINE_S ? cfg.idle_timeout_s : REQUEST_DEADLINE_S;
   srv->deadline_ns = (int64_t)deadline_s * 1000000000LL;
   if (pthread_create(&srv->guard, NULL, guard_main, srv)) {
