@@ -18,6 +18,7 @@
 #include "base/addr.h"
 #include "cli/pattern.h"
 #include "cli/peer.h"
+#include "engine/async.h"
 #include "engine/engine_internal.h"
 #include "kvferry.h"
 
@@ -381,10 +382,68 @@ static void chunking_covers_every_byte(void **state) {
   assert_int_equal(total, (3u << 20) + 500000);
 }
 
+/* Completion trailers (engine/async.h), two engines in this process: the
+ * target's callback gets the trailer once the bytes before it are in place,
+ * with the writer's IP; a batch too large for one chunk carries none; a
+ * second callback on one engine is refused; after off, nothing is called. */
+typedef struct trailer_seen {
+  const uint8_t *dst, *want;
+  size_t len;
+  int calls, bytes_in_place;
+  char data[64], peer[64];
+} trailer_seen;
+
+static void on_trailer(void *arg, const unsigned char *data, size_t len, const char *peer) {
+  trailer_seen *t = arg;
+  t->calls++;
+  t->bytes_in_place = !memcmp(t->dst, t->want, t->len);
+  snprintf(t->data, sizeof t->data, "%.*s", (int)len, (const char *)data);
+  snprintf(t->peer, sizeof t->peer, "%s", peer);
+}
+
+static void trailer_after_bytes(void **state) {
+  (void)state;
+  enum { LEN = 64 << 10, BIG = 2 << 20 };
+  kvf_engine *a = NULL, *b = NULL;
+  kvf_engine_config c;
+  kvf_engine_config_init(&c);
+  c.auth_token = "";
+  assert_int_equal(kvf_engine_create(&c, &a), 0);
+  assert_int_equal(kvf_engine_create(&c, &b), 0);
+  uint8_t *src = malloc(BIG), *dst = calloc(1, BIG);
+  for (size_t i = 0; i < BIG; i++) src[i] = (uint8_t)(i * 7 + 1);
+  assert_int_equal(kvf_engine_register(a, src, BIG), 0);
+  assert_int_equal(kvf_engine_register(b, dst, BIG), 0);
+  trailer_seen t = {.dst = dst, .want = src, .len = LEN};
+  assert_int_equal(kvf__engine_on_trailer(b, on_trailer, &t), 0);
+  assert_int_equal(kvf__engine_on_trailer(b, on_trailer, NULL), KVF_EEXIST);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)dst, .len = LEN};
+  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, "room 7 done", 11), 0);
+  assert_int_equal(t.calls, 1); /* before the ack, so before the write returned */
+  assert_true(t.bytes_in_place);
+  assert_string_equal(t.data, "room 7 done");
+  assert_string_equal(t.peer, "127.0.0.1");
+  w.len = BIG; /* split over connections: no trailer */
+  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, "late", 4), 0);
+  assert_int_equal(t.calls, 1);
+  assert_memory_equal(dst, src, BIG);
+  kvf__engine_off_trailer(b, &t);
+  w.len = LEN;
+  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, "after off", 9), 0);
+  assert_int_equal(t.calls, 1);
+  unsigned char big[KVF_ENGINE_MAX_TRAILER + 1] = {0};
+  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, big, sizeof big), KVF_EINVAL);
+  kvf_engine_destroy(a);
+  kvf_engine_destroy(b);
+  free(src);
+  free(dst);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(scattered_pages_land_byte_exact, setup, teardown),
+      cmocka_unit_test(trailer_after_bytes),
       cmocka_unit_test_setup_teardown(large_block_split_across_connections, setup, teardown),
       cmocka_unit_test_setup_teardown(outside_registered_memory_refused_untouched, setup, teardown),
       cmocka_unit_test_setup_teardown(unregistered_source_rejected_locally, setup, teardown),
