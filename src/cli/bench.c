@@ -64,6 +64,7 @@ typedef struct bench_opts {
   int inflight;      /* batches in flight */
   const char *plot;  /* --plot FILE.png */
   double layer_ms;   /* --layer-ms: layerwise compute per layer; < 0 = the measured transfer per layer */
+  int idle_compute;  /* --idle-compute: layerwise "compute" sleeps instead of busy work */
 } bench_opts;
 
 /* Baseline: one blocking TCP stream over loopback, 1 MiB writes, to a child
@@ -659,7 +660,7 @@ typedef struct lw_run {
 } lw_run;
 
 static int lw_request(kvf_manager *m, kvpool *pool, proc *peer, const char *baddr, int64_t room, size_t npages,
-                      double layer_ms, int per_layer, lw_run *out) {
+                      double layer_ms, int per_layer, int idle, lw_run *out) {
   kvf_receiver *rx = NULL;
   uint64_t rng = 0x9e3779b97f4a7c15ULL ^ (uint64_t)room;
   int64_t *pages = malloc(npages * sizeof *pages);
@@ -675,8 +676,8 @@ static int lw_request(kvf_manager *m, kvpool *pool, proc *peer, const char *badd
    * well before the prefill's forward pass ends. */
   double until = cli_now_s() + 60;
   usleep(20000);
-  fprintf(peer->in, "layerwise %lld %zu %lld %d 7\n", (long long)room, npages, (long long)(layer_ms * 1000),
-          per_layer);
+  fprintf(peer->in, "layerwise %lld %zu %lld %d 7 %d\n", (long long)room, npages, (long long)(layer_ms * 1000),
+          per_layer, idle);
   fflush(peer->in);
   while ((st != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED) || !got_lw || !got_done) {
     if (cli_now_s() > until) goto out;
@@ -715,11 +716,11 @@ static int cmp_lw_success(const void *a, const void *b) {
 /* `runs` requests of one mode; the run with the median time from the end of
  * the compute to Success. */
 static int lw_case(kvf_manager *m, kvpool *pool, proc *peer, const char *baddr, int64_t *room, size_t npages,
-                   double layer_ms, int per_layer, int runs, lw_run *med) {
+                   double layer_ms, int per_layer, int idle, int runs, lw_run *med) {
   lw_run r[16];
   if (runs > 16) runs = 16;
   for (int i = 0; i < runs; i++)
-    if (lw_request(m, pool, peer, baddr, (*room)++, npages, layer_ms, per_layer, &r[i])) return -1;
+    if (lw_request(m, pool, peer, baddr, (*room)++, npages, layer_ms, per_layer, idle, &r[i])) return -1;
   qsort(r, (size_t)runs, sizeof r[0], cmp_lw_success);
   *med = r[runs / 2];
   return 0;
@@ -757,14 +758,14 @@ static int bench_layerwise(const bench_opts *o) {
   lw_run warm, alone, whole, lw;
   /* Warm-up (connections, first touch), then the transfer alone: the whole
    * request sent with no compute before it. */
-  if (lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, 1, &warm) ||
-      lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, runs, &alone))
+  if (lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, 0, 1, &warm) ||
+      lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, 0, runs, &alone))
     goto out_mgr;
   double transfer_s = alone.success - alone.last_send;
   /* Default: compute per layer = transfer per layer, as measured. */
   double layer_ms = o->layer_ms >= 0 ? o->layer_ms : transfer_s * 1e3 / E2E_LAYERS;
-  if (lw_case(m, &pool, &peer, baddr, &room, npages, layer_ms, 0, runs, &whole) ||
-      lw_case(m, &pool, &peer, baddr, &room, npages, layer_ms, 1, runs, &lw))
+  if (lw_case(m, &pool, &peer, baddr, &room, npages, layer_ms, 0, o->idle_compute, runs, &whole) ||
+      lw_case(m, &pool, &peer, baddr, &room, npages, layer_ms, 1, o->idle_compute, runs, &lw))
     goto out_mgr;
   double compute_s = lw.compute_end - lw.compute_start;
   double whole_after = whole.success - whole.compute_end, lw_after = lw.success - lw.compute_end;
@@ -779,16 +780,17 @@ static int bench_layerwise(const bench_opts *o) {
            "\"layer_ms\":%.3f,\"compute_ms\":%.2f,\"transfer_alone_ms\":%.2f,\"transfer_per_layer_ms\":%.3f,"
            "\"whole_success_after_compute_ms\":%.2f,\"whole_time_to_success_ms\":%.2f,"
            "\"layerwise_success_after_last_layer_ms\":%.2f,\"layerwise_time_to_success_ms\":%.2f,"
-           "\"hidden_fraction\":%.3f,\"baseline_rtt_us\":%.1f,"
+           "\"hidden_fraction\":%.3f,\"baseline_rtt_us\":%.1f,\"compute\":\"%s\","
            "\"after_last_layer_over_layer_plus_rtt\":%.2f}\n",
            tokens, E2E_LAYERS, (unsigned long long)bytes, runs, layer_ms, compute_s * 1e3, transfer_s * 1e3,
            layer_xfer_ms, whole_after * 1e3, whole_ttft * 1e3, lw_after * 1e3, lw_ttft * 1e3, hidden, rtt_us,
-           lw_after * 1e3 / (layer_xfer_ms + rtt_us / 1e3));
+           o->idle_compute ? "sleep" : "busy", lw_after * 1e3 / (layer_xfer_ms + rtt_us / 1e3));
   } else {
     printf("layerwise: one llama-3.1-8b request of %zu tokens (%d layers, %llu MiB), prefill computing each layer\n"
-           "for %.3f ms of busy work (default: the transfer time per layer measured below); median of %d runs\n",
-           tokens, E2E_LAYERS, (unsigned long long)(bytes >> 20), layer_ms, runs);
-    printf("compute (all layers)               %10.2f ms\n", compute_s * 1e3);
+           "for %.3f ms (%s; default: the transfer time per layer measured below); median of %d runs\n",
+           tokens, E2E_LAYERS, (unsigned long long)(bytes >> 20), layer_ms,
+           o->idle_compute ? "sleeping, as a GPU leaves the CPU free" : "busy work on a CPU core", runs);
+    printf("compute (all layers, %s)        %10.2f ms\n", o->idle_compute ? "sleep" : "busy ", compute_s * 1e3);
     printf("transfer alone (no compute)        %10.2f ms  (%.3f ms per layer; ZeroMQ round trip %.1f us)\n",
            transfer_s * 1e3, layer_xfer_ms, rtt_us);
     printf("whole after the last layer:  Success %8.2f ms after the compute, %8.2f ms after its start\n",
@@ -923,6 +925,7 @@ static void usage(void) {
          "                     [--pool SIZE]  engine: pool per side, also the baseline's (default 256M)\n"
          "                     [--layer-ms MS]  layerwise: compute per layer (default: the measured transfer\n"
          "                                      time per layer); layerwise is not part of the default three\n"
+         "                     [--idle-compute]  layerwise: the compute sleeps (a GPU's) instead of busy work\n"
          "       kvferry bench --plot FILE.png [--quick]        (needs gnuplot)\n");
 }
 
@@ -940,11 +943,12 @@ int cli_bench(int argc, char **argv) {
                                        {"per-batch", required_argument, 0, 'P'},
                                        {"plot", required_argument, 0, 'p'},
                                        {"layer-ms", required_argument, 0, 'L'},
+                                       {"idle-compute", no_argument, 0, 'I'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
   unsigned long long v;
-  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:M:N:L:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:M:N:L:Ih", opts, NULL)) != -1) {
     switch (c) {
       case 'N':
         o.rooms = atoi(optarg);
@@ -959,6 +963,7 @@ int cli_bench(int argc, char **argv) {
         if (o.room_pages < 1 || o.room_pages > 4096) return usage(), 2;
         break;
       case 'q': o.quick = 1; break;
+      case 'I': o.idle_compute = 1; break;
       case 'L':
         o.layer_ms = atof(optarg);
         if (!(o.layer_ms >= 0 && o.layer_ms <= 10000)) return usage(), 2;

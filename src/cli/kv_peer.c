@@ -17,11 +17,12 @@
  * (GQA with fewer KV heads than ranks; MLA: --kv-heads = --heads).
  * With --mla the pools are MLA pools (kvpool_init_mla): one latent buffer per
  * layer, page_size tokens of `unit` bytes a page, the same on every rank.
- *   layerwise <room> <npages> <layer-us> <per-layer 0|1> <token>
+ *   layerwise <room> <npages> <layer-us> <per-layer 0|1> <token> [sleep 0|1]
  *       (benchmarks, one TP rank) a request whose prefill "computes" each
  *       KV layer for layer-us of busy work; per-layer 1 sends each layer's
  *       KV as soon as it is computed (KVF_SEND_LAYERS, the last with the
- *       token), 0 sends the whole request after the last layer; prints
+ *       token), 0 sends the whole request after the last layer; sleep 1
+ *       waits instead of busy work (a GPU's compute leaves the CPU free); prints
  *       `lw <room> <compute-start-ns> <compute-end-ns>` once sent
  *   wakeups
  *       prints `wakeups <n>`: the library's thread wake-ups in this process
@@ -109,7 +110,11 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
 
 /* Busy work until `end_ns` (CLOCK_MONOTONIC): a stand-in for a layer's
  * forward pass that keeps this core busy, as a GPU launch thread would. */
-static void busy_until(long long end_ns, uint64_t *acc) {
+static void busy_until(long long end_ns, uint64_t *acc, int sleep) {
+  for (long long now; sleep && (now = cli_now_ns()) < end_ns;) {
+    struct timespec ts = {(end_ns - now) / 1000000000LL, (end_ns - now) % 1000000000LL};
+    nanosleep(&ts, NULL);
+  }
   while (cli_now_ns() < end_ns)
     for (int i = 0; i < 256; i++) *acc = *acc * 6364136223846793005ULL + 1442695040888963407ULL;
 }
@@ -117,7 +122,7 @@ static void busy_until(long long end_ns, uint64_t *acc) {
 /* The `layerwise` command: compute layer by layer, sending each layer's KV
  * when it is done (per_layer) or the whole request after the last. */
 static int start_layerwise(peer_req *r, kvf_manager *m, kvpool *pool, size_t layers, long long layer_us,
-                           int per_layer, long long token, uint64_t *rng) {
+                           int per_layer, long long token, int sleep, uint64_t *rng) {
   r->pages[0] = malloc((r->npages ? r->npages : 1) * sizeof *r->pages[0]);
   if (!r->pages[0] || kvpool_take(pool, r->npages, rng, r->pages[0])) {
     free(r->pages[0]);
@@ -129,7 +134,7 @@ static int start_layerwise(peer_req *r, kvf_manager *m, kvpool *pool, size_t lay
   uint64_t acc = 1;
   long long t0 = cli_now_ns();
   for (size_t l = 0; l < layers; l++) {
-    busy_until(t0 + (long long)(l + 1) * layer_us * 1000, &acc);
+    busy_until(t0 + (long long)(l + 1) * layer_us * 1000, &acc, sleep);
     if (!per_layer && l + 1 < layers) continue;
     kvf_send_params p;
     kvf_send_params_init(&p);
@@ -272,10 +277,11 @@ int cli_kv_peer(int argc, char **argv) {
         *nl = 0;
         long long room, npages, token, layer_us;
         unsigned long long seed;
-        int chunk = 0, state = 0, per_layer;
+        int chunk = 0, state = 0, per_layer, sleep = 0;
         if (!strcmp(line, "quit")) eof = 1;
         else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf__wake_total());
-        else if (sscanf(line, "layerwise %lld %lld %lld %d %lld", &room, &npages, &layer_us, &per_layer, &token) == 5 &&
+        else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
+                        &sleep) >= 5 &&
                  npages > 0 && layer_us >= 0 && o.world == 1) {
           peer_req *r = NULL;
           for (int i = 0; i < PEER_MAX_REQS && !r; i++)
@@ -287,7 +293,7 @@ int cli_kv_peer(int argc, char **argv) {
             r->npages = (size_t)npages;
             r->nranks = 1;
             r->state_slot = -1;
-            if (start_layerwise(r, mgr[0], &pools[0], (size_t)o.layers, layer_us, per_layer, token, &rng))
+            if (start_layerwise(r, mgr[0], &pools[0], (size_t)o.layers, layer_us, per_layer, token, sleep, &rng))
               finish_req(r, pools, 0, "cannot-start");
           }
         }
