@@ -286,8 +286,11 @@ typedef struct kvf_send_params {
 KVF_API void kvf_send_params_init(kvf_send_params *p);
 
 /* Submit a chunk (see kvf_send_params). A chunk sent before the decode's M2
- * arrived waits for it (bounded by the bootstrap timeout). Never blocks:
- * chunks are queued to the transfer workers; poll for the outcome.
+ * arrived waits for it (bounded by the bootstrap timeout). Does not wait
+ * for the transfer: a room's only chunk (up to 16 MiB, its M2s in) is
+ * planned and handed to the engine on this thread, which may put a small
+ * one on the socket itself; other chunks are queued to the transfer
+ * workers; poll for the outcome.
  * Errors: KVF_EINVAL (NULL array with a count, unknown flag, TOKEN_LATER
  * without LAST, bootstrap_token < -1, layer_begin > layer_end or layer_end
  * past the KV layer count, a params struct not set up by
