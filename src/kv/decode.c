@@ -104,7 +104,9 @@ typedef struct hb_peer {
 
 struct decode_state {
   int fast; /* this manager holds the engine's trailer callback: M2s ask for the fast completion */
-  pthread_mutex_t lock; /* guards infos, pools, next_epoch */
+  pthread_mutex_t lock; /* guards infos, pools, next_epoch, spare */
+  struct kvf_receiver *spare; /* destroyed receivers kept for the next rooms (DECODE_SPARE_MAX) */
+  size_t nspare;
   smap infos;           /* bootstrap addr -> addr_entry */
   smap pools;           /* pool key -> pool_entry (one reference held by the map) */
   uint64_t next_epoch;
@@ -139,6 +141,7 @@ struct kvf_receiver {
   /* Set just before the M2s go out when they ask for the fast completion:
    * only then may a completion come in an engine trailer. */
   atomic_int asked_fast;
+  struct kvf_receiver *next_spare; /* on ds->spare once destroyed */
 };
 
 /* ------------------------------------------------------------ helpers */
@@ -489,17 +492,40 @@ cleanup:
 
 /* ------------------------------------------------------------ receiver */
 
+#define DECODE_SPARE_MAX 4096 /* destroyed receivers kept for reuse: no allocation per room */
+
+static kvf_receiver *receiver_take(struct decode_state *ds) {
+  pthread_mutex_lock(&ds->lock);
+  kvf_receiver *r = ds->spare;
+  if (r) ds->spare = r->next_spare, ds->nspare--;
+  pthread_mutex_unlock(&ds->lock);
+  if (r) memset(r, 0, sizeof *r);
+  return r ? r : calloc(1, sizeof *r);
+}
+
+static void receiver_give(struct decode_state *ds, kvf_receiver *r) {
+  pthread_mutex_lock(&ds->lock);
+  int keep = ds->nspare < DECODE_SPARE_MAX;
+  if (keep) {
+    r->next_spare = ds->spare;
+    ds->spare = r;
+    ds->nspare++;
+  }
+  pthread_mutex_unlock(&ds->lock);
+  if (!keep) free(r);
+}
+
 int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out) {
   if (!m || !m->decode || !bootstrap_addr || !out) return KVF_EINVAL;
   if (!*bootstrap_addr || strlen(bootstrap_addr) >= DECODE_ADDR_MAX) return KVF_EINVAL;
-  kvf_receiver *r = calloc(1, sizeof *r);
+  kvf_receiver *r = receiver_take(m->decode);
   if (!r) return KVF_ENOMEM;
   r->m = m;
   r->room = room;
   snprintf(r->addr, sizeof r->addr, "%s", bootstrap_addr);
   int rc = rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
   if (rc) {
-    free(r);
+    receiver_give(m->decode, r);
     return rc;
   }
   rooms_set_user(m->rooms, room, r);
@@ -619,7 +645,7 @@ void kvf_receiver_destroy(kvf_receiver *r) {
   if (!r) return;
   rooms_clear(r->m->rooms, r->room, NULL);
   pool_unref(r->pool);
-  free(r);
+  receiver_give(r->m->decode, r);
 }
 
 /* ------------------------------------------------------------ listener */
@@ -1062,6 +1088,11 @@ static void free_state(struct decode_state *ds) {
   map_iter_init(&it);
   while (smap_next(&ds->hb_peers, &it, NULL, &v)) hb_peer_free(v);
   smap_free(&ds->hb_peers);
+  while (ds->spare) {
+    kvf_receiver *r = ds->spare;
+    ds->spare = r->next_spare;
+    free(r);
+  }
   free(ds->lay_start), free(ds->lay_bufs);
   free(ds->d_kv_item), free(ds->d_kv_unit), free(ds->d_state_item), free(ds->d_state_unit);
   pthread_mutex_destroy(&ds->lock);

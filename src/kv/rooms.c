@@ -30,13 +30,20 @@ typedef struct room_entry {
   char *reason;
   void *user;
   int64_t init_time_ns;
+  struct room_entry *next_spare;
 } room_entry;
+
+/* Cleared entries kept, zeroed, for the next rooms (no allocation per room
+ * once the table has seen its working set). */
+#define ROOMS_SPARE_MAX 4096
 
 struct rooms {
   pthread_mutex_t mu;
   map m;
   size_t max_rooms;
   rooms_stats st;
+  room_entry *spare;
+  size_t nspare;
 };
 
 static int status_valid(int s) { return s >= ROOM_FAILED && s <= ROOM_STATUS_MAX; }
@@ -82,6 +89,11 @@ void rooms_table_free(rooms *t, void (*free_user)(void *)) {
     if (free_user && e->user) free_user(e->user);
     entry_free(e);
   }
+  while (t->spare) {
+    room_entry *e = t->spare;
+    t->spare = e->next_spare;
+    free(e);
+  }
   map_free(&t->m);
   pthread_mutex_destroy(&t->mu);
   free(t);
@@ -95,15 +107,20 @@ static int insert(rooms *t, int64_t room, int status) {
     t->st.rejected_full++;
     return KVF_ENOMEM;
   }
-  room_entry *e = calloc(1, sizeof *e);
-  if (!e) return KVF_ENOMEM;
+  room_entry *e = t->spare;
+  if (e) {
+    t->spare = e->next_spare, t->nspare--;
+    e->next_spare = NULL;
+  } else if (!(e = calloc(1, sizeof *e))) {
+    return KVF_ENOMEM;
+  }
   e->status = status;
   e->pending_token = -1;
   e->final_token = -1;
   e->init_time_ns = -1;
   int rc = map_put(&t->m, (uint64_t)room, e, NULL);
   if (rc != 0) {
-    free(e);
+    free(e); /* zeroed but for the three fields above: nothing else to free */
     return rc;
   }
   t->st.created++;
@@ -434,14 +451,27 @@ int rooms_set_init_time(rooms *t, int64_t room, int64_t ns) {
 
 int rooms_clear(rooms *t, int64_t room, void **user) {
   void *v = NULL;
+  room_entry held = {0};
   pthread_mutex_lock(&t->mu);
   int found = map_del(&t->m, (uint64_t)room, &v);
-  if (found) t->st.cleared++;
+  room_entry *e = v;
+  if (found) {
+    t->st.cleared++;
+    held = *e;
+    if (t->nspare < ROOMS_SPARE_MAX) { /* kept zeroed for the next room */
+      memset(e, 0, sizeof *e);
+      e->next_spare = t->spare;
+      t->spare = e;
+      t->nspare++;
+      e = NULL;
+    }
+  }
   pthread_mutex_unlock(&t->mu);
   if (!found) return KVF_ENOTFOUND;
-  room_entry *e = v;
-  if (user) *user = e->user;
-  entry_free(e); /* outside the lock: the entry is unreachable now */
+  if (user) *user = held.user;
+  /* outside the lock: what the entry held is unreachable now */
+  free(held.resp_hi), free(held.pending_cands), free(held.final_cands), free(held.reason);
+  free(e);
   return 0;
 }
 
