@@ -28,7 +28,10 @@
  * the room by id is made under ps->lock after checking `dead`, so a room id
  * reused by a new sender is never touched by an old chunk. Transfer infos
  * are reference counted too, because a repeated M2 replaces one while a
- * worker may be using it. Lock order: ps->lock, then a queue's lock, then
+ * worker may be using it. Room and sender records that nothing refers to
+ * any more are kept (PF_SPARE_ROOMS each) and reused, and the planning
+ * arrays are per worker and grow-only, so a warm manager allocates per room
+ * only the M2's copy and the engine's batch. Lock order: ps->lock, then a queue's lock, then
  * the room table's internal lock. Nothing that blocks (engine writes, M3
  * sends) runs under ps->lock.
  *
@@ -108,6 +111,7 @@
 #define PF_DIRECT_MAX_BYTES (16u << 20) /* a room's only chunk up to this size skips the worker */
 #define PF_DIRECT_MAX_DESTS 8  /* ... when it has at most this many destinations */
 #define PF_DIRECT_SLOTS 256    /* direct chunks in flight per prefill rank */
+#define PF_SPARE_ROOMS 4096    /* unreferenced room records kept for reuse */
 #define PF_DIRECT_DRAIN_MS 120000 /* stop: wait this long for direct chunks' engine callbacks */
 
 typedef struct pf_reg { /* one decode registration (M1) */
@@ -188,6 +192,7 @@ typedef struct pf_room {
   pf_dest *park; /* the completed destinations, NULL when not parked */
   size_t npark;
   int64_t landed_ns;
+  struct pf_room *next_spare; /* on ps->room_spare once unreferenced */
 } pf_room;
 
 typedef struct pf_queue {
@@ -208,6 +213,7 @@ struct kvf_sender {
   int64_t room;
   int64_t curr; /* next index_slice start (§6.2) */
   int last_sent;
+  struct kvf_sender *next_spare; /* on ps->sender_spare once destroyed */
 };
 
 /* One destination of a direct chunk: the engine callback's argument. */
@@ -242,6 +248,10 @@ typedef struct prefill_state {
   pthread_mutex_t direct_lock;
   pf_scratch direct_sc;
   uint64_t *layer_bytes; /* n_layers + 1: KV bytes per page of layers [0, l) */
+  pf_room *room_spare; /* unreferenced rooms kept for reuse (room_new), under lock */
+  size_t nroom_spare;
+  kvf_sender *sender_spare; /* destroyed senders' records, under lock */
+  size_t nsender_spare;
   smap regs;   /* session -> pf_reg */
   map rooms;   /* room id -> pf_room */
   size_t nearly;
@@ -272,19 +282,45 @@ static void info_unref(pf_info *i) {
   }
 }
 
+/* ps->lock held: an empty room, a spare one when there is (its infos
+ * array kept), so rooms cost no allocation once warm. NULL without memory. */
+static pf_room *room_new(prefill_state *ps) {
+  pf_room *r = ps->room_spare;
+  if (!r) return calloc(1, sizeof *r);
+  ps->room_spare = r->next_spare;
+  ps->nroom_spare--;
+  pf_info **infos = r->infos;
+  size_t cap = r->cap;
+  memset(r, 0, sizeof *r);
+  r->infos = infos, r->cap = cap;
+  return r;
+}
+
+/* ps->lock held: a room nothing refers to any more (its contents released),
+ * kept as a spare (PF_SPARE_ROOMS) or freed; NULL ok. */
+static void room_drop(prefill_state *ps, pf_room *r) {
+  if (!r) return;
+  if (ps->nroom_spare < PF_SPARE_ROOMS) {
+    r->next_spare = ps->room_spare;
+    ps->room_spare = r;
+    ps->nroom_spare++;
+    return;
+  }
+  free(r->infos);
+  free(r);
+}
+
 /* ps->lock held. */
 static void room_unref(prefill_state *ps, pf_room *r) {
-  (void)ps;
   if (--r->refs > 0) return;
   for (size_t i = 0; i < r->ninfos; i++) info_unref(r->infos[i]);
-  free(r->infos);
   free(r->meta_cands);
   free(r->park);
   for (pf_chunk *c = r->pend_head, *n; c; c = n) {
     n = c->next;
     chunk_free(c);
   }
-  free(r);
+  room_drop(ps, r);
 }
 
 /* ps->lock held: drop a chunk and the room reference it holds. */
@@ -342,14 +378,14 @@ static void send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n) 
  * to the same decode spread over all workers. The failed-session mark is
  * shared, so a dead session is still seen by every worker at once. */
 static int room_shard(prefill_state *ps, pf_room *r) {
-  const char **s = calloc(r->ninfos ? r->ninfos : 1, sizeof *s);
+  const char *small[PF_DIRECT_MAX_DESTS], **s = small;
   int shard = 0;
-  if (!s) return 0;
+  if (r->ninfos > PF_DIRECT_MAX_DESTS && !(s = calloc(r->ninfos, sizeof *s))) return 0;
   for (size_t i = 0; i < r->ninfos; i++) s[i] = r->infos[i]->m2->session;
   if (plan_queue_shard(s, r->ninfos, ps->nqueues, &shard)) shard = 0;
   uint64_t h = (uint64_t)r->room * 0x9e3779b97f4a7c15ULL;
   shard = (int)(((uint64_t)shard + (h >> 32)) % (uint64_t)ps->nqueues);
-  free(s);
+  if (s != small) free(s);
   return shard;
 }
 
@@ -531,9 +567,9 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     const char *full = reg->nearly >= PF_MAX_EARLY_PER_SESSION ? "from this decode session"
                        : ps->nearly >= PF_MAX_EARLY            ? "from all decode sessions"
                                                                : NULL;
-    if (full || !(r = calloc(1, sizeof *r)) || map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
+    if (full || !(r = room_new(ps)) || map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
+      room_drop(ps, r);
       pthread_mutex_unlock(&ps->lock);
-      free(r);
       atomic_fetch_add(&m->stats.messages_unknown_room, 1);
       snprintf(why, sizeof why, "prefill rank %d refused the transfer request: %s requests %s wait for their sender "
                "(limit %d per session, %d in all)", m->cfg.engine_rank, full ? "too many" : "out of memory:",
@@ -1279,6 +1315,17 @@ static void free_state(prefill_state *ps) {
   map_free(&ps->rooms);
   free(ps->kv_start), free(ps->kv_bufs), free(ps->st_start), free(ps->st_bufs);
   free(ps->stl_start), free(ps->stl_bufs);
+  while (ps->room_spare) {
+    pf_room *r = ps->room_spare;
+    ps->room_spare = r->next_spare;
+    free(r->infos);
+    free(r);
+  }
+  while (ps->sender_spare) {
+    kvf_sender *s = ps->sender_spare;
+    ps->sender_spare = s->next_spare;
+    free(s);
+  }
   free(ps->layer_bytes), free(ps->direct_pool);
   scratch_free(&ps->direct_sc);
   pthread_cond_destroy(&ps->direct_cv);
@@ -1382,19 +1429,34 @@ void prefill_stop(kvf_manager *m) {
 
 /* ----------------------------------------------------------------- sender */
 
+/* ps->lock held: keep a sender's record for the next room (PF_SPARE_ROOMS). */
+static void sender_drop_locked(prefill_state *ps, kvf_sender *s) {
+  if (ps->nsender_spare >= PF_SPARE_ROOMS) {
+    free(s);
+    return;
+  }
+  s->next_spare = ps->sender_spare;
+  ps->sender_spare = s;
+  ps->nsender_spare++;
+}
+
 int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
   if (!m || !out || !m->prefill) return KVF_EINVAL;
   prefill_state *ps = m->prefill;
-  kvf_sender *s = calloc(1, sizeof *s);
-  if (!s) return KVF_ENOMEM;
+  pthread_mutex_lock(&ps->lock);
+  kvf_sender *s = ps->sender_spare; /* a destroyed sender's record, when there is one */
+  if (s) ps->sender_spare = s->next_spare, ps->nsender_spare--;
+  pthread_mutex_unlock(&ps->lock);
+  if (s) memset(s, 0, sizeof *s);
+  else if (!(s = calloc(1, sizeof *s))) return KVF_ENOMEM;
   pthread_mutex_lock(&ps->lock);
   pf_room *r = map_get(&ps->rooms, (uint64_t)room);
   int rc = r && r->has_sender ? KVF_EEXIST : 0;
   if (!rc) rc = rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
   if (rc) goto err_unlock;
   if (!r) {
-    if (!(r = calloc(1, sizeof *r)) || map_put(&ps->rooms, (uint64_t)room, r, NULL)) {
-      free(r);
+    if (!(r = room_new(ps)) || map_put(&ps->rooms, (uint64_t)room, r, NULL)) {
+      room_drop(ps, r);
       rooms_clear(m->rooms, room, NULL);
       rc = KVF_ENOMEM;
       goto err_unlock;
@@ -1415,8 +1477,8 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
   return 0;
 
 err_unlock:
+  sender_drop_locked(ps, s);
   pthread_mutex_unlock(&ps->lock);
-  free(s);
   return rc;
 }
 
@@ -1679,6 +1741,6 @@ void kvf_sender_destroy(kvf_sender *s) {
     c = n;
   }
   room_unref(ps, r); /* the map's reference; queued chunks keep theirs */
+  sender_drop_locked(ps, s);
   pthread_mutex_unlock(&ps->lock);
-  free(s);
 }
