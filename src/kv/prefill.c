@@ -31,7 +31,8 @@
  * worker may be using it. Room and sender records that nothing refers to
  * any more are kept (PF_SPARE_ROOMS each) and reused, and the planning
  * arrays are per worker and grow-only, so a warm manager allocates per room
- * only the M2's copy and the engine's batch. Lock order: ps->lock, then a queue's lock, then
+ * only the M2's copy, a queued chunk's copy (worker path) and the engine's batch.
+ * Lock order: ps->lock, then a queue's lock, then
  * the room table's internal lock. Nothing that blocks (engine writes, M3
  * sends) runs under ps->lock.
  *
