@@ -106,9 +106,10 @@ int regions_remove(region_table *t, uint64_t base) {
 void kvf__region_pin(region *r) { atomic_fetch_add(&r->pins, 1); }
 
 void kvf__region_unpin(region_table *t, region *r) {
-  if (atomic_fetch_sub(&r->pins, 1) != 1 || !atomic_load(&r->revoked)) return;
+  /* Under pin_lock: once the last pin is gone the remover (which checks
+   * the count under this lock) may free r, so r is not read after. */
   pthread_mutex_lock(&t->pin_lock);
-  pthread_cond_broadcast(&t->pin_cv);
+  if (atomic_fetch_sub(&r->pins, 1) == 1 && atomic_load(&r->revoked)) pthread_cond_broadcast(&t->pin_cv);
   pthread_mutex_unlock(&t->pin_lock);
 }
 
