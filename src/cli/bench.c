@@ -340,11 +340,11 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
             kvf_receiver_init(s->rx, s->pages, c->pages, 0, 0, NULL, 0))
           goto out;
         fprintf(peer->in, "send %lld %zu 0 7 0\n", (long long)s->room, c->pages);
-        fflush(peer->in);
         s->active = 1;
         progress = 1;
       }
     }
+    fflush(peer->in); /* one write for the rooms started this turn */
     char line[512];
     /* The peer's `done` lines lag our Success; read them only when some are
      * due, so an idle loop does not pay a poll() per turn. */
