@@ -339,7 +339,10 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
         if (kvf_receiver_create(m, baddr, s->room, &s->rx) || kvpool_take(pool, c->pages, &rng, s->pages) ||
             kvf_receiver_init(s->rx, s->pages, c->pages, 0, 0, NULL, 0))
           goto out;
-        fprintf(peer->in, "send %lld %zu 0 7 0\n", (long long)s->room, c->pages);
+        /* One in flight: the prefill sends once the M2 is there (wait-m2),
+         * so the latency is the transfer's and the completion's, not the
+         * M2's race with this command. */
+        fprintf(peer->in, "send %lld %zu 0 7 0 0 %d\n", (long long)s->room, c->pages, c->inflight == 1);
         s->active = 1;
         progress = 1;
       }

@@ -4,7 +4,7 @@
  * pool). It prints
  *   ready <bootstrap-host:port>
  * and takes commands on stdin:
- *   send <room> <npages> <seed> <token> [chunk] [state]
+ *   send <room> <npages> <seed> <token> [chunk] [state] [wait-m2]
  *       every TP rank of DP group room % dp creates a sender, fills npages
  *       scattered pages with the request's pattern and sends them in chunks
  *       (the last carries the token and the candidates token+1, token+2);
@@ -35,6 +35,7 @@
  * It exits on EOF of stdin, so a test that dies takes its peer with it. */
 #include <getopt.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,7 +70,7 @@ typedef struct peer_opts {
 } peer_opts;
 
 static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed,
-                         long long token, int chunk, uint64_t *rng) {
+                         long long token, int chunk, int wait_m2, uint64_t *rng) {
   for (int i = 0; i < r->nranks; i++) {
     int rank = r->rank0 + i;
     r->pages[i] = malloc((r->npages ? r->npages : 1) * sizeof *r->pages[i]);
@@ -84,6 +85,11 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
     if (seed) kvpool_fill(&pools[rank], r->room, r->pages[i], r->npages, seed); /* seed 0: benchmarks, no pattern */
     if (r->state_slot >= 0) kvpool_fill_state(&pools[rank], r->room, r->state_slot, seed);
     if (kvf_sender_create(mgr[rank], r->room, &r->tx[i])) return -1;
+    /* wait_m2 (benchmarks): send once the decode's M2 is here, as when a
+     * forward pass outlasts the decode's request; at most a second. */
+    for (long long until = cli_now_ns() + 1000000000LL;
+         wait_m2 && kvf_sender_poll(r->tx[i]) == KVF_POLL_BOOTSTRAPPING && cli_now_ns() < until;)
+      sched_yield(); /* leave the core to the threads delivering the M2 */
     int32_t cands[2] = {(int32_t)token + 1, (int32_t)token + 2};
     size_t step = chunk > 0 ? (size_t)chunk : r->npages;
     if (step == 0) step = 1;
@@ -277,7 +283,7 @@ int cli_kv_peer(int argc, char **argv) {
         *nl = 0;
         long long room, npages, token, layer_us;
         unsigned long long seed;
-        int chunk = 0, state = 0, per_layer, sleep = 0;
+        int chunk = 0, state = 0, wait_m2 = 0, per_layer, sleep = 0;
         if (!strcmp(line, "quit")) eof = 1;
         else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf__wake_total());
         else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
@@ -297,7 +303,7 @@ int cli_kv_peer(int argc, char **argv) {
               finish_req(r, pools, 0, "cannot-start");
           }
         }
-        else if (sscanf(line, "send %lld %lld %llu %lld %d %d", &room, &npages, &seed, &token, &chunk, &state) >= 4 &&
+        else if (sscanf(line, "send %lld %lld %llu %lld %d %d %d", &room, &npages, &seed, &token, &chunk, &state, &wait_m2) >= 4 &&
                  npages >= 0) {
           peer_req *r = NULL;
           for (int i = 0; i < PEER_MAX_REQS && !r; i++)
@@ -310,7 +316,7 @@ int cli_kv_peer(int argc, char **argv) {
             r->rank0 = (int)(((room % o.dp) + o.dp) % o.dp) * tp;
             r->nranks = tp;
             r->state_slot = state && o.nstate ? (int64_t)((size_t)(r - reqs) % PEER_STATE_SLOTS) : -1;
-            if (start_senders(r, mgr, pools, seed, token, chunk, &rng)) finish_req(r, pools, 0, "cannot-start");
+            if (start_senders(r, mgr, pools, seed, token, chunk, wait_m2, &rng)) finish_req(r, pools, 0, "cannot-start");
           }
         } else {
           printf("error bad command\n");
