@@ -471,6 +471,9 @@ static double bench_zmq_rtt_us(int rounds) {
 
 static int bench_rooms(const bench_opts *o) {
   double rtt_us = bench_zmq_rtt_us(2000);
+  /* For the many-page cases: one cache-hot TCP stream's bandwidth, so
+   * ideal_us = room bytes / that + one ZeroMQ round trip. */
+  double hot_gbps = bench_tcp_baseline(o->quick ? 64ull << 20 : 256ull << 20, 1 << 20);
   const char *exe = getenv("KVFERRY_CLI");
   if (!exe || !*exe) exe = proc_self_exe();
   char pages[32], layers[16], item[16];
@@ -523,18 +526,22 @@ static int bench_rooms(const bench_opts *o) {
   if (o->json) {
     printf("{\"bench\":\"rooms\",\"model\":{\"layers\":%d,\"page_bytes_per_buffer\":%d,\"buffers\":%d},"
            "\"baseline\":\"ZeroMQ PUSH/PULL round trip between two processes\",\"baseline_rtt_us\":%.1f,"
-           "\"cases\":[",
-           ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS, rtt_us);
-    for (size_t i = 0; i < nc; i++)
+           "\"baseline_hot_tcp_gbps\":%.3f,\"cases\":[",
+           ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS, rtt_us, hot_gbps);
+    for (size_t i = 0; i < nc; i++) {
+      double ideal = hot_gbps > 0 ? cases[i].pages * ROOMS_ITEM * 2.0 * ROOMS_LAYERS / (hot_gbps * 1e3) + rtt_us : 0;
       printf("%s{\"name\":\"%s\",\"rooms\":%d,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
-             "\"p50_over_zmq_rtt\":%.2f,\"wakeups_per_room\":%.2f}",
+             "\"p50_over_zmq_rtt\":%.2f,\"wakeups_per_room\":%.2f,\"ideal_us\":%.1f,\"p50_over_ideal\":%.2f}",
              i ? "," : "", cases[i].name, cases[i].rooms, cases[i].rooms_per_s, cases[i].p50_us, cases[i].p99_us,
-             rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room);
+             rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room, ideal,
+             ideal > 0 ? cases[i].p50_us / ideal : 0);
+    }
     printf("]}\n");
   } else {
     printf("rooms through the KV managers (prefill in a child process, %d layers, %d B pages x %d buffers)\n",
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS);
-    printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us\n", rtt_us);
+    printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us; one cache-hot TCP stream\n"
+           "          %.2f GB/s (ideal = room bytes / that + one round trip)\n", rtt_us, hot_gbps);
     printf("%-28s %8s %12s %10s %10s %12s %10s\n", "case", "rooms", "rooms/s", "p50 us", "p99 us", "p50/zmq rtt",
            "wakeups/room");
     for (size_t i = 0; i < nc; i++)
