@@ -20,7 +20,7 @@ typedef struct kvf_batch kvf_batch;
 typedef struct kvf_engine_config {
   const char *host;        /* address to listen on and advertise; default "127.0.0.1" */
   uint16_t port;           /* 0 = any free port (default) */
-  const char *transport;   /* "tcp" (default) */
+  const char *transport;   /* "tcp", "ucx" or "auto"; NULL = $KVFERRY_TRANSPORT, else "auto" (see README) */
   const char *auth_token;  /* shared secret peers must present; NULL = $KVFERRY_AUTH_TOKEN, "" = none */
   int timeout_ms;          /* batch deadline; default 30000, env KVFERRY_TIMEOUT_MS */
   int conns_per_peer;      /* parallel TCP connections per remote session; default 2, env KVFERRY_CONNS_PER_PEER */
@@ -50,6 +50,8 @@ typedef struct kvf_engine_stats {
   uint64_t auth_refused;       /* target side: peers refused for a wrong or missing secret */
   uint64_t protocol_errors;    /* target side: malformed frames (connection dropped) */
   uint64_t conns_refused;      /* target side: over max_inbound_conns */
+  uint64_t peers_ucx;          /* writer side: peers routed over UCX (auto/ucx) */
+  uint64_t peers_tcp;          /* writer side: peers routed over kvferry's TCP by auto */
 } kvf_engine_stats;
 
 /* Fill `cfg` with defaults (environment overrides are applied at create). */
@@ -105,6 +107,25 @@ void kvf_engine_sync(kvf_engine *engine);
 
 /* Copy the engine's counters into *out. Any thread. */
 void kvf_engine_get_stats(const kvf_engine *engine, kvf_engine_stats *out);
+
+/* The transports this library was built with: "tcp" or "tcp,ucx". Static
+ * string. Any thread. */
+const char *kvf_engine_transports(void);
+/* The engine's transport: "tcp", or "ucx" (which also runs TCP for peers
+ * that auto routes there). Owned by the library. Any thread. */
+const char *kvf_engine_transport(const kvf_engine *engine);
+/* Which transport batches to `session` use and why, e.g. "ucx: same host:
+ * UCX shared memory", into out (cap bytes, NUL-terminated). KVF_ENOTFOUND
+ * before the first batch to that peer. Any thread. */
+int kvf_engine_peer_transport(kvf_engine *engine, const char *session, char *out, size_t cap);
+
+/* Allocate a `len`-byte pool and register it. With UCX it lives in shared
+ * memory that a same-host peer maps directly (ucp_rkey_ptr), so writes into
+ * it are plain stores; otherwise it is shared anonymous memory. The engine
+ * owns the memory: free it with kvf_engine_free_pool (which unregisters it)
+ * before destroying the engine. Any thread. */
+int kvf_engine_alloc_pool(kvf_engine *engine, size_t len, void **out);
+int kvf_engine_free_pool(kvf_engine *engine, void *addr);
 
 #ifdef __cplusplus
 }

@@ -414,6 +414,10 @@ static int connect_deadline(const char *host, uint16_t port, int64_t deadline_ns
   return rc;
 }
 
+int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out) {
+  return connect_deadline(host, port, deadline_ns, fd_out);
+}
+
 static int conn_open(kvf_engine *e, tcp_session *s, int64_t deadline_ns, tcp_conn **out) {
   int fd = -1;
   int rc = connect_deadline(s->host, s->port, deadline_ns, &fd);
@@ -598,7 +602,8 @@ static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
   set_timeout(in->fd, SO_RCVTIMEO, TCP_HELLO_TIMEOUT_MS);
   set_timeout(in->fd, SO_SNDTIMEO, TCP_HELLO_TIMEOUT_MS);
   if (recv_all(in->fd, &h, sizeof h)) return KVF_ECLOSED;
-  if (h.magic != TCP_HELLO_MAGIC || h.version != TCP_PROTO_VERSION || h.token_len > TCP_MAX_TOKEN) {
+  int ucx = h.magic == TCP_UCX_HELLO_MAGIC; /* a UCX rendezvous (ucx.c), same token check */
+  if ((h.magic != TCP_HELLO_MAGIC && !ucx) || h.version != TCP_PROTO_VERSION || h.token_len > TCP_MAX_TOKEN) {
     atomic_fetch_add(&e->stats.protocol_errors, 1);
     log_peer_once(in->peer, "hello", "not a kvferry engine hello; connection dropped");
     return KVF_EPROTO;
@@ -612,14 +617,14 @@ static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
     for (size_t i = 0; i < want; i++) diff |= (unsigned)(e->auth_token[i] ^ (i < h.token_len ? token[i] : 0));
     ok = diff == 0;
   }
-  tcp_reply rep = {TCP_HELLO_MAGIC, ok ? 0 : KVF_EACCES};
+  tcp_reply rep = {TCP_HELLO_MAGIC, ok ? (ucx && !e->ops->serve ? KVF_ESTATE : 0) : KVF_EACCES};
   send_all(in->fd, &rep, sizeof rep);
   if (!ok) {
     atomic_fetch_add(&e->stats.auth_refused, 1);
     log_peer_once(in->peer, "auth", h.token_len ? "wrong auth token; refused" : "no auth token; refused");
     return KVF_EACCES;
   }
-  return 0;
+  return ucx ? (rep.status ? KVF_ESTATE : 1) : 0;
 }
 
 static int drain(int fd, uint64_t n) {
@@ -638,7 +643,9 @@ static void *inbound_main(void *arg) {
   kvf_engine *e = in->t->e;
   tcp_desc *descs = NULL;
   size_t cap = 0;
-  if (inbound_handshake(in, e)) goto out;
+  int hs = inbound_handshake(in, e);
+  if (hs == 1) e->ops->serve(e, in->fd, in->peer);
+  if (hs) goto out;
   /* Between chunks a connection may idle forever; inside a chunk a stall
    * longer than the engine timeout drops the connection. */
   set_timeout(in->fd, SO_RCVTIMEO, e->cfg.timeout_ms);
