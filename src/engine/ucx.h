@@ -106,7 +106,7 @@ typedef struct ucx_op {
   struct ucx_op *next, *prev;
   chunk *c;
   ucx_peer *p;
-  int timed_out;
+  struct ucx_state *u;
 } ucx_op;
 
 typedef struct ucx_job {

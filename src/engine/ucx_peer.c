@@ -109,6 +109,30 @@ static void ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t st) {
 
 /* ------------------------------------------------------------ rendezvous client */
 
+/* Does the UCX_TLS list allow one of `names`? Unset allows everything; a
+ * leading '^' excludes the listed transports. */
+static int tls_allows(const char *tls, const char *const *names) {
+  if (!tls || !*tls) return 1;
+  int negate = tls[0] == '^';
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", tls + negate);
+  int hit = 0;
+  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
+    for (const char *const *n = names; *n; n++)
+      if (!strcmp(t, *n) || (!negate && !strcmp(t, "all"))) hit = 1;
+  return negate ? !hit : hit;
+}
+
+
+static const char *const SHM_TLS[] = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "mm", NULL};
+static const char *const RDMA_TLS[] = {"ib", "rc", "rc_v", "rc_x", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5",
+                                       "dc", "dc_x", "dc_mlx5", "rdmacm", NULL};
+/* Transports that can carry UCX's peer-failure handling (shared memory
+ * cannot in UCX 1.13). */
+static const char *const PEER_ERR_TLS[] = {"tcp", "ib", "rc", "rc_v", "rc_x", "rc_mlx5", "ud", "ud_v", "ud_x",
+                                           "ud_mlx5", "dc", "dc_x", "dc_mlx5", NULL};
+
+
 /* Read one info message (header and body), bounded in size and time. */
 static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
   int rc = kvf__ucx_recv_all(fd, h, sizeof *h, deadline_ns);
@@ -143,9 +167,22 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                                         UCP_EP_PARAM_FIELD_ERR_HANDLER,
                           .address = (const ucp_address_t *)body,
-                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                          .err_mode = tls_allows(getenv("UCX_TLS"), PEER_ERR_TLS) ? UCP_ERR_HANDLING_MODE_PEER
+                                                                                   : UCP_ERR_HANDLING_MODE_NONE,
                           .err_handler = {.cb = ep_error_cb, .arg = p}};
     ucs_status_t st = ucp_ep_create(u->w, &ep, &p->ep);
+    if (st == UCS_ERR_UNREACHABLE && ep.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
+      /* UCX 1.13's shared-memory transports have no peer-failure support;
+       * a dead peer is then noticed through the rendezvous connection and
+       * the batch deadline (kvf__ucx_peer_event, kvf__ucx_reap). */
+      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+      st = ucp_ep_create(u->w, &ep, &p->ep);
+    }
+    if (st == UCS_OK && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
+      if (log_first_time(log_hash_str("ucx-err-mode-none", 3)))
+        LOG_INFO("ucx", "the UCX transports to %s have no peer-failure handling; failures are detected "
+                 "through the rendezvous connection and batch deadlines", p->id);
+    }
     if (st != UCS_OK) {
       LOG_WARN("ucx", "cannot reach %s over UCX: %s", p->id, ucs_status_string(st));
       p->ep = NULL;
@@ -214,24 +251,6 @@ static int ctl_open(kvf_engine *e, ucx_peer *p, int64_t deadline_ns, int *fd_out
   *fd_out = fd;
   return 0;
 }
-
-/* Does the UCX_TLS list allow one of `names`? Unset allows everything; a
- * leading '^' excludes the listed transports. */
-static int tls_allows(const char *tls, const char *const *names) {
-  if (!tls || !*tls) return 1;
-  int negate = tls[0] == '^';
-  char buf[256];
-  snprintf(buf, sizeof buf, "%s", tls + negate);
-  int hit = 0;
-  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
-    for (const char *const *n = names; *n; n++)
-      if (!strcmp(t, *n) || (!negate && !strcmp(t, "all"))) hit = 1;
-  return negate ? !hit : hit;
-}
-
-static const char *const SHM_TLS[] = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "mm", NULL};
-static const char *const RDMA_TLS[] = {"ib", "rc", "rc_v", "rc_x", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5",
-                                       "dc", "dc_x", "dc_mlx5", "rdmacm", NULL};
 
 /* Which transport reaches this peer, and why. KVF_ECONNREFUSED when `ucx`
  * was asked for and UCX offers no shared-memory or RDMA path. */
@@ -410,15 +429,22 @@ static int chunks_ok(const ucx_peer *p, chunk **chunks, size_t n) {
   return 1;
 }
 
-static void flush_cb(void *req, ucs_status_t st, void *arg) {
-  ucx_op *op = arg;
-  int rc = st == UCS_OK ? 0 : op->timed_out ? KVF_ETIMEDOUT : kvf__ucx_status(st);
-  /* Under wmu (callbacks run inside progress or a forced close). */
+static void op_unlink(ucx_op *op) {
+  ucx_state *u = op->u;
   if (op->prev) op->prev->next = op->next;
   if (op->next) op->next->prev = op->prev;
-  ucx_state *owner = op->c->batch->engine->ucx;
-  if (owner->ops == op) owner->ops = op->next;
-  chunk_finish(op->c, rc);
+  if (u->ops == op) u->ops = op->next;
+  op->next = op->prev = NULL;
+}
+
+static void flush_cb(void *req, ucs_status_t st, void *arg) {
+  ucx_op *op = arg;
+  /* Under wmu (callbacks run inside progress or a forced close). A chunk
+   * the reaper already failed is gone (op->c NULL, op off the list). */
+  if (op->c) {
+    op_unlink(op);
+    chunk_finish(op->c, st == UCS_OK ? 0 : kvf__ucx_status(st));
+  }
   free(op);
   ucp_request_free(req);
 }
@@ -466,6 +492,7 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     }
     op->c = c;
     op->p = p;
+    op->u = u;
     ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                               .cb.send = flush_cb, .user_data = op};
     ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &fp);
@@ -569,13 +596,24 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
 void kvf__ucx_reap(ucx_state *u) {
   int64_t now = clock_now_ns();
   int any_dead = 0;
+  /* A flush past its deadline, or on an endpoint whose peer is gone, fails
+   * its chunk now; the late callback only frees the op. */
   pthread_mutex_lock(&u->wmu);
-  for (ucx_op *op = u->ops; op; op = op->next) {
-    if (!op->timed_out && now > op->c->batch->deadline_ns) {
-      op->timed_out = 1;
-      LOG_WARN("ucx", "peer %s did not complete a batch before its deadline (%d ms)", op->p->id,
-               u->e->cfg.timeout_ms);
+  for (ucx_op *op = u->ops, *next; op; op = next) {
+    next = op->next;
+    int err = atomic_load(&op->p->dead);
+    if (!err && now > op->c->batch->deadline_ns) {
+      err = KVF_ETIMEDOUT;
+      if (!atomic_load(&op->p->dead))
+        LOG_WARN("ucx", "peer %s did not complete a batch before its deadline (%d ms)", op->p->id,
+                 u->e->cfg.timeout_ms);
       peer_mark_dead(u, op->p, KVF_ETIMEDOUT);
+    }
+    if (err) {
+      chunk *c = op->c;
+      op_unlink(op);
+      op->c = NULL;
+      chunk_finish(c, err);
     }
   }
   pthread_mutex_unlock(&u->wmu);
