@@ -97,6 +97,7 @@ typedef struct ucx_peer {
   pthread_cond_t cv;
   uint64_t infos;          /* info messages applied (refresh waits on it) */
   int same_host;
+  int mapped; /* some region is mapped here (under mu) */
   ucx_route route;
   char why[160];
 } ucx_peer;

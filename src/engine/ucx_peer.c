@@ -224,6 +224,11 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
     p->regs = regs;
     p->nregs = n;
     p->gen = h->gen;
+    int mapped = 0;
+    for (size_t i = 0; i < n; i++) mapped |= regs[i].ptr != NULL;
+    pthread_mutex_lock(&p->mu);
+    p->mapped = mapped;
+    pthread_mutex_unlock(&p->mu);
   }
   pthread_mutex_unlock(&u->wmu);
   if (!rc) qsort(p->regs, p->nregs, sizeof *p->regs, cmp_rregion);
@@ -651,7 +656,8 @@ int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap)
   if (p) {
     pthread_mutex_lock(&p->mu);
     if (p->route != ROUTE_UNKNOWN) {
-      snprintf(out, cap, "%s: %s", p->route == ROUTE_UCX ? "ucx" : "tcp", p->why);
+      snprintf(out, cap, "%s: %s%s", p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
+               p->mapped ? "; its pool is mapped here (plain stores)" : "");
       rc = 0;
     }
     pthread_mutex_unlock(&p->mu);
