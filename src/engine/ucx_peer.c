@@ -156,6 +156,16 @@ static int cmp_rregion(const void *a, const void *b) {
   return x->base < y->base ? -1 : x->base > y->base;
 }
 
+/* UCX's peer-failure mode restricts it to transports that support it,
+ * which on one host means tcp instead of shared memory and CMA. A same-host
+ * peer reached over shared memory gets no UCX failure mode: its death is
+ * seen through the rendezvous connection and the batch deadline instead. */
+static ucp_err_handling_mode_t peer_err_mode(const ucx_peer *p) {
+  const char *tls = getenv("UCX_TLS");
+  if (p->same_host && tls_allows(tls, SHM_TLS)) return UCP_ERR_HANDLING_MODE_NONE;
+  return tls_allows(tls, PEER_ERR_TLS) ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+}
+
 /* With p->rw held for writing: replace the peer's regions with the ones in
  * the message, creating the endpoint first when `create_ep`. */
 static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const char *body, int create_ep) {
@@ -167,8 +177,7 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                                         UCP_EP_PARAM_FIELD_ERR_HANDLER,
                           .address = (const ucp_address_t *)body,
-                          .err_mode = tls_allows(getenv("UCX_TLS"), PEER_ERR_TLS) ? UCP_ERR_HANDLING_MODE_PEER
-                                                                                   : UCP_ERR_HANDLING_MODE_NONE,
+                          .err_mode = peer_err_mode(p),
                           .err_handler = {.cb = ep_error_cb, .arg = p}};
     ucs_status_t st = ucp_ep_create(u->w, &ep, &p->ep);
     if (st == UCS_ERR_UNREACHABLE && ep.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
