@@ -428,6 +428,11 @@ static int ucx_init(ucx_state *u) {
   ucp_config_t *conf = NULL;
   ucs_status_t st = ucp_config_read(NULL, NULL, &conf);
   if (st != UCS_OK) goto fail;
+  /* Unless the user chose (UCX_TLS), UCX runs shared memory, CMA and RDMA
+   * only: kvferry's own TCP serves the peers UCX's tcp would (see decide()
+   * in ucx_peer.c), and with tcp present UCX may pick it over CMA. */
+  const char *tls = getenv("UCX_TLS");
+  if ((!tls || !*tls) && (st = ucp_config_modify(conf, "TLS", "^tcp")) != UCS_OK) goto fail;
   ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
                      .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
                      .mt_workers_shared = 0};
