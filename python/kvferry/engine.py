@@ -12,6 +12,7 @@ alive until it is unregistered or the engine is closed.
 """
 
 import ctypes
+import os
 import logging
 import re
 import threading
@@ -72,6 +73,18 @@ def _split_hostname(hostname):
     return h, 0
 
 
+def _transport_for(proto):
+    """The engine transport for a Mooncake protocol name (None: let
+    KVFERRY_TRANSPORT decide)."""
+    env = os.environ.get("KVFERRY_TRANSPORT")
+    has_ucx = b"ucx" in lib.kvf_engine_transports()
+    want = env or ("ucx" if proto == "rdma" and has_ucx else "tcp")
+    if proto != "tcp" and want == "tcp":
+        log.warning("kvferry: protocol %r is served by kvferry's tcp transport%s", proto,
+                    " (KVFERRY_TRANSPORT=tcp)" if env else "" if has_ucx else " (built without UCX)")
+    return None if env else want.encode()
+
+
 class TransferEngine(_Closing):
     """A kvferry engine with the methods tokenspeed calls on Mooncake's."""
 
@@ -94,9 +107,10 @@ class TransferEngine(_Closing):
 
         metadata_server: only Mooncake's "P2PHANDSHAKE" mode exists here (peers
         are named by "host:port"); anything else is warned about and ignored.
-        protocol: every protocol ("rdma", "tcp", ...) is served by kvferry's tcp
-        transport; a warning says so when it is not "tcp". device_name (the
-        RDMA NIC filter) has no meaning for tcp and is ignored.
+        protocol: "rdma" selects kvferry's UCX transport when the library has
+        it (RDMA, or shared memory on one host), "tcp" kvferry's TCP; with
+        KVFERRY_TRANSPORT set, that decides. Other protocols are served by tcp
+        with a warning. device_name: use UCX_NET_DEVICES (UCX reads it) instead.
         """
         if self._h is not None or self._owner is not None:
             log.error("kvferry: TransferEngine.initialize called twice")
@@ -107,13 +121,13 @@ class TransferEngine(_Closing):
         if metadata_server not in (None, "", "P2PHANDSHAKE"):
             log.warning("kvferry: metadata server %r ignored; kvferry uses P2P handshakes (session = host:port)",
                         metadata_server)
-        proto = str(protocol or "tcp").lower()
-        if proto != "tcp":
-            log.warning("kvferry: protocol %r is served by kvferry's tcp transport", protocol)
+        transport = _transport_for(str(protocol or "tcp").lower())
         if device_name:
-            log.info("kvferry: device_name %r ignored by the tcp transport", device_name)
+            log.info("kvferry: device_name %r ignored; UCX reads UCX_NET_DEVICES", device_name)
         cfg = kvf_engine_config()
         lib.kvf_engine_config_init(ctypes.byref(cfg))
+        if transport:
+            cfg.transport = transport
         hb = to_bytes(host)
         cfg.host = hb
         if not 0 <= hport <= 65535:
@@ -136,6 +150,34 @@ class TransferEngine(_Closing):
         self._h = h.value
         self._hostname = host
         return 0
+
+    def allocate_managed_buffer(self, length):
+        """Allocate and register a `length`-byte pool (Mooncake's name). With
+        UCX it lives in shared memory a same-host peer maps directly. Returns
+        its address, or 0 on failure. Free it with free_managed_buffer."""
+        h = self._live()
+        if h is None:
+            return 0
+        p = ctypes.c_void_p()
+        rc = lib.kvf_engine_alloc_pool(h, int(length), ctypes.byref(p))
+        if rc != 0:
+            log.error("kvferry: allocating a %d-byte pool failed: %s", length, strerror(rc))
+            return 0
+        return p.value
+
+    def free_managed_buffer(self, addr, length=0):
+        """Unregister and free a pool from allocate_managed_buffer. 0 or KVF_E*."""
+        h = self._live()
+        return KVF_ESTATE if h is None else lib.kvf_engine_free_pool(h, ctypes.c_void_p(int(addr)))
+
+    def peer_transport(self, session):
+        """Which transport batches to `session` use and why ("ucx: same host:
+        ..."), or None before the first batch to it."""
+        h = self._live()
+        buf = ctypes.create_string_buffer(256)
+        if h is None or lib.kvf_engine_peer_transport(h, to_bytes(session), buf, len(buf)) != 0:
+            return None
+        return buf.value.decode()
 
     @classmethod
     def _wrap(cls, handle, owner):
