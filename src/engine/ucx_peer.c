@@ -376,7 +376,7 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
                 : (r < 0 && (errno == EAGAIN || errno == EINTR)) ? 1 : KVF_ECLOSED;
   }
   if (fd >= 0 && rc < 0) {
-    LOG_WARN("ucx", "rendezvous connection to %s ended: %s", p->id, kvf_strerror(rc));
+    LOG_INFO("ucx", "rendezvous connection to %s ended: %s", p->id, kvf_strerror(rc));
     epoll_ctl(u->epfd, EPOLL_CTL_DEL, fd, NULL);
     peer_mark_dead(u, p, KVF_ECLOSED);
   }
