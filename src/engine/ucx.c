@@ -164,11 +164,12 @@ static int build_info(ucx_state *u, char **out, size_t *out_len) {
   return 0;
 }
 
-static int ctl_send_info(ucx_state *u, ucx_ctl *c) {
+static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out) {
   char *m;
   size_t len;
   int rc = build_info(u, &m, &len);
   if (rc) return rc;
+  if (gen_out) *gen_out = ((const ucx_info_hdr *)(const void *)m)->gen;
   pthread_mutex_lock(&c->send_mu);
   rc = kvf__ucx_send_all(c->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
   pthread_mutex_unlock(&c->send_mu);
@@ -177,10 +178,27 @@ static int ctl_send_info(ucx_state *u, ucx_ctl *c) {
   return rc;
 }
 
-/* Tell every connected writer about a new generation of registrations. */
-static void push_info(ucx_state *u) {
+/* Tell every connected writer about a new generation of registrations;
+ * with `wait`, return once each has applied it (see ucx.h). */
+static void push_info(ucx_state *u, uint64_t gen, int wait) {
   pthread_mutex_lock(&u->ctl_mu);
-  for (ucx_ctl *c = u->ctls; c; c = c->next) ctl_send_info(u, c);
+  for (ucx_ctl *c = u->ctls; c; c = c->next) ctl_send_info(u, c, NULL);
+  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+  for (int pending = wait; pending;) {
+    pending = 0;
+    for (ucx_ctl *c = u->ctls; c; c = c->next) pending |= c->acked < gen;
+    if (!pending) break;
+    struct timespec ts = clock_ts_from_ns(until);
+    if (pthread_cond_timedwait(&u->ctl_cv, &u->ctl_mu, &ts) == ETIMEDOUT) {
+      for (ucx_ctl *c = u->ctls; c; c = c->next)
+        if (c->acked < gen) {
+          LOG_WARN("ucx", "a writer did not confirm an unregister within %d ms; its connection is cut",
+                   UCX_CTL_TIMEOUT_MS);
+          shutdown(c->fd, SHUT_RDWR);
+        }
+      break;
+    }
+  }
   pthread_mutex_unlock(&u->ctl_mu);
 }
 
@@ -192,11 +210,12 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
   if (!c) return;
   c->fd = fd;
   pthread_mutex_init(&c->send_mu, NULL);
+  /* The writer applies the first info before it writes: it counts as acked. */
   pthread_mutex_lock(&u->ctl_mu);
+  int rc = ctl_send_info(u, c, &c->acked);
   c->next = u->ctls;
   u->ctls = c;
   pthread_mutex_unlock(&u->ctl_mu);
-  int rc = ctl_send_info(u, c);
   while (!rc && !atomic_load(&u->stopping)) {
     /* Idle until the writer asks again or goes (tcp_stop shuts the socket). */
     struct pollfd pf = {.fd = fd, .events = POLLIN};
@@ -206,13 +225,20 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
     }
     ucx_req r;
     if (kvf__ucx_recv_all(fd, &r, sizeof r, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
+    if (r.magic == UCX_ACK_MAGIC) {
+      pthread_mutex_lock(&u->ctl_mu);
+      if (r.gen > c->acked) c->acked = r.gen;
+      pthread_cond_broadcast(&u->ctl_cv);
+      pthread_mutex_unlock(&u->ctl_mu);
+      continue;
+    }
     if (r.magic != UCX_REQ_MAGIC) {
       atomic_fetch_add(&e->stats.protocol_errors, 1);
       if (log_first_time(log_hash_str(peer, 11)))
         LOG_WARN("ucx", "peer %s: malformed rendezvous request; connection dropped", peer);
       break;
     }
-    rc = ctl_send_info(u, c);
+    rc = ctl_send_info(u, c, NULL);
   }
   pthread_mutex_lock(&u->ctl_mu);
   for (ucx_ctl **pp = &u->ctls; *pp; pp = &(*pp)->next)
@@ -220,6 +246,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
       *pp = c->next;
       break;
     }
+  pthread_cond_broadcast(&u->ctl_cv);
   pthread_mutex_unlock(&u->ctl_mu);
   pthread_mutex_destroy(&c->send_mu);
   free(c);
@@ -288,7 +315,7 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   if (rc) return rc;
   pthread_mutex_lock(&u->reg_mu);
   rc = add_reg(u, (ucx_reg){base, len, memh, rkey, rkey_len, owned ? REG_PLAIN : REG_IN_POOL});
-  if (!rc) u->gen++;
+  uint64_t gen = rc ? 0 : ++u->gen;
   pthread_mutex_unlock(&u->reg_mu);
   if (rc) {
     pthread_mutex_lock(&u->wmu);
@@ -297,7 +324,7 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
     pthread_mutex_unlock(&u->wmu);
     return rc;
   }
-  push_info(u);
+  push_info(u, gen, 0); /* a writer that misses it asks (peer_refresh) */
   return 0;
 }
 
@@ -308,18 +335,20 @@ static void ucx_dereg_hook(kvf_engine *e, void *addr) {
   ucx_reg *r = find_reg(u, base, REG_PLAIN);
   if (!r) r = find_reg(u, base, REG_IN_POOL);
   ucx_reg gone = {0};
+  uint64_t gen = 0;
   if (r) {
     gone = *r;
     del_reg(u, r);
-    u->gen++;
+    gen = ++u->gen;
   }
   pthread_mutex_unlock(&u->reg_mu);
   if (!r) return;
-  /* Writers learn the new generation first; a writer that already holds the
-   * old rkey may still complete a put it started (one-sided: the target
-   * cannot wait for it), which is why the memory must stay mapped until the
-   * owner knows no batch is in flight, as with any RDMA engine. */
-  push_info(u);
+  /* Writers apply the new generation first (after their writes into the
+   * old one that are under way); a put already posted may still complete
+   * (one-sided: the target cannot wait for it), which is why the memory must
+   * stay mapped until the owner knows no batch is in flight, as with any
+   * RDMA engine. */
+  push_info(u, gen, 1);
   pthread_mutex_lock(&u->wmu);
   ucp_rkey_buffer_release(gone.rkey_buf);
   if (gone.pool == REG_PLAIN) ucp_mem_unmap(u->ctx, gone.memh);
@@ -418,6 +447,7 @@ static void ucx_teardown(ucx_state *u) {
   pthread_mutex_destroy(&u->wmu);
   pthread_mutex_destroy(&u->reg_mu);
   pthread_mutex_destroy(&u->ctl_mu);
+  pthread_cond_destroy(&u->ctl_cv);
   pthread_mutex_destroy(&u->peers_mu);
   pthread_mutex_destroy(&u->q_mu);
   pthread_cond_destroy(&u->q_cv);
@@ -475,6 +505,7 @@ static int ucx_start(kvf_engine *e) {
   pthread_mutex_init(&u->wmu, NULL);
   pthread_mutex_init(&u->reg_mu, NULL);
   pthread_mutex_init(&u->ctl_mu, NULL);
+  clock_cond_init(&u->ctl_cv);
   pthread_mutex_init(&u->peers_mu, NULL);
   pthread_mutex_init(&u->q_mu, NULL);
   pthread_cond_init(&u->q_cv, NULL);

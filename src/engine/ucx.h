@@ -11,6 +11,10 @@
  *
  *   info  ucx_info_hdr, then body_len bytes: the worker address (addr_len),
  *         then per region a ucx_region_desc followed by rkey_len bytes.
+ *   ack   the writer applied a pushed info (ucx_req); unregister returns once
+ *         every connected writer acknowledged the generation without the
+ *         region, or after UCX_CTL_TIMEOUT_MS, when the laggard's rendezvous
+ *         connection is cut (which ends its endpoint to this engine).
  *
  * Thread mode: the worker is created UCS_THREAD_MODE_SERIALIZED and every
  * UCP call on it is made under ucx_state.wmu. The progress thread holds wmu
@@ -27,6 +31,7 @@
 
 #define UCX_INFO_MAGIC 0x4b564649u
 #define UCX_REQ_MAGIC 0x4b564652u
+#define UCX_ACK_MAGIC 0x4b56464bu
 #define UCX_HOST_ID_LEN 128
 #define UCX_MAX_ADDR_LEN (64u * 1024u)
 #define UCX_MAX_REGIONS 4096u
@@ -54,9 +59,13 @@ typedef struct ucx_region_desc {
   uint32_t reserved;
 } ucx_region_desc;
 
+/* Writer → target: UCX_REQ_MAGIC asks for an info message; UCX_ACK_MAGIC
+ * says the info of generation `gen` is applied (no new write uses an older
+ * one), which unregister waits for. */
 typedef struct ucx_req {
   uint32_t magic;
   uint32_t reserved;
+  uint64_t gen;
 } ucx_req;
 
 _Static_assert(sizeof(ucx_info_hdr) == 152, "info header layout");
@@ -82,6 +91,7 @@ typedef struct ucx_rregion {
 typedef enum { ROUTE_UNKNOWN = 0, ROUTE_UCX, ROUTE_TCP } ucx_route;
 
 typedef struct ucx_peer {
+  struct ucx_state *u;
   char id[300];
   char host[256];
   uint16_t port;
@@ -120,6 +130,7 @@ typedef struct ucx_ctl {
   struct ucx_ctl *next;
   int fd;
   pthread_mutex_t send_mu;
+  uint64_t acked; /* generation the writer has applied (under ctl_mu) */
 } ucx_ctl;
 
 typedef struct ucx_state {
@@ -135,6 +146,7 @@ typedef struct ucx_state {
   pthread_t progress;
   atomic_int stopping;
   ucx_op *ops;   /* in flight, under wmu */
+  atomic_int reap; /* a peer was marked dead: the progress thread ends its endpoint */
   /* registrations, under reg_mu */
   pthread_mutex_t reg_mu;
   ucx_reg *regs;
@@ -142,6 +154,7 @@ typedef struct ucx_state {
   uint64_t gen;
   /* rendezvous connections this engine serves, under ctl_mu */
   pthread_mutex_t ctl_mu;
+  pthread_cond_t ctl_cv; /* an ack arrived or a connection ended */
   ucx_ctl *ctls;
   /* peers, by session id */
   pthread_mutex_t peers_mu;

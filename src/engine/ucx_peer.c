@@ -34,6 +34,7 @@ static int peer_get(ucx_state *u, const char *id, ucx_peer **out) {
       goto out;
     }
     snprintf(p->id, sizeof p->id, "%s", id);
+    p->u = u;
     p->fd = -1;
     pthread_mutex_init(&p->conn_mu, NULL);
     pthread_rwlock_init(&p->rw, NULL);
@@ -97,14 +98,16 @@ void kvf__ucx_peers_free(ucx_state *u) {
 
 static void peer_mark_dead(ucx_state *u, ucx_peer *p, int err) {
   int expected = 0;
-  if (atomic_compare_exchange_strong(&p->dead, &expected, err)) kvf__ucx_wake(u);
+  if (atomic_compare_exchange_strong(&p->dead, &expected, err)) {
+    atomic_store(&u->reap, 1);
+    kvf__ucx_wake(u);
+  }
 }
 
 static void ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t st) {
   ucx_peer *p = arg;
   LOG_WARN("ucx", "endpoint to %s failed: %s", p->id, ucs_status_string(st));
-  int expected = 0;
-  atomic_compare_exchange_strong(&p->dead, &expected, kvf__ucx_status(st) ? kvf__ucx_status(st) : KVF_ECLOSED);
+  peer_mark_dead(p->u, p, kvf__ucx_status(st) ? kvf__ucx_status(st) : KVF_ECLOSED);
 }
 
 /* ------------------------------------------------------------ rendezvous client */
@@ -383,7 +386,15 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
   pthread_rwlock_unlock(&p->rw);
   if (rc || !body) return;
   pthread_rwlock_wrlock(&p->rw);
-  if (p->fd == fd && p->ep && !atomic_load(&p->dead)) rc = info_apply(u, p, &h, body, 0);
+  if (p->fd == fd && p->ep && !atomic_load(&p->dead)) {
+    rc = info_apply(u, p, &h, body, 0);
+    /* Applied under the write lock: no write into the old regions is under
+     * way or can start. Tell the target (its unregister waits for this). */
+    ucx_req ack = {UCX_ACK_MAGIC, 0, h.gen};
+    pthread_mutex_lock(&p->mu);
+    if (!rc) rc = kvf__ucx_send_all(fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+    pthread_mutex_unlock(&p->mu);
+  }
   pthread_rwlock_unlock(&p->rw);
   free(body);
   if (rc) peer_mark_dead(u, p, rc);
@@ -400,7 +411,7 @@ static void peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
   pthread_mutex_lock(&p->mu);
   uint64_t seen = p->infos;
   pthread_mutex_unlock(&p->mu);
-  ucx_req req = {UCX_REQ_MAGIC, 0};
+  ucx_req req = {UCX_REQ_MAGIC, 0, 0};
   pthread_rwlock_rdlock(&p->rw);
   pthread_mutex_lock(&p->mu);
   int rc = p->fd >= 0 ? kvf__ucx_send_all(p->fd, &req, sizeof req, until) : KVF_ECLOSED;
@@ -631,14 +642,20 @@ void kvf__ucx_reap(ucx_state *u) {
     }
   }
   pthread_mutex_unlock(&u->wmu);
+  if (!atomic_exchange(&u->reap, 0)) return;
   pthread_mutex_lock(&u->peers_mu);
   map_iter it;
   map_iter_init(&it);
   void *v;
   ucx_peer *dead[64];
-  while (any_dead < 64 && smap_next(&u->peers, &it, NULL, &v)) {
+  while (smap_next(&u->peers, &it, NULL, &v)) {
     ucx_peer *p = v;
-    if (atomic_load(&p->dead) && p->ep) dead[any_dead++] = p;
+    if (!atomic_load(&p->dead)) continue;
+    if (any_dead == 64) { /* the rest on the next round */
+      atomic_store(&u->reap, 1);
+      break;
+    }
+    dead[any_dead++] = p;
   }
   pthread_mutex_unlock(&u->peers_mu);
   for (int i = 0; i < any_dead; i++) {
