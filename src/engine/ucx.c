@@ -404,8 +404,13 @@ static void *progress_main(void *arg) {
   struct epoll_event ev[16];
   while (!atomic_load(&u->stopping)) {
     pthread_mutex_lock(&u->wmu);
+    /* Progress may write peers' bytes into registered memory (RMA that the
+     * target carries out, as over tcp): order it after the owner's last
+     * local change and publish it to the owner's next sync, as tcp.c does. */
+    kvf_engine_sync(u->e);
     while (ucp_worker_progress(u->w)) {
     }
+    kvf_engine_sync(u->e);
     ucs_status_t st = ucp_worker_arm(u->w);
     int busy = u->ops != NULL;
     pthread_mutex_unlock(&u->wmu);

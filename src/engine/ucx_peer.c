@@ -37,7 +37,13 @@ static int peer_get(ucx_state *u, const char *id, ucx_peer **out) {
     p->u = u;
     p->fd = -1;
     pthread_mutex_init(&p->conn_mu, NULL);
-    pthread_rwlock_init(&p->rw, NULL);
+    /* Writer-preferring, as the region table: a region update (and the
+     * unregister waiting for it) is not starved by a stream of batches. */
+    pthread_rwlockattr_t ra;
+    pthread_rwlockattr_init(&ra);
+    pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&p->rw, &ra);
+    pthread_rwlockattr_destroy(&ra);
     pthread_mutex_init(&p->mu, NULL);
     clock_cond_init(&p->cv);
   }
