@@ -154,6 +154,44 @@ static void explicit_ucx_never_falls_back(void **state) {
   engine_peer_stop(&peer);
 }
 
+/* A peer on "another host" (its identity forced by KVFERRY_UCX_HOST_ID)
+ * with no RDMA device here: explicit ucx fails with a clear error unless the
+ * user set UCX_TLS; auto takes kvferry's TCP and says why. */
+static void other_host_without_rdma(void **state) {
+  SKIP_WITHOUT_UCX();
+  if (access("/sys/class/infiniband", F_OK) == 0) {
+    printf("SKIP: this host has an RDMA device; the no-RDMA path cannot be shown here\n");
+    skip();
+  }
+  setenv("KVFERRY_UCX_HOST_ID", "another-host", 1);
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", NULL};
+  int started = engine_peer_start_args(&peer, PEER_BYTES, NULL, args);
+  unsetenv("KVFERRY_UCX_HOST_ID");
+  assert_int_equal(started, 0);
+  static unsigned char src[PAGE];
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
+  const char *tls = getenv("UCX_TLS");
+  char why[256];
+  kvf_engine *e = make_engine("ucx", 3000);
+  assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), tls && *tls ? 0 : KVF_ECONNREFUSED);
+  if (tls && *tls) {
+    assert_int_equal(kvf_engine_peer_transport(e, peer.session, why, sizeof why), 0);
+    printf("route: %s\n", why);
+    assert_non_null(strstr(why, "set by the user"));
+  }
+  kvf_engine_destroy(e);
+  e = make_engine("auto", 3000);
+  assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), 0);
+  assert_int_equal(kvf_engine_peer_transport(e, peer.session, why, sizeof why), 0);
+  printf("route: %s\n", why);
+  assert_true(!strncmp(why, "tcp: auto", 9));
+  kvf_engine_destroy(e);
+  engine_peer_stop(&peer);
+}
+
 /* The target unregisters and re-registers a region while a writer streams
  * into it and into a region that stays: every batch either lands or is
  * refused with KVF_ERANGE, and the stable region keeps working. */
@@ -269,6 +307,7 @@ int main(void) {
       cmocka_unit_test(plain_and_strided_land_exact),
       cmocka_unit_test(allocated_pools_land_exact),
       cmocka_unit_test(explicit_ucx_never_falls_back),
+      cmocka_unit_test(other_host_without_rdma),
       cmocka_unit_test(unregister_during_traffic_is_safe),
       cmocka_unit_test(gpu_memory_moves),
   };
