@@ -174,15 +174,28 @@ void kvf__ucx_wake(ucx_state *u);
 int kvf__ucx_send_all(int fd, const void *buf, size_t len, int64_t deadline_ns);
 int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 
-/* ucx_peer.c */
-int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
+/* ucx_peer.c: peers, the rendezvous client, routing */
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap);
 /* Progress thread: a peer's rendezvous socket is readable or closed. */
 void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events);
+void kvf__ucx_peers_free(ucx_state *u);
+/* The peer named `id`, created on first use; lives until the engine stops. */
+int kvf__ucx_peer_get(ucx_state *u, const char *id, ucx_peer **out);
+/* Make sure the peer has a route and, over UCX, a live endpoint (rendezvous
+ * and endpoint made within the deadline). */
+int kvf__ucx_peer_ensure(ucx_state *u, ucx_peer *p, int64_t deadline_ns, ucx_route *route_out);
+/* Ask the peer for its current regions and wait until they are applied. */
+void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns);
+void kvf__ucx_peer_mark_dead(ucx_state *u, ucx_peer *p, int err);
+/* With wmu (and p->rw for writing) held. */
+void kvf__ucx_regs_free_locked(ucx_peer *p);
+void kvf__ucx_ep_close_locked(ucx_state *u, ucx_peer *p);
+
+/* ucx_write.c */
+int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
 /* Progress thread: end the endpoints of peers marked dead, and fail flushes
  * past their deadline. */
 void kvf__ucx_reap(ucx_state *u);
 void kvf__ucx_copier_start(ucx_state *u);
-void kvf__ucx_peers_free(ucx_state *u);
 
 #endif
