@@ -93,6 +93,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
     return KVF_EINVAL;
   }
   if (strlen(cfg.host) >= 256) return KVF_EINVAL;
+  cfg.transport = want_ucx ? "ucx" : is_auto ? "auto" : "tcp"; /* not the caller's or getenv's string */
 
   kvf_engine *e = calloc(1, sizeof *e);
   if (!e) return KVF_ENOMEM;
