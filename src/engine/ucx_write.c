@@ -180,10 +180,14 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
     for (size_t i = 0; i < nchunks; i++) chunk_finish(chunks[i], KVF_ERANGE);
     return 0;
   }
-  /* Large batches come in several chunks: the copier threads take all but
-   * the first, which this thread writes. */
+  /* Large batches come in several chunks. Into a pool mapped here the
+   * copier threads take all but the first, which this thread writes; puts
+   * are serialised on the worker anyway, so they stay on this thread. */
+  pthread_mutex_lock(&p->mu);
+  int parallel = p->mapped && u->ncopiers;
+  pthread_mutex_unlock(&p->mu);
   for (size_t i = 1; i < nchunks; i++) {
-    ucx_job *j = u->ncopiers ? malloc(sizeof *j) : NULL;
+    ucx_job *j = parallel ? malloc(sizeof *j) : NULL;
     if (!j) {
       do_chunk(u, p, chunks[i]);
       continue;
