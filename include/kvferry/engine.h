@@ -38,7 +38,7 @@ typedef struct kvf_engine_config {
   size_t size;             /* sizeof(kvf_engine_config), set by kvf_engine_config_init */
   const char *host;        /* address to listen on and advertise; default "127.0.0.1" */
   uint16_t port;           /* 0 = any free port (default) */
-  const char *transport;   /* "tcp" (default) */
+  const char *transport;   /* "tcp", "ucx" or "auto"; NULL = $KVFERRY_TRANSPORT, else "auto" (see README) */
   const char *auth_token;  /* shared secret peers must present; NULL = $KVFERRY_AUTH_TOKEN, "" = none */
   int timeout_ms;          /* batch deadline; default 30000, env KVFERRY_TIMEOUT_MS */
   int conns_per_peer;      /* parallel TCP connections per remote session; default 2, env KVFERRY_CONNS_PER_PEER */
@@ -70,6 +70,8 @@ typedef struct kvf_engine_stats {
   uint64_t conns_refused;      /* target side: over max_inbound_conns */
   uint64_t conns_timed_out;    /* target side: dropped at the hello or chunk deadline */
   uint64_t conns_evicted;      /* target side: idle or unauthenticated, closed to make room */
+  uint64_t peers_ucx;          /* writer side: peers routed over UCX (auto/ucx) */
+  uint64_t peers_tcp;          /* writer side: peers routed over kvferry's TCP by auto */
 } kvf_engine_stats;
 
 /* Fill `cfg` with defaults and set cfg->size (environment overrides are
@@ -145,6 +147,25 @@ KVF_API void kvf_engine_sync(kvf_engine *engine);
 
 /* Copy the engine's counters into *out. Any thread. */
 KVF_API void kvf_engine_get_stats(const kvf_engine *engine, kvf_engine_stats *out);
+
+/* The transports this library was built with: "tcp" or "tcp,ucx". Static
+ * string. Any thread. */
+KVF_API const char *kvf_engine_transports(void);
+/* The engine's transport: "tcp", or "ucx" (which also runs TCP for peers
+ * that auto routes there). Owned by the library. Any thread. */
+KVF_API const char *kvf_engine_transport(const kvf_engine *engine);
+/* Which transport batches to `session` use and why, e.g. "ucx: same host:
+ * UCX shared memory", into out (cap bytes, NUL-terminated). KVF_ENOTFOUND
+ * before the first batch to that peer. Any thread. */
+KVF_API int kvf_engine_peer_transport(kvf_engine *engine, const char *session, char *out, size_t cap);
+
+/* Allocate a `len`-byte pool and register it. With UCX it lives in shared
+ * memory that a same-host peer maps directly (ucp_rkey_ptr), so writes into
+ * it are plain stores; otherwise it is shared anonymous memory. The engine
+ * owns the memory: free it with kvf_engine_free_pool (which unregisters it)
+ * before destroying the engine. Any thread. */
+KVF_API int kvf_engine_alloc_pool(kvf_engine *engine, size_t len, void **out);
+KVF_API int kvf_engine_free_pool(kvf_engine *engine, void *addr);
 
 #ifdef __cplusplus
 }

@@ -51,6 +51,8 @@ class kvf_engine_stats(ctypes.Structure):
             "conns_refused",
             "conns_timed_out",
             "conns_evicted",
+            "peers_ucx",
+            "peers_tcp",
         )
     ]
 
@@ -185,6 +187,15 @@ _PROTOTYPES = {
     "kvf_sender_abort": (None, [_vp, _cp]),
     "kvf_sender_destroy": (None, [_vp]),
 }
+
+# Transports (issue 10): capabilities, per-peer route, engine-allocated pools.
+_PROTOTYPES.update({
+    "kvf_engine_transports": (_cp, []),
+    "kvf_engine_transport": (_cp, [_vp]),
+    "kvf_engine_peer_transport": (_int, [_vp, _cp, ctypes.c_char_p, _sz]),
+    "kvf_engine_alloc_pool": (_int, [_vp, _sz, ctypes.POINTER(_vp)]),
+    "kvf_engine_free_pool": (_int, [_vp, _vp]),
+})
 
 
 def _candidates():

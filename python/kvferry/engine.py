@@ -14,6 +14,7 @@ alive until it is unregistered or the engine is closed.
 """
 
 import ctypes
+import os
 import logging
 import re
 import threading
@@ -74,6 +75,18 @@ def _split_hostname(hostname):
     return h, 0
 
 
+def _transport_for(proto):
+    """The engine transport for a Mooncake protocol name (None: let
+    KVFERRY_TRANSPORT decide)."""
+    env = os.environ.get("KVFERRY_TRANSPORT")
+    has_ucx = b"ucx" in lib.kvf_engine_transports()
+    want = env or ("ucx" if proto == "rdma" and has_ucx else "tcp")
+    if proto != "tcp" and want == "tcp":
+        log.warning("kvferry: protocol %r is served by kvferry's tcp transport%s", proto,
+                    " (KVFERRY_TRANSPORT=tcp)" if env else "" if has_ucx else " (built without UCX)")
+    return None if env else want.encode()
+
+
 class TransferEngine(_Closing):
     """A kvferry engine with the methods tokenspeed calls on Mooncake's."""
 
@@ -97,9 +110,10 @@ class TransferEngine(_Closing):
 
         metadata_server: only Mooncake's "P2PHANDSHAKE" mode exists here (peers
         are named by "host:port"); anything else is warned about and ignored.
-        protocol: every protocol ("rdma", "tcp", ...) is served by kvferry's tcp
-        transport; a warning says so when it is not "tcp". device_name (the
-        RDMA NIC filter) has no meaning for tcp and is ignored.
+        protocol: "rdma" selects kvferry's UCX transport when the library has
+        it (RDMA, or shared memory on one host), "tcp" kvferry's TCP; with
+        KVFERRY_TRANSPORT set, that decides. Other protocols are served by tcp
+        with a warning. device_name: use UCX_NET_DEVICES (UCX reads it) instead.
         """
         if self._h is not None or self._owner is not None:
             raise KVFError(KVF_ESTATE, "TransferEngine.initialize called twice")
@@ -109,13 +123,13 @@ class TransferEngine(_Closing):
         if metadata_server not in (None, "", "P2PHANDSHAKE"):
             log.warning("kvferry: metadata server %r ignored; kvferry uses P2P handshakes (session = host:port)",
                         metadata_server)
-        proto = str(protocol or "tcp").lower()
-        if proto != "tcp":
-            log.warning("kvferry: protocol %r is served by kvferry's tcp transport", protocol)
+        transport = _transport_for(str(protocol or "tcp").lower())
         if device_name:
-            log.info("kvferry: device_name %r ignored by the tcp transport", device_name)
+            log.info("kvferry: device_name %r ignored; UCX reads UCX_NET_DEVICES", device_name)
         cfg = Config("engine")
         cfg.set("host", host).set("port", hport)
+        if transport:
+            cfg.set("transport", transport.decode())
         if auth_token is not None:
             cfg.set("auth_token", auth_token)
         if timeout_ms:
@@ -128,6 +142,29 @@ class TransferEngine(_Closing):
         check(lib.kvf_engine_create(cfg.ptr, ctypes.byref(h)), f"engine on {local_hostname}")
         self._h = h.value
         self._hostname = host
+
+    def allocate_managed_buffer(self, length):
+        """Allocate and register a `length`-byte pool (Mooncake's name). With
+        UCX it lives in shared memory a same-host peer maps directly. Returns
+        its address; raises KVFError on failure. Free it with free_managed_buffer."""
+        p = ctypes.c_void_p()
+        check(lib.kvf_engine_alloc_pool(self._handle(), int(length), ctypes.byref(p)),
+              f"allocate a {int(length)}-byte pool")
+        return p.value
+
+    def free_managed_buffer(self, addr, length=0):
+        """Unregister and free a pool from allocate_managed_buffer; raises
+        KVFError on failure."""
+        check(lib.kvf_engine_free_pool(self._handle(), ctypes.c_void_p(int(addr))), f"free the pool at {int(addr):#x}")
+
+    def peer_transport(self, session):
+        """Which transport batches to `session` use and why ("ucx: same host:
+        ..."), or None before the first batch to it."""
+        h = self._live()
+        buf = ctypes.create_string_buffer(256)
+        if h is None or lib.kvf_engine_peer_transport(h, to_bytes(session), buf, len(buf)) != 0:
+            return None
+        return buf.value.decode()
 
     @classmethod
     def _wrap(cls, handle, owner):

@@ -45,6 +45,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "bench_ucx.h"
 #include "cli.h"
 #include "kvferry.h"
 #include "kvpool.h"
@@ -65,6 +66,7 @@ typedef struct bench_opts {
   const char *plot;  /* --plot FILE.png */
   double layer_ms;   /* --layer-ms: layerwise compute per layer; < 0 = the measured transfer per layer */
   int idle_compute;  /* --idle-compute: layerwise "compute" sleeps instead of busy work */
+  const char *transport; /* --transport (NULL: $KVFERRY_TRANSPORT or auto) */
 } bench_opts;
 
 /* Baseline: one blocking TCP stream over loopback, 1 MiB writes, to a child
@@ -182,22 +184,34 @@ typedef struct engine_rig {
   unsigned char *pool;
   uint64_t pool_bytes;
   kvf_engine *e;
+  int alloc; /* pools from kvf_engine_alloc_pool at both ends */
 } engine_rig;
 
 static void engine_rig_stop(engine_rig *g) {
+  if (g->alloc && g->pool) kvf_engine_free_pool(g->e, g->pool);
   kvf_engine_destroy(g->e);
   if (g->peer_up) engine_peer_stop(&g->peer);
-  if (g->pool && g->pool != MAP_FAILED) munmap(g->pool, g->pool_bytes);
+  if (!g->alloc && g->pool && g->pool != MAP_FAILED) munmap(g->pool, g->pool_bytes);
   memset(g, 0, sizeof *g);
 }
 
-static int engine_rig_start(engine_rig *g, uint64_t pool_bytes) {
+static int engine_rig_start(engine_rig *g, uint64_t pool_bytes, int alloc) {
   memset(g, 0, sizeof *g);
   g->pool_bytes = pool_bytes;
-  if (engine_peer_start(&g->peer, g->pool_bytes, NULL)) return -1;
+  g->alloc = alloc;
+  const char *pool_arg[] = {"--pool", NULL};
+  if (engine_peer_start_args(&g->peer, g->pool_bytes, NULL, alloc ? pool_arg : NULL)) return -1;
   g->peer_up = 1;
-  g->pool = mmap(NULL, g->pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (g->pool == MAP_FAILED || kvf_engine_create(NULL, &g->e) || kvf_engine_register(g->e, g->pool, g->pool_bytes)) {
+  int bad = kvf_engine_create(NULL, &g->e);
+  if (!bad && alloc) {
+    void *p = NULL;
+    bad = kvf_engine_alloc_pool(g->e, g->pool_bytes, &p);
+    g->pool = p;
+  } else if (!bad) {
+    g->pool = mmap(NULL, g->pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    bad = g->pool == MAP_FAILED || kvf_engine_register(g->e, g->pool, g->pool_bytes);
+  }
+  if (bad) {
     fprintf(stderr, "bench: cannot set up the engine\n");
     engine_rig_stop(g);
     return -1;
@@ -209,58 +223,100 @@ static int engine_rig_start(engine_rig *g, uint64_t pool_bytes) {
   return 0;
 }
 
+typedef struct engine_case {
+  const char *name;
+  uint64_t block;
+  size_t per_batch;
+  int alloc; /* into pools from kvf_engine_alloc_pool */
+  double gbps, memcpy2, ucx_raw;
+} engine_case;
+
+/* Over UCX (explicit, or auto between two processes here) the same-run
+ * baselines include a raw UCX put loop, and a second set of cases moves
+ * between pools the engines allocated (mapped directly on one host). */
+static int bench_uses_ucx(void) {
+  const char *t = getenv("KVFERRY_TRANSPORT");
+  return strstr(kvf_engine_transports(), "ucx") && (!t || strcmp(t, "tcp"));
+}
+
 static int bench_engine(const bench_opts *o) {
   const uint64_t pool_bytes = o->pool_bytes;
+  int ucx = bench_uses_ucx();
   double base = bench_tcp_baseline(o->bytes, pool_bytes);
   double base_hot = bench_tcp_baseline(o->bytes, 1 << 20);
-  engine_rig g;
-  if (engine_rig_start(&g, pool_bytes)) return 1;
-  kvf_engine *e = g.e;
-  engine_peer *peer = &g.peer;
-  unsigned char *pool = g.pool;
   int rc = 1, failed = 0;
-  struct {
-    const char *name;
-    uint64_t block;
-    size_t per_batch;
-    double gbps;
-  } cases[] = {{"engine_1MiB_blocks", 1 << 20, 16, 0}, {"engine_256x32KiB_scattered", 32 << 10, 256, 0}};
-  size_t nc = sizeof cases / sizeof cases[0];
-  if (o->block) { /* a single custom case replaces the standard ones */
-    cases[0].name = "engine_custom";
-    cases[0].block = o->block;
-    cases[0].per_batch = (size_t)o->per_batch;
-    nc = 1;
+  engine_case cases[4] = {{"engine_1MiB_blocks", 1 << 20, 16, 0, 0, 0, 0},
+                          {"engine_256x32KiB_scattered", 32 << 10, 256, 0, 0, 0, 0},
+                          {"engine_1MiB_blocks_pool", 1 << 20, 16, 1, 0, 0, 0},
+                          {"engine_256x32KiB_scattered_pool", 32 << 10, 256, 1, 0, 0, 0}};
+  size_t nc = ucx ? 4 : 2;
+  if (o->block) { /* a single custom case (and its pool twin) replaces the standard ones */
+    cases[0] = (engine_case){"engine_custom", o->block, (size_t)o->per_batch, 0, 0, 0, 0};
+    cases[1] = (engine_case){"engine_custom_pool", o->block, (size_t)o->per_batch, 1, 0, 0, 0};
+    nc = ucx ? 2 : 1;
   }
-  for (size_t i = 0; i < nc && !failed; i++)
-    cases[i].gbps = bench_engine_case(e, peer, pool, pool_bytes, cases[i].block, cases[i].per_batch,
-                                      o->inflight, o->bytes, &failed);
+  for (int alloc = 0; alloc < 2 && !failed; alloc++) {
+    engine_rig g;
+    int any = 0;
+    for (size_t i = 0; i < nc; i++) any |= cases[i].alloc == alloc;
+    if (!any) continue;
+    if (engine_rig_start(&g, pool_bytes, alloc)) return 1;
+    for (size_t i = 0; i < nc && !failed; i++)
+      if (cases[i].alloc == alloc)
+        cases[i].gbps = bench_engine_case(g.e, &g.peer, g.pool, pool_bytes, cases[i].block, cases[i].per_batch,
+                                          o->inflight, o->bytes, &failed);
+    engine_rig_stop(&g);
+  }
   if (failed) {
     fprintf(stderr, "bench: a batch failed\n");
     goto out;
   }
+  for (size_t i = 0; i < nc; i++) {
+    cases[i].memcpy2 = bench_memcpy2_gbps(pool_bytes, cases[i].block, cases[i].per_batch, o->bytes);
+    if (ucx)
+      cases[i].ucx_raw = bench_ucx_raw_gbps(pool_bytes, cases[i].block, cases[i].per_batch, o->inflight, o->bytes,
+                                            cases[i].alloc);
+  }
+  const char *tls = getenv("UCX_TLS");
+  const char *transport = getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto";
   if (o->json) {
-    printf("{\"bench\":\"engine\",\"bytes_per_case\":%llu,\"inflight\":%d,\"cases\":[",
-           (unsigned long long)o->bytes, o->inflight);
-    for (size_t i = 0; i < nc; i++)
-      printf("%s{\"name\":\"%s\",\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f}", i ? "," : "",
-             cases[i].name, cases[i].gbps, base, base > 0 ? cases[i].gbps / base : 0);
+    printf("{\"bench\":\"engine\",\"transport\":\"%s\",\"ucx_tls\":\"%s\",\"bytes_per_case\":%llu,"
+           "\"inflight\":%d,\"cases\":[",
+           transport, tls ? tls : "", (unsigned long long)o->bytes, o->inflight);
+    for (size_t i = 0; i < nc; i++) {
+      engine_case *c = &cases[i];
+      printf("%s{\"name\":\"%s\",\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,\"memcpy2_gbps\":%.3f,"
+             "\"memcpy_ratio\":%.3f",
+             i ? "," : "", c->name, c->gbps, base, base > 0 ? c->gbps / base : 0, c->memcpy2,
+             c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
+      if (ucx) printf(",\"ucx_raw_gbps\":%.3f,\"ucx_ratio\":%.3f", c->ucx_raw, c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
+      printf("}");
+    }
     printf("],\"pool_bytes\":%llu,\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes through a pool of "
-           "pool_bytes at both ends\","
-           "\"baseline_hot_gbps\":%.3f}\n", (unsigned long long)pool_bytes, base_hot);
+           "pool_bytes at both ends\",\"memcpy2\":\"2-thread memcpy of the same blocks between two pools of "
+           "pool_bytes\",\"ucx_raw\":\"raw UCP put loop of the same blocks into a child process, same "
+           "UCX_TLS\",\"baseline_hot_gbps\":%.3f}\n", (unsigned long long)pool_bytes, base_hot);
   } else {
+    printf("transport %s%s%s\n", transport, tls ? ", UCX_TLS=" : "", tls ? tls : "");
     printf("baseline: plain TCP loopback, one stream, 1 MiB writes through a %llu MiB pool at both ends\n"
            "          (the engine cases' footprint): %.2f GB/s\n"
-           "          (same, one cache-hot 1 MiB buffer at both ends: %.2f GB/s)\n",
-           (unsigned long long)(pool_bytes >> 20), base, base_hot);
-    printf("%-30s %10s %10s %8s\n", "case", "GB/s", "base GB/s", "ratio");
-    for (size_t i = 0; i < nc; i++)
-      printf("%-30s %10.2f %10.2f %8.2f\n", cases[i].name, cases[i].gbps, base,
-             base > 0 ? cases[i].gbps / base : 0);
+           "          (same, one cache-hot 1 MiB buffer at both ends: %.2f GB/s)\n"
+           "memcpy2:  2 threads memcpy the same blocks between two pools of that size\n%s",
+           (unsigned long long)(pool_bytes >> 20), base, base_hot,
+           ucx ? "ucx raw:  a raw UCP put loop of the same blocks into a child process, same UCX_TLS\n" : "");
+    printf("%-32s %8s %8s %6s %8s %6s", "case", "GB/s", "tcp", "ratio", "memcpy2", "ratio");
+    if (ucx) printf(" %8s %6s", "ucx raw", "ratio");
+    printf("\n");
+    for (size_t i = 0; i < nc; i++) {
+      engine_case *c = &cases[i];
+      printf("%-32s %8.2f %8.2f %6.2f %8.2f %6.2f", c->name, c->gbps, base, base > 0 ? c->gbps / base : 0,
+             c->memcpy2, c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
+      if (ucx) printf(" %8.2f %6.2f", c->ucx_raw, c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
+      printf("\n");
+    }
   }
   rc = 0;
 out:
-  engine_rig_stop(&g);
   return rc;
 }
 
@@ -851,7 +907,7 @@ static int bench_plot(const bench_opts *o) {
   double base = bench_tcp_baseline(case_bytes, 1 << 20); /* the faster plain stream: cache-hot buffers */
   engine_rig g;
   FILE *f = NULL;
-  if (engine_rig_start(&g, 256ull << 20)) goto out;
+  if (engine_rig_start(&g, 256ull << 20, 0)) goto out;
   snprintf(file, sizeof file, "%s/engine.dat", dir);
   if (!(f = fopen(file, "w"))) goto out_rig;
   fprintf(f, "# block_bytes gbps tcp_baseline_gbps\n");
@@ -936,6 +992,7 @@ static void usage(void) {
          "                     [--layer-ms MS]  layerwise: compute per layer (default: the measured transfer\n"
          "                                      time per layer); layerwise is not part of the default three\n"
          "                     [--idle-compute]  layerwise: the compute sleeps (a GPU's) instead of busy work\n"
+         "                     [--transport tcp|ucx|auto]  engine transport (default $KVFERRY_TRANSPORT or auto)\n"
          "       kvferry bench --plot FILE.png [--quick]        (needs gnuplot)\n");
 }
 
@@ -954,6 +1011,7 @@ int cli_bench(int argc, char **argv) {
                                        {"plot", required_argument, 0, 'p'},
                                        {"layer-ms", required_argument, 0, 'L'},
                                        {"idle-compute", no_argument, 0, 'I'},
+                                       {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
@@ -988,6 +1046,10 @@ int cli_bench(int argc, char **argv) {
         if (o.per_batch < 1 || o.per_batch > 4096) return usage(), 2;
         break;
       case 'j': o.json = 1; break;
+      case CLI_OPT_TRANSPORT:
+        if (cli_set_transport("bench", optarg)) return 2;
+        o.transport = optarg;
+        break;
       case 'b':
         if (cli_parse_size(optarg, &v) || v < (1 << 20)) return usage(), 2;
         o.bytes = v;

@@ -21,5 +21,10 @@ long long cli_now_ms(void);
 long long cli_now_ns(void);
 /* xorshift64: advances *s and returns it (s must not be 0). */
 uint64_t cli_rng_next(uint64_t *s);
+/* --transport tcp|ucx|auto: checked against this build, then exported as
+ * KVFERRY_TRANSPORT so engines made here and in child processes use it.
+ * 0, or -1 with a message on stderr. */
+#define CLI_OPT_TRANSPORT 1000
+int cli_set_transport(const char *cmd, const char *name);
 
 #endif

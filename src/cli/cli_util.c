@@ -1,10 +1,25 @@
 /* Small helpers shared by the subcommands. */
 #include <ctype.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "kvferry.h"
+
+int cli_set_transport(const char *cmd, const char *name) {
+  if (strcmp(name, "tcp") && strcmp(name, "ucx") && strcmp(name, "auto")) {
+    fprintf(stderr, "%s: --transport must be tcp, ucx or auto (not '%s')\n", cmd, name);
+    return -1;
+  }
+  if (!strcmp(name, "ucx") && !strstr(kvf_engine_transports(), "ucx")) {
+    fprintf(stderr, "%s: transport 'ucx' is not available; this build has: %s\n", cmd, kvf_engine_transports());
+    return -1;
+  }
+  return setenv("KVFERRY_TRANSPORT", name, 1) ? -1 : 0;
+}
 
 /* "4096", "32K", "1M", "2G" (powers of 1024). */
 int cli_parse_size(const char *s, unsigned long long *out) {

@@ -56,7 +56,7 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: kvferry demo [--model llama-3.1-8b|qwen3-32b|deepseek-v3] [--requests 32] [--inflight 2]\n"
           "                    [--max-tokens 8192] [--pool-gib G] [--prefill-tp 1] [--decode-tp 1]\n"
-          "                    [--transport tcp] [--seed S] [--corrupt] [--short]\n"
+          "                    [--transport tcp|ucx|auto] [--seed S] [--corrupt] [--short]\n"
           "Starts a bootstrap server, a prefill and a decode instance as processes on 127.0.0.1\n"
           "with model-shaped KV pools (--pool-gib per side; default: room for one request of\n--max-tokens, 1 GiB for llama-3.1-8b), moves the KV of --requests requests\n"
           "(prompts of 128..--max-tokens tokens, log-uniform) and verifies every byte.\n"
@@ -82,7 +82,7 @@ static void progress(int done, int total, double bytes, double t0) {
 }
 
 int cli_demo(int argc, char **argv) {
-  const char *model_name = "llama-3.1-8b", *transport = "tcp";
+  const char *model_name = "llama-3.1-8b", *transport = NULL;
   int requests = 32, inflight = 2, prefill_tp = 1, decode_tp = 1, corrupt = 0, is_short = 0;
   int set_requests = 0, set_inflight = 0, set_max = 0, set_pool = 0;
   unsigned long long seed = 1, max_tokens = 8192;
@@ -154,10 +154,7 @@ int cli_demo(int argc, char **argv) {
             md->kv_heads, md->name);
     return 2;
   }
-  if (strcmp(transport, "tcp")) {
-    fprintf(stderr, "demo: transport '%s' is not available; this build has: tcp\n", transport);
-    return 2;
-  }
+  if (transport && cli_set_transport("demo", transport)) return 2;
   if (requests < 1 || requests > 100000 || inflight < 1 || inflight > 512 || max_tokens < 128 ||
       max_tokens > (1u << 20) || pool_gib < 0 || pool_gib > 1024 || !seed) {
     fprintf(stderr, "demo: bad value (need requests >= 1, inflight 1..512, max-tokens 128..1M, pool-gib > 0, "
@@ -226,7 +223,8 @@ int cli_demo(int argc, char **argv) {
            md->name, md->layers, md->kv_heads, md->head_dim, md->page_tokens, page_bytes / md->page_tokens / 1024.0);
   printf("  pools: %llu pages (%llu tokens, %.2f GiB) per %s; up to %d requests in flight; transport %s\n",
          (unsigned long long)pool_pages, (unsigned long long)pool_pages * md->page_tokens,
-         pool_pages * page_bytes / (double)(1ull << 30), md->mla ? "rank" : "side", inflight, transport);
+         pool_pages * page_bytes / (double)(1ull << 30), md->mla ? "rank" : "side", inflight,
+         getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto");
   if (md->mla)
     printf("  TP: prefill %d rank(s), decode %d rank(s), each with the whole latent (%s); every (token, layer) "
            "latent checked on every decode rank\n",

@@ -39,14 +39,17 @@ static int verify(unsigned char *buf, size_t len, char *args) {
 
 int cli_engine_peer(int argc, char **argv) {
   unsigned long long bytes = 64ull << 20;
-  const char *token = NULL, *host = "127.0.0.1";
+  const char *token = NULL, *host = "127.0.0.1", *transport = NULL;
+  int use_pool = 0;
   static const struct option opts[] = {{"bytes", required_argument, 0, 'b'},
                                        {"token", required_argument, 0, 't'},
                                        {"host", required_argument, 0, 'H'},
+                                       {"transport", required_argument, 0, 'T'},
+                                       {"pool", no_argument, 0, 'P'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "b:t:H:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "b:t:H:T:Ph", opts, NULL)) != -1) {
     switch (c) {
       case 'b':
         if (cli_parse_size(optarg, &bytes) || !bytes) {
@@ -56,31 +59,42 @@ int cli_engine_peer(int argc, char **argv) {
         break;
       case 't': token = optarg; break;
       case 'H': host = optarg; break;
+      case 'T': transport = optarg; break;
+      case 'P': use_pool = 1; break;
       case 'h':
-        printf("usage: kvferry engine-peer [--bytes 64M] [--token SECRET (default $KVFERRY_AUTH_TOKEN)] [--host 127.0.0.1]\n");
+        printf("usage: kvferry engine-peer [--bytes 64M] [--token SECRET (default $KVFERRY_AUTH_TOKEN)] [--host 127.0.0.1]\n"
+               "                           [--transport tcp|ucx|auto] [--pool]\n"
+               "  --pool  place the buffer in a pool the engine allocates (kvf_engine_alloc_pool)\n");
         return 0;
       default: return 2;
     }
   }
-  unsigned char *buf = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (buf == MAP_FAILED) {
-    perror("engine-peer: mmap");
+  kvf_engine_config cfg;
+  kvf_engine_config_init(&cfg);
+  cfg.host = host;
+  cfg.auth_token = token; /* NULL: $KVFERRY_AUTH_TOKEN, as every engine */
+  cfg.transport = transport;
+  kvf_engine *e = NULL;
+  unsigned char *buf = NULL;
+  int rc = kvf_engine_create(&cfg, &e);
+  if (!rc && use_pool) {
+    void *p = NULL;
+    rc = kvf_engine_alloc_pool(e, bytes, &p);
+    buf = p;
+  } else if (!rc) {
+    buf = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    rc = buf == MAP_FAILED ? KVF_ENOMEM : kvf_engine_register(e, buf, bytes);
+    if (buf == MAP_FAILED) buf = NULL;
+  }
+  if (rc) {
+    fprintf(stderr, "engine-peer: %s\n", kvf_strerror(rc));
+    kvf_engine_destroy(e);
     return 1;
   }
   /* Fault the pages in now, as a real KV pool is, so the first writes do not
    * pay for page faults. */
   memset(buf, 0, bytes);
-  kvf_engine_config cfg;
-  kvf_engine_config_init(&cfg);
-  cfg.host = host;
-  cfg.auth_token = token; /* NULL: $KVFERRY_AUTH_TOKEN, as every engine */
-  kvf_engine *e = NULL;
-  int rc = kvf_engine_create(&cfg, &e);
-  if (rc || (rc = kvf_engine_register(e, buf, bytes))) {
-    fprintf(stderr, "engine-peer: %s\n", kvf_strerror(rc));
-    kvf_engine_destroy(e);
-    return 1;
-  }
+  kvf_engine_sync(e);
   printf("ready %s %llx %llu\n", kvf_engine_session_id(e), (unsigned long long)(uintptr_t)buf, bytes);
   fflush(stdout);
   char *line = NULL;
@@ -113,7 +127,12 @@ int cli_engine_peer(int argc, char **argv) {
     fflush(stdout);
   }
   free(line);
+  if (use_pool) {
+    kvf_engine_free_pool(e, buf);
+  } else {
+    kvf_engine_unregister(e, buf);
+    munmap(buf, bytes);
+  }
   kvf_engine_destroy(e);
-  munmap(buf, bytes);
   return 0;
 }

@@ -175,6 +175,7 @@ int cli_kv_decode(int argc, char **argv) {
                                        {"page-size", required_argument, 0, 'P'}, {"heads", required_argument, 0, 'E'},
                                        {"unit", required_argument, 0, 'U'},     {"mla", no_argument, 0, 'M'},
                                        {"mla-legacy", no_argument, 0, 'L'},
+                                       {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
                                        {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "l:i:p:H:b:w:P:E:U:MLh", opts, NULL)) != -1) {
@@ -190,9 +191,12 @@ int cli_kv_decode(int argc, char **argv) {
       case 'U': if (cli_parse_size(optarg, &unit)) return 2; break;
       case 'M': mla = 1; break;
       case 'L': mla = 2; break;
+      case CLI_OPT_TRANSPORT:
+        if (cli_set_transport("kv-decode", optarg)) return 2;
+        break;
       case 'h':
         printf("usage: kvferry kv-decode --bootstrap HOST:PORT [--layers 2] [--item 4096] [--pages 4096]\n"
-               "                         [--host 127.0.0.1] [--world 1]\n"
+               "                         [--host 127.0.0.1] [--world 1] [--transport tcp|ucx|auto]\n"
                "                         [--heads H --unit 256 --page-size 1] [--mla|--mla-legacy]\n"
                "  --world D  D decode ranks in this process (TP D), each a manager with its own pool\n"
                "  --heads H  head-aware pools: rank d holds global KV heads d*H .. d*H+H-1, page-size\n"

@@ -177,6 +177,7 @@ int cli_kv_peer(int argc, char **argv) {
                                        {"kv-heads", required_argument, 0, 'K'},  {"unit", required_argument, 0, 'U'},
                                        {"state", required_argument, 0, 'S'},     {"state-item", required_argument, 0, 'T'},
                                        {"mla", no_argument, 0, 'M'},
+                                       {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
                                        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:P:E:K:U:S:T:Mh", opts, NULL)) != -1) {
@@ -195,11 +196,14 @@ int cli_kv_peer(int argc, char **argv) {
       case 'S': o.nstate = atoi(optarg); break;
       case 'T': if (cli_parse_size(optarg, &o.state_item)) return 2; break;
       case 'M': o.mla = 1; break;
+      case CLI_OPT_TRANSPORT:
+        if (cli_set_transport("kv-peer", optarg)) return 2;
+        break;
       case 'h':
         printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n"
                "                       [--host 127.0.0.1] [--bootstrap HOST:PORT (default: start one here)]\n"
                "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N --state-item 4096]\n"
-               "                       [--mla --unit 1152 --page-size 16]\n"
+               "                       [--mla --unit 1152 --page-size 16] [--transport tcp|ucx|auto]\n"
                "  --mla  MLA pools: one latent buffer per layer, the same on every rank (--heads ignored)\n");
         return 0;
       default: return 2;

@@ -33,7 +33,7 @@ int main(int argc, char **argv) {
     return argc < 2 ? 2 : 0;
   }
   if (!strcmp(argv[1], "--version")) {
-    printf("kvferry %s\n", kvf_version());
+    printf("kvferry %s (transports: %s)\n", kvf_version(), kvf_engine_transports());
     return 0;
   }
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)

@@ -6,16 +6,22 @@
 #include <string.h>
 
 int engine_peer_start(engine_peer *ep, uint64_t bytes, const char *token) {
+  return engine_peer_start_args(ep, bytes, token, NULL);
+}
+
+int engine_peer_start_args(engine_peer *ep, uint64_t bytes, const char *token, const char *const *extra) {
   char sz[32];
   snprintf(sz, sizeof sz, "%llu", (unsigned long long)bytes);
   /* Tests are not the kvferry binary: they name it in KVFERRY_CLI. */
   const char *exe = getenv("KVFERRY_CLI");
   if (!exe || !*exe) exe = proc_self_exe();
-  char *argv[8] = {(char *)exe, "engine-peer", "--bytes", sz, NULL, NULL, NULL};
+  char *argv[16] = {(char *)exe, "engine-peer", "--bytes", sz};
+  int n = 4;
   if (token) {
-    argv[4] = "--token";
-    argv[5] = (char *)token;
+    argv[n++] = "--token";
+    argv[n++] = (char *)token;
   }
+  for (; extra && *extra && n < 15; extra++) argv[n++] = (char *)*extra;
   memset(ep, 0, sizeof *ep);
   if (proc_start(&ep->p, argv)) {
     fprintf(stderr, "kvferry: cannot start engine peer\n");

@@ -17,6 +17,8 @@ typedef struct engine_peer {
 /* Start a peer with a buffer of `bytes`; token may be NULL. 0 or -1 (and a
  * message on stderr). */
 int engine_peer_start(engine_peer *ep, uint64_t bytes, const char *token);
+/* The same with extra engine-peer arguments (NULL-terminated list, or NULL). */
+int engine_peer_start_args(engine_peer *ep, uint64_t bytes, const char *token, const char *const *extra);
 void engine_peer_stop(engine_peer *ep);
 
 #endif

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "base/addr.h"
 #include "base/clock.h"
@@ -27,7 +28,7 @@ void kvf_engine_config_init(kvf_engine_config *cfg) {
   cfg->size = sizeof *cfg;
   cfg->host = "127.0.0.1";
   cfg->port = 0;
-  cfg->transport = "tcp";
+  cfg->transport = NULL; /* $KVFERRY_TRANSPORT, else "auto" */
   cfg->auth_token = NULL;
   cfg->timeout_ms = 30000;
   cfg->conns_per_peer = 2;
@@ -54,7 +55,8 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   kvf_engine_config_init(&cfg);
   if (!out || (cfg_in && kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg))) return KVF_EINVAL;
   if (!cfg.host || !*cfg.host) cfg.host = "127.0.0.1";
-  if (!cfg.transport || !*cfg.transport) cfg.transport = "tcp";
+  if (!cfg.transport || !*cfg.transport) cfg.transport = getenv("KVFERRY_TRANSPORT");
+  if (!cfg.transport || !*cfg.transport) cfg.transport = "auto";
   cfg.timeout_ms = (int)env_get_int("KVFERRY_TIMEOUT_MS", cfg.timeout_ms > 0 ? cfg.timeout_ms : 30000);
   cfg.conns_per_peer = (int)env_get_int("KVFERRY_CONNS_PER_PEER", cfg.conns_per_peer);
   if (cfg.timeout_ms <= 0) cfg.timeout_ms = 30000;
@@ -63,12 +65,25 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   if (cfg.max_inbound_conns <= 0) cfg.max_inbound_conns = 256;
 
   const transport_ops *ops = NULL;
+  int want_ucx = !strcmp(cfg.transport, "ucx"), is_auto = !strcmp(cfg.transport, "auto");
   if (!strcmp(cfg.transport, "tcp")) ops = &tcp_transport_ops;
+#ifdef KVF_HAVE_UCX
+  if (want_ucx || is_auto) ops = &kvf__ucx_transport_ops;
+#else
+  if (is_auto) ops = &tcp_transport_ops;
+  if (want_ucx) {
+    LOG_ERROR("engine", "transport 'ucx': this kvferry was built without UCX (available: %s)",
+              kvf_engine_transports());
+    return KVF_EINVAL;
+  }
+#endif
   if (!ops) {
-    LOG_ERROR("engine", "unknown transport '%s' (available: tcp)", cfg.transport);
+    LOG_ERROR("engine", "unknown transport '%s' (tcp, ucx or auto; this build has %s)", cfg.transport,
+              kvf_engine_transports());
     return KVF_EINVAL;
   }
   if (strlen(cfg.host) >= 256) return KVF_EINVAL;
+  cfg.transport = want_ucx ? "ucx" : is_auto ? "auto" : "tcp"; /* not the caller's or getenv's string */
 
   kvf_engine *e = calloc(1, sizeof *e);
   if (!e) return KVF_ENOMEM;
@@ -88,7 +103,13 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   e->cfg = cfg;
   e->ops = ops;
   e->port = cfg.port;
+  e->ucx_explicit = want_ucx;
   rc = ops->start(e);
+  if (rc && is_auto && ops != &tcp_transport_ops) { /* auto: UCX would not start; say so, use TCP */
+    LOG_INFO("engine", "transport auto: UCX did not start (%s); using tcp for every peer", kvf_strerror(rc));
+    e->ops = ops = &tcp_transport_ops;
+    rc = ops->start(e);
+  }
   if (rc) goto err_regions;
   kvf__addr_format(e->session_id, sizeof e->session_id, e->host, e->port);
   LOG_INFO("engine", "listening as %s (transport %s)", e->session_id, ops->name);
@@ -117,13 +138,75 @@ uint16_t kvf_engine_port(const kvf_engine *e) { return e->port; }
 int kvf_engine_register(kvf_engine *e, void *addr, size_t len) {
   if (!e || !addr || !len) return KVF_EINVAL;
   int rc = regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len);
+  if (!rc && e->ops->reg && (rc = e->ops->reg(e, addr, len)))
+    regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
   if (rc) LOG_WARN("engine", "register %p+%zu failed: %s", addr, len, kvf_strerror(rc));
   return rc;
 }
 
 int kvf_engine_unregister(kvf_engine *e, void *addr) {
   if (!e || !addr) return KVF_EINVAL;
-  return regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
+  int rc = regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
+  if (!rc && e->ops->dereg) e->ops->dereg(e, addr);
+  return rc;
+}
+
+const char *kvf_engine_transports(void) {
+#ifdef KVF_HAVE_UCX
+  return "tcp,ucx";
+#else
+  return "tcp";
+#endif
+}
+
+const char *kvf_engine_transport(const kvf_engine *e) { return e->ops->name; }
+
+int kvf_engine_peer_transport(kvf_engine *e, const char *session, char *out, size_t cap) {
+  if (!e || !session || !out || !cap) return KVF_EINVAL;
+  if (e->ops->describe) return e->ops->describe(e, session, out, cap);
+  snprintf(out, cap, "tcp: transport tcp");
+  return 0;
+}
+
+/* Length of the registered region that starts at addr, or 0. */
+static uint64_t region_len_at(kvf_engine *e, uint64_t addr) {
+  uint64_t len = 0;
+  pthread_rwlock_rdlock(&e->regions.lock);
+  for (size_t i = 0; i < e->regions.n; i++)
+    if (e->regions.items[i]->base == addr) len = e->regions.items[i]->len;
+  pthread_rwlock_unlock(&e->regions.lock);
+  return len;
+}
+
+int kvf_engine_alloc_pool(kvf_engine *e, size_t len, void **out) {
+  if (!e || !len || !out) return KVF_EINVAL;
+  void *p = NULL;
+  int rc = 0;
+  if (e->ops->alloc_pool) {
+    rc = e->ops->alloc_pool(e, len, &p);
+  } else { /* no transport can map it: shared anonymous memory, registered */
+    p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) rc = KVF_ENOMEM;
+  }
+  if (rc) return rc;
+  rc = kvf_engine_register(e, p, len);
+  if (rc) {
+    if (e->ops->free_pool) e->ops->free_pool(e, p);
+    else munmap(p, len);
+    return rc;
+  }
+  *out = p;
+  return 0;
+}
+
+int kvf_engine_free_pool(kvf_engine *e, void *addr) {
+  if (!e || !addr) return KVF_EINVAL;
+  uint64_t len = region_len_at(e, (uint64_t)(uintptr_t)addr);
+  if (len) kvf_engine_unregister(e, addr);
+  if (e->ops->free_pool) return e->ops->free_pool(e, addr);
+  if (!len) return KVF_ENOTFOUND;
+  munmap(addr, len);
+  return 0;
 }
 
 void kvf_engine_sync(kvf_engine *e) {
@@ -143,6 +226,8 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *o) {
   o->conns_refused = atomic_load(&c->conns_refused);
   o->conns_timed_out = atomic_load(&c->conns_timed_out);
   o->conns_evicted = atomic_load(&c->conns_evicted);
+  o->peers_ucx = atomic_load(&c->peers_ucx);
+  o->peers_tcp = atomic_load(&c->peers_tcp);
 }
 
 uint64_t write_block_bytes(const kvf_write *w) { return w->len * (w->count > 1 ? w->count : 1); }

@@ -94,15 +94,32 @@ typedef struct transport_ops {
   /* Queue the chunks of one batch to `session`; each chunk later reports
    * through batch_chunk_done. On error nothing was queued. */
   int (*submit)(struct kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
+  /* Optional hooks (NULL in tcp). reg/dereg follow a region into and out of
+   * the table; serve answers a TCP_UCX_HELLO_MAGIC connection on the
+   * listener after its token was accepted (it owns the connection until it
+   * returns); describe writes which transport `session` uses and why;
+   * alloc_pool/free_pool place a pool in memory peers can map. */
+  int (*reg)(struct kvf_engine *e, void *addr, size_t len);
+  void (*dereg)(struct kvf_engine *e, void *addr);
+  void (*serve)(struct kvf_engine *e, int fd, const char *peer);
+  int (*describe)(struct kvf_engine *e, const char *session, char *out, size_t cap);
+  int (*alloc_pool)(struct kvf_engine *e, size_t len, void **out);
+  int (*free_pool)(struct kvf_engine *e, void *addr);
 } transport_ops;
 
 extern const transport_ops tcp_transport_ops;
+#ifdef KVF_HAVE_UCX
+/* The UCX transport (ucx*.c): runs tcp_transport_ops underneath for the
+ * listener, the rendezvous and the peers it routes to TCP. */
+extern const transport_ops kvf__ucx_transport_ops;
+#endif
 
 typedef struct engine_counters {
   atomic_ullong batches_sent, bytes_sent, batches_failed;
   atomic_ullong batches_received, bytes_received, batches_refused;
   atomic_ullong auth_refused, protocol_errors, conns_refused;
   atomic_ullong conns_timed_out, conns_evicted;
+  atomic_ullong peers_ucx, peers_tcp; /* writer side: routing decisions per peer */
 } engine_counters;
 
 typedef struct kvf_engine {
@@ -116,6 +133,8 @@ typedef struct kvf_engine {
   atomic_ullong sync_point; /* see kvf_engine_sync */
   const transport_ops *ops;
   void *transport; /* transport-private state */
+  void *ucx;       /* UCX transport state (ucx.c), beside the tcp state */
+  int ucx_explicit; /* transport "ucx" was asked for (not "auto") */
   /* target side: the trailer callback (async.h); transports call it under
    * the read lock, setting it takes the write lock */
   pthread_rwlock_t trailer_lock;
@@ -126,6 +145,10 @@ typedef struct kvf_engine {
 /* Target side: hand a chunk's trailer to the callback, if one is set (a
  * transport thread, after the chunk's bytes landed). */
 void engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_t len, const char *peer);
+
+/* A blocking TCP connection to host:port made within the deadline, with
+ * TCP_NODELAY (tcp.c). 0 or KVF_ECONNREFUSED / KVF_ETIMEDOUT. */
+int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out);
 
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
  * each with at most `max_desc` descriptors; a single large block may be cut

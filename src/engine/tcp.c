@@ -432,6 +432,10 @@ static int connect_deadline(const char *host, uint16_t port, int64_t deadline_ns
   return rc;
 }
 
+int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out) {
+  return connect_deadline(host, port, deadline_ns, fd_out);
+}
+
 static int conn_open(kvf_engine *e, tcp_session *s, int64_t deadline_ns, tcp_conn **out) {
   int fd = -1;
   int rc = connect_deadline(s->host, s->port, deadline_ns, &fd);
@@ -737,12 +741,14 @@ static int inbound_trailer(tcp_inbound *in, kvf_engine *e, int landed, int64_t *
 static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
   tcp_hello h;
   char token[TCP_MAX_TOKEN];
+  int ucx = 0;
   /* One deadline for the whole hello, from accept: a byte now and then does
    * not extend it. */
   int64_t deadline = in->accepted_ns + (int64_t)TCP_HELLO_DEADLINE_MS * 1000000;
   int rc = in_recv(in, &h, sizeof h, &deadline, 0);
   if (!rc) {
     int v = kvf__tcp_frame_hello(&h);
+    ucx = h.magic == TCP_UCX_HELLO_MAGIC; /* a UCX rendezvous (ucx.c), same token check */
     if (v) {
       in_frame_error(in, e, v);
       return KVF_EPROTO;
@@ -761,7 +767,7 @@ static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
     for (size_t i = 0; i < want; i++) diff |= (unsigned)(e->auth_token[i] ^ (i < h.token_len ? token[i] : 0));
     ok = diff == 0;
   }
-  tcp_reply rep = {TCP_HELLO_MAGIC, ok ? 0 : KVF_EACCES};
+  tcp_reply rep = {TCP_HELLO_MAGIC, ok ? (ucx && !e->ops->serve ? KVF_ESTATE : 0) : KVF_EACCES};
   send_all(in->fd, &rep, sizeof rep);
   if (!ok) {
     atomic_fetch_add(&e->stats.auth_refused, 1);
@@ -770,7 +776,10 @@ static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
   }
   atomic_store(&in->idle_since_ns, clock_now_ns());
   int expect = IN_HELLO;
-  return atomic_compare_exchange_strong(&in->phase, &expect, IN_IDLE) ? 0 : KVF_ECLOSED;
+  /* A UCX rendezvous connection stays open for the engine's life (ucx.c
+   * serves it): busy, so never evicted as idle. It is authenticated. */
+  if (!atomic_compare_exchange_strong(&in->phase, &expect, ucx ? IN_BUSY : IN_IDLE)) return KVF_ECLOSED;
+  return ucx ? (rep.status ? KVF_ESTATE : 1) : 0;
 }
 
 /* Make room for the descriptors and pins of an ndesc chunk. */
@@ -837,7 +846,9 @@ static void *inbound_main(void *arg) {
   tcp_desc *descs = NULL;
   region **pins = NULL;
   size_t cap = 0;
-  if (inbound_handshake(in, e)) goto out;
+  int hs = inbound_handshake(in, e);
+  if (hs == 1) e->ops->serve(e, in->fd, in->peer);
+  if (hs) goto out;
   for (;;) {
     /* Idle between chunks is fine (a tick with nothing read); from its first
      * byte a chunk (header, descriptors, payload) has the engine timeout in

@@ -29,7 +29,8 @@ const char *kvf__tcp_frame_reason(int v) {
 int kvf__tcp_frame_fatal(int v) { return v != TCP_FRAME_OK && v != TCP_FRAME_OUT_OF_RANGE; }
 
 int kvf__tcp_frame_hello(const tcp_hello *h) {
-  if (h->magic != TCP_HELLO_MAGIC) return TCP_FRAME_HELLO_MAGIC;
+  /* A data connection's hello, or a UCX rendezvous (ucx.c): same layout. */
+  if (h->magic != TCP_HELLO_MAGIC && h->magic != TCP_UCX_HELLO_MAGIC) return TCP_FRAME_HELLO_MAGIC;
   if (h->version != TCP_PROTO_VERSION) return TCP_FRAME_HELLO_VERSION;
   if (h->token_len > TCP_MAX_TOKEN) return TCP_FRAME_TOKEN_TOO_LONG;
   return TCP_FRAME_OK;

@@ -18,7 +18,10 @@
 #define TCP_CHUNK_MAGIC 0x4b564643u
 #define TCP_ACK_MAGIC 0x4b564641u
 #define TCP_CHUNK_TRAILER_MAGIC 0x4b564645u
-#define TCP_TRAILER_MAGIC 0x4b564652u
+#define TCP_TRAILER_MAGIC 0x4b564659u
+/* A hello with this magic asks for the UCX rendezvous (src/engine/ucx.h)
+ * instead of a data connection; the token check is the same. */
+#define TCP_UCX_HELLO_MAGIC 0x4b564655u
 #define TCP_PROTO_VERSION 1
 #define TCP_MAX_TOKEN 1024
 /* A receiver drops a connection whose whole hello (header and token) has not

@@ -122,6 +122,14 @@ static void large_block_split_across_connections(void **state) {
   assert_string_equal(reply, "ok 2048");
 }
 
+/* Over UCX writes are one-sided: the target's counters do not see them (the
+ * writer refuses out-of-range batches itself), so the target-side counter
+ * checks apply to kvferry's TCP only. */
+static int target_counts(void) {
+  const char *t = getenv("KVFERRY_TRANSPORT");
+  return t && !strcmp(t, "tcp");
+}
+
 static void outside_registered_memory_refused_untouched(void **state) {
   fixture *f = *state;
   char reply[64];
@@ -137,11 +145,11 @@ static void outside_registered_memory_refused_untouched(void **state) {
   ask(f, "untouched 0", reply, sizeof reply);
   assert_string_equal(reply, "ok");
   ask(f, "stats", reply, sizeof reply);
-  assert_string_equal(reply, "stats 0 1 0");
+  assert_string_equal(reply, target_counts() ? "stats 0 1 0" : "stats 0 0 0");
   /* The connection stays usable after a refusal. */
   assert_int_equal(kvf_engine_write(f->e, f->peer.session, w, 2), 0);
   ask(f, "stats", reply, sizeof reply);
-  assert_string_equal(reply, "stats 1 1 0");
+  assert_string_equal(reply, target_counts() ? "stats 1 1 0" : "stats 0 0 0");
 }
 
 static void unregistered_source_rejected_locally(void **state) {
@@ -274,6 +282,8 @@ static void stopped_peer_fails_at_deadline(void **state) {
   int rc = kvf_engine_write(f->e, f->peer.session, &big, 1);
   double dt = now_s() - t0;
   kill(f->peer.p.pid, SIGCONT);
+  /* One-sided UCX writes (CMA, shared memory) land in a stopped process. */
+  if (!target_counts() && rc == 0) return;
   assert_int_equal(rc, KVF_ETIMEDOUT);
   assert_true(dt >= 1.8 && dt < 4.0); /* deadline is 2 s */
   /* A fresh connection to a stopped peer also ends at the deadline. */
@@ -306,7 +316,7 @@ static void auth_token_required(void **state) {
   }
   char reply[64];
   assert_int_equal(proc_ask(&peer.p, "stats", reply, sizeof reply, 5000), 0);
-  assert_string_equal(reply, "stats 1 0 3");
+  assert_string_equal(reply, target_counts() ? "stats 1 0 3" : "stats 0 0 3");
   engine_peer_stop(&peer);
 }
 
@@ -403,6 +413,8 @@ static void on_trailer(void *arg, const unsigned char *data, size_t len, const c
 
 static void trailer_after_bytes(void **state) {
   (void)state;
+  const char *tr = getenv("KVFERRY_TRANSPORT");
+  if (tr && !strcmp(tr, "ucx")) skip(); /* trailers ride kvferry's TCP framing only */
   enum { LEN = 64 << 10, BIG = 2 << 20 };
   kvf_engine *a = NULL, *b = NULL;
   kvf_engine_config c;

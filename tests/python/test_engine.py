@@ -493,3 +493,26 @@ def test_struct_layouts_match_c(tmp_path):
                    timeout=60)
     out = subprocess.run([str(exe)], check=True, capture_output=True, timeout=10).stdout.split()
     assert [int(x) for x in out] == expect
+
+
+def test_rdma_protocol_uses_ucx_and_managed_buffers(engines, monkeypatch):
+    """protocol="rdma" maps to kvferry's UCX transport; pools from
+    allocate_managed_buffer are written into (mapped directly on one host)."""
+    from kvferry import _lib
+
+    if b"ucx" not in _lib.lib.kvf_engine_transports():
+        pytest.skip("this kvferry was built without UCX")
+    monkeypatch.delenv("KVFERRY_TRANSPORT", raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    a, b = engines("rdma"), engines("rdma")
+    n = 1 << 20
+    pa, pb = a.allocate_managed_buffer(n), b.allocate_managed_buffer(n)
+    assert pa and pb
+    ctypes.memmove(pa, bytes(range(256)) * (n // 256), n)
+    assert a.transfer_sync_write(b.get_session_id(), pa + 4096, pb + 8192, 65536) == 0
+    b.sync()
+    assert ctypes.string_at(pb + 8192, 65536) == ctypes.string_at(pa + 4096, 65536)
+    assert ctypes.string_at(pb, 8192) == bytes(8192)
+    route = a.peer_transport(b.get_session_id())
+    assert route.startswith("ucx: same host"), route
+    assert a.free_managed_buffer(pa) == 0 and b.free_managed_buffer(pb) == 0

@@ -29,6 +29,7 @@ _ZERO_ON_SUCCESS = (
     "batch_transfer_sync_write",
     "get_batch_transfer_status",
     "transfer_sync_read",
+    "free_managed_buffer",
 )
 # Mooncake-named methods that return a value on success.
 _VALUE_ON_SUCCESS = ("transfer_submit_write", "batch_transfer_async_write")
@@ -56,6 +57,15 @@ class TransferEngine(kvferry.TransferEngine):
             return 1 if super().transfer_check_status(batch_id) else 0
         except KVFError as e:
             return e.code
+
+
+    def allocate_managed_buffer(self, length):
+        """The pool's address, or 0 on failure (Mooncake's convention)."""
+        try:
+            return super().allocate_managed_buffer(length)
+        except KVFError as e:
+            log.error("kvferry: allocate_managed_buffer failed: %s", e)
+            return 0
 
 
 for _name in _ZERO_ON_SUCCESS + _VALUE_ON_SUCCESS:

@@ -1,0 +1,572 @@
+/* The UCX transport, engine side: one UCP context and worker per engine,
+ * the event-driven progress thread, registration (ucp_mem_map + packed
+ * rkeys), pools allocated by UCX in shared memory, and the rendezvous server
+ * that the TCP listener hands UCX hellos to. The writer side is in
+ * ucx_peer.c; the message layout and the locking rules in ucx.h.
+ *
+ * The TCP transport runs underneath unchanged: its listener is the session
+ * id, it answers data connections from TCP peers, and peers that `auto`
+ * routes to TCP use it. */
+#include "engine/ucx.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "engine/tcp_proto.h"
+
+int kvf__ucx_status(ucs_status_t st) {
+  switch (st) {
+    case UCS_OK: return 0;
+    case UCS_ERR_TIMED_OUT:
+    case UCS_ERR_ENDPOINT_TIMEOUT: return KVF_ETIMEDOUT;
+    case UCS_ERR_NO_MEMORY: return KVF_ENOMEM;
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_CANCELED:
+    case UCS_ERR_REJECTED: return KVF_ECLOSED;
+    default: return KVF_EIO;
+  }
+}
+
+void kvf__ucx_wake(ucx_state *u) {
+  uint64_t one = 1;
+  ssize_t r = write(u->wake_fd, &one, sizeof one);
+  (void)r; /* a full counter already means "wake up" */
+}
+
+static int wait_fd(int fd, short ev, int64_t deadline_ns) {
+  for (;;) {
+    int64_t left = (deadline_ns - clock_now_ns()) / 1000000;
+    if (left <= 0) return KVF_ETIMEDOUT;
+    struct pollfd pf = {.fd = fd, .events = ev};
+    int r = poll(&pf, 1, (int)left);
+    if (r > 0) return 0;
+    if (r < 0 && errno != EINTR) return KVF_EIO;
+  }
+}
+
+int kvf__ucx_send_all(int fd, const void *buf, size_t len, int64_t deadline_ns) {
+  const char *p = buf;
+  while (len) {
+    ssize_t r = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      len -= (size_t)r;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      int rc = wait_fd(fd, POLLOUT, deadline_ns);
+      if (rc) return rc;
+    } else if (errno != EINTR) {
+      return KVF_ECLOSED;
+    }
+  }
+  return 0;
+}
+
+int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns) {
+  char *p = buf;
+  while (len) {
+    ssize_t r = recv(fd, p, len, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      len -= (size_t)r;
+    } else if (r == 0) {
+      return KVF_ECLOSED;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      int rc = wait_fd(fd, POLLIN, deadline_ns);
+      if (rc) return rc;
+    } else if (errno != EINTR) {
+      return KVF_ECLOSED;
+    }
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------ host identity */
+
+static void read_first_line(const char *path, char *out, size_t cap) {
+  out[0] = '\0';
+  FILE *f = fopen(path, "r");
+  if (!f) return;
+  if (fgets(out, (int)cap, f)) out[strcspn(out, "\n")] = '\0';
+  fclose(f);
+}
+
+/* Two engines with the same identity share a kernel and an IPC namespace,
+ * which is what UCX's shared-memory transports need. */
+static void host_identity(char *out, size_t cap) {
+  /* Containers on one host that share no shared memory (or tests) name
+   * their own identity. */
+  const char *forced = getenv("KVFERRY_UCX_HOST_ID");
+  if (forced && *forced) {
+    snprintf(out, cap, "%s", forced);
+    return;
+  }
+  char boot[64], host[64] = "", ipc[64] = "";
+  read_first_line("/proc/sys/kernel/random/boot_id", boot, sizeof boot);
+  gethostname(host, sizeof host - 1);
+  ssize_t n = readlink("/proc/self/ns/ipc", ipc, sizeof ipc - 1);
+  ipc[n > 0 ? n : 0] = '\0';
+  snprintf(out, cap, "%s|%.40s|%s", boot, host, ipc);
+}
+
+static int has_rdma_device(void) {
+  DIR *d = opendir("/sys/class/infiniband");
+  if (!d) return 0;
+  int found = 0;
+  for (struct dirent *de; (de = readdir(d));)
+    if (de->d_name[0] != '.') found = 1;
+  closedir(d);
+  return found;
+}
+
+/* ucx_reg.pool: a plain registration (its own ucp_mem_map), a registration
+ * of a pool (reuses the pool's handle), or a pool itself (not advertised
+ * until registered). */
+enum { REG_PLAIN = 0, REG_IN_POOL = 1, REG_POOL = 2 };
+
+/* ------------------------------------------------------------ rendezvous server */
+
+/* The info message for the current registrations. Caller frees *out. */
+static int build_info(ucx_state *u, char **out, size_t *out_len) {
+  pthread_mutex_lock(&u->reg_mu);
+  size_t body = u->addr_len, nadv = 0;
+  for (size_t i = 0; i < u->nregs; i++)
+    if (u->regs[i].pool != REG_POOL) {
+      body += sizeof(ucx_region_desc) + u->regs[i].rkey_len;
+      nadv++;
+    }
+  char *m = malloc(sizeof(ucx_info_hdr) + body);
+  if (!m) {
+    pthread_mutex_unlock(&u->reg_mu);
+    return KVF_ENOMEM;
+  }
+  ucx_info_hdr h = {.magic = UCX_INFO_MAGIC, .nregions = (uint32_t)nadv, .gen = u->gen,
+                    .addr_len = (uint32_t)u->addr_len, .body_len = (uint32_t)body};
+  memcpy(h.host_id, u->host_id, sizeof h.host_id);
+  memcpy(m, &h, sizeof h);
+  char *p = m + sizeof h;
+  memcpy(p, u->addr, u->addr_len);
+  p += u->addr_len;
+  for (size_t i = 0; i < u->nregs; i++) {
+    const ucx_reg *r = &u->regs[i];
+    if (r->pool == REG_POOL) continue;
+    ucx_region_desc d = {r->base, r->len, (uint32_t)r->rkey_len, 0};
+    memcpy(p, &d, sizeof d);
+    memcpy(p + sizeof d, r->rkey_buf, r->rkey_len);
+    p += sizeof d + r->rkey_len;
+  }
+  pthread_mutex_unlock(&u->reg_mu);
+  *out = m;
+  *out_len = sizeof h + body;
+  return 0;
+}
+
+static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out) {
+  char *m;
+  size_t len;
+  int rc = build_info(u, &m, &len);
+  if (rc) return rc;
+  if (gen_out) *gen_out = ((const ucx_info_hdr *)(const void *)m)->gen;
+  pthread_mutex_lock(&c->send_mu);
+  rc = kvf__ucx_send_all(c->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  pthread_mutex_unlock(&c->send_mu);
+  free(m);
+  if (rc) shutdown(c->fd, SHUT_RDWR); /* the serving thread sees it and ends */
+  return rc;
+}
+
+/* Tell every connected writer about a new generation of registrations;
+ * with `wait`, return once each has applied it (see ucx.h). */
+static void push_info(ucx_state *u, uint64_t gen, int wait) {
+  pthread_mutex_lock(&u->ctl_mu);
+  for (ucx_ctl *c = u->ctls; c; c = c->next) ctl_send_info(u, c, NULL);
+  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+  for (int pending = wait; pending;) {
+    pending = 0;
+    for (ucx_ctl *c = u->ctls; c; c = c->next) pending |= c->acked < gen;
+    if (!pending) break;
+    struct timespec ts = clock_ts_from_ns(until);
+    if (pthread_cond_timedwait(&u->ctl_cv, &u->ctl_mu, &ts) == ETIMEDOUT) {
+      for (ucx_ctl *c = u->ctls; c; c = c->next)
+        if (c->acked < gen) {
+          LOG_WARN("ucx", "a writer did not confirm an unregister within %d ms; its connection is cut",
+                   UCX_CTL_TIMEOUT_MS);
+          shutdown(c->fd, SHUT_RDWR);
+        }
+      break;
+    }
+  }
+  pthread_mutex_unlock(&u->ctl_mu);
+}
+
+/* Runs on the TCP inbound thread of a rendezvous connection, after the
+ * token was accepted; returns when the peer closes or the engine stops. */
+static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
+  ucx_state *u = e->ucx;
+  ucx_ctl *c = calloc(1, sizeof *c);
+  if (!c) return;
+  c->fd = fd;
+  pthread_mutex_init(&c->send_mu, NULL);
+  /* The writer applies the first info before it writes: it counts as acked. */
+  pthread_mutex_lock(&u->ctl_mu);
+  int rc = ctl_send_info(u, c, &c->acked);
+  c->next = u->ctls;
+  u->ctls = c;
+  pthread_mutex_unlock(&u->ctl_mu);
+  while (!rc && !atomic_load(&u->stopping)) {
+    /* Idle until the writer asks again or goes (tcp_stop shuts the socket). */
+    struct pollfd pf = {.fd = fd, .events = POLLIN};
+    if (poll(&pf, 1, -1) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    ucx_req r;
+    if (kvf__ucx_recv_all(fd, &r, sizeof r, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
+    if (r.magic == UCX_ACK_MAGIC) {
+      pthread_mutex_lock(&u->ctl_mu);
+      if (r.gen > c->acked) c->acked = r.gen;
+      pthread_cond_broadcast(&u->ctl_cv);
+      pthread_mutex_unlock(&u->ctl_mu);
+      continue;
+    }
+    if (r.magic != UCX_REQ_MAGIC) {
+      atomic_fetch_add(&e->stats.protocol_errors, 1);
+      if (log_first_time(log_hash_str(peer, 11)))
+        LOG_WARN("ucx", "peer %s: malformed rendezvous request; connection dropped", peer);
+      break;
+    }
+    rc = ctl_send_info(u, c, NULL);
+  }
+  pthread_mutex_lock(&u->ctl_mu);
+  for (ucx_ctl **pp = &u->ctls; *pp; pp = &(*pp)->next)
+    if (*pp == c) {
+      *pp = c->next;
+      break;
+    }
+  pthread_cond_broadcast(&u->ctl_cv);
+  pthread_mutex_unlock(&u->ctl_mu);
+  pthread_mutex_destroy(&c->send_mu);
+  free(c);
+}
+
+/* ------------------------------------------------------------ registration */
+
+static ucx_reg *find_reg(ucx_state *u, uint64_t addr, int pool) {
+  for (size_t i = 0; i < u->nregs; i++)
+    if (u->regs[i].base == addr && u->regs[i].pool == pool) return &u->regs[i];
+  return NULL;
+}
+
+static int add_reg(ucx_state *u, ucx_reg r) {
+  if (u->nregs == u->cap) {
+    size_t cap = u->cap ? u->cap * 2 : 16;
+    ucx_reg *n = realloc(u->regs, cap * sizeof *n);
+    if (!n) return KVF_ENOMEM;
+    u->regs = n;
+    u->cap = cap;
+  }
+  u->regs[u->nregs++] = r;
+  return 0;
+}
+
+static void del_reg(ucx_state *u, ucx_reg *r) {
+  size_t i = (size_t)(r - u->regs);
+  memmove(&u->regs[i], &u->regs[i + 1], (u->nregs - i - 1) * sizeof *r);
+  u->nregs--;
+}
+
+static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
+  ucx_state *u = e->ucx;
+  uint64_t base = (uint64_t)(uintptr_t)addr;
+  pthread_mutex_lock(&u->reg_mu);
+  ucx_reg *pool = find_reg(u, base, REG_POOL);
+  ucp_mem_h memh = pool && pool->len == len ? pool->memh : NULL;
+  size_t advertised = 0;
+  for (size_t i = 0; i < u->nregs; i++) advertised += u->regs[i].pool != REG_POOL;
+  pthread_mutex_unlock(&u->reg_mu);
+  if (advertised >= UCX_MAX_REGIONS) return KVF_ENOMEM;
+  int rc = 0;
+  int owned = !memh;
+  void *rkey = NULL;
+  size_t rkey_len = 0;
+  pthread_mutex_lock(&u->wmu);
+  if (owned) {
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                               .address = addr, .length = len};
+    ucs_status_t st = ucp_mem_map(u->ctx, &mp, &memh);
+    if (st != UCS_OK) {
+      LOG_WARN("ucx", "ucp_mem_map %p+%zu: %s", addr, len, ucs_status_string(st));
+      rc = KVF_EIO;
+    }
+  }
+  if (!rc) {
+    ucs_status_t st = ucp_rkey_pack(u->ctx, memh, &rkey, &rkey_len);
+    if (st != UCS_OK || rkey_len > UCX_MAX_RKEY_LEN) {
+      LOG_WARN("ucx", "ucp_rkey_pack %p+%zu: %s", addr, len, ucs_status_string(st));
+      if (st == UCS_OK) ucp_rkey_buffer_release(rkey);
+      if (owned) ucp_mem_unmap(u->ctx, memh);
+      rc = KVF_EIO;
+    }
+  }
+  pthread_mutex_unlock(&u->wmu);
+  if (rc) return rc;
+  pthread_mutex_lock(&u->reg_mu);
+  rc = add_reg(u, (ucx_reg){base, len, memh, rkey, rkey_len, owned ? REG_PLAIN : REG_IN_POOL});
+  uint64_t gen = rc ? 0 : ++u->gen;
+  pthread_mutex_unlock(&u->reg_mu);
+  if (rc) {
+    pthread_mutex_lock(&u->wmu);
+    ucp_rkey_buffer_release(rkey);
+    if (owned) ucp_mem_unmap(u->ctx, memh);
+    pthread_mutex_unlock(&u->wmu);
+    return rc;
+  }
+  push_info(u, gen, 0); /* a writer that misses it asks (peer_refresh) */
+  return 0;
+}
+
+static void ucx_dereg_hook(kvf_engine *e, void *addr) {
+  ucx_state *u = e->ucx;
+  uint64_t base = (uint64_t)(uintptr_t)addr;
+  pthread_mutex_lock(&u->reg_mu);
+  ucx_reg *r = find_reg(u, base, REG_PLAIN);
+  if (!r) r = find_reg(u, base, REG_IN_POOL);
+  ucx_reg gone = {0};
+  uint64_t gen = 0;
+  if (r) {
+    gone = *r;
+    del_reg(u, r);
+    gen = ++u->gen;
+  }
+  pthread_mutex_unlock(&u->reg_mu);
+  if (!r) return;
+  /* Writers apply the new generation first (after their writes into the
+   * old one that are under way); a put already posted may still complete
+   * (one-sided: the target cannot wait for it), which is why the memory must
+   * stay mapped until the owner knows no batch is in flight, as with any
+   * RDMA engine. */
+  push_info(u, gen, 1);
+  pthread_mutex_lock(&u->wmu);
+  ucp_rkey_buffer_release(gone.rkey_buf);
+  if (gone.pool == REG_PLAIN) ucp_mem_unmap(u->ctx, gone.memh);
+  pthread_mutex_unlock(&u->wmu);
+}
+
+static int ucx_alloc_pool(kvf_engine *e, size_t len, void **out) {
+  ucx_state *u = e->ucx;
+  ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                                           UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+                             .address = NULL, .length = len, .flags = UCP_MEM_MAP_ALLOCATE};
+  ucp_mem_h memh;
+  ucp_mem_attr_t attr = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH};
+  pthread_mutex_lock(&u->wmu);
+  ucs_status_t st = ucp_mem_map(u->ctx, &mp, &memh);
+  if (st == UCS_OK && (st = ucp_mem_query(memh, &attr)) != UCS_OK) ucp_mem_unmap(u->ctx, memh);
+  pthread_mutex_unlock(&u->wmu);
+  if (st != UCS_OK) {
+    LOG_WARN("ucx", "allocating a %zu-byte pool: %s", len, ucs_status_string(st));
+    return KVF_ENOMEM;
+  }
+  pthread_mutex_lock(&u->reg_mu);
+  int rc = add_reg(u, (ucx_reg){(uint64_t)(uintptr_t)attr.address, len, memh, NULL, 0, REG_POOL});
+  pthread_mutex_unlock(&u->reg_mu);
+  if (rc) {
+    pthread_mutex_lock(&u->wmu);
+    ucp_mem_unmap(u->ctx, memh);
+    pthread_mutex_unlock(&u->wmu);
+    return rc;
+  }
+  *out = attr.address;
+  return 0;
+}
+
+static int ucx_free_pool(kvf_engine *e, void *addr) {
+  ucx_state *u = e->ucx;
+  pthread_mutex_lock(&u->reg_mu);
+  ucx_reg *r = find_reg(u, (uint64_t)(uintptr_t)addr, REG_POOL);
+  ucp_mem_h memh = r ? r->memh : NULL;
+  if (r) del_reg(u, r);
+  pthread_mutex_unlock(&u->reg_mu);
+  if (!memh) return KVF_ENOTFOUND;
+  pthread_mutex_lock(&u->wmu);
+  ucp_mem_unmap(u->ctx, memh);
+  pthread_mutex_unlock(&u->wmu);
+  return 0;
+}
+
+/* ------------------------------------------------------------ progress */
+
+static void *progress_main(void *arg) {
+  ucx_state *u = arg;
+  struct epoll_event ev[16];
+  while (!atomic_load(&u->stopping)) {
+    pthread_mutex_lock(&u->wmu);
+    /* Progress may write peers' bytes into registered memory (RMA that the
+     * target carries out, as over tcp): order it after the owner's last
+     * local change and publish it to the owner's next sync, as tcp.c does. */
+    kvf_engine_sync(u->e);
+    while (ucp_worker_progress(u->w)) {
+    }
+    kvf_engine_sync(u->e);
+    ucs_status_t st = ucp_worker_arm(u->w);
+    int busy = u->ops != NULL;
+    pthread_mutex_unlock(&u->wmu);
+    /* Sleep only when the worker is armed; with batches in flight wake at
+     * least every tick to check their deadlines. */
+    int n = epoll_wait(u->epfd, ev, 16, st == UCS_ERR_BUSY ? 0 : busy ? UCX_TICK_MS : -1);
+    for (int i = 0; i < n; i++) {
+      void *tag = ev[i].data.ptr;
+      if (tag == u) {
+        uint64_t v;
+        ssize_t r = read(u->wake_fd, &v, sizeof v);
+        (void)r;
+      } else if (tag) {
+        kvf__ucx_peer_event(u, tag, ev[i].events);
+      }
+    }
+    kvf__ucx_reap(u);
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------------ start / stop */
+
+static void ucx_teardown(ucx_state *u) {
+  kvf__ucx_peers_free(u);
+  if (u->w) {
+    for (size_t i = 0; i < u->nregs; i++) {
+      if (u->regs[i].rkey_buf) ucp_rkey_buffer_release(u->regs[i].rkey_buf);
+      if (u->regs[i].pool != REG_IN_POOL) ucp_mem_unmap(u->ctx, u->regs[i].memh);
+    }
+    if (u->addr) ucp_worker_release_address(u->w, u->addr);
+    ucp_worker_destroy(u->w);
+  }
+  if (u->ctx) ucp_cleanup(u->ctx);
+  if (u->epfd >= 0) close(u->epfd);
+  if (u->wake_fd >= 0) close(u->wake_fd);
+  free(u->regs);
+  smap_free(&u->peers);
+  pthread_mutex_destroy(&u->wmu);
+  pthread_mutex_destroy(&u->reg_mu);
+  pthread_mutex_destroy(&u->ctl_mu);
+  pthread_cond_destroy(&u->ctl_cv);
+  pthread_mutex_destroy(&u->peers_mu);
+  pthread_mutex_destroy(&u->q_mu);
+  pthread_cond_destroy(&u->q_cv);
+  free(u);
+}
+
+static int ucx_init(ucx_state *u) {
+  ucp_config_t *conf = NULL;
+  ucs_status_t st = ucp_config_read(NULL, NULL, &conf);
+  if (st != UCS_OK) goto fail;
+  /* Unless the user chose (UCX_TLS), UCX runs shared memory, CMA and RDMA
+   * only: kvferry's own TCP serves the peers UCX's tcp would (see decide()
+   * in ucx_peer.c), and with tcp present UCX may pick it over CMA. */
+  const char *tls = getenv("UCX_TLS");
+  if ((!tls || !*tls) && (st = ucp_config_modify(conf, "TLS", "^tcp")) != UCS_OK) goto fail;
+  ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
+                     .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
+                     .mt_workers_shared = 0};
+  st = ucp_init(&pp, conf, &u->ctx);
+  ucp_config_release(conf);
+  if (st != UCS_OK) goto fail;
+  ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                            .thread_mode = UCS_THREAD_MODE_SERIALIZED};
+  if ((st = ucp_worker_create(u->ctx, &wp, &u->w)) != UCS_OK) goto fail;
+  ucp_worker_attr_t wa = {.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS};
+  if ((st = ucp_worker_query(u->w, &wa)) != UCS_OK) goto fail;
+  u->addr = wa.address;
+  u->addr_len = wa.address_length;
+  if (u->addr_len > UCX_MAX_ADDR_LEN) {
+    st = UCS_ERR_EXCEEDS_LIMIT;
+    goto fail;
+  }
+  int efd;
+  if ((st = ucp_worker_get_efd(u->w, &efd)) != UCS_OK) goto fail;
+  u->epfd = epoll_create1(EPOLL_CLOEXEC);
+  u->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+  struct epoll_event wev = {.events = EPOLLIN, .data.ptr = u};
+  if (u->epfd < 0 || u->wake_fd < 0 || epoll_ctl(u->epfd, EPOLL_CTL_ADD, efd, &ev) ||
+      epoll_ctl(u->epfd, EPOLL_CTL_ADD, u->wake_fd, &wev)) {
+    LOG_ERROR("ucx", "epoll setup: %s", strerror(errno));
+    return KVF_EIO;
+  }
+  return 0;
+fail:
+  LOG_ERROR("ucx", "cannot start UCX: %s", ucs_status_string(st));
+  return KVF_EIO;
+}
+
+static int ucx_start(kvf_engine *e) {
+  ucx_state *u = calloc(1, sizeof *u);
+  if (!u) return KVF_ENOMEM;
+  u->e = e;
+  u->epfd = u->wake_fd = -1;
+  pthread_mutex_init(&u->wmu, NULL);
+  pthread_mutex_init(&u->reg_mu, NULL);
+  pthread_mutex_init(&u->ctl_mu, NULL);
+  clock_cond_init(&u->ctl_cv);
+  pthread_mutex_init(&u->peers_mu, NULL);
+  pthread_mutex_init(&u->q_mu, NULL);
+  pthread_cond_init(&u->q_cv, NULL);
+  int rc = smap_init(&u->peers);
+  if (!rc) rc = ucx_init(u);
+  if (rc) goto err;
+  host_identity(u->host_id, sizeof u->host_id);
+  u->rdma = has_rdma_device();
+  e->ucx = u;
+  rc = tcp_transport_ops.start(e);
+  if (rc) goto err;
+  if (pthread_create(&u->progress, NULL, progress_main, u)) {
+    tcp_transport_ops.stop(e);
+    rc = KVF_ENOMEM;
+    goto err;
+  }
+  kvf__ucx_copier_start(u);
+  return 0;
+err:
+  e->ucx = NULL;
+  ucx_teardown(u);
+  return rc;
+}
+
+static void ucx_stop(kvf_engine *e) {
+  ucx_state *u = e->ucx;
+  if (!u) return;
+  /* The listener first: rendezvous servers run on its inbound threads. */
+  atomic_store(&u->stopping, 1);
+  tcp_transport_ops.stop(e);
+  kvf__ucx_wake(u);
+  pthread_join(u->progress, NULL);
+  pthread_mutex_lock(&u->q_mu);
+  pthread_cond_broadcast(&u->q_cv);
+  pthread_mutex_unlock(&u->q_mu);
+  for (int i = 0; i < u->ncopiers; i++) pthread_join(u->copiers[i], NULL);
+  ucx_teardown(u);
+  e->ucx = NULL;
+}
+
+const transport_ops kvf__ucx_transport_ops = {
+    .name = "ucx",
+    .start = ucx_start,
+    .stop = ucx_stop,
+    .submit = kvf__ucx_submit,
+    .reg = ucx_reg_hook,
+    .dereg = ucx_dereg_hook,
+    .serve = ucx_serve,
+    .describe = kvf__ucx_describe,
+    .alloc_pool = ucx_alloc_pool,
+    .free_pool = ucx_free_pool,
+};

@@ -1,0 +1,201 @@
+/* Internal shape of the UCX transport (ucx.c: context, worker, progress,
+ * registration, pools and the rendezvous server; ucx_peer.c: the writer
+ * side, per-peer routing and puts).
+ *
+ * Rendezvous: a peer connects to the engine's TCP listener and sends a
+ * tcp_hello with TCP_UCX_HELLO_MAGIC and its token (checked exactly as for
+ * a data connection). After the accepting reply, the server sends one info
+ * message, then another whenever its registrations change (generation + 1)
+ * and whenever the client sends a ucx_req. The connection stays open: its
+ * closing tells the writer that the peer is gone.
+ *
+ *   info  ucx_info_hdr, then body_len bytes: the worker address (addr_len),
+ *         then per region a ucx_region_desc followed by rkey_len bytes.
+ *   ack   the writer applied a pushed info (ucx_req); unregister returns once
+ *         every connected writer acknowledged the generation without the
+ *         region, or after UCX_CTL_TIMEOUT_MS, when the laggard's rendezvous
+ *         connection is cut (which ends its endpoint to this engine).
+ *
+ * Thread mode: the worker is created UCS_THREAD_MODE_SERIALIZED and every
+ * UCP call on it is made under ucx_state.wmu. The progress thread holds wmu
+ * only while it progresses and arms; it sleeps in epoll on the worker's
+ * event fd, a wake eventfd and the peers' rendezvous sockets. Lock order:
+ * ucx_peer.rw, then ucx_state.wmu; callbacks run under wmu and take only a
+ * batch mutex (chunk_finish). */
+#ifndef KVF_ENGINE_UCX_H
+#define KVF_ENGINE_UCX_H
+
+#include <ucp/api/ucp.h>
+
+#include "engine/engine_internal.h"
+
+#define UCX_INFO_MAGIC 0x4b564649u
+#define UCX_REQ_MAGIC 0x4b564652u
+#define UCX_ACK_MAGIC 0x4b56464bu
+#define UCX_HOST_ID_LEN 128
+#define UCX_MAX_ADDR_LEN (64u * 1024u)
+#define UCX_MAX_REGIONS 4096u
+#define UCX_MAX_RKEY_LEN (64u * 1024u)
+#define UCX_MAX_INFO_BODY (16u << 20)
+/* A rendezvous message must arrive whole within this once it has started. */
+#define UCX_CTL_TIMEOUT_MS 5000
+/* The progress thread's tick while batches are in flight (deadline checks). */
+#define UCX_TICK_MS 50
+#define UCX_MAX_COPIERS 15
+
+typedef struct ucx_info_hdr {
+  uint32_t magic;
+  uint32_t nregions;
+  uint64_t gen;
+  uint32_t addr_len;
+  uint32_t body_len;
+  char host_id[UCX_HOST_ID_LEN]; /* boot id, host name, IPC namespace */
+} ucx_info_hdr;
+
+typedef struct ucx_region_desc {
+  uint64_t base;
+  uint64_t len;
+  uint32_t rkey_len;
+  uint32_t reserved;
+} ucx_region_desc;
+
+/* Writer → target: UCX_REQ_MAGIC asks for an info message; UCX_ACK_MAGIC
+ * says the info of generation `gen` is applied (no new write uses an older
+ * one), which unregister waits for. */
+typedef struct ucx_req {
+  uint32_t magic;
+  uint32_t reserved;
+  uint64_t gen;
+} ucx_req;
+
+_Static_assert(sizeof(ucx_info_hdr) == 152, "info header layout");
+_Static_assert(sizeof(ucx_region_desc) == 24, "region descriptor layout");
+
+/* A region this engine registered with UCX. */
+typedef struct ucx_reg {
+  uint64_t base, len;
+  ucp_mem_h memh;
+  void *rkey_buf;
+  size_t rkey_len;
+  int pool; /* allocated by ucp_mem_map (kvf_engine_alloc_pool) */
+} ucx_reg;
+
+/* A region a peer advertised. ptr: where it is mapped here (ucp_rkey_ptr),
+ * or NULL when it is reached with puts. */
+typedef struct ucx_rregion {
+  uint64_t base, len;
+  ucp_rkey_h rkey;
+  char *ptr;
+} ucx_rregion;
+
+typedef enum { ROUTE_UNKNOWN = 0, ROUTE_UCX, ROUTE_TCP } ucx_route;
+
+typedef struct ucx_peer {
+  struct ucx_state *u;
+  char id[300];
+  char host[256];
+  uint16_t port;
+  pthread_mutex_t conn_mu; /* one (re)connection at a time */
+  pthread_rwlock_t rw;     /* ep, regs: read to write into the peer, write to change */
+  ucp_ep_h ep;
+  int fd; /* rendezvous connection, -1 when none */
+  ucx_rregion *regs;
+  size_t nregs;
+  uint64_t gen;
+  atomic_int dead;         /* 0, or the error that ended the endpoint */
+  pthread_mutex_t mu;      /* infos and why below */
+  pthread_cond_t cv;
+  uint64_t infos;          /* info messages applied (refresh waits on it) */
+  int same_host;
+  int mapped; /* some region is mapped here (under mu) */
+  ucx_route route;
+  char why[160];
+} ucx_peer;
+
+/* A chunk whose puts wait for an endpoint flush. Under wmu. */
+typedef struct ucx_op {
+  struct ucx_op *next, *prev;
+  chunk *c;
+  ucx_peer *p;
+  struct ucx_state *u;
+} ucx_op;
+
+typedef struct ucx_job {
+  struct ucx_job *next;
+  chunk *c;
+  ucx_peer *p;
+} ucx_job;
+
+typedef struct ucx_ctl {
+  struct ucx_ctl *next;
+  int fd;
+  pthread_mutex_t send_mu;
+  uint64_t acked; /* generation the writer has applied (under ctl_mu) */
+} ucx_ctl;
+
+typedef struct ucx_state {
+  kvf_engine *e;
+  ucp_context_h ctx;
+  ucp_worker_h w;
+  pthread_mutex_t wmu;
+  void *addr;
+  size_t addr_len;
+  char host_id[UCX_HOST_ID_LEN];
+  int rdma;      /* this host has an RDMA device (/sys/class/infiniband) */
+  int epfd, wake_fd;
+  pthread_t progress;
+  atomic_int stopping;
+  ucx_op *ops;   /* in flight, under wmu */
+  atomic_int reap; /* a peer was marked dead: the progress thread ends its endpoint */
+  /* registrations, under reg_mu */
+  pthread_mutex_t reg_mu;
+  ucx_reg *regs;
+  size_t nregs, cap;
+  uint64_t gen;
+  /* rendezvous connections this engine serves, under ctl_mu */
+  pthread_mutex_t ctl_mu;
+  pthread_cond_t ctl_cv; /* an ack arrived or a connection ended */
+  ucx_ctl *ctls;
+  /* peers, by session id */
+  pthread_mutex_t peers_mu;
+  smap peers;
+  /* copier threads for large batches into mapped pools */
+  pthread_mutex_t q_mu;
+  pthread_cond_t q_cv;
+  ucx_job *q_head, *q_tail;
+  pthread_t copiers[UCX_MAX_COPIERS];
+  int ncopiers;
+} ucx_state;
+
+/* ucx.c */
+int kvf__ucx_status(ucs_status_t st);
+void kvf__ucx_wake(ucx_state *u);
+/* Send `len` bytes / receive exactly `len` bytes before the deadline. */
+int kvf__ucx_send_all(int fd, const void *buf, size_t len, int64_t deadline_ns);
+int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
+
+/* ucx_peer.c: peers, the rendezvous client, routing */
+int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap);
+/* Progress thread: a peer's rendezvous socket is readable or closed. */
+void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events);
+void kvf__ucx_peers_free(ucx_state *u);
+/* The peer named `id`, created on first use; lives until the engine stops. */
+int kvf__ucx_peer_get(ucx_state *u, const char *id, ucx_peer **out);
+/* Make sure the peer has a route and, over UCX, a live endpoint (rendezvous
+ * and endpoint made within the deadline). */
+int kvf__ucx_peer_ensure(ucx_state *u, ucx_peer *p, int64_t deadline_ns, ucx_route *route_out);
+/* Ask the peer for its current regions and wait until they are applied. */
+void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns);
+void kvf__ucx_peer_mark_dead(ucx_state *u, ucx_peer *p, int err);
+/* With wmu (and p->rw for writing) held. */
+void kvf__ucx_regs_free_locked(ucx_peer *p);
+void kvf__ucx_ep_close_locked(ucx_state *u, ucx_peer *p);
+
+/* ucx_write.c */
+int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
+/* Progress thread: end the endpoints of peers marked dead, and fail flushes
+ * past their deadline. */
+void kvf__ucx_reap(ucx_state *u);
+void kvf__ucx_copier_start(ucx_state *u);
+
+#endif

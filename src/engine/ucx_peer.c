@@ -1,0 +1,451 @@
+/* The UCX transport, writer side: per peer, the rendezvous connection to
+ * its listener, the routing decision (UCX or kvferry's TCP, and why), the
+ * endpoint and the peer's advertised regions (the writes themselves are in
+ * ucx_write.c). Locking rules in ucx.h. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "base/addr.h"
+#include "base/clock.h"
+#include "base/log.h"
+#include "engine/tcp_proto.h"
+#include "engine/ucx.h"
+
+/* ------------------------------------------------------------ peers */
+
+int kvf__ucx_peer_get(ucx_state *u, const char *id, ucx_peer **out) {
+  int rc = 0;
+  pthread_mutex_lock(&u->peers_mu);
+  ucx_peer *p = smap_get(&u->peers, id);
+  if (!p) {
+    p = calloc(1, sizeof *p);
+    if (!p) {
+      rc = KVF_ENOMEM;
+      goto out;
+    }
+    if (kvf__addr_parse(id, strlen(id), p->host, sizeof p->host, &p->port, NULL) || smap_put(&u->peers, id, p, NULL)) {
+      free(p);
+      rc = KVF_EINVAL;
+      goto out;
+    }
+    snprintf(p->id, sizeof p->id, "%s", id);
+    p->u = u;
+    p->fd = -1;
+    pthread_mutex_init(&p->conn_mu, NULL);
+    /* Writer-preferring, as the region table: a region update (and the
+     * unregister waiting for it) is not starved by a stream of batches. */
+    pthread_rwlockattr_t ra;
+    pthread_rwlockattr_init(&ra);
+    pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&p->rw, &ra);
+    pthread_rwlockattr_destroy(&ra);
+    pthread_mutex_init(&p->mu, NULL);
+    clock_cond_init(&p->cv);
+  }
+  *out = p;
+out:
+  pthread_mutex_unlock(&u->peers_mu);
+  return rc;
+}
+
+void kvf__ucx_regs_free_locked(ucx_peer *p) {
+  for (size_t i = 0; i < p->nregs; i++)
+    if (p->regs[i].rkey) ucp_rkey_destroy(p->regs[i].rkey);
+  free(p->regs);
+  p->regs = NULL;
+  p->nregs = 0;
+}
+
+void kvf__ucx_ep_close_locked(ucx_state *u, ucx_peer *p) {
+  if (!p->ep) return;
+  ucp_request_param_t cp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = UCP_EP_CLOSE_FLAG_FORCE};
+  void *req = ucp_ep_close_nbx(p->ep, &cp);
+  if (UCS_PTR_IS_PTR(req)) ucp_request_free(req); /* released when the close completes */
+  p->ep = NULL;
+}
+
+/* With p->rw held for writing: drop the endpoint, the rkeys and the
+ * rendezvous connection. Flushes still pending fail (UCS_ERR_CANCELED). */
+static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
+  if (p->fd >= 0) {
+    epoll_ctl(u->epfd, EPOLL_CTL_DEL, p->fd, NULL);
+    close(p->fd);
+    p->fd = -1;
+  }
+  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_regs_free_locked(p);
+  kvf__ucx_ep_close_locked(u, p);
+  pthread_mutex_unlock(&u->wmu);
+}
+
+void kvf__ucx_peers_free(ucx_state *u) {
+  map_iter it;
+  map_iter_init(&it);
+  void *v;
+  while (smap_next(&u->peers, &it, NULL, &v)) {
+    ucx_peer *p = v;
+    peer_reset_locked(u, p);
+    pthread_mutex_destroy(&p->conn_mu);
+    pthread_rwlock_destroy(&p->rw);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p);
+  }
+  /* Let forced closes finish before the worker goes. */
+  if (u->w)
+    for (int i = 0; i < 1000 && ucp_worker_progress(u->w); i++) {
+    }
+}
+
+void kvf__ucx_peer_mark_dead(ucx_state *u, ucx_peer *p, int err) {
+  int expected = 0;
+  if (atomic_compare_exchange_strong(&p->dead, &expected, err)) {
+    atomic_store(&u->reap, 1);
+    kvf__ucx_wake(u);
+  }
+}
+
+static void ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t st) {
+  ucx_peer *p = arg;
+  LOG_WARN("ucx", "endpoint to %s failed: %s", p->id, ucs_status_string(st));
+  kvf__ucx_peer_mark_dead(p->u, p, kvf__ucx_status(st) ? kvf__ucx_status(st) : KVF_ECLOSED);
+}
+
+/* ------------------------------------------------------------ rendezvous client */
+
+/* Does the UCX_TLS list allow one of `names`? Unset allows everything; a
+ * leading '^' excludes the listed transports. */
+static int tls_allows(const char *tls, const char *const *names) {
+  if (!tls || !*tls) return 1;
+  int negate = tls[0] == '^';
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", tls + negate);
+  int hit = 0;
+  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
+    for (const char *const *n = names; *n; n++)
+      if (!strcmp(t, *n) || (!negate && !strcmp(t, "all"))) hit = 1;
+  return negate ? !hit : hit;
+}
+
+
+static const char *const SHM_TLS[] = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "mm", NULL};
+static const char *const RDMA_TLS[] = {"ib", "rc", "rc_v", "rc_x", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5",
+                                       "dc", "dc_x", "dc_mlx5", "rdmacm", NULL};
+/* Transports that can carry UCX's peer-failure handling (shared memory
+ * cannot in UCX 1.13). */
+static const char *const PEER_ERR_TLS[] = {"tcp", "ib", "rc", "rc_v", "rc_x", "rc_mlx5", "ud", "ud_v", "ud_x",
+                                           "ud_mlx5", "dc", "dc_x", "dc_mlx5", NULL};
+
+
+/* Read one info message (header and body), bounded in size and time. */
+static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
+  int rc = kvf__ucx_recv_all(fd, h, sizeof *h, deadline_ns);
+  if (rc) return rc;
+  if (h->magic != UCX_INFO_MAGIC || h->addr_len == 0 || h->addr_len > UCX_MAX_ADDR_LEN ||
+      h->nregions > UCX_MAX_REGIONS || h->body_len > UCX_MAX_INFO_BODY || h->body_len < h->addr_len ||
+      memchr(h->host_id, 0, sizeof h->host_id) == NULL)
+    return KVF_EPROTO;
+  *body = malloc(h->body_len);
+  if (!*body) return KVF_ENOMEM;
+  rc = kvf__ucx_recv_all(fd, *body, h->body_len, deadline_ns);
+  if (rc) {
+    free(*body);
+    *body = NULL;
+  }
+  return rc;
+}
+
+static int cmp_rregion(const void *a, const void *b) {
+  const ucx_rregion *x = a, *y = b;
+  return x->base < y->base ? -1 : x->base > y->base;
+}
+
+/* UCX's peer-failure mode restricts it to transports that support it,
+ * which on one host means tcp instead of shared memory and CMA. A same-host
+ * peer reached over shared memory gets no UCX failure mode: its death is
+ * seen through the rendezvous connection and the batch deadline instead. */
+static ucp_err_handling_mode_t peer_err_mode(const ucx_peer *p) {
+  const char *tls = getenv("UCX_TLS");
+  if (p->same_host && tls_allows(tls, SHM_TLS)) return UCP_ERR_HANDLING_MODE_NONE;
+  return tls_allows(tls, PEER_ERR_TLS) ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+}
+
+/* With p->rw held for writing: replace the peer's regions with the ones in
+ * the message, creating the endpoint first when `create_ep`. */
+static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const char *body, int create_ep) {
+  ucx_rregion *regs = calloc(h->nregions ? h->nregions : 1, sizeof *regs);
+  if (!regs) return KVF_ENOMEM;
+  int rc = 0;
+  pthread_mutex_lock(&u->wmu);
+  if (create_ep && !p->ep) {
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                          .address = (const ucp_address_t *)body,
+                          .err_mode = peer_err_mode(p),
+                          .err_handler = {.cb = ep_error_cb, .arg = p}};
+    ucs_status_t st = ucp_ep_create(u->w, &ep, &p->ep);
+    if (st == UCS_ERR_UNREACHABLE && ep.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
+      /* UCX 1.13's shared-memory transports have no peer-failure support;
+       * a dead peer is then noticed through the rendezvous connection and
+       * the batch deadline (kvf__ucx_peer_event, kvf__ucx_reap). */
+      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+      st = ucp_ep_create(u->w, &ep, &p->ep);
+    }
+    if (st == UCS_OK && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
+      if (log_first_time(log_hash_str("ucx-err-mode-none", 3)))
+        LOG_INFO("ucx", "the UCX transports to %s have no peer-failure handling; failures are detected "
+                 "through the rendezvous connection and batch deadlines", p->id);
+    }
+    if (st != UCS_OK) {
+      LOG_WARN("ucx", "cannot reach %s over UCX: %s", p->id, ucs_status_string(st));
+      p->ep = NULL;
+      rc = kvf__ucx_status(st) == KVF_ECLOSED ? KVF_ECONNREFUSED : kvf__ucx_status(st);
+    }
+  }
+  size_t off = h->addr_len, n = 0;
+  for (uint32_t i = 0; !rc && p->ep && i < h->nregions; i++) {
+    ucx_region_desc d;
+    if (h->body_len - off < sizeof d) {
+      rc = KVF_EPROTO;
+      break;
+    }
+    memcpy(&d, body + off, sizeof d);
+    off += sizeof d;
+    if (d.rkey_len > UCX_MAX_RKEY_LEN || h->body_len - off < d.rkey_len || d.len == 0 || d.base + d.len < d.base) {
+      rc = KVF_EPROTO;
+      break;
+    }
+    ucx_rregion *r = &regs[n];
+    ucs_status_t st = ucp_ep_rkey_unpack(p->ep, body + off, &r->rkey);
+    off += d.rkey_len;
+    if (st != UCS_OK) {
+      LOG_WARN("ucx", "peer %s: cannot unpack the key of region 0x%llx: %s", p->id,
+               (unsigned long long)d.base, ucs_status_string(st));
+      continue; /* writes there are refused like unregistered memory */
+    }
+    r->base = d.base;
+    r->len = d.len;
+    void *ptr = NULL;
+    if (p->same_host && ucp_rkey_ptr(r->rkey, d.base, &ptr) == UCS_OK) r->ptr = ptr;
+    n++;
+  }
+  if (rc) {
+    for (size_t i = 0; i < n; i++) ucp_rkey_destroy(regs[i].rkey);
+    free(regs);
+  } else {
+    kvf__ucx_regs_free_locked(p);
+    p->regs = regs;
+    p->nregs = n;
+    p->gen = h->gen;
+    int mapped = 0;
+    for (size_t i = 0; i < n; i++) mapped |= regs[i].ptr != NULL;
+    pthread_mutex_lock(&p->mu);
+    p->mapped = mapped;
+    pthread_mutex_unlock(&p->mu);
+  }
+  pthread_mutex_unlock(&u->wmu);
+  if (!rc) qsort(p->regs, p->nregs, sizeof *p->regs, cmp_rregion);
+  return rc;
+}
+
+/* Connect to the peer's listener and ask for the UCX rendezvous. */
+static int ctl_open(kvf_engine *e, ucx_peer *p, int64_t deadline_ns, int *fd_out, ucx_info_hdr *h, char **body) {
+  int fd = -1;
+  int rc = kvf__tcp_connect(p->host, p->port, deadline_ns, &fd);
+  if (rc) return rc;
+  size_t tl = strlen(e->auth_token);
+  tcp_hello hello = {TCP_UCX_HELLO_MAGIC, TCP_PROTO_VERSION, 0, (uint32_t)tl, 0};
+  tcp_reply rep;
+  rc = kvf__ucx_send_all(fd, &hello, sizeof hello, deadline_ns);
+  if (!rc && tl) rc = kvf__ucx_send_all(fd, e->auth_token, tl, deadline_ns);
+  if (!rc) rc = kvf__ucx_recv_all(fd, &rep, sizeof rep, deadline_ns);
+  if (!rc && (rep.magic != TCP_HELLO_MAGIC || rep.status > 0)) rc = KVF_EPROTO;
+  if (!rc && rep.status) rc = rep.status == KVF_EACCES || rep.status == KVF_ESTATE ? rep.status : KVF_EPROTO;
+  if (!rc) rc = info_read(fd, deadline_ns, h, body);
+  if (rc) {
+    close(fd);
+    return rc;
+  }
+  *fd_out = fd;
+  return 0;
+}
+
+/* Which transport reaches this peer, and why. KVF_ECONNREFUSED when `ucx`
+ * was asked for and UCX offers no shared-memory or RDMA path. */
+static int decide(ucx_state *u, ucx_peer *p, ucx_route *route, char *why, size_t cap) {
+  const char *tls = getenv("UCX_TLS");
+  int user_tls = tls && *tls;
+  int explicit_ucx = u->e->ucx_explicit;
+  if (p->same_host && tls_allows(tls, SHM_TLS)) {
+    *route = ROUTE_UCX;
+    snprintf(why, cap, "same host: UCX shared memory%s%s", user_tls ? ", UCX_TLS=" : "",
+             user_tls ? tls : "");
+  } else if (!p->same_host && u->rdma && tls_allows(tls, RDMA_TLS)) {
+    *route = ROUTE_UCX;
+    snprintf(why, cap, "RDMA device%s%s", user_tls ? ", UCX_TLS=" : "", user_tls ? tls : "");
+  } else if (explicit_ucx && user_tls) {
+    *route = ROUTE_UCX;
+    snprintf(why, cap, "transport ucx with UCX_TLS=%s set by the user", tls);
+  } else if (explicit_ucx) {
+    LOG_ERROR("ucx", "transport ucx: no UCX shared-memory or RDMA path to %s (%s); kvferry does not "
+              "cross TCP silently: use transport tcp or auto, or set UCX_TLS to allow UCX's tcp",
+              p->id, p->same_host ? "UCX_TLS excludes shared memory" : "another host, no RDMA device here");
+    return KVF_ECONNREFUSED;
+  } else {
+    *route = ROUTE_TCP;
+    snprintf(why, cap, "auto: no UCX shared-memory or RDMA path (%s)",
+             p->same_host ? "UCX_TLS excludes shared memory" : "another host, no RDMA device here");
+  }
+  return 0;
+}
+
+static void set_route(ucx_state *u, ucx_peer *p, ucx_route route, const char *why) {
+  pthread_mutex_lock(&p->mu);
+  int same = p->route == route && !strcmp(p->why, why);
+  p->route = route;
+  snprintf(p->why, sizeof p->why, "%s", why);
+  pthread_mutex_unlock(&p->mu);
+  if (same) return;
+  atomic_fetch_add(route == ROUTE_UCX ? &u->e->stats.peers_ucx : &u->e->stats.peers_tcp, 1);
+  LOG_INFO("ucx", "peer %s: transport %s (%s)", p->id, route == ROUTE_UCX ? "ucx" : "tcp", p->why);
+}
+
+/* Make sure the peer has a route, and over UCX a live endpoint. Serialised
+ * per peer by conn_mu. */
+int kvf__ucx_peer_ensure(ucx_state *u, ucx_peer *p, int64_t deadline_ns, ucx_route *route_out) {
+  int rc = 0;
+  pthread_mutex_lock(&p->conn_mu);
+  pthread_rwlock_rdlock(&p->rw);
+  int live = p->ep && !atomic_load(&p->dead);
+  pthread_rwlock_unlock(&p->rw);
+  if (p->route == ROUTE_TCP || (p->route == ROUTE_UCX && live)) goto out;
+  pthread_rwlock_wrlock(&p->rw);
+  peer_reset_locked(u, p);
+  pthread_rwlock_unlock(&p->rw);
+  int fd = -1;
+  ucx_info_hdr h;
+  char *body = NULL;
+  rc = ctl_open(u->e, p, deadline_ns, &fd, &h, &body);
+  if (rc == KVF_ESTATE || rc == KVF_EPROTO) { /* the peer has no UCX transport (or predates it) */
+    if (u->e->ucx_explicit) {
+      LOG_ERROR("ucx", "transport ucx: peer %s does not offer UCX (%s)", p->id,
+                rc == KVF_ESTATE ? "its engine runs tcp" : "no rendezvous answer");
+      rc = KVF_ECONNREFUSED;
+      goto out;
+    }
+    set_route(u, p, ROUTE_TCP, "auto: the peer's engine does not offer UCX");
+    rc = 0;
+    goto out;
+  }
+  if (rc) {
+    LOG_WARN("ucx", "rendezvous with %s failed: %s", p->id, kvf_strerror(rc));
+    goto out;
+  }
+  p->same_host = !strcmp(h.host_id, u->host_id);
+  ucx_route route = ROUTE_UNKNOWN;
+  char why[sizeof p->why];
+  rc = decide(u, p, &route, why, sizeof why);
+  if (!rc && route == ROUTE_UCX) {
+    pthread_rwlock_wrlock(&p->rw);
+    rc = info_apply(u, p, &h, body, 1);
+    if (!rc) {
+      p->fd = fd;
+      fd = -1;
+      atomic_store(&p->dead, 0);
+      struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = p};
+      epoll_ctl(u->epfd, EPOLL_CTL_ADD, p->fd, &ev);
+    }
+    pthread_rwlock_unlock(&p->rw);
+  }
+  if (!rc) set_route(u, p, route, why);
+  if (fd >= 0) close(fd);
+  free(body);
+out:
+  *route_out = p->route;
+  pthread_mutex_unlock(&p->conn_mu);
+  return rc;
+}
+
+/* Progress thread: the rendezvous socket of `p` has news. */
+void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
+  ucx_info_hdr h;
+  char *body = NULL;
+  int rc = KVF_ECLOSED;
+  pthread_rwlock_rdlock(&p->rw);
+  int fd = p->fd;
+  if (fd >= 0 && (events & EPOLLIN)) {
+    char c;
+    ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    rc = r > 0 ? info_read(fd, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body)
+                : (r < 0 && (errno == EAGAIN || errno == EINTR)) ? 1 : KVF_ECLOSED;
+  }
+  if (fd >= 0 && rc < 0) {
+    LOG_INFO("ucx", "rendezvous connection to %s ended: %s", p->id, kvf_strerror(rc));
+    epoll_ctl(u->epfd, EPOLL_CTL_DEL, fd, NULL);
+    kvf__ucx_peer_mark_dead(u, p, KVF_ECLOSED);
+  }
+  pthread_rwlock_unlock(&p->rw);
+  if (rc || !body) return;
+  pthread_rwlock_wrlock(&p->rw);
+  if (p->fd == fd && p->ep && !atomic_load(&p->dead)) {
+    rc = info_apply(u, p, &h, body, 0);
+    /* Applied under the write lock: no write into the old regions is under
+     * way or can start. Tell the target (its unregister waits for this). */
+    ucx_req ack = {UCX_ACK_MAGIC, 0, h.gen};
+    pthread_mutex_lock(&p->mu);
+    if (!rc) rc = kvf__ucx_send_all(fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+    pthread_mutex_unlock(&p->mu);
+  }
+  pthread_rwlock_unlock(&p->rw);
+  free(body);
+  if (rc) kvf__ucx_peer_mark_dead(u, p, rc);
+  pthread_mutex_lock(&p->mu);
+  p->infos++;
+  pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
+/* Ask the peer for its current regions and wait until they are applied. */
+void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
+  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+  if (until > deadline_ns) until = deadline_ns;
+  pthread_mutex_lock(&p->mu);
+  uint64_t seen = p->infos;
+  pthread_mutex_unlock(&p->mu);
+  ucx_req req = {UCX_REQ_MAGIC, 0, 0};
+  pthread_rwlock_rdlock(&p->rw);
+  pthread_mutex_lock(&p->mu);
+  int rc = p->fd >= 0 ? kvf__ucx_send_all(p->fd, &req, sizeof req, until) : KVF_ECLOSED;
+  pthread_mutex_unlock(&p->mu);
+  pthread_rwlock_unlock(&p->rw);
+  if (rc) return;
+  pthread_mutex_lock(&p->mu);
+  while (p->infos == seen && !atomic_load(&p->dead)) {
+    struct timespec ts = clock_ts_from_ns(until);
+    if (pthread_cond_timedwait(&p->cv, &p->mu, &ts) == ETIMEDOUT) break;
+  }
+  pthread_mutex_unlock(&p->mu);
+}
+
+int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap) {
+  ucx_state *u = e->ucx;
+  pthread_mutex_lock(&u->peers_mu);
+  ucx_peer *p = smap_get(&u->peers, session);
+  int rc = KVF_ENOTFOUND;
+  if (p) {
+    pthread_mutex_lock(&p->mu);
+    if (p->route != ROUTE_UNKNOWN) {
+      snprintf(out, cap, "%s: %s%s", p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
+               p->mapped ? "; its pool is mapped here (plain stores)" : "");
+      rc = 0;
+    }
+    pthread_mutex_unlock(&p->mu);
+  }
+  pthread_mutex_unlock(&u->peers_mu);
+  return rc;
+}

@@ -1,0 +1,263 @@
+/* The UCX transport, writes: a batch's chunks become ucp_put_nbx calls
+ * followed by an endpoint flush, or plain stores into a peer's pool that UCX
+ * mapped here (ucp_rkey_ptr), on the submitting thread and the copier
+ * threads; the progress thread fails flushes past their deadline and ends
+ * the endpoints of dead peers. Locking rules in ucx.h. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "engine/ucx.h"
+
+/* ------------------------------------------------------------ writes */
+
+/* The peer region holding [addr, addr+len), or NULL. p->rw held. */
+static const ucx_rregion *rregion_find(const ucx_peer *p, uint64_t addr, uint64_t len) {
+  size_t lo = 0, hi = p->nregs;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (p->regs[mid].base <= addr) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo == 0 || addr + len < addr) return NULL;
+  const ucx_rregion *r = &p->regs[lo - 1];
+  return addr >= r->base && addr + len <= r->base + r->len ? r : NULL;
+}
+
+/* Is every destination of the chunks inside one advertised region? p->rw held. */
+static int chunks_ok(const ucx_peer *p, chunk **chunks, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    for (size_t k = 0; k < chunks[i]->n; k++) {
+      const kvf_write *w = &chunks[i]->writes[k];
+      uint64_t count = w->count > 1 ? w->count : 1, span;
+      if (__builtin_mul_overflow(count - 1, w->dst_stride, &span) || __builtin_add_overflow(span, w->len, &span))
+        return 0;
+      if (!rregion_find(p, w->dst, span)) return 0;
+    }
+  return 1;
+}
+
+static void op_unlink(ucx_op *op) {
+  ucx_state *u = op->u;
+  if (op->prev) op->prev->next = op->next;
+  if (op->next) op->next->prev = op->prev;
+  if (u->ops == op) u->ops = op->next;
+  op->next = op->prev = NULL;
+}
+
+static void flush_cb(void *req, ucs_status_t st, void *arg) {
+  ucx_op *op = arg;
+  /* Under wmu (callbacks run inside progress or a forced close). A chunk
+   * the reaper already failed is gone (op->c NULL, op off the list). */
+  if (op->c) {
+    op_unlink(op);
+    chunk_finish(op->c, st == UCS_OK ? 0 : kvf__ucx_status(st));
+  }
+  free(op);
+  ucp_request_free(req);
+}
+
+/* Write one chunk: plain stores where the peer's region is mapped here,
+ * puts and an endpoint flush elsewhere. Reports through chunk_finish. */
+static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
+  int status = 0, puts = 0, locked = 0, pending = 0;
+  pthread_rwlock_rdlock(&p->rw);
+  if (atomic_load(&p->dead) || !p->ep) {
+    status = atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
+    goto out;
+  }
+  ucp_request_param_t prm = {.op_attr_mask = 0};
+  for (size_t k = 0; k < c->n && !status; k++) {
+    const kvf_write *w = &c->writes[k];
+    uint64_t count = w->count > 1 ? w->count : 1;
+    for (uint64_t i = 0; i < count; i++) {
+      uint64_t src = w->src + i * w->src_stride, dst = w->dst + i * w->dst_stride;
+      const ucx_rregion *r = rregion_find(p, dst, w->len);
+      if (!r) { /* the peer unregistered it since the batch was checked */
+        status = KVF_ERANGE;
+        break;
+      }
+      if (r->ptr) {
+        memcpy(r->ptr + (dst - r->base), (const void *)(uintptr_t)src, w->len);
+        continue;
+      }
+      if (!locked) pthread_mutex_lock(&u->wmu);
+      locked = 1;
+      ucs_status_ptr_t sp = ucp_put_nbx(p->ep, (const void *)(uintptr_t)src, w->len, dst, r->rkey, &prm);
+      if (UCS_PTR_IS_ERR(sp)) {
+        status = kvf__ucx_status(UCS_PTR_STATUS(sp));
+        break;
+      }
+      if (sp) ucp_request_free(sp); /* released when done; the flush covers it */
+      puts++;
+    }
+  }
+  if (puts && !status) {
+    ucx_op *op = calloc(1, sizeof *op);
+    if (!op) {
+      status = KVF_ENOMEM;
+      goto out;
+    }
+    op->c = c;
+    op->p = p;
+    op->u = u;
+    ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                              .cb.send = flush_cb, .user_data = op};
+    ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &fp);
+    if (UCS_PTR_IS_ERR(sp)) {
+      status = kvf__ucx_status(UCS_PTR_STATUS(sp));
+      free(op);
+    } else if (sp == NULL) {
+      free(op); /* flushed already */
+    } else {
+      op->next = u->ops;
+      if (u->ops) u->ops->prev = op;
+      u->ops = op;
+      pending = 1;
+    }
+  }
+out:
+  if (locked) pthread_mutex_unlock(&u->wmu);
+  pthread_rwlock_unlock(&p->rw);
+  if (pending) {
+    kvf__ucx_wake(u); /* the progress thread completes the flush */
+    return;
+  }
+  if (!status && atomic_load(&p->dead)) status = atomic_load(&p->dead);
+  atomic_thread_fence(memory_order_release);
+  chunk_finish(c, status);
+}
+
+static void *copier_main(void *arg) {
+  ucx_state *u = arg;
+  for (;;) {
+    pthread_mutex_lock(&u->q_mu);
+    while (!u->q_head && !atomic_load(&u->stopping)) pthread_cond_wait(&u->q_cv, &u->q_mu);
+    ucx_job *j = u->q_head;
+    if (j) {
+      u->q_head = j->next;
+      if (!u->q_head) u->q_tail = NULL;
+    }
+    pthread_mutex_unlock(&u->q_mu);
+    if (!j) return NULL;
+    do_chunk(u, j->p, j->c);
+    free(j);
+  }
+}
+
+void kvf__ucx_copier_start(ucx_state *u) {
+  int want = u->e->cfg.conns_per_peer - 1;
+  if (want > UCX_MAX_COPIERS) want = UCX_MAX_COPIERS;
+  for (int i = 0; i < want; i++)
+    if (pthread_create(&u->copiers[u->ncopiers], NULL, copier_main, u) == 0) u->ncopiers++;
+}
+
+int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks) {
+  ucx_state *u = e->ucx;
+  ucx_peer *p;
+  int rc = kvf__ucx_peer_get(u, session, &p);
+  if (rc) return rc;
+  int64_t deadline = chunks[0]->batch->deadline_ns;
+  ucx_route route;
+  rc = kvf__ucx_peer_ensure(u, p, deadline, &route);
+  if (rc) return rc;
+  if (route == ROUTE_TCP) return tcp_transport_ops.submit(e, session, chunks, nchunks);
+  /* The whole batch is checked before any byte moves, as the TCP target
+   * does: a region registered since the last message is fetched once. */
+  pthread_rwlock_rdlock(&p->rw);
+  int ok = chunks_ok(p, chunks, nchunks);
+  pthread_rwlock_unlock(&p->rw);
+  if (!ok) {
+    kvf__ucx_peer_refresh(u, p, deadline);
+    pthread_rwlock_rdlock(&p->rw);
+    ok = chunks_ok(p, chunks, nchunks);
+    pthread_rwlock_unlock(&p->rw);
+  }
+  if (!ok) {
+    if (log_first_time(log_hash_str(p->id, 13)))
+      LOG_WARN("ucx", "write outside the registered memory of %s refused (nothing written)", p->id);
+    for (size_t i = 0; i < nchunks; i++) chunk_finish(chunks[i], KVF_ERANGE);
+    return 0;
+  }
+  /* Large batches come in several chunks. Into a pool mapped here the
+   * copier threads take all but the first, which this thread writes; puts
+   * are serialised on the worker anyway, so they stay on this thread. */
+  pthread_mutex_lock(&p->mu);
+  int parallel = p->mapped && u->ncopiers;
+  pthread_mutex_unlock(&p->mu);
+  for (size_t i = 1; i < nchunks; i++) {
+    ucx_job *j = parallel ? malloc(sizeof *j) : NULL;
+    if (!j) {
+      do_chunk(u, p, chunks[i]);
+      continue;
+    }
+    *j = (ucx_job){NULL, chunks[i], p};
+    pthread_mutex_lock(&u->q_mu);
+    if (u->q_tail) u->q_tail->next = j;
+    else u->q_head = j;
+    u->q_tail = j;
+    pthread_cond_signal(&u->q_cv);
+    pthread_mutex_unlock(&u->q_mu);
+  }
+  do_chunk(u, p, chunks[0]);
+  return 0;
+}
+
+/* Progress thread: fail flushes past their batch deadline and end the
+ * endpoints of dead peers (which cancels what they still carry). */
+void kvf__ucx_reap(ucx_state *u) {
+  int64_t now = clock_now_ns();
+  int any_dead = 0;
+  /* A flush past its deadline, or on an endpoint whose peer is gone, fails
+   * its chunk now; the late callback only frees the op. */
+  pthread_mutex_lock(&u->wmu);
+  for (ucx_op *op = u->ops, *next; op; op = next) {
+    next = op->next;
+    int err = atomic_load(&op->p->dead);
+    if (!err && now > op->c->batch->deadline_ns) {
+      err = KVF_ETIMEDOUT;
+      if (!atomic_load(&op->p->dead))
+        LOG_WARN("ucx", "peer %s did not complete a batch before its deadline (%d ms)", op->p->id,
+                 u->e->cfg.timeout_ms);
+      kvf__ucx_peer_mark_dead(u, op->p, KVF_ETIMEDOUT);
+    }
+    if (err) {
+      chunk *c = op->c;
+      op_unlink(op);
+      op->c = NULL;
+      chunk_finish(c, err);
+    }
+  }
+  pthread_mutex_unlock(&u->wmu);
+  if (!atomic_exchange(&u->reap, 0)) return;
+  pthread_mutex_lock(&u->peers_mu);
+  map_iter it;
+  map_iter_init(&it);
+  void *v;
+  ucx_peer *dead[64];
+  while (smap_next(&u->peers, &it, NULL, &v)) {
+    ucx_peer *p = v;
+    if (!atomic_load(&p->dead)) continue;
+    if (any_dead == 64) { /* the rest on the next round */
+      atomic_store(&u->reap, 1);
+      break;
+    }
+    dead[any_dead++] = p;
+  }
+  pthread_mutex_unlock(&u->peers_mu);
+  for (int i = 0; i < any_dead; i++) {
+    ucx_peer *p = dead[i];
+    pthread_rwlock_wrlock(&p->rw);
+    if (atomic_load(&p->dead)) {
+      pthread_mutex_lock(&u->wmu);
+      kvf__ucx_regs_free_locked(p);
+      kvf__ucx_ep_close_locked(u, p);
+      pthread_mutex_unlock(&u->wmu);
+    }
+    pthread_rwlock_unlock(&p->rw);
+    pthread_mutex_lock(&p->mu);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+  }
+}

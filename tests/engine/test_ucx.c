@@ -1,0 +1,315 @@
+/* UCX transport tests: two real processes (`kvferry engine-peer`) over the
+ * UCX_TLS the ctest entry sets (unset: UCX picks shared memory; posix,cma;
+ * tcp), plus two engines in one process where that is enough. Skipped with
+ * a message when the library was built without UCX. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "cli/pattern.h"
+#include "cli/peer.h"
+#include "kvferry.h"
+#ifdef KVF_HAVE_UCX
+#include <ucp/api/ucp.h>
+#endif
+
+#define PAGE 4096u
+#define PEER_BYTES (16u << 20)
+
+static int have_ucx(void) { return strstr(kvf_engine_transports(), "ucx") != NULL; }
+
+#define SKIP_WITHOUT_UCX()                                                         \
+  do {                                                                             \
+    if (!have_ucx()) {                                                             \
+      printf("SKIP: this kvferry was built without UCX (transports: %s)\n", kvf_engine_transports()); \
+      skip();                                                                      \
+    }                                                                              \
+  } while (0)
+
+static kvf_engine *make_engine(const char *transport, int timeout_ms) {
+  kvf_engine_config cfg;
+  kvf_engine_config_init(&cfg);
+  cfg.transport = transport;
+  cfg.timeout_ms = timeout_ms;
+  cfg.auth_token = "";
+  kvf_engine *e = NULL;
+  assert_int_equal(kvf_engine_create(&cfg, &e), 0);
+  return e;
+}
+
+/* Writes `n` scattered pages plus one strided block of 16 pages, then asks
+ * the peer to check every page. */
+static void write_and_verify(kvf_engine *e, engine_peer *peer, unsigned char *pool, uint64_t seed) {
+  enum { N = 200, S = 16 };
+  kvf_write w[N + 1];
+  char line[16384];
+  int off = snprintf(line, sizeof line, "verify %llu %u ", (unsigned long long)seed, PAGE);
+  for (int i = 0; i < N; i++) {
+    uint64_t s = (uint64_t)(N - 1 - i) * 2, d = (uint64_t)i * 3 + 1;
+    pattern_fill(pool + s * PAGE, PAGE, seed, 5000 + d);
+    w[i] = (kvf_write){.src = (uint64_t)(uintptr_t)(pool + s * PAGE), .dst = peer->base + d * PAGE, .len = PAGE};
+    off += snprintf(line + off, sizeof line - (size_t)off, "%s%llu:%llu", i ? "," : "", (unsigned long long)d,
+                    (unsigned long long)(5000 + d));
+  }
+  /* Strided: source every 2nd page from page 1000, destination every 3rd
+   * from page 2000. */
+  for (int k = 0; k < S; k++) {
+    uint64_t d = 2000 + (uint64_t)k * 3;
+    pattern_fill(pool + (1000 + (uint64_t)k * 2) * PAGE, PAGE, seed, 9000 + d);
+    off += snprintf(line + off, sizeof line - (size_t)off, ",%llu:%llu", (unsigned long long)d,
+                    (unsigned long long)(9000 + d));
+  }
+  w[N] = (kvf_write){.src = (uint64_t)(uintptr_t)(pool + 1000 * PAGE), .dst = peer->base + 2000 * PAGE,
+                     .len = PAGE, .count = S, .src_stride = 2 * PAGE, .dst_stride = 3 * PAGE};
+  assert_int_equal(kvf_engine_write(e, peer->session, w, N + 1), 0);
+  char reply[64], want[32];
+  assert_int_equal(proc_ask(&peer->p, line, reply, sizeof reply, 20000), 0);
+  snprintf(want, sizeof want, "ok %d", N + S);
+  assert_string_equal(reply, want);
+}
+
+/* Plain and strided blocks land byte-exact over UCX, from ordinary memory
+ * into ordinary memory, and the route is recorded with its reason. */
+static void plain_and_strided_land_exact(void **state) {
+  SKIP_WITHOUT_UCX();
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  kvf_engine *e = make_engine("ucx", 5000);
+  size_t bytes = 8u << 20;
+  unsigned char *pool = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  assert_int_equal(kvf_engine_register(e, pool, bytes), 0);
+  write_and_verify(e, &peer, pool, 11);
+  char why[256];
+  assert_int_equal(kvf_engine_peer_transport(e, peer.session, why, sizeof why), 0);
+  printf("route: %s\n", why);
+  assert_true(!strncmp(why, "ucx: ", 5));
+  kvf_engine_stats st;
+  kvf_engine_get_stats(e, &st);
+  assert_int_equal(st.peers_ucx, 1);
+  assert_int_equal(st.batches_sent, 1);
+  kvf_engine_unregister(e, pool);
+  kvf_engine_destroy(e);
+  munmap(pool, bytes);
+  engine_peer_stop(&peer);
+}
+
+/* Pools allocated by the engines: same bytes; with shared memory allowed the
+ * peer's pool is mapped here and written with plain stores. */
+static void allocated_pools_land_exact(void **state) {
+  SKIP_WITHOUT_UCX();
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", "--pool", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  kvf_engine *e = make_engine("ucx", 5000);
+  void *pool = NULL;
+  assert_int_equal(kvf_engine_alloc_pool(e, 8u << 20, &pool), 0);
+  write_and_verify(e, &peer, pool, 12);
+  write_and_verify(e, &peer, pool, 13); /* again, over the same mapping */
+  char why[256];
+  assert_int_equal(kvf_engine_peer_transport(e, peer.session, why, sizeof why), 0);
+  printf("route: %s\n", why);
+  const char *tls = getenv("UCX_TLS");
+  if (!tls || strstr(tls, "posix") || strstr(tls, "sysv") || strstr(tls, "sm"))
+    assert_non_null(strstr(why, "mapped here"));
+  assert_int_equal(kvf_engine_free_pool(e, pool), 0);
+  assert_int_equal(kvf_engine_free_pool(e, pool), KVF_ENOTFOUND);
+  kvf_engine_destroy(e);
+  engine_peer_stop(&peer);
+}
+
+/* An explicit ucx writer refuses a peer that offers no UCX; auto crosses to
+ * kvferry's TCP and says why. */
+static void explicit_ucx_never_falls_back(void **state) {
+  SKIP_WITHOUT_UCX();
+  engine_peer peer;
+  const char *args[] = {"--transport", "tcp", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  static unsigned char src[PAGE];
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
+  kvf_engine *e = make_engine("ucx", 3000);
+  assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), KVF_ECONNREFUSED);
+  kvf_engine_destroy(e);
+  e = make_engine("auto", 3000);
+  assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), 0);
+  char why[256];
+  assert_int_equal(kvf_engine_peer_transport(e, peer.session, why, sizeof why), 0);
+  printf("route: %s\n", why);
+  assert_true(!strncmp(why, "tcp: auto", 9));
+  kvf_engine_stats st;
+  kvf_engine_get_stats(e, &st);
+  assert_int_equal(st.peers_tcp, 1);
+  kvf_engine_destroy(e);
+  engine_peer_stop(&peer);
+}
+
+/* A peer on "another host" (its identity forced by KVFERRY_UCX_HOST_ID)
+ * with no RDMA device here: explicit ucx fails with a clear error unless the
+ * user set UCX_TLS; auto takes kvferry's TCP and says why. */
+static void other_host_without_rdma(void **state) {
+  SKIP_WITHOUT_UCX();
+  if (access("/sys/class/infiniband", F_OK) == 0) {
+    printf("SKIP: this host has an RDMA device; the no-RDMA path cannot be shown here\n");
+    skip();
+  }
+  setenv("KVFERRY_UCX_HOST_ID", "another-host", 1);
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", NULL};
+  int started = engine_peer_start_args(&peer, PEER_BYTES, NULL, args);
+  unsetenv("KVFERRY_UCX_HOST_ID");
+  assert_int_equal(started, 0);
+  static unsigned char src[PAGE];
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
+  const char *tls = getenv("UCX_TLS");
+  char why[256];
+  kvf_engine *e = make_engine("ucx", 3000);
+  assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), tls && *tls ? 0 : KVF_ECONNREFUSED);
+  if (tls && *tls) {
+    assert_int_equal(kvf_engine_peer_transport(e, peer.session, why, sizeof why), 0);
+    printf("route: %s\n", why);
+    assert_non_null(strstr(why, "set by the user"));
+  }
+  kvf_engine_destroy(e);
+  e = make_engine("auto", 3000);
+  assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), 0);
+  assert_int_equal(kvf_engine_peer_transport(e, peer.session, why, sizeof why), 0);
+  printf("route: %s\n", why);
+  assert_true(!strncmp(why, "tcp: auto", 9));
+  kvf_engine_destroy(e);
+  engine_peer_stop(&peer);
+}
+
+/* The target unregisters and re-registers a region while a writer streams
+ * into it and into a region that stays: every batch either lands or is
+ * refused with KVF_ERANGE, and the stable region keeps working. */
+typedef struct churn {
+  kvf_engine *w;
+  const char *session;
+  unsigned char *src;
+  uint64_t stable, moving;
+  int rounds, refused, other;
+} churn;
+
+static void *churn_writer(void *arg) {
+  churn *c = arg;
+  for (int i = 0; i < c->rounds; i++) {
+    kvf_write w[2] = {{.src = (uint64_t)(uintptr_t)c->src, .dst = c->stable, .len = 64 * 1024},
+                      {.src = (uint64_t)(uintptr_t)c->src, .dst = c->moving, .len = 64 * 1024}};
+    int rc = kvf_engine_write(c->w, c->session, w, 2);
+    if (rc == KVF_ERANGE) c->refused++;
+    else if (rc) c->other++;
+  }
+  return NULL;
+}
+
+static void unregister_during_traffic_is_safe(void **state) {
+  SKIP_WITHOUT_UCX();
+  kvf_engine *t = make_engine("ucx", 5000), *w = make_engine("ucx", 5000);
+  size_t len = 1u << 20;
+  unsigned char *a = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  unsigned char *b = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  unsigned char *src = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  memset(src, 0x5a, len);
+  assert_int_equal(kvf_engine_register(t, a, len), 0);
+  assert_int_equal(kvf_engine_register(t, b, len), 0);
+  assert_int_equal(kvf_engine_register(w, src, len), 0);
+  churn c = {w, kvf_engine_session_id(t), src, (uint64_t)(uintptr_t)a, (uint64_t)(uintptr_t)b, 300, 0, 0};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, churn_writer, &c), 0);
+  for (int i = 0; i < 30; i++) {
+    assert_int_equal(kvf_engine_unregister(t, b), 0);
+    usleep(1000);
+    assert_int_equal(kvf_engine_register(t, b, len), 0);
+    usleep(1000);
+  }
+  pthread_join(th, NULL);
+  printf("batches: %d, refused while unregistered: %d\n", c.rounds, c.refused);
+  assert_int_equal(c.other, 0);
+  /* After the churn the writer has caught up: both regions take writes. */
+  kvf_write last[2] = {{.src = (uint64_t)(uintptr_t)src, .dst = c.stable, .len = len},
+                       {.src = (uint64_t)(uintptr_t)src, .dst = c.moving, .len = len}};
+  assert_int_equal(kvf_engine_write(w, c.session, last, 2), 0);
+  kvf_engine_sync(t);
+  assert_int_equal(memcmp(a, src, len), 0);
+  assert_int_equal(memcmp(b, src, len), 0);
+  kvf_engine_destroy(w);
+  kvf_engine_destroy(t);
+  munmap(a, len);
+  munmap(b, len);
+  munmap(src, len);
+}
+
+/* GPU memory: register CUDA device memory and move bytes into it. Needs a
+ * GPU, the CUDA runtime and a UCX built with CUDA (Debian's is not). */
+typedef int (*cuda_malloc_fn)(void **, size_t);
+typedef int (*cuda_free_fn)(void *);
+typedef int (*cuda_memcpy_fn)(void *, const void *, size_t, int);
+
+static void gpu_memory_moves(void **state) {
+  SKIP_WITHOUT_UCX();
+#ifdef KVF_HAVE_UCX
+  ucp_config_t *conf = NULL;
+  ucp_context_h ctx = NULL;
+  ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_RMA};
+  ucp_context_attr_t attr = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+  int cuda_ucx = ucp_config_read(NULL, NULL, &conf) == UCS_OK && ucp_init(&pp, conf, &ctx) == UCS_OK &&
+                 ucp_context_query(ctx, &attr) == UCS_OK && (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
+  if (ctx) ucp_cleanup(ctx);
+  if (conf) ucp_config_release(conf);
+  void *cudart = dlopen("libcudart.so", RTLD_NOW);
+  if (!cudart) cudart = dlopen("libcudart.so.12", RTLD_NOW);
+  if (!cuda_ucx || !cudart) {
+    printf("SKIP: GPU test needs the CUDA runtime and a CUDA-enabled UCX (cuda runtime: %s, UCX with CUDA: %s)\n",
+           cudart ? "yes" : "no", cuda_ucx ? "yes" : "no");
+    if (cudart) dlclose(cudart);
+    skip();
+  }
+  cuda_malloc_fn cmalloc = (cuda_malloc_fn)dlsym(cudart, "cudaMalloc");
+  cuda_free_fn cfree = (cuda_free_fn)dlsym(cudart, "cudaFree");
+  cuda_memcpy_fn cmemcpy = (cuda_memcpy_fn)dlsym(cudart, "cudaMemcpy");
+  assert_true(cmalloc && cfree && cmemcpy);
+  size_t len = 4u << 20;
+  void *dev = NULL;
+  assert_int_equal(cmalloc(&dev, len), 0);
+  kvf_engine *t = make_engine("ucx", 10000), *w = make_engine("ucx", 10000);
+  unsigned char *src = malloc(len), *back = malloc(len);
+  for (size_t p = 0; p < len / PAGE; p++) pattern_fill(src + p * PAGE, PAGE, 77, p);
+  assert_int_equal(kvf_engine_register(t, dev, len), 0);
+  assert_int_equal(kvf_engine_register(w, src, len), 0);
+  kvf_write wr = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)dev, .len = len};
+  assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t), &wr, 1), 0);
+  assert_int_equal(cmemcpy(back, dev, len, 2 /* cudaMemcpyDeviceToHost */), 0);
+  assert_int_equal(memcmp(src, back, len), 0);
+  kvf_engine_destroy(w);
+  kvf_engine_destroy(t);
+  cfree(dev);
+  free(src);
+  free(back);
+  dlclose(cudart);
+#endif
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(plain_and_strided_land_exact),
+      cmocka_unit_test(allocated_pools_land_exact),
+      cmocka_unit_test(explicit_ucx_never_falls_back),
+      cmocka_unit_test(other_host_without_rdma),
+      cmocka_unit_test(unregister_during_traffic_is_safe),
+      cmocka_unit_test(gpu_memory_moves),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
