@@ -297,13 +297,15 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
     const kvf_write *w = &ch->writes[i];
     descs[i] = (tcp_desc){w->dst, w->len, w->count > 1 ? w->count : 1, w->dst_stride};
   }
-  tcp_chunk_hdr h = {TCP_CHUNK_MAGIC, (uint32_t)ch->n, ch->seq, ch->bytes};
+  const kvf_batch *b = ch->batch;
+  tcp_chunk_hdr h = {b->tag ? TCP_CHUNK_TAGGED_MAGIC : TCP_CHUNK_MAGIC, (uint32_t)ch->n, ch->seq, ch->bytes};
+  tcp_chunk_tag tag = {b->tag, b->epoch};
   /* The reader may see the ack and finish the chunk before the last send
    * call returns: hold a reference so its blocks stay readable until then. */
   atomic_fetch_add(&ch->refs, 1);
   piece_src src = {.writes = ch->writes, .n = ch->n};
-  struct iovec head[2] = {{&h, sizeof h}, {descs, ch->n * sizeof *descs}};
-  int rc = xfer_pieces(c->fd, &src, 1, head, 2);
+  struct iovec head[3] = {{&h, sizeof h}, {&tag, b->tag ? sizeof tag : 0}, {descs, ch->n * sizeof *descs}};
+  int rc = xfer_pieces(c->fd, &src, 1, head, 3);
   chunk_release(ch);
   if (descs != descs_small) free(descs);
   if (rc) conn_fail(c, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED);
@@ -634,6 +636,53 @@ static int drain(int fd, uint64_t n) {
   return 0;
 }
 
+/* Receive a tagged chunk's payload into its destinations while its fence
+ * stays open: the socket wakes every ENGINE_FENCE_TICK_MS, and once the
+ * fence is cut nothing more is written to the destination (the caller
+ * drains the rest). The chunk as a whole must arrive within timeout_ms.
+ * 0 = every byte landed, 1 = cut (*left bytes still to drain), or an error. */
+static int recv_fenced(int fd, const tcp_desc *descs, uint32_t ndesc, uint64_t total, engine_fence *x,
+                       int timeout_ms, uint64_t *left) {
+  struct iovec iov[TCP_IOV_BATCH];
+  piece_src src = {.descs = descs, .n = ndesc};
+  piece_iter it = {0, 0};
+  int64_t deadline = clock_deadline_ms(timeout_ms);
+  int rc = 0;
+  *left = total;
+  set_timeout(fd, SO_RCVTIMEO, ENGINE_FENCE_TICK_MS);
+  for (;;) {
+    int k = iter_fill(&src, &it, iov, TCP_IOV_BATCH);
+    if (k == 0) break;
+    struct iovec *v = iov;
+    while (k) {
+      if (atomic_load(&x->cut)) {
+        rc = 1;
+        goto out;
+      }
+      struct msghdr m = {.msg_iov = v, .msg_iovlen = (size_t)k};
+      ssize_t r = recvmsg(fd, &m, 0);
+      if (r > 0) {
+        *left -= (uint64_t)r;
+        iov_advance(&v, &k, (size_t)r);
+      } else if (r == 0) {
+        rc = KVF_ECLOSED;
+        goto out;
+      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (clock_now_ns() > deadline) {
+          rc = KVF_ETIMEDOUT;
+          goto out;
+        }
+      } else if (errno != EINTR) {
+        rc = KVF_ECLOSED;
+        goto out;
+      }
+    }
+  }
+out:
+  set_timeout(fd, SO_RCVTIMEO, timeout_ms);
+  return rc;
+}
+
 static void *inbound_main(void *arg) {
   tcp_inbound *in = arg;
   kvf_engine *e = in->t->e;
@@ -652,11 +701,13 @@ static void *inbound_main(void *arg) {
     if (atomic_load(&in->t->stopping)) break;
     if (r == 1) continue;
     if (r) break;
-    if (h.magic != TCP_CHUNK_MAGIC || h.ndesc == 0 || h.ndesc > TCP_MAX_DESC) {
+    tcp_chunk_tag tag = {0, 0};
+    if ((h.magic != TCP_CHUNK_MAGIC && h.magic != TCP_CHUNK_TAGGED_MAGIC) || h.ndesc == 0 || h.ndesc > TCP_MAX_DESC) {
       atomic_fetch_add(&e->stats.protocol_errors, 1);
       log_peer_once(in->peer, "frame", "malformed chunk header; connection dropped");
       break;
     }
+    if (h.magic == TCP_CHUNK_TAGGED_MAGIC && recv_all(in->fd, &tag, sizeof tag)) break;
     if (h.ndesc > cap) {
       tcp_desc *d = realloc(descs, h.ndesc * sizeof *d);
       if (!d) break;
@@ -683,8 +734,26 @@ static void *inbound_main(void *arg) {
       if (descs[i].len)
         ok = regions_block_ok_locked(&e->regions, descs[i].dst, descs[i].len, descs[i].count,
                                      descs[i].stride);
-    int rc;
-    if (ok) {
+    int rc, refusal = ok ? 0 : KVF_ERANGE;
+    engine_fence *fx = NULL;
+    if (ok && h.magic == TCP_CHUNK_TAGGED_MAGIC && !(fx = kvf__fence_enter(e, tag.tag, tag.epoch))) {
+      ok = 0;
+      refusal = KVF_ESTATE; /* fenced: not one byte of it is written */
+    }
+    if (ok && fx) {
+      uint64_t left = 0;
+      kvf_engine_sync(e);
+      rc = recv_fenced(in->fd, descs, h.ndesc, h.total_bytes, fx, e->cfg.timeout_ms, &left);
+      kvf_engine_sync(e);
+      pthread_rwlock_unlock(&e->regions.lock);
+      kvf__fence_leave(e, fx); /* after this, the chunk writes nothing more */
+      if (rc == 1) {
+        ok = 0;
+        refusal = KVF_ESTATE;
+        atomic_fetch_add(&e->stats.chunks_fenced, 1);
+        rc = drain(in->fd, left);
+      }
+    } else if (ok) {
       piece_src src = {.descs = descs, .n = h.ndesc};
       kvf_engine_sync(e); /* order after the owner's last local change */
       rc = xfer_pieces(in->fd, &src, 0, NULL, 0);
@@ -692,8 +761,10 @@ static void *inbound_main(void *arg) {
       pthread_rwlock_unlock(&e->regions.lock);
     } else {
       pthread_rwlock_unlock(&e->regions.lock);
-      atomic_fetch_add(&e->stats.batches_refused, 1);
-      log_peer_once(in->peer, "range", "write outside registered memory refused");
+      if (refusal == KVF_ERANGE) {
+        atomic_fetch_add(&e->stats.batches_refused, 1);
+        log_peer_once(in->peer, "range", "write outside registered memory refused");
+      }
       rc = drain(in->fd, h.total_bytes);
     }
     if (rc) break;
@@ -701,7 +772,7 @@ static void *inbound_main(void *arg) {
       atomic_fetch_add(&e->stats.batches_received, 1);
       atomic_fetch_add(&e->stats.bytes_received, h.total_bytes);
     }
-    tcp_ack a = {h.seq, ok ? 0 : KVF_ERANGE, TCP_ACK_MAGIC};
+    tcp_ack a = {h.seq, ok ? 0 : refusal, TCP_ACK_MAGIC};
     if (send_all(in->fd, &a, sizeof a)) break;
   }
 out:
