@@ -113,6 +113,16 @@ typedef struct kvf_manager_config {
    * KVArgs.target_layer_num): heterogeneous-TP plans label the latter's
    * fragments draft_k/draft_v. 0 (default) = every layer is a target layer. */
   size_t target_layer_num;
+  /* Verify mode (issue 16; docs/WIRE-EXTENSIONS.md "Integrity"): 1 = a
+   * prefill hashes (XXH3-64) every page it sends when kvf_sender_send is
+   * called, rehashes it after the write completed and fails the room if it
+   * changed (a page reused too early), and sends the digests of what it
+   * wrote to decodes that asked; a decode asks (M2) and recomputes the
+   * digests over the landed bytes before Success, failing the room with the
+   * buffer and page on a mismatch. Default 0; env KVFERRY_VERIFY=1 turns it
+   * on. Host memory only: kvf_manager_create refuses it (KVF_EINVAL) when
+   * a buffer is not readable host memory (device memory). */
+  int verify;
 } kvf_manager_config;
 
 typedef struct kvf_manager kvf_manager;
@@ -128,6 +138,11 @@ typedef struct kvf_manager_stats {
   uint64_t bytes_sent;
   uint64_t heartbeat_failures;  /* decode: failed probes */
   uint64_t node_failures;       /* decode: prefill instances declared dead */
+  uint64_t verify_failures;     /* verify mode: rooms failed by a digest mismatch (decode) or a source
+                                   page that changed during its transfer (prefill) */
+  uint64_t verify_unverified;   /* decode, verify mode: Success reports from a prefill that sent no
+                                   digests (a tokenspeed prefill): the room succeeded unverified */
+  uint64_t rooms_fenced;        /* decode: failed or dropped rooms whose late writes are now refused */
 } kvf_manager_stats;
 
 /* Fill `cfg` with the defaults above and set cfg->size. Any thread. */

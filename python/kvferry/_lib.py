@@ -84,6 +84,9 @@ class kvf_manager_stats(ctypes.Structure):
             "bytes_sent",
             "heartbeat_failures",
             "node_failures",
+            "verify_failures",
+            "verify_unverified",
+            "rooms_fenced",
         )
     ]
 

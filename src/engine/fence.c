@@ -32,7 +32,7 @@ static void epoch_seed(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   uint64_t seed = ((uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)getpid() << 17) ^ (uint64_t)ts.tv_sec;
-  atomic_store(&next_epoch, (seed & 0xffffffff00000000ull) | 1);
+  atomic_store(&next_epoch, (seed & 0x7fffffff00000000ull) | 1);
 }
 
 int kvf__fence_init(engine_fences *f) {
