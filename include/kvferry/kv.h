@@ -113,6 +113,11 @@ typedef struct kvf_manager_config {
    * KVArgs.target_layer_num): heterogeneous-TP plans label the latter's
    * fragments draft_k/draft_v. 0 (default) = every layer is a target layer. */
   size_t target_layer_num;
+  /* Shared secret that authenticates every control message (M1/M2/M3) with an
+   * HMAC frame (docs/WIRE-EXTENSIONS.md); every kvferry peer of the deployment
+   * must use the same one, and tokenspeed peers cannot join while it is set.
+   * NULL = $KVFERRY_CONTROL_TOKEN; "" (or unset) = off. */
+  const char *control_token;
   /* Verify mode (issue 16; docs/WIRE-EXTENSIONS.md "Integrity"): 1 = a
    * prefill hashes (XXH3-64) every page it sends when kvf_sender_send is
    * called, rehashes it after the write completed and fails the room if it
@@ -138,6 +143,7 @@ typedef struct kvf_manager_stats {
   uint64_t bytes_sent;
   uint64_t heartbeat_failures;  /* decode: failed probes */
   uint64_t node_failures;       /* decode: prefill instances declared dead */
+  uint64_t messages_forged;     /* from a peer the room was not planned with, or a missing/wrong MAC: dropped */
   uint64_t verify_failures;     /* verify mode: rooms failed by a digest mismatch (decode) or a source
                                    page that changed during its transfer (prefill) */
   uint64_t verify_unverified;   /* decode, verify mode: Success reports from a prefill that sent no

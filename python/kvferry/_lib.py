@@ -84,6 +84,7 @@ class kvf_manager_stats(ctypes.Structure):
             "bytes_sent",
             "heartbeat_failures",
             "node_failures",
+            "messages_forged",
             "verify_failures",
             "verify_unverified",
             "rooms_fenced",

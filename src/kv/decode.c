@@ -24,9 +24,15 @@
  * - node failure drops cache entries of exactly that address (not by string
  *   prefix), resets the failure count, and forgets the PUSH sockets of its
  *   ranks, so a restarted prefill gets fresh M1s (§8.10);
+ * - the heartbeat probes the cached target ranks themselves (their ZMQ
+ *   sockets, kv/probe.c), so a dead or stopped prefill is found whether or
+ *   not its bootstrap server lives, and a silent bootstrap server alone does
+ *   not condemn live ranks (issue 13 defects 1, 2; rule at probe_addr);
  * - after each good /health probe the heartbeat looks the cached target ranks
  *   up again: a rank re-registered at another (ip, port) restarted, so its
  *   pool entries are dropped and the rooms sent through them fail (§8.10);
+ * - an M3 counts only when it comes from the address of a rank the room was
+ *   planned with (§8 lets any ZMQ peer end any room; issue 13 defect 5);
  * - HTTP calls never run under the cache lock; scheduler threads use a
  *   short-lived client on cache misses, the heartbeat its own clients.
  *
@@ -45,13 +51,15 @@
 #include "kv/integrity.h"
 #include "kv/manager.h"
 #include "kv/plan.h"
+#include "kv/probe.h"
 
 #define DECODE_MAX_ADDRS 1024     /* bootstrap addresses cached at once */
 #define DECODE_MAX_POOLS 65536    /* pool keys cached at once */
 #define DECODE_ADDR_MAX 256       /* bytes of a bootstrap address, NUL included */
 #define DECODE_KEY_MAX 8192       /* bytes of a pool key */
 #define DECODE_HB_CONNECT_MS 2000 /* the reference heartbeat's (2, 3) timeouts */
-#define DECODE_HB_TIMEOUT_MS 5000
+#define DECODE_HB_TIMEOUT_MS 5000   /* ... each capped at the heartbeat interval */
+#define DECODE_PROBE_TIMEOUT_MS 1000 /* a rank's ZMTP greeting (also capped at the interval) */
 
 /* One resolved target prefill rank. */
 typedef struct pool_target {
@@ -123,9 +131,11 @@ struct kvf_receiver {
    * heartbeat's node-failure predicate reads it while create may set it. */
   _Atomic uint64_t epoch;
   pool_entry *pool; /* NULL when construction failed */
-  /* The pool entry's address as a tag, stored under ds->lock when `pool` is
-   * set: the heartbeat's rank-restart predicate compares it while create may
-   * set it. Never dereferenced; the receiver's reference keeps it unique. */
+  /* The pool entry's address, stored under ds->lock when `pool` is set: the
+   * heartbeat's rank-restart predicate compares it while create may set it,
+   * and the listener reads the planned ranks through it under the room
+   * table's lock (the receiver's reference keeps it alive and unique until
+   * kvf_receiver_destroy has cleared the room). */
   _Atomic uintptr_t pool_tag;
   /* Fencing (integrity.c): the room's engine fence epoch, 0 = unfenced;
    * `fenced` once it was closed on Failed. The receiver's thread only. */
@@ -652,18 +662,46 @@ void kvf_receiver_destroy(kvf_receiver *r) {
 
 /* ------------------------------------------------------------ listener */
 
+typedef struct m3_origin {
+  kvf_manager *m;
+  const char *peer;
+} m3_origin;
+
+/* Under the room table's lock: did the M3 come from a rank the room was
+ * planned with? (Issue 13 defect 5: PROTOCOL §8 lets any ZMQ peer end any
+ * room.) A room without a plan yet has sent no M2, so nobody may answer. */
+static int from_planned_rank(void *user, void *arg) {
+  const kvf_receiver *r = user;
+  const m3_origin *o = arg;
+  const pool_entry *p = r ? (const pool_entry *)atomic_load(&r->pool_tag) : NULL;
+  for (int i = 0; p && i < p->ntargets; i++)
+    if (manager_peer_is(o->m, o->peer, p->targets[i].ip)) return 1;
+  return 0;
+}
+
+/* The same check for a kvferry digests message. */
+static int from_planned(kvf_manager *m, int64_t room, const char *peer) {
+  m3_origin origin = {m, peer};
+  return rooms_with_user(m->rooms, room, from_planned_rank, &origin) != 0;
+}
+
 void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
   wire_m3 m3;
   char why[WIRE_REASON_LEN] = "";
   if (wire_is_digests(frames, n)) {
-    kvf__integ_on_digests(m, frames, n, peer);
+    kvf__integ_on_digests(m, frames, n, peer, from_planned);
     return;
   }
   if (wire_m3_decode(frames, n, &m3, why)) {
     manager_reject(m, peer, "M3", why);
     return;
   }
-  int rc;
+  m3_origin origin = {m, peer};
+  int rc = rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
+  if (rc == 0) {
+    manager_reject_forged(m, peer, "M3", "the sender is not a prefill rank this room was planned with");
+    return;
+  }
   if (m3.status == WIRE_STATUS_SUCCESS) {
     int32_t cands[ROOMS_MAX_CANDS];
     if (m3.candidates.count > ROOMS_MAX_CANDS || m3.prefill_rank >= ROOMS_MAX_RANKS) {
@@ -677,6 +715,15 @@ void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const
     kvf__integ_on_success(m, m3.room, m3.prefill_rank);
     rc = rooms_record_response(m->rooms, m3.room, (int)m3.prefill_rank, m3.bootstrap_token, cands,
                                m3.candidates.count, NULL);
+  } else if (m3.status == WIRE_STATUS_FAILED && m3.reason_len) {
+    /* A kvferry prefill says why (M3 frame 5); keep it printable. */
+    char said[WIRE_REASON_LEN], reason[ROOMS_REASON_MAX];
+    for (size_t i = 0; i < m3.reason_len; i++)
+      said[i] = m3.reason[i] >= 0x20 && m3.reason[i] < 0x7f ? m3.reason[i] : '?';
+    said[m3.reason_len] = 0;
+    set_reason(reason, sizeof reason, "Failed to get kvcache from prefill rank %" PRId64 " (%s): %s", m3.prefill_rank,
+               peer, said);
+    rc = rooms_fail(m->rooms, m3.room, reason);
   } else if (m3.status == WIRE_STATUS_FAILED) {
     rc = rooms_fail(m->rooms, m3.room, "Failed to get kvcache from prefill instance, it might be dead");
   } else {
@@ -709,7 +756,7 @@ static int match_dead(int64_t room, void *user, void *arg) {
 
 /* §7.2, with exact address matching: drop the address's cache entries,
  * forget the sockets to its ranks, fail its live rooms that are not Success. */
-static void node_failure(kvf_manager *m, const char *addr) {
+static void node_failure(kvf_manager *m, const char *addr, const char *why) {
   struct decode_state *ds = m->decode;
   pool_entry **dropped = NULL;
   size_t ndropped = 0;
@@ -740,12 +787,12 @@ static void node_failure(kvf_manager *m, const char *addr) {
   free(dropped);
 
   char reason[ROOMS_REASON_MAX];
-  set_reason(reason, sizeof reason, "Losing connection with prefill instance (bootstrap_addr: %s)", addr);
+  set_reason(reason, sizeof reason, "Losing connection with prefill instance (bootstrap_addr: %s)%s%s", addr,
+             why ? ": " : "", why ? why : "");
   size_t nfailed = 0;
   rooms_fail_matching(m->rooms, match_dead, &d, reason, &nfailed);
   atomic_fetch_add(&m->stats.node_failures, 1);
-  LOG_ERROR("kv", "Losing connection with prefill instance (bootstrap_addr: %s), affected %zu requests", addr,
-            nfailed);
+  LOG_ERROR("kv", "%s, affected %zu requests", reason, nfailed);
 }
 
 static int match_pool(int64_t room, void *user, void *arg) {
@@ -839,6 +886,96 @@ static void revalidate_ranks(kvf_manager *m, bootstrap_client *c, const char *ad
   free(seen);
 }
 
+/* The distinct (ip, port) of every cached target rank of `addr`. */
+static kvf__probe_target *collect_ranks(kvf_manager *m, const char *addr, size_t *n) {
+  struct decode_state *ds = m->decode;
+  kvf__probe_target *t = NULL;
+  size_t cap = 0;
+  *n = 0;
+  pthread_mutex_lock(&ds->lock);
+  map_iter it;
+  map_iter_init(&it);
+  void *v;
+  while (smap_next(&ds->pools, &it, NULL, &v)) {
+    const pool_entry *p = v;
+    if (strcmp(p->addr, addr)) continue;
+    for (int i = 0; i < p->ntargets; i++) {
+      const pool_target *pt = &p->targets[i];
+      size_t k = 0;
+      while (k < *n && !(t[k].port == pt->port && !strcmp(t[k].ip, pt->ip))) k++;
+      if (k < *n || !pt->port) continue;
+      if (*n == cap) {
+        size_t nc = cap ? 2 * cap : 8;
+        kvf__probe_target *nt = realloc(t, nc * sizeof *nt);
+        if (!nt) goto out;
+        t = nt, cap = nc;
+      }
+      t[*n] = (kvf__probe_target){.port = pt->port, .rank = pt->rank};
+      snprintf(t[*n].ip, sizeof t[*n].ip, "%s", pt->ip);
+      (*n)++;
+    }
+  }
+out:
+  pthread_mutex_unlock(&ds->lock);
+  return t;
+}
+
+static int ms_capped(int ms, double cap_s) {
+  double cap_ms = cap_s * 1000;
+  return cap_ms < ms ? (cap_ms < 1 ? 1 : (int)cap_ms) : ms;
+}
+
+/* One heartbeat probe of `addr` (issue 13, defects 1 and 2). The rule: when
+ * the address has cached target ranks, the ranks decide. Any rank that does
+ * not answer with a ZMTP greeting (refused, closed, or nothing within the
+ * probe timeout) makes the round a failure, whatever /health says; when
+ * every rank answers the round is good even if /health fails (a slow or
+ * stopped bootstrap server alone condemns no live prefill; it is counted in
+ * heartbeat_failures). /health then serves only the restart revalidation.
+ * With no cached rank (no receiver got that far), /health alone decides, as
+ * in the reference. Returns 0 for a good round; else fills `why`. */
+static int probe_addr(kvf_manager *m, hb_peer *p, const char *addr, char *why, size_t cap) {
+  double interval = m->cfg.heartbeat_interval_s;
+  size_t n = 0;
+  kvf__probe_target *t = collect_ranks(m, addr, &n);
+  int ranks_ok = 1;
+  if (n) {
+    kvf__probe_ranks(t, n, ms_capped(DECODE_PROBE_TIMEOUT_MS, interval));
+    for (size_t i = 0; i < n && ranks_ok; i++)
+      if (t[i].result) {
+        ranks_ok = 0;
+        set_reason(why, cap, "prefill rank %d at %s:%u does not answer (%s)", t[i].rank, t[i].ip,
+                   (unsigned)t[i].port, kvf_strerror(t[i].result));
+      }
+  }
+  free(t);
+  if (!ranks_ok) {
+    atomic_fetch_add(&m->stats.heartbeat_failures, 1);
+    return KVF_ECLOSED;
+  }
+  if (!p->client) {
+    int tmo = ms_capped(DECODE_HB_TIMEOUT_MS, interval);
+    bootstrap_client_opts o = {.token = "", .connect_timeout_ms = ms_capped(DECODE_HB_CONNECT_MS, interval),
+                               .timeout_ms = tmo};
+    bootstrap_client_create(addr, &o, &p->client);
+  }
+  int rc = p->client ? bootstrap_client_health(p->client) : KVF_EIO;
+  if (!rc) {
+    revalidate_ranks(m, p->client, addr);
+    return 0;
+  }
+  atomic_fetch_add(&m->stats.heartbeat_failures, 1);
+  /* A fresh connection next time, as the reference drops its session. */
+  bootstrap_client_destroy(p->client);
+  p->client = NULL;
+  set_reason(why, cap, "its bootstrap server does not answer /health (%s)", kvf_strerror(rc));
+  if (n) {
+    LOG_INFO("kv", "%s: %s; its %zu rank(s) answer, so it is not declared dead", addr, why, n);
+    return 0;
+  }
+  return rc;
+}
+
 static void hb_peer_free(hb_peer *p) {
   if (!p) return;
   bootstrap_client_destroy(p->client);
@@ -877,25 +1014,16 @@ static void heartbeat_round(kvf_manager *m) {
       }
     }
     p->seen = 1;
-    if (!p->client) {
-      bootstrap_client_opts o = {.token = "", .connect_timeout_ms = DECODE_HB_CONNECT_MS,
-                                 .timeout_ms = DECODE_HB_TIMEOUT_MS};
-      bootstrap_client_create(addrs[i], &o, &p->client);
-    }
-    int rc = p->client ? bootstrap_client_health(p->client) : KVF_EIO;
+    char why[ROOMS_REASON_MAX / 2] = "";
+    int rc = probe_addr(m, p, addrs[i], why, sizeof why);
     if (!rc) {
       p->failures = 0;
-      revalidate_ranks(m, p->client, addrs[i]);
       continue;
     }
-    LOG_INFO("kv", "Attempting to reconnect to %s...", addrs[i]);
-    atomic_fetch_add(&m->stats.heartbeat_failures, 1);
+    LOG_INFO("kv", "Attempting to reconnect to %s (%s)...", addrs[i], why);
     p->failures++;
-    /* A fresh connection next time, as the reference drops its session. */
-    bootstrap_client_destroy(p->client);
-    p->client = NULL;
     if (p->failures >= m->cfg.heartbeat_max_failures) {
-      node_failure(m, addrs[i]);
+      node_failure(m, addrs[i], why);
       p->failures = 0; /* §8.10: a later single miss must not re-trigger */
     }
   }
@@ -915,9 +1043,14 @@ static void *heartbeat_main(void *arg) {
   kvf_manager *m = arg;
   struct decode_state *ds = m->decode;
   int64_t period_ns = (int64_t)(m->cfg.heartbeat_interval_s * 1e9);
+  /* Sleep first, then probe (§7.1); the condvar lets decode_stop wake us.
+   * Rounds start at a fixed rate, so a round that waited on its probe
+   * timeouts does not push the next one back (detection stays within
+   * interval x max_failures plus one probe timeout). */
+  int64_t wake = clock_now_ns();
   for (;;) {
-    /* Sleep first, then probe (§7.1); the condvar lets decode_stop wake us. */
-    int64_t wake = clock_now_ns() + period_ns;
+    wake += period_ns;
+    if (wake < clock_now_ns()) wake = clock_now_ns(); /* overran a whole period: probe at once */
     pthread_mutex_lock(&ds->hb_lock);
     while (!ds->hb_stop && clock_now_ns() < wake) {
       struct timespec ts = clock_ts_from_ns(wake);

@@ -142,7 +142,8 @@ static int locate(const manager_buffers *b, const wire_digest *d, int *state, si
   return KVF_ERANGE;
 }
 
-void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
+void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer,
+                           int (*from_planned)(kvf_manager *m, int64_t room, const char *peer)) {
   integ_state *s = m->integ;
   wire_digests dg;
   char why[WIRE_REASON_LEN] = "";
@@ -152,6 +153,10 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
   }
   if (dg.prefill_rank >= INTEG_MAX_RANKS) {
     manager_reject(m, peer, "digests", "prefill rank out of range");
+    return;
+  }
+  if (!from_planned(m, dg.room, peer)) {
+    manager_reject_forged(m, peer, "digests", "the sender is not a prefill rank this room was planned with");
     return;
   }
   pthread_mutex_lock(&s->lock);

@@ -37,9 +37,12 @@ void kvf__integ_room_close(kvf_manager *m, int64_t room, uint64_t epoch, int fai
 /* Tell a kvferry prefill rank that the room failed here (best effort). */
 void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_t room, uint64_t epoch,
                            const char *reason);
-/* Listener: a digests message (verifies the landed bytes); an M3 Success
+/* Listener: a digests message (verifies the landed bytes; dropped as forged
+ * unless from_planned says the sender is a rank of the room's plan, as for
+ * an M3); an M3 Success
  * from `rank` (counts a Success without digests when verify was asked). */
-void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
+void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer,
+                           int (*from_planned)(kvf_manager *m, int64_t room, const char *peer));
 void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank);
 
 /* ---- prefill ---- */

@@ -1,11 +1,21 @@
 /* The shared core of the KV managers (see manager.h): configuration,
- * buffers, engine, rooms, the PULL listener and the PUSH socket cache. */
+ * buffers, engine, rooms, the PULL listener and the PUSH socket cache.
+ *
+ * Control-plane authentication (issue 13 defect 5, docs/WIRE-EXTENSIONS.md).
+ * With a control token set, every message sent carries one more frame,
+ * MANAGER_MAC_LEN bytes: the sender's wall clock in milliseconds (8 bytes,
+ * big-endian) and HMAC-SHA256(token, label || clock || for each frame its
+ * length (4 bytes, big-endian) and bytes). The listener drops, counts and
+ * logs once any message whose last frame is not such a MAC, whose MAC is
+ * wrong, or whose clock is more than MANAGER_MAC_WINDOW_S away from ours,
+ * before any codec sees it. Without a token nothing is added or checked, so
+ * tokenspeed peers keep working. */
 #include "kv/manager.h"
 
-#include "kv/integrity.h"
-
+#include <arpa/inet.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,11 +23,17 @@
 
 #include "base/addr.h"
 #include "base/config.h"
+#include "base/clock.h"
 #include "base/env.h"
 #include "base/log.h"
+#include "kv/integrity.h"
 
 #define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
 #define MANAGER_MAX_PUSHES 4096
+#define MANAGER_MAC_LABEL "kvferry-control-mac-v1"
+#define MANAGER_MAC_WINDOW_S 300 /* clock skew and delivery delay accepted, seconds */
+_Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
+#define MANAGER_MAX_RECV_FRAMES (WIRE_MAX_FRAMES + 1) /* the largest message and its MAC */
 
 typedef struct manager_push {
   pthread_mutex_t lock;
@@ -62,6 +78,7 @@ static const kvf__field manager_fields[] = {
     KVF__FIELD(kvf_manager_config, http_timeout_ms, KVF__FIELD_INT),
     KVF__FIELD(kvf_manager_config, max_rooms, KVF__FIELD_SIZE),
     KVF__FIELD(kvf_manager_config, target_layer_num, KVF__FIELD_SIZE),
+    KVF__FIELD(kvf_manager_config, control_token, KVF__FIELD_STR),
     KVF__FIELD(kvf_manager_config, verify, KVF__FIELD_INT),
 };
 
@@ -198,13 +215,88 @@ err_free:
   return err ? err : KVF_ENOMEM;
 }
 
-void manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
-  atomic_fetch_add(&m->stats.messages_malformed, 1);
+static void reject_log(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
   char key[128];
   snprintf(key, sizeof key, "%s/%s/%p", peer ? peer : "?", kind, (void *)m);
   if (log_first_time(log_hash_str(key, 11)))
     LOG_WARN("kv", "dropped %s from %s: %s (further ones from this peer are counted, not logged)", kind,
              peer ? peer : "unknown peer", reason);
+}
+
+void manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+  atomic_fetch_add(&m->stats.messages_malformed, 1);
+  reject_log(m, peer, kind, reason);
+}
+
+void manager_reject_forged(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+  atomic_fetch_add(&m->stats.messages_forged, 1);
+  reject_log(m, peer, kind, reason);
+}
+
+/* An address literal as 16 bytes, IPv4 as IPv4-mapped IPv6; 0 or -1. */
+static int ip_bytes(const char *s, unsigned char out[16]) {
+  struct in_addr a4;
+  if (inet_pton(AF_INET, s, &a4) == 1) {
+    memset(out, 0, 10);
+    out[10] = out[11] = 0xff;
+    memcpy(out + 12, &a4, 4);
+    return 0;
+  }
+  return inet_pton(AF_INET6, s, out) == 1 ? 0 : -1;
+}
+
+int manager_peer_is(const kvf_manager *m, const char *peer, const char *ip) {
+  static const unsigned char any6[16], any4[16] = {[10] = 0xff, [11] = 0xff};
+  unsigned char a[16], b[16];
+  char head[64];
+  if (!m->check_peer_ip || !ip) return 1;
+  /* "ip:x" names the host before the first ':' (PROTOCOL §3: where M3 goes) */
+  const char *colon = strchr(ip, ':');
+  if (ip_bytes(ip, b) && colon && !strchr(colon + 1, ':') && (size_t)(colon - ip) < sizeof head) {
+    snprintf(head, sizeof head, "%.*s", (int)(colon - ip), ip);
+    ip = head;
+  }
+  /* A host name, or the unspecified address: not checkable here. */
+  if (ip_bytes(ip, b) || !memcmp(b, any6, 16) || !memcmp(b, any4, 16)) return 1;
+  return peer && !ip_bytes(peer, a) && !memcmp(a, b, sizeof a);
+}
+
+/* ------------------------------------------------------------ MAC frame */
+
+static void mac_compute(const kvf_manager *m, const unsigned char clock[8], const wire_frame *f, size_t n,
+                        unsigned char out[crypto_auth_hmacsha256_BYTES]) {
+  crypto_auth_hmacsha256_state st;
+  crypto_auth_hmacsha256_init(&st, m->ctl_key, m->ctl_keylen);
+  crypto_auth_hmacsha256_update(&st, (const unsigned char *)MANAGER_MAC_LABEL, sizeof MANAGER_MAC_LABEL);
+  crypto_auth_hmacsha256_update(&st, clock, 8);
+  for (size_t i = 0; i < n; i++) {
+    unsigned char len[4] = {(unsigned char)(f[i].len >> 24), (unsigned char)(f[i].len >> 16),
+                            (unsigned char)(f[i].len >> 8), (unsigned char)f[i].len};
+    crypto_auth_hmacsha256_update(&st, len, 4);
+    if (f[i].len) crypto_auth_hmacsha256_update(&st, f[i].data, f[i].len);
+  }
+  crypto_auth_hmacsha256_final(&st, out);
+  sodium_memzero(&st, sizeof st);
+}
+
+void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsigned char out[MANAGER_MAC_LEN]) {
+  uint64_t ms = (uint64_t)(clock_wall_s() * 1000);
+  for (int i = 0; i < 8; i++) out[i] = (unsigned char)(ms >> (56 - 8 * i));
+  mac_compute(m, out, f, n, out + 8);
+}
+
+/* 0 when f[n-1] is a good MAC of f[0..n-1), else a reason. */
+static const char *mac_check(const kvf_manager *m, const wire_frame *f, size_t n) {
+  if (n < 2 || f[n - 1].len != MANAGER_MAC_LEN) return "no MAC frame (is KVFERRY_CONTROL_TOKEN the same on both sides?)";
+  const unsigned char *mac = f[n - 1].data;
+  uint64_t ms = 0;
+  for (int i = 0; i < 8; i++) ms = ms << 8 | mac[i];
+  unsigned char want[crypto_auth_hmacsha256_BYTES];
+  mac_compute(m, mac, f, n - 1, want);
+  if (crypto_verify_32(want, mac + 8)) return "wrong MAC";
+  double skew = (double)ms / 1000 - clock_wall_s();
+  if (skew > MANAGER_MAC_WINDOW_S || skew < -MANAGER_MAC_WINDOW_S) return "MAC clock outside the accepted window";
+  return NULL;
 }
 
 /* ------------------------------------------------------------ PUSH cache */
@@ -242,12 +334,16 @@ int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wir
       return KVF_EIO;
     }
   }
+  unsigned char mac[MANAGER_MAC_LEN];
+  size_t nsend = msg->nframes + (m->ctl_keylen ? 1 : 0);
+  if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
   pthread_mutex_lock(&p->lock);
   pthread_mutex_unlock(&m->push_lock);
-  for (size_t i = 0; i < msg->nframes && !rc; i++) {
-    int flags = i + 1 < msg->nframes ? ZMQ_SNDMORE : 0;
-    if (zmq_send(p->sock, msg->frames[i].data, msg->frames[i].len, flags) < 0)
-      rc = zmq_errno() == EAGAIN ? KVF_ETIMEDOUT : KVF_EIO;
+  for (size_t i = 0; i < nsend && !rc; i++) {
+    int flags = i + 1 < nsend ? ZMQ_SNDMORE : 0;
+    const void *data = i < msg->nframes ? msg->frames[i].data : mac;
+    size_t len = i < msg->nframes ? msg->frames[i].len : sizeof mac;
+    if (zmq_send(p->sock, data, len, flags) < 0) rc = zmq_errno() == EAGAIN ? KVF_ETIMEDOUT : KVF_EIO;
   }
   pthread_mutex_unlock(&p->lock);
   if (rc) LOG_WARN("kv", "sending to %s failed: %s", key, kvf_strerror(rc));
@@ -289,8 +385,8 @@ static void close_pushes(kvf_manager *m) {
 
 static void *listener_main(void *arg) {
   kvf_manager *m = arg;
-  zmq_msg_t parts[WIRE_MAX_FRAMES];
-  for (size_t i = 0; i < WIRE_MAX_FRAMES; i++) zmq_msg_init(&parts[i]);
+  zmq_msg_t parts[MANAGER_MAX_RECV_FRAMES];
+  for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_init(&parts[i]);
   while (!atomic_load(&m->stopping)) {
     zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
     int r = zmq_poll(&pi, 1, 100);
@@ -299,7 +395,7 @@ static void *listener_main(void *arg) {
     int more = 1;
     char peer[64] = "?";
     while (more) {
-      zmq_msg_t *part = n < WIRE_MAX_FRAMES ? &parts[n] : NULL;
+      zmq_msg_t *part = n < MANAGER_MAX_RECV_FRAMES ? &parts[n] : NULL;
       zmq_msg_t sink;
       if (!part) {
         zmq_msg_init(&sink);
@@ -322,14 +418,23 @@ static void *listener_main(void *arg) {
         n++;
       }
     }
-    (void)extra; /* frames past the last one any message defines are ignored, as the spec says */
-    wire_frame frames[WIRE_MAX_FRAMES];
+    wire_frame frames[MANAGER_MAX_RECV_FRAMES];
     for (size_t i = 0; i < n; i++)
       frames[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
+    if (m->ctl_keylen) {
+      const char *bad = extra ? "more frames than any message and its MAC" : mac_check(m, frames, n);
+      if (bad) {
+        manager_reject_forged(m, peer, "message", bad);
+        continue;
+      }
+      n--; /* the codecs never see the MAC */
+    } else if (n > WIRE_MAX_FRAMES) {
+      n = WIRE_MAX_FRAMES; /* frames past the last one any message defines are ignored, as the spec says */
+    }
     if (m->decode) decode_on_message(m, frames, n, peer);
     else prefill_on_message(m, frames, n, peer);
   }
-  for (size_t i = 0; i < WIRE_MAX_FRAMES; i++) zmq_msg_close(&parts[i]);
+  for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_close(&parts[i]);
   return NULL;
 }
 
@@ -449,6 +554,19 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   const char *tok = c->bootstrap_token ? c->bootstrap_token : getenv("KVFERRY_BOOTSTRAP_TOKEN");
   snprintf(m->bootstrap_token, sizeof m->bootstrap_token, "%s", tok ? tok : "");
   c->bootstrap_token = m->bootstrap_token;
+  const char *ctl = c->control_token ? c->control_token : getenv("KVFERRY_CONTROL_TOKEN");
+  m->ctl_keylen = ctl ? strlen(ctl) : 0;
+  if (m->ctl_keylen >= sizeof m->ctl_key) {
+    LOG_ERROR("kv", "the control token is longer than %zu bytes", sizeof m->ctl_key - 1);
+    goto err_free;
+  }
+  if (m->ctl_keylen) memcpy(m->ctl_key, ctl, m->ctl_keylen);
+  c->control_token = (const char *)m->ctl_key;
+  if (m->ctl_keylen && sodium_init() < 0) {
+    LOG_ERROR("kv", "libsodium failed to initialise");
+    goto err_free;
+  }
+  m->check_peer_ip = env_get_int("KVFERRY_CHECK_PEER_IP", 1) != 0;
   if (c->world_size % c->dp_size || c->engine_rank < 0 || c->engine_rank >= c->world_size) {
     LOG_ERROR("kv", "bad parallel layout: rank %d of world %d with dp %d", c->engine_rank, c->world_size,
               c->dp_size);
@@ -535,6 +653,7 @@ void kvf_manager_destroy(kvf_manager *m) {
   if (m->own_engine) kvf_engine_destroy(m->engine);
   rooms_table_free(m->rooms, NULL);
   free_buffers(&m->bufs);
+  sodium_memzero(m->ctl_key, sizeof m->ctl_key);
   free(m);
 }
 
@@ -550,6 +669,7 @@ void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *o) {
   o->bytes_sent = atomic_load(&m->stats.bytes_sent);
   o->heartbeat_failures = atomic_load(&m->stats.heartbeat_failures);
   o->node_failures = atomic_load(&m->stats.node_failures);
+  o->messages_forged = atomic_load(&m->stats.messages_forged);
   o->verify_failures = atomic_load(&m->stats.verify_failures);
   o->verify_unverified = atomic_load(&m->stats.verify_unverified);
   o->rooms_fenced = atomic_load(&m->stats.rooms_fenced);

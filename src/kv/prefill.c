@@ -8,10 +8,16 @@
  * registrations (at most PF_MAX_SESSIONS sessions), per-room state `pf_room`
  * keyed by room id, and per-room transfer infos in arrival order (at most
  * PF_MAX_INFOS). An M2 may arrive before its sender exists (a legitimate
- * race): it is stored in a pf_room without a sender, an "early" room, of
- * which at most PF_MAX_EARLY exist; when that bound is reached early rooms
- * idle for longer than the bootstrap timeout are pruned, and if none can be
- * pruned the M2 is dropped and counted as unknown-room. Early rooms are not
+ * race): it is stored in a pf_room without a sender, an "early" room
+ * (issue 13 defect 6). Each early room is charged to the decode session
+ * whose M2 created it; a session holds at most PF_MAX_EARLY_PER_SESSION of
+ * them and all sessions together at most PF_MAX_EARLY, so one flooding
+ * decode cannot starve the others. Early rooms sit on one LRU list (a repeat
+ * M2 moves its room to the tail); each M2 drops at most PF_EXPIRE_PER_MSG
+ * rooms idle past the waiting timeout from the head (the decode has given
+ * up on them by then), so every M2 costs O(1). An M2 that would need an
+ * early room past a bound is refused: its decode gets M3 Failed with the
+ * reason (kvferry frame 5) at once instead of waiting. Early rooms are not
  * in the shared room table (m->rooms holds exactly the rooms with a sender),
  * so kvf_manager_get_stats' live_rooms counts senders only.
  *
@@ -91,13 +97,15 @@
 #define PF_TOKEN_LATER (-2)    /* a chunk's token: "comes through kvf_sender_set_metadata" */
 #define PF_MAX_SESSIONS 4096   /* registered decode sessions */
 #define PF_MAX_INFOS 4096      /* transfer infos (decode sessions) per room */
-#define PF_MAX_EARLY 4096      /* rooms with M2s but no sender yet */
+#define PF_MAX_EARLY 65536     /* rooms with M2s but no sender yet, all sessions together */
+#define PF_EXPIRE_PER_MSG 4    /* idle early rooms dropped per M2 at most */
 #define PF_MAX_PENDING 65536   /* chunks waiting on one room for its M2s */
 #define PF_QUEUE_MAX 65536     /* chunks in one worker FIFO */
 
 typedef struct pf_reg { /* one decode registration (M1) */
   wire_m1 *m1;          /* heap copy (wire_m1_dup) */
   int64_t failed_ns;    /* monotonic time of the last transfer error; 0 = not failed (§7.4) */
+  size_t nearly;        /* early rooms charged to this session */
 } pf_reg;
 
 typedef struct pf_info { /* one M2, shared with workers */
@@ -142,6 +150,8 @@ typedef struct pf_room {
   int bootstrapped;
   int shard;
   int64_t create_ns; /* sender creation, for the bootstrap timeout */
+  pf_reg *early_owner; /* early room: the session it is charged to; NULL otherwise */
+  struct pf_room *eprev, *enext; /* the early LRU list */
   int64_t last_m2_ns;
   pf_info **infos;   /* arrival order */
   size_t ninfos, cap;
@@ -183,6 +193,7 @@ typedef struct prefill_state {
   smap regs;   /* session -> pf_reg */
   map rooms;   /* room id -> pf_room */
   size_t nearly;
+  pf_room *early_head, *early_tail; /* least recently used first */
   int nqueues;
   pf_queue *queues;
   /* plan layouts, converted once from the manager's buffers */
@@ -228,10 +239,12 @@ static void chunk_release_locked(prefill_state *ps, pf_chunk *c) {
   if (r) room_unref(ps, r);
 }
 
-static void send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
-                    const int32_t *cands, size_t ncand) {
+/* `reason` (may be NULL) travels in kvferry's M3 frame 5. */
+static void send_m3_why(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
+                        const int32_t *cands, size_t ncand, const char *reason) {
   wire_m3 m3 = {.room = room, .status = status, .prefill_rank = m->tp_rank, .bootstrap_token = token,
-                .candidates = wire_array_of(cands, cands ? ncand : 0)};
+                .candidates = wire_array_of(cands, cands ? ncand : 0), .reason = reason,
+                .reason_len = reason ? strlen(reason) : 0};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   if (wire_m3_encode(&m3, &msg, why)) {
@@ -240,6 +253,11 @@ static void send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t roo
   }
   manager_push_send(m, host, port, &msg);
   wire_msg_free(&msg);
+}
+
+static void send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
+                    const int32_t *cands, size_t ncand) {
+  send_m3_why(m, host, port, room, status, token, cands, ncand, NULL);
 }
 
 /* ps->lock held: the non-dummy destinations of r, for M3 Failed. */
@@ -314,18 +332,37 @@ static void flush_pending(prefill_state *ps, pf_room *r) {
   }
 }
 
-/* ps->lock held: drop early rooms idle past the bootstrap timeout. */
-static void prune_early(prefill_state *ps) {
-  int64_t now = clock_now_ns(), max_ns = (int64_t)(ps->m->cfg.bootstrap_timeout_s * 1e9);
-  map_iter it;
-  map_iter_init(&it);
-  uint64_t key;
-  void *v;
-  while (map_next(&ps->rooms, &it, &key, &v)) {
-    pf_room *r = v;
-    if (r->has_sender || now - r->last_m2_ns < max_ns) continue;
-    map_del(&ps->rooms, key, NULL);
-    ps->nearly--;
+/* ps->lock held: the early LRU list (see the file comment). */
+static void early_unlink(prefill_state *ps, pf_room *r) {
+  if (!r->early_owner) return;
+  if (r->eprev) r->eprev->enext = r->enext;
+  else ps->early_head = r->enext;
+  if (r->enext) r->enext->eprev = r->eprev;
+  else ps->early_tail = r->eprev;
+  r->eprev = r->enext = NULL;
+  r->early_owner->nearly--;
+  r->early_owner = NULL;
+  ps->nearly--;
+}
+
+static void early_append(prefill_state *ps, pf_room *r, pf_reg *owner) {
+  r->early_owner = owner;
+  r->eprev = ps->early_tail;
+  r->enext = NULL;
+  if (ps->early_tail) ps->early_tail->enext = r;
+  else ps->early_head = r;
+  ps->early_tail = r;
+  owner->nearly++;
+  ps->nearly++;
+}
+
+/* ps->lock held: drop a few early rooms idle past the waiting timeout. */
+static void expire_early(prefill_state *ps, int64_t now) {
+  int64_t max_ns = (int64_t)(ps->m->cfg.waiting_timeout_s * 1e9);
+  for (int i = 0; i < PF_EXPIRE_PER_MSG && ps->early_head && now - ps->early_head->last_m2_ns >= max_ns; i++) {
+    pf_room *r = ps->early_head;
+    early_unlink(ps, r);
+    map_del(&ps->rooms, (uint64_t)r->room, NULL);
     r->dead = 1;
     room_unref(ps, r);
   }
@@ -339,6 +376,12 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   char why[WIRE_REASON_LEN];
   if (wire_m1_decode(frames, n, &d, why)) {
     manager_reject(m, peer, "M1", why);
+    return;
+  }
+  /* Issue 13 defect 5: a registration names where the decode's memory and
+   * status socket are; only that host may make it. */
+  if (!manager_peer_is(m, peer, d.endpoint)) {
+    manager_reject_forged(m, peer, "M1", "the sender is not the decode host the registration names");
     return;
   }
   if (wire_m1_dup(&d, &copy)) {
@@ -375,6 +418,11 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     manager_reject(m, peer, "M2", why);
     return;
   }
+  if (!manager_peer_is(m, peer, d.endpoint)) {
+    wire_m2_free(&d);
+    manager_reject_forged(m, peer, "M2", "the sender is not the decode host the request names");
+    return;
+  }
   pf_info *info = calloc(1, sizeof *info);
   if (!info || wire_m2_dup(&d, &info->m2)) {
     free(info);
@@ -403,21 +451,35 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     return;
   }
   int mismatch = !x->is_dummy && reg->m1->kv_ptrs.count != m->bufs.n_kv;
+  int64_t now = clock_now_ns();
+  expire_early(ps, now);
   pf_room *r = map_get(&ps->rooms, (uint64_t)x->room);
   if (!r) {
-    if (ps->nearly >= PF_MAX_EARLY) prune_early(ps);
-    if (ps->nearly >= PF_MAX_EARLY || !(r = calloc(1, sizeof *r)) || map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
+    const char *full = reg->nearly >= PF_MAX_EARLY_PER_SESSION ? "from this decode session"
+                       : ps->nearly >= PF_MAX_EARLY            ? "from all decode sessions"
+                                                               : NULL;
+    if (full || !(r = calloc(1, sizeof *r)) || map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
       pthread_mutex_unlock(&ps->lock);
       free(r);
-      info_unref(info);
       atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+      snprintf(why, sizeof why, "prefill rank %d refused the transfer request: %s requests %s wait for their sender "
+               "(limit %d per session, %d in all)", m->cfg.engine_rank, full ? "too many" : "out of memory:",
+               full ? full : "no room for more", PF_MAX_EARLY_PER_SESSION, PF_MAX_EARLY);
       if (log_first_time(log_hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
-        LOG_WARN("kv", "dropped an M2 from %s: too many rooms without a sender", peer ? peer : "?");
+        LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
+                 peer ? peer : "?", why);
+      /* Tell the decode now: otherwise it waits for its timeout. */
+      send_m3_why(m, x->endpoint, x->dst_port, x->room, ROOM_FAILED, -1, NULL, 0, why);
+      info_unref(info);
       return;
     }
     r->room = x->room;
     r->refs = 1;
-    ps->nearly++;
+    early_append(ps, r, reg);
+  } else if (r->early_owner) {
+    pf_reg *owner = r->early_owner; /* a repeat: most recently used now */
+    early_unlink(ps, r);
+    early_append(ps, r, owner);
   }
   size_t k = 0;
   while (k < r->ninfos && strcmp(r->infos[k]->m2->session, x->session)) k++;
@@ -439,7 +501,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     }
     r->infos[r->ninfos++] = info;
   }
-  r->last_m2_ns = clock_now_ns();
+  r->last_m2_ns = now;
   if (mismatch && r->has_sender && !r->dead) {
     snprintf(why, sizeof why, "Decode session %s registered %zu KV buffers, this prefill rank has %zu",
              x->session, reg->m1->kv_ptrs.count, m->bufs.n_kv);
@@ -462,6 +524,12 @@ static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames
   char why[ROOMS_REASON_MAX];
   if (wire_fence_decode(frames, n, &f, why)) {
     manager_reject(m, peer, "fence", why);
+    return;
+  }
+  char host[WIRE_STR_MAX + 1];
+  snprintf(host, sizeof host, "%.*s", (int)(strrchr(f.session, ':') - f.session), f.session);
+  if (!manager_peer_is(m, peer, host)) {
+    manager_reject_forged(m, peer, "fence", "the sender is not the decode host the notice names");
     return;
   }
   int hit = 0;
@@ -1118,7 +1186,7 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
     r->room = room;
     r->refs = 1;
   } else {
-    ps->nearly--; /* the M2s came first */
+    early_unlink(ps, r); /* the M2s came first */
   }
   r->has_sender = 1;
   r->create_ns = clock_now_ns();

@@ -141,6 +141,10 @@ int rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, s
  * except through rooms_table_free's callback. */
 int rooms_set_user(rooms *t, int64_t room, void *user);
 int rooms_get_user(rooms *t, int64_t room, void **user);
+/* pred(user, arg) on a live room's user pointer, under the table lock (so
+ * the pointer cannot be cleared meanwhile; pred must not call into the
+ * table). Returns 1 or 0 as pred answers, KVF_ENOTFOUND if not live. */
+int rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg);
 /* Time (any clock the caller chooses, e.g. clock_now_ns) the last transfer
  * request was sent, for the waiting timeout. */
 int rooms_set_init_time(rooms *t, int64_t room, int64_t ns);

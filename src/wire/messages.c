@@ -27,7 +27,7 @@ static const char *const m2_names[] = {
     "dst_page_transfer_mask", "dst_page_local_indices", "dst_mamba_indices",
     "plan_version",   "fragments",        "kvferry_page_layout", "kvferry_room_options"};
 static const char *const m3_names[] = {"room", "status", "prefill_rank", "bootstrap_token",
-                                       "spec_candidate_ids"};
+                                       "spec_candidate_ids", "kvferry_reason"};
 
 static const char *const kind_names[] = {"target_k", "target_v", "draft_k", "draft_v",
                                          "mamba_state"};
@@ -620,6 +620,10 @@ int wire_m3_decode(const wire_frame *f, size_t n, wire_m3 *out, char *reason) {
   m.bootstrap_token = -1;
   if (n >= 4 && (rc = get_int(&c, 3, -1, INT64_MAX, &m.bootstrap_token))) return rc;
   if (n >= 5 && (rc = get_array(&c, 4, 4, WIRE_MAX_CANDIDATES, &m.candidates))) return rc;
+  if (n >= 6 && f[5].len) {
+    m.reason = (const char *)f[5].data;
+    m.reason_len = f[5].len < WIRE_REASON_LEN - 1 ? f[5].len : WIRE_REASON_LEN - 1;
+  }
   *out = m;
   return 0;
 }
@@ -841,6 +845,10 @@ int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason) {
   put_int(out, m->prefill_rank);
   put_int(out, m->bootstrap_token);
   put_array(out, m->candidates, 4);
+  if (m->reason && m->reason_len) {
+    size_t len = m->reason_len < WIRE_REASON_LEN - 1 ? m->reason_len : WIRE_REASON_LEN - 1;
+    out->frames[out->nframes++] = (wire_frame){(const uint8_t *)m->reason, len};
+  }
   return 0;
 }
 

@@ -216,6 +216,11 @@ typedef struct wire_m3 {
   int64_t prefill_rank;    /* >= 0 */
   int64_t bootstrap_token; /* -1 = none (also when frame 3 is absent) */
   wire_array candidates;   /* i32, frame 4; empty = none */
+  /* kvferry frame 5 (docs/WIRE-EXTENSIONS.md): why a Failed status was sent,
+   * UTF-8 text, not NUL-terminated; sent only when reason_len > 0, decoded
+   * up to WIRE_REASON_LEN - 1 bytes (the rest is cut). Points into the frame. */
+  const char *reason;
+  size_t reason_len;
 } wire_m3;
 
 /* Decodes 3 or more frames (§3.5); as wire_m1_decode. */
@@ -249,7 +254,7 @@ void wire_msg_free(wire_msg *m);
  * KVF_EINVAL (KVF_ETOOBIG / KVF_ENOMEM for the plan JSON) with a reason and
  * *out zeroed. M1: always 8 frames. M2: 12 frames, 14 when nfrags > 0; a
  * dummy (is_dummy) is the 12-frame form of Appendix A.7; 15 with a plan
- * and page_layout > 0. M3: 5 frames. */
+ * and page_layout > 0. M3: 5 frames, 6 with a reason. */
 int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason);
 int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason);
 int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason);

@@ -158,7 +158,7 @@ static fixture *setup_default(void) { return setup_full(1, 1, 300, 5, 2); }
 static void teardown(fixture *f) {
   kvf_manager_destroy(f->m);
   zmq_close(f->push);
-  zmq_close(f->pull);
+  if (f->pull) zmq_close(f->pull);
   zmq_ctx_term(f->zctx);
   if (f->srv) kvf_bootstrap_server_destroy(f->srv);
   free(f->kbuf);
@@ -461,15 +461,19 @@ static void heartbeat_node_failure(void **state) {
   assert_int_equal(s.heartbeat_failures, 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
 
+  /* The whole prefill dies: its bootstrap server and its rank's socket. */
   kvf_bootstrap_server_destroy(f->srv);
   f->srv = NULL;
+  zmq_close(f->pull);
+  f->pull = NULL;
   int64_t t0 = clock_now_ns();
   assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_FAILED);
   assert_true(secs_since(t0) < 0.3 * 2 + 2);
   char reason[256], want[256];
   kvf_receiver_failure(r, reason, sizeof reason);
-  snprintf(want, sizeof want, "Losing connection with prefill instance (bootstrap_addr: %s)", f->addr);
-  assert_string_equal(reason, want);
+  snprintf(want, sizeof want, "Losing connection with prefill instance (bootstrap_addr: %s): prefill rank 0 at "
+           "127.0.0.1:%u does not answer", f->addr, (unsigned)f->pull_port);
+  assert_memory_equal(reason, want, strlen(want));
   /* The Success room keeps its result. */
   assert_int_equal(kvf_receiver_poll(done), KVF_POLL_SUCCESS);
   stats(f, &s);
@@ -483,6 +487,143 @@ static void heartbeat_node_failure(void **state) {
   kvf_receiver_destroy(again);
   kvf_receiver_destroy(r);
   kvf_receiver_destroy(done);
+  teardown(f);
+}
+
+/* A PUSH socket to the decode's control port whose connection leaves from
+ * another loopback address (libzmq's "source;destination" endpoint): a third
+ * party on another host, as far as the decode can tell. */
+static void *third_party_push(fixture *f, const char *src_ip) {
+  void *s = zmq_socket(f->zctx, ZMQ_PUSH);
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  char ep[128];
+  snprintf(ep, sizeof ep, "tcp://%s:0;127.0.0.1:%u", src_ip, (unsigned)f->m->rank_port);
+  assert_int_equal(zmq_connect(s, ep), 0);
+  return s;
+}
+
+static uint64_t forged(fixture *f, uint64_t want) {
+  return wait_counter(f, offsetof(kvf_manager_stats, messages_forged), want, 5);
+}
+
+/* Issue 13 defect 5: an M3 Success or Failed for a live room from a peer that
+ * is not one of the room's planned prefill ranks is dropped and counted; the
+ * room waits on, and the real rank's Success still ends it. */
+static void forged_m3_from_third_party(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 80, &r), 0);
+  int64_t pages[1] = {1};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  void *real = f->push;
+  f->push = third_party_push(f, "127.0.0.2");
+  send_m3(f, 80, WIRE_STATUS_SUCCESS, 0, 5, NULL, 0);
+  send_m3(f, 80, WIRE_STATUS_FAILED, 0, -1, NULL, 0);
+  assert_int_equal(forged(f, 2), 2);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  zmq_close(f->push);
+  f->push = real;
+  send_m3(f, 80, WIRE_STATUS_SUCCESS, 0, 7, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+/* The address rule behind the checks: literals compare as addresses
+ * (IPv4-mapped IPv6 as IPv4), "ip:x" names ip, and host names and the
+ * unspecified address cannot be checked so they pass. */
+static void peer_address_rule(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  assert_true(manager_peer_is(f->m, "127.0.0.1", "127.0.0.1"));
+  assert_true(manager_peer_is(f->m, "::ffff:10.0.0.2", "10.0.0.2"));
+  assert_true(manager_peer_is(f->m, "10.0.0.2", "10.0.0.2:7000"));
+  assert_true(manager_peer_is(f->m, "fe80::1", "FE80:0::1"));
+  assert_true(manager_peer_is(f->m, "10.0.0.9", "prefill-0.local"));
+  assert_true(manager_peer_is(f->m, "10.0.0.9", "0.0.0.0"));
+  assert_false(manager_peer_is(f->m, "127.0.0.2", "127.0.0.1"));
+  assert_false(manager_peer_is(f->m, "?", "127.0.0.1"));
+  assert_false(manager_peer_is(f->m, "::1", "127.0.0.1"));
+  assert_false(manager_peer_is(f->m, NULL, "10.0.0.2"));
+  teardown(f);
+}
+
+/* Send an encoded M3 plus `mac` (NULL = none) as its last frame. */
+static void send_m3_mac(fixture *f, int64_t room, const unsigned char *mac) {
+  wire_m3 m3 = {.room = room, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = 9};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  for (size_t i = 0; i < msg.nframes; i++)
+    assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes || mac ? ZMQ_SNDMORE : 0) >= 0);
+  if (mac) assert_true(zmq_send(f->push, mac, MANAGER_MAC_LEN, 0) >= 0);
+  wire_msg_free(&msg);
+}
+
+/* With a control token, a message without the MAC frame or with a wrong one
+ * is dropped and counted, even from the planned rank's address; the right
+ * MAC is accepted. */
+static void control_token_mac(void **state) {
+  (void)state;
+  setenv("KVFERRY_CONTROL_TOKEN", "s3cret-shared-by-kvferry-peers", 1);
+  fixture *f = setup_default();
+  unsetenv("KVFERRY_CONTROL_TOKEN");
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 90, &r), 0);
+  /* M1 and M2 to the rank carry a MAC frame. */
+  raw_msg rm;
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(rm.frames[rm.n - 1].len, MANAGER_MAC_LEN);
+  raw_free(&rm);
+  int64_t pages[1] = {1};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  send_m3_mac(f, 90, NULL);
+  wire_m3 m3 = {.room = 90, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = 9};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  unsigned char mac[MANAGER_MAC_LEN];
+  kvf__control_mac(f->m, msg.frames, msg.nframes, mac);
+  wire_msg_free(&msg);
+  mac[MANAGER_MAC_LEN - 1] ^= 1;
+  send_m3_mac(f, 90, mac);
+  assert_int_equal(forged(f, 2), 2);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  mac[MANAGER_MAC_LEN - 1] ^= 1;
+  send_m3_mac(f, 90, mac);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  int64_t tok = 0;
+  size_t nc = 0;
+  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &nc), 0);
+  assert_int_equal(tok, 9);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+/* Issue 13 defect 2: the bootstrap server stops answering while the prefill
+ * rank lives. Failed /health probes alone condemn nothing: the room stays
+ * waiting past interval x max_failures + 2 s and still completes. */
+static void heartbeat_bootstrap_down_ranks_alive(void **state) {
+  (void)state;
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  fixture *f = setup_full(1, 1, 300, 0.3, 2);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 65, &r), 0);
+  int64_t pages[1] = {1};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  kvf_bootstrap_server_destroy(f->srv);
+  f->srv = NULL;
+  kvf_manager_stats s;
+  assert_true(wait_counter(f, offsetof(kvf_manager_stats, heartbeat_failures), 3, 0.3 * 2 + 3) >= 3);
+  assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_BOOTSTRAPPED); /* waited the whole bound */
+  stats(f, &s);
+  assert_int_equal(s.node_failures, 0);
+  send_m3(f, 65, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  kvf_receiver_destroy(r);
   teardown(f);
 }
 
@@ -820,6 +961,10 @@ int main(void) {
       cmocka_unit_test(waiting_timeout_fires),
       cmocka_unit_test(lookup_failures),
       cmocka_unit_test(heartbeat_node_failure),
+      cmocka_unit_test(heartbeat_bootstrap_down_ranks_alive),
+      cmocka_unit_test(forged_m3_from_third_party),
+      cmocka_unit_test(peer_address_rule),
+      cmocka_unit_test(control_token_mac),
       cmocka_unit_test(heartbeat_rank_restart),
       cmocka_unit_test(mla_dummy_target),
       cmocka_unit_test(hetero_tp_fragments),

@@ -603,6 +603,47 @@ static void malformed_and_unregistered(void **state) {
   fx_teardown(&f);
 }
 
+/* Issue 13 defect 5, prefill side: M1 and M2 that claim the decode host
+ * 127.0.0.1 but come from 127.0.0.2 are dropped and counted as forged (a
+ * forged M1 could point the prefill's writes at any memory of that session);
+ * the same messages from the claimed host then serve the room. */
+static void forged_m1_m2_from_other_host(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  void *real = f.push;
+  f.push = zmq_socket(f.zctx, ZMQ_PUSH);
+  int linger = 0;
+  zmq_setsockopt(f.push, ZMQ_LINGER, &linger, sizeof linger);
+  char ep[128];
+  snprintf(ep, sizeof ep, "tcp://127.0.0.2:0;127.0.0.1:%u", (unsigned)f.m->rank_port);
+  assert_int_equal(zmq_connect(f.push, ep), 0);
+  kvf_sender *s = new_sender(&f, 2);
+  int64_t dst[] = {1};
+  send_m1(&f);
+  send_m2(&f, 2, dst, 1);
+  kvf_manager_stats st;
+  int64_t end = clock_now_ns() + 5000000000LL;
+  do {
+    sleep_ms(2);
+    kvf_manager_get_stats(f.m, &st);
+  } while (st.messages_forged < 2 && clock_now_ns() < end);
+  assert_int_equal(st.messages_forged, 2);
+  assert_int_equal(stat_received(&f), 0);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+  zmq_close(f.push);
+  f.push = real;
+  send_m1(&f);
+  send_m2(&f, 2, dst, 1);
+  int64_t src[] = {4};
+  assert_int_equal(send_chunk(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 2, -1, NULL, 0);
+  check_pages(&f, src, dst, 1);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
 /* Decode indices past the decode's registered buffer: the engine refuses,
  * the room fails with a reason and the decode gets M3 Failed. */
 static void refused_write_fails_room(void **state) {
@@ -998,6 +1039,7 @@ int main(void) {
       cmocka_unit_test(decode_prefix_skipped),
       cmocka_unit_test(bootstrap_timeout),
       cmocka_unit_test(malformed_and_unregistered),
+      cmocka_unit_test(forged_m1_m2_from_other_host),
       cmocka_unit_test(refused_write_fails_room),
       cmocka_unit_test(abort_tells_decode),
       cmocka_unit_test(many_senders),

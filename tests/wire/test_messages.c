@@ -439,7 +439,7 @@ static const wire_frame a6_frames[5] = {FR("7215963401"), FR("5"), FR("0"), FR("
                                         {a6_cand_bytes, 12}};
 
 static void m3_golden(void **state) {
-  wire_m3 m = {7215963401, WIRE_STATUS_SUCCESS, 0, 1734, wire_array_of(a6_cands, 3)};
+  wire_m3 m = {7215963401, WIRE_STATUS_SUCCESS, 0, 1734, wire_array_of(a6_cands, 3), NULL, 0};
   wire_msg msg;
   char reason[WIRE_REASON_LEN] = "";
   assert_int_equal(wire_m3_encode(&m, &msg, reason), 0);
@@ -455,9 +455,35 @@ static void m3_golden(void **state) {
   for (size_t i = 0; i < 3; i++) assert_int_equal(wire_i32_at(d.candidates, i), a6_cands[i]);
 }
 
+/* kvferry's M3 frame 5: a Failed status with its reason; a reference
+ * decoder reads 5 frames and ignores it. Decoding cuts an overlong reason. */
+static void m3_reason_frame(void **state) {
+  (void)state;
+  const char *why = "too many requests wait";
+  wire_m3 m = {9, WIRE_STATUS_FAILED, 1, -1, {NULL, 0}, why, strlen(why)};
+  wire_msg msg;
+  char reason[WIRE_REASON_LEN];
+  assert_int_equal(wire_m3_encode(&m, &msg, reason), 0);
+  assert_int_equal(msg.nframes, 6);
+  wire_m3 d;
+  assert_int_equal(wire_m3_decode(msg.frames, msg.nframes, &d, reason), 0);
+  assert_int_equal(d.reason_len, strlen(why));
+  assert_memory_equal(d.reason, why, strlen(why));
+  assert_int_equal(wire_m3_decode(msg.frames, 5, &d, reason), 0);
+  assert_int_equal(d.reason_len, 0);
+  char big[1000];
+  memset(big, 'x', sizeof big);
+  wire_frame f[6];
+  memcpy(f, msg.frames, sizeof f);
+  f[5] = (wire_frame){(const uint8_t *)big, sizeof big};
+  assert_int_equal(wire_m3_decode(f, 6, &d, reason), 0);
+  assert_int_equal(d.reason_len, WIRE_REASON_LEN - 1);
+  wire_msg_free(&msg);
+}
+
 static void m3_failed_golden(void **state) {
   static const wire_frame want[5] = {FR("7215963401"), FR("0"), FR("0"), FR("-1"), EMPTY};
-  wire_m3 m = {7215963401, WIRE_STATUS_FAILED, 0, -1, {NULL, 0}};
+  wire_m3 m = {7215963401, WIRE_STATUS_FAILED, 0, -1, {NULL, 0}, NULL, 0};
   wire_msg msg;
   char reason[WIRE_REASON_LEN];
   assert_int_equal(wire_m3_encode(&m, &msg, reason), 0);
@@ -1018,7 +1044,7 @@ static void encoder_rejections(void **state) {
   assert_frames_equal(&msg, a7_frames, 12);
   wire_msg_free(&msg);
 
-  wire_m3 m3 = {1, 6, 0, -1, {NULL, 0}};
+  wire_m3 m3 = {1, 6, 0, -1, {NULL, 0}, NULL, 0};
   assert_int_equal(wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M3 frame 1 (status): 6 is outside 0..5");
   m3.status = 5;
@@ -1070,6 +1096,7 @@ int main(void) {
       cmocka_unit_test(frag_parse_order_and_spacing),
       cmocka_unit_test(m3_golden),
       cmocka_unit_test(m3_failed_golden),
+      cmocka_unit_test(m3_reason_frame),
       cmocka_unit_test(m3_frame_count_forms),
       cmocka_unit_test(classify_kinds),
       cmocka_unit_test(bad_arguments),
