@@ -690,24 +690,19 @@ static int recheck_sources(prefill_state *ps, const pf_integ *vi, const int64_t 
   return 0;
 }
 
-static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0, size_t l1, const int64_t *src,
-                       const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags,
-                       size_t nfrags, int frag_mode, int64_t tokens, const pf_integ *vi, uint64_t *bytes, char *why,
-                       size_t whycap, int *xfer) {
-  kvf_manager *m = ps->m;
-  const manager_buffers *b = &m->bufs;
+/* Plan the engine blocks of n page pairs: *w (malloc'd, NULL when nothing
+ * to write) holds *nw blocks. */
+static int plan_pairs(prefill_state *ps, int state, size_t l0, size_t l1, const int64_t *src, const int64_t *dst,
+                      size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags, size_t nfrags, int frag_mode,
+                      int64_t tokens, kvf_write **wout, size_t *nwout) {
+  const manager_buffers *b = &ps->m->bufs;
   const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
   plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens, state ? b->n_state : b->n_kv};
   plan_mem dm = {dst_ptrs, NULL, sm.nbufs};
   const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
   plan_run *runs = malloc((n ? n : 1) * sizeof *runs);
   kvf_write *w = NULL;
-  wire_digest *dg = NULL;
-  size_t nruns = 0, nw = 0, cap, ndg = 0;
-  int have_reason = 0, ask = (x->room_flags & WIRE_ROOM_VERIFY) != 0;
-  kvf_batch_opts opts;
-  kvf_batch_opts_init(&opts);
-  if (x->fence_epoch && manager_room_tag(x->room)) opts.tag = manager_room_tag(x->room), opts.epoch = x->fence_epoch;
+  size_t nruns = 0, nw = 0, cap;
   int rc = runs ? plan_runs(src, dst, n, runs, &nruns) : KVF_ENOMEM;
   if (rc) goto out;
   /* Per-token fragments (tokens > 1): a run of r pages is r*tokens token
@@ -730,35 +725,93 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0
   }
   rc = frag_mode ? plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
                  : plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
-  if (rc) goto out;
-  if (ask && nw && !(dg = write_digests(ps, w, nw, vi, !state && !frag_mode && tokens == 1, dst, n, dst_ptrs, &ndg))) {
-    rc = KVF_ENOMEM;
-    goto out;
-  }
-  if (nw && (rc = kvf_engine_write_ex(m->engine, x->session, w, nw, &opts))) {
-    if (rc == KVF_ESTATE && opts.tag) { /* refused by the decode's fence: the room, not the session, is gone */
-      snprintf(why, whycap, "The decode fenced room %" PRId64 " (it failed or dropped it there): write refused",
-               x->room);
-      have_reason = 1;
-      goto out;
-    }
-    *xfer = 1;
-    snprintf(why, whycap, "%s", kvf_strerror(rc)); /* completed by send_to_dest */
-    goto out;
-  }
-  if (!state && vi->pdig && (rc = recheck_sources(ps, vi, src, n, x->room, why, whycap))) {
-    have_reason = 1;
-    goto out;
-  }
-  if (dg && ndg) kvf__integ_send_digests(m, x->endpoint, x->dst_port, x->room, x->fence_epoch, dg, ndg);
-  *bytes += writes_bytes(w, nw);
 out:
-  free(dg);
+  free(runs);
+  if (rc) {
+    free(w);
+    w = NULL, nw = 0;
+  }
+  *wout = w;
+  *nwout = nw;
+  return rc;
+}
+
+/* One part of a write_pairs call: pairs [a, a + n), its blocks, its batch
+ * and the digests that go to the decode once it landed. */
+typedef struct pf_part {
+  size_t a, n;
+  kvf_write *w;
+  size_t nw;
+  kvf_batch *batch;
+  wire_digest *dg;
+  size_t ndg;
+} pf_part;
+
+/* Verify mode cuts a call into this many parts, submitted at once and
+ * finished in order: while later parts are on the wire, the prefill
+ * rechecks the sources of the parts that landed and the decode checks
+ * their digests, so hashing overlaps the transfer instead of following it. */
+#define PF_VERIFY_PARTS 16
+
+static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0, size_t l1, const int64_t *src,
+                       const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags,
+                       size_t nfrags, int frag_mode, int64_t tokens, const pf_integ *vi, uint64_t *bytes, char *why,
+                       size_t whycap, int *xfer) {
+  kvf_manager *m = ps->m;
+  int have_reason = 0, ask = (x->room_flags & WIRE_ROOM_VERIFY) != 0, plain = !state && !frag_mode && tokens == 1;
+  kvf_batch_opts opts;
+  kvf_batch_opts_init(&opts);
+  if (x->fence_epoch && manager_room_tag(x->room)) opts.tag = manager_room_tag(x->room), opts.epoch = x->fence_epoch;
+  size_t nparts = (ask || vi->pdig) && n >= PF_VERIFY_PARTS ? PF_VERIFY_PARTS : 1, per = (n + nparts - 1) / nparts;
+  pf_part *parts = calloc(nparts, sizeof *parts);
+  int rc = parts ? 0 : KVF_ENOMEM;
+  for (size_t g = 0; !rc && g < nparts; g++) {
+    pf_part *p = &parts[g];
+    p->a = g * per < n ? g * per : n;
+    p->n = n - p->a < per ? n - p->a : per;
+    rc = plan_pairs(ps, state, l0, l1, src + p->a, dst + p->a, p->n, dst_ptrs, frags, nfrags, frag_mode, tokens,
+                    &p->w, &p->nw);
+    if (rc || !p->nw) continue;
+    if (ask) {
+      pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb};
+      if (!(p->dg = write_digests(ps, p->w, p->nw, &pv, plain, dst + p->a, p->n, dst_ptrs, &p->ndg))) {
+        rc = KVF_ENOMEM;
+        break;
+      }
+    }
+    if ((rc = kvf_engine_submit_ex(m->engine, x->session, p->w, p->nw, &opts, &p->batch))) *xfer = 1;
+  }
+  for (size_t g = 0; !rc && g < nparts; g++) {
+    pf_part *p = &parts[g];
+    if (!p->batch) continue;
+    if ((rc = kvf_batch_wait(p->batch, -1))) {
+      *xfer = 1;
+      break;
+    }
+    pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb};
+    if (!state && pv.pdig && (rc = recheck_sources(ps, &pv, src + p->a, p->n, x->room, why, whycap))) {
+      have_reason = 1;
+      break;
+    }
+    if (p->dg) kvf__integ_send_digests(m, x->endpoint, x->dst_port, x->room, x->fence_epoch, p->dg, p->ndg);
+    *bytes += writes_bytes(p->w, p->nw);
+  }
+  if (*xfer && rc == KVF_ESTATE && opts.tag) { /* refused by the decode's fence: the room, not the session, is gone */
+    snprintf(why, whycap, "The decode fenced room %" PRId64 " (it failed or dropped it there): write refused", x->room);
+    *xfer = 0;
+    have_reason = 1;
+  } else if (*xfer) {
+    snprintf(why, whycap, "%s", kvf_strerror(rc)); /* completed by send_to_dest */
+  }
+  for (size_t g = 0; parts && g < nparts; g++) {
+    kvf_batch_destroy(parts[g].batch); /* waits for a part still in flight after an error */
+    free(parts[g].w);
+    free(parts[g].dg);
+  }
+  free(parts);
   if (rc && !*xfer && !have_reason)
     snprintf(why, whycap, "%s pages of the chunk cannot be mapped onto decode session %s: %s",
              state ? "State" : "KV", x->session, kvf_strerror(rc));
-  free(w);
-  free(runs);
   return rc;
 }
 
