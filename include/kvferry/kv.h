@@ -201,7 +201,21 @@ KVF_API int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int6
 KVF_API int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int64_t aux_index,
                               int64_t decode_prefix_len, const int64_t *state_slots, size_t nstate);
 /* The room's current state; Success and Failed are final. Fails the room
- * when the waiting timeout has passed. Never blocks. The receiver's thread. */
+ * when the waiting timeout has passed. The receiver's thread.
+ *
+ * Reusing the pages (fencing, issue 16). When this call returns Failed
+ * for a room whose prefill is a kvferry prefill on the TCP engine, the
+ * room's engine fence is already closed: from then on no byte of any write
+ * for this room lands in the pages, so they may be given to another request
+ * at once; the prefill is told and its sender ends Failed. The first such
+ * call may block up to ~50 ms (a write in progress is cut at its next
+ * receive tick; at most 2 s in all if a receiving thread is stuck). After
+ * Success every write has landed and nothing more comes. Against a
+ * tokenspeed prefill (its engine is not kvferry's, or it sends no fence
+ * epoch) nothing can be refused: a late write can land until that prefill's
+ * own transfer timeout, so do not reuse the pages of a Failed room before
+ * then (see docs/WIRE-EXTENSIONS.md). One-sided transports cannot be fenced
+ * by the target; see the same page. Otherwise never blocks. */
 KVF_API kvf_poll_status kvf_receiver_poll(kvf_receiver *r);
 /* Copy the failure reason (empty if none) into buf (cap bytes, always
  * terminated). The receiver's thread. */
@@ -216,8 +230,11 @@ KVF_API int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *
  * decode scheduler ignores. KVF_ESTATE when construction failed (no plan).
  * The receiver's thread. */
 KVF_API int kvf_receiver_supports_spec(const kvf_receiver *r);
-/* Clear the room from every table and free the handle. NULL ok. The
- * receiver's thread, as its last call. */
+/* Clear the room from every table and free the handle. A room that is not
+ * Success is failed and fenced first, as kvf_receiver_poll does (the same
+ * short wait), so its pages may be reused once this returns (same limits
+ * as above for a tokenspeed prefill). NULL ok. The receiver's thread, as
+ * its last call. */
 KVF_API void kvf_receiver_destroy(kvf_receiver *r);
 
 /* ---- prefill side ---- */
