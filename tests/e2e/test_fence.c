@@ -105,7 +105,9 @@ static void late_writes_never_land_after_the_room_failed(void **state) {
   fflush(peer.in);
 
   /* Stop the prefill once its first chunk has landed (the engine's counter:
-   * the test never reads the pages while the engine writes them). */
+   * the test never reads the pages while the engine writes them) and the
+   * second is on its way (40 MiB: tens of ms; we wait 3 ms), so a chunk is
+   * cut in the middle. */
   double until = now_s() + 60;
   kvf_engine_stats es;
   do {
@@ -113,7 +115,9 @@ static void late_writes_never_land_after_the_room_failed(void **state) {
     kvf_engine_get_stats(e, &es);
   } while (es.batches_received == 0 && now_s() < until);
   assert_true(es.batches_received > 0);
+  usleep(3000);
   assert_int_equal(kill(peer.pid, SIGSTOP), 0);
+  kvf_engine_get_stats(e, &es);
   fprintf(stderr, "prefill stopped after %llu of %zu bytes had landed\n", (unsigned long long)es.bytes_received,
           NPAGES * pool.nbuf * (size_t)ITEM);
 
