@@ -37,8 +37,12 @@ typedef struct kvf_bootstrap_server_config {
   const char *auth_token; /* bearer token PUT /route must carry; NULL = $KVFERRY_BOOTSTRAP_TOKEN,
                              "" = none. GETs and HEADs stay open. */
   size_t max_body;        /* largest PUT body accepted, bytes; default 65536, 413 beyond */
-  unsigned max_conns;     /* concurrent connections; default 256 */
-  unsigned idle_timeout_s; /* a connection idle this long is closed; default 30 */
+  unsigned max_conns;     /* concurrent connections; default 1024. Near the limit a new connection
+                             evicts the oldest one still waiting for its request headers (else the
+                             oldest request in progress). */
+  unsigned idle_timeout_s; /* a connection idle this long is closed; default 30. Each request must
+                             also be complete within min(this, 10 s) of the connection's start or
+                             its previous reply, however its bytes trickle in. */
 } kvf_bootstrap_server_config;
 
 /* Fill `cfg` with the defaults above and set cfg->size. Any thread. */

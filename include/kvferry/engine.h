@@ -14,7 +14,7 @@
  *   kvf_engine_write           until the peer confirms, at most timeout_ms
  *   kvf_batch_wait             its timeout_ms (< 0: the batch's deadline)
  *   kvf_batch_destroy          until the batch completes (its deadline)
- *   kvf_engine_unregister      until writes into the region finish (timeout_ms)
+ *   kvf_engine_unregister      until a write in progress into the region lets go (~100 ms)
  *   kvf_engine_create          binding and starting threads (no network wait)
  *   kvf_engine_destroy         until in-flight batches fail or finish (timeout_ms)
  * Every other call returns without waiting on the network.
@@ -68,6 +68,8 @@ typedef struct kvf_engine_stats {
   uint64_t auth_refused;       /* target side: peers refused for a wrong or missing secret */
   uint64_t protocol_errors;    /* target side: malformed frames (connection dropped) */
   uint64_t conns_refused;      /* target side: over max_inbound_conns */
+  uint64_t conns_timed_out;    /* target side: dropped at the hello or chunk deadline */
+  uint64_t conns_evicted;      /* target side: idle or unauthenticated, closed to make room */
   uint64_t chunks_fenced;      /* target side: tagged chunks refused, their (tag, epoch) not open */
 } kvf_engine_stats;
 
@@ -118,8 +120,11 @@ KVF_API uint16_t kvf_engine_port(const kvf_engine *engine);
 /* Register [addr, addr+len) so peers may write into it and local writes may
  * read from it. Overlapping an existing region is KVF_EEXIST. Any thread. */
 KVF_API int kvf_engine_register(kvf_engine *engine, void *addr, size_t len);
-/* Unregister the region that starts at addr. KVF_ENOTFOUND if none. Waits for
- * writes into the region that are in progress. Any thread. */
+/* Unregister the region that starts at addr. KVF_ENOTFOUND if none. A peer's
+ * write into the region that is in progress is cut short (its batch is
+ * refused with KVF_ERANGE); this waits only until that receiver lets go, about
+ * 100 ms at most, and no byte lands in the region after it returns. Register
+ * never waits on a peer. Any thread. */
 KVF_API int kvf_engine_unregister(kvf_engine *engine, void *addr);
 
 /* Write `n` blocks to the engine named by `session` ("host:port") and wait
@@ -153,7 +158,7 @@ KVF_API int kvf_engine_write_ex(kvf_engine *engine, const char *session, const k
  * every later chunk of that pair before any of its bytes is written, and
  * returns only once chunks admitted earlier have stopped writing (a chunk
  * cut short fails at its writer); from then on no byte of a batch tagged
- * with the pair lands here. It waits about 50 ms at most while a chunk's
+ * with the pair lands here. It waits about 100 ms at most while a chunk's
  * payload is arriving, at most timeout_ms (<= 0: the engine timeout) in all:
  * KVF_ETIMEDOUT means a receiver did not stop in time. KVF_ENOTFOUND when
  * the pair is not open. Untagged batches are never affected. Any thread.

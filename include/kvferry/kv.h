@@ -208,7 +208,7 @@ KVF_API int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npag
  * room's engine fence is already closed: from then on no byte of any write
  * for this room lands in the pages, so they may be given to another request
  * at once; the prefill is told and its sender ends Failed. The first such
- * call may block up to ~50 ms (a write in progress is cut at its next
+ * call may block up to ~100 ms (a write in progress is cut at its next
  * receive tick; at most 2 s in all if a receiving thread is stuck). After
  * Success every write has landed and nothing more comes. Against a
  * tokenspeed prefill (its engine is not kvferry's, or it sends no fence

@@ -49,6 +49,8 @@ class kvf_engine_stats(ctypes.Structure):
             "auth_refused",
             "protocol_errors",
             "conns_refused",
+            "conns_timed_out",
+            "conns_evicted",
             "chunks_fenced",
         )
     ]

@@ -182,7 +182,7 @@ int cli_kv_peer(int argc, char **argv) {
   kvf_bootstrap_server_config_init(&bc);
   bc.host = o.host;
   bc.port = 0;
-  bc.auth_token = "";
+  bc.auth_token = NULL; /* $KVFERRY_BOOTSTRAP_TOKEN, which the prefill ranks below send too */
   kvf_bootstrap_server *srv = NULL;
   kvf_manager **mgr = calloc((size_t)o.world, sizeof *mgr);
   kvpool *pools = calloc((size_t)o.world, sizeof *pools);

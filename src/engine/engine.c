@@ -139,6 +139,8 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *o) {
   o->auth_refused = atomic_load(&c->auth_refused);
   o->protocol_errors = atomic_load(&c->protocol_errors);
   o->conns_refused = atomic_load(&c->conns_refused);
+  o->conns_timed_out = atomic_load(&c->conns_timed_out);
+  o->conns_evicted = atomic_load(&c->conns_evicted);
   o->chunks_fenced = atomic_load(&c->chunks_fenced);
 }
 

@@ -3,7 +3,7 @@
  * its chunks are admitted only while that pair is open. Closing a pair
  * refuses every later chunk before any of its bytes is written, and waits
  * for the chunks already admitted to stop writing: a receiver checks the
- * closed flag between receive calls (at least every ENGINE_FENCE_TICK_MS),
+ * cut flag at every receive tick (the TCP transport's 100 ms),
  * stops writing into the destination and drains the rest. So once
  * kvf_engine_fence_close returned, no byte of a batch with that pair lands.
  *
