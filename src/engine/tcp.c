@@ -16,7 +16,11 @@
  * KVF_ERANGE. Malformed framing closes the connection; it never stops the
  * engine. The hello and each chunk have an overall deadline that trickled
  * bytes do not extend, and when every slot is taken a connection still in its
- * hello, or idle, is evicted to admit a new one. */
+ * hello, or idle, is evicted to admit a new one. A tagged chunk
+ * (kvf_batch_opts.tag) is written only while the target has its (tag, epoch)
+ * open (fence.c): refused before any payload byte otherwise (KVF_ESTATE),
+ * and cut at the next receive tick when the fence closes meanwhile, as a
+ * pinned region's unregistering cuts it. */
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
