@@ -110,9 +110,11 @@ int pd_issue(pd_pair *pp, const pd_req *r) {
 }
 
 /* The first reason wins, except that a prefill told of the failure by the
- * decode only echoes it: the decode's own reason then replaces it. */
+ * decode (its notice, or a write its fence refused) only echoes it: the
+ * decode's own reason then replaces it. */
 static void set_reason(pd_req *r, const char *side, const char *why) {
-  int replace = !*r->reason || (!strcmp(side, "decode") && strstr(r->reason, " failed the room: "));
+  int echo = strstr(r->reason, " failed the room: ") || strstr(r->reason, "The decode fenced room ");
+  int replace = !*r->reason || (!strcmp(side, "decode") && echo);
   if (replace && why && *why && strcmp(why, "-")) snprintf(r->reason, sizeof r->reason, "%s: %.240s", side, why);
 }
 
