@@ -87,6 +87,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   if (!e) return KVF_ENOMEM;
   int rc = regions_init(&e->regions);
   if (rc) goto err_free;
+  if ((rc = kvf__fence_init(&e->fences))) goto err_regions;
   snprintf(e->host, sizeof e->host, "%s", cfg.host);
   const char *tok = cfg.auth_token ? cfg.auth_token : getenv("KVFERRY_AUTH_TOKEN");
   if (tok && strlen(tok) >= sizeof e->auth_token) {
@@ -114,6 +115,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   return 0;
 
 err_regions:
+  kvf__fence_destroy(&e->fences);
   regions_destroy(&e->regions);
 err_free:
   free(e);
@@ -123,6 +125,7 @@ err_free:
 void kvf_engine_destroy(kvf_engine *e) {
   if (!e) return;
   e->ops->stop(e);
+  kvf__fence_destroy(&e->fences);
   regions_destroy(&e->regions);
   free(e);
 }
@@ -223,6 +226,7 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *o) {
   o->conns_evicted = atomic_load(&c->conns_evicted);
   o->peers_ucx = atomic_load(&c->peers_ucx);
   o->peers_tcp = atomic_load(&c->peers_tcp);
+  o->chunks_fenced = atomic_load(&c->chunks_fenced);
 }
 
 uint64_t write_block_bytes(const kvf_write *w) { return w->len * (w->count > 1 ? w->count : 1); }
@@ -367,9 +371,23 @@ void batch_chunk_done(kvf_batch *b, int status) {
   pthread_mutex_unlock(&b->mu);
 }
 
-int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                      kvf_batch **out) {
+void kvf_batch_opts_init(kvf_batch_opts *o) {
+  if (!o) return;
+  memset(o, 0, sizeof *o);
+  o->size = sizeof *o;
+}
+
+int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n, kvf_batch **out) {
+  return kvf_engine_submit_ex(e, session, writes, n, NULL, out);
+}
+
+int kvf_engine_submit_ex(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                         const kvf_batch_opts *opts_in, kvf_batch **out) {
+  kvf_batch_opts opts;
+  kvf_batch_opts_init(&opts);
   if (!e || !session || !out || (n && !writes)) return KVF_EINVAL;
+  if (opts_in && kvf__config_copy(&opts, sizeof opts, opts_in, sizeof opts)) return KVF_EINVAL;
+  if (opts.tag && !opts.epoch) return KVF_EINVAL;
   char host[256];
   uint16_t port;
   if (kvf__addr_parse(session, strlen(session), host, sizeof host, &port, NULL)) {
@@ -385,6 +403,8 @@ int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *write
   pthread_mutex_init(&b->mu, NULL);
   clock_cond_init(&b->cv);
   b->engine = e;
+  b->tag = opts.tag;
+  b->epoch = opts.epoch;
   b->bytes = total;
   b->deadline_ns = clock_deadline_ms(e->cfg.timeout_ms);
 
@@ -452,8 +472,13 @@ void kvf_batch_destroy(kvf_batch *b) {
 }
 
 int kvf_engine_write(kvf_engine *e, const char *session, const kvf_write *writes, size_t n) {
+  return kvf_engine_write_ex(e, session, writes, n, NULL);
+}
+
+int kvf_engine_write_ex(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                        const kvf_batch_opts *opts) {
   kvf_batch *b = NULL;
-  int rc = kvf_engine_submit(e, session, writes, n, &b);
+  int rc = kvf_engine_submit_ex(e, session, writes, n, opts, &b);
   if (rc) return rc;
   rc = kvf_batch_wait(b, -1);
   kvf_batch_destroy(b);

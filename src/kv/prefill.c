@@ -85,9 +85,11 @@
 
 #include "base/clock.h"
 #include "base/config.h"
+#include "base/hash.h"
 #include "base/log.h"
 #include "base/map.h"
 #include "bootstrap/bootstrap.h"
+#include "kv/integrity.h"
 #include "kv/manager.h"
 #include "kv/plan.h"
 #include "kv/rooms.h"
@@ -127,6 +129,12 @@ typedef struct pf_chunk {
   size_t ncand;
   int64_t *state_slots;
   size_t nstate;
+  /* Verify mode: the digest of every (page, KV buffer of the chunk's
+   * layers) taken in kvf_sender_send, digests[k * ndig + j] for pages[k]
+   * and buffer dig_bufs[j]; NULL when verify mode is off. */
+  uint64_t *digests;
+  size_t *dig_bufs;
+  size_t ndig;
 } pf_chunk;
 
 typedef struct pf_dest { /* where an M3 goes */
@@ -198,6 +206,7 @@ typedef struct prefill_state {
 static void chunk_free(pf_chunk *c) {
   if (!c) return;
   free(c->pages), free(c->cands), free(c->state_slots);
+  free(c->digests), free(c->dig_bufs);
   free(c);
 }
 
@@ -508,8 +517,49 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   atomic_fetch_add(&m->stats.messages_received, 1);
 }
 
+/* A kvferry decode failed or dropped a room it asked us to fence: fail the
+ * sender's room so it stops writing (its engine would be refused anyway). */
+static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
+  wire_fence f;
+  char why[ROOMS_REASON_MAX];
+  if (wire_fence_decode(frames, n, &f, why)) {
+    manager_reject(m, peer, "fence", why);
+    return;
+  }
+  char host[WIRE_STR_MAX + 1];
+  snprintf(host, sizeof host, "%.*s", (int)(strrchr(f.session, ':') - f.session), f.session);
+  if (!manager_peer_is(m, peer, host)) {
+    manager_reject_forged(m, peer, "fence", "the sender is not the decode host the notice names");
+    return;
+  }
+  int hit = 0;
+  pthread_mutex_lock(&ps->lock);
+  pf_room *r = map_get(&ps->rooms, (uint64_t)f.room);
+  for (size_t i = 0; r && !r->dead && i < r->ninfos && !hit; i++) {
+    const wire_m2 *x = r->infos[i]->m2;
+    hit = x->fence_epoch == f.epoch && !strcmp(x->session, f.session);
+  }
+  int st = ROOM_FAILED;
+  if (hit && r->has_sender && !rooms_get_status(m->rooms, f.room, &st) && st != ROOM_FAILED) {
+    snprintf(why, sizeof why, "Decode %.200s failed the room: %.250s", f.session,
+             *f.reason ? f.reason : "no reason given");
+    rooms_fail(m->rooms, f.room, why);
+  }
+  pthread_mutex_unlock(&ps->lock);
+  if (hit) {
+    atomic_fetch_add(&m->stats.messages_received, 1);
+    LOG_INFO("kv", "room %" PRId64 ": decode %s failed it (%s); sending stops", f.room, f.session, f.reason);
+  } else {
+    atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+  }
+}
+
 void prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
   prefill_state *ps = m->prefill;
+  if (wire_is_fence(frames, n)) {
+    on_fence(m, ps, frames, n, peer);
+    return;
+  }
   int kind = wire_classify(frames, n);
   if (kind == WIRE_MSG_M1) on_m1(m, ps, frames, n, peer);
   else if (kind == WIRE_MSG_M2) on_m2(m, ps, frames, n, peer);
@@ -588,12 +638,64 @@ static int64_t per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, 
 
 /* Plan and write one set of page pairs (KV when state == 0, state slots
  * otherwise) to the destination. Arrays are sized once per call. */
-static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0, size_t l1, const int64_t *src,
-                       const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags,
-                       size_t nfrags, int frag_mode, int64_t tokens, uint64_t *bytes, char *why, size_t whycap,
-                       int *xfer) {
-  kvf_manager *m = ps->m;
-  const manager_buffers *b = &m->bufs;
+/* Verify mode and fencing for one write_pairs call: the chunk's page digests
+ * for the pairs (pdig[i * nb + j]: pair i, buffer bufs[j]; NULL = verify
+ * mode off here), and whether the decode asked for digests. */
+typedef struct pf_integ {
+  const uint64_t *pdig;
+  const size_t *bufs;
+  size_t nb;
+} pf_integ;
+
+/* The digest entries of what `w` writes, for a decode that asked: from the
+ * page digests when the plan moves whole pages (no second pass), else by
+ * hashing each block's source pieces now, just before the write. */
+static wire_digest *write_digests(prefill_state *ps, const kvf_write *w, size_t nw, const pf_integ *vi, int plain,
+                                  const int64_t *dst, size_t n, const uint64_t *dst_ptrs, size_t *nd) {
+  const manager_buffers *b = &ps->m->bufs;
+  size_t cnt = plain && vi->pdig ? n * vi->nb : nw;
+  wire_digest *d = malloc((cnt ? cnt : 1) * sizeof *d);
+  if (!d) return NULL;
+  if (plain && vi->pdig) {
+    for (size_t i = 0; i < n; i++)
+      for (size_t j = 0; j < vi->nb; j++) {
+        size_t bi = vi->bufs[j];
+        uint64_t item = b->kv_item_lens[bi];
+        d[i * vi->nb + j] = (wire_digest){dst_ptrs[bi] + (uint64_t)dst[i] * item, item, 1, 0, vi->pdig[i * vi->nb + j]};
+      }
+  } else {
+    for (size_t i = 0; i < nw; i++) {
+      uint64_t count = w[i].count > 1 ? w[i].count : 1;
+      d[i] = (wire_digest){w[i].dst, w[i].len, count, w[i].dst_stride,
+                           kvf__hash_block(w[i].src, w[i].len, count, w[i].src_stride)};
+    }
+  }
+  *nd = cnt;
+  return d;
+}
+
+/* After the write: every source page still holds what kvf_sender_send
+ * hashed, or the room fails naming the first page that changed. */
+static int recheck_sources(prefill_state *ps, const pf_integ *vi, const int64_t *src, size_t n, int64_t room,
+                           char *why, size_t whycap) {
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = 0; j < vi->nb; j++) {
+      uint64_t h = 0;
+      if (kvf__integ_page_digest(ps->m, vi->bufs[j], src[i], &h) == 0 && h == vi->pdig[i * vi->nb + j]) continue;
+      snprintf(why, whycap, "Integrity check failed: source page %" PRId64 " of KV buffer %zu changed while room %"
+               PRId64 " was being sent (the page was reused before its transfer completed)", src[i], vi->bufs[j], room);
+      atomic_fetch_add(&ps->m->stats.verify_failures, 1);
+      return KVF_ESTATE;
+    }
+  return 0;
+}
+
+/* Plan the engine blocks of n page pairs: *w (malloc'd, NULL when nothing
+ * to write) holds *nw blocks. */
+static int plan_pairs(prefill_state *ps, int state, size_t l0, size_t l1, const int64_t *src, const int64_t *dst,
+                      size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags, size_t nfrags, int frag_mode,
+                      int64_t tokens, kvf_write **wout, size_t *nwout) {
+  const manager_buffers *b = &ps->m->bufs;
   const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
   plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens, state ? b->n_state : b->n_kv};
   plan_mem dm = {dst_ptrs, NULL, sm.nbufs};
@@ -623,19 +725,93 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0
   }
   rc = frag_mode ? plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
                  : plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
-  if (rc) goto out;
-  if (nw && (rc = kvf_engine_write(m->engine, x->session, w, nw))) {
-    *xfer = 1;
-    snprintf(why, whycap, "%s", kvf_strerror(rc)); /* completed by send_to_dest */
-    goto out;
-  }
-  *bytes += writes_bytes(w, nw);
 out:
-  if (rc && !*xfer)
+  free(runs);
+  if (rc) {
+    free(w);
+    w = NULL, nw = 0;
+  }
+  *wout = w;
+  *nwout = nw;
+  return rc;
+}
+
+/* One part of a write_pairs call: pairs [a, a + n), its blocks, its batch
+ * and the digests that go to the decode once it landed. */
+typedef struct pf_part {
+  size_t a, n;
+  kvf_write *w;
+  size_t nw;
+  kvf_batch *batch;
+  wire_digest *dg;
+  size_t ndg;
+} pf_part;
+
+/* Verify mode cuts a call into this many parts, submitted at once and
+ * finished in order: while later parts are on the wire, the prefill
+ * rechecks the sources of the parts that landed and the decode checks
+ * their digests, so hashing overlaps the transfer instead of following it. */
+#define PF_VERIFY_PARTS 16
+
+static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0, size_t l1, const int64_t *src,
+                       const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags,
+                       size_t nfrags, int frag_mode, int64_t tokens, const pf_integ *vi, uint64_t *bytes, char *why,
+                       size_t whycap, int *xfer) {
+  kvf_manager *m = ps->m;
+  int have_reason = 0, ask = (x->room_flags & WIRE_ROOM_VERIFY) != 0, plain = !state && !frag_mode && tokens == 1;
+  kvf_batch_opts opts;
+  kvf_batch_opts_init(&opts);
+  if (x->fence_epoch && manager_room_tag(x->room)) opts.tag = manager_room_tag(x->room), opts.epoch = x->fence_epoch;
+  size_t nparts = (ask || vi->pdig) && n >= PF_VERIFY_PARTS ? PF_VERIFY_PARTS : 1, per = (n + nparts - 1) / nparts;
+  pf_part *parts = calloc(nparts, sizeof *parts);
+  int rc = parts ? 0 : KVF_ENOMEM;
+  for (size_t g = 0; !rc && g < nparts; g++) {
+    pf_part *p = &parts[g];
+    p->a = g * per < n ? g * per : n;
+    p->n = n - p->a < per ? n - p->a : per;
+    rc = plan_pairs(ps, state, l0, l1, src + p->a, dst + p->a, p->n, dst_ptrs, frags, nfrags, frag_mode, tokens,
+                    &p->w, &p->nw);
+    if (rc || !p->nw) continue;
+    if (ask) {
+      pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb};
+      if (!(p->dg = write_digests(ps, p->w, p->nw, &pv, plain, dst + p->a, p->n, dst_ptrs, &p->ndg))) {
+        rc = KVF_ENOMEM;
+        break;
+      }
+    }
+    if ((rc = kvf_engine_submit_ex(m->engine, x->session, p->w, p->nw, &opts, &p->batch))) *xfer = 1;
+  }
+  for (size_t g = 0; !rc && g < nparts; g++) {
+    pf_part *p = &parts[g];
+    if (!p->batch) continue;
+    if ((rc = kvf_batch_wait(p->batch, -1))) {
+      *xfer = 1;
+      break;
+    }
+    pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb};
+    if (!state && pv.pdig && (rc = recheck_sources(ps, &pv, src + p->a, p->n, x->room, why, whycap))) {
+      have_reason = 1;
+      break;
+    }
+    if (p->dg) kvf__integ_send_digests(m, x->endpoint, x->dst_port, x->room, x->fence_epoch, p->dg, p->ndg);
+    *bytes += writes_bytes(p->w, p->nw);
+  }
+  if (*xfer && rc == KVF_ESTATE && opts.tag) { /* refused by the decode's fence: the room, not the session, is gone */
+    snprintf(why, whycap, "The decode fenced room %" PRId64 " (it failed or dropped it there): write refused", x->room);
+    *xfer = 0;
+    have_reason = 1;
+  } else if (*xfer) {
+    snprintf(why, whycap, "%s", kvf_strerror(rc)); /* completed by send_to_dest */
+  }
+  for (size_t g = 0; parts && g < nparts; g++) {
+    kvf_batch_destroy(parts[g].batch); /* waits for a part still in flight after an error */
+    free(parts[g].w);
+    free(parts[g].dg);
+  }
+  free(parts);
+  if (rc && !*xfer && !have_reason)
     snprintf(why, whycap, "%s pages of the chunk cannot be mapped onto decode session %s: %s",
              state ? "State" : "KV", x->session, kvf_strerror(rc));
-  free(w);
-  free(runs);
   return rc;
 }
 
@@ -707,8 +883,9 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
     }
     memcpy(src, c->pages + skip, n * sizeof *src);
     for (size_t k = 0; k < n; k++) dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
+    pf_integ vi = {c->digests ? c->digests + skip * c->ndig : NULL, c->dig_bufs, c->ndig};
     if (write_pairs(ps, x, 0, c->layer_begin, c->layer_end, src, dst, n, dptr, frags, x->nfrags, x->nfrags > 0,
-                    tokens, bytes, why, whycap, &xfer))
+                    tokens, &vi, bytes, why, whycap, &xfer))
       goto out;
   }
 
@@ -739,7 +916,8 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
     /* §8 item 11: with a fragment plan, state goes through it too; a rank
      * whose plan has no state fragment writes no state (the reference
      * would send whole slots of its own, possibly larger, item size). */
-    if (np && write_pairs(ps, x, 1, 0, 0, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, bytes, why,
+    pf_integ none = {NULL, NULL, 0};
+    if (np && write_pairs(ps, x, 1, 0, 0, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, &none, bytes, why,
                           whycap, &xfer))
       goto out;
   }
@@ -1079,6 +1257,20 @@ err_unlock:
   return rc;
 }
 
+/* Verify mode: digest every (page, buffer) the chunk will send, now, while
+ * the caller still guarantees the pages hold the request's KV. A page
+ * outside the pool is KVF_ERANGE. */
+static int hash_pages(kvf_manager *m, pf_chunk *c) {
+  int rc = kvf__integ_layer_bufs(m, c->layer_begin, c->layer_end, &c->dig_bufs, &c->ndig);
+  if (rc) return rc;
+  size_t nd = c->npages * c->ndig;
+  if (!(c->digests = malloc((nd ? nd : 1) * sizeof *c->digests))) return KVF_ENOMEM;
+  for (size_t k = 0; k < c->npages; k++)
+    for (size_t j = 0; j < c->ndig; j++)
+      if ((rc = kvf__integ_page_digest(m, c->dig_bufs[j], c->pages[k], &c->digests[k * c->ndig + j]))) return rc;
+  return 0;
+}
+
 /* Both send calls: validate, copy and queue (or park) one chunk. pos is the
  * index_slice start; explicit_idx says it is a destination index. */
 static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int64_t pos, int explicit_idx,
@@ -1107,8 +1299,13 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
   c->token = is_last ? bootstrap_token : -1;
   if (c->cands) memcpy(c->cands, cands, ncand * sizeof *cands), c->ncand = ncand;
   if (c->state_slots) memcpy(c->state_slots, state_slots, nstate * sizeof *state_slots), c->nstate = nstate;
+  int rc = s->m->cfg.verify ? hash_pages(s->m, c) : 0;
+  if (rc) {
+    chunk_free(c);
+    return rc;
+  }
 
-  int rc = 0, st = ROOM_FAILED;
+  int st = ROOM_FAILED;
   pf_room *r = s->r;
   pthread_mutex_lock(&ps->lock);
   if (rooms_get_status(s->m->rooms, s->room, &st) || st == ROOM_FAILED) {
