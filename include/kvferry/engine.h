@@ -72,7 +72,24 @@ typedef struct kvf_engine_stats {
   uint64_t conns_evicted;      /* target side: idle or unauthenticated, closed to make room */
   uint64_t peers_ucx;          /* writer side: peers routed over UCX (auto/ucx) */
   uint64_t peers_tcp;          /* writer side: peers routed over kvferry's TCP by auto */
+  uint64_t chunks_fenced;      /* target side: tagged chunks refused, their (tag, epoch) not open */
 } kvf_engine_stats;
+
+/* Options of one batch (kvf_engine_submit_ex, kvf_engine_write_ex). Always
+ * start from kvf_batch_opts_init: it sets `size`, so later versions can add
+ * fields at the end. See docs/WIRE-EXTENSIONS.md ("fencing").
+ *
+ * tag, epoch: the identity of what the batch writes for (kvferry's KV
+ * managers: the decode's room id and the fence epoch the decode gave that
+ * room). A tagged batch (tag != 0) lands only while the target engine has
+ * that (tag, epoch) open (kvf_engine_fence_open); otherwise the target
+ * refuses each chunk before writing any byte of it, and the batch fails
+ * with KVF_ESTATE. tag 0: untagged, no check (the default). */
+typedef struct kvf_batch_opts {
+  size_t size;    /* sizeof(kvf_batch_opts), set by kvf_batch_opts_init */
+  uint64_t tag;   /* 0 = untagged */
+  uint64_t epoch; /* the target's epoch for tag (from its kvf_engine_fence_open) */
+} kvf_batch_opts;
 
 /* Fill `cfg` with defaults and set cfg->size (environment overrides are
  * applied at create). Any thread. */
@@ -125,6 +142,32 @@ KVF_API int kvf_engine_write(kvf_engine *engine, const char *session, const kvf_
  * blocks on the network. Any thread. */
 KVF_API int kvf_engine_submit(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
                               kvf_batch **out);
+
+/* Fill `o` with defaults (untagged) and set o->size. Any thread. */
+KVF_API void kvf_batch_opts_init(kvf_batch_opts *o);
+
+/* kvf_engine_submit / kvf_engine_write with options (NULL = defaults);
+ * KVF_EINVAL for opts not set up by kvf_batch_opts_init, or a tag without
+ * an epoch. Same ownership and threads as the plain calls. */
+KVF_API int kvf_engine_submit_ex(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
+                                 const kvf_batch_opts *opts, kvf_batch **out);
+KVF_API int kvf_engine_write_ex(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
+                                const kvf_batch_opts *opts);
+
+/* Target-side fences. Open admits tagged batches that name (tag, *epoch)
+ * into this engine's registered memory; *epoch is new, unique in this
+ * process and never 0; give it to the writer with the tag. Close refuses
+ * every later chunk of that pair before any of its bytes is written, and
+ * returns only once chunks admitted earlier have stopped writing (a chunk
+ * cut short fails at its writer); from then on no byte of a batch tagged
+ * with the pair lands here. It waits about 100 ms at most while a chunk's
+ * payload is arriving, at most timeout_ms (<= 0: the engine timeout) in all:
+ * KVF_ETIMEDOUT means a receiver did not stop in time. KVF_ENOTFOUND when
+ * the pair is not open. Untagged batches are never affected. Any thread.
+ * Transports: tcp checks fences; a one-sided transport (the writer puts
+ * into memory without the target's CPU) cannot, and says so in its docs. */
+KVF_API int kvf_engine_fence_open(kvf_engine *engine, uint64_t tag, uint64_t *epoch);
+KVF_API int kvf_engine_fence_close(kvf_engine *engine, uint64_t tag, uint64_t epoch, int timeout_ms);
 
 /* 0 = done, KVF_EAGAIN = still in progress, another negative KVF_E* = the
  * batch failed (the library-wide rule for polling an operation, see

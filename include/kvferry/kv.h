@@ -131,6 +131,16 @@ typedef struct kvf_manager_config {
    * still comes and tokenspeed prefills ignore the request. Default 1; 0 =
    * completion by M3 only. */
   int fast_completion;
+  /* Verify mode (issue 16; docs/WIRE-EXTENSIONS.md "Integrity"): 1 = a
+   * prefill hashes (XXH3-64) every page it sends when kvf_sender_send is
+   * called, rehashes it after the write completed and fails the room if it
+   * changed (a page reused too early), and sends the digests of what it
+   * wrote to decodes that asked; a decode asks (M2) and recomputes the
+   * digests over the landed bytes before Success, failing the room with the
+   * buffer and page on a mismatch. Default 0; env KVFERRY_VERIFY=1 turns it
+   * on. Host memory only: kvf_manager_create refuses it (KVF_EINVAL) when
+   * a buffer is not readable host memory (device memory). */
+  int verify;
 } kvf_manager_config;
 
 typedef struct kvf_manager kvf_manager;
@@ -147,6 +157,11 @@ typedef struct kvf_manager_stats {
   uint64_t heartbeat_failures;  /* decode: failed probes */
   uint64_t node_failures;       /* decode: prefill instances declared dead */
   uint64_t messages_forged;     /* from a peer the room was not planned with, or a missing/wrong MAC: dropped */
+  uint64_t verify_failures;     /* verify mode: rooms failed by a digest mismatch (decode) or a source
+                                   page that changed during its transfer (prefill) */
+  uint64_t verify_unverified;   /* decode, verify mode: Success reports from a prefill that sent no
+                                   digests (a tokenspeed prefill): the room succeeded unverified */
+  uint64_t rooms_fenced;        /* decode: failed or dropped rooms whose late writes are now refused */
 } kvf_manager_stats;
 
 /* Fill `cfg` with the defaults above and set cfg->size. Any thread. */
@@ -200,7 +215,25 @@ KVF_API int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int6
 KVF_API int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int64_t aux_index,
                               int64_t decode_prefix_len, const int64_t *state_slots, size_t nstate);
 /* The room's current state; Success and Failed are final. Fails the room
- * when the waiting timeout has passed. Never blocks. The receiver's thread. */
+ * when the waiting timeout has passed. The receiver's thread.
+ *
+ * Reusing the pages (fencing, issue 16). When this call returns Failed
+ * for a room whose prefill is a kvferry prefill on the TCP engine, the
+ * room's engine fence is already closed: from then on no byte of any write
+ * for this room lands in the pages, so they may be given to another request
+ * at once; the prefill is told and its sender ends Failed. The first such
+ * call may block up to ~100 ms (a write in progress is cut at its next
+ * receive tick; at most 2 s in all if a receiving thread is stuck). After
+ * Success every write has landed and nothing more comes. Against a
+ * tokenspeed prefill (its engine is not kvferry's, or it sends no fence
+ * epoch) nothing can be refused: a late write can land until that prefill's
+ * own transfer timeout, so do not reuse the pages of a Failed room before
+ * then (see docs/WIRE-EXTENSIONS.md). One-sided transports cannot be fenced
+ * by the target: when the prefill reaches this decode over UCX
+ * (kvf_engine_peer_transport), a write submitted before the failure can
+ * still land until the prefill's batch deadline (its engine timeout_ms,
+ * 30 s by default) after this call returned Failed; reuse the pages only
+ * then. Otherwise never blocks. */
 KVF_API kvf_poll_status kvf_receiver_poll(kvf_receiver *r);
 /* Copy the failure reason (empty if none) into buf (cap bytes, always
  * terminated). The receiver's thread. */
@@ -215,8 +248,11 @@ KVF_API int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *
  * decode scheduler ignores. KVF_ESTATE when construction failed (no plan).
  * The receiver's thread. */
 KVF_API int kvf_receiver_supports_spec(const kvf_receiver *r);
-/* Clear the room from every table and free the handle. NULL ok. The
- * receiver's thread, as its last call. */
+/* Clear the room from every table and free the handle. A room that is not
+ * Success is failed and fenced first, as kvf_receiver_poll does (the same
+ * short wait), so its pages may be reused once this returns (same limits
+ * as above for a tokenspeed prefill). NULL ok. The receiver's thread, as
+ * its last call. */
 KVF_API void kvf_receiver_destroy(kvf_receiver *r);
 
 /* ---- prefill side ---- */

@@ -53,6 +53,7 @@ class kvf_engine_stats(ctypes.Structure):
             "conns_evicted",
             "peers_ucx",
             "peers_tcp",
+            "chunks_fenced",
         )
     ]
 
@@ -88,6 +89,9 @@ class kvf_manager_stats(ctypes.Structure):
             "heartbeat_failures",
             "node_failures",
             "messages_forged",
+            "verify_failures",
+            "verify_unverified",
+            "rooms_fenced",
         )
     ]
 
@@ -156,6 +160,11 @@ _PROTOTYPES = {
     "kvf_engine_unregister": (_int, [_vp, _vp]),
     "kvf_engine_write": (_int, [_vp, _cp, _vp, _sz]),
     "kvf_engine_submit": (_int, [_vp, _cp, _vp, _sz, _P(_vp)]),
+    "kvf_batch_opts_init": (None, [_vp]),
+    "kvf_engine_submit_ex": (_int, [_vp, _cp, _vp, _sz, _vp, _P(_vp)]),
+    "kvf_engine_write_ex": (_int, [_vp, _cp, _vp, _sz, _vp]),
+    "kvf_engine_fence_open": (_int, [_vp, ctypes.c_uint64, c_u64p]),
+    "kvf_engine_fence_close": (_int, [_vp, ctypes.c_uint64, ctypes.c_uint64, _int]),
     "kvf_batch_poll": (_int, [_vp]),
     "kvf_batch_wait": (_int, [_vp, _int]),
     "kvf_batch_destroy": (None, [_vp]),

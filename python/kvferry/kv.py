@@ -159,6 +159,8 @@ class KVManager(_Closing):
     A kv_args object with tokenspeed's attribute names may be given instead.
     target_layer_num: layers [0, n) are the target model's, later ones the
     draft model's (labels of heterogeneous-TP fragments); 0 = all target.
+    verify: verify mode (XXH3 digests of every page, checked on landing;
+    also KVFERRY_VERIFY=1); host memory only.
     Timeouts and sizes left at 0 / None take the C defaults and the
     TOKENSPEED_DISAGGREGATION_* environment overrides.
     """
@@ -171,7 +173,7 @@ class KVManager(_Closing):
                  engine_port=0, auth_token=None, transfer_timeout_ms=0, conns_per_peer=0,
                  bootstrap_timeout_s=0, waiting_timeout_s=0, heartbeat_interval_s=0,
                  heartbeat_max_failures=0, failed_session_ttl_s=None, queue_size=0,
-                 http_timeout_ms=0, max_rooms=0, target_layer_num=0):
+                 http_timeout_ms=0, max_rooms=0, target_layer_num=0, verify=False):
         self._h = None
         self._handles = weakref.WeakSet()
         self._keep = []
@@ -247,6 +249,8 @@ class KVManager(_Closing):
             cfg.set("max_rooms", int(max_rooms))
         if target_layer_num:
             cfg.set("target_layer_num", int(target_layer_num))
+        if verify:
+            cfg.set("verify", 1)
 
         h = ctypes.c_void_p()
         check(lib.kvf_manager_create(cfg.ptr, ctypes.byref(bufs), ctypes.byref(h)),

@@ -67,6 +67,7 @@ typedef struct bench_opts {
   double layer_ms;   /* --layer-ms: layerwise compute per layer; < 0 = the measured transfer per layer */
   int idle_compute;  /* --idle-compute: layerwise "compute" sleeps instead of busy work */
   const char *transport; /* --transport (NULL: $KVFERRY_TRANSPORT or auto) */
+  int verify;        /* e2e --verify: also a pair in verify mode, requests alternating */
 } bench_opts;
 
 /* Baseline: one blocking TCP stream over loopback, 1 MiB writes, to a child
@@ -398,7 +399,7 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
         /* One in flight: the prefill sends once the M2 is there (wait-m2),
          * so the latency is the transfer's and the completion's, not the
          * M2's race with this command. */
-        fprintf(peer->in, "send %lld %zu 0 7 0 0 %d\n", (long long)s->room, c->pages, c->inflight == 1);
+        fprintf(peer->in, "send %lld %zu 0 7 0 0 0 %d\n", (long long)s->room, c->pages, c->inflight == 1);
         s->active = 1;
         progress = 1;
       }
@@ -670,6 +671,36 @@ out:
   return rc;
 }
 
+/* Verify mode against none, in the same run: a second pair started with
+ * KVFERRY_VERIFY=1 (both of its processes hash, send and check digests);
+ * requests alternate between the pairs so the machine's noise hits both. */
+static int e2e_verify_pair(pd_pair *pp, size_t tokens, int runs, int64_t *room, double *p50, double *best,
+                           double *v50, double *vbest) {
+  pd_pair pv;
+  char err[256];
+  const uint64_t pages = tokens / E2E_PAGE_TOKENS;
+  setenv("KVFERRY_VERIFY", "1", 1);
+  int rc = pd_start(&pv, E2E_LAYERS, E2E_ITEM, pages, err, sizeof err);
+  unsetenv("KVFERRY_VERIFY");
+  if (rc) {
+    fprintf(stderr, "bench e2e: %s\n", err);
+    return -1;
+  }
+  double *t = calloc(2 * (size_t)runs, sizeof *t), w, wm;
+  rc = !t || e2e_case(&pv, tokens, 1, room, &w, &wm); /* warm up the verify pair too */
+  for (int i = 0; !rc && i < runs; i++)
+    rc = e2e_case(pp, tokens, 1, room, &t[i], &w) || e2e_case(&pv, tokens, 1, room, &t[runs + i], &w);
+  if (!rc) {
+    qsort(t, (size_t)runs, sizeof *t, cmp_dbl);
+    qsort(t + runs, (size_t)runs, sizeof *t, cmp_dbl);
+    *p50 = t[runs / 2], *best = t[0];
+    *v50 = t[runs + runs / 2], *vbest = t[runs];
+  }
+  free(t);
+  pd_stop(&pv);
+  return rc ? -1 : 0;
+}
+
 static int bench_e2e(const bench_opts *o) {
   const size_t tokens = 4096;
   const uint64_t pages = tokens / E2E_PAGE_TOKENS, bytes = pages * E2E_PAGE_BYTES;
@@ -688,7 +719,13 @@ static int bench_e2e(const bench_opts *o) {
   double p50 = 0, best = 0, w50, wmin;
   /* Warm up: the decode's M1 registration, connections, first-touch of the
    * engine's buffers. */
-  int rc = e2e_case(&pp, tokens, 1, &room, &w50, &wmin) || e2e_case(&pp, tokens, runs, &room, &p50, &best);
+  int rc = e2e_case(&pp, tokens, 1, &room, &w50, &wmin);
+  double v50 = 0, vbest = 0;
+  if (!rc && o->verify) {
+    rc = e2e_verify_pair(&pp, tokens, runs, &room, &p50, &best, &v50, &vbest);
+  } else if (!rc) {
+    rc = e2e_case(&pp, tokens, runs, &room, &p50, &best);
+  }
   pd_stop(&pp);
   if (rc) return 1;
   double ideal = base > 0 ? bytes / (base * 1e9) : 0, gbps = p50 > 0 ? bytes / p50 / 1e9 : 0;
@@ -697,9 +734,13 @@ static int bench_e2e(const bench_opts *o) {
            "\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"gbps\":%.3f,"
            "\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes, cache-hot buffers\","
            "\"baseline_gbps\":%.3f,\"baseline_pool_gbps\":%.3f,\"ideal_s\":%.4f,\"ratio\":%.3f,\"memcpy_gbps\":%.3f,"
-           "\"memcpy_ratio\":%.3f}\n",
+           "\"memcpy_ratio\":%.3f",
            tokens, (unsigned long long)bytes, runs, p50, best, gbps, base, base_pool, ideal, p50 > 0 ? ideal / p50 : 0, mc,
            mc > 0 ? gbps / mc : 0);
+    if (o->verify) /* the verify pair's figures belong to the same object */
+      printf(",\"verify\":{\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"overhead_ratio\":%.3f}", v50, vbest,
+             p50 > 0 ? v50 / p50 : 0);
+    printf("}\n");
   } else {
     printf("end to end: one llama-3.1-8b request of %zu tokens (%llu pages x %d buffers x %u KiB = %llu MiB),\n"
            "bootstrap, prefill and decode in separate processes; transfer = decode M2 -> decode Success; %d runs\n",
@@ -712,6 +753,15 @@ static int bench_e2e(const bench_opts *o) {
     printf("%-28s %10s %10s %10s %10s %14s\n", "case", "p50 ms", "min ms", "GB/s", "ideal ms", "ratio (ideal/p50)");
     printf("%-28s %10.1f %10.1f %10.2f %10.1f %14.2f\n", "e2e_llama8b_4096tok", p50 * 1e3, best * 1e3, gbps,
            ideal * 1e3, p50 > 0 ? ideal / p50 : 0);
+  }
+  if (o->verify) {
+    double ratio = p50 > 0 ? v50 / p50 : 0;
+    if (!o->json)
+      printf("%-28s %10.1f %10.1f %10.2f %10s %14s\n"
+             "verify mode: p50 %.1f ms against %.1f ms without, overhead ratio %.3f (%+.1f%%); requests alternated\n"
+             "between a pair in verify mode and one without, in the same run\n",
+             "e2e_llama8b_4096tok_verify", v50 * 1e3, vbest * 1e3, v50 > 0 ? bytes / v50 / 1e9 : 0, "-", "-", v50 * 1e3,
+             p50 * 1e3, ratio, (ratio - 1) * 100);
   }
   return 0;
 }
@@ -993,6 +1043,7 @@ static void usage(void) {
          "                                      time per layer); layerwise is not part of the default three\n"
          "                     [--idle-compute]  layerwise: the compute sleeps (a GPU's) instead of busy work\n"
          "                     [--transport tcp|ucx|auto]  engine transport (default $KVFERRY_TRANSPORT or auto)\n"
+         "                     [--verify]     e2e: also in verify mode (XXH3 digests), the overhead ratio\n"
          "       kvferry bench --plot FILE.png [--quick]        (needs gnuplot)\n");
 }
 
@@ -1012,11 +1063,12 @@ int cli_bench(int argc, char **argv) {
                                        {"layer-ms", required_argument, 0, 'L'},
                                        {"idle-compute", no_argument, 0, 'I'},
                                        {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
+                                       {"verify", no_argument, 0, 'V'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
   unsigned long long v;
-  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:M:N:L:Ih", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:M:N:L:IVh", opts, NULL)) != -1) {
     switch (c) {
       case 'N':
         o.rooms = atoi(optarg);
@@ -1036,6 +1088,7 @@ int cli_bench(int argc, char **argv) {
         o.layer_ms = atof(optarg);
         if (!(o.layer_ms >= 0 && o.layer_ms <= 10000)) return usage(), 2;
         break;
+      case 'V': o.verify = 1; break;
       case 'p': o.plot = optarg; break;
       case 'B':
         if (cli_parse_size(optarg, &v) || v == 0 || v > (64u << 20)) return usage(), 2;

@@ -9,6 +9,13 @@
  * summary table ends the run. Any failure or mismatch is reported with its
  * reason and the exit status is 1. `--corrupt` flips one byte of one landed
  * page on the decode side to show that the ordinary check catches it.
+ * --verify turns on the library's verify mode (KVFERRY_VERIFY=1 in both
+ * processes): with --corrupt the byte is then flipped inside the decode's
+ * library right after landing and before its digest check (the
+ * KVFERRY_TEST_CORRUPT_ROOM hook), so the library itself fails the room
+ * naming the buffer and page. --reuse-early has the prefill overwrite a
+ * source page right after its send call (a page reused before its transfer
+ * completed); with --verify the library fails the room naming the page.
  * --prefill-tp P / --decode-tp D run P prefill ranks (in the kv-peer) and D
  * decode ranks (in the kv-decode), each holding its slice of the KV heads in
  * head-aware token-major pages: every (token, head) of every decode rank is
@@ -56,7 +63,7 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: kvferry demo [--model llama-3.1-8b|qwen3-32b|deepseek-v3] [--requests 32] [--inflight 2]\n"
           "                    [--max-tokens 8192] [--pool-gib G] [--prefill-tp 1] [--decode-tp 1]\n"
-          "                    [--transport tcp|ucx|auto] [--seed S] [--corrupt] [--short]\n"
+          "                    [--transport tcp|ucx|auto] [--seed S] [--corrupt] [--reuse-early] [--verify] [--short]\n"
           "Starts a bootstrap server, a prefill and a decode instance as processes on 127.0.0.1\n"
           "with model-shaped KV pools (--pool-gib per side; default: room for one request of\n--max-tokens, 1 GiB for llama-3.1-8b), moves the KV of --requests requests\n"
           "(prompts of 128..--max-tokens tokens, log-uniform) and verifies every byte.\n"
@@ -66,7 +73,11 @@ static void usage(FILE *f) {
           "             (deepseek-v3: any of 1..8)\n"
           "  --short    a few small requests (CI): 6 requests, up to 1024 tokens, 0.25 GiB pools\n"
           "  --corrupt  flip one byte of one landed page before the check: the demo must catch it\n"
-          "             and exit 1\n"
+          "             and exit 1 (with --verify: flipped after landing, before the library's check,\n"
+          "             which fails the request naming the buffer and page)\n"
+          "  --reuse-early  the prefill overwrites a source page of one request right after sending\n"
+          "             it; with --verify the library fails that request naming the page\n"
+          "  --verify   the library's verify mode (XXH3 digests of every page, checked on landing)\n"
           "Exit status: 0 all verified, 1 a failure or mismatch (the reason is printed), 2 usage.\n");
 }
 
@@ -83,7 +94,8 @@ static void progress(int done, int total, double bytes, double t0) {
 
 int cli_demo(int argc, char **argv) {
   const char *model_name = "llama-3.1-8b", *transport = NULL;
-  int requests = 32, inflight = 2, prefill_tp = 1, decode_tp = 1, corrupt = 0, is_short = 0;
+  int requests = 32, inflight = 2, prefill_tp = 1, decode_tp = 1, corrupt = 0, is_short = 0, verify = 0,
+      reuse_early = 0;
   int set_requests = 0, set_inflight = 0, set_max = 0, set_pool = 0;
   unsigned long long seed = 1, max_tokens = 8192;
   double pool_gib = 0; /* 0: room for one request of --max-tokens */
@@ -97,12 +109,14 @@ int cli_demo(int argc, char **argv) {
                                        {"transport", required_argument, 0, 't'},
                                        {"seed", required_argument, 0, 'S'},
                                        {"corrupt", no_argument, 0, 'c'},
+                                       {"verify", no_argument, 0, 'V'},
+                                       {"reuse-early", no_argument, 0, 'R'},
                                        {"short", no_argument, 0, 's'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
   char *end;
-  while ((c = getopt_long(argc, argv, "m:n:k:T:g:P:D:t:S:csh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "m:n:k:T:g:P:D:t:S:csVRh", opts, NULL)) != -1) {
     switch (c) {
       case 'm': model_name = optarg; break;
       case 'n': requests = atoi(optarg), set_requests = 1; break;
@@ -123,6 +137,8 @@ int cli_demo(int argc, char **argv) {
         if (cli_parse_size(optarg, &seed)) seed = 0;
         break;
       case 'c': corrupt = 1; break;
+      case 'V': verify = 1; break;
+      case 'R': reuse_early = 1; break;
       case 's': is_short = 1; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
@@ -211,8 +227,16 @@ int cli_demo(int argc, char **argv) {
     tokens[i] = t;
     reqs[i] = (pd_req){.room = room_base + i, .token = 1000 + i, .seed = seed,
                        .npages = (t + (size_t)md->page_tokens - 1) / (size_t)md->page_tokens,
-                       .corrupt = corrupt && i == requests / 2};
+                       .corrupt = corrupt && !verify && i == requests / 2,
+                       .reuse_early = reuse_early && i == requests / 2};
   }
+  /* Both processes inherit these: the library's verify mode, and with
+   * --corrupt its test hook that flips a landed byte of that one room just
+   * before the digest check. */
+  char corrupt_room[32];
+  snprintf(corrupt_room, sizeof corrupt_room, "%lld", (long long)(room_base + requests / 2));
+  if (verify) setenv("KVFERRY_VERIFY", "1", 1);
+  if (verify && corrupt) setenv("KVFERRY_TEST_CORRUPT_ROOM", corrupt_room, 1);
 
   if (md->mla)
     printf("kvferry demo: %s, %d layers x MLA latent of %d values (kv_lora_rank 512 + rope 64), bf16, %d-token "
@@ -232,6 +256,7 @@ int cli_demo(int argc, char **argv) {
   else
     printf("  TP: prefill %d rank(s) x %d KV heads, decode %d rank(s) x %d KV heads; every (token, head) checked\n",
            prefill_tp, md->kv_heads / prefill_tp, decode_tp, md->kv_heads / decode_tp);
+  if (verify) printf("  verify mode: every page hashed (XXH3) when sent and checked on landing by the library\n");
   printf("  starting the bootstrap server, the prefill and the decode process (faulting in the pools)...\n");
   fflush(stdout);
   pd_layout lo = {.layers = md->layers, .item = item, .pages = pool_pages, .prefill_tp = prefill_tp,

@@ -129,7 +129,7 @@ static void finish(dec_rank *rk, int nranks, dec_req *r, int st, long long t_fin
     for (int d = 0; d < nranks && !*why; d++)
       if (kvf_receiver_poll(r->rx[d]) == KVF_POLL_FAILED) kvf_receiver_failure(r->rx[d], why, sizeof why);
     for (char *p = why; *p; p++)
-      if (*p == '\n' || *p == ' ') *p = '_';
+      if (*p == '\n') *p = ' ';
   }
   printf("done %lld %d %zu %lld %lld %s\n", (long long)r->room, st, bad, r->t_init_ns, t_final, *why ? why : "-");
   fflush(stdout);

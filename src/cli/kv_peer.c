@@ -4,12 +4,14 @@
  * pool). It prints
  *   ready <bootstrap-host:port>
  * and takes commands on stdin:
- *   send <room> <npages> <seed> <token> [chunk] [state] [wait-m2]
+ *   send <room> <npages> <seed> <token> [chunk] [state] [reuse] [wait-m2]
  *       every TP rank of DP group room % dp creates a sender, fills npages
  *       scattered pages with the request's pattern and sends them in chunks
  *       (the last carries the token and the candidates token+1, token+2);
  *       seed 0 sends the pages as they are (benchmarks: no pattern cost);
- *       state 1 also fills a state slot and sends it with the last chunk
+ *       state 1 also fills a state slot and sends it with the last chunk;
+ *       reuse 1 overwrites the first byte of each rank's first page right
+ *       after the send calls (a page reused too early: verify mode names it)
  * With --heads the pools are head-aware (kvpool_init_heads): each rank holds
  * `heads` KV heads of `unit` bytes per token, page_size tokens per page,
  * token-major; of --kv-heads global heads (default heads x tp) rank t holds
@@ -70,7 +72,7 @@ typedef struct peer_opts {
 } peer_opts;
 
 static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed,
-                         long long token, int chunk, int wait_m2, uint64_t *rng) {
+                         long long token, int chunk, int reuse, int wait_m2, uint64_t *rng) {
   for (int i = 0; i < r->nranks; i++) {
     int rank = r->rank0 + i;
     r->pages[i] = malloc((r->npages ? r->npages : 1) * sizeof *r->pages[i]);
@@ -108,6 +110,11 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
       }
       if (kvf_sender_send(r->tx[i], &p)) return -1;
       if (last) break;
+    }
+    if (reuse && r->npages) { /* the scheduler's bug: the page goes to another request at once */
+      const kvf_kv_buffers *b = &pools[rank].bufs;
+      ((volatile unsigned char *)b->kv_ptrs[0])[(uint64_t)r->pages[i][0] * b->kv_item_lens[0]] ^= 0xff;
+      kvf_engine_sync(kvf_manager_engine(mgr[rank]));
     }
   }
   r->last_send_ns = cli_now_ns();
@@ -287,7 +294,7 @@ int cli_kv_peer(int argc, char **argv) {
         *nl = 0;
         long long room, npages, token, layer_us;
         unsigned long long seed;
-        int chunk = 0, state = 0, wait_m2 = 0, per_layer, sleep = 0;
+        int chunk = 0, state = 0, reuse = 0, wait_m2 = 0, per_layer, sleep = 0;
         if (!strcmp(line, "quit")) eof = 1;
         else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf__wake_total());
         else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
@@ -307,7 +314,8 @@ int cli_kv_peer(int argc, char **argv) {
               finish_req(r, pools, 0, "cannot-start");
           }
         }
-        else if (sscanf(line, "send %lld %lld %llu %lld %d %d %d", &room, &npages, &seed, &token, &chunk, &state, &wait_m2) >= 4 &&
+        else if (sscanf(line, "send %lld %lld %llu %lld %d %d %d %d", &room, &npages, &seed, &token, &chunk, &state,
+                        &reuse, &wait_m2) >= 4 &&
                  npages >= 0) {
           peer_req *r = NULL;
           for (int i = 0; i < PEER_MAX_REQS && !r; i++)
@@ -320,7 +328,8 @@ int cli_kv_peer(int argc, char **argv) {
             r->rank0 = (int)(((room % o.dp) + o.dp) % o.dp) * tp;
             r->nranks = tp;
             r->state_slot = state && o.nstate ? (int64_t)((size_t)(r - reqs) % PEER_STATE_SLOTS) : -1;
-            if (start_senders(r, mgr, pools, seed, token, chunk, wait_m2, &rng)) finish_req(r, pools, 0, "cannot-start");
+            if (start_senders(r, mgr, pools, seed, token, chunk, reuse, wait_m2, &rng))
+              finish_req(r, pools, 0, "cannot-start");
           }
         } else {
           printf("error bad command\n");

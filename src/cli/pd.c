@@ -102,28 +102,33 @@ int pd_issue(pd_pair *pp, const pd_req *r) {
               (unsigned long long)r->seed, (long long)r->token, r->corrupt ? " corrupt" : "") < 0 ||
       fflush(pp->decode.in))
     return -1;
-  if (fprintf(pp->prefill.in, "send %lld %zu %llu %lld 0\n", (long long)r->room, r->npages,
-              (unsigned long long)r->seed, (long long)r->token) < 0 ||
+  if (fprintf(pp->prefill.in, "send %lld %zu %llu %lld 0 0 %d\n", (long long)r->room, r->npages,
+              (unsigned long long)r->seed, (long long)r->token, r->reuse_early) < 0 ||
       fflush(pp->prefill.in))
     return -1;
   return 0;
 }
 
+/* The first reason wins, except that a prefill told of the failure by the
+ * decode (its notice, or a write its fence refused) only echoes it: the
+ * decode's own reason then replaces it. */
 static void set_reason(pd_req *r, const char *side, const char *why) {
-  if (!*r->reason && why && strcmp(why, "-")) snprintf(r->reason, sizeof r->reason, "%s: %s", side, why);
+  int echo = strstr(r->reason, " failed the room: ") || strstr(r->reason, "The decode fenced room ");
+  int replace = !*r->reason || (!strcmp(side, "decode") && echo);
+  if (replace && why && *why && strcmp(why, "-")) snprintf(r->reason, sizeof r->reason, "%s: %.240s", side, why);
 }
 
 /* Take every line already available from one side; count completions. */
 static int drain(proc *p, int is_decode, pd_req *reqs, size_t n, int64_t room_base) {
-  char line[600], why[300];
+  char line[600];
   int done = 0;
   while (proc_read_line(p, line, sizeof line, 0) == 0) {
     long long room, a, b, c;
-    int st;
-    why[0] = 0;
-    if (is_decode ? sscanf(line, "done %lld %d %lld %lld %lld %299s", &room, &st, &a, &b, &c, why) < 5
-                  : sscanf(line, "done %lld %d %lld %299s", &room, &st, &a, why) < 3)
+    int st, off = 0;
+    if (is_decode ? sscanf(line, "done %lld %d %lld %lld %lld %n", &room, &st, &a, &b, &c, &off) < 5
+                  : sscanf(line, "done %lld %d %lld %n", &room, &st, &a, &off) < 3)
       continue;
+    const char *why = off ? line + off : ""; /* the reason is the rest of the line */
     if (room < room_base || room - room_base >= (long long)n) continue;
     pd_req *r = &reqs[room - room_base];
     if (is_decode) {

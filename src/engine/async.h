@@ -30,12 +30,12 @@ int kvf__engine_on_trailer(kvf_engine *engine, kvf__trailer_fn cb, void *arg);
  * thread but the callback's. */
 void kvf__engine_off_trailer(kvf_engine *engine, void *arg);
 
-/* kvf_engine_write with a trailer (NULL/0 = none; at most
+/* kvf_engine_write_ex with a trailer (NULL/0 = none; at most
  * KVF_ENGINE_MAX_TRAILER bytes). Blocks as kvf_engine_write. Any thread. */
 int kvf__engine_write_trailer(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
-                              const void *trailer, size_t tlen);
+                              const kvf_batch_opts *opts, const void *trailer, size_t tlen);
 
-/* Like kvf_engine_submit, but no batch handle: the engine calls
+/* Like kvf_engine_submit_ex (opts NULL = defaults), but no batch handle: the engine calls
  * on_done(arg, status) exactly once, when every block is confirmed (0) or
  * one failed (a KVF_E* error), on a transport thread, or on the calling
  * thread before this call returns (nothing to move, or a quick peer). The
@@ -43,6 +43,7 @@ int kvf__engine_write_trailer(kvf_engine *engine, const char *session, const kvf
  * (it runs on the thread that reads acknowledgements). On error on_done is
  * never called and nothing was sent. Any thread. */
 int kvf__engine_submit_cb(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
-                          const void *trailer, size_t tlen, void (*on_done)(void *arg, int status), void *arg);
+                          const kvf_batch_opts *opts, const void *trailer, size_t tlen,
+                          void (*on_done)(void *arg, int status), void *arg);
 
 #endif

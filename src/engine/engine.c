@@ -89,6 +89,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   if (!e) return KVF_ENOMEM;
   int rc = regions_init(&e->regions);
   if (rc) goto err_free;
+  if ((rc = kvf__fence_init(&e->fences))) goto err_regions;
   pthread_rwlock_init(&e->trailer_lock, NULL);
   snprintf(e->host, sizeof e->host, "%s", cfg.host);
   const char *tok = cfg.auth_token ? cfg.auth_token : getenv("KVFERRY_AUTH_TOKEN");
@@ -118,6 +119,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
 
 err_regions:
   pthread_rwlock_destroy(&e->trailer_lock);
+  kvf__fence_destroy(&e->fences);
   regions_destroy(&e->regions);
 err_free:
   free(e);
@@ -128,6 +130,7 @@ void kvf_engine_destroy(kvf_engine *e) {
   if (!e) return;
   e->ops->stop(e);
   pthread_rwlock_destroy(&e->trailer_lock);
+  kvf__fence_destroy(&e->fences);
   regions_destroy(&e->regions);
   free(e);
 }
@@ -228,6 +231,7 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *o) {
   o->conns_evicted = atomic_load(&c->conns_evicted);
   o->peers_ucx = atomic_load(&c->peers_ucx);
   o->peers_tcp = atomic_load(&c->peers_tcp);
+  o->chunks_fenced = atomic_load(&c->chunks_fenced);
 }
 
 uint64_t write_block_bytes(const kvf_write *w) { return w->len * (w->count > 1 ? w->count : 1); }
@@ -387,13 +391,24 @@ void batch_chunk_done(kvf_batch *b, int status) {
   }
 }
 
-/* kvf_engine_submit, or with on_done (out unused) kvf__engine_submit_cb. */
+void kvf_batch_opts_init(kvf_batch_opts *o) {
+  if (!o) return;
+  memset(o, 0, sizeof *o);
+  o->size = sizeof *o;
+}
+
+/* kvf_engine_submit_ex, or with on_done (out unused) kvf__engine_submit_cb;
+ * a trailer (async.h) with either. */
 static int engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                         const void *trailer, size_t tlen, void (*on_done)(void *, int), void *arg,
-                         kvf_batch **out) {
+                         const kvf_batch_opts *opts_in, const void *trailer, size_t tlen,
+                         void (*on_done)(void *, int), void *arg, kvf_batch **out) {
+  kvf_batch_opts opts;
+  kvf_batch_opts_init(&opts);
   if (!e || !session || (!out && !on_done) || (n && !writes) || (tlen && !trailer) ||
       tlen > KVF_ENGINE_MAX_TRAILER)
     return KVF_EINVAL;
+  if (opts_in && kvf__config_copy(&opts, sizeof opts, opts_in, sizeof opts)) return KVF_EINVAL;
+  if (opts.tag && !opts.epoch) return KVF_EINVAL;
   char host[256];
   uint16_t port;
   if (kvf__addr_parse(session, strlen(session), host, sizeof host, &port, NULL)) {
@@ -409,6 +424,8 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
   pthread_mutex_init(&b->mu, NULL);
   clock_cond_init(&b->cv);
   b->engine = e;
+  b->tag = opts.tag;
+  b->epoch = opts.epoch;
   b->bytes = total;
   b->deadline_ns = clock_deadline_ms(e->cfg.timeout_ms);
   b->on_done = on_done;
@@ -458,21 +475,26 @@ err_batch:
   return rc;
 }
 
-int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                      kvf_batch **out) {
-  return engine_submit(e, session, writes, n, NULL, 0, NULL, NULL, out);
+int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n, kvf_batch **out) {
+  return engine_submit(e, session, writes, n, NULL, NULL, 0, NULL, NULL, out);
+}
+
+int kvf_engine_submit_ex(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                         const kvf_batch_opts *opts, kvf_batch **out) {
+  return engine_submit(e, session, writes, n, opts, NULL, 0, NULL, NULL, out);
 }
 
 int kvf__engine_submit_cb(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                          const void *trailer, size_t tlen, void (*on_done)(void *arg, int status), void *arg) {
+                          const kvf_batch_opts *opts, const void *trailer, size_t tlen,
+                          void (*on_done)(void *arg, int status), void *arg) {
   if (!on_done) return KVF_EINVAL;
-  return engine_submit(e, session, writes, n, trailer, tlen, on_done, arg, NULL);
+  return engine_submit(e, session, writes, n, opts, trailer, tlen, on_done, arg, NULL);
 }
 
 int kvf__engine_write_trailer(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                              const void *trailer, size_t tlen) {
+                              const kvf_batch_opts *opts, const void *trailer, size_t tlen) {
   kvf_batch *b = NULL;
-  int rc = engine_submit(e, session, writes, n, trailer, tlen, NULL, NULL, &b);
+  int rc = engine_submit(e, session, writes, n, opts, trailer, tlen, NULL, NULL, &b);
   if (rc) return rc;
   rc = kvf_batch_wait(b, -1);
   kvf_batch_destroy(b);
@@ -537,8 +559,13 @@ void kvf_batch_destroy(kvf_batch *b) {
 }
 
 int kvf_engine_write(kvf_engine *e, const char *session, const kvf_write *writes, size_t n) {
+  return kvf_engine_write_ex(e, session, writes, n, NULL);
+}
+
+int kvf_engine_write_ex(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                        const kvf_batch_opts *opts) {
   kvf_batch *b = NULL;
-  int rc = kvf_engine_submit(e, session, writes, n, &b);
+  int rc = kvf_engine_submit_ex(e, session, writes, n, opts, &b);
   if (rc) return rc;
   rc = kvf_batch_wait(b, -1);
   kvf_batch_destroy(b);

@@ -52,9 +52,32 @@ region *kvf__regions_find_block_locked(const region_table *t, uint64_t addr, uin
 void kvf__region_pin(region *r);
 void kvf__region_unpin(region_table *t, region *r);
 
+/* ---- fences (fence.c) ---- */
+typedef struct engine_fence {
+  uint64_t tag, epoch;
+  int inflight;   /* admitted chunks still being received */
+  int closed;     /* kvf_engine_fence_close ran: admit nothing more */
+  int abandoned;  /* the closer timed out: the last receiver frees it */
+  atomic_int cut; /* read without the lock by receivers between receive calls */
+} engine_fence;
+
+typedef struct engine_fences {
+  pthread_mutex_t lock;
+  pthread_cond_t cv; /* a fenced pair's last receiver left */
+  map open;          /* epoch -> engine_fence */
+} engine_fences;
+
+int kvf__fence_init(engine_fences *f);
+void kvf__fence_destroy(engine_fences *f);
+/* Admit a tagged chunk: the open fence entry with inflight raised, or NULL
+ * (counted in chunks_fenced) when the pair is not open. */
+engine_fence *kvf__fence_enter(struct kvf_engine *e, uint64_t tag, uint64_t epoch);
+void kvf__fence_leave(struct kvf_engine *e, engine_fence *x);
+
 /* ---- batches ---- */
 typedef struct kvf_batch {
   struct kvf_engine *engine;
+  uint64_t tag, epoch; /* kvf_batch_opts: 0 = untagged */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   int pending;      /* chunks not yet acknowledged or failed */
@@ -120,6 +143,7 @@ typedef struct engine_counters {
   atomic_ullong auth_refused, protocol_errors, conns_refused;
   atomic_ullong conns_timed_out, conns_evicted;
   atomic_ullong peers_ucx, peers_tcp; /* writer side: routing decisions per peer */
+  atomic_ullong chunks_fenced;
 } engine_counters;
 
 typedef struct kvf_engine {
@@ -129,6 +153,7 @@ typedef struct kvf_engine {
   uint16_t port;
   char session_id[300];
   region_table regions;
+  engine_fences fences;
   engine_counters stats;
   atomic_ullong sync_point; /* see kvf_engine_sync */
   const transport_ops *ops;

@@ -16,7 +16,11 @@
  * KVF_ERANGE. Malformed framing closes the connection; it never stops the
  * engine. The hello and each chunk have an overall deadline that trickled
  * bytes do not extend, and when every slot is taken a connection still in its
- * hello, or idle, is evicted to admit a new one. */
+ * hello, or idle, is evicted to admit a new one. A tagged chunk
+ * (kvf_batch_opts.tag) is written only while the target has its (tag, epoch)
+ * open (fence.c): refused before any payload byte otherwise (KVF_ESTATE),
+ * and cut at the next receive tick when the fence closes meanwhile, as a
+ * pinned region's unregistering cuts it. */
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -307,13 +311,17 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
     const kvf_write *w = &ch->writes[i];
     descs[i] = (tcp_desc){w->dst, w->len, w->count > 1 ? w->count : 1, w->dst_stride};
   }
-  tcp_chunk_hdr h = {ch->trailer ? TCP_CHUNK_TRAILER_MAGIC : TCP_CHUNK_MAGIC, (uint32_t)ch->n, ch->seq, ch->bytes};
+  const kvf_batch *b = ch->batch;
+  uint32_t magic = b->tag ? (ch->trailer ? TCP_CHUNK_TAGGED_TRAILER_MAGIC : TCP_CHUNK_TAGGED_MAGIC)
+                          : (ch->trailer ? TCP_CHUNK_TRAILER_MAGIC : TCP_CHUNK_MAGIC);
+  tcp_chunk_hdr h = {magic, (uint32_t)ch->n, ch->seq, ch->bytes};
+  tcp_chunk_tag tag = {b->tag, b->epoch};
   /* The reader may see the ack and finish the chunk before the last send
    * call returns: hold a reference so its blocks stay readable until then. */
   atomic_fetch_add(&ch->refs, 1);
   piece_src src = {.writes = ch->writes, .n = ch->n};
-  struct iovec head[2] = {{&h, sizeof h}, {descs, ch->n * sizeof *descs}};
-  int rc = xfer_pieces(c->fd, &src, 1, head, 2);
+  struct iovec head[3] = {{&h, sizeof h}, {&tag, b->tag ? sizeof tag : 0}, {descs, ch->n * sizeof *descs}};
+  int rc = xfer_pieces(c->fd, &src, 1, head, 3);
   if (!rc && ch->trailer) { /* behind the payload, on the same connection */
     tcp_trailer t = {TCP_TRAILER_MAGIC, ch->tlen};
     rc = send_all(c->fd, &t, sizeof t);
@@ -614,6 +622,7 @@ typedef struct in_pins {
   region **r;
   size_t n;
   unsigned gen; /* the table's revocation count when they were pinned */
+  engine_fence *fence; /* a tagged chunk's fence (fence.c): cut = stop like a revocation */
 } in_pins;
 
 static void peer_name(const struct sockaddr_storage *ss, char *out, size_t cap) {
@@ -633,6 +642,7 @@ static void log_peer_once(const char *peer, const char *kind, const char *detail
 }
 
 static int pins_revoked(const tcp_inbound *in, const in_pins *p) {
+  if (p && p->fence && atomic_load(&p->fence->cut)) return 1;
   if (!p || atomic_load(&in->t->e->regions.revocations) == p->gen) return 0;
   for (size_t i = 0; i < p->n; i++)
     if (atomic_load(&p->r[i]->revoked)) return 1;
@@ -797,8 +807,8 @@ static int in_grow(tcp_desc **descs, region ***pins, size_t *cap, uint32_t ndesc
 /* One chunk after its header: descriptors, checks, payload; returns the
  * status to acknowledge, or a negative error that ends the connection
  * (reported here). The regions lock is held only to look up and pin. */
-static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h, tcp_desc *descs, region **pinv,
-                         int64_t *deadline, int *status) {
+static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h, const tcp_chunk_tag *tag,
+                         tcp_desc *descs, region **pinv, int64_t *deadline, int *status) {
   int rc = in_recv(in, descs, h->ndesc * sizeof *descs, deadline, 0);
   if (rc) return rc;
   int v = kvf__tcp_frame_descs(h, descs);
@@ -812,31 +822,44 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
   for (size_t i = 0; !v && i < pins.n; i++) kvf__region_pin(pinv[i]);
   pins.gen = atomic_load(&e->regions.revocations);
   pthread_rwlock_unlock(&e->regions.lock);
+  /* A tagged chunk lands only while its fence is open (fence.c): checked
+   * before any byte is written, and again at every receive tick. */
+  int fenced = 0;
+  if (!v && tag && !(pins.fence = kvf__fence_enter(e, tag->tag, tag->epoch))) {
+    for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
+    fenced = 1;
+  }
   uint64_t left = h->total_bytes;
-  if (!v) {
+  if (!v && !fenced) {
     kvf_engine_sync(e); /* order after the owner's last local change */
     rc = in_recv_payload(in, descs, h->ndesc, h->total_bytes, &pins, deadline, &left);
     kvf_engine_sync(e); /* publish the bytes to the owner's next sync */
     for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
-    if (rc == 2) {
+    int cut = rc == 2 && pins.fence && atomic_load(&pins.fence->cut);
+    if (pins.fence) kvf__fence_leave(e, pins.fence); /* from here the chunk writes nothing more */
+    if (cut) {
+      atomic_fetch_add(&e->stats.chunks_fenced, 1);
+      fenced = 1;
+      rc = 0;
+    } else if (rc == 2) {
       log_peer_once(in->peer, "revoked", "destination unregistered during a write; rest of the chunk refused");
       v = TCP_FRAME_OUT_OF_RANGE;
       rc = 0;
     } else {
       left = 0;
     }
-  } else {
+  } else if (v) {
     log_peer_once(in->peer, "range", "write outside registered memory refused");
   }
   if (!rc && left) rc = in_drain(in, left, deadline);
   if (rc) return rc;
   if (v) {
     atomic_fetch_add(&e->stats.batches_refused, 1);
-  } else {
+  } else if (!fenced) {
     atomic_fetch_add(&e->stats.batches_received, 1);
     atomic_fetch_add(&e->stats.bytes_received, h->total_bytes);
   }
-  *status = v ? KVF_ERANGE : 0;
+  *status = v ? KVF_ERANGE : fenced ? KVF_ESTATE : 0;
   return 0;
 }
 
@@ -863,16 +886,18 @@ static void *inbound_main(void *arg) {
     kvf__wake_count();
     /* A chunk with a completion trailer (async.h) frames as a plain one up
      * to its payload; the trailer follows. */
-    int has_trailer = h.magic == TCP_CHUNK_TRAILER_MAGIC;
-    if (has_trailer) h.magic = TCP_CHUNK_MAGIC;
+    int has_trailer = h.magic == TCP_CHUNK_TRAILER_MAGIC || h.magic == TCP_CHUNK_TAGGED_TRAILER_MAGIC;
+    if (has_trailer) h.magic = h.magic == TCP_CHUNK_TRAILER_MAGIC ? TCP_CHUNK_MAGIC : TCP_CHUNK_TAGGED_MAGIC;
     int v = kvf__tcp_frame_chunk_hdr(&h);
     if (v) {
       in_frame_error(in, e, v);
       break;
     }
+    tcp_chunk_tag tag = {0, 0};
+    if (h.magic == TCP_CHUNK_TAGGED_MAGIC && (rc = in_recv(in, &tag, sizeof tag, &deadline, 0))) goto out_err;
     if (in_grow(&descs, &pins, &cap, h.ndesc)) break;
     int status = 0;
-    rc = inbound_chunk(in, e, &h, descs, pins, &deadline, &status);
+    rc = inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, descs, pins, &deadline, &status);
     if (!rc && has_trailer) rc = inbound_trailer(in, e, status == 0, &deadline);
     if (rc) goto out_err;
     tcp_ack a = {h.seq, status, TCP_ACK_MAGIC};

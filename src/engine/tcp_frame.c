@@ -37,7 +37,7 @@ int kvf__tcp_frame_hello(const tcp_hello *h) {
 }
 
 int kvf__tcp_frame_chunk_hdr(const tcp_chunk_hdr *h) {
-  if (h->magic != TCP_CHUNK_MAGIC) return TCP_FRAME_CHUNK_MAGIC;
+  if (h->magic != TCP_CHUNK_MAGIC && h->magic != TCP_CHUNK_TAGGED_MAGIC) return TCP_FRAME_CHUNK_MAGIC;
   if (h->ndesc == 0) return TCP_FRAME_NO_DESC;
   if (h->ndesc > TCP_MAX_DESC) return TCP_FRAME_TOO_MANY_DESC;
   return TCP_FRAME_OK;
@@ -89,6 +89,8 @@ int kvf__tcp_frame_parse(const uint8_t *bytes, size_t len, region_table *t, tcp_
   while (off < len) {
     tcp_chunk_hdr c;
     if ((v = take(bytes, len, &off, &c, sizeof c)) || (v = kvf__tcp_frame_chunk_hdr(&c))) break;
+    tcp_chunk_tag tag; /* a tagged chunk's (tag, epoch); fences are not modelled here */
+    if (c.magic == TCP_CHUNK_TAGGED_MAGIC && (v = take(bytes, len, &off, &tag, sizeof tag))) break;
     tcp_desc *nd = realloc(d, (size_t)c.ndesc * sizeof *d);
     if (!nd) {
       v = TCP_FRAME_SHORT;

@@ -3,12 +3,16 @@
  *   hello   client → server once per connection, followed by the token bytes
  *   reply   server → client: 0 or a negative KVF_E* code, then close if not 0
  *   chunk   header, ndesc descriptors, then the payload bytes of every piece
- *           in descriptor order
+ *           in descriptor order; a tagged chunk (TCP_CHUNK_TAGGED_MAGIC,
+ *           kvf_batch_opts.tag != 0) has a tcp_chunk_tag between the header
+ *           and the descriptors, and is written only while the target has
+ *           that (tag, epoch) open, else answered with KVF_ESTATE
  *   ack     server → client per chunk, in order: 0 or a negative KVF_E* code
  *   A chunk with a completion trailer (async.h) has TCP_CHUNK_TRAILER_MAGIC
- *   in its header and, after its payload, a tcp_trailer and tlen bytes
- *   (at most KVF_ENGINE_MAX_TRAILER), handed to the target's trailer
- *   callback once the payload landed, before the ack. */
+ *   (tagged: TCP_CHUNK_TAGGED_TRAILER_MAGIC) in its header and, after its
+ *   payload, a tcp_trailer and tlen bytes (at most KVF_ENGINE_MAX_TRAILER),
+ *   handed to the target's trailer callback once the payload landed, before
+ *   the ack. */
 #ifndef KVF_ENGINE_TCP_PROTO_H
 #define KVF_ENGINE_TCP_PROTO_H
 
@@ -19,9 +23,11 @@
 #define TCP_ACK_MAGIC 0x4b564641u
 #define TCP_CHUNK_TRAILER_MAGIC 0x4b564645u
 #define TCP_TRAILER_MAGIC 0x4b564659u
+#define TCP_CHUNK_TAGGED_TRAILER_MAGIC 0x4b564647u
 /* A hello with this magic asks for the UCX rendezvous (src/engine/ucx.h)
  * instead of a data connection; the token check is the same. */
 #define TCP_UCX_HELLO_MAGIC 0x4b564655u
+#define TCP_CHUNK_TAGGED_MAGIC 0x4b564654u
 #define TCP_PROTO_VERSION 1
 #define TCP_MAX_TOKEN 1024
 /* A receiver drops a connection whose whole hello (header and token) has not
@@ -50,6 +56,11 @@ typedef struct tcp_chunk_hdr {
   uint64_t total_bytes;
 } tcp_chunk_hdr;
 
+typedef struct tcp_chunk_tag {
+  uint64_t tag;
+  uint64_t epoch;
+} tcp_chunk_tag;
+
 typedef struct tcp_desc {
   uint64_t dst;
   uint64_t len;
@@ -70,6 +81,7 @@ typedef struct tcp_ack {
 
 _Static_assert(sizeof(tcp_hello) == 16, "hello layout");
 _Static_assert(sizeof(tcp_chunk_hdr) == 24, "chunk header layout");
+_Static_assert(sizeof(tcp_chunk_tag) == 16, "chunk tag layout");
 _Static_assert(sizeof(tcp_desc) == 32, "descriptor layout");
 _Static_assert(sizeof(tcp_ack) == 16, "ack layout");
 _Static_assert(sizeof(tcp_trailer) == 8, "trailer layout");

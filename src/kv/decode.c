@@ -49,6 +49,7 @@
 #include "base/log.h"
 #include "bootstrap/bootstrap.h"
 #include "engine/async.h"
+#include "kv/integrity.h"
 #include "kv/manager.h"
 #include "kv/plan.h"
 #include "kv/probe.h"
@@ -82,6 +83,7 @@ typedef struct pool_entry {
   wire_fragment *frags; /* sent only when the plan is fragmented */
   int fragmented;
   int64_t page_layout; /* M2 frame 14 (kvferry): tokens per token-major page; 0 = not sent */
+  int kvferry_peer;    /* the prefill published kvferry's page layout: M2 frame 15 goes out */
   int required_prefill_response_num;
   int supports_spec; /* the plan's supports_remote_spec_candidates */
 } pool_entry;
@@ -91,6 +93,7 @@ typedef struct addr_entry {
   uint64_t epoch;   /* distinguishes this entry from a later one of the same address */
   int64_t tp_p, dp_p;
   int64_t page_layout; /* see pool_entry */
+  int kvferry_peer;    /* see pool_entry */
   plan_route plan;
   char ranks[DECODE_KEY_MAX / 2]; /* target ranks joined by ',' (the pool key's tail) */
 } addr_entry;
@@ -142,6 +145,10 @@ struct kvf_receiver {
    * only then may a completion come in an engine trailer. */
   atomic_int asked_fast;
   struct kvf_receiver *next_spare; /* on ds->spare once destroyed */
+  /* Fencing (integrity.c): the room's engine fence epoch, 0 = unfenced;
+   * `fenced` once it was closed on Failed. The receiver's thread only. */
+  uint64_t fence_epoch;
+  int fenced;
 };
 
 /* ------------------------------------------------------------ helpers */
@@ -257,6 +264,7 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
         (f->bytes_per_page != f->src_page_stride || f->bytes_per_page != f->dst_page_stride))
       slicing = 1;
   }
+  a->kvferry_peer = pi.lists[ROUTE_KVF_PAGE_LAYOUT].n >= 2;
   if (!rc && slicing && m->cfg.page_size > 1) {
     const route_lens *lay = &pi.lists[ROUTE_KVF_PAGE_LAYOUT];
     if (lay->n >= 2 && lay->v[1] == 1 && lay->v[0] == m->cfg.page_size) {
@@ -309,6 +317,7 @@ static pool_entry *pool_from_plan(const addr_entry *a, const char *addr) {
   p->targets = calloc((size_t)p->ntargets, sizeof *p->targets);
   p->fragmented = !a->plan.is_identity && a->plan.nfrags > 0;
   p->page_layout = a->page_layout;
+  p->kvferry_peer = a->kvferry_peer;
   p->nfrags = a->plan.nfrags;
   p->frags = calloc(p->nfrags ? p->nfrags : 1, sizeof *p->frags);
   p->required_prefill_response_num = a->plan.required_prefill_response_num;
@@ -553,7 +562,13 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
   pool_entry *p = r->pool;
   char reason[ROOMS_REASON_MAX] = "";
   int rc = 0;
-  if (m->decode->fast) atomic_store(&r->asked_fast, 1);
+  uint64_t room_flags = 0;
+  if (r->fence_epoch) kvf__integ_room_close(m, r->room, r->fence_epoch, 0, 1); /* a repeated init */
+  kvf__integ_room_open(m, r->room, p->kvferry_peer, &room_flags, &r->fence_epoch);
+  /* Only a kvferry prefill (it published its page layout) is asked; verify
+   * mode checks digests before Success, which come by the control plane, so
+   * such a room is completed by its M3. */
+  if (m->decode->fast && p->kvferry_peer && !(room_flags & WIRE_ROOM_VERIFY)) atomic_store(&r->asked_fast, 1);
   for (int i = 0; i < p->ntargets && !rc; i++) {
     const pool_target *t = &p->targets[i];
     wire_m2 m2;
@@ -567,12 +582,14 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
       m2.dst_aux_index = aux_index;
       m2.decode_prefix_len = decode_prefix_len;
       m2.mamba_indices = wire_array_of(state_slots, nstate);
+      m2.room_flags = room_flags;
+      m2.fence_epoch = r->fence_epoch;
       if (p->fragmented && t->nfrags) {
         m2.frags = p->frags + t->frag_start;
         m2.nfrags = t->nfrags;
         m2.page_layout = p->page_layout;
       }
-      if (m->decode->fast) m2.features = WIRE_FEATURE_FAST_COMPLETION;
+      if (atomic_load(&r->asked_fast)) m2.room_flags |= WIRE_ROOM_FAST_COMPLETION;
     }
     wire_msg msg;
     char why[WIRE_REASON_LEN] = "";
@@ -600,7 +617,31 @@ static int match_room(int64_t room, void *user, void *arg) {
   return room == *(const int64_t *)arg;
 }
 
+/* The room is Failed: refuse its late writes from now on (the engine fence)
+ * and tell every kvferry prefill rank of the plan, so its sender fails
+ * instead of writing on. Once per receiver. */
+static void fence_failed(kvf_receiver *r) {
+  if (!r->fence_epoch || r->fenced) return;
+  kvf_manager *m = r->m;
+  r->fenced = 1;
+  char reason[ROOMS_REASON_MAX] = "";
+  rooms_get_reason(m->rooms, r->room, reason, sizeof reason);
+  kvf__integ_room_close(m, r->room, r->fence_epoch, 1, 0);
+  for (int i = 0; r->pool && i < r->pool->ntargets; i++) {
+    const pool_target *t = &r->pool->targets[i];
+    if (!t->is_dummy) kvf__integ_send_fence(m, t->ip, t->port, r->room, r->fence_epoch, reason);
+  }
+}
+
+static kvf_poll_status poll_room(kvf_receiver *r);
+
 kvf_poll_status kvf_receiver_poll(kvf_receiver *r) {
+  kvf_poll_status st = poll_room(r);
+  if (st == KVF_POLL_FAILED && r) fence_failed(r);
+  return st;
+}
+
+static kvf_poll_status poll_room(kvf_receiver *r) {
   if (!r) return KVF_POLL_FAILED;
   kvf_manager *m = r->m;
   rooms_info info;
@@ -643,6 +684,13 @@ int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, s
 
 void kvf_receiver_destroy(kvf_receiver *r) {
   if (!r) return;
+  int st = ROOM_FAILED;
+  rooms_get_status(r->m->rooms, r->room, &st);
+  if (st != ROOM_SUCCESS) { /* a late write must not land in pages the caller takes back now */
+    if (st != ROOM_FAILED) rooms_fail(r->m->rooms, r->room, "The decode dropped the request (receiver destroyed)");
+    fence_failed(r);
+  }
+  kvf__integ_room_close(r->m, r->room, r->fence_epoch, 0, 1);
   rooms_clear(r->m->rooms, r->room, NULL);
   pool_unref(r->pool);
   receiver_give(r->m->decode, r);
@@ -699,9 +747,19 @@ static void decode_on_trailer(void *arg, const unsigned char *data, size_t len, 
   kvf__manager_dispatch(m, frames, n, extra, peer);
 }
 
+/* The same check for a kvferry digests message. */
+static int from_planned(kvf_manager *m, int64_t room, const char *peer) {
+  m3_origin origin = {m, peer};
+  return rooms_with_user(m->rooms, room, from_planned_rank, &origin) != 0;
+}
+
 void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
   wire_m3 m3;
   char why[WIRE_REASON_LEN] = "";
+  if (wire_is_digests(frames, n)) {
+    kvf__integ_on_digests(m, frames, n, peer, from_planned);
+    return;
+  }
   if (wire_m3_decode(frames, n, &m3, why)) {
     manager_reject(m, peer, "M3", why);
     return;
@@ -722,6 +780,7 @@ void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const
     for (size_t i = 0; i < m3.candidates.count; i++) cands[i] = wire_i32_at(m3.candidates, i);
     /* The bytes the prefill wrote must be visible before anyone sees Success. */
     kvf_engine_sync(m->engine);
+    kvf__integ_on_success(m, m3.room, m3.prefill_rank);
     rc = rooms_record_response(m->rooms, m3.room, (int)m3.prefill_rank, m3.bootstrap_token, cands,
                                m3.candidates.count, NULL);
   } else if (m3.status == WIRE_STATUS_FAILED && m3.reason_len) {

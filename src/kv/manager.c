@@ -14,6 +14,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,7 @@
 #include "base/env.h"
 #include "base/log.h"
 #include "base/wake.h"
+#include "kv/integrity.h"
 
 #define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
 #define MANAGER_MAX_PUSHES 4096
@@ -79,6 +81,7 @@ static const kvf__field manager_fields[] = {
     KVF__FIELD(kvf_manager_config, target_layer_num, KVF__FIELD_SIZE),
     KVF__FIELD(kvf_manager_config, control_token, KVF__FIELD_STR),
     KVF__FIELD(kvf_manager_config, fast_completion, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, verify, KVF__FIELD_INT),
 };
 
 int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value) {
@@ -118,6 +121,7 @@ static void resolve_config(kvf_manager_config *c) {
   c->heartbeat_max_failures = (int)env_get_int("TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", c->heartbeat_max_failures);
   c->failed_session_ttl_s = (double)env_get_int("TOKENSPEED_DISAGGREGATION_FAILED_SESSION_TTL", (int64_t)c->failed_session_ttl_s);
   c->queue_size = (int)env_get_int("TOKENSPEED_DISAGGREGATION_QUEUE_SIZE", c->queue_size);
+  c->verify = env_get_int("KVFERRY_VERIFY", c->verify) != 0;
   /* The reference's floors: a heartbeat faster than 2 s or a threshold of 0
    * would declare healthy peers dead. KVFERRY_HEARTBEAT_MIN_S lets tests go
    * below 2 s; production keeps the floor. */
@@ -545,6 +549,43 @@ static int register_buffers(kvf_manager *m) {
   return 0;
 }
 
+/* Is [a, a+len) covered by readable mappings of this process? */
+static int readable(FILE *maps, uint64_t a, uint64_t len) {
+  uint64_t lo, hi, want = a;
+  char perms[8];
+  rewind(maps);
+  while (want < a + len && fscanf(maps, "%" SCNx64 "-%" SCNx64 " %7s%*[^\n]", &lo, &hi, perms) == 3) {
+    if (lo <= want && want < hi) {
+      if (perms[0] != 'r') return 0;
+      want = hi;
+    }
+  }
+  return want >= a + len;
+}
+
+/* Verify mode hashes buffers on the CPU, so they must be host memory. A
+ * device buffer (cudaMalloc) is not a readable mapping of the process. The
+ * plan for device memory (a GPU hashing kernel, or hashing a host staging
+ * copy) is in docs/WIRE-EXTENSIONS.md; until then it is refused here. */
+static int check_host_memory(const manager_buffers *b) {
+  FILE *maps = fopen("/proc/self/maps", "r");
+  if (!maps) return 0; /* cannot tell: let it run */
+  int rc = 0;
+  for (size_t i = 0; i < b->n_kv + b->n_state && !rc; i++) {
+    int st = i >= b->n_kv;
+    size_t k = st ? i - b->n_kv : i;
+    uint64_t p = st ? b->state_ptrs[k] : b->kv_ptrs[k], len = st ? b->state_lens[k] : b->kv_lens[k];
+    if (len && !readable(maps, p, len)) {
+      LOG_ERROR("kv", "verify mode needs host memory: %s buffer %zu at 0x%" PRIx64 " (+%" PRIu64
+                " bytes) is not readable host memory (device memory cannot be hashed on the CPU yet)",
+                st ? "state" : "KV", k, p, len);
+      rc = KVF_EINVAL;
+    }
+  }
+  fclose(maps);
+  return rc;
+}
+
 int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *bufs, kvf_manager **out) {
   kvf_manager_config cfg;
   kvf_manager_config_init(&cfg);
@@ -595,6 +636,7 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
     }
   }
   c->state_layer_ids = NULL;
+  if (c->verify && (rc = check_host_memory(&m->bufs))) goto err_bufs;
   if ((rc = rooms_table_new(c->max_rooms, &m->rooms))) goto err_bufs;
 
   if (c->engine) {
@@ -619,8 +661,9 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
     goto err_pushes;
   }
   if ((rc = bind_pull(m))) goto err_zmq;
+  if ((rc = kvf__integ_start(m))) goto err_zmq;
   rc = c->role == KVF_ROLE_DECODE ? decode_start(m) : prefill_start(m);
-  if (rc) goto err_zmq;
+  if (rc) goto err_integ;
   if (pthread_create(&m->listener, NULL, listener_main, m)) {
     rc = KVF_ENOMEM;
     goto err_role;
@@ -634,6 +677,8 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
 err_role:
   if (c->role == KVF_ROLE_DECODE) decode_stop(m);
   else prefill_stop(m);
+err_integ:
+  kvf__integ_stop(m);
 err_zmq:
   if (m->pull) zmq_close(m->pull);
   zmq_ctx_term(m->zctx);
@@ -659,6 +704,7 @@ void kvf_manager_destroy(kvf_manager *m) {
   if (m->listener_started) pthread_join(m->listener, NULL);
   if (m->cfg.role == KVF_ROLE_DECODE) decode_stop(m);
   else prefill_stop(m);
+  kvf__integ_stop(m);
   zmq_close(m->pull);
   close_pushes(m);
   zmq_ctx_term(m->zctx);
@@ -684,5 +730,8 @@ void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *o) {
   o->heartbeat_failures = atomic_load(&m->stats.heartbeat_failures);
   o->node_failures = atomic_load(&m->stats.node_failures);
   o->messages_forged = atomic_load(&m->stats.messages_forged);
+  o->verify_failures = atomic_load(&m->stats.verify_failures);
+  o->verify_unverified = atomic_load(&m->stats.verify_unverified);
+  o->rooms_fenced = atomic_load(&m->stats.rooms_fenced);
   o->live_rooms = rooms_count(m->rooms);
 }

@@ -25,7 +25,12 @@ typedef struct manager_counters {
   atomic_ullong messages_received, messages_malformed, messages_unknown_room;
   atomic_ullong chunks_sent, bytes_sent, heartbeat_failures, node_failures, messages_forged;
   atomic_ullong completions_fast; /* decode: room completions taken from engine trailers */
+  atomic_ullong verify_failures, verify_unverified, rooms_fenced;
 } manager_counters;
+
+/* The engine fence tag of a room (kvf_batch_opts.tag): never 0 except for
+ * the one room id INT64_MIN, which is then sent unfenced. */
+static inline uint64_t manager_room_tag(int64_t room) { return (uint64_t)room ^ 0x8000000000000000ull; }
 
 /* Buffers as copied from kvf_kv_buffers, with the layer mapping resolved. */
 typedef struct manager_buffers {
@@ -71,6 +76,7 @@ struct kvf_manager {
 
   struct decode_state *decode;
   struct prefill_state *prefill;
+  struct integ_state *integ; /* verify mode and fences (integrity.c) */
 };
 
 /* Role hooks, implemented in decode.c and prefill.c. start runs after the

@@ -93,11 +93,13 @@
 
 #include "base/clock.h"
 #include "base/config.h"
+#include "base/hash.h"
 #include "base/log.h"
 #include "base/map.h"
 #include "base/wake.h"
 #include "bootstrap/bootstrap.h"
 #include "engine/async.h"
+#include "kv/integrity.h"
 #include "kv/manager.h"
 #include "kv/plan.h"
 #include "kv/rooms.h"
@@ -161,6 +163,12 @@ typedef struct pf_chunk {
   size_t ncand;
   int64_t *state_slots;
   size_t nstate;
+  /* Verify mode: the digest of every (page, KV buffer of the chunk's
+   * layers) taken in kvf_sender_send, digests[k * ndig + j] for pages[k]
+   * and buffer dig_bufs[j]; NULL when verify mode is off. */
+  uint64_t *digests;
+  size_t *dig_bufs;
+  size_t ndig;
 } pf_chunk;
 
 typedef struct pf_dest { /* where an M3 goes */
@@ -272,6 +280,7 @@ typedef struct prefill_state {
 static void chunk_free(pf_chunk *c) {
   if (!c) return;
   free(c->pages), free(c->cands), free(c->state_slots);
+  free(c->digests), free(c->dig_bufs);
   free(c);
 }
 
@@ -635,8 +644,49 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   atomic_fetch_add(&m->stats.messages_received, 1);
 }
 
+/* A kvferry decode failed or dropped a room it asked us to fence: fail the
+ * sender's room so it stops writing (its engine would be refused anyway). */
+static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
+  wire_fence f;
+  char why[ROOMS_REASON_MAX];
+  if (wire_fence_decode(frames, n, &f, why)) {
+    manager_reject(m, peer, "fence", why);
+    return;
+  }
+  char host[WIRE_STR_MAX + 1];
+  snprintf(host, sizeof host, "%.*s", (int)(strrchr(f.session, ':') - f.session), f.session);
+  if (!manager_peer_is(m, peer, host)) {
+    manager_reject_forged(m, peer, "fence", "the sender is not the decode host the notice names");
+    return;
+  }
+  int hit = 0;
+  pthread_mutex_lock(&ps->lock);
+  pf_room *r = map_get(&ps->rooms, (uint64_t)f.room);
+  for (size_t i = 0; r && !r->dead && i < r->ninfos && !hit; i++) {
+    const wire_m2 *x = r->infos[i]->m2;
+    hit = x->fence_epoch == f.epoch && !strcmp(x->session, f.session);
+  }
+  int st = ROOM_FAILED;
+  if (hit && r->has_sender && !rooms_get_status(m->rooms, f.room, &st) && st != ROOM_FAILED) {
+    snprintf(why, sizeof why, "Decode %.200s failed the room: %.250s", f.session,
+             *f.reason ? f.reason : "no reason given");
+    rooms_fail(m->rooms, f.room, why);
+  }
+  pthread_mutex_unlock(&ps->lock);
+  if (hit) {
+    atomic_fetch_add(&m->stats.messages_received, 1);
+    LOG_INFO("kv", "room %" PRId64 ": decode %s failed it (%s); sending stops", f.room, f.session, f.reason);
+  } else {
+    atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+  }
+}
+
 void prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
   prefill_state *ps = m->prefill;
+  if (wire_is_fence(frames, n)) {
+    on_fence(m, ps, frames, n, peer);
+    return;
+  }
   int kind = wire_classify(frames, n);
   if (kind == WIRE_MSG_M1) on_m1(m, ps, frames, n, peer);
   else if (kind == WIRE_MSG_M2) on_m2(m, ps, frames, n, peer);
@@ -713,6 +763,304 @@ static int64_t per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, 
   return P;
 }
 
+/* Plan and write one set of page pairs (KV when state == 0, state slots
+ * otherwise) to the destination. Arrays are sized once per call. */
+/* Verify mode and fencing for one write_pairs call: the chunk's page digests
+ * for the pairs (pdig[i * nb + j]: pair i, buffer bufs[j]; NULL = verify
+ * mode off here), and whether the decode asked for digests. */
+typedef struct pf_integ {
+  const uint64_t *pdig;
+  const size_t *bufs;
+  size_t nb;
+} pf_integ;
+
+/* The digest entries of what `w` writes, for a decode that asked: from the
+ * page digests when the plan moves whole pages (no second pass), else by
+ * hashing each block's source pieces now, just before the write. */
+static wire_digest *write_digests(prefill_state *ps, const kvf_write *w, size_t nw, const pf_integ *vi, int plain,
+                                  const int64_t *dst, size_t n, const uint64_t *dst_ptrs, size_t *nd) {
+  const manager_buffers *b = &ps->m->bufs;
+  size_t cnt = plain && vi->pdig ? n * vi->nb : nw;
+  wire_digest *d = malloc((cnt ? cnt : 1) * sizeof *d);
+  if (!d) return NULL;
+  if (plain && vi->pdig) {
+    for (size_t i = 0; i < n; i++)
+      for (size_t j = 0; j < vi->nb; j++) {
+        size_t bi = vi->bufs[j];
+        uint64_t item = b->kv_item_lens[bi];
+        d[i * vi->nb + j] = (wire_digest){dst_ptrs[bi] + (uint64_t)dst[i] * item, item, 1, 0, vi->pdig[i * vi->nb + j]};
+      }
+  } else {
+    for (size_t i = 0; i < nw; i++) {
+      uint64_t count = w[i].count > 1 ? w[i].count : 1;
+      d[i] = (wire_digest){w[i].dst, w[i].len, count, w[i].dst_stride,
+                           kvf__hash_block(w[i].src, w[i].len, count, w[i].src_stride)};
+    }
+  }
+  *nd = cnt;
+  return d;
+}
+
+/* After the write: every source page still holds what kvf_sender_send
+ * hashed, or the room fails naming the first page that changed. */
+static int recheck_sources(prefill_state *ps, const pf_integ *vi, const int64_t *src, size_t n, int64_t room,
+                           char *why, size_t whycap) {
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = 0; j < vi->nb; j++) {
+      uint64_t h = 0;
+      if (kvf__integ_page_digest(ps->m, vi->bufs[j], src[i], &h) == 0 && h == vi->pdig[i * vi->nb + j]) continue;
+      snprintf(why, whycap, "Integrity check failed: source page %" PRId64 " of KV buffer %zu changed while room %"
+               PRId64 " was being sent (the page was reused before its transfer completed)", src[i], vi->bufs[j], room);
+      atomic_fetch_add(&ps->m->stats.verify_failures, 1);
+      return KVF_ESTATE;
+    }
+  return 0;
+}
+
+/* Plan the engine blocks of n page pairs: *w (malloc'd, NULL when nothing
+ * to write) holds *nw blocks. */
+static int plan_pairs(prefill_state *ps, int state, size_t l0, size_t l1, const int64_t *src, const int64_t *dst,
+                      size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags, size_t nfrags, int frag_mode,
+                      int64_t tokens, kvf_write **wout, size_t *nwout) {
+  const manager_buffers *b = &ps->m->bufs;
+  const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
+  plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens, state ? b->n_state : b->n_kv};
+  plan_mem dm = {dst_ptrs, NULL, sm.nbufs};
+  const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
+  plan_run *runs = malloc((n ? n : 1) * sizeof *runs);
+  kvf_write *w = NULL;
+  size_t nruns = 0, nw = 0, cap;
+  int rc = runs ? plan_runs(src, dst, n, runs, &nruns) : KVF_ENOMEM;
+  if (rc) goto out;
+  /* Per-token fragments (tokens > 1): a run of r pages is r*tokens token
+   * slots of the per-token stride, so each (fragment, run) stays one
+   * strided block of r*tokens pieces. */
+  for (size_t k = 0; tokens > 1 && k < nruns; k++)
+    if (__builtin_mul_overflow(runs[k].src, tokens, &runs[k].src) ||
+        __builtin_mul_overflow(runs[k].dst, tokens, &runs[k].dst) ||
+        __builtin_mul_overflow(runs[k].len, tokens, &runs[k].len)) {
+      rc = KVF_ERANGE;
+      goto out;
+    }
+  if (state) l0 = 0, l1 = lay->nlayers;
+  cap = frag_mode ? plan_frag_count(lay, l0, l1, frags, nfrags, state, runs, nruns)
+                  : plan_plain_count(lay, l0, l1, nruns);
+  if (!cap) goto out;
+  if (!(w = malloc(cap * sizeof *w))) {
+    rc = KVF_ENOMEM;
+    goto out;
+  }
+  rc = frag_mode ? plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
+                 : plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
+out:
+  free(runs);
+  if (rc) {
+    free(w);
+    w = NULL, nw = 0;
+  }
+  *wout = w;
+  *nwout = nw;
+  return rc;
+}
+
+/* One part of a write_pairs call: pairs [a, a + n), its blocks, its batch
+ * and the digests that go to the decode once it landed. */
+typedef struct pf_part {
+  size_t a, n;
+  kvf_write *w;
+  size_t nw;
+  kvf_batch *batch;
+  wire_digest *dg;
+  size_t ndg;
+} pf_part;
+
+/* Verify mode cuts a call into this many parts, submitted at once and
+ * finished in order: while later parts are on the wire, the prefill
+ * rechecks the sources of the parts that landed and the decode checks
+ * their digests, so hashing overlaps the transfer instead of following it. */
+#define PF_VERIFY_PARTS 16
+
+static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0, size_t l1, const int64_t *src,
+                       const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags,
+                       size_t nfrags, int frag_mode, int64_t tokens, const pf_integ *vi, uint64_t *bytes, char *why,
+                       size_t whycap, int *xfer) {
+  kvf_manager *m = ps->m;
+  int have_reason = 0, ask = (x->room_flags & WIRE_ROOM_VERIFY) != 0, plain = !state && !frag_mode && tokens == 1;
+  kvf_batch_opts opts;
+  kvf_batch_opts_init(&opts);
+  if (x->fence_epoch && manager_room_tag(x->room)) opts.tag = manager_room_tag(x->room), opts.epoch = x->fence_epoch;
+  size_t nparts = (ask || vi->pdig) && n >= PF_VERIFY_PARTS ? PF_VERIFY_PARTS : 1, per = (n + nparts - 1) / nparts;
+  pf_part *parts = calloc(nparts, sizeof *parts);
+  int rc = parts ? 0 : KVF_ENOMEM;
+  for (size_t g = 0; !rc && g < nparts; g++) {
+    pf_part *p = &parts[g];
+    p->a = g * per < n ? g * per : n;
+    p->n = n - p->a < per ? n - p->a : per;
+    rc = plan_pairs(ps, state, l0, l1, src + p->a, dst + p->a, p->n, dst_ptrs, frags, nfrags, frag_mode, tokens,
+                    &p->w, &p->nw);
+    if (rc || !p->nw) continue;
+    if (ask) {
+      pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb};
+      if (!(p->dg = write_digests(ps, p->w, p->nw, &pv, plain, dst + p->a, p->n, dst_ptrs, &p->ndg))) {
+        rc = KVF_ENOMEM;
+        break;
+      }
+    }
+    if ((rc = kvf_engine_submit_ex(m->engine, x->session, p->w, p->nw, &opts, &p->batch))) *xfer = 1;
+  }
+  for (size_t g = 0; !rc && g < nparts; g++) {
+    pf_part *p = &parts[g];
+    if (!p->batch) continue;
+    if ((rc = kvf_batch_wait(p->batch, -1))) {
+      *xfer = 1;
+      break;
+    }
+    pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb};
+    if (!state && pv.pdig && (rc = recheck_sources(ps, &pv, src + p->a, p->n, x->room, why, whycap))) {
+      have_reason = 1;
+      break;
+    }
+    if (p->dg) kvf__integ_send_digests(m, x->endpoint, x->dst_port, x->room, x->fence_epoch, p->dg, p->ndg);
+    *bytes += writes_bytes(p->w, p->nw);
+  }
+  if (*xfer && rc == KVF_ESTATE && opts.tag) { /* refused by the decode's fence: the room, not the session, is gone */
+    snprintf(why, whycap, "The decode fenced room %" PRId64 " (it failed or dropped it there): write refused", x->room);
+    *xfer = 0;
+    have_reason = 1;
+  } else if (*xfer) {
+    snprintf(why, whycap, "%s", kvf_strerror(rc)); /* completed by send_to_dest */
+  }
+  for (size_t g = 0; parts && g < nparts; g++) {
+    kvf_batch_destroy(parts[g].batch); /* waits for a part still in flight after an error */
+    free(parts[g].w);
+    free(parts[g].dg);
+  }
+  free(parts);
+  if (rc && !*xfer && !have_reason)
+    snprintf(why, whycap, "%s pages of the chunk cannot be mapped onto decode session %s: %s",
+             state ? "State" : "KV", x->session, kvf_strerror(rc));
+  return rc;
+}
+
+/* One chunk to one real destination (§6.3-§6.6). DEST_FAIL with a reason,
+ * or DEST_XFER_FAIL when the engine refused or failed the write. */
+static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,
+                        size_t whycap) {
+  kvf_manager *m = ps->m;
+  const manager_buffers *b = &m->bufs;
+  int64_t page_size = m->cfg.page_size, now = clock_now_ns();
+  uint64_t *dptr = NULL, *sptr = NULL;
+  size_t nsptr = 0;
+  int64_t *src = NULL, *dst = NULL;
+  plan_fragment *frags = NULL;
+  int ret = DEST_FAIL, xfer = 0;
+
+  pthread_mutex_lock(&ps->lock);
+  pf_reg *reg = smap_get(&ps->regs, x->session);
+  if (!reg) {
+    snprintf(why, whycap, "Decode session %s is not registered", x->session);
+  } else if (reg->failed_ns && m->cfg.failed_session_ttl_s > 0 &&
+             now - reg->failed_ns < (int64_t)(m->cfg.failed_session_ttl_s * 1e9)) {
+    snprintf(why, whycap, "Decode instance could be dead, remote mooncake session %s is not alive", x->session);
+  } else if (reg->m1->kv_ptrs.count != b->n_kv) {
+    snprintf(why, whycap, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", x->session,
+             reg->m1->kv_ptrs.count, b->n_kv);
+  } else {
+    if (reg->failed_ns) reg->failed_ns = 0; /* the TTL passed */
+    nsptr = reg->m1->state_ptrs.count;
+    dptr = malloc(b->n_kv * sizeof *dptr);
+    sptr = malloc((nsptr ? nsptr : 1) * sizeof *sptr);
+    for (size_t i = 0; dptr && i < b->n_kv; i++) dptr[i] = wire_u64_at(reg->m1->kv_ptrs, i);
+    for (size_t i = 0; sptr && i < nsptr; i++) sptr[i] = wire_u64_at(reg->m1->state_ptrs, i);
+    ret = DEST_OK;
+  }
+  pthread_mutex_unlock(&ps->lock);
+  if (ret != DEST_OK) goto out;
+  ret = DEST_FAIL;
+  if (!dptr || !sptr) {
+    snprintf(why, whycap, "Out of memory");
+    goto out;
+  }
+  if (x->decode_prefix_len % page_size) {
+    snprintf(why, whycap, "decode_prefix_len %" PRId64 " is not a multiple of page_size %" PRId64,
+             x->decode_prefix_len, page_size);
+    goto out;
+  }
+  if (x->nfrags && !(frags = convert_frags(x))) {
+    snprintf(why, whycap, "Out of memory");
+    goto out;
+  }
+  int64_t tokens = 1;
+  if (frags && (tokens = per_token(frags, x->nfrags, page_size, x->page_layout, why, whycap)) < 1) goto out;
+
+  /* §6.8: skip the pages the decode already holds; position p maps to
+   * destination index p - P. Then truncate to what both sides have (§6.3). */
+  int64_t prefix = c->explicit_idx ? 0 : x->decode_prefix_len / page_size;
+  size_t skip = c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
+  int64_t dstart = c->pos + (int64_t)skip - prefix;
+  size_t ndst = x->kv_indices.count, nsrc = c->npages - skip;
+  size_t avail = (uint64_t)dstart < ndst ? ndst - (size_t)dstart : 0;
+  size_t n = nsrc < avail ? nsrc : avail;
+  if (n) {
+    src = malloc(n * sizeof *src);
+    dst = malloc(n * sizeof *dst);
+    if (!src || !dst) {
+      snprintf(why, whycap, "Out of memory");
+      goto out;
+    }
+    memcpy(src, c->pages + skip, n * sizeof *src);
+    for (size_t k = 0; k < n; k++) dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
+    pf_integ vi = {c->digests ? c->digests + skip * c->ndig : NULL, c->dig_bufs, c->ndig};
+    if (write_pairs(ps, x, 0, c->layer_begin, c->layer_end, src, dst, n, dptr, frags, x->nfrags, x->nfrags > 0,
+                    tokens, &vi, bytes, why, whycap, &xfer))
+      goto out;
+  }
+
+  /* §6.6: state slots in non-layerwise mode, last chunk only. */
+  if (c->is_last && b->n_state && nsptr && c->nstate && x->mamba_indices.count) {
+    size_t nm = x->mamba_indices.count, np = 0;
+    if (nsptr != b->n_state) {
+      snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu", x->session,
+               nsptr, b->n_state);
+      goto out;
+    }
+    if (c->nstate != nm && c->nstate != 1) {
+      snprintf(why, whycap, "State slot counts differ: %zu on prefill, %zu on decode", c->nstate, nm);
+      goto out;
+    }
+    free(src), free(dst);
+    src = malloc(nm * sizeof *src);
+    dst = malloc(nm * sizeof *dst);
+    if (!src || !dst) {
+      snprintf(why, whycap, "Out of memory");
+      goto out;
+    }
+    for (size_t k = 0; k < nm; k++) {
+      int64_t s = c->state_slots[c->nstate == 1 ? 0 : k], d = wire_i64_at(x->mamba_indices, k);
+      if (s < 0 || d < 0) continue;
+      src[np] = s, dst[np] = d, np++;
+    }
+    /* §8 item 11: with a fragment plan, state goes through it too; a rank
+     * whose plan has no state fragment writes no state (the reference
+     * would send whole slots of its own, possibly larger, item size). */
+    pf_integ none = {NULL, NULL, 0};
+    if (np && write_pairs(ps, x, 1, 0, 0, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, &none, bytes, why,
+                          whycap, &xfer))
+      goto out;
+  }
+  ret = DEST_OK;
+out:
+  if (ret != DEST_OK && xfer) {
+    char err[128];
+    snprintf(err, sizeof err, "%.120s", why);
+    snprintf(why, whycap, "Failed to send kv chunk of %" PRId64 " to %s:%u (%s)", c->r->room, x->endpoint,
+             (unsigned)x->dst_port, err);
+    ret = DEST_XFER_FAIL;
+  }
+  free(frags), free(src), free(dst), free(dptr), free(sptr);
+  return ret;
+}
+
 /* Grow a scratch array to hold `need` elements of `elem` bytes. Arrays only
  * grow, so a worker stops allocating once it has seen its largest chunk. */
 static int scratch_grow(void **p, size_t *cap, size_t need, size_t elem) {
@@ -754,7 +1102,7 @@ static int info_plan(kvf_manager *m, pf_info *info) {
 
 /* Plan one set of page pairs (KV when state == 0, state slots otherwise) to
  * the destination, appending the writes to sc->w. Uses only sc's arrays. */
-static int plan_pairs(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, int state, size_t l0, size_t l1,
+static int plan_pairs_sc(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, int state, size_t l0, size_t l1,
                       const int64_t *src, const int64_t *dst, size_t n, const uint64_t *dst_ptrs,
                       const plan_fragment *frags, size_t nfrags, int frag_mode, int64_t tokens, char *why,
                       size_t whycap) {
@@ -854,7 +1202,7 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
       return ret;
     }
     for (size_t k = 0; k < n; k++) sc->dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
-    if (plan_pairs(ps, sc, x, 0, c->layer_begin, c->layer_end, c->pages + skip, sc->dst, n, sc->dptr, frags,
+    if (plan_pairs_sc(ps, sc, x, 0, c->layer_begin, c->layer_end, c->pages + skip, sc->dst, n, sc->dptr, frags,
                    x->nfrags, x->nfrags > 0, info->tokens, why, whycap))
       return ret;
   }
@@ -887,11 +1235,18 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
      * would send whole slots of its own, possibly larger, item size). */
     /* A layerwise chunk with state_layer_ids: the state of its layer group. */
     int by_layer = c->explicit_idx && ps->stl_lay.nlayers;
-    if (np && plan_pairs(ps, sc, x, by_layer ? 2 : 1, c->layer_begin, c->layer_end, sc->src, sc->dst, np, sc->sptr,
+    if (np && plan_pairs_sc(ps, sc, x, by_layer ? 2 : 1, c->layer_begin, c->layer_end, sc->src, sc->dst, np, sc->sptr,
                          frags, x->nfrags, x->nfrags > 0, 1, why, whycap))
       return ret;
   }
   return DEST_OK;
+}
+
+/* The decode's fence for its room (issue 16), as engine batch options:
+ * untagged when it asked for none. */
+static void fence_opts(const wire_m2 *x, kvf_batch_opts *opts) {
+  kvf_batch_opts_init(opts);
+  if (x->fence_epoch && manager_room_tag(x->room)) opts->tag = manager_room_tag(x->room), opts->epoch = x->fence_epoch;
 }
 
 /* The reason for a failed engine write to one destination. */
@@ -907,7 +1262,7 @@ static void xfer_why(const pf_room *r, const wire_m2 *x, int rc, char *why, size
  * goes out either way, then completes the room alone. */
 static size_t completion_trailer(prefill_state *ps, int64_t room, const wire_m2 *x, size_t nreal, int64_t token,
                                  const int32_t *cands, size_t ncand, unsigned char *out, size_t cap) {
-  if (!(x->features & WIRE_FEATURE_FAST_COMPLETION) || nreal != 1 || x->required_dst_info_num != 1 ||
+  if (!(x->room_flags & WIRE_ROOM_FAST_COMPLETION) || nreal != 1 || x->required_dst_info_num != 1 ||
       token == PF_TOKEN_LATER)
     return 0;
   wire_m3 m3 = {.room = room, .status = ROOM_SUCCESS, .prefill_rank = ps->m->tp_rank, .bootstrap_token = token,
@@ -923,7 +1278,7 @@ static size_t completion_trailer(prefill_state *ps, int64_t room, const wire_m2 
 /* One chunk to one real destination, written and confirmed (worker path).
  * DEST_FAIL with a reason, or DEST_XFER_FAIL when the engine refused or
  * failed the write. */
-static int send_to_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, size_t nreal,
+static int send_to_dest_sc(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, size_t nreal,
                         uint64_t *bytes, char *why, size_t whycap) {
   int ret = plan_dest(ps, sc, c, info, why, whycap);
   if (ret != DEST_OK || !sc->nw) return ret;
@@ -931,7 +1286,9 @@ static int send_to_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, co
   size_t tlen = c->is_last ? completion_trailer(ps, c->r->room, info->m2, nreal, c->token, c->cands, c->ncand, tb,
                                                 sizeof tb)
                            : 0;
-  int rc = kvf__engine_write_trailer(ps->m->engine, info->m2->session, sc->w, sc->nw, tlen ? tb : NULL, tlen);
+  kvf_batch_opts opts;
+  fence_opts(info->m2, &opts);
+  int rc = kvf__engine_write_trailer(ps->m->engine, info->m2->session, sc->w, sc->nw, &opts, tlen ? tb : NULL, tlen);
   if (rc) {
     xfer_why(c->r, info->m2, rc, why, whycap);
     return DEST_XFER_FAIL;
@@ -986,7 +1343,10 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
     nreal++;
-    int rc = send_to_dest(ps, sc, c, infos[i], nreal_all, &bytes, why, sizeof why);
+    /* Verify mode (hashes, digests, parts) takes the integrity path. */
+    int rc = c->digests || (x->room_flags & WIRE_ROOM_VERIFY)
+                 ? send_to_dest(ps, c, x, &bytes, why, sizeof why)
+                 : send_to_dest_sc(ps, sc, c, infos[i], nreal_all, &bytes, why, sizeof why);
     if (rc != DEST_OK) {
       fail_dest(ps, r, x, why, rc == DEST_XFER_FAIL);
       ok = 0; /* §6.11 step 5: stop processing this chunk */
@@ -1130,8 +1490,10 @@ static void direct_done(void *arg, int status) {
 static pf_direct *direct_take_locked(prefill_state *ps, pf_room *r, const pf_chunk *c, size_t prior) {
   int st = ROOM_FAILED;
   if (!c->is_last || c->token == PF_TOKEN_LATER || !r->bootstrapped || r->nchunks != prior || r->dead ||
-      r->ninfos > PF_DIRECT_MAX_DESTS || !ps->direct_free)
+      r->ninfos > PF_DIRECT_MAX_DESTS || !ps->direct_free || ps->m->cfg.verify || c->digests)
     return NULL;
+  for (size_t i = 0; i < r->ninfos; i++) /* verify mode: the integrity path */
+    if (r->infos[i]->m2->room_flags & WIRE_ROOM_VERIFY) return NULL;
   uint64_t per_page = ps->layer_bytes[c->layer_end] - ps->layer_bytes[c->layer_begin];
   if (c->npages && per_page > PF_DIRECT_MAX_BYTES / c->npages) return NULL;
   if (rooms_get_status(ps->m->rooms, r->room, &st) || st == ROOM_FAILED) return NULL;
@@ -1174,8 +1536,10 @@ static void direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
     atomic_fetch_add(&dj->left, 1);
     unsigned char tb[KVF_ENGINE_MAX_TRAILER];
     size_t tlen = completion_trailer(ps, dj->r->room, x, nreal, dj->token, dj->cands, dj->ncand, tb, sizeof tb);
-    int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, tlen ? tb : NULL, tlen, direct_done,
-                                   &dj->d[i]);
+    kvf_batch_opts opts;
+    fence_opts(x, &opts);
+    int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, &opts, tlen ? tb : NULL, tlen,
+                                   direct_done, &dj->d[i]);
     if (rc) {
       atomic_fetch_sub(&dj->left, 1);
       atomic_store(&dj->failed, 1);
@@ -1483,6 +1847,20 @@ err_unlock:
   return rc;
 }
 
+/* Verify mode: digest every (page, buffer) the chunk will send, now, while
+ * the caller still guarantees the pages hold the request's KV. A page
+ * outside the pool is KVF_ERANGE. */
+static int hash_pages(kvf_manager *m, pf_chunk *c) {
+  int rc = kvf__integ_layer_bufs(m, c->layer_begin, c->layer_end, &c->dig_bufs, &c->ndig);
+  if (rc) return rc;
+  size_t nd = c->npages * c->ndig;
+  if (!(c->digests = malloc((nd ? nd : 1) * sizeof *c->digests))) return KVF_ENOMEM;
+  for (size_t k = 0; k < c->npages; k++)
+    for (size_t j = 0; j < c->ndig; j++)
+      if ((rc = kvf__integ_page_digest(m, c->dig_bufs[j], c->pages[k], &c->digests[k * c->ndig + j]))) return rc;
+  return 0;
+}
+
 /* Both send calls: validate, copy and queue (or park) one chunk. pos is the
  * index_slice start; explicit_idx says it is a destination index. */
 static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int64_t pos, int explicit_idx,
@@ -1527,8 +1905,13 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
   c->token = is_last ? bootstrap_token : -1;
   if (c->cands) memcpy(c->cands, cands, ncand * sizeof *cands), c->ncand = ncand;
   if (c->state_slots) memcpy(c->state_slots, state_slots, nstate * sizeof *state_slots), c->nstate = nstate;
+  int rc = s->m->cfg.verify ? hash_pages(s->m, c) : 0;
+  if (rc) {
+    chunk_free(c);
+    return rc;
+  }
 
-  int rc = 0, st = ROOM_FAILED;
+  int st = ROOM_FAILED;
   pf_room *r = s->r;
   pthread_mutex_lock(&ps->lock);
   if (rooms_get_status(s->m->rooms, s->room, &st) || st == ROOM_FAILED) {

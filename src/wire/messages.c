@@ -25,7 +25,7 @@ static const char *const m2_names[] = {
     "session_id",     "dst_kv_indices",   "dst_aux_index",
     "required_dst_info_num", "decode_prefix_len", "dst_indices_are_local",
     "dst_page_transfer_mask", "dst_page_local_indices", "dst_mamba_indices",
-    "plan_version",   "fragments",        "kvferry_page_layout"};
+    "plan_version",   "fragments",        "kvferry_page_layout", "kvferry_room_options"};
 static const char *const m3_names[] = {"room", "status", "prefill_rank", "bootstrap_token",
                                        "spec_candidate_ids", "kvferry_reason"};
 
@@ -588,10 +588,9 @@ int wire_m2_decode(const wire_frame *f, size_t n, wire_m2 *out, char *reason) {
     quiet.reason = NULL;
     if (n >= 15 && f[14].len && get_int(&quiet, 14, 1, WIRE_MAX_PAGE_SIZE, &m.page_layout)) m.page_layout = 0;
   }
-  if (n >= 16 && f[15].len) { /* kvferry's feature bits: anything else reads as none */
-    ctx quiet = c;
-    quiet.reason = NULL;
-    if (get_int(&quiet, 15, 0, INT32_MAX, &m.features)) m.features = 0;
+  if (n >= 16 && f[15].len == 16) { /* kvferry room options; another length reads as absent */
+    memcpy(&m.room_flags, f[15].data, 8);
+    memcpy(&m.fence_epoch, f[15].data + 8, 8);
   }
   *out = m;
   return 0;
@@ -804,16 +803,21 @@ int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
       rc = bad(&c, 14, "%" PRId64 " is outside 0..%d", m->page_layout, WIRE_MAX_PAGE_SIZE);
       goto err;
     }
-    if (m->page_layout > 0) put_int(out, m->page_layout);
-    else if (m->features) put_bytes(out, NULL, 0);
-  } else if (m->features) {
-    for (int i = 12; i < 15; i++) put_bytes(out, NULL, 0); /* no plan, no layout */
+    if (m->page_layout > 0 || m->room_flags || m->fence_epoch) {
+      if (m->page_layout > 0) put_int(out, m->page_layout);
+      else put_bytes(out, NULL, 0);
+    }
+  } else if (m->room_flags || m->fence_epoch) {
+    put_bytes(out, NULL, 0); /* frames 12-14 empty: no plan, no layout */
+    put_bytes(out, NULL, 0);
+    put_bytes(out, NULL, 0);
   }
-  if (m->features < 0 || m->features > INT32_MAX) {
-    rc = bad(&c, 15, "%" PRId64 " is outside 0..2^31-1", m->features);
-    goto err;
+  if (m->room_flags || m->fence_epoch) {
+    memcpy(out->text + out->text_len, &m->room_flags, 8);
+    memcpy(out->text + out->text_len + 8, &m->fence_epoch, 8);
+    put_bytes(out, out->text + out->text_len, 16);
+    out->text_len += 16;
   }
-  if (m->features) put_int(out, m->features);
   return 0;
 
 err:
@@ -845,5 +849,99 @@ int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason) {
     size_t len = m->reason_len < WIRE_REASON_LEN - 1 ? m->reason_len : WIRE_REASON_LEN - 1;
     out->frames[out->nframes++] = (wire_frame){(const uint8_t *)m->reason, len};
   }
+  return 0;
+}
+
+/* ---- kvferry-only messages ---- */
+
+static const char *const digests_names[] = {"kind", "room", "prefill_rank", "fence_epoch", "entries"};
+static const char *const fence_names[] = {"kind", "room", "session_id", "fence_epoch", "reason"};
+
+int wire_is_digests(const wire_frame *frames, size_t n) { return n > 0 && frames && frame_is(&frames[0], "kvferry-digests"); }
+int wire_is_fence(const wire_frame *frames, size_t n) { return n > 0 && frames && frame_is(&frames[0], "kvferry-fence"); }
+
+int wire_digests_decode(const wire_frame *f, size_t n, wire_digests *out, char *reason) {
+  int rc = check_args("digests", f, n, out, reason);
+  if (rc) return rc;
+  ctx c = {"digests", digests_names, f, reason, KVF_EPROTO};
+  wire_digests m;
+  int64_t v;
+  memset(&m, 0, sizeof m);
+  if (n < 5 || !wire_is_digests(f, n)) {
+    why(reason, "digests: %zu frames or wrong kind, needs 5", n);
+    return KVF_EPROTO;
+  }
+  if ((rc = get_int(&c, 1, INT64_MIN, INT64_MAX, &m.room))) return rc;
+  if ((rc = get_int(&c, 2, 0, INT32_MAX, &m.prefill_rank))) return rc;
+  if ((rc = get_int(&c, 3, 0, INT64_MAX, &v))) return rc;
+  m.epoch = (uint64_t)v;
+  if ((rc = get_array(&c, 4, WIRE_DIGEST_BYTES, WIRE_MAX_DIGESTS, &m.entries))) return rc;
+  for (size_t i = 0; i < m.entries.count; i++)
+    if (wire_digest_at(m.entries, i).count == 0) return bad(&c, 4, "entry %zu has a zero count", i);
+  *out = m;
+  return 0;
+}
+
+int wire_digests_encode(const wire_digests *m, wire_msg *out, char *reason) {
+  if (!m || !out) {
+    why(reason, "digests: invalid arguments");
+    return KVF_EINVAL;
+  }
+  memset(out, 0, sizeof *out);
+  ctx c = {"digests", digests_names, NULL, reason, KVF_EINVAL};
+  int rc;
+  if (m->prefill_rank < 0 || m->prefill_rank > INT32_MAX) return bad(&c, 2, "rank out of range");
+  if (m->epoch > INT64_MAX) return bad(&c, 3, "epoch out of range");
+  if ((rc = check_count(&c, 4, m->entries, WIRE_MAX_DIGESTS))) return rc;
+  put_str(out, "kvferry-digests");
+  put_int(out, m->room);
+  put_int(out, m->prefill_rank);
+  put_int(out, (int64_t)m->epoch);
+  put_array(out, m->entries, WIRE_DIGEST_BYTES);
+  return 0;
+}
+
+int wire_fence_decode(const wire_frame *f, size_t n, wire_fence *out, char *reason) {
+  int rc = check_args("fence", f, n, out, reason);
+  if (rc) return rc;
+  ctx c = {"fence", fence_names, f, reason, KVF_EPROTO};
+  wire_fence m;
+  int64_t v;
+  uint16_t port;
+  memset(&m, 0, sizeof m);
+  if (n < 5 || !wire_is_fence(f, n)) {
+    why(reason, "fence: %zu frames or wrong kind, needs 5", n);
+    return KVF_EPROTO;
+  }
+  if ((rc = get_int(&c, 1, INT64_MIN, INT64_MAX, &m.room))) return rc;
+  if ((rc = check_session(&c, 2, f[2].data, f[2].len, &port))) return rc;
+  copy_text(m.session, &f[2]);
+  if ((rc = get_int(&c, 3, 1, INT64_MAX, &v))) return rc;
+  m.epoch = (uint64_t)v;
+  size_t len = f[4].len < sizeof m.reason - 1 ? f[4].len : sizeof m.reason - 1;
+  for (size_t i = 0; i < len; i++) m.reason[i] = f[4].data[i] >= 32 && f[4].data[i] < 127 ? (char)f[4].data[i] : '?';
+  *out = m;
+  return 0;
+}
+
+int wire_fence_encode(const wire_fence *m, wire_msg *out, char *reason) {
+  if (!m || !out) {
+    why(reason, "fence: invalid arguments");
+    return KVF_EINVAL;
+  }
+  memset(out, 0, sizeof *out);
+  ctx c = {"fence", fence_names, NULL, reason, KVF_EINVAL};
+  uint16_t port;
+  int rc;
+  if ((rc = check_str_field(&c, 2, m->session, 1, &port))) return rc;
+  if (m->epoch == 0 || m->epoch > INT64_MAX) return bad(&c, 3, "epoch out of range");
+  put_str(out, "kvferry-fence");
+  put_int(out, m->room);
+  put_str(out, m->session);
+  put_int(out, (int64_t)m->epoch);
+  size_t len = strnlen(m->reason, 200); /* the text buffer holds the other frames too */
+  memcpy(out->text + out->text_len, m->reason, len);
+  put_bytes(out, out->text + out->text_len, len);
+  out->text_len += len;
   return 0;
 }

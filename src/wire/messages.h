@@ -53,11 +53,9 @@ enum {
   WIRE_MAX_JSON = 1 << 20,        /* bytes of M2 frame 13 */
   WIRE_MAX_CANDIDATES = KVF_MAX_CANDIDATES, /* per M3 (the public limit) */
   WIRE_MAX_FANOUT = 1 << 16,      /* M2 required_dst_info_num */
-  WIRE_MAX_FRAMES = 16,           /* most frames an encoder emits (14 + kvferry's frames 14, 15) */
+  WIRE_MAX_FRAMES = 16,           /* most frames an encoder emits (14 + kvferry's frames 14-15) */
   WIRE_MAX_PAGE_SIZE = 1 << 20,   /* tokens per page in the kvferry page-layout frame */
   WIRE_FRAGMENT_VERSION = 1,
-  /* kvferry M2 frame 15 bits (wire_m2.features) */
-  WIRE_FEATURE_FAST_COMPLETION = 1, /* the decode takes a room's completion from the engine trailer */
 };
 
 /* Status values of M3 frame 1 (§2.1). */
@@ -183,13 +181,18 @@ typedef struct wire_m2 {
    * (§3.4), so a tokenspeed prefill never sees it; on decode, a frame 14
    * that is not an ascii int in 1..WIRE_MAX_PAGE_SIZE reads as 0. */
   int64_t page_layout;
-  /* kvferry extension, frame 15: WIRE_FEATURE_* bits the decode
-   * understands (docs/WIRE-EXTENSIONS.md); 0 = not sent. Frames 12-14 go
-   * out empty before it when there is no plan or layout (the reference reads
-   * empty 12-13 as "no plan" and ignores frames past the 14th). On decode,
-   * a frame 15 that is not an ascii int in 0..2^31-1 reads as 0. */
-  int64_t features;
+  /* kvferry extension, frame 15 (docs/WIRE-EXTENSIONS.md, issue 16): 16
+   * bytes, u64 flags (WIRE_ROOM_*) then u64 fence epoch, little-endian. Sent
+   * by a kvferry decode when either is set (frames 12-14 then go out empty
+   * if there is no plan / layout); any other length reads as absent. */
+  uint64_t room_flags;  /* WIRE_ROOM_VERIFY: send digests of what you write */
+  uint64_t fence_epoch; /* != 0: tag every engine write with (room, epoch) */
 } wire_m2;
+
+enum {
+  WIRE_ROOM_VERIFY = 1,
+  WIRE_ROOM_FAST_COMPLETION = 2, /* the decode takes the room's completion from the engine trailer (issue 14) */
+};
 
 /* Decodes an M2 (>= 7 frames). On success fills *out (release with
  * wire_m2_free) and returns 0; on failure as wire_m1_decode, or KVF_ENOMEM
@@ -254,9 +257,61 @@ void wire_msg_free(wire_msg *m);
  * KVF_EINVAL (KVF_ETOOBIG / KVF_ENOMEM for the plan JSON) with a reason and
  * *out zeroed. M1: always 8 frames. M2: 12 frames, 14 when nfrags > 0; a
  * dummy (is_dummy) is the 12-frame form of Appendix A.7; 15 with a plan
- * and page_layout > 0; 16 with features. M3: 5 frames, 6 with a reason. */
+ * and page_layout > 0. M3: 5 frames, 6 with a reason. */
 int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason);
 int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason);
 int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason);
+
+/* ---- kvferry-only messages (docs/WIRE-EXTENSIONS.md, issue 16) ---- */
+
+enum {
+  WIRE_MAX_DIGESTS = 1 << 16, /* entries per digest message */
+  WIRE_DIGEST_BYTES = 40,     /* one entry on the wire */
+};
+
+/* One digest entry: the XXH3-64 of a (possibly strided) block exactly as
+ * the prefill wrote it into the decode's memory: count pieces of len bytes
+ * at dst + i*stride (count >= 1). */
+typedef struct wire_digest {
+  uint64_t dst, len, count, stride, hash;
+} wire_digest;
+_Static_assert(sizeof(wire_digest) == WIRE_DIGEST_BYTES, "digest entry layout");
+
+/* Prefill -> decode, after the writes the entries describe completed:
+ * "kvferry-digests", room, prefill_rank, fence epoch (ascii ints), then the
+ * entries (packed little-endian). */
+typedef struct wire_digests {
+  int64_t room;
+  int64_t prefill_rank;
+  uint64_t epoch;
+  wire_array entries; /* wire_digest elements; read with wire_digest_at */
+} wire_digests;
+
+/* Decode -> prefill, when the decode failed or dropped a room it asked a
+ * kvferry prefill to fence: "kvferry-fence", room, the decode's session,
+ * fence epoch, reason (text, at most WIRE_REASON_LEN - 1 bytes). */
+typedef struct wire_fence {
+  int64_t room;
+  char session[WIRE_STR_MAX + 1];
+  uint64_t epoch;
+  char reason[WIRE_REASON_LEN];
+} wire_fence;
+
+static inline wire_digest wire_digest_at(wire_array a, size_t i) {
+  wire_digest d;
+  memcpy(&d, a.data + i * WIRE_DIGEST_BYTES, sizeof d);
+  return d;
+}
+
+/* Frame 0 names the kind: 1 when it is "kvferry-digests" / "kvferry-fence". */
+int wire_is_digests(const wire_frame *frames, size_t nframes);
+int wire_is_fence(const wire_frame *frames, size_t nframes);
+/* As the M-codecs: 0, or KVF_EPROTO / KVF_EINVAL with a reason. The
+ * digests' entries frame stays a view into the caller's frame (encode:
+ * into the caller's array, which must outlive the send). */
+int wire_digests_decode(const wire_frame *frames, size_t nframes, wire_digests *out, char *reason);
+int wire_digests_encode(const wire_digests *m, wire_msg *out, char *reason);
+int wire_fence_decode(const wire_frame *frames, size_t nframes, wire_fence *out, char *reason);
+int wire_fence_encode(const wire_fence *m, wire_msg *out, char *reason);
 
 #endif

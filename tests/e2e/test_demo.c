@@ -63,6 +63,44 @@ static void corrupted_page_is_caught_and_named(void **state) {
   assert_non_null(strstr(out, "demo FAILED"));
 }
 
+/* Verify mode (issue 16): the byte is flipped inside the decode's library
+ * after landing and before its digest check; the library, not the demo's
+ * checker, fails the request and names the buffer and page. Also through a
+ * heterogeneous-TP plan (per-token strided blocks, hashed as written). */
+static void verify_mode_fails_a_corrupted_page_naming_it(void **state) {
+  (void)state;
+  static char out[65536];
+  const char *args[] = {"--short --verify --corrupt", "--short --verify --corrupt --prefill-tp 2 --decode-tp 1"};
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(run_demo(args[i], out, sizeof out), 1);
+    assert_int_equal(summary_value(out, "failures"), 1);
+    assert_non_null(strstr(out, "FAILED: decode: Integrity check failed: KV buffer "));
+    assert_non_null(strstr(out, " page "));
+    assert_null(strstr(out, "MISMATCH")); /* the demo's own checker never saw it */
+  }
+}
+
+/* --reuse-early: the prefill overwrites a source page right after its send
+ * call; verify mode fails that request and names the page. */
+static void verify_mode_names_a_source_page_reused_too_early(void **state) {
+  (void)state;
+  static char out[65536];
+  assert_int_equal(run_demo("--short --verify --reuse-early", out, sizeof out), 1);
+  assert_int_equal(summary_value(out, "failures"), 1);
+  assert_non_null(strstr(out, "Integrity check failed"));
+  assert_non_null(strstr(out, "page"));
+  assert_null(strstr(out, "MISMATCH"));
+  assert_non_null(strstr(out, "demo FAILED"));
+}
+
+static void verify_mode_passes_clean_runs(void **state) {
+  (void)state;
+  static char out[65536];
+  assert_int_equal(run_demo("--short --verify --prefill-tp 1 --decode-tp 2", out, sizeof out), 0);
+  assert_non_null(strstr(out, "verify mode: every page hashed"));
+  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+}
+
 /* Heterogeneous TP: the prefill's ranks and the decode's ranks hold
  * different head slices; every (token, head) on every decode rank must carry
  * the pattern of its global token and head. */
@@ -124,6 +162,9 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(short_demo_verifies_every_request),
       cmocka_unit_test(corrupted_page_is_caught_and_named),
+      cmocka_unit_test(verify_mode_fails_a_corrupted_page_naming_it),
+      cmocka_unit_test(verify_mode_names_a_source_page_reused_too_early),
+      cmocka_unit_test(verify_mode_passes_clean_runs),
       cmocka_unit_test(short_demo_prefill_tp2_decode_tp1),
       cmocka_unit_test(short_demo_prefill_tp1_decode_tp2),
       cmocka_unit_test(short_demo_deepseek_v3_mla),

@@ -149,8 +149,32 @@ static void ranges_report_regions_to_pin(void **state) {
   assert_int_equal(pins[1]->base, REGION_BASE + REGION_LEN);
 }
 
+/* A tagged chunk (issue 16): the same checks, with its (tag, epoch) read
+ * between the header and the descriptors; a cut-off tag is a short stream. */
+static void tagged_chunk_accepted(void **state) {
+  frame f = valid();
+  f.hdr.magic = TCP_CHUNK_TAGGED_MAGIC;
+  assert_int_equal(kvf__tcp_frame_chunk_hdr(&f.hdr), TCP_FRAME_OK);
+  stream s = {.n = 0};
+  tcp_chunk_tag tag = {77, 5};
+  static const uint8_t payload[64];
+  put(&s, &f.hello, sizeof f.hello);
+  put(&s, "ab", 2);
+  put(&s, &f.hdr, sizeof f.hdr);
+  size_t cut = s.n + 8;
+  put(&s, &tag, sizeof tag);
+  put(&s, f.d, sizeof f.d);
+  put(&s, payload, f.hdr.total_bytes);
+  tcp_frame_info info;
+  assert_int_equal(kvf__tcp_frame_parse(s.b, s.n, *state, &info), TCP_FRAME_OK);
+  assert_int_equal(info.chunks, 1);
+  assert_int_equal(info.accepted_bytes, 40);
+  assert_int_equal(kvf__tcp_frame_parse(s.b, cut, *state, &info), TCP_FRAME_SHORT);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(tagged_chunk_accepted, setup, teardown),
       cmocka_unit_test_setup_teardown(valid_stream_accepted, setup, teardown),
       cmocka_unit_test_setup_teardown(hello_magic, setup, teardown),
       cmocka_unit_test_setup_teardown(hello_version, setup, teardown),

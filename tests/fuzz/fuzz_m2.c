@@ -22,7 +22,8 @@ static int m2_equal(const wire_m2 *a, const wire_m2 *b) {
       a->indices_are_local != b->indices_are_local ||
       !fuzz_array_eq(a->page_mask, b->page_mask, 1) ||
       !fuzz_array_eq(a->local_indices, b->local_indices, 8) ||
-      !fuzz_array_eq(a->mamba_indices, b->mamba_indices, 8) || a->nfrags != b->nfrags)
+      !fuzz_array_eq(a->mamba_indices, b->mamba_indices, 8) || a->nfrags != b->nfrags ||
+      a->room_flags != b->room_flags || a->fence_epoch != b->fence_epoch)
     return 0;
   for (size_t k = 0; k < a->nfrags; k++)
     if (!frag_equal(&a->frags[k], &b->frags[k])) return 0;
@@ -44,8 +45,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   FUZZ_CHECK(!m.is_dummy || (m.kv_indices.count == 0 && m.nfrags == 0));
   wire_msg msg;
   FUZZ_CHECK(wire_m2_encode(&m, &msg, reason) == 0);
-  /* 12 frames; 14 with a plan; 15 when the plan carries kvferry's page layout. */
-  FUZZ_CHECK(msg.nframes == (m.nfrags ? (m.page_layout ? 15u : 14u) : 12u));
+  /* 12 frames; 14 with a plan; 15 when the plan carries kvferry's page
+   * layout; 16 with kvferry's room options (frame 15). */
+  size_t want = m.nfrags ? (m.page_layout ? 15u : 14u) : 12u;
+  if (m.room_flags || m.fence_epoch) want = 16;
+  FUZZ_CHECK(msg.nframes == want);
   FUZZ_CHECK(wire_m2_decode(msg.frames, msg.nframes, &again, reason) == 0);
   FUZZ_CHECK(m2_equal(&m, &again));
   if (m.is_dummy)

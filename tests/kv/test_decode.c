@@ -253,7 +253,7 @@ static int write_with_completion(fixture *f, kvf_engine *eng, const uint8_t *src
   wire_msg_free(&msg);
   assert_true(tlen > 0);
   if (garble) tb[0] = 0xff; /* a frame count past the bytes */
-  return kvf__engine_write_trailer(eng, kvf_manager_session_id(f->m), &w, 1, tb, tlen);
+  return kvf__engine_write_trailer(eng, kvf_manager_session_id(f->m), &w, 1, NULL, tb, tlen);
 }
 
 /* ---------------------------------------------------------------- tests */
@@ -264,7 +264,10 @@ static int write_with_completion(fixture *f, kvf_engine *eng, const uint8_t *src
  * the M3 that still follows is a harmless duplicate. */
 static void completion_trailer_rules(void **state) {
   (void)state;
+  static const int64_t layout[2] = {1, 1}; /* a kvferry prefill: it publishes its page layout */
+  g_layout = layout;
   fixture *f = setup_default();
+  g_layout = NULL;
   kvf_engine *eng = NULL;
   kvf_engine_config ec;
   kvf_engine_config_init(&ec);
@@ -295,7 +298,7 @@ static void completion_trailer_rules(void **state) {
   wire_m2 m2;
   char why[WIRE_REASON_LEN];
   assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
-  assert_int_equal(m2.features, WIRE_FEATURE_FAST_COMPLETION);
+  assert_true(m2.room_flags & WIRE_ROOM_FAST_COMPLETION);
   wire_m2_free(&m2);
   raw_free(&rm);
   int waiting = kvf_receiver_poll(r);
@@ -356,10 +359,9 @@ static void happy_path(void **state) {
   int64_t pages[3] = {3, 4, 9};
   assert_int_equal(kvf_receiver_init(r, pages, 3, 7, 0, NULL, 0), 0);
   assert_int_equal(recv_raw(f->pull, &rm), 0);
-  assert_int_equal(rm.n, 16); /* 12, frames 12-14 empty, 15: the fast-completion bit (on by default) */
+  assert_int_equal(rm.n, 12);
   wire_m2 m2;
   assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
-  assert_int_equal(m2.features, WIRE_FEATURE_FAST_COMPLETION);
   assert_int_equal(m2.room, 10);
   assert_int_equal(m2.dst_port, f->m->rank_port);
   assert_string_equal(m2.session, kvf_manager_session_id(f->m));
@@ -870,7 +872,7 @@ static void hetero_tp_fragments(void **state) {
   assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
   for (int i = 0; i < 2; i++) {
     assert_int_equal(recv_raw(f->pull, &rm), 0);
-    assert_int_equal(rm.n, 16); /* the plan, an empty frame 14, the feature bits */
+    assert_int_equal(rm.n, 14);
     wire_m2 m2;
     char why[WIRE_REASON_LEN];
     assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
@@ -967,11 +969,13 @@ static void token_major_needs_layout(void **state) {
       assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
       for (int i = 0; i < 2; i++) {
         assert_int_equal(recv_raw(f->pull, &rm), 0);
-        assert_int_equal(rm.n, 16);
+        assert_int_equal(rm.n, 16); /* a kvferry prefill also gets frame 15: the room's fence epoch */
         wire_m2 m2;
         char why[WIRE_REASON_LEN];
         assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
         assert_int_equal(m2.page_layout, 4);
+        assert_true(m2.fence_epoch != 0);
+        assert_true(!(m2.room_flags & WIRE_ROOM_VERIFY)); /* verify mode is off */
         wire_m2_free(&m2);
         raw_free(&rm);
       }

@@ -206,16 +206,22 @@ def test_transfer_poll_values_and_error_text():
     assert (e.bootstrap_room, e.failure_reason, e.remote_endpoint) == (7, "boom", "10.0.0.1:8998")
 
 
+def kv_arrays(seed, pages, item):
+    """Two random source KV buffers and a state buffer of 4 slots x 40 bytes,
+    and zeroed destinations of the same shapes."""
+    rng = np.random.default_rng(seed)
+    src = [rng.integers(0, 256, size=(pages, item), dtype=np.uint8) for _ in range(2)]
+    src_state = rng.integers(0, 256, size=(4, 40), dtype=np.uint8)
+    dst = [np.zeros((pages, item), dtype=np.uint8) for _ in range(2)]
+    return src, src_state, dst, np.zeros((4, 40), dtype=np.uint8)
+
+
 def test_prefix_state_raw_addresses_and_shared_engine(closing):
     """decode_prefix_len skips the prefill's leading pages; state slots move;
     buffers given as raw address lists and through a kv_args object; the
     decode manager runs on a caller's engine."""
-    rng = np.random.default_rng(3)
     pages, item = 16, 96
-    src = [rng.integers(0, 256, size=(pages, item), dtype=np.uint8) for _ in range(2)]
-    src_state = rng.integers(0, 256, size=(4, 40), dtype=np.uint8)
-    dst = [np.zeros((pages, item), dtype=np.uint8) for _ in range(2)]
-    dst_state = np.zeros((4, 40), dtype=np.uint8)
+    src, src_state, dst, dst_state = kv_arrays(3, pages, item)
 
     class KVArgs:  # tokenspeed's attribute names, raw addresses
         kv_data_ptrs = [a.ctypes.data for a in src]
@@ -258,6 +264,34 @@ def test_prefix_state_raw_addresses_and_shared_engine(closing):
     r.clear()
     s.clear()
     assert r.poll() == TransferPoll.Success  # concluded state survives clear()
+
+
+def test_verify_mode_with_prefix_and_state(closing):
+    """Verify mode on both sides (issue 16): a transfer with a decode prefix
+    and a state slot succeeds, digests reached the decode (nothing counted
+    unverified) and nothing failed a check."""
+    src, src_state, dst, dst_state = kv_arrays(5, 16, 128)
+    srv = closing(BootstrapServer("127.0.0.1", 0))
+    pm = closing(KVManager("prefill", src, state_data_ptrs=[src_state], layer_bufs=[[0, 1]],
+                           bootstrap_addr=srv.addr, page_size=2, verify=True))
+    dm = closing(KVManager("decode", dst, state_data_ptrs=[dst_state], layer_bufs=[[0, 1]], page_size=2,
+                           verify=True))
+    r = closing(KVReceiver(dm, srv.addr, 77))
+    s = closing(KVSender(pm, 77))
+    assert r.poll() == TransferPoll.Bootstrapped
+    r.prefill([5, 6, 7], aux_index=0, decode_prefix_len=2, state_indices=[3])
+    s.send([1, 2, 3, 4], is_last=True, aux_index=0, bootstrap_token=3, state_indices=[0])
+    assert wait_final(r) == TransferPoll.Success, r.failure_reason()
+    assert wait_final(s) == TransferPoll.Success
+    dm.sync()
+    for b in range(2):
+        for p, d in zip([2, 3, 4], [5, 6, 7]):
+            assert (dst[b][d] == src[b][p]).all()
+    assert (dst_state[3] == src_state[0]).all()
+    ds, ps = dm.get_stats(), pm.get_stats()
+    assert ds["verify_failures"] == 0 and ps["verify_failures"] == 0
+    assert ds["verify_unverified"] == 0  # the prefill's digests arrived before its Success
+    assert ds["rooms_fenced"] == 0
 
 
 def test_send_layers_two_layers(closing):

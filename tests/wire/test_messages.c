@@ -269,34 +269,21 @@ static void m2_frame_count_forms(void **state) {
   assert_null(m.frags);
 }
 
-/* kvferry's feature frame 15: without a plan, frames 12-14 go out empty
- * (no plan for any parser) and the bits come back; a frame 15 that is not a
- * number reads as none; a dummy never carries it. */
+/* The fast-completion bit rides in kvferry's frame 15 (room flags) and
+ * comes back; frames 12-14 go out empty without a plan. */
 static void m2_features_frame(void **state) {
   (void)state;
   wire_m2 m, d;
   wire_msg msg;
   char reason[WIRE_REASON_LEN];
   m2_fill_a4(&m);
-  m.features = WIRE_FEATURE_FAST_COMPLETION;
+  m.room_flags = WIRE_ROOM_FAST_COMPLETION;
   assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
   assert_int_equal(msg.nframes, 16);
   for (int i = 12; i < 15; i++) assert_int_equal(msg.frames[i].len, 0);
   assert_int_equal(wire_m2_decode(msg.frames, msg.nframes, &d, reason), 0);
-  assert_int_equal(d.features, WIRE_FEATURE_FAST_COMPLETION);
+  assert_int_equal(d.room_flags, WIRE_ROOM_FAST_COMPLETION);
   assert_null(d.frags);
-  assert_int_equal(d.page_layout, 0);
-  wire_frame f[16];
-  memcpy(f, msg.frames, sizeof f);
-  f[15] = (wire_frame)FR("fast");
-  assert_int_equal(wire_m2_decode(f, 16, &d, reason), 0);
-  assert_int_equal(d.features, 0);
-  assert_int_equal(wire_m2_decode(msg.frames, 15, &d, reason), 0); /* a 15-frame form: none */
-  assert_int_equal(d.features, 0);
-  wire_msg_free(&msg);
-  m.features = 0;
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
-  assert_int_equal(msg.nframes, 12);
   wire_msg_free(&msg);
 }
 
@@ -1107,6 +1094,92 @@ static void m1_dup_outlives_frames(void **state) {
   free(copy);
 }
 
+/* kvferry frame 15 (issue 16): room options, without and with a plan; a
+ * frame of another length reads as absent. */
+static void m2_room_options_frame(void **state) {
+  wire_m2 m, back;
+  char reason[WIRE_REASON_LEN];
+  wire_msg msg;
+  assert_int_equal(wire_m2_decode(a4_frames, 12, &m, reason), 0);
+  m.room_flags = WIRE_ROOM_VERIFY;
+  m.fence_epoch = 0x123456789abcull;
+  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(msg.nframes, 16);
+  assert_int_equal(msg.frames[12].len, 0); /* no plan: the reference reads "no plan" */
+  assert_int_equal(msg.frames[13].len, 0);
+  assert_int_equal(msg.frames[14].len, 0);
+  assert_int_equal(msg.frames[15].len, 16);
+  assert_int_equal(wire_m2_decode(msg.frames, msg.nframes, &back, reason), 0);
+  assert_int_equal(back.nfrags, 0);
+  assert_int_equal(back.page_layout, 0);
+  assert_true(back.room_flags == WIRE_ROOM_VERIFY && back.fence_epoch == 0x123456789abcull);
+  wire_frame f[16];
+  memcpy(f, msg.frames, sizeof f);
+  f[15].len = 15;
+  assert_int_equal(wire_m2_decode(f, 16, &back, reason), 0);
+  assert_true(back.room_flags == 0 && back.fence_epoch == 0);
+  wire_msg_free(&msg);
+  wire_m2_free(&m);
+  /* With a plan and a page layout. */
+  m2_base_init();
+  m2_base[14] = (wire_frame)FR("16");
+  assert_int_equal(wire_m2_decode(m2_base, 15, &m, reason), 0);
+  m.fence_epoch = 7;
+  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(msg.nframes, 16);
+  assert_int_equal(wire_m2_decode(msg.frames, msg.nframes, &back, reason), 0);
+  assert_int_equal(back.nfrags, 1);
+  assert_int_equal(back.page_layout, 16);
+  assert_true(back.fence_epoch == 7 && back.room_flags == 0);
+  wire_m2_free(&back);
+  wire_msg_free(&msg);
+  wire_m2_free(&m);
+}
+
+static void digests_and_fence_messages(void **state) {
+  wire_digest e[2] = {{0x1000, 64, 1, 0, 0xdeadbeefull}, {0x2000, 16, 4, 32, 42}};
+  wire_digests d = {.room = -5, .prefill_rank = 3, .epoch = 99, .entries = wire_array_of(e, 2)}, back;
+  wire_msg msg;
+  char reason[WIRE_REASON_LEN];
+  assert_int_equal(wire_digests_encode(&d, &msg, reason), 0);
+  assert_true(wire_is_digests(msg.frames, msg.nframes));
+  assert_false(wire_is_fence(msg.frames, msg.nframes));
+  assert_int_equal(wire_classify(msg.frames, msg.nframes), WIRE_MSG_M2); /* a tokenspeed prefill would reject it */
+  assert_int_equal(wire_digests_decode(msg.frames, msg.nframes, &back, reason), 0);
+  assert_int_equal(back.room, -5);
+  assert_int_equal(back.prefill_rank, 3);
+  assert_true(back.epoch == 99);
+  assert_int_equal(back.entries.count, 2);
+  wire_digest x = wire_digest_at(back.entries, 1);
+  assert_true(x.dst == 0x2000 && x.len == 16 && x.count == 4 && x.stride == 32 && x.hash == 42);
+  wire_frame f[5];
+  memcpy(f, msg.frames, sizeof f);
+  f[4].len = 41; /* not a whole number of entries */
+  assert_int_equal(wire_digests_decode(f, 5, &back, reason), KVF_EPROTO);
+  e[0].count = 0;
+  f[4].len = 80;
+  assert_int_equal(wire_digests_decode(f, 5, &back, reason), KVF_EPROTO);
+  assert_non_null(strstr(reason, "zero count"));
+  wire_msg_free(&msg);
+
+  wire_fence fe = {.room = 12, .epoch = 5}, fb;
+  snprintf(fe.session, sizeof fe.session, "10.0.0.1:1234");
+  snprintf(fe.reason, sizeof fe.reason, "Request 12 timed out\x01");
+  assert_int_equal(wire_fence_encode(&fe, &msg, reason), 0);
+  assert_true(wire_is_fence(msg.frames, msg.nframes));
+  assert_int_equal(wire_fence_decode(msg.frames, msg.nframes, &fb, reason), 0);
+  assert_int_equal(fb.room, 12);
+  assert_true(fb.epoch == 5);
+  assert_string_equal(fb.session, "10.0.0.1:1234");
+  assert_string_equal(fb.reason, "Request 12 timed out?"); /* non-printable bytes shown as '?' */
+  memcpy(f, msg.frames, sizeof f);
+  f[3] = (wire_frame)FR("0"); /* epoch 0 is never valid */
+  assert_int_equal(wire_fence_decode(f, 5, &fb, reason), KVF_EPROTO);
+  wire_msg_free(&msg);
+  fe.epoch = 0;
+  assert_int_equal(wire_fence_encode(&fe, &msg, reason), KVF_EINVAL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(m1_golden_encode),
@@ -1134,6 +1207,8 @@ int main(void) {
       cmocka_unit_test(bad_arguments),
       cmocka_unit_test(m1_rejections),
       cmocka_unit_test(m2_base_is_valid),
+      cmocka_unit_test(m2_room_options_frame),
+      cmocka_unit_test(digests_and_fence_messages),
       cmocka_unit_test(m2_rejections),
       cmocka_unit_test(fragment_rejections),
       cmocka_unit_test(fragment_bounds),

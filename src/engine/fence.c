@@ -1,0 +1,134 @@
+/* Target-side fences of the transfer engine (issue 16). A tagged batch
+ * names a (tag, epoch) pair that the target opened with kvf_engine_fence_open;
+ * its chunks are admitted only while that pair is open. Closing a pair
+ * refuses every later chunk before any of its bytes is written, and waits
+ * for the chunks already admitted to stop writing: a receiver checks the
+ * cut flag at every receive tick (the TCP transport's 100 ms),
+ * stops writing into the destination and drains the rest. So once
+ * kvf_engine_fence_close returned, no byte of a batch with that pair lands.
+ *
+ * The table is keyed by epoch (unique in the process: a random 32-bit start
+ * in the high half, then a counter), holds only open pairs and pairs whose
+ * last admitted chunk has not left yet, and is bounded by
+ * ENGINE_MAX_FENCES. One mutex guards it; nothing blocks under it except the
+ * closer's condition wait. */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "engine/engine_internal.h"
+
+#define ENGINE_MAX_FENCES (1u << 20)
+
+static atomic_ullong next_epoch;
+static pthread_once_t epoch_once = PTHREAD_ONCE_INIT;
+
+/* A random start in the high half, so a restarted process never reuses an
+ * epoch a peer may still hold. */
+static void epoch_seed(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t seed = ((uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)getpid() << 17) ^ (uint64_t)ts.tv_sec;
+  atomic_store(&next_epoch, (seed & 0x7fffffff00000000ull) | 1);
+}
+
+int kvf__fence_init(engine_fences *f) {
+  memset(f, 0, sizeof *f);
+  pthread_mutex_init(&f->lock, NULL);
+  clock_cond_init(&f->cv);
+  return map_init(&f->open);
+}
+
+void kvf__fence_destroy(engine_fences *f) {
+  map_iter it;
+  void *v;
+  map_iter_init(&it);
+  while (map_next(&f->open, &it, NULL, &v)) free(v);
+  map_free(&f->open);
+  pthread_cond_destroy(&f->cv);
+  pthread_mutex_destroy(&f->lock);
+}
+
+static uint64_t epoch_new(void) {
+  pthread_once(&epoch_once, epoch_seed);
+  uint64_t e;
+  while ((e = atomic_fetch_add(&next_epoch, 1)) == 0) {
+  }
+  return e;
+}
+
+int kvf_engine_fence_open(kvf_engine *e, uint64_t tag, uint64_t *epoch) {
+  if (!e || !tag || !epoch) return KVF_EINVAL;
+  engine_fence *x = calloc(1, sizeof *x);
+  if (!x) return KVF_ENOMEM;
+  x->tag = tag;
+  x->epoch = epoch_new();
+  int rc = 0;
+  pthread_mutex_lock(&e->fences.lock);
+  if (map_size(&e->fences.open) >= ENGINE_MAX_FENCES) rc = KVF_ENOMEM;
+  else rc = map_put(&e->fences.open, x->epoch, x, NULL);
+  pthread_mutex_unlock(&e->fences.lock);
+  if (rc) {
+    free(x);
+    return rc;
+  }
+  *epoch = x->epoch;
+  return 0;
+}
+
+int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_ms) {
+  if (!e || !tag || !epoch) return KVF_EINVAL;
+  int64_t until = clock_deadline_ms(timeout_ms > 0 ? timeout_ms : e->cfg.timeout_ms);
+  int rc = 0;
+  pthread_mutex_lock(&e->fences.lock);
+  engine_fence *x = map_get(&e->fences.open, epoch);
+  if (!x || x->tag != tag) {
+    rc = KVF_ENOTFOUND;
+    goto out;
+  }
+  x->closed = 1;
+  atomic_store(&x->cut, 1);
+  while (x->inflight) {
+    struct timespec ts = clock_ts_from_ns(until);
+    if (pthread_cond_timedwait(&e->fences.cv, &e->fences.lock, &ts) && x->inflight) {
+      /* A receiver that does not come back is stuck outside a receive call;
+       * it drops the entry when it leaves. */
+      LOG_ERROR("engine", "fence of tag %llu: %d write(s) still in progress after %d ms",
+                (unsigned long long)tag, x->inflight, timeout_ms);
+      x->abandoned = 1;
+      rc = KVF_ETIMEDOUT;
+      goto out;
+    }
+  }
+  map_del(&e->fences.open, epoch, NULL);
+  free(x);
+out:
+  pthread_mutex_unlock(&e->fences.lock);
+  return rc;
+}
+
+engine_fence *kvf__fence_enter(kvf_engine *e, uint64_t tag, uint64_t epoch) {
+  pthread_mutex_lock(&e->fences.lock);
+  engine_fence *x = map_get(&e->fences.open, epoch);
+  if (x && (x->closed || x->tag != tag)) x = NULL;
+  if (x) x->inflight++;
+  pthread_mutex_unlock(&e->fences.lock);
+  if (!x) atomic_fetch_add(&e->stats.chunks_fenced, 1);
+  return x;
+}
+
+void kvf__fence_leave(kvf_engine *e, engine_fence *x) {
+  pthread_mutex_lock(&e->fences.lock);
+  if (--x->inflight == 0 && x->closed) {
+    pthread_cond_broadcast(&e->fences.cv);
+    /* A closer that timed out left the entry for the last receiver to drop. */
+    if (map_get(&e->fences.open, x->epoch) == x && x->abandoned) {
+      map_del(&e->fences.open, x->epoch, NULL);
+      free(x);
+    }
+  }
+  pthread_mutex_unlock(&e->fences.lock);
+}

@@ -1,0 +1,255 @@
+/* See integrity.h. */
+#include "kv/integrity.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/hash.h"
+#include "base/log.h"
+#include "kvferry/engine.h"
+
+/* A fence close waits for receivers for at most this long. */
+#define INTEG_FENCE_CLOSE_MS 2000
+
+typedef struct integ_room {
+  uint64_t epoch;
+  int verify;
+  uint8_t ranks[INTEG_MAX_RANKS / 8]; /* prefill ranks that sent digests */
+} integ_room;
+
+typedef struct integ_state {
+  pthread_mutex_t lock;
+  map rooms; /* room (as u64) -> integ_room */
+  /* Test hook (KVFERRY_TEST_CORRUPT_ROOM=<room>): flip one landed byte of
+   * that room before its first digest is checked, to show the check. */
+  int corrupt_armed;
+  int64_t corrupt_room;
+} integ_state;
+
+int kvf__integ_start(kvf_manager *m) {
+  integ_state *s = calloc(1, sizeof *s);
+  if (!s) return KVF_ENOMEM;
+  pthread_mutex_init(&s->lock, NULL);
+  if (map_init(&s->rooms)) {
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+    return KVF_ENOMEM;
+  }
+  const char *c = getenv("KVFERRY_TEST_CORRUPT_ROOM");
+  if (c && *c) {
+    s->corrupt_armed = 1;
+    s->corrupt_room = strtoll(c, NULL, 10);
+  }
+  m->integ = s;
+  return 0;
+}
+
+void kvf__integ_stop(kvf_manager *m) {
+  integ_state *s = m->integ;
+  if (!s) return;
+  map_iter it;
+  void *v;
+  map_iter_init(&it);
+  while (map_next(&s->rooms, &it, NULL, &v)) free(v);
+  map_free(&s->rooms);
+  pthread_mutex_destroy(&s->lock);
+  free(s);
+  m->integ = NULL;
+}
+
+/* ------------------------------------------------------------ decode */
+
+void kvf__integ_room_open(kvf_manager *m, int64_t room, int kvferry, uint64_t *flags, uint64_t *epoch) {
+  integ_state *s = m->integ;
+  uint64_t tag = manager_room_tag(room), e = 0;
+  *flags = *epoch = 0;
+  if (kvferry && tag && kvf_engine_fence_open(m->engine, tag, &e)) e = 0;
+  if (!e && !m->cfg.verify) return;
+  integ_room *x = calloc(1, sizeof *x);
+  int rc = KVF_ENOMEM;
+  if (x) {
+    x->epoch = e;
+    x->verify = m->cfg.verify;
+    void *old = NULL;
+    pthread_mutex_lock(&s->lock);
+    rc = map_put(&s->rooms, (uint64_t)room, x, &old);
+    pthread_mutex_unlock(&s->lock);
+    free(old); /* a re-init of the same receiver replaces its entry */
+  }
+  if (rc) {
+    free(x);
+    if (e) kvf_engine_fence_close(m->engine, tag, e, INTEG_FENCE_CLOSE_MS);
+    return;
+  }
+  *epoch = e;
+  *flags = m->cfg.verify && kvferry ? WIRE_ROOM_VERIFY : 0;
+}
+
+void kvf__integ_room_close(kvf_manager *m, int64_t room, uint64_t epoch, int failed, int forget) {
+  integ_state *s = m->integ;
+  if (epoch) {
+    int rc = kvf_engine_fence_close(m->engine, manager_room_tag(room), epoch, INTEG_FENCE_CLOSE_MS);
+    if (rc == 0 && failed) atomic_fetch_add(&m->stats.rooms_fenced, 1);
+    if (rc && rc != KVF_ENOTFOUND)
+      LOG_ERROR("kv", "room %" PRId64 ": could not fence late writes: %s", room, kvf_strerror(rc));
+  }
+  if (!forget) return;
+  pthread_mutex_lock(&s->lock);
+  integ_room *x = map_get(&s->rooms, (uint64_t)room);
+  if (x && x->epoch == epoch) map_del(&s->rooms, (uint64_t)room, NULL);
+  else x = NULL;
+  pthread_mutex_unlock(&s->lock);
+  free(x);
+}
+
+void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_t room, uint64_t epoch,
+                           const char *reason) {
+  wire_fence f;
+  memset(&f, 0, sizeof f);
+  f.room = room;
+  f.epoch = epoch;
+  snprintf(f.session, sizeof f.session, "%s", kvf_manager_session_id(m));
+  snprintf(f.reason, sizeof f.reason, "%s", reason ? reason : "");
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  if (wire_fence_encode(&f, &msg, why)) {
+    LOG_WARN("kv", "room %" PRId64 ": cannot encode the fence notice: %s", room, why);
+    return;
+  }
+  manager_push_send(m, ip, port, &msg);
+  wire_msg_free(&msg);
+}
+
+/* Which registered buffer holds every piece of a digest entry: 0 with the
+ * kind, index and item length, or KVF_ERANGE. */
+static int locate(const manager_buffers *b, const wire_digest *d, int *state, size_t *idx, uint64_t *item) {
+  uint64_t span;
+  if (d->count > 1 && (__builtin_mul_overflow(d->count - 1, d->stride, &span) ||
+                       __builtin_add_overflow(span, d->len, &span)))
+    return KVF_ERANGE;
+  if (d->count <= 1) span = d->len;
+  for (size_t i = 0; i < b->n_kv + b->n_state; i++) {
+    int st = i >= b->n_kv;
+    size_t k = st ? i - b->n_kv : i;
+    uint64_t base = st ? b->state_ptrs[k] : b->kv_ptrs[k], len = st ? b->state_lens[k] : b->kv_lens[k];
+    if (d->dst >= base && d->dst - base <= len && span <= len - (d->dst - base)) {
+      *state = st, *idx = k, *item = st ? b->state_item_lens[k] : b->kv_item_lens[k];
+      return 0;
+    }
+  }
+  return KVF_ERANGE;
+}
+
+void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer,
+                           int (*from_planned)(kvf_manager *m, int64_t room, const char *peer)) {
+  integ_state *s = m->integ;
+  wire_digests dg;
+  char why[WIRE_REASON_LEN] = "";
+  if (wire_digests_decode(frames, n, &dg, why)) {
+    manager_reject(m, peer, "digests", why);
+    return;
+  }
+  if (dg.prefill_rank >= INTEG_MAX_RANKS) {
+    manager_reject(m, peer, "digests", "prefill rank out of range");
+    return;
+  }
+  if (!from_planned(m, dg.room, peer)) {
+    manager_reject_forged(m, peer, "digests", "the sender is not a prefill rank this room was planned with");
+    return;
+  }
+  pthread_mutex_lock(&s->lock);
+  integ_room *x = map_get(&s->rooms, (uint64_t)dg.room);
+  int known = x && x->epoch == dg.epoch, verify = known && x->verify;
+  if (known) x->ranks[dg.prefill_rank / 8] |= (uint8_t)(1u << (dg.prefill_rank % 8));
+  int corrupt = verify && s->corrupt_armed && s->corrupt_room == dg.room && dg.entries.count;
+  if (corrupt) s->corrupt_armed = 0;
+  pthread_mutex_unlock(&s->lock);
+  if (!known) {
+    atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+    return;
+  }
+  atomic_fetch_add(&m->stats.messages_received, 1);
+  if (!verify) return;
+  int status = ROOM_FAILED;
+  if (rooms_get_status(m->rooms, dg.room, &status) || status == ROOM_FAILED) return;
+  kvf_engine_sync(m->engine); /* the bytes the prefill wrote, before reading them */
+  const manager_buffers *b = &m->bufs;
+  for (size_t i = 0; i < dg.entries.count; i++) {
+    wire_digest d = wire_digest_at(dg.entries, i);
+    int st = 0;
+    size_t idx = 0;
+    uint64_t item = 1;
+    char reason[ROOMS_REASON_MAX];
+    if (locate(b, &d, &st, &idx, &item)) {
+      snprintf(reason, sizeof reason, "Integrity check failed: prefill rank %" PRId64 " sent a digest for 0x%" PRIx64
+               "+%" PRIu64 ", outside this decode's buffers", dg.prefill_rank, d.dst, d.len);
+    } else {
+      if (corrupt && i == 0) *(volatile unsigned char *)(uintptr_t)d.dst ^= 0x5a; /* test hook, see integ_state */
+      if (kvf__hash_block(d.dst, d.len, d.count, d.stride) == d.hash) continue;
+      uint64_t off = d.dst - (st ? b->state_ptrs[idx] : b->kv_ptrs[idx]);
+      snprintf(reason, sizeof reason, "Integrity check failed: %s buffer %zu page %" PRIu64 " (offset %" PRIu64
+               ", %" PRIu64 " bytes from prefill rank %" PRId64 ") differs from what the prefill sent",
+               st ? "state" : "KV", idx, item ? off / item : 0, off % (item ? item : 1), d.len * d.count,
+               dg.prefill_rank);
+    }
+    LOG_WARN("kv", "room %" PRId64 ": %s", dg.room, reason);
+    if (rooms_fail(m->rooms, dg.room, reason) == 0) atomic_fetch_add(&m->stats.verify_failures, 1);
+    return;
+  }
+}
+
+void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank) {
+  integ_state *s = m->integ;
+  if (rank < 0 || rank >= INTEG_MAX_RANKS) return;
+  pthread_mutex_lock(&s->lock);
+  integ_room *x = map_get(&s->rooms, (uint64_t)room);
+  int unverified = x && x->verify && !(x->ranks[rank / 8] & (1u << (rank % 8)));
+  pthread_mutex_unlock(&s->lock);
+  if (!unverified) return;
+  atomic_fetch_add(&m->stats.verify_unverified, 1);
+  if (log_first_time(log_hash_str("verify-unverified", (uint64_t)(uintptr_t)m)))
+    LOG_WARN("kv", "room %" PRId64 ": prefill rank %" PRId64 " reported Success without digests (not a kvferry "
+             "prefill?): the room is not verified (counted in verify_unverified; further ones are not logged)",
+             room, rank);
+}
+
+/* ------------------------------------------------------------ prefill */
+
+int kvf__integ_layer_bufs(const kvf_manager *m, size_t l0, size_t l1, size_t **bufs, size_t *nb) {
+  const manager_buffers *b = &m->bufs;
+  size_t k = 0, cnt = b->layer_buf_start[l1] - b->layer_buf_start[l0];
+  size_t *v = malloc((cnt ? cnt : 1) * sizeof *v);
+  if (!v) return KVF_ENOMEM;
+  for (size_t j = b->layer_buf_start[l0]; j < b->layer_buf_start[l1]; j++) v[k++] = b->layer_bufs[j];
+  *bufs = v;
+  *nb = k;
+  return 0;
+}
+
+int kvf__integ_page_digest(const kvf_manager *m, size_t b, int64_t page, uint64_t *out) {
+  const manager_buffers *mb = &m->bufs;
+  uint64_t item = mb->kv_item_lens[b], end;
+  if (page < 0 || __builtin_mul_overflow((uint64_t)page + 1, item, &end) || end > mb->kv_lens[b]) return KVF_ERANGE;
+  *out = kvf__hash64((const void *)(uintptr_t)(mb->kv_ptrs[b] + (uint64_t)page * item), (size_t)item);
+  return 0;
+}
+
+int kvf__integ_send_digests(kvf_manager *m, const char *host, uint16_t port, int64_t room, uint64_t epoch,
+                            const wire_digest *d, size_t n) {
+  size_t off = 0;
+  int rc = 0;
+  do {
+    size_t k = n - off < WIRE_MAX_DIGESTS ? n - off : WIRE_MAX_DIGESTS;
+    wire_digests dg = {.room = room, .prefill_rank = m->tp_rank, .epoch = epoch,
+                       .entries = wire_array_of(d + off, k)};
+    wire_msg msg;
+    char why[WIRE_REASON_LEN];
+    if ((rc = wire_digests_encode(&dg, &msg, why))) break;
+    rc = manager_push_send(m, host, port, &msg);
+    wire_msg_free(&msg);
+    off += k;
+  } while (!rc && off < n);
+  return rc;
+}

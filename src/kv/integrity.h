@@ -1,0 +1,60 @@
+/* Verify mode and room fencing (issue 16), the parts shared by the decode
+ * and prefill halves of the KV manager. See docs/WIRE-EXTENSIONS.md
+ * ("Integrity and fencing") for the wire side and the guarantees.
+ *
+ * Decode: each room a receiver inits gets an entry (room -> fence epoch,
+ * verify asked, which prefill ranks sent digests) in a table behind one
+ * mutex, so the listener thread never touches a receiver (which the
+ * application may destroy at any time). The engine fence of the room is
+ * opened at init and closed when the receiver sees Failed or is destroyed.
+ *
+ * Prefill: page digests taken when kvf_sender_send is called, the digest
+ * entries of what a worker wrote, and the re-check of the sources after the
+ * write. Pure helpers over the manager's buffers; no table. */
+#ifndef KVF_KV_INTEGRITY_H
+#define KVF_KV_INTEGRITY_H
+
+#include "kv/manager.h"
+
+/* Bound on one room's entry: prefill ranks tracked for digests. */
+#define INTEG_MAX_RANKS ROOMS_MAX_RANKS
+
+int kvf__integ_start(kvf_manager *m);
+void kvf__integ_stop(kvf_manager *m);
+
+/* ---- decode ---- */
+
+/* At receiver init: open the room's engine fence and note verify mode, for
+ * a kvferry prefill (`kvferry`); a tokenspeed prefill gets neither (its M2
+ * stays byte-exact) but a Success from it is counted as unverified when
+ * verify mode is on. *flags / *epoch go into the M2s (0 / 0 when the room
+ * is not fenced: a tokenspeed prefill, tag 0, or no memory). */
+void kvf__integ_room_open(kvf_manager *m, int64_t room, int kvferry, uint64_t *flags, uint64_t *epoch);
+/* Close the fence (no write of the room lands after this returns; nothing
+ * to close for epoch 0) and, when `forget`, drop the room's entry. Counts
+ * rooms_fenced when `failed`. */
+void kvf__integ_room_close(kvf_manager *m, int64_t room, uint64_t epoch, int failed, int forget);
+/* Tell a kvferry prefill rank that the room failed here (best effort). */
+void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_t room, uint64_t epoch,
+                           const char *reason);
+/* Listener: a digests message (verifies the landed bytes; dropped as forged
+ * unless from_planned says the sender is a rank of the room's plan, as for
+ * an M3); an M3 Success
+ * from `rank` (counts a Success without digests when verify was asked). */
+void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer,
+                           int (*from_planned)(kvf_manager *m, int64_t room, const char *peer));
+void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank);
+
+/* ---- prefill ---- */
+
+/* The KV buffer indices of layers [l0, l1), in layout order: *nb of them in
+ * a malloc'd array (caller frees). */
+int kvf__integ_layer_bufs(const kvf_manager *m, size_t l0, size_t l1, size_t **bufs, size_t *nb);
+/* Digest of page `page` of KV buffer b (bounds-checked: KVF_ERANGE). */
+int kvf__integ_page_digest(const kvf_manager *m, size_t b, int64_t page, uint64_t *out);
+/* Send `n` digest entries for `room` to a decode's PULL socket (split into
+ * messages of at most WIRE_MAX_DIGESTS; one empty message when n == 0). */
+int kvf__integ_send_digests(kvf_manager *m, const char *host, uint16_t port, int64_t room, uint64_t epoch,
+                            const wire_digest *d, size_t n);
+
+#endif

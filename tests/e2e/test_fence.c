@@ -1,0 +1,174 @@
+/* Fencing (issue 16), with real processes: a prefill (`kvferry kv-peer`)
+ * stopped with SIGSTOP in the middle of a large transfer; the decode's room
+ * fails (a short waiting timeout), the decode refills the room's pages with
+ * a new pattern, the prefill resumes (SIGCONT): not one byte of the new
+ * pattern changes, the decode's engine counts the refused or cut chunks,
+ * and the prefill's sender ends Failed (the decode told it). Over the TCP
+ * engine, the transport this build has. */
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "cli/kvpool.h"
+#include "cli/proc.h"
+#include "kvferry.h"
+
+#define LAYERS 2
+#define ITEM (256u << 10) /* 4 buffers x 256 KiB a page */
+#define PAGES 512
+#define NPAGES 400 /* 400 MiB in flight: far longer than the time to stop it */
+#define OLD 0x11
+#define NEW 0x5a
+
+static pid_t g_peer; /* a stopped kv-peer must not outlive a failed test */
+
+static int kill_peer(void **state) {
+  (void)state;
+  if (g_peer) {
+    kill(g_peer, SIGKILL);
+    waitpid(g_peer, NULL, 0);
+    g_peer = 0;
+  }
+  return 0;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void fill_pages(kvpool *p, const int64_t *pages, size_t n, int v) {
+  for (size_t b = 0; b < p->nbuf; b++)
+    for (size_t i = 0; i < n; i++) memset((char *)p->ptrs[b] + (uint64_t)pages[i] * p->item_len, v, p->item_len);
+}
+
+/* (page, buffer) pairs of the pages that do not hold v in every byte. One
+ * memcmp per page: cheap under the sanitizers too. */
+static size_t count_other(const kvpool *p, const int64_t *pages, size_t n, int v) {
+  static unsigned char ref[ITEM];
+  memset(ref, v, sizeof ref);
+  size_t bad = 0;
+  for (size_t b = 0; b < p->nbuf; b++)
+    for (size_t i = 0; i < n; i++)
+      bad += memcmp((const char *)p->ptrs[b] + (uint64_t)pages[i] * p->item_len, ref, ITEM) != 0;
+  return bad;
+}
+
+/* Wait until the first byte of any page of any buffer no longer holds v.
+ * It reads pages the engine is writing, on purpose (an observer, nothing
+ * depends on what it reads but when to stop): tests/tsan.supp names it. */
+__attribute__((noinline)) static int watch_first_bytes(const kvpool *p, const int64_t *pages, size_t n, int v,
+                                                       double limit_s) {
+  double until = now_s() + limit_s;
+  while (now_s() < until)
+    for (size_t b = 0; b < p->nbuf; b++)
+      for (size_t i = 0; i < n; i++)
+        if (((const volatile unsigned char *)p->ptrs[b])[(uint64_t)pages[i] * p->item_len] != v) return 1;
+  return 0;
+}
+
+static void late_writes_never_land_after_the_room_failed(void **state) {
+  (void)state;
+  const char *exe = getenv("KVFERRY_CLI");
+  assert_non_null(exe);
+  char l[16], it[16], pg[16];
+  snprintf(l, sizeof l, "%d", LAYERS);
+  snprintf(it, sizeof it, "%u", ITEM);
+  snprintf(pg, sizeof pg, "%d", PAGES);
+  char *argv[] = {(char *)exe, "kv-peer", "--layers", l, "--item", it, "--pages", pg, NULL};
+  proc peer;
+  assert_int_equal(proc_start(&peer, argv), 0);
+  g_peer = peer.pid;
+  char line[600], addr[300];
+  assert_int_equal(proc_read_line(&peer, line, sizeof line, 60000), 0);
+  assert_int_equal(sscanf(line, "ready %299s", addr), 1);
+
+  kvpool pool;
+  assert_int_equal(kvpool_init(&pool, LAYERS, PAGES, ITEM), 0);
+  kvf_manager_config c;
+  kvf_manager_config_init(&c);
+  c.role = KVF_ROLE_DECODE;
+  c.waiting_timeout_s = 1;
+  c.heartbeat_interval_s = 30; /* the waiting timeout, not the heartbeat, fails the room */
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&c, &pool.bufs, &m), 0);
+  kvf_engine *e = kvf_manager_engine(m);
+
+  static int64_t pages[NPAGES];
+  uint64_t rng = 7;
+  assert_int_equal(kvpool_take(&pool, NPAGES, &rng, pages), 0);
+  fill_pages(&pool, pages, NPAGES, OLD);
+  kvf_engine_sync(e);
+  kvf_receiver *rx = NULL;
+  assert_int_equal(kvf_receiver_create(m, addr, 42, &rx), 0);
+  assert_int_equal(kvf_receiver_init(rx, pages, NPAGES, 0, 0, NULL, 0), 0);
+  /* seed 0: the prefill sends its pages as they are (zeros), no fill
+   * first; one chunk: two engine chunks of 200 MiB, one per connection. */
+  fprintf(peer.in, "send 42 %d 0 7 0\n", NPAGES);
+  fflush(peer.in);
+
+  /* Stop the prefill as soon as its first bytes land, in the middle of both
+   * engine chunks. */
+  assert_true(watch_first_bytes(&pool, pages, NPAGES, OLD, 60));
+  assert_int_equal(kill(peer.pid, SIGSTOP), 0);
+  kvf_engine_stats es;
+  kvf_engine_get_stats(e, &es);
+  fprintf(stderr, "prefill stopped with %llu engine chunks complete\n", (unsigned long long)es.batches_received);
+
+  int st;
+  double until = now_s() + 20;
+  while ((st = kvf_receiver_poll(rx)) != KVF_POLL_FAILED && st != KVF_POLL_SUCCESS && now_s() < until) usleep(1000);
+  assert_int_equal(st, KVF_POLL_FAILED); /* the transfer was stopped mid-way: never Success */
+  char why[512];
+  kvf_receiver_failure(rx, why, sizeof why);
+  assert_non_null(strstr(why, "timed out"));
+
+  /* The pages go to another request at once: a new pattern. */
+  fill_pages(&pool, pages, NPAGES, NEW);
+  kvf_engine_sync(e);
+  assert_int_equal(kill(peer.pid, SIGCONT), 0);
+
+  /* The prefill's sender ends Failed (the decode told it, or its write was refused). */
+  long long room = 0, ns = 0;
+  int pst = -1;
+  until = now_s() + 30;
+  while (now_s() < until && proc_read_line(&peer, line, sizeof line, 1000) == 0)
+    if (sscanf(line, "done %lld %d %lld", &room, &pst, &ns) == 3 && room == 42) break;
+  fprintf(stderr, "prefill: %s\n", line);
+  assert_int_equal(room, 42);
+  assert_int_equal(pst, KVF_POLL_FAILED);
+  /* Once the prefill process is gone nothing more can arrive. */
+  assert_true(proc_stop(&peer, 30000) >= 0);
+  g_peer = 0;
+  kvf_engine_sync(e);
+  assert_int_equal(count_other(&pool, pages, NPAGES, NEW), 0); /* not one byte of the new pattern changed */
+
+  kvf_engine_get_stats(e, &es);
+  kvf_manager_stats ms;
+  kvf_manager_get_stats(m, &ms);
+  fprintf(stderr, "decode engine: %llu chunks refused or cut by the fence; manager: %llu rooms fenced\n",
+          (unsigned long long)es.chunks_fenced, (unsigned long long)ms.rooms_fenced);
+  assert_true(es.chunks_fenced >= 1);
+  assert_int_equal(ms.rooms_fenced, 1);
+  kvf_receiver_destroy(rx);
+  kvpool_give(&pool, pages, NPAGES);
+  kvf_manager_destroy(m);
+  kvpool_free(&pool);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(late_writes_never_land_after_the_room_failed, kill_peer),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
