@@ -52,7 +52,7 @@ int kvf__config_set(void *cfg, size_t min_size, size_t max_size, const kvf__fiel
     memcpy(p, &d, sizeof d);
     return 0;
   }
-  if (!value || env_parse_i64(value, &v)) return KVF_EINVAL;
+  if (!value || kvf__env_parse_i64(value, &v)) return KVF_EINVAL;
   switch (f->type) {
     case KVF__FIELD_INT: {
       if (v < INT_MIN || v > INT_MAX) return KVF_EINVAL;

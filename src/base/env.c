@@ -8,7 +8,7 @@
 
 #include "base/log.h"
 
-int env_parse_i64(const char *s, int64_t *out) {
+int kvf__env_parse_i64(const char *s, int64_t *out) {
   if (!s || !*s) return KVF_EINVAL;
   const char *p = s;
   if (*p == '-') p++;
@@ -23,16 +23,16 @@ int env_parse_i64(const char *s, int64_t *out) {
   return 0;
 }
 
-int64_t env_get_int(const char *name, int64_t def) {
+int64_t kvf__env_get_int(const char *name, int64_t def) {
   const char *v = getenv(name);
   if (!v || !*v) return def;
   int64_t out;
-  if (env_parse_i64(v, &out) == 0) return out;
+  if (kvf__env_parse_i64(v, &out) == 0) return out;
   LOG_WARN("env", "%s=%s is not an integer; using %lld", name, v, (long long)def);
   return def;
 }
 
-double env_get_double(const char *name, double def) {
+double kvf__env_get_double(const char *name, double def) {
   const char *v = getenv(name);
   if (!v || !*v) return def;
   char *end = NULL;
@@ -45,7 +45,7 @@ double env_get_double(const char *name, double def) {
   return d;
 }
 
-int env_get_bool(const char *name, int def) {
+int kvf__env_get_bool(const char *name, int def) {
   const char *v = getenv(name);
   if (!v || !*v) return def;
   if (!strcasecmp(v, "true") || !strcmp(v, "1") || !strcasecmp(v, "yes") || !strcasecmp(v, "y"))

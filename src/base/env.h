@@ -6,12 +6,12 @@
 
 #include <stdint.h>
 
-int64_t env_get_int(const char *name, int64_t def);
-double env_get_double(const char *name, double def);
+int64_t kvf__env_get_int(const char *name, int64_t def);
+double kvf__env_get_double(const char *name, double def);
 /* true/1/yes/y and false/0/no/n, case-insensitive. */
-int env_get_bool(const char *name, int def);
+int kvf__env_get_bool(const char *name, int def);
 /* Strict decimal integer parse of the whole string (optional '-', no spaces).
  * Returns 0 and sets *out on success, KVF_EINVAL otherwise. */
-int env_parse_i64(const char *s, int64_t *out);
+int kvf__env_parse_i64(const char *s, int64_t *out);
 
 #endif

@@ -23,7 +23,7 @@ static int level_from_env(void) {
   return KVF_LOG_WARN;
 }
 
-int log_level(void) {
+int kvf__log_level(void) {
   int l = atomic_load_explicit(&g_level, memory_order_relaxed);
   if (l < 0) {
     l = level_from_env();
@@ -38,7 +38,7 @@ void kvf_set_log_level(int level) {
   atomic_store(&g_level, level);
 }
 
-void log_write(int level, const char *component, const char *fmt, ...) {
+void kvf__log_write(int level, const char *component, const char *fmt, ...) {
   static const char *names[] = {"ERROR", "WARN", "INFO", "DEBUG"};
   char msg[1024];
   va_list ap;
@@ -54,7 +54,7 @@ void log_write(int level, const char *component, const char *fmt, ...) {
           ts.tv_nsec / 1000000, names[level & 3], component, msg);
 }
 
-uint64_t log_hash_str(const char *s, uint64_t seed) {
+uint64_t kvf__log_hash_str(const char *s, uint64_t seed) {
   uint64_t h = 1469598103934665603ULL ^ seed;
   for (; s && *s; s++) {
     h ^= (unsigned char)*s;
@@ -67,7 +67,7 @@ uint64_t log_hash_str(const char *s, uint64_t seed) {
 static uint64_t g_once[ONCE_SLOTS];
 static pthread_mutex_t g_once_lock = PTHREAD_MUTEX_INITIALIZER;
 
-int log_first_time(uint64_t key) {
+int kvf__log_first_time(uint64_t key) {
   if (key == 0) key = 1;
   unsigned slot = (unsigned)(key % ONCE_SLOTS);
   pthread_mutex_lock(&g_once_lock);

@@ -7,13 +7,13 @@
 #include <stdint.h>
 #include "kvferry/common.h"
 
-int log_level(void);
-void log_write(int level, const char *component, const char *fmt, ...)
+int kvf__log_level(void);
+void kvf__log_write(int level, const char *component, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 #define KVF_LOG(level, comp, ...)                                 \
   do {                                                            \
-    if ((level) <= log_level()) log_write((level), (comp), __VA_ARGS__); \
+    if ((level) <= kvf__log_level()) kvf__log_write((level), (comp), __VA_ARGS__); \
   } while (0)
 #define LOG_ERROR(comp, ...) KVF_LOG(KVF_LOG_ERROR, comp, __VA_ARGS__)
 #define LOG_WARN(comp, ...) KVF_LOG(KVF_LOG_WARN, comp, __VA_ARGS__)
@@ -23,9 +23,9 @@ void log_write(int level, const char *component, const char *fmt, ...)
 /* Returns 1 the first time `key` (e.g. a hash of a peer address and an error
  * kind) is seen, 0 afterwards; a small fixed table, so very many distinct
  * keys may log again after eviction. Thread-safe. */
-int log_first_time(uint64_t key);
+int kvf__log_first_time(uint64_t key);
 
-/* FNV-1a of a string, for log_first_time keys and hash tables. */
-uint64_t log_hash_str(const char *s, uint64_t seed);
+/* FNV-1a of a string, for kvf__log_first_time keys and hash tables. */
+uint64_t kvf__log_hash_str(const char *s, uint64_t seed);
 
 #endif

@@ -24,7 +24,7 @@ static uint64_t hash_str(const char *s) {
   return hash_u64(h);
 }
 
-int map_init(map *m) {
+int kvf__map_init(map *m) {
   m->nbuckets = 16;
   m->size = 0;
   m->buckets = calloc(m->nbuckets, sizeof *m->buckets);
@@ -46,9 +46,9 @@ static void free_nodes(map *m) {
   m->nbuckets = m->size = 0;
 }
 
-void map_free(map *m) { free_nodes(m); }
-void smap_free(smap *m) { free_nodes(m); }
-size_t map_size(const map *m) { return m->size; }
+void kvf__map_free(map *m) { free_nodes(m); }
+void kvf__smap_free(smap *m) { free_nodes(m); }
+size_t kvf__map_size(const map *m) { return m->size; }
 
 static int grow(map *m) {
   size_t nb = m->nbuckets * 2;
@@ -115,26 +115,26 @@ static int del(map *m, uint64_t h, uint64_t key, const char *skey, void **val) {
   return 1;
 }
 
-void *map_get(const map *m, uint64_t key) {
+void *kvf__map_get(const map *m, uint64_t key) {
   map_node **pp = find(m, hash_u64(key), key, NULL);
   return *pp ? (*pp)->val : NULL;
 }
-int map_has(const map *m, uint64_t key) { return *find(m, hash_u64(key), key, NULL) != NULL; }
-int map_put(map *m, uint64_t key, void *val, void **old) {
+int kvf__map_has(const map *m, uint64_t key) { return *find(m, hash_u64(key), key, NULL) != NULL; }
+int kvf__map_put(map *m, uint64_t key, void *val, void **old) {
   return put(m, hash_u64(key), key, NULL, val, old);
 }
-int map_del(map *m, uint64_t key, void **val) { return del(m, hash_u64(key), key, NULL, val); }
+int kvf__map_del(map *m, uint64_t key, void **val) { return del(m, hash_u64(key), key, NULL, val); }
 
-void *smap_get(const smap *m, const char *key) {
+void *kvf__smap_get(const smap *m, const char *key) {
   map_node **pp = find(m, hash_str(key), 0, key);
   return *pp ? (*pp)->val : NULL;
 }
-int smap_put(smap *m, const char *key, void *val, void **old) {
+int kvf__smap_put(smap *m, const char *key, void *val, void **old) {
   return put(m, hash_str(key), 0, key, val, old);
 }
-int smap_del(smap *m, const char *key, void **val) { return del(m, hash_str(key), 0, key, val); }
+int kvf__smap_del(smap *m, const char *key, void **val) { return del(m, hash_str(key), 0, key, val); }
 
-void map_iter_init(map_iter *it) { memset(it, 0, sizeof *it); }
+void kvf__map_iter_init(map_iter *it) { memset(it, 0, sizeof *it); }
 
 static map_node *iter_step(const map *m, map_iter *it) {
   map_node *n = it->next;
@@ -147,7 +147,7 @@ static map_node *iter_step(const map *m, map_iter *it) {
   return n;
 }
 
-int map_next(const map *m, map_iter *it, uint64_t *key, void **val) {
+int kvf__map_next(const map *m, map_iter *it, uint64_t *key, void **val) {
   map_node *n = iter_step(m, it);
   if (!n) return 0;
   if (key) *key = n->key;
@@ -155,7 +155,7 @@ int map_next(const map *m, map_iter *it, uint64_t *key, void **val) {
   return 1;
 }
 
-int smap_next(const smap *m, map_iter *it, const char **key, void **val) {
+int kvf__smap_next(const smap *m, map_iter *it, const char **key, void **val) {
   map_node *n = iter_step(m, it);
   if (!n) return 0;
   if (key) *key = n->skey;

@@ -1,7 +1,7 @@
 /* Hash maps used by every table in the library: `map` with 64-bit keys
  * (rooms) and `smap` with string keys (sessions, addresses). Chained, grows
  * by doubling, not thread-safe: callers hold their own lock. Iteration with
- * map_next/smap_next tolerates deleting the current entry. */
+ * kvf__map_next/kvf__smap_next tolerates deleting the current entry. */
 #ifndef KVF_BASE_MAP_H
 #define KVF_BASE_MAP_H
 
@@ -27,30 +27,30 @@ typedef struct map_iter {
   map_node *node, *next;
 } map_iter;
 
-int map_init(map *m);
-/* Frees the nodes, not the values (use map_next to free values first). */
-void map_free(map *m);
-size_t map_size(const map *m);
+int kvf__map_init(map *m);
+/* Frees the nodes, not the values (use kvf__map_next to free values first). */
+void kvf__map_free(map *m);
+size_t kvf__map_size(const map *m);
 
-void *map_get(const map *m, uint64_t key);
-int map_has(const map *m, uint64_t key);
+void *kvf__map_get(const map *m, uint64_t key);
+int kvf__map_has(const map *m, uint64_t key);
 /* Insert or replace; *old (may be NULL) gets the replaced value or NULL. */
-int map_put(map *m, uint64_t key, void *val, void **old);
+int kvf__map_put(map *m, uint64_t key, void *val, void **old);
 /* Returns 1 and sets *val (may be NULL) if the key was present, else 0. */
-int map_del(map *m, uint64_t key, void **val);
+int kvf__map_del(map *m, uint64_t key, void **val);
 
-void map_iter_init(map_iter *it);
+void kvf__map_iter_init(map_iter *it);
 /* Returns 1 with *key and *val set for the next entry, 0 at the end. */
-int map_next(const map *m, map_iter *it, uint64_t *key, void **val);
+int kvf__map_next(const map *m, map_iter *it, uint64_t *key, void **val);
 
 /* String-keyed: same structure, keys are copied and owned by the map. */
 typedef map smap;
-#define smap_init map_init
-void smap_free(smap *m);
-#define smap_size map_size
-void *smap_get(const smap *m, const char *key);
-int smap_put(smap *m, const char *key, void *val, void **old);
-int smap_del(smap *m, const char *key, void **val);
-int smap_next(const smap *m, map_iter *it, const char **key, void **val);
+#define smap_init kvf__map_init
+void kvf__smap_free(smap *m);
+#define smap_size kvf__map_size
+void *kvf__smap_get(const smap *m, const char *key);
+int kvf__smap_put(smap *m, const char *key, void *val, void **old);
+int kvf__smap_del(smap *m, const char *key, void **val);
+int kvf__smap_next(const smap *m, map_iter *it, const char **key, void **val);
 
 #endif

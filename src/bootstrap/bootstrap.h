@@ -26,14 +26,14 @@ typedef struct bootstrap_client_opts {
 } bootstrap_client_opts;
 
 /* A client for the server at `addr` ("host:port" or "[v6]:port"). `opts` may
- * be NULL. The caller owns *out (bootstrap_client_destroy). Errors:
+ * be NULL. The caller owns *out (kvf__bootstrap_client_destroy). Errors:
  * KVF_EINVAL (addr empty or not a plain host:port), KVF_ENOMEM, KVF_EIO
  * (libcurl could not initialise). Any thread. */
-int bootstrap_client_create(const char *addr, const bootstrap_client_opts *opts, bootstrap_client **out);
-void bootstrap_client_destroy(bootstrap_client *c);
+int kvf__bootstrap_client_create(const char *addr, const bootstrap_client_opts *opts, bootstrap_client **out);
+void kvf__bootstrap_client_destroy(bootstrap_client *c);
 
 /* The "host:port" the client was created with; owned by the client. */
-const char *bootstrap_client_addr(const bootstrap_client *c);
+const char *kvf__bootstrap_client_addr(const bootstrap_client *c);
 
 /* PUT /route with `reg`. Retries with exponential backoff (50 ms doubling to
  * 1 s) while the failure is one a later try can fix — connection refused,
@@ -44,24 +44,24 @@ const char *bootstrap_client_addr(const bootstrap_client *c);
  * unencodable), KVF_EACCES (401/403), KVF_ETOOBIG (413), KVF_ESTATE (409:
  * world/dp size differ from the first registration), KVF_ECONNREFUSED,
  * KVF_ETIMEDOUT, KVF_ECLOSED, KVF_EIO (5xx), KVF_EPROTO. */
-int bootstrap_client_put_route(bootstrap_client *c, const route_reg *reg, int deadline_ms);
+int kvf__bootstrap_client_put_route(bootstrap_client *c, const route_reg *reg, int deadline_ms);
 
 /* GET /route?engine_rank=-1&target_dp_group=-1. On success fills *out (free
- * with route_parallel_info_free). KVF_ENOTFOUND when the server has no
+ * with kvf__route_parallel_info_free). KVF_ENOTFOUND when the server has no
  * registration yet (null sizes); otherwise the transport errors above, or
  * KVF_EPROTO for a malformed reply. One try. */
-int bootstrap_client_get_parallel_info(bootstrap_client *c, route_parallel_info *out);
+int kvf__bootstrap_client_get_parallel_info(bootstrap_client *c, route_parallel_info *out);
 
 /* GET /route?engine_rank=<tp_rank>&target_dp_group=<dp_group>: the address
  * of TP rank `tp_rank` inside DP group `dp_group`. Fills ip (NUL-terminated)
  * and *port on success. KVF_ENOTFOUND on 404 (rank not registered, or outside
  * the layout), KVF_ECONNREFUSED when nothing listens, KVF_ETIMEDOUT when the
  * server does not answer in time, KVF_EPROTO for a malformed reply. One try. */
-int bootstrap_client_get_rank(bootstrap_client *c, int tp_rank, int dp_group, char *ip, size_t iplen, int *port);
+int kvf__bootstrap_client_get_rank(bootstrap_client *c, int tp_rank, int dp_group, char *ip, size_t iplen, int *port);
 
 /* GET /health: 0 on 200, else a transport error or KVF_EIO for another
  * status. Reuses the connection between calls (heartbeats). */
-int bootstrap_client_health(bootstrap_client *c);
+int kvf__bootstrap_client_health(bootstrap_client *c);
 
 /* One raw request, for tests and tools: `method` ("GET", "HEAD", "PUT", or
  * any other token), `path` starting with '/', optional body. Sends the bearer
@@ -69,7 +69,7 @@ int bootstrap_client_health(bootstrap_client *c);
  * `reply` is not NULL, *reply a malloc'd NUL-terminated copy of the body the
  * caller frees (*reply_len its length, may be NULL). Transport failures return
  * the error codes above. One try. */
-int bootstrap_client_request(bootstrap_client *c, const char *method, const char *path, const char *body,
+int kvf__bootstrap_client_request(bootstrap_client *c, const char *method, const char *path, const char *body,
                              size_t body_len, long *status, char **reply, size_t *reply_len);
 
 #endif

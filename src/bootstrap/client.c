@@ -49,7 +49,7 @@ static void curl_init_once(void) { g_curl_init_rc = curl_global_init(CURL_GLOBAL
  * spaces) and a bare IPv6 host. */
 static int addr_valid(const char *addr) { return addr && !kvf__addr_parse(addr, strlen(addr), NULL, 0, NULL, NULL); }
 
-int bootstrap_client_create(const char *addr, const bootstrap_client_opts *opts, bootstrap_client **out) {
+int kvf__bootstrap_client_create(const char *addr, const bootstrap_client_opts *opts, bootstrap_client **out) {
   if (!out || !addr_valid(addr)) {
     LOG_ERROR(COMP, "bad bootstrap address '%s'", addr ? addr : "(null)");
     return KVF_EINVAL;
@@ -65,7 +65,7 @@ int bootstrap_client_create(const char *addr, const bootstrap_client_opts *opts,
   c->connect_timeout_ms = opts && opts->connect_timeout_ms > 0 ? opts->connect_timeout_ms : DEFAULT_CONNECT_MS;
   c->timeout_ms = opts && opts->timeout_ms > 0
                       ? opts->timeout_ms
-                      : (int)env_get_int("KVFERRY_BOOTSTRAP_TIMEOUT_MS", DEFAULT_TIMEOUT_MS);
+                      : (int)kvf__env_get_int("KVFERRY_BOOTSTRAP_TIMEOUT_MS", DEFAULT_TIMEOUT_MS);
   if (c->timeout_ms <= 0) c->timeout_ms = DEFAULT_TIMEOUT_MS;
   const char *token = opts && opts->token ? opts->token : getenv("KVFERRY_BOOTSTRAP_TOKEN");
 
@@ -96,7 +96,7 @@ err_free_client:
   return rc;
 }
 
-void bootstrap_client_destroy(bootstrap_client *c) {
+void kvf__bootstrap_client_destroy(bootstrap_client *c) {
   if (!c) return;
   curl_easy_cleanup(c->curl);
   free(c->buf);
@@ -106,7 +106,7 @@ void bootstrap_client_destroy(bootstrap_client *c) {
   free(c);
 }
 
-const char *bootstrap_client_addr(const bootstrap_client *c) { return c->addr; }
+const char *kvf__bootstrap_client_addr(const bootstrap_client *c) { return c->addr; }
 
 static size_t on_data(char *ptr, size_t size, size_t nmemb, void *userdata) {
   bootstrap_client *c = userdata;
@@ -236,7 +236,7 @@ static int perform(bootstrap_client *c, const char *method, const char *path, co
   return rc;
 }
 
-int bootstrap_client_request(bootstrap_client *c, const char *method, const char *path, const char *body,
+int kvf__bootstrap_client_request(bootstrap_client *c, const char *method, const char *path, const char *body,
                              size_t body_len, long *status, char **reply, size_t *reply_len) {
   if (!c || !method || !path || path[0] != '/' || !status) return KVF_EINVAL;
   long st = 0;
@@ -264,9 +264,9 @@ static void sleep_ms(int64_t ms) {
   }
 }
 
-int bootstrap_client_put_route(bootstrap_client *c, const route_reg *reg, int deadline_ms) {
+int kvf__bootstrap_client_put_route(bootstrap_client *c, const route_reg *reg, int deadline_ms) {
   if (!c || !reg) return KVF_EINVAL;
-  char *body = route_json_encode_put(reg);
+  char *body = kvf__route_json_encode_put(reg);
   if (!body) return KVF_ENOMEM;
   size_t body_len = strlen(body);
   int64_t deadline = clock_deadline_ms(deadline_ms > 0 ? deadline_ms : 0);
@@ -303,7 +303,7 @@ int bootstrap_client_put_route(bootstrap_client *c, const route_reg *reg, int de
   return rc;
 }
 
-int bootstrap_client_get_parallel_info(bootstrap_client *c, route_parallel_info *out) {
+int kvf__bootstrap_client_get_parallel_info(bootstrap_client *c, route_parallel_info *out) {
   if (!c || !out) return KVF_EINVAL;
   long status = 0;
   int rc = perform(c, "GET", "/route?engine_rank=-1&target_dp_group=-1", NULL, 0, c->connect_timeout_ms,
@@ -311,19 +311,19 @@ int bootstrap_client_get_parallel_info(bootstrap_client *c, route_parallel_info 
   if (rc == 0) rc = map_status(status);
   if (rc) return rc;
   route_parallel_info p;
-  if ((rc = route_json_parse_parallel_info(c->buf, c->len, &p))) {
+  if ((rc = kvf__route_json_parse_parallel_info(c->buf, c->len, &p))) {
     LOG_WARN(COMP, "malformed parallel info from %s", c->addr);
     return rc;
   }
   if (p.world_size < 0) {
-    route_parallel_info_free(&p);
+    kvf__route_parallel_info_free(&p);
     return KVF_ENOTFOUND;
   }
   *out = p;
   return 0;
 }
 
-int bootstrap_client_get_rank(bootstrap_client *c, int tp_rank, int dp_group, char *ip, size_t iplen, int *port) {
+int kvf__bootstrap_client_get_rank(bootstrap_client *c, int tp_rank, int dp_group, char *ip, size_t iplen, int *port) {
   if (!c || !ip || !iplen || !port) return KVF_EINVAL;
   char path[96];
   snprintf(path, sizeof path, "/route?engine_rank=%d&target_dp_group=%d", tp_rank, dp_group);
@@ -331,12 +331,12 @@ int bootstrap_client_get_rank(bootstrap_client *c, int tp_rank, int dp_group, ch
   int rc = perform(c, "GET", path, NULL, 0, c->connect_timeout_ms, c->timeout_ms, &status);
   if (rc == 0) rc = map_status(status);
   if (rc) return rc;
-  if ((rc = route_json_parse_rank(c->buf, c->len, ip, iplen, port)))
+  if ((rc = kvf__route_json_parse_rank(c->buf, c->len, ip, iplen, port)))
     LOG_WARN(COMP, "malformed rank lookup reply from %s", c->addr);
   return rc;
 }
 
-int bootstrap_client_health(bootstrap_client *c) {
+int kvf__bootstrap_client_health(bootstrap_client *c) {
   if (!c) return KVF_EINVAL;
   long status = 0;
   int rc = perform(c, "GET", "/health", NULL, 0, c->connect_timeout_ms, c->timeout_ms, &status);

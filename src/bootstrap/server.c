@@ -172,7 +172,7 @@ static enum MHD_Result reject(kvf_bootstrap_server *srv, struct MHD_Connection *
     snprintf(host, sizeof host, "%s", peer);
     char *colon = strrchr(host, ':');
     if (colon) *colon = '\0';
-    if (log_first_time(log_hash_str(host, 0xb007ULL + (uint64_t)kind)))
+    if (kvf__log_first_time(kvf__log_hash_str(host, 0xb007ULL + (uint64_t)kind)))
       LOG_WARN(COMP, "rejected %s %s from %s: %u %s (further %s rejections from this host are only counted)",
                method, url, peer, status, why, err_names[kind]);
   }
@@ -208,7 +208,7 @@ static enum MHD_Result handle_put(kvf_bootstrap_server *srv, struct MHD_Connecti
                                   const char *url) {
   route_reg reg;
   char why[160];
-  if (route_json_parse_put(rq->body, rq->len, &reg, why, sizeof why))
+  if (kvf__route_json_parse_put(rq->body, rq->len, &reg, why, sizeof why))
     return reject(srv, conn, ERR_BAD_REQUEST, MHD_HTTP_BAD_REQUEST, "PUT", url, why, NULL, NULL);
 
   pthread_mutex_lock(&srv->lock);
@@ -216,7 +216,7 @@ static enum MHD_Result handle_put(kvf_bootstrap_server *srv, struct MHD_Connecti
     rank_entry *t = calloc((size_t)reg.world_size, sizeof *t);
     if (!t) {
       pthread_mutex_unlock(&srv->lock);
-      route_reg_free(&reg);
+      kvf__route_reg_free(&reg);
       return send_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory");
     }
     srv->table = t;
@@ -230,7 +230,7 @@ static enum MHD_Result handle_put(kvf_bootstrap_server *srv, struct MHD_Connecti
              (long long)reg.world_size, (long long)reg.dp_size, (long long)srv->world_size,
              (long long)srv->dp_size);
     pthread_mutex_unlock(&srv->lock);
-    route_reg_free(&reg);
+    kvf__route_reg_free(&reg);
     return reject(srv, conn, ERR_CONFLICT, MHD_HTTP_CONFLICT, "PUT", url, why, NULL, NULL);
   }
   /* Extras: last writer wins, lists only when sent (as the reference). */
@@ -241,7 +241,7 @@ static enum MHD_Result handle_put(kvf_bootstrap_server *srv, struct MHD_Connecti
     srv->lists[i] = reg.lists[i];
     memset(&reg.lists[i], 0, sizeof reg.lists[i]);
   }
-  if (route_reg_is_prefill(&reg)) {
+  if (kvf__route_reg_is_prefill(&reg)) {
     int64_t g = reg.engine_rank / srv->tp, t = reg.engine_rank % srv->tp;
     rank_entry *e = &srv->table[g * srv->tp + t];
     if (!e->set) srv->ranks_set++;
@@ -252,7 +252,7 @@ static enum MHD_Result handle_put(kvf_bootstrap_server *srv, struct MHD_Connecti
              (long long)reg.engine_rank, (long long)g, (long long)t, e->ip, e->port);
   }
   pthread_mutex_unlock(&srv->lock);
-  route_reg_free(&reg);
+  kvf__route_reg_free(&reg);
   atomic_fetch_add(&srv->registrations, 1);
   return send_text(conn, MHD_HTTP_OK, "OK");
 }
@@ -272,7 +272,7 @@ static enum MHD_Result handle_get_route(kvf_bootstrap_server *srv, struct MHD_Co
     return reject(srv, conn, ERR_BAD_REQUEST, MHD_HTTP_BAD_REQUEST, method, url,
                   "Missing inputs for bootstrap server.", NULL, NULL);
   int64_t t, g;
-  if (route_parse_int(rs, strlen(rs), &t) || route_parse_int(gs, strlen(gs), &g))
+  if (kvf__route_parse_int(rs, strlen(rs), &t) || kvf__route_parse_int(gs, strlen(gs), &g))
     return reject(srv, conn, ERR_BAD_REQUEST, MHD_HTTP_BAD_REQUEST, method, url,
                   "engine_rank and target_dp_group must be integers", NULL, NULL);
 
@@ -285,7 +285,7 @@ static enum MHD_Result handle_get_route(kvf_bootstrap_server *srv, struct MHD_Co
     p.dp_size = srv->dp_size;
     p.enable_mla_l1_5_cache = srv->enable_mla_l1_5_cache;
     memcpy(p.lists, srv->lists, sizeof p.lists); /* borrowed for the encode only */
-    json = route_json_encode_parallel_info(&p);
+    json = kvf__route_json_encode_parallel_info(&p);
     pthread_mutex_unlock(&srv->lock);
     atomic_fetch_add(&srv->parallel_infos, 1);
     return reply_json(conn, json);
@@ -297,7 +297,7 @@ static enum MHD_Result handle_get_route(kvf_bootstrap_server *srv, struct MHD_Co
     const rank_entry *e = &srv->table[g * srv->tp + t];
     if (e->set) {
       found = 1;
-      json = route_json_encode_rank(e->ip, e->port);
+      json = kvf__route_json_encode_rank(e->ip, e->port);
     }
   }
   pthread_mutex_unlock(&srv->lock);
@@ -370,7 +370,7 @@ static void cut_locked(kvf_bootstrap_server *srv, conn_track *c, int kind) {
   shutdown(c->fd, SHUT_RDWR);
   if (kind < 0) return;
   atomic_fetch_add(&srv->errors[kind], 1);
-  if (log_first_time(log_hash_str(err_names[kind], 0xb0c1ULL)))
+  if (kvf__log_first_time(kvf__log_hash_str(err_names[kind], 0xb0c1ULL)))
     LOG_WARN(COMP, "%s (further such connections are only counted in /metrics)",
              kind == ERR_SLOW ? "closed a connection whose request was not complete within the deadline"
                               : "connection slots nearly full: closed the oldest connection still sending a request");
@@ -491,7 +491,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     }
     const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
     int64_t declared;
-    if (cl && route_parse_int(cl, strlen(cl), &declared) == 0 && declared > (int64_t)srv->max_body) {
+    if (cl && kvf__route_parse_int(cl, strlen(cl), &declared) == 0 && declared > (int64_t)srv->max_body) {
       rq->replied = 1;
       return reject(srv, conn, ERR_TOO_LARGE, MHD_HTTP_CONTENT_TOO_LARGE, method, url, "body too large", NULL,
                     NULL);
@@ -512,7 +512,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
       atomic_fetch_add(&srv->errors[ERR_TOO_LARGE], 1);
       char peer[INET6_ADDRSTRLEN + 16];
       peer_name(conn, peer, sizeof peer);
-      if (log_first_time(log_hash_str(peer, 0xb00fULL)))
+      if (kvf__log_first_time(kvf__log_hash_str(peer, 0xb00fULL)))
         LOG_WARN(COMP, "closed connection from %s: %s %s body over %zu bytes", peer, method, url, srv->max_body);
       return MHD_NO;
     }

@@ -1,7 +1,7 @@
 /* The transfer engine's public face: configuration, registration, batches
  * and their completion. Transport-neutral: a batch is cut into chunks here
  * and handed to the transport's submit; each chunk reports back through
- * batch_chunk_done, and the batch completes when the last chunk has. */
+ * kvf__batch_chunk_done, and the batch completes when the last chunk has. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -57,8 +57,8 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   if (!cfg.host || !*cfg.host) cfg.host = "127.0.0.1";
   if (!cfg.transport || !*cfg.transport) cfg.transport = getenv("KVFERRY_TRANSPORT");
   if (!cfg.transport || !*cfg.transport) cfg.transport = "auto";
-  cfg.timeout_ms = (int)env_get_int("KVFERRY_TIMEOUT_MS", cfg.timeout_ms > 0 ? cfg.timeout_ms : 30000);
-  cfg.conns_per_peer = (int)env_get_int("KVFERRY_CONNS_PER_PEER", cfg.conns_per_peer);
+  cfg.timeout_ms = (int)kvf__env_get_int("KVFERRY_TIMEOUT_MS", cfg.timeout_ms > 0 ? cfg.timeout_ms : 30000);
+  cfg.conns_per_peer = (int)kvf__env_get_int("KVFERRY_CONNS_PER_PEER", cfg.conns_per_peer);
   if (cfg.timeout_ms <= 0) cfg.timeout_ms = 30000;
   if (cfg.conns_per_peer < 1) cfg.conns_per_peer = 1;
   if (cfg.conns_per_peer > 16) cfg.conns_per_peer = 16;
@@ -66,11 +66,11 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
 
   const transport_ops *ops = NULL;
   int want_ucx = !strcmp(cfg.transport, "ucx"), is_auto = !strcmp(cfg.transport, "auto");
-  if (!strcmp(cfg.transport, "tcp")) ops = &tcp_transport_ops;
+  if (!strcmp(cfg.transport, "tcp")) ops = &kvf__tcp_transport_ops;
 #ifdef KVF_HAVE_UCX
   if (want_ucx || is_auto) ops = &kvf__ucx_transport_ops;
 #else
-  if (is_auto) ops = &tcp_transport_ops;
+  if (is_auto) ops = &kvf__tcp_transport_ops;
   if (want_ucx) {
     LOG_ERROR("engine", "transport 'ucx': this kvferry was built without UCX (available: %s)",
               kvf_engine_transports());
@@ -87,7 +87,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
 
   kvf_engine *e = calloc(1, sizeof *e);
   if (!e) return KVF_ENOMEM;
-  int rc = regions_init(&e->regions);
+  int rc = kvf__regions_init(&e->regions);
   if (rc) goto err_free;
   if ((rc = kvf__fence_init(&e->fences))) goto err_regions;
   pthread_rwlock_init(&e->trailer_lock, NULL);
@@ -106,9 +106,9 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   e->port = cfg.port;
   e->ucx_explicit = want_ucx;
   rc = ops->start(e);
-  if (rc && is_auto && ops != &tcp_transport_ops) { /* auto: UCX would not start; say so, use TCP */
+  if (rc && is_auto && ops != &kvf__tcp_transport_ops) { /* auto: UCX would not start; say so, use TCP */
     LOG_INFO("engine", "transport auto: UCX did not start (%s); using tcp for every peer", kvf_strerror(rc));
-    e->ops = ops = &tcp_transport_ops;
+    e->ops = ops = &kvf__tcp_transport_ops;
     rc = ops->start(e);
   }
   if (rc) goto err_regions;
@@ -120,7 +120,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
 err_regions:
   pthread_rwlock_destroy(&e->trailer_lock);
   kvf__fence_destroy(&e->fences);
-  regions_destroy(&e->regions);
+  kvf__regions_destroy(&e->regions);
 err_free:
   free(e);
   return rc;
@@ -131,7 +131,7 @@ void kvf_engine_destroy(kvf_engine *e) {
   e->ops->stop(e);
   pthread_rwlock_destroy(&e->trailer_lock);
   kvf__fence_destroy(&e->fences);
-  regions_destroy(&e->regions);
+  kvf__regions_destroy(&e->regions);
   free(e);
 }
 
@@ -140,16 +140,16 @@ uint16_t kvf_engine_port(const kvf_engine *e) { return e->port; }
 
 int kvf_engine_register(kvf_engine *e, void *addr, size_t len) {
   if (!e || !addr || !len) return KVF_EINVAL;
-  int rc = regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len);
+  int rc = kvf__regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len);
   if (!rc && e->ops->reg && (rc = e->ops->reg(e, addr, len)))
-    regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
+    kvf__regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
   if (rc) LOG_WARN("engine", "register %p+%zu failed: %s", addr, len, kvf_strerror(rc));
   return rc;
 }
 
 int kvf_engine_unregister(kvf_engine *e, void *addr) {
   if (!e || !addr) return KVF_EINVAL;
-  int rc = regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
+  int rc = kvf__regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
   if (!rc && e->ops->dereg) e->ops->dereg(e, addr);
   return rc;
 }
@@ -234,7 +234,7 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *o) {
   o->chunks_fenced = atomic_load(&c->chunks_fenced);
 }
 
-uint64_t write_block_bytes(const kvf_write *w) { return w->len * (w->count > 1 ? w->count : 1); }
+uint64_t kvf__write_block_bytes(const kvf_write *w) { return w->len * (w->count > 1 ? w->count : 1); }
 
 /* Every source piece must lie in locally registered memory, as Mooncake
  * requires; it catches a caller's stale pointer before it reaches a peer. */
@@ -249,7 +249,7 @@ static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *t
       break;
     }
     if (w[i].len == 0) continue;
-    if (!regions_block_ok_locked(&e->regions, w[i].src, w[i].len, count, w[i].src_stride)) {
+    if (!kvf__regions_block_ok_locked(&e->regions, w[i].src, w[i].len, count, w[i].src_stride)) {
       LOG_WARN("engine", "write %zu: source 0x%llx+%llu is not in registered memory", i,
                (unsigned long long)w[i].src, (unsigned long long)bytes);
       rc = KVF_ERANGE;
@@ -261,24 +261,24 @@ static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *t
   return rc;
 }
 
-void chunk_free(chunk *c) {
+void kvf__chunk_free(chunk *c) {
   if (!c) return;
   free(c->trailer);
   free(c->writes);
   free(c);
 }
 
-void chunk_release(chunk *c) {
+void kvf__chunk_release(chunk *c) {
   if (!c || atomic_fetch_sub(&c->refs, 1) != 1) return;
   kvf_batch *b = c->batch;
   int status = c->status;
-  chunk_free(c);
-  batch_chunk_done(b, status);
+  kvf__chunk_free(c);
+  kvf__batch_chunk_done(b, status);
 }
 
-void chunk_finish(chunk *c, int status) {
+void kvf__chunk_finish(chunk *c, int status) {
   c->status = status;
-  chunk_release(c);
+  kvf__chunk_release(c);
 }
 
 static chunk *chunk_new(kvf_batch *b, size_t cap) {
@@ -294,10 +294,10 @@ static chunk *chunk_new(kvf_batch *b, size_t cap) {
   return c;
 }
 
-int engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks,
+int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks,
                        size_t max_desc, chunk ***out, size_t *nout) {
   uint64_t total = 0;
-  for (size_t i = 0; i < n; i++) total += write_block_bytes(&writes[i]);
+  for (size_t i = 0; i < n; i++) total += kvf__write_block_bytes(&writes[i]);
   /* Aim for `want` chunks of `target` bytes; a chunk also closes at max_desc. */
   size_t want = total >= ENGINE_SPLIT_MIN_BYTES ? max_chunks : 1;
   uint64_t target = (total + want - 1) / want;
@@ -346,14 +346,14 @@ int engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t m
         w.count -= pieces;
       }
       cur->writes[cur->n++] = piece;
-      cur->bytes += write_block_bytes(&piece);
+      cur->bytes += kvf__write_block_bytes(&piece);
     }
   }
   *out = list;
   *nout = nc;
   return 0;
 err_free:
-  for (size_t i = 0; i < nc; i++) chunk_free(list[i]);
+  for (size_t i = 0; i < nc; i++) kvf__chunk_free(list[i]);
   free(list);
   return rc;
 }
@@ -364,7 +364,7 @@ static void batch_free(kvf_batch *b) {
   free(b);
 }
 
-void batch_chunk_done(kvf_batch *b, int status) {
+void kvf__batch_chunk_done(kvf_batch *b, int status) {
   void (*cb)(void *, int) = NULL;
   void *cb_arg = NULL;
   int cb_status = 0;
@@ -433,12 +433,12 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
 
   chunk **chunks = NULL;
   size_t nchunks = 0;
-  rc = engine_make_chunks(b, writes, n, (size_t)e->cfg.conns_per_peer, ENGINE_MAX_DESC_PER_CHUNK,
+  rc = kvf__engine_make_chunks(b, writes, n, (size_t)e->cfg.conns_per_peer, ENGINE_MAX_DESC_PER_CHUNK,
                           &chunks, &nchunks);
   if (rc) goto err_batch;
   if (tlen && nchunks == 1) { /* a trailer rides only on a batch of one chunk (async.h) */
     if (!(chunks[0]->trailer = malloc(tlen))) {
-      chunk_free(chunks[0]);
+      kvf__chunk_free(chunks[0]);
       free(chunks);
       rc = KVF_ENOMEM;
       goto err_batch;
@@ -459,7 +459,7 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
   b->pending = (int)nchunks;
   rc = e->ops->submit(e, session, chunks, nchunks);
   if (rc) {
-    for (size_t i = 0; i < nchunks; i++) chunk_free(chunks[i]);
+    for (size_t i = 0; i < nchunks; i++) kvf__chunk_free(chunks[i]);
     free(chunks);
     atomic_fetch_add(&e->stats.batches_failed, 1);
     goto err_batch;
@@ -517,7 +517,7 @@ void kvf__engine_off_trailer(kvf_engine *e, void *arg) {
   pthread_rwlock_unlock(&e->trailer_lock);
 }
 
-void engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_t len, const char *peer) {
+void kvf__engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_t len, const char *peer) {
   pthread_rwlock_rdlock(&e->trailer_lock);
   if (e->trailer_cb) e->trailer_cb(e->trailer_arg, data, len, peer);
   pthread_rwlock_unlock(&e->trailer_lock);

@@ -31,17 +31,17 @@ typedef struct region_table {
   atomic_uint revocations; /* bumped by every unregister, so a receiver checks its pins only then */
 } region_table;
 
-int regions_init(region_table *t);
-void regions_destroy(region_table *t);
-int regions_add(region_table *t, uint64_t base, uint64_t len);
+int kvf__regions_init(region_table *t);
+void kvf__regions_destroy(region_table *t);
+int kvf__regions_add(region_table *t, uint64_t base, uint64_t len);
 /* Take the region out of the table, then wait until no receiver holds a pin
  * on it (about one receive tick at most). */
-int regions_remove(region_table *t, uint64_t base);
+int kvf__regions_remove(region_table *t, uint64_t base);
 /* With the read lock held by the caller: is [addr, addr+len) inside one region? */
-int regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len);
+int kvf__regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len);
 /* Is every piece of a (possibly strided) block inside registered memory?
  * `dst` selects the destination side of the block. Caller holds the read lock. */
-int regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
+int kvf__regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
                             uint64_t stride);
 /* The same lookups, returning the region (NULL if none). Read lock held. */
 region *kvf__regions_find_locked(const region_table *t, uint64_t addr, uint64_t len);
@@ -96,7 +96,7 @@ typedef struct kvf_batch {
 typedef struct chunk {
   struct chunk *next;
   atomic_int refs; /* the transport may hold one while it sends */
-  int status;      /* set once by chunk_finish */
+  int status;      /* set once by kvf__chunk_finish */
   kvf_batch *batch;
   kvf_write *writes;
   size_t n;
@@ -106,8 +106,8 @@ typedef struct chunk {
   uint32_t tlen;
 } chunk;
 
-void batch_chunk_done(kvf_batch *b, int status);
-uint64_t write_block_bytes(const kvf_write *w);
+void kvf__batch_chunk_done(kvf_batch *b, int status);
+uint64_t kvf__write_block_bytes(const kvf_write *w);
 
 /* ---- transports ---- */
 typedef struct transport_ops {
@@ -115,7 +115,7 @@ typedef struct transport_ops {
   int (*start)(struct kvf_engine *e);
   void (*stop)(struct kvf_engine *e);
   /* Queue the chunks of one batch to `session`; each chunk later reports
-   * through batch_chunk_done. On error nothing was queued. */
+   * through kvf__batch_chunk_done. On error nothing was queued. */
   int (*submit)(struct kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
   /* Optional hooks (NULL in tcp). reg/dereg follow a region into and out of
    * the table; serve answers a TCP_UCX_HELLO_MAGIC connection on the
@@ -130,9 +130,9 @@ typedef struct transport_ops {
   int (*free_pool)(struct kvf_engine *e, void *addr);
 } transport_ops;
 
-extern const transport_ops tcp_transport_ops;
+extern const transport_ops kvf__tcp_transport_ops;
 #ifdef KVF_HAVE_UCX
-/* The UCX transport (ucx*.c): runs tcp_transport_ops underneath for the
+/* The UCX transport (ucx*.c): runs kvf__tcp_transport_ops underneath for the
  * listener, the rendezvous and the peers it routes to TCP. */
 extern const transport_ops kvf__ucx_transport_ops;
 #endif
@@ -169,7 +169,7 @@ typedef struct kvf_engine {
 
 /* Target side: hand a chunk's trailer to the callback, if one is set (a
  * transport thread, after the chunk's bytes landed). */
-void engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_t len, const char *peer);
+void kvf__engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_t len, const char *peer);
 
 /* A blocking TCP connection to host:port made within the deadline, with
  * TCP_NODELAY (tcp.c). 0 or KVF_ECONNREFUSED / KVF_ETIMEDOUT. */
@@ -178,16 +178,16 @@ int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
  * each with at most `max_desc` descriptors; a single large block may be cut
  * into pieces. Chunks are allocated and linked to `b`. */
-int engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks,
+int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks,
                        size_t max_desc, chunk ***out, size_t *nout);
-void chunk_free(chunk *c);
+void kvf__chunk_free(chunk *c);
 /* The chunk's outcome is known (an ack, a failure): record it and drop the
  * owner's reference. Called exactly once per submitted chunk. */
-void chunk_finish(chunk *c, int status);
+void kvf__chunk_finish(chunk *c, int status);
 /* Drop a reference taken while sending. Whoever drops the last one reports
  * the outcome to the batch, so the batch completes only after the sending
  * thread is done reading the source memory (an ack can arrive before the
  * sendmsg call that carried the last byte has returned). */
-void chunk_release(chunk *c);
+void kvf__chunk_release(chunk *c);
 
 #endif

@@ -39,15 +39,15 @@ int kvf__fence_init(engine_fences *f) {
   memset(f, 0, sizeof *f);
   pthread_mutex_init(&f->lock, NULL);
   clock_cond_init(&f->cv);
-  return map_init(&f->open);
+  return kvf__map_init(&f->open);
 }
 
 void kvf__fence_destroy(engine_fences *f) {
   map_iter it;
   void *v;
-  map_iter_init(&it);
-  while (map_next(&f->open, &it, NULL, &v)) free(v);
-  map_free(&f->open);
+  kvf__map_iter_init(&it);
+  while (kvf__map_next(&f->open, &it, NULL, &v)) free(v);
+  kvf__map_free(&f->open);
   pthread_cond_destroy(&f->cv);
   pthread_mutex_destroy(&f->lock);
 }
@@ -68,8 +68,8 @@ int kvf_engine_fence_open(kvf_engine *e, uint64_t tag, uint64_t *epoch) {
   x->epoch = epoch_new();
   int rc = 0;
   pthread_mutex_lock(&e->fences.lock);
-  if (map_size(&e->fences.open) >= ENGINE_MAX_FENCES) rc = KVF_ENOMEM;
-  else rc = map_put(&e->fences.open, x->epoch, x, NULL);
+  if (kvf__map_size(&e->fences.open) >= ENGINE_MAX_FENCES) rc = KVF_ENOMEM;
+  else rc = kvf__map_put(&e->fences.open, x->epoch, x, NULL);
   pthread_mutex_unlock(&e->fences.lock);
   if (rc) {
     free(x);
@@ -84,7 +84,7 @@ int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int time
   int64_t until = clock_deadline_ms(timeout_ms > 0 ? timeout_ms : e->cfg.timeout_ms);
   int rc = 0;
   pthread_mutex_lock(&e->fences.lock);
-  engine_fence *x = map_get(&e->fences.open, epoch);
+  engine_fence *x = kvf__map_get(&e->fences.open, epoch);
   if (!x || x->tag != tag) {
     rc = KVF_ENOTFOUND;
     goto out;
@@ -103,7 +103,7 @@ int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int time
       goto out;
     }
   }
-  map_del(&e->fences.open, epoch, NULL);
+  kvf__map_del(&e->fences.open, epoch, NULL);
   free(x);
 out:
   pthread_mutex_unlock(&e->fences.lock);
@@ -112,7 +112,7 @@ out:
 
 engine_fence *kvf__fence_enter(kvf_engine *e, uint64_t tag, uint64_t epoch) {
   pthread_mutex_lock(&e->fences.lock);
-  engine_fence *x = map_get(&e->fences.open, epoch);
+  engine_fence *x = kvf__map_get(&e->fences.open, epoch);
   if (x && (x->closed || x->tag != tag)) x = NULL;
   if (x) x->inflight++;
   pthread_mutex_unlock(&e->fences.lock);
@@ -125,8 +125,8 @@ void kvf__fence_leave(kvf_engine *e, engine_fence *x) {
   if (--x->inflight == 0 && x->closed) {
     pthread_cond_broadcast(&e->fences.cv);
     /* A closer that timed out left the entry for the last receiver to drop. */
-    if (map_get(&e->fences.open, x->epoch) == x && x->abandoned) {
-      map_del(&e->fences.open, x->epoch, NULL);
+    if (kvf__map_get(&e->fences.open, x->epoch) == x && x->abandoned) {
+      kvf__map_del(&e->fences.open, x->epoch, NULL);
       free(x);
     }
   }

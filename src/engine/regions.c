@@ -12,7 +12,7 @@
 
 #include "engine/engine_internal.h"
 
-int regions_init(region_table *t) {
+int kvf__regions_init(region_table *t) {
   memset(t, 0, sizeof *t);
   pthread_rwlockattr_t a;
   pthread_rwlockattr_init(&a);
@@ -26,7 +26,7 @@ int regions_init(region_table *t) {
   return 0;
 }
 
-void regions_destroy(region_table *t) {
+void kvf__regions_destroy(region_table *t) {
   pthread_rwlock_destroy(&t->lock);
   pthread_mutex_destroy(&t->pin_lock);
   pthread_cond_destroy(&t->pin_cv);
@@ -47,7 +47,7 @@ static size_t upper_bound(const region_table *t, uint64_t addr) {
   return lo;
 }
 
-int regions_add(region_table *t, uint64_t base, uint64_t len) {
+int kvf__regions_add(region_table *t, uint64_t base, uint64_t len) {
   if (len == 0 || base + len < base) return KVF_EINVAL;
   region *r = calloc(1, sizeof *r);
   if (!r) return KVF_ENOMEM;
@@ -81,7 +81,7 @@ out_unlock:
   return rc;
 }
 
-int regions_remove(region_table *t, uint64_t base) {
+int kvf__regions_remove(region_table *t, uint64_t base) {
   region *r = NULL;
   pthread_rwlock_wrlock(&t->lock);
   size_t i = upper_bound(t, base);
@@ -121,7 +121,7 @@ region *kvf__regions_find_locked(const region_table *t, uint64_t addr, uint64_t 
   return addr >= r->base && addr + len <= r->base + r->len ? r : NULL;
 }
 
-int regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len) {
+int kvf__regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len) {
   return kvf__regions_find_locked(t, addr, len) != NULL;
 }
 
@@ -137,7 +137,7 @@ region *kvf__regions_find_block_locked(const region_table *t, uint64_t addr, uin
   return kvf__regions_find_locked(t, addr, last + len - addr);
 }
 
-int regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
+int kvf__regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
                             uint64_t stride) {
   return kvf__regions_find_block_locked(t, addr, len, count, stride) != NULL;
 }

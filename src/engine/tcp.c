@@ -278,12 +278,12 @@ static void conn_fail(tcp_conn *c, int err) {
   int st = atomic_load(&c->dead);
   while (f) {
     chunk *n = f->next;
-    chunk_finish(f, st);
+    kvf__chunk_finish(f, st);
     f = n;
   }
   while (q) {
     chunk *n = q->next;
-    chunk_finish(q, st);
+    kvf__chunk_finish(q, st);
     q = n;
   }
 }
@@ -299,7 +299,7 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
   }
   pthread_mutex_unlock(&c->q_lock);
   if (dead) {
-    chunk_finish(ch, dead);
+    kvf__chunk_finish(ch, dead);
     return;
   }
   tcp_desc descs_small[64], *descs = descs_small;
@@ -327,7 +327,7 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
     rc = send_all(c->fd, &t, sizeof t);
     if (!rc) rc = send_all(c->fd, ch->trailer, ch->tlen);
   }
-  chunk_release(ch);
+  kvf__chunk_release(ch);
   if (descs != descs_small) free(descs);
   if (rc) conn_fail(c, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED);
 }
@@ -342,7 +342,7 @@ static void *conn_writer_main(void *arg) {
     if (!ch) break;
     kvf__wake_count();
     if (clock_now_ns() > ch->batch->deadline_ns) {
-      chunk_finish(ch, KVF_ETIMEDOUT);
+      kvf__chunk_finish(ch, KVF_ETIMEDOUT);
       continue;
     }
     pthread_mutex_lock(&c->send_lock);
@@ -387,7 +387,7 @@ static void *conn_reader_main(void *arg) {
       conn_fail(c, KVF_EPROTO);
       break;
     }
-    chunk_finish(ch, a.status > 0 || a.status < KVF_ETOOBIG ? KVF_EPROTO : a.status);
+    kvf__chunk_finish(ch, a.status > 0 || a.status < KVF_ETOOBIG ? KVF_EPROTO : a.status);
   }
   return NULL;
 }
@@ -508,7 +508,7 @@ err_close:
 static int session_get(tcp_state *t, const char *id, tcp_session **out) {
   int rc = 0;
   pthread_mutex_lock(&t->sess_lock);
-  tcp_session *s = smap_get(&t->sessions, id);
+  tcp_session *s = kvf__smap_get(&t->sessions, id);
   if (!s) {
     if (smap_size(&t->sessions) >= TCP_MAX_SESSIONS) {
       rc = KVF_ENOMEM;
@@ -520,7 +520,7 @@ static int session_get(tcp_state *t, const char *id, tcp_session **out) {
       goto out;
     }
     if (kvf__addr_parse(id, strlen(id), s->host, sizeof s->host, &s->port, NULL) ||
-        smap_put(&t->sessions, id, s, NULL)) {
+        kvf__smap_put(&t->sessions, id, s, NULL)) {
       free(s);
       rc = KVF_EINVAL;
       goto out;
@@ -588,7 +588,7 @@ static int tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t
       pthread_cond_signal(&c->q_cv);
     }
     pthread_mutex_unlock(&c->q_lock);
-    if (dead) chunk_finish(ch, dead);
+    if (dead) kvf__chunk_finish(ch, dead);
   }
 out_put:
   for (size_t k = 0; k < use; k++) conn_put(picked[k]);
@@ -637,7 +637,7 @@ static void log_peer_once(const char *peer, const char *kind, const char *detail
   char key[96];
   const char *colon = strrchr(peer, ':');
   snprintf(key, sizeof key, "%.*s/%s", colon ? (int)(colon - peer) : (int)strlen(peer), peer, kind);
-  if (log_first_time(log_hash_str(key, 7)))
+  if (kvf__log_first_time(kvf__log_hash_str(key, 7)))
     LOG_WARN("tcp", "peer %s: %s (further reports of this kind from it are not logged)", peer, detail);
 }
 
@@ -744,7 +744,7 @@ static int inbound_trailer(tcp_inbound *in, kvf_engine *e, int landed, int64_t *
   char ip[64];
   const char *colon = strrchr(in->peer, ':');
   snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - in->peer) : (int)strlen(in->peer), in->peer);
-  if (landed) engine_deliver_trailer(e, buf, t.len, ip);
+  if (landed) kvf__engine_deliver_trailer(e, buf, t.len, ip);
   return 0;
 }
 
@@ -1098,7 +1098,7 @@ err_listen:
   pthread_mutex_destroy(&t->in_lock);
   pthread_mutex_destroy(&t->sess_lock);
 err_map:
-  smap_free(&t->sessions);
+  kvf__smap_free(&t->sessions);
 err_free:
   free(t);
   return rc;
@@ -1113,22 +1113,22 @@ static void tcp_stop(kvf_engine *e) {
   close(t->listen_fd);
   inbound_reap(t, 1);
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   void *v;
-  while (smap_next(&t->sessions, &it, NULL, &v)) {
+  while (kvf__smap_next(&t->sessions, &it, NULL, &v)) {
     tcp_session *s = v;
     for (int i = 0; i < 16; i++) conn_put(s->conns[i]);
     pthread_mutex_destroy(&s->lock);
     free(s);
   }
-  smap_free(&t->sessions);
+  kvf__smap_free(&t->sessions);
   pthread_mutex_destroy(&t->in_lock);
   pthread_mutex_destroy(&t->sess_lock);
   free(t);
   e->transport = NULL;
 }
 
-const transport_ops tcp_transport_ops = {
+const transport_ops kvf__tcp_transport_ops = {
     .name = "tcp",
     .start = tcp_start,
     .stop = tcp_stop,

@@ -241,7 +241,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
     }
     if (r.magic != UCX_REQ_MAGIC) {
       atomic_fetch_add(&e->stats.protocol_errors, 1);
-      if (log_first_time(log_hash_str(peer, 11)))
+      if (kvf__log_first_time(kvf__log_hash_str(peer, 11)))
         LOG_WARN("ucx", "peer %s: malformed rendezvous request; connection dropped", peer);
       break;
     }
@@ -455,7 +455,7 @@ static void ucx_teardown(ucx_state *u) {
   if (u->epfd >= 0) close(u->epfd);
   if (u->wake_fd >= 0) close(u->wake_fd);
   free(u->regs);
-  smap_free(&u->peers);
+  kvf__smap_free(&u->peers);
   pthread_mutex_destroy(&u->wmu);
   pthread_mutex_destroy(&u->reg_mu);
   pthread_mutex_destroy(&u->ctl_mu);
@@ -527,10 +527,10 @@ static int ucx_start(kvf_engine *e) {
   host_identity(u->host_id, sizeof u->host_id);
   u->rdma = has_rdma_device();
   e->ucx = u;
-  rc = tcp_transport_ops.start(e);
+  rc = kvf__tcp_transport_ops.start(e);
   if (rc) goto err;
   if (pthread_create(&u->progress, NULL, progress_main, u)) {
-    tcp_transport_ops.stop(e);
+    kvf__tcp_transport_ops.stop(e);
     rc = KVF_ENOMEM;
     goto err;
   }
@@ -547,7 +547,7 @@ static void ucx_stop(kvf_engine *e) {
   if (!u) return;
   /* The listener first: rendezvous servers run on its inbound threads. */
   atomic_store(&u->stopping, 1);
-  tcp_transport_ops.stop(e);
+  kvf__tcp_transport_ops.stop(e);
   kvf__ucx_wake(u);
   pthread_join(u->progress, NULL);
   pthread_mutex_lock(&u->q_mu);

@@ -21,7 +21,7 @@
  * only while it progresses and arms; it sleeps in epoll on the worker's
  * event fd, a wake eventfd and the peers' rendezvous sockets. Lock order:
  * ucx_peer.rw, then ucx_state.wmu; callbacks run under wmu and take only a
- * batch mutex (chunk_finish). */
+ * batch mutex (kvf__chunk_finish). */
 #ifndef KVF_ENGINE_UCX_H
 #define KVF_ENGINE_UCX_H
 

@@ -21,14 +21,14 @@
 int kvf__ucx_peer_get(ucx_state *u, const char *id, ucx_peer **out) {
   int rc = 0;
   pthread_mutex_lock(&u->peers_mu);
-  ucx_peer *p = smap_get(&u->peers, id);
+  ucx_peer *p = kvf__smap_get(&u->peers, id);
   if (!p) {
     p = calloc(1, sizeof *p);
     if (!p) {
       rc = KVF_ENOMEM;
       goto out;
     }
-    if (kvf__addr_parse(id, strlen(id), p->host, sizeof p->host, &p->port, NULL) || smap_put(&u->peers, id, p, NULL)) {
+    if (kvf__addr_parse(id, strlen(id), p->host, sizeof p->host, &p->port, NULL) || kvf__smap_put(&u->peers, id, p, NULL)) {
       free(p);
       rc = KVF_EINVAL;
       goto out;
@@ -85,9 +85,9 @@ static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
 
 void kvf__ucx_peers_free(ucx_state *u) {
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   void *v;
-  while (smap_next(&u->peers, &it, NULL, &v)) {
+  while (kvf__smap_next(&u->peers, &it, NULL, &v)) {
     ucx_peer *p = v;
     peer_reset_locked(u, p);
     pthread_mutex_destroy(&p->conn_mu);
@@ -197,7 +197,7 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
       st = ucp_ep_create(u->w, &ep, &p->ep);
     }
     if (st == UCS_OK && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
-      if (log_first_time(log_hash_str("ucx-err-mode-none", 3)))
+      if (kvf__log_first_time(kvf__log_hash_str("ucx-err-mode-none", 3)))
         LOG_INFO("ucx", "the UCX transports to %s have no peer-failure handling; failures are detected "
                  "through the rendezvous connection and batch deadlines", p->id);
     }
@@ -435,7 +435,7 @@ void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap) {
   ucx_state *u = e->ucx;
   pthread_mutex_lock(&u->peers_mu);
-  ucx_peer *p = smap_get(&u->peers, session);
+  ucx_peer *p = kvf__smap_get(&u->peers, session);
   int rc = KVF_ENOTFOUND;
   if (p) {
     pthread_mutex_lock(&p->mu);

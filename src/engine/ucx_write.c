@@ -52,14 +52,14 @@ static void flush_cb(void *req, ucs_status_t st, void *arg) {
    * the reaper already failed is gone (op->c NULL, op off the list). */
   if (op->c) {
     op_unlink(op);
-    chunk_finish(op->c, st == UCS_OK ? 0 : kvf__ucx_status(st));
+    kvf__chunk_finish(op->c, st == UCS_OK ? 0 : kvf__ucx_status(st));
   }
   free(op);
   ucp_request_free(req);
 }
 
 /* Write one chunk: plain stores where the peer's region is mapped here,
- * puts and an endpoint flush elsewhere. Reports through chunk_finish. */
+ * puts and an endpoint flush elsewhere. Reports through kvf__chunk_finish. */
 static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
   int status = 0, puts = 0, locked = 0, pending = 0;
   pthread_rwlock_rdlock(&p->rw);
@@ -126,7 +126,7 @@ out:
   }
   if (!status && atomic_load(&p->dead)) status = atomic_load(&p->dead);
   atomic_thread_fence(memory_order_release);
-  chunk_finish(c, status);
+  kvf__chunk_finish(c, status);
 }
 
 static void *copier_main(void *arg) {
@@ -162,7 +162,7 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
   ucx_route route;
   rc = kvf__ucx_peer_ensure(u, p, deadline, &route);
   if (rc) return rc;
-  if (route == ROUTE_TCP) return tcp_transport_ops.submit(e, session, chunks, nchunks);
+  if (route == ROUTE_TCP) return kvf__tcp_transport_ops.submit(e, session, chunks, nchunks);
   /* The whole batch is checked before any byte moves, as the TCP target
    * does: a region registered since the last message is fetched once. */
   pthread_rwlock_rdlock(&p->rw);
@@ -175,9 +175,9 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
     pthread_rwlock_unlock(&p->rw);
   }
   if (!ok) {
-    if (log_first_time(log_hash_str(p->id, 13)))
+    if (kvf__log_first_time(kvf__log_hash_str(p->id, 13)))
       LOG_WARN("ucx", "write outside the registered memory of %s refused (nothing written)", p->id);
-    for (size_t i = 0; i < nchunks; i++) chunk_finish(chunks[i], KVF_ERANGE);
+    for (size_t i = 0; i < nchunks; i++) kvf__chunk_finish(chunks[i], KVF_ERANGE);
     return 0;
   }
   /* Large batches come in several chunks. Into a pool mapped here the
@@ -226,17 +226,17 @@ void kvf__ucx_reap(ucx_state *u) {
       chunk *c = op->c;
       op_unlink(op);
       op->c = NULL;
-      chunk_finish(c, err);
+      kvf__chunk_finish(c, err);
     }
   }
   pthread_mutex_unlock(&u->wmu);
   if (!atomic_exchange(&u->reap, 0)) return;
   pthread_mutex_lock(&u->peers_mu);
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   void *v;
   ucx_peer *dead[64];
-  while (smap_next(&u->peers, &it, NULL, &v)) {
+  while (kvf__smap_next(&u->peers, &it, NULL, &v)) {
     ucx_peer *p = v;
     if (!atomic_load(&p->dead)) continue;
     if (any_dead == 64) { /* the rest on the next round */

@@ -162,7 +162,7 @@ static void pool_unref(pool_entry *p) {
 
 static void addr_entry_free(addr_entry *a) {
   if (!a) return;
-  plan_route_free(&a->plan);
+  kvf__plan_route_free(&a->plan);
   free(a);
 }
 
@@ -185,14 +185,14 @@ __attribute__((format(printf, 3, 4))) static void set_reason(char *buf, size_t c
 /* Record the reason and fail the room (it is live: the receiver owns it). */
 static void fail_room(kvf_manager *m, int64_t room, const char *reason) {
   LOG_WARN("kv", "room %" PRId64 ": %s", room, reason);
-  rooms_fail(m->rooms, room, reason);
+  kvf__rooms_fail(m->rooms, room, reason);
 }
 
 static bootstrap_client *lookup_client(kvf_manager *m, const char *addr) {
   bootstrap_client_opts o = {.token = "", .connect_timeout_ms = 0, .timeout_ms = m->cfg.http_timeout_ms};
   if (o.timeout_ms < DECODE_HB_CONNECT_MS) o.connect_timeout_ms = o.timeout_ms;
   bootstrap_client *c = NULL;
-  if (bootstrap_client_create(addr, &o, &c)) return NULL;
+  if (kvf__bootstrap_client_create(addr, &o, &c)) return NULL;
   return c;
 }
 
@@ -205,7 +205,7 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
   memset(&pi, 0, sizeof pi);
   int rc = KVF_EIO;
   if (!*client) *client = lookup_client(m, addr);
-  if (*client) rc = bootstrap_client_get_parallel_info(*client, &pi);
+  if (*client) rc = kvf__bootstrap_client_get_parallel_info(*client, &pi);
   if (!rc && (pi.world_size <= 0 || pi.dp_size <= 0 || pi.world_size % pi.dp_size ||
               pi.world_size / pi.dp_size > PLAN_MAX_TP))
     rc = KVF_EPROTO;
@@ -227,7 +227,7 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
       snprintf(err, sizeof err, "the prefill enables the MLA L1.5 cache but this decode is not MLA");
       rc = KVF_EINVAL;
     } else {
-      rc = plan_route_legacy_mla(m->tp_size, m->tp_rank, (int)a->tp_p, pi.enable_mla_l1_5_cache, &a->plan);
+      rc = kvf__plan_route_legacy_mla(m->tp_size, m->tp_rank, (int)a->tp_p, pi.enable_mla_l1_5_cache, &a->plan);
       if (rc) snprintf(err, sizeof err, "%s", kvf_strerror(rc));
     }
   } else {
@@ -248,9 +248,9 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
         .n_p_state = L[ROUTE_STATE_ITEM_LENS].n, .n_p_state_unit = L[ROUTE_STATE_UNIT_LENS].n,
         .err = err, .err_cap = sizeof err,
     };
-    rc = plan_route_build(&p, &a->plan);
+    rc = kvf__plan_route_build(&p, &a->plan);
     /* §8 item 4: uncovered prefill ranks get a dummy, or they never finish. */
-    if (!rc) rc = plan_route_add_dummies(&a->plan, m->tp_size, m->tp_rank);
+    if (!rc) rc = kvf__plan_route_add_dummies(&a->plan, m->tp_size, m->tp_rank);
   }
   /* §6.5.7 caveat, §8 item 11: a plan that cuts head ranges out of a page
    * is right only for pages that hold their heads contiguously. Ours are
@@ -303,7 +303,7 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
   }
   *out = a;
 out:
-  route_parallel_info_free(&pi);
+  kvf__route_parallel_info_free(&pi);
   return rc;
 }
 
@@ -350,7 +350,7 @@ static void fill_self(kvf_manager *m, char *endpoint, uint16_t *dst_port, char *
   *dst_port = m->rank_port;
   snprintf(session, WIRE_STR_MAX + 1, "%s", kvf_manager_session_id(m));
   int sp = 0;
-  plan_session_port(session, &sp);
+  kvf__plan_session_port(session, &sp);
   *session_port = (uint16_t)sp;
 }
 
@@ -361,7 +361,7 @@ static int resolve_and_register(kvf_manager *m, bootstrap_client **client, pool_
   for (int i = 0; i < p->ntargets; i++) {
     pool_target *t = &p->targets[i];
     int port = 0;
-    int rc = *client ? bootstrap_client_get_rank(*client, t->rank, (int)group, t->ip, sizeof t->ip, &port)
+    int rc = *client ? kvf__bootstrap_client_get_rank(*client, t->rank, (int)group, t->ip, sizeof t->ip, &port)
                      : KVF_EIO;
     if (!rc && (port <= 0 || port > 65535)) rc = KVF_EPROTO;
     if (rc) {
@@ -380,18 +380,18 @@ static int resolve_and_register(kvf_manager *m, bootstrap_client **client, pool_
   m1.decode_prefix_len = 0;
   wire_msg msg;
   char why[WIRE_REASON_LEN] = "";
-  int rc = wire_m1_encode(&m1, &msg, why);
+  int rc = kvf__wire_m1_encode(&m1, &msg, why);
   if (rc) {
     set_reason(reason, rcap, "Could not encode the registration for bootstrap_addr %s: %s", p->addr, why);
     return rc;
   }
   for (int i = 0; i < p->ntargets && !rc; i++) {
-    rc = manager_push_send(m, p->targets[i].ip, p->targets[i].port, &msg);
+    rc = kvf__manager_push_send(m, p->targets[i].ip, p->targets[i].port, &msg);
     if (rc)
       set_reason(reason, rcap, "Could not register with prefill rank %s:%u (bootstrap_addr: %s): %s",
                p->targets[i].ip, (unsigned)p->targets[i].port, p->addr, kvf_strerror(rc));
   }
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
   return rc;
 }
 
@@ -408,13 +408,13 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
   int rc = 0;
 
   pthread_mutex_lock(&ds->lock);
-  addr_entry *a = smap_get(&ds->infos, r->addr);
+  addr_entry *a = kvf__smap_get(&ds->infos, r->addr);
   pthread_mutex_unlock(&ds->lock);
   if (!a) {
     /* Miss: fetch without the lock, then insert unless another thread won. */
     if ((rc = fetch_addr_entry(m, &client, r->addr, &fresh, reason, rcap))) goto cleanup;
     pthread_mutex_lock(&ds->lock);
-    if (!smap_get(&ds->infos, r->addr)) {
+    if (!kvf__smap_get(&ds->infos, r->addr)) {
       if (smap_size(&ds->infos) >= DECODE_MAX_ADDRS) {
         pthread_mutex_unlock(&ds->lock);
         set_reason(reason, rcap, "Could not fetch prefill parallel info from bootstrap_addr: %s "
@@ -423,7 +423,7 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
         goto cleanup;
       }
       fresh->epoch = ++ds->next_epoch;
-      if ((rc = smap_put(&ds->infos, r->addr, fresh, NULL))) {
+      if ((rc = kvf__smap_put(&ds->infos, r->addr, fresh, NULL))) {
         pthread_mutex_unlock(&ds->lock);
         set_reason(reason, rcap, "Could not fetch prefill parallel info from bootstrap_addr: %s", r->addr);
         goto cleanup;
@@ -434,7 +434,7 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
   }
 
   pthread_mutex_lock(&ds->lock);
-  a = smap_get(&ds->infos, r->addr);
+  a = kvf__smap_get(&ds->infos, r->addr);
   if (!a) { /* dropped by a node failure in between: the address is dead */
     pthread_mutex_unlock(&ds->lock);
     set_reason(reason, rcap, "Losing connection with prefill instance (bootstrap_addr: %s)", r->addr);
@@ -442,9 +442,9 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
     goto cleanup;
   }
   epoch = a->epoch;
-  plan_dp_group(r->room, a->dp_p, &group);
+  kvf__plan_dp_group(r->room, a->dp_p, &group);
   snprintf(key, sizeof key, "%s_%" PRId64 "_%s", r->addr, group, a->ranks);
-  pool_entry *p = smap_get(&ds->pools, key);
+  pool_entry *p = kvf__smap_get(&ds->pools, key);
   if (p) {
     atomic_fetch_add(&p->refs, 1);
     r->pool = p;
@@ -468,7 +468,7 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
   if ((rc = resolve_and_register(m, &client, np, group, reason, rcap))) goto cleanup;
 
   pthread_mutex_lock(&ds->lock);
-  a = smap_get(&ds->infos, r->addr);
+  a = kvf__smap_get(&ds->infos, r->addr);
   if (!a || a->epoch != epoch) {
     /* The heartbeat declared the address dead while we were resolving; its
      * sweep could not see this receiver yet, so fail it here. */
@@ -477,14 +477,14 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
     rc = KVF_ECLOSED;
     goto cleanup;
   }
-  p = smap_get(&ds->pools, key);
+  p = kvf__smap_get(&ds->pools, key);
   if (p) {
     atomic_fetch_add(&p->refs, 1);
     r->pool = p;
   } else {
     r->pool = np;
     /* Past the bound the entry is used uncached: correct, only slower. */
-    if (smap_size(&ds->pools) < DECODE_MAX_POOLS && !smap_put(&ds->pools, key, np, NULL))
+    if (smap_size(&ds->pools) < DECODE_MAX_POOLS && !kvf__smap_put(&ds->pools, key, np, NULL))
       atomic_fetch_add(&np->refs, 1);
     np = NULL;
   }
@@ -495,7 +495,7 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
 cleanup:
   pool_unref(np);
   addr_entry_free(fresh);
-  bootstrap_client_destroy(client);
+  kvf__bootstrap_client_destroy(client);
   return rc;
 }
 
@@ -532,18 +532,18 @@ int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room
   r->m = m;
   r->room = room;
   snprintf(r->addr, sizeof r->addr, "%s", bootstrap_addr);
-  int rc = rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
+  int rc = kvf__rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
   if (rc) {
     receiver_give(m->decode, r);
     return rc;
   }
-  rooms_set_user(m->rooms, room, r);
+  kvf__rooms_set_user(m->rooms, room, r);
   char reason[ROOMS_REASON_MAX] = "";
   if (resolve_receiver(m, r, reason, sizeof reason)) {
     fail_room(m, room, reason);
   } else {
-    rooms_set_required(m->rooms, room, r->pool->required_prefill_response_num);
-    rooms_update(m->rooms, room, ROOM_BOOTSTRAPPED, NULL);
+    kvf__rooms_set_required(m->rooms, room, r->pool->required_prefill_response_num);
+    kvf__rooms_update(m->rooms, room, ROOM_BOOTSTRAPPED, NULL);
   }
   *out = r;
   return 0;
@@ -557,7 +557,7 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
     if (pages[i] < 0) return KVF_EINVAL;
   kvf_manager *m = r->m;
   int status = ROOM_FAILED;
-  if (!r->pool || rooms_get_status(m->rooms, r->room, &status) || status == ROOM_FAILED)
+  if (!r->pool || kvf__rooms_get_status(m->rooms, r->room, &status) || status == ROOM_FAILED)
     return 0; /* already Failed with its reason: poll reports it */
   pool_entry *p = r->pool;
   char reason[ROOMS_REASON_MAX] = "";
@@ -593,13 +593,13 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
     }
     wire_msg msg;
     char why[WIRE_REASON_LEN] = "";
-    if ((rc = wire_m2_encode(&m2, &msg, why))) {
+    if ((rc = kvf__wire_m2_encode(&m2, &msg, why))) {
       set_reason(reason, sizeof reason, "Could not encode the transfer request for prefill rank %d: %s", t->rank,
                why);
       break;
     }
-    rc = manager_push_send(m, t->ip, t->port, &msg);
-    wire_msg_free(&msg);
+    rc = kvf__manager_push_send(m, t->ip, t->port, &msg);
+    kvf__wire_msg_free(&msg);
     if (rc)
       set_reason(reason, sizeof reason, "Could not send the transfer request to prefill rank %s:%u: %s", t->ip,
                (unsigned)t->port, kvf_strerror(rc));
@@ -608,7 +608,7 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
     fail_room(m, r->room, reason);
     return 0;
   }
-  rooms_set_init_time(m->rooms, r->room, clock_now_ns());
+  kvf__rooms_set_init_time(m->rooms, r->room, clock_now_ns());
   return 0;
 }
 
@@ -625,7 +625,7 @@ static void fence_failed(kvf_receiver *r) {
   kvf_manager *m = r->m;
   r->fenced = 1;
   char reason[ROOMS_REASON_MAX] = "";
-  rooms_get_reason(m->rooms, r->room, reason, sizeof reason);
+  kvf__rooms_get_reason(m->rooms, r->room, reason, sizeof reason);
   kvf__integ_room_close(m, r->room, r->fence_epoch, 1, 0);
   for (int i = 0; r->pool && i < r->pool->ntargets; i++) {
     const pool_target *t = &r->pool->targets[i];
@@ -645,7 +645,7 @@ static kvf_poll_status poll_room(kvf_receiver *r) {
   if (!r) return KVF_POLL_FAILED;
   kvf_manager *m = r->m;
   rooms_info info;
-  if (rooms_get_info(m->rooms, r->room, &info)) return KVF_POLL_FAILED;
+  if (kvf__rooms_get_info(m->rooms, r->room, &info)) return KVF_POLL_FAILED;
   if (info.status == ROOM_SUCCESS || info.status == ROOM_FAILED) return (kvf_poll_status)info.status;
   if (info.init_time_ns >= 0) {
     double waited = (double)(clock_now_ns() - info.init_time_ns) / 1e9;
@@ -656,10 +656,10 @@ static kvf_poll_status poll_room(kvf_receiver *r) {
       /* Fail only if Success did not win the race: fail_matching skips
        * Success rooms atomically. */
       size_t n = 0;
-      rooms_fail_matching(m->rooms, match_room, &r->room, reason, &n);
+      kvf__rooms_fail_matching(m->rooms, match_room, &r->room, reason, &n);
       if (n) LOG_WARN("kv", "%s", reason);
       int s = ROOM_FAILED;
-      rooms_get_status(m->rooms, r->room, &s);
+      kvf__rooms_get_status(m->rooms, r->room, &s);
       return (kvf_poll_status)s;
     }
   }
@@ -669,7 +669,7 @@ static kvf_poll_status poll_room(kvf_receiver *r) {
 void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap) {
   if (!buf || !cap) return;
   buf[0] = 0;
-  if (r) rooms_get_reason(r->m->rooms, r->room, buf, cap);
+  if (r) kvf__rooms_get_reason(r->m->rooms, r->room, buf, cap);
 }
 
 int kvf_receiver_supports_spec(const kvf_receiver *r) {
@@ -679,19 +679,19 @@ int kvf_receiver_supports_spec(const kvf_receiver *r) {
 
 int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, size_t cap, size_t *ncand) {
   if (!r || !token || !ncand) return KVF_EINVAL;
-  return rooms_pop_metadata(r->m->rooms, r->room, token, cands, cap, ncand);
+  return kvf__rooms_pop_metadata(r->m->rooms, r->room, token, cands, cap, ncand);
 }
 
 void kvf_receiver_destroy(kvf_receiver *r) {
   if (!r) return;
   int st = ROOM_FAILED;
-  rooms_get_status(r->m->rooms, r->room, &st);
+  kvf__rooms_get_status(r->m->rooms, r->room, &st);
   if (st != ROOM_SUCCESS) { /* a late write must not land in pages the caller takes back now */
-    if (st != ROOM_FAILED) rooms_fail(r->m->rooms, r->room, "The decode dropped the request (receiver destroyed)");
+    if (st != ROOM_FAILED) kvf__rooms_fail(r->m->rooms, r->room, "The decode dropped the request (receiver destroyed)");
     fence_failed(r);
   }
   kvf__integ_room_close(r->m, r->room, r->fence_epoch, 0, 1);
-  rooms_clear(r->m->rooms, r->room, NULL);
+  kvf__rooms_clear(r->m->rooms, r->room, NULL);
   pool_unref(r->pool);
   receiver_give(r->m->decode, r);
 }
@@ -711,7 +711,7 @@ static int from_planned_rank(void *user, void *arg) {
   const m3_origin *o = arg;
   const pool_entry *p = r ? (const pool_entry *)atomic_load(&r->pool_tag) : NULL;
   for (int i = 0; p && i < p->ntargets; i++)
-    if (manager_peer_is(o->m, o->peer, p->targets[i].ip)) return 1;
+    if (kvf__manager_peer_is(o->m, o->peer, p->targets[i].ip)) return 1;
   return 0;
 }
 
@@ -735,12 +735,12 @@ static void decode_on_trailer(void *arg, const unsigned char *data, size_t len, 
   wire_m3 m3;
   char why[WIRE_REASON_LEN] = "";
   if (kvf__trailer_unpack(data, len, frames, MANAGER_MAX_RECV_FRAMES, &n, &extra) ||
-      wire_m3_decode(frames, n - (m->ctl_keylen && n > 1 && !extra ? 1 : 0), &m3, why)) {
-    manager_reject(m, peer, "completion trailer", *why ? why : "malformed");
+      kvf__wire_m3_decode(frames, n - (m->ctl_keylen && n > 1 && !extra ? 1 : 0), &m3, why)) {
+    kvf__manager_reject(m, peer, "completion trailer", *why ? why : "malformed");
     return;
   }
-  if (rooms_with_user(m->rooms, m3.room, asked_fast, NULL) != 1) {
-    manager_reject_forged(m, peer, "completion trailer", "for a room that did not ask for one (no M2 yet)");
+  if (kvf__rooms_with_user(m->rooms, m3.room, asked_fast, NULL) != 1) {
+    kvf__manager_reject_forged(m, peer, "completion trailer", "for a room that did not ask for one (no M2 yet)");
     return;
   }
   atomic_fetch_add(&m->stats.completions_fast, 1);
@@ -750,30 +750,30 @@ static void decode_on_trailer(void *arg, const unsigned char *data, size_t len, 
 /* The same check for a kvferry digests message. */
 static int from_planned(kvf_manager *m, int64_t room, const char *peer) {
   m3_origin origin = {m, peer};
-  return rooms_with_user(m->rooms, room, from_planned_rank, &origin) != 0;
+  return kvf__rooms_with_user(m->rooms, room, from_planned_rank, &origin) != 0;
 }
 
-void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
+void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
   wire_m3 m3;
   char why[WIRE_REASON_LEN] = "";
-  if (wire_is_digests(frames, n)) {
+  if (kvf__wire_is_digests(frames, n)) {
     kvf__integ_on_digests(m, frames, n, peer, from_planned);
     return;
   }
-  if (wire_m3_decode(frames, n, &m3, why)) {
-    manager_reject(m, peer, "M3", why);
+  if (kvf__wire_m3_decode(frames, n, &m3, why)) {
+    kvf__manager_reject(m, peer, "M3", why);
     return;
   }
   m3_origin origin = {m, peer};
-  int rc = rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
+  int rc = kvf__rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
   if (rc == 0) {
-    manager_reject_forged(m, peer, "M3", "the sender is not a prefill rank this room was planned with");
+    kvf__manager_reject_forged(m, peer, "M3", "the sender is not a prefill rank this room was planned with");
     return;
   }
   if (m3.status == WIRE_STATUS_SUCCESS) {
     int32_t cands[ROOMS_MAX_CANDS];
     if (m3.candidates.count > ROOMS_MAX_CANDS || m3.prefill_rank >= ROOMS_MAX_RANKS) {
-      manager_reject(m, peer, "M3", m3.candidates.count > ROOMS_MAX_CANDS ? "too many speculative candidates"
+      kvf__manager_reject(m, peer, "M3", m3.candidates.count > ROOMS_MAX_CANDS ? "too many speculative candidates"
                                                                            : "prefill rank out of range");
       return;
     }
@@ -781,7 +781,7 @@ void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const
     /* The bytes the prefill wrote must be visible before anyone sees Success. */
     kvf_engine_sync(m->engine);
     kvf__integ_on_success(m, m3.room, m3.prefill_rank);
-    rc = rooms_record_response(m->rooms, m3.room, (int)m3.prefill_rank, m3.bootstrap_token, cands,
+    rc = kvf__rooms_record_response(m->rooms, m3.room, (int)m3.prefill_rank, m3.bootstrap_token, cands,
                                m3.candidates.count, NULL);
   } else if (m3.status == WIRE_STATUS_FAILED && m3.reason_len) {
     /* A kvferry prefill says why (M3 frame 5); keep it printable. */
@@ -791,16 +791,16 @@ void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const
     said[m3.reason_len] = 0;
     set_reason(reason, sizeof reason, "Failed to get kvcache from prefill rank %" PRId64 " (%s): %s", m3.prefill_rank,
                peer, said);
-    rc = rooms_fail(m->rooms, m3.room, reason);
+    rc = kvf__rooms_fail(m->rooms, m3.room, reason);
   } else if (m3.status == WIRE_STATUS_FAILED) {
-    rc = rooms_fail(m->rooms, m3.room, "Failed to get kvcache from prefill instance, it might be dead");
+    rc = kvf__rooms_fail(m->rooms, m3.room, "Failed to get kvcache from prefill instance, it might be dead");
   } else {
-    rc = rooms_update(m->rooms, m3.room, m3.status, NULL);
+    rc = kvf__rooms_update(m->rooms, m3.room, m3.status, NULL);
   }
   if (rc == KVF_ENOTFOUND) {
     atomic_fetch_add(&m->stats.messages_unknown_room, 1);
   } else if (rc) {
-    manager_reject(m, peer, "M3", kvf_strerror(rc));
+    kvf__manager_reject(m, peer, "M3", kvf_strerror(rc));
   } else {
     atomic_fetch_add(&m->stats.messages_received, 1);
   }
@@ -832,24 +832,24 @@ static void node_failure(kvf_manager *m, const char *addr, const char *why) {
 
   pthread_mutex_lock(&ds->lock);
   void *v = NULL;
-  if (smap_del(&ds->infos, addr, &v)) addr_entry_free(v);
+  if (kvf__smap_del(&ds->infos, addr, &v)) addr_entry_free(v);
   d.epoch = ds->next_epoch; /* every receiver built for this address so far is affected */
   size_t cap = smap_size(&ds->pools);
   dropped = calloc(cap ? cap : 1, sizeof *dropped);
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   const char *key;
-  while (dropped && smap_next(&ds->pools, &it, &key, &v)) {
+  while (dropped && kvf__smap_next(&ds->pools, &it, &key, &v)) {
     pool_entry *p = v;
     if (strcmp(p->addr, addr)) continue;
-    smap_del(&ds->pools, key, NULL);
+    kvf__smap_del(&ds->pools, key, NULL);
     dropped[ndropped++] = p;
   }
   pthread_mutex_unlock(&ds->lock);
 
   for (size_t i = 0; i < ndropped; i++) {
     for (int t = 0; t < dropped[i]->ntargets; t++)
-      if (dropped[i]->targets[t].port) manager_push_forget(m, dropped[i]->targets[t].ip, dropped[i]->targets[t].port);
+      if (dropped[i]->targets[t].port) kvf__manager_push_forget(m, dropped[i]->targets[t].ip, dropped[i]->targets[t].port);
     pool_unref(dropped[i]);
   }
   free(dropped);
@@ -858,7 +858,7 @@ static void node_failure(kvf_manager *m, const char *addr, const char *why) {
   set_reason(reason, sizeof reason, "Losing connection with prefill instance (bootstrap_addr: %s)%s%s", addr,
              why ? ": " : "", why ? why : "");
   size_t nfailed = 0;
-  rooms_fail_matching(m->rooms, match_dead, &d, reason, &nfailed);
+  kvf__rooms_fail_matching(m->rooms, match_dead, &d, reason, &nfailed);
   atomic_fetch_add(&m->stats.node_failures, 1);
   LOG_ERROR("kv", "%s, affected %zu requests", reason, nfailed);
 }
@@ -896,10 +896,10 @@ static void revalidate_ranks(kvf_manager *m, bootstrap_client *c, const char *ad
   ps = calloc(cap ? cap : 1, sizeof *ps);
   keys = calloc(cap ? cap : 1, sizeof *keys);
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   const char *key;
   void *v;
-  while (ps && keys && n < cap && smap_next(&ds->pools, &it, &key, &v)) {
+  while (ps && keys && n < cap && kvf__smap_next(&ds->pools, &it, &key, &v)) {
     pool_entry *p = v;
     if (strcmp(p->addr, addr) || !(keys[n] = strdup(key))) continue;
     atomic_fetch_add(&p->refs, 1);
@@ -921,17 +921,17 @@ static void revalidate_ranks(kvf_manager *m, bootstrap_client *c, const char *ad
       if (!s) {
         s = &seen[nseen++];
         *s = (rank_seen){.rank = pt->rank, .group = p->group};
-        s->ok = !bootstrap_client_get_rank(c, pt->rank, (int)p->group, s->ip, sizeof s->ip, &s->port) &&
+        s->ok = !kvf__bootstrap_client_get_rank(c, pt->rank, (int)p->group, s->ip, sizeof s->ip, &s->port) &&
                 s->port > 0 && s->port <= 65535;
       }
       if (!s->ok || (!strcmp(s->ip, pt->ip) && s->port == pt->port)) continue;
       if (changed < 0) changed = t, now = s;
-      manager_push_forget(m, pt->ip, pt->port);
+      kvf__manager_push_forget(m, pt->ip, pt->port);
     }
     if (changed < 0) continue;
 
     pthread_mutex_lock(&ds->lock);
-    int owned = smap_get(&ds->pools, keys[i]) == p && smap_del(&ds->pools, keys[i], NULL);
+    int owned = kvf__smap_get(&ds->pools, keys[i]) == p && kvf__smap_del(&ds->pools, keys[i], NULL);
     pthread_mutex_unlock(&ds->lock);
     if (owned) pool_unref(p); /* the map's reference; ours keeps the tag unique */
 
@@ -939,7 +939,7 @@ static void revalidate_ranks(kvf_manager *m, bootstrap_client *c, const char *ad
     set_reason(reason, sizeof reason, "Prefill rank %d of %s restarted (now %s:%d)", p->targets[changed].rank, addr,
                now->ip, now->port);
     size_t nfailed = 0;
-    rooms_fail_matching(m->rooms, match_pool, p, reason, &nfailed);
+    kvf__rooms_fail_matching(m->rooms, match_pool, p, reason, &nfailed);
     atomic_fetch_add(&m->stats.node_failures, 1);
     LOG_ERROR("kv", "%s (was %s:%u), affected %zu requests", reason, p->targets[changed].ip,
               (unsigned)p->targets[changed].port, nfailed);
@@ -962,9 +962,9 @@ static kvf__probe_target *collect_ranks(kvf_manager *m, const char *addr, size_t
   *n = 0;
   pthread_mutex_lock(&ds->lock);
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   void *v;
-  while (smap_next(&ds->pools, &it, NULL, &v)) {
+  while (kvf__smap_next(&ds->pools, &it, NULL, &v)) {
     const pool_entry *p = v;
     if (strcmp(p->addr, addr)) continue;
     for (int i = 0; i < p->ntargets; i++) {
@@ -1025,16 +1025,16 @@ static int probe_addr(kvf_manager *m, hb_peer *p, const char *addr, char *why, s
     int tmo = ms_capped(DECODE_HB_TIMEOUT_MS, interval);
     bootstrap_client_opts o = {.token = "", .connect_timeout_ms = ms_capped(DECODE_HB_CONNECT_MS, interval),
                                .timeout_ms = tmo};
-    bootstrap_client_create(addr, &o, &p->client);
+    kvf__bootstrap_client_create(addr, &o, &p->client);
   }
-  int rc = p->client ? bootstrap_client_health(p->client) : KVF_EIO;
+  int rc = p->client ? kvf__bootstrap_client_health(p->client) : KVF_EIO;
   if (!rc) {
     revalidate_ranks(m, p->client, addr);
     return 0;
   }
   atomic_fetch_add(&m->stats.heartbeat_failures, 1);
   /* A fresh connection next time, as the reference drops its session. */
-  bootstrap_client_destroy(p->client);
+  kvf__bootstrap_client_destroy(p->client);
   p->client = NULL;
   set_reason(why, cap, "its bootstrap server does not answer /health (%s)", kvf_strerror(rc));
   if (n) {
@@ -1046,7 +1046,7 @@ static int probe_addr(kvf_manager *m, hb_peer *p, const char *addr, char *why, s
 
 static void hb_peer_free(hb_peer *p) {
   if (!p) return;
-  bootstrap_client_destroy(p->client);
+  kvf__bootstrap_client_destroy(p->client);
   free(p);
 }
 
@@ -1058,25 +1058,25 @@ static void heartbeat_round(kvf_manager *m) {
   size_t cap = smap_size(&ds->infos);
   addrs = calloc(cap ? cap : 1, sizeof *addrs);
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   const char *key;
-  while (addrs && naddrs < cap && smap_next(&ds->infos, &it, &key, NULL))
+  while (addrs && naddrs < cap && kvf__smap_next(&ds->infos, &it, &key, NULL))
     if ((addrs[naddrs] = strdup(key))) naddrs++;
   pthread_mutex_unlock(&ds->lock);
   if (!addrs) return;
 
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   void *v;
-  while (smap_next(&ds->hb_peers, &it, NULL, &v)) ((hb_peer *)v)->seen = 0;
+  while (kvf__smap_next(&ds->hb_peers, &it, NULL, &v)) ((hb_peer *)v)->seen = 0;
   for (size_t i = 0; i < naddrs; i++) {
     pthread_mutex_lock(&ds->hb_lock);
     int stop = ds->hb_stop;
     pthread_mutex_unlock(&ds->hb_lock);
     if (stop) break;
-    hb_peer *p = smap_get(&ds->hb_peers, addrs[i]);
+    hb_peer *p = kvf__smap_get(&ds->hb_peers, addrs[i]);
     if (!p) {
       if (!(p = calloc(1, sizeof *p))) continue;
-      if (smap_put(&ds->hb_peers, addrs[i], p, NULL)) {
+      if (kvf__smap_put(&ds->hb_peers, addrs[i], p, NULL)) {
         free(p);
         continue;
       }
@@ -1096,11 +1096,11 @@ static void heartbeat_round(kvf_manager *m) {
     }
   }
   /* Forget peers no longer probed (declared dead, or never used again). */
-  map_iter_init(&it);
-  while (smap_next(&ds->hb_peers, &it, &key, &v)) {
+  kvf__map_iter_init(&it);
+  while (kvf__smap_next(&ds->hb_peers, &it, &key, &v)) {
     hb_peer *p = v;
     if (p->seen) continue;
-    smap_del(&ds->hb_peers, key, NULL);
+    kvf__smap_del(&ds->hb_peers, key, NULL);
     hb_peer_free(p);
   }
   for (size_t i = 0; i < naddrs; i++) free(addrs[i]);
@@ -1111,7 +1111,7 @@ static void *heartbeat_main(void *arg) {
   kvf_manager *m = arg;
   struct decode_state *ds = m->decode;
   int64_t period_ns = (int64_t)(m->cfg.heartbeat_interval_s * 1e9);
-  /* Sleep first, then probe (§7.1); the condvar lets decode_stop wake us.
+  /* Sleep first, then probe (§7.1); the condvar lets kvf__decode_stop wake us.
    * Rounds start at a fixed rate, so a round that waited on its probe
    * timeouts does not push the next one back (detection stays within
    * interval x max_failures plus one probe timeout). */
@@ -1138,15 +1138,15 @@ static void free_state(struct decode_state *ds) {
   if (!ds) return;
   map_iter it;
   void *v;
-  map_iter_init(&it);
-  while (smap_next(&ds->infos, &it, NULL, &v)) addr_entry_free(v);
-  smap_free(&ds->infos);
-  map_iter_init(&it);
-  while (smap_next(&ds->pools, &it, NULL, &v)) pool_unref(v);
-  smap_free(&ds->pools);
-  map_iter_init(&it);
-  while (smap_next(&ds->hb_peers, &it, NULL, &v)) hb_peer_free(v);
-  smap_free(&ds->hb_peers);
+  kvf__map_iter_init(&it);
+  while (kvf__smap_next(&ds->infos, &it, NULL, &v)) addr_entry_free(v);
+  kvf__smap_free(&ds->infos);
+  kvf__map_iter_init(&it);
+  while (kvf__smap_next(&ds->pools, &it, NULL, &v)) pool_unref(v);
+  kvf__smap_free(&ds->pools);
+  kvf__map_iter_init(&it);
+  while (kvf__smap_next(&ds->hb_peers, &it, NULL, &v)) hb_peer_free(v);
+  kvf__smap_free(&ds->hb_peers);
   while (ds->spare) {
     kvf_receiver *r = ds->spare;
     ds->spare = r->next_spare;
@@ -1160,7 +1160,7 @@ static void free_state(struct decode_state *ds) {
   free(ds);
 }
 
-int decode_start(kvf_manager *m) {
+int kvf__decode_start(kvf_manager *m) {
   struct decode_state *ds = calloc(1, sizeof *ds);
   if (!ds) return KVF_ENOMEM;
   int rc = KVF_ENOMEM;
@@ -1197,7 +1197,7 @@ fail:
   return rc;
 }
 
-void decode_stop(kvf_manager *m) {
+void kvf__decode_stop(kvf_manager *m) {
   struct decode_state *ds = m->decode;
   if (!ds) return;
   if (ds->fast) kvf__engine_off_trailer(m->engine, m); /* returns once no trailer is being handled */

@@ -32,7 +32,7 @@ int kvf__integ_start(kvf_manager *m) {
   integ_state *s = calloc(1, sizeof *s);
   if (!s) return KVF_ENOMEM;
   pthread_mutex_init(&s->lock, NULL);
-  if (map_init(&s->rooms)) {
+  if (kvf__map_init(&s->rooms)) {
     pthread_mutex_destroy(&s->lock);
     free(s);
     return KVF_ENOMEM;
@@ -51,9 +51,9 @@ void kvf__integ_stop(kvf_manager *m) {
   if (!s) return;
   map_iter it;
   void *v;
-  map_iter_init(&it);
-  while (map_next(&s->rooms, &it, NULL, &v)) free(v);
-  map_free(&s->rooms);
+  kvf__map_iter_init(&it);
+  while (kvf__map_next(&s->rooms, &it, NULL, &v)) free(v);
+  kvf__map_free(&s->rooms);
   pthread_mutex_destroy(&s->lock);
   free(s);
   m->integ = NULL;
@@ -74,7 +74,7 @@ void kvf__integ_room_open(kvf_manager *m, int64_t room, int kvferry, uint64_t *f
     x->verify = m->cfg.verify;
     void *old = NULL;
     pthread_mutex_lock(&s->lock);
-    rc = map_put(&s->rooms, (uint64_t)room, x, &old);
+    rc = kvf__map_put(&s->rooms, (uint64_t)room, x, &old);
     pthread_mutex_unlock(&s->lock);
     free(old); /* a re-init of the same receiver replaces its entry */
   }
@@ -97,8 +97,8 @@ void kvf__integ_room_close(kvf_manager *m, int64_t room, uint64_t epoch, int fai
   }
   if (!forget) return;
   pthread_mutex_lock(&s->lock);
-  integ_room *x = map_get(&s->rooms, (uint64_t)room);
-  if (x && x->epoch == epoch) map_del(&s->rooms, (uint64_t)room, NULL);
+  integ_room *x = kvf__map_get(&s->rooms, (uint64_t)room);
+  if (x && x->epoch == epoch) kvf__map_del(&s->rooms, (uint64_t)room, NULL);
   else x = NULL;
   pthread_mutex_unlock(&s->lock);
   free(x);
@@ -114,12 +114,12 @@ void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_
   snprintf(f.reason, sizeof f.reason, "%s", reason ? reason : "");
   wire_msg msg;
   char why[WIRE_REASON_LEN];
-  if (wire_fence_encode(&f, &msg, why)) {
+  if (kvf__wire_fence_encode(&f, &msg, why)) {
     LOG_WARN("kv", "room %" PRId64 ": cannot encode the fence notice: %s", room, why);
     return;
   }
-  manager_push_send(m, ip, port, &msg);
-  wire_msg_free(&msg);
+  kvf__manager_push_send(m, ip, port, &msg);
+  kvf__wire_msg_free(&msg);
 }
 
 /* Which registered buffer holds every piece of a digest entry: 0 with the
@@ -147,20 +147,20 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
   integ_state *s = m->integ;
   wire_digests dg;
   char why[WIRE_REASON_LEN] = "";
-  if (wire_digests_decode(frames, n, &dg, why)) {
-    manager_reject(m, peer, "digests", why);
+  if (kvf__wire_digests_decode(frames, n, &dg, why)) {
+    kvf__manager_reject(m, peer, "digests", why);
     return;
   }
   if (dg.prefill_rank >= INTEG_MAX_RANKS) {
-    manager_reject(m, peer, "digests", "prefill rank out of range");
+    kvf__manager_reject(m, peer, "digests", "prefill rank out of range");
     return;
   }
   if (!from_planned(m, dg.room, peer)) {
-    manager_reject_forged(m, peer, "digests", "the sender is not a prefill rank this room was planned with");
+    kvf__manager_reject_forged(m, peer, "digests", "the sender is not a prefill rank this room was planned with");
     return;
   }
   pthread_mutex_lock(&s->lock);
-  integ_room *x = map_get(&s->rooms, (uint64_t)dg.room);
+  integ_room *x = kvf__map_get(&s->rooms, (uint64_t)dg.room);
   int known = x && x->epoch == dg.epoch, verify = known && x->verify;
   if (known) x->ranks[dg.prefill_rank / 8] |= (uint8_t)(1u << (dg.prefill_rank % 8));
   int corrupt = verify && s->corrupt_armed && s->corrupt_room == dg.room && dg.entries.count;
@@ -173,7 +173,7 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
   atomic_fetch_add(&m->stats.messages_received, 1);
   if (!verify) return;
   int status = ROOM_FAILED;
-  if (rooms_get_status(m->rooms, dg.room, &status) || status == ROOM_FAILED) return;
+  if (kvf__rooms_get_status(m->rooms, dg.room, &status) || status == ROOM_FAILED) return;
   kvf_engine_sync(m->engine); /* the bytes the prefill wrote, before reading them */
   const manager_buffers *b = &m->bufs;
   for (size_t i = 0; i < dg.entries.count; i++) {
@@ -195,7 +195,7 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
                dg.prefill_rank);
     }
     LOG_WARN("kv", "room %" PRId64 ": %s", dg.room, reason);
-    if (rooms_fail(m->rooms, dg.room, reason) == 0) atomic_fetch_add(&m->stats.verify_failures, 1);
+    if (kvf__rooms_fail(m->rooms, dg.room, reason) == 0) atomic_fetch_add(&m->stats.verify_failures, 1);
     return;
   }
 }
@@ -204,12 +204,12 @@ void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank) {
   integ_state *s = m->integ;
   if (rank < 0 || rank >= INTEG_MAX_RANKS) return;
   pthread_mutex_lock(&s->lock);
-  integ_room *x = map_get(&s->rooms, (uint64_t)room);
+  integ_room *x = kvf__map_get(&s->rooms, (uint64_t)room);
   int unverified = x && x->verify && !(x->ranks[rank / 8] & (1u << (rank % 8)));
   pthread_mutex_unlock(&s->lock);
   if (!unverified) return;
   atomic_fetch_add(&m->stats.verify_unverified, 1);
-  if (log_first_time(log_hash_str("verify-unverified", (uint64_t)(uintptr_t)m)))
+  if (kvf__log_first_time(kvf__log_hash_str("verify-unverified", (uint64_t)(uintptr_t)m)))
     LOG_WARN("kv", "room %" PRId64 ": prefill rank %" PRId64 " reported Success without digests (not a kvferry "
              "prefill?): the room is not verified (counted in verify_unverified; further ones are not logged)",
              room, rank);
@@ -246,9 +246,9 @@ int kvf__integ_send_digests(kvf_manager *m, const char *host, uint16_t port, int
                        .entries = wire_array_of(d + off, k)};
     wire_msg msg;
     char why[WIRE_REASON_LEN];
-    if ((rc = wire_digests_encode(&dg, &msg, why))) break;
-    rc = manager_push_send(m, host, port, &msg);
-    wire_msg_free(&msg);
+    if ((rc = kvf__wire_digests_encode(&dg, &msg, why))) break;
+    rc = kvf__manager_push_send(m, host, port, &msg);
+    kvf__wire_msg_free(&msg);
     off += k;
   } while (!rc && off < n);
   return rc;

@@ -115,17 +115,17 @@ static void resolve_config(kvf_manager_config *c) {
   if (c->failed_session_ttl_s < 0) c->failed_session_ttl_s = d.failed_session_ttl_s;
   if (c->queue_size <= 0) c->queue_size = d.queue_size;
   if (c->http_timeout_ms <= 0) c->http_timeout_ms = d.http_timeout_ms;
-  c->bootstrap_timeout_s = (double)env_get_int("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT", (int64_t)c->bootstrap_timeout_s);
-  c->waiting_timeout_s = (double)env_get_int("TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT", (int64_t)c->waiting_timeout_s);
-  c->heartbeat_interval_s = env_get_double("TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL", c->heartbeat_interval_s);
-  c->heartbeat_max_failures = (int)env_get_int("TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", c->heartbeat_max_failures);
-  c->failed_session_ttl_s = (double)env_get_int("TOKENSPEED_DISAGGREGATION_FAILED_SESSION_TTL", (int64_t)c->failed_session_ttl_s);
-  c->queue_size = (int)env_get_int("TOKENSPEED_DISAGGREGATION_QUEUE_SIZE", c->queue_size);
-  c->verify = env_get_int("KVFERRY_VERIFY", c->verify) != 0;
+  c->bootstrap_timeout_s = (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT", (int64_t)c->bootstrap_timeout_s);
+  c->waiting_timeout_s = (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT", (int64_t)c->waiting_timeout_s);
+  c->heartbeat_interval_s = kvf__env_get_double("TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL", c->heartbeat_interval_s);
+  c->heartbeat_max_failures = (int)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", c->heartbeat_max_failures);
+  c->failed_session_ttl_s = (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_FAILED_SESSION_TTL", (int64_t)c->failed_session_ttl_s);
+  c->queue_size = (int)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_QUEUE_SIZE", c->queue_size);
+  c->verify = kvf__env_get_int("KVFERRY_VERIFY", c->verify) != 0;
   /* The reference's floors: a heartbeat faster than 2 s or a threshold of 0
    * would declare healthy peers dead. KVFERRY_HEARTBEAT_MIN_S lets tests go
    * below 2 s; production keeps the floor. */
-  double floor_s = env_get_double("KVFERRY_HEARTBEAT_MIN_S", 2.0);
+  double floor_s = kvf__env_get_double("KVFERRY_HEARTBEAT_MIN_S", 2.0);
   if (c->heartbeat_interval_s < floor_s) c->heartbeat_interval_s = floor_s;
   if (c->heartbeat_max_failures < 1) c->heartbeat_max_failures = 1;
   if (c->failed_session_ttl_s < 0) c->failed_session_ttl_s = 0;
@@ -222,17 +222,17 @@ err_free:
 static void reject_log(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
   char key[128];
   snprintf(key, sizeof key, "%s/%s/%p", peer ? peer : "?", kind, (void *)m);
-  if (log_first_time(log_hash_str(key, 11)))
+  if (kvf__log_first_time(kvf__log_hash_str(key, 11)))
     LOG_WARN("kv", "dropped %s from %s: %s (further ones from this peer are counted, not logged)", kind,
              peer ? peer : "unknown peer", reason);
 }
 
-void manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+void kvf__manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
   atomic_fetch_add(&m->stats.messages_malformed, 1);
   reject_log(m, peer, kind, reason);
 }
 
-void manager_reject_forged(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+void kvf__manager_reject_forged(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
   atomic_fetch_add(&m->stats.messages_forged, 1);
   reject_log(m, peer, kind, reason);
 }
@@ -249,7 +249,7 @@ static int ip_bytes(const char *s, unsigned char out[16]) {
   return inet_pton(AF_INET6, s, out) == 1 ? 0 : -1;
 }
 
-int manager_peer_is(const kvf_manager *m, const char *peer, const char *ip) {
+int kvf__manager_peer_is(const kvf_manager *m, const char *peer, const char *ip) {
   static const unsigned char any6[16], any4[16] = {[10] = 0xff, [11] = 0xff};
   unsigned char a[16], b[16];
   char head[64];
@@ -307,15 +307,15 @@ void kvf__manager_dispatch(kvf_manager *m, const wire_frame *frames, size_t n, s
   if (m->ctl_keylen) {
     const char *bad = extra ? "more frames than any message and its MAC" : mac_check(m, frames, n);
     if (bad) {
-      manager_reject_forged(m, peer, "message", bad);
+      kvf__manager_reject_forged(m, peer, "message", bad);
       return;
     }
     n--; /* the codecs never see the MAC */
   } else if (n > WIRE_MAX_FRAMES) {
     n = WIRE_MAX_FRAMES; /* frames past the last one any message defines are ignored, as the spec says */
   }
-  if (m->decode) decode_on_message(m, frames, n, peer);
-  else prefill_on_message(m, frames, n, peer);
+  if (m->decode) kvf__decode_on_message(m, frames, n, peer);
+  else kvf__prefill_on_message(m, frames, n, peer);
 }
 
 /* Trailer layout: a 2-byte frame count, then per frame a 4-byte length and
@@ -359,11 +359,11 @@ static int push_key(char *key, size_t cap, const char *host, uint16_t port) {
   return kvf__addr_format(key, cap, host, port);
 }
 
-int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
+int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
   char key[300];
   if (!host || !*host || !port || push_key(key, sizeof key, host, port)) return KVF_EINVAL;
   pthread_mutex_lock(&m->push_lock);
-  manager_push *p = smap_get(&m->pushes, key);
+  manager_push *p = kvf__smap_get(&m->pushes, key);
   int rc = 0;
   if (!p) {
     if (smap_size(&m->pushes) >= MANAGER_MAX_PUSHES || !(p = calloc(1, sizeof *p))) {
@@ -379,7 +379,7 @@ int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wir
         zmq_setsockopt(p->sock, ZMQ_SNDHWM, &hwm, sizeof hwm) ||
         zmq_setsockopt(p->sock, ZMQ_SNDTIMEO, &sndtimeo, sizeof sndtimeo) ||
         zmq_setsockopt(p->sock, ZMQ_IPV6, &ipv6, sizeof ipv6) || zmq_connect(p->sock, ep) ||
-        smap_put(&m->pushes, key, p, NULL)) {
+        kvf__smap_put(&m->pushes, key, p, NULL)) {
       LOG_WARN("kv", "cannot open a PUSH socket to %s: %s", ep, zmq_strerror(zmq_errno()));
       if (p->sock) zmq_close(p->sock);
       pthread_mutex_destroy(&p->lock);
@@ -404,12 +404,12 @@ int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wir
   return rc;
 }
 
-void manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {
+void kvf__manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {
   char key[300];
   if (push_key(key, sizeof key, host, port)) return;
   void *v = NULL;
   pthread_mutex_lock(&m->push_lock);
-  int had = smap_del(&m->pushes, key, &v);
+  int had = kvf__smap_del(&m->pushes, key, &v);
   pthread_mutex_unlock(&m->push_lock);
   if (had) {
     manager_push *p = v;
@@ -424,15 +424,15 @@ void manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {
 
 static void close_pushes(kvf_manager *m) {
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   void *v;
-  while (smap_next(&m->pushes, &it, NULL, &v)) {
+  while (kvf__smap_next(&m->pushes, &it, NULL, &v)) {
     manager_push *p = v;
     zmq_close(p->sock);
     pthread_mutex_destroy(&p->lock);
     free(p);
   }
-  smap_free(&m->pushes);
+  kvf__smap_free(&m->pushes);
 }
 
 /* -------------------------------------------------------------- listener */
@@ -616,7 +616,7 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
     LOG_ERROR("kv", "libsodium failed to initialise");
     goto err_free;
   }
-  m->check_peer_ip = env_get_int("KVFERRY_CHECK_PEER_IP", 1) != 0;
+  m->check_peer_ip = kvf__env_get_int("KVFERRY_CHECK_PEER_IP", 1) != 0;
   if (c->world_size % c->dp_size || c->engine_rank < 0 || c->engine_rank >= c->world_size) {
     LOG_ERROR("kv", "bad parallel layout: rank %d of world %d with dp %d", c->engine_rank, c->world_size,
               c->dp_size);
@@ -637,7 +637,7 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   }
   c->state_layer_ids = NULL;
   if (c->verify && (rc = check_host_memory(&m->bufs))) goto err_bufs;
-  if ((rc = rooms_table_new(c->max_rooms, &m->rooms))) goto err_bufs;
+  if ((rc = kvf__rooms_table_new(c->max_rooms, &m->rooms))) goto err_bufs;
 
   if (c->engine) {
     m->engine = c->engine;
@@ -662,7 +662,7 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   }
   if ((rc = bind_pull(m))) goto err_zmq;
   if ((rc = kvf__integ_start(m))) goto err_zmq;
-  rc = c->role == KVF_ROLE_DECODE ? decode_start(m) : prefill_start(m);
+  rc = c->role == KVF_ROLE_DECODE ? kvf__decode_start(m) : kvf__prefill_start(m);
   if (rc) goto err_integ;
   if (pthread_create(&m->listener, NULL, listener_main, m)) {
     rc = KVF_ENOMEM;
@@ -675,22 +675,22 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   return 0;
 
 err_role:
-  if (c->role == KVF_ROLE_DECODE) decode_stop(m);
-  else prefill_stop(m);
+  if (c->role == KVF_ROLE_DECODE) kvf__decode_stop(m);
+  else kvf__prefill_stop(m);
 err_integ:
   kvf__integ_stop(m);
 err_zmq:
   if (m->pull) zmq_close(m->pull);
   zmq_ctx_term(m->zctx);
 err_pushes:
-  smap_free(&m->pushes);
+  kvf__smap_free(&m->pushes);
 err_lock:
   pthread_mutex_destroy(&m->push_lock);
   unregister_buffers(m);
 err_engine:
   if (m->own_engine) kvf_engine_destroy(m->engine);
 err_rooms:
-  rooms_table_free(m->rooms, NULL);
+  kvf__rooms_table_free(m->rooms, NULL);
 err_bufs:
   free_buffers(&m->bufs);
 err_free:
@@ -702,8 +702,8 @@ void kvf_manager_destroy(kvf_manager *m) {
   if (!m) return;
   atomic_store(&m->stopping, 1);
   if (m->listener_started) pthread_join(m->listener, NULL);
-  if (m->cfg.role == KVF_ROLE_DECODE) decode_stop(m);
-  else prefill_stop(m);
+  if (m->cfg.role == KVF_ROLE_DECODE) kvf__decode_stop(m);
+  else kvf__prefill_stop(m);
   kvf__integ_stop(m);
   zmq_close(m->pull);
   close_pushes(m);
@@ -711,7 +711,7 @@ void kvf_manager_destroy(kvf_manager *m) {
   pthread_mutex_destroy(&m->push_lock);
   unregister_buffers(m);
   if (m->own_engine) kvf_engine_destroy(m->engine);
-  rooms_table_free(m->rooms, NULL);
+  kvf__rooms_table_free(m->rooms, NULL);
   free_buffers(&m->bufs);
   sodium_memzero(m->ctl_key, sizeof m->ctl_key);
   free(m);
@@ -733,5 +733,5 @@ void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *o) {
   o->verify_failures = atomic_load(&m->stats.verify_failures);
   o->verify_unverified = atomic_load(&m->stats.verify_unverified);
   o->rooms_fenced = atomic_load(&m->stats.rooms_fenced);
-  o->live_rooms = rooms_count(m->rooms);
+  o->live_rooms = kvf__rooms_count(m->rooms);
 }

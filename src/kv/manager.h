@@ -84,22 +84,22 @@ struct kvf_manager {
  * are torn down, after the listener has been joined. on_message runs on the
  * listener thread with frames valid only during the call; `peer` is the
  * sender's address as libzmq reports it ("?" if unknown), for logs and for
- * the sender checks (manager_peer_is). With a control token the frames are
+ * the sender checks (kvf__manager_peer_is). With a control token the frames are
  * already authenticated and exclude the MAC frame. */
-int decode_start(kvf_manager *m);
-void decode_stop(kvf_manager *m);
-void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
-int prefill_start(kvf_manager *m);
-void prefill_stop(kvf_manager *m);
-void prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
+int kvf__decode_start(kvf_manager *m);
+void kvf__decode_stop(kvf_manager *m);
+void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
+int kvf__prefill_start(kvf_manager *m);
+void kvf__prefill_stop(kvf_manager *m);
+void kvf__prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
 
 /* Send an encoded message to the PULL socket at host:port through the cached
  * PUSH socket for that endpoint (one lock per socket, so FIFO order holds per
  * endpoint). Never blocks longer than about a second: a peer that does not
  * drain gets KVF_ETIMEDOUT. Any thread. */
-int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg);
+int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg);
 /* Forget the cached PUSH socket to host:port (after the peer restarted). */
-void manager_push_forget(kvf_manager *m, const char *host, uint16_t port);
+void kvf__manager_push_forget(kvf_manager *m, const char *host, uint16_t port);
 
 /* A control message's frames (with `extra` more than fit) from `peer`:
  * the MAC check when a control token is set, then the role's on_message.
@@ -115,14 +115,14 @@ int kvf__trailer_unpack(const unsigned char *p, size_t len, wire_frame *f, size_
 #define MANAGER_MAX_RECV_FRAMES (WIRE_MAX_FRAMES + 1) /* the largest message and its MAC */
 
 /* Log a malformed message once per (peer host, kind) and count it. */
-void manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason);
+void kvf__manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason);
 /* The same for a message that is well formed but not from whom it should be
  * (counted in messages_forged). */
-void manager_reject_forged(kvf_manager *m, const char *peer, const char *kind, const char *reason);
+void kvf__manager_reject_forged(kvf_manager *m, const char *peer, const char *kind, const char *reason);
 /* 1 when `peer` (libzmq's Peer-Address of a message) is the address `ip`
  * (an IPv4/IPv6 literal; IPv4-mapped IPv6 counts as IPv4), or when the check
  * is off or `ip` is a host name (not checkable without DNS); 0 otherwise. */
-int manager_peer_is(const kvf_manager *m, const char *peer, const char *ip);
+int kvf__manager_peer_is(const kvf_manager *m, const char *peer, const char *ip);
 
 /* The MAC frame (see manager.c) of frames f[0..n) under m's control token:
  * MANAGER_MAC_LEN bytes into out. Any thread. */

@@ -15,7 +15,7 @@
 
 /* ---- Page runs ---- */
 
-int plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *out, size_t *nruns) {
+int kvf__plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *out, size_t *nruns) {
   for (size_t k = 0; k < n; k++)
     if (src[k] < 0 || dst[k] < 0) return KVF_ERANGE;
   size_t m = 0;
@@ -35,7 +35,7 @@ int plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *out, s
 
 /* ---- Buffers ---- */
 
-void plan_layout_mha(size_t nlayers, size_t *start, size_t *bufs, plan_layout *out) {
+void kvf__plan_layout_mha(size_t nlayers, size_t *start, size_t *bufs, plan_layout *out) {
   for (size_t l = 0; l < nlayers; l++) {
     start[l] = 2 * l;
     bufs[2 * l] = l;
@@ -71,16 +71,16 @@ static int span(uint64_t base, const uint64_t *lenp, int64_t page, int64_t count
 
 /* ---- Plain address computation ---- */
 
-size_t plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_t nruns) {
+size_t kvf__plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_t nruns) {
   if (!layer_range_ok(lay, l0, l1)) return 0;
   return (lay->start[l1] - lay->start[l0]) * nruns;
 }
 
-int plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs,
+int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs,
                       size_t nruns, const plan_mem *src, const plan_mem *dst,
                       const uint64_t *item, kvf_write *out, size_t cap, size_t *nout) {
   if (!layer_range_ok(lay, l0, l1)) return KVF_EINVAL;
-  if (plan_plain_count(lay, l0, l1, nruns) > cap) return KVF_ETOOBIG;
+  if (kvf__plan_plain_count(lay, l0, l1, nruns) > cap) return KVF_ETOOBIG;
   size_t n = 0;
   for (size_t i = lay->start[l0]; i < lay->start[l1]; i++) {
     size_t b = lay->bufs[i];
@@ -111,7 +111,7 @@ static int64_t frag_pages(const plan_fragment *f, int64_t run_len) {
   return f->page_count >= 0 && f->page_count < run_len ? f->page_count : run_len;
 }
 
-size_t plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
+size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
                        size_t nfrags, int state, const plan_run *runs, size_t nruns) {
   if (!layer_range_ok(lay, l0, l1)) return 0;
   size_t n = 0;
@@ -135,7 +135,7 @@ static int frag_valid(const plan_fragment *f) {
   return 1;
 }
 
-int plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
+int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
                      size_t nfrags, int state, const plan_run *runs, size_t nruns,
                      const plan_mem *src, const plan_mem *dst, kvf_write *out, size_t cap,
                      size_t *nout) {
@@ -183,11 +183,11 @@ int plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fr
 static const char *const kind_names[] = {"target_k", "target_v", "draft_k", "draft_v",
                                          "mamba_state"};
 
-const char *plan_kind_name(int kind) {
+const char *kvf__plan_kind_name(int kind) {
   return kind >= 0 && kind <= PLAN_MAMBA_STATE ? kind_names[kind] : NULL;
 }
 
-int plan_kind_parse(const char *name, plan_kind *out) {
+int kvf__plan_kind_parse(const char *name, plan_kind *out) {
   for (int k = 0; k <= PLAN_MAMBA_STATE; k++)
     if (name && strcmp(name, kind_names[k]) == 0) {
       *out = (plan_kind)k;
@@ -400,7 +400,7 @@ static int build_pairs(const plan_route_params *p, pair **out, size_t *npairs) {
   return 0;
 }
 
-int plan_route_build(const plan_route_params *p, plan_route *out) {
+int kvf__plan_route_build(const plan_route_params *p, plan_route *out) {
   int Td = p->decode_tp_size, d = p->decode_tp_rank, Tp = p->prefill_tp_size;
   int rc;
   pair *pairs = NULL;
@@ -473,11 +473,11 @@ err_free:
   free(fv.v);
   free(mark);
   free(pairs);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
   return rc;
 }
 
-int plan_route_add_dummies(plan_route *r, int Td, int d) {
+int kvf__plan_route_add_dummies(plan_route *r, int Td, int d) {
   int Tp = r->prefill_tp_size, nd = 0;
   if (r->is_identity || !r->fanout || !sizes_ok(Td, d, Tp)) return 0;
   for (int q = 0; q < Tp; q++) nd += r->fanout[q] == 0 && (int)(((int64_t)q * Td) / Tp) == d;
@@ -503,7 +503,7 @@ int plan_route_add_dummies(plan_route *r, int Td, int d) {
   return 0;
 }
 
-int plan_route_legacy_mla(int Td, int d, int Tp, int l15_cache, plan_route *out) {
+int kvf__plan_route_legacy_mla(int Td, int d, int Tp, int l15_cache, plan_route *out) {
   plan_route r = {0};
   if (!sizes_ok(Td, d, Tp)) return KVF_EINVAL;
   int n, k = 1;
@@ -521,7 +521,7 @@ int plan_route_legacy_mla(int Td, int d, int Tp, int l15_cache, plan_route *out)
   r.targets = calloc((size_t)n, sizeof *r.targets);
   r.fanout = calloc((size_t)Tp, sizeof *r.fanout);
   if (!r.targets || !r.fanout) {
-    plan_route_free(&r);
+    kvf__plan_route_free(&r);
     return KVF_ENOMEM;
   }
   r.ntargets = n;
@@ -551,7 +551,7 @@ int plan_route_legacy_mla(int Td, int d, int Tp, int l15_cache, plan_route *out)
   return 0;
 }
 
-void plan_route_free(plan_route *r) {
+void kvf__plan_route_free(plan_route *r) {
   if (!r) return;
   free(r->targets);
   free(r->fanout);
@@ -561,7 +561,7 @@ void plan_route_free(plan_route *r) {
 
 /* ---- Small routing helpers ---- */
 
-int plan_dp_group(int64_t room, int64_t dp_size, int64_t *out) {
+int kvf__plan_dp_group(int64_t room, int64_t dp_size, int64_t *out) {
   if (dp_size <= 0) return KVF_EINVAL;
   int64_t g = room % dp_size;
   if (g < 0) g += dp_size;
@@ -569,19 +569,19 @@ int plan_dp_group(int64_t room, int64_t dp_size, int64_t *out) {
   return 0;
 }
 
-int plan_session_port(const char *s, int *port) {
+int kvf__plan_session_port(const char *s, int *port) {
   uint16_t p;
   if (!s || kvf__addr_parse(s, strlen(s), NULL, 0, &p, NULL)) return KVF_EINVAL;
   *port = p;
   return 0;
 }
 
-int plan_queue_shard(const char *const *sessions, size_t n, int nqueues, int *out) {
+int kvf__plan_queue_shard(const char *const *sessions, size_t n, int nqueues, int *out) {
   if (nqueues <= 0) return KVF_EINVAL;
   uint64_t sum = 0; /* ports < 2^16, so n < 2^48 sessions cannot overflow */
   for (size_t i = 0; i < n; i++) {
     int port;
-    int rc = plan_session_port(sessions[i], &port);
+    int rc = kvf__plan_session_port(sessions[i], &port);
     if (rc != 0) return rc;
     sum += (uint64_t)port;
   }

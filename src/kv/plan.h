@@ -5,7 +5,7 @@
  * small routing functions of §0/§1.1 (DP group) and §6.12 (queue shard).
  *
  * Nothing here locks, logs or keeps state; every function may be called from
- * any thread. Functions on the per-chunk path (plan_runs, plan_*_writes)
+ * any thread. Functions on the per-chunk path (kvf__plan_runs, plan_*_writes)
  * never allocate: callers size their arrays once per room with the *_count
  * functions. Addresses are checked against buffer lengths where the caller
  * knows them, because a page index from the network must never steer a write
@@ -36,7 +36,7 @@ typedef struct plan_run {
 /* Group the aligned pairs (src[k], dst[k]), k < n, into maximal runs in which
  * both sides step by exactly +1. `out` must hold n entries (the worst case);
  * *nruns gets the count. A negative index is KVF_ERANGE. */
-int plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *out, size_t *nruns);
+int kvf__plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *out, size_t *nruns);
 
 /* ---- Buffers ---- */
 
@@ -50,7 +50,7 @@ typedef struct plan_layout {
 
 /* Fill an MHA layout for L layers (buffers K0..K(L-1), V0..V(L-1)): start
  * needs L+1 entries, bufs 2L. */
-void plan_layout_mha(size_t nlayers, size_t *start, size_t *bufs, plan_layout *out);
+void kvf__plan_layout_mha(size_t nlayers, size_t *start, size_t *bufs, plan_layout *out);
 
 /* One side's buffers: base addresses and, where known, byte lengths. */
 typedef struct plan_mem {
@@ -61,9 +61,9 @@ typedef struct plan_mem {
 
 /* ---- Plain (identity) address computation (§6.4) ---- */
 
-/* Blocks plan_plain_writes emits for KV layer indices [l0, l1) and nruns
+/* Blocks kvf__plan_plain_writes emits for KV layer indices [l0, l1) and nruns
  * runs; 0 if the range is invalid. */
-size_t plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_t nruns);
+size_t kvf__plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_t nruns);
 
 /* Blocks for KV layers [l0, l1): layer-major, buffer order within the layer,
  * run order within the buffer; for buffer b and run (s0, d0, r):
@@ -76,7 +76,7 @@ size_t plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_t nru
  * overflow is KVF_ERANGE. KVF_ETOOBIG if cap is short of the count. State
  * buffers (§6.6) use the same function with a layout of one layer listing
  * the state buffers. */
-int plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs,
+int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs,
                       size_t nruns, const plan_mem *src, const plan_mem *dst,
                       const uint64_t *item, kvf_write *out, size_t cap, size_t *nout);
 
@@ -92,8 +92,8 @@ typedef enum plan_kind {
 
 /* Wire name of a kind ("target_k", ...), or NULL for a bad value; and back:
  * KVF_EINVAL for an unknown name. */
-const char *plan_kind_name(int kind);
-int plan_kind_parse(const char *name, plan_kind *out);
+const char *kvf__plan_kind_name(int kind);
+int kvf__plan_kind_parse(const char *name, plan_kind *out);
 
 /* One fragment: the ten fields of §6.5.5. */
 typedef struct plan_fragment {
@@ -151,11 +151,11 @@ typedef struct plan_route {
 } plan_route;
 
 /* The generic planner (§6.5.1-6.5.4) for one decode TP rank. The caller owns
- * *out and frees it with plan_route_free. KVF_EINVAL for sizes out of range
+ * *out and frees it with kvf__plan_route_free. KVF_EINVAL for sizes out of range
  * or any layout the reference rejects (the reason goes to p->err). Prefill
  * ranks with fanout 0 are never targets (§8 item 4: the manager decides
  * whether to send them dummies). */
-int plan_route_build(const plan_route_params *p, plan_route *out);
+int kvf__plan_route_build(const plan_route_params *p, plan_route *out);
 
 /* §8 item 4: give every prefill rank that no decode rank contacts (fanout
  * 0: GQA replica groups, replicated buffers with Tp > Td) one dummy M2, so
@@ -165,19 +165,19 @@ int plan_route_build(const plan_route_params *p, plan_route *out);
  * dummies of decode rank d to r->targets (kept in ascending rank order;
  * required_prefill_response_num unchanged: dummies send no M3). A no-op for
  * an identity plan. KVF_ENOMEM leaves r unchanged. */
-int plan_route_add_dummies(plan_route *r, int decode_tp_size, int decode_tp_rank);
+int kvf__plan_route_add_dummies(plan_route *r, int decode_tp_size, int decode_tp_rank);
 
 /* The legacy MLA rows and the L1.5 row of §5.2 (no fragments). */
-int plan_route_legacy_mla(int decode_tp_size, int decode_tp_rank, int prefill_tp_size,
+int kvf__plan_route_legacy_mla(int decode_tp_size, int decode_tp_rank, int prefill_tp_size,
                           int l15_cache, plan_route *out);
 
 /* Free what a plan_route_* call allocated; the struct is zeroed. */
-void plan_route_free(plan_route *r);
+void kvf__plan_route_free(plan_route *r);
 
 /* ---- Fragment execution (§6.5.6) ---- */
 
-/* Exact number of blocks plan_frag_writes emits for the same arguments. */
-size_t plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
+/* Exact number of blocks kvf__plan_frag_writes emits for the same arguments. */
+size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
                        size_t nfrags, int state, const plan_run *runs, size_t nruns);
 
 /* Blocks for fragment mode, in the reference's order: for each buffer b of
@@ -194,7 +194,7 @@ size_t plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_
  * offset + bytes <= stride on each side (no spill into the next page), pages
  * in range of known buffer lengths, no overflow (KVF_ERANGE); buffer index
  * past either side: KVF_EINVAL. KVF_ETOOBIG if cap is short. */
-int plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
+int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
                      size_t nfrags, int state, const plan_run *runs, size_t nruns,
                      const plan_mem *src, const plan_mem *dst, kvf_write *out, size_t cap,
                      size_t *nout);
@@ -203,14 +203,14 @@ int plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fr
 
 /* room mod dp_size as a non-negative floor modulo (§0). KVF_EINVAL if
  * dp_size <= 0. */
-int plan_dp_group(int64_t room, int64_t dp_size, int64_t *out);
+int kvf__plan_dp_group(int64_t room, int64_t dp_size, int64_t *out);
 
 /* Port of a session id "host:port" (or "[v6]:port"): host non-empty, exactly
  * one ':' outside brackets, port all digits in 1..65535. KVF_EINVAL else. */
-int plan_session_port(const char *session, int *port);
+int kvf__plan_session_port(const char *session, int *port);
 
 /* Queue shard of a room (§6.12): sum of the session ports mod nqueues.
  * KVF_EINVAL for nqueues <= 0 or a malformed session id. */
-int plan_queue_shard(const char *const *sessions, size_t n, int nqueues, int *out);
+int kvf__plan_queue_shard(const char *const *sessions, size_t n, int nqueues, int *out);
 
 #endif

@@ -118,14 +118,14 @@
 #define PF_DIRECT_DRAIN_MS 120000 /* stop: wait this long for direct chunks' engine callbacks */
 
 typedef struct pf_reg { /* one decode registration (M1) */
-  wire_m1 *m1;          /* heap copy (wire_m1_dup) */
+  wire_m1 *m1;          /* heap copy (kvf__wire_m1_dup) */
   int64_t failed_ns;    /* monotonic time of the last transfer error; 0 = not failed (§7.4) */
   size_t nearly;        /* early rooms charged to this session */
 } pf_reg;
 
 typedef struct pf_info { /* one M2, shared with workers */
   int refs;
-  wire_m2 *m2; /* heap copy (wire_m2_dup) */
+  wire_m2 *m2; /* heap copy (kvf__wire_m2_dup) */
   /* its plan, converted once when the M2 arrives */
   plan_fragment *frags; /* m2->nfrags, per token when tokens > 1 */
   int64_t tokens;       /* tokens per page the runs scale by; 0 = plan refused (plan_why) */
@@ -277,7 +277,7 @@ typedef struct prefill_state {
 
 /* ------------------------------------------------------------- helpers */
 
-static void chunk_free(pf_chunk *c) {
+static void kvf__chunk_free(pf_chunk *c) {
   if (!c) return;
   free(c->pages), free(c->cands), free(c->state_slots);
   free(c->digests), free(c->dig_bufs);
@@ -328,7 +328,7 @@ static void room_unref(prefill_state *ps, pf_room *r) {
   free(r->park);
   for (pf_chunk *c = r->pend_head, *n; c; c = n) {
     n = c->next;
-    chunk_free(c);
+    kvf__chunk_free(c);
   }
   room_drop(ps, r);
 }
@@ -336,7 +336,7 @@ static void room_unref(prefill_state *ps, pf_room *r) {
 /* ps->lock held: drop a chunk and the room reference it holds. */
 static void chunk_release_locked(prefill_state *ps, pf_chunk *c) {
   pf_room *r = c->r;
-  chunk_free(c);
+  kvf__chunk_free(c);
   if (r) room_unref(ps, r);
 }
 
@@ -348,12 +348,12 @@ static void send_m3_why(kvf_manager *m, const char *host, uint16_t port, int64_t
                 .reason_len = reason ? strlen(reason) : 0};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
-  if (wire_m3_encode(&m3, &msg, why)) {
+  if (kvf__wire_m3_encode(&m3, &msg, why)) {
     LOG_WARN("kv", "cannot encode the status of room %" PRId64 " for %s:%u: %s", room, host, (unsigned)port, why);
     return;
   }
-  manager_push_send(m, host, port, &msg);
-  wire_msg_free(&msg);
+  kvf__manager_push_send(m, host, port, &msg);
+  kvf__wire_msg_free(&msg);
 }
 
 static void send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
@@ -392,7 +392,7 @@ static int room_shard(prefill_state *ps, pf_room *r) {
   int shard = 0;
   if (r->ninfos > PF_DIRECT_MAX_DESTS && !(s = calloc(r->ninfos, sizeof *s))) return 0;
   for (size_t i = 0; i < r->ninfos; i++) s[i] = r->infos[i]->m2->session;
-  if (plan_queue_shard(s, r->ninfos, ps->nqueues, &shard)) shard = 0;
+  if (kvf__plan_queue_shard(s, r->ninfos, ps->nqueues, &shard)) shard = 0;
   uint64_t h = (uint64_t)r->room * 0x9e3779b97f4a7c15ULL;
   shard = (int)(((uint64_t)shard + (h >> 32)) % (uint64_t)ps->nqueues);
   if (s != small) free(s);
@@ -436,7 +436,7 @@ static void flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chun
     pf_chunk *n = c->next;
     if (queue_push(&ps->queues[r->shard], c)) {
       if (r->has_sender && !r->dead)
-        rooms_fail(ps->m->rooms, r->room, "Prefill transfer queue is full");
+        kvf__rooms_fail(ps->m->rooms, r->room, "Prefill transfer queue is full");
       chunk_release_locked(ps, c);
     }
     c = n;
@@ -473,7 +473,7 @@ static void expire_early(prefill_state *ps, int64_t now) {
   for (int i = 0; i < PF_EXPIRE_PER_MSG && ps->early_head && now - ps->early_head->last_m2_ns >= max_ns; i++) {
     pf_room *r = ps->early_head;
     early_unlink(ps, r);
-    map_del(&ps->rooms, (uint64_t)r->room, NULL);
+    kvf__map_del(&ps->rooms, (uint64_t)r->room, NULL);
     r->dead = 1;
     room_unref(ps, r);
   }
@@ -485,29 +485,29 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   wire_m1 d;
   wire_m1 *copy = NULL;
   char why[WIRE_REASON_LEN];
-  if (wire_m1_decode(frames, n, &d, why)) {
-    manager_reject(m, peer, "M1", why);
+  if (kvf__wire_m1_decode(frames, n, &d, why)) {
+    kvf__manager_reject(m, peer, "M1", why);
     return;
   }
   /* Issue 13 defect 5: a registration names where the decode's memory and
    * status socket are; only that host may make it. */
-  if (!manager_peer_is(m, peer, d.endpoint)) {
-    manager_reject_forged(m, peer, "M1", "the sender is not the decode host the registration names");
+  if (!kvf__manager_peer_is(m, peer, d.endpoint)) {
+    kvf__manager_reject_forged(m, peer, "M1", "the sender is not the decode host the registration names");
     return;
   }
-  if (wire_m1_dup(&d, &copy)) {
-    manager_reject(m, peer, "M1", "out of memory");
+  if (kvf__wire_m1_dup(&d, &copy)) {
+    kvf__manager_reject(m, peer, "M1", "out of memory");
     return;
   }
   pthread_mutex_lock(&ps->lock);
-  pf_reg *reg = smap_get(&ps->regs, d.session);
+  pf_reg *reg = kvf__smap_get(&ps->regs, d.session);
   if (!reg) {
     if (smap_size(&ps->regs) >= PF_MAX_SESSIONS || !(reg = calloc(1, sizeof *reg)) ||
-        smap_put(&ps->regs, d.session, reg, NULL)) {
+        kvf__smap_put(&ps->regs, d.session, reg, NULL)) {
       pthread_mutex_unlock(&ps->lock);
       free(reg);
       free(copy);
-      manager_reject(m, peer, "M1", "registration table full");
+      kvf__manager_reject(m, peer, "M1", "registration table full");
       return;
     }
   } else {
@@ -528,63 +528,63 @@ static void direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c);
 static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
   wire_m2 d;
   char why[ROOMS_REASON_MAX];
-  if (wire_m2_decode(frames, n, &d, why)) {
-    manager_reject(m, peer, "M2", why);
+  if (kvf__wire_m2_decode(frames, n, &d, why)) {
+    kvf__manager_reject(m, peer, "M2", why);
     return;
   }
-  if (!manager_peer_is(m, peer, d.endpoint)) {
-    wire_m2_free(&d);
-    manager_reject_forged(m, peer, "M2", "the sender is not the decode host the request names");
+  if (!kvf__manager_peer_is(m, peer, d.endpoint)) {
+    kvf__wire_m2_free(&d);
+    kvf__manager_reject_forged(m, peer, "M2", "the sender is not the decode host the request names");
     return;
   }
   pf_info *info = calloc(1, sizeof *info);
-  if (!info || wire_m2_dup(&d, &info->m2)) {
+  if (!info || kvf__wire_m2_dup(&d, &info->m2)) {
     free(info);
-    wire_m2_free(&d);
-    manager_reject(m, peer, "M2", "out of memory");
+    kvf__wire_m2_free(&d);
+    kvf__manager_reject(m, peer, "M2", "out of memory");
     return;
   }
   info->refs = 1;
-  wire_m2_free(&d);
+  kvf__wire_m2_free(&d);
   const wire_m2 *x = info->m2;
   if (!x->is_dummy && (x->indices_are_local || x->page_mask.count || x->local_indices.count)) {
     /* L1.5 partial cache indices: not supported, and silently ignoring them
      * would write whole pages to the wrong places. */
     info_unref(info);
-    manager_reject(m, peer, "M2", "L1.5 local indices are not supported");
+    kvf__manager_reject(m, peer, "M2", "L1.5 local indices are not supported");
     return;
   }
   if (info_plan(m, info)) {
     info_unref(info);
-    manager_reject(m, peer, "M2", "out of memory");
+    kvf__manager_reject(m, peer, "M2", "out of memory");
     return;
   }
 
   pthread_mutex_lock(&ps->lock);
-  pf_reg *reg = smap_get(&ps->regs, x->session);
+  pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
   if (!reg) {
     pthread_mutex_unlock(&ps->lock);
     snprintf(why, sizeof why, "decode session %s never registered (no M1)", x->session);
     info_unref(info);
-    manager_reject(m, peer, "M2", why);
+    kvf__manager_reject(m, peer, "M2", why);
     return;
   }
   int mismatch = !x->is_dummy && reg->m1->kv_ptrs.count != m->bufs.n_kv;
   int64_t now = clock_now_ns();
   expire_early(ps, now);
-  pf_room *r = map_get(&ps->rooms, (uint64_t)x->room);
+  pf_room *r = kvf__map_get(&ps->rooms, (uint64_t)x->room);
   if (!r) {
     const char *full = reg->nearly >= PF_MAX_EARLY_PER_SESSION ? "from this decode session"
                        : ps->nearly >= PF_MAX_EARLY            ? "from all decode sessions"
                                                                : NULL;
-    if (full || !(r = room_new(ps)) || map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
+    if (full || !(r = room_new(ps)) || kvf__map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
       room_drop(ps, r);
       pthread_mutex_unlock(&ps->lock);
       atomic_fetch_add(&m->stats.messages_unknown_room, 1);
       snprintf(why, sizeof why, "prefill rank %d refused the transfer request: %s requests %s wait for their sender "
                "(limit %d per session, %d in all)", m->cfg.engine_rank, full ? "too many" : "out of memory:",
                full ? full : "no room for more", PF_MAX_EARLY_PER_SESSION, PF_MAX_EARLY);
-      if (log_first_time(log_hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
+      if (kvf__log_first_time(kvf__log_hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
         LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
                  peer ? peer : "?", why);
       /* Tell the decode now: otherwise it waits for its timeout. */
@@ -612,7 +612,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
       if (!ni) {
         pthread_mutex_unlock(&ps->lock);
         info_unref(info);
-        manager_reject(m, peer, "M2", "too many decode sessions for one room");
+        kvf__manager_reject(m, peer, "M2", "too many decode sessions for one room");
         return;
       }
       r->infos = ni;
@@ -624,14 +624,14 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   if (mismatch && r->has_sender && !r->dead) {
     snprintf(why, sizeof why, "Decode session %s registered %zu KV buffers, this prefill rank has %zu",
              x->session, reg->m1->kv_ptrs.count, m->bufs.n_kv);
-    rooms_fail(m->rooms, r->room, why);
+    kvf__rooms_fail(m->rooms, r->room, why);
   }
   pf_direct *dj = NULL;
   pf_chunk *direct = NULL;
   if (!r->bootstrapped && (int64_t)r->ninfos == x->required_dst_info_num) {
     r->bootstrapped = 1;
     r->shard = room_shard(ps, r);
-    if (r->has_sender) rooms_update(m->rooms, r->room, ROOM_BOOTSTRAPPED, NULL);
+    if (r->has_sender) kvf__rooms_update(m->rooms, r->room, ROOM_BOOTSTRAPPED, NULL);
     flush_pending(ps, r, &dj, &direct);
   }
   pthread_mutex_unlock(&ps->lock);
@@ -649,28 +649,28 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
 static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
   wire_fence f;
   char why[ROOMS_REASON_MAX];
-  if (wire_fence_decode(frames, n, &f, why)) {
-    manager_reject(m, peer, "fence", why);
+  if (kvf__wire_fence_decode(frames, n, &f, why)) {
+    kvf__manager_reject(m, peer, "fence", why);
     return;
   }
   char host[WIRE_STR_MAX + 1];
   snprintf(host, sizeof host, "%.*s", (int)(strrchr(f.session, ':') - f.session), f.session);
-  if (!manager_peer_is(m, peer, host)) {
-    manager_reject_forged(m, peer, "fence", "the sender is not the decode host the notice names");
+  if (!kvf__manager_peer_is(m, peer, host)) {
+    kvf__manager_reject_forged(m, peer, "fence", "the sender is not the decode host the notice names");
     return;
   }
   int hit = 0;
   pthread_mutex_lock(&ps->lock);
-  pf_room *r = map_get(&ps->rooms, (uint64_t)f.room);
+  pf_room *r = kvf__map_get(&ps->rooms, (uint64_t)f.room);
   for (size_t i = 0; r && !r->dead && i < r->ninfos && !hit; i++) {
     const wire_m2 *x = r->infos[i]->m2;
     hit = x->fence_epoch == f.epoch && !strcmp(x->session, f.session);
   }
   int st = ROOM_FAILED;
-  if (hit && r->has_sender && !rooms_get_status(m->rooms, f.room, &st) && st != ROOM_FAILED) {
+  if (hit && r->has_sender && !kvf__rooms_get_status(m->rooms, f.room, &st) && st != ROOM_FAILED) {
     snprintf(why, sizeof why, "Decode %.200s failed the room: %.250s", f.session,
              *f.reason ? f.reason : "no reason given");
-    rooms_fail(m->rooms, f.room, why);
+    kvf__rooms_fail(m->rooms, f.room, why);
   }
   pthread_mutex_unlock(&ps->lock);
   if (hit) {
@@ -681,16 +681,16 @@ static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames
   }
 }
 
-void prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
+void kvf__prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
   prefill_state *ps = m->prefill;
-  if (wire_is_fence(frames, n)) {
+  if (kvf__wire_is_fence(frames, n)) {
     on_fence(m, ps, frames, n, peer);
     return;
   }
-  int kind = wire_classify(frames, n);
+  int kind = kvf__wire_classify(frames, n);
   if (kind == WIRE_MSG_M1) on_m1(m, ps, frames, n, peer);
   else if (kind == WIRE_MSG_M2) on_m2(m, ps, frames, n, peer);
-  else manager_reject(m, peer, "message", "no frames");
+  else kvf__manager_reject(m, peer, "message", "no frames");
 }
 
 /* ----------------------------------------------------------------- worker */
@@ -830,7 +830,7 @@ static int plan_pairs(prefill_state *ps, int state, size_t l0, size_t l1, const 
   plan_run *runs = malloc((n ? n : 1) * sizeof *runs);
   kvf_write *w = NULL;
   size_t nruns = 0, nw = 0, cap;
-  int rc = runs ? plan_runs(src, dst, n, runs, &nruns) : KVF_ENOMEM;
+  int rc = runs ? kvf__plan_runs(src, dst, n, runs, &nruns) : KVF_ENOMEM;
   if (rc) goto out;
   /* Per-token fragments (tokens > 1): a run of r pages is r*tokens token
    * slots of the per-token stride, so each (fragment, run) stays one
@@ -843,15 +843,15 @@ static int plan_pairs(prefill_state *ps, int state, size_t l0, size_t l1, const 
       goto out;
     }
   if (state) l0 = 0, l1 = lay->nlayers;
-  cap = frag_mode ? plan_frag_count(lay, l0, l1, frags, nfrags, state, runs, nruns)
-                  : plan_plain_count(lay, l0, l1, nruns);
+  cap = frag_mode ? kvf__plan_frag_count(lay, l0, l1, frags, nfrags, state, runs, nruns)
+                  : kvf__plan_plain_count(lay, l0, l1, nruns);
   if (!cap) goto out;
   if (!(w = malloc(cap * sizeof *w))) {
     rc = KVF_ENOMEM;
     goto out;
   }
-  rc = frag_mode ? plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
-                 : plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
+  rc = frag_mode ? kvf__plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
+                 : kvf__plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
 out:
   free(runs);
   if (rc) {
@@ -956,7 +956,7 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
   int ret = DEST_FAIL, xfer = 0;
 
   pthread_mutex_lock(&ps->lock);
-  pf_reg *reg = smap_get(&ps->regs, x->session);
+  pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
   if (!reg) {
     snprintf(why, whycap, "Decode session %s is not registered", x->session);
   } else if (reg->failed_ns && m->cfg.failed_session_ttl_s > 0 &&
@@ -1115,7 +1115,7 @@ static int plan_pairs_sc(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, in
   const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
   size_t nruns = 0, nw = 0, cap;
   int rc = scratch_grow((void **)&sc->runs, &sc->cap_runs, n ? n : 1, sizeof *sc->runs);
-  if (!rc) rc = plan_runs(src, dst, n, sc->runs, &nruns);
+  if (!rc) rc = kvf__plan_runs(src, dst, n, sc->runs, &nruns);
   if (rc) goto out;
   plan_run *runs = sc->runs;
   /* Per-token fragments (tokens > 1): a run of r pages is r*tokens token
@@ -1129,13 +1129,13 @@ static int plan_pairs_sc(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, in
       goto out;
     }
   if (state == 1) l0 = 0, l1 = lay->nlayers;
-  cap = frag_mode ? plan_frag_count(lay, l0, l1, frags, nfrags, state, runs, nruns)
-                  : plan_plain_count(lay, l0, l1, nruns);
+  cap = frag_mode ? kvf__plan_frag_count(lay, l0, l1, frags, nfrags, state, runs, nruns)
+                  : kvf__plan_plain_count(lay, l0, l1, nruns);
   if (!cap) goto out;
   if ((rc = scratch_grow((void **)&sc->w, &sc->cap_w, sc->nw + cap, sizeof *sc->w))) goto out;
   kvf_write *w = sc->w + sc->nw;
-  rc = frag_mode ? plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
-                 : plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
+  rc = frag_mode ? kvf__plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
+                 : kvf__plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
   if (!rc) sc->nw += nw;
 out:
   if (rc)
@@ -1158,7 +1158,7 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
   sc->nw = 0;
 
   pthread_mutex_lock(&ps->lock);
-  pf_reg *reg = smap_get(&ps->regs, x->session);
+  pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
   if (!reg) {
     snprintf(why, whycap, "Decode session %s is not registered", x->session);
   } else if (reg->failed_ns && m->cfg.failed_session_ttl_s > 0 &&
@@ -1269,9 +1269,9 @@ static size_t completion_trailer(prefill_state *ps, int64_t room, const wire_m2 
                 .candidates = wire_array_of(cands, cands ? ncand : 0)};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
-  if (wire_m3_encode(&m3, &msg, why)) return 0;
+  if (kvf__wire_m3_encode(&m3, &msg, why)) return 0;
   size_t len = kvf__trailer_pack(ps->m, &msg, out, cap);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
   return len;
 }
 
@@ -1302,11 +1302,11 @@ static void fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const cha
   kvf_manager *m = ps->m;
   pthread_mutex_lock(&ps->lock);
   if (mark && m->cfg.failed_session_ttl_s > 0) {
-    pf_reg *reg = smap_get(&ps->regs, x->session);
+    pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
     if (reg) reg->failed_ns = clock_now_ns();
   }
   int live = !r->dead;
-  if (live) rooms_fail(m->rooms, r->room, why);
+  if (live) kvf__rooms_fail(m->rooms, r->room, why);
   pthread_mutex_unlock(&ps->lock);
   if (!live) return;
   LOG_WARN("kv", "room %" PRId64 ": %s", r->room, why);
@@ -1318,14 +1318,14 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
   pf_room *r = c->r;
   int st = ROOM_FAILED;
   pthread_mutex_lock(&ps->lock);
-  if (r->dead || rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) {
+  if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) {
     pthread_mutex_unlock(&ps->lock);
     return;
   }
   size_t n = r->ninfos;
   if (scratch_grow((void **)&sc->infos, &sc->cap_infos, n ? n : 1, sizeof *sc->infos) ||
       scratch_grow((void **)&sc->done, &sc->cap_done, n ? n : 1, sizeof *sc->done)) {
-    rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
+    kvf__rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
     pthread_mutex_unlock(&ps->lock);
     return;
   }
@@ -1370,7 +1370,7 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
         tok = r->meta_token, cd = r->meta_cands, ncd = r->meta_ncand;
       } else {
         tok = -1, cd = NULL, ncd = 0; /* the chunk's values, should the room be Failed */
-        rooms_get_status(m->rooms, r->room, &fin);
+        kvf__rooms_get_status(m->rooms, r->room, &fin);
         if (fin != ROOM_FAILED) {
           pf_dest *d = calloc(ndone, sizeof *d);
           if (d) {
@@ -1383,14 +1383,14 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
             r->park = d, r->npark = ndone, r->landed_ns = clock_now_ns();
             parked = 1;
           } else {
-            rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
+            kvf__rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
           }
         }
       }
     }
     if (!r->dead && !parked) {
-      rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
-      rooms_get_status(m->rooms, r->room, &fin);
+      kvf__rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+      kvf__rooms_get_status(m->rooms, r->room, &fin);
     }
     int dead = r->dead;
     pthread_mutex_unlock(&ps->lock);
@@ -1407,7 +1407,7 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
   }
   if (ok && c->is_last && nreal == 0 && n > 0) { /* all destinations are dummies (§6.11 step 1) */
     pthread_mutex_lock(&ps->lock);
-    if (!r->dead) rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+    if (!r->dead) kvf__rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
     pthread_mutex_unlock(&ps->lock);
   }
   pthread_mutex_lock(&ps->lock);
@@ -1447,8 +1447,8 @@ static void direct_finish(pf_direct *dj) {
   int fin = ROOM_FAILED;
   pthread_mutex_lock(&ps->lock);
   if (ok && !r->dead && (upto || (nreal == 0 && dj->n > 0))) { /* or only dummies (§6.11 step 1) */
-    rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
-    rooms_get_status(m->rooms, r->room, &fin);
+    kvf__rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+    kvf__rooms_get_status(m->rooms, r->room, &fin);
     success = upto > 0;
   }
   pthread_mutex_unlock(&ps->lock);
@@ -1496,7 +1496,7 @@ static pf_direct *direct_take_locked(prefill_state *ps, pf_room *r, const pf_chu
     if (r->infos[i]->m2->room_flags & WIRE_ROOM_VERIFY) return NULL;
   uint64_t per_page = ps->layer_bytes[c->layer_end] - ps->layer_bytes[c->layer_begin];
   if (c->npages && per_page > PF_DIRECT_MAX_BYTES / c->npages) return NULL;
-  if (rooms_get_status(ps->m->rooms, r->room, &st) || st == ROOM_FAILED) return NULL;
+  if (kvf__rooms_get_status(ps->m->rooms, r->room, &st) || st == ROOM_FAILED) return NULL;
   if (pthread_mutex_trylock(&ps->direct_lock)) return NULL;
   pf_direct *dj = ps->direct_free;
   ps->direct_free = dj->next;
@@ -1603,12 +1603,12 @@ static int put_route(kvf_manager *m) {
   }
   bootstrap_client *bc = NULL;
   bootstrap_client_opts opts = {.token = m->bootstrap_token, .timeout_ms = m->cfg.http_timeout_ms};
-  if (!rc) rc = bootstrap_client_create(m->bootstrap_addr, &opts, &bc);
-  if (!rc) rc = bootstrap_client_put_route(bc, &reg, 3 * m->cfg.http_timeout_ms);
+  if (!rc) rc = kvf__bootstrap_client_create(m->bootstrap_addr, &opts, &bc);
+  if (!rc) rc = kvf__bootstrap_client_put_route(bc, &reg, 3 * m->cfg.http_timeout_ms);
   if (rc)
     LOG_ERROR("kv", "prefill rank %d could not register with the bootstrap server %s: %s", m->cfg.engine_rank,
               m->bootstrap_addr, kvf_strerror(rc));
-  bootstrap_client_destroy(bc);
+  kvf__bootstrap_client_destroy(bc);
   for (int l = 0; l < ROUTE_NLISTS; l++) free(reg.lists[l].v);
   return rc;
 }
@@ -1664,20 +1664,20 @@ static int direct_init(prefill_state *ps) {
 static void free_state(prefill_state *ps) {
   map_iter it;
   void *v;
-  map_iter_init(&it);
-  while (smap_next(&ps->regs, &it, NULL, &v)) {
+  kvf__map_iter_init(&it);
+  while (kvf__smap_next(&ps->regs, &it, NULL, &v)) {
     pf_reg *reg = v;
     free(reg->m1);
     free(reg);
   }
-  smap_free(&ps->regs);
-  map_iter_init(&it);
-  while (map_next(&ps->rooms, &it, NULL, &v)) {
+  kvf__smap_free(&ps->regs);
+  kvf__map_iter_init(&it);
+  while (kvf__map_next(&ps->rooms, &it, NULL, &v)) {
     pf_room *r = v;
     r->refs = 1; /* workers are gone: nothing else can hold it */
     room_unref(ps, r);
   }
-  map_free(&ps->rooms);
+  kvf__map_free(&ps->rooms);
   free(ps->kv_start), free(ps->kv_bufs), free(ps->st_start), free(ps->st_bufs);
   free(ps->stl_start), free(ps->stl_bufs);
   while (ps->room_spare) {
@@ -1725,7 +1725,7 @@ static void stop_workers(prefill_state *ps) {
   }
 }
 
-int prefill_start(kvf_manager *m) {
+int kvf__prefill_start(kvf_manager *m) {
   prefill_state *ps = calloc(1, sizeof *ps);
   if (!ps) return KVF_ENOMEM;
   ps->m = m;
@@ -1733,7 +1733,7 @@ int prefill_start(kvf_manager *m) {
   pthread_mutex_init(&ps->direct_lock, NULL);
   clock_cond_init(&ps->direct_cv);
   int rc = smap_init(&ps->regs);
-  if (!rc) rc = map_init(&ps->rooms);
+  if (!rc) rc = kvf__map_init(&ps->rooms);
   if (!rc) rc = build_layouts(ps);
   if (!rc) rc = direct_init(ps);
   ps->nqueues = m->cfg.queue_size;
@@ -1768,7 +1768,7 @@ err_free:
   return rc;
 }
 
-void prefill_stop(kvf_manager *m) {
+void kvf__prefill_stop(kvf_manager *m) {
   prefill_state *ps = m->prefill;
   if (!ps) return;
   /* Direct chunks end in an engine callback, which the transport always
@@ -1815,14 +1815,14 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
   if (s) memset(s, 0, sizeof *s);
   else if (!(s = calloc(1, sizeof *s))) return KVF_ENOMEM;
   pthread_mutex_lock(&ps->lock);
-  pf_room *r = map_get(&ps->rooms, (uint64_t)room);
+  pf_room *r = kvf__map_get(&ps->rooms, (uint64_t)room);
   int rc = r && r->has_sender ? KVF_EEXIST : 0;
-  if (!rc) rc = rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
+  if (!rc) rc = kvf__rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
   if (rc) goto err_unlock;
   if (!r) {
-    if (!(r = room_new(ps)) || map_put(&ps->rooms, (uint64_t)room, r, NULL)) {
+    if (!(r = room_new(ps)) || kvf__map_put(&ps->rooms, (uint64_t)room, r, NULL)) {
       room_drop(ps, r);
-      rooms_clear(m->rooms, room, NULL);
+      kvf__rooms_clear(m->rooms, room, NULL);
       rc = KVF_ENOMEM;
       goto err_unlock;
     }
@@ -1833,7 +1833,7 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
   }
   r->has_sender = 1;
   r->create_ns = clock_now_ns();
-  if (r->bootstrapped) rooms_update(m->rooms, room, ROOM_BOOTSTRAPPED, NULL);
+  if (r->bootstrapped) kvf__rooms_update(m->rooms, room, ROOM_BOOTSTRAPPED, NULL);
   pthread_mutex_unlock(&ps->lock);
   s->m = m;
   s->r = r;
@@ -1890,7 +1890,7 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
   c->cands = is_last && ncand ? malloc(ncand * sizeof *c->cands) : NULL;
   c->state_slots = nstate ? malloc(nstate * sizeof *c->state_slots) : NULL;
   if (!c->pages || (is_last && ncand && !c->cands) || (nstate && !c->state_slots)) {
-    chunk_free(c);
+    kvf__chunk_free(c);
     return KVF_ENOMEM;
   }
   if (npages) memcpy(c->pages, pages, npages * sizeof *pages);
@@ -1907,19 +1907,19 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
   if (c->state_slots) memcpy(c->state_slots, state_slots, nstate * sizeof *state_slots), c->nstate = nstate;
   int rc = s->m->cfg.verify ? hash_pages(s->m, c) : 0;
   if (rc) {
-    chunk_free(c);
+    kvf__chunk_free(c);
     return rc;
   }
 
   int st = ROOM_FAILED;
   pf_room *r = s->r;
   pthread_mutex_lock(&ps->lock);
-  if (rooms_get_status(s->m->rooms, s->room, &st) || st == ROOM_FAILED) {
-    chunk_free(c); /* the reference drops chunks of a failed room silently */
+  if (kvf__rooms_get_status(s->m->rooms, s->room, &st) || st == ROOM_FAILED) {
+    kvf__chunk_free(c); /* the reference drops chunks of a failed room silently */
     goto out;
   }
   if (!r->bootstrapped && r->npending >= PF_MAX_PENDING) {
-    chunk_free(c);
+    kvf__chunk_free(c);
     rc = KVF_ETOOBIG;
     goto out;
   }
@@ -1999,7 +1999,7 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
   size_t nd = 0;
   const int32_t *cd = NULL;
   pthread_mutex_lock(&ps->lock);
-  if (r->dead || rooms_get_status(s->m->rooms, s->room, &st)) {
+  if (r->dead || kvf__rooms_get_status(s->m->rooms, s->room, &st)) {
     rc = KVF_ENOTFOUND;
   } else if (r->meta_set) {
     rc = KVF_EEXIST;
@@ -2012,8 +2012,8 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
       d = r->park, nd = r->npark;
       r->park = NULL, r->npark = 0;
       if (st != ROOM_FAILED) {
-        rooms_update(s->m->rooms, s->room, ROOM_SUCCESS, NULL);
-        rooms_get_status(s->m->rooms, s->room, &st);
+        kvf__rooms_update(s->m->rooms, s->room, ROOM_SUCCESS, NULL);
+        kvf__rooms_get_status(s->m->rooms, s->room, &st);
       }
     }
   }
@@ -2035,13 +2035,13 @@ kvf_poll_status kvf_sender_poll(kvf_sender *s) {
   size_t nd = 0;
   int st = ROOM_FAILED;
   pthread_mutex_lock(&ps->lock);
-  if (rooms_get_status(s->m->rooms, s->room, &st)) st = ROOM_FAILED;
+  if (kvf__rooms_get_status(s->m->rooms, s->room, &st)) st = ROOM_FAILED;
   double limit = s->m->cfg.bootstrap_timeout_s;
   if (st == ROOM_BOOTSTRAPPING && clock_now_ns() - s->r->create_ns >= (int64_t)(limit * 1e9)) {
     char why[ROOMS_REASON_MAX];
     snprintf(why, sizeof why, "Request %" PRId64 " timed out after %.1fs in TransferPoll.Bootstrapping", s->room,
              limit);
-    rooms_fail(s->m->rooms, s->room, why);
+    kvf__rooms_fail(s->m->rooms, s->room, why);
     st = ROOM_FAILED;
     d = collect_dests(s->r, &nd);
     LOG_WARN("kv", "%s", why);
@@ -2052,7 +2052,7 @@ kvf_poll_status kvf_sender_poll(kvf_sender *s) {
       char why[ROOMS_REASON_MAX];
       snprintf(why, sizeof why, "Request %" PRId64 ": first token not published within %.1fs after its KV landed",
                s->room, limit);
-      rooms_fail(s->m->rooms, s->room, why);
+      kvf__rooms_fail(s->m->rooms, s->room, why);
       st = ROOM_FAILED;
       LOG_WARN("kv", "%s", why);
     }
@@ -2092,7 +2092,7 @@ int kvf_sender_dest_info(kvf_sender *s, size_t *nreal, size_t *ndummy, int64_t *
 void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap) {
   if (!buf || !cap) return;
   buf[0] = 0;
-  if (s && rooms_get_reason(s->m->rooms, s->room, buf, cap)) buf[0] = 0;
+  if (s && kvf__rooms_get_reason(s->m->rooms, s->room, buf, cap)) buf[0] = 0;
 }
 
 void kvf_sender_abort(kvf_sender *s, const char *reason) {
@@ -2100,7 +2100,7 @@ void kvf_sender_abort(kvf_sender *s, const char *reason) {
   prefill_state *ps = s->m->prefill;
   size_t nd = 0;
   pthread_mutex_lock(&ps->lock);
-  rooms_fail(s->m->rooms, s->room, reason && *reason ? reason : "Aborted");
+  kvf__rooms_fail(s->m->rooms, s->room, reason && *reason ? reason : "Aborted");
   pf_dest *d = collect_dests(s->r, &nd);
   free(s->r->park); /* the parked destinations are told here */
   s->r->park = NULL, s->r->npark = 0;
@@ -2113,9 +2113,9 @@ void kvf_sender_destroy(kvf_sender *s) {
   prefill_state *ps = s->m->prefill;
   pf_room *r = s->r;
   pthread_mutex_lock(&ps->lock);
-  rooms_clear(s->m->rooms, s->room, NULL);
+  kvf__rooms_clear(s->m->rooms, s->room, NULL);
   r->dead = 1;
-  if (map_get(&ps->rooms, (uint64_t)s->room) == r) map_del(&ps->rooms, (uint64_t)s->room, NULL);
+  if (kvf__map_get(&ps->rooms, (uint64_t)s->room) == r) kvf__map_del(&ps->rooms, (uint64_t)s->room, NULL);
   pf_chunk *c = r->pend_head;
   r->pend_head = r->pend_tail = NULL;
   r->npending = 0;

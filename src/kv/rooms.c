@@ -62,29 +62,29 @@ static void entry_free(room_entry *e) {
   free(e);
 }
 
-int rooms_table_new(size_t max_rooms, rooms **out) {
+int kvf__rooms_table_new(size_t max_rooms, rooms **out) {
   int rc = KVF_ENOMEM;
   rooms *t = calloc(1, sizeof *t);
   if (!t) goto err;
-  if (map_init(&t->m) != 0) goto err_free_table;
+  if (kvf__map_init(&t->m) != 0) goto err_free_table;
   if (pthread_mutex_init(&t->mu, NULL) != 0) goto err_free_map;
   t->max_rooms = max_rooms ? max_rooms : ROOMS_DEFAULT_MAX;
   *out = t;
   return 0;
 err_free_map:
-  map_free(&t->m);
+  kvf__map_free(&t->m);
 err_free_table:
   free(t);
 err:
   return rc;
 }
 
-void rooms_table_free(rooms *t, void (*free_user)(void *)) {
+void kvf__rooms_table_free(rooms *t, void (*free_user)(void *)) {
   if (!t) return;
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   void *v;
-  while (map_next(&t->m, &it, NULL, &v)) {
+  while (kvf__map_next(&t->m, &it, NULL, &v)) {
     room_entry *e = v;
     if (free_user && e->user) free_user(e->user);
     entry_free(e);
@@ -94,16 +94,16 @@ void rooms_table_free(rooms *t, void (*free_user)(void *)) {
     t->spare = e->next_spare;
     free(e);
   }
-  map_free(&t->m);
+  kvf__map_free(&t->m);
   pthread_mutex_destroy(&t->mu);
   free(t);
 }
 
-static room_entry *find(rooms *t, int64_t room) { return map_get(&t->m, (uint64_t)room); }
+static room_entry *find(rooms *t, int64_t room) { return kvf__map_get(&t->m, (uint64_t)room); }
 
 /* Caller holds the lock and has checked that the room is absent. */
 static int insert(rooms *t, int64_t room, int status) {
-  if (map_size(&t->m) >= t->max_rooms) {
+  if (kvf__map_size(&t->m) >= t->max_rooms) {
     t->st.rejected_full++;
     return KVF_ENOMEM;
   }
@@ -118,7 +118,7 @@ static int insert(rooms *t, int64_t room, int status) {
   e->pending_token = -1;
   e->final_token = -1;
   e->init_time_ns = -1;
-  int rc = map_put(&t->m, (uint64_t)room, e, NULL);
+  int rc = kvf__map_put(&t->m, (uint64_t)room, e, NULL);
   if (rc != 0) {
     free(e); /* zeroed but for the three fields above: nothing else to free */
     return rc;
@@ -127,7 +127,7 @@ static int insert(rooms *t, int64_t room, int status) {
   return 0;
 }
 
-int rooms_create(rooms *t, int64_t room, int status) {
+int kvf__rooms_create(rooms *t, int64_t room, int status) {
   if (!status_valid(status)) return KVF_EINVAL;
   pthread_mutex_lock(&t->mu);
   int rc = find(t, room) ? KVF_EEXIST : insert(t, room, status);
@@ -135,7 +135,7 @@ int rooms_create(rooms *t, int64_t room, int status) {
   return rc;
 }
 
-int rooms_upsert(rooms *t, int64_t room, int status, int *new_status) {
+int kvf__rooms_upsert(rooms *t, int64_t room, int status, int *new_status) {
   if (!status_valid(status)) return KVF_EINVAL;
   int rc = 0, now = status;
   pthread_mutex_lock(&t->mu);
@@ -149,7 +149,7 @@ int rooms_upsert(rooms *t, int64_t room, int status, int *new_status) {
   return rc;
 }
 
-int rooms_update(rooms *t, int64_t room, int status, int *new_status) {
+int kvf__rooms_update(rooms *t, int64_t room, int status, int *new_status) {
   int rc = 0, now = 0;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
@@ -167,7 +167,7 @@ int rooms_update(rooms *t, int64_t room, int status, int *new_status) {
   return rc;
 }
 
-int rooms_get_status(rooms *t, int64_t room, int *status) {
+int kvf__rooms_get_status(rooms *t, int64_t room, int *status) {
   int rc = KVF_ENOTFOUND, s = 0;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
@@ -180,7 +180,7 @@ int rooms_get_status(rooms *t, int64_t room, int *status) {
   return rc;
 }
 
-int rooms_exists(rooms *t, int64_t room) {
+int kvf__rooms_exists(rooms *t, int64_t room) {
   pthread_mutex_lock(&t->mu);
   int r = find(t, room) != NULL;
   pthread_mutex_unlock(&t->mu);
@@ -197,7 +197,7 @@ static void fill_info(const room_entry *e, rooms_info *out) {
   out->user = e->user;
 }
 
-int rooms_get_info(rooms *t, int64_t room, rooms_info *out) {
+int kvf__rooms_get_info(rooms *t, int64_t room, rooms_info *out) {
   int rc = KVF_ENOTFOUND;
   rooms_info info;
   pthread_mutex_lock(&t->mu);
@@ -229,7 +229,7 @@ static void fail_entry(room_entry *e, char *r) {
   e->status = ROOM_FAILED;
 }
 
-int rooms_fail(rooms *t, int64_t room, const char *reason) {
+int kvf__rooms_fail(rooms *t, int64_t room, const char *reason) {
   char *r = reason_dup(reason);
   int rc = 0;
   pthread_mutex_lock(&t->mu);
@@ -248,7 +248,7 @@ int rooms_fail(rooms *t, int64_t room, const char *reason) {
   return rc;
 }
 
-int rooms_get_reason(rooms *t, int64_t room, char *buf, size_t cap) {
+int kvf__rooms_get_reason(rooms *t, int64_t room, char *buf, size_t cap) {
   if (cap == 0) return KVF_EINVAL;
   int rc = KVF_ENOTFOUND;
   pthread_mutex_lock(&t->mu);
@@ -264,7 +264,7 @@ int rooms_get_reason(rooms *t, int64_t room, char *buf, size_t cap) {
   return rc;
 }
 
-int rooms_set_required(rooms *t, int64_t room, int required) {
+int kvf__rooms_set_required(rooms *t, int64_t room, int required) {
   if (required < 1 || required > ROOMS_MAX_RANKS) return KVF_EINVAL;
   int rc = KVF_ENOTFOUND;
   pthread_mutex_lock(&t->mu);
@@ -297,7 +297,7 @@ static int add_responder(room_entry *e, int rank) {
   return 1;
 }
 
-int rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token,
+int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token,
                           const int32_t *cands, size_t ncand, int *became_success) {
   int rc = 0, became = 0;
   int32_t *copy = NULL;
@@ -358,7 +358,7 @@ out_unlock:
   return rc;
 }
 
-int rooms_pop_token(rooms *t, int64_t room, int64_t *token) {
+int kvf__rooms_pop_token(rooms *t, int64_t room, int64_t *token) {
   int rc = KVF_ENOTFOUND;
   int64_t tok = -1;
   pthread_mutex_lock(&t->mu);
@@ -373,7 +373,7 @@ int rooms_pop_token(rooms *t, int64_t room, int64_t *token) {
   return rc;
 }
 
-int rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap,
+int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap,
                        size_t *ncand) {
   int rc = KVF_ENOTFOUND;
   int64_t tok = -1;
@@ -402,7 +402,7 @@ out_unlock:
   return rc;
 }
 
-int rooms_set_user(rooms *t, int64_t room, void *user) {
+int kvf__rooms_set_user(rooms *t, int64_t room, void *user) {
   int rc = KVF_ENOTFOUND;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
@@ -414,7 +414,7 @@ int rooms_set_user(rooms *t, int64_t room, void *user) {
   return rc;
 }
 
-int rooms_get_user(rooms *t, int64_t room, void **user) {
+int kvf__rooms_get_user(rooms *t, int64_t room, void **user) {
   int rc = KVF_ENOTFOUND;
   void *u = NULL;
   pthread_mutex_lock(&t->mu);
@@ -428,7 +428,7 @@ int rooms_get_user(rooms *t, int64_t room, void **user) {
   return rc;
 }
 
-int rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg) {
+int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg) {
   int rc = KVF_ENOTFOUND;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
@@ -437,7 +437,7 @@ int rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), 
   return rc;
 }
 
-int rooms_set_init_time(rooms *t, int64_t room, int64_t ns) {
+int kvf__rooms_set_init_time(rooms *t, int64_t room, int64_t ns) {
   int rc = KVF_ENOTFOUND;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
@@ -449,11 +449,11 @@ int rooms_set_init_time(rooms *t, int64_t room, int64_t ns) {
   return rc;
 }
 
-int rooms_clear(rooms *t, int64_t room, void **user) {
+int kvf__rooms_clear(rooms *t, int64_t room, void **user) {
   void *v = NULL;
   room_entry held = {0};
   pthread_mutex_lock(&t->mu);
-  int found = map_del(&t->m, (uint64_t)room, &v);
+  int found = kvf__map_del(&t->m, (uint64_t)room, &v);
   room_entry *e = v;
   if (found) {
     t->st.cleared++;
@@ -475,29 +475,29 @@ int rooms_clear(rooms *t, int64_t room, void **user) {
   return 0;
 }
 
-size_t rooms_count(rooms *t) {
+size_t kvf__rooms_count(rooms *t) {
   pthread_mutex_lock(&t->mu);
-  size_t n = map_size(&t->m);
+  size_t n = kvf__map_size(&t->m);
   pthread_mutex_unlock(&t->mu);
   return n;
 }
 
-void rooms_get_stats(rooms *t, rooms_stats *out) {
+void kvf__rooms_get_stats(rooms *t, rooms_stats *out) {
   pthread_mutex_lock(&t->mu);
   rooms_stats s = t->st;
-  s.live = map_size(&t->m);
+  s.live = kvf__map_size(&t->m);
   pthread_mutex_unlock(&t->mu);
   *out = s;
 }
 
-int rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info, void *arg), void *arg) {
+int kvf__rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info, void *arg), void *arg) {
   int rc = 0;
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   uint64_t key;
   void *v;
   pthread_mutex_lock(&t->mu);
-  while (rc == 0 && map_next(&t->m, &it, &key, &v)) {
+  while (rc == 0 && kvf__map_next(&t->m, &it, &key, &v)) {
     rooms_info info;
     fill_info(v, &info);
     rc = cb((int64_t)key, &info, arg);
@@ -506,19 +506,19 @@ int rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info, void
   return rc;
 }
 
-int rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, void *arg), void *arg,
+int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, void *arg), void *arg,
                         const char *reason, size_t *nfailed) {
   size_t n = 0;
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   uint64_t key;
   void *v;
   pthread_mutex_lock(&t->mu);
-  while (map_next(&t->m, &it, &key, &v)) {
+  while (kvf__map_next(&t->m, &it, &key, &v)) {
     room_entry *e = v;
     if (e->status == ROOM_SUCCESS || !pred((int64_t)key, e->user, arg)) continue;
     /* One copy per room, because each room owns its reason; a failed copy
-     * still fails the room (see rooms_fail). */
+     * still fails the room (see kvf__rooms_fail). */
     fail_entry(e, reason_dup(reason));
     n++;
   }

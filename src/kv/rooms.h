@@ -8,11 +8,11 @@
  * input: a message about a room that is not live (never created, or already
  * cleared) is dropped and counted (`dropped_unknown`), never stored (§8
  * items 5, 6). Rooms are created explicitly by the local manager and removed
- * by rooms_clear, after which the id may be reused from scratch.
+ * by kvf__rooms_clear, after which the id may be reused from scratch.
  *
  * Threads: every function may be called from any thread; one mutex inside
  * guards the whole table, and no function calls out while holding it except
- * the callbacks of rooms_foreach / rooms_fail_matching (which must therefore
+ * the callbacks of kvf__rooms_foreach / kvf__rooms_fail_matching (which must therefore
  * not call back into the table). Functions return 0 or a negative KVF_E*
  * code and set output parameters only on success. Nothing here logs: callers
  * know the peer and log once. */
@@ -38,18 +38,18 @@ enum {
 #define ROOM_STATUS_MAX ROOM_SUCCESS
 
 /* Bounds on what one room keeps, so a peer cannot make a room large. */
-#define ROOMS_MAX_RANKS 4096   /* prefill ranks accepted in rooms_record_response: [0, 4096) */
+#define ROOMS_MAX_RANKS 4096   /* prefill ranks accepted in kvf__rooms_record_response: [0, 4096) */
 #define ROOMS_MAX_CANDS KVF_MAX_CANDIDATES /* speculative candidate ids per message */
 #define ROOMS_REASON_MAX 512   /* failure reasons are truncated to this many bytes (with NUL) */
-#define ROOMS_DEFAULT_MAX (1u << 20) /* live rooms when rooms_table_new gets 0 */
+#define ROOMS_DEFAULT_MAX (1u << 20) /* live rooms when kvf__rooms_table_new gets 0 */
 
 typedef struct rooms rooms;
 
 /* Counters, for metrics and tests. */
 typedef struct rooms_stats {
   uint64_t live;             /* rooms present now */
-  uint64_t created;          /* successful creations, rooms_create and rooms_upsert */
-  uint64_t cleared;          /* successful rooms_clear calls */
+  uint64_t created;          /* successful creations, kvf__rooms_create and kvf__rooms_upsert */
+  uint64_t cleared;          /* successful kvf__rooms_clear calls */
   uint64_t dropped_unknown;  /* update/fail/response for a room that is not live */
   uint64_t rejected_full;    /* creations refused by the live-room bound */
   uint64_t rejected_invalid; /* bad status value, rank or candidate count */
@@ -63,56 +63,56 @@ typedef struct rooms_info {
   int responded;           /* distinct prefill ranks that reported Success */
   int has_reason;
   int has_token;           /* a published (final) token is waiting to be popped */
-  int64_t init_time_ns;    /* as set by rooms_set_init_time; -1 = never */
+  int64_t init_time_ns;    /* as set by kvf__rooms_set_init_time; -1 = never */
   void *user;
 } rooms_info;
 
 /* Create an empty table holding at most `max_rooms` live rooms (0 = the
  * default ROOMS_DEFAULT_MAX). The caller owns *out. */
-int rooms_table_new(size_t max_rooms, rooms **out);
+int kvf__rooms_table_new(size_t max_rooms, rooms **out);
 /* Free the table and every room in it. `free_user` (may be NULL) is called
  * on each non-NULL user pointer still stored. NULL table is a no-op. Must not
  * race with any other call on the table. */
-void rooms_table_free(rooms *t, void (*free_user)(void *));
+void kvf__rooms_table_free(rooms *t, void (*free_user)(void *));
 
 /* Create a live room with `status` (0..5). KVF_EEXIST if the room is already
  * live (a reused id must be cleared first so it cannot inherit an old
  * terminal status, §8 item 6), KVF_ENOMEM at the bound, KVF_EINVAL for a bad
  * status. */
-int rooms_create(rooms *t, int64_t room, int status);
+int kvf__rooms_create(rooms *t, int64_t room, int status);
 
 /* The full §2.2 rule: absent -> create with `status` (subject to the bound);
  * present -> Failed if either is Failed, else max. For local actors whose
  * order is not fixed (e.g. a prefill listener storing an M2 before the sender
  * exists). *new_status (may be NULL) gets the resulting status. */
-int rooms_upsert(rooms *t, int64_t room, int status, int *new_status);
+int kvf__rooms_upsert(rooms *t, int64_t room, int status, int *new_status);
 
 /* §2.2 on a live room only: Failed if either is Failed, else max(current,
  * status). An unknown room is not created: KVF_ENOTFOUND, counted in
  * dropped_unknown. *new_status (may be NULL) gets the resulting status. */
-int rooms_update(rooms *t, int64_t room, int status, int *new_status);
+int kvf__rooms_update(rooms *t, int64_t room, int status, int *new_status);
 
 /* Current status into *status; KVF_ENOTFOUND if not live (not counted). */
-int rooms_get_status(rooms *t, int64_t room, int *status);
+int kvf__rooms_get_status(rooms *t, int64_t room, int *status);
 /* 1 if the room is live, 0 otherwise. */
-int rooms_exists(rooms *t, int64_t room);
+int kvf__rooms_exists(rooms *t, int64_t room);
 /* Snapshot of a live room; KVF_ENOTFOUND otherwise. */
-int rooms_get_info(rooms *t, int64_t room, rooms_info *out);
+int kvf__rooms_get_info(rooms *t, int64_t room, rooms_info *out);
 
 /* Record `reason` (copied, truncated to ROOMS_REASON_MAX-1 bytes; overwrites
  * an earlier one) and mark the room Failed, overriding even Success. Unknown
  * room: KVF_ENOTFOUND, counted in dropped_unknown, nothing stored. */
-int rooms_fail(rooms *t, int64_t room, const char *reason);
+int kvf__rooms_fail(rooms *t, int64_t room, const char *reason);
 /* Copy the recorded reason into buf (always NUL-terminated, truncated to
  * cap-1). A live room without a reason yields "". KVF_ENOTFOUND if not live,
- * KVF_EINVAL if cap is 0. The reason stays until rooms_clear. */
-int rooms_get_reason(rooms *t, int64_t room, char *buf, size_t cap);
+ * KVF_EINVAL if cap is 0. The reason stays until kvf__rooms_clear. */
+int kvf__rooms_get_reason(rooms *t, int64_t room, char *buf, size_t cap);
 
 /* Number of distinct prefill ranks whose Success must arrive before the room
  * becomes Success (required_prefill_response_num); 1..ROOMS_MAX_RANKS. Set it
  * before sending the transfer requests; it is not re-evaluated against
  * responses that already arrived. */
-int rooms_set_required(rooms *t, int64_t room, int required);
+int kvf__rooms_set_required(rooms *t, int64_t room, int required);
 
 /* A Success report (M3) from `prefill_rank`, following the reference decode
  * listener exactly (§3.5): the rank joins the room's responder set (counted
@@ -125,48 +125,48 @@ int rooms_set_required(rooms *t, int64_t room, int required);
  * Unknown room: KVF_ENOTFOUND, counted, nothing created. Rank outside
  * [0, ROOMS_MAX_RANKS): KVF_EINVAL; ncand > ROOMS_MAX_CANDS: KVF_ETOOBIG
  * (both counted in rejected_invalid, room untouched). */
-int rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token,
+int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token,
                           const int32_t *cands, size_t ncand, int *became_success);
 
 /* Take the published token (-1 if none) out of a live room. */
-int rooms_pop_token(rooms *t, int64_t room, int64_t *token);
+int kvf__rooms_pop_token(rooms *t, int64_t room, int64_t *token);
 /* Take the published token (-1 if none) and candidates out of a live room.
  * Candidates are copied into cands (capacity cap; ROOMS_MAX_CANDS always
  * suffices) and *ncand gets their count, 0 meaning none. KVF_ETOOBIG (nothing
  * taken) if cap is too small. */
-int rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap,
+int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap,
                        size_t *ncand);
 
 /* The manager's per-room pointer; the table never dereferences or frees it
- * except through rooms_table_free's callback. */
-int rooms_set_user(rooms *t, int64_t room, void *user);
-int rooms_get_user(rooms *t, int64_t room, void **user);
+ * except through kvf__rooms_table_free's callback. */
+int kvf__rooms_set_user(rooms *t, int64_t room, void *user);
+int kvf__rooms_get_user(rooms *t, int64_t room, void **user);
 /* pred(user, arg) on a live room's user pointer, under the table lock (so
  * the pointer cannot be cleared meanwhile; pred must not call into the
  * table). Returns 1 or 0 as pred answers, KVF_ENOTFOUND if not live. */
-int rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg);
+int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg);
 /* Time (any clock the caller chooses, e.g. clock_now_ns) the last transfer
  * request was sent, for the waiting timeout. */
-int rooms_set_init_time(rooms *t, int64_t room, int64_t ns);
+int kvf__rooms_set_init_time(rooms *t, int64_t room, int64_t ns);
 
 /* Remove the room and everything it holds; the id may then be created anew.
  * *user (may be NULL) gets the stored user pointer, which the caller now
  * owns. KVF_ENOTFOUND if not live. */
-int rooms_clear(rooms *t, int64_t room, void **user);
+int kvf__rooms_clear(rooms *t, int64_t room, void **user);
 
 /* Number of live rooms. */
-size_t rooms_count(rooms *t);
-void rooms_get_stats(rooms *t, rooms_stats *out);
+size_t kvf__rooms_count(rooms *t);
+void kvf__rooms_get_stats(rooms *t, rooms_stats *out);
 
 /* Call cb for every live room, under the table lock (cb must not call into
  * the table). A non-zero return from cb stops the walk and is returned. */
-int rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info, void *arg), void *arg);
+int kvf__rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info, void *arg), void *arg);
 
 /* For the heartbeat's node-failure handling (§7.2): every live room that is
  * not Success and for which pred(room, user, arg) is non-zero gets `reason`
  * and Failed. pred runs under the table lock. *nfailed (may be NULL) gets the
  * number of rooms failed. */
-int rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, void *arg), void *arg,
+int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, void *arg), void *arg,
                         const char *reason, size_t *nfailed);
 
 #endif

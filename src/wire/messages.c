@@ -231,7 +231,7 @@ static int check_m2_body(const ctx *c, const wire_m2 *m) {
 
 /* ---- fragments ---- */
 
-const char *wire_buffer_kind_name(int kind) {
+const char *kvf__wire_buffer_kind_name(int kind) {
   if (kind < 0 || kind > WIRE_KIND_MAMBA_STATE) return NULL;
   return kind_names[kind];
 }
@@ -247,7 +247,7 @@ static int check_fragment(const wire_fragment *f, size_t k, const char *pre, cha
   const char *what = NULL;
   if (f->buffer_index < 0 || f->buffer_index >= WIRE_MAX_PTRS)
     what = "buffer_index is outside 0..4095";
-  else if (!wire_buffer_kind_name(f->buffer_kind))
+  else if (!kvf__wire_buffer_kind_name(f->buffer_kind))
     what = "buffer_kind is unknown";
   else if (f->src_rank < 0 || f->src_rank > INT32_MAX || f->dst_rank < 0 || f->dst_rank > INT32_MAX)
     what = "src_rank/dst_rank is outside 0..2^31-1";
@@ -386,7 +386,7 @@ err:
   return rc;
 }
 
-int wire_fragments_parse(const uint8_t *json, size_t len, wire_fragment **out, size_t *n,
+int kvf__wire_fragments_parse(const uint8_t *json, size_t len, wire_fragment **out, size_t *n,
                          char *reason) {
   if (!out || !n || (len && !json)) {
     why(reason, "fragments: invalid arguments");
@@ -443,7 +443,7 @@ static int format_fragments(const wire_fragment *frags, size_t n, char **json, s
   return 0;
 }
 
-int wire_fragments_format(const wire_fragment *frags, size_t n, char **json, size_t *len,
+int kvf__wire_fragments_format(const wire_fragment *frags, size_t n, char **json, size_t *len,
                           char *reason) {
   if (!json || !len) {
     why(reason, "fragments: invalid arguments");
@@ -494,13 +494,13 @@ static int get_peer_fields(const ctx *c, char *endpoint, uint16_t *dst_port, cha
   return 0;
 }
 
-int wire_classify(const wire_frame *frames, size_t nframes) {
+int kvf__wire_classify(const wire_frame *frames, size_t nframes) {
   if (nframes == 0 || !frames) return KVF_EPROTO;
   if (frames[0].len && !frames[0].data) return KVF_EINVAL;
   return frame_is(&frames[0], "None") ? WIRE_MSG_M1 : WIRE_MSG_M2;
 }
 
-int wire_m1_decode(const wire_frame *f, size_t n, wire_m1 *out, char *reason) {
+int kvf__wire_m1_decode(const wire_frame *f, size_t n, wire_m1 *out, char *reason) {
   int rc = check_args("M1", f, n, out, reason);
   if (rc) return rc;
   ctx c = {"M1", m1_names, f, reason, KVF_EPROTO};
@@ -531,7 +531,7 @@ int wire_m1_decode(const wire_frame *f, size_t n, wire_m1 *out, char *reason) {
   return 0;
 }
 
-int wire_m2_decode(const wire_frame *f, size_t n, wire_m2 *out, char *reason) {
+int kvf__wire_m2_decode(const wire_frame *f, size_t n, wire_m2 *out, char *reason) {
   int rc = check_args("M2", f, n, out, reason);
   if (rc) return rc;
   ctx c = {"M2", m2_names, f, reason, KVF_EPROTO};
@@ -596,13 +596,13 @@ int wire_m2_decode(const wire_frame *f, size_t n, wire_m2 *out, char *reason) {
   return 0;
 }
 
-void wire_m2_free(wire_m2 *m) {
+void kvf__wire_m2_free(wire_m2 *m) {
   if (!m) return;
   if (m->frags_owned) free((void *)m->frags);
   memset(m, 0, sizeof *m);
 }
 
-int wire_m3_decode(const wire_frame *f, size_t n, wire_m3 *out, char *reason) {
+int kvf__wire_m3_decode(const wire_frame *f, size_t n, wire_m3 *out, char *reason) {
   int rc = check_args("M3", f, n, out, reason);
   if (rc) return rc;
   ctx c = {"M3", m3_names, f, reason, KVF_EPROTO};
@@ -640,7 +640,7 @@ static void place(wire_array *a, size_t elem, uint8_t **cursor) {
   *cursor += pad8(bytes);
 }
 
-int wire_m1_dup(const wire_m1 *m, wire_m1 **out) {
+int kvf__wire_m1_dup(const wire_m1 *m, wire_m1 **out) {
   if (!m || !out || m->kv_ptrs.count > WIRE_MAX_PTRS || m->aux_ptrs.count > WIRE_MAX_PTRS ||
       m->state_ptrs.count > WIRE_MAX_PTRS)
     return KVF_EINVAL;
@@ -657,7 +657,7 @@ int wire_m1_dup(const wire_m1 *m, wire_m1 **out) {
   return 0;
 }
 
-int wire_m2_dup(const wire_m2 *m, wire_m2 **out) {
+int kvf__wire_m2_dup(const wire_m2 *m, wire_m2 **out) {
   if (!m || !out || m->kv_indices.count > WIRE_MAX_PAGES || m->page_mask.count > WIRE_MAX_PAGES ||
       m->local_indices.count > WIRE_MAX_PAGES || m->mamba_indices.count > WIRE_MAX_PAGES ||
       m->nfrags > WIRE_MAX_FRAGMENTS)
@@ -686,7 +686,7 @@ int wire_m2_dup(const wire_m2 *m, wire_m2 **out) {
 
 /* ---- encoding ---- */
 
-void wire_msg_free(wire_msg *m) {
+void kvf__wire_msg_free(wire_msg *m) {
   if (!m) return;
   free(m->json);
   memset(m, 0, sizeof *m);
@@ -735,7 +735,7 @@ static int check_peer_fields(const ctx *c, const char *endpoint, int64_t dst_por
   return check_str_field(c, 3, session, 1, &port);
 }
 
-int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason) {
+int kvf__wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason) {
   if (!m || !out) {
     why(reason, "M1: invalid arguments");
     return KVF_EINVAL;
@@ -760,7 +760,7 @@ int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason) {
   return 0;
 }
 
-int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
+int kvf__wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
   if (!m || !out) {
     why(reason, "M2: invalid arguments");
     return KVF_EINVAL;
@@ -826,7 +826,7 @@ err:
   return rc;
 }
 
-int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason) {
+int kvf__wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason) {
   if (!m || !out) {
     why(reason, "M3: invalid arguments");
     return KVF_EINVAL;
@@ -857,17 +857,17 @@ int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason) {
 static const char *const digests_names[] = {"kind", "room", "prefill_rank", "fence_epoch", "entries"};
 static const char *const fence_names[] = {"kind", "room", "session_id", "fence_epoch", "reason"};
 
-int wire_is_digests(const wire_frame *frames, size_t n) { return n > 0 && frames && frame_is(&frames[0], "kvferry-digests"); }
-int wire_is_fence(const wire_frame *frames, size_t n) { return n > 0 && frames && frame_is(&frames[0], "kvferry-fence"); }
+int kvf__wire_is_digests(const wire_frame *frames, size_t n) { return n > 0 && frames && frame_is(&frames[0], "kvferry-digests"); }
+int kvf__wire_is_fence(const wire_frame *frames, size_t n) { return n > 0 && frames && frame_is(&frames[0], "kvferry-fence"); }
 
-int wire_digests_decode(const wire_frame *f, size_t n, wire_digests *out, char *reason) {
+int kvf__wire_digests_decode(const wire_frame *f, size_t n, wire_digests *out, char *reason) {
   int rc = check_args("digests", f, n, out, reason);
   if (rc) return rc;
   ctx c = {"digests", digests_names, f, reason, KVF_EPROTO};
   wire_digests m;
   int64_t v;
   memset(&m, 0, sizeof m);
-  if (n < 5 || !wire_is_digests(f, n)) {
+  if (n < 5 || !kvf__wire_is_digests(f, n)) {
     why(reason, "digests: %zu frames or wrong kind, needs 5", n);
     return KVF_EPROTO;
   }
@@ -882,7 +882,7 @@ int wire_digests_decode(const wire_frame *f, size_t n, wire_digests *out, char *
   return 0;
 }
 
-int wire_digests_encode(const wire_digests *m, wire_msg *out, char *reason) {
+int kvf__wire_digests_encode(const wire_digests *m, wire_msg *out, char *reason) {
   if (!m || !out) {
     why(reason, "digests: invalid arguments");
     return KVF_EINVAL;
@@ -901,7 +901,7 @@ int wire_digests_encode(const wire_digests *m, wire_msg *out, char *reason) {
   return 0;
 }
 
-int wire_fence_decode(const wire_frame *f, size_t n, wire_fence *out, char *reason) {
+int kvf__wire_fence_decode(const wire_frame *f, size_t n, wire_fence *out, char *reason) {
   int rc = check_args("fence", f, n, out, reason);
   if (rc) return rc;
   ctx c = {"fence", fence_names, f, reason, KVF_EPROTO};
@@ -909,7 +909,7 @@ int wire_fence_decode(const wire_frame *f, size_t n, wire_fence *out, char *reas
   int64_t v;
   uint16_t port;
   memset(&m, 0, sizeof m);
-  if (n < 5 || !wire_is_fence(f, n)) {
+  if (n < 5 || !kvf__wire_is_fence(f, n)) {
     why(reason, "fence: %zu frames or wrong kind, needs 5", n);
     return KVF_EPROTO;
   }
@@ -924,7 +924,7 @@ int wire_fence_decode(const wire_frame *f, size_t n, wire_fence *out, char *reas
   return 0;
 }
 
-int wire_fence_encode(const wire_fence *m, wire_msg *out, char *reason) {
+int kvf__wire_fence_encode(const wire_fence *m, wire_msg *out, char *reason) {
   if (!m || !out) {
     why(reason, "fence: invalid arguments");
     return KVF_EINVAL;

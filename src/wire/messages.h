@@ -13,7 +13,7 @@
  * frames (valid while those bytes live); read elements with wire_*_at(),
  * which are alignment-safe. Strings are copied into the struct. The only
  * allocation is an M2's fragment array (one per message, only when it has a
- * plan), released by wire_m2_free(). wire_m1_dup/wire_m2_dup make one
+ * plan), released by kvf__wire_m2_free(). kvf__wire_m1_dup/kvf__wire_m2_dup make one
  * self-contained heap copy for storing past the frames' lifetime.
  *
  * Strictness beyond the reference, on decode and encode alike:
@@ -109,7 +109,7 @@ enum { WIRE_MSG_M1 = 1, WIRE_MSG_M2 = 2 };
 /* For the prefill listener: WIRE_MSG_M1 if frame 0 is exactly "None",
  * WIRE_MSG_M2 otherwise; KVF_EPROTO for a message with no frames. Decides
  * only the kind: the decoder still validates everything. */
-int wire_classify(const wire_frame *frames, size_t nframes);
+int kvf__wire_classify(const wire_frame *frames, size_t nframes);
 
 /* ---- M1 registration (§3.3) ---- */
 
@@ -128,7 +128,7 @@ typedef struct wire_m1 {
  * otherwise returns KVF_EPROTO (bad message) or KVF_EINVAL (bad arguments),
  * leaves *out untouched and writes a reason to `reason` (if not NULL,
  * WIRE_REASON_LEN bytes). */
-int wire_m1_decode(const wire_frame *frames, size_t nframes, wire_m1 *out, char *reason);
+int kvf__wire_m1_decode(const wire_frame *frames, size_t nframes, wire_m1 *out, char *reason);
 
 /* ---- M2 transfer request (§3.4) ---- */
 
@@ -140,7 +140,7 @@ enum {
   WIRE_KIND_MAMBA_STATE = 4,
 };
 /* "target_k" ... "mamba_state"; NULL for an unknown kind. */
-const char *wire_buffer_kind_name(int kind);
+const char *kvf__wire_buffer_kind_name(int kind);
 
 /* One fragment of a heterogeneous-TP plan (§6.5.5), JSON key order. */
 typedef struct wire_fragment {
@@ -173,7 +173,7 @@ typedef struct wire_m2 {
   wire_array mamba_indices;      /* i64 (negative = skip), frame 11 */
   const wire_fragment *frags;    /* plan of frames 12-13; NULL/0 = none */
   size_t nfrags;
-  int frags_owned; /* internal: frags is heap memory wire_m2_free releases */
+  int frags_owned; /* internal: frags is heap memory kvf__wire_m2_free releases */
   /* kvferry extension, frame 14, sent only next to a plan: the decode's
    * pages are token-major ([token][head][dim]) with this many tokens per
    * page, and the plan's per-page slices are head ranges to be cut per
@@ -195,20 +195,20 @@ enum {
 };
 
 /* Decodes an M2 (>= 7 frames). On success fills *out (release with
- * wire_m2_free) and returns 0; on failure as wire_m1_decode, or KVF_ENOMEM
+ * kvf__wire_m2_free) and returns 0; on failure as kvf__wire_m1_decode, or KVF_ENOMEM
  * if the fragment array could not be allocated. */
-int wire_m2_decode(const wire_frame *frames, size_t nframes, wire_m2 *out, char *reason);
+int kvf__wire_m2_decode(const wire_frame *frames, size_t nframes, wire_m2 *out, char *reason);
 /* Releases what a decode allocated and zeroes *m; safe on a zeroed struct. */
-void wire_m2_free(wire_m2 *m);
+void kvf__wire_m2_free(wire_m2 *m);
 
 /* Fragment JSON alone (frame 13). Parse: on success *out is a malloc'd array
  * of *n (>= 1) fragments, caller frees; KVF_EPROTO with a reason for a bad
  * plan (outputs untouched). Format: writes the compact JSON of
  * §6.5.5 into a malloc'd NUL-terminated *json of *len bytes, caller frees;
  * KVF_EINVAL for an invalid fragment, KVF_ETOOBIG past WIRE_MAX_JSON. */
-int wire_fragments_parse(const uint8_t *json, size_t len, wire_fragment **out, size_t *n,
+int kvf__wire_fragments_parse(const uint8_t *json, size_t len, wire_fragment **out, size_t *n,
                          char *reason);
-int wire_fragments_format(const wire_fragment *frags, size_t n, char **json, size_t *len,
+int kvf__wire_fragments_format(const wire_fragment *frags, size_t n, char **json, size_t *len,
                           char *reason);
 
 /* ---- M3 status (§3.5) ---- */
@@ -226,15 +226,15 @@ typedef struct wire_m3 {
   size_t reason_len;
 } wire_m3;
 
-/* Decodes 3 or more frames (§3.5); as wire_m1_decode. */
-int wire_m3_decode(const wire_frame *frames, size_t nframes, wire_m3 *out, char *reason);
+/* Decodes 3 or more frames (§3.5); as kvf__wire_m1_decode. */
+int kvf__wire_m3_decode(const wire_frame *frames, size_t nframes, wire_m3 *out, char *reason);
 
 /* ---- self-contained copies ---- */
 
 /* One malloc holding the struct and copies of its arrays (and fragments),
  * 8-byte aligned; release with free(*out). KVF_ENOMEM on failure. */
-int wire_m1_dup(const wire_m1 *m, wire_m1 **out);
-int wire_m2_dup(const wire_m2 *m, wire_m2 **out);
+int kvf__wire_m1_dup(const wire_m1 *m, wire_m1 **out);
+int kvf__wire_m2_dup(const wire_m2 *m, wire_m2 **out);
 
 /* ---- encoding ---- */
 
@@ -242,7 +242,7 @@ int wire_m2_dup(const wire_m2 *m, wire_m2 **out);
  * ZMQ_SNDMORE. Array frames point at the arrays of the struct that was
  * encoded (which must outlive the send); text frames point into `text`, so
  * a wire_msg must not be copied or moved while its frames are in use.
- * Release with wire_msg_free (frees the fragment JSON, if any). */
+ * Release with kvf__wire_msg_free (frees the fragment JSON, if any). */
 typedef struct wire_msg {
   wire_frame frames[WIRE_MAX_FRAMES];
   size_t nframes;
@@ -251,16 +251,16 @@ typedef struct wire_msg {
   char text[1024];
 } wire_msg;
 
-void wire_msg_free(wire_msg *m);
+void kvf__wire_msg_free(wire_msg *m);
 
 /* Encoders validate their input with the decoder's rules and return 0, or
  * KVF_EINVAL (KVF_ETOOBIG / KVF_ENOMEM for the plan JSON) with a reason and
  * *out zeroed. M1: always 8 frames. M2: 12 frames, 14 when nfrags > 0; a
  * dummy (is_dummy) is the 12-frame form of Appendix A.7; 15 with a plan
  * and page_layout > 0. M3: 5 frames, 6 with a reason. */
-int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason);
-int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason);
-int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason);
+int kvf__wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason);
+int kvf__wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason);
+int kvf__wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason);
 
 /* ---- kvferry-only messages (docs/WIRE-EXTENSIONS.md, issue 16) ---- */
 
@@ -304,14 +304,14 @@ static inline wire_digest wire_digest_at(wire_array a, size_t i) {
 }
 
 /* Frame 0 names the kind: 1 when it is "kvferry-digests" / "kvferry-fence". */
-int wire_is_digests(const wire_frame *frames, size_t nframes);
-int wire_is_fence(const wire_frame *frames, size_t nframes);
+int kvf__wire_is_digests(const wire_frame *frames, size_t nframes);
+int kvf__wire_is_fence(const wire_frame *frames, size_t nframes);
 /* As the M-codecs: 0, or KVF_EPROTO / KVF_EINVAL with a reason. The
  * digests' entries frame stays a view into the caller's frame (encode:
  * into the caller's array, which must outlive the send). */
-int wire_digests_decode(const wire_frame *frames, size_t nframes, wire_digests *out, char *reason);
-int wire_digests_encode(const wire_digests *m, wire_msg *out, char *reason);
-int wire_fence_decode(const wire_frame *frames, size_t nframes, wire_fence *out, char *reason);
-int wire_fence_encode(const wire_fence *m, wire_msg *out, char *reason);
+int kvf__wire_digests_decode(const wire_frame *frames, size_t nframes, wire_digests *out, char *reason);
+int kvf__wire_digests_encode(const wire_digests *m, wire_msg *out, char *reason);
+int kvf__wire_fence_decode(const wire_frame *frames, size_t nframes, wire_fence *out, char *reason);
+int kvf__wire_fence_encode(const wire_fence *m, wire_msg *out, char *reason);
 
 #endif

@@ -14,7 +14,7 @@
 
 #include "kvferry/common.h"
 
-const char *const route_list_names[ROUTE_NLISTS] = {"kv_item_lens", "kv_unit_lens", "state_item_lens",
+const char *const kvf__route_list_names[ROUTE_NLISTS] = {"kv_item_lens", "kv_unit_lens", "state_item_lens",
                                                     "state_unit_lens", "kvferry_kv_page_layout"};
 
 static void set_why(char *why, size_t whylen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -26,7 +26,7 @@ static void set_why(char *why, size_t whylen, const char *fmt, ...) {
   va_end(ap);
 }
 
-int route_parse_int(const char *s, size_t len, int64_t *out) {
+int kvf__route_parse_int(const char *s, size_t len, int64_t *out) {
   size_t i = 0;
   while (i < len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++;
   while (len > i && (s[len - 1] == ' ' || s[len - 1] == '\t' || s[len - 1] == '\n' || s[len - 1] == '\r')) len--;
@@ -49,7 +49,7 @@ int route_parse_int(const char *s, size_t len, int64_t *out) {
   return 0;
 }
 
-int route_ip_valid(const char *ip, size_t len) {
+int kvf__route_ip_valid(const char *ip, size_t len) {
   if (!ip || len == 0 || len > ROUTE_IP_MAX) return 0;
   for (size_t i = 0; i < len; i++) {
     char c = ip[i];
@@ -103,7 +103,7 @@ static int get_int(json_t *obj, const char *key, int allow_string, int64_t *out,
     *out = json_integer_value(v);
     return 0;
   }
-  if (allow_string && json_is_string(v) && route_parse_int(json_string_value(v), json_string_length(v), out) == 0)
+  if (allow_string && json_is_string(v) && kvf__route_parse_int(json_string_value(v), json_string_length(v), out) == 0)
     return 0;
   set_why(why, whylen, "'%s' is not an integer", key);
   return KVF_EINVAL;
@@ -159,7 +159,7 @@ static void free_lists(route_lens *lists) {
   }
 }
 
-int route_json_parse_put(const char *body, size_t len, route_reg *out, char *why, size_t whylen) {
+int kvf__route_json_parse_put(const char *body, size_t len, route_reg *out, char *why, size_t whylen) {
   route_reg r;
   memset(&r, 0, sizeof r);
   if (!body) {
@@ -192,7 +192,7 @@ int route_json_parse_put(const char *body, size_t len, route_reg *out, char *why
     rc = KVF_EINVAL;
     goto err_free_json;
   }
-  if (!json_is_string(ip) || !route_ip_valid(json_string_value(ip), json_string_length(ip)) ||
+  if (!json_is_string(ip) || !kvf__route_ip_valid(json_string_value(ip), json_string_length(ip)) ||
       strlen(json_string_value(ip)) != json_string_length(ip)) {
     set_why(why, whylen, "'rank_ip' is not an address");
     rc = KVF_EINVAL;
@@ -223,7 +223,7 @@ int route_json_parse_put(const char *body, size_t len, route_reg *out, char *why
   if (check_range("engine_rank", r.engine_rank, 0, r.world_size - 1, why, whylen)) goto err_free_json;
 
   for (int i = 0; i < ROUTE_NLISTS; i++)
-    if ((rc = get_lens(root, route_list_names[i], &r.lists[i], KVF_EINVAL, why, whylen))) goto err_free_lists;
+    if ((rc = get_lens(root, kvf__route_list_names[i], &r.lists[i], KVF_EINVAL, why, whylen))) goto err_free_lists;
 
   json_decref(root);
   *out = r;
@@ -236,11 +236,11 @@ err_free_json:
   return rc;
 }
 
-void route_reg_free(route_reg *r) {
+void kvf__route_reg_free(route_reg *r) {
   if (r) free_lists(r->lists);
 }
 
-int route_reg_is_prefill(const route_reg *r) { return strcmp(r->role, "Prefill") == 0; }
+int kvf__route_reg_is_prefill(const route_reg *r) { return strcmp(r->role, "Prefill") == 0; }
 
 static json_t *lens_to_json(const route_lens *l) {
   json_t *a = json_array();
@@ -262,7 +262,7 @@ static char *dump(json_t *obj) {
   return s;
 }
 
-char *route_json_encode_put(const route_reg *r) {
+char *kvf__route_json_encode_put(const route_reg *r) {
   json_t *o = json_object();
   if (!o) return NULL;
   int bad = 0;
@@ -274,7 +274,7 @@ char *route_json_encode_put(const route_reg *r) {
   bad |= json_object_set_new(o, "engine_rank", json_integer(r->engine_rank));
   bad |= json_object_set_new(o, "enable_mla_l1_5_cache", json_boolean(r->enable_mla_l1_5_cache));
   for (int i = 0; i < ROUTE_NLISTS; i++)
-    if (r->lists[i].present) bad |= json_object_set_new(o, route_list_names[i], lens_to_json(&r->lists[i]));
+    if (r->lists[i].present) bad |= json_object_set_new(o, kvf__route_list_names[i], lens_to_json(&r->lists[i]));
   if (bad) {
     json_decref(o);
     return NULL;
@@ -282,7 +282,7 @@ char *route_json_encode_put(const route_reg *r) {
   return dump(o);
 }
 
-char *route_json_encode_parallel_info(const route_parallel_info *p) {
+char *kvf__route_json_encode_parallel_info(const route_parallel_info *p) {
   json_t *o = json_object();
   if (!o) return NULL;
   int bad = 0;
@@ -291,7 +291,7 @@ char *route_json_encode_parallel_info(const route_parallel_info *p) {
   bad |= json_object_set_new(o, "enable_mla_l1_5_cache", json_boolean(p->enable_mla_l1_5_cache));
   for (int i = 0; i < ROUTE_NLISTS; i++)
     if (i != ROUTE_KVF_PAGE_LAYOUT || p->lists[i].n)
-      bad |= json_object_set_new(o, route_list_names[i], lens_to_json(&p->lists[i]));
+      bad |= json_object_set_new(o, kvf__route_list_names[i], lens_to_json(&p->lists[i]));
   if (bad) {
     json_decref(o);
     return NULL;
@@ -299,7 +299,7 @@ char *route_json_encode_parallel_info(const route_parallel_info *p) {
   return dump(o);
 }
 
-char *route_json_encode_rank(const char *rank_ip, int64_t rank_port) {
+char *kvf__route_json_encode_rank(const char *rank_ip, int64_t rank_port) {
   json_t *o = json_object();
   if (!o) return NULL;
   if (json_object_set_new(o, "rank_ip", json_string(rank_ip)) ||
@@ -323,7 +323,7 @@ static int get_size_or_null(json_t *obj, const char *key, int64_t *out) {
   return 0;
 }
 
-int route_json_parse_parallel_info(const char *body, size_t len, route_parallel_info *out) {
+int kvf__route_json_parse_parallel_info(const char *body, size_t len, route_parallel_info *out) {
   route_parallel_info p;
   memset(&p, 0, sizeof p);
   if (!body) return KVF_EPROTO;
@@ -341,7 +341,7 @@ int route_json_parse_parallel_info(const char *body, size_t len, route_parallel_
   if (!mla) goto err_free_json;
   p.enable_mla_l1_5_cache = json_truthy(mla);
   for (int i = 0; i < ROUTE_NLISTS; i++)
-    if ((rc = get_lens(root, route_list_names[i], &p.lists[i], KVF_EPROTO, NULL, 0))) goto err_free_lists;
+    if ((rc = get_lens(root, kvf__route_list_names[i], &p.lists[i], KVF_EPROTO, NULL, 0))) goto err_free_lists;
   json_decref(root);
   *out = p;
   return 0;
@@ -353,11 +353,11 @@ err_free_json:
   return rc;
 }
 
-void route_parallel_info_free(route_parallel_info *p) {
+void kvf__route_parallel_info_free(route_parallel_info *p) {
   if (p) free_lists(p->lists);
 }
 
-int route_json_parse_rank(const char *body, size_t len, char *ip, size_t iplen, int *port) {
+int kvf__route_json_parse_rank(const char *body, size_t len, char *ip, size_t iplen, int *port) {
   if (!body) return KVF_EPROTO;
   json_t *root = load(body, len, NULL, 0);
   if (!root) return KVF_EPROTO;
@@ -366,7 +366,7 @@ int route_json_parse_rank(const char *body, size_t len, char *ip, size_t iplen, 
   json_t *jport = json_object_get(root, "rank_port");
   if (!json_is_string(jip) || !json_is_integer(jport)) goto out_free_json;
   size_t n = json_string_length(jip);
-  if (!route_ip_valid(json_string_value(jip), n) || strlen(json_string_value(jip)) != n || n >= iplen)
+  if (!kvf__route_ip_valid(json_string_value(jip), n) || strlen(json_string_value(jip)) != n || n >= iplen)
     goto out_free_json;
   json_int_t p = json_integer_value(jport);
   if (p < 1 || p > 65535) goto out_free_json;

@@ -32,7 +32,7 @@ enum {
   ROUTE_KVF_PAGE_LAYOUT,
   ROUTE_NLISTS
 };
-extern const char *const route_list_names[ROUTE_NLISTS];
+extern const char *const kvf__route_list_names[ROUTE_NLISTS];
 
 /* A list of non-negative byte counts. `present` says whether the key was in
  * the body (absent lists keep the server's old value). After a parse `v` is
@@ -65,45 +65,45 @@ typedef struct route_parallel_info {
 } route_parallel_info;
 
 /* Parse and validate a PUT /route body of `len` bytes (need not be
- * NUL-terminated). On success fills *out (free with route_reg_free) and
+ * NUL-terminated). On success fills *out (free with kvf__route_reg_free) and
  * returns 0. On failure returns KVF_EINVAL (not JSON, missing key, wrong type,
  * value out of bounds) or KVF_ENOMEM, leaves *out untouched and writes a short
  * human-readable reason to `why` (may be NULL). Logs nothing: the caller knows
  * the peer. */
-int route_json_parse_put(const char *body, size_t len, route_reg *out, char *why, size_t whylen);
-void route_reg_free(route_reg *r);
+int kvf__route_json_parse_put(const char *body, size_t len, route_reg *out, char *why, size_t whylen);
+void kvf__route_reg_free(route_reg *r);
 
 /* True when the registration is from a prefill rank (role "Prefill"); only
  * those are stored in the rank table. */
-int route_reg_is_prefill(const route_reg *r);
+int kvf__route_reg_is_prefill(const route_reg *r);
 
 /* Encoders: return a malloc'd NUL-terminated string the caller frees, or NULL
  * when out of memory. Lists with present == 0 are left out of a PUT body and
  * sent as [] in a parallel-info reply. */
-char *route_json_encode_put(const route_reg *r);
-char *route_json_encode_parallel_info(const route_parallel_info *p);
-char *route_json_encode_rank(const char *rank_ip, int64_t rank_port);
+char *kvf__route_json_encode_put(const route_reg *r);
+char *kvf__route_json_encode_parallel_info(const route_parallel_info *p);
+char *kvf__route_json_encode_rank(const char *rank_ip, int64_t rank_port);
 
 /* Parse a parallel-info reply. Returns 0 and fills *out (free with
- * route_parallel_info_free), or KVF_EPROTO for a malformed or inconsistent
+ * kvf__route_parallel_info_free), or KVF_EPROTO for a malformed or inconsistent
  * reply, or KVF_ENOMEM. A server with no registration yet answers null sizes:
  * that parses fine with world_size = dp_size = -1. */
-int route_json_parse_parallel_info(const char *body, size_t len, route_parallel_info *out);
-void route_parallel_info_free(route_parallel_info *p);
+int kvf__route_json_parse_parallel_info(const char *body, size_t len, route_parallel_info *out);
+void kvf__route_parallel_info_free(route_parallel_info *p);
 
 /* Parse a rank-lookup reply {"rank_ip": str, "rank_port": int}. Returns 0
  * and fills ip (NUL-terminated, at most iplen-1 chars) and *port, or
  * KVF_EPROTO (malformed, or the address does not fit in iplen). */
-int route_json_parse_rank(const char *body, size_t len, char *ip, size_t iplen, int *port);
+int kvf__route_json_parse_rank(const char *body, size_t len, char *ip, size_t iplen, int *port);
 
 /* Strict decimal integer the way the server reads query parameters and the
  * string form of rank_port/engine_rank (Python's int() on the common cases):
  * optional surrounding ASCII whitespace, optional sign, digits, no overflow.
  * Returns 0 and sets *out, or KVF_EINVAL. */
-int route_parse_int(const char *s, size_t len, int64_t *out);
+int kvf__route_parse_int(const char *s, size_t len, int64_t *out);
 
 /* 1 when `ip` is a plausible rank address: non-empty, at most ROUTE_IP_MAX
  * chars of [A-Za-z0-9.:%_-] (so it is safe to log and to put in a URL). */
-int route_ip_valid(const char *ip, size_t len);
+int kvf__route_ip_valid(const char *ip, size_t len);
 
 #endif

@@ -105,14 +105,14 @@ static void length_bound(void **state) {
 static void layers_agree(void **state) {
   (void)state;
   int port = 0;
-  assert_int_equal(plan_session_port("[::1]:8080", &port), 0);
+  assert_int_equal(kvf__plan_session_port("[::1]:8080", &port), 0);
   assert_int_equal(port, 8080);
-  assert_int_equal(plan_session_port("::1:8080", &port), KVF_EINVAL);
+  assert_int_equal(kvf__plan_session_port("::1:8080", &port), KVF_EINVAL);
   bootstrap_client *c = NULL;
-  assert_int_equal(bootstrap_client_create("[::1]:8998", NULL, &c), 0);
-  bootstrap_client_destroy(c);
-  assert_int_equal(bootstrap_client_create("::1:8998", NULL, &c), KVF_EINVAL);
-  assert_int_equal(bootstrap_client_create("h:80/path", NULL, &c), KVF_EINVAL);
+  assert_int_equal(kvf__bootstrap_client_create("[::1]:8998", NULL, &c), 0);
+  kvf__bootstrap_client_destroy(c);
+  assert_int_equal(kvf__bootstrap_client_create("::1:8998", NULL, &c), KVF_EINVAL);
+  assert_int_equal(kvf__bootstrap_client_create("h:80/path", NULL, &c), KVF_EINVAL);
   kvf_engine *e = NULL;
   assert_int_equal(kvf_engine_create(NULL, &e), 0);
   static const kvf_write w = {0};

@@ -14,28 +14,28 @@
 
 static void map_put_get_delete_many(void **state) {
   map m;
-  assert_int_equal(map_init(&m), 0);
-  for (uint64_t i = 0; i < 10000; i++) assert_int_equal(map_put(&m, i * 7919, (void *)(i + 1), NULL), 0);
-  assert_int_equal(map_size(&m), 10000);
-  for (uint64_t i = 0; i < 10000; i++) assert_ptr_equal(map_get(&m, i * 7919), (void *)(i + 1));
-  assert_null(map_get(&m, 3));
+  assert_int_equal(kvf__map_init(&m), 0);
+  for (uint64_t i = 0; i < 10000; i++) assert_int_equal(kvf__map_put(&m, i * 7919, (void *)(i + 1), NULL), 0);
+  assert_int_equal(kvf__map_size(&m), 10000);
+  for (uint64_t i = 0; i < 10000; i++) assert_ptr_equal(kvf__map_get(&m, i * 7919), (void *)(i + 1));
+  assert_null(kvf__map_get(&m, 3));
   void *old = NULL;
-  assert_int_equal(map_put(&m, 0, (void *)99, &old), 0);
+  assert_int_equal(kvf__map_put(&m, 0, (void *)99, &old), 0);
   assert_ptr_equal(old, (void *)1);
-  assert_int_equal(map_size(&m), 10000);
+  assert_int_equal(kvf__map_size(&m), 10000);
   /* Deleting while iterating visits every entry exactly once. */
   map_iter it;
-  map_iter_init(&it);
+  kvf__map_iter_init(&it);
   uint64_t key;
   size_t seen = 0;
-  while (map_next(&m, &it, &key, NULL)) {
-    assert_int_equal(map_del(&m, key, NULL), 1);
+  while (kvf__map_next(&m, &it, &key, NULL)) {
+    assert_int_equal(kvf__map_del(&m, key, NULL), 1);
     seen++;
   }
   assert_int_equal(seen, 10000);
-  assert_int_equal(map_size(&m), 0);
-  assert_int_equal(map_del(&m, 5, NULL), 0);
-  map_free(&m);
+  assert_int_equal(kvf__map_size(&m), 0);
+  assert_int_equal(kvf__map_del(&m, 5, NULL), 0);
+  kvf__map_free(&m);
 }
 
 static void smap_keys_are_copied(void **state) {
@@ -43,49 +43,49 @@ static void smap_keys_are_copied(void **state) {
   assert_int_equal(smap_init(&m), 0);
   char key[32];
   strcpy(key, "10.0.0.1:8998");
-  assert_int_equal(smap_put(&m, key, (void *)1, NULL), 0);
+  assert_int_equal(kvf__smap_put(&m, key, (void *)1, NULL), 0);
   strcpy(key, "10.0.0.1:899");
-  assert_null(smap_get(&m, key));
-  assert_ptr_equal(smap_get(&m, "10.0.0.1:8998"), (void *)1);
+  assert_null(kvf__smap_get(&m, key));
+  assert_ptr_equal(kvf__smap_get(&m, "10.0.0.1:8998"), (void *)1);
   void *v = NULL;
-  assert_int_equal(smap_del(&m, "10.0.0.1:8998", &v), 1);
+  assert_int_equal(kvf__smap_del(&m, "10.0.0.1:8998", &v), 1);
   assert_ptr_equal(v, (void *)1);
   assert_int_equal(smap_size(&m), 0);
-  smap_free(&m);
+  kvf__smap_free(&m);
 }
 
 static void env_parsing_keeps_default_on_garbage(void **state) {
   setenv("KVF_TEST_INT", "42", 1);
-  assert_int_equal(env_get_int("KVF_TEST_INT", 7), 42);
+  assert_int_equal(kvf__env_get_int("KVF_TEST_INT", 7), 42);
   setenv("KVF_TEST_INT", "4x2", 1);
-  assert_int_equal(env_get_int("KVF_TEST_INT", 7), 7);
+  assert_int_equal(kvf__env_get_int("KVF_TEST_INT", 7), 7);
   setenv("KVF_TEST_INT", "-3", 1);
-  assert_int_equal(env_get_int("KVF_TEST_INT", 7), -3);
+  assert_int_equal(kvf__env_get_int("KVF_TEST_INT", 7), -3);
   unsetenv("KVF_TEST_INT");
-  assert_int_equal(env_get_int("KVF_TEST_INT", 7), 7);
+  assert_int_equal(kvf__env_get_int("KVF_TEST_INT", 7), 7);
   setenv("KVF_TEST_BOOL", "YES", 1);
-  assert_int_equal(env_get_bool("KVF_TEST_BOOL", 0), 1);
+  assert_int_equal(kvf__env_get_bool("KVF_TEST_BOOL", 0), 1);
   setenv("KVF_TEST_BOOL", "n", 1);
-  assert_int_equal(env_get_bool("KVF_TEST_BOOL", 1), 0);
+  assert_int_equal(kvf__env_get_bool("KVF_TEST_BOOL", 1), 0);
   setenv("KVF_TEST_BOOL", "maybe", 1);
-  assert_int_equal(env_get_bool("KVF_TEST_BOOL", 1), 1);
+  assert_int_equal(kvf__env_get_bool("KVF_TEST_BOOL", 1), 1);
   setenv("KVF_TEST_DBL", "2.5", 1);
-  assert_true(env_get_double("KVF_TEST_DBL", 1.0) == 2.5);
+  assert_true(kvf__env_get_double("KVF_TEST_DBL", 1.0) == 2.5);
   setenv("KVF_TEST_DBL", "2.5s", 1);
-  assert_true(env_get_double("KVF_TEST_DBL", 1.0) == 1.0);
+  assert_true(kvf__env_get_double("KVF_TEST_DBL", 1.0) == 1.0);
   int64_t v;
-  assert_int_equal(env_parse_i64("", &v), KVF_EINVAL);
-  assert_int_equal(env_parse_i64("-", &v), KVF_EINVAL);
-  assert_int_equal(env_parse_i64(" 1", &v), KVF_EINVAL);
-  assert_int_equal(env_parse_i64("99999999999999999999", &v), KVF_EINVAL);
+  assert_int_equal(kvf__env_parse_i64("", &v), KVF_EINVAL);
+  assert_int_equal(kvf__env_parse_i64("-", &v), KVF_EINVAL);
+  assert_int_equal(kvf__env_parse_i64(" 1", &v), KVF_EINVAL);
+  assert_int_equal(kvf__env_parse_i64("99999999999999999999", &v), KVF_EINVAL);
 }
 
 static void error_texts_and_log_once(void **state) {
   assert_string_equal(kvf_strerror(KVF_ERANGE), "address range outside registered memory");
   assert_string_equal(kvf_strerror(12345), "unknown error");
-  uint64_t k = log_hash_str("10.0.0.9:1234", 1);
-  assert_int_equal(log_first_time(k), 1);
-  assert_int_equal(log_first_time(k), 0);
+  uint64_t k = kvf__log_hash_str("10.0.0.9:1234", 1);
+  assert_int_equal(kvf__log_first_time(k), 1);
+  assert_int_equal(kvf__log_first_time(k), 0);
 }
 
 int main(void) {

@@ -23,10 +23,10 @@ static long put_route(const char *addr, const char *token) {
       "\"state_item_lens\":[],\"state_unit_lens\":[]}";
   bootstrap_client_opts o = {.token = token, .connect_timeout_ms = 2000, .timeout_ms = 5000};
   bootstrap_client *c = NULL;
-  assert_int_equal(bootstrap_client_create(addr, &o, &c), 0);
+  assert_int_equal(kvf__bootstrap_client_create(addr, &o, &c), 0);
   long status = 0;
-  assert_int_equal(bootstrap_client_request(c, "PUT", "/route", body, strlen(body), &status, NULL, NULL), 0);
-  bootstrap_client_destroy(c);
+  assert_int_equal(kvf__bootstrap_client_request(c, "PUT", "/route", body, strlen(body), &status, NULL, NULL), 0);
+  kvf__bootstrap_client_destroy(c);
   return status;
 }
 

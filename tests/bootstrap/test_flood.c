@@ -73,10 +73,10 @@ static long request(kvf_bootstrap_server *srv, const char *method, const char *p
   snprintf(addr, sizeof addr, "127.0.0.1:%u", (unsigned)kvf_bootstrap_server_port(srv));
   bootstrap_client_opts o = {.token = "", .connect_timeout_ms = PROBE_TIMEOUT_MS, .timeout_ms = PROBE_TIMEOUT_MS};
   bootstrap_client *c = NULL;
-  assert_int_equal(bootstrap_client_create(addr, &o, &c), 0);
+  assert_int_equal(kvf__bootstrap_client_create(addr, &o, &c), 0);
   long status = 0;
-  int rc = bootstrap_client_request(c, method, path, body, body ? strlen(body) : 0, &status, NULL, NULL);
-  bootstrap_client_destroy(c);
+  int rc = kvf__bootstrap_client_request(c, method, path, body, body ? strlen(body) : 0, &status, NULL, NULL);
+  kvf__bootstrap_client_destroy(c);
   return rc ? rc : status;
 }
 
@@ -86,9 +86,9 @@ static uint64_t metric(kvf_bootstrap_server *srv, const char *name) {
   bootstrap_client_opts o = {.token = "", .connect_timeout_ms = PROBE_TIMEOUT_MS, .timeout_ms = PROBE_TIMEOUT_MS};
   bootstrap_client *c = NULL;
   long status = 0;
-  assert_int_equal(bootstrap_client_create(addr, &o, &c), 0);
-  assert_int_equal(bootstrap_client_request(c, "GET", "/metrics", NULL, 0, &status, &body, NULL), 0);
-  bootstrap_client_destroy(c);
+  assert_int_equal(kvf__bootstrap_client_create(addr, &o, &c), 0);
+  assert_int_equal(kvf__bootstrap_client_request(c, "GET", "/metrics", NULL, 0, &status, &body, NULL), 0);
+  kvf__bootstrap_client_destroy(c);
   const char *p = strstr(body, name);
   unsigned long long v = 0;
   if (p) sscanf(p + strlen(name), " %llu", &v);

@@ -44,7 +44,7 @@ static bootstrap_client *client_for_port(uint16_t port, const char *token, int t
   snprintf(addr, sizeof addr, "127.0.0.1:%u", (unsigned)port);
   bootstrap_client_opts o = {.token = token ? token : "", .connect_timeout_ms = 1000, .timeout_ms = timeout_ms};
   bootstrap_client *c = NULL;
-  assert_int_equal(bootstrap_client_create(addr, &o, &c), 0);
+  assert_int_equal(kvf__bootstrap_client_create(addr, &o, &c), 0);
   return c;
 }
 
@@ -55,7 +55,7 @@ static bootstrap_client *client_for(kvf_bootstrap_server *srv) {
 /* Status of one raw request; the reply body goes to *reply when asked. */
 static long raw(bootstrap_client *c, const char *method, const char *path, const char *body, char **reply) {
   long status = 0;
-  assert_int_equal(bootstrap_client_request(c, method, path, body, body ? strlen(body) : 0, &status, reply, NULL),
+  assert_int_equal(kvf__bootstrap_client_request(c, method, path, body, body ? strlen(body) : 0, &status, reply, NULL),
                    0);
   return status;
 }
@@ -111,12 +111,12 @@ static void health_get_head_and_unknown_paths(void **state) {
   assert_string_equal(body, "");
   free(body);
   /* Keep-alive heartbeats on one handle. */
-  for (int i = 0; i < 20; i++) assert_int_equal(bootstrap_client_health(c), 0);
+  for (int i = 0; i < 20; i++) assert_int_equal(kvf__bootstrap_client_health(c), 0);
   assert_int_equal(raw(c, "POST", "/health", "x", NULL), 405);
   assert_int_equal(raw(c, "PUT", "/health", "x", NULL), 405);
   assert_int_equal(raw(c, "GET", "/nope", NULL, NULL), 404);
   assert_int_equal(raw(c, "GET", "/route/extra", NULL, NULL), 404);
-  bootstrap_client_destroy(c);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -130,11 +130,11 @@ static void parallel_info_is_null_before_any_put(void **state) {
                       "\"kv_item_lens\": [], \"kv_unit_lens\": [], \"state_item_lens\": [], \"state_unit_lens\": []}");
   free(body);
   route_parallel_info p;
-  assert_int_equal(bootstrap_client_get_parallel_info(c, &p), KVF_ENOTFOUND);
+  assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), KVF_ENOTFOUND);
   char ip[64];
   int port = 0;
-  assert_int_equal(bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), KVF_ENOTFOUND);
-  bootstrap_client_destroy(c);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), KVF_ENOTFOUND);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -157,7 +157,7 @@ static void appendix_a_put_then_discover(void **state) {
   body = NULL;
   int64_t room = 7215963401LL;
   route_parallel_info p;
-  assert_int_equal(bootstrap_client_get_parallel_info(c, &p), 0);
+  assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), 0);
   assert_int_equal(p.world_size, 1);
   assert_int_equal(p.dp_size, 1);
   assert_int_equal(p.enable_mla_l1_5_cache, 0);
@@ -166,18 +166,18 @@ static void appendix_a_put_then_discover(void **state) {
   assert_int_equal(p.lists[ROUTE_KV_UNIT_LENS].v[0], 256);
   assert_int_equal(p.lists[ROUTE_STATE_ITEM_LENS].n, 0);
   int group = (int)(room % p.dp_size);
-  route_parallel_info_free(&p);
+  kvf__route_parallel_info_free(&p);
   assert_int_equal(raw(c, "GET", "/route?engine_rank=0&target_dp_group=0", NULL, &body), 200);
   assert_string_equal(body, "{\"rank_ip\": \"10.0.0.1\", \"rank_port\": 39001}");
   free(body);
   char ip[64];
   int port = 0;
-  assert_int_equal(bootstrap_client_get_rank(c, 0, group, ip, sizeof ip, &port), 0);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, group, ip, sizeof ip, &port), 0);
   assert_string_equal(ip, "10.0.0.1");
   assert_int_equal(port, 39001);
   /* HEAD on /route answers like GET without a body (aiohttp's add_get). */
   assert_int_equal(raw(c, "HEAD", "/route?engine_rank=0&target_dp_group=0", NULL, NULL), 200);
-  bootstrap_client_destroy(c);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -193,15 +193,15 @@ static void *register_one(void *arg) {
   snprintf(addr, sizeof addr, "127.0.0.1:%u", (unsigned)t->port);
   bootstrap_client_opts o = {.token = "", .timeout_ms = 3000};
   bootstrap_client *c = NULL;
-  t->rc = bootstrap_client_create(addr, &o, &c);
+  t->rc = kvf__bootstrap_client_create(addr, &o, &c);
   if (t->rc) return NULL;
   snprintf(ip, sizeof ip, "10.0.%d.%d", t->rank / 4, t->rank);
   route_reg r;
   reg_init(&r, 8, 2, t->rank, ip, 40000 + t->rank);
   int64_t lens[2] = {8192, 8192};
   r.lists[ROUTE_KV_ITEM_LENS] = (route_lens){lens, 2, 1};
-  t->rc = bootstrap_client_put_route(c, &r, 5000);
-  bootstrap_client_destroy(c);
+  t->rc = kvf__bootstrap_client_put_route(c, &r, 5000);
+  kvf__bootstrap_client_destroy(c);
   return NULL;
 }
 
@@ -219,15 +219,15 @@ static void eight_ranks_register_concurrently(void **state) {
   }
   bootstrap_client *c = client_for(srv);
   route_parallel_info p;
-  assert_int_equal(bootstrap_client_get_parallel_info(c, &p), 0);
+  assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), 0);
   assert_int_equal(p.world_size, 8);
   assert_int_equal(p.dp_size, 2);
-  route_parallel_info_free(&p);
+  kvf__route_parallel_info_free(&p);
   for (int g = 0; g < 2; g++) {
     for (int tp = 0; tp < 4; tp++) {
       int rank = g * 4 + tp, port = 0;
       char ip[64], want[32];
-      assert_int_equal(bootstrap_client_get_rank(c, tp, g, ip, sizeof ip, &port), 0);
+      assert_int_equal(kvf__bootstrap_client_get_rank(c, tp, g, ip, sizeof ip, &port), 0);
       snprintf(want, sizeof want, "10.0.%d.%d", rank / 4, rank);
       assert_string_equal(ip, want);
       assert_int_equal(port, 40000 + rank);
@@ -235,12 +235,12 @@ static void eight_ranks_register_concurrently(void **state) {
   }
   char ip[64];
   int port = 0;
-  assert_int_equal(bootstrap_client_get_rank(c, 4, 0, ip, sizeof ip, &port), KVF_ENOTFOUND);
-  assert_int_equal(bootstrap_client_get_rank(c, 0, 2, ip, sizeof ip, &port), KVF_ENOTFOUND);
-  assert_int_equal(bootstrap_client_get_rank(c, -1, 0, ip, sizeof ip, &port), KVF_ENOTFOUND);
-  assert_int_equal(bootstrap_client_get_rank(c, 0, -1, ip, sizeof ip, &port), KVF_ENOTFOUND);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 4, 0, ip, sizeof ip, &port), KVF_ENOTFOUND);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 2, ip, sizeof ip, &port), KVF_ENOTFOUND);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, -1, 0, ip, sizeof ip, &port), KVF_ENOTFOUND);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, -1, ip, sizeof ip, &port), KVF_ENOTFOUND);
   assert_int_equal(port, 0); /* untouched on failure */
-  bootstrap_client_destroy(c);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -254,53 +254,53 @@ static void sizes_freeze_and_extras_follow_the_last_put(void **state) {
   int64_t kv[3] = {1, 2, 3}, st[1] = {77};
   r.lists[ROUTE_KV_ITEM_LENS] = (route_lens){kv, 3, 1};
   r.lists[ROUTE_STATE_ITEM_LENS] = (route_lens){st, 1, 1};
-  assert_int_equal(bootstrap_client_put_route(c, &r, 0), 0);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 0), 0);
 
   reg_init(&r, 4, 2, 3, "10.1.0.4", 5003); /* no lists this time */
   r.enable_mla_l1_5_cache = 1;
-  assert_int_equal(bootstrap_client_put_route(c, &r, 0), 0);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 0), 0);
   route_parallel_info p;
-  assert_int_equal(bootstrap_client_get_parallel_info(c, &p), 0);
+  assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), 0);
   assert_int_equal(p.enable_mla_l1_5_cache, 1);
   assert_int_equal(p.lists[ROUTE_KV_ITEM_LENS].n, 3);
   assert_int_equal(p.lists[ROUTE_KV_ITEM_LENS].v[2], 3);
   assert_int_equal(p.lists[ROUTE_STATE_ITEM_LENS].v[0], 77);
-  route_parallel_info_free(&p);
+  kvf__route_parallel_info_free(&p);
 
   /* An empty list that is sent does replace the old one. */
   reg_init(&r, 4, 2, 3, "10.1.0.4", 5003);
   r.lists[ROUTE_STATE_ITEM_LENS] = (route_lens){NULL, 0, 1};
-  assert_int_equal(bootstrap_client_put_route(c, &r, 0), 0);
-  assert_int_equal(bootstrap_client_get_parallel_info(c, &p), 0);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 0), 0);
+  assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), 0);
   assert_int_equal(p.enable_mla_l1_5_cache, 0);
   assert_int_equal(p.lists[ROUTE_STATE_ITEM_LENS].n, 0);
   assert_int_equal(p.lists[ROUTE_KV_ITEM_LENS].n, 3);
-  route_parallel_info_free(&p);
+  kvf__route_parallel_info_free(&p);
 
   /* Different sizes: refused, not mis-filed. */
   reg_init(&r, 8, 2, 5, "10.1.0.6", 5005);
   int64_t t0 = clock_now_ns();
-  assert_int_equal(bootstrap_client_put_route(c, &r, 3000), KVF_ESTATE);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 3000), KVF_ESTATE);
   assert_true(ms_since(t0) < 1000); /* not retried */
   reg_init(&r, 4, 1, 2, "10.1.0.3", 5002);
-  assert_int_equal(bootstrap_client_put_route(c, &r, 0), KVF_ESTATE);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 0), KVF_ESTATE);
 
   /* A non-prefill role is accepted but not placed in the table. */
   reg_init(&r, 4, 2, 1, "10.9.9.9", 6001);
   strcpy(r.role, "Decode");
-  assert_int_equal(bootstrap_client_put_route(c, &r, 0), 0);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 0), 0);
   char ip[64];
   int port = 0;
-  assert_int_equal(bootstrap_client_get_rank(c, 1, 0, ip, sizeof ip, &port), KVF_ENOTFOUND);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 1, 0, ip, sizeof ip, &port), KVF_ENOTFOUND);
   /* Overwrite: a re-registered rank moves. */
-  assert_int_equal(bootstrap_client_get_rank(c, 1, 1, ip, sizeof ip, &port), 0);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 1, 1, ip, sizeof ip, &port), 0);
   assert_string_equal(ip, "10.1.0.4");
   reg_init(&r, 4, 2, 3, "10.1.0.40", 5040);
-  assert_int_equal(bootstrap_client_put_route(c, &r, 0), 0);
-  assert_int_equal(bootstrap_client_get_rank(c, 1, 1, ip, sizeof ip, &port), 0);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 0), 0);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 1, 1, ip, sizeof ip, &port), 0);
   assert_string_equal(ip, "10.1.0.40");
   assert_int_equal(port, 5040);
-  bootstrap_client_destroy(c);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -386,7 +386,7 @@ static void bad_requests_get_400_and_change_nothing(void **state) {
   }
   /* Nothing was stored by any of them. */
   route_parallel_info p;
-  assert_int_equal(bootstrap_client_get_parallel_info(c, &p), KVF_ENOTFOUND);
+  assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), KVF_ENOTFOUND);
 
   /* rank_port and engine_rank may be numeric strings, as int() allows. */
   const char *stringy =
@@ -395,7 +395,7 @@ static void bad_requests_get_400_and_change_nothing(void **state) {
   assert_int_equal(raw(c, "PUT", "/route", stringy, NULL), 200);
   char ip[64];
   int port = 0;
-  assert_int_equal(bootstrap_client_get_rank(c, 1, 0, ip, sizeof ip, &port), 0);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 1, 0, ip, sizeof ip, &port), 0);
   assert_string_equal(ip, "fe80::1%eth0");
   assert_int_equal(port, 39001);
 
@@ -429,7 +429,7 @@ static void bad_requests_get_400_and_change_nothing(void **state) {
   assert_int_equal(metric(m, "kvferry_bootstrap_lookups_total"), 1);
   assert_int_equal(metric(m, "kvferry_bootstrap_registered_ranks"), 1);
   free(m);
-  bootstrap_client_destroy(c);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -447,7 +447,7 @@ static void oversized_bodies_get_413(void **state) {
   big[64 * 1024] = '\0';
   assert_int_equal(raw(c, "PUT", "/route", big, NULL), 400);
   free(big);
-  bootstrap_client_destroy(c);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 
   /* A small bound refuses a real registration with long lists, and the client
@@ -460,13 +460,13 @@ static void oversized_bodies_get_413(void **state) {
   for (int i = 0; i < 200; i++) lens[i] = 8192;
   r.lists[ROUTE_KV_ITEM_LENS] = (route_lens){lens, 200, 1};
   int64_t t0 = clock_now_ns();
-  assert_int_equal(bootstrap_client_put_route(c, &r, 3000), KVF_ETOOBIG);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 3000), KVF_ETOOBIG);
   assert_true(ms_since(t0) < 1000);
   char *m = NULL;
   assert_int_equal(raw(c, "GET", "/metrics", NULL, &m), 200);
   assert_int_equal(metric(m, "kvferry_bootstrap_errors_total{kind=\"too_large\"}"), 1);
   free(m);
-  bootstrap_client_destroy(c);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -508,8 +508,8 @@ static void chunked_oversized_body_is_cut_off(void **state) {
   assert_int_equal(raw(c, "GET", "/metrics", NULL, &m), 200);
   assert_int_equal(metric(m, "kvferry_bootstrap_errors_total{kind=\"too_large\"}"), 1);
   free(m);
-  assert_int_equal(bootstrap_client_health(c), 0);
-  bootstrap_client_destroy(c);
+  assert_int_equal(kvf__bootstrap_client_health(c), 0);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -521,34 +521,34 @@ static void token_guards_put_only(void **state) {
 
   bootstrap_client *none = client_for_port(port, "", 3000);
   int64_t t0 = clock_now_ns();
-  assert_int_equal(bootstrap_client_put_route(none, &r, 3000), KVF_EACCES);
+  assert_int_equal(kvf__bootstrap_client_put_route(none, &r, 3000), KVF_EACCES);
   assert_true(ms_since(t0) < 1000); /* not retried */
   char *body = NULL;
   assert_int_equal(raw(none, "PUT", "/route", A1_PUT, &body), 401);
   free(body);
   /* GETs stay open. */
-  assert_int_equal(bootstrap_client_health(none), 0);
+  assert_int_equal(kvf__bootstrap_client_health(none), 0);
   route_parallel_info p;
-  assert_int_equal(bootstrap_client_get_parallel_info(none, &p), KVF_ENOTFOUND);
+  assert_int_equal(kvf__bootstrap_client_get_parallel_info(none, &p), KVF_ENOTFOUND);
 
   bootstrap_client *wrong = client_for_port(port, "s3cre", 3000);
-  assert_int_equal(bootstrap_client_put_route(wrong, &r, 0), KVF_EACCES);
+  assert_int_equal(kvf__bootstrap_client_put_route(wrong, &r, 0), KVF_EACCES);
   bootstrap_client *longer = client_for_port(port, "s3cret2", 3000);
-  assert_int_equal(bootstrap_client_put_route(longer, &r, 0), KVF_EACCES);
+  assert_int_equal(kvf__bootstrap_client_put_route(longer, &r, 0), KVF_EACCES);
   bootstrap_client *right = client_for_port(port, "s3cret", 3000);
-  assert_int_equal(bootstrap_client_put_route(right, &r, 0), 0);
+  assert_int_equal(kvf__bootstrap_client_put_route(right, &r, 0), 0);
   char ip[64];
   int rport = 0;
-  assert_int_equal(bootstrap_client_get_rank(none, 0, 0, ip, sizeof ip, &rport), 0);
+  assert_int_equal(kvf__bootstrap_client_get_rank(none, 0, 0, ip, sizeof ip, &rport), 0);
   assert_int_equal(rport, 39001);
   char *m = NULL;
   assert_int_equal(raw(none, "GET", "/metrics", NULL, &m), 200);
   assert_int_equal(metric(m, "kvferry_bootstrap_errors_total{kind=\"unauthorized\"}"), 4);
   free(m);
-  bootstrap_client_destroy(none);
-  bootstrap_client_destroy(wrong);
-  bootstrap_client_destroy(longer);
-  bootstrap_client_destroy(right);
+  kvf__bootstrap_client_destroy(none);
+  kvf__bootstrap_client_destroy(wrong);
+  kvf__bootstrap_client_destroy(longer);
+  kvf__bootstrap_client_destroy(right);
   kvf_bootstrap_server_destroy(srv);
 
   /* NULL in the config means $KVFERRY_BOOTSTRAP_TOKEN, for server and client. */
@@ -560,15 +560,15 @@ static void token_guards_put_only(void **state) {
   assert_int_equal(kvf_bootstrap_server_create(&cfg, &srv), 0);
   port = kvf_bootstrap_server_port(srv);
   none = client_for_port(port, "", 3000);
-  assert_int_equal(bootstrap_client_put_route(none, &r, 0), KVF_EACCES);
+  assert_int_equal(kvf__bootstrap_client_put_route(none, &r, 0), KVF_EACCES);
   char addr[32];
   snprintf(addr, sizeof addr, "127.0.0.1:%u", (unsigned)port);
   bootstrap_client *env_client = NULL;
-  assert_int_equal(bootstrap_client_create(addr, NULL, &env_client), 0);
-  assert_int_equal(bootstrap_client_put_route(env_client, &r, 0), 0);
+  assert_int_equal(kvf__bootstrap_client_create(addr, NULL, &env_client), 0);
+  assert_int_equal(kvf__bootstrap_client_put_route(env_client, &r, 0), 0);
   unsetenv("KVFERRY_BOOTSTRAP_TOKEN");
-  bootstrap_client_destroy(env_client);
-  bootstrap_client_destroy(none);
+  kvf__bootstrap_client_destroy(env_client);
+  kvf__bootstrap_client_destroy(none);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -600,7 +600,7 @@ static void put_retries_until_the_server_appears(void **state) {
   assert_int_equal(pthread_create(&th, NULL, start_late, &ls), 0);
   route_reg r;
   reg_init(&r, 1, 1, 0, "10.0.0.1", 39001);
-  int rc = bootstrap_client_put_route(c, &r, 5000);
+  int rc = kvf__bootstrap_client_put_route(c, &r, 5000);
   double took = ms_since(t0);
   pthread_join(th, NULL);
   assert_non_null(ls.srv);
@@ -608,25 +608,25 @@ static void put_retries_until_the_server_appears(void **state) {
   assert_true(took >= 250 && took < 5000);
   char ip[64];
   int port = 0;
-  assert_int_equal(bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), 0);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), 0);
   assert_int_equal(port, 39001);
   kvf_bootstrap_server_destroy(ls.srv);
 
   /* With the server gone the retry gives up at the deadline. */
   t0 = clock_now_ns();
-  rc = bootstrap_client_put_route(c, &r, 400);
+  rc = kvf__bootstrap_client_put_route(c, &r, 400);
   /* The last try may be cut short by the deadline on a loaded machine. */
   assert_true(rc == KVF_ECONNREFUSED || rc == KVF_ETIMEDOUT);
   took = ms_since(t0);
   assert_true(took >= 350 && took < 1500);
   /* Deadline 0 is one try. */
   t0 = clock_now_ns();
-  assert_int_equal(bootstrap_client_put_route(c, &r, 0), KVF_ECONNREFUSED);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 0), KVF_ECONNREFUSED);
   assert_true(ms_since(t0) < 300);
-  assert_int_equal(bootstrap_client_health(c), KVF_ECONNREFUSED);
+  assert_int_equal(kvf__bootstrap_client_health(c), KVF_ECONNREFUSED);
   char ip2[64];
-  assert_int_equal(bootstrap_client_get_rank(c, 0, 0, ip2, sizeof ip2, &port), KVF_ECONNREFUSED);
-  bootstrap_client_destroy(c);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 0, ip2, sizeof ip2, &port), KVF_ECONNREFUSED);
+  kvf__bootstrap_client_destroy(c);
 }
 
 /* A socket that listens but never accepts: the kernel completes the TCP
@@ -644,24 +644,24 @@ static void client_times_out_on_a_silent_server(void **state) {
   int64_t t0 = clock_now_ns();
   char ip[64];
   int port = 0;
-  assert_int_equal(bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), KVF_ETIMEDOUT);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), KVF_ETIMEDOUT);
   double took = ms_since(t0);
   assert_true(took >= 250 && took < 2000);
 
   t0 = clock_now_ns();
-  assert_int_equal(bootstrap_client_health(c), KVF_ETIMEDOUT);
+  assert_int_equal(kvf__bootstrap_client_health(c), KVF_ETIMEDOUT);
   assert_true(ms_since(t0) < 2000);
   route_parallel_info p;
-  assert_int_equal(bootstrap_client_get_parallel_info(c, &p), KVF_ETIMEDOUT);
+  assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), KVF_ETIMEDOUT);
 
   /* The PUT retries timeouts but never past its deadline. */
   route_reg r;
   reg_init(&r, 1, 1, 0, "10.0.0.1", 39001);
   t0 = clock_now_ns();
-  assert_int_equal(bootstrap_client_put_route(c, &r, 700), KVF_ETIMEDOUT);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 700), KVF_ETIMEDOUT);
   took = ms_since(t0);
   assert_true(took >= 600 && took < 1500);
-  bootstrap_client_destroy(c);
+  kvf__bootstrap_client_destroy(c);
   close(fd);
 }
 
@@ -682,9 +682,9 @@ static void start_errors(void **state) {
   kvf_bootstrap_server_destroy(NULL);
 
   bootstrap_client *c = NULL;
-  assert_int_equal(bootstrap_client_create("", NULL, &c), KVF_EINVAL);
-  assert_int_equal(bootstrap_client_create("h:1/route?x", NULL, &c), KVF_EINVAL);
-  assert_int_equal(bootstrap_client_create("user@h:1", NULL, &c), KVF_EINVAL);
+  assert_int_equal(kvf__bootstrap_client_create("", NULL, &c), KVF_EINVAL);
+  assert_int_equal(kvf__bootstrap_client_create("h:1/route?x", NULL, &c), KVF_EINVAL);
+  assert_int_equal(kvf__bootstrap_client_create("user@h:1", NULL, &c), KVF_EINVAL);
   assert_null(c);
 }
 
@@ -700,9 +700,9 @@ static void ipv6_loopback_when_available(void **state) {
   snprintf(addr, sizeof addr, "[::1]:%u", (unsigned)kvf_bootstrap_server_port(srv));
   bootstrap_client_opts o = {.token = ""};
   bootstrap_client *c = NULL;
-  assert_int_equal(bootstrap_client_create(addr, &o, &c), 0);
-  assert_int_equal(bootstrap_client_health(c), 0);
-  bootstrap_client_destroy(c);
+  assert_int_equal(kvf__bootstrap_client_create(addr, &o, &c), 0);
+  assert_int_equal(kvf__bootstrap_client_health(c), 0);
+  kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
 }
 
@@ -715,7 +715,7 @@ static void put_body_round_trips(void **state) {
   int64_t kv[2] = {0, 123456789012LL};
   r.lists[ROUTE_KV_UNIT_LENS] = (route_lens){kv, 2, 1};
   r.lists[ROUTE_STATE_UNIT_LENS] = (route_lens){NULL, 0, 1};
-  char *s = route_json_encode_put(&r);
+  char *s = kvf__route_json_encode_put(&r);
   assert_non_null(s);
   assert_string_equal(s,
                       "{\"role\": \"Prefill\", \"world_size\": 16, \"dp_size\": 4, \"rank_ip\": \"192.168.1.20\", "
@@ -723,9 +723,9 @@ static void put_body_round_trips(void **state) {
                       "\"kv_unit_lens\": [0, 123456789012], \"state_unit_lens\": []}");
   route_reg back;
   char why[128];
-  assert_int_equal(route_json_parse_put(s, strlen(s), &back, why, sizeof why), 0);
+  assert_int_equal(kvf__route_json_parse_put(s, strlen(s), &back, why, sizeof why), 0);
   assert_string_equal(back.role, "Prefill");
-  assert_true(route_reg_is_prefill(&back));
+  assert_true(kvf__route_reg_is_prefill(&back));
   assert_int_equal(back.world_size, 16);
   assert_int_equal(back.dp_size, 4);
   assert_int_equal(back.engine_rank, 13);
@@ -736,35 +736,35 @@ static void put_body_round_trips(void **state) {
   assert_int_equal(back.lists[ROUTE_KV_UNIT_LENS].v[1], 123456789012LL);
   assert_true(back.lists[ROUTE_STATE_UNIT_LENS].present);
   assert_int_equal(back.lists[ROUTE_STATE_UNIT_LENS].n, 0);
-  route_reg_free(&back);
+  kvf__route_reg_free(&back);
   free(s);
 
   /* Not NUL-terminated input: the parser reads exactly len bytes. */
   size_t n = strlen(A1_PUT);
   char *copy = malloc(n);
   memcpy(copy, A1_PUT, n);
-  assert_int_equal(route_json_parse_put(copy, n, &back, why, sizeof why), 0);
-  route_reg_free(&back);
-  assert_int_equal(route_json_parse_put(copy, n - 1, &back, why, sizeof why), KVF_EINVAL);
+  assert_int_equal(kvf__route_json_parse_put(copy, n, &back, why, sizeof why), 0);
+  kvf__route_reg_free(&back);
+  assert_int_equal(kvf__route_json_parse_put(copy, n - 1, &back, why, sizeof why), KVF_EINVAL);
   free(copy);
 
   /* Truthiness of the MLA flag follows Python. */
   const char *truthy = "{\"role\": \"x\", \"world_size\": 1, \"dp_size\": 1, \"rank_ip\": \"h\", \"rank_port\": 1, "
                        "\"engine_rank\": 0, \"enable_mla_l1_5_cache\": \"no\", \"kv_item_lens\": null}";
-  assert_int_equal(route_json_parse_put(truthy, strlen(truthy), &back, why, sizeof why), 0);
+  assert_int_equal(kvf__route_json_parse_put(truthy, strlen(truthy), &back, why, sizeof why), 0);
   assert_int_equal(back.enable_mla_l1_5_cache, 1);
-  assert_false(route_reg_is_prefill(&back));
+  assert_false(kvf__route_reg_is_prefill(&back));
   assert_false(back.lists[ROUTE_KV_ITEM_LENS].present);
-  route_reg_free(&back);
+  kvf__route_reg_free(&back);
 }
 
 static void reply_parsers_are_strict(void **state) {
   route_parallel_info p;
   const char *ok = "{\"prefill_tp_size\":8,\"prefill_dp_size\":2,\"enable_mla_l1_5_cache\":false}";
-  assert_int_equal(route_json_parse_parallel_info(ok, strlen(ok), &p), 0);
+  assert_int_equal(kvf__route_json_parse_parallel_info(ok, strlen(ok), &p), 0);
   assert_int_equal(p.world_size, 8);
   assert_int_equal(p.lists[ROUTE_KV_ITEM_LENS].n, 0);
-  route_parallel_info_free(&p);
+  kvf__route_parallel_info_free(&p);
   static const char *bad_infos[] = {
       "{\"prefill_tp_size\":8,\"prefill_dp_size\":3,\"enable_mla_l1_5_cache\":false}",
       "{\"prefill_tp_size\":8,\"prefill_dp_size\":0,\"enable_mla_l1_5_cache\":false}",
@@ -776,27 +776,27 @@ static void reply_parsers_are_strict(void **state) {
       "",
   };
   for (size_t i = 0; i < sizeof bad_infos / sizeof bad_infos[0]; i++)
-    assert_int_equal(route_json_parse_parallel_info(bad_infos[i], strlen(bad_infos[i]), &p), KVF_EPROTO);
+    assert_int_equal(kvf__route_json_parse_parallel_info(bad_infos[i], strlen(bad_infos[i]), &p), KVF_EPROTO);
 
   char ip[16];
   int port = 0;
   const char *rank = "{\"rank_ip\": \"10.0.0.1\", \"rank_port\": 39001}";
-  assert_int_equal(route_json_parse_rank(rank, strlen(rank), ip, sizeof ip, &port), 0);
+  assert_int_equal(kvf__route_json_parse_rank(rank, strlen(rank), ip, sizeof ip, &port), 0);
   assert_string_equal(ip, "10.0.0.1");
   assert_int_equal(port, 39001);
-  assert_int_equal(route_json_parse_rank(rank, strlen(rank), ip, 8, &port), KVF_EPROTO); /* does not fit */
+  assert_int_equal(kvf__route_json_parse_rank(rank, strlen(rank), ip, 8, &port), KVF_EPROTO); /* does not fit */
   const char *bad_rank = "{\"rank_ip\": \"10.0.0.1\", \"rank_port\": \"39001\"}";
-  assert_int_equal(route_json_parse_rank(bad_rank, strlen(bad_rank), ip, sizeof ip, &port), KVF_EPROTO);
+  assert_int_equal(kvf__route_json_parse_rank(bad_rank, strlen(bad_rank), ip, sizeof ip, &port), KVF_EPROTO);
 
   int64_t v;
-  assert_int_equal(route_parse_int("-9223372036854775808", 20, &v), 0);
+  assert_int_equal(kvf__route_parse_int("-9223372036854775808", 20, &v), 0);
   assert_true(v == INT64_MIN);
-  assert_int_equal(route_parse_int("9223372036854775807", 19, &v), 0);
+  assert_int_equal(kvf__route_parse_int("9223372036854775807", 19, &v), 0);
   assert_true(v == INT64_MAX);
-  assert_int_equal(route_parse_int("9223372036854775808", 19, &v), KVF_EINVAL);
-  assert_int_equal(route_parse_int("-", 1, &v), KVF_EINVAL);
-  assert_int_equal(route_parse_int("  ", 2, &v), KVF_EINVAL);
-  assert_int_equal(route_parse_int("1_0", 3, &v), KVF_EINVAL);
+  assert_int_equal(kvf__route_parse_int("9223372036854775808", 19, &v), KVF_EINVAL);
+  assert_int_equal(kvf__route_parse_int("-", 1, &v), KVF_EINVAL);
+  assert_int_equal(kvf__route_parse_int("  ", 2, &v), KVF_EINVAL);
+  assert_int_equal(kvf__route_parse_int("1_0", 3, &v), KVF_EINVAL);
 }
 
 int main(void) {

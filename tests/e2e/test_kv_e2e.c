@@ -547,11 +547,11 @@ static void malformed_control_messages_do_no_harm(void **state) {
   char dep[64], pep[128];
   snprintf(dep, sizeof dep, "tcp://127.0.0.1:%u", (unsigned)d.m->rank_port);
   bootstrap_client *bc = NULL;
-  assert_int_equal(bootstrap_client_create(pp.addr, NULL, &bc), 0);
+  assert_int_equal(kvf__bootstrap_client_create(pp.addr, NULL, &bc), 0);
   char ip[64];
   int port = 0;
-  assert_int_equal(bootstrap_client_get_rank(bc, 0, 0, ip, sizeof ip, &port), 0);
-  bootstrap_client_destroy(bc);
+  assert_int_equal(kvf__bootstrap_client_get_rank(bc, 0, 0, ip, sizeof ip, &port), 0);
+  kvf__bootstrap_client_destroy(bc);
   snprintf(pep, sizeof pep, "tcp://%s:%d", ip, port);
   /* M3s: too few frames, non-integer room, status 9, odd candidate bytes. */
   const char *m3a[] = {"12"}, *m3b[] = {"x1", "5", "0"}, *m3c[] = {"12", "9", "0"},

@@ -367,7 +367,7 @@ static void chunking_covers_every_byte(void **state) {
                     {.src = 7, .dst = 9, .len = 0}};
   chunk **c = NULL;
   size_t n = 0;
-  assert_int_equal(engine_make_chunks(&b, w, 3, 2, 4096, &c, &n), 0);
+  assert_int_equal(kvf__engine_make_chunks(&b, w, 3, 2, 4096, &c, &n), 0);
   assert_true(n >= 2);
   uint64_t total = 0, next_dst = 1000000, pieces = 0;
   for (size_t i = 0; i < n; i++) {
@@ -382,9 +382,9 @@ static void chunking_covers_every_byte(void **state) {
         assert_int_equal(p->src, (1u << 24) + pieces * 200);
         pieces += p->count;
       }
-      total += write_block_bytes(p);
+      total += kvf__write_block_bytes(p);
     }
-    chunk_free(c[i]);
+    kvf__chunk_free(c[i]);
   }
   free(c);
   assert_int_equal(next_dst, 1000000 + (3u << 20));

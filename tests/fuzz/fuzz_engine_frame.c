@@ -22,9 +22,9 @@ static region_table *table(void) {
   static region_table t;
   static int ready;
   if (!ready) {
-    FUZZ_CHECK(regions_init(&t) == 0);
-    FUZZ_CHECK(regions_add(&t, 0x100000, 0x10000) == 0);
-    FUZZ_CHECK(regions_add(&t, 0x200000, 0x1000) == 0);
+    FUZZ_CHECK(kvf__regions_init(&t) == 0);
+    FUZZ_CHECK(kvf__regions_add(&t, 0x100000, 0x10000) == 0);
+    FUZZ_CHECK(kvf__regions_add(&t, 0x200000, 0x1000) == 0);
     ready = 1;
   }
   return &t;

@@ -17,23 +17,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fuzz_split(data, size, &ff);
   wire_m1 m, again, *copy = NULL;
   char reason[WIRE_REASON_LEN] = "";
-  int kind = wire_classify(ff.f, ff.n);
-  int rc = wire_m1_decode(ff.f, ff.n, &m, reason);
+  int kind = kvf__wire_classify(ff.f, ff.n);
+  int rc = kvf__wire_m1_decode(ff.f, ff.n, &m, reason);
   if (rc) {
     FUZZ_CHECK(rc == KVF_EPROTO && fuzz_reason_ok(reason));
     goto out;
   }
   FUZZ_CHECK(kind == WIRE_MSG_M1);
   wire_msg msg;
-  FUZZ_CHECK(wire_m1_encode(&m, &msg, reason) == 0);
+  FUZZ_CHECK(kvf__wire_m1_encode(&m, &msg, reason) == 0);
   FUZZ_CHECK(msg.nframes == 8);
-  FUZZ_CHECK(wire_m1_decode(msg.frames, msg.nframes, &again, reason) == 0);
+  FUZZ_CHECK(kvf__wire_m1_decode(msg.frames, msg.nframes, &again, reason) == 0);
   FUZZ_CHECK(m1_equal(&m, &again));
   if (ff.n == 8 && ff.f[7].len) FUZZ_CHECK(fuzz_frames_eq(ff.f, msg.frames, 0, 8));
-  FUZZ_CHECK(wire_m1_dup(&m, &copy) == 0);
+  FUZZ_CHECK(kvf__wire_m1_dup(&m, &copy) == 0);
   FUZZ_CHECK(m1_equal(&m, copy));
   free(copy);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 out:
   fuzz_release(&ff);
   return 0;

@@ -35,8 +35,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fuzz_split(data, size, &ff);
   wire_m2 m, again, *copy = NULL;
   char reason[WIRE_REASON_LEN] = "";
-  int kind = wire_classify(ff.f, ff.n);
-  int rc = wire_m2_decode(ff.f, ff.n, &m, reason);
+  int kind = kvf__wire_classify(ff.f, ff.n);
+  int rc = kvf__wire_m2_decode(ff.f, ff.n, &m, reason);
   if (rc) {
     FUZZ_CHECK((rc == KVF_EPROTO || rc == KVF_ENOMEM) && fuzz_reason_ok(reason));
     goto out;
@@ -44,24 +44,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   FUZZ_CHECK(kind == WIRE_MSG_M2);
   FUZZ_CHECK(!m.is_dummy || (m.kv_indices.count == 0 && m.nfrags == 0));
   wire_msg msg;
-  FUZZ_CHECK(wire_m2_encode(&m, &msg, reason) == 0);
+  FUZZ_CHECK(kvf__wire_m2_encode(&m, &msg, reason) == 0);
   /* 12 frames; 14 with a plan; 15 when the plan carries kvferry's page
    * layout; 16 with kvferry's room options (frame 15). */
   size_t want = m.nfrags ? (m.page_layout ? 15u : 14u) : 12u;
   if (m.room_flags || m.fence_epoch) want = 16;
   FUZZ_CHECK(msg.nframes == want);
-  FUZZ_CHECK(wire_m2_decode(msg.frames, msg.nframes, &again, reason) == 0);
+  FUZZ_CHECK(kvf__wire_m2_decode(msg.frames, msg.nframes, &again, reason) == 0);
   FUZZ_CHECK(m2_equal(&m, &again));
   if (m.is_dummy)
     FUZZ_CHECK(fuzz_frames_eq(ff.f, msg.frames, 0, 7));
   else if (ff.n == 12 || (ff.n == 14 && m.nfrags))
     FUZZ_CHECK(fuzz_frames_eq(ff.f, msg.frames, 0, 12));
-  FUZZ_CHECK(wire_m2_dup(&m, &copy) == 0);
+  FUZZ_CHECK(kvf__wire_m2_dup(&m, &copy) == 0);
   FUZZ_CHECK(m2_equal(&m, copy));
   free(copy);
-  wire_m2_free(&again);
-  wire_msg_free(&msg);
-  wire_m2_free(&m);
+  kvf__wire_m2_free(&again);
+  kvf__wire_msg_free(&msg);
+  kvf__wire_m2_free(&m);
 out:
   fuzz_release(&ff);
   return 0;

@@ -13,19 +13,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fuzz_split(data, size, &ff);
   wire_m3 m, again;
   char reason[WIRE_REASON_LEN] = "";
-  int rc = wire_m3_decode(ff.f, ff.n, &m, reason);
+  int rc = kvf__wire_m3_decode(ff.f, ff.n, &m, reason);
   if (rc) {
     FUZZ_CHECK(rc == KVF_EPROTO && fuzz_reason_ok(reason));
     goto out;
   }
   FUZZ_CHECK(m.status >= 0 && m.status <= 5 && m.bootstrap_token >= -1);
   wire_msg msg;
-  FUZZ_CHECK(wire_m3_encode(&m, &msg, reason) == 0);
+  FUZZ_CHECK(kvf__wire_m3_encode(&m, &msg, reason) == 0);
   FUZZ_CHECK(msg.nframes == 5);
-  FUZZ_CHECK(wire_m3_decode(msg.frames, msg.nframes, &again, reason) == 0);
+  FUZZ_CHECK(kvf__wire_m3_decode(msg.frames, msg.nframes, &again, reason) == 0);
   FUZZ_CHECK(m3_equal(&m, &again));
   if (ff.n == 5) FUZZ_CHECK(fuzz_frames_eq(ff.f, msg.frames, 0, 5));
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 out:
   fuzz_release(&ff);
   return 0;

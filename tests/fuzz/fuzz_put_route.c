@@ -14,7 +14,7 @@ static void check_bounds(const route_reg *r) {
   if (r->dp_size < 1 || r->dp_size > r->world_size || r->world_size % r->dp_size) abort();
   if (r->engine_rank < 0 || r->engine_rank >= r->world_size) abort();
   if (r->rank_port < 1 || r->rank_port > 65535) abort();
-  if (!route_ip_valid(r->rank_ip, strlen(r->rank_ip))) abort();
+  if (!kvf__route_ip_valid(r->rank_ip, strlen(r->rank_ip))) abort();
   for (int i = 0; i < ROUTE_NLISTS; i++) {
     if (r->lists[i].n > ROUTE_MAX_LIST || (!r->lists[i].present && r->lists[i].n)) abort();
     for (size_t j = 0; j < r->lists[i].n; j++)
@@ -38,41 +38,41 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const char *body = (const char *)data;
   route_reg r;
   char why[160];
-  if (route_json_parse_put(body, size, &r, why, sizeof why) == 0) {
+  if (kvf__route_json_parse_put(body, size, &r, why, sizeof why) == 0) {
     check_bounds(&r);
-    char *again = route_json_encode_put(&r);
+    char *again = kvf__route_json_encode_put(&r);
     if (!again) abort();
     route_reg back;
-    if (route_json_parse_put(again, strlen(again), &back, why, sizeof why) != 0) abort();
+    if (kvf__route_json_parse_put(again, strlen(again), &back, why, sizeof why) != 0) abort();
     if (!same_reg(&r, &back)) abort();
-    route_reg_free(&back);
+    kvf__route_reg_free(&back);
     free(again);
-    route_reg_free(&r);
+    kvf__route_reg_free(&r);
   } else if (!memchr(why, '\0', sizeof why)) {
     abort(); /* the reason must be a terminated string */
   }
 
   route_parallel_info p;
-  if (route_json_parse_parallel_info(body, size, &p) == 0) {
+  if (kvf__route_json_parse_parallel_info(body, size, &p) == 0) {
     if ((p.world_size < 0) != (p.dp_size < 0)) abort();
     if (p.world_size > 0 && p.world_size % p.dp_size) abort();
-    char *enc = route_json_encode_parallel_info(&p);
+    char *enc = kvf__route_json_encode_parallel_info(&p);
     if (!enc) abort();
     route_parallel_info back;
-    if (route_json_parse_parallel_info(enc, strlen(enc), &back) != 0) abort();
+    if (kvf__route_json_parse_parallel_info(enc, strlen(enc), &back) != 0) abort();
     if (back.world_size != p.world_size || back.dp_size != p.dp_size) abort();
-    route_parallel_info_free(&back);
+    kvf__route_parallel_info_free(&back);
     free(enc);
-    route_parallel_info_free(&p);
+    kvf__route_parallel_info_free(&p);
   }
 
   char ip[ROUTE_IP_MAX + 1];
   int port = 0;
-  if (route_json_parse_rank(body, size, ip, sizeof ip, &port) == 0) {
-    if (port < 1 || port > 65535 || !route_ip_valid(ip, strlen(ip))) abort();
+  if (kvf__route_json_parse_rank(body, size, ip, sizeof ip, &port) == 0) {
+    if (port < 1 || port > 65535 || !kvf__route_ip_valid(ip, strlen(ip))) abort();
   }
 
   int64_t v;
-  (void)route_parse_int(body, size, &v);
+  (void)kvf__route_parse_int(body, size, &v);
   return 0;
 }

@@ -75,7 +75,7 @@ static const int64_t *g_layout; /* next registrations: kvferry_kv_page_layout (N
 static void register_rank_at(fixture *f, int world, int dp, int rank, uint16_t port) {
   bootstrap_client_opts o = {.token = "", .connect_timeout_ms = 1000, .timeout_ms = 3000};
   bootstrap_client *c = NULL;
-  assert_int_equal(bootstrap_client_create(f->addr, &o, &c), 0);
+  assert_int_equal(kvf__bootstrap_client_create(f->addr, &o, &c), 0);
   route_reg r;
   memset(&r, 0, sizeof r);
   strcpy(r.role, "Prefill");
@@ -94,8 +94,8 @@ static void register_rank_at(fixture *f, int world, int dp, int rank, uint16_t p
     r.lists[ROUTE_KVF_PAGE_LAYOUT].n = 2;
     r.lists[ROUTE_KVF_PAGE_LAYOUT].present = 1;
   }
-  assert_int_equal(bootstrap_client_put_route(c, &r, 3000), 0);
-  bootstrap_client_destroy(c);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 3000), 0);
+  kvf__bootstrap_client_destroy(c);
 }
 
 static void register_rank(fixture *f, int world, int dp, int rank) { register_rank_at(f, world, dp, rank, f->pull_port); }
@@ -206,11 +206,11 @@ static void send_m3(fixture *f, int64_t room, int status, int rank, int64_t toke
                 .candidates = wire_array_of(cands, ncand)};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
-  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, why), 0);
   for (size_t i = 0; i < msg.nframes; i++)
     assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes ? ZMQ_SNDMORE : 0) >=
                 0);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 /* Poll until a final status or `limit_s` seconds. */
@@ -248,9 +248,9 @@ static int write_with_completion(fixture *f, kvf_engine *eng, const uint8_t *src
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   unsigned char tb[KVF_ENGINE_MAX_TRAILER];
-  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, why), 0);
   size_t tlen = kvf__trailer_pack(f->m, &msg, tb, sizeof tb);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
   assert_true(tlen > 0);
   if (garble) tb[0] = 0xff; /* a frame count past the bytes */
   return kvf__engine_write_trailer(eng, kvf_manager_session_id(f->m), &w, 1, NULL, tb, tlen);
@@ -297,9 +297,9 @@ static void completion_trailer_rules(void **state) {
   assert_int_equal(recv_raw(f->pull, &rm), 0); /* M2, asking for the fast completion */
   wire_m2 m2;
   char why[WIRE_REASON_LEN];
-  assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+  assert_int_equal(kvf__wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
   assert_true(m2.room_flags & WIRE_ROOM_FAST_COMPLETION);
-  wire_m2_free(&m2);
+  kvf__wire_m2_free(&m2);
   raw_free(&rm);
   int waiting = kvf_receiver_poll(r);
   assert_true(waiting != KVF_POLL_SUCCESS && waiting != KVF_POLL_FAILED);
@@ -341,10 +341,10 @@ static void happy_path(void **state) {
   raw_msg rm;
   assert_int_equal(recv_raw(f->pull, &rm), 0);
   assert_int_equal(rm.n, 8);
-  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
+  assert_int_equal(kvf__wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
   wire_m1 m1;
   char why[WIRE_REASON_LEN];
-  assert_int_equal(wire_m1_decode(rm.frames, rm.n, &m1, why), 0);
+  assert_int_equal(kvf__wire_m1_decode(rm.frames, rm.n, &m1, why), 0);
   assert_string_equal(m1.endpoint, "127.0.0.1");
   assert_int_equal(m1.dst_port, f->m->rank_port);
   assert_string_equal(m1.session, kvf_manager_session_id(f->m));
@@ -361,7 +361,7 @@ static void happy_path(void **state) {
   assert_int_equal(recv_raw(f->pull, &rm), 0);
   assert_int_equal(rm.n, 12);
   wire_m2 m2;
-  assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+  assert_int_equal(kvf__wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
   assert_int_equal(m2.room, 10);
   assert_int_equal(m2.dst_port, f->m->rank_port);
   assert_string_equal(m2.session, kvf_manager_session_id(f->m));
@@ -372,7 +372,7 @@ static void happy_path(void **state) {
   assert_int_equal(m2.dst_aux_index, 7);
   assert_int_equal(m2.required_dst_info_num, 1);
   assert_int_equal(m2.nfrags, 0);
-  wire_m2_free(&m2);
+  kvf__wire_m2_free(&m2);
   raw_free(&rm);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
 
@@ -404,7 +404,7 @@ static void happy_path(void **state) {
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
   assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
   assert_int_equal(recv_raw(f->pull, &rm), 0);
-  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M2);
+  assert_int_equal(kvf__wire_classify(rm.frames, rm.n), WIRE_MSG_M2);
   raw_free(&rm);
   /* Negative pages are refused before anything is sent. */
   int64_t bad[1] = {-1};
@@ -462,8 +462,8 @@ static void malformed_and_unknown(void **state) {
   send_m3(f, 998, WIRE_STATUS_FAILED, 0, -1, NULL, 0);
   send_m3(f, 997, WIRE_STATUS_TRANSFERRING, 0, -1, NULL, 0);
   assert_int_equal(wait_counter(f, offsetof(kvf_manager_stats, messages_unknown_room), 3, 5), 3);
-  assert_int_equal(rooms_exists(f->m->rooms, 999), 0);
-  assert_int_equal(rooms_exists(f->m->rooms, 998), 0);
+  assert_int_equal(kvf__rooms_exists(f->m->rooms, 999), 0);
+  assert_int_equal(kvf__rooms_exists(f->m->rooms, 998), 0);
   kvf_manager_stats s;
   stats(f, &s);
   assert_int_equal(s.live_rooms, 1);
@@ -629,16 +629,16 @@ static void forged_m3_from_third_party(void **state) {
 static void peer_address_rule(void **state) {
   (void)state;
   fixture *f = setup_default();
-  assert_true(manager_peer_is(f->m, "127.0.0.1", "127.0.0.1"));
-  assert_true(manager_peer_is(f->m, "::ffff:10.0.0.2", "10.0.0.2"));
-  assert_true(manager_peer_is(f->m, "10.0.0.2", "10.0.0.2:7000"));
-  assert_true(manager_peer_is(f->m, "fe80::1", "FE80:0::1"));
-  assert_true(manager_peer_is(f->m, "10.0.0.9", "prefill-0.local"));
-  assert_true(manager_peer_is(f->m, "10.0.0.9", "0.0.0.0"));
-  assert_false(manager_peer_is(f->m, "127.0.0.2", "127.0.0.1"));
-  assert_false(manager_peer_is(f->m, "?", "127.0.0.1"));
-  assert_false(manager_peer_is(f->m, "::1", "127.0.0.1"));
-  assert_false(manager_peer_is(f->m, NULL, "10.0.0.2"));
+  assert_true(kvf__manager_peer_is(f->m, "127.0.0.1", "127.0.0.1"));
+  assert_true(kvf__manager_peer_is(f->m, "::ffff:10.0.0.2", "10.0.0.2"));
+  assert_true(kvf__manager_peer_is(f->m, "10.0.0.2", "10.0.0.2:7000"));
+  assert_true(kvf__manager_peer_is(f->m, "fe80::1", "FE80:0::1"));
+  assert_true(kvf__manager_peer_is(f->m, "10.0.0.9", "prefill-0.local"));
+  assert_true(kvf__manager_peer_is(f->m, "10.0.0.9", "0.0.0.0"));
+  assert_false(kvf__manager_peer_is(f->m, "127.0.0.2", "127.0.0.1"));
+  assert_false(kvf__manager_peer_is(f->m, "?", "127.0.0.1"));
+  assert_false(kvf__manager_peer_is(f->m, "::1", "127.0.0.1"));
+  assert_false(kvf__manager_peer_is(f->m, NULL, "10.0.0.2"));
   teardown(f);
 }
 
@@ -647,11 +647,11 @@ static void send_m3_mac(fixture *f, int64_t room, const unsigned char *mac) {
   wire_m3 m3 = {.room = room, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = 9};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
-  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, why), 0);
   for (size_t i = 0; i < msg.nframes; i++)
     assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes || mac ? ZMQ_SNDMORE : 0) >= 0);
   if (mac) assert_true(zmq_send(f->push, mac, MANAGER_MAC_LEN, 0) >= 0);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 /* With a control token, a message without the MAC frame or with a wrong one
@@ -675,10 +675,10 @@ static void control_token_mac(void **state) {
   wire_m3 m3 = {.room = 90, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = 9};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
-  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, why), 0);
   unsigned char mac[MANAGER_MAC_LEN];
   kvf__control_mac(f->m, msg.frames, msg.nframes, mac);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
   mac[MANAGER_MAC_LEN - 1] ^= 1;
   send_m3_mac(f, 90, mac);
   assert_int_equal(forged(f, 2), 2);
@@ -734,12 +734,12 @@ static void heartbeat_rank_restart(void **state) {
   assert_int_equal(kvf_receiver_create(f->m, f->addr, 70, &r), 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
   assert_int_equal(recv_raw(f->pull, &rm), 0);
-  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
+  assert_int_equal(kvf__wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
   raw_free(&rm);
   int64_t pages[2] = {1, 2};
   assert_int_equal(kvf_receiver_init(r, pages, 2, 0, 0, NULL, 0), 0);
   assert_int_equal(recv_raw(f->pull, &rm), 0);
-  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M2);
+  assert_int_equal(kvf__wire_classify(rm.frames, rm.n), WIRE_MSG_M2);
   raw_free(&rm);
   /* Unchanged ranks: a few healthy rounds fail nothing. */
   usleep(700000);
@@ -774,17 +774,17 @@ static void heartbeat_rank_restart(void **state) {
   assert_int_equal(kvf_receiver_poll(r2), KVF_POLL_BOOTSTRAPPED);
   assert_int_equal(recv_raw(pull2, &rm), 0);
   wire_m1 m1;
-  assert_int_equal(wire_m1_decode(rm.frames, rm.n, &m1, why), 0);
+  assert_int_equal(kvf__wire_m1_decode(rm.frames, rm.n, &m1, why), 0);
   assert_int_equal(m1.dst_port, f->m->rank_port);
   assert_string_equal(m1.session, kvf_manager_session_id(f->m));
   raw_free(&rm);
   assert_int_equal(kvf_receiver_init(r2, pages, 2, 0, 0, NULL, 0), 0);
   assert_int_equal(recv_raw(pull2, &rm), 0);
   wire_m2 m2;
-  assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+  assert_int_equal(kvf__wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
   assert_int_equal(m2.room, 71);
   assert_int_equal(m2.kv_indices.count, 2);
-  wire_m2_free(&m2);
+  kvf__wire_m2_free(&m2);
   raw_free(&rm);
   /* Later rounds see the new address as current: the new room lives on. */
   usleep(700000);
@@ -817,7 +817,7 @@ static void mla_dummy_target(void **state) {
   raw_msg rm;
   for (int i = 0; i < 2; i++) {
     assert_int_equal(recv_raw(f->pull, &rm), 0);
-    assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
+    assert_int_equal(kvf__wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
     raw_free(&rm);
   }
   int64_t pages[2] = {5, 6};
@@ -827,7 +827,7 @@ static void mla_dummy_target(void **state) {
     assert_int_equal(recv_raw(f->pull, &rm), 0);
     wire_m2 m2;
     char why[WIRE_REASON_LEN];
-    assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+    assert_int_equal(kvf__wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
     assert_int_equal(m2.required_dst_info_num, 1);
     if (m2.is_dummy) {
       dummy++;
@@ -837,7 +837,7 @@ static void mla_dummy_target(void **state) {
       assert_int_equal(m2.kv_indices.count, 2);
       assert_int_equal(m2.dst_aux_index, 3);
     }
-    wire_m2_free(&m2);
+    kvf__wire_m2_free(&m2);
     raw_free(&rm);
   }
   assert_int_equal(real, 1);
@@ -865,7 +865,7 @@ static void hetero_tp_fragments(void **state) {
   raw_msg rm;
   for (int i = 0; i < 2; i++) {
     assert_int_equal(recv_raw(f->pull, &rm), 0);
-    assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
+    assert_int_equal(kvf__wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
     raw_free(&rm);
   }
   int64_t pages[1] = {2};
@@ -875,9 +875,9 @@ static void hetero_tp_fragments(void **state) {
     assert_int_equal(rm.n, 14);
     wire_m2 m2;
     char why[WIRE_REASON_LEN];
-    assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+    assert_int_equal(kvf__wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
     assert_true(m2.nfrags > 0);
-    wire_m2_free(&m2);
+    kvf__wire_m2_free(&m2);
     raw_free(&rm);
   }
   send_m3(f, 80, WIRE_STATUS_SUCCESS, 1, 77, NULL, 0);
@@ -922,13 +922,13 @@ static void hetero_tp_draft_kinds(void **state) {
     assert_int_equal(recv_raw(f->pull, &rm), 0);
     wire_m2 m2;
     char why[WIRE_REASON_LEN];
-    assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+    assert_int_equal(kvf__wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
     assert_int_equal(m2.nfrags, 2);
     assert_int_equal(m2.frags[0].buffer_index, 0);
-    assert_string_equal(wire_buffer_kind_name(m2.frags[0].buffer_kind), "target_k");
+    assert_string_equal(kvf__wire_buffer_kind_name(m2.frags[0].buffer_kind), "target_k");
     assert_int_equal(m2.frags[1].buffer_index, 1);
-    assert_string_equal(wire_buffer_kind_name(m2.frags[1].buffer_kind), "draft_k");
-    wire_m2_free(&m2);
+    assert_string_equal(kvf__wire_buffer_kind_name(m2.frags[1].buffer_kind), "draft_k");
+    kvf__wire_m2_free(&m2);
     raw_free(&rm);
   }
   kvf_receiver_destroy(r);
@@ -972,11 +972,11 @@ static void token_major_needs_layout(void **state) {
         assert_int_equal(rm.n, 16); /* a kvferry prefill also gets frame 15: the room's fence epoch */
         wire_m2 m2;
         char why[WIRE_REASON_LEN];
-        assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+        assert_int_equal(kvf__wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
         assert_int_equal(m2.page_layout, 4);
         assert_true(m2.fence_epoch != 0);
         assert_true(!(m2.room_flags & WIRE_ROOM_VERIFY)); /* verify mode is off */
-        wire_m2_free(&m2);
+        kvf__wire_m2_free(&m2);
         raw_free(&rm);
       }
     }
@@ -999,13 +999,13 @@ static void churn_is_bounded(void **state) {
   stats(f, &s);
   assert_int_equal(s.live_rooms, 0);
   rooms_stats rs;
-  rooms_get_stats(f->m->rooms, &rs);
+  kvf__rooms_get_stats(f->m->rooms, &rs);
   assert_int_equal(rs.created, 10000);
   assert_int_equal(rs.cleared, 10000);
   /* Only the first receiver registered (one M1). */
   raw_msg rm;
   assert_int_equal(recv_raw(f->pull, &rm), 0);
-  assert_int_equal(wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
+  assert_int_equal(kvf__wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
   raw_free(&rm);
   int tmo = 200;
   zmq_setsockopt(f->pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);

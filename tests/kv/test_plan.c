@@ -26,7 +26,7 @@ static void runs_appendix_a(void **state) {
   int64_t src[3] = {20, 21, 25}, dst[3] = {7, 8, 9};
   plan_run runs[3];
   size_t n = 0;
-  assert_int_equal(plan_runs(src, dst, 3, runs, &n), 0);
+  assert_int_equal(kvf__plan_runs(src, dst, 3, runs, &n), 0);
   assert_int_equal(n, 2);
   assert_int_equal(runs[0].src, 20);
   assert_int_equal(runs[0].dst, 7);
@@ -42,7 +42,7 @@ static void runs_break_on_either_side(void **state) {
   int64_t dst[8] = {7, 8, 10, 11, 12, 13, 14, 15};
   plan_run runs[8];
   size_t n = 0;
-  assert_int_equal(plan_runs(src, dst, 8, runs, &n), 0);
+  assert_int_equal(kvf__plan_runs(src, dst, 8, runs, &n), 0);
   assert_int_equal(n, 3);
   assert_int_equal(runs[0].len, 2);
   assert_int_equal(runs[1].src, 3);
@@ -53,20 +53,20 @@ static void runs_break_on_either_side(void **state) {
   assert_int_equal(runs[2].len, 5);
   /* Descending pages never merge. */
   int64_t s2[3] = {5, 4, 3}, d2[3] = {5, 4, 3};
-  assert_int_equal(plan_runs(s2, d2, 3, runs, &n), 0);
+  assert_int_equal(kvf__plan_runs(s2, d2, 3, runs, &n), 0);
   assert_int_equal(n, 3);
   /* Empty input, negative indices. */
   n = 9;
-  assert_int_equal(plan_runs(NULL, NULL, 0, NULL, &n), 0);
+  assert_int_equal(kvf__plan_runs(NULL, NULL, 0, NULL, &n), 0);
   assert_int_equal(n, 0);
   int64_t neg[2] = {0, -1}, ok[2] = {0, 1};
   n = 9;
-  assert_int_equal(plan_runs(neg, ok, 2, runs, &n), KVF_ERANGE);
-  assert_int_equal(plan_runs(ok, neg, 2, runs, &n), KVF_ERANGE);
+  assert_int_equal(kvf__plan_runs(neg, ok, 2, runs, &n), KVF_ERANGE);
+  assert_int_equal(kvf__plan_runs(ok, neg, 2, runs, &n), KVF_ERANGE);
   assert_int_equal(n, 9);
   /* Huge but valid indices do not overflow. */
   int64_t big[2] = {INT64_MAX - 1, INT64_MAX};
-  assert_int_equal(plan_runs(big, big, 2, runs, &n), 0);
+  assert_int_equal(kvf__plan_runs(big, big, 2, runs, &n), 0);
   assert_int_equal(n, 1);
   assert_int_equal(runs[0].len, 2);
 }
@@ -75,7 +75,7 @@ static void runs_break_on_either_side(void **state) {
 static void plain_writes_appendix_a(void **state) {
   size_t start[3], bufs[4];
   plan_layout lay;
-  plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_mha(2, start, bufs, &lay);
   assert_int_equal(bufs[0], 0);
   assert_int_equal(bufs[1], 2);
   assert_int_equal(bufs[2], 1);
@@ -83,12 +83,12 @@ static void plain_writes_appendix_a(void **state) {
   int64_t src[3] = {20, 21, 25}, dst[3] = {7, 8, 9};
   plan_run runs[3];
   size_t nruns;
-  assert_int_equal(plan_runs(src, dst, 3, runs, &nruns), 0);
+  assert_int_equal(kvf__plan_runs(src, dst, 3, runs, &nruns), 0);
   plan_mem pm = {.base = A_PBASE, .nbufs = 4}, dm = {.base = A_DBASE, .nbufs = 4};
-  assert_int_equal(plan_plain_count(&lay, 0, 2, nruns), 8);
+  assert_int_equal(kvf__plan_plain_count(&lay, 0, 2, nruns), 8);
   kvf_write w[8];
   size_t n = 0;
-  assert_int_equal(plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
   assert_int_equal(n, 8);
   static const uint64_t want[8][3] = {
       {0x7e1000028000ULL, 0x7f3a0000e000ULL, 16384}, {0x7e1000032000ULL, 0x7f3a00012000ULL, 8192},
@@ -103,13 +103,13 @@ static void plain_writes_appendix_a(void **state) {
     assert_true(w[i].count <= 1);
   }
   /* Layerwise: layer 1 alone gives the last four blocks. */
-  assert_int_equal(plan_plain_count(&lay, 1, 2, nruns), 4);
-  assert_int_equal(plan_plain_writes(&lay, 1, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_plain_count(&lay, 1, 2, nruns), 4);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 1, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
   assert_int_equal(n, 4);
   assert_int_equal(w[0].src, 0x7e1040028000ULL);
   assert_int_equal(w[3].dst, 0x7f3ac0012000ULL);
   /* No runs: no blocks. */
-  assert_int_equal(plan_plain_writes(&lay, 0, 2, runs, 0, &pm, &dm, A_ITEM, w, 0, &n), 0);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, 0, &pm, &dm, A_ITEM, w, 0, &n), 0);
   assert_int_equal(n, 0);
 }
 
@@ -118,39 +118,39 @@ static void plain_writes_appendix_a(void **state) {
 static void plain_writes_bounds(void **state) {
   size_t start[3], bufs[4];
   plan_layout lay;
-  plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_mha(2, start, bufs, &lay);
   int64_t src[3] = {20, 21, 25}, dst[3] = {7, 8, 9};
   plan_run runs[3];
   size_t nruns, n = 77;
-  assert_int_equal(plan_runs(src, dst, 3, runs, &nruns), 0);
+  assert_int_equal(kvf__plan_runs(src, dst, 3, runs, &nruns), 0);
   kvf_write w[8];
   /* Decode page 9 ends at 10 * 8192 bytes. */
   uint64_t dlen[4] = {81920, 81920, 81920, 81920};
   uint64_t plen[4] = {26 * 8192, 26 * 8192, 26 * 8192, 26 * 8192};
   plan_mem pm = {.base = A_PBASE, .len = plen, .nbufs = 4};
   plan_mem dm = {.base = A_DBASE, .len = dlen, .nbufs = 4};
-  assert_int_equal(plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
   dlen[3] = 81919;
   n = 77;
-  assert_int_equal(plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
   assert_int_equal(n, 77);
   dlen[3] = 81920;
   plen[1] = 26 * 8192 - 1;
-  assert_int_equal(plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
   plen[1] = 26 * 8192;
   /* Array too small, bad layer range, decode registered fewer buffers. */
-  assert_int_equal(plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 7, &n), KVF_ETOOBIG);
-  assert_int_equal(plan_plain_writes(&lay, 1, 3, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_EINVAL);
-  assert_int_equal(plan_plain_count(&lay, 2, 1, nruns), 0);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 7, &n), KVF_ETOOBIG);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 1, 3, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_EINVAL);
+  assert_int_equal(kvf__plan_plain_count(&lay, 2, 1, nruns), 0);
   plan_mem short_dm = {.base = A_DBASE, .nbufs = 3};
-  assert_int_equal(plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &short_dm, A_ITEM, w, 8, &n),
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &short_dm, A_ITEM, w, 8, &n),
                    KVF_EINVAL);
   /* Negative or overflowing pages in hand-made runs. */
   plan_run bad = {.src = -1, .dst = 0, .len = 1};
-  assert_int_equal(plan_plain_writes(&lay, 0, 1, &bad, 1, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 1, &bad, 1, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
   plan_run huge = {.src = INT64_MAX / 2, .dst = 0, .len = 1};
   plan_mem nolen = {.base = A_PBASE, .nbufs = 4};
-  assert_int_equal(plan_plain_writes(&lay, 0, 1, &huge, 1, &nolen, &nolen, A_ITEM, w, 8, &n),
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 1, &huge, 1, &nolen, &nolen, A_ITEM, w, 8, &n),
                    KVF_ERANGE);
 }
 
@@ -194,11 +194,11 @@ static void check_frag(const plan_fragment *f, uint32_t buf, plan_kind kind, int
 static void route_identity_appendix_a(void **state) {
   size_t start[3], bufs[4];
   plan_layout lay;
-  plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_mha(2, start, bufs, &lay);
   int64_t item[4] = {8192, 8192, 8192, 8192}, unit[4] = {256, 256, 256, 256};
   plan_route_params p = params(1, 0, 1, &lay, item, item, unit, 4);
   plan_route r;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.is_identity, 1);
   assert_int_equal(r.supports_spec, 1);
   assert_int_equal(r.ntargets, 1);
@@ -209,27 +209,27 @@ static void route_identity_appendix_a(void **state) {
   assert_int_equal(r.required_prefill_response_num, 1);
   assert_int_equal(r.nfrags, 0);
   assert_int_equal(r.fanout[0], 1);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
   /* Same TP 4 on both sides: decode rank 2 talks to prefill rank 2 only. */
   p = params(4, 2, 4, &lay, item, item, unit, 4);
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.is_identity, 1);
   assert_int_equal(r.ntargets, 1);
   assert_int_equal(r.targets[0].rank, 2);
   for (int q = 0; q < 4; q++) assert_int_equal(r.fanout[q], 1);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
 }
 
 /* §6.5.7: prefill TP 4 -> decode TP 2, 1-layer MHA (K0, V0), 512 -> 1024 B. */
 static void route_prefill_wider(void **state) {
   size_t start[2], bufs[2];
   plan_layout lay;
-  plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_mha(1, start, bufs, &lay);
   int64_t di[2] = {1024, 1024}, pi[2] = {512, 512}, unit[2] = {256, 256};
   plan_route r;
   for (int d = 0; d < 2; d++) {
     plan_route_params p = params(2, d, 4, &lay, di, pi, unit, 2);
-    assert_int_equal(plan_route_build(&p, &r), 0);
+    assert_int_equal(kvf__plan_route_build(&p, &r), 0);
     assert_int_equal(r.is_identity, 0);
     assert_int_equal(r.supports_spec, 0);
     assert_int_equal(r.required_prefill_response_num, 2);
@@ -246,7 +246,7 @@ static void route_prefill_wider(void **state) {
                  512);
     }
     assert_int_equal(r.nfrags, 4);
-    plan_route_free(&r);
+    kvf__plan_route_free(&r);
   }
 }
 
@@ -255,11 +255,11 @@ static void route_prefill_wider(void **state) {
 static void route_decode_wider(void **state) {
   size_t start[2], bufs[2];
   plan_layout lay;
-  plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_mha(1, start, bufs, &lay);
   int64_t di[2] = {512, 512}, pi[2] = {1024, 1024}, unit[2] = {256, 256};
   plan_route_params p = params(4, 1, 2, &lay, di, pi, unit, 2);
   plan_route r;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.is_identity, 0);
   assert_int_equal(r.ntargets, 1);
   assert_int_equal(r.targets[0].rank, 0);
@@ -270,14 +270,14 @@ static void route_decode_wider(void **state) {
   assert_int_equal(r.nfrags, 2);
   check_frag(&r.frags[0], 0, PLAN_TARGET_K, 0, 1, 1024, 512, 512, 0, 512);
   check_frag(&r.frags[1], 1, PLAN_TARGET_V, 0, 1, 1024, 512, 512, 0, 512);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
   /* Decode rank 2 takes the first half of p1. */
   p.decode_tp_rank = 2;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 1);
   assert_int_equal(r.targets[0].rank, 1);
   check_frag(&r.frags[0], 0, PLAN_TARGET_K, 1, 2, 1024, 512, 0, 0, 512);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
 }
 
 /* §6.5.7 GQA replica example: Tp 4, Td 1, 16384 -> 32768, unit 256. */
@@ -287,7 +287,7 @@ static void route_gqa_replicas(void **state) {
   int64_t di[1] = {32768}, pi[1] = {16384}, unit[1] = {256};
   plan_route_params p = params(1, 0, 4, &lay, di, pi, unit, 1);
   plan_route r;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.is_identity, 0);
   assert_int_equal(r.ntargets, 2);
   assert_int_equal(r.targets[0].rank, 0);
@@ -301,7 +301,7 @@ static void route_gqa_replicas(void **state) {
   assert_int_equal(r.targets[0].required_dst_info_num, 1);
   /* §8 item 4: ranks 1 and 3 get dummies from decode rank 0, in rank order;
    * the response count stays 2 (dummies send no M3). */
-  assert_int_equal(plan_route_add_dummies(&r, 1, 0), 0);
+  assert_int_equal(kvf__plan_route_add_dummies(&r, 1, 0), 0);
   assert_int_equal(r.ntargets, 4);
   for (int q = 0; q < 4; q++) {
     assert_int_equal(r.targets[q].rank, q);
@@ -313,7 +313,7 @@ static void route_gqa_replicas(void **state) {
   assert_int_equal(r.targets[2].nfrags, 1);
   check_frag(&r.frags[r.targets[2].frag_start], 0, PLAN_TARGET_K, 2, 0, 16384, 32768, 0, 16384, 16384);
   assert_int_equal(r.required_prefill_response_num, 2);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
 }
 
 /* Dummies spread over decode ranks: Tp 4 replicated onto Td 2 (sources 0
@@ -325,17 +325,17 @@ static void route_dummies_spread(void **state) {
   for (int d = 0; d < 2; d++) {
     plan_route_params p = params(2, d, 4, &lay, di, pi, unit, 1);
     plan_route r;
-    assert_int_equal(plan_route_build(&p, &r), 0);
+    assert_int_equal(kvf__plan_route_build(&p, &r), 0);
     assert_int_equal(r.ntargets, 1);
     assert_int_equal(r.targets[0].rank, 2 * d);
-    assert_int_equal(plan_route_add_dummies(&r, 2, d), 0);
+    assert_int_equal(kvf__plan_route_add_dummies(&r, 2, d), 0);
     assert_int_equal(r.ntargets, 2);
     assert_int_equal(r.targets[0].rank, 2 * d);
     assert_int_equal(r.targets[0].is_dummy, 0);
     assert_int_equal(r.targets[1].rank, 2 * d + 1);
     assert_int_equal(r.targets[1].is_dummy, 1);
     assert_int_equal(r.required_prefill_response_num, 1);
-    plan_route_free(&r);
+    kvf__plan_route_free(&r);
   }
 }
 
@@ -354,7 +354,7 @@ static void route_replicated_draft_state(void **state) {
   p.p_state_item = sp;
   p.n_p_state = 1;
   plan_route r;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   /* State: 2048 B x prefill TP 4 = 4096 B x decode TP 2 -> sharded; decode
    * rank 1 holds [4096, 8192) = prefill ranks 2 and 3, so rank 3 becomes a
    * target through the state buffer alone. */
@@ -368,43 +368,43 @@ static void route_replicated_draft_state(void **state) {
   check_frag(&r.frags[1], 1, PLAN_DRAFT_K, 2, 1, 1152, 1152, 0, 0, 1152);
   check_frag(&r.frags[2], 0, PLAN_MAMBA_STATE, 2, 1, 2048, 4096, 0, 0, 2048);
   check_frag(&r.frags[3], 0, PLAN_MAMBA_STATE, 3, 1, 2048, 4096, 0, 2048, 2048);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
   /* ...so recompute without state to check the pure replicated case. */
   p.n_d_state = p.n_p_state = 0;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 1);
   int want[4] = {1, 0, 1, 0};
   for (int q = 0; q < 4; q++) assert_int_equal(r.fanout[q], want[q]);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
   /* And state alone: targets 2 and 3 with mamba_state fragments. */
   size_t s0[1] = {0};
   plan_layout empty = {.nlayers = 0, .start = s0, .bufs = NULL};
   p.layout = &empty;
   p.n_d_state = p.n_p_state = 1;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 2);
   assert_int_equal(r.targets[0].rank, 2);
   assert_int_equal(r.targets[1].rank, 3);
   check_frag(&r.frags[0], 0, PLAN_MAMBA_STATE, 2, 1, 2048, 4096, 0, 0, 2048);
   check_frag(&r.frags[1], 0, PLAN_MAMBA_STATE, 3, 1, 2048, 4096, 0, 2048, 2048);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
   /* Published none: Ip = Id*Td/Tp = 1024*2/4 = 512, as in §6.5.7. */
   size_t st2[2], bf2[2];
   plan_layout mha;
-  plan_layout_mha(1, st2, bf2, &mha);
+  kvf__plan_layout_mha(1, st2, bf2, &mha);
   int64_t di[2] = {1024, 1024}, unit[2] = {256, 256};
   p = params(2, 0, 4, &mha, di, NULL, unit, 2);
   p.n_p_kv_unit = 0; /* prefill units unpublished -> 1, decode says 256: mismatch */
   char err[160] = "";
   p.err = err;
   p.err_cap = sizeof err;
-  assert_int_equal(plan_route_build(&p, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_build(&p, &r), KVF_EINVAL);
   assert_non_null(strstr(err, "unit"));
   p.n_p_kv_unit = 2;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 2);
   assert_int_equal(r.frags[0].src_page_stride, 512);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
 }
 
 /* Kinds follow the layer: first buffer of a layer is *_k, the others *_v;
@@ -413,13 +413,13 @@ static void route_replicated_draft_state(void **state) {
 static void route_kinds_and_pair_order(void **state) {
   size_t start[3], bufs[4];
   plan_layout lay;
-  plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_mha(2, start, bufs, &lay);
   int64_t di[4] = {1024, 1024, 1024, 1024}, pi[4] = {512, 512, 512, 512};
   int64_t unit[4] = {256, 256, 256, 256};
   plan_route_params p = params(1, 0, 2, &lay, di, pi, unit, 4);
   p.target_layer_num = 1;
   plan_route r;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 2);
   assert_int_equal(r.targets[1].nfrags, 4);
   const plan_fragment *f = &r.frags[r.targets[1].frag_start];
@@ -428,13 +428,13 @@ static void route_kinds_and_pair_order(void **state) {
   for (int i = 0; i < 4; i++) {
     check_frag(&f[i], want_buf[i], want_kind[i], 1, 0, 512, 1024, 0, 512, 512);
   }
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
 }
 
 static void route_rejects_bad_layouts(void **state) {
   size_t start[2], bufs[2];
   plan_layout lay;
-  plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_mha(1, start, bufs, &lay);
   char err[200];
   plan_route r;
   memset(&r, 0x5a, sizeof r);
@@ -445,53 +445,53 @@ static void route_rejects_bad_layouts(void **state) {
   p.err = err;
   p.err_cap = sizeof err;
   err[0] = '\0';
-  assert_int_equal(plan_route_build(&p, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_build(&p, &r), KVF_EINVAL);
   assert_non_null(strstr(err, "unsupported heterogeneous TP buffer layout"));
   assert_memory_equal(&r, &before, sizeof r);
   /* Item not a multiple of the unit. */
   int64_t odd[2] = {1000, 1000};
   p = params(2, 0, 4, &lay, di, odd, unit, 2);
-  assert_int_equal(plan_route_build(&p, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_build(&p, &r), KVF_EINVAL);
   /* Prefill list shorter than the decode's buffer count. */
   p = params(2, 0, 4, &lay, di, pi, unit, 2);
   p.n_p_kv = 1;
-  assert_int_equal(plan_route_build(&p, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_build(&p, &r), KVF_EINVAL);
   /* Non-positive lengths, bad sizes and ranks. */
   int64_t zero[2] = {0, 0};
   p = params(2, 0, 4, &lay, di, zero, NULL, 2);
-  assert_int_equal(plan_route_build(&p, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_build(&p, &r), KVF_EINVAL);
   p = params(2, 2, 4, &lay, di, di, NULL, 2);
-  assert_int_equal(plan_route_build(&p, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_build(&p, &r), KVF_EINVAL);
   p = params(0, 0, 4, &lay, di, di, NULL, 2);
-  assert_int_equal(plan_route_build(&p, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_build(&p, &r), KVF_EINVAL);
   p = params(2, 0, PLAN_MAX_TP + 1, &lay, di, di, NULL, 2);
-  assert_int_equal(plan_route_build(&p, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_build(&p, &r), KVF_EINVAL);
   /* A zero unit length. */
   int64_t zu[2] = {0, 0};
   p = params(2, 0, 4, &lay, di, pi, zu, 2);
-  assert_int_equal(plan_route_build(&p, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_build(&p, &r), KVF_EINVAL);
   assert_memory_equal(&r, &before, sizeof r);
 }
 
 static void route_legacy_mla(void **state) {
   plan_route r;
   /* Equal TP. */
-  assert_int_equal(plan_route_legacy_mla(2, 1, 2, 0, &r), 0);
+  assert_int_equal(kvf__plan_route_legacy_mla(2, 1, 2, 0, &r), 0);
   assert_int_equal(r.ntargets, 1);
   assert_int_equal(r.targets[0].rank, 1);
   assert_int_equal(r.targets[0].required_dst_info_num, 1);
   assert_int_equal(r.required_prefill_response_num, 1);
   assert_int_equal(r.supports_spec, 1);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
   /* Decode wider: rank 3 of 4 over 2 prefill ranks -> rank 1, fan-out 2. */
-  assert_int_equal(plan_route_legacy_mla(4, 3, 2, 0, &r), 0);
+  assert_int_equal(kvf__plan_route_legacy_mla(4, 3, 2, 0, &r), 0);
   assert_int_equal(r.ntargets, 1);
   assert_int_equal(r.targets[0].rank, 1);
   assert_int_equal(r.targets[0].required_dst_info_num, 2);
   assert_int_equal(r.required_prefill_response_num, 1);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
   /* Prefill wider: decode 1 of 2 over 4 -> ranks 2 (real) and 3 (dummy). */
-  assert_int_equal(plan_route_legacy_mla(2, 1, 4, 0, &r), 0);
+  assert_int_equal(kvf__plan_route_legacy_mla(2, 1, 4, 0, &r), 0);
   assert_int_equal(r.ntargets, 2);
   assert_int_equal(r.targets[0].rank, 2);
   assert_int_equal(r.targets[0].is_dummy, 0);
@@ -499,31 +499,31 @@ static void route_legacy_mla(void **state) {
   assert_int_equal(r.targets[1].is_dummy, 1);
   assert_int_equal(r.targets[1].required_dst_info_num, 1);
   assert_int_equal(r.required_prefill_response_num, 1);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
   /* L1.5: all prefill ranks, each waiting for every decode rank. */
-  assert_int_equal(plan_route_legacy_mla(2, 0, 4, 1, &r), 0);
+  assert_int_equal(kvf__plan_route_legacy_mla(2, 0, 4, 1, &r), 0);
   assert_int_equal(r.ntargets, 4);
   assert_int_equal(r.required_prefill_response_num, 4);
   for (int t = 0; t < 4; t++) {
     assert_int_equal(r.targets[t].rank, t);
     assert_int_equal(r.targets[t].required_dst_info_num, 2);
   }
-  plan_route_free(&r);
-  assert_int_equal(plan_route_legacy_mla(3, 0, 2, 0, &r), KVF_EINVAL);
-  assert_int_equal(plan_route_legacy_mla(2, 0, 3, 0, &r), KVF_EINVAL);
+  kvf__plan_route_free(&r);
+  assert_int_equal(kvf__plan_route_legacy_mla(3, 0, 2, 0, &r), KVF_EINVAL);
+  assert_int_equal(kvf__plan_route_legacy_mla(2, 0, 3, 0, &r), KVF_EINVAL);
 }
 
 static void kind_names(void **state) {
   static const char *names[] = {"target_k", "target_v", "draft_k", "draft_v", "mamba_state"};
   for (int k = 0; k <= PLAN_MAMBA_STATE; k++) {
-    assert_string_equal(plan_kind_name(k), names[k]);
+    assert_string_equal(kvf__plan_kind_name(k), names[k]);
     plan_kind got;
-    assert_int_equal(plan_kind_parse(names[k], &got), 0);
+    assert_int_equal(kvf__plan_kind_parse(names[k], &got), 0);
     assert_int_equal(got, k);
   }
   plan_kind got = PLAN_DRAFT_V;
-  assert_null(plan_kind_name(5));
-  assert_int_equal(plan_kind_parse("target_q", &got), KVF_EINVAL);
+  assert_null(kvf__plan_kind_name(5));
+  assert_int_equal(kvf__plan_kind_parse("target_q", &got), KVF_EINVAL);
   assert_int_equal(got, PLAN_DRAFT_V);
 }
 
@@ -534,11 +534,11 @@ static void kind_names(void **state) {
 static void frag_writes_worked_example(void **state) {
   size_t start[2], bufs[2];
   plan_layout lay;
-  plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_mha(1, start, bufs, &lay);
   int64_t di[2] = {1024, 1024}, pi[2] = {512, 512}, unit[2] = {256, 256};
   plan_route_params p = params(2, 0, 4, &lay, di, pi, unit, 2);
   plan_route r;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   const plan_target *t1 = &r.targets[1];
   assert_int_equal(t1->rank, 1);
   const plan_fragment *fr = &r.frags[t1->frag_start];
@@ -548,10 +548,10 @@ static void frag_writes_worked_example(void **state) {
   int64_t src1[1] = {7}, dst1[1] = {3};
   plan_run runs[3];
   size_t nruns, n;
-  assert_int_equal(plan_runs(src1, dst1, 1, runs, &nruns), 0);
+  assert_int_equal(kvf__plan_runs(src1, dst1, 1, runs, &nruns), 0);
   kvf_write w[8];
-  assert_int_equal(plan_frag_count(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns), 2);
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns), 2);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_int_equal(w[0].src, 0x100000 + 7 * 512);
   assert_int_equal(w[0].dst, 0x900000 + 3 * 1024 + 512);
@@ -561,8 +561,8 @@ static void frag_writes_worked_example(void **state) {
   assert_int_equal(w[1].dst, 0xa00000 + 3 * 1024 + 512);
 
   int64_t src3[3] = {7, 8, 9}, dst3[3] = {3, 4, 5};
-  assert_int_equal(plan_runs(src3, dst3, 3, runs, &nruns), 0);
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_runs(src3, dst3, 3, runs, &nruns), 0);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_int_equal(w[0].count, 3);
   assert_int_equal(w[0].len, 512);
@@ -576,20 +576,20 @@ static void frag_writes_worked_example(void **state) {
     assert_int_equal(w[0].dst + i * w[0].dst_stride, 0x900000 + (uint64_t)dst3[i] * 1024 + 512);
   }
   /* State mode picks no KV fragments. */
-  assert_int_equal(plan_frag_count(&lay, 0, 1, fr, t1->nfrags, 1, runs, nruns), 0);
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 1, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, fr, t1->nfrags, 1, runs, nruns), 0);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 1, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 0);
   /* Decode buffer length: page 5 + 512 + 512 ends at 6*1024. */
   uint64_t dlen[2] = {6 * 1024, 6 * 1024};
   dm.len = dlen;
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   dlen[1] = 6 * 1024 - 1;
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n),
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n),
                    KVF_ERANGE);
   dm.len = NULL;
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 1, &n),
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 1, &n),
                    KVF_ETOOBIG);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
 }
 
 static void frag_writes_coalesce_limit_and_reject(void **state) {
@@ -600,13 +600,13 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   int64_t src[5] = {1, 2, 3, 10, 11}, dst[5] = {4, 5, 6, 20, 21};
   plan_run runs[5];
   size_t nruns, n;
-  assert_int_equal(plan_runs(src, dst, 5, runs, &nruns), 0);
+  assert_int_equal(kvf__plan_runs(src, dst, 5, runs, &nruns), 0);
   assert_int_equal(nruns, 2);
   kvf_write w[8];
   /* Whole pages on both sides (replicated): one plain block per run. */
   plan_fragment whole = {.buffer_index = 0, .kind = PLAN_TARGET_K, .src_page_stride = 1152,
                          .dst_page_stride = 1152, .bytes_per_page = 1152, .page_count = -1};
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_true(w[0].count <= 1);
   assert_int_equal(w[0].len, 3 * 1152);
@@ -617,42 +617,42 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   plan_fragment lim = whole;
   lim.src_page_stride = 2048;
   lim.page_count = 2;
-  assert_int_equal(plan_frag_count(&lay, 0, 1, &lim, 1, 0, runs, nruns), 2);
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, &lim, 1, 0, runs, nruns), 2);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(w[0].count, 2);
   assert_int_equal(w[1].count, 2);
   lim.page_count = 0;
-  assert_int_equal(plan_frag_count(&lay, 0, 1, &lim, 1, 0, runs, nruns), 0);
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, &lim, 1, 0, runs, nruns), 0);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 0);
   /* A fragment that would spill into the next page, or is empty. */
   plan_fragment spill = whole;
   spill.dst_byte_offset = 1;
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, &spill, 1, 0, runs, nruns, &pm, &dm, w, 8, &n),
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &spill, 1, 0, runs, nruns, &pm, &dm, w, 8, &n),
                    KVF_ERANGE);
   plan_fragment empty = whole;
   empty.bytes_per_page = 0;
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, &empty, 1, 0, runs, nruns, &pm, &dm, w, 8, &n),
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &empty, 1, 0, runs, nruns, &pm, &dm, w, 8, &n),
                    KVF_ERANGE);
   plan_fragment wrap = whole;
   wrap.src_byte_offset = UINT64_MAX - 10;
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, &wrap, 1, 0, runs, nruns, &pm, &dm, w, 8, &n),
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &wrap, 1, 0, runs, nruns, &pm, &dm, w, 8, &n),
                    KVF_ERANGE);
   /* Fragments for buffers not in the layer are ignored; a layer buffer
    * past the decode's registered count is refused. */
   plan_fragment other = whole;
   other.buffer_index = 5;
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, &other, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &other, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 0);
   plan_mem none = {.base = dbase, .nbufs = 0};
-  assert_int_equal(plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &none, w, 8, &n),
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &none, w, 8, &n),
                    KVF_EINVAL);
   /* State mode uses mamba_state fragments only. */
   plan_fragment st = whole;
   st.kind = PLAN_MAMBA_STATE;
   plan_fragment both[2] = {whole, st};
-  assert_int_equal(plan_frag_count(&lay, 0, 1, both, 2, 1, runs, nruns), 2);
-  assert_int_equal(plan_frag_count(&lay, 0, 1, both, 2, 0, runs, nruns), 2);
+  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, both, 2, 1, runs, nruns), 2);
+  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, both, 2, 0, runs, nruns), 2);
 }
 
 /* ---- Small helpers ---- */
@@ -704,7 +704,7 @@ static char *target_json(const plan_route *r, int t) {
   }
   char *json = NULL, reason[128] = "";
   size_t len = 0;
-  assert_int_equal(wire_fragments_format(w, pt->nfrags, &json, &len, reason), 0);
+  assert_int_equal(kvf__wire_fragments_format(w, pt->nfrags, &json, &len, reason), 0);
   assert_int_equal(strlen(json), len);
   return json;
 }
@@ -719,7 +719,7 @@ static void route_draft_json_matches_reference(void **state) {
 
   plan_route_params p = params(1, 0, 2, &lay, wide, narrow, unit, 6);
   p.target_layer_num = 2;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 2);
   assert_false(r.supports_spec); /* the reference: supports_remote_spec_candidates False */
   json = target_json(&r, 0);
@@ -728,70 +728,70 @@ static void route_draft_json_matches_reference(void **state) {
   json = target_json(&r, 1);
   assert_string_equal(json, DRAFT_JSON_A1);
   free(json);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
 
   /* Without the count (0) every layer is labelled target, as before. */
   p.target_layer_num = 0;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   json = target_json(&r, 0);
   assert_null(strstr(json, "draft"));
   free(json);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
 
   p = params(2, 1, 1, &lay, narrow, wide, unit, 6);
   p.target_layer_num = 2;
-  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 1);
   assert_int_equal(r.targets[0].required_dst_info_num, 2);
   json = target_json(&r, 0);
   assert_string_equal(json, DRAFT_JSON_B0);
   free(json);
-  plan_route_free(&r);
+  kvf__plan_route_free(&r);
 }
 
 static void dp_group_floor_modulo(void **state) {
   int64_t g = -1;
-  assert_int_equal(plan_dp_group(7215963401LL, 1, &g), 0);
+  assert_int_equal(kvf__plan_dp_group(7215963401LL, 1, &g), 0);
   assert_int_equal(g, 0);
-  assert_int_equal(plan_dp_group(7215963401LL, 4, &g), 0);
+  assert_int_equal(kvf__plan_dp_group(7215963401LL, 4, &g), 0);
   assert_int_equal(g, 1);
-  assert_int_equal(plan_dp_group(-1, 4, &g), 0);
+  assert_int_equal(kvf__plan_dp_group(-1, 4, &g), 0);
   assert_int_equal(g, 3);
-  assert_int_equal(plan_dp_group(-8, 4, &g), 0);
+  assert_int_equal(kvf__plan_dp_group(-8, 4, &g), 0);
   assert_int_equal(g, 0);
-  assert_int_equal(plan_dp_group(INT64_MIN, 3, &g), 0);
+  assert_int_equal(kvf__plan_dp_group(INT64_MIN, 3, &g), 0);
   assert_int_equal(g, 1); /* Python: -2**63 % 3 == 1 */
   g = 42;
-  assert_int_equal(plan_dp_group(5, 0, &g), KVF_EINVAL);
-  assert_int_equal(plan_dp_group(5, -2, &g), KVF_EINVAL);
+  assert_int_equal(kvf__plan_dp_group(5, 0, &g), KVF_EINVAL);
+  assert_int_equal(kvf__plan_dp_group(5, -2, &g), KVF_EINVAL);
   assert_int_equal(g, 42);
 }
 
 static void session_port_and_queue_shard(void **state) {
   int port = 0;
-  assert_int_equal(plan_session_port("10.0.0.2:15001", &port), 0);
+  assert_int_equal(kvf__plan_session_port("10.0.0.2:15001", &port), 0);
   assert_int_equal(port, 15001);
-  assert_int_equal(plan_session_port("[::1]:80", &port), 0);
+  assert_int_equal(kvf__plan_session_port("[::1]:80", &port), 0);
   assert_int_equal(port, 80);
   static const char *bad[] = {"", "10.0.0.2", ":1", "a:", "a:b", "a:1:2", "a:65536", "a:0",
                               "a:+1", "a: 1", "a:1 ", "a:-1", "[]:80", "[::1]80", "[::1", "a:123456"};
   port = 7;
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
-    assert_int_equal(plan_session_port(bad[i], &port), KVF_EINVAL);
-  assert_int_equal(plan_session_port(NULL, &port), KVF_EINVAL);
+    assert_int_equal(kvf__plan_session_port(bad[i], &port), KVF_EINVAL);
+  assert_int_equal(kvf__plan_session_port(NULL, &port), KVF_EINVAL);
   assert_int_equal(port, 7);
   const char *ss[2] = {"10.0.0.2:15001", "10.0.0.3:15002"};
   int shard = -1;
-  assert_int_equal(plan_queue_shard(ss, 2, 4, &shard), 0);
+  assert_int_equal(kvf__plan_queue_shard(ss, 2, 4, &shard), 0);
   assert_int_equal(shard, (15001 + 15002) % 4);
-  assert_int_equal(plan_queue_shard(ss, 1, 4, &shard), 0);
+  assert_int_equal(kvf__plan_queue_shard(ss, 1, 4, &shard), 0);
   assert_int_equal(shard, 15001 % 4);
-  assert_int_equal(plan_queue_shard(ss, 0, 4, &shard), 0);
+  assert_int_equal(kvf__plan_queue_shard(ss, 0, 4, &shard), 0);
   assert_int_equal(shard, 0);
   shard = 9;
-  assert_int_equal(plan_queue_shard(ss, 2, 0, &shard), KVF_EINVAL);
+  assert_int_equal(kvf__plan_queue_shard(ss, 2, 0, &shard), KVF_EINVAL);
   const char *bs[2] = {"10.0.0.2:15001", "10.0.0.3"};
-  assert_int_equal(plan_queue_shard(bs, 2, 4, &shard), KVF_EINVAL);
+  assert_int_equal(kvf__plan_queue_shard(bs, 2, 4, &shard), KVF_EINVAL);
   assert_int_equal(shard, 9);
 }
 

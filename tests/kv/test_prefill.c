@@ -189,9 +189,9 @@ static void send_m1(fixture *f) {
   m1.state_ptrs = wire_array_of(sptrs, (size_t)g_nstate);
   wire_msg msg;
   char why[WIRE_REASON_LEN];
-  assert_int_equal(wire_m1_encode(&m1, &msg, why), 0);
+  assert_int_equal(kvf__wire_m1_encode(&m1, &msg, why), 0);
   send_msg(f, &msg);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 static void send_m2_full(fixture *f, int64_t room, const int64_t *dst, size_t n, int64_t prefix,
@@ -209,9 +209,9 @@ static void send_m2_full(fixture *f, int64_t room, const int64_t *dst, size_t n,
   m2.mamba_indices = wire_array_of(mamba, nmamba);
   wire_msg msg;
   char why[WIRE_REASON_LEN];
-  assert_int_equal(wire_m2_encode(&m2, &msg, why), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, why), 0);
   send_msg(f, &msg);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 static void send_m2_prefix(fixture *f, int64_t room, const int64_t *dst, size_t n, int64_t prefix) {
@@ -284,7 +284,7 @@ static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
   wire_frame fr[8];
   for (size_t i = 0; i < n; i++) fr[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
   char why[WIRE_REASON_LEN];
-  assert_int_equal(wire_m3_decode(fr, n, out, why), 0);
+  assert_int_equal(kvf__wire_m3_decode(fr, n, out, why), 0);
   *ncand = out->candidates.count < KVF_MAX_CANDIDATES ? out->candidates.count : KVF_MAX_CANDIDATES;
   for (size_t i = 0; i < *ncand; i++) cands[i] = wire_i32_at(out->candidates, i);
   out->candidates = wire_array_of(NULL, 0);
@@ -396,10 +396,10 @@ static void token_major_slices(void **state) {
     m2.page_layout = with_layout ? 4 : 0;
     wire_msg msg;
     char why[WIRE_REASON_LEN];
-    assert_int_equal(wire_m2_encode(&m2, &msg, why), 0);
+    assert_int_equal(kvf__wire_m2_encode(&m2, &msg, why), 0);
     assert_int_equal(msg.nframes, with_layout ? 15 : 14);
     send_msg(&f, &msg);
-    wire_msg_free(&msg);
+    kvf__wire_msg_free(&msg);
     assert_int_equal(send_chunk(s, src, 3, 1, 0, 7, NULL, 0, NULL, 0), 0);
     int st = wait_final(s, 5000);
     wire_m3 m3;
@@ -1052,7 +1052,7 @@ static void token_wait_ends(void **state) {
   assert_int_equal(kvf_sender_poll(s[1]), KVF_POLL_FAILED);
   assert_int_equal(kvf_sender_set_metadata(s[1], 3, NULL, 0), 0);
   expect_no_m3(&f, 100);
-  assert_int_equal(rooms_clear(f.m->rooms, 66, NULL), 0);
+  assert_int_equal(kvf__rooms_clear(f.m->rooms, 66, NULL), 0);
   assert_int_equal(kvf_sender_set_metadata(s[2], 3, NULL, 0), KVF_ENOTFOUND);
   kvf_sender_destroy(s[1]);
   kvf_sender_destroy(s[2]);
@@ -1082,13 +1082,13 @@ static void registers_with_bootstrap(void **state) {
   fx_setup(&f, addr);
   /* the rank is now findable: GET the rank lookup */
   bootstrap_client *c = NULL;
-  assert_int_equal(bootstrap_client_create(addr, NULL, &c), 0);
+  assert_int_equal(kvf__bootstrap_client_create(addr, NULL, &c), 0);
   char ip[64];
   int port = 0;
-  assert_int_equal(bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), 0);
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), 0);
   assert_string_equal(ip, "127.0.0.1");
   assert_int_equal(port, f.m->rank_port);
-  bootstrap_client_destroy(c);
+  kvf__bootstrap_client_destroy(c);
   fx_teardown(&f);
   kvf_bootstrap_server_destroy(srv);
   /* an unreachable bootstrap server fails manager creation */

@@ -16,14 +16,14 @@
 
 static rooms *new_table(size_t max) {
   rooms *t = NULL;
-  assert_int_equal(rooms_table_new(max, &t), 0);
+  assert_int_equal(kvf__rooms_table_new(max, &t), 0);
   assert_non_null(t);
   return t;
 }
 
 static int status_of(rooms *t, int64_t room) {
   int s = -1;
-  assert_int_equal(rooms_get_status(t, room, &s), 0);
+  assert_int_equal(kvf__rooms_get_status(t, room, &s), 0);
   return s;
 }
 
@@ -34,47 +34,47 @@ static void update_rule_table(void **state) {
   for (int cur = 0; cur <= ROOM_STATUS_MAX; cur++)
     for (int s = 0; s <= ROOM_STATUS_MAX; s++) {
       int64_t room = cur * 10 + s;
-      assert_int_equal(rooms_create(t, room, cur), 0);
+      assert_int_equal(kvf__rooms_create(t, room, cur), 0);
       int now = -1;
-      assert_int_equal(rooms_update(t, room, s, &now), 0);
+      assert_int_equal(kvf__rooms_update(t, room, s, &now), 0);
       int want = (cur == ROOM_FAILED || s == ROOM_FAILED) ? ROOM_FAILED : (cur > s ? cur : s);
       assert_int_equal(now, want);
       assert_int_equal(status_of(t, room), want);
     }
   /* Explicit cases the spec calls out. */
-  assert_int_equal(rooms_create(t, 100, ROOM_SUCCESS), 0);
-  assert_int_equal(rooms_update(t, 100, ROOM_FAILED, NULL), 0);
+  assert_int_equal(kvf__rooms_create(t, 100, ROOM_SUCCESS), 0);
+  assert_int_equal(kvf__rooms_update(t, 100, ROOM_FAILED, NULL), 0);
   assert_int_equal(status_of(t, 100), ROOM_FAILED);
-  assert_int_equal(rooms_update(t, 100, ROOM_SUCCESS, NULL), 0);
+  assert_int_equal(kvf__rooms_update(t, 100, ROOM_SUCCESS, NULL), 0);
   assert_int_equal(status_of(t, 100), ROOM_FAILED);
-  assert_int_equal(rooms_create(t, 101, ROOM_BOOTSTRAPPED), 0);
-  assert_int_equal(rooms_update(t, 101, ROOM_BOOTSTRAPPING, NULL), 0);
+  assert_int_equal(kvf__rooms_create(t, 101, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_update(t, 101, ROOM_BOOTSTRAPPING, NULL), 0);
   assert_int_equal(status_of(t, 101), ROOM_BOOTSTRAPPED);
   /* Bad status values are refused and change nothing. */
-  assert_int_equal(rooms_update(t, 101, 6, NULL), KVF_EINVAL);
-  assert_int_equal(rooms_update(t, 101, -1, NULL), KVF_EINVAL);
-  assert_int_equal(rooms_create(t, 102, 6), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_update(t, 101, 6, NULL), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_update(t, 101, -1, NULL), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_create(t, 102, 6), KVF_EINVAL);
   assert_int_equal(status_of(t, 101), ROOM_BOOTSTRAPPED);
-  rooms_table_free(t, NULL);
+  kvf__rooms_table_free(t, NULL);
 }
 
-/* rooms_upsert is rule 1 too: absent stores as is, even Failed or Success. */
+/* kvf__rooms_upsert is rule 1 too: absent stores as is, even Failed or Success. */
 static void upsert_stores_absent_as_is(void **state) {
   rooms *t = new_table(0);
   int now = -1;
-  assert_int_equal(rooms_upsert(t, 1, ROOM_BOOTSTRAPPED, &now), 0);
+  assert_int_equal(kvf__rooms_upsert(t, 1, ROOM_BOOTSTRAPPED, &now), 0);
   assert_int_equal(now, ROOM_BOOTSTRAPPED);
-  assert_int_equal(rooms_upsert(t, 1, ROOM_BOOTSTRAPPING, &now), 0);
+  assert_int_equal(kvf__rooms_upsert(t, 1, ROOM_BOOTSTRAPPING, &now), 0);
   assert_int_equal(now, ROOM_BOOTSTRAPPED);
-  assert_int_equal(rooms_upsert(t, 2, ROOM_FAILED, &now), 0);
+  assert_int_equal(kvf__rooms_upsert(t, 2, ROOM_FAILED, &now), 0);
   assert_int_equal(now, ROOM_FAILED);
-  assert_int_equal(rooms_upsert(t, 3, ROOM_SUCCESS, NULL), 0);
+  assert_int_equal(kvf__rooms_upsert(t, 3, ROOM_SUCCESS, NULL), 0);
   assert_int_equal(status_of(t, 3), ROOM_SUCCESS);
   rooms_stats st;
-  rooms_get_stats(t, &st);
+  kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.created, 3);
   assert_int_equal(st.live, 3);
-  rooms_table_free(t, NULL);
+  kvf__rooms_table_free(t, NULL);
 }
 
 /* A live room cannot be created again; once cleared, the id starts afresh
@@ -82,23 +82,23 @@ static void upsert_stores_absent_as_is(void **state) {
 static void reuse_after_clear(void **state) {
   rooms *t = new_table(0);
   int64_t room = 7215963401;
-  assert_int_equal(rooms_create(t, room, ROOM_BOOTSTRAPPING), 0);
-  assert_int_equal(rooms_create(t, room, ROOM_BOOTSTRAPPING), KVF_EEXIST);
-  assert_int_equal(rooms_set_required(t, room, 2), 0);
-  assert_int_equal(rooms_record_response(t, room, 0, 1734, NULL, 0, NULL), 0);
-  assert_int_equal(rooms_fail(t, room, "first life"), 0);
+  assert_int_equal(kvf__rooms_create(t, room, ROOM_BOOTSTRAPPING), 0);
+  assert_int_equal(kvf__rooms_create(t, room, ROOM_BOOTSTRAPPING), KVF_EEXIST);
+  assert_int_equal(kvf__rooms_set_required(t, room, 2), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, 1734, NULL, 0, NULL), 0);
+  assert_int_equal(kvf__rooms_fail(t, room, "first life"), 0);
   int dummy = 5;
-  assert_int_equal(rooms_set_user(t, room, &dummy), 0);
+  assert_int_equal(kvf__rooms_set_user(t, room, &dummy), 0);
   void *user = NULL;
-  assert_int_equal(rooms_clear(t, room, &user), 0);
+  assert_int_equal(kvf__rooms_clear(t, room, &user), 0);
   assert_ptr_equal(user, &dummy);
-  assert_int_equal(rooms_clear(t, room, NULL), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_clear(t, room, NULL), KVF_ENOTFOUND);
   int s;
-  assert_int_equal(rooms_get_status(t, room, &s), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_get_status(t, room, &s), KVF_ENOTFOUND);
 
-  assert_int_equal(rooms_create(t, room, ROOM_BOOTSTRAPPING), 0);
+  assert_int_equal(kvf__rooms_create(t, room, ROOM_BOOTSTRAPPING), 0);
   rooms_info info;
-  assert_int_equal(rooms_get_info(t, room, &info), 0);
+  assert_int_equal(kvf__rooms_get_info(t, room, &info), 0);
   assert_int_equal(info.status, ROOM_BOOTSTRAPPING);
   assert_int_equal(info.required, 1);
   assert_int_equal(info.responded, 0);
@@ -107,49 +107,49 @@ static void reuse_after_clear(void **state) {
   assert_int_equal(info.init_time_ns, -1);
   assert_null(info.user);
   char buf[64];
-  assert_int_equal(rooms_get_reason(t, room, buf, sizeof buf), 0);
+  assert_int_equal(kvf__rooms_get_reason(t, room, buf, sizeof buf), 0);
   assert_string_equal(buf, "");
   /* With the default of one responder a single Success completes it. */
   int became = 0;
-  assert_int_equal(rooms_record_response(t, room, 0, 42, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, 42, NULL, 0, &became), 0);
   assert_int_equal(became, 1);
   int64_t tok;
-  assert_int_equal(rooms_pop_token(t, room, &tok), 0);
+  assert_int_equal(kvf__rooms_pop_token(t, room, &tok), 0);
   assert_int_equal(tok, 42);
-  rooms_table_free(t, NULL);
+  kvf__rooms_table_free(t, NULL);
 }
 
 static void many_rooms_created_and_cleared(void **state) {
   rooms *t = new_table(0);
   for (int64_t r = 0; r < 10000; r++) {
-    assert_int_equal(rooms_create(t, r * 7919 - 5000, ROOM_BOOTSTRAPPING), 0);
-    assert_int_equal(rooms_fail(t, r * 7919 - 5000, "x"), 0);
+    assert_int_equal(kvf__rooms_create(t, r * 7919 - 5000, ROOM_BOOTSTRAPPING), 0);
+    assert_int_equal(kvf__rooms_fail(t, r * 7919 - 5000, "x"), 0);
   }
-  assert_int_equal(rooms_count(t), 10000);
-  for (int64_t r = 0; r < 10000; r++) assert_int_equal(rooms_clear(t, r * 7919 - 5000, NULL), 0);
-  assert_int_equal(rooms_count(t), 0);
+  assert_int_equal(kvf__rooms_count(t), 10000);
+  for (int64_t r = 0; r < 10000; r++) assert_int_equal(kvf__rooms_clear(t, r * 7919 - 5000, NULL), 0);
+  assert_int_equal(kvf__rooms_count(t), 0);
   rooms_stats st;
-  rooms_get_stats(t, &st);
+  kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.created, 10000);
   assert_int_equal(st.cleared, 10000);
   assert_int_equal(st.live, 0);
-  rooms_table_free(t, NULL);
+  kvf__rooms_table_free(t, NULL);
 }
 
 static void live_room_bound(void **state) {
   rooms *t = new_table(3);
-  for (int r = 0; r < 3; r++) assert_int_equal(rooms_create(t, r, ROOM_BOOTSTRAPPING), 0);
-  assert_int_equal(rooms_create(t, 3, ROOM_BOOTSTRAPPING), KVF_ENOMEM);
-  assert_int_equal(rooms_upsert(t, 3, ROOM_BOOTSTRAPPED, NULL), KVF_ENOMEM);
+  for (int r = 0; r < 3; r++) assert_int_equal(kvf__rooms_create(t, r, ROOM_BOOTSTRAPPING), 0);
+  assert_int_equal(kvf__rooms_create(t, 3, ROOM_BOOTSTRAPPING), KVF_ENOMEM);
+  assert_int_equal(kvf__rooms_upsert(t, 3, ROOM_BOOTSTRAPPED, NULL), KVF_ENOMEM);
   /* Upsert of a live room is not a creation, so the bound does not apply. */
-  assert_int_equal(rooms_upsert(t, 2, ROOM_BOOTSTRAPPED, NULL), 0);
+  assert_int_equal(kvf__rooms_upsert(t, 2, ROOM_BOOTSTRAPPED, NULL), 0);
   rooms_stats st;
-  rooms_get_stats(t, &st);
+  kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.rejected_full, 2);
-  assert_int_equal(rooms_clear(t, 0, NULL), 0);
-  assert_int_equal(rooms_create(t, 3, ROOM_BOOTSTRAPPING), 0);
-  assert_int_equal(rooms_count(t), 3);
-  rooms_table_free(t, NULL);
+  assert_int_equal(kvf__rooms_clear(t, 0, NULL), 0);
+  assert_int_equal(kvf__rooms_create(t, 3, ROOM_BOOTSTRAPPING), 0);
+  assert_int_equal(kvf__rooms_count(t), 3);
+  kvf__rooms_table_free(t, NULL);
 }
 
 /* The reference's late Failed M3 creates an entry (§8 item 5); here every
@@ -157,31 +157,31 @@ static void live_room_bound(void **state) {
 static void unknown_room_messages_dropped(void **state) {
   rooms *t = new_table(0);
   int32_t cands[2] = {1, 2};
-  assert_int_equal(rooms_update(t, 9, ROOM_SUCCESS, NULL), KVF_ENOTFOUND);
-  assert_int_equal(rooms_fail(t, 9, "Failed to get kvcache from prefill instance, it might be dead"),
+  assert_int_equal(kvf__rooms_update(t, 9, ROOM_SUCCESS, NULL), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_fail(t, 9, "Failed to get kvcache from prefill instance, it might be dead"),
                    KVF_ENOTFOUND);
   int became = 7;
-  assert_int_equal(rooms_record_response(t, 9, 0, 5, cands, 2, &became), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_record_response(t, 9, 0, 5, cands, 2, &became), KVF_ENOTFOUND);
   assert_int_equal(became, 7); /* outputs untouched on failure */
-  assert_int_equal(rooms_count(t), 0);
-  assert_int_equal(rooms_exists(t, 9), 0);
+  assert_int_equal(kvf__rooms_count(t), 0);
+  assert_int_equal(kvf__rooms_exists(t, 9), 0);
   /* A cleared room is unknown again. */
-  assert_int_equal(rooms_create(t, 10, ROOM_BOOTSTRAPPING), 0);
-  assert_int_equal(rooms_clear(t, 10, NULL), 0);
-  assert_int_equal(rooms_update(t, 10, ROOM_FAILED, NULL), KVF_ENOTFOUND);
-  assert_int_equal(rooms_count(t), 0);
+  assert_int_equal(kvf__rooms_create(t, 10, ROOM_BOOTSTRAPPING), 0);
+  assert_int_equal(kvf__rooms_clear(t, 10, NULL), 0);
+  assert_int_equal(kvf__rooms_update(t, 10, ROOM_FAILED, NULL), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_count(t), 0);
   rooms_stats st;
-  rooms_get_stats(t, &st);
+  kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.dropped_unknown, 4);
   /* Local reads of an unknown room fail without counting as drops. */
   int64_t tok = 3;
-  assert_int_equal(rooms_pop_token(t, 9, &tok), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_pop_token(t, 9, &tok), KVF_ENOTFOUND);
   assert_int_equal(tok, 3);
   char buf[8];
-  assert_int_equal(rooms_get_reason(t, 9, buf, sizeof buf), KVF_ENOTFOUND);
-  rooms_get_stats(t, &st);
+  assert_int_equal(kvf__rooms_get_reason(t, 9, buf, sizeof buf), KVF_ENOTFOUND);
+  kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.dropped_unknown, 4);
-  rooms_table_free(t, NULL);
+  kvf__rooms_table_free(t, NULL);
 }
 
 /* Two responders expected; a duplicate counts once; the first valid token
@@ -191,111 +191,111 @@ static void first_token_wins_two_responders(void **state) {
   rooms *t = new_table(0);
   int64_t room = 55;
   int32_t a[3] = {1734, 2211, 90}, b[2] = {7, 8};
-  assert_int_equal(rooms_create(t, room, ROOM_BOOTSTRAPPED), 0);
-  assert_int_equal(rooms_set_required(t, room, 2), 0);
+  assert_int_equal(kvf__rooms_create(t, room, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_set_required(t, room, 2), 0);
   int became = -1;
   /* Rank 1 first, with no token: must not block rank 0's token later. */
-  assert_int_equal(rooms_record_response(t, room, 1, -1, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 1, -1, NULL, 0, &became), 0);
   assert_int_equal(became, 0);
-  assert_int_equal(rooms_record_response(t, room, 1, 1734, a, 3, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 1, 1734, a, 3, &became), 0);
   assert_int_equal(became, 0);
   assert_int_equal(status_of(t, room), ROOM_BOOTSTRAPPED);
   int64_t tok;
   int32_t got[ROOMS_MAX_CANDS];
   size_t n = 99;
   /* Pending values are not visible before Success. */
-  assert_int_equal(rooms_pop_metadata(t, room, &tok, got, ROOMS_MAX_CANDS, &n), 0);
+  assert_int_equal(kvf__rooms_pop_metadata(t, room, &tok, got, ROOMS_MAX_CANDS, &n), 0);
   assert_int_equal(tok, -1);
   assert_int_equal(n, 0);
   rooms_info info;
-  assert_int_equal(rooms_get_info(t, room, &info), 0);
+  assert_int_equal(kvf__rooms_get_info(t, room, &info), 0);
   assert_int_equal(info.responded, 1);
   assert_int_equal(info.required, 2);
   /* Rank 0 completes the set; its different token/candidates lose. */
-  assert_int_equal(rooms_record_response(t, room, 0, 555, b, 2, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, 555, b, 2, &became), 0);
   assert_int_equal(became, 1);
   assert_int_equal(status_of(t, room), ROOM_SUCCESS);
   /* Candidate buffer too small: nothing is taken. */
-  assert_int_equal(rooms_pop_metadata(t, room, &tok, got, 2, &n), KVF_ETOOBIG);
-  assert_int_equal(rooms_pop_metadata(t, room, &tok, got, ROOMS_MAX_CANDS, &n), 0);
+  assert_int_equal(kvf__rooms_pop_metadata(t, room, &tok, got, 2, &n), KVF_ETOOBIG);
+  assert_int_equal(kvf__rooms_pop_metadata(t, room, &tok, got, ROOMS_MAX_CANDS, &n), 0);
   assert_int_equal(tok, 1734);
   assert_int_equal(n, 3);
   assert_memory_equal(got, a, sizeof a);
   /* Popped once. */
-  assert_int_equal(rooms_pop_metadata(t, room, &tok, got, ROOMS_MAX_CANDS, &n), 0);
+  assert_int_equal(kvf__rooms_pop_metadata(t, room, &tok, got, ROOMS_MAX_CANDS, &n), 0);
   assert_int_equal(tok, -1);
   assert_int_equal(n, 0);
   rooms_stats st;
-  rooms_get_stats(t, &st);
+  kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.duplicate_responses, 1);
   /* A further report after Success does not report a second transition. */
-  assert_int_equal(rooms_record_response(t, room, 0, -1, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, -1, NULL, 0, &became), 0);
   assert_int_equal(became, 0);
-  rooms_table_free(t, NULL);
+  kvf__rooms_table_free(t, NULL);
 }
 
 static void high_ranks_and_bounds(void **state) {
   rooms *t = new_table(0);
   int32_t c[ROOMS_MAX_CANDS + 1] = {0};
-  assert_int_equal(rooms_create(t, 1, ROOM_BOOTSTRAPPED), 0);
-  assert_int_equal(rooms_set_required(t, 1, 3), 0);
-  assert_int_equal(rooms_set_required(t, 1, 0), KVF_EINVAL);
-  assert_int_equal(rooms_set_required(t, 1, ROOMS_MAX_RANKS + 1), KVF_EINVAL);
-  assert_int_equal(rooms_set_required(t, 2, 1), KVF_ENOTFOUND);
-  assert_int_equal(rooms_record_response(t, 1, -1, 5, NULL, 0, NULL), KVF_EINVAL);
-  assert_int_equal(rooms_record_response(t, 1, ROOMS_MAX_RANKS, 5, NULL, 0, NULL), KVF_EINVAL);
-  assert_int_equal(rooms_record_response(t, 1, 0, 5, c, ROOMS_MAX_CANDS + 1, NULL), KVF_ETOOBIG);
-  assert_int_equal(rooms_record_response(t, 1, 0, 5, NULL, 2, NULL), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_create(t, 1, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_set_required(t, 1, 3), 0);
+  assert_int_equal(kvf__rooms_set_required(t, 1, 0), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_set_required(t, 1, ROOMS_MAX_RANKS + 1), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_set_required(t, 2, 1), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_record_response(t, 1, -1, 5, NULL, 0, NULL), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_record_response(t, 1, ROOMS_MAX_RANKS, 5, NULL, 0, NULL), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 5, c, ROOMS_MAX_CANDS + 1, NULL), KVF_ETOOBIG);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 5, NULL, 2, NULL), KVF_EINVAL);
   rooms_stats st;
-  rooms_get_stats(t, &st);
+  kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.rejected_invalid, 4);
   rooms_info info;
-  assert_int_equal(rooms_get_info(t, 1, &info), 0);
+  assert_int_equal(kvf__rooms_get_info(t, 1, &info), 0);
   assert_int_equal(info.responded, 0);
   /* Ranks on both sides of the inline word, and the top rank. */
   int became = 0;
-  assert_int_equal(rooms_record_response(t, 1, 63, -1, NULL, 0, &became), 0);
-  assert_int_equal(rooms_record_response(t, 1, 64, -1, c, ROOMS_MAX_CANDS, &became), 0);
-  assert_int_equal(rooms_record_response(t, 1, 64, -1, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 63, -1, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 64, -1, c, ROOMS_MAX_CANDS, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 64, -1, NULL, 0, &became), 0);
   assert_int_equal(became, 0);
-  assert_int_equal(rooms_record_response(t, 1, ROOMS_MAX_RANKS - 1, 9, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, ROOMS_MAX_RANKS - 1, 9, NULL, 0, &became), 0);
   assert_int_equal(became, 1);
   int64_t tok;
-  assert_int_equal(rooms_pop_token(t, 1, &tok), 0);
+  assert_int_equal(kvf__rooms_pop_token(t, 1, &tok), 0);
   assert_int_equal(tok, 9);
-  rooms_table_free(t, NULL);
+  kvf__rooms_table_free(t, NULL);
 }
 
 static void failed_room_ignores_success(void **state) {
   rooms *t = new_table(0);
-  assert_int_equal(rooms_create(t, 4, ROOM_BOOTSTRAPPED), 0);
-  assert_int_equal(rooms_fail(t, 4, "Losing connection"), 0);
+  assert_int_equal(kvf__rooms_create(t, 4, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_fail(t, 4, "Losing connection"), 0);
   int became = -1;
-  assert_int_equal(rooms_record_response(t, 4, 0, 11, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 4, 0, 11, NULL, 0, &became), 0);
   assert_int_equal(became, 0);
   assert_int_equal(status_of(t, 4), ROOM_FAILED);
   /* Failed overrides Success, and the reason is overwritten. */
-  assert_int_equal(rooms_create(t, 5, ROOM_BOOTSTRAPPED), 0);
-  assert_int_equal(rooms_record_response(t, 5, 0, 11, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_create(t, 5, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 5, 0, 11, NULL, 0, &became), 0);
   assert_int_equal(became, 1);
-  assert_int_equal(rooms_fail(t, 5, "one"), 0);
-  assert_int_equal(rooms_fail(t, 5, "two"), 0);
+  assert_int_equal(kvf__rooms_fail(t, 5, "one"), 0);
+  assert_int_equal(kvf__rooms_fail(t, 5, "two"), 0);
   assert_int_equal(status_of(t, 5), ROOM_FAILED);
   char buf[16];
-  assert_int_equal(rooms_get_reason(t, 5, buf, sizeof buf), 0);
+  assert_int_equal(kvf__rooms_get_reason(t, 5, buf, sizeof buf), 0);
   assert_string_equal(buf, "two");
-  assert_int_equal(rooms_get_reason(t, 5, buf, 2), 0);
+  assert_int_equal(kvf__rooms_get_reason(t, 5, buf, 2), 0);
   assert_string_equal(buf, "t");
-  assert_int_equal(rooms_get_reason(t, 5, buf, 0), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_get_reason(t, 5, buf, 0), KVF_EINVAL);
   /* Long reasons are truncated to the bound. */
   char big[2000];
   memset(big, 'r', sizeof big - 1);
   big[sizeof big - 1] = '\0';
-  assert_int_equal(rooms_fail(t, 5, big), 0);
+  assert_int_equal(kvf__rooms_fail(t, 5, big), 0);
   char out[2000];
-  assert_int_equal(rooms_get_reason(t, 5, out, sizeof out), 0);
+  assert_int_equal(kvf__rooms_get_reason(t, 5, out, sizeof out), 0);
   assert_int_equal(strlen(out), ROOMS_REASON_MAX - 1);
-  rooms_table_free(t, NULL);
+  kvf__rooms_table_free(t, NULL);
 }
 
 static int is_tagged(int64_t room, void *user, void *arg) { return user == arg; }
@@ -317,13 +317,13 @@ static void fail_matching_and_foreach(void **state) {
   rooms *t = new_table(0);
   int tag_a, tag_b;
   for (int r = 0; r < 6; r++) {
-    assert_int_equal(rooms_create(t, r, ROOM_BOOTSTRAPPED), 0);
-    assert_int_equal(rooms_set_user(t, r, r < 4 ? (void *)&tag_a : (void *)&tag_b), 0);
+    assert_int_equal(kvf__rooms_create(t, r, ROOM_BOOTSTRAPPED), 0);
+    assert_int_equal(kvf__rooms_set_user(t, r, r < 4 ? (void *)&tag_a : (void *)&tag_b), 0);
   }
-  assert_int_equal(rooms_update(t, 0, ROOM_SUCCESS, NULL), 0);
-  assert_int_equal(rooms_set_init_time(t, 1, 12345), 0);
+  assert_int_equal(kvf__rooms_update(t, 0, ROOM_SUCCESS, NULL), 0);
+  assert_int_equal(kvf__rooms_set_init_time(t, 1, 12345), 0);
   size_t n = 0;
-  assert_int_equal(rooms_fail_matching(t, is_tagged, &tag_a,
+  assert_int_equal(kvf__rooms_fail_matching(t, is_tagged, &tag_a,
                                        "Losing connection with prefill instance (bootstrap_addr: 10.0.0.1:8998)",
                                        &n),
                    0);
@@ -332,21 +332,21 @@ static void fail_matching_and_foreach(void **state) {
   assert_int_equal(status_of(t, 1), ROOM_FAILED);
   assert_int_equal(status_of(t, 4), ROOM_BOOTSTRAPPED);
   char buf[128];
-  assert_int_equal(rooms_get_reason(t, 3, buf, sizeof buf), 0);
+  assert_int_equal(kvf__rooms_get_reason(t, 3, buf, sizeof buf), 0);
   assert_string_equal(buf, "Losing connection with prefill instance (bootstrap_addr: 10.0.0.1:8998)");
   rooms_info info;
-  assert_int_equal(rooms_get_info(t, 1, &info), 0);
+  assert_int_equal(kvf__rooms_get_info(t, 1, &info), 0);
   assert_int_equal(info.init_time_ns, 12345);
   assert_int_equal(info.has_reason, 1);
   void *u = NULL;
-  assert_int_equal(rooms_get_user(t, 4, &u), 0);
+  assert_int_equal(kvf__rooms_get_user(t, 4, &u), 0);
   assert_ptr_equal(u, &tag_b);
   int nf = 0;
-  assert_int_equal(rooms_foreach(t, count_cb, &nf), 0);
+  assert_int_equal(kvf__rooms_foreach(t, count_cb, &nf), 0);
   assert_int_equal(nf, 3);
-  assert_int_equal(rooms_foreach(t, stop_cb, NULL), 17);
+  assert_int_equal(kvf__rooms_foreach(t, stop_cb, NULL), 17);
   nfreed = 0;
-  rooms_table_free(t, free_user);
+  kvf__rooms_table_free(t, free_user);
   assert_int_equal(nfreed, 6);
 }
 
@@ -362,10 +362,10 @@ static void *poller(void *arg) {
   pub_ctx *c = arg;
   for (int64_t r = 0; r < PUB_ROOMS; r++) {
     int s = -1;
-    while (rooms_get_status(c->t, r, &s) != 0 || s != ROOM_SUCCESS) {
+    while (kvf__rooms_get_status(c->t, r, &s) != 0 || s != ROOM_SUCCESS) {
     }
     int64_t tok = -1;
-    if (rooms_pop_token(c->t, r, &tok) != 0 || tok != 1000 + r) atomic_fetch_add(&c->bad, 1);
+    if (kvf__rooms_pop_token(c->t, r, &tok) != 0 || tok != 1000 + r) atomic_fetch_add(&c->bad, 1);
   }
   return NULL;
 }
@@ -374,18 +374,18 @@ static void token_visible_when_success_seen(void **state) {
   pub_ctx c = {.t = new_table(0)};
   atomic_init(&c.bad, 0);
   for (int64_t r = 0; r < PUB_ROOMS; r++) {
-    assert_int_equal(rooms_create(c.t, r, ROOM_BOOTSTRAPPED), 0);
-    assert_int_equal(rooms_set_required(c.t, r, 2), 0);
+    assert_int_equal(kvf__rooms_create(c.t, r, ROOM_BOOTSTRAPPED), 0);
+    assert_int_equal(kvf__rooms_set_required(c.t, r, 2), 0);
   }
   pthread_t th;
   assert_int_equal(pthread_create(&th, NULL, poller, &c), 0);
   for (int64_t r = 0; r < PUB_ROOMS; r++) {
-    assert_int_equal(rooms_record_response(c.t, r, 0, 1000 + r, NULL, 0, NULL), 0);
-    assert_int_equal(rooms_record_response(c.t, r, 1, 77, NULL, 0, NULL), 0);
+    assert_int_equal(kvf__rooms_record_response(c.t, r, 0, 1000 + r, NULL, 0, NULL), 0);
+    assert_int_equal(kvf__rooms_record_response(c.t, r, 1, 77, NULL, 0, NULL), 0);
   }
   pthread_join(th, NULL);
   assert_int_equal(atomic_load(&c.bad), 0);
-  rooms_table_free(c.t, NULL);
+  kvf__rooms_table_free(c.t, NULL);
 }
 
 /* Four threads hammer private and shared rooms at once; afterwards the
@@ -406,32 +406,32 @@ static void *hammer(void *arg) {
     int64_t shared = i % SHARED;
     int s;
     /* Private room: full life cycle. */
-    if (rooms_create(t, own, ROOM_BOOTSTRAPPING) != 0) abort();
-    rooms_set_required(t, own, 2);
-    rooms_update(t, own, ROOM_BOOTSTRAPPED, NULL);
-    rooms_record_response(t, own, 0, i, cands, 4, NULL);
-    rooms_record_response(t, own, 1, -1, NULL, 0, NULL);
-    if (rooms_get_status(t, own, &s) != 0 || s != ROOM_SUCCESS) abort();
+    if (kvf__rooms_create(t, own, ROOM_BOOTSTRAPPING) != 0) abort();
+    kvf__rooms_set_required(t, own, 2);
+    kvf__rooms_update(t, own, ROOM_BOOTSTRAPPED, NULL);
+    kvf__rooms_record_response(t, own, 0, i, cands, 4, NULL);
+    kvf__rooms_record_response(t, own, 1, -1, NULL, 0, NULL);
+    if (kvf__rooms_get_status(t, own, &s) != 0 || s != ROOM_SUCCESS) abort();
     int64_t tok;
     int32_t got[ROOMS_MAX_CANDS];
     size_t n;
-    if (rooms_pop_metadata(t, own, &tok, got, ROOMS_MAX_CANDS, &n) != 0 || tok != i || n != 4) abort();
-    if (rooms_clear(t, own, NULL) != 0) abort();
+    if (kvf__rooms_pop_metadata(t, own, &tok, got, ROOMS_MAX_CANDS, &n) != 0 || tok != i || n != 4) abort();
+    if (kvf__rooms_clear(t, own, NULL) != 0) abort();
     /* Shared rooms: racing creators, updaters, failers and clearers; any
      * result code is allowed, nothing may crash or race. */
-    rooms_upsert(t, shared, ROOM_BOOTSTRAPPING, NULL);
-    rooms_update(t, shared, (i + h->id) % (ROOM_STATUS_MAX + 1), NULL);
-    rooms_record_response(t, shared, h->id, i, cands, (size_t)(i % 5), NULL);
-    if (i % 7 == 0) rooms_fail(t, shared, "shared failure");
-    if (i % 11 == h->id) rooms_clear(t, shared, NULL);
-    rooms_get_status(t, shared, &s);
+    kvf__rooms_upsert(t, shared, ROOM_BOOTSTRAPPING, NULL);
+    kvf__rooms_update(t, shared, (i + h->id) % (ROOM_STATUS_MAX + 1), NULL);
+    kvf__rooms_record_response(t, shared, h->id, i, cands, (size_t)(i % 5), NULL);
+    if (i % 7 == 0) kvf__rooms_fail(t, shared, "shared failure");
+    if (i % 11 == h->id) kvf__rooms_clear(t, shared, NULL);
+    kvf__rooms_get_status(t, shared, &s);
     char buf[32];
-    rooms_get_reason(t, shared, buf, sizeof buf);
-    rooms_pop_token(t, shared, &tok);
+    kvf__rooms_get_reason(t, shared, buf, sizeof buf);
+    kvf__rooms_pop_token(t, shared, &tok);
     if (i % 97 == 0) {
       rooms_stats st;
-      rooms_get_stats(t, &st);
-      rooms_count(t);
+      kvf__rooms_get_stats(t, &st);
+      kvf__rooms_count(t);
     }
   }
   return NULL;
@@ -446,13 +446,13 @@ static void concurrent_updates_and_clears(void **state) {
     assert_int_equal(pthread_create(&th[i], NULL, hammer, &ctx[i]), 0);
   }
   for (int i = 0; i < NTHREADS; i++) pthread_join(th[i], NULL);
-  assert_true(rooms_count(t) <= SHARED);
-  for (int64_t r = 0; r < SHARED; r++) rooms_clear(t, r, NULL);
-  assert_int_equal(rooms_count(t), 0);
+  assert_true(kvf__rooms_count(t) <= SHARED);
+  for (int64_t r = 0; r < SHARED; r++) kvf__rooms_clear(t, r, NULL);
+  assert_int_equal(kvf__rooms_count(t), 0);
   rooms_stats st;
-  rooms_get_stats(t, &st);
+  kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.created, st.cleared);
-  rooms_table_free(t, NULL);
+  kvf__rooms_table_free(t, NULL);
 }
 
 int main(void) {

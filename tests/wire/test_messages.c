@@ -82,16 +82,16 @@ static void m1_golden_encode(void **state) {
   m.kv_ptrs = wire_array_of(a3_kv_ptrs, 4);
   wire_msg msg;
   char reason[WIRE_REASON_LEN] = "";
-  assert_int_equal(wire_m1_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m1_encode(&m, &msg, reason), 0);
   assert_frames_equal(&msg, a3_frames, 8);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 static void m1_golden_decode(void **state) {
   wire_m1 m;
   char reason[WIRE_REASON_LEN] = "";
-  assert_int_equal(wire_classify(a3_frames, 8), WIRE_MSG_M1);
-  assert_int_equal(wire_m1_decode(a3_frames, 8, &m, reason), 0);
+  assert_int_equal(kvf__wire_classify(a3_frames, 8), WIRE_MSG_M1);
+  assert_int_equal(kvf__wire_m1_decode(a3_frames, 8, &m, reason), 0);
   assert_string_equal(m.endpoint, "10.0.0.2");
   assert_int_equal(m.dst_port, 41235);
   assert_string_equal(m.session, "10.0.0.2:15001");
@@ -110,34 +110,34 @@ static void m1_frame_count_forms(void **state) {
                       {a3_kv_bytes, 32}, EMPTY, FR("4096"), FR("x"), FR("y"), FR("z")};
   wire_m1 m;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m1_decode(f, 6, &m, reason), 0);
+  assert_int_equal(kvf__wire_m1_decode(f, 6, &m, reason), 0);
   assert_int_equal(m.decode_prefix_len, 0);
   assert_int_equal(m.state_ptrs.count, 0);
   /* 7 frames: frame 6 is decode_prefix_len. */
-  assert_int_equal(wire_m1_decode(f, 7, &m, reason), 0);
+  assert_int_equal(kvf__wire_m1_decode(f, 7, &m, reason), 0);
   assert_int_equal(m.decode_prefix_len, 4096);
   assert_int_equal(m.state_ptrs.count, 0);
   f[6].data = NULL, f[6].len = 0;
-  assert_int_equal(wire_m1_decode(f, 7, &m, reason), 0);
+  assert_int_equal(kvf__wire_m1_decode(f, 7, &m, reason), 0);
   assert_int_equal(m.decode_prefix_len, 0);
   /* >= 8: frame 6 state pointers, frame 7 prefix (empty => 0), rest ignored. */
   f[6] = (wire_frame){state_bytes, 8};
   f[7] = (wire_frame){NULL, 0};
-  assert_int_equal(wire_m1_decode(f, 10, &m, reason), 0);
+  assert_int_equal(kvf__wire_m1_decode(f, 10, &m, reason), 0);
   assert_int_equal(m.state_ptrs.count, 1);
   assert_true(wire_u64_at(m.state_ptrs, 0) == 0x0807060504030201ull);
   assert_int_equal(m.decode_prefix_len, 0);
   /* The encoder always writes the 8-frame form; it decodes to the same. */
   wire_msg msg;
-  assert_int_equal(wire_m1_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m1_encode(&m, &msg, reason), 0);
   assert_int_equal(msg.nframes, 8);
   assert_memory_equal(msg.frames[7].data, "0", 1);
   wire_m1 m2;
-  assert_int_equal(wire_m1_decode(msg.frames, msg.nframes, &m2, reason), 0);
+  assert_int_equal(kvf__wire_m1_decode(msg.frames, msg.nframes, &m2, reason), 0);
   assert_string_equal(m2.session, m.session);
   assert_array_equal(m2.kv_ptrs, m.kv_ptrs, 8);
   assert_array_equal(m2.state_ptrs, m.state_ptrs, 8);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 /* ---- golden: Appendix A.4 (M2) and A.7 (dummy) ---- */
@@ -162,16 +162,16 @@ static void m2_golden_encode(void **state) {
   m2_fill_a4(&m);
   wire_msg msg;
   char reason[WIRE_REASON_LEN] = "";
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   assert_frames_equal(&msg, a4_frames, 12);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 static void m2_golden_decode(void **state) {
   wire_m2 m;
   char reason[WIRE_REASON_LEN] = "";
-  assert_int_equal(wire_classify(a4_frames, 12), WIRE_MSG_M2);
-  assert_int_equal(wire_m2_decode(a4_frames, 12, &m, reason), 0);
+  assert_int_equal(kvf__wire_classify(a4_frames, 12), WIRE_MSG_M2);
+  assert_int_equal(kvf__wire_m2_decode(a4_frames, 12, &m, reason), 0);
   assert_true(m.room == 7215963401);
   assert_string_equal(m.endpoint, "10.0.0.2");
   assert_int_equal(m.dst_port, 41235);
@@ -189,7 +189,7 @@ static void m2_golden_decode(void **state) {
   assert_int_equal(m.mamba_indices.count, 0);
   assert_null(m.frags);
   assert_int_equal(m.nfrags, 0);
-  wire_m2_free(&m);
+  kvf__wire_m2_free(&m);
 }
 
 static const wire_frame a7_frames[12] = {FR("7215963401"), FR("10.0.0.2"), FR("41235"),
@@ -199,16 +199,16 @@ static const wire_frame a7_frames[12] = {FR("7215963401"), FR("10.0.0.2"), FR("4
 static void m2_dummy_golden(void **state) {
   wire_m2 m;
   char reason[WIRE_REASON_LEN] = "";
-  assert_int_equal(wire_m2_decode(a7_frames, 12, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(a7_frames, 12, &m, reason), 0);
   assert_true(m.is_dummy);
   assert_true(m.room == 7215963401);
   assert_int_equal(m.required_dst_info_num, 1);
   assert_int_equal(m.kv_indices.count, 0);
   wire_msg msg;
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   assert_frames_equal(&msg, a7_frames, 12);
-  wire_msg_free(&msg);
-  wire_m2_free(&m);
+  kvf__wire_msg_free(&msg);
+  kvf__wire_m2_free(&m);
 }
 
 /* A dummy's frames 7.. are never read: absent or garbage both decode. */
@@ -220,10 +220,10 @@ static void m2_dummy_ignores_tail(void **state) {
   f[11] = (wire_frame)FR("abc");
   wire_m2 m;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), 0);
   assert_true(m.is_dummy);
   assert_int_equal(m.decode_prefix_len, 0);
-  assert_int_equal(wire_m2_decode(f, 7, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 7, &m, reason), 0);
   assert_true(m.is_dummy);
 }
 
@@ -234,14 +234,14 @@ static void m2_zero_pages_not_dummy(void **state) {
   f[4] = (wire_frame)EMPTY;
   wire_m2 m;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), 0);
   assert_false(m.is_dummy);
   assert_int_equal(m.kv_indices.count, 0);
   assert_int_equal(m.dst_aux_index, 3);
   wire_msg msg;
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   assert_frames_equal(&msg, f, 12);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 /* Short forms: frames 7.. absent take their defaults; >14 frames ignored. */
@@ -255,17 +255,17 @@ static void m2_frame_count_forms(void **state) {
   f[15] = (wire_frame)FR("\xff");
   wire_m2 m;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m2_decode(f, 7, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 7, &m, reason), 0);
   assert_int_equal(m.decode_prefix_len, 0);
   assert_int_equal(m.kv_indices.count, 3);
-  assert_int_equal(wire_m2_decode(f, 8, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 8, &m, reason), 0);
   assert_int_equal(m.decode_prefix_len, 32);
   for (size_t n = 9; n <= 16; n++) {
-    assert_int_equal(wire_m2_decode(f, n, &m, reason), 0);
+    assert_int_equal(kvf__wire_m2_decode(f, n, &m, reason), 0);
     assert_int_equal(m.nfrags, 0);
   }
   /* 13 frames with an empty frame 12: no plan. */
-  assert_int_equal(wire_m2_decode(f, 13, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 13, &m, reason), 0);
   assert_null(m.frags);
 }
 
@@ -278,13 +278,13 @@ static void m2_features_frame(void **state) {
   char reason[WIRE_REASON_LEN];
   m2_fill_a4(&m);
   m.room_flags = WIRE_ROOM_FAST_COMPLETION;
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   assert_int_equal(msg.nframes, 16);
   for (int i = 12; i < 15; i++) assert_int_equal(msg.frames[i].len, 0);
-  assert_int_equal(wire_m2_decode(msg.frames, msg.nframes, &d, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(msg.frames, msg.nframes, &d, reason), 0);
   assert_int_equal(d.room_flags, WIRE_ROOM_FAST_COMPLETION);
   assert_null(d.frags);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 /* Mask, local indices and state slots survive encode/decode, and the mask
@@ -307,7 +307,7 @@ static void m2_roundtrip_full(void **state) {
   m.mamba_indices = wire_array_of(mamba, 2);
   wire_msg msg;
   char reason[WIRE_REASON_LEN] = "";
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   assert_int_equal(msg.nframes, 12);
   assert_memory_equal(msg.frames[0].data, "-42", 3);
   assert_memory_equal(msg.frames[5].data, "-1", 2);
@@ -322,7 +322,7 @@ static void m2_roundtrip_full(void **state) {
     o += msg.frames[i].len + 1;
   }
   wire_m2 d;
-  assert_int_equal(wire_m2_decode(f, 12, &d, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &d, reason), 0);
   assert_true(d.room == -42);
   assert_int_equal(d.dst_aux_index, -1);
   assert_int_equal(d.required_dst_info_num, 3);
@@ -334,10 +334,10 @@ static void m2_roundtrip_full(void **state) {
   assert_int_equal(wire_i64_at(d.mamba_indices, 1), -1);
   /* dup survives the frames going away. */
   wire_m2 *copy = NULL;
-  assert_int_equal(wire_m2_dup(&d, &copy), 0);
+  assert_int_equal(kvf__wire_m2_dup(&d, &copy), 0);
   memset(buf, 0xee, 4096);
   free(buf);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
   for (size_t i = 0; i < 4; i++) assert_int_equal(wire_i64_at(copy->kv_indices, i), pages[i]);
   assert_memory_equal(copy->page_mask.data, mask, 4);
   assert_int_equal(wire_i64_at(copy->local_indices, 2), 9);
@@ -352,18 +352,18 @@ static void m2_int64_room_bounds(void **state) {
   wire_m2 m;
   char reason[WIRE_REASON_LEN];
   f[0] = (wire_frame)FR("9223372036854775807");
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), 0);
   assert_true(m.room == INT64_MAX);
   f[0] = (wire_frame)FR("-9223372036854775808");
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), 0);
   assert_true(m.room == INT64_MIN);
   wire_msg msg;
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   assert_int_equal(msg.frames[0].len, 20);
   assert_memory_equal(msg.frames[0].data, "-9223372036854775808", 20);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
   f[0] = (wire_frame)FR("0");
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), 0);
   assert_true(m.room == 0);
 }
 
@@ -373,7 +373,7 @@ static void frag_example_format(void **state) {
   char *json = NULL;
   size_t len = 0;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_fragments_format(&frag_example_struct, 1, &json, &len, reason), 0);
+  assert_int_equal(kvf__wire_fragments_format(&frag_example_struct, 1, &json, &len, reason), 0);
   assert_int_equal(len, strlen(frag_example));
   assert_string_equal(json, frag_example);
   free(json);
@@ -383,7 +383,7 @@ static void frag_example_parse(void **state) {
   wire_fragment *f = NULL;
   size_t n = 0;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_fragments_parse(S(frag_example), &f, &n, reason), 0);
+  assert_int_equal(kvf__wire_fragments_parse(S(frag_example), &f, &n, reason), 0);
   assert_int_equal(n, 1);
   assert_frag_equal(&f[0], &frag_example_struct);
   free(f);
@@ -401,7 +401,7 @@ static void frag_parse_order_and_spacing(void **state) {
   wire_fragment *f = NULL;
   size_t n = 0;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_fragments_parse(S(js), &f, &n, reason), 0);
+  assert_int_equal(kvf__wire_fragments_parse(S(js), &f, &n, reason), 0);
   assert_int_equal(n, 2);
   wire_fragment want0 = {2, WIRE_KIND_MAMBA_STATE, 3, 1, 512, 1024, 0, 256, 256, 7};
   wire_fragment want1 = {5, WIRE_KIND_DRAFT_V, 0, 0, 8, 8, 0, 0, 8, -1};
@@ -409,7 +409,7 @@ static void frag_parse_order_and_spacing(void **state) {
   assert_frag_equal(&f[1], &want1);
   char *json;
   size_t len;
-  assert_int_equal(wire_fragments_format(f, n, &json, &len, reason), 0);
+  assert_int_equal(kvf__wire_fragments_format(f, n, &json, &len, reason), 0);
   assert_string_equal(json,
                       "[{\"buffer_index\":2,\"buffer_kind\":\"mamba_state\",\"src_rank\":3,"
                       "\"dst_rank\":1,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,"
@@ -430,24 +430,24 @@ static void m2_fragments_golden(void **state) {
   m.nfrags = 1;
   wire_msg msg;
   char reason[WIRE_REASON_LEN] = "";
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   wire_frame want[14];
   memcpy(want, a4_frames, sizeof a4_frames);
   want[12] = (wire_frame)FR("1");
   want[13] = (wire_frame){(const uint8_t *)frag_example, strlen(frag_example)};
   assert_frames_equal(&msg, want, 14);
   wire_m2 d;
-  assert_int_equal(wire_m2_decode(msg.frames, msg.nframes, &d, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(msg.frames, msg.nframes, &d, reason), 0);
   assert_int_equal(d.nfrags, 1);
   assert_frag_equal(d.frags, &frag_example_struct);
   wire_m2 *copy = NULL;
-  assert_int_equal(wire_m2_dup(&d, &copy), 0);
-  wire_m2_free(&d);
+  assert_int_equal(kvf__wire_m2_dup(&d, &copy), 0);
+  kvf__wire_m2_free(&d);
   assert_null(d.frags);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
   assert_int_equal(copy->nfrags, 1);
   assert_frag_equal(copy->frags, &frag_example_struct);
-  wire_m2_free(copy); /* frags live in the block: nothing to free but the block */
+  kvf__wire_m2_free(copy); /* frags live in the block: nothing to free but the block */
   free(copy);
 }
 
@@ -460,11 +460,11 @@ static void m3_golden(void **state) {
   wire_m3 m = {7215963401, WIRE_STATUS_SUCCESS, 0, 1734, wire_array_of(a6_cands, 3), NULL, 0};
   wire_msg msg;
   char reason[WIRE_REASON_LEN] = "";
-  assert_int_equal(wire_m3_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m3_encode(&m, &msg, reason), 0);
   assert_frames_equal(&msg, a6_frames, 5);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
   wire_m3 d;
-  assert_int_equal(wire_m3_decode(a6_frames, 5, &d, reason), 0);
+  assert_int_equal(kvf__wire_m3_decode(a6_frames, 5, &d, reason), 0);
   assert_true(d.room == 7215963401);
   assert_int_equal(d.status, WIRE_STATUS_SUCCESS);
   assert_int_equal(d.prefill_rank, 0);
@@ -481,22 +481,22 @@ static void m3_reason_frame(void **state) {
   wire_m3 m = {9, WIRE_STATUS_FAILED, 1, -1, {NULL, 0}, why, strlen(why)};
   wire_msg msg;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m3_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m3_encode(&m, &msg, reason), 0);
   assert_int_equal(msg.nframes, 6);
   wire_m3 d;
-  assert_int_equal(wire_m3_decode(msg.frames, msg.nframes, &d, reason), 0);
+  assert_int_equal(kvf__wire_m3_decode(msg.frames, msg.nframes, &d, reason), 0);
   assert_int_equal(d.reason_len, strlen(why));
   assert_memory_equal(d.reason, why, strlen(why));
-  assert_int_equal(wire_m3_decode(msg.frames, 5, &d, reason), 0);
+  assert_int_equal(kvf__wire_m3_decode(msg.frames, 5, &d, reason), 0);
   assert_int_equal(d.reason_len, 0);
   char big[1000];
   memset(big, 'x', sizeof big);
   wire_frame f[6];
   memcpy(f, msg.frames, sizeof f);
   f[5] = (wire_frame){(const uint8_t *)big, sizeof big};
-  assert_int_equal(wire_m3_decode(f, 6, &d, reason), 0);
+  assert_int_equal(kvf__wire_m3_decode(f, 6, &d, reason), 0);
   assert_int_equal(d.reason_len, WIRE_REASON_LEN - 1);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 }
 
 static void m3_failed_golden(void **state) {
@@ -504,11 +504,11 @@ static void m3_failed_golden(void **state) {
   wire_m3 m = {7215963401, WIRE_STATUS_FAILED, 0, -1, {NULL, 0}, NULL, 0};
   wire_msg msg;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m3_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m3_encode(&m, &msg, reason), 0);
   assert_frames_equal(&msg, want, 5);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
   wire_m3 d;
-  assert_int_equal(wire_m3_decode(want, 5, &d, reason), 0);
+  assert_int_equal(kvf__wire_m3_decode(want, 5, &d, reason), 0);
   assert_int_equal(d.status, WIRE_STATUS_FAILED);
   assert_int_equal(d.bootstrap_token, -1);
   assert_int_equal(d.candidates.count, 0);
@@ -518,20 +518,20 @@ static void m3_frame_count_forms(void **state) {
   wire_frame f[7] = {FR("12"), FR("2"), FR("3"), FR("99"), EMPTY, FR("x"), FR("y")};
   wire_m3 d;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m3_decode(f, 3, &d, reason), 0);
+  assert_int_equal(kvf__wire_m3_decode(f, 3, &d, reason), 0);
   assert_int_equal(d.bootstrap_token, -1); /* absent frame 3 */
   assert_int_equal(d.candidates.count, 0);
   assert_int_equal(d.prefill_rank, 3);
   assert_int_equal(d.status, WIRE_STATUS_BOOTSTRAPPED);
-  assert_int_equal(wire_m3_decode(f, 4, &d, reason), 0);
+  assert_int_equal(kvf__wire_m3_decode(f, 4, &d, reason), 0);
   assert_int_equal(d.bootstrap_token, 99);
-  assert_int_equal(wire_m3_decode(f, 7, &d, reason), 0); /* extras ignored */
+  assert_int_equal(kvf__wire_m3_decode(f, 7, &d, reason), 0); /* extras ignored */
   assert_int_equal(d.candidates.count, 0);
   /* Every status value 0..5 is accepted. */
   static const char *const st[6] = {"0", "1", "2", "3", "4", "5"};
   for (int s = 0; s < 6; s++) {
     f[1] = (wire_frame){(const uint8_t *)st[s], 1};
-    assert_int_equal(wire_m3_decode(f, 5, &d, reason), 0);
+    assert_int_equal(kvf__wire_m3_decode(f, 5, &d, reason), 0);
     assert_int_equal(d.status, s);
   }
 }
@@ -540,14 +540,14 @@ static void m3_frame_count_forms(void **state) {
 
 static void classify_kinds(void **state) {
   wire_frame f[1] = {FR("None")};
-  assert_int_equal(wire_classify(f, 1), WIRE_MSG_M1);
+  assert_int_equal(kvf__wire_classify(f, 1), WIRE_MSG_M1);
   f[0] = (wire_frame)FR("none");
-  assert_int_equal(wire_classify(f, 1), WIRE_MSG_M2);
+  assert_int_equal(kvf__wire_classify(f, 1), WIRE_MSG_M2);
   f[0] = (wire_frame)FR("None ");
-  assert_int_equal(wire_classify(f, 1), WIRE_MSG_M2);
+  assert_int_equal(kvf__wire_classify(f, 1), WIRE_MSG_M2);
   f[0] = (wire_frame)EMPTY;
-  assert_int_equal(wire_classify(f, 1), WIRE_MSG_M2);
-  assert_int_equal(wire_classify(f, 0), KVF_EPROTO);
+  assert_int_equal(kvf__wire_classify(f, 1), WIRE_MSG_M2);
+  assert_int_equal(kvf__wire_classify(f, 0), KVF_EPROTO);
 }
 
 static void bad_arguments(void **state) {
@@ -555,18 +555,18 @@ static void bad_arguments(void **state) {
   wire_m2 m2;
   wire_m3 m3;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m1_decode(a3_frames, 8, NULL, reason), KVF_EINVAL);
-  assert_int_equal(wire_m2_decode(NULL, 12, &m2, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m1_decode(a3_frames, 8, NULL, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m2_decode(NULL, 12, &m2, reason), KVF_EINVAL);
   wire_frame f[12];
   memcpy(f, a4_frames, sizeof f);
   f[9] = (wire_frame){NULL, 4};
-  assert_int_equal(wire_m2_decode(f, 12, &m2, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m2, reason), KVF_EINVAL);
   assert_string_equal(reason, "M2: frame 9 has a length but no data");
-  assert_int_equal(wire_m3_decode(a6_frames, 5, NULL, NULL), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m3_decode(a6_frames, 5, NULL, NULL), KVF_EINVAL);
   /* NULL reason is allowed. */
-  assert_int_equal(wire_m1_decode(a4_frames, 12, &m1, NULL), KVF_EPROTO);
-  assert_int_equal(wire_m3_decode(a6_frames, 2, &m3, NULL), KVF_EPROTO);
-  assert_int_equal(wire_m1_encode(NULL, NULL, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m1_decode(a4_frames, 12, &m1, NULL), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m3_decode(a6_frames, 2, &m3, NULL), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m1_encode(NULL, NULL, reason), KVF_EINVAL);
 }
 
 /* ---- rejection tables ---- */
@@ -613,13 +613,13 @@ static void run_bad_cases(const char *what, const wire_frame *base, size_t nbase
   free(pristine);
 }
 
-static int dec_m1(const wire_frame *f, size_t n, void *o, char *r) { return wire_m1_decode(f, n, o, r); }
+static int dec_m1(const wire_frame *f, size_t n, void *o, char *r) { return kvf__wire_m1_decode(f, n, o, r); }
 static int dec_m2(const wire_frame *f, size_t n, void *o, char *r) {
-  int rc = wire_m2_decode(f, n, o, r);
-  if (rc == 0) wire_m2_free(o);
+  int rc = kvf__wire_m2_decode(f, n, o, r);
+  if (rc == 0) kvf__wire_m2_free(o);
   return rc;
 }
-static int dec_m3(const wire_frame *f, size_t n, void *o, char *r) { return wire_m3_decode(f, n, o, r); }
+static int dec_m3(const wire_frame *f, size_t n, void *o, char *r) { return kvf__wire_m3_decode(f, n, o, r); }
 
 static void m1_rejections(void **state) {
   static char long_name[300];
@@ -668,17 +668,17 @@ static void m1_rejections(void **state) {
   wire_m1 m;
   char reason[WIRE_REASON_LEN];
   f[1] = (wire_frame){(const uint8_t *)long_name, 256};
-  assert_int_equal(wire_m1_decode(f, 8, &m, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m1_decode(f, 8, &m, reason), KVF_EPROTO);
   assert_string_equal(reason, "M1 frame 1 (endpoint): 256 bytes, at most 255 allowed");
   f[1] = (wire_frame){(const uint8_t *)long_name, 255};
-  assert_int_equal(wire_m1_decode(f, 8, &m, reason), 0);
+  assert_int_equal(kvf__wire_m1_decode(f, 8, &m, reason), 0);
   assert_int_equal(strlen(m.endpoint), 255);
   uint8_t *big = calloc(4097, 8);
   f[4] = (wire_frame){big, 4097 * 8};
-  assert_int_equal(wire_m1_decode(f, 8, &m, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m1_decode(f, 8, &m, reason), KVF_EPROTO);
   assert_string_equal(reason, "M1 frame 4 (dst_kv_ptrs): 4097 entries, at most 4096 allowed");
   f[4] = (wire_frame){big, 4096 * 8};
-  assert_int_equal(wire_m1_decode(f, 8, &m, reason), 0);
+  assert_int_equal(kvf__wire_m1_decode(f, 8, &m, reason), 0);
   free(big);
 }
 
@@ -695,25 +695,25 @@ static void m2_base_is_valid(void **state) {
   m2_base_init();
   wire_m2 m;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m2_decode(m2_base, 15, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(m2_base, 15, &m, reason), 0);
   assert_int_equal(m.nfrags, 1);
   assert_int_equal(m.page_layout, 0); /* not a page size: ignored, as the reference ignores it */
-  wire_m2_free(&m);
+  kvf__wire_m2_free(&m);
   /* kvferry's frame 14: tokens per token-major page, next to a plan only. */
   m2_base[14] = (wire_frame)FR("16");
-  assert_int_equal(wire_m2_decode(m2_base, 15, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(m2_base, 15, &m, reason), 0);
   assert_int_equal(m.page_layout, 16);
   wire_msg msg;
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   assert_int_equal(msg.nframes, 15);
   assert_int_equal(msg.frames[14].len, 2);
   assert_memory_equal(msg.frames[14].data, "16", 2);
-  wire_msg_free(&msg);
-  wire_m2_free(&m);
+  kvf__wire_msg_free(&msg);
+  kvf__wire_m2_free(&m);
   m2_base[14] = (wire_frame)FR("0");
-  assert_int_equal(wire_m2_decode(m2_base, 15, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(m2_base, 15, &m, reason), 0);
   assert_int_equal(m.page_layout, 0);
-  wire_m2_free(&m);
+  kvf__wire_m2_free(&m);
 }
 
 static void m2_rejections(void **state) {
@@ -772,35 +772,35 @@ static void m2_rejections(void **state) {
   char reason[WIRE_REASON_LEN];
   memcpy(f, a7_frames, sizeof a7_frames);
   f[6] = (wire_frame)FR("0");
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
   assert_string_equal(reason, "M2 frame 6 (required_dst_info_num): 0 is outside 1..65536");
   memcpy(f, a7_frames, sizeof a7_frames);
   f[2] = (wire_frame)FR("x");
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
   assert_string_equal(reason, "M2 frame 2 (dst_port): \"x\" is not an ascii int");
   memcpy(f, a7_frames, sizeof a7_frames);
   f[0] = (wire_frame)FR("r");
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
   assert_string_equal(reason, "M2 frame 0 (room): \"r\" is not an ascii int");
 
   /* Negative page and local indices. */
   memcpy(f, a4_frames, sizeof a4_frames);
   f[4] = (wire_frame){(const uint8_t *)neg_page, 16};
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
   assert_string_equal(reason, "M2 frame 4 (dst_kv_indices): entry 1 is -3, must be >= 0");
   memcpy(f, a4_frames, sizeof a4_frames);
   f[10] = (wire_frame){(const uint8_t *)neg_page, 16};
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
   assert_string_equal(reason, "M2 frame 10 (dst_page_local_indices): entry 1 is -3, must be >= 0");
 
   /* Page frames past 1<<20 entries. */
   uint8_t *big = calloc((size_t)WIRE_MAX_PAGES + 1, 8);
   memcpy(f, a4_frames, sizeof a4_frames);
   f[4] = (wire_frame){big, ((size_t)WIRE_MAX_PAGES + 1) * 8};
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), KVF_EPROTO);
   assert_string_equal(reason, "M2 frame 4 (dst_kv_indices): 1048577 entries, at most 1048576 allowed");
   f[4] = (wire_frame){big, (size_t)WIRE_MAX_PAGES * 8};
-  assert_int_equal(wire_m2_decode(f, 12, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 12, &m, reason), 0);
   assert_int_equal(m.kv_indices.count, WIRE_MAX_PAGES);
   free(big);
 }
@@ -862,7 +862,7 @@ static void fragment_rejections(void **state) {
   for (size_t k = 0; k < NFR(cases); k++) {
     wire_fragment *f = (wire_fragment *)0x1;
     size_t n = 77;
-    int rc = wire_fragments_parse((const uint8_t *)cases[k].json, strlen(cases[k].json), &f, &n, reason);
+    int rc = kvf__wire_fragments_parse((const uint8_t *)cases[k].json, strlen(cases[k].json), &f, &n, reason);
     if (rc != KVF_EPROTO) fail_msg("fragment case %zu: rc %d", k, rc);
     if (strncmp(reason, cases[k].expect, strlen(cases[k].expect)))
       fail_msg("fragment case %zu: reason \"%s\", want \"%s\"", k, reason, cases[k].expect);
@@ -874,7 +874,7 @@ static void fragment_rejections(void **state) {
     fr[12] = (wire_frame)FR("1");
     fr[13] = (wire_frame){(const uint8_t *)cases[k].json, strlen(cases[k].json)};
     wire_m2 m;
-    rc = wire_m2_decode(fr, 14, &m, reason);
+    rc = kvf__wire_m2_decode(fr, 14, &m, reason);
     if (!cases[k].json[0]) {
       assert_int_equal(rc, KVF_EPROTO);
       assert_string_equal(reason, "M2 frame 13 (fragments): empty while frame 12 is not");
@@ -903,7 +903,7 @@ static void fragment_rejections(void **state) {
     o += (size_t)snprintf(json + o, sizeof json - o, "}]");
     wire_fragment *f;
     size_t n;
-    assert_int_equal(wire_fragments_parse((const uint8_t *)json, o, &f, &n, reason), KVF_EPROTO);
+    assert_int_equal(kvf__wire_fragments_parse((const uint8_t *)json, o, &f, &n, reason), KVF_EPROTO);
     snprintf(want, sizeof want, "fragment 0: missing key \"%s\"", keys[k]);
     assert_string_equal(reason, want);
   }
@@ -917,11 +917,11 @@ static void fragment_bounds(void **state) {
   char reason[WIRE_REASON_LEN];
   char *json;
   size_t len;
-  assert_int_equal(wire_fragments_format(many, n, &json, &len, reason), KVF_EINVAL);
-  assert_int_equal(wire_fragments_format(many, n - 1, &json, &len, reason), 0);
+  assert_int_equal(kvf__wire_fragments_format(many, n, &json, &len, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_fragments_format(many, n - 1, &json, &len, reason), 0);
   wire_fragment *back;
   size_t nback;
-  assert_int_equal(wire_fragments_parse((const uint8_t *)json, len, &back, &nback, reason), 0);
+  assert_int_equal(kvf__wire_fragments_parse((const uint8_t *)json, len, &back, &nback, reason), 0);
   assert_int_equal(nback, n - 1);
   for (size_t k = 0; k < n - 1; k++) assert_frag_equal(&back[k], &many[k]);
   free(back);
@@ -932,7 +932,7 @@ static void fragment_bounds(void **state) {
   more[ml++] = ',';
   memcpy(more + ml, frag_example + 1, strlen(frag_example) - 1);
   ml += strlen(frag_example) - 1;
-  assert_int_equal(wire_fragments_parse((const uint8_t *)more, ml, &back, &nback, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_fragments_parse((const uint8_t *)more, ml, &back, &nback, reason), KVF_EPROTO);
   assert_string_equal(reason, "4097 fragments, at most 4096 allowed");
   free(more);
   free(json);
@@ -942,7 +942,7 @@ static void fragment_bounds(void **state) {
   memset(pad, ' ', big);
   pad[0] = '[';
   pad[big - 1] = ']';
-  assert_int_equal(wire_fragments_parse((const uint8_t *)pad, big, &back, &nback, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_fragments_parse((const uint8_t *)pad, big, &back, &nback, reason), KVF_EPROTO);
   assert_string_equal(reason, "1048577 bytes, at most 1048576 allowed");
   free(pad);
   /* Huge values in every fragment push the formatted plan past 1 MiB. */
@@ -953,7 +953,7 @@ static void fragment_bounds(void **state) {
     many[k].page_count = INT64_MAX;
     many[k].src_rank = many[k].dst_rank = INT32_MAX;
   }
-  assert_int_equal(wire_fragments_format(many, WIRE_MAX_FRAGMENTS, &json, &len, reason), KVF_ETOOBIG);
+  assert_int_equal(kvf__wire_fragments_format(many, WIRE_MAX_FRAGMENTS, &json, &len, reason), KVF_ETOOBIG);
   free(many);
 }
 
@@ -980,7 +980,7 @@ static void m3_rejections(void **state) {
   f[4] = (wire_frame){big, ((size_t)WIRE_MAX_CANDIDATES + 1) * 4};
   wire_m3 m;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m3_decode(f, 5, &m, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_m3_decode(f, 5, &m, reason), KVF_EPROTO);
   assert_string_equal(reason, "M3 frame 4 (spec_candidate_ids): 65 entries, at most 64 allowed");
   free(big);
 }
@@ -996,84 +996,84 @@ static void encoder_rejections(void **state) {
   strcpy(m1.endpoint, "10.0.0.2");
   m1.dst_port = 41235;
   strcpy(m1.session, "10.0.0.2:15001");
-  assert_int_equal(wire_m1_encode(&m1, &msg, reason), 0);
-  wire_msg_free(&msg);
+  assert_int_equal(kvf__wire_m1_encode(&m1, &msg, reason), 0);
+  kvf__wire_msg_free(&msg);
   m1.dst_port = 0;
-  assert_int_equal(wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M1 frame 2 (dst_port): 0 is not a port (1..65535)");
   assert_memory_equal(&msg, &zero, sizeof msg);
   m1.dst_port = 1;
   strcpy(m1.session, "10.0.0.2");
-  assert_int_equal(wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M1 frame 3 (session_id): \"10.0.0.2\" is not \"host:port\"");
   strcpy(m1.session, "h:1");
   m1.endpoint[0] = '\0';
-  assert_int_equal(wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M1 frame 1 (endpoint): empty");
   memset(m1.endpoint, 'x', sizeof m1.endpoint); /* unterminated: 256 bytes */
-  assert_int_equal(wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
   strcpy(m1.endpoint, "e");
   m1.kv_ptrs.count = 2; /* no data */
-  assert_int_equal(wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M1 frame 4 (dst_kv_ptrs): 2 entries but no data");
   m1.kv_ptrs.count = 0;
   m1.decode_prefix_len = -1;
-  assert_int_equal(wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m1_encode(&m1, &msg, reason), KVF_EINVAL);
 
   wire_m2 m2;
   m2_fill_a4(&m2);
   m2.required_dst_info_num = 0;
-  assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M2 frame 6 (required_dst_info_num): 0 is outside 1..65536");
   m2.required_dst_info_num = 1;
   static const uint8_t bad_mask[3] = {1, 7, 0};
   m2.page_mask = wire_array_of(bad_mask, 3);
-  assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M2 frame 9 (dst_page_transfer_mask): entry 1 is 0x07, a bool must be 0x00 or 0x01");
   assert_memory_equal(&msg, &zero, sizeof msg);
   m2.page_mask = wire_array_of(NULL, 0);
   m2.indices_are_local = 2;
-  assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
   m2.indices_are_local = 0;
   m2.decode_prefix_len = -5;
-  assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
   m2.decode_prefix_len = 0;
   wire_fragment fr = frag_example_struct;
   fr.buffer_kind = 9;
   m2.frags = &fr;
   m2.nfrags = 1;
-  assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M2 frame 13 (fragments): fragment 0: buffer_kind is unknown");
   assert_memory_equal(&msg, &zero, sizeof msg);
   fr = frag_example_struct;
   fr.page_count = -2;
-  assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
   /* A valid plan with a bad page layout: the plan JSON was already built
    * and must be freed on the error path (LeakSanitizer in `make asan`). */
   fr = frag_example_struct;
   m2.page_layout = -1;
-  assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M2 frame 14 (kvferry_page_layout): -1 is outside 0..1048576");
   assert_memory_equal(&msg, &zero, sizeof msg);
   m2.page_layout = 0;
   /* A dummy ignores its array fields. */
   m2.is_dummy = 1;
-  assert_int_equal(wire_m2_encode(&m2, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, reason), 0);
   assert_frames_equal(&msg, a7_frames, 12);
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 
   wire_m3 m3 = {1, 6, 0, -1, {NULL, 0}, NULL, 0};
-  assert_int_equal(wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M3 frame 1 (status): 6 is outside 0..5");
   m3.status = 5;
   m3.bootstrap_token = -2;
-  assert_int_equal(wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
   m3.bootstrap_token = -1;
   m3.prefill_rank = -1;
-  assert_int_equal(wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
   m3.prefill_rank = 0;
   m3.candidates.count = 1;
-  assert_int_equal(wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
 }
 
 static void m1_dup_outlives_frames(void **state) {
@@ -1084,8 +1084,8 @@ static void m1_dup_outlives_frames(void **state) {
   f[4] = (wire_frame){buf + 3, 32};
   wire_m1 m, *copy = NULL;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_m1_decode(f, 8, &m, reason), 0);
-  assert_int_equal(wire_m1_dup(&m, &copy), 0);
+  assert_int_equal(kvf__wire_m1_decode(f, 8, &m, reason), 0);
+  assert_int_equal(kvf__wire_m1_dup(&m, &copy), 0);
   free(buf);
   assert_int_equal(copy->kv_ptrs.count, 4);
   for (size_t i = 0; i < 4; i++) assert_true(wire_u64_at(copy->kv_ptrs, i) == a3_kv_ptrs[i]);
@@ -1100,40 +1100,40 @@ static void m2_room_options_frame(void **state) {
   wire_m2 m, back;
   char reason[WIRE_REASON_LEN];
   wire_msg msg;
-  assert_int_equal(wire_m2_decode(a4_frames, 12, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(a4_frames, 12, &m, reason), 0);
   m.room_flags = WIRE_ROOM_VERIFY;
   m.fence_epoch = 0x123456789abcull;
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   assert_int_equal(msg.nframes, 16);
   assert_int_equal(msg.frames[12].len, 0); /* no plan: the reference reads "no plan" */
   assert_int_equal(msg.frames[13].len, 0);
   assert_int_equal(msg.frames[14].len, 0);
   assert_int_equal(msg.frames[15].len, 16);
-  assert_int_equal(wire_m2_decode(msg.frames, msg.nframes, &back, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(msg.frames, msg.nframes, &back, reason), 0);
   assert_int_equal(back.nfrags, 0);
   assert_int_equal(back.page_layout, 0);
   assert_true(back.room_flags == WIRE_ROOM_VERIFY && back.fence_epoch == 0x123456789abcull);
   wire_frame f[16];
   memcpy(f, msg.frames, sizeof f);
   f[15].len = 15;
-  assert_int_equal(wire_m2_decode(f, 16, &back, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(f, 16, &back, reason), 0);
   assert_true(back.room_flags == 0 && back.fence_epoch == 0);
-  wire_msg_free(&msg);
-  wire_m2_free(&m);
+  kvf__wire_msg_free(&msg);
+  kvf__wire_m2_free(&m);
   /* With a plan and a page layout. */
   m2_base_init();
   m2_base[14] = (wire_frame)FR("16");
-  assert_int_equal(wire_m2_decode(m2_base, 15, &m, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(m2_base, 15, &m, reason), 0);
   m.fence_epoch = 7;
-  assert_int_equal(wire_m2_encode(&m, &msg, reason), 0);
+  assert_int_equal(kvf__wire_m2_encode(&m, &msg, reason), 0);
   assert_int_equal(msg.nframes, 16);
-  assert_int_equal(wire_m2_decode(msg.frames, msg.nframes, &back, reason), 0);
+  assert_int_equal(kvf__wire_m2_decode(msg.frames, msg.nframes, &back, reason), 0);
   assert_int_equal(back.nfrags, 1);
   assert_int_equal(back.page_layout, 16);
   assert_true(back.fence_epoch == 7 && back.room_flags == 0);
-  wire_m2_free(&back);
-  wire_msg_free(&msg);
-  wire_m2_free(&m);
+  kvf__wire_m2_free(&back);
+  kvf__wire_msg_free(&msg);
+  kvf__wire_m2_free(&m);
 }
 
 static void digests_and_fence_messages(void **state) {
@@ -1141,11 +1141,11 @@ static void digests_and_fence_messages(void **state) {
   wire_digests d = {.room = -5, .prefill_rank = 3, .epoch = 99, .entries = wire_array_of(e, 2)}, back;
   wire_msg msg;
   char reason[WIRE_REASON_LEN];
-  assert_int_equal(wire_digests_encode(&d, &msg, reason), 0);
-  assert_true(wire_is_digests(msg.frames, msg.nframes));
-  assert_false(wire_is_fence(msg.frames, msg.nframes));
-  assert_int_equal(wire_classify(msg.frames, msg.nframes), WIRE_MSG_M2); /* a tokenspeed prefill would reject it */
-  assert_int_equal(wire_digests_decode(msg.frames, msg.nframes, &back, reason), 0);
+  assert_int_equal(kvf__wire_digests_encode(&d, &msg, reason), 0);
+  assert_true(kvf__wire_is_digests(msg.frames, msg.nframes));
+  assert_false(kvf__wire_is_fence(msg.frames, msg.nframes));
+  assert_int_equal(kvf__wire_classify(msg.frames, msg.nframes), WIRE_MSG_M2); /* a tokenspeed prefill would reject it */
+  assert_int_equal(kvf__wire_digests_decode(msg.frames, msg.nframes, &back, reason), 0);
   assert_int_equal(back.room, -5);
   assert_int_equal(back.prefill_rank, 3);
   assert_true(back.epoch == 99);
@@ -1155,29 +1155,29 @@ static void digests_and_fence_messages(void **state) {
   wire_frame f[5];
   memcpy(f, msg.frames, sizeof f);
   f[4].len = 41; /* not a whole number of entries */
-  assert_int_equal(wire_digests_decode(f, 5, &back, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_digests_decode(f, 5, &back, reason), KVF_EPROTO);
   e[0].count = 0;
   f[4].len = 80;
-  assert_int_equal(wire_digests_decode(f, 5, &back, reason), KVF_EPROTO);
+  assert_int_equal(kvf__wire_digests_decode(f, 5, &back, reason), KVF_EPROTO);
   assert_non_null(strstr(reason, "zero count"));
-  wire_msg_free(&msg);
+  kvf__wire_msg_free(&msg);
 
   wire_fence fe = {.room = 12, .epoch = 5}, fb;
   snprintf(fe.session, sizeof fe.session, "10.0.0.1:1234");
   snprintf(fe.reason, sizeof fe.reason, "Request 12 timed out\x01");
-  assert_int_equal(wire_fence_encode(&fe, &msg, reason), 0);
-  assert_true(wire_is_fence(msg.frames, msg.nframes));
-  assert_int_equal(wire_fence_decode(msg.frames, msg.nframes, &fb, reason), 0);
+  assert_int_equal(kvf__wire_fence_encode(&fe, &msg, reason), 0);
+  assert_true(kvf__wire_is_fence(msg.frames, msg.nframes));
+  assert_int_equal(kvf__wire_fence_decode(msg.frames, msg.nframes, &fb, reason), 0);
   assert_int_equal(fb.room, 12);
   assert_true(fb.epoch == 5);
   assert_string_equal(fb.session, "10.0.0.1:1234");
   assert_string_equal(fb.reason, "Request 12 timed out?"); /* non-printable bytes shown as '?' */
   memcpy(f, msg.frames, sizeof f);
   f[3] = (wire_frame)FR("0"); /* epoch 0 is never valid */
-  assert_int_equal(wire_fence_decode(f, 5, &fb, reason), KVF_EPROTO);
-  wire_msg_free(&msg);
+  assert_int_equal(kvf__wire_fence_decode(f, 5, &fb, reason), KVF_EPROTO);
+  kvf__wire_msg_free(&msg);
   fe.epoch = 0;
-  assert_int_equal(wire_fence_encode(&fe, &msg, reason), KVF_EINVAL);
+  assert_int_equal(kvf__wire_fence_encode(&fe, &msg, reason), KVF_EINVAL);
 }
 
 int main(void) {
