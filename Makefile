@@ -10,7 +10,7 @@ JOBS ?= $(shell nproc)
 BUILD ?= build
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build demo test asan tsan fuzz bench install clean
+.PHONY: all deps build demo test asan tsan fuzz bench install clean format
 
 all: build
 
@@ -55,3 +55,7 @@ install: build
 
 clean:
 	rm -rf $(BUILD) build-asan build-tsan build-fuzz
+
+# Reformat every C source with .clang-format (CI checks it: scripts/check-format.sh).
+format: deps
+	find src include tests bench -type f \( -name '*.c' -o -name '*.h' \) | xargs clang-format -i --style=file

@@ -30,14 +30,14 @@ typedef struct kvf_bootstrap_server kvf_bootstrap_server;
  * versions add fields at the end without breaking programs built against
  * these headers. */
 typedef struct kvf_bootstrap_server_config {
-  size_t size;            /* sizeof(kvf_bootstrap_server_config), set by _config_init */
-  const char *host;       /* address to bind; default "0.0.0.0" (all IPv4 interfaces, as the reference);
+  size_t size;             /* sizeof(kvf_bootstrap_server_config), set by _config_init */
+  const char *host;        /* address to bind; default "0.0.0.0" (all IPv4 interfaces, as the reference);
                              an IPv6 literal such as "::" binds IPv6 */
-  uint16_t port;          /* default 8998; 0 = any free port (see kvf_bootstrap_server_port) */
-  const char *auth_token; /* bearer token PUT /route must carry; NULL = $KVFERRY_BOOTSTRAP_TOKEN,
+  uint16_t port;           /* default 8998; 0 = any free port (see kvf_bootstrap_server_port) */
+  const char *auth_token;  /* bearer token PUT /route must carry; NULL = $KVFERRY_BOOTSTRAP_TOKEN,
                              "" = none. GETs and HEADs stay open. */
-  size_t max_body;        /* largest PUT body accepted, bytes; default 65536, 413 beyond */
-  unsigned max_conns;     /* concurrent connections; default 1024. Near the limit a new connection
+  size_t max_body;         /* largest PUT body accepted, bytes; default 65536, 413 beyond */
+  unsigned max_conns;      /* concurrent connections; default 1024. Near the limit a new connection
                              evicts the oldest one still waiting for its request headers (else the
                              oldest request in progress). */
   unsigned idle_timeout_s; /* a connection idle this long is closed; default 30. Each request must

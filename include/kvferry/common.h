@@ -12,9 +12,9 @@
 /* KVF_API marks what the shared library exports. The library is compiled
  * with hidden visibility, so everything not marked stays internal. */
 #if defined(__GNUC__) && __GNUC__ >= 4
-#  define KVF_API __attribute__((visibility("default")))
+#define KVF_API __attribute__((visibility("default")))
 #else
-#  define KVF_API
+#define KVF_API
 #endif
 
 #ifdef __cplusplus
@@ -30,29 +30,30 @@ extern "C" {
 #define KVF_VERSION_PATCH 0
 #define KVF_VERSION_STR_(x) #x
 #define KVF_VERSION_XSTR_(x) KVF_VERSION_STR_(x)
-#define KVF_VERSION_STRING                                                                            \
-  KVF_VERSION_XSTR_(KVF_VERSION_MAJOR) "." KVF_VERSION_XSTR_(KVF_VERSION_MINOR) "." KVF_VERSION_XSTR_(KVF_VERSION_PATCH)
+#define KVF_VERSION_STRING             \
+  KVF_VERSION_XSTR_(KVF_VERSION_MAJOR) \
+  "." KVF_VERSION_XSTR_(KVF_VERSION_MINOR) "." KVF_VERSION_XSTR_(KVF_VERSION_PATCH)
 #define KVF_VERSION_NUMBER (KVF_VERSION_MAJOR * 10000 + KVF_VERSION_MINOR * 100 + KVF_VERSION_PATCH)
 #define KVF_VERSION_OK() kvf_version_compatible(KVF_VERSION_MAJOR, KVF_VERSION_MINOR)
 
 /* Error codes: 0 is success, failures are negative. One list gives the enum,
  * kvf_strerror and kvf_err_name: X(name, value, text). */
-#define KVF_ERROR_LIST(X)                                                                   \
-  X(KVF_OK, 0, "success")                                                                   \
-  X(KVF_EINVAL, -1, "invalid argument or malformed input")                                 \
-  X(KVF_ENOMEM, -2, "out of memory or bound reached")                                      \
-  X(KVF_EIO, -3, "I/O error")                                                              \
-  X(KVF_ETIMEDOUT, -4, "timed out")                                                        \
-  X(KVF_ECLOSED, -5, "peer closed the connection or died")                                 \
-  X(KVF_EACCES, -6, "authentication refused")                                              \
-  X(KVF_ERANGE, -7, "address range outside registered memory")                            \
-  X(KVF_ENOTFOUND, -8, "not found")                                                        \
-  X(KVF_EBUSY, -9, "resource busy")                                                        \
-  X(KVF_EPROTO, -10, "protocol error")                                                     \
-  X(KVF_ECONNREFUSED, -11, "connection refused")                                           \
-  X(KVF_ESTATE, -12, "invalid state for this call")                                        \
-  X(KVF_EEXIST, -13, "already exists")                                                     \
-  X(KVF_ETOOBIG, -14, "input exceeds a size bound")                                        \
+#define KVF_ERROR_LIST(X)                                      \
+  X(KVF_OK, 0, "success")                                      \
+  X(KVF_EINVAL, -1, "invalid argument or malformed input")     \
+  X(KVF_ENOMEM, -2, "out of memory or bound reached")          \
+  X(KVF_EIO, -3, "I/O error")                                  \
+  X(KVF_ETIMEDOUT, -4, "timed out")                            \
+  X(KVF_ECLOSED, -5, "peer closed the connection or died")     \
+  X(KVF_EACCES, -6, "authentication refused")                  \
+  X(KVF_ERANGE, -7, "address range outside registered memory") \
+  X(KVF_ENOTFOUND, -8, "not found")                            \
+  X(KVF_EBUSY, -9, "resource busy")                            \
+  X(KVF_EPROTO, -10, "protocol error")                         \
+  X(KVF_ECONNREFUSED, -11, "connection refused")               \
+  X(KVF_ESTATE, -12, "invalid state for this call")            \
+  X(KVF_EEXIST, -13, "already exists")                         \
+  X(KVF_ETOOBIG, -14, "input exceeds a size bound")            \
   X(KVF_EAGAIN, -15, "not finished yet, try again")
 
 #define KVF_ERROR_ENUM_(name, value, text) name = value,

@@ -35,14 +35,14 @@ typedef struct kvf_batch kvf_batch;
  * it sets `size`, which lets later library versions add fields at the end
  * without breaking programs built against these headers. */
 typedef struct kvf_engine_config {
-  size_t size;             /* sizeof(kvf_engine_config), set by kvf_engine_config_init */
-  const char *host;        /* address to listen on and advertise; default "127.0.0.1" */
-  uint16_t port;           /* 0 = any free port (default) */
-  const char *transport;   /* "tcp", "ucx" or "auto"; NULL = $KVFERRY_TRANSPORT, else "auto" (see README) */
-  const char *auth_token;  /* shared secret peers must present; NULL = $KVFERRY_AUTH_TOKEN, "" = none */
-  int timeout_ms;          /* batch deadline; default 30000, env KVFERRY_TIMEOUT_MS */
-  int conns_per_peer;      /* parallel TCP connections per remote session; default 2, env KVFERRY_CONNS_PER_PEER */
-  int max_inbound_conns;   /* bound on accepted connections; default 256 */
+  size_t size;            /* sizeof(kvf_engine_config), set by kvf_engine_config_init */
+  const char *host;       /* address to listen on and advertise; default "127.0.0.1" */
+  uint16_t port;          /* 0 = any free port (default) */
+  const char *transport;  /* "tcp", "ucx" or "auto"; NULL = $KVFERRY_TRANSPORT, else "auto" (see README) */
+  const char *auth_token; /* shared secret peers must present; NULL = $KVFERRY_AUTH_TOKEN, "" = none */
+  int timeout_ms;         /* batch deadline; default 30000, env KVFERRY_TIMEOUT_MS */
+  int conns_per_peer;     /* parallel TCP connections per remote session; default 2, env KVFERRY_CONNS_PER_PEER */
+  int max_inbound_conns;  /* bound on accepted connections; default 256 */
 } kvf_engine_config;
 
 /* One block to write. With count <= 1 it is `len` bytes from local `src` to
@@ -59,20 +59,20 @@ typedef struct kvf_write {
 
 /* Engine counters, for metrics and tests. */
 typedef struct kvf_engine_stats {
-  uint64_t batches_sent;       /* batches this engine completed as a writer */
+  uint64_t batches_sent; /* batches this engine completed as a writer */
   uint64_t bytes_sent;
-  uint64_t batches_failed;     /* writer side: batches that ended in error */
-  uint64_t batches_received;   /* target side: batches accepted and written */
+  uint64_t batches_failed;   /* writer side: batches that ended in error */
+  uint64_t batches_received; /* target side: batches accepted and written */
   uint64_t bytes_received;
-  uint64_t batches_refused;    /* target side: refused (outside registered memory) */
-  uint64_t auth_refused;       /* target side: peers refused for a wrong or missing secret */
-  uint64_t protocol_errors;    /* target side: malformed frames (connection dropped) */
-  uint64_t conns_refused;      /* target side: over max_inbound_conns */
-  uint64_t conns_timed_out;    /* target side: dropped at the hello or chunk deadline */
-  uint64_t conns_evicted;      /* target side: idle or unauthenticated, closed to make room */
-  uint64_t peers_ucx;          /* writer side: peers routed over UCX (auto/ucx) */
-  uint64_t peers_tcp;          /* writer side: peers routed over kvferry's TCP by auto */
-  uint64_t chunks_fenced;      /* target side: tagged chunks refused, their (tag, epoch) not open */
+  uint64_t batches_refused; /* target side: refused (outside registered memory) */
+  uint64_t auth_refused;    /* target side: peers refused for a wrong or missing secret */
+  uint64_t protocol_errors; /* target side: malformed frames (connection dropped) */
+  uint64_t conns_refused;   /* target side: over max_inbound_conns */
+  uint64_t conns_timed_out; /* target side: dropped at the hello or chunk deadline */
+  uint64_t conns_evicted;   /* target side: idle or unauthenticated, closed to make room */
+  uint64_t peers_ucx;       /* writer side: peers routed over UCX (auto/ucx) */
+  uint64_t peers_tcp;       /* writer side: peers routed over kvferry's TCP by auto */
+  uint64_t chunks_fenced;   /* target side: tagged chunks refused, their (tag, epoch) not open */
 } kvf_engine_stats;
 
 /* Options of one batch (kvf_engine_submit_ex, kvf_engine_write_ex). Always

@@ -86,28 +86,28 @@ typedef struct kvf_kv_buffers {
  * it sets `size`, which lets later library versions add fields at the end
  * without breaking programs built against these headers. */
 typedef struct kvf_manager_config {
-  size_t size;                /* sizeof(kvf_manager_config), set by kvf_manager_config_init */
-  int role;                   /* KVF_ROLE_PREFILL or KVF_ROLE_DECODE */
-  const char *host;           /* local IP for the engine, PULL socket and adverts; default 127.0.0.1 */
-  int engine_rank;            /* global rank in its instance; default 0 */
-  int world_size;             /* default 1 */
-  int dp_size;                /* default 1; tp = world_size / dp_size */
-  int page_size;              /* tokens per page (for decode_prefix_len); default 1 */
-  int is_mla;                 /* MLA backend (legacy MLA routing); default 0 */
-  const char *bootstrap_addr; /* prefill: "host:port" of its bootstrap server (PUT /route) */
-  const char *bootstrap_token;/* prefill: bearer token for PUT /route; NULL = $KVFERRY_BOOTSTRAP_TOKEN */
-  kvf_engine *engine;         /* optional shared engine (not owned); NULL = create one */
+  size_t size;                         /* sizeof(kvf_manager_config), set by kvf_manager_config_init */
+  int role;                            /* KVF_ROLE_PREFILL or KVF_ROLE_DECODE */
+  const char *host;                    /* local IP for the engine, PULL socket and adverts; default 127.0.0.1 */
+  int engine_rank;                     /* global rank in its instance; default 0 */
+  int world_size;                      /* default 1 */
+  int dp_size;                         /* default 1; tp = world_size / dp_size */
+  int page_size;                       /* tokens per page (for decode_prefix_len); default 1 */
+  int is_mla;                          /* MLA backend (legacy MLA routing); default 0 */
+  const char *bootstrap_addr;          /* prefill: "host:port" of its bootstrap server (PUT /route) */
+  const char *bootstrap_token;         /* prefill: bearer token for PUT /route; NULL = $KVFERRY_BOOTSTRAP_TOKEN */
+  kvf_engine *engine;                  /* optional shared engine (not owned); NULL = create one */
   const kvf_engine_config *engine_cfg; /* for the engine created when `engine` is NULL; NULL = defaults
                                           with `host` above; read only during kvf_manager_create */
   /* Timeouts and sizes; <= 0 picks the default, then TOKENSPEED_DISAGGREGATION_* env overrides. */
-  double bootstrap_timeout_s;   /* sender in Bootstrapping; default 120 */
-  double waiting_timeout_s;     /* receiver waiting for the transfer after init; default 300 */
-  double heartbeat_interval_s;  /* decode; default 5, at least 2 */
-  int heartbeat_max_failures;   /* decode; default 2, at least 1 */
-  double failed_session_ttl_s;  /* prefill; default 30 (env value 0 disables) */
-  int queue_size;               /* prefill transfer queues/workers; default 4 */
-  int http_timeout_ms;          /* bootstrap HTTP calls; default 5000 */
-  size_t max_rooms;             /* live-room bound; default 1<<20 */
+  double bootstrap_timeout_s;  /* sender in Bootstrapping; default 120 */
+  double waiting_timeout_s;    /* receiver waiting for the transfer after init; default 300 */
+  double heartbeat_interval_s; /* decode; default 5, at least 2 */
+  int heartbeat_max_failures;  /* decode; default 2, at least 1 */
+  double failed_session_ttl_s; /* prefill; default 30 (env value 0 disables) */
+  int queue_size;              /* prefill transfer queues/workers; default 4 */
+  int http_timeout_ms;         /* bootstrap HTTP calls; default 5000 */
+  size_t max_rooms;            /* live-room bound; default 1<<20 */
   /* Decode: KV layers [0, target_layer_num) of the layer layout are the
    * target model's, the rest the draft model's (the reference's
    * KVArgs.target_layer_num): heterogeneous-TP plans label the latter's
@@ -148,20 +148,20 @@ typedef struct kvf_receiver kvf_receiver;
 typedef struct kvf_sender kvf_sender;
 
 typedef struct kvf_manager_stats {
-  uint64_t messages_received;   /* control messages accepted */
-  uint64_t messages_malformed;  /* rejected by the codecs (logged once per peer) */
+  uint64_t messages_received;     /* control messages accepted */
+  uint64_t messages_malformed;    /* rejected by the codecs (logged once per peer) */
   uint64_t messages_unknown_room; /* for a room not live here: dropped */
   uint64_t live_rooms;
-  uint64_t chunks_sent;         /* prefill: chunks written and confirmed */
+  uint64_t chunks_sent; /* prefill: chunks written and confirmed */
   uint64_t bytes_sent;
-  uint64_t heartbeat_failures;  /* decode: failed probes */
-  uint64_t node_failures;       /* decode: prefill instances declared dead */
-  uint64_t messages_forged;     /* from a peer the room was not planned with, or a missing/wrong MAC: dropped */
-  uint64_t verify_failures;     /* verify mode: rooms failed by a digest mismatch (decode) or a source
+  uint64_t heartbeat_failures; /* decode: failed probes */
+  uint64_t node_failures;      /* decode: prefill instances declared dead */
+  uint64_t messages_forged;    /* from a peer the room was not planned with, or a missing/wrong MAC: dropped */
+  uint64_t verify_failures;    /* verify mode: rooms failed by a digest mismatch (decode) or a source
                                    page that changed during its transfer (prefill) */
-  uint64_t verify_unverified;   /* decode, verify mode: Success reports from a prefill that sent no
+  uint64_t verify_unverified;  /* decode, verify mode: Success reports from a prefill that sent no
                                    digests (a tokenspeed prefill): the room succeeded unverified */
-  uint64_t rooms_fenced;        /* decode: failed or dropped rooms whose late writes are now refused */
+  uint64_t rooms_fenced;       /* decode: failed or dropped rooms whose late writes are now refused */
 } kvf_manager_stats;
 
 /* Fill `cfg` with the defaults above and set cfg->size. Any thread. */
@@ -302,16 +302,16 @@ enum {
  * a room's chunks are written in submission order, so every earlier layer
  * group has landed when the last one has. */
 typedef struct kvf_send_params {
-  size_t size;                /* sizeof(kvf_send_params), set by kvf_send_params_init */
-  uint32_t flags;             /* KVF_SEND_LAST | KVF_SEND_TOKEN_LATER | KVF_SEND_LAYERS */
-  const int64_t *pages;       /* prefill page indices */
+  size_t size;          /* sizeof(kvf_send_params), set by kvf_send_params_init */
+  uint32_t flags;       /* KVF_SEND_LAST | KVF_SEND_TOKEN_LATER | KVF_SEND_LAYERS */
+  const int64_t *pages; /* prefill page indices */
   size_t npages;
-  size_t index_begin;         /* KVF_SEND_LAYERS: destination index of pages[0] */
-  size_t layer_begin;         /* KVF_SEND_LAYERS: first layer */
-  size_t layer_end;           /* KVF_SEND_LAYERS: one past the last layer */
-  int64_t aux_index;          /* last chunk: the request-pool slot; -1 none */
-  int64_t bootstrap_token;    /* last chunk: the first token, -1 none */
-  const int32_t *cands;       /* last chunk: speculative ids, at most KVF_MAX_CANDIDATES */
+  size_t index_begin;      /* KVF_SEND_LAYERS: destination index of pages[0] */
+  size_t layer_begin;      /* KVF_SEND_LAYERS: first layer */
+  size_t layer_end;        /* KVF_SEND_LAYERS: one past the last layer */
+  int64_t aux_index;       /* last chunk: the request-pool slot; -1 none */
+  int64_t bootstrap_token; /* last chunk: the first token, -1 none */
+  const int32_t *cands;    /* last chunk: speculative ids, at most KVF_MAX_CANDIDATES */
   size_t ncand;
   const int64_t *state_slots; /* last chunk, or (KVF_SEND_LAYERS) the chunk of the state's layer group:
                                  state slots (see kvf_manager_config.state_layer_ids) */

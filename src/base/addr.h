@@ -14,8 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVF_ADDR_HOST_MAX 255                 /* bytes of a host, without brackets */
-#define KVF_ADDR_MAX (KVF_ADDR_HOST_MAX + 8)  /* "[" host "]:65535" */
+#define KVF_ADDR_HOST_MAX 255                /* bytes of a host, without brackets */
+#define KVF_ADDR_MAX (KVF_ADDR_HOST_MAX + 8) /* "[" host "]:65535" */
 
 /* Parse the `len` bytes at `s` (need not be NUL-terminated). On success
  * returns 0 and, where the pointers are not NULL, copies the host (without

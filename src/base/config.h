@@ -35,7 +35,8 @@ typedef struct kvf__field {
   size_t offset;
 } kvf__field;
 
-#define KVF__FIELD(type_, member, kind) {#member, kind, offsetof(type_, member)}
+#define KVF__FIELD(type_, member, kind) \
+  { #member, kind, offsetof(type_, member) }
 
 /* Set the field `name` of the struct at cfg from `value` (decimal numbers,
  * doubles as strtod reads them, without trailing garbage). cfg's first

@@ -48,10 +48,8 @@ double kvf__env_get_double(const char *name, double def) {
 int kvf__env_get_bool(const char *name, int def) {
   const char *v = getenv(name);
   if (!v || !*v) return def;
-  if (!strcasecmp(v, "true") || !strcmp(v, "1") || !strcasecmp(v, "yes") || !strcasecmp(v, "y"))
-    return 1;
-  if (!strcasecmp(v, "false") || !strcmp(v, "0") || !strcasecmp(v, "no") || !strcasecmp(v, "n"))
-    return 0;
+  if (!strcasecmp(v, "true") || !strcmp(v, "1") || !strcasecmp(v, "yes") || !strcasecmp(v, "y")) return 1;
+  if (!strcasecmp(v, "false") || !strcmp(v, "0") || !strcasecmp(v, "no") || !strcasecmp(v, "n")) return 0;
   LOG_WARN("env", "%s=%s is not a boolean; using %s", name, v, def ? "true" : "false");
   return def;
 }

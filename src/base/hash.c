@@ -24,6 +24,7 @@ uint64_t kvf__hash_block(uint64_t base, uint64_t len, uint64_t count, uint64_t s
   if (count <= 1) return kvf__hash64((const void *)(uintptr_t)base, (size_t)len);
   kvf__hash_state st;
   kvf__hash_begin(&st);
-  for (uint64_t i = 0; i < count; i++) kvf__hash_update(&st, (const void *)(uintptr_t)(base + i * stride), (size_t)len);
+  for (uint64_t i = 0; i < count; i++)
+    kvf__hash_update(&st, (const void *)(uintptr_t)(base + i * stride), (size_t)len);
   return kvf__hash_end(&st);
 }

@@ -8,11 +8,10 @@
 #include "kvferry/common.h"
 
 int kvf__log_level(void);
-void kvf__log_write(int level, const char *component, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+void kvf__log_write(int level, const char *component, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
-#define KVF_LOG(level, comp, ...)                                 \
-  do {                                                            \
+#define KVF_LOG(level, comp, ...)                                                  \
+  do {                                                                             \
     if ((level) <= kvf__log_level()) kvf__log_write((level), (comp), __VA_ARGS__); \
   } while (0)
 #define LOG_ERROR(comp, ...) KVF_LOG(KVF_LOG_ERROR, comp, __VA_ARGS__)

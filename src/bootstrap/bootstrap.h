@@ -57,7 +57,8 @@ int kvf__bootstrap_client_get_parallel_info(bootstrap_client *c, route_parallel_
  * and *port on success. KVF_ENOTFOUND on 404 (rank not registered, or outside
  * the layout), KVF_ECONNREFUSED when nothing listens, KVF_ETIMEDOUT when the
  * server does not answer in time, KVF_EPROTO for a malformed reply. One try. */
-int kvf__bootstrap_client_get_rank(bootstrap_client *c, int tp_rank, int dp_group, char *ip, size_t iplen, int *port);
+int kvf__bootstrap_client_get_rank(bootstrap_client *c, int tp_rank, int dp_group, char *ip, size_t iplen,
+                                   int *port);
 
 /* GET /health: 0 on 200, else a transport error or KVF_EIO for another
  * status. Reuses the connection between calls (heartbeats). */
@@ -70,6 +71,6 @@ int kvf__bootstrap_client_health(bootstrap_client *c);
  * caller frees (*reply_len its length, may be NULL). Transport failures return
  * the error codes above. One try. */
 int kvf__bootstrap_client_request(bootstrap_client *c, const char *method, const char *path, const char *body,
-                             size_t body_len, long *status, char **reply, size_t *reply_len);
+                                  size_t body_len, long *status, char **reply, size_t *reply_len);
 
 #endif

@@ -47,7 +47,9 @@ static void curl_init_once(void) { g_curl_init_rc = curl_global_init(CURL_GLOBAL
 /* A bootstrap address goes into a URL verbatim; the address parser refuses
  * anything that would change the URL's meaning (path, query, credentials,
  * spaces) and a bare IPv6 host. */
-static int addr_valid(const char *addr) { return addr && !kvf__addr_parse(addr, strlen(addr), NULL, 0, NULL, NULL); }
+static int addr_valid(const char *addr) {
+  return addr && !kvf__addr_parse(addr, strlen(addr), NULL, 0, NULL, NULL);
+}
 
 int kvf__bootstrap_client_create(const char *addr, const bootstrap_client_opts *opts, bootstrap_client **out) {
   if (!out || !addr_valid(addr)) {
@@ -132,23 +134,17 @@ static size_t on_data(char *ptr, size_t size, size_t nmemb, void *userdata) {
 static int map_curl_error(CURLcode cc) {
   switch (cc) {
     case CURLE_COULDNT_CONNECT:
-    case CURLE_COULDNT_RESOLVE_HOST:
-      return KVF_ECONNREFUSED;
-    case CURLE_OPERATION_TIMEDOUT:
-      return KVF_ETIMEDOUT;
+    case CURLE_COULDNT_RESOLVE_HOST: return KVF_ECONNREFUSED;
+    case CURLE_OPERATION_TIMEDOUT: return KVF_ETIMEDOUT;
     case CURLE_GOT_NOTHING:
     case CURLE_RECV_ERROR:
     case CURLE_SEND_ERROR:
-    case CURLE_PARTIAL_FILE:
-      return KVF_ECLOSED;
-    case CURLE_OUT_OF_MEMORY:
-      return KVF_ENOMEM;
+    case CURLE_PARTIAL_FILE: return KVF_ECLOSED;
+    case CURLE_OUT_OF_MEMORY: return KVF_ENOMEM;
     case CURLE_WRITE_ERROR:
     case CURLE_WEIRD_SERVER_REPLY:
-    case CURLE_UNSUPPORTED_PROTOCOL:
-      return KVF_EPROTO;
-    default:
-      return KVF_EIO;
+    case CURLE_UNSUPPORTED_PROTOCOL: return KVF_EPROTO;
+    default: return KVF_EIO;
   }
 }
 
@@ -156,7 +152,8 @@ static int map_status(long status) {
   switch (status) {
     case 200: return 0;
     case 400: return KVF_EINVAL;
-    case 401: case 403: return KVF_EACCES;
+    case 401:
+    case 403: return KVF_EACCES;
     case 404: return KVF_ENOTFOUND;
     case 409: return KVF_ESTATE;
     case 413: return KVF_ETOOBIG;
@@ -237,7 +234,7 @@ static int perform(bootstrap_client *c, const char *method, const char *path, co
 }
 
 int kvf__bootstrap_client_request(bootstrap_client *c, const char *method, const char *path, const char *body,
-                             size_t body_len, long *status, char **reply, size_t *reply_len) {
+                                  size_t body_len, long *status, char **reply, size_t *reply_len) {
   if (!c || !method || !path || path[0] != '/' || !status) return KVF_EINVAL;
   long st = 0;
   int rc = perform(c, method, path, body, body_len, c->connect_timeout_ms, c->timeout_ms, &st);
@@ -323,7 +320,8 @@ int kvf__bootstrap_client_get_parallel_info(bootstrap_client *c, route_parallel_
   return 0;
 }
 
-int kvf__bootstrap_client_get_rank(bootstrap_client *c, int tp_rank, int dp_group, char *ip, size_t iplen, int *port) {
+int kvf__bootstrap_client_get_rank(bootstrap_client *c, int tp_rank, int dp_group, char *ip, size_t iplen,
+                                   int *port) {
   if (!c || !ip || !iplen || !port) return KVF_EINVAL;
   char path[96];
   snprintf(path, sizeof path, "/route?engine_rank=%d&target_dp_group=%d", tp_rank, dp_group);

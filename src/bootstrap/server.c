@@ -67,9 +67,9 @@ static const char *const err_names[ERR_NKINDS] = {"bad_request",  "not_found", "
 typedef struct conn_track {
   struct conn_track *prev, *next;
   int fd;
-  int in_request; /* headers are in: being answered */
-  int cut;        /* already shut down by us */
-  int served;     /* answered a request already: idle now means keep-alive */
+  int in_request;   /* headers are in: being answered */
+  int cut;          /* already shut down by us */
+  int served;       /* answered a request already: idle now means keep-alive */
   int64_t since_ns; /* connection start or previous reply: the request deadline runs from here */
 } conn_track;
 
@@ -99,7 +99,7 @@ struct kvf_bootstrap_server {
   /* Connection tracking (see the top of the file). */
   pthread_mutex_t conns_lock;
   pthread_cond_t guard_cv;
-  conn_track conns; /* list head; scans are O(open connections), at most max_conns */
+  conn_track conns;                       /* list head; scans are O(open connections), at most max_conns */
   unsigned nconns, max_conns, free_slots; /* free_slots: see MIN_FREE_SLOTS */
   int64_t deadline_ns;
   int stopping;
@@ -259,13 +259,14 @@ static enum MHD_Result handle_put(kvf_bootstrap_server *srv, struct MHD_Connecti
 
 static enum MHD_Result reply_json(struct MHD_Connection *conn, char *json) {
   if (!json) return send_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory");
-  enum MHD_Result r = send_reply(conn, MHD_HTTP_OK, "application/json; charset=utf-8", json, strlen(json), NULL, NULL);
+  enum MHD_Result r =
+      send_reply(conn, MHD_HTTP_OK, "application/json; charset=utf-8", json, strlen(json), NULL, NULL);
   free(json);
   return r;
 }
 
-static enum MHD_Result handle_get_route(kvf_bootstrap_server *srv, struct MHD_Connection *conn,
-                                        const char *method, const char *url) {
+static enum MHD_Result handle_get_route(kvf_bootstrap_server *srv, struct MHD_Connection *conn, const char *method,
+                                        const char *url) {
   const char *rs = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "engine_rank");
   const char *gs = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "target_dp_group");
   if (!rs || !*rs || !gs || !*gs)
@@ -343,12 +344,13 @@ static enum MHD_Result handle_metrics(kvf_bootstrap_server *srv, struct MHD_Conn
   for (int k = 0; k < ERR_NKINDS; k++)
     appendf(&t, "kvferry_bootstrap_errors_total{kind=\"%s\"} %llu\n", err_names[k],
             (unsigned long long)atomic_load(&srv->errors[k]));
-  appendf(&t, "# HELP kvferry_bootstrap_registered_ranks Prefill ranks in the routing table.\n"
-              "# TYPE kvferry_bootstrap_registered_ranks gauge\n"
-              "kvferry_bootstrap_registered_ranks %lld\n"
-              "# HELP kvferry_bootstrap_world_size Prefill world size from the first registration (-1 before).\n"
-              "# TYPE kvferry_bootstrap_world_size gauge\n"
-              "kvferry_bootstrap_world_size %lld\n",
+  appendf(&t,
+          "# HELP kvferry_bootstrap_registered_ranks Prefill ranks in the routing table.\n"
+          "# TYPE kvferry_bootstrap_registered_ranks gauge\n"
+          "kvferry_bootstrap_registered_ranks %lld\n"
+          "# HELP kvferry_bootstrap_world_size Prefill world size from the first registration (-1 before).\n"
+          "# TYPE kvferry_bootstrap_world_size gauge\n"
+          "kvferry_bootstrap_world_size %lld\n",
           ranks, world);
   return send_reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", t.buf, t.n, NULL, NULL);
 }
@@ -372,8 +374,9 @@ static void cut_locked(kvf_bootstrap_server *srv, conn_track *c, int kind) {
   atomic_fetch_add(&srv->errors[kind], 1);
   if (kvf__log_first_time(kvf__log_hash_str(err_names[kind], 0xb0c1ULL)))
     LOG_WARN(COMP, "%s (further such connections are only counted in /metrics)",
-             kind == ERR_SLOW ? "closed a connection whose request was not complete within the deadline"
-                              : "connection slots nearly full: closed the oldest connection still sending a request");
+             kind == ERR_SLOW
+                 ? "closed a connection whose request was not complete within the deadline"
+                 : "connection slots nearly full: closed the oldest connection still sending a request");
 }
 
 static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
@@ -528,13 +531,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
 
   /* Last call: the whole request is here. */
   switch (rq->endpoint) {
-    case EP_HEALTH:
-      atomic_fetch_add(&srv->health_checks, 1);
-      return send_text(conn, MHD_HTTP_OK, "OK");
-    case EP_METRICS:
-      return handle_metrics(srv, conn);
-    default:
-      return is_put ? handle_put(srv, conn, rq, url) : handle_get_route(srv, conn, method, url);
+    case EP_HEALTH: atomic_fetch_add(&srv->health_checks, 1); return send_text(conn, MHD_HTTP_OK, "OK");
+    case EP_METRICS: return handle_metrics(srv, conn);
+    default: return is_put ? handle_put(srv, conn, rq, url) : handle_get_route(srv, conn, method, url);
   }
 }
 
@@ -592,8 +591,8 @@ static const kvf__field server_fields[] = {
 };
 
 int kvf_bootstrap_server_config_set(kvf_bootstrap_server_config *cfg, const char *name, const char *value) {
-  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, server_fields, sizeof server_fields / sizeof server_fields[0],
-                         name, value);
+  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, server_fields,
+                         sizeof server_fields / sizeof server_fields[0], name, value);
 }
 
 int kvf_bootstrap_server_create(const kvf_bootstrap_server_config *cfg_in, kvf_bootstrap_server **out) {
@@ -638,14 +637,11 @@ int kvf_bootstrap_server_create(const kvf_bootstrap_server_config *cfg_in, kvf_b
   /* epoll: no FD_SETSIZE ceiling, and cost per ready connection only. */
   unsigned flags = MHD_USE_EPOLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG;
   if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
-  srv->mhd = MHD_start_daemon(flags, cfg.port, NULL, NULL, on_request, srv,
-                              MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
-                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg.max_conns,
+  srv->mhd = MHD_start_daemon(flags, cfg.port, NULL, NULL, on_request, srv, MHD_OPTION_SOCK_ADDR,
+                              (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg.max_conns,
                               MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)cfg.idle_timeout_s,
-                              MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
-                              MHD_OPTION_NOTIFY_CONNECTION, on_connection, srv,
-                              MHD_OPTION_EXTERNAL_LOGGER, mhd_log, srv,
-                              MHD_OPTION_END);
+                              MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv, MHD_OPTION_NOTIFY_CONNECTION,
+                              on_connection, srv, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, srv, MHD_OPTION_END);
   if (!srv->mhd) {
     LOG_ERROR(COMP, "cannot listen on %s:%u (port in use or address not local?)", cfg.host, (unsigned)cfg.port);
     rc = KVF_EIO;

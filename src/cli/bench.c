@@ -55,19 +55,19 @@
 
 typedef struct bench_opts {
   int json;
-  uint64_t block;    /* --block: one extra case with this block size */
+  uint64_t block; /* --block: one extra case with this block size */
   int per_batch;
-  int quick;         /* --quick: fewer rooms, for CI smoke runs */
-  int room_pages;    /* --room-pages: one custom rooms case (with --inflight) */
-  uint64_t pool_bytes; /* --pool: engine cases' pool per side (and the baseline's) */
-  int rooms;           /* --rooms: requests in the custom rooms case */
-  uint64_t bytes;    /* per case */
-  int inflight;      /* batches in flight */
-  const char *plot;  /* --plot FILE.png */
-  double layer_ms;   /* --layer-ms: layerwise compute per layer; < 0 = the measured transfer per layer */
-  int idle_compute;  /* --idle-compute: layerwise "compute" sleeps instead of busy work */
+  int quick;             /* --quick: fewer rooms, for CI smoke runs */
+  int room_pages;        /* --room-pages: one custom rooms case (with --inflight) */
+  uint64_t pool_bytes;   /* --pool: engine cases' pool per side (and the baseline's) */
+  int rooms;             /* --rooms: requests in the custom rooms case */
+  uint64_t bytes;        /* per case */
+  int inflight;          /* batches in flight */
+  const char *plot;      /* --plot FILE.png */
+  double layer_ms;       /* --layer-ms: layerwise compute per layer; < 0 = the measured transfer per layer */
+  int idle_compute;      /* --idle-compute: layerwise "compute" sleeps instead of busy work */
   const char *transport; /* --transport (NULL: $KVFERRY_TRANSPORT or auto) */
-  int verify;        /* e2e --verify: also a pair in verify mode, requests alternating */
+  int verify;            /* e2e --verify: also a pair in verify mode, requests alternating */
 } bench_opts;
 
 /* Baseline: one blocking TCP stream over loopback, 1 MiB writes, to a child
@@ -133,8 +133,7 @@ done:
  * block-aligned offsets of a 256 MiB pool on both sides, `inflight` batches
  * in flight, until `total` bytes have been confirmed. */
 static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char *pool, uint64_t pool_bytes,
-                                uint64_t block, size_t per_batch, int inflight, uint64_t total,
-                                int *failed) {
+                                uint64_t block, size_t per_batch, int inflight, uint64_t total, int *failed) {
   uint64_t slots = pool_bytes / block, rng = 0x12345678;
   size_t nb = (size_t)inflight;
   kvf_write *w = calloc(nb * per_batch, sizeof *w);
@@ -159,7 +158,8 @@ static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char 
       kvf_write *ws = &w[slot * per_batch];
       for (size_t i = 0; i < per_batch; i++) {
         ws[i] = (kvf_write){.src = (uint64_t)(uintptr_t)pool + (cli_rng_next(&rng) % slots) * block,
-                            .dst = peer->base + (cli_rng_next(&rng) % slots) * block, .len = block};
+                            .dst = peer->base + (cli_rng_next(&rng) % slots) * block,
+                            .len = block};
       }
       if (kvf_engine_submit(e, peer->session, ws, per_batch, &b[slot])) *failed = 1;
       submitted += per;
@@ -290,13 +290,15 @@ static int bench_engine(const bench_opts *o) {
              "\"memcpy_ratio\":%.3f",
              i ? "," : "", c->name, c->gbps, base, base > 0 ? c->gbps / base : 0, c->memcpy2,
              c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
-      if (ucx) printf(",\"ucx_raw_gbps\":%.3f,\"ucx_ratio\":%.3f", c->ucx_raw, c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
+      if (ucx)
+        printf(",\"ucx_raw_gbps\":%.3f,\"ucx_ratio\":%.3f", c->ucx_raw, c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
       printf("}");
     }
     printf("],\"pool_bytes\":%llu,\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes through a pool of "
            "pool_bytes at both ends\",\"memcpy2\":\"2-thread memcpy of the same blocks between two pools of "
            "pool_bytes\",\"ucx_raw\":\"raw UCP put loop of the same blocks into a child process, same "
-           "UCX_TLS\",\"baseline_hot_gbps\":%.3f}\n", (unsigned long long)pool_bytes, base_hot);
+           "UCX_TLS\",\"baseline_hot_gbps\":%.3f}\n",
+           (unsigned long long)pool_bytes, base_hot);
   } else {
     printf("transport %s%s%s\n", transport, tls ? ", UCX_TLS=" : "", tls ? tls : "");
     printf("baseline: plain TCP loopback, one stream, 1 MiB writes through a %llu MiB pool at both ends\n"
@@ -320,7 +322,6 @@ static int bench_engine(const bench_opts *o) {
 out:
   return rc;
 }
-
 
 static int cmp_dbl(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -465,7 +466,8 @@ static void *zmq_pair_open(void *ctx, int pipe_out, int pipe_in, void **push) {
   zmq_setsockopt(pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
   zmq_setsockopt(pull, ZMQ_LINGER, &linger, sizeof linger);
   if (zmq_bind(pull, "tcp://127.0.0.1:*") || zmq_getsockopt(pull, ZMQ_LAST_ENDPOINT, ep, &len) ||
-      write(pipe_out, ep, sizeof ep) != (ssize_t)sizeof ep || read(pipe_in, peer, sizeof peer) != (ssize_t)sizeof peer)
+      write(pipe_out, ep, sizeof ep) != (ssize_t)sizeof ep ||
+      read(pipe_in, peer, sizeof peer) != (ssize_t)sizeof peer)
     return NULL;
   *push = zmq_socket(ctx, ZMQ_PUSH);
   zmq_setsockopt(*push, ZMQ_LINGER, &linger, sizeof linger);
@@ -586,7 +588,8 @@ static int bench_rooms(const bench_opts *o) {
            "\"baseline_hot_tcp_gbps\":%.3f,\"cases\":[",
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS, rtt_us, hot_gbps);
     for (size_t i = 0; i < nc; i++) {
-      double ideal = hot_gbps > 0 ? cases[i].pages * ROOMS_ITEM * 2.0 * ROOMS_LAYERS / (hot_gbps * 1e3) + rtt_us : 0;
+      double ideal =
+          hot_gbps > 0 ? cases[i].pages * ROOMS_ITEM * 2.0 * ROOMS_LAYERS / (hot_gbps * 1e3) + rtt_us : 0;
       printf("%s{\"name\":\"%s\",\"rooms\":%d,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
              "\"p50_over_zmq_rtt\":%.2f,\"wakeups_per_room\":%.2f,\"ideal_us\":%.1f,\"p50_over_ideal\":%.2f}",
              i ? "," : "", cases[i].name, cases[i].rooms, cases[i].rooms_per_s, cases[i].p50_us, cases[i].p99_us,
@@ -598,12 +601,14 @@ static int bench_rooms(const bench_opts *o) {
     printf("rooms through the KV managers (prefill in a child process, %d layers, %d B pages x %d buffers)\n",
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS);
     printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us; one cache-hot TCP stream\n"
-           "          %.2f GB/s (ideal = room bytes / that + one round trip)\n", rtt_us, hot_gbps);
+           "          %.2f GB/s (ideal = room bytes / that + one round trip)\n",
+           rtt_us, hot_gbps);
     printf("%-28s %8s %12s %10s %10s %12s %10s\n", "case", "rooms", "rooms/s", "p50 us", "p99 us", "p50/zmq rtt",
            "wakeups/room");
     for (size_t i = 0; i < nc; i++)
       printf("%-28s %8d %12.0f %10.1f %10.1f %12.2f %10.2f\n", cases[i].name, cases[i].rooms, cases[i].rooms_per_s,
-             cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room);
+             cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0,
+             cases[i].wakeups_per_room);
   }
   rc = 0;
 out_mgr:
@@ -733,24 +738,28 @@ static int bench_e2e(const bench_opts *o) {
     printf("{\"bench\":\"e2e\",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"bytes\":%llu,\"runs\":%d,"
            "\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"gbps\":%.3f,"
            "\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes, cache-hot buffers\","
-           "\"baseline_gbps\":%.3f,\"baseline_pool_gbps\":%.3f,\"ideal_s\":%.4f,\"ratio\":%.3f,\"memcpy_gbps\":%.3f,"
+           "\"baseline_gbps\":%.3f,\"baseline_pool_gbps\":%.3f,\"ideal_s\":%.4f,\"ratio\":%.3f,\"memcpy_gbps\":%."
+           "3f,"
            "\"memcpy_ratio\":%.3f",
-           tokens, (unsigned long long)bytes, runs, p50, best, gbps, base, base_pool, ideal, p50 > 0 ? ideal / p50 : 0, mc,
-           mc > 0 ? gbps / mc : 0);
+           tokens, (unsigned long long)bytes, runs, p50, best, gbps, base, base_pool, ideal,
+           p50 > 0 ? ideal / p50 : 0, mc, mc > 0 ? gbps / mc : 0);
     if (o->verify) /* the verify pair's figures belong to the same object */
       printf(",\"verify\":{\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"overhead_ratio\":%.3f}", v50, vbest,
              p50 > 0 ? v50 / p50 : 0);
     printf("}\n");
   } else {
     printf("end to end: one llama-3.1-8b request of %zu tokens (%llu pages x %d buffers x %u KiB = %llu MiB),\n"
-           "bootstrap, prefill and decode in separate processes; transfer = decode M2 -> decode Success; %d runs\n",
-           tokens, (unsigned long long)pages, 2 * E2E_LAYERS, E2E_ITEM >> 10, (unsigned long long)(bytes >> 20), runs);
+           "bootstrap, prefill and decode in separate processes; transfer = decode M2 -> decode Success; %d "
+           "runs\n",
+           tokens, (unsigned long long)pages, 2 * E2E_LAYERS, E2E_ITEM >> 10, (unsigned long long)(bytes >> 20),
+           runs);
     printf("baseline: plain TCP loopback, one stream, 1 MiB writes, cache-hot buffers: %.2f GB/s\n"
            "          -> ideal %.1f ms for these bytes (through 256 MiB pools at both ends: %.2f GB/s)\n",
            base, ideal * 1e3, base_pool);
     printf("context:  memcpy in one process, one thread: %.2f GB/s -> %.1f ms\n", mc,
            mc > 0 ? bytes / (mc * 1e9) * 1e3 : 0.0);
-    printf("%-28s %10s %10s %10s %10s %14s\n", "case", "p50 ms", "min ms", "GB/s", "ideal ms", "ratio (ideal/p50)");
+    printf("%-28s %10s %10s %10s %10s %14s\n", "case", "p50 ms", "min ms", "GB/s", "ideal ms",
+           "ratio (ideal/p50)");
     printf("%-28s %10.1f %10.1f %10.2f %10.1f %14.2f\n", "e2e_llama8b_4096tok", p50 * 1e3, best * 1e3, gbps,
            ideal * 1e3, p50 > 0 ? ideal / p50 : 0);
   }
@@ -758,10 +767,11 @@ static int bench_e2e(const bench_opts *o) {
     double ratio = p50 > 0 ? v50 / p50 : 0;
     if (!o->json)
       printf("%-28s %10.1f %10.1f %10.2f %10s %14s\n"
-             "verify mode: p50 %.1f ms against %.1f ms without, overhead ratio %.3f (%+.1f%%); requests alternated\n"
+             "verify mode: p50 %.1f ms against %.1f ms without, overhead ratio %.3f (%+.1f%%); requests "
+             "alternated\n"
              "between a pair in verify mode and one without, in the same run\n",
-             "e2e_llama8b_4096tok_verify", v50 * 1e3, vbest * 1e3, v50 > 0 ? bytes / v50 / 1e9 : 0, "-", "-", v50 * 1e3,
-             p50 * 1e3, ratio, (ratio - 1) * 100);
+             "e2e_llama8b_4096tok_verify", v50 * 1e3, vbest * 1e3, v50 > 0 ? bytes / v50 / 1e9 : 0, "-", "-",
+             v50 * 1e3, p50 * 1e3, ratio, (ratio - 1) * 100);
   }
   return 0;
 }
@@ -892,7 +902,8 @@ static int bench_layerwise(const bench_opts *o) {
   if (hidden > 1) hidden = 1;
   double layer_xfer_ms = transfer_s * 1e3 / E2E_LAYERS;
   if (o->json) {
-    printf("{\"bench\":\"layerwise\",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"layers\":%d,\"bytes\":%llu,\"runs\":%d,"
+    printf("{\"bench\":\"layerwise\",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"layers\":%d,\"bytes\":%llu,"
+           "\"runs\":%d,"
            "\"layer_ms\":%.3f,\"compute_ms\":%.2f,\"transfer_alone_ms\":%.2f,\"transfer_per_layer_ms\":%.3f,"
            "\"whole_success_after_compute_ms\":%.2f,\"whole_time_to_success_ms\":%.2f,"
            "\"layerwise_success_after_last_layer_ms\":%.2f,\"layerwise_time_to_success_ms\":%.2f,"
@@ -902,7 +913,8 @@ static int bench_layerwise(const bench_opts *o) {
            layer_xfer_ms, whole_after * 1e3, whole_ttft * 1e3, lw_after * 1e3, lw_ttft * 1e3, hidden, rtt_us,
            o->idle_compute ? "sleep" : "busy", lw_after * 1e3 / (layer_xfer_ms + rtt_us / 1e3));
   } else {
-    printf("layerwise: one llama-3.1-8b request of %zu tokens (%d layers, %llu MiB), prefill computing each layer\n"
+    printf("layerwise: one llama-3.1-8b request of %zu tokens (%d layers, %llu MiB), prefill computing each "
+           "layer\n"
            "for %.3f ms (%s; default: the transfer time per layer measured below); median of %d runs\n",
            tokens, E2E_LAYERS, (unsigned long long)(bytes >> 20), layer_ms,
            o->idle_compute ? "sleeping, as a GPU leaves the CPU free" : "busy work on a CPU core", runs);
@@ -964,7 +976,8 @@ static int bench_plot(const bench_opts *o) {
   for (uint64_t block = 4096; block <= (1u << 20); block *= 4) {
     int failed = 0;
     size_t per = (size_t)((8u << 20) / block); /* 8 MiB batches */
-    double gbps = bench_engine_case(g.e, &g.peer, g.pool, g.pool_bytes, block, per, o->inflight, case_bytes, &failed);
+    double gbps =
+        bench_engine_case(g.e, &g.peer, g.pool, g.pool_bytes, block, per, o->inflight, case_bytes, &failed);
     if (failed) goto out_rig;
     fprintf(f, "%llu %.3f %.3f\n", (unsigned long long)block, gbps, base);
     fprintf(stderr, "  engine %7llu B blocks: %.2f GB/s\n", (unsigned long long)block, gbps);
@@ -1016,7 +1029,8 @@ static int bench_plot(const bench_opts *o) {
   int st = system(cmd);
   if (st != 0) {
     /* pngcairo is in gnuplot-nox and gnuplot-qt; fall back to the libgd png terminal. */
-    snprintf(cmd, sizeof cmd, "sed -i 's/^set terminal pngcairo/set terminal png/' '%s' && gnuplot '%s'", file, file);
+    snprintf(cmd, sizeof cmd, "sed -i 's/^set terminal pngcairo/set terminal png/' '%s' && gnuplot '%s'", file,
+             file);
     st = system(cmd);
   }
   if (st != 0) {
@@ -1048,8 +1062,13 @@ static void usage(void) {
 }
 
 int cli_bench(int argc, char **argv) {
-  bench_opts o = {.json = 0, .bytes = 2ull << 30, .inflight = 4, .block = 0, .per_batch = 16,
-                  .pool_bytes = 256ull << 20, .layer_ms = -1};
+  bench_opts o = {.json = 0,
+                  .bytes = 2ull << 30,
+                  .inflight = 4,
+                  .block = 0,
+                  .per_batch = 16,
+                  .pool_bytes = 256ull << 20,
+                  .layer_ms = -1};
   static const struct option opts[] = {{"json", no_argument, 0, 'j'},
                                        {"bytes", required_argument, 0, 'b'},
                                        {"inflight", required_argument, 0, 'i'},

@@ -84,7 +84,8 @@ static int ucx_open(ucp_context_h *ctx, ucp_worker_h *w) {
 static int ucx_map(ucp_context_h ctx, int pool, uint64_t bytes, void **addr, ucp_mem_h *memh) {
   ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                                            UCP_MEM_MAP_PARAM_FIELD_FLAGS,
-                             .address = pool ? NULL : *addr, .length = bytes,
+                             .address = pool ? NULL : *addr,
+                             .length = bytes,
                              .flags = pool ? UCP_MEM_MAP_ALLOCATE : 0};
   if (ucp_mem_map(ctx, &mp, memh) != UCS_OK) return -1;
   ucp_mem_attr_t at = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};

@@ -12,13 +12,12 @@
 #include "kvferry.h"
 
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: kvferry bootstrap [--port N] [--host H] [--token T] [--max-body BYTES]\n"
-          "  --port N         port to listen on (default 8998; 0 = any free port)\n"
-          "  --host H         address to bind (default 0.0.0.0)\n"
-          "  --token T        bearer token PUT /route must carry (default $KVFERRY_BOOTSTRAP_TOKEN)\n"
-          "  --max-body BYTES largest PUT body (default 64K)\n"
-          "Prints 'kvferry bootstrap listening on HOST:PORT' once ready; stops on SIGINT/SIGTERM.\n");
+  fprintf(f, "usage: kvferry bootstrap [--port N] [--host H] [--token T] [--max-body BYTES]\n"
+             "  --port N         port to listen on (default 8998; 0 = any free port)\n"
+             "  --host H         address to bind (default 0.0.0.0)\n"
+             "  --token T        bearer token PUT /route must carry (default $KVFERRY_BOOTSTRAP_TOKEN)\n"
+             "  --max-body BYTES largest PUT body (default 64K)\n"
+             "Prints 'kvferry bootstrap listening on HOST:PORT' once ready; stops on SIGINT/SIGTERM.\n");
 }
 
 int cli_bootstrap(int argc, char **argv) {

@@ -27,9 +27,18 @@ int cli_parse_size(const char *s, unsigned long long *out) {
   if (!s || !isdigit((unsigned char)*s)) return -1;
   unsigned long long v = strtoull(s, &end, 10);
   switch (toupper((unsigned char)*end)) {
-    case 'K': v <<= 10; end++; break;
-    case 'M': v <<= 20; end++; break;
-    case 'G': v <<= 30; end++; break;
+    case 'K':
+      v <<= 10;
+      end++;
+      break;
+    case 'M':
+      v <<= 20;
+      end++;
+      break;
+    case 'G':
+      v <<= 30;
+      end++;
+      break;
     default: break;
   }
   if (*end == 'i' || *end == 'B') end++;

@@ -60,25 +60,26 @@ static int cmp_dbl(const void *a, const void *b) {
 }
 
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: kvferry demo [--model llama-3.1-8b|qwen3-32b|deepseek-v3] [--requests 32] [--inflight 2]\n"
-          "                    [--max-tokens 8192] [--pool-gib G] [--prefill-tp 1] [--decode-tp 1]\n"
-          "                    [--transport tcp|ucx|auto] [--seed S] [--corrupt] [--reuse-early] [--verify] [--short]\n"
-          "Starts a bootstrap server, a prefill and a decode instance as processes on 127.0.0.1\n"
-          "with model-shaped KV pools (--pool-gib per side; default: room for one request of\n--max-tokens, 1 GiB for llama-3.1-8b), moves the KV of --requests requests\n"
-          "(prompts of 128..--max-tokens tokens, log-uniform) and verifies every byte.\n"
-          "  --model    deepseek-v3: MLA, one 576-value latent buffer per layer, the same on every\n"
-          "             TP rank (each decode rank checks the whole latent)\n"
-          "  --prefill-tp/--decode-tp  TP ranks on each side; each divides the 8 KV heads\n"
-          "             (deepseek-v3: any of 1..8)\n"
-          "  --short    a few small requests (CI): 6 requests, up to 1024 tokens, 0.25 GiB pools\n"
-          "  --corrupt  flip one byte of one landed page before the check: the demo must catch it\n"
-          "             and exit 1 (with --verify: flipped after landing, before the library's check,\n"
-          "             which fails the request naming the buffer and page)\n"
-          "  --reuse-early  the prefill overwrites a source page of one request right after sending\n"
-          "             it; with --verify the library fails that request naming the page\n"
-          "  --verify   the library's verify mode (XXH3 digests of every page, checked on landing)\n"
-          "Exit status: 0 all verified, 1 a failure or mismatch (the reason is printed), 2 usage.\n");
+  fprintf(f, "usage: kvferry demo [--model llama-3.1-8b|qwen3-32b|deepseek-v3] [--requests 32] [--inflight 2]\n"
+             "                    [--max-tokens 8192] [--pool-gib G] [--prefill-tp 1] [--decode-tp 1]\n"
+             "                    [--transport tcp|ucx|auto] [--seed S] [--corrupt] [--reuse-early] [--verify] "
+             "[--short]\n"
+             "Starts a bootstrap server, a prefill and a decode instance as processes on 127.0.0.1\n"
+             "with model-shaped KV pools (--pool-gib per side; default: room for one request of\n--max-tokens, 1 "
+             "GiB for llama-3.1-8b), moves the KV of --requests requests\n"
+             "(prompts of 128..--max-tokens tokens, log-uniform) and verifies every byte.\n"
+             "  --model    deepseek-v3: MLA, one 576-value latent buffer per layer, the same on every\n"
+             "             TP rank (each decode rank checks the whole latent)\n"
+             "  --prefill-tp/--decode-tp  TP ranks on each side; each divides the 8 KV heads\n"
+             "             (deepseek-v3: any of 1..8)\n"
+             "  --short    a few small requests (CI): 6 requests, up to 1024 tokens, 0.25 GiB pools\n"
+             "  --corrupt  flip one byte of one landed page before the check: the demo must catch it\n"
+             "             and exit 1 (with --verify: flipped after landing, before the library's check,\n"
+             "             which fails the request naming the buffer and page)\n"
+             "  --reuse-early  the prefill overwrites a source page of one request right after sending\n"
+             "             it; with --verify the library fails that request naming the page\n"
+             "  --verify   the library's verify mode (XXH3 digests of every page, checked on landing)\n"
+             "Exit status: 0 all verified, 1 a failure or mismatch (the reason is printed), 2 usage.\n");
 }
 
 static void progress(int done, int total, double bytes, double t0) {
@@ -225,7 +226,9 @@ int cli_demo(int argc, char **argv) {
     if (t < 128) t = 128;
     if (t > max_tokens) t = (size_t)max_tokens;
     tokens[i] = t;
-    reqs[i] = (pd_req){.room = room_base + i, .token = 1000 + i, .seed = seed,
+    reqs[i] = (pd_req){.room = room_base + i,
+                       .token = 1000 + i,
+                       .seed = seed,
                        .npages = (t + (size_t)md->page_tokens - 1) / (size_t)md->page_tokens,
                        .corrupt = corrupt && !verify && i == requests / 2,
                        .reuse_early = reuse_early && i == requests / 2};
@@ -243,8 +246,10 @@ int cli_demo(int argc, char **argv) {
            "pages (%.1f KiB of KV per token)\n",
            md->name, md->layers, md->head_dim, md->page_tokens, page_bytes / md->page_tokens / 1024.0);
   else
-    printf("kvferry demo: %s, %d layers x K,V, %d KV heads x %d, bf16, %d-token pages (%.0f KiB of KV per token)\n",
-           md->name, md->layers, md->kv_heads, md->head_dim, md->page_tokens, page_bytes / md->page_tokens / 1024.0);
+    printf("kvferry demo: %s, %d layers x K,V, %d KV heads x %d, bf16, %d-token pages (%.0f KiB of KV per "
+           "token)\n",
+           md->name, md->layers, md->kv_heads, md->head_dim, md->page_tokens,
+           page_bytes / md->page_tokens / 1024.0);
   printf("  pools: %llu pages (%llu tokens, %.2f GiB) per %s; up to %d requests in flight; transport %s\n",
          (unsigned long long)pool_pages, (unsigned long long)pool_pages * md->page_tokens,
          pool_pages * page_bytes / (double)(1ull << 30), md->mla ? "rank" : "side", inflight,
@@ -254,13 +259,20 @@ int cli_demo(int argc, char **argv) {
            "latent checked on every decode rank\n",
            prefill_tp, decode_tp, prefill_tp == decode_tp ? "identity" : "replicated");
   else
-    printf("  TP: prefill %d rank(s) x %d KV heads, decode %d rank(s) x %d KV heads; every (token, head) checked\n",
+    printf("  TP: prefill %d rank(s) x %d KV heads, decode %d rank(s) x %d KV heads; every (token, head) "
+           "checked\n",
            prefill_tp, md->kv_heads / prefill_tp, decode_tp, md->kv_heads / decode_tp);
   if (verify) printf("  verify mode: every page hashed (XXH3) when sent and checked on landing by the library\n");
   printf("  starting the bootstrap server, the prefill and the decode process (faulting in the pools)...\n");
   fflush(stdout);
-  pd_layout lo = {.layers = md->layers, .item = item, .pages = pool_pages, .prefill_tp = prefill_tp,
-                  .decode_tp = decode_tp, .page_size = md->page_tokens, .kv_heads = md->mla ? 0 : md->kv_heads, .mla = md->mla,
+  pd_layout lo = {.layers = md->layers,
+                  .item = item,
+                  .pages = pool_pages,
+                  .prefill_tp = prefill_tp,
+                  .decode_tp = decode_tp,
+                  .page_size = md->page_tokens,
+                  .kv_heads = md->mla ? 0 : md->kv_heads,
+                  .mla = md->mla,
                   .unit = unit};
   if (pd_start_layout(&pp, &lo, err, sizeof err)) {
     fprintf(stderr, "demo: %s\n", err);
@@ -342,11 +354,11 @@ int cli_demo(int argc, char **argv) {
          ok ? lat[(size_t)((ok - 1) * 0.99)] * 1e3 : 0.0);
   printf("  %-34s %d\n", "failures", failures);
   printf("  (transfer: from the later of the decode's M2 and the prefill's last send to the decode's Success;\n"
-         "   the whole run also fills and checks every page's pattern, %.1f s in all)\n", wall);
+         "   the whole run also fills and checks every page's pattern, %.1f s in all)\n",
+         wall);
   if (failures)
     printf("demo FAILED: %d of %d requests failed or did not verify; the reasons are above\n", failures, requests);
-  else
-    printf("demo OK: %d requests, every byte of %.2f GiB verified\n", requests, moved / (1ull << 30));
+  else printf("demo OK: %d requests, every byte of %.2f GiB verified\n", requests, moved / (1ull << 30));
   rc = failures ? 1 : 0;
 out_stop:
   if (fatal) {

@@ -62,7 +62,8 @@ int cli_engine_peer(int argc, char **argv) {
       case 'T': transport = optarg; break;
       case 'P': use_pool = 1; break;
       case 'h':
-        printf("usage: kvferry engine-peer [--bytes 64M] [--token SECRET (default $KVFERRY_AUTH_TOKEN)] [--host 127.0.0.1]\n"
+        printf("usage: kvferry engine-peer [--bytes 64M] [--token SECRET (default $KVFERRY_AUTH_TOKEN)] [--host "
+               "127.0.0.1]\n"
                "                           [--transport tcp|ucx|auto] [--pool]\n"
                "  --pool  place the buffer in a pool the engine allocates (kvf_engine_alloc_pool)\n");
         return 0;

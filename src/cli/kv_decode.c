@@ -81,9 +81,10 @@ static size_t check_pages(kvpool *pool, int rank, const int64_t *pages, dec_req 
                             kvpool_unit_label(r->room, tok, h, b)))
             continue;
           if (!bad && !page_bad)
-            snprintf(why, cap, "byte-mismatch:rank-%d,request-page-%zu(pool-page-%lld),token-%llu,head-%llu,layer-%zu-%s",
-                     rank, k, (long long)pages[k], (unsigned long long)tok, (unsigned long long)h, b % pool->layers,
-                     kind);
+            snprintf(why, cap,
+                     "byte-mismatch:rank-%d,request-page-%zu(pool-page-%lld),token-%llu,head-%llu,layer-%zu-%s",
+                     rank, k, (long long)pages[k], (unsigned long long)tok, (unsigned long long)h,
+                     b % pool->layers, kind);
           page_bad = 1;
         }
       bad += (size_t)page_bad;
@@ -169,26 +170,38 @@ int cli_kv_decode(int argc, char **argv) {
   int layers = 2, world = 1, page_size = 1, heads = 0, mla = 0;
   unsigned long long item = 4096, pages = 4096, unit = 256;
   const char *host = "127.0.0.1", *baddr = NULL;
-  static const struct option opts[] = {{"layers", required_argument, 0, 'l'},  {"item", required_argument, 0, 'i'},
-                                       {"pages", required_argument, 0, 'p'},   {"host", required_argument, 0, 'H'},
-                                       {"bootstrap", required_argument, 0, 'b'}, {"world", required_argument, 0, 'w'},
-                                       {"page-size", required_argument, 0, 'P'}, {"heads", required_argument, 0, 'E'},
-                                       {"unit", required_argument, 0, 'U'},     {"mla", no_argument, 0, 'M'},
+  static const struct option opts[] = {{"layers", required_argument, 0, 'l'},
+                                       {"item", required_argument, 0, 'i'},
+                                       {"pages", required_argument, 0, 'p'},
+                                       {"host", required_argument, 0, 'H'},
+                                       {"bootstrap", required_argument, 0, 'b'},
+                                       {"world", required_argument, 0, 'w'},
+                                       {"page-size", required_argument, 0, 'P'},
+                                       {"heads", required_argument, 0, 'E'},
+                                       {"unit", required_argument, 0, 'U'},
+                                       {"mla", no_argument, 0, 'M'},
                                        {"mla-legacy", no_argument, 0, 'L'},
                                        {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
-                                       {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "l:i:p:H:b:w:P:E:U:MLh", opts, NULL)) != -1) {
     switch (c) {
       case 'l': layers = atoi(optarg); break;
-      case 'i': if (cli_parse_size(optarg, &item)) return 2; break;
-      case 'p': if (cli_parse_size(optarg, &pages)) return 2; break;
+      case 'i':
+        if (cli_parse_size(optarg, &item)) return 2;
+        break;
+      case 'p':
+        if (cli_parse_size(optarg, &pages)) return 2;
+        break;
       case 'H': host = optarg; break;
       case 'b': baddr = optarg; break;
       case 'w': world = atoi(optarg); break;
       case 'P': page_size = atoi(optarg); break;
       case 'E': heads = atoi(optarg); break;
-      case 'U': if (cli_parse_size(optarg, &unit)) return 2; break;
+      case 'U':
+        if (cli_parse_size(optarg, &unit)) return 2;
+        break;
       case 'M': mla = 1; break;
       case 'L': mla = 2; break;
       case CLI_OPT_TRANSPORT:
@@ -269,14 +282,18 @@ int cli_kv_decode(int argc, char **argv) {
         char extra[16] = "";
         if (!strcmp(line, "quit")) {
           eof = 1;
-        } else if (sscanf(line, "recv %lld %lld %llu %lld %15s", &room, &np, &seed, &token, extra) >= 4 && np >= 0) {
+        } else if (sscanf(line, "recv %lld %lld %llu %lld %15s", &room, &np, &seed, &token, extra) >= 4 &&
+                   np >= 0) {
           dec_req *r = NULL;
           for (int i = 0; i < DEC_MAX_REQS && !r; i++)
             if (!reqs[i].active) r = &reqs[i];
           if (!r) {
             printf("done %lld 0 0 0 0 too-many-requests\n", room);
           } else {
-            *r = (dec_req){.room = room, .npages = (size_t)np, .seed = seed, .token = token,
+            *r = (dec_req){.room = room,
+                           .npages = (size_t)np,
+                           .seed = seed,
+                           .token = token,
                            .corrupt = !strcmp(extra, "corrupt")};
             start(rk, nranks, baddr, r, &rng);
           }

@@ -71,8 +71,8 @@ typedef struct peer_opts {
   const char *bootstrap; /* external bootstrap server; NULL = start one here */
 } peer_opts;
 
-static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed,
-                         long long token, int chunk, int reuse, int wait_m2, uint64_t *rng) {
+static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed, long long token,
+                         int chunk, int reuse, int wait_m2, uint64_t *rng) {
   for (int i = 0; i < r->nranks; i++) {
     int rank = r->rank0 + i;
     r->pages[i] = malloc((r->npages ? r->npages : 1) * sizeof *r->pages[i]);
@@ -84,7 +84,8 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
     /* The pages may have been read by an earlier request's transfer: order
      * our writes after those reads (free on x86, visible to TSan). */
     kvf_engine_sync(kvf_manager_engine(mgr[rank]));
-    if (seed) kvpool_fill(&pools[rank], r->room, r->pages[i], r->npages, seed); /* seed 0: benchmarks, no pattern */
+    if (seed)
+      kvpool_fill(&pools[rank], r->room, r->pages[i], r->npages, seed); /* seed 0: benchmarks, no pattern */
     if (r->state_slot >= 0) kvpool_fill_state(&pools[rank], r->room, r->state_slot, seed);
     if (kvf_sender_create(mgr[rank], r->room, &r->tx[i])) return -1;
     /* wait_m2 (benchmarks): send once the decode's M2 is here, as when a
@@ -174,34 +175,57 @@ static void finish_req(peer_req *r, kvpool *pools, int status, const char *reaso
 }
 
 int cli_kv_peer(int argc, char **argv) {
-  peer_opts o = {.world = 1, .dp = 1, .layers = 2, .chunk = 0, .item = 4096, .pages = 4096, .host = "127.0.0.1",
-                 .page_size = 1, .unit = 256, .state_item = 4096};
-  static const struct option opts[] = {{"world", required_argument, 0, 'w'}, {"dp", required_argument, 0, 'd'},
-                                       {"layers", required_argument, 0, 'l'}, {"item", required_argument, 0, 'i'},
-                                       {"pages", required_argument, 0, 'p'},  {"host", required_argument, 0, 'H'},
+  peer_opts o = {.world = 1,
+                 .dp = 1,
+                 .layers = 2,
+                 .chunk = 0,
+                 .item = 4096,
+                 .pages = 4096,
+                 .host = "127.0.0.1",
+                 .page_size = 1,
+                 .unit = 256,
+                 .state_item = 4096};
+  static const struct option opts[] = {{"world", required_argument, 0, 'w'},
+                                       {"dp", required_argument, 0, 'd'},
+                                       {"layers", required_argument, 0, 'l'},
+                                       {"item", required_argument, 0, 'i'},
+                                       {"pages", required_argument, 0, 'p'},
+                                       {"host", required_argument, 0, 'H'},
                                        {"bootstrap", required_argument, 0, 'b'},
-                                       {"page-size", required_argument, 0, 'P'}, {"heads", required_argument, 0, 'E'},
-                                       {"kv-heads", required_argument, 0, 'K'},  {"unit", required_argument, 0, 'U'},
-                                       {"state", required_argument, 0, 'S'},     {"state-item", required_argument, 0, 'T'},
+                                       {"page-size", required_argument, 0, 'P'},
+                                       {"heads", required_argument, 0, 'E'},
+                                       {"kv-heads", required_argument, 0, 'K'},
+                                       {"unit", required_argument, 0, 'U'},
+                                       {"state", required_argument, 0, 'S'},
+                                       {"state-item", required_argument, 0, 'T'},
                                        {"mla", no_argument, 0, 'M'},
                                        {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
-                                       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:P:E:K:U:S:T:Mh", opts, NULL)) != -1) {
     switch (c) {
       case 'w': o.world = atoi(optarg); break;
       case 'd': o.dp = atoi(optarg); break;
       case 'l': o.layers = atoi(optarg); break;
-      case 'i': if (cli_parse_size(optarg, &o.item)) return 2; break;
-      case 'p': if (cli_parse_size(optarg, &o.pages)) return 2; break;
+      case 'i':
+        if (cli_parse_size(optarg, &o.item)) return 2;
+        break;
+      case 'p':
+        if (cli_parse_size(optarg, &o.pages)) return 2;
+        break;
       case 'H': o.host = optarg; break;
       case 'b': o.bootstrap = optarg; break;
       case 'P': o.page_size = atoi(optarg); break;
       case 'E': o.heads = atoi(optarg); break;
       case 'K': o.kv_heads = atoi(optarg); break;
-      case 'U': if (cli_parse_size(optarg, &o.unit)) return 2; break;
+      case 'U':
+        if (cli_parse_size(optarg, &o.unit)) return 2;
+        break;
       case 'S': o.nstate = atoi(optarg); break;
-      case 'T': if (cli_parse_size(optarg, &o.state_item)) return 2; break;
+      case 'T':
+        if (cli_parse_size(optarg, &o.state_item)) return 2;
+        break;
       case 'M': o.mla = 1; break;
       case CLI_OPT_TRANSPORT:
         if (cli_set_transport("kv-peer", optarg)) return 2;
@@ -209,7 +233,8 @@ int cli_kv_peer(int argc, char **argv) {
       case 'h':
         printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n"
                "                       [--host 127.0.0.1] [--bootstrap HOST:PORT (default: start one here)]\n"
-               "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N --state-item 4096]\n"
+               "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N "
+               "--state-item 4096]\n"
                "                       [--mla --unit 1152 --page-size 16] [--transport tcp|ucx|auto]\n"
                "  --mla  MLA pools: one latent buffer per layer, the same on every rank (--heads ignored)\n");
         return 0;
@@ -261,7 +286,8 @@ int cli_kv_peer(int argc, char **argv) {
               : o.heads ? kvpool_init_heads(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size,
                                             (size_t)o.heads, (size_t)((r % tp) / replica * o.heads), o.unit)
                         : kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item);
-    if (prc || (o.nstate && kvpool_add_state(&pools[r], (size_t)o.nstate, PEER_STATE_SLOTS, o.state_item))) goto out;
+    if (prc || (o.nstate && kvpool_add_state(&pools[r], (size_t)o.nstate, PEER_STATE_SLOTS, o.state_item)))
+      goto out;
     kvf_manager_config mc;
     kvf_manager_config_init(&mc);
     mc.role = KVF_ROLE_PREFILL;
@@ -313,10 +339,9 @@ int cli_kv_peer(int argc, char **argv) {
             if (start_layerwise(r, mgr[0], &pools[0], (size_t)o.layers, layer_us, per_layer, token, sleep, &rng))
               finish_req(r, pools, 0, "cannot-start");
           }
-        }
-        else if (sscanf(line, "send %lld %lld %llu %lld %d %d %d %d", &room, &npages, &seed, &token, &chunk, &state,
-                        &reuse, &wait_m2) >= 4 &&
-                 npages >= 0) {
+        } else if (sscanf(line, "send %lld %lld %llu %lld %d %d %d %d", &room, &npages, &seed, &token, &chunk,
+                          &state, &reuse, &wait_m2) >= 4 &&
+                   npages >= 0) {
           peer_req *r = NULL;
           for (int i = 0; i < PEER_MAX_REQS && !r; i++)
             if (!reqs[i].nranks) r = &reqs[i];

@@ -32,8 +32,8 @@ static int pool_alloc(kvpool *p, size_t layers, size_t nbuf, size_t pages, uint6
   }
   for (size_t i = 0; i < pages; i++) p->free_pages[i] = (int64_t)(pages - 1 - i);
   p->nfree = pages;
-  p->bufs = (kvf_kv_buffers){.n_kv = p->nbuf, .kv_ptrs = p->ptrs, .kv_lens = p->lens,
-                             .kv_item_lens = p->item_lens};
+  p->bufs =
+      (kvf_kv_buffers){.n_kv = p->nbuf, .kv_ptrs = p->ptrs, .kv_lens = p->lens, .kv_item_lens = p->item_lens};
   p->page_size = 1;
   return 0;
 err:
@@ -67,8 +67,8 @@ int kvpool_init_heads(kvpool *p, size_t layers, size_t pages, size_t page_size, 
 }
 
 int kvpool_init_mla(kvpool *p, size_t layers, size_t pages, size_t page_size, uint64_t unit) {
-  if (!layers || layers > UINT32_MAX || !page_size || !unit || pool_alloc(p, layers, layers, pages, page_size * unit) ||
-      set_heads(p, page_size, 1, 0, unit))
+  if (!layers || layers > UINT32_MAX || !page_size || !unit ||
+      pool_alloc(p, layers, layers, pages, page_size * unit) || set_heads(p, page_size, 1, 0, unit))
     return -1;
   /* Layer l is buffer l, said explicitly rather than left to the library's
    * odd-count rule (an even layer count would read as K/V pairs). */
@@ -110,7 +110,8 @@ int kvpool_add_state(kvpool *p, size_t nstate, size_t slots, uint64_t item) {
 
 void kvpool_fill_state(kvpool *p, int64_t room, int64_t slot, uint64_t seed) {
   for (size_t j = 0; j < p->nstate; j++)
-    pattern_fill((char *)p->state_ptrs[j] + slot * p->state_item, p->state_item, seed, kvpool_label(room, 0, 1000 + j));
+    pattern_fill((char *)p->state_ptrs[j] + slot * p->state_item, p->state_item, seed,
+                 kvpool_label(room, 0, 1000 + j));
 }
 
 size_t kvpool_check_state(kvpool *p, int64_t room, int64_t slot, uint64_t seed) {
@@ -188,7 +189,7 @@ size_t kvpool_check(kvpool *p, int64_t room, const int64_t *pages, size_t n, uin
   }
   for (size_t b = 0; b < p->nbuf; b++)
     for (size_t k = 0; k < n; k++)
-      bad += !pattern_check((char *)p->ptrs[b] + pages[k] * p->item_len, p->item_len, seed,
-                            kvpool_label(room, k, b));
+      bad +=
+          !pattern_check((char *)p->ptrs[b] + pages[k] * p->item_len, p->item_len, seed, kvpool_label(room, k, b));
   return bad;
 }

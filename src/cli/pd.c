@@ -46,10 +46,10 @@ int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
     snprintf(err, cap, "the bootstrap server did not start");
     goto err;
   }
-  char *pargv[24] = {exe, "kv-peer", "--bootstrap", pp->baddr, "--layers", l, "--item", it, "--pages", pg,
-                     "--world", pw, NULL};
-  char *dargv[24] = {exe, "kv-decode", "--bootstrap", pp->baddr, "--layers", l, "--item", it, "--pages", pg,
-                     "--world", dw, NULL};
+  char *pargv[24] = {exe,       "kv-peer", "--bootstrap", pp->baddr, "--layers", l, "--item", it,
+                     "--pages", pg,        "--world",     pw,        NULL};
+  char *dargv[24] = {exe,       "kv-decode", "--bootstrap", pp->baddr, "--layers", l, "--item", it,
+                     "--pages", pg,          "--world",     dw,        NULL};
   if (lo->mla) {
     char *pa[] = {"--page-size", ps, "--unit", un, "--mla", NULL};
     char *da[] = {"--page-size", ps, "--unit", un, lo->mla == 2 ? "--mla-legacy" : "--mla", NULL};
@@ -155,7 +155,8 @@ int pd_collect(pd_pair *pp, pd_req *reqs, size_t n, int64_t room_base, int timeo
     int done = drain(&pp->prefill, 0, reqs, n, room_base) + drain(&pp->decode, 1, reqs, n, room_base);
     long long left = until - cli_now_ms();
     if (done || left <= 0) return done;
-    struct pollfd pf[2] = {{.fd = pp->prefill.out_fd, .events = POLLIN}, {.fd = pp->decode.out_fd, .events = POLLIN}};
+    struct pollfd pf[2] = {{.fd = pp->prefill.out_fd, .events = POLLIN},
+                           {.fd = pp->decode.out_fd, .events = POLLIN}};
     if (poll(pf, 2, (int)left) < 0) continue;
     for (int i = 0; i < 2; i++)
       if ((pf[i].revents & (POLLHUP | POLLERR)) && !(pf[i].revents & POLLIN)) return -1;

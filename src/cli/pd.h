@@ -21,8 +21,8 @@ typedef struct pd_pair {
 typedef struct pd_req {
   int64_t room, token;
   size_t npages;
-  uint64_t seed; /* 0: no pattern fill or check (benchmarks) */
-  int corrupt;   /* kv-decode flips one landed byte before its check */
+  uint64_t seed;   /* 0: no pattern fill or check (benchmarks) */
+  int corrupt;     /* kv-decode flips one landed byte before its check */
   int reuse_early; /* kv-peer overwrites a source page right after its send call */
   int prefill_done, decode_done;
   int prefill_status, decode_status;

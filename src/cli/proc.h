@@ -9,7 +9,7 @@
 
 typedef struct proc {
   pid_t pid;
-  FILE *in;  /* child's stdin */
+  FILE *in;   /* child's stdin */
   int out_fd; /* child's stdout */
   char rbuf[4096];
   size_t rlen; /* bytes read but not yet returned as lines */

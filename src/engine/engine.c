@@ -46,8 +46,8 @@ static const kvf__field engine_fields[] = {
 };
 
 int kvf_engine_config_set(kvf_engine_config *cfg, const char *name, const char *value) {
-  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, engine_fields, sizeof engine_fields / sizeof engine_fields[0],
-                         name, value);
+  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, engine_fields,
+                         sizeof engine_fields / sizeof engine_fields[0], name, value);
 }
 
 int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
@@ -294,8 +294,8 @@ static chunk *chunk_new(kvf_batch *b, size_t cap) {
   return c;
 }
 
-int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks,
-                       size_t max_desc, chunk ***out, size_t *nout) {
+int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks, size_t max_desc,
+                            chunk ***out, size_t *nout) {
   uint64_t total = 0;
   for (size_t i = 0; i < n; i++) total += kvf__write_block_bytes(&writes[i]);
   /* Aim for `want` chunks of `target` bytes; a chunk also closes at max_desc. */
@@ -433,8 +433,8 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
 
   chunk **chunks = NULL;
   size_t nchunks = 0;
-  rc = kvf__engine_make_chunks(b, writes, n, (size_t)e->cfg.conns_per_peer, ENGINE_MAX_DESC_PER_CHUNK,
-                          &chunks, &nchunks);
+  rc = kvf__engine_make_chunks(b, writes, n, (size_t)e->cfg.conns_per_peer, ENGINE_MAX_DESC_PER_CHUNK, &chunks,
+                               &nchunks);
   if (rc) goto err_batch;
   if (tlen && nchunks == 1) { /* a trailer rides only on a batch of one chunk (async.h) */
     if (!(chunks[0]->trailer = malloc(tlen))) {

@@ -42,7 +42,7 @@ int kvf__regions_contains_locked(const region_table *t, uint64_t addr, uint64_t 
 /* Is every piece of a (possibly strided) block inside registered memory?
  * `dst` selects the destination side of the block. Caller holds the read lock. */
 int kvf__regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
-                            uint64_t stride);
+                                 uint64_t stride);
 /* The same lookups, returning the region (NULL if none). Read lock held. */
 region *kvf__regions_find_locked(const region_table *t, uint64_t addr, uint64_t len);
 region *kvf__regions_find_block_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
@@ -80,11 +80,11 @@ typedef struct kvf_batch {
   uint64_t tag, epoch; /* kvf_batch_opts: 0 = untagged */
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  int pending;      /* chunks not yet acknowledged or failed */
-  int status;       /* first error, or 0 */
+  int pending; /* chunks not yet acknowledged or failed */
+  int status;  /* first error, or 0 */
   int64_t deadline_ns;
   uint64_t bytes;
-  int counted;      /* stats recorded once */
+  int counted; /* stats recorded once */
   /* kvf__engine_submit_cb: called once when pending reaches 0, then the
    * batch is freed (no handle was given out) */
   void (*on_done)(void *arg, int status);
@@ -157,8 +157,8 @@ typedef struct kvf_engine {
   engine_counters stats;
   atomic_ullong sync_point; /* see kvf_engine_sync */
   const transport_ops *ops;
-  void *transport; /* transport-private state */
-  void *ucx;       /* UCX transport state (ucx.c), beside the tcp state */
+  void *transport;  /* transport-private state */
+  void *ucx;        /* UCX transport state (ucx.c), beside the tcp state */
   int ucx_explicit; /* transport "ucx" was asked for (not "auto") */
   /* target side: the trailer callback (async.h); transports call it under
    * the read lock, setting it takes the write lock */
@@ -178,8 +178,8 @@ int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
  * each with at most `max_desc` descriptors; a single large block may be cut
  * into pieces. Chunks are allocated and linked to `b`. */
-int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks,
-                       size_t max_desc, chunk ***out, size_t *nout);
+int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks, size_t max_desc,
+                            chunk ***out, size_t *nout);
 void kvf__chunk_free(chunk *c);
 /* The chunk's outcome is known (an ack, a failure): record it and drop the
  * owner's reference. Called exactly once per submitted chunk. */

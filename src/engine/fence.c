@@ -31,7 +31,8 @@ static pthread_once_t epoch_once = PTHREAD_ONCE_INIT;
 static void epoch_seed(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
-  uint64_t seed = ((uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)getpid() << 17) ^ (uint64_t)ts.tv_sec;
+  uint64_t seed =
+      ((uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)getpid() << 17) ^ (uint64_t)ts.tv_sec;
   atomic_store(&next_epoch, (seed & 0x7fffffff00000000ull) | 1);
 }
 
@@ -96,8 +97,8 @@ int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int time
     if (pthread_cond_timedwait(&e->fences.cv, &e->fences.lock, &ts) && x->inflight) {
       /* A receiver that does not come back is stuck outside a receive call;
        * it drops the entry when it leaves. */
-      LOG_ERROR("engine", "fence of tag %llu: %d write(s) still in progress after %d ms",
-                (unsigned long long)tag, x->inflight, timeout_ms);
+      LOG_ERROR("engine", "fence of tag %llu: %d write(s) still in progress after %d ms", (unsigned long long)tag,
+                x->inflight, timeout_ms);
       x->abandoned = 1;
       rc = KVF_ETIMEDOUT;
       goto out;

@@ -131,13 +131,12 @@ region *kvf__regions_find_block_locked(const region_table *t, uint64_t addr, uin
   /* Pieces are checked as one span [first, last+len): a strided block must
    * stay within one region, which is what every caller wants (one buffer). */
   uint64_t last;
-  if (__builtin_mul_overflow(count - 1, stride, &last) || __builtin_add_overflow(addr, last, &last))
-    return NULL;
+  if (__builtin_mul_overflow(count - 1, stride, &last) || __builtin_add_overflow(addr, last, &last)) return NULL;
   if (last + len < last) return NULL;
   return kvf__regions_find_locked(t, addr, last + len - addr);
 }
 
 int kvf__regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
-                            uint64_t stride) {
+                                 uint64_t stride) {
   return kvf__regions_find_block_locked(t, addr, len, count, stride) != NULL;
 }

@@ -216,8 +216,8 @@ typedef struct tcp_conn {
   pthread_mutex_t send_lock; /* serialises bytes on the socket */
   pthread_mutex_t q_lock;    /* guards the two lists below */
   pthread_cond_t q_cv;
-  chunk *q_head, *q_tail;    /* waiting to be sent */
-  chunk *f_head, *f_tail;    /* sent, waiting for their ack, in wire order */
+  chunk *q_head, *q_tail; /* waiting to be sent */
+  chunk *f_head, *f_tail; /* sent, waiting for their ack, in wire order */
   uint64_t next_seq;
   pthread_t writer, reader;
 } tcp_conn;
@@ -260,7 +260,6 @@ static chunk *list_pop(chunk **head, chunk **tail) {
   }
   return c;
 }
-
 
 /* Declare the connection dead: wake every thread blocked on it and fail
  * every chunk it holds. Idempotent; any thread. */
@@ -366,8 +365,7 @@ static void *conn_reader_main(void *arg) {
       int late = c->f_head && clock_now_ns() > c->f_head->batch->deadline_ns;
       pthread_mutex_unlock(&c->q_lock);
       if (late) {
-        LOG_WARN("tcp", "peer %s did not confirm a batch before its deadline (%d ms)", c->peer,
-                 c->timeout_ms);
+        LOG_WARN("tcp", "peer %s did not confirm a batch before its deadline (%d ms)", c->peer, c->timeout_ms);
         conn_fail(c, KVF_ETIMEDOUT);
       }
       continue;
@@ -406,8 +404,7 @@ static void conn_put(tcp_conn *c) {
 
 /* Connect with a deadline: a non-blocking connect, then poll. */
 static int connect_deadline(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out) {
-  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                           .ai_flags = AI_NUMERICSERV};
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
   struct addrinfo *res = NULL;
   char ps[8];
   snprintf(ps, sizeof ps, "%u", (unsigned)port);
@@ -612,7 +609,7 @@ typedef struct tcp_inbound {
   atomic_llong idle_since_ns;
   atomic_ullong chunks; /* chunks answered on this connection */
   int64_t accepted_ns;
-  uint64_t rx_bytes;    /* bytes received so far (this connection's thread only) */
+  uint64_t rx_bytes; /* bytes received so far (this connection's thread only) */
   pthread_t thread;
   char peer[64];
 } tcp_inbound;
@@ -621,7 +618,7 @@ typedef struct tcp_inbound {
 typedef struct in_pins {
   region **r;
   size_t n;
-  unsigned gen; /* the table's revocation count when they were pinned */
+  unsigned gen;        /* the table's revocation count when they were pinned */
   engine_fence *fence; /* a tagged chunk's fence (fence.c): cut = stop like a revocation */
 } in_pins;
 
@@ -897,7 +894,8 @@ static void *inbound_main(void *arg) {
     if (h.magic == TCP_CHUNK_TAGGED_MAGIC && (rc = in_recv(in, &tag, sizeof tag, &deadline, 0))) goto out_err;
     if (in_grow(&descs, &pins, &cap, h.ndesc)) break;
     int status = 0;
-    rc = inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, descs, pins, &deadline, &status);
+    rc =
+        inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, descs, pins, &deadline, &status);
     if (!rc && has_trailer) rc = inbound_trailer(in, e, status == 0, &deadline);
     if (rc) goto out_err;
     tcp_ack a = {h.seq, status, TCP_ACK_MAGIC};
@@ -906,7 +904,7 @@ static void *inbound_main(void *arg) {
     atomic_store(&in->idle_since_ns, clock_now_ns());
     atomic_store(&in->phase, IN_IDLE);
     continue;
-  out_err:
+out_err:
     if (rc == KVF_ETIMEDOUT) in_timed_out(in, e, "chunk not complete within the engine timeout; dropped");
     break;
   }
@@ -933,7 +931,8 @@ static tcp_inbound *pick_victim_locked(tcp_state *t, int *phase_out) {
     if (ph == IN_HELLO) rank = 0, key = in->accepted_ns;
     else if (ph == IN_IDLE) rank = atomic_load(&in->chunks) ? 2 : 1, key = atomic_load(&in->idle_since_ns);
     else continue;
-    if (!victim || rank < vrank || (rank == vrank && key < vkey)) victim = in, vrank = rank, vkey = key, *phase_out = ph;
+    if (!victim || rank < vrank || (rank == vrank && key < vkey))
+      victim = in, vrank = rank, vkey = key, *phase_out = ph;
   }
   return victim;
 }
@@ -1044,7 +1043,8 @@ static void *accept_main(void *arg) {
 }
 
 static int listen_on(kvf_engine *e, int *fd_out, uint16_t *port_out) {
-  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+  struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                           .ai_socktype = SOCK_STREAM,
                            .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
   struct addrinfo *res = NULL;
   char ps[8];

@@ -48,10 +48,10 @@ int kvf__tcp_frame_ranges_locked(const region_table *t, const tcp_desc *d, uint3
 
 typedef struct tcp_frame_info {
   uint32_t token_len;
-  uint64_t chunks;   /* chunks fully framed (accepted or refused) */
-  uint64_t refused;  /* of which out of range */
+  uint64_t chunks;  /* chunks fully framed (accepted or refused) */
+  uint64_t refused; /* of which out of range */
   uint64_t accepted_bytes;
-  size_t consumed;   /* bytes up to the end of the last whole chunk */
+  size_t consumed; /* bytes up to the end of the last whole chunk */
 } tcp_frame_info;
 
 /* One connection's inbound bytes: a hello with its token, then chunks

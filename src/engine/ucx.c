@@ -150,8 +150,11 @@ static int build_info(ucx_state *u, char **out, size_t *out_len) {
     pthread_mutex_unlock(&u->reg_mu);
     return KVF_ENOMEM;
   }
-  ucx_info_hdr h = {.magic = UCX_INFO_MAGIC, .nregions = (uint32_t)nadv, .gen = u->gen,
-                    .addr_len = (uint32_t)u->addr_len, .body_len = (uint32_t)body};
+  ucx_info_hdr h = {.magic = UCX_INFO_MAGIC,
+                    .nregions = (uint32_t)nadv,
+                    .gen = u->gen,
+                    .addr_len = (uint32_t)u->addr_len,
+                    .body_len = (uint32_t)body};
   memcpy(h.host_id, u->host_id, sizeof h.host_id);
   memcpy(m, &h, sizeof h);
   char *p = m + sizeof h;
@@ -302,7 +305,8 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   pthread_mutex_lock(&u->wmu);
   if (owned) {
     ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                               .address = addr, .length = len};
+                               .address = addr,
+                               .length = len};
     ucs_status_t st = ucp_mem_map(u->ctx, &mp, &memh);
     if (st != UCS_OK) {
       LOG_WARN("ucx", "ucp_mem_map %p+%zu: %s", addr, len, ucs_status_string(st));
@@ -366,7 +370,9 @@ static int ucx_alloc_pool(kvf_engine *e, size_t len, void **out) {
   ucx_state *u = e->ucx;
   ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                                            UCP_MEM_MAP_PARAM_FIELD_FLAGS,
-                             .address = NULL, .length = len, .flags = UCP_MEM_MAP_ALLOCATE};
+                             .address = NULL,
+                             .length = len,
+                             .flags = UCP_MEM_MAP_ALLOCATE};
   ucp_mem_h memh;
   ucp_mem_attr_t attr = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH};
   pthread_mutex_lock(&u->wmu);

@@ -102,10 +102,10 @@ typedef struct ucx_peer {
   ucx_rregion *regs;
   size_t nregs;
   uint64_t gen;
-  atomic_int dead;         /* 0, or the error that ended the endpoint */
-  pthread_mutex_t mu;      /* infos and why below */
+  atomic_int dead;    /* 0, or the error that ended the endpoint */
+  pthread_mutex_t mu; /* infos and why below */
   pthread_cond_t cv;
-  uint64_t infos;          /* info messages applied (refresh waits on it) */
+  uint64_t infos; /* info messages applied (refresh waits on it) */
   int same_host;
   int mapped; /* some region is mapped here (under mu) */
   ucx_route route;
@@ -141,11 +141,11 @@ typedef struct ucx_state {
   void *addr;
   size_t addr_len;
   char host_id[UCX_HOST_ID_LEN];
-  int rdma;      /* this host has an RDMA device (/sys/class/infiniband) */
+  int rdma; /* this host has an RDMA device (/sys/class/infiniband) */
   int epfd, wake_fd;
   pthread_t progress;
   atomic_int stopping;
-  ucx_op *ops;   /* in flight, under wmu */
+  ucx_op *ops;     /* in flight, under wmu */
   atomic_int reap; /* a peer was marked dead: the progress thread ends its endpoint */
   /* registrations, under reg_mu */
   pthread_mutex_t reg_mu;

@@ -28,7 +28,8 @@ int kvf__ucx_peer_get(ucx_state *u, const char *id, ucx_peer **out) {
       rc = KVF_ENOMEM;
       goto out;
     }
-    if (kvf__addr_parse(id, strlen(id), p->host, sizeof p->host, &p->port, NULL) || kvf__smap_put(&u->peers, id, p, NULL)) {
+    if (kvf__addr_parse(id, strlen(id), p->host, sizeof p->host, &p->port, NULL) ||
+        kvf__smap_put(&u->peers, id, p, NULL)) {
       free(p);
       rc = KVF_EINVAL;
       goto out;
@@ -132,15 +133,13 @@ static int tls_allows(const char *tls, const char *const *names) {
   return negate ? !hit : hit;
 }
 
-
 static const char *const SHM_TLS[] = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "mm", NULL};
-static const char *const RDMA_TLS[] = {"ib", "rc", "rc_v", "rc_x", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5",
-                                       "dc", "dc_x", "dc_mlx5", "rdmacm", NULL};
+static const char *const RDMA_TLS[] = {"ib",   "rc",      "rc_v", "rc_x", "rc_mlx5", "ud",     "ud_v",
+                                       "ud_x", "ud_mlx5", "dc",   "dc_x", "dc_mlx5", "rdmacm", NULL};
 /* Transports that can carry UCX's peer-failure handling (shared memory
  * cannot in UCX 1.13). */
-static const char *const PEER_ERR_TLS[] = {"tcp", "ib", "rc", "rc_v", "rc_x", "rc_mlx5", "ud", "ud_v", "ud_x",
-                                           "ud_mlx5", "dc", "dc_x", "dc_mlx5", NULL};
-
+static const char *const PEER_ERR_TLS[] = {"tcp",  "ib",   "rc",      "rc_v", "rc_x", "rc_mlx5", "ud",
+                                           "ud_v", "ud_x", "ud_mlx5", "dc",   "dc_x", "dc_mlx5", NULL};
 
 /* Read one info message (header and body), bounded in size and time. */
 static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
@@ -198,8 +197,10 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
     }
     if (st == UCS_OK && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
       if (kvf__log_first_time(kvf__log_hash_str("ucx-err-mode-none", 3)))
-        LOG_INFO("ucx", "the UCX transports to %s have no peer-failure handling; failures are detected "
-                 "through the rendezvous connection and batch deadlines", p->id);
+        LOG_INFO("ucx",
+                 "the UCX transports to %s have no peer-failure handling; failures are detected "
+                 "through the rendezvous connection and batch deadlines",
+                 p->id);
     }
     if (st != UCS_OK) {
       LOG_WARN("ucx", "cannot reach %s over UCX: %s", p->id, ucs_status_string(st));
@@ -224,8 +225,8 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
     ucs_status_t st = ucp_ep_rkey_unpack(p->ep, body + off, &r->rkey);
     off += d.rkey_len;
     if (st != UCS_OK) {
-      LOG_WARN("ucx", "peer %s: cannot unpack the key of region 0x%llx: %s", p->id,
-               (unsigned long long)d.base, ucs_status_string(st));
+      LOG_WARN("ucx", "peer %s: cannot unpack the key of region 0x%llx: %s", p->id, (unsigned long long)d.base,
+               ucs_status_string(st));
       continue; /* writes there are refused like unregistered memory */
     }
     r->base = d.base;
@@ -283,8 +284,7 @@ static int decide(ucx_state *u, ucx_peer *p, ucx_route *route, char *why, size_t
   int explicit_ucx = u->e->ucx_explicit;
   if (p->same_host && tls_allows(tls, SHM_TLS)) {
     *route = ROUTE_UCX;
-    snprintf(why, cap, "same host: UCX shared memory%s%s", user_tls ? ", UCX_TLS=" : "",
-             user_tls ? tls : "");
+    snprintf(why, cap, "same host: UCX shared memory%s%s", user_tls ? ", UCX_TLS=" : "", user_tls ? tls : "");
   } else if (!p->same_host && u->rdma && tls_allows(tls, RDMA_TLS)) {
     *route = ROUTE_UCX;
     snprintf(why, cap, "RDMA device%s%s", user_tls ? ", UCX_TLS=" : "", user_tls ? tls : "");
@@ -292,7 +292,8 @@ static int decide(ucx_state *u, ucx_peer *p, ucx_route *route, char *why, size_t
     *route = ROUTE_UCX;
     snprintf(why, cap, "transport ucx with UCX_TLS=%s set by the user", tls);
   } else if (explicit_ucx) {
-    LOG_ERROR("ucx", "transport ucx: no UCX shared-memory or RDMA path to %s (%s); kvferry does not "
+    LOG_ERROR("ucx",
+              "transport ucx: no UCX shared-memory or RDMA path to %s (%s); kvferry does not "
               "cross TCP silently: use transport tcp or auto, or set UCX_TLS to allow UCX's tcp",
               p->id, p->same_host ? "UCX_TLS excludes shared memory" : "another host, no RDMA device here");
     return KVF_ECONNREFUSED;
@@ -382,7 +383,8 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
     char c;
     ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
     rc = r > 0 ? info_read(fd, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body)
-                : (r < 0 && (errno == EAGAIN || errno == EINTR)) ? 1 : KVF_ECLOSED;
+         : (r < 0 && (errno == EAGAIN || errno == EINTR)) ? 1
+                                                          : KVF_ECLOSED;
   }
   if (fd >= 0 && rc < 0) {
     LOG_INFO("ucx", "rendezvous connection to %s ended: %s", p->id, kvf_strerror(rc));

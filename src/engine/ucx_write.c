@@ -103,7 +103,8 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     op->p = p;
     op->u = u;
     ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                              .cb.send = flush_cb, .user_data = op};
+                              .cb.send = flush_cb,
+                              .user_data = op};
     ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &fp);
     if (UCS_PTR_IS_ERR(sp)) {
       status = kvf__ucx_status(UCS_PTR_STATUS(sp));

@@ -54,12 +54,12 @@
 #include "kv/plan.h"
 #include "kv/probe.h"
 
-#define DECODE_MAX_ADDRS 1024     /* bootstrap addresses cached at once */
-#define DECODE_MAX_POOLS 65536    /* pool keys cached at once */
-#define DECODE_ADDR_MAX 256       /* bytes of a bootstrap address, NUL included */
-#define DECODE_KEY_MAX 8192       /* bytes of a pool key */
-#define DECODE_HB_CONNECT_MS 2000 /* the reference heartbeat's (2, 3) timeouts */
-#define DECODE_HB_TIMEOUT_MS 5000   /* ... each capped at the heartbeat interval */
+#define DECODE_MAX_ADDRS 1024        /* bootstrap addresses cached at once */
+#define DECODE_MAX_POOLS 65536       /* pool keys cached at once */
+#define DECODE_ADDR_MAX 256          /* bytes of a bootstrap address, NUL included */
+#define DECODE_KEY_MAX 8192          /* bytes of a pool key */
+#define DECODE_HB_CONNECT_MS 2000    /* the reference heartbeat's (2, 3) timeouts */
+#define DECODE_HB_TIMEOUT_MS 5000    /* ... each capped at the heartbeat interval */
 #define DECODE_PROBE_TIMEOUT_MS 1000 /* a rank's ZMTP greeting (also capped at the interval) */
 
 /* One resolved target prefill rank. */
@@ -90,7 +90,7 @@ typedef struct pool_entry {
 
 /* What is known about one bootstrap address. */
 typedef struct addr_entry {
-  uint64_t epoch;   /* distinguishes this entry from a later one of the same address */
+  uint64_t epoch; /* distinguishes this entry from a later one of the same address */
   int64_t tp_p, dp_p;
   int64_t page_layout; /* see pool_entry */
   int kvferry_peer;    /* see pool_entry */
@@ -106,12 +106,12 @@ typedef struct hb_peer {
 } hb_peer;
 
 struct decode_state {
-  int fast; /* this manager holds the engine's trailer callback: M2s ask for the fast completion */
+  int fast;             /* this manager holds the engine's trailer callback: M2s ask for the fast completion */
   pthread_mutex_t lock; /* guards infos, pools, next_epoch, spare */
   struct kvf_receiver *spare; /* destroyed receivers kept for the next rooms (DECODE_SPARE_MAX) */
   size_t nspare;
-  smap infos;           /* bootstrap addr -> addr_entry */
-  smap pools;           /* pool key -> pool_entry (one reference held by the map) */
+  smap infos; /* bootstrap addr -> addr_entry */
+  smap pools; /* pool key -> pool_entry (one reference held by the map) */
   uint64_t next_epoch;
 
   /* Planner inputs that never change, converted once. */
@@ -123,8 +123,8 @@ struct decode_state {
   int hb_started;
   pthread_mutex_t hb_lock;
   pthread_cond_t hb_cond;
-  int hb_stop;       /* guarded by hb_lock */
-  smap hb_peers;     /* heartbeat thread only: addr -> hb_peer */
+  int hb_stop;   /* guarded by hb_lock */
+  smap hb_peers; /* heartbeat thread only: addr -> hb_peer */
 };
 
 struct kvf_receiver {
@@ -238,15 +238,24 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
         .prefill_tp_size = (int)a->tp_p,
         .layout = &ds->layout,
         .target_layer_num = m->cfg.target_layer_num,
-        .d_kv_item = ds->d_kv_item, .d_kv_unit = ds->d_kv_unit,
-        .n_d_kv = m->bufs.n_kv, .n_d_kv_unit = m->bufs.n_kv,
-        .p_kv_item = L[ROUTE_KV_ITEM_LENS].v, .p_kv_unit = L[ROUTE_KV_UNIT_LENS].v,
-        .n_p_kv = L[ROUTE_KV_ITEM_LENS].n, .n_p_kv_unit = L[ROUTE_KV_UNIT_LENS].n,
-        .d_state_item = ds->d_state_item, .d_state_unit = ds->d_state_unit,
-        .n_d_state = m->bufs.n_state, .n_d_state_unit = m->bufs.n_state,
-        .p_state_item = L[ROUTE_STATE_ITEM_LENS].v, .p_state_unit = L[ROUTE_STATE_UNIT_LENS].v,
-        .n_p_state = L[ROUTE_STATE_ITEM_LENS].n, .n_p_state_unit = L[ROUTE_STATE_UNIT_LENS].n,
-        .err = err, .err_cap = sizeof err,
+        .d_kv_item = ds->d_kv_item,
+        .d_kv_unit = ds->d_kv_unit,
+        .n_d_kv = m->bufs.n_kv,
+        .n_d_kv_unit = m->bufs.n_kv,
+        .p_kv_item = L[ROUTE_KV_ITEM_LENS].v,
+        .p_kv_unit = L[ROUTE_KV_UNIT_LENS].v,
+        .n_p_kv = L[ROUTE_KV_ITEM_LENS].n,
+        .n_p_kv_unit = L[ROUTE_KV_UNIT_LENS].n,
+        .d_state_item = ds->d_state_item,
+        .d_state_unit = ds->d_state_unit,
+        .n_d_state = m->bufs.n_state,
+        .n_d_state_unit = m->bufs.n_state,
+        .p_state_item = L[ROUTE_STATE_ITEM_LENS].v,
+        .p_state_unit = L[ROUTE_STATE_UNIT_LENS].v,
+        .n_p_state = L[ROUTE_STATE_ITEM_LENS].n,
+        .n_p_state_unit = L[ROUTE_STATE_UNIT_LENS].n,
+        .err = err,
+        .err_cap = sizeof err,
     };
     rc = kvf__plan_route_build(&p, &a->plan);
     /* §8 item 4: uncovered prefill ranks get a dummy, or they never finish. */
@@ -271,10 +280,13 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
       a->page_layout = m->cfg.page_size;
     } else {
       if (lay->n >= 2)
-        snprintf(err, sizeof err, "heterogeneous TP needs equal token-major page sizes, prefill has %lld "
-                 "(layout %lld), this decode %d", (long long)lay->v[0], (long long)lay->v[1], m->cfg.page_size);
+        snprintf(err, sizeof err,
+                 "heterogeneous TP needs equal token-major page sizes, prefill has %lld "
+                 "(layout %lld), this decode %d",
+                 (long long)lay->v[0], (long long)lay->v[1], m->cfg.page_size);
       else
-        snprintf(err, sizeof err, "heterogeneous TP with page_size %d: the prefill publishes no page layout (not "
+        snprintf(err, sizeof err,
+                 "heterogeneous TP with page_size %d: the prefill publishes no page layout (not "
                  "a kvferry peer), and cutting heads per page out of token-major pages would corrupt the KV cache",
                  m->cfg.page_size);
       rc = KVF_EINVAL;
@@ -297,7 +309,7 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
   }
   if (rc) {
     set_reason(reason, rcap, "Could not plan the transfer from bootstrap_addr: %s: %s", addr,
-             err[0] ? err : kvf_strerror(rc));
+               err[0] ? err : kvf_strerror(rc));
     addr_entry_free(a);
     goto out;
   }
@@ -328,19 +340,24 @@ static pool_entry *pool_from_plan(const addr_entry *a, const char *addr) {
   }
   for (int i = 0; i < p->ntargets; i++) {
     const plan_target *t = &a->plan.targets[i];
-    p->targets[i] = (pool_target){.rank = t->rank, .is_dummy = t->is_dummy,
+    p->targets[i] = (pool_target){.rank = t->rank,
+                                  .is_dummy = t->is_dummy,
                                   .required_dst_info_num = t->required_dst_info_num,
-                                  .frag_start = t->frag_start, .nfrags = t->nfrags};
+                                  .frag_start = t->frag_start,
+                                  .nfrags = t->nfrags};
   }
   for (size_t i = 0; i < p->nfrags; i++) {
     const plan_fragment *f = &a->plan.frags[i];
-    p->frags[i] = (wire_fragment){.buffer_index = f->buffer_index, .buffer_kind = (int32_t)f->kind,
-                                  .src_rank = f->src_rank, .dst_rank = f->dst_rank,
+    p->frags[i] = (wire_fragment){.buffer_index = f->buffer_index,
+                                  .buffer_kind = (int32_t)f->kind,
+                                  .src_rank = f->src_rank,
+                                  .dst_rank = f->dst_rank,
                                   .src_page_stride_bytes = (int64_t)f->src_page_stride,
                                   .dst_page_stride_bytes = (int64_t)f->dst_page_stride,
                                   .src_byte_offset = (int64_t)f->src_byte_offset,
                                   .dst_byte_offset = (int64_t)f->dst_byte_offset,
-                                  .bytes_per_page = (int64_t)f->bytes_per_page, .page_count = f->page_count};
+                                  .bytes_per_page = (int64_t)f->bytes_per_page,
+                                  .page_count = f->page_count};
   }
   return p;
 }
@@ -366,7 +383,7 @@ static int resolve_and_register(kvf_manager *m, bootstrap_client **client, pool_
     if (!rc && (port <= 0 || port > 65535)) rc = KVF_EPROTO;
     if (rc) {
       set_reason(reason, rcap, "Could not fetch bootstrap info for engine rank: %d and target_dp_group: %" PRId64,
-               m->cfg.engine_rank, group);
+                 m->cfg.engine_rank, group);
       return rc;
     }
     t->port = (uint16_t)port;
@@ -389,7 +406,7 @@ static int resolve_and_register(kvf_manager *m, bootstrap_client **client, pool_
     rc = kvf__manager_push_send(m, p->targets[i].ip, p->targets[i].port, &msg);
     if (rc)
       set_reason(reason, rcap, "Could not register with prefill rank %s:%u (bootstrap_addr: %s): %s",
-               p->targets[i].ip, (unsigned)p->targets[i].port, p->addr, kvf_strerror(rc));
+                 p->targets[i].ip, (unsigned)p->targets[i].port, p->addr, kvf_strerror(rc));
   }
   kvf__wire_msg_free(&msg);
   return rc;
@@ -417,8 +434,10 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
     if (!kvf__smap_get(&ds->infos, r->addr)) {
       if (smap_size(&ds->infos) >= DECODE_MAX_ADDRS) {
         pthread_mutex_unlock(&ds->lock);
-        set_reason(reason, rcap, "Could not fetch prefill parallel info from bootstrap_addr: %s "
-                 "(too many prefill instances, limit %d)", r->addr, DECODE_MAX_ADDRS);
+        set_reason(reason, rcap,
+                   "Could not fetch prefill parallel info from bootstrap_addr: %s "
+                   "(too many prefill instances, limit %d)",
+                   r->addr, DECODE_MAX_ADDRS);
         rc = KVF_ENOMEM;
         goto cleanup;
       }
@@ -458,7 +477,7 @@ static int resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_
   pthread_mutex_unlock(&ds->lock);
   if (!np) {
     set_reason(reason, rcap, "Could not fetch bootstrap info for engine rank: %d and target_dp_group: %" PRId64,
-             m->cfg.engine_rank, group);
+               m->cfg.engine_rank, group);
     rc = KVF_ENOMEM;
     goto cleanup;
   }
@@ -595,14 +614,14 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
     char why[WIRE_REASON_LEN] = "";
     if ((rc = kvf__wire_m2_encode(&m2, &msg, why))) {
       set_reason(reason, sizeof reason, "Could not encode the transfer request for prefill rank %d: %s", t->rank,
-               why);
+                 why);
       break;
     }
     rc = kvf__manager_push_send(m, t->ip, t->port, &msg);
     kvf__wire_msg_free(&msg);
     if (rc)
       set_reason(reason, sizeof reason, "Could not send the transfer request to prefill rank %s:%u: %s", t->ip,
-               (unsigned)t->port, kvf_strerror(rc));
+                 (unsigned)t->port, kvf_strerror(rc));
   }
   if (rc) {
     fail_room(m, r->room, reason);
@@ -651,8 +670,8 @@ static kvf_poll_status poll_room(kvf_receiver *r) {
     double waited = (double)(clock_now_ns() - info.init_time_ns) / 1e9;
     if (waited >= m->cfg.waiting_timeout_s) {
       char reason[ROOMS_REASON_MAX];
-      set_reason(reason, sizeof reason, "Request %" PRId64 " timed out after %.1fs in TransferPoll.WaitingForInput",
-               r->room, waited);
+      set_reason(reason, sizeof reason,
+                 "Request %" PRId64 " timed out after %.1fs in TransferPoll.WaitingForInput", r->room, waited);
       /* Fail only if Success did not win the race: fail_matching skips
        * Success rooms atomically. */
       size_t n = 0;
@@ -687,7 +706,8 @@ void kvf_receiver_destroy(kvf_receiver *r) {
   int st = ROOM_FAILED;
   kvf__rooms_get_status(r->m->rooms, r->room, &st);
   if (st != ROOM_SUCCESS) { /* a late write must not land in pages the caller takes back now */
-    if (st != ROOM_FAILED) kvf__rooms_fail(r->m->rooms, r->room, "The decode dropped the request (receiver destroyed)");
+    if (st != ROOM_FAILED)
+      kvf__rooms_fail(r->m->rooms, r->room, "The decode dropped the request (receiver destroyed)");
     fence_failed(r);
   }
   kvf__integ_room_close(r->m, r->room, r->fence_epoch, 0, 1);
@@ -773,8 +793,9 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
   if (m3.status == WIRE_STATUS_SUCCESS) {
     int32_t cands[ROOMS_MAX_CANDS];
     if (m3.candidates.count > ROOMS_MAX_CANDS || m3.prefill_rank >= ROOMS_MAX_RANKS) {
-      kvf__manager_reject(m, peer, "M3", m3.candidates.count > ROOMS_MAX_CANDS ? "too many speculative candidates"
-                                                                           : "prefill rank out of range");
+      kvf__manager_reject(m, peer, "M3",
+                          m3.candidates.count > ROOMS_MAX_CANDS ? "too many speculative candidates"
+                                                                : "prefill rank out of range");
       return;
     }
     for (size_t i = 0; i < m3.candidates.count; i++) cands[i] = wire_i32_at(m3.candidates, i);
@@ -782,15 +803,15 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
     kvf_engine_sync(m->engine);
     kvf__integ_on_success(m, m3.room, m3.prefill_rank);
     rc = kvf__rooms_record_response(m->rooms, m3.room, (int)m3.prefill_rank, m3.bootstrap_token, cands,
-                               m3.candidates.count, NULL);
+                                    m3.candidates.count, NULL);
   } else if (m3.status == WIRE_STATUS_FAILED && m3.reason_len) {
     /* A kvferry prefill says why (M3 frame 5); keep it printable. */
     char said[WIRE_REASON_LEN], reason[ROOMS_REASON_MAX];
     for (size_t i = 0; i < m3.reason_len; i++)
       said[i] = m3.reason[i] >= 0x20 && m3.reason[i] < 0x7f ? m3.reason[i] : '?';
     said[m3.reason_len] = 0;
-    set_reason(reason, sizeof reason, "Failed to get kvcache from prefill rank %" PRId64 " (%s): %s", m3.prefill_rank,
-               peer, said);
+    set_reason(reason, sizeof reason, "Failed to get kvcache from prefill rank %" PRId64 " (%s): %s",
+               m3.prefill_rank, peer, said);
     rc = kvf__rooms_fail(m->rooms, m3.room, reason);
   } else if (m3.status == WIRE_STATUS_FAILED) {
     rc = kvf__rooms_fail(m->rooms, m3.room, "Failed to get kvcache from prefill instance, it might be dead");
@@ -849,7 +870,8 @@ static void node_failure(kvf_manager *m, const char *addr, const char *why) {
 
   for (size_t i = 0; i < ndropped; i++) {
     for (int t = 0; t < dropped[i]->ntargets; t++)
-      if (dropped[i]->targets[t].port) kvf__manager_push_forget(m, dropped[i]->targets[t].ip, dropped[i]->targets[t].port);
+      if (dropped[i]->targets[t].port)
+        kvf__manager_push_forget(m, dropped[i]->targets[t].ip, dropped[i]->targets[t].port);
     pool_unref(dropped[i]);
   }
   free(dropped);
@@ -936,8 +958,8 @@ static void revalidate_ranks(kvf_manager *m, bootstrap_client *c, const char *ad
     if (owned) pool_unref(p); /* the map's reference; ours keeps the tag unique */
 
     char reason[ROOMS_REASON_MAX];
-    set_reason(reason, sizeof reason, "Prefill rank %d of %s restarted (now %s:%d)", p->targets[changed].rank, addr,
-               now->ip, now->port);
+    set_reason(reason, sizeof reason, "Prefill rank %d of %s restarted (now %s:%d)", p->targets[changed].rank,
+               addr, now->ip, now->port);
     size_t nfailed = 0;
     kvf__rooms_fail_matching(m->rooms, match_pool, p, reason, &nfailed);
     atomic_fetch_add(&m->stats.node_failures, 1);
@@ -1023,7 +1045,8 @@ static int probe_addr(kvf_manager *m, hb_peer *p, const char *addr, char *why, s
   }
   if (!p->client) {
     int tmo = ms_capped(DECODE_HB_TIMEOUT_MS, interval);
-    bootstrap_client_opts o = {.token = "", .connect_timeout_ms = ms_capped(DECODE_HB_CONNECT_MS, interval),
+    bootstrap_client_opts o = {.token = "",
+                               .connect_timeout_ms = ms_capped(DECODE_HB_CONNECT_MS, interval),
                                .timeout_ms = tmo};
     kvf__bootstrap_client_create(addr, &o, &p->client);
   }

@@ -126,8 +126,8 @@ void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_
  * kind, index and item length, or KVF_ERANGE. */
 static int locate(const manager_buffers *b, const wire_digest *d, int *state, size_t *idx, uint64_t *item) {
   uint64_t span;
-  if (d->count > 1 && (__builtin_mul_overflow(d->count - 1, d->stride, &span) ||
-                       __builtin_add_overflow(span, d->len, &span)))
+  if (d->count > 1 &&
+      (__builtin_mul_overflow(d->count - 1, d->stride, &span) || __builtin_add_overflow(span, d->len, &span)))
     return KVF_ERANGE;
   if (d->count <= 1) span = d->len;
   for (size_t i = 0; i < b->n_kv + b->n_state; i++) {
@@ -183,14 +183,17 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
     uint64_t item = 1;
     char reason[ROOMS_REASON_MAX];
     if (locate(b, &d, &st, &idx, &item)) {
-      snprintf(reason, sizeof reason, "Integrity check failed: prefill rank %" PRId64 " sent a digest for 0x%" PRIx64
-               "+%" PRIu64 ", outside this decode's buffers", dg.prefill_rank, d.dst, d.len);
+      snprintf(reason, sizeof reason,
+               "Integrity check failed: prefill rank %" PRId64 " sent a digest for 0x%" PRIx64 "+%" PRIu64
+               ", outside this decode's buffers",
+               dg.prefill_rank, d.dst, d.len);
     } else {
       if (corrupt && i == 0) *(volatile unsigned char *)(uintptr_t)d.dst ^= 0x5a; /* test hook, see integ_state */
       if (kvf__hash_block(d.dst, d.len, d.count, d.stride) == d.hash) continue;
       uint64_t off = d.dst - (st ? b->state_ptrs[idx] : b->kv_ptrs[idx]);
-      snprintf(reason, sizeof reason, "Integrity check failed: %s buffer %zu page %" PRIu64 " (offset %" PRIu64
-               ", %" PRIu64 " bytes from prefill rank %" PRId64 ") differs from what the prefill sent",
+      snprintf(reason, sizeof reason,
+               "Integrity check failed: %s buffer %zu page %" PRIu64 " (offset %" PRIu64 ", %" PRIu64
+               " bytes from prefill rank %" PRId64 ") differs from what the prefill sent",
                st ? "state" : "KV", idx, item ? off / item : 0, off % (item ? item : 1), d.len * d.count,
                dg.prefill_rank);
     }
@@ -210,7 +213,8 @@ void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank) {
   if (!unverified) return;
   atomic_fetch_add(&m->stats.verify_unverified, 1);
   if (kvf__log_first_time(kvf__log_hash_str("verify-unverified", (uint64_t)(uintptr_t)m)))
-    LOG_WARN("kv", "room %" PRId64 ": prefill rank %" PRId64 " reported Success without digests (not a kvferry "
+    LOG_WARN("kv",
+             "room %" PRId64 ": prefill rank %" PRId64 " reported Success without digests (not a kvferry "
              "prefill?): the room is not verified (counted in verify_unverified; further ones are not logged)",
              room, rank);
 }
@@ -231,7 +235,8 @@ int kvf__integ_layer_bufs(const kvf_manager *m, size_t l0, size_t l1, size_t **b
 int kvf__integ_page_digest(const kvf_manager *m, size_t b, int64_t page, uint64_t *out) {
   const manager_buffers *mb = &m->bufs;
   uint64_t item = mb->kv_item_lens[b], end;
-  if (page < 0 || __builtin_mul_overflow((uint64_t)page + 1, item, &end) || end > mb->kv_lens[b]) return KVF_ERANGE;
+  if (page < 0 || __builtin_mul_overflow((uint64_t)page + 1, item, &end) || end > mb->kv_lens[b])
+    return KVF_ERANGE;
   *out = kvf__hash64((const void *)(uintptr_t)(mb->kv_ptrs[b] + (uint64_t)page * item), (size_t)item);
   return 0;
 }
@@ -242,7 +247,9 @@ int kvf__integ_send_digests(kvf_manager *m, const char *host, uint16_t port, int
   int rc = 0;
   do {
     size_t k = n - off < WIRE_MAX_DIGESTS ? n - off : WIRE_MAX_DIGESTS;
-    wire_digests dg = {.room = room, .prefill_rank = m->tp_rank, .epoch = epoch,
+    wire_digests dg = {.room = room,
+                       .prefill_rank = m->tp_rank,
+                       .epoch = epoch,
                        .entries = wire_array_of(d + off, k)};
     wire_msg msg;
     char why[WIRE_REASON_LEN];

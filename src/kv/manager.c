@@ -115,11 +115,16 @@ static void resolve_config(kvf_manager_config *c) {
   if (c->failed_session_ttl_s < 0) c->failed_session_ttl_s = d.failed_session_ttl_s;
   if (c->queue_size <= 0) c->queue_size = d.queue_size;
   if (c->http_timeout_ms <= 0) c->http_timeout_ms = d.http_timeout_ms;
-  c->bootstrap_timeout_s = (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT", (int64_t)c->bootstrap_timeout_s);
-  c->waiting_timeout_s = (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT", (int64_t)c->waiting_timeout_s);
-  c->heartbeat_interval_s = kvf__env_get_double("TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL", c->heartbeat_interval_s);
-  c->heartbeat_max_failures = (int)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", c->heartbeat_max_failures);
-  c->failed_session_ttl_s = (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_FAILED_SESSION_TTL", (int64_t)c->failed_session_ttl_s);
+  c->bootstrap_timeout_s =
+      (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT", (int64_t)c->bootstrap_timeout_s);
+  c->waiting_timeout_s =
+      (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT", (int64_t)c->waiting_timeout_s);
+  c->heartbeat_interval_s =
+      kvf__env_get_double("TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL", c->heartbeat_interval_s);
+  c->heartbeat_max_failures =
+      (int)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", c->heartbeat_max_failures);
+  c->failed_session_ttl_s =
+      (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_FAILED_SESSION_TTL", (int64_t)c->failed_session_ttl_s);
   c->queue_size = (int)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_QUEUE_SIZE", c->queue_size);
   c->verify = kvf__env_get_int("KVFERRY_VERIFY", c->verify) != 0;
   /* The reference's floors: a heartbeat faster than 2 s or a threshold of 0
@@ -291,7 +296,8 @@ void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsig
 
 /* 0 when f[n-1] is a good MAC of f[0..n-1), else a reason. */
 static const char *mac_check(const kvf_manager *m, const wire_frame *f, size_t n) {
-  if (n < 2 || f[n - 1].len != MANAGER_MAC_LEN) return "no MAC frame (is KVFERRY_CONTROL_TOKEN the same on both sides?)";
+  if (n < 2 || f[n - 1].len != MANAGER_MAC_LEN)
+    return "no MAC frame (is KVFERRY_CONTROL_TOKEN the same on both sides?)";
   const unsigned char *mac = f[n - 1].data;
   uint64_t ms = 0;
   for (int i = 0; i < 8; i++) ms = ms << 8 | mac[i];
@@ -480,8 +486,7 @@ static void *listener_main(void *arg) {
       }
     }
     wire_frame frames[MANAGER_MAX_RECV_FRAMES];
-    for (size_t i = 0; i < n; i++)
-      frames[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
+    for (size_t i = 0; i < n; i++) frames[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
     kvf__manager_dispatch(m, frames, n, extra, peer);
   }
   for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_close(&parts[i]);
@@ -517,8 +522,9 @@ static int bind_pull(kvf_manager *m) {
 static void unregister_buffers(kvf_manager *m) {
   for (size_t i = 0; m->own_regions && i < m->bufs.n_kv + m->bufs.n_state; i++)
     if (m->own_regions[i])
-      kvf_engine_unregister(m->engine, (void *)(uintptr_t)(i < m->bufs.n_kv ? m->bufs.kv_ptrs[i]
-                                                                             : m->bufs.state_ptrs[i - m->bufs.n_kv]));
+      kvf_engine_unregister(m->engine,
+                            (void *)(uintptr_t)(i < m->bufs.n_kv ? m->bufs.kv_ptrs[i]
+                                                                 : m->bufs.state_ptrs[i - m->bufs.n_kv]));
   free(m->own_regions);
   m->own_regions = NULL;
 }
@@ -576,7 +582,8 @@ static int check_host_memory(const manager_buffers *b) {
     size_t k = st ? i - b->n_kv : i;
     uint64_t p = st ? b->state_ptrs[k] : b->kv_ptrs[k], len = st ? b->state_lens[k] : b->kv_lens[k];
     if (len && !readable(maps, p, len)) {
-      LOG_ERROR("kv", "verify mode needs host memory: %s buffer %zu at 0x%" PRIx64 " (+%" PRIu64
+      LOG_ERROR("kv",
+                "verify mode needs host memory: %s buffer %zu at 0x%" PRIx64 " (+%" PRIu64
                 " bytes) is not readable host memory (device memory cannot be hashed on the CPU yet)",
                 st ? "state" : "KV", k, p, len);
       rc = KVF_EINVAL;
@@ -669,8 +676,9 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
     goto err_role;
   }
   m->listener_started = 1;
-  LOG_INFO("kv", "%s manager rank %d: engine %s, control port %u", c->role == KVF_ROLE_DECODE ? "decode" : "prefill",
-           c->engine_rank, kvf_engine_session_id(m->engine), (unsigned)m->rank_port);
+  LOG_INFO("kv", "%s manager rank %d: engine %s, control port %u",
+           c->role == KVF_ROLE_DECODE ? "decode" : "prefill", c->engine_rank, kvf_engine_session_id(m->engine),
+           (unsigned)m->rank_port);
   *out = m;
   return 0;
 

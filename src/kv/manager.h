@@ -58,8 +58,8 @@ struct kvf_manager {
   manager_counters stats;
 
   void *zctx;
-  void *pull;           /* owned by the listener thread once it runs */
-  uint16_t rank_port;   /* the PULL socket's port */
+  void *pull;         /* owned by the listener thread once it runs */
+  uint16_t rank_port; /* the PULL socket's port */
   pthread_t listener;
   int listener_started;
   atomic_int stopping;

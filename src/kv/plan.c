@@ -54,18 +54,16 @@ static int layer_range_ok(const plan_layout *lay, size_t l0, size_t l1) {
 /* Address of `count` pieces of `bytes` at `off` in pages page.. of `stride`
  * bytes in a buffer at base (length *lenp if known): checks that the last
  * piece ends inside the buffer and that nothing overflows. */
-static int span(uint64_t base, const uint64_t *lenp, int64_t page, int64_t count, uint64_t stride,
-                uint64_t off, uint64_t bytes, uint64_t *addr) {
+static int span(uint64_t base, const uint64_t *lenp, int64_t page, int64_t count, uint64_t stride, uint64_t off,
+                uint64_t bytes, uint64_t *addr) {
   uint64_t first, last, end;
   if (page < 0 || count < 1) return KVF_ERANGE;
-  if (__builtin_mul_overflow((uint64_t)page, stride, &first) ||
-      __builtin_add_overflow(first, off, &first) ||
-      __builtin_mul_overflow((uint64_t)(count - 1), stride, &last) ||
-      __builtin_add_overflow(first, last, &end) || __builtin_add_overflow(end, bytes, &end))
+  if (__builtin_mul_overflow((uint64_t)page, stride, &first) || __builtin_add_overflow(first, off, &first) ||
+      __builtin_mul_overflow((uint64_t)(count - 1), stride, &last) || __builtin_add_overflow(first, last, &end) ||
+      __builtin_add_overflow(end, bytes, &end))
     return KVF_ERANGE;
   if (lenp && end > *lenp) return KVF_ERANGE;
-  if (__builtin_add_overflow(base, first, addr) || __builtin_add_overflow(base, end, &end))
-    return KVF_ERANGE;
+  if (__builtin_add_overflow(base, first, addr) || __builtin_add_overflow(base, end, &end)) return KVF_ERANGE;
   return 0;
 }
 
@@ -76,9 +74,9 @@ size_t kvf__plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_
   return (lay->start[l1] - lay->start[l0]) * nruns;
 }
 
-int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs,
-                      size_t nruns, const plan_mem *src, const plan_mem *dst,
-                      const uint64_t *item, kvf_write *out, size_t cap, size_t *nout) {
+int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs, size_t nruns,
+                           const plan_mem *src, const plan_mem *dst, const uint64_t *item, kvf_write *out,
+                           size_t cap, size_t *nout) {
   if (!layer_range_ok(lay, l0, l1)) return KVF_EINVAL;
   if (kvf__plan_plain_count(lay, l0, l1, nruns) > cap) return KVF_ETOOBIG;
   size_t n = 0;
@@ -90,8 +88,7 @@ int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const p
       const plan_run *r = &runs[k];
       kvf_write w = {.count = 1};
       int rc = span(src->base[b], src->len ? &src->len[b] : NULL, r->src, r->len, it, 0, it, &w.src);
-      if (rc == 0)
-        rc = span(dst->base[b], dst->len ? &dst->len[b] : NULL, r->dst, r->len, it, 0, it, &w.dst);
+      if (rc == 0) rc = span(dst->base[b], dst->len ? &dst->len[b] : NULL, r->dst, r->len, it, 0, it, &w.dst);
       if (rc == 0 && __builtin_mul_overflow(it, (uint64_t)r->len, &w.len)) rc = KVF_ERANGE;
       if (rc != 0) return rc;
       out[n++] = w;
@@ -112,7 +109,7 @@ static int64_t frag_pages(const plan_fragment *f, int64_t run_len) {
 }
 
 size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
-                       size_t nfrags, int state, const plan_run *runs, size_t nruns) {
+                            size_t nfrags, int state, const plan_run *runs, size_t nruns) {
   if (!layer_range_ok(lay, l0, l1)) return 0;
   size_t n = 0;
   for (size_t i = lay->start[l0]; i < lay->start[l1]; i++)
@@ -128,17 +125,14 @@ size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const 
 static int frag_valid(const plan_fragment *f) {
   uint64_t e;
   if (f->bytes_per_page == 0) return 0;
-  if (__builtin_add_overflow(f->src_byte_offset, f->bytes_per_page, &e) || e > f->src_page_stride)
-    return 0;
-  if (__builtin_add_overflow(f->dst_byte_offset, f->bytes_per_page, &e) || e > f->dst_page_stride)
-    return 0;
+  if (__builtin_add_overflow(f->src_byte_offset, f->bytes_per_page, &e) || e > f->src_page_stride) return 0;
+  if (__builtin_add_overflow(f->dst_byte_offset, f->bytes_per_page, &e) || e > f->dst_page_stride) return 0;
   return 1;
 }
 
-int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
-                     size_t nfrags, int state, const plan_run *runs, size_t nruns,
-                     const plan_mem *src, const plan_mem *dst, kvf_write *out, size_t cap,
-                     size_t *nout) {
+int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags, size_t nfrags,
+                          int state, const plan_run *runs, size_t nruns, const plan_mem *src, const plan_mem *dst,
+                          kvf_write *out, size_t cap, size_t *nout) {
   if (!layer_range_ok(lay, l0, l1)) return KVF_EINVAL;
   size_t n = 0;
   for (size_t i = lay->start[l0]; i < lay->start[l1]; i++) {
@@ -160,8 +154,7 @@ int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const pl
           rc = span(dst->base[b], dst->len ? &dst->len[b] : NULL, r->dst, m, f->dst_page_stride,
                     f->dst_byte_offset, f->bytes_per_page, &w.dst);
         if (rc != 0) return rc;
-        if (m > 1 && f->src_page_stride == f->bytes_per_page &&
-            f->dst_page_stride == f->bytes_per_page) {
+        if (m > 1 && f->src_page_stride == f->bytes_per_page && f->dst_page_stride == f->bytes_per_page) {
           /* Whole pages on both sides: the pieces touch, one plain block.
            * span() has shown m*bytes fits in the buffer, so no overflow. */
           w.len = f->bytes_per_page * (uint64_t)m;
@@ -180,8 +173,7 @@ int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const pl
 
 /* ---- Route plan ---- */
 
-static const char *const kind_names[] = {"target_k", "target_v", "draft_k", "draft_v",
-                                         "mamba_state"};
+static const char *const kind_names[] = {"target_k", "target_v", "draft_k", "draft_v", "mamba_state"};
 
 const char *kvf__plan_kind_name(int kind) {
   return kind >= 0 && kind <= PLAN_MAMBA_STATE ? kind_names[kind] : NULL;
@@ -201,12 +193,11 @@ int kvf__plan_kind_parse(const char *name, plan_kind *out) {
 typedef struct pair {
   uint32_t index;
   plan_kind kind;
-  int sharded;      /* 0 = replicated axis */
+  int sharded; /* 0 = replicated axis */
   int64_t S, U, Ip, Id, R;
 } pair;
 
-static void set_err(const plan_route_params *p, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+static void set_err(const plan_route_params *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void set_err(const plan_route_params *p, const char *fmt, ...) {
   if (!p->err || !p->err_cap) return;
   va_list ap;
@@ -258,15 +249,15 @@ static int make_pair(const plan_route_params *p, size_t b, plan_kind kind, int i
     return KVF_EINVAL;
   }
   if (Up != Ud) {
-    set_err(p, "%s buffer %zu: unit length differs (prefill %lld, decode %lld)", what, b,
-            (long long)Up, (long long)Ud);
+    set_err(p, "%s buffer %zu: unit length differs (prefill %lld, decode %lld)", what, b, (long long)Up,
+            (long long)Ud);
     return KVF_EINVAL;
   }
   int64_t U = Up;
   if (U <= 0 || Ip <= 0 || Id <= 0) goto err_bad_len;
   if (Ip % U != 0 || Id % U != 0) {
-    set_err(p, "%s buffer %zu: item lengths %lld/%lld not multiples of unit %lld", what, b,
-            (long long)Ip, (long long)Id, (long long)U);
+    set_err(p, "%s buffer %zu: item lengths %lld/%lld not multiples of unit %lld", what, b, (long long)Ip,
+            (long long)Id, (long long)U);
     return KVF_EINVAL;
   }
   int64_t Lp = Ip / U, Ld = Id / U, Gp, Gd;
@@ -284,18 +275,18 @@ static int make_pair(const plan_route_params *p, size_t b, plan_kind kind, int i
     pr.S = Gd;
     pr.R = Tp / (Gd / Lp);
   } else {
-    set_err(p, "unsupported heterogeneous TP buffer layout: %s buffer %zu, prefill item %lld x tp %lld, "
-            "decode item %lld x tp %lld, unit %lld", what, b, (long long)Ip, (long long)Tp,
-            (long long)Id, (long long)Td, (long long)U);
+    set_err(p,
+            "unsupported heterogeneous TP buffer layout: %s buffer %zu, prefill item %lld x tp %lld, "
+            "decode item %lld x tp %lld, unit %lld",
+            what, b, (long long)Ip, (long long)Tp, (long long)Id, (long long)Td, (long long)U);
     return KVF_EINVAL;
   }
   /* §6.5.2, both sides, sharded layouts only. */
   if (pr.sharded) {
     int64_t Tq = Tp / pr.R;
-    if (Tp % pr.R != 0 || pr.S % Tq != 0 || Ip / U < pr.S / Tq || pr.S % Td != 0 ||
-        Id / U < pr.S / Td) {
-      set_err(p, "%s buffer %zu: shard of %lld units does not divide over tp %lld/%lld", what, b,
-              (long long)pr.S, (long long)Tp, (long long)Td);
+    if (Tp % pr.R != 0 || pr.S % Tq != 0 || Ip / U < pr.S / Tq || pr.S % Td != 0 || Id / U < pr.S / Td) {
+      set_err(p, "%s buffer %zu: shard of %lld units does not divide over tp %lld/%lld", what, b, (long long)pr.S,
+              (long long)Tp, (long long)Td);
       return KVF_EINVAL;
     }
   }
@@ -308,8 +299,8 @@ err_bad_len:
 
 /* Fragments of pair `pr` between decode rank d and every prefill rank it
  * overlaps (§6.5.3-6.5.4), handed to emit in ascending prefill rank. */
-typedef int (*emit_fn)(void *ctx, const pair *pr, int prank, int drank, int64_t src_off,
-                       int64_t dst_off, int64_t bytes);
+typedef int (*emit_fn)(void *ctx, const pair *pr, int prank, int drank, int64_t src_off, int64_t dst_off,
+                       int64_t bytes);
 
 static int pair_overlaps(const pair *pr, int d, int Tp, int Td, emit_fn emit, void *ctx) {
   if (!pr->sharded) {
@@ -322,15 +313,13 @@ static int pair_overlaps(const pair *pr, int d, int Tp, int Td, emit_fn emit, vo
     int64_t p_lo = q * wp, p_hi = p_lo + wp;
     int64_t a = d_lo > p_lo ? d_lo : p_lo, e = d_hi < p_hi ? d_hi : p_hi;
     if (a >= e) continue;
-    int rc = emit(ctx, pr, (int)(q * pr->R), d, (a - p_lo) * pr->U, (a - d_lo) * pr->U,
-                  (e - a) * pr->U);
+    int rc = emit(ctx, pr, (int)(q * pr->R), d, (a - p_lo) * pr->U, (a - d_lo) * pr->U, (e - a) * pr->U);
     if (rc != 0) return rc;
   }
   return 0;
 }
 
-static int emit_mark(void *ctx, const pair *pr, int prank, int drank, int64_t so, int64_t dof,
-                     int64_t bytes) {
+static int emit_mark(void *ctx, const pair *pr, int prank, int drank, int64_t so, int64_t dof, int64_t bytes) {
   ((unsigned char *)ctx)[prank] = 1;
   return 0;
 }
@@ -341,8 +330,7 @@ typedef struct frag_vec {
   unsigned char *mark;
 } frag_vec;
 
-static int emit_frag(void *ctx, const pair *pr, int prank, int drank, int64_t so, int64_t dof,
-                     int64_t bytes) {
+static int emit_frag(void *ctx, const pair *pr, int prank, int drank, int64_t so, int64_t dof, int64_t bytes) {
   frag_vec *fv = ctx;
   if (fv->n == fv->cap) {
     size_t nc = fv->cap ? fv->cap * 2 : 64;
@@ -384,13 +372,11 @@ static int build_pairs(const plan_route_params *p, pair **out, size_t *npairs) {
     int draft = p->target_layer_num && l >= p->target_layer_num;
     for (size_t i = lay->start[l]; i < lay->start[l + 1] && rc == 0; i++) {
       int first = i == lay->start[l];
-      plan_kind kind = draft ? (first ? PLAN_DRAFT_K : PLAN_DRAFT_V)
-                             : (first ? PLAN_TARGET_K : PLAN_TARGET_V);
+      plan_kind kind = draft ? (first ? PLAN_DRAFT_K : PLAN_DRAFT_V) : (first ? PLAN_TARGET_K : PLAN_TARGET_V);
       rc = make_pair(p, lay->bufs[i], kind, 1, &pairs[k++]);
     }
   }
-  for (size_t j = 0; j < p->n_d_state && rc == 0; j++)
-    rc = make_pair(p, j, PLAN_MAMBA_STATE, 0, &pairs[k++]);
+  for (size_t j = 0; j < p->n_d_state && rc == 0; j++) rc = make_pair(p, j, PLAN_MAMBA_STATE, 0, &pairs[k++]);
   if (rc != 0) {
     free(pairs);
     return rc;
@@ -507,8 +493,7 @@ int kvf__plan_route_legacy_mla(int Td, int d, int Tp, int l15_cache, plan_route 
   plan_route r = {0};
   if (!sizes_ok(Td, d, Tp)) return KVF_EINVAL;
   int n, k = 1;
-  if (l15_cache)
-    n = Tp;
+  if (l15_cache) n = Tp;
   else if (Td >= Tp) {
     if (Td % Tp) return KVF_EINVAL;
     n = 1;

@@ -76,9 +76,9 @@ size_t kvf__plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_
  * overflow is KVF_ERANGE. KVF_ETOOBIG if cap is short of the count. State
  * buffers (§6.6) use the same function with a layout of one layer listing
  * the state buffers. */
-int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs,
-                      size_t nruns, const plan_mem *src, const plan_mem *dst,
-                      const uint64_t *item, kvf_write *out, size_t cap, size_t *nout);
+int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs, size_t nruns,
+                           const plan_mem *src, const plan_mem *dst, const uint64_t *item, kvf_write *out,
+                           size_t cap, size_t *nout);
 
 /* ---- Route plan (§5.2, §6.5) ---- */
 
@@ -97,16 +97,16 @@ int kvf__plan_kind_parse(const char *name, plan_kind *out);
 
 /* One fragment: the ten fields of §6.5.5. */
 typedef struct plan_fragment {
-  uint32_t buffer_index;   /* KV buffer index, or state buffer index for mamba_state */
+  uint32_t buffer_index; /* KV buffer index, or state buffer index for mamba_state */
   plan_kind kind;
-  int32_t src_rank;        /* prefill TP rank (informational on the wire) */
-  int32_t dst_rank;        /* decode TP rank (informational) */
+  int32_t src_rank; /* prefill TP rank (informational on the wire) */
+  int32_t dst_rank; /* decode TP rank (informational) */
   uint64_t src_page_stride;
   uint64_t dst_page_stride;
   uint64_t src_byte_offset;
   uint64_t dst_byte_offset;
   uint64_t bytes_per_page;
-  int64_t page_count;      /* -1 = null (the planner always emits null) */
+  int64_t page_count; /* -1 = null (the planner always emits null) */
 } plan_fragment;
 
 /* Inputs of the generic planner, as the decode rank knows them. Lists from
@@ -116,17 +116,17 @@ typedef struct plan_route_params {
   int decode_tp_size;
   int decode_tp_rank;
   int prefill_tp_size;
-  const plan_layout *layout;  /* decode's KV layers -> buffer indices */
-  size_t target_layer_num;    /* layer indices >= this are draft; 0 = all target */
-  const int64_t *d_kv_item, *d_kv_unit;  /* decode lists; unit may be NULL (all 1) */
+  const plan_layout *layout;            /* decode's KV layers -> buffer indices */
+  size_t target_layer_num;              /* layer indices >= this are draft; 0 = all target */
+  const int64_t *d_kv_item, *d_kv_unit; /* decode lists; unit may be NULL (all 1) */
   size_t n_d_kv, n_d_kv_unit;
-  const int64_t *p_kv_item, *p_kv_unit;  /* prefill lists (may be empty) */
+  const int64_t *p_kv_item, *p_kv_unit; /* prefill lists (may be empty) */
   size_t n_p_kv, n_p_kv_unit;
   const int64_t *d_state_item, *d_state_unit; /* decode state buffers: n_d_state of them */
   size_t n_d_state, n_d_state_unit;
   const int64_t *p_state_item, *p_state_unit;
   size_t n_p_state, n_p_state_unit;
-  char *err;                  /* optional: on failure, a reason is written here */
+  char *err; /* optional: on failure, a reason is written here */
   size_t err_cap;
 } plan_route_params;
 
@@ -139,15 +139,15 @@ typedef struct plan_target {
 } plan_target;
 
 typedef struct plan_route {
-  int is_identity;           /* whole pages, no fragment frames (§6.4 on the prefill) */
-  int supports_spec;         /* supports_remote_spec_candidates */
+  int is_identity;   /* whole pages, no fragment frames (§6.4 on the prefill) */
+  int supports_spec; /* supports_remote_spec_candidates */
   int required_prefill_response_num;
   int ntargets;
-  plan_target *targets;      /* ascending rank order */
+  plan_target *targets; /* ascending rank order */
   int prefill_tp_size;
-  int *fanout;               /* fanout[p], p < prefill_tp_size: decode ranks that contact p */
+  int *fanout; /* fanout[p], p < prefill_tp_size: decode ranks that contact p */
   size_t nfrags;
-  plan_fragment *frags;      /* grouped by target, pair order within a target */
+  plan_fragment *frags; /* grouped by target, pair order within a target */
 } plan_route;
 
 /* The generic planner (§6.5.1-6.5.4) for one decode TP rank. The caller owns
@@ -168,8 +168,8 @@ int kvf__plan_route_build(const plan_route_params *p, plan_route *out);
 int kvf__plan_route_add_dummies(plan_route *r, int decode_tp_size, int decode_tp_rank);
 
 /* The legacy MLA rows and the L1.5 row of §5.2 (no fragments). */
-int kvf__plan_route_legacy_mla(int decode_tp_size, int decode_tp_rank, int prefill_tp_size,
-                          int l15_cache, plan_route *out);
+int kvf__plan_route_legacy_mla(int decode_tp_size, int decode_tp_rank, int prefill_tp_size, int l15_cache,
+                               plan_route *out);
 
 /* Free what a plan_route_* call allocated; the struct is zeroed. */
 void kvf__plan_route_free(plan_route *r);
@@ -178,7 +178,7 @@ void kvf__plan_route_free(plan_route *r);
 
 /* Exact number of blocks kvf__plan_frag_writes emits for the same arguments. */
 size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
-                       size_t nfrags, int state, const plan_run *runs, size_t nruns);
+                            size_t nfrags, int state, const plan_run *runs, size_t nruns);
 
 /* Blocks for fragment mode, in the reference's order: for each buffer b of
  * layers [l0, l1) (state != 0: every buffer listed in the layout, matched
@@ -194,10 +194,9 @@ size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const 
  * offset + bytes <= stride on each side (no spill into the next page), pages
  * in range of known buffer lengths, no overflow (KVF_ERANGE); buffer index
  * past either side: KVF_EINVAL. KVF_ETOOBIG if cap is short. */
-int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
-                     size_t nfrags, int state, const plan_run *runs, size_t nruns,
-                     const plan_mem *src, const plan_mem *dst, kvf_write *out, size_t cap,
-                     size_t *nout);
+int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags, size_t nfrags,
+                          int state, const plan_run *runs, size_t nruns, const plan_mem *src, const plan_mem *dst,
+                          kvf_write *out, size_t cap, size_t *nout);
 
 /* ---- Small routing helpers ---- */
 

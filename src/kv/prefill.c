@@ -104,18 +104,18 @@
 #include "kv/plan.h"
 #include "kv/rooms.h"
 
-#define PF_TOKEN_LATER (-2)    /* a chunk's token: "comes through kvf_sender_set_metadata" */
-#define PF_MAX_SESSIONS 4096   /* registered decode sessions */
-#define PF_MAX_INFOS 4096      /* transfer infos (decode sessions) per room */
-#define PF_MAX_EARLY 65536     /* rooms with M2s but no sender yet, all sessions together */
-#define PF_EXPIRE_PER_MSG 4    /* idle early rooms dropped per M2 at most */
-#define PF_MAX_PENDING 65536   /* chunks waiting on one room for its M2s */
-#define PF_QUEUE_MAX 65536     /* chunks in one worker FIFO */
+#define PF_TOKEN_LATER (-2)             /* a chunk's token: "comes through kvf_sender_set_metadata" */
+#define PF_MAX_SESSIONS 4096            /* registered decode sessions */
+#define PF_MAX_INFOS 4096               /* transfer infos (decode sessions) per room */
+#define PF_MAX_EARLY 65536              /* rooms with M2s but no sender yet, all sessions together */
+#define PF_EXPIRE_PER_MSG 4             /* idle early rooms dropped per M2 at most */
+#define PF_MAX_PENDING 65536            /* chunks waiting on one room for its M2s */
+#define PF_QUEUE_MAX 65536              /* chunks in one worker FIFO */
 #define PF_DIRECT_MAX_BYTES (16u << 20) /* a room's only chunk up to this size skips the worker */
-#define PF_DIRECT_MAX_DESTS 8  /* ... when it has at most this many destinations */
-#define PF_DIRECT_SLOTS 256    /* direct chunks in flight per prefill rank */
-#define PF_SPARE_ROOMS 4096    /* unreferenced room records kept for reuse */
-#define PF_DIRECT_DRAIN_MS 120000 /* stop: wait this long for direct chunks' engine callbacks */
+#define PF_DIRECT_MAX_DESTS 8           /* ... when it has at most this many destinations */
+#define PF_DIRECT_SLOTS 256             /* direct chunks in flight per prefill rank */
+#define PF_SPARE_ROOMS 4096             /* unreferenced room records kept for reuse */
+#define PF_DIRECT_DRAIN_MS 120000       /* stop: wait this long for direct chunks' engine callbacks */
 
 typedef struct pf_reg { /* one decode registration (M1) */
   wire_m1 *m1;          /* heap copy (kvf__wire_m1_dup) */
@@ -152,9 +152,9 @@ typedef struct pf_chunk {
   struct pf_room *r; /* holds a room reference once queued or pending */
   int64_t *pages;
   size_t npages;
-  int64_t pos;       /* index_slice start: position of pages[0] in the request's page list,
+  int64_t pos;                   /* index_slice start: position of pages[0] in the request's page list,
                         or (explicit_idx) in the decode's destination list */
-  int explicit_idx;  /* pos is a destination index: no decode-prefix skip */
+  int explicit_idx;              /* pos is a destination index: no decode-prefix skip */
   size_t layer_begin, layer_end; /* KV layer indices written: [layer_begin, layer_end) */
   int is_last;
   int64_t aux_index;
@@ -179,16 +179,16 @@ typedef struct pf_dest { /* where an M3 goes */
 typedef struct pf_room {
   int64_t room;
   int refs;
-  size_t nchunks;    /* chunks accepted from the sender */
-  int dead;          /* destroyed: chunks still holding it are dropped */
+  size_t nchunks; /* chunks accepted from the sender */
+  int dead;       /* destroyed: chunks still holding it are dropped */
   int has_sender;
   int bootstrapped;
   int shard;
-  int64_t create_ns; /* sender creation, for the bootstrap timeout */
-  pf_reg *early_owner; /* early room: the session it is charged to; NULL otherwise */
+  int64_t create_ns;             /* sender creation, for the bootstrap timeout */
+  pf_reg *early_owner;           /* early room: the session it is charged to; NULL otherwise */
   struct pf_room *eprev, *enext; /* the early LRU list */
   int64_t last_m2_ns;
-  pf_info **infos;   /* arrival order */
+  pf_info **infos; /* arrival order */
   size_t ninfos, cap;
   pf_chunk *pend_head, *pend_tail;
   size_t npending;
@@ -240,8 +240,8 @@ typedef struct pf_direct {
   int32_t cands[KVF_MAX_CANDIDATES];
   size_t ncand;
   uint64_t bytes;
-  size_t n;            /* the room's infos, dummies included */
-  atomic_size_t left;  /* engine writes outstanding + the submitter's guard */
+  size_t n;           /* the room's infos, dummies included */
+  atomic_size_t left; /* engine writes outstanding + the submitter's guard */
   atomic_int failed;
   pf_direct_dest d[PF_DIRECT_MAX_DESTS];
 } pf_direct;
@@ -257,12 +257,12 @@ typedef struct prefill_state {
   pthread_mutex_t direct_lock;
   pf_scratch direct_sc;
   uint64_t *layer_bytes; /* n_layers + 1: KV bytes per page of layers [0, l) */
-  pf_room *room_spare; /* unreferenced rooms kept for reuse (room_new), under lock */
+  pf_room *room_spare;   /* unreferenced rooms kept for reuse (room_new), under lock */
   size_t nroom_spare;
   kvf_sender *sender_spare; /* destroyed senders' records, under lock */
   size_t nsender_spare;
-  smap regs;   /* session -> pf_reg */
-  map rooms;   /* room id -> pf_room */
+  smap regs; /* session -> pf_reg */
+  map rooms; /* room id -> pf_room */
   size_t nearly;
   pf_room *early_head, *early_tail; /* least recently used first */
   int nqueues;
@@ -343,8 +343,12 @@ static void chunk_release_locked(prefill_state *ps, pf_chunk *c) {
 /* `reason` (may be NULL) travels in kvferry's M3 frame 5. */
 static void send_m3_why(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
                         const int32_t *cands, size_t ncand, const char *reason) {
-  wire_m3 m3 = {.room = room, .status = status, .prefill_rank = m->tp_rank, .bootstrap_token = token,
-                .candidates = wire_array_of(cands, cands ? ncand : 0), .reason = reason,
+  wire_m3 m3 = {.room = room,
+                .status = status,
+                .prefill_rank = m->tp_rank,
+                .bootstrap_token = token,
+                .candidates = wire_array_of(cands, cands ? ncand : 0),
+                .reason = reason,
                 .reason_len = reason ? strlen(reason) : 0};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
@@ -435,8 +439,7 @@ static void flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chun
   while (c) {
     pf_chunk *n = c->next;
     if (queue_push(&ps->queues[r->shard], c)) {
-      if (r->has_sender && !r->dead)
-        kvf__rooms_fail(ps->m->rooms, r->room, "Prefill transfer queue is full");
+      if (r->has_sender && !r->dead) kvf__rooms_fail(ps->m->rooms, r->room, "Prefill transfer queue is full");
       chunk_release_locked(ps, c);
     }
     c = n;
@@ -581,9 +584,11 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
       room_drop(ps, r);
       pthread_mutex_unlock(&ps->lock);
       atomic_fetch_add(&m->stats.messages_unknown_room, 1);
-      snprintf(why, sizeof why, "prefill rank %d refused the transfer request: %s requests %s wait for their sender "
-               "(limit %d per session, %d in all)", m->cfg.engine_rank, full ? "too many" : "out of memory:",
-               full ? full : "no room for more", PF_MAX_EARLY_PER_SESSION, PF_MAX_EARLY);
+      snprintf(why, sizeof why,
+               "prefill rank %d refused the transfer request: %s requests %s wait for their sender "
+               "(limit %d per session, %d in all)",
+               m->cfg.engine_rank, full ? "too many" : "out of memory:", full ? full : "no room for more",
+               PF_MAX_EARLY_PER_SESSION, PF_MAX_EARLY);
       if (kvf__log_first_time(kvf__log_hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
         LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
                  peer ? peer : "?", why);
@@ -622,8 +627,8 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   }
   r->last_m2_ns = now;
   if (mismatch && r->has_sender && !r->dead) {
-    snprintf(why, sizeof why, "Decode session %s registered %zu KV buffers, this prefill rank has %zu",
-             x->session, reg->m1->kv_ptrs.count, m->bufs.n_kv);
+    snprintf(why, sizeof why, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", x->session,
+             reg->m1->kv_ptrs.count, m->bufs.n_kv);
     kvf__rooms_fail(m->rooms, r->room, why);
   }
   pf_direct *dj = NULL;
@@ -708,13 +713,16 @@ static plan_fragment *convert_frags(const wire_m2 *x) {
   if (!f) return NULL;
   for (size_t i = 0; i < x->nfrags; i++) {
     const wire_fragment *w = &x->frags[i];
-    f[i] = (plan_fragment){.buffer_index = (uint32_t)w->buffer_index, .kind = (plan_kind)w->buffer_kind,
-                           .src_rank = (int32_t)w->src_rank, .dst_rank = (int32_t)w->dst_rank,
+    f[i] = (plan_fragment){.buffer_index = (uint32_t)w->buffer_index,
+                           .kind = (plan_kind)w->buffer_kind,
+                           .src_rank = (int32_t)w->src_rank,
+                           .dst_rank = (int32_t)w->dst_rank,
                            .src_page_stride = (uint64_t)w->src_page_stride_bytes,
                            .dst_page_stride = (uint64_t)w->dst_page_stride_bytes,
                            .src_byte_offset = (uint64_t)w->src_byte_offset,
                            .dst_byte_offset = (uint64_t)w->dst_byte_offset,
-                           .bytes_per_page = (uint64_t)w->bytes_per_page, .page_count = w->page_count};
+                           .bytes_per_page = (uint64_t)w->bytes_per_page,
+                           .page_count = w->page_count};
   }
   return f;
 }
@@ -737,12 +745,16 @@ static int64_t per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, 
   if (P <= 1 || !slicing) return 1;
   if (layout != P) {
     if (layout)
-      snprintf(why, whycap, "Refusing a heterogeneous-TP plan: the decode's pages hold %" PRId64
-               " tokens, this prefill's %" PRId64, layout, P);
+      snprintf(why, whycap,
+               "Refusing a heterogeneous-TP plan: the decode's pages hold %" PRId64
+               " tokens, this prefill's %" PRId64,
+               layout, P);
     else
-      snprintf(why, whycap, "Refusing a heterogeneous-TP plan that cuts head ranges out of whole pages: with "
+      snprintf(why, whycap,
+               "Refusing a heterogeneous-TP plan that cuts head ranges out of whole pages: with "
                "page_size %" PRId64 " and token-major pages that would write wrong bytes (the decode sent no "
-               "page layout)", P);
+               "page layout)",
+               P);
     return 0;
   }
   uint64_t u = (uint64_t)P;
@@ -751,8 +763,9 @@ static int64_t per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, 
     if (g->kind == PLAN_MAMBA_STATE) continue;
     if (g->src_page_stride % u || g->dst_page_stride % u || g->src_byte_offset % u || g->dst_byte_offset % u ||
         g->bytes_per_page % u || (g->page_count >= 0 && g->page_count > INT64_MAX / P)) {
-      snprintf(why, whycap, "Refusing a fragment of buffer %u: its slice does not split into %" PRId64
-               " equal token slices", (unsigned)g->buffer_index, P);
+      snprintf(why, whycap,
+               "Refusing a fragment of buffer %u: its slice does not split into %" PRId64 " equal token slices",
+               (unsigned)g->buffer_index, P);
       return 0;
     }
     g->src_page_stride /= u, g->dst_page_stride /= u;
@@ -788,7 +801,8 @@ static wire_digest *write_digests(prefill_state *ps, const kvf_write *w, size_t 
       for (size_t j = 0; j < vi->nb; j++) {
         size_t bi = vi->bufs[j];
         uint64_t item = b->kv_item_lens[bi];
-        d[i * vi->nb + j] = (wire_digest){dst_ptrs[bi] + (uint64_t)dst[i] * item, item, 1, 0, vi->pdig[i * vi->nb + j]};
+        d[i * vi->nb + j] =
+            (wire_digest){dst_ptrs[bi] + (uint64_t)dst[i] * item, item, 1, 0, vi->pdig[i * vi->nb + j]};
       }
   } else {
     for (size_t i = 0; i < nw; i++) {
@@ -809,8 +823,10 @@ static int recheck_sources(prefill_state *ps, const pf_integ *vi, const int64_t 
     for (size_t j = 0; j < vi->nb; j++) {
       uint64_t h = 0;
       if (kvf__integ_page_digest(ps->m, vi->bufs[j], src[i], &h) == 0 && h == vi->pdig[i * vi->nb + j]) continue;
-      snprintf(why, whycap, "Integrity check failed: source page %" PRId64 " of KV buffer %zu changed while room %"
-               PRId64 " was being sent (the page was reused before its transfer completed)", src[i], vi->bufs[j], room);
+      snprintf(why, whycap,
+               "Integrity check failed: source page %" PRId64 " of KV buffer %zu changed while room %" PRId64
+               " was being sent (the page was reused before its transfer completed)",
+               src[i], vi->bufs[j], room);
       atomic_fetch_add(&ps->m->stats.verify_failures, 1);
       return KVF_ESTATE;
     }
@@ -824,7 +840,8 @@ static int plan_pairs(prefill_state *ps, int state, size_t l0, size_t l1, const 
                       int64_t tokens, kvf_write **wout, size_t *nwout) {
   const manager_buffers *b = &ps->m->bufs;
   const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
-  plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens, state ? b->n_state : b->n_kv};
+  plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens,
+                 state ? b->n_state : b->n_kv};
   plan_mem dm = {dst_ptrs, NULL, sm.nbufs};
   const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
   plan_run *runs = malloc((n ? n : 1) * sizeof *runs);
@@ -882,13 +899,14 @@ typedef struct pf_part {
 
 static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0, size_t l1, const int64_t *src,
                        const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags,
-                       size_t nfrags, int frag_mode, int64_t tokens, const pf_integ *vi, uint64_t *bytes, char *why,
-                       size_t whycap, int *xfer) {
+                       size_t nfrags, int frag_mode, int64_t tokens, const pf_integ *vi, uint64_t *bytes,
+                       char *why, size_t whycap, int *xfer) {
   kvf_manager *m = ps->m;
   int have_reason = 0, ask = (x->room_flags & WIRE_ROOM_VERIFY) != 0, plain = !state && !frag_mode && tokens == 1;
   kvf_batch_opts opts;
   kvf_batch_opts_init(&opts);
-  if (x->fence_epoch && manager_room_tag(x->room)) opts.tag = manager_room_tag(x->room), opts.epoch = x->fence_epoch;
+  if (x->fence_epoch && manager_room_tag(x->room))
+    opts.tag = manager_room_tag(x->room), opts.epoch = x->fence_epoch;
   size_t nparts = (ask || vi->pdig) && n >= PF_VERIFY_PARTS ? PF_VERIFY_PARTS : 1, per = (n + nparts - 1) / nparts;
   pf_part *parts = calloc(nparts, sizeof *parts);
   int rc = parts ? 0 : KVF_ENOMEM;
@@ -923,8 +941,10 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0
     if (p->dg) kvf__integ_send_digests(m, x->endpoint, x->dst_port, x->room, x->fence_epoch, p->dg, p->ndg);
     *bytes += writes_bytes(p->w, p->nw);
   }
-  if (*xfer && rc == KVF_ESTATE && opts.tag) { /* refused by the decode's fence: the room, not the session, is gone */
-    snprintf(why, whycap, "The decode fenced room %" PRId64 " (it failed or dropped it there): write refused", x->room);
+  if (*xfer && rc == KVF_ESTATE &&
+      opts.tag) { /* refused by the decode's fence: the room, not the session, is gone */
+    snprintf(why, whycap, "The decode fenced room %" PRId64 " (it failed or dropped it there): write refused",
+             x->room);
     *xfer = 0;
     have_reason = 1;
   } else if (*xfer) {
@@ -996,7 +1016,8 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
   /* §6.8: skip the pages the decode already holds; position p maps to
    * destination index p - P. Then truncate to what both sides have (§6.3). */
   int64_t prefix = c->explicit_idx ? 0 : x->decode_prefix_len / page_size;
-  size_t skip = c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
+  size_t skip =
+      c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
   int64_t dstart = c->pos + (int64_t)skip - prefix;
   size_t ndst = x->kv_indices.count, nsrc = c->npages - skip;
   size_t avail = (uint64_t)dstart < ndst ? ndst - (size_t)dstart : 0;
@@ -1020,8 +1041,8 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
   if (c->is_last && b->n_state && nsptr && c->nstate && x->mamba_indices.count) {
     size_t nm = x->mamba_indices.count, np = 0;
     if (nsptr != b->n_state) {
-      snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu", x->session,
-               nsptr, b->n_state);
+      snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu",
+               x->session, nsptr, b->n_state);
       goto out;
     }
     if (c->nstate != nm && c->nstate != 1) {
@@ -1044,8 +1065,8 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
      * whose plan has no state fragment writes no state (the reference
      * would send whole slots of its own, possibly larger, item size). */
     pf_integ none = {NULL, NULL, 0};
-    if (np && write_pairs(ps, x, 1, 0, 0, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, &none, bytes, why,
-                          whycap, &xfer))
+    if (np && write_pairs(ps, x, 1, 0, 0, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, &none, bytes,
+                          why, whycap, &xfer))
       goto out;
   }
   ret = DEST_OK;
@@ -1095,22 +1116,23 @@ static int info_plan(kvf_manager *m, pf_info *info) {
   info->tokens = 1;
   if (!x->nfrags || x->is_dummy) return 0;
   if (!(info->frags = convert_frags(x))) return KVF_ENOMEM;
-  info->tokens = per_token(info->frags, x->nfrags, m->cfg.page_size, x->page_layout, info->plan_why,
-                           sizeof info->plan_why);
+  info->tokens =
+      per_token(info->frags, x->nfrags, m->cfg.page_size, x->page_layout, info->plan_why, sizeof info->plan_why);
   return 0;
 }
 
 /* Plan one set of page pairs (KV when state == 0, state slots otherwise) to
  * the destination, appending the writes to sc->w. Uses only sc's arrays. */
 static int plan_pairs_sc(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, int state, size_t l0, size_t l1,
-                      const int64_t *src, const int64_t *dst, size_t n, const uint64_t *dst_ptrs,
-                      const plan_fragment *frags, size_t nfrags, int frag_mode, int64_t tokens, char *why,
-                      size_t whycap) {
+                         const int64_t *src, const int64_t *dst, size_t n, const uint64_t *dst_ptrs,
+                         const plan_fragment *frags, size_t nfrags, int frag_mode, int64_t tokens, char *why,
+                         size_t whycap) {
   kvf_manager *m = ps->m;
   const manager_buffers *b = &m->bufs;
   /* state 2: state buffers of KV layers [l0, l1) (state_layer_ids) */
   const plan_layout *lay = state == 2 ? &ps->stl_lay : state ? &ps->st_lay : &ps->kv_lay;
-  plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens, state ? b->n_state : b->n_kv};
+  plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens,
+                 state ? b->n_state : b->n_kv};
   plan_mem dm = {dst_ptrs, NULL, sm.nbufs};
   const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
   size_t nruns = 0, nw = 0, cap;
@@ -1191,7 +1213,8 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
   /* §6.8: skip the pages the decode already holds; position p maps to
    * destination index p - P. Then truncate to what both sides have (§6.3). */
   int64_t prefix = c->explicit_idx ? 0 : x->decode_prefix_len / page_size;
-  size_t skip = c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
+  size_t skip =
+      c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
   int64_t dstart = c->pos + (int64_t)skip - prefix;
   size_t ndst = x->kv_indices.count, nsrc = c->npages - skip;
   size_t avail = (uint64_t)dstart < ndst ? ndst - (size_t)dstart : 0;
@@ -1203,7 +1226,7 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
     }
     for (size_t k = 0; k < n; k++) sc->dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
     if (plan_pairs_sc(ps, sc, x, 0, c->layer_begin, c->layer_end, c->pages + skip, sc->dst, n, sc->dptr, frags,
-                   x->nfrags, x->nfrags > 0, info->tokens, why, whycap))
+                      x->nfrags, x->nfrags > 0, info->tokens, why, whycap))
       return ret;
   }
 
@@ -1212,8 +1235,8 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
   if (b->n_state && nsptr && c->nstate && x->mamba_indices.count) {
     size_t nm = x->mamba_indices.count, np = 0;
     if (nsptr != b->n_state) {
-      snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu", x->session,
-               nsptr, b->n_state);
+      snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu",
+               x->session, nsptr, b->n_state);
       return ret;
     }
     if (c->nstate != nm && c->nstate != 1) {
@@ -1235,8 +1258,8 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
      * would send whole slots of its own, possibly larger, item size). */
     /* A layerwise chunk with state_layer_ids: the state of its layer group. */
     int by_layer = c->explicit_idx && ps->stl_lay.nlayers;
-    if (np && plan_pairs_sc(ps, sc, x, by_layer ? 2 : 1, c->layer_begin, c->layer_end, sc->src, sc->dst, np, sc->sptr,
-                         frags, x->nfrags, x->nfrags > 0, 1, why, whycap))
+    if (np && plan_pairs_sc(ps, sc, x, by_layer ? 2 : 1, c->layer_begin, c->layer_end, sc->src, sc->dst, np,
+                            sc->sptr, frags, x->nfrags, x->nfrags > 0, 1, why, whycap))
       return ret;
   }
   return DEST_OK;
@@ -1246,7 +1269,8 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
  * untagged when it asked for none. */
 static void fence_opts(const wire_m2 *x, kvf_batch_opts *opts) {
   kvf_batch_opts_init(opts);
-  if (x->fence_epoch && manager_room_tag(x->room)) opts->tag = manager_room_tag(x->room), opts->epoch = x->fence_epoch;
+  if (x->fence_epoch && manager_room_tag(x->room))
+    opts->tag = manager_room_tag(x->room), opts->epoch = x->fence_epoch;
 }
 
 /* The reason for a failed engine write to one destination. */
@@ -1265,7 +1289,10 @@ static size_t completion_trailer(prefill_state *ps, int64_t room, const wire_m2 
   if (!(x->room_flags & WIRE_ROOM_FAST_COMPLETION) || nreal != 1 || x->required_dst_info_num != 1 ||
       token == PF_TOKEN_LATER)
     return 0;
-  wire_m3 m3 = {.room = room, .status = ROOM_SUCCESS, .prefill_rank = ps->m->tp_rank, .bootstrap_token = token,
+  wire_m3 m3 = {.room = room,
+                .status = ROOM_SUCCESS,
+                .prefill_rank = ps->m->tp_rank,
+                .bootstrap_token = token,
                 .candidates = wire_array_of(cands, cands ? ncand : 0)};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
@@ -1279,16 +1306,17 @@ static size_t completion_trailer(prefill_state *ps, int64_t room, const wire_m2 
  * DEST_FAIL with a reason, or DEST_XFER_FAIL when the engine refused or
  * failed the write. */
 static int send_to_dest_sc(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, size_t nreal,
-                        uint64_t *bytes, char *why, size_t whycap) {
+                           uint64_t *bytes, char *why, size_t whycap) {
   int ret = plan_dest(ps, sc, c, info, why, whycap);
   if (ret != DEST_OK || !sc->nw) return ret;
   unsigned char tb[KVF_ENGINE_MAX_TRAILER];
-  size_t tlen = c->is_last ? completion_trailer(ps, c->r->room, info->m2, nreal, c->token, c->cands, c->ncand, tb,
-                                                sizeof tb)
-                           : 0;
+  size_t tlen =
+      c->is_last ? completion_trailer(ps, c->r->room, info->m2, nreal, c->token, c->cands, c->ncand, tb, sizeof tb)
+                 : 0;
   kvf_batch_opts opts;
   fence_opts(info->m2, &opts);
-  int rc = kvf__engine_write_trailer(ps->m->engine, info->m2->session, sc->w, sc->nw, &opts, tlen ? tb : NULL, tlen);
+  int rc =
+      kvf__engine_write_trailer(ps->m->engine, info->m2->session, sc->w, sc->nw, &opts, tlen ? tb : NULL, tlen);
   if (rc) {
     xfer_why(c->r, info->m2, rc, why, whycap);
     return DEST_XFER_FAIL;
@@ -1651,7 +1679,8 @@ static int direct_init(prefill_state *ps) {
   if (!ps->layer_bytes || !ps->direct_pool || scratch_init(&ps->direct_sc, b)) return KVF_ENOMEM;
   for (size_t l = 0; l < b->n_layers; l++) {
     uint64_t sum = 0;
-    for (uint32_t k = b->layer_buf_start[l]; k < b->layer_buf_start[l + 1]; k++) sum += b->kv_item_lens[b->layer_bufs[k]];
+    for (uint32_t k = b->layer_buf_start[l]; k < b->layer_buf_start[l + 1]; k++)
+      sum += b->kv_item_lens[b->layer_bufs[k]];
     ps->layer_bytes[l + 1] = ps->layer_bytes[l] + sum;
   }
   for (size_t i = PF_DIRECT_SLOTS; i-- > 0;) {
@@ -1869,10 +1898,20 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
                          size_t nstate) {
   prefill_state *ps = s->m->prefill;
   if (is_last) { /* a room's only chunk, small enough: straight to the engine */
-    pf_chunk view = {.r = s->r, .pages = (int64_t *)pages, .npages = npages, .pos = pos, .explicit_idx = explicit_idx,
-                     .layer_begin = layer_begin, .layer_end = layer_end, .is_last = 1, .aux_index = aux_index,
-                     .token = bootstrap_token, .cands = (int32_t *)cands, .ncand = ncand,
-                     .state_slots = (int64_t *)state_slots, .nstate = nstate};
+    pf_chunk view = {.r = s->r,
+                     .pages = (int64_t *)pages,
+                     .npages = npages,
+                     .pos = pos,
+                     .explicit_idx = explicit_idx,
+                     .layer_begin = layer_begin,
+                     .layer_end = layer_end,
+                     .is_last = 1,
+                     .aux_index = aux_index,
+                     .token = bootstrap_token,
+                     .cands = (int32_t *)cands,
+                     .ncand = ncand,
+                     .state_slots = (int64_t *)state_slots,
+                     .nstate = nstate};
     pthread_mutex_lock(&ps->lock);
     pf_direct *dj = direct_take_locked(ps, s->r, &view, 0);
     if (dj) s->r->nchunks++;

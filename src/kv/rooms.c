@@ -17,7 +17,7 @@
 
 typedef struct room_entry {
   int status;
-  int required;          /* 0 = never set, which means 1 */
+  int required; /* 0 = never set, which means 1 */
   int nresponded;
   uint64_t resp_lo;      /* responder bits for ranks 0..63 */
   uint64_t *resp_hi;     /* ranks 64..ROOMS_MAX_RANKS-1, allocated on first use */
@@ -140,10 +140,8 @@ int kvf__rooms_upsert(rooms *t, int64_t room, int status, int *new_status) {
   int rc = 0, now = status;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
-  if (e)
-    now = e->status = merge_status(e->status, status);
-  else
-    rc = insert(t, room, status);
+  if (e) now = e->status = merge_status(e->status, status);
+  else rc = insert(t, room, status);
   pthread_mutex_unlock(&t->mu);
   if (rc == 0 && new_status) *new_status = now;
   return rc;
@@ -297,12 +295,11 @@ static int add_responder(room_entry *e, int rank) {
   return 1;
 }
 
-int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token,
-                          const int32_t *cands, size_t ncand, int *became_success) {
+int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token, const int32_t *cands,
+                               size_t ncand, int *became_success) {
   int rc = 0, became = 0;
   int32_t *copy = NULL;
-  if (ncand > ROOMS_MAX_CANDS || prefill_rank < 0 || prefill_rank >= ROOMS_MAX_RANKS ||
-      (ncand && !cands)) {
+  if (ncand > ROOMS_MAX_CANDS || prefill_rank < 0 || prefill_rank >= ROOMS_MAX_RANKS || (ncand && !cands)) {
     pthread_mutex_lock(&t->mu);
     t->st.rejected_invalid++;
     pthread_mutex_unlock(&t->mu);
@@ -373,8 +370,7 @@ int kvf__rooms_pop_token(rooms *t, int64_t room, int64_t *token) {
   return rc;
 }
 
-int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap,
-                       size_t *ncand) {
+int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap, size_t *ncand) {
   int rc = KVF_ENOTFOUND;
   int64_t tok = -1;
   size_t n = 0;
@@ -507,7 +503,7 @@ int kvf__rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info,
 }
 
 int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, void *arg), void *arg,
-                        const char *reason, size_t *nfailed) {
+                             const char *reason, size_t *nfailed) {
   size_t n = 0;
   map_iter it;
   kvf__map_iter_init(&it);

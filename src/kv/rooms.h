@@ -38,32 +38,32 @@ enum {
 #define ROOM_STATUS_MAX ROOM_SUCCESS
 
 /* Bounds on what one room keeps, so a peer cannot make a room large. */
-#define ROOMS_MAX_RANKS 4096   /* prefill ranks accepted in kvf__rooms_record_response: [0, 4096) */
+#define ROOMS_MAX_RANKS 4096               /* prefill ranks accepted in kvf__rooms_record_response: [0, 4096) */
 #define ROOMS_MAX_CANDS KVF_MAX_CANDIDATES /* speculative candidate ids per message */
-#define ROOMS_REASON_MAX 512   /* failure reasons are truncated to this many bytes (with NUL) */
-#define ROOMS_DEFAULT_MAX (1u << 20) /* live rooms when kvf__rooms_table_new gets 0 */
+#define ROOMS_REASON_MAX 512               /* failure reasons are truncated to this many bytes (with NUL) */
+#define ROOMS_DEFAULT_MAX (1u << 20)       /* live rooms when kvf__rooms_table_new gets 0 */
 
 typedef struct rooms rooms;
 
 /* Counters, for metrics and tests. */
 typedef struct rooms_stats {
-  uint64_t live;             /* rooms present now */
-  uint64_t created;          /* successful creations, kvf__rooms_create and kvf__rooms_upsert */
-  uint64_t cleared;          /* successful kvf__rooms_clear calls */
-  uint64_t dropped_unknown;  /* update/fail/response for a room that is not live */
-  uint64_t rejected_full;    /* creations refused by the live-room bound */
-  uint64_t rejected_invalid; /* bad status value, rank or candidate count */
+  uint64_t live;                /* rooms present now */
+  uint64_t created;             /* successful creations, kvf__rooms_create and kvf__rooms_upsert */
+  uint64_t cleared;             /* successful kvf__rooms_clear calls */
+  uint64_t dropped_unknown;     /* update/fail/response for a room that is not live */
+  uint64_t rejected_full;       /* creations refused by the live-room bound */
+  uint64_t rejected_invalid;    /* bad status value, rank or candidate count */
   uint64_t duplicate_responses; /* Success reports from a rank already counted */
 } rooms_stats;
 
 /* A snapshot of one room, for polling, timeouts and the heartbeat. */
 typedef struct rooms_info {
   int status;
-  int required;            /* responses needed for Success (1 when never set) */
-  int responded;           /* distinct prefill ranks that reported Success */
+  int required;  /* responses needed for Success (1 when never set) */
+  int responded; /* distinct prefill ranks that reported Success */
   int has_reason;
-  int has_token;           /* a published (final) token is waiting to be popped */
-  int64_t init_time_ns;    /* as set by kvf__rooms_set_init_time; -1 = never */
+  int has_token;        /* a published (final) token is waiting to be popped */
+  int64_t init_time_ns; /* as set by kvf__rooms_set_init_time; -1 = never */
   void *user;
 } rooms_info;
 
@@ -125,8 +125,8 @@ int kvf__rooms_set_required(rooms *t, int64_t room, int required);
  * Unknown room: KVF_ENOTFOUND, counted, nothing created. Rank outside
  * [0, ROOMS_MAX_RANKS): KVF_EINVAL; ncand > ROOMS_MAX_CANDS: KVF_ETOOBIG
  * (both counted in rejected_invalid, room untouched). */
-int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token,
-                          const int32_t *cands, size_t ncand, int *became_success);
+int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token, const int32_t *cands,
+                               size_t ncand, int *became_success);
 
 /* Take the published token (-1 if none) out of a live room. */
 int kvf__rooms_pop_token(rooms *t, int64_t room, int64_t *token);
@@ -134,8 +134,7 @@ int kvf__rooms_pop_token(rooms *t, int64_t room, int64_t *token);
  * Candidates are copied into cands (capacity cap; ROOMS_MAX_CANDS always
  * suffices) and *ncand gets their count, 0 meaning none. KVF_ETOOBIG (nothing
  * taken) if cap is too small. */
-int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap,
-                       size_t *ncand);
+int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap, size_t *ncand);
 
 /* The manager's per-room pointer; the table never dereferences or frees it
  * except through kvf__rooms_table_free's callback. */
@@ -167,6 +166,6 @@ int kvf__rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info,
  * and Failed. pred runs under the table lock. *nfailed (may be NULL) gets the
  * number of rooms failed. */
 int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, void *arg), void *arg,
-                        const char *reason, size_t *nfailed);
+                             const char *reason, size_t *nfailed);
 
 #endif

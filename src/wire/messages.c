@@ -17,20 +17,28 @@
 
 _Static_assert(sizeof(wire_fragment) % 8 == 0, "fragments pack in dup blocks");
 
-static const char *const m1_names[] = {"room",         "endpoint",       "dst_port",
-                                       "session_id",   "dst_kv_ptrs",    "dst_aux_ptrs",
-                                       "dst_state_ptrs", "decode_prefix_len"};
-static const char *const m2_names[] = {
-    "room",           "endpoint",         "dst_port",
-    "session_id",     "dst_kv_indices",   "dst_aux_index",
-    "required_dst_info_num", "decode_prefix_len", "dst_indices_are_local",
-    "dst_page_transfer_mask", "dst_page_local_indices", "dst_mamba_indices",
-    "plan_version",   "fragments",        "kvferry_page_layout", "kvferry_room_options"};
-static const char *const m3_names[] = {"room", "status", "prefill_rank", "bootstrap_token",
-                                       "spec_candidate_ids", "kvferry_reason"};
+static const char *const m1_names[] = {"room",        "endpoint",     "dst_port",       "session_id",
+                                       "dst_kv_ptrs", "dst_aux_ptrs", "dst_state_ptrs", "decode_prefix_len"};
+static const char *const m2_names[] = {"room",
+                                       "endpoint",
+                                       "dst_port",
+                                       "session_id",
+                                       "dst_kv_indices",
+                                       "dst_aux_index",
+                                       "required_dst_info_num",
+                                       "decode_prefix_len",
+                                       "dst_indices_are_local",
+                                       "dst_page_transfer_mask",
+                                       "dst_page_local_indices",
+                                       "dst_mamba_indices",
+                                       "plan_version",
+                                       "fragments",
+                                       "kvferry_page_layout",
+                                       "kvferry_room_options"};
+static const char *const m3_names[] =
+    {"room", "status", "prefill_rank", "bootstrap_token", "spec_candidate_ids", "kvferry_reason"};
 
-static const char *const kind_names[] = {"target_k", "target_v", "draft_k", "draft_v",
-                                         "mamba_state"};
+static const char *const kind_names[] = {"target_k", "target_v", "draft_k", "draft_v", "mamba_state"};
 
 /* Where a check happens, so every rejection reads "M2 frame 4 (name): ...". */
 typedef struct ctx {
@@ -75,10 +83,8 @@ static const char *quote(const uint8_t *p, size_t len, char buf[128]) {
   buf[o++] = '"';
   for (size_t i = 0; i < len && i < 24; i++) {
     uint8_t ch = p[i];
-    if (ch >= 0x20 && ch < 0x7f && ch != '"' && ch != '\\')
-      buf[o++] = (char)ch;
-    else
-      o += (size_t)snprintf(buf + o, 5, "\\x%02x", ch);
+    if (ch >= 0x20 && ch < 0x7f && ch != '"' && ch != '\\') buf[o++] = (char)ch;
+    else o += (size_t)snprintf(buf + o, 5, "\\x%02x", ch);
   }
   buf[o++] = '"';
   if (len > 24) {
@@ -111,12 +117,9 @@ static int ascii_int(const uint8_t *p, size_t len, int64_t *out) {
     if (acc > (limit - d) / 10) return INT_RANGE;
     acc = acc * 10 + d;
   }
-  if (!neg)
-    *out = (int64_t)acc;
-  else if (acc == (uint64_t)INT64_MAX + 1)
-    *out = INT64_MIN;
-  else
-    *out = -(int64_t)acc;
+  if (!neg) *out = (int64_t)acc;
+  else if (acc == (uint64_t)INT64_MAX + 1) *out = INT64_MIN;
+  else *out = -(int64_t)acc;
   return INT_OK;
 }
 
@@ -129,13 +132,11 @@ static int get_int(const ctx *c, size_t i, int64_t lo, int64_t hi, int64_t *out)
     case INT_OK: break;
     case INT_EMPTY: return bad(c, i, "empty, expected an ascii int");
     case INT_NONCANON:
-      return bad(c, i, "%s is not a canonical ascii int (leading zero or -0)",
-                 quote(f->data, f->len, q));
+      return bad(c, i, "%s is not a canonical ascii int (leading zero or -0)", quote(f->data, f->len, q));
     case INT_RANGE: return bad(c, i, "%s does not fit in int64", quote(f->data, f->len, q));
     default: return bad(c, i, "%s is not an ascii int", quote(f->data, f->len, q));
   }
-  if (v < lo || v > hi)
-    return bad(c, i, "%" PRId64 " is outside %" PRId64 "..%" PRId64, v, lo, hi);
+  if (v < lo || v > hi) return bad(c, i, "%" PRId64 " is outside %" PRId64 "..%" PRId64, v, lo, hi);
   *out = v;
   return 0;
 }
@@ -159,7 +160,8 @@ static int check_session(const ctx *c, size_t i, const uint8_t *p, size_t len, u
   int rc = check_text(c, i, p, len);
   if (rc) return rc;
   const char *what;
-  if (kvf__addr_parse((const char *)p, len, NULL, 0, port, &what)) return bad(c, i, "%s %s", quote(p, len, q), what);
+  if (kvf__addr_parse((const char *)p, len, NULL, 0, port, &what))
+    return bad(c, i, "%s %s", quote(p, len, q), what);
   return 0;
 }
 
@@ -179,10 +181,8 @@ static int check_nonneg_i64(const ctx *c, size_t i, wire_array a) {
 /* Frame i as a packed array of `elem`-byte entries, at most `max` of them. */
 static int get_array(const ctx *c, size_t i, size_t elem, size_t max, wire_array *out) {
   const wire_frame *f = &c->f[i];
-  if (f->len % elem)
-    return bad(c, i, "length %zu is not a multiple of %zu", f->len, elem);
-  if (f->len / elem > max)
-    return bad(c, i, "%zu entries, at most %zu allowed", f->len / elem, max);
+  if (f->len % elem) return bad(c, i, "length %zu is not a multiple of %zu", f->len, elem);
+  if (f->len / elem > max) return bad(c, i, "%zu entries, at most %zu allowed", f->len / elem, max);
   out->data = f->len ? f->data : NULL;
   out->count = f->len / elem;
   return 0;
@@ -202,8 +202,7 @@ static int check_m2_body(const ctx *c, const wire_m2 *m) {
   if ((rc = check_count(c, 10, m->local_indices, WIRE_MAX_PAGES))) return rc;
   if ((rc = check_count(c, 11, m->mamba_indices, WIRE_MAX_PAGES))) return rc;
   if ((rc = check_nonneg_i64(c, 4, m->kv_indices))) return rc;
-  if (m->decode_prefix_len < 0)
-    return bad(c, 7, "%" PRId64 " is negative", m->decode_prefix_len);
+  if (m->decode_prefix_len < 0) return bad(c, 7, "%" PRId64 " is negative", m->decode_prefix_len);
   if (m->indices_are_local != 0 && m->indices_are_local != 1)
     return bad(c, 8, "%d is not 0 or 1", m->indices_are_local);
   size_t owned = 0;
@@ -215,15 +214,13 @@ static int check_m2_body(const ctx *c, const wire_m2 *m) {
   /* The mask is indexed with frame-4 positions and frame 10 with the owned
    * positions (§6.3); mismatched lengths would read past either array. */
   if (m->page_mask.count && m->page_mask.count != m->kv_indices.count)
-    return bad(c, 9, "%zu entries, frame 4 has %zu pages", m->page_mask.count,
-               m->kv_indices.count);
+    return bad(c, 9, "%zu entries, frame 4 has %zu pages", m->page_mask.count, m->kv_indices.count);
   if (m->indices_are_local) {
     if (m->page_mask.count != m->kv_indices.count)
-      return bad(c, 9, "%zu entries, frame 8 says indices are local and frame 4 has %zu pages",
-                 m->page_mask.count, m->kv_indices.count);
+      return bad(c, 9, "%zu entries, frame 8 says indices are local and frame 4 has %zu pages", m->page_mask.count,
+                 m->kv_indices.count);
     if (m->local_indices.count != owned)
-      return bad(c, 10, "%zu entries, frame 9 marks %zu pages as owned", m->local_indices.count,
-                 owned);
+      return bad(c, 10, "%zu entries, frame 9 marks %zu pages as owned", m->local_indices.count, owned);
   }
   if ((rc = check_nonneg_i64(c, 10, m->local_indices))) return rc;
   return 0;
@@ -236,42 +233,36 @@ const char *kvf__wire_buffer_kind_name(int kind) {
   return kind_names[kind];
 }
 
-static const char *const frag_keys[10] = {
-    "buffer_index",          "buffer_kind",     "src_rank",        "dst_rank",
-    "src_page_stride_bytes", "dst_page_stride_bytes", "src_byte_offset", "dst_byte_offset",
-    "bytes_per_page",        "page_count"};
+static const char *const frag_keys[10] = {"buffer_index",    "buffer_kind",           "src_rank",
+                                          "dst_rank",        "src_page_stride_bytes", "dst_page_stride_bytes",
+                                          "src_byte_offset", "dst_byte_offset",       "bytes_per_page",
+                                          "page_count"};
 
 /* A fragment must stay inside one page on both sides: the prefill trusts it
  * to address decode memory (§6.5.6). */
 static int check_fragment(const wire_fragment *f, size_t k, const char *pre, char *reason, int err) {
   const char *what = NULL;
-  if (f->buffer_index < 0 || f->buffer_index >= WIRE_MAX_PTRS)
-    what = "buffer_index is outside 0..4095";
-  else if (!kvf__wire_buffer_kind_name(f->buffer_kind))
-    what = "buffer_kind is unknown";
+  if (f->buffer_index < 0 || f->buffer_index >= WIRE_MAX_PTRS) what = "buffer_index is outside 0..4095";
+  else if (!kvf__wire_buffer_kind_name(f->buffer_kind)) what = "buffer_kind is unknown";
   else if (f->src_rank < 0 || f->src_rank > INT32_MAX || f->dst_rank < 0 || f->dst_rank > INT32_MAX)
     what = "src_rank/dst_rank is outside 0..2^31-1";
-  else if (f->src_page_stride_bytes <= 0 || f->dst_page_stride_bytes <= 0)
-    what = "a page stride is not positive";
-  else if (f->bytes_per_page <= 0)
-    what = "bytes_per_page is not positive";
-  else if (f->src_byte_offset < 0 || f->dst_byte_offset < 0)
-    what = "a byte offset is negative";
+  else if (f->src_page_stride_bytes <= 0 || f->dst_page_stride_bytes <= 0) what = "a page stride is not positive";
+  else if (f->bytes_per_page <= 0) what = "bytes_per_page is not positive";
+  else if (f->src_byte_offset < 0 || f->dst_byte_offset < 0) what = "a byte offset is negative";
   else if (f->src_byte_offset > f->src_page_stride_bytes ||
            f->bytes_per_page > f->src_page_stride_bytes - f->src_byte_offset)
     what = "src_byte_offset + bytes_per_page exceeds src_page_stride_bytes";
   else if (f->dst_byte_offset > f->dst_page_stride_bytes ||
            f->bytes_per_page > f->dst_page_stride_bytes - f->dst_byte_offset)
     what = "dst_byte_offset + bytes_per_page exceeds dst_page_stride_bytes";
-  else if (f->page_count < -1)
-    what = "page_count is negative";
+  else if (f->page_count < -1) what = "page_count is negative";
   if (!what) return 0;
   why(reason, "%sfragment %zu: %s", pre, k, what);
   return err;
 }
 
-static int parse_fragments(const uint8_t *json, size_t len, wire_fragment **out, size_t *n,
-                           const char *pre, char *reason) {
+static int parse_fragments(const uint8_t *json, size_t len, wire_fragment **out, size_t *n, const char *pre,
+                           char *reason) {
   int rc = KVF_EPROTO;
   json_t *root = NULL;
   wire_fragment *frags = NULL;
@@ -354,8 +345,7 @@ static int parse_fragments(const uint8_t *json, size_t len, wire_fragment **out,
         for (int j = 0; j < 10; j++) known |= !strcmp(key, frag_keys[j]);
         if (!known) {
           char q[128];
-          why(reason, "%sfragment %zu: unknown key %s", pre, k,
-              quote((const uint8_t *)key, strlen(key), q));
+          why(reason, "%sfragment %zu: unknown key %s", pre, k, quote((const uint8_t *)key, strlen(key), q));
           break;
         }
       }
@@ -386,8 +376,7 @@ err:
   return rc;
 }
 
-int kvf__wire_fragments_parse(const uint8_t *json, size_t len, wire_fragment **out, size_t *n,
-                         char *reason) {
+int kvf__wire_fragments_parse(const uint8_t *json, size_t len, wire_fragment **out, size_t *n, char *reason) {
   if (!out || !n || (len && !json)) {
     why(reason, "fragments: invalid arguments");
     return KVF_EINVAL;
@@ -399,8 +388,8 @@ int kvf__wire_fragments_parse(const uint8_t *json, size_t len, wire_fragment **o
  * nine numbers of at most 20 characters. */
 enum { FRAG_TEXT_MAX = 512 };
 
-static int format_fragments(const wire_fragment *frags, size_t n, char **json, size_t *len,
-                            const char *pre, char *reason) {
+static int format_fragments(const wire_fragment *frags, size_t n, char **json, size_t *len, const char *pre,
+                            char *reason) {
   if (n == 0 || n > WIRE_MAX_FRAGMENTS || !frags) {
     why(reason, "%s%zu fragments, need 1..%d", pre, n, WIRE_MAX_FRAGMENTS);
     return KVF_EINVAL;
@@ -421,15 +410,14 @@ static int format_fragments(const wire_fragment *frags, size_t n, char **json, s
     const wire_fragment *f = &frags[k];
     char pc[24] = "null";
     if (f->page_count >= 0) snprintf(pc, sizeof pc, "%" PRId64, f->page_count);
-    o += (size_t)snprintf(
-        buf + o, cap - o,
-        "%s{\"buffer_index\":%" PRId64 ",\"buffer_kind\":\"%s\",\"src_rank\":%" PRId64
-        ",\"dst_rank\":%" PRId64 ",\"src_page_stride_bytes\":%" PRId64
-        ",\"dst_page_stride_bytes\":%" PRId64 ",\"src_byte_offset\":%" PRId64
-        ",\"dst_byte_offset\":%" PRId64 ",\"bytes_per_page\":%" PRId64 ",\"page_count\":%s}",
-        k ? "," : "", f->buffer_index, kind_names[f->buffer_kind], f->src_rank, f->dst_rank,
-        f->src_page_stride_bytes, f->dst_page_stride_bytes, f->src_byte_offset,
-        f->dst_byte_offset, f->bytes_per_page, pc);
+    o += (size_t)snprintf(buf + o, cap - o,
+                          "%s{\"buffer_index\":%" PRId64 ",\"buffer_kind\":\"%s\",\"src_rank\":%" PRId64
+                          ",\"dst_rank\":%" PRId64 ",\"src_page_stride_bytes\":%" PRId64
+                          ",\"dst_page_stride_bytes\":%" PRId64 ",\"src_byte_offset\":%" PRId64
+                          ",\"dst_byte_offset\":%" PRId64 ",\"bytes_per_page\":%" PRId64 ",\"page_count\":%s}",
+                          k ? "," : "", f->buffer_index, kind_names[f->buffer_kind], f->src_rank, f->dst_rank,
+                          f->src_page_stride_bytes, f->dst_page_stride_bytes, f->src_byte_offset,
+                          f->dst_byte_offset, f->bytes_per_page, pc);
   }
   buf[o++] = ']';
   buf[o] = '\0';
@@ -443,8 +431,7 @@ static int format_fragments(const wire_fragment *frags, size_t n, char **json, s
   return 0;
 }
 
-int kvf__wire_fragments_format(const wire_fragment *frags, size_t n, char **json, size_t *len,
-                          char *reason) {
+int kvf__wire_fragments_format(const wire_fragment *frags, size_t n, char **json, size_t *len, char *reason) {
   if (!json || !len) {
     why(reason, "fragments: invalid arguments");
     return KVF_EINVAL;
@@ -460,8 +447,7 @@ static int frame_is(const wire_frame *f, const char *s) {
 }
 
 /* NULL frames or a NULL data pointer with a length are caller bugs. */
-static int check_args(const char *msg, const wire_frame *frames, size_t nframes, const void *out,
-                      char *reason) {
+static int check_args(const char *msg, const wire_frame *frames, size_t nframes, const void *out, char *reason) {
   if (!out || (nframes && !frames)) {
     why(reason, "%s: invalid arguments", msg);
     return KVF_EINVAL;
@@ -511,8 +497,7 @@ int kvf__wire_m1_decode(const wire_frame *f, size_t n, wire_m1 *out, char *reaso
     return KVF_EPROTO;
   }
   char q[128];
-  if (!frame_is(&f[0], "None"))
-    return bad(&c, 0, "%s, an M1 must carry \"None\"", quote(f[0].data, f[0].len, q));
+  if (!frame_is(&f[0], "None")) return bad(&c, 0, "%s, an M1 must carry \"None\"", quote(f[0].data, f[0].len, q));
   if ((rc = get_peer_fields(&c, m.endpoint, &m.dst_port, m.session, &m.session_port))) return rc;
   if ((rc = get_array(&c, 4, 8, WIRE_MAX_PTRS, &m.kv_ptrs))) return rc;
   if ((rc = get_array(&c, 5, 8, WIRE_MAX_PTRS, &m.aux_ptrs))) return rc;
@@ -520,9 +505,8 @@ int kvf__wire_m1_decode(const wire_frame *f, size_t n, wire_m1 *out, char *reaso
   size_t prefix_frame = n >= 8 ? 7 : 6;
   if (n >= 8 && (rc = get_array(&c, 6, 8, WIRE_MAX_PTRS, &m.state_ptrs))) return rc;
   if (n >= 7 && f[prefix_frame].len) {
-    static const char *const m1_old_names[] = {"room",       "endpoint",    "dst_port",
-                                               "session_id", "dst_kv_ptrs", "dst_aux_ptrs",
-                                               "decode_prefix_len"};
+    static const char *const m1_old_names[] = {"room",        "endpoint",     "dst_port",         "session_id",
+                                               "dst_kv_ptrs", "dst_aux_ptrs", "decode_prefix_len"};
     ctx c7 = c;
     if (n == 7) c7.names = m1_old_names;
     if ((rc = get_int(&c7, prefix_frame, 0, INT64_MAX, &m.decode_prefix_len))) return rc;
@@ -566,18 +550,15 @@ int kvf__wire_m2_decode(const wire_frame *f, size_t n, wire_m2 *out, char *reaso
   if (n >= 12 && (rc = get_array(&c, 11, 8, WIRE_MAX_PAGES, &m.mamba_indices))) return rc;
   if ((rc = check_m2_body(&c, &m))) return rc;
 
-  if (n == 13 && f[12].len)
-    return bad(&c, 12, "present without frame 13 (fragments): truncated plan");
+  if (n == 13 && f[12].len) return bad(&c, 12, "present without frame 13 (fragments): truncated plan");
   if (n >= 14 && (f[12].len || f[13].len)) {
     if (!f[12].len) return bad(&c, 12, "empty while frame 13 is not");
     if (!f[13].len) return bad(&c, 13, "empty while frame 12 is not");
     if ((rc = get_int(&c, 12, INT64_MIN, INT64_MAX, &v))) return rc;
     if (v != WIRE_FRAGMENT_VERSION)
-      return bad(&c, 12, "version %" PRId64 " is not supported (expected %d)", v,
-                 WIRE_FRAGMENT_VERSION);
+      return bad(&c, 12, "version %" PRId64 " is not supported (expected %d)", v, WIRE_FRAGMENT_VERSION);
     wire_fragment *frags = NULL;
-    rc = parse_fragments(f[13].data, f[13].len, &frags, &m.nfrags, "M2 frame 13 (fragments): ",
-                         reason);
+    rc = parse_fragments(f[13].data, f[13].len, &frags, &m.nfrags, "M2 frame 13 (fragments): ", reason);
     if (rc) return rc;
     m.frags = frags;
     m.frags_owned = 1;
@@ -644,8 +625,7 @@ int kvf__wire_m1_dup(const wire_m1 *m, wire_m1 **out) {
   if (!m || !out || m->kv_ptrs.count > WIRE_MAX_PTRS || m->aux_ptrs.count > WIRE_MAX_PTRS ||
       m->state_ptrs.count > WIRE_MAX_PTRS)
     return KVF_EINVAL;
-  size_t size = pad8(sizeof *m) +
-                8 * (m->kv_ptrs.count + m->aux_ptrs.count + m->state_ptrs.count);
+  size_t size = pad8(sizeof *m) + 8 * (m->kv_ptrs.count + m->aux_ptrs.count + m->state_ptrs.count);
   wire_m1 *d = malloc(size);
   if (!d) return KVF_ENOMEM;
   *d = *m;
@@ -662,9 +642,8 @@ int kvf__wire_m2_dup(const wire_m2 *m, wire_m2 **out) {
       m->local_indices.count > WIRE_MAX_PAGES || m->mamba_indices.count > WIRE_MAX_PAGES ||
       m->nfrags > WIRE_MAX_FRAGMENTS)
     return KVF_EINVAL;
-  size_t size = pad8(sizeof *m) + 8 * m->kv_indices.count + pad8(m->page_mask.count) +
-                8 * m->local_indices.count + 8 * m->mamba_indices.count +
-                m->nfrags * sizeof(wire_fragment);
+  size_t size = pad8(sizeof *m) + 8 * m->kv_indices.count + pad8(m->page_mask.count) + 8 * m->local_indices.count +
+                8 * m->mamba_indices.count + m->nfrags * sizeof(wire_fragment);
   wire_m2 *d = malloc(size);
   if (!d) return KVF_ENOMEM;
   *d = *m;
@@ -715,9 +694,7 @@ static void put_int(wire_msg *o, int64_t v) {
   put_bytes(o, dst, (size_t)len);
 }
 
-static void put_array(wire_msg *o, wire_array a, size_t elem) {
-  put_bytes(o, a.data, a.count * elem);
-}
+static void put_array(wire_msg *o, wire_array a, size_t elem) { put_bytes(o, a.data, a.count * elem); }
 
 /* A NUL-terminated string field of a struct, with the frame rules. */
 static int check_str_field(const ctx *c, size_t i, const char *s, int session, uint16_t *port) {
@@ -747,8 +724,7 @@ int kvf__wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason) {
   if ((rc = check_count(&c, 4, m->kv_ptrs, WIRE_MAX_PTRS))) return rc;
   if ((rc = check_count(&c, 5, m->aux_ptrs, WIRE_MAX_PTRS))) return rc;
   if ((rc = check_count(&c, 6, m->state_ptrs, WIRE_MAX_PTRS))) return rc;
-  if (m->decode_prefix_len < 0)
-    return bad(&c, 7, "%" PRId64 " is negative", m->decode_prefix_len);
+  if (m->decode_prefix_len < 0) return bad(&c, 7, "%" PRId64 " is negative", m->decode_prefix_len);
   put_str(out, "None");
   put_str(out, m->endpoint);
   put_int(out, m->dst_port);
@@ -794,8 +770,7 @@ int kvf__wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
   put_array(out, m->mamba_indices, 8);
   if (m->nfrags) {
     size_t len;
-    rc = format_fragments(m->frags, m->nfrags, &out->json, &len, "M2 frame 13 (fragments): ",
-                          reason);
+    rc = format_fragments(m->frags, m->nfrags, &out->json, &len, "M2 frame 13 (fragments): ", reason);
     if (rc) goto err;
     put_int(out, WIRE_FRAGMENT_VERSION);
     put_bytes(out, out->json, len);
@@ -857,8 +832,12 @@ int kvf__wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason) {
 static const char *const digests_names[] = {"kind", "room", "prefill_rank", "fence_epoch", "entries"};
 static const char *const fence_names[] = {"kind", "room", "session_id", "fence_epoch", "reason"};
 
-int kvf__wire_is_digests(const wire_frame *frames, size_t n) { return n > 0 && frames && frame_is(&frames[0], "kvferry-digests"); }
-int kvf__wire_is_fence(const wire_frame *frames, size_t n) { return n > 0 && frames && frame_is(&frames[0], "kvferry-fence"); }
+int kvf__wire_is_digests(const wire_frame *frames, size_t n) {
+  return n > 0 && frames && frame_is(&frames[0], "kvferry-digests");
+}
+int kvf__wire_is_fence(const wire_frame *frames, size_t n) {
+  return n > 0 && frames && frame_is(&frames[0], "kvferry-fence");
+}
 
 int kvf__wire_digests_decode(const wire_frame *f, size_t n, wire_digests *out, char *reason) {
   int rc = check_args("digests", f, n, out, reason);
@@ -919,7 +898,8 @@ int kvf__wire_fence_decode(const wire_frame *f, size_t n, wire_fence *out, char 
   if ((rc = get_int(&c, 3, 1, INT64_MAX, &v))) return rc;
   m.epoch = (uint64_t)v;
   size_t len = f[4].len < sizeof m.reason - 1 ? f[4].len : sizeof m.reason - 1;
-  for (size_t i = 0; i < len; i++) m.reason[i] = f[4].data[i] >= 32 && f[4].data[i] < 127 ? (char)f[4].data[i] : '?';
+  for (size_t i = 0; i < len; i++)
+    m.reason[i] = f[4].data[i] >= 32 && f[4].data[i] < 127 ? (char)f[4].data[i] : '?';
   *out = m;
   return 0;
 }

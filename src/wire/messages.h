@@ -45,16 +45,16 @@
 #endif
 
 enum {
-  WIRE_STR_MAX = 255,             /* endpoint / session bytes */
-  WIRE_REASON_LEN = 256,          /* size of a reason buffer */
-  WIRE_MAX_PTRS = 4096,           /* per M1 pointer frame */
-  WIRE_MAX_PAGES = 1 << 20,       /* per M2 index/mask frame */
-  WIRE_MAX_FRAGMENTS = 4096,      /* per M2 plan */
-  WIRE_MAX_JSON = 1 << 20,        /* bytes of M2 frame 13 */
+  WIRE_STR_MAX = 255,                       /* endpoint / session bytes */
+  WIRE_REASON_LEN = 256,                    /* size of a reason buffer */
+  WIRE_MAX_PTRS = 4096,                     /* per M1 pointer frame */
+  WIRE_MAX_PAGES = 1 << 20,                 /* per M2 index/mask frame */
+  WIRE_MAX_FRAGMENTS = 4096,                /* per M2 plan */
+  WIRE_MAX_JSON = 1 << 20,                  /* bytes of M2 frame 13 */
   WIRE_MAX_CANDIDATES = KVF_MAX_CANDIDATES, /* per M3 (the public limit) */
-  WIRE_MAX_FANOUT = 1 << 16,      /* M2 required_dst_info_num */
-  WIRE_MAX_FRAMES = 16,           /* most frames an encoder emits (14 + kvferry's frames 14-15) */
-  WIRE_MAX_PAGE_SIZE = 1 << 20,   /* tokens per page in the kvferry page-layout frame */
+  WIRE_MAX_FANOUT = 1 << 16,                /* M2 required_dst_info_num */
+  WIRE_MAX_FRAMES = 16,                     /* most frames an encoder emits (14 + kvferry's frames 14-15) */
+  WIRE_MAX_PAGE_SIZE = 1 << 20,             /* tokens per page in the kvferry page-layout frame */
   WIRE_FRAGMENT_VERSION = 1,
 };
 
@@ -206,10 +206,8 @@ void kvf__wire_m2_free(wire_m2 *m);
  * plan (outputs untouched). Format: writes the compact JSON of
  * §6.5.5 into a malloc'd NUL-terminated *json of *len bytes, caller frees;
  * KVF_EINVAL for an invalid fragment, KVF_ETOOBIG past WIRE_MAX_JSON. */
-int kvf__wire_fragments_parse(const uint8_t *json, size_t len, wire_fragment **out, size_t *n,
-                         char *reason);
-int kvf__wire_fragments_format(const wire_fragment *frags, size_t n, char **json, size_t *len,
-                          char *reason);
+int kvf__wire_fragments_parse(const uint8_t *json, size_t len, wire_fragment **out, size_t *n, char *reason);
+int kvf__wire_fragments_format(const wire_fragment *frags, size_t n, char **json, size_t *len, char *reason);
 
 /* ---- M3 status (§3.5) ---- */
 

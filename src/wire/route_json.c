@@ -15,7 +15,7 @@
 #include "kvferry/common.h"
 
 const char *const kvf__route_list_names[ROUTE_NLISTS] = {"kv_item_lens", "kv_unit_lens", "state_item_lens",
-                                                    "state_unit_lens", "kvferry_kv_page_layout"};
+                                                         "state_unit_lens", "kvferry_kv_page_layout"};
 
 static void set_why(char *why, size_t whylen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void set_why(char *why, size_t whylen, const char *fmt, ...) {
@@ -53,8 +53,8 @@ int kvf__route_ip_valid(const char *ip, size_t len) {
   if (!ip || len == 0 || len > ROUTE_IP_MAX) return 0;
   for (size_t i = 0; i < len; i++) {
     char c = ip[i];
-    int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-             c == ':' || c == '%' || c == '_' || c == '-';
+    int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == ':' ||
+             c == '%' || c == '_' || c == '-';
     if (!ok) return 0;
   }
   return 1;
@@ -64,7 +64,8 @@ int kvf__route_ip_valid(const char *ip, size_t len) {
  * enable_mla_l1_5_cache. */
 static int json_truthy(const json_t *v) {
   switch (json_typeof(v)) {
-    case JSON_NULL: case JSON_FALSE: return 0;
+    case JSON_NULL:
+    case JSON_FALSE: return 0;
     case JSON_TRUE: return 1;
     case JSON_INTEGER: return json_integer_value(v) != 0;
     case JSON_REAL: return json_real_value(v) != 0.0;
@@ -103,7 +104,8 @@ static int get_int(json_t *obj, const char *key, int allow_string, int64_t *out,
     *out = json_integer_value(v);
     return 0;
   }
-  if (allow_string && json_is_string(v) && kvf__route_parse_int(json_string_value(v), json_string_length(v), out) == 0)
+  if (allow_string && json_is_string(v) &&
+      kvf__route_parse_int(json_string_value(v), json_string_length(v), out) == 0)
     return 0;
   set_why(why, whylen, "'%s' is not an integer", key);
   return KVF_EINVAL;
@@ -318,7 +320,8 @@ static int get_size_or_null(json_t *obj, const char *key, int64_t *out) {
     *out = -1;
     return 0;
   }
-  if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > ROUTE_MAX_RANKS) return KVF_EPROTO;
+  if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > ROUTE_MAX_RANKS)
+    return KVF_EPROTO;
   *out = json_integer_value(v);
   return 0;
 }

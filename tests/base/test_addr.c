@@ -25,8 +25,10 @@ static void accepted(void **state) {
     const char *in, *host;
     unsigned port;
   } ok[] = {
-      {"127.0.0.1:8998", "127.0.0.1", 8998}, {"prefill-0.svc_a:1", "prefill-0.svc_a", 1},
-      {"[::1]:65535", "::1", 65535},         {"[fe80::1%eth0]:80", "fe80::1%eth0", 80},
+      {"127.0.0.1:8998", "127.0.0.1", 8998},
+      {"prefill-0.svc_a:1", "prefill-0.svc_a", 1},
+      {"[::1]:65535", "::1", 65535},
+      {"[fe80::1%eth0]:80", "fe80::1%eth0", 80},
       {"[::ffff:10.0.0.1]:5", "::ffff:10.0.0.1", 5},
   };
   for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {

@@ -136,11 +136,8 @@ static void config_set_by_name(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(error_table),
-      cmocka_unit_test(constants),
-      cmocka_unit_test(version),
-      cmocka_unit_test(config_size_checked),
-      cmocka_unit_test(config_set_by_name),
+      cmocka_unit_test(error_table),         cmocka_unit_test(constants),          cmocka_unit_test(version),
+      cmocka_unit_test(config_size_checked), cmocka_unit_test(config_set_by_name),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -30,7 +30,8 @@ static const char PUT_BODY[] =
     "{\"role\":\"Prefill\",\"world_size\":1,\"dp_size\":1,\"rank_ip\":\"10.0.0.1\",\"rank_port\":39001,"
     "\"engine_rank\":0,\"enable_mla_l1_5_cache\":false,\"kv_item_lens\":[8192],\"kv_unit_lens\":[256],"
     "\"state_item_lens\":[],\"state_unit_lens\":[]}";
-static const char TRICKLE[] = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+static const char TRICKLE[] =
+    "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
 static double now_s(void) {
   struct timespec ts;
@@ -164,8 +165,11 @@ static void flood_does_not_starve_health_or_route(void **state) {
   (void)state;
   kvf_bootstrap_server *srv = start(0, 0);
   flood *f = calloc(1, sizeof *f);
-  *f = (flood){.port = kvf_bootstrap_server_port(srv), .half_open = HALF_OPEN, .trickling = TRICKLING,
-               .period_s = 0.5, .run_s = 4};
+  *f = (flood){.port = kvf_bootstrap_server_port(srv),
+               .half_open = HALF_OPEN,
+               .trickling = TRICKLING,
+               .period_s = 0.5,
+               .run_s = 4};
   pthread_t th;
   pthread_create(&th, NULL, flood_main, f);
   usleep(1000000); /* the flood is in */
@@ -201,7 +205,10 @@ static void stalled_bodies_over_the_limit_evict_the_oldest(void **state) {
   (void)state;
   kvf_bootstrap_server *srv = start(64, 0);
   flood *f = calloc(1, sizeof *f);
-  *f = (flood){.port = kvf_bootstrap_server_port(srv), .half_open = 200, .trickling = 0, .run_s = 3,
+  *f = (flood){.port = kvf_bootstrap_server_port(srv),
+               .half_open = 200,
+               .trickling = 0,
+               .run_s = 3,
                .opening = "PUT /route HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{"};
   pthread_t th;
   pthread_create(&th, NULL, flood_main, f);
@@ -220,7 +227,10 @@ static void trickling_client_cut_at_the_deadline(void **state) {
   (void)state;
   kvf_bootstrap_server *srv = start(0, 2);
   flood *f = calloc(1, sizeof *f);
-  *f = (flood){.port = kvf_bootstrap_server_port(srv), .half_open = 5, .trickling = 5, .period_s = 0.3,
+  *f = (flood){.port = kvf_bootstrap_server_port(srv),
+               .half_open = 5,
+               .trickling = 5,
+               .period_s = 0.3,
                .run_s = 4.5};
   pthread_t th;
   pthread_create(&th, NULL, flood_main, f);

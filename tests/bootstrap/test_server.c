@@ -55,7 +55,8 @@ static bootstrap_client *client_for(kvf_bootstrap_server *srv) {
 /* Status of one raw request; the reply body goes to *reply when asked. */
 static long raw(bootstrap_client *c, const char *method, const char *path, const char *body, char **reply) {
   long status = 0;
-  assert_int_equal(kvf__bootstrap_client_request(c, method, path, body, body ? strlen(body) : 0, &status, reply, NULL),
+  assert_int_equal(kvf__bootstrap_client_request(c, method, path, body, body ? strlen(body) : 0, &status, reply,
+                                                 NULL),
                    0);
   return status;
 }
@@ -127,7 +128,8 @@ static void parallel_info_is_null_before_any_put(void **state) {
   assert_int_equal(raw(c, "GET", "/route?engine_rank=-1&target_dp_group=-1", NULL, &body), 200);
   assert_string_equal(body,
                       "{\"prefill_tp_size\": null, \"prefill_dp_size\": null, \"enable_mla_l1_5_cache\": false, "
-                      "\"kv_item_lens\": [], \"kv_unit_lens\": [], \"state_item_lens\": [], \"state_unit_lens\": []}");
+                      "\"kv_item_lens\": [], \"kv_unit_lens\": [], \"state_item_lens\": [], \"state_unit_lens\": "
+                      "[]}");
   free(body);
   route_parallel_info p;
   assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), KVF_ENOTFOUND);
@@ -149,10 +151,9 @@ static void appendix_a_put_then_discover(void **state) {
   free(body);
   body = NULL;
   assert_int_equal(raw(c, "GET", "/route?engine_rank=-1&target_dp_group=-1", NULL, &body), 200);
-  assert_string_equal(body,
-                      "{\"prefill_tp_size\": 1, \"prefill_dp_size\": 1, \"enable_mla_l1_5_cache\": false, "
-                      "\"kv_item_lens\": [8192, 8192, 8192, 8192], \"kv_unit_lens\": [256, 256, 256, 256], "
-                      "\"state_item_lens\": [], \"state_unit_lens\": []}");
+  assert_string_equal(body, "{\"prefill_tp_size\": 1, \"prefill_dp_size\": 1, \"enable_mla_l1_5_cache\": false, "
+                            "\"kv_item_lens\": [8192, 8192, 8192, 8192], \"kv_unit_lens\": [256, 256, 256, 256], "
+                            "\"state_item_lens\": [], \"state_unit_lens\": []}");
   free(body);
   body = NULL;
   int64_t room = 7215963401LL;
@@ -479,7 +480,8 @@ static void chunked_oversized_body_is_cut_off(void **state) {
   struct timeval tv = {.tv_sec = 3};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(kvf_bootstrap_server_port(srv)),
+  struct sockaddr_in a = {.sin_family = AF_INET,
+                          .sin_port = htons(kvf_bootstrap_server_port(srv)),
                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
   const char *head = "PUT /route HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
@@ -749,8 +751,9 @@ static void put_body_round_trips(void **state) {
   free(copy);
 
   /* Truthiness of the MLA flag follows Python. */
-  const char *truthy = "{\"role\": \"x\", \"world_size\": 1, \"dp_size\": 1, \"rank_ip\": \"h\", \"rank_port\": 1, "
-                       "\"engine_rank\": 0, \"enable_mla_l1_5_cache\": \"no\", \"kv_item_lens\": null}";
+  const char *truthy =
+      "{\"role\": \"x\", \"world_size\": 1, \"dp_size\": 1, \"rank_ip\": \"h\", \"rank_port\": 1, "
+      "\"engine_rank\": 0, \"enable_mla_l1_5_cache\": \"no\", \"kv_item_lens\": null}";
   assert_int_equal(kvf__route_json_parse_put(truthy, strlen(truthy), &back, why, sizeof why), 0);
   assert_int_equal(back.enable_mla_l1_5_cache, 1);
   assert_false(kvf__route_reg_is_prefill(&back));

@@ -127,7 +127,8 @@ static void late_writes_never_land_after_the_room_failed(void **state) {
 
   int st;
   double until = now_s() + 20;
-  while ((st = kvf_receiver_poll(rx)) != KVF_POLL_FAILED && st != KVF_POLL_SUCCESS && now_s() < until) usleep(1000);
+  while ((st = kvf_receiver_poll(rx)) != KVF_POLL_FAILED && st != KVF_POLL_SUCCESS && now_s() < until)
+    usleep(1000);
   assert_int_equal(st, KVF_POLL_FAILED); /* the transfer was stopped mid-way: never Success */
   char why[512];
   kvf_receiver_failure(rx, why, sizeof why);

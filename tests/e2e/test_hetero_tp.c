@@ -37,7 +37,7 @@ typedef struct hcase {
   int nstate;           /* state buffers on both sides */
   int chunk;            /* prefill chunk size in pages (0 = one chunk) */
   int npages;
-  int prefix;           /* pages the decode already holds (decode_prefix_len / page_size) */
+  int prefix;            /* pages the decode already holds (decode_prefix_len / page_size) */
   const char *fail_with; /* expected failure reason substring on the decode, NULL = success */
 } hcase;
 
@@ -60,8 +60,9 @@ static void start_peer(proc *p, const hcase *c, char *addr, size_t cap) {
   snprintf(u, sizeof u, "%d", UNIT);
   snprintf(ns, sizeof ns, "%d", c->nstate);
   snprintf(si, sizeof si, "%d", STATE_ITEM);
-  char *argv[] = {(char *)exe, "kv-peer", "--world", w, "--layers", l, "--pages", pg, "--page-size", ps,
-                  "--heads", h, "--kv-heads", kh, "--unit", u, "--state", ns, "--state-item", si, NULL};
+  char *argv[] = {(char *)exe,   "kv-peer", "--world",      w,  "--layers",   l,  "--pages", pg,
+                  "--page-size", ps,        "--heads",      h,  "--kv-heads", kh, "--unit",  u,
+                  "--state",     ns,        "--state-item", si, NULL};
   assert_int_equal(proc_start(p, argv), 0);
   char line[400], fmt[32];
   assert_int_equal(proc_read_line(p, line, sizeof line, 20000), 0);
@@ -101,7 +102,8 @@ static int decode_rank(const hcase *c, int d, const char *addr, int64_t room) {
   size_t n = (size_t)(c->npages - c->prefix);
   int64_t slot = 5;
   if (kvpool_take(&pool, n, &rng, pages)) goto out_rx;
-  kvf_receiver_init(rx, pages, n, 0, (int64_t)c->prefix * c->page_size, c->nstate ? &slot : NULL, c->nstate ? 1 : 0);
+  kvf_receiver_init(rx, pages, n, 0, (int64_t)c->prefix * c->page_size, c->nstate ? &slot : NULL,
+                    c->nstate ? 1 : 0);
   int st;
   double until = now_s() + 40;
   while ((st = kvf_receiver_poll(rx)) != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED && now_s() < until) usleep(500);
@@ -235,11 +237,18 @@ static void mla_replicated_generic_tp2_to_tp1(void **state) {
  * prefill rank gets a dummy M2) and decode wider (one prefill rank serves
  * both decode ranks, frame 6 = 2). */
 static void mla_legacy_tp2_to_tp1_and_tp1_to_tp2(void **state) {
-  hcase a = {.tp_p = 2, .tp_d = 1, .page_size = 16, .heads_p = 1, .heads_d = 1, .kv_heads = 1, .mla = 1,
-             .npages = 9, .chunk = 4};
+  hcase a = {.tp_p = 2,
+             .tp_d = 1,
+             .page_size = 16,
+             .heads_p = 1,
+             .heads_d = 1,
+             .kv_heads = 1,
+             .mla = 1,
+             .npages = 9,
+             .chunk = 4};
   run_case(&a);
-  hcase b = {.tp_p = 1, .tp_d = 2, .page_size = 16, .heads_p = 1, .heads_d = 1, .kv_heads = 1, .mla = 1,
-             .npages = 9};
+  hcase b =
+      {.tp_p = 1, .tp_d = 2, .page_size = 16, .heads_p = 1, .heads_d = 1, .kv_heads = 1, .mla = 1, .npages = 9};
   run_case(&b);
 }
 
@@ -247,15 +256,15 @@ static void mla_legacy_tp2_to_tp1_and_tp1_to_tp2(void **state) {
  * here) next to sharded KV heads: only the planned source rank writes the
  * state slot; the other rank's plan has KV fragments only (§8.11). */
 static void state_buffers_tp2_to_tp1(void **state) {
-  hcase c = {.tp_p = 2, .tp_d = 1, .page_size = 1, .heads_p = 2, .heads_d = 4, .nstate = 2, .npages = 12,
-             .chunk = 5};
+  hcase c =
+      {.tp_p = 2, .tp_d = 1, .page_size = 1, .heads_p = 2, .heads_d = 4, .nstate = 2, .npages = 12, .chunk = 5};
   run_case(&c);
 }
 
 /* decode_prefix_len: the decode already holds the first pages; chunked. */
 static void decode_prefix_tp1_to_tp2_chunked(void **state) {
-  hcase c = {.tp_p = 1, .tp_d = 2, .page_size = 1, .heads_p = 4, .heads_d = 2, .npages = 30, .prefix = 7,
-             .chunk = 4};
+  hcase c =
+      {.tp_p = 1, .tp_d = 2, .page_size = 1, .heads_p = 4, .heads_d = 2, .npages = 30, .prefix = 7, .chunk = 4};
   run_case(&c);
 }
 

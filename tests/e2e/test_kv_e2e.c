@@ -46,8 +46,21 @@ static void peer_prefill_start_at(prefill_proc *pp, int world, int dp, const cha
   snprintf(l, sizeof l, "%d", LAYERS);
   snprintf(it, sizeof it, "%d", ITEM);
   snprintf(pg, sizeof pg, "%d", PAGES);
-  char *argv[] = {(char *)exe, "kv-peer", "--world", w, "--dp", d, "--layers", l, "--item", it, "--pages", pg,
-                  bootstrap ? "--bootstrap" : NULL, (char *)bootstrap, NULL};
+  char *argv[] = {(char *)exe,
+                  "kv-peer",
+                  "--world",
+                  w,
+                  "--dp",
+                  d,
+                  "--layers",
+                  l,
+                  "--item",
+                  it,
+                  "--pages",
+                  pg,
+                  bootstrap ? "--bootstrap" : NULL,
+                  (char *)bootstrap,
+                  NULL};
   assert_int_equal(proc_start(&pp->p, argv), 0);
   char line[400];
   assert_int_equal(proc_read_line(&pp->p, line, sizeof line, 20000), 0);
@@ -427,7 +440,8 @@ static void early_request_flood_is_bounded_per_session(void **state) {
     assert_non_null(strstr(why, "refused the transfer request: too many requests from this decode session"));
   }
   fprintf(stderr, "refused rooms failed after the flood within %.2f s: %s\n", worst, why);
-  for (size_t i = 0; i < PF_MAX_EARLY_PER_SESSION; i++) assert_int_equal(kvf_receiver_poll(rx[i]), KVF_POLL_BOOTSTRAPPED);
+  for (size_t i = 0; i < PF_MAX_EARLY_PER_SESSION; i++)
+    assert_int_equal(kvf_receiver_poll(rx[i]), KVF_POLL_BOOTSTRAPPED);
   prefill_send(&pp, r.room, r.n, r.seed, r.token, 0);
   finish(&b, &r, 1);
   for (size_t i = 0; i < n; i++) kvf_receiver_destroy(rx[i]);

@@ -91,10 +91,10 @@ static void scattered_pages_land_byte_exact(void **state) {
     used[d] = 1;
     uint64_t s = (uint64_t)(N - 1 - i) * 3; /* scattered source pages */
     pattern_fill(f->pool + s * PAGE, PAGE, 7, 1000 + d);
-    w[i] = (kvf_write){.src = (uint64_t)(uintptr_t)(f->pool + s * PAGE), .dst = f->peer.base + d * PAGE,
-                       .len = PAGE};
-    off += snprintf(line + off, sizeof line - (size_t)off, "%s%llu:%llu", i ? "," : "",
-                    (unsigned long long)d, (unsigned long long)(1000 + d));
+    w[i] =
+        (kvf_write){.src = (uint64_t)(uintptr_t)(f->pool + s * PAGE), .dst = f->peer.base + d * PAGE, .len = PAGE};
+    off += snprintf(line + off, sizeof line - (size_t)off, "%s%llu:%llu", i ? "," : "", (unsigned long long)d,
+                    (unsigned long long)(1000 + d));
   }
   assert_int_equal(kvf_engine_write(f->e, f->peer.session, w, N), 0);
   char reply[64];
@@ -162,8 +162,8 @@ static void unregistered_source_rejected_locally(void **state) {
 static void malformed_session_ids(void **state) {
   fixture *f = *state;
   kvf_write w = {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base, .len = 8};
-  const char *bad[] = {"", "host", ":80", "host:", "host:0", "host:65536", "host:12a", "::1:80",
-                       "host:+80", "host: 80", "[::1:80", "a b:80", "host:123456"};
+  const char *bad[] = {"",       "host",     ":80",      "host:",   "host:0", "host:65536", "host:12a",
+                       "::1:80", "host:+80", "host: 80", "[::1:80", "a b:80", "host:123456"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
     assert_int_equal(kvf_engine_write(f->e, bad[i], &w, 1), KVF_EINVAL);
   assert_int_equal(kvf_engine_write(f->e, NULL, &w, 1), KVF_EINVAL);
@@ -241,7 +241,8 @@ static void four_threads_write_concurrently(void **state) {
   for (int i = 0; i < 4; i++) assert_int_equal(a[i].rc, 0);
   char cmd[8192], reply[64];
   int off = snprintf(cmd, sizeof cmd, "verify 119 %u ", PAGE); /* last round: seed 100 + 19 */
-  for (int p = 0; p < 256; p++) off += snprintf(cmd + off, sizeof cmd - (size_t)off, "%s%d:%d", p ? "," : "", p, p);
+  for (int p = 0; p < 256; p++)
+    off += snprintf(cmd + off, sizeof cmd - (size_t)off, "%s%d:%d", p ? "," : "", p, p);
   ask(f, cmd, reply, sizeof reply);
   assert_string_equal(reply, "ok 256");
 }
@@ -252,7 +253,8 @@ static void killed_peer_fails_batch_quickly(void **state) {
   kvf_write w[64];
   for (int i = 0; i < 64; i++)
     w[i] = (kvf_write){.src = (uint64_t)(uintptr_t)f->pool + (uint64_t)i * (1u << 20),
-                       .dst = f->peer.base + (uint64_t)(i % 16) * (1u << 20), .len = 1u << 20};
+                       .dst = f->peer.base + (uint64_t)(i % 16) * (1u << 20),
+                       .len = 1u << 20};
   kvf_batch *b[8];
   for (int i = 0; i < 8; i++) assert_int_equal(kvf_engine_submit(f->e, f->peer.session, w, 64, &b[i]), 0);
   double t0 = now_s();
@@ -345,8 +347,12 @@ static void register_unregister_rules(void **state) {
   memset(buf, 0, 4 * PAGE);
   kvf_engine_sync(target);
   for (unsigned i = 0; i < PAGE; i++) src[i] = (unsigned char)i;
-  kvf_write s = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)buf, .len = 16, .count = 4,
-                 .src_stride = 64, .dst_stride = 128};
+  kvf_write s = {.src = (uint64_t)(uintptr_t)src,
+                 .dst = (uint64_t)(uintptr_t)buf,
+                 .len = 16,
+                 .count = 4,
+                 .src_stride = 64,
+                 .dst_stride = 128};
   assert_int_equal(kvf_engine_write(writer, sid, &s, 1), 0);
   kvf_engine_sync(target);
   for (int i = 0; i < 4; i++) {
@@ -362,9 +368,10 @@ static void register_unregister_rules(void **state) {
 /* Chunking keeps every byte exactly once and in order. */
 static void chunking_covers_every_byte(void **state) {
   kvf_batch b = {0};
-  kvf_write w[3] = {{.src = 0, .dst = 1000000, .len = 3u << 20},
-                    {.src = 1u << 24, .dst = 1u << 25, .len = 100, .count = 5000, .src_stride = 200, .dst_stride = 300},
-                    {.src = 7, .dst = 9, .len = 0}};
+  kvf_write w[3] =
+      {{.src = 0, .dst = 1000000, .len = 3u << 20},
+       {.src = 1u << 24, .dst = 1u << 25, .len = 100, .count = 5000, .src_stride = 200, .dst_stride = 300},
+       {.src = 7, .dst = 9, .len = 0}};
   chunk **c = NULL;
   size_t n = 0;
   assert_int_equal(kvf__engine_make_chunks(&b, w, 3, 2, 4096, &c, &n), 0);
@@ -444,7 +451,8 @@ static void trailer_after_bytes(void **state) {
   assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, "after off", 9), 0);
   assert_int_equal(t.calls, 1);
   unsigned char big[KVF_ENGINE_MAX_TRAILER + 1] = {0};
-  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, big, sizeof big), KVF_EINVAL);
+  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, big, sizeof big),
+                   KVF_EINVAL);
   kvf_engine_destroy(a);
   kvf_engine_destroy(b);
   free(src);

@@ -24,10 +24,10 @@
 #include "engine/tcp_proto.h"
 #include "kvferry.h"
 
-#define FLOOD 300          /* hostile connections, over the default max_inbound_conns (256) */
+#define FLOOD 300 /* hostile connections, over the default max_inbound_conns (256) */
 #define HELLO_DEADLINE_S (TCP_HELLO_DEADLINE_MS / 1000)
 #define CHUNK_TIMEOUT_MS 2000
-#define PROMPT_S 1.0       /* "promptly": far below any deadline in play */
+#define PROMPT_S 1.0 /* "promptly": far below any deadline in play */
 
 static double now_s(void) {
   struct timespec ts;
@@ -154,7 +154,7 @@ static void trickled_hellos_cannot_hold_slots(void **state) {
   assert_int_equal(f.opened, FLOOD);
   printf("trickled hellos: %d of %d cut, longest held %.2f s (hello deadline %d s)\n", f.closed, FLOOD, f.longest,
          HELLO_DEADLINE_S);
-  assert_int_equal(f.closed, FLOOD); /* every trickler cut ... */
+  assert_int_equal(f.closed, FLOOD);               /* every trickler cut ... */
   assert_true(f.longest < HELLO_DEADLINE_S + 1.5); /* ... by the hello deadline, bytes or not */
   kvf_engine_stats st;
   kvf_engine_get_stats(target, &st);
@@ -186,7 +186,8 @@ static void idle_connections_evicted_for_writers(void **state) {
     if (st.conns_evicted >= FLOOD - (uint64_t)slots) break;
     usleep(100000);
   }
-  for (int i = 1; i <= 3; i++) assert_int_equal(legit_write(target, buf + 64 * i, (unsigned char)(10 + i), NULL), 0);
+  for (int i = 1; i <= 3; i++)
+    assert_int_equal(legit_write(target, buf + 64 * i, (unsigned char)(10 + i), NULL), 0);
   pthread_join(th, NULL);
   kvf_engine_get_stats(target, &st);
   /* The flood's excess, then one more for the first writer (later ones reuse
@@ -244,8 +245,11 @@ static void slow_payload_stalls_nobody(void **state) {
   size_t len = 1u << 20;
   unsigned char *a = calloc(1, len), *b = calloc(1, len);
   assert_int_equal(kvf_engine_register(target, a, len), 0);
-  trickler t = {.port = kvf_engine_port(target), .dst = (uint64_t)(uintptr_t)a, .len = 65536,
-                .period_s = 0.05, .run_s = 2.0 * CHUNK_TIMEOUT_MS / 1000 + 2};
+  trickler t = {.port = kvf_engine_port(target),
+                .dst = (uint64_t)(uintptr_t)a,
+                .len = 65536,
+                .period_s = 0.05,
+                .run_s = 2.0 * CHUNK_TIMEOUT_MS / 1000 + 2};
   pthread_t th;
   pthread_create(&th, NULL, trickler_main, &t);
   usleep(300000); /* the payload is trickling */
@@ -259,7 +263,8 @@ static void slow_payload_stalls_nobody(void **state) {
   assert_true(write_s < PROMPT_S);
   assert_int_equal(kvf_engine_unregister(target, b), 0);
   pthread_join(th, NULL);
-  printf("slow payload: register %.1f ms, other peer's write %.1f ms, trickler cut after %.2f s (deadline %.1f s)\n",
+  printf("slow payload: register %.1f ms, other peer's write %.1f ms, trickler cut after %.2f s (deadline %.1f "
+         "s)\n",
          reg_s * 1e3, write_s * 1e3, t.cut_after, CHUNK_TIMEOUT_MS / 1000.0);
   assert_true(t.cut_after > CHUNK_TIMEOUT_MS / 1000.0 - 0.5);
   assert_true(t.cut_after < CHUNK_TIMEOUT_MS / 1000.0 + 1.0);
@@ -280,7 +285,10 @@ static void unregister_cuts_a_slow_write(void **state) {
   size_t len = 65536;
   unsigned char *c = calloc(1, len), snap[64];
   assert_int_equal(kvf_engine_register(target, c, len), 0);
-  trickler t = {.port = kvf_engine_port(target), .dst = (uint64_t)(uintptr_t)c, .len = len, .period_s = 0.02,
+  trickler t = {.port = kvf_engine_port(target),
+                .dst = (uint64_t)(uintptr_t)c,
+                .len = len,
+                .period_s = 0.02,
                 .run_s = 1.5};
   pthread_t th;
   pthread_create(&th, NULL, trickler_main, &t);

@@ -85,14 +85,14 @@ static void valid_stream_accepted(void **state) {
     if (n != sizeof(tcp_hello) + 2) assert_int_equal(kvf__tcp_frame_parse(s.b, n, *state, &info), TCP_FRAME_SHORT);
 }
 
-#define REJECTS(name, mutate, verdict)                            \
-  static void name(void **state) {                                \
-    frame f = valid();                                            \
-    mutate;                                                       \
-    tcp_frame_info info;                                          \
-    assert_int_equal(parse(state, &f, &info), verdict);           \
-    assert_int_equal(info.chunks, 0);                             \
-    assert_true(kvf__tcp_frame_fatal(verdict));                   \
+#define REJECTS(name, mutate, verdict)                             \
+  static void name(void **state) {                                 \
+    frame f = valid();                                             \
+    mutate;                                                        \
+    tcp_frame_info info;                                           \
+    assert_int_equal(parse(state, &f, &info), verdict);            \
+    assert_int_equal(info.chunks, 0);                              \
+    assert_true(kvf__tcp_frame_fatal(verdict));                    \
     assert_string_not_equal(kvf__tcp_frame_reason(verdict), "ok"); \
   }
 
@@ -111,12 +111,12 @@ REJECTS(total_mismatch, f.hdr.total_bytes += 1, TCP_FRAME_TOTAL_MISMATCH)
  * the stream goes on. One case per way a destination can miss. */
 static void out_of_range_refused_stream_continues(void **state) {
   tcp_desc bad[] = {
-      {REGION_BASE - 1, 16, 1, 0},                          /* starts before the region */
-      {REGION_BASE + REGION_LEN - 8, 16, 1, 0},             /* runs past its end */
-      {REGION_BASE, 8, 3, REGION_LEN / 2},                  /* a strided piece past its end */
-      {REGION_BASE, 8, 3, UINT64_MAX / 2},                  /* the last piece's address overflows */
-      {UINT64_MAX - 4, 16, 1, 0},                           /* address wraps */
-      {0x10, 16, 1, 0},                                     /* nowhere near */
+      {REGION_BASE - 1, 16, 1, 0},              /* starts before the region */
+      {REGION_BASE + REGION_LEN - 8, 16, 1, 0}, /* runs past its end */
+      {REGION_BASE, 8, 3, REGION_LEN / 2},      /* a strided piece past its end */
+      {REGION_BASE, 8, 3, UINT64_MAX / 2},      /* the last piece's address overflows */
+      {UINT64_MAX - 4, 16, 1, 0},               /* address wraps */
+      {0x10, 16, 1, 0},                         /* nowhere near */
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     frame f = valid();

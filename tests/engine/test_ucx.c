@@ -27,12 +27,12 @@
 
 static int have_ucx(void) { return strstr(kvf_engine_transports(), "ucx") != NULL; }
 
-#define SKIP_WITHOUT_UCX()                                                         \
-  do {                                                                             \
-    if (!have_ucx()) {                                                             \
+#define SKIP_WITHOUT_UCX()                                                                            \
+  do {                                                                                                \
+    if (!have_ucx()) {                                                                                \
       printf("SKIP: this kvferry was built without UCX (transports: %s)\n", kvf_engine_transports()); \
-      skip();                                                                      \
-    }                                                                              \
+      skip();                                                                                         \
+    }                                                                                                 \
   } while (0)
 
 static kvf_engine *make_engine(const char *transport, int timeout_ms) {
@@ -68,8 +68,12 @@ static void write_and_verify(kvf_engine *e, engine_peer *peer, unsigned char *po
     off += snprintf(line + off, sizeof line - (size_t)off, ",%llu:%llu", (unsigned long long)d,
                     (unsigned long long)(9000 + d));
   }
-  w[N] = (kvf_write){.src = (uint64_t)(uintptr_t)(pool + 1000 * PAGE), .dst = peer->base + 2000 * PAGE,
-                     .len = PAGE, .count = S, .src_stride = 2 * PAGE, .dst_stride = 3 * PAGE};
+  w[N] = (kvf_write){.src = (uint64_t)(uintptr_t)(pool + 1000 * PAGE),
+                     .dst = peer->base + 2000 * PAGE,
+                     .len = PAGE,
+                     .count = S,
+                     .src_stride = 2 * PAGE,
+                     .dst_stride = 3 * PAGE};
   assert_int_equal(kvf_engine_write(e, peer->session, w, N + 1), 0);
   char reply[64], want[32];
   assert_int_equal(proc_ask(&peer->p, line, reply, sizeof reply, 20000), 0);
@@ -304,12 +308,9 @@ static void gpu_memory_moves(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(plain_and_strided_land_exact),
-      cmocka_unit_test(allocated_pools_land_exact),
-      cmocka_unit_test(explicit_ucx_never_falls_back),
-      cmocka_unit_test(other_host_without_rdma),
-      cmocka_unit_test(unregister_during_traffic_is_safe),
-      cmocka_unit_test(gpu_memory_moves),
+      cmocka_unit_test(plain_and_strided_land_exact),      cmocka_unit_test(allocated_pools_land_exact),
+      cmocka_unit_test(explicit_ucx_never_falls_back),     cmocka_unit_test(other_host_without_rdma),
+      cmocka_unit_test(unregister_during_traffic_is_safe), cmocka_unit_test(gpu_memory_moves),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -5,10 +5,9 @@
 #include "fuzz_msg_frames.h"
 
 static int m1_equal(const wire_m1 *a, const wire_m1 *b) {
-  return !strcmp(a->endpoint, b->endpoint) && a->dst_port == b->dst_port &&
-         !strcmp(a->session, b->session) && a->session_port == b->session_port &&
-         fuzz_array_eq(a->kv_ptrs, b->kv_ptrs, 8) && fuzz_array_eq(a->aux_ptrs, b->aux_ptrs, 8) &&
-         fuzz_array_eq(a->state_ptrs, b->state_ptrs, 8) &&
+  return !strcmp(a->endpoint, b->endpoint) && a->dst_port == b->dst_port && !strcmp(a->session, b->session) &&
+         a->session_port == b->session_port && fuzz_array_eq(a->kv_ptrs, b->kv_ptrs, 8) &&
+         fuzz_array_eq(a->aux_ptrs, b->aux_ptrs, 8) && fuzz_array_eq(a->state_ptrs, b->state_ptrs, 8) &&
          a->decode_prefix_len == b->decode_prefix_len;
 }
 

@@ -5,12 +5,11 @@
 #include "fuzz_msg_frames.h"
 
 static int frag_equal(const wire_fragment *a, const wire_fragment *b) {
-  return a->buffer_index == b->buffer_index && a->buffer_kind == b->buffer_kind &&
-         a->src_rank == b->src_rank && a->dst_rank == b->dst_rank &&
-         a->src_page_stride_bytes == b->src_page_stride_bytes &&
-         a->dst_page_stride_bytes == b->dst_page_stride_bytes &&
-         a->src_byte_offset == b->src_byte_offset && a->dst_byte_offset == b->dst_byte_offset &&
-         a->bytes_per_page == b->bytes_per_page && a->page_count == b->page_count;
+  return a->buffer_index == b->buffer_index && a->buffer_kind == b->buffer_kind && a->src_rank == b->src_rank &&
+         a->dst_rank == b->dst_rank && a->src_page_stride_bytes == b->src_page_stride_bytes &&
+         a->dst_page_stride_bytes == b->dst_page_stride_bytes && a->src_byte_offset == b->src_byte_offset &&
+         a->dst_byte_offset == b->dst_byte_offset && a->bytes_per_page == b->bytes_per_page &&
+         a->page_count == b->page_count;
 }
 
 static int m2_equal(const wire_m2 *a, const wire_m2 *b) {
@@ -18,10 +17,8 @@ static int m2_equal(const wire_m2 *a, const wire_m2 *b) {
       strcmp(a->session, b->session) || a->session_port != b->session_port ||
       a->required_dst_info_num != b->required_dst_info_num || a->is_dummy != b->is_dummy ||
       !fuzz_array_eq(a->kv_indices, b->kv_indices, 8) || a->dst_aux_index != b->dst_aux_index ||
-      a->decode_prefix_len != b->decode_prefix_len ||
-      a->indices_are_local != b->indices_are_local ||
-      !fuzz_array_eq(a->page_mask, b->page_mask, 1) ||
-      !fuzz_array_eq(a->local_indices, b->local_indices, 8) ||
+      a->decode_prefix_len != b->decode_prefix_len || a->indices_are_local != b->indices_are_local ||
+      !fuzz_array_eq(a->page_mask, b->page_mask, 1) || !fuzz_array_eq(a->local_indices, b->local_indices, 8) ||
       !fuzz_array_eq(a->mamba_indices, b->mamba_indices, 8) || a->nfrags != b->nfrags ||
       a->room_flags != b->room_flags || a->fence_epoch != b->fence_epoch)
     return 0;
@@ -52,10 +49,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   FUZZ_CHECK(msg.nframes == want);
   FUZZ_CHECK(kvf__wire_m2_decode(msg.frames, msg.nframes, &again, reason) == 0);
   FUZZ_CHECK(m2_equal(&m, &again));
-  if (m.is_dummy)
-    FUZZ_CHECK(fuzz_frames_eq(ff.f, msg.frames, 0, 7));
-  else if (ff.n == 12 || (ff.n == 14 && m.nfrags))
-    FUZZ_CHECK(fuzz_frames_eq(ff.f, msg.frames, 0, 12));
+  if (m.is_dummy) FUZZ_CHECK(fuzz_frames_eq(ff.f, msg.frames, 0, 7));
+  else if (ff.n == 12 || (ff.n == 14 && m.nfrags)) FUZZ_CHECK(fuzz_frames_eq(ff.f, msg.frames, 0, 12));
   FUZZ_CHECK(kvf__wire_m2_dup(&m, &copy) == 0);
   FUZZ_CHECK(m2_equal(&m, copy));
   free(copy);

@@ -46,12 +46,12 @@ static inline void fuzz_release(fuzz_frames *ff) {
   for (size_t i = 0; i < ff->n; i++) free(ff->buf[i]);
 }
 
-#define FUZZ_CHECK(cond)                                                      \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
+#define FUZZ_CHECK(cond)                                                          \
+  do {                                                                            \
+    if (!(cond)) {                                                                \
       fprintf(stderr, "oracle failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-      abort();                                                                \
-    }                                                                         \
+      abort();                                                                    \
+    }                                                                             \
   } while (0)
 
 static inline int fuzz_array_eq(wire_array a, wire_array b, size_t elem) {

@@ -28,7 +28,6 @@
 #include "wire/messages.h"
 #include "wire/route_json.h"
 
-
 #define NPAGES 16
 #define ITEM 64
 
@@ -98,10 +97,12 @@ static void register_rank_at(fixture *f, int world, int dp, int rank, uint16_t p
   kvf__bootstrap_client_destroy(c);
 }
 
-static void register_rank(fixture *f, int world, int dp, int rank) { register_rank_at(f, world, dp, rank, f->pull_port); }
+static void register_rank(fixture *f, int world, int dp, int rank) {
+  register_rank_at(f, world, dp, rank, f->pull_port);
+}
 
-static int g_mla; /* next manager: MLA (one buffer, legacy MLA routing) */
-static int g_page_size = 1; /* next manager's tokens per page */
+static int g_mla;              /* next manager: MLA (one buffer, legacy MLA routing) */
+static int g_page_size = 1;    /* next manager's tokens per page */
 static size_t g_target_layers; /* next manager: >0 = one buffer per layer, layers >= this are draft */
 
 static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) {
@@ -196,13 +197,15 @@ static void raw_free(raw_msg *r) {
 }
 
 static void send_frames(void *sock, const char *const *frames, const size_t *lens, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    assert_true(zmq_send(sock, frames[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
+  for (size_t i = 0; i < n; i++) assert_true(zmq_send(sock, frames[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
 }
 
 static void send_m3(fixture *f, int64_t room, int status, int rank, int64_t token, const int32_t *cands,
                     size_t ncand) {
-  wire_m3 m3 = {.room = room, .status = status, .prefill_rank = rank, .bootstrap_token = token,
+  wire_m3 m3 = {.room = room,
+                .status = status,
+                .prefill_rank = rank,
+                .bootstrap_token = token,
                 .candidates = wire_array_of(cands, ncand)};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
@@ -243,7 +246,9 @@ static uint64_t wait_counter(fixture *f, size_t offset, uint64_t want, double li
  * trailer (packed as a kvferry prefill packs it; `garble` breaks it). */
 static int write_with_completion(fixture *f, kvf_engine *eng, const uint8_t *src, int64_t page, int64_t room,
                                  int64_t token, int garble) {
-  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)(f->kbuf + page * ITEM), .len = ITEM};
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src,
+                 .dst = (uint64_t)(uintptr_t)(f->kbuf + page * ITEM),
+                 .len = ITEM};
   wire_m3 m3 = {.room = room, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = token};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
@@ -563,8 +568,10 @@ static void heartbeat_node_failure(void **state) {
   assert_true(secs_since(t0) < 0.3 * 2 + 2);
   char reason[256], want[256];
   kvf_receiver_failure(r, reason, sizeof reason);
-  snprintf(want, sizeof want, "Losing connection with prefill instance (bootstrap_addr: %s): prefill rank 0 at "
-           "127.0.0.1:%u does not answer", f->addr, (unsigned)f->pull_port);
+  snprintf(want, sizeof want,
+           "Losing connection with prefill instance (bootstrap_addr: %s): prefill rank 0 at "
+           "127.0.0.1:%u does not answer",
+           f->addr, (unsigned)f->pull_port);
   assert_memory_equal(reason, want, strlen(want));
   /* The Success room keeps its result. */
   assert_int_equal(kvf_receiver_poll(done), KVF_POLL_SUCCESS);
@@ -649,7 +656,8 @@ static void send_m3_mac(fixture *f, int64_t room, const unsigned char *mac) {
   char why[WIRE_REASON_LEN];
   assert_int_equal(kvf__wire_m3_encode(&m3, &msg, why), 0);
   for (size_t i = 0; i < msg.nframes; i++)
-    assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes || mac ? ZMQ_SNDMORE : 0) >= 0);
+    assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len,
+                         i + 1 < msg.nframes || mac ? ZMQ_SNDMORE : 0) >= 0);
   if (mac) assert_true(zmq_send(f->push, mac, MANAGER_MAC_LEN, 0) >= 0);
   kvf__wire_msg_free(&msg);
 }

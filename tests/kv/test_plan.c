@@ -16,10 +16,8 @@
 
 /* ---- Appendix A fixtures ---- */
 
-static const uint64_t A_PBASE[4] = {0x7e1000000000ULL, 0x7e1040000000ULL, 0x7e1080000000ULL,
-                                    0x7e10c0000000ULL};
-static const uint64_t A_DBASE[4] = {0x7f3a00000000ULL, 0x7f3a40000000ULL, 0x7f3a80000000ULL,
-                                    0x7f3ac0000000ULL};
+static const uint64_t A_PBASE[4] = {0x7e1000000000ULL, 0x7e1040000000ULL, 0x7e1080000000ULL, 0x7e10c0000000ULL};
+static const uint64_t A_DBASE[4] = {0x7f3a00000000ULL, 0x7f3a40000000ULL, 0x7f3a80000000ULL, 0x7f3ac0000000ULL};
 static const uint64_t A_ITEM[4] = {8192, 8192, 8192, 8192};
 
 static void runs_appendix_a(void **state) {
@@ -143,15 +141,13 @@ static void plain_writes_bounds(void **state) {
   assert_int_equal(kvf__plan_plain_writes(&lay, 1, 3, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_EINVAL);
   assert_int_equal(kvf__plan_plain_count(&lay, 2, 1, nruns), 0);
   plan_mem short_dm = {.base = A_DBASE, .nbufs = 3};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &short_dm, A_ITEM, w, 8, &n),
-                   KVF_EINVAL);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &short_dm, A_ITEM, w, 8, &n), KVF_EINVAL);
   /* Negative or overflowing pages in hand-made runs. */
   plan_run bad = {.src = -1, .dst = 0, .len = 1};
   assert_int_equal(kvf__plan_plain_writes(&lay, 0, 1, &bad, 1, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
   plan_run huge = {.src = INT64_MAX / 2, .dst = 0, .len = 1};
   plan_mem nolen = {.base = A_PBASE, .nbufs = 4};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 1, &huge, 1, &nolen, &nolen, A_ITEM, w, 8, &n),
-                   KVF_ERANGE);
+  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 1, &huge, 1, &nolen, &nolen, A_ITEM, w, 8, &n), KVF_ERANGE);
 }
 
 /* ---- Route planner ---- */
@@ -175,9 +171,8 @@ static plan_route_params params(int td, int d, int tp, const plan_layout *lay, c
   return p;
 }
 
-static void check_frag(const plan_fragment *f, uint32_t buf, plan_kind kind, int src_rank,
-                       int dst_rank, uint64_t ss, uint64_t ds, uint64_t so, uint64_t dof,
-                       uint64_t bytes) {
+static void check_frag(const plan_fragment *f, uint32_t buf, plan_kind kind, int src_rank, int dst_rank,
+                       uint64_t ss, uint64_t ds, uint64_t so, uint64_t dof, uint64_t bytes) {
   assert_int_equal(f->buffer_index, buf);
   assert_int_equal(f->kind, kind);
   assert_int_equal(f->src_rank, src_rank);
@@ -242,8 +237,7 @@ static void route_prefill_wider(void **state) {
       assert_int_equal(tg->nfrags, 2);
       /* One fragment per KV buffer, in pair order K0 then V0. */
       check_frag(&r.frags[tg->frag_start], 0, PLAN_TARGET_K, 2 * d + t, d, 512, 1024, 0, 512 * t, 512);
-      check_frag(&r.frags[tg->frag_start + 1], 1, PLAN_TARGET_V, 2 * d + t, d, 512, 1024, 0, 512 * t,
-                 512);
+      check_frag(&r.frags[tg->frag_start + 1], 1, PLAN_TARGET_V, 2 * d + t, d, 512, 1024, 0, 512 * t, 512);
     }
     assert_int_equal(r.nfrags, 4);
     kvf__plan_route_free(&r);
@@ -294,8 +288,7 @@ static void route_gqa_replicas(void **state) {
   assert_int_equal(r.targets[1].rank, 2);
   assert_int_equal(r.required_prefill_response_num, 2);
   check_frag(&r.frags[r.targets[0].frag_start], 0, PLAN_TARGET_K, 0, 0, 16384, 32768, 0, 0, 16384);
-  check_frag(&r.frags[r.targets[1].frag_start], 0, PLAN_TARGET_K, 2, 0, 16384, 32768, 0, 16384,
-             16384);
+  check_frag(&r.frags[r.targets[1].frag_start], 0, PLAN_TARGET_K, 2, 0, 16384, 32768, 0, 16384, 16384);
   int want[4] = {1, 0, 1, 0};
   for (int q = 0; q < 4; q++) assert_int_equal(r.fanout[q], want[q]);
   assert_int_equal(r.targets[0].required_dst_info_num, 1);
@@ -604,8 +597,12 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   assert_int_equal(nruns, 2);
   kvf_write w[8];
   /* Whole pages on both sides (replicated): one plain block per run. */
-  plan_fragment whole = {.buffer_index = 0, .kind = PLAN_TARGET_K, .src_page_stride = 1152,
-                         .dst_page_stride = 1152, .bytes_per_page = 1152, .page_count = -1};
+  plan_fragment whole = {.buffer_index = 0,
+                         .kind = PLAN_TARGET_K,
+                         .src_page_stride = 1152,
+                         .dst_page_stride = 1152,
+                         .bytes_per_page = 1152,
+                         .page_count = -1};
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_true(w[0].count <= 1);
@@ -628,16 +625,13 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   /* A fragment that would spill into the next page, or is empty. */
   plan_fragment spill = whole;
   spill.dst_byte_offset = 1;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &spill, 1, 0, runs, nruns, &pm, &dm, w, 8, &n),
-                   KVF_ERANGE);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &spill, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
   plan_fragment empty = whole;
   empty.bytes_per_page = 0;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &empty, 1, 0, runs, nruns, &pm, &dm, w, 8, &n),
-                   KVF_ERANGE);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &empty, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
   plan_fragment wrap = whole;
   wrap.src_byte_offset = UINT64_MAX - 10;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &wrap, 1, 0, runs, nruns, &pm, &dm, w, 8, &n),
-                   KVF_ERANGE);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &wrap, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
   /* Fragments for buffers not in the layer are ignored; a layer buffer
    * past the decode's registered count is refused. */
   plan_fragment other = whole;
@@ -645,8 +639,7 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &other, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 0);
   plan_mem none = {.base = dbase, .nbufs = 0};
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &none, w, 8, &n),
-                   KVF_EINVAL);
+  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &none, w, 8, &n), KVF_EINVAL);
   /* State mode uses mamba_state fragments only. */
   plan_fragment st = whole;
   st.kind = PLAN_MAMBA_STATE;
@@ -666,26 +659,62 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
  * targets 0 and 1. Case B: decode TP 2 rank 1 (item 512) from prefill TP 1
  * (item 1024). */
 static const char *const DRAFT_JSON_A0 =
-    "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":2,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":1,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":3,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":4,\"buffer_kind\":\"draft_k\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":5,\"buffer_kind\":\"draft_v\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null}]";
+    "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":"
+    "512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":2,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":1,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":3,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":4,\"buffer_kind\":\"draft_k\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":5,\"buffer_kind\":\"draft_v\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_"
+    "count\":null}]";
 static const char *const DRAFT_JSON_A1 =
-    "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":2,\"buffer_kind\":\"target_v\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":1,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":3,\"buffer_kind\":\"target_v\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":4,\"buffer_kind\":\"draft_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":5,\"buffer_kind\":\"draft_v\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null}]";
+    "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":"
+    "512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,"
+    "\"page_count\":null},"
+    "{\"buffer_index\":2,\"buffer_kind\":\"target_v\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":1,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":3,\"buffer_kind\":\"target_v\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":4,\"buffer_kind\":\"draft_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":5,\"buffer_kind\":\"draft_v\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,"
+    "\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_"
+    "count\":null}]";
 static const char *const DRAFT_JSON_B0 =
-    "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":2,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":1,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":3,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":4,\"buffer_kind\":\"draft_k\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
-    "{\"buffer_index\":5,\"buffer_kind\":\"draft_v\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null}]";
+    "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":"
+    "1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,"
+    "\"page_count\":null},"
+    "{\"buffer_index\":2,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":"
+    "1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,"
+    "\"page_count\":null},"
+    "{\"buffer_index\":1,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":"
+    "1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,"
+    "\"page_count\":null},"
+    "{\"buffer_index\":3,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":"
+    "1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,"
+    "\"page_count\":null},"
+    "{\"buffer_index\":4,\"buffer_kind\":\"draft_k\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,"
+    "\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_"
+    "count\":null},"
+    "{\"buffer_index\":5,\"buffer_kind\":\"draft_v\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,"
+    "\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_"
+    "count\":null}]";
 
 /* The decode's conversion of one target's plan fragments into frame 13. */
 static char *target_json(const plan_route *r, int t) {
@@ -694,13 +723,16 @@ static char *target_json(const plan_route *r, int t) {
   assert_true(pt->nfrags <= 8);
   for (size_t i = 0; i < pt->nfrags; i++) {
     const plan_fragment *f = &r->frags[pt->frag_start + i];
-    w[i] = (wire_fragment){.buffer_index = f->buffer_index, .buffer_kind = (int32_t)f->kind,
-                           .src_rank = f->src_rank, .dst_rank = f->dst_rank,
+    w[i] = (wire_fragment){.buffer_index = f->buffer_index,
+                           .buffer_kind = (int32_t)f->kind,
+                           .src_rank = f->src_rank,
+                           .dst_rank = f->dst_rank,
                            .src_page_stride_bytes = (int64_t)f->src_page_stride,
                            .dst_page_stride_bytes = (int64_t)f->dst_page_stride,
                            .src_byte_offset = (int64_t)f->src_byte_offset,
                            .dst_byte_offset = (int64_t)f->dst_byte_offset,
-                           .bytes_per_page = (int64_t)f->bytes_per_page, .page_count = f->page_count};
+                           .bytes_per_page = (int64_t)f->bytes_per_page,
+                           .page_count = f->page_count};
   }
   char *json = NULL, reason[128] = "";
   size_t len = 0;
@@ -773,8 +805,8 @@ static void session_port_and_queue_shard(void **state) {
   assert_int_equal(port, 15001);
   assert_int_equal(kvf__plan_session_port("[::1]:80", &port), 0);
   assert_int_equal(port, 80);
-  static const char *bad[] = {"", "10.0.0.2", ":1", "a:", "a:b", "a:1:2", "a:65536", "a:0",
-                              "a:+1", "a: 1", "a:1 ", "a:-1", "[]:80", "[::1]80", "[::1", "a:123456"};
+  static const char *bad[] = {"",     "10.0.0.2", ":1",   "a:",   "a:b",   "a:1:2",   "a:65536", "a:0",
+                              "a:+1", "a: 1",     "a:1 ", "a:-1", "[]:80", "[::1]80", "[::1",    "a:123456"};
   port = 7;
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
     assert_int_equal(kvf__plan_session_port(bad[i], &port), KVF_EINVAL);

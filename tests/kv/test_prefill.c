@@ -28,12 +28,11 @@
 #include "kvferry/kv.h"
 #include "wire/messages.h"
 
-
 #define NKV_MAX 4 /* up to two MHA layers: K0 K1 V0 V1 */
 #define NKV g_nkv /* KV buffers of this test: 2 (one layer) unless a test sets 4 */
 #define NPAGES 32
 #define ITEM 64
-#define NSTATE_MAX 2    /* state buffers: one per layer of a 2-layer hybrid model */
+#define NSTATE_MAX 2 /* state buffers: one per layer of a 2-layer hybrid model */
 #define STATE_SLOTS 4
 #define STATE_ITEM 48
 
@@ -252,8 +251,8 @@ static int send_chunk(kvf_sender *s, const int64_t *pages, size_t npages, int is
 }
 
 static int send_layers(kvf_sender *s, const int64_t *pages, size_t npages, size_t index_begin, size_t layer_begin,
-                       size_t layer_end, int is_last, int64_t aux, int64_t token, const int32_t *cands, size_t ncand,
-                       const int64_t *states, size_t nstate) {
+                       size_t layer_end, int is_last, int64_t aux, int64_t token, const int32_t *cands,
+                       size_t ncand, const int64_t *states, size_t nstate) {
   kvf_send_params p;
   kvf_send_params_init(&p);
   p.flags = KVF_SEND_LAYERS;
@@ -376,10 +375,16 @@ static void token_major_slices(void **state) {
     send_m1(&f);
     wire_fragment fr[2];
     for (int b = 0; b < 2; b++)
-      fr[b] = (wire_fragment){.buffer_index = b, .buffer_kind = b ? WIRE_KIND_TARGET_V : WIRE_KIND_TARGET_K,
-                              .src_rank = 0, .dst_rank = 0, .src_page_stride_bytes = ITEM,
-                              .dst_page_stride_bytes = 2 * ITEM, .src_byte_offset = 0, .dst_byte_offset = ITEM / 2,
-                              .bytes_per_page = ITEM, .page_count = -1};
+      fr[b] = (wire_fragment){.buffer_index = b,
+                              .buffer_kind = b ? WIRE_KIND_TARGET_V : WIRE_KIND_TARGET_K,
+                              .src_rank = 0,
+                              .dst_rank = 0,
+                              .src_page_stride_bytes = ITEM,
+                              .dst_page_stride_bytes = 2 * ITEM,
+                              .src_byte_offset = 0,
+                              .dst_byte_offset = ITEM / 2,
+                              .bytes_per_page = ITEM,
+                              .page_count = -1};
     fr[0].bytes_per_page = fr[1].bytes_per_page = ITEM; /* whole source page into half a decode page */
     fr[0].dst_byte_offset = fr[1].dst_byte_offset = ITEM;
     int64_t src[] = {3, 4, 9}, dst[] = {1, 2, 5};
@@ -423,7 +428,8 @@ static void token_major_slices(void **state) {
       for (int b = 0; b < NKV; b++)
         for (int k = 0; k < 3; k++)
           for (int t = 0; t < 4; t++)
-            assert_memory_equal(f.dbuf[b] + dst[k] * 2 * ITEM + t * 32 + 16, f.pbuf[b] + src[k] * ITEM + t * 16, 16);
+            assert_memory_equal(f.dbuf[b] + dst[k] * 2 * ITEM + t * 32 + 16, f.pbuf[b] + src[k] * ITEM + t * 16,
+                                16);
     }
     kvf_sender_destroy(s);
     fx_teardown(&f);
@@ -609,11 +615,16 @@ static void malformed_and_unregistered(void **state) {
   fixture f;
   fx_setup(&f, "");
   /* M1 with a non-numeric port, M2 with a short index frame, a lone frame */
-  wire_frame bad1[] = {{(const uint8_t *)"None", 4}, {(const uint8_t *)"127.0.0.1", 9}, {(const uint8_t *)"x", 1},
-                       {(const uint8_t *)"1.2.3.4:5", 9}, {NULL, 0}, {NULL, 0}};
+  wire_frame bad1[] = {{(const uint8_t *)"None", 4},
+                       {(const uint8_t *)"127.0.0.1", 9},
+                       {(const uint8_t *)"x", 1},
+                       {(const uint8_t *)"1.2.3.4:5", 9},
+                       {NULL, 0},
+                       {NULL, 0}};
   send_frames(&f, bad1, 6);
-  wire_frame bad2[] = {{(const uint8_t *)"3", 1}, {(const uint8_t *)"127.0.0.1", 9}, {(const uint8_t *)"9", 1},
-                       {(const uint8_t *)"1.2.3.4:5", 9}, {(const uint8_t *)"abc", 3}, {(const uint8_t *)"0", 1},
+  wire_frame bad2[] = {{(const uint8_t *)"3", 1},   {(const uint8_t *)"127.0.0.1", 9},
+                       {(const uint8_t *)"9", 1},   {(const uint8_t *)"1.2.3.4:5", 9},
+                       {(const uint8_t *)"abc", 3}, {(const uint8_t *)"0", 1},
                        {(const uint8_t *)"1", 1}};
   send_frames(&f, bad2, 7);
   wire_frame bad3[] = {{(const uint8_t *)"junk", 4}};
@@ -889,9 +900,8 @@ static void layerwise_windows(void **state) {
   for (int c = 0; c < 3; c++)
     for (size_t l = 0; l < 2; l++) {
       int last = c == 2 && l == 1;
-      assert_int_equal(send_layers(s, occupied + win[c].start, win[c].end - win[c].start,
-                                              win[c].start - pp, l, l + 1, last, last ? 0 : -1, last ? 5 : -1,
-                                              NULL, 0, NULL, 0),
+      assert_int_equal(send_layers(s, occupied + win[c].start, win[c].end - win[c].start, win[c].start - pp, l,
+                                   l + 1, last, last ? 0 : -1, last ? 5 : -1, NULL, 0, NULL, 0),
                        0);
     }
   assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);

@@ -323,10 +323,10 @@ static void fail_matching_and_foreach(void **state) {
   assert_int_equal(kvf__rooms_update(t, 0, ROOM_SUCCESS, NULL), 0);
   assert_int_equal(kvf__rooms_set_init_time(t, 1, 12345), 0);
   size_t n = 0;
-  assert_int_equal(kvf__rooms_fail_matching(t, is_tagged, &tag_a,
-                                       "Losing connection with prefill instance (bootstrap_addr: 10.0.0.1:8998)",
-                                       &n),
-                   0);
+  assert_int_equal(
+      kvf__rooms_fail_matching(t, is_tagged, &tag_a,
+                               "Losing connection with prefill instance (bootstrap_addr: 10.0.0.1:8998)", &n),
+      0);
   assert_int_equal(n, 3);
   assert_int_equal(status_of(t, 0), ROOM_SUCCESS);
   assert_int_equal(status_of(t, 1), ROOM_FAILED);

@@ -15,35 +15,34 @@
 #include "wire/messages.h"
 
 #define S(lit) (const uint8_t *)(lit), (sizeof(lit) - 1)
-#define FR(lit) {(const uint8_t *)(lit), sizeof(lit) - 1}
-#define EMPTY {NULL, 0}
+#define FR(lit) \
+  { (const uint8_t *)(lit), sizeof(lit) - 1 }
+#define EMPTY \
+  { NULL, 0 }
 #define NFR(a) (sizeof(a) / sizeof((a)[0]))
 
 /* ---- Appendix A values ---- */
 
-static const uint8_t a3_kv_bytes[32] = {
-    0x00, 0x00, 0x00, 0x00, 0x3a, 0x7f, 0x00, 0x00, 0x00, 0x00, 0x00, 0x40, 0x3a, 0x7f, 0x00, 0x00,
-    0x00, 0x00, 0x00, 0x80, 0x3a, 0x7f, 0x00, 0x00, 0x00, 0x00, 0x00, 0xc0, 0x3a, 0x7f, 0x00, 0x00};
-static const uint64_t a3_kv_ptrs[4] = {0x7f3a00000000ull, 0x7f3a40000000ull, 0x7f3a80000000ull,
-                                       0x7f3ac0000000ull};
-static const uint8_t a4_idx_bytes[24] = {7, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0,
-                                         9, 0, 0, 0, 0, 0, 0, 0};
+static const uint8_t a3_kv_bytes[32] = {0x00, 0x00, 0x00, 0x00, 0x3a, 0x7f, 0x00, 0x00, 0x00, 0x00, 0x00,
+                                        0x40, 0x3a, 0x7f, 0x00, 0x00, 0x00, 0x00, 0x00, 0x80, 0x3a, 0x7f,
+                                        0x00, 0x00, 0x00, 0x00, 0x00, 0xc0, 0x3a, 0x7f, 0x00, 0x00};
+static const uint64_t a3_kv_ptrs[4] = {0x7f3a00000000ull, 0x7f3a40000000ull, 0x7f3a80000000ull, 0x7f3ac0000000ull};
+static const uint8_t a4_idx_bytes[24] = {7, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0};
 static const int64_t a4_pages[3] = {7, 8, 9};
-static const uint8_t a6_cand_bytes[12] = {0xc6, 0x06, 0x00, 0x00, 0xa3, 0x08,
-                                          0x00, 0x00, 0x5a, 0x00, 0x00, 0x00};
+static const uint8_t a6_cand_bytes[12] = {0xc6, 0x06, 0x00, 0x00, 0xa3, 0x08, 0x00, 0x00, 0x5a, 0x00, 0x00, 0x00};
 static const int32_t a6_cands[3] = {1734, 2211, 90};
 
 static const char frag_example[] =
     "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,"
     "\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,"
     "\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null}]";
-static const wire_fragment frag_example_struct = {0, WIRE_KIND_TARGET_K, 1, 0, 512, 1024,
-                                                  0, 512, 512, -1};
+static const wire_fragment frag_example_struct = {0, WIRE_KIND_TARGET_K, 1, 0, 512, 1024, 0, 512, 512, -1};
 
 static void assert_frames_equal(const wire_msg *m, const wire_frame *want, size_t n) {
   assert_int_equal(m->nframes, n);
   for (size_t i = 0; i < n; i++) {
-    if (m->frames[i].len != want[i].len) fail_msg("frame %zu: length %zu, want %zu", i, m->frames[i].len, want[i].len);
+    if (m->frames[i].len != want[i].len)
+      fail_msg("frame %zu: length %zu, want %zu", i, m->frames[i].len, want[i].len);
     if (want[i].len) assert_memory_equal(m->frames[i].data, want[i].data, want[i].len);
   }
 }
@@ -69,9 +68,8 @@ static void assert_array_equal(wire_array a, wire_array b, size_t elem) {
 
 /* ---- golden: Appendix A.3 (M1) ---- */
 
-static const wire_frame a3_frames[8] = {FR("None"), FR("10.0.0.2"), FR("41235"),
-                                        FR("10.0.0.2:15001"), {a3_kv_bytes, 32}, EMPTY, EMPTY,
-                                        FR("0")};
+static const wire_frame a3_frames[8] = {FR("None"),        FR("10.0.0.2"), FR("41235"), FR("10.0.0.2:15001"),
+                                        {a3_kv_bytes, 32}, EMPTY,          EMPTY,       FR("0")};
 
 static void m1_golden_encode(void **state) {
   wire_m1 m;
@@ -106,8 +104,9 @@ static void m1_golden_decode(void **state) {
 /* 6- and 7-frame forms of older peers, and trailing frames ignored. */
 static void m1_frame_count_forms(void **state) {
   static const uint8_t state_bytes[8] = {1, 2, 3, 4, 5, 6, 7, 8};
-  wire_frame f[10] = {FR("None"), FR("10.0.0.2"), FR("41235"), FR("10.0.0.2:15001"),
-                      {a3_kv_bytes, 32}, EMPTY, FR("4096"), FR("x"), FR("y"), FR("z")};
+  wire_frame f[10] = {FR("None"),        FR("10.0.0.2"), FR("41235"), FR("10.0.0.2:15001"),
+                      {a3_kv_bytes, 32}, EMPTY,          FR("4096"),  FR("x"),
+                      FR("y"),           FR("z")};
   wire_m1 m;
   char reason[WIRE_REASON_LEN];
   assert_int_equal(kvf__wire_m1_decode(f, 6, &m, reason), 0);
@@ -142,9 +141,18 @@ static void m1_frame_count_forms(void **state) {
 
 /* ---- golden: Appendix A.4 (M2) and A.7 (dummy) ---- */
 
-static const wire_frame a4_frames[12] = {
-    FR("7215963401"), FR("10.0.0.2"), FR("41235"), FR("10.0.0.2:15001"), {a4_idx_bytes, 24},
-    FR("3"), FR("1"), FR("0"), FR("0"), EMPTY, EMPTY, EMPTY};
+static const wire_frame a4_frames[12] = {FR("7215963401"),
+                                         FR("10.0.0.2"),
+                                         FR("41235"),
+                                         FR("10.0.0.2:15001"),
+                                         {a4_idx_bytes, 24},
+                                         FR("3"),
+                                         FR("1"),
+                                         FR("0"),
+                                         FR("0"),
+                                         EMPTY,
+                                         EMPTY,
+                                         EMPTY};
 
 static void m2_fill_a4(wire_m2 *m) {
   memset(m, 0, sizeof *m);
@@ -192,9 +200,18 @@ static void m2_golden_decode(void **state) {
   kvf__wire_m2_free(&m);
 }
 
-static const wire_frame a7_frames[12] = {FR("7215963401"), FR("10.0.0.2"), FR("41235"),
-                                         FR("10.0.0.2:15001"), EMPTY, EMPTY, FR("1"), EMPTY,
-                                         EMPTY, EMPTY, EMPTY, EMPTY};
+static const wire_frame a7_frames[12] = {FR("7215963401"),
+                                         FR("10.0.0.2"),
+                                         FR("41235"),
+                                         FR("10.0.0.2:15001"),
+                                         EMPTY,
+                                         EMPTY,
+                                         FR("1"),
+                                         EMPTY,
+                                         EMPTY,
+                                         EMPTY,
+                                         EMPTY,
+                                         EMPTY};
 
 static void m2_dummy_golden(void **state) {
   wire_m2 m;
@@ -410,14 +427,13 @@ static void frag_parse_order_and_spacing(void **state) {
   char *json;
   size_t len;
   assert_int_equal(kvf__wire_fragments_format(f, n, &json, &len, reason), 0);
-  assert_string_equal(json,
-                      "[{\"buffer_index\":2,\"buffer_kind\":\"mamba_state\",\"src_rank\":3,"
-                      "\"dst_rank\":1,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,"
-                      "\"src_byte_offset\":0,\"dst_byte_offset\":256,\"bytes_per_page\":256,"
-                      "\"page_count\":7},{\"buffer_index\":5,\"buffer_kind\":\"draft_v\","
-                      "\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":8,"
-                      "\"dst_page_stride_bytes\":8,\"src_byte_offset\":0,\"dst_byte_offset\":0,"
-                      "\"bytes_per_page\":8,\"page_count\":null}]");
+  assert_string_equal(json, "[{\"buffer_index\":2,\"buffer_kind\":\"mamba_state\",\"src_rank\":3,"
+                            "\"dst_rank\":1,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,"
+                            "\"src_byte_offset\":0,\"dst_byte_offset\":256,\"bytes_per_page\":256,"
+                            "\"page_count\":7},{\"buffer_index\":5,\"buffer_kind\":\"draft_v\","
+                            "\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":8,"
+                            "\"dst_page_stride_bytes\":8,\"src_byte_offset\":0,\"dst_byte_offset\":0,"
+                            "\"bytes_per_page\":8,\"page_count\":null}]");
   free(json);
   free(f);
 }
@@ -453,8 +469,7 @@ static void m2_fragments_golden(void **state) {
 
 /* ---- golden: Appendix A.6 (M3) ---- */
 
-static const wire_frame a6_frames[5] = {FR("7215963401"), FR("5"), FR("0"), FR("1734"),
-                                        {a6_cand_bytes, 12}};
+static const wire_frame a6_frames[5] = {FR("7215963401"), FR("5"), FR("0"), FR("1734"), {a6_cand_bytes, 12}};
 
 static void m3_golden(void **state) {
   wire_m3 m = {7215963401, WIRE_STATUS_SUCCESS, 0, 1734, wire_array_of(a6_cands, 3), NULL, 0};
@@ -572,8 +587,8 @@ static void bad_arguments(void **state) {
 /* ---- rejection tables ---- */
 
 typedef struct bad_case {
-  size_t nframes;  /* frames to pass */
-  int i1;          /* frame to replace, -1 none */
+  size_t nframes; /* frames to pass */
+  int i1;         /* frame to replace, -1 none */
   const uint8_t *b1;
   size_t l1;
   int i2;
@@ -582,14 +597,17 @@ typedef struct bad_case {
   const char *expect; /* prefix of the reason */
 } bad_case;
 
-#define R1(n, i, lit, exp) {n, i, S(lit), -1, NULL, 0, exp}
-#define R2(n, i, lit, j, lit2, exp) {n, i, S(lit), j, S(lit2), exp}
-#define RN(n, exp) {n, -1, NULL, 0, -1, NULL, 0, exp}
+#define R1(n, i, lit, exp) \
+  { n, i, S(lit), -1, NULL, 0, exp }
+#define R2(n, i, lit, j, lit2, exp) \
+  { n, i, S(lit), j, S(lit2), exp }
+#define RN(n, exp) \
+  { n, -1, NULL, 0, -1, NULL, 0, exp }
 
 typedef int (*decode_fn)(const wire_frame *, size_t, void *, char *);
 
-static void run_bad_cases(const char *what, const wire_frame *base, size_t nbase,
-                          const bad_case *cases, size_t ncases, size_t out_size, decode_fn dec) {
+static void run_bad_cases(const char *what, const wire_frame *base, size_t nbase, const bad_case *cases,
+                          size_t ncases, size_t out_size, decode_fn dec) {
   unsigned char *out = malloc(out_size), *pristine = malloc(out_size);
   memset(pristine, 0xa5, out_size);
   for (size_t k = 0; k < ncases; k++) {
@@ -602,8 +620,7 @@ static void run_bad_cases(const char *what, const wire_frame *base, size_t nbase
     memcpy(out, pristine, out_size);
     char reason[WIRE_REASON_LEN] = "";
     int rc = dec(f, c->nframes, out, reason);
-    if (rc != KVF_EPROTO)
-      fail_msg("%s case %zu (%s): rc %d, want KVF_EPROTO", what, k, c->expect, rc);
+    if (rc != KVF_EPROTO) fail_msg("%s case %zu (%s): rc %d, want KVF_EPROTO", what, k, c->expect, rc);
     if (strncmp(reason, c->expect, strlen(c->expect)))
       fail_msg("%s case %zu: reason \"%s\", want prefix \"%s\"", what, k, reason, c->expect);
     if (memcmp(out, pristine, out_size))
@@ -659,7 +676,8 @@ static void m1_rejections(void **state) {
       R1(8, 7, "-16", "M1 frame 7 (decode_prefix_len): -16 is outside"),
       R1(7, 6, "x", "M1 frame 6 (decode_prefix_len): \"x\" is not an ascii int"),
       R1(7, 6, "00", "M1 frame 6 (decode_prefix_len)"),
-      R1(8, 7, "99999999999999999999", "M1 frame 7 (decode_prefix_len): \"99999999999999999999\" does not fit in int64"),
+      R1(8, 7, "99999999999999999999",
+         "M1 frame 7 (decode_prefix_len): \"99999999999999999999\" does not fit in int64"),
   };
   run_bad_cases("M1", a3_frames, 8, cases, NFR(cases), sizeof(wire_m1), dec_m1);
   /* Strings past 255 bytes and pointer frames past 4096 entries. */
@@ -806,7 +824,9 @@ static void m2_rejections(void **state) {
 }
 
 /* One case per fragment rule, each checked standalone and inside an M2. */
-#define FRAG_OK_TAIL "\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null"
+#define FRAG_OK_TAIL                                                                                            \
+  "\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512," \
+  "\"bytes_per_page\":512,\"page_count\":null"
 static void fragment_rejections(void **state) {
   static const struct {
     const char *json;
@@ -830,9 +850,11 @@ static void fragment_rejections(void **state) {
        "fragment 0: \"src_rank\" is not an integer"},
       {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":null," FRAG_OK_TAIL "}]",
        "fragment 0: \"dst_rank\" is not an integer"},
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_rank\":1," FRAG_OK_TAIL "}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_rank\":"
+       "1," FRAG_OK_TAIL "}]",
        "invalid JSON"}, /* duplicate key */
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"extra\":1," FRAG_OK_TAIL "}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"extra\":1," FRAG_OK_TAIL
+       "}]",
        "fragment 0: unknown key \"extra\""},
       {"[{\"buffer_index\":4096,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0," FRAG_OK_TAIL "}]",
        "fragment 0: buffer_index is outside 0..4095"},
@@ -840,21 +862,37 @@ static void fragment_rejections(void **state) {
        "fragment 0: buffer_index is outside"},
       {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":-1,\"dst_rank\":0," FRAG_OK_TAIL "}]",
        "fragment 0: src_rank/dst_rank"},
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":0,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":"
+       "0,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,"
+       "\"page_count\":null}]",
        "fragment 0: a page stride is not positive"},
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":0,\"page_count\":null}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":"
+       "512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":0,"
+       "\"page_count\":null}]",
        "fragment 0: bytes_per_page is not positive"},
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":-1,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":"
+       "512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":-1,\"dst_byte_offset\":512,\"bytes_per_page\":512,"
+       "\"page_count\":null}]",
        "fragment 0: a byte offset is negative"},
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":1,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":"
+       "512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":1,\"dst_byte_offset\":512,\"bytes_per_page\":512,"
+       "\"page_count\":null}]",
        "fragment 0: src_byte_offset + bytes_per_page exceeds src_page_stride_bytes"},
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":513,\"bytes_per_page\":512,\"page_count\":null}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":"
+       "512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":513,\"bytes_per_page\":512,"
+       "\"page_count\":null}]",
        "fragment 0: dst_byte_offset + bytes_per_page exceeds dst_page_stride_bytes"},
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":-1}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":"
+       "512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,"
+       "\"page_count\":-1}]",
        "fragment 0: page_count is negative"},
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":1.5}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":"
+       "512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,"
+       "\"page_count\":1.5}]",
        "fragment 0: \"page_count\" is not an integer"},
-      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":99999999999999999999,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null}]",
+      {"[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":"
+       "99999999999999999999,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_"
+       "per_page\":512,\"page_count\":null}]",
        "invalid JSON"}, /* integer too big for int64 */
   };
   char reason[WIRE_REASON_LEN];
@@ -885,9 +923,9 @@ static void fragment_rejections(void **state) {
     if (strncmp(reason, want, strlen(want))) fail_msg("M2 fragment case %zu: \"%s\"", k, reason);
   }
   /* Each of the ten keys is required. */
-  static const char *const keys[10] = {"buffer_index", "buffer_kind", "src_rank", "dst_rank",
-                                       "src_page_stride_bytes", "dst_page_stride_bytes",
-                                       "src_byte_offset", "dst_byte_offset", "bytes_per_page",
+  static const char *const keys[10] = {"buffer_index",    "buffer_kind",           "src_rank",
+                                       "dst_rank",        "src_page_stride_bytes", "dst_page_stride_bytes",
+                                       "src_byte_offset", "dst_byte_offset",       "bytes_per_page",
                                        "page_count"};
   for (int k = 0; k < 10; k++) {
     char json[512];
@@ -1144,7 +1182,8 @@ static void digests_and_fence_messages(void **state) {
   assert_int_equal(kvf__wire_digests_encode(&d, &msg, reason), 0);
   assert_true(kvf__wire_is_digests(msg.frames, msg.nframes));
   assert_false(kvf__wire_is_fence(msg.frames, msg.nframes));
-  assert_int_equal(kvf__wire_classify(msg.frames, msg.nframes), WIRE_MSG_M2); /* a tokenspeed prefill would reject it */
+  assert_int_equal(kvf__wire_classify(msg.frames, msg.nframes),
+                   WIRE_MSG_M2); /* a tokenspeed prefill would reject it */
   assert_int_equal(kvf__wire_digests_decode(msg.frames, msg.nframes, &back, reason), 0);
   assert_int_equal(back.room, -5);
   assert_int_equal(back.prefill_rank, 3);
