@@ -962,6 +962,27 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0
   return rc;
 }
 
+/* The decode session's registration if writes to it may go ahead (it is
+ * registered, not blocked by the failed-session TTL, with our buffer count);
+ * NULL with the reason otherwise. With ps->lock held. */
+static pf_reg *usable_reg_locked(prefill_state *ps, const char *session, int64_t now, char *why, size_t whycap) {
+  kvf_manager *m = ps->m;
+  pf_reg *reg = kvf__smap_get(&ps->regs, session);
+  if (!reg) {
+    snprintf(why, whycap, "Decode session %s is not registered", session);
+  } else if (reg->failed_ns && m->cfg.failed_session_ttl_s > 0 &&
+             now - reg->failed_ns < (int64_t)(m->cfg.failed_session_ttl_s * 1e9)) {
+    snprintf(why, whycap, "Decode instance could be dead, remote mooncake session %s is not alive", session);
+  } else if (reg->m1->kv_ptrs.count != m->bufs.n_kv) {
+    snprintf(why, whycap, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", session,
+             reg->m1->kv_ptrs.count, m->bufs.n_kv);
+  } else {
+    if (reg->failed_ns) reg->failed_ns = 0; /* the TTL passed */
+    return reg;
+  }
+  return NULL;
+}
+
 /* One chunk to one real destination (§6.3-§6.6). DEST_FAIL with a reason,
  * or DEST_XFER_FAIL when the engine refused or failed the write. */
 static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,
@@ -976,17 +997,8 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
   int ret = DEST_FAIL, xfer = 0;
 
   pthread_mutex_lock(&ps->lock);
-  pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
-  if (!reg) {
-    snprintf(why, whycap, "Decode session %s is not registered", x->session);
-  } else if (reg->failed_ns && m->cfg.failed_session_ttl_s > 0 &&
-             now - reg->failed_ns < (int64_t)(m->cfg.failed_session_ttl_s * 1e9)) {
-    snprintf(why, whycap, "Decode instance could be dead, remote mooncake session %s is not alive", x->session);
-  } else if (reg->m1->kv_ptrs.count != b->n_kv) {
-    snprintf(why, whycap, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", x->session,
-             reg->m1->kv_ptrs.count, b->n_kv);
-  } else {
-    if (reg->failed_ns) reg->failed_ns = 0; /* the TTL passed */
+  pf_reg *reg = usable_reg_locked(ps, x->session, now, why, whycap);
+  if (reg) {
     nsptr = reg->m1->state_ptrs.count;
     dptr = malloc(b->n_kv * sizeof *dptr);
     sptr = malloc((nsptr ? nsptr : 1) * sizeof *sptr);
@@ -1180,17 +1192,8 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
   sc->nw = 0;
 
   pthread_mutex_lock(&ps->lock);
-  pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
-  if (!reg) {
-    snprintf(why, whycap, "Decode session %s is not registered", x->session);
-  } else if (reg->failed_ns && m->cfg.failed_session_ttl_s > 0 &&
-             now - reg->failed_ns < (int64_t)(m->cfg.failed_session_ttl_s * 1e9)) {
-    snprintf(why, whycap, "Decode instance could be dead, remote mooncake session %s is not alive", x->session);
-  } else if (reg->m1->kv_ptrs.count != b->n_kv) {
-    snprintf(why, whycap, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", x->session,
-             reg->m1->kv_ptrs.count, b->n_kv);
-  } else {
-    if (reg->failed_ns) reg->failed_ns = 0; /* the TTL passed */
+  pf_reg *reg = usable_reg_locked(ps, x->session, now, why, whycap);
+  if (reg) {
     nsptr = reg->m1->state_ptrs.count;
     for (size_t i = 0; i < b->n_kv; i++) sc->dptr[i] = wire_u64_at(reg->m1->kv_ptrs, i);
     for (size_t i = 0; i < nsptr && i < b->n_state; i++) sc->sptr[i] = wire_u64_at(reg->m1->state_ptrs, i);
