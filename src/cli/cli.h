@@ -21,5 +21,10 @@ long long cli_now_ms(void);
 long long cli_now_ns(void);
 /* xorshift64: advances *s and returns it (s must not be 0). */
 uint64_t cli_rng_next(uint64_t *s);
+/* Print "stats <live-rooms> <received> <malformed> <unknown-room>", the sums
+ * of the n managers' kvf_manager_stats, and flush stdout (the `stats`
+ * command of kv-peer and kv-decode). Main thread. */
+struct kvf_manager;
+void cli_print_stats(struct kvf_manager **m, int n);
 
 #endif

@@ -1,10 +1,12 @@
 /* Small helpers shared by the subcommands. */
 #include <ctype.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "kvferry.h"
 
 /* "4096", "32K", "1M", "2G" (powers of 1024). */
 int cli_parse_size(const char *s, unsigned long long *out) {
@@ -45,4 +47,18 @@ uint64_t cli_rng_next(uint64_t *s) {
   *s ^= *s >> 7;
   *s ^= *s << 17;
   return *s;
+}
+
+void cli_print_stats(kvf_manager **m, int n) {
+  unsigned long long live = 0, rx = 0, bad = 0, unknown = 0;
+  for (int i = 0; i < n; i++) {
+    kvf_manager_stats st;
+    kvf_manager_get_stats(m[i], &st);
+    live += st.live_rooms;
+    rx += st.messages_received;
+    bad += st.messages_malformed;
+    unknown += st.messages_unknown_room;
+  }
+  printf("stats %llu %llu %llu %llu\n", live, rx, bad, unknown);
+  fflush(stdout);
 }

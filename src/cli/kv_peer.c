@@ -17,6 +17,10 @@
  * (GQA with fewer KV heads than ranks; MLA: --kv-heads = --heads).
  * With --mla the pools are MLA pools (kvpool_init_mla): one latent buffer per
  * layer, page_size tokens of `unit` bytes a page, the same on every rank.
+ *   stats
+ *       one line "stats <live-rooms> <received> <malformed> <unknown-room>"
+ *       summed over the ranks' kvf_manager_stats (the fault suite checks
+ *       that no room is left in the tables and that rejects are counted)
  *   quit
  * and reports each request when its senders are final:
  *   done <room> <poll-status> <last-send-ns> <reason or ->
@@ -220,6 +224,7 @@ int cli_kv_peer(int argc, char **argv) {
         unsigned long long seed;
         int chunk = 0, state = 0;
         if (!strcmp(line, "quit")) eof = 1;
+        else if (!strcmp(line, "stats")) cli_print_stats(mgr, o.world);
         else if (sscanf(line, "send %lld %lld %llu %lld %d %d", &room, &npages, &seed, &token, &chunk, &state) >= 4 &&
                  npages >= 0) {
           peer_req *r = NULL;
