@@ -59,6 +59,7 @@ typedef struct peer_opts {
   unsigned long long unit, state_item;
   const char *host;
   const char *bootstrap; /* external bootstrap server; NULL = start one here */
+  int bootstrap_port;    /* port of the one started here; 0 = any free port */
 } peer_opts;
 
 static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed,
@@ -112,13 +113,14 @@ int cli_kv_peer(int argc, char **argv) {
                                        {"layers", required_argument, 0, 'l'}, {"item", required_argument, 0, 'i'},
                                        {"pages", required_argument, 0, 'p'},  {"host", required_argument, 0, 'H'},
                                        {"bootstrap", required_argument, 0, 'b'},
+                                       {"bootstrap-port", required_argument, 0, 'B'},
                                        {"page-size", required_argument, 0, 'P'}, {"heads", required_argument, 0, 'E'},
                                        {"kv-heads", required_argument, 0, 'K'},  {"unit", required_argument, 0, 'U'},
                                        {"state", required_argument, 0, 'S'},     {"state-item", required_argument, 0, 'T'},
                                        {"mla", no_argument, 0, 'M'},
                                        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:P:E:K:U:S:T:Mh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:B:P:E:K:U:S:T:Mh", opts, NULL)) != -1) {
     switch (c) {
       case 'w': o.world = atoi(optarg); break;
       case 'd': o.dp = atoi(optarg); break;
@@ -127,6 +129,7 @@ int cli_kv_peer(int argc, char **argv) {
       case 'p': if (cli_parse_size(optarg, &o.pages)) return 2; break;
       case 'H': o.host = optarg; break;
       case 'b': o.bootstrap = optarg; break;
+      case 'B': o.bootstrap_port = atoi(optarg); break;
       case 'P': o.page_size = atoi(optarg); break;
       case 'E': o.heads = atoi(optarg); break;
       case 'K': o.kv_heads = atoi(optarg); break;
@@ -137,12 +140,17 @@ int cli_kv_peer(int argc, char **argv) {
       case 'h':
         printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n"
                "                       [--host 127.0.0.1] [--bootstrap HOST:PORT (default: start one here)]\n"
+               "                       [--bootstrap-port N (the one started here; default any free port)]\n"
                "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N --state-item 4096]\n"
                "                       [--mla --unit 1152 --page-size 16]\n"
                "  --mla  MLA pools: one latent buffer per layer, the same on every rank (--heads ignored)\n");
         return 0;
       default: return 2;
     }
+  }
+  if (o.bootstrap_port < 0 || o.bootstrap_port > 65535) {
+    fprintf(stderr, "kv-peer: bad --bootstrap-port\n");
+    return 2;
   }
   if (o.world < 1 || o.world > 64 || o.dp < 1 || o.world % o.dp || o.layers < 1 || !o.item || !o.pages) {
     fprintf(stderr, "kv-peer: bad layout\n");
@@ -171,7 +179,7 @@ int cli_kv_peer(int argc, char **argv) {
   kvf_bootstrap_server_config bc;
   kvf_bootstrap_server_config_init(&bc);
   bc.host = o.host;
-  bc.port = 0;
+  bc.port = (uint16_t)o.bootstrap_port;
   bc.auth_token = "";
   kvf_bootstrap_server *srv = NULL;
   kvf_manager **mgr = calloc((size_t)o.world, sizeof *mgr);
