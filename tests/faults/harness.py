@@ -30,6 +30,7 @@ HEARTBEAT_MAX_FAILURES = 2        # failed probes before a prefill is declared d
 WAITING_TIMEOUT_S = 12            # decode: receiver waiting for its transfer after init
 BOOTSTRAP_TIMEOUT_S = 12          # prefill: sender waiting for the decode's transfer request
 ENGINE_TIMEOUT_MS = 8000          # engine batch deadline (KVFERRY_TIMEOUT_MS)
+FAILED_SESSION_TTL_S = 5          # prefill: a decode session whose write failed is refused this long
 HTTP_TIMEOUT_S = 5                # the manager's bootstrap HTTP timeout (kvf_manager_config default)
 SCHED_SLACK_S = 3.0               # 2 cores shared with other jobs: scheduling margin on every bound
 
@@ -49,6 +50,7 @@ ENV = {
     "TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(HEARTBEAT_MAX_FAILURES),
     "TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
     "TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
+    "TOKENSPEED_DISAGGREGATION_FAILED_SESSION_TTL": str(FAILED_SESSION_TTL_S),
     "KVFERRY_TIMEOUT_MS": str(ENGINE_TIMEOUT_MS),
     "KVFERRY_LOG_LEVEL": "info",  # the decode's control port is read from its log
 }
