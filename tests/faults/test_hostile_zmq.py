@@ -1,0 +1,181 @@
+"""Hostile ZMQ senders against a decode rank's and a prefill rank's control
+sockets (PROTOCOL.md §3): malformed frames of every kind, floods, status
+messages for rooms that do not exist, forged M3 status messages and a flood
+of early transfer requests. The target counts the rejects, never dies, and
+its legitimate rooms still succeed with every byte checked."""
+
+import struct
+import time
+
+import pytest
+import zmq
+
+from harness import HEALTHY_ROOM_S, PAGES_PER_ROOM, ROOM_HANG_BOUND_S, SUCCESS, Decode, Prefill, Traffic, describe
+
+FLOOD_ROUNDS = 200           # each malformed message kind sent this many times
+EARLY_M2_FLOOD = 5000        # issue 13 item 6: above the 4096 early rooms the prefill keeps
+LEGIT_ROOMS = 4              # rooms that must succeed after each attack
+DRAIN_S = 3.0                # for the target to consume a flood before its counters are read
+SEND_TIMEOUT_MS = 5000       # every ZMQ send of the tests
+FORGED_WAIT_S = 2.0          # time a forged M3 is given to (wrongly) take effect
+
+
+def i64(*v):
+    return struct.pack(f"<{len(v)}q", *v)
+
+
+def i32(*v):
+    return struct.pack(f"<{len(v)}i", *v)
+
+
+def m3(room, status=SUCCESS, rank=0, token=b"-1", cands=b""):
+    return [str(room).encode(), str(status).encode(), str(rank).encode(), token, cands]
+
+
+def m2(room, session=b"127.0.0.1:1", port=b"1", indices=i64(1, 2), aux=b"0", required=b"1"):
+    return [str(room).encode(), b"127.0.0.1", port, session, indices, aux, required, b"0", b"0", b"", b"", b""]
+
+
+def m1(session=b"127.0.0.1:1", port=b"1", ptrs=i64(0x1000, 0x2000, 0x3000, 0x4000)):
+    return [b"None", b"127.0.0.1", port, session, ptrs, b"", b"", b"0"]
+
+
+MALFORMED_M3 = [
+    [b"room", b"5", b"0"],
+    [b"1"],
+    [b"1", b"5"],
+    [b"1", b"five", b"0"],
+    [b"1", b"5", b"x"],
+    [b"1", b"5", b"0", b""],
+    [b"1", b"5", b"0", b"7", b"abc"],        # candidates not a multiple of 4
+    [b"", b"", b""],
+    [b"99999999999999999999999", b"5", b"0"],
+    [b"\xff\xfe" * 100, b"5", b"0"],
+    [b"1", b"-2147483649", b"0"],
+    [b"x" * 65536],
+]
+
+MALFORMED_PREFILL = [
+    [b"None"],                                        # M1 with too few frames
+    m1(port=b"port"),
+    m1(ptrs=b"\x01" * 7),                             # not a multiple of 8
+    [b"None", b"h", b"1", b"", i64(1), b""],          # empty session
+    [b"None", b"h", b"1", b"s", i64(1), b"", b"", b"x"],
+    [b"room"] + m2(1)[1:],
+    m2(1, required=b"many"),
+    m2(1, indices=b"\x01" * 9),
+    m2(1, aux=b""),                                  # frame 4 set, frame 5 empty: not a dummy
+    m2(1)[:5],
+    m2(1)[:7] + [b""],                                # present frame 7 must be an int
+    m2(1) + [b"2", b"[]"],                            # plan version not 1
+    m2(1) + [b"1", b"{not json"],
+    m2(1) + [b"", b"[]"],                             # exactly one of 12-13 empty
+    [b""],
+    [b"\x00" * 100000],
+]
+
+
+@pytest.fixture
+def pair(tmp_path):
+    pre = Prefill(tmp_path)
+    dec = Decode(tmp_path, pre.bootstrap_addr)
+    assert pre.control_port and dec.control_port, "control ports not found in the info logs"
+    t = Traffic()
+    t.attach(pre, dec)
+    ctx = zmq.Context()
+    yield pre, dec, t, ctx
+    ctx.destroy(linger=0)
+
+
+def push(ctx, port):
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    return s
+
+
+def legit_rooms_succeed(t, n=LEGIT_ROOMS):
+    rooms = t.start(n)
+    assert t.settle(rooms, HEALTHY_ROOM_S), f"rooms hung: {describe(t.open_rooms(rooms))}"
+    bad = [r for r in rooms if r.dec != SUCCESS or r.pre != SUCCESS or r.bad]
+    assert not bad, f"legitimate rooms failed: {describe(bad)}"
+
+
+def test_malformed_and_unknown_room_floods(pair):
+    """Malformed messages of every kind and well-formed ones for rooms that do
+    not exist, in floods, at both ranks: counted, and legitimate rooms pass."""
+    pre, dec, t, ctx = pair
+    legit_rooms_succeed(t)
+    d0, p0 = dec.stats(), pre.stats()
+    to_dec, to_pre = push(ctx, dec.control_port), push(ctx, pre.control_port)
+    for i in range(FLOOD_ROUNDS):
+        for msg in MALFORMED_M3:
+            to_dec.send_multipart(msg)
+        for msg in MALFORMED_PREFILL:
+            to_pre.send_multipart(msg)
+        to_dec.send_multipart(m3(10_000_000 + i))             # Success for a room that is not live
+        to_dec.send_multipart(m3(10_000_000 + i, status=0))   # Failed for one that is not live
+        if i % 10 == 0:
+            t.pump(0)
+    time.sleep(DRAIN_S)
+    legit_rooms_succeed(t)
+    d1, p1 = dec.stats(), pre.stats()
+    assert dec.alive() and pre.alive()
+    # stats: live rooms, received, malformed, unknown room
+    assert d1[2] - d0[2] >= FLOOD_ROUNDS * (len(MALFORMED_M3) - 1), (d0, d1)
+    assert d1[3] - d0[3] >= FLOOD_ROUNDS, (d0, d1)
+    assert p1[2] - p0[2] >= FLOOD_ROUNDS * (len(MALFORMED_PREFILL) - 2), (p0, p1)
+    assert d1[0] == 0 and p1[0] == 0, "rooms left in the tables"
+    assert not t.wrong_bytes()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13 defect 5: the decode takes M3 from any ZMQ peer for any live room")
+@pytest.mark.parametrize("status", [SUCCESS, 0], ids=["forged-success", "forged-failed"])
+def test_forged_status_is_ignored(pair, status):
+    """A third party's M3 for a waiting room changes nothing: the room still
+    succeeds, with the right bytes, once its real prefill sends."""
+    pre, dec, t, ctx = pair
+    legit_rooms_succeed(t, 1)
+    pre_side, t.pre = t.pre, None            # the decode's request only: the room waits
+    [room] = t.start(1)
+    t.pre = pre_side
+    time.sleep(0.5)
+    forger = push(ctx, dec.control_port)
+    forger.send_multipart(m3(room.id, status=status, token=str(room.token).encode(), cands=i32(room.token + 1,
+                                                                                                 room.token + 2)))
+    t.run_until(lambda: room.dec is not None, FORGED_WAIT_S)
+    forged_effect = room.dec
+    if room.dec is None:
+        pre.send(f"send {room.id} {PAGES_PER_ROOM} {room.seed} {room.token} 16")
+        t.run_until(lambda: room.dec is not None, HEALTHY_ROOM_S)
+    assert dec.alive()
+    assert forged_effect is None, f"a forged M3 ended the room: decode={room.dec} bad-pages={room.bad} ({room.reason})"
+    assert room.dec == SUCCESS and not room.bad
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13 defect 6: a flood of early transfer requests makes legitimate rooms hang")
+def test_early_transfer_request_flood(pair):
+    """EARLY_M2_FLOOD transfer requests for rooms no sender will ever have,
+    then a legitimate room whose decode asks before its prefill sends: it
+    succeeds, or fails at once with a reason, and never waits out a timeout."""
+    pre, dec, t, ctx = pair
+    legit_rooms_succeed(t, 1)
+    flood = push(ctx, pre.control_port)
+    flood.send_multipart(m1())                  # a registered (M1) decode session, as any peer can make
+    for i in range(EARLY_M2_FLOOD):
+        flood.send_multipart(m2(20_000_000 + i))
+    time.sleep(DRAIN_S)
+    pre_side, t.pre = t.pre, None
+    rooms = t.start(LEGIT_ROOMS)                # decode first: early M2s of legitimate rooms
+    t.pre = pre_side
+    time.sleep(0.5)
+    for r in rooms:
+        pre.send(f"send {r.id} {PAGES_PER_ROOM} {r.seed} {r.token} 16")
+    t0 = time.monotonic()
+    t.settle(rooms, ROOM_HANG_BOUND_S)
+    took = time.monotonic() - t0
+    assert pre.alive() and dec.alive()
+    assert not t.wrong_bytes()
+    ok = all(r.dec == SUCCESS or (r.dec == 0 and r.reason not in ("", "-")) for r in rooms)
+    assert ok and took <= HEALTHY_ROOM_S, f"after the flood: {describe(rooms)} ({took:.1f}s)"
