@@ -158,10 +158,10 @@ class Bootstrap(Exe):
 class Prefill(Exe):
     """kv-peer; bootstrap=None starts a bootstrap server inside it."""
 
-    def __init__(self, tmp_path, name="prefill", bootstrap=None, host="127.0.0.1", prefix=(), args=()):
+    def __init__(self, tmp_path, name="prefill", bootstrap=None, host="127.0.0.1", prefix=(), args=(), env=None):
         extra = ["--bootstrap", bootstrap] if bootstrap else []
         super().__init__(["kv-peer", "--item", ITEM, "--pages", str(POOL_PAGES), "--host", host, *extra, *args],
-                         tmp_path, name, prefix=prefix)
+                         tmp_path, name, prefix=prefix, env=env)
         self.others = []
         ln = self.line()
         assert ln.startswith("ready "), ln
