@@ -41,6 +41,12 @@ DEAD_PREFILL_BOUND_S = HEARTBEAT_INTERVAL_S * HEARTBEAT_MAX_FAILURES + 2
 # fires (waiting or bootstrap timeout) or a write in flight hits the engine
 # deadline; past this it has hung.
 ROOM_HANG_BOUND_S = max(WAITING_TIMEOUT_S, BOOTSTRAP_TIMEOUT_S) + ENGINE_TIMEOUT_MS / 1000 + SCHED_SLACK_S
+# From restart/SIGCONT/reconnection to the first successful room: a write cut
+# by the fault marks the decode session failed on the prefill for the
+# failed-session TTL.
+RECOVERY_BOUND_S = ROOM_HANG_BOUND_S + FAILED_SESSION_TTL_S
+AFTER_ROOMS = 4                   # rooms that must all succeed once the system has recovered
+LEAK_SETTLE_S = 5.0               # a live-room count reaches 0 this long after the last room ended
 # A room on a healthy pair: well under the hang bound, generous for 2 loaded cores.
 HEALTHY_ROOM_S = 10.0
 LINE_TIMEOUT_S = 20               # a process's answer to one command (ready line, stats)
@@ -316,3 +322,33 @@ class Traffic:
 def describe(rooms, limit=8):
     return "; ".join(f"room {r.id}: decode={r.dec} ({r.reason}) prefill={r.pre} ({r.pre_reason})"
                      for r in list(rooms)[:limit])
+
+
+def transfers_again(t):
+    """Rooms started one by one until one succeeds (the decode may first have to
+    notice the restarted peer), then AFTER_ROOMS rooms that must all succeed."""
+    deadline = time.monotonic() + RECOVERY_BOUND_S
+    ok = False
+    while not ok and time.monotonic() < deadline:
+        [r] = t.start(1)
+        t.settle([r], min(HEALTHY_ROOM_S, max(0.5, deadline - time.monotonic())))
+        ok = r.dec == SUCCESS and r.pre == SUCCESS
+        if not ok:
+            time.sleep(0.5)
+    assert ok, f"no room succeeded within {RECOVERY_BOUND_S}s of recovery: {describe(list(t.rooms.values())[-4:])}"
+    batch = t.start(AFTER_ROOMS)
+    assert t.settle(batch, HEALTHY_ROOM_S), f"rooms hung after recovery: {describe(t.open_rooms(batch))}"
+    bad = [r for r in batch if r.dec != SUCCESS or r.pre != SUCCESS]
+    assert not bad, f"rooms failed after recovery: {describe(bad)}"
+
+
+def assert_no_leaks(procs):
+    for p in procs:
+        if not hasattr(p, "stats"):
+            continue
+        deadline = time.monotonic() + LEAK_SETTLE_S
+        live = p.stats()[0]
+        while live and time.monotonic() < deadline:
+            time.sleep(0.2)
+            live = p.stats()[0]
+        assert live == 0, f"{p.name}: {live} rooms left in its tables"

@@ -12,16 +12,11 @@ import time
 
 import pytest
 
-from harness import (BOOTSTRAP_TIMEOUT_S, DEAD_PREFILL_BOUND_S, FAILED_SESSION_TTL_S, HEALTHY_ROOM_S, ROOM_HANG_BOUND_S,
-                     SCHED_SLACK_S, SUCCESS, Bootstrap, Decode, Prefill, Traffic, describe)
+from harness import (BOOTSTRAP_TIMEOUT_S, DEAD_PREFILL_BOUND_S, ROOM_HANG_BOUND_S, SCHED_SLACK_S, SUCCESS, Bootstrap,
+                     Decode, Prefill, Traffic, assert_no_leaks, describe, transfers_again)
 
 WARMUP_S = 2.0            # traffic before the fault, so rooms are in every state when it strikes
 INFLIGHT = 6              # rooms kept open during the warmup
-AFTER_ROOMS = 4           # rooms that must all succeed once the system has recovered
-# From restart/SIGCONT to the first successful room: a write cut by the fault
-# marks the decode session failed on the prefill for the failed-session TTL.
-RECOVERY_BOUND_S = ROOM_HANG_BOUND_S + FAILED_SESSION_TTL_S
-LEAK_SETTLE_S = 5.0       # a survivor's live-room count reaches 0 this long after its last room ended
 # A killed decode: its rooms with a transfer in flight fail at once (connection
 # refused), a room whose transfer request never arrived at its bootstrap timeout.
 DEAD_DECODE_BOUND_S = BOOTSTRAP_TIMEOUT_S + SCHED_SLACK_S
@@ -65,37 +60,6 @@ class Cluster:
 
     def survivors(self):
         return [p for p in (self.boot, self.pre, self.dec) if p is not None]
-
-
-def transfers_again(c):
-    """Rooms started one by one until one succeeds (the decode may first have to
-    notice the restarted peer), then AFTER_ROOMS rooms that must all succeed."""
-    t = c.t
-    deadline = time.monotonic() + RECOVERY_BOUND_S
-    ok = False
-    while not ok and time.monotonic() < deadline:
-        [r] = t.start(1)
-        t.settle([r], min(HEALTHY_ROOM_S, max(0.5, deadline - time.monotonic())))
-        ok = r.dec == SUCCESS and r.pre == SUCCESS
-        if not ok:
-            time.sleep(0.5)
-    assert ok, f"no room succeeded within {RECOVERY_BOUND_S}s of recovery: {describe(list(t.rooms.values())[-4:])}"
-    batch = t.start(AFTER_ROOMS)
-    assert t.settle(batch, HEALTHY_ROOM_S), f"rooms hung after recovery: {describe(t.open_rooms(batch))}"
-    bad = [r for r in batch if r.dec != SUCCESS or r.pre != SUCCESS]
-    assert not bad, f"rooms failed after recovery: {describe(bad)}"
-
-
-def assert_no_leaks(procs):
-    for p in procs:
-        if not hasattr(p, "stats"):
-            continue
-        deadline = time.monotonic() + LEAK_SETTLE_S
-        live = p.stats()[0]
-        while live and time.monotonic() < deadline:
-            time.sleep(0.2)
-            live = p.stats()[0]
-        assert live == 0, f"{p.name}: {live} rooms left in its tables"
 
 
 def assert_survive(c, dead=None):
@@ -178,7 +142,7 @@ def test_fault(tmp_path, action, target, mode):
             assert r.reason not in ("", "-"), f"room {r.id} failed without a reason"
     assert not t.wrong_bytes(), f"Success with wrong bytes: {describe(t.wrong_bytes())}"
     assert_survive(c)
-    transfers_again(c)
+    transfers_again(c.t)
     assert_no_leaks(c.survivors())
     assert not t.wrong_bytes(), f"Success with wrong bytes: {describe(t.wrong_bytes())}"
     print(f"{action} {target} ({mode}): {len(watched)} rooms watched, last ended {detect:.1f}s after the fault "
