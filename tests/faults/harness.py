@@ -161,47 +161,45 @@ class Bootstrap(Exe):
         self.addr = m.group(1)
 
 
-class Prefill(Exe):
+class KvProc(Exe):
+    """kv-peer or kv-decode: the first line is "ready <addr>"; the rank's ZMQ
+    control port comes from its info log; `stats` sums its managers' counters."""
+
+    def __init__(self, args, tmp_path, name, role, prefix=(), env=None):
+        super().__init__(args, tmp_path, name, prefix=prefix, env=env)
+        self.others = []
+        ln = self.line()
+        assert ln.startswith("ready "), ln
+        self.ready_addr = ln.split()[1]
+        self.control_port = None
+        for _ in range(50):
+            m = re.search(role + r" manager rank 0: .* control port (\d+)", self.stderr_text())
+            if m:
+                self.control_port = int(m.group(1))
+                break
+            time.sleep(0.05)
+
+    def stats(self):
+        """[live rooms, messages received, malformed, unknown room]"""
+        return [int(x) for x in self.ask("stats", "stats ").split()[1:]]
+
+
+class Prefill(KvProc):
     """kv-peer; bootstrap=None starts a bootstrap server inside it."""
 
     def __init__(self, tmp_path, name="prefill", bootstrap=None, host="127.0.0.1", prefix=(), args=(), env=None):
         extra = ["--bootstrap", bootstrap] if bootstrap else []
         super().__init__(["kv-peer", "--item", ITEM, "--pages", str(POOL_PAGES), "--host", host, *extra, *args],
-                         tmp_path, name, prefix=prefix, env=env)
-        self.others = []
-        ln = self.line()
-        assert ln.startswith("ready "), ln
-        self.bootstrap_addr = ln.split()[1]
-        self.control_port = None
-        for _ in range(50):  # the rank's PULL port, from its info log
-            m = re.search(r"prefill manager rank 0: .* control port (\d+)", self.stderr_text())
-            if m:
-                self.control_port = int(m.group(1))
-                break
-            time.sleep(0.05)
-
-    def stats(self):
-        return [int(x) for x in self.ask("stats", "stats ").split()[1:]]
+                         tmp_path, name, "prefill", prefix=prefix, env=env)
+        self.bootstrap_addr = self.ready_addr
 
 
-class Decode(Exe):
+class Decode(KvProc):
     def __init__(self, tmp_path, bootstrap, name="decode", host="127.0.0.1", prefix=()):
         super().__init__(["kv-decode", "--item", ITEM, "--pages", str(POOL_PAGES), "--host", host,
-                          "--bootstrap", bootstrap], tmp_path, name, prefix=prefix)
-        self.others = []
-        ln = self.line()
-        assert ln.startswith("ready "), ln
-        self.session = ln.split()[1]
-        self.control_port = None
-        for _ in range(50):
-            m = re.search(r"decode manager rank 0: .* control port (\d+)", self.stderr_text())
-            if m:
-                self.control_port = int(m.group(1))
-                break
-            time.sleep(0.05)
-
-    def stats(self):
-        return [int(x) for x in self.ask("stats", "stats ").split()[1:]]
+                          "--bootstrap", bootstrap], tmp_path, name, "decode", prefix=prefix)
+        self.session = self.ready_addr
+        self.host, self.engine_port = self.session.rsplit(":", 1)[0], int(self.session.rsplit(":", 1)[1])
 
 
 class Room:
@@ -317,6 +315,44 @@ class Traffic:
             else:
                 c["lost"] += 1  # the decode was killed or down: nobody to report it
         return c
+
+
+class Cluster:
+    """A bootstrap server (mode "separate") or none ("inproc": the prefill's),
+    a prefill, a decode and the traffic between them."""
+
+    def __init__(self, tmp_path, mode, rng=None):
+        self.tmp, self.mode = tmp_path, mode
+        self.boot = Bootstrap(tmp_path) if mode == "separate" else None
+        self.pre = Prefill(tmp_path, bootstrap=self.boot.addr if self.boot else None)
+        self.addr = self.pre.bootstrap_addr
+        self.dec = Decode(tmp_path, self.addr)
+        self.t = Traffic(rng)
+        self.t.attach(self.pre, self.dec)
+        self.gen = 0
+
+    def target(self, name):
+        return {"prefill": self.pre, "decode": self.dec, "bootstrap": self.boot}[name]
+
+    def restart(self, name):
+        """Start a fresh `name` on the address the others know."""
+        self.gen += 1
+        port = self.addr.rsplit(":", 1)[1]
+        if name == "decode":
+            self.dec = Decode(self.tmp, self.addr, name=f"decode{self.gen}")
+        elif name == "prefill" and self.mode == "inproc":
+            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", args=["--bootstrap-port", port])
+        elif name == "prefill":
+            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", bootstrap=self.addr)
+        else:  # a new bootstrap server knows no ranks: the prefill registers again by restarting
+            self.boot = Bootstrap(self.tmp, name=f"bootstrap{self.gen}", port=int(port))
+            self.pre.finish()
+            self.t.forget(self.pre)
+            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", bootstrap=self.addr)
+        self.t.attach(self.pre, self.dec)
+
+    def survivors(self):
+        return [p for p in (self.boot, self.pre, self.dec) if p is not None]
 
 
 def describe(rooms, limit=8):

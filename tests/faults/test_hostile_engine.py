@@ -7,7 +7,6 @@ TransferEngine in this process) throughout."""
 
 import ctypes
 import os
-import socket
 import struct
 import sys
 import threading
@@ -15,14 +14,13 @@ import time
 
 import pytest
 
+from hostile import (ACK_MAGIC, MAX_DESC, MAX_TOKEN, PROTO_VERSION, D, chunk, closed_by_peer, connect,  # noqa: E402
+                     handshake, hello, recv_exact)
 from harness import ENGINE_TIMEOUT_MS, LINE_TIMEOUT_S, ROOT, SCHED_SLACK_S, Exe
 
 sys.path.insert(0, os.path.join(ROOT, "python"))
 from kvferry import TransferEngine  # noqa: E402
 
-HELLO_MAGIC, CHUNK_MAGIC, ACK_MAGIC = 0x4B564648, 0x4B564643, 0x4B564641
-PROTO_VERSION = 1
-MAX_TOKEN, MAX_DESC = 1024, 16384
 PEER_BYTES = 1 << 20
 TOKEN = "fault-suite-secret"
 
@@ -31,7 +29,6 @@ HELLO_BOUND_S = HELLO_TIMEOUT_S + SCHED_SLACK_S  # issue 13 item 3: an overall h
 CHUNK_BOUND_S = ENGINE_TIMEOUT_MS / 1000 + SCHED_SLACK_S  # issue 13 item 4: an overall chunk deadline
 SLOW_PEER_BOUND_S = 2.0 + SCHED_SLACK_S  # another peer's 16-byte write while one peer trickles
 LEGIT_WRITE_S = 10.0            # a legitimate write on an unloaded target
-SOCK_TIMEOUT_S = 5.0            # every raw-socket read of the tests
 FLOOD_CONNS = 300               # the issue's flood size (above the default 256 inbound slots)
 CHURN_CONNS = 500               # connect-and-close churn
 TRICKLE_PERIOD_S = 1.0          # one byte this often from a trickling peer
@@ -79,56 +76,6 @@ def legit_write(e, peer, value, length=PEER_BYTES):
     return length < PEER_BYTES or peer.untouched(value)
 
 
-def hello(token=b"", magic=HELLO_MAGIC, version=PROTO_VERSION, token_len=None):
-    return struct.pack("<IHHII", magic, version, 0, len(token) if token_len is None else token_len, 0) + token
-
-
-def chunk(descs, payload=b"", seq=1, total=None, magic=CHUNK_MAGIC, ndesc=None):
-    head = struct.pack("<IIQQ", magic, len(descs) if ndesc is None else ndesc, seq,
-                       sum(d[1] * d[2] for d in descs) if total is None else total)
-    return head + b"".join(struct.pack("<QQQQ", *d) for d in descs) + payload
-
-
-def connect(peer):
-    s = socket.create_connection((peer.host, peer.port), timeout=SOCK_TIMEOUT_S)
-    s.settimeout(SOCK_TIMEOUT_S)
-    return s
-
-
-def recv_exact(s, n):
-    out = b""
-    while len(out) < n:
-        k = s.recv(n - len(out))
-        if not k:
-            break
-        out += k
-    return out
-
-
-def handshake(s, token=b""):
-    s.sendall(hello(token))
-    rep = recv_exact(s, 8)
-    assert len(rep) == 8, "no hello reply"
-    return struct.unpack("<Ii", rep)[1]
-
-
-def closed_by_peer(s, limit=SOCK_TIMEOUT_S):
-    """True if the target closes the connection within `limit` seconds."""
-    s.settimeout(limit)
-    try:
-        while True:
-            if not s.recv(4096):
-                return True
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
-
-
-def D(dst, length, count=1, stride=0):
-    return (dst, length, count, stride)
-
-
 # Chunk-level violations: (name, bytes after a good hello, counter that must grow).
 def framing_cases(base, size):
     end = base + size
@@ -162,19 +109,19 @@ def test_framing_and_range_violations(peer, legit):
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 16,
     ]
     for h in bad_hellos:
-        s = connect(peer)
+        s = connect(peer.host, peer.port)
         s.sendall(h)
         assert closed_by_peer(s), f"connection with hello {h[:16]!r} not dropped"
         s.close()
     framing, ranges = framing_cases(peer.base, peer.size)
     for name, data, _ in framing:
-        s = connect(peer)
+        s = connect(peer.host, peer.port)
         assert handshake(s) == 0
         s.sendall(data)
         assert closed_by_peer(s), f"{name}: connection not dropped"
         s.close()
     for name, data in ranges:
-        s = connect(peer)
+        s = connect(peer.host, peer.port)
         assert handshake(s) == 0
         s.sendall(data)
         ack = recv_exact(s, 16)
@@ -184,7 +131,7 @@ def test_framing_and_range_violations(peer, legit):
         s.close()
     for name, data in [("truncated-hello", hello()[:7]), ("truncated-header", hello() + chunk([D(peer.base, 8)])[:10]),
                        ("truncated-descriptors", hello() + chunk([D(peer.base, 8)])[:30])]:
-        s = connect(peer)
+        s = connect(peer.host, peer.port)
         s.sendall(data)
         s.close()
     after = peer.stats()
@@ -201,7 +148,7 @@ def test_wrong_and_missing_tokens(tmp_path):
     peer = EnginePeer(tmp_path, token=TOKEN)
     assert peer.cmd("fill 0") == "ok"
     for tok in (b"", b"wrong", TOKEN.encode()[:-1], TOKEN.encode() + b"x", b"\0" * MAX_TOKEN):
-        s = connect(peer)
+        s = connect(peer.host, peer.port)
         assert handshake(s, tok) != 0, f"token {tok[:20]!r} accepted"
         try:
             s.sendall(chunk([D(peer.base, 16)], b"\xee" * 16))
@@ -210,7 +157,7 @@ def test_wrong_and_missing_tokens(tmp_path):
         assert closed_by_peer(s)
         s.close()
     assert peer.stats()["auth"] == 5
-    s = connect(peer)
+    s = connect(peer.host, peer.port)
     assert handshake(s, TOKEN.encode()) == 0
     s.sendall(chunk([D(peer.base, 16)], b"\x5a" * 16))
     assert struct.unpack("<QiI", recv_exact(s, 16))[1] == 0
@@ -222,7 +169,7 @@ def test_connect_close_churn(peer, legit):
     """Connections opened and closed at once, with or without a partial hello,
     cost the target nothing lasting."""
     for i in range(CHURN_CONNS):
-        s = socket.create_connection((peer.host, peer.port), timeout=SOCK_TIMEOUT_S)
+        s = connect(peer.host, peer.port)
         if i % 2:
             s.sendall(hello()[: i % 16])
         s.close()
@@ -245,7 +192,7 @@ def trickle(socks, stop, data):
 
 @pytest.mark.xfail(strict=True, reason="issue 13 defect 3: the hello timeout restarts on every byte")
 def test_slow_hello_has_an_overall_deadline(peer):
-    s = connect(peer)
+    s = connect(peer.host, peer.port)
     stop = threading.Event()
     th = threading.Thread(target=trickle, args=([s], stop, hello(b"t" * 64)), daemon=True)
     th.start()
@@ -269,7 +216,7 @@ def test_connection_flood_leaves_room_for_legitimate_peers(peer, legit, kind):
     try:
         for _ in range(FLOOD_CONNS):
             try:
-                s = connect(peer)
+                s = connect(peer.host, peer.port)
             except OSError:
                 break
             if kind == "idle-after-hello":
@@ -298,7 +245,7 @@ def test_connection_flood_leaves_room_for_legitimate_peers(peer, legit, kind):
 
 @pytest.mark.xfail(strict=True, reason="issue 13 defect 4: one slow peer stalls the whole target engine")
 def test_slow_payload_does_not_stall_other_peers(peer, legit):
-    s = connect(peer)
+    s = connect(peer.host, peer.port)
     assert handshake(s) == 0
     n = 4096
     s.sendall(chunk([D(peer.base + PEER_BYTES // 2, n)]))  # header only; the payload trickles

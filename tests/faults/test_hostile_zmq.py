@@ -4,12 +4,12 @@ messages for rooms that do not exist, forged M3 status messages and a flood
 of early transfer requests. The target counts the rejects, never dies, and
 its legitimate rooms still succeed with every byte checked."""
 
-import struct
 import time
 
 import pytest
 import zmq
 
+from hostile import MALFORMED_M3, MALFORMED_PREFILL, i32, m1, m2, m3
 from harness import HEALTHY_ROOM_S, PAGES_PER_ROOM, ROOM_HANG_BOUND_S, SUCCESS, Decode, Prefill, Traffic, describe
 
 FLOOD_ROUNDS = 200           # each malformed message kind sent this many times
@@ -18,61 +18,6 @@ LEGIT_ROOMS = 4              # rooms that must succeed after each attack
 DRAIN_S = 3.0                # for the target to consume a flood before its counters are read
 SEND_TIMEOUT_MS = 5000       # every ZMQ send of the tests
 FORGED_WAIT_S = 2.0          # time a forged M3 is given to (wrongly) take effect
-
-
-def i64(*v):
-    return struct.pack(f"<{len(v)}q", *v)
-
-
-def i32(*v):
-    return struct.pack(f"<{len(v)}i", *v)
-
-
-def m3(room, status=SUCCESS, rank=0, token=b"-1", cands=b""):
-    return [str(room).encode(), str(status).encode(), str(rank).encode(), token, cands]
-
-
-def m2(room, session=b"127.0.0.1:1", port=b"1", indices=i64(1, 2), aux=b"0", required=b"1"):
-    return [str(room).encode(), b"127.0.0.1", port, session, indices, aux, required, b"0", b"0", b"", b"", b""]
-
-
-def m1(session=b"127.0.0.1:1", port=b"1", ptrs=i64(0x1000, 0x2000, 0x3000, 0x4000)):
-    return [b"None", b"127.0.0.1", port, session, ptrs, b"", b"", b"0"]
-
-
-MALFORMED_M3 = [
-    [b"room", b"5", b"0"],
-    [b"1"],
-    [b"1", b"5"],
-    [b"1", b"five", b"0"],
-    [b"1", b"5", b"x"],
-    [b"1", b"5", b"0", b""],
-    [b"1", b"5", b"0", b"7", b"abc"],        # candidates not a multiple of 4
-    [b"", b"", b""],
-    [b"99999999999999999999999", b"5", b"0"],
-    [b"\xff\xfe" * 100, b"5", b"0"],
-    [b"1", b"-2147483649", b"0"],
-    [b"x" * 65536],
-]
-
-MALFORMED_PREFILL = [
-    [b"None"],                                        # M1 with too few frames
-    m1(port=b"port"),
-    m1(ptrs=b"\x01" * 7),                             # not a multiple of 8
-    [b"None", b"h", b"1", b"", i64(1), b""],          # empty session
-    [b"None", b"h", b"1", b"s", i64(1), b"", b"", b"x"],
-    [b"room"] + m2(1)[1:],
-    m2(1, required=b"many"),
-    m2(1, indices=b"\x01" * 9),
-    m2(1, aux=b""),                                  # frame 4 set, frame 5 empty: not a dummy
-    m2(1)[:5],
-    m2(1)[:7] + [b""],                                # present frame 7 must be an int
-    m2(1) + [b"2", b"[]"],                            # plan version not 1
-    m2(1) + [b"1", b"{not json"],
-    m2(1) + [b"", b"[]"],                             # exactly one of 12-13 empty
-    [b""],
-    [b"\x00" * 100000],
-]
 
 
 @pytest.fixture

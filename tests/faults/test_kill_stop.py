@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from harness import (BOOTSTRAP_TIMEOUT_S, DEAD_PREFILL_BOUND_S, ROOM_HANG_BOUND_S, SCHED_SLACK_S, SUCCESS, Bootstrap,
-                     Decode, Prefill, Traffic, assert_no_leaks, describe, transfers_again)
+from harness import (BOOTSTRAP_TIMEOUT_S, DEAD_PREFILL_BOUND_S, ROOM_HANG_BOUND_S, SCHED_SLACK_S, SUCCESS, Cluster,
+                     assert_no_leaks, describe, transfers_again)
 
 WARMUP_S = 2.0            # traffic before the fault, so rooms are in every state when it strikes
 INFLIGHT = 6              # rooms kept open during the warmup
@@ -25,41 +25,6 @@ STOP_BOOTSTRAP_HOLD_S = DEAD_PREFILL_BOUND_S + SCHED_SLACK_S  # how long a boots
 ISSUE1 = "issue 13 defect 1: a dead or stopped prefill is not detected while its bootstrap server lives"
 SLOW_PROBE = ("issue 13 (smaller): the 5 s probe timeout exceeds the 2 s interval, so a stopped prefill "
               "is found after max_failures x (interval + 5 s)")
-
-
-class Cluster:
-    def __init__(self, tmp_path, mode):
-        self.tmp, self.mode = tmp_path, mode
-        self.boot = Bootstrap(tmp_path) if mode == "separate" else None
-        self.pre = Prefill(tmp_path, bootstrap=self.boot.addr if self.boot else None)
-        self.addr = self.pre.bootstrap_addr
-        self.dec = Decode(tmp_path, self.addr)
-        self.t = Traffic()
-        self.t.attach(self.pre, self.dec)
-        self.gen = 0
-
-    def target(self, name):
-        return {"prefill": self.pre, "decode": self.dec, "bootstrap": self.boot}[name]
-
-    def restart(self, name):
-        """Start a fresh `name` on the address the others know."""
-        self.gen += 1
-        port = self.addr.rsplit(":", 1)[1]
-        if name == "decode":
-            self.dec = Decode(self.tmp, self.addr, name=f"decode{self.gen}")
-        elif name == "prefill" and self.mode == "inproc":
-            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", args=["--bootstrap-port", port])
-        elif name == "prefill":
-            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", bootstrap=self.addr)
-        else:  # a new bootstrap server knows no ranks: the prefill registers again by restarting
-            self.boot = Bootstrap(self.tmp, name=f"bootstrap{self.gen}", port=int(port))
-            self.pre.finish()
-            self.t.forget(self.pre)
-            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", bootstrap=self.addr)
-        self.t.attach(self.pre, self.dec)
-
-    def survivors(self):
-        return [p for p in (self.boot, self.pre, self.dec) if p is not None]
 
 
 def assert_survive(c, dead=None):
