@@ -225,6 +225,8 @@ class Traffic:
         self.rooms = {}
         self.next_id = 1000
         self.pre = self.dec = None
+        self.closed = {"rooms": 0, "success": 0, "failed": 0, "lost": 0}  # rooms dropped by compact()
+        self.closed_wrong = []
 
     def attach(self, pre, dec):
         self.pre, self.dec = pre, dec
@@ -301,13 +303,18 @@ class Traffic:
             if live < inflight:
                 self.start(inflight - live)
 
+    @staticmethod
+    def _wrong(r):
+        return r.dec == SUCCESS and (r.bad or r.reason not in ("", "-"))
+
     def wrong_bytes(self):
         """Rooms the decode reported Success whose bytes or metadata were wrong."""
-        return [r for r in self.rooms.values() if r.dec == SUCCESS and (r.bad or r.reason not in ("", "-"))]
+        return self.closed_wrong + [r for r in self.rooms.values() if self._wrong(r)]
 
-    def counts(self):
-        c = {"rooms": len(self.rooms), "success": 0, "failed": 0, "lost": 0}
-        for r in self.rooms.values():
+    @staticmethod
+    def _tally(c, rooms):
+        for r in rooms:
+            c["rooms"] += 1
             if r.dec == SUCCESS:
                 c["success"] += 1
             elif r.dec == FAILED:
@@ -315,6 +322,18 @@ class Traffic:
             else:
                 c["lost"] += 1  # the decode was killed or down: nobody to report it
         return c
+
+    def counts(self):
+        return self._tally(dict(self.closed), self.rooms.values())
+
+    def compact(self):
+        """Fold the rooms ended on both sides into the counts and forget them."""
+        done = [r for r in self.rooms.values() if r.dec is not None and r.pre is not None]
+        self._tally(self.closed, done)
+        for r in done:
+            if self._wrong(r):
+                self.closed_wrong.append(r)
+            del self.rooms[r.id]
 
 
 class Cluster:

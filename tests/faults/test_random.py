@@ -1,0 +1,219 @@
+"""A seeded random fault run: N faults of the suite's kinds (SIGKILL and
+SIGSTOP/SIGCONT of the prefill, the decode and the bootstrap server; hostile
+ZMQ, HTTP and engine peers) interleaved with real transfers, rooms always in
+flight. It reports faults injected, rooms Success / Failed, rooms hung (must
+be 0), rooms reported Success with wrong bytes (must be 0: the decode checks
+every byte of every room) and rooms left in the tables at the end (must be 0).
+
+    make faults                                          # CI: N = FAULTS_N_CI
+    KVFERRY_FAULTS_N=1000 python3 -m pytest -s tests/faults/test_random.py
+    python3 -m pytest -s tests/faults/test_random.py --n 1000 --seed 7
+
+The faults that hit the open defects of issue 13 (forged M3, early-M2
+floods, half-open HTTP floods, trickling engine peers) are left out of the
+mix until they are fixed; KVFERRY_FAULTS_DEFECTS=1 adds them."""
+
+import json
+import os
+import random
+import signal
+import socket
+import time
+
+import zmq
+
+from harness import (ROOM_HANG_BOUND_S, SUCCESS, Cluster, assert_no_leaks, describe, reap_all,
+                     transfers_again)
+from hostile import (MALFORMED_M3, MALFORMED_PREFILL, D, chunk, closed_by_peer, connect, handshake, hello, i32, m1,
+                     m2, m3)
+
+FAULTS_N_CI = 12                 # faults in CI (the whole suite stays within a few minutes)
+SEED_DEFAULT = 13
+STOP_MIN_S, STOP_MAX_S = 0.2, 3.0  # how long a SIGSTOP lasts
+GAP_MIN_S, GAP_MAX_S = 0.1, 0.6    # transfers between two faults
+INFLIGHT = 4                     # rooms kept open
+# A room not ended on its live sides this long after it started has hung: its
+# own timeout, plus the longest stop that can delay it.
+HUNG_AFTER_S = ROOM_HANG_BOUND_S + STOP_MAX_S
+BURST = 50                       # messages or requests of one hostile burst
+HTTP_TIMEOUT_S = 5.0
+ZMQ_SEND_TIMEOUT_MS = 5000
+
+
+def knob(config, opt, env, default):
+    v = config.getoption(opt)
+    if v is None:
+        v = int(os.environ.get(env, default))
+    return v
+
+
+class Run:
+    def __init__(self, tmp_path, rng):
+        self.tmp, self.rng = tmp_path, rng
+        self.c = Cluster(tmp_path, "separate", rng)
+        self.ctx = zmq.Context()
+        self.faults = {}
+        self.hung = set()
+
+    def close(self):
+        self.ctx.destroy(linger=0)
+
+    # ---------------------------------------------------------------- process faults
+
+    def kill(self, target):
+        c = self.c
+        p = c.target(target)
+        p.signal(signal.SIGKILL)
+        p.p.wait(timeout=10)
+        c.t.forget(p)
+        if target == "bootstrap":
+            # Let the decode's rooms of the unreachable server end before the prefill is replaced.
+            c.t.settle(list(c.t.rooms.values()), HUNG_AFTER_S)
+        c.restart(target)
+
+    def stop(self, target):
+        p = self.c.target(target)
+        p.signal(signal.SIGSTOP)
+        self.c.t.keep_busy(self.rng.uniform(STOP_MIN_S, STOP_MAX_S), INFLIGHT)
+        p.signal(signal.SIGCONT)
+
+    # ---------------------------------------------------------------- hostile peers
+
+    def zmq_burst(self, port, msgs):
+        s = self.ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDTIMEO, ZMQ_SEND_TIMEOUT_MS)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            for _ in range(BURST):
+                s.send_multipart(self.rng.choice(msgs))
+        except zmq.Again:
+            pass
+        s.close()
+
+    def http_burst(self):
+        host, port = self.c.addr.rsplit(":", 1)
+        junk = [b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n{{{{{",
+                b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n",
+                b"GET /route?engine_rank=x&target_dp_group=0 HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"DELETE /route HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00\x01garbage\r\n\r\n",
+                b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"]
+        for _ in range(BURST):
+            try:
+                with socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT_S) as s:
+                    s.sendall(self.rng.choice(junk))
+                    s.shutdown(socket.SHUT_WR)
+                    s.recv(4096)
+            except OSError:
+                pass
+
+    def engine_attack(self):
+        """Bad frames and out-of-range writes against the decode's engine, which
+        holds the rooms' pages: a refused write must leave every room's bytes intact."""
+        d = self.c.dec
+        top = 1 << 63
+        bad = [chunk([D(0x1000, 64)], b"\xee" * 64), chunk([D(top, 64)], b"\xee" * 64),
+               chunk([D(0x1000, 8, 0)], total=0), chunk([], ndesc=0, total=0), b"\xde\xad" * 20]
+        for _ in range(self.rng.randrange(1, 6)):
+            try:
+                s = connect(d.host, d.engine_port)
+                if handshake(s) == 0:
+                    s.sendall(self.rng.choice(bad))
+                    closed_by_peer(s, 0.2)
+                s.close()
+            except (OSError, AssertionError):
+                pass
+        for _ in range(20):
+            try:
+                s = connect(d.host, d.engine_port)
+                s.sendall(hello()[: self.rng.randrange(16)])
+                s.close()
+            except OSError:
+                pass
+
+    def defect_faults(self):
+        """Faults that hit issue 13's open defects (KVFERRY_FAULTS_DEFECTS=1)."""
+        c = self.c
+        kind = self.rng.choice(["forged-m3", "early-m2"])
+        if kind == "forged-m3":
+            for r in c.t.open_rooms():
+                self.zmq_burst(c.dec.control_port, [m3(r.id, token=str(r.token).encode(), cands=i32(1, 2))])
+        else:
+            self.zmq_burst(c.pre.control_port, [m1()] + [m2(30_000_000 + self.rng.randrange(1 << 20))])
+        return kind
+
+    # ---------------------------------------------------------------- the run
+
+    def inject(self):
+        c = self.c
+        kinds = ["kill-prefill", "kill-decode", "kill-bootstrap", "stop-prefill", "stop-decode", "stop-bootstrap",
+                 "zmq-decode", "zmq-prefill", "zmq-unknown-room", "http", "engine"]
+        if os.environ.get("KVFERRY_FAULTS_DEFECTS") == "1":
+            kinds.append("defect")
+        kind = self.rng.choice(kinds)
+        action, _, target = kind.partition("-")
+        if action == "kill":
+            self.kill(target)
+        elif action == "stop":
+            self.stop(target)
+        elif kind == "zmq-decode":
+            self.zmq_burst(c.dec.control_port, MALFORMED_M3)
+        elif kind == "zmq-prefill":
+            self.zmq_burst(c.pre.control_port, MALFORMED_PREFILL)
+        elif kind == "zmq-unknown-room":
+            self.zmq_burst(c.dec.control_port, [m3(40_000_000 + self.rng.randrange(1 << 20), status=s)
+                                                for s in (0, SUCCESS)])
+        elif kind == "http":
+            self.http_burst()
+        elif kind == "engine":
+            self.engine_attack()
+        else:
+            kind = self.defect_faults()
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+
+    def check_hung(self):
+        now = time.monotonic()
+        for r in self.c.t.open_rooms():
+            if now - r.t0 > HUNG_AFTER_S and r.id not in self.hung:
+                self.hung.add(r.id)
+                print(f"hung: {describe([r])}")
+
+
+def test_random_faults(tmp_path, request):
+    n = knob(request.config, "--n", "KVFERRY_FAULTS_N", FAULTS_N_CI)
+    seed = knob(request.config, "--seed", "KVFERRY_FAULTS_SEED", SEED_DEFAULT)
+    rng = random.Random(seed)
+    run = Run(tmp_path, rng)
+    t0 = time.monotonic()
+    try:
+        for i in range(n):
+            run.c.t.keep_busy(rng.uniform(GAP_MIN_S, GAP_MAX_S), INFLIGHT)
+            run.inject()
+            run.check_hung()
+            run.c.t.compact()  # keep the bookkeeping small on long runs
+        t = run.c.t
+        settled = t.settle(list(t.rooms.values()), HUNG_AFTER_S)
+        run.check_hung()
+        survivors = run.c.survivors()
+        dead = [p.name for p in survivors if not p.alive()]
+        transfers_again(t)
+        assert_no_leaks([run.c.pre, run.c.dec])
+        leaked = [p.stats()[0] for p in (run.c.pre, run.c.dec)]
+        counts = t.counts()
+        report = {"seed": seed, "faults": sum(run.faults.values()), "by_kind": run.faults,
+                  "rooms": counts["rooms"], "success": counts["success"], "failed": counts["failed"],
+                  "ended_with_a_killed_decode": counts["lost"], "hung": len(run.hung),
+                  "wrong_bytes": len(t.wrong_bytes()), "leaked_rooms": sum(leaked), "dead_processes": dead,
+                  "seconds": round(time.monotonic() - t0, 1)}
+        print("random fault run: " + json.dumps(report))
+        if os.environ.get("KVFERRY_FAULTS_REPORT"):
+            with open(os.environ["KVFERRY_FAULTS_REPORT"], "w") as f:
+                json.dump(report, f, indent=1)
+        assert settled and not run.hung, f"rooms hung: {sorted(run.hung)[:20]}"
+        assert not t.wrong_bytes(), f"Success with wrong bytes: {describe(t.wrong_bytes())}"
+        assert not dead, f"processes died: {dead}"
+        assert sum(leaked) == 0
+        assert counts["success"] > 0
+    finally:
+        run.close()
+        reap_all()
