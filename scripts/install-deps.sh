@@ -8,6 +8,7 @@ PACKAGES=(
   build-essential cmake pkg-config clang libclang-rt-14-dev
   libzmq3-dev libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libcmocka-dev
   python3 python3-zmq python3-pytest python3-requests python3-numpy
+  iproute2
 )
 
 missing=()
