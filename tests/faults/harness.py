@@ -93,6 +93,7 @@ class Exe(Proc):
         self.p = subprocess.Popen([*prefix, CLI, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=self.err, env=full_env, cwd=str(tmp_path), start_new_session=True)
         LIVE.append(self)  # reaped after every test (conftest.py), even if this constructor fails
+        self.trace = open(tmp_path / f"{name}.trace", "w")  # every line in and out, for post-mortems
         self.buf = b""
         self.stopped = False
 
@@ -100,6 +101,7 @@ class Exe(Proc):
         return self.p.poll() is None
 
     def signal(self, sig):
+        self.signal_trace(signal.Signals(sig).name)
         os.killpg(self.p.pid, sig)
         if sig == signal.SIGSTOP:
             self.stopped = True
@@ -107,6 +109,7 @@ class Exe(Proc):
             self.stopped = False
 
     def kill(self):
+        self.trace.close()
         if self.p.poll() is None:
             try:
                 os.killpg(self.p.pid, signal.SIGKILL)
@@ -132,7 +135,16 @@ class Exe(Proc):
         while b"\n" in self.buf:
             line, self.buf = self.buf.split(b"\n", 1)
             out.append(line.decode())
+            self.trace.write(f"{time.monotonic():.3f} < {out[-1]}\n")
         return out
+
+    def send(self, text):
+        self.trace.write(f"{time.monotonic():.3f} > {text}\n")
+        super().send(text)
+
+    def signal_trace(self, what):
+        self.trace.write(f"{time.monotonic():.3f} ! {what}\n")
+        self.trace.flush()
 
     def stderr_text(self):
         self.err.flush()
@@ -265,8 +277,9 @@ class Traffic:
                 r = self.rooms.get(int(f[1]))
                 if r is None:
                     continue
-                if is_dec:
-                    r.dec, r.dec_t, r.bad, r.reason = int(f[2]), now(), int(f[3]), f[6] if len(f) > 6 else ""
+                if is_dec:  # the decode's own CLOCK_MONOTONIC stamp of the end (Python's monotonic clock)
+                    t_final = int(f[5]) / 1e9 if len(f) > 5 and int(f[5]) > 0 else now()
+                    r.dec, r.dec_t, r.bad, r.reason = int(f[2]), t_final, int(f[3]), f[6] if len(f) > 6 else ""
                 else:
                     r.pre, r.pre_t, r.pre_reason = int(f[2]), now(), " ".join(f[4:])
 

@@ -36,7 +36,7 @@ INFLIGHT = 4                     # rooms kept open
 # own timeout, plus the longest stop that can delay it.
 HUNG_AFTER_S = ROOM_HANG_BOUND_S + STOP_MAX_S
 BURST = 50                       # messages or requests of one hostile burst
-HTTP_TIMEOUT_S = 5.0
+HTTP_TIMEOUT_S = 1.0             # each hostile HTTP exchange (the harness must keep reading its processes)
 ZMQ_SEND_TIMEOUT_MS = 5000
 
 
@@ -54,6 +54,8 @@ class Run:
         self.ctx = zmq.Context()
         self.faults = {}
         self.hung = set()
+        self.t0 = time.monotonic()
+        self.log = []  # (seconds since start, fault kind), for the report of a hung room
 
     def close(self):
         self.ctx.destroy(linger=0)
@@ -87,6 +89,7 @@ class Run:
         try:
             for _ in range(BURST):
                 s.send_multipart(self.rng.choice(msgs))
+                self.c.t.pump(0)
         except zmq.Again:
             pass
         s.close()
@@ -99,6 +102,7 @@ class Run:
                 b"DELETE /route HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00\x01garbage\r\n\r\n",
                 b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"]
         for _ in range(BURST):
+            self.c.t.pump(0)
             try:
                 with socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT_S) as s:
                     s.sendall(self.rng.choice(junk))
@@ -115,6 +119,7 @@ class Run:
         bad = [chunk([D(0x1000, 64)], b"\xee" * 64), chunk([D(top, 64)], b"\xee" * 64),
                chunk([D(0x1000, 8, 0)], total=0), chunk([], ndesc=0, total=0), b"\xde\xad" * 20]
         for _ in range(self.rng.randrange(1, 6)):
+            self.c.t.pump(0)
             try:
                 s = connect(d.host, d.engine_port)
                 if handshake(s) == 0:
@@ -151,6 +156,7 @@ class Run:
         if os.environ.get("KVFERRY_FAULTS_DEFECTS") == "1":
             kinds.append("defect")
         kind = self.rng.choice(kinds)
+        at = round(time.monotonic() - self.t0, 1)
         action, _, target = kind.partition("-")
         if action == "kill":
             self.kill(target)
@@ -170,13 +176,21 @@ class Run:
         else:
             kind = self.defect_faults()
         self.faults[kind] = self.faults.get(kind, 0) + 1
+        self.log.append((at, kind))
 
     def check_hung(self):
+        """A room is hung if it is still open HUNG_AFTER_S after it started, or if
+        the decode's own stamp of its end is later than that."""
+        self.c.t.pump(0.01)
         now = time.monotonic()
-        for r in self.c.t.open_rooms():
-            if now - r.t0 > HUNG_AFTER_S and r.id not in self.hung:
+        for r in self.c.t.rooms.values():
+            late = r.dec_t is not None and r.dec in (0, SUCCESS) and r.dec_t - r.t0 > HUNG_AFTER_S
+            still_open = (r.dec is None or r.pre is None) and now - r.t0 > HUNG_AFTER_S
+            if (late or still_open) and r.id not in self.hung:
                 self.hung.add(r.id)
-                print(f"hung: {describe([r])}")
+                at = r.t0 - self.t0
+                near = [f for f in self.log if at - HUNG_AFTER_S <= f[0] <= at + HUNG_AFTER_S]
+                print(f"hung: {describe([r])}, started at {at:.1f}s; faults around it: {near}")
 
 
 def test_random_faults(tmp_path, request):
