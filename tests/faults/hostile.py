@@ -10,6 +10,9 @@ HELLO_MAGIC, CHUNK_MAGIC, ACK_MAGIC = 0x4B564648, 0x4B564643, 0x4B564641
 PROTO_VERSION = 1
 MAX_TOKEN, MAX_DESC = 1024, 16384
 SOCK_TIMEOUT_S = 5.0            # every raw-socket read
+# Hostile peers connect from their own loopback address, so a target may tell
+# them apart from the legitimate peers on 127.0.0.1 (per-peer limits).
+HOSTILE_SRC = ("127.0.0.2", 0)
 
 
 def hello(token=b"", magic=HELLO_MAGIC, version=PROTO_VERSION, token_len=None):
@@ -81,9 +84,10 @@ MALFORMED_PREFILL = [
 ]
 
 
-def connect(host, port):
-    s = socket.create_connection((host, port), timeout=SOCK_TIMEOUT_S)
-    s.settimeout(SOCK_TIMEOUT_S)
+def connect(host, port, timeout=SOCK_TIMEOUT_S):
+    """A hostile TCP connection (from HOSTILE_SRC)."""
+    s = socket.create_connection((host, port), timeout=timeout, source_address=HOSTILE_SRC)
+    s.settimeout(timeout)
     return s
 
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from hostile import connect
 from harness import HEALTHY_ROOM_S, SCHED_SLACK_S, SUCCESS, Bootstrap, Decode, Prefill, Traffic, describe
 
 TOKEN = "fault-suite-bootstrap-token"
@@ -50,7 +51,7 @@ def request(host, port, method, path, body=None, headers=None):
 
 def raw(host, port, data):
     """Send raw bytes, return the status code of the reply (0: none)."""
-    with socket.create_connection((host, port), timeout=HTTP_CLIENT_TIMEOUT_S) as s:
+    with connect(host, port, HTTP_CLIENT_TIMEOUT_S) as s:
         s.sendall(data)
         try:
             s.shutdown(socket.SHUT_WR)
@@ -140,7 +141,7 @@ def test_request_flood_and_churn(stack):
         th.start()
     for _ in range(CHURN_CONNS):
         try:
-            socket.create_connection((host, port), timeout=HTTP_CLIENT_TIMEOUT_S).close()
+            connect(host, port, HTTP_CLIENT_TIMEOUT_S).close()
         except OSError:
             pass
     legit_rooms_succeed(t)
@@ -161,7 +162,7 @@ def test_half_open_flood(stack):
     try:
         for _ in range(HALF_OPEN_CONNS):
             try:
-                s = socket.create_connection((host, port), timeout=HTTP_CLIENT_TIMEOUT_S)
+                s = connect(host, port, HTTP_CLIENT_TIMEOUT_S)
                 s.sendall(b"GET /health HTTP/1.1\r\n")
                 socks.append(s)
             except OSError:

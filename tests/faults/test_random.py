@@ -104,7 +104,7 @@ class Run:
         for _ in range(BURST):
             self.c.t.pump(0)
             try:
-                with socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT_S) as s:
+                with connect(host, int(port), HTTP_TIMEOUT_S) as s:
                     s.sendall(self.rng.choice(junk))
                     s.shutdown(socket.SHUT_WR)
                     s.recv(4096)
