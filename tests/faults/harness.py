@@ -49,7 +49,7 @@ AFTER_ROOMS = 4                   # rooms that must all succeed once the system 
 LEAK_SETTLE_S = 5.0               # a live-room count reaches 0 this long after the last room ended
 # A room on a healthy pair: well under the hang bound, generous for 2 loaded cores.
 HEALTHY_ROOM_S = 10.0
-LINE_TIMEOUT_S = 20               # a process's answer to one command (ready line, stats)
+LINE_TIMEOUT_S = 60               # a process's answer to one command (ready line, stats): a harness deadline
 
 ENV = {
     "TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL_S),

@@ -38,6 +38,7 @@ HUNG_AFTER_S = ROOM_HANG_BOUND_S + STOP_MAX_S
 BURST = 50                       # messages or requests of one hostile burst
 HTTP_TIMEOUT_S = 1.0             # each hostile HTTP exchange (the harness must keep reading its processes)
 ZMQ_SEND_TIMEOUT_MS = 5000
+PROGRESS_EVERY = 100             # a progress line every this many faults
 
 
 def knob(config, opt, env, default):
@@ -193,41 +194,48 @@ class Run:
                 print(f"hung: {describe([r])}, started at {at:.1f}s; faults around it: {near}")
 
 
+def figures(run, seed, t0, leaked=None, dead=None):
+    t = run.c.t
+    c = t.counts()
+    return {"seed": seed, "faults": sum(run.faults.values()), "by_kind": run.faults, "rooms": c["rooms"],
+            "success": c["success"], "failed": c["failed"], "ended_with_a_killed_decode": c["lost"],
+            "still_open": len(t.open_rooms()), "hung": len(run.hung), "wrong_bytes": len(t.wrong_bytes()),
+            "leaked_rooms": leaked, "dead_processes": dead, "seconds": round(time.monotonic() - t0, 1)}
+
+
 def test_random_faults(tmp_path, request):
     n = knob(request.config, "--n", "KVFERRY_FAULTS_N", FAULTS_N_CI)
     seed = knob(request.config, "--seed", "KVFERRY_FAULTS_SEED", SEED_DEFAULT)
     rng = random.Random(seed)
     run = Run(tmp_path, rng)
     t0 = time.monotonic()
+    report = None
     try:
         for i in range(n):
             run.c.t.keep_busy(rng.uniform(GAP_MIN_S, GAP_MAX_S), INFLIGHT)
             run.inject()
             run.check_hung()
             run.c.t.compact()  # keep the bookkeeping small on long runs
+            if (i + 1) % PROGRESS_EVERY == 0:
+                print(f"random fault run, progress: {json.dumps(figures(run, seed, t0))}", flush=True)
         t = run.c.t
         settled = t.settle(list(t.rooms.values()), HUNG_AFTER_S)
         run.check_hung()
-        survivors = run.c.survivors()
-        dead = [p.name for p in survivors if not p.alive()]
+        dead = [p.name for p in run.c.survivors() if not p.alive()]
         transfers_again(t)
         assert_no_leaks([run.c.pre, run.c.dec])
         leaked = [p.stats()[0] for p in (run.c.pre, run.c.dec)]
-        counts = t.counts()
-        report = {"seed": seed, "faults": sum(run.faults.values()), "by_kind": run.faults,
-                  "rooms": counts["rooms"], "success": counts["success"], "failed": counts["failed"],
-                  "ended_with_a_killed_decode": counts["lost"], "hung": len(run.hung),
-                  "wrong_bytes": len(t.wrong_bytes()), "leaked_rooms": sum(leaked), "dead_processes": dead,
-                  "seconds": round(time.monotonic() - t0, 1)}
-        print("random fault run: " + json.dumps(report))
-        if os.environ.get("KVFERRY_FAULTS_REPORT"):
-            with open(os.environ["KVFERRY_FAULTS_REPORT"], "w") as f:
-                json.dump(report, f, indent=1)
+        report = figures(run, seed, t0, sum(leaked), dead)
         assert settled and not run.hung, f"rooms hung: {sorted(run.hung)[:20]}"
         assert not t.wrong_bytes(), f"Success with wrong bytes: {describe(t.wrong_bytes())}"
         assert not dead, f"processes died: {dead}"
         assert sum(leaked) == 0
-        assert counts["success"] > 0
+        assert t.counts()["success"] > 0
     finally:
+        report = report or dict(figures(run, seed, t0), aborted=True)
+        print("random fault run: " + json.dumps(report), flush=True)
+        if os.environ.get("KVFERRY_FAULTS_REPORT"):
+            with open(os.environ["KVFERRY_FAULTS_REPORT"], "w") as f:
+                json.dump(report, f, indent=1)
         run.close()
         reap_all()
