@@ -5,8 +5,8 @@
 set -euo pipefail
 
 PACKAGES=(
-  build-essential cmake pkg-config clang libclang-rt-14-dev
-  libzmq3-dev libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libcmocka-dev
+  build-essential cmake pkg-config clang libclang-rt-14-dev clang-format
+  libzmq3-dev libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libcmocka-dev libsodium-dev
   python3 python3-zmq python3-pytest python3-requests python3-numpy
   iproute2
 )

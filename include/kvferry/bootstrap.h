@@ -7,6 +7,12 @@
  * server. Unlike the reference it answers 404 for unknown ranks, 400 for bad
  * input, 413 for oversized bodies, can require a bearer token for PUT, and
  * exports counters on GET /metrics (Prometheus text format).
+ *
+ * Threads. The server answers requests on its own thread. Every call may be
+ * made from any thread except a request handler; kvf_bootstrap_server_destroy
+ * must be the last call on a server. Blocking: _create binds and starts the
+ * thread (no network wait); _destroy waits for requests in progress, each
+ * bounded by idle_timeout_s. Nothing else blocks.
  */
 #ifndef KVFERRY_BOOTSTRAP_H
 #define KVFERRY_BOOTSTRAP_H
@@ -19,35 +25,49 @@ extern "C" {
 
 typedef struct kvf_bootstrap_server kvf_bootstrap_server;
 
+/* Options of kvf_bootstrap_server_create. Always start from
+ * kvf_bootstrap_server_config_init: it sets `size`, which lets later library
+ * versions add fields at the end without breaking programs built against
+ * these headers. */
 typedef struct kvf_bootstrap_server_config {
+  size_t size;            /* sizeof(kvf_bootstrap_server_config), set by _config_init */
   const char *host;       /* address to bind; default "0.0.0.0" (all IPv4 interfaces, as the reference);
                              an IPv6 literal such as "::" binds IPv6 */
   uint16_t port;          /* default 8998; 0 = any free port (see kvf_bootstrap_server_port) */
   const char *auth_token; /* bearer token PUT /route must carry; NULL = $KVFERRY_BOOTSTRAP_TOKEN,
                              "" = none. GETs and HEADs stay open. */
   size_t max_body;        /* largest PUT body accepted, bytes; default 65536, 413 beyond */
-  unsigned max_conns;     /* concurrent connections; default 256 */
-  unsigned idle_timeout_s; /* a connection idle this long is closed; default 30 */
+  unsigned max_conns;     /* concurrent connections; default 1024. Near the limit a new connection
+                             evicts the oldest one still waiting for its request headers (else the
+                             oldest request in progress). */
+  unsigned idle_timeout_s; /* a connection idle this long is closed; default 30. Each request must
+                             also be complete within min(this, 10 s) of the connection's start or
+                             its previous reply, however its bytes trickle in. */
 } kvf_bootstrap_server_config;
 
-/* Fill `cfg` with the defaults above. */
-void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg);
+/* Fill `cfg` with the defaults above and set cfg->size. Any thread. */
+KVF_API void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg);
+
+/* Set the field called `name` (e.g. "port") from its text form, as
+ * kvf_engine_config_set does (strings are not copied). 0, KVF_ENOTFOUND,
+ * KVF_EINVAL. Any thread, on a cfg no other thread uses. */
+KVF_API int kvf_bootstrap_server_config_set(kvf_bootstrap_server_config *cfg, const char *name, const char *value);
 
 /* Bind and start serving on an internal thread. `cfg` may be NULL for the
  * defaults; it is only read during the call (strings are copied). On success
- * the caller owns *out and must release it with kvf_bootstrap_server_stop.
- * Errors: KVF_EINVAL (bad host or config), KVF_EIO (bind failed, e.g. port in
- * use), KVF_ENOMEM. Any thread. */
-int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg, kvf_bootstrap_server **out);
+ * the caller owns *out and must release it with kvf_bootstrap_server_destroy.
+ * Errors: KVF_EINVAL (bad host, or a config not set up by _config_init),
+ * KVF_EIO (bind failed, e.g. port in use), KVF_ENOMEM. Any thread. */
+KVF_API int kvf_bootstrap_server_create(const kvf_bootstrap_server_config *cfg, kvf_bootstrap_server **out);
 
 /* The port the server listens on (the chosen one when cfg->port was 0).
  * Any thread, while the server exists. */
-uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv);
+KVF_API uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv);
 
 /* Stop serving, close every connection and free the server; requests in
  * progress finish first. NULL is ignored. Call once, from any thread except a
  * request handler, with no other call on `srv` in progress. */
-void kvf_bootstrap_server_stop(kvf_bootstrap_server *srv);
+KVF_API void kvf_bootstrap_server_destroy(kvf_bootstrap_server *srv);
 
 #ifdef __cplusplus
 }

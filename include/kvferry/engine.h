@@ -4,6 +4,20 @@
  * into, and writes batches of (local source, remote destination, length)
  * blocks into the registered memory of other engines. Semantics follow the
  * Mooncake TransferEngine as tokenspeed uses it.
+ *
+ * Threads. Every engine call may be made from any thread, and calls on one
+ * engine may run concurrently (many threads may write at once), except
+ * kvf_engine_destroy, which must be the last call on the engine. A batch
+ * (kvf_batch) is polled, waited for and destroyed by one thread at a time.
+ * The engine runs its own threads (accept, inbound connections, senders).
+ * Calls that block, and for how long at most:
+ *   kvf_engine_write           until the peer confirms, at most timeout_ms
+ *   kvf_batch_wait             its timeout_ms (< 0: the batch's deadline)
+ *   kvf_batch_destroy          until the batch completes (its deadline)
+ *   kvf_engine_unregister      until a write in progress into the region lets go (~100 ms)
+ *   kvf_engine_create          binding and starting threads (no network wait)
+ *   kvf_engine_destroy         until in-flight batches fail or finish (timeout_ms)
+ * Every other call returns without waiting on the network.
  */
 #ifndef KVFERRY_ENGINE_H
 #define KVFERRY_ENGINE_H
@@ -17,7 +31,11 @@ extern "C" {
 typedef struct kvf_engine kvf_engine;
 typedef struct kvf_batch kvf_batch;
 
+/* Options of kvf_engine_create. Always start from kvf_engine_config_init:
+ * it sets `size`, which lets later library versions add fields at the end
+ * without breaking programs built against these headers. */
 typedef struct kvf_engine_config {
+  size_t size;             /* sizeof(kvf_engine_config), set by kvf_engine_config_init */
   const char *host;        /* address to listen on and advertise; default "127.0.0.1" */
   uint16_t port;           /* 0 = any free port (default) */
   const char *transport;   /* "tcp" (default) */
@@ -50,61 +68,83 @@ typedef struct kvf_engine_stats {
   uint64_t auth_refused;       /* target side: peers refused for a wrong or missing secret */
   uint64_t protocol_errors;    /* target side: malformed frames (connection dropped) */
   uint64_t conns_refused;      /* target side: over max_inbound_conns */
+  uint64_t conns_timed_out;    /* target side: dropped at the hello or chunk deadline */
+  uint64_t conns_evicted;      /* target side: idle or unauthenticated, closed to make room */
 } kvf_engine_stats;
 
-/* Fill `cfg` with defaults (environment overrides are applied at create). */
-void kvf_engine_config_init(kvf_engine_config *cfg);
+/* Fill `cfg` with defaults and set cfg->size (environment overrides are
+ * applied at create). Any thread. */
+KVF_API void kvf_engine_config_init(kvf_engine_config *cfg);
 
-/* Create an engine and start listening. `cfg` may be NULL for defaults. The
- * caller owns *out and frees it with kvf_engine_destroy. Any thread. */
-int kvf_engine_create(const kvf_engine_config *cfg, kvf_engine **out);
+/* Set the field called `name` (the member's name, e.g. "timeout_ms") from
+ * its text form: decimal for numbers; strings are not copied, `value` must
+ * stay valid until kvf_engine_create has returned. For bindings and config
+ * files. 0; KVF_ENOTFOUND (no such field), KVF_EINVAL (bad value or a cfg
+ * not initialised). Any thread, on a cfg no other thread uses. */
+KVF_API int kvf_engine_config_set(kvf_engine_config *cfg, const char *name, const char *value);
+
+/* Create an engine and start listening. `cfg` (NULL for defaults) is only
+ * read during the call; KVF_EINVAL if it was not set up by
+ * kvf_engine_config_init. The caller owns *out and frees it with
+ * kvf_engine_destroy. Any thread. */
+KVF_API int kvf_engine_create(const kvf_engine_config *cfg, kvf_engine **out);
 
 /* Stop listening, fail in-flight batches, join threads, free. Batches still
- * held by the caller must be freed before this call. NULL is a no-op. */
-void kvf_engine_destroy(kvf_engine *engine);
+ * held by the caller must be destroyed before this call. NULL is a no-op.
+ * Blocks up to timeout_ms. Any thread, as the last call on the engine. */
+KVF_API void kvf_engine_destroy(kvf_engine *engine);
 
-/* "host:port" of this engine; owned by the engine, valid until destroy. */
-const char *kvf_engine_session_id(const kvf_engine *engine);
-/* The port the engine listens on. */
-uint16_t kvf_engine_port(const kvf_engine *engine);
+/* "host:port" of this engine; owned by the engine, valid until destroy.
+ * Any thread. */
+KVF_API const char *kvf_engine_session_id(const kvf_engine *engine);
+/* The port the engine listens on. Any thread. */
+KVF_API uint16_t kvf_engine_port(const kvf_engine *engine);
 
 /* Register [addr, addr+len) so peers may write into it and local writes may
  * read from it. Overlapping an existing region is KVF_EEXIST. Any thread. */
-int kvf_engine_register(kvf_engine *engine, void *addr, size_t len);
-/* Unregister the region that starts at addr. KVF_ENOTFOUND if none. Waits for
- * writes into the region that are in progress. Any thread. */
-int kvf_engine_unregister(kvf_engine *engine, void *addr);
+KVF_API int kvf_engine_register(kvf_engine *engine, void *addr, size_t len);
+/* Unregister the region that starts at addr. KVF_ENOTFOUND if none. A peer's
+ * write into the region that is in progress is cut short (its batch is
+ * refused with KVF_ERANGE); this waits only until that receiver lets go, about
+ * 100 ms at most, and no byte lands in the region after it returns. Register
+ * never waits on a peer. Any thread. */
+KVF_API int kvf_engine_unregister(kvf_engine *engine, void *addr);
 
 /* Write `n` blocks to the engine named by `session` ("host:port") and wait
  * until the peer confirms every byte landed, or the deadline passes. The
  * peer refuses the whole batch (KVF_ERANGE, no byte written) unless every
  * destination lies inside memory it registered. Sources must lie in memory
  * registered locally. Any thread; many threads may write at once. */
-int kvf_engine_write(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n);
+KVF_API int kvf_engine_write(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n);
 
 /* Start the same batch asynchronously. The blocks are copied; the source
  * memory must stay valid until the batch completes. The caller owns *out and
- * frees it with kvf_batch_free (which waits for completion first). */
-int kvf_engine_submit(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
-                      kvf_batch **out);
+ * frees it with kvf_batch_destroy (which waits for completion first). Never
+ * blocks on the network. Any thread. */
+KVF_API int kvf_engine_submit(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
+                              kvf_batch **out);
 
-/* 1 = done, 0 = in progress, negative KVF_E* = failed. Never blocks. */
-int kvf_batch_poll(kvf_batch *batch);
+/* 0 = done, KVF_EAGAIN = still in progress, another negative KVF_E* = the
+ * batch failed (the library-wide rule for polling an operation, see
+ * kvferry.h). Never blocks. The batch's thread. */
+KVF_API int kvf_batch_poll(kvf_batch *batch);
 /* Wait up to timeout_ms (< 0: until the batch deadline) for completion; returns
- * 0 when done, KVF_ETIMEDOUT if still in progress, or the batch's error. */
-int kvf_batch_wait(kvf_batch *batch, int timeout_ms);
-/* Wait for completion (bounded by the batch deadline) and free. NULL ok. */
-void kvf_batch_free(kvf_batch *batch);
+ * 0 when done, KVF_ETIMEDOUT if still in progress, or the batch's error.
+ * The batch's thread. */
+KVF_API int kvf_batch_wait(kvf_batch *batch, int timeout_ms);
+/* Wait for completion (bounded by the batch deadline) and free. NULL ok.
+ * The batch's thread, as the last call on the batch. */
+KVF_API void kvf_batch_destroy(kvf_batch *batch);
 
 /* Memory ordering point for registered memory. Peers write into it from the
  * engine's threads; call this after learning (by any channel: an M3, an ack,
  * a pipe) that bytes have landed and before reading them, and after changing
  * registered memory locally before telling a peer it may write there. It is
  * free on x86 and makes the ordering visible to ThreadSanitizer. Any thread. */
-void kvf_engine_sync(kvf_engine *engine);
+KVF_API void kvf_engine_sync(kvf_engine *engine);
 
 /* Copy the engine's counters into *out. Any thread. */
-void kvf_engine_get_stats(const kvf_engine *engine, kvf_engine_stats *out);
+KVF_API void kvf_engine_get_stats(const kvf_engine *engine, kvf_engine_stats *out);
 
 #ifdef __cplusplus
 }

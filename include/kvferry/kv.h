@@ -1,8 +1,35 @@
 /*
  * KV managers: the decode side (receivers) and the prefill side (senders) of
  * the tokenspeed "mooncake" PD protocol. One manager per rank owns a transfer
- * engine, a ZMQ PULL socket and the room table. Poll values are numerically
- * the spec's TransferPoll values.
+ * engine, a ZMQ PULL socket and the room table. A room is one request's KV
+ * transfer; a receiver (decode) or sender (prefill) is its handle.
+ *
+ * Threads. A manager runs its own threads (control listener; decode:
+ * heartbeat; prefill: transfer workers). Every call may be made from any
+ * thread, with two rules: calls on one handle (a kvf_receiver or kvf_sender)
+ * must not overlap, i.e. a handle is used by one thread at a time (in
+ * tokenspeed that is the scheduler's loop, but any thread will do); and
+ * kvf_manager_destroy comes after every handle of the manager is destroyed
+ * and no other call on it is in progress. Calls on different handles, and
+ * the manager's getters, may run concurrently. Calls that block, and for how
+ * long at most:
+ *   kvf_manager_create    prefill: PUT /route to the bootstrap server,
+ *                         retried within 3 x http_timeout_ms
+ *   kvf_manager_destroy   joins its threads; a transfer in flight ends within
+ *                         the engine's timeout_ms
+ *   kvf_receiver_create   on a cache miss, HTTP GETs to the bootstrap server
+ *                         (parallel info, then each target rank's address;
+ *                         each bounded by http_timeout_ms), then one ZMQ
+ *                         send of M1 per target rank (1 s send timeout each)
+ *   kvf_receiver_init     one ZMQ send of M2 per target rank (1 s each)
+ *   kvf_sender_set_metadata, kvf_sender_poll, kvf_sender_abort
+ *                         may send M3s: one ZMQ send per decode destination
+ *                         (1 s each)
+ * Every other call returns without waiting on the network; sends are queued
+ * to the manager's transfer workers.
+ *
+ * Polls. kvf_receiver_poll and kvf_sender_poll return the room's state, a
+ * kvf_poll_status (the spec's TransferPoll values), never an error code.
  */
 #ifndef KVFERRY_KV_H
 #define KVFERRY_KV_H
@@ -14,17 +41,24 @@
 extern "C" {
 #endif
 
-/* TransferPoll values (PROTOCOL.md §2.1). */
-enum {
+/* A room's state: the spec's TransferPoll values (docs/PROTOCOL.md §2.1), also
+ * the status numbers on the wire. Not an error code: FAILED is 0. Success
+ * and Failed are final. */
+typedef enum kvf_poll_status {
   KVF_POLL_FAILED = 0,
   KVF_POLL_BOOTSTRAPPING = 1,
   KVF_POLL_BOOTSTRAPPED = 2,
   KVF_POLL_WAITING_FOR_INPUT = 3,
   KVF_POLL_TRANSFERRING = 4,
   KVF_POLL_SUCCESS = 5,
-};
+} kvf_poll_status;
 
 enum { KVF_ROLE_PREFILL = 0, KVF_ROLE_DECODE = 1 };
+
+/* Most speculative candidate ids one room carries (one M3). Both sides use
+ * this one limit: a sender refuses more (KVF_ETOOBIG), a decode drops an M3
+ * with more. */
+#define KVF_MAX_CANDIDATES 64
 
 /* The rank's buffers. KV buffer i holds pages of kv_item_lens[i] bytes from
  * kv_ptrs[i] (kv_lens[i] bytes in all). Layers: layer l uses the buffers
@@ -48,7 +82,11 @@ typedef struct kvf_kv_buffers {
   const uint64_t *state_unit_lens;
 } kvf_kv_buffers;
 
+/* Options of kvf_manager_create. Always start from kvf_manager_config_init:
+ * it sets `size`, which lets later library versions add fields at the end
+ * without breaking programs built against these headers. */
 typedef struct kvf_manager_config {
+  size_t size;                /* sizeof(kvf_manager_config), set by kvf_manager_config_init */
   int role;                   /* KVF_ROLE_PREFILL or KVF_ROLE_DECODE */
   const char *host;           /* local IP for the engine, PULL socket and adverts; default 127.0.0.1 */
   int engine_rank;            /* global rank in its instance; default 0 */
@@ -59,7 +97,8 @@ typedef struct kvf_manager_config {
   const char *bootstrap_addr; /* prefill: "host:port" of its bootstrap server (PUT /route) */
   const char *bootstrap_token;/* prefill: bearer token for PUT /route; NULL = $KVFERRY_BOOTSTRAP_TOKEN */
   kvf_engine *engine;         /* optional shared engine (not owned); NULL = create one */
-  kvf_engine_config engine_cfg; /* used when engine is NULL */
+  const kvf_engine_config *engine_cfg; /* for the engine created when `engine` is NULL; NULL = defaults
+                                          with `host` above; read only during kvf_manager_create */
   /* Timeouts and sizes; <= 0 picks the default, then TOKENSPEED_DISAGGREGATION_* env overrides. */
   double bootstrap_timeout_s;   /* sender in Bootstrapping; default 120 */
   double waiting_timeout_s;     /* receiver waiting for the transfer after init; default 300 */
@@ -69,6 +108,16 @@ typedef struct kvf_manager_config {
   int queue_size;               /* prefill transfer queues/workers; default 4 */
   int http_timeout_ms;          /* bootstrap HTTP calls; default 5000 */
   size_t max_rooms;             /* live-room bound; default 1<<20 */
+  /* Decode: KV layers [0, target_layer_num) of the layer layout are the
+   * target model's, the rest the draft model's (the reference's
+   * KVArgs.target_layer_num): heterogeneous-TP plans label the latter's
+   * fragments draft_k/draft_v. 0 (default) = every layer is a target layer. */
+  size_t target_layer_num;
+  /* Shared secret that authenticates every control message (M1/M2/M3) with an
+   * HMAC frame (docs/WIRE-EXTENSIONS.md); every kvferry peer of the deployment
+   * must use the same one, and tokenspeed peers cannot join while it is set.
+   * NULL = $KVFERRY_CONTROL_TOKEN; "" (or unset) = off. */
+  const char *control_token;
 } kvf_manager_config;
 
 typedef struct kvf_manager kvf_manager;
@@ -84,106 +133,185 @@ typedef struct kvf_manager_stats {
   uint64_t bytes_sent;
   uint64_t heartbeat_failures;  /* decode: failed probes */
   uint64_t node_failures;       /* decode: prefill instances declared dead */
+  uint64_t messages_forged;     /* from a peer the room was not planned with, or a missing/wrong MAC: dropped */
 } kvf_manager_stats;
 
-void kvf_manager_config_init(kvf_manager_config *cfg);
+/* Fill `cfg` with the defaults above and set cfg->size. Any thread. */
+KVF_API void kvf_manager_config_init(kvf_manager_config *cfg);
+/* Set the field called `name` (e.g. "waiting_timeout_s", "role" as 0/1 or
+ * "prefill"/"decode") from its text form, as kvf_engine_config_set does
+ * (strings are not copied). The pointer fields `engine` and `engine_cfg`
+ * are set directly or with kvf_manager_config_set_ptr. 0, KVF_ENOTFOUND,
+ * KVF_EINVAL. Any thread, on a cfg no other thread uses. */
+KVF_API int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value);
+/* Set the pointer field `name` ("engine" or "engine_cfg"), for bindings.
+ * 0, KVF_ENOTFOUND, KVF_EINVAL. Any thread, on a cfg no other thread uses. */
+KVF_API int kvf_manager_config_set_ptr(kvf_manager_config *cfg, const char *name, void *value);
 
 /* Create a manager for one rank: engine (or the shared one), buffer
  * registration, PULL socket and listener thread; prefill: PUT /route to its
  * bootstrap server (retried within http_timeout_ms * 3) and transfer
- * workers; decode: heartbeat thread. The caller owns *out. Any thread. */
-int kvf_manager_create(const kvf_manager_config *cfg, const kvf_kv_buffers *bufs, kvf_manager **out);
-/* Stop threads, close sockets, free rooms and handles' state. Handles must
- * be destroyed first. NULL ok. */
-void kvf_manager_destroy(kvf_manager *m);
-/* The engine's session id "ip:port"; owned by the manager. */
-const char *kvf_manager_session_id(const kvf_manager *m);
-kvf_engine *kvf_manager_engine(kvf_manager *m);
-void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
+ * workers; decode: heartbeat thread. `cfg` and `bufs` are only read during
+ * the call; KVF_EINVAL if cfg was not set up by kvf_manager_config_init. On
+ * failure nothing stays registered in a shared engine. The caller owns *out
+ * (kvf_manager_destroy). Any thread. */
+KVF_API int kvf_manager_create(const kvf_manager_config *cfg, const kvf_kv_buffers *bufs, kvf_manager **out);
+/* Stop threads, close sockets, free rooms, unregister the buffers it
+ * registered. Every handle must be destroyed first. NULL ok. Any thread, as
+ * the last call on the manager. */
+KVF_API void kvf_manager_destroy(kvf_manager *m);
+/* The engine's session id "ip:port"; owned by the manager. Any thread. */
+KVF_API const char *kvf_manager_session_id(const kvf_manager *m);
+/* The manager's engine (its own or the shared one); borrowed, valid while
+ * the manager lives. Any thread. */
+KVF_API kvf_engine *kvf_manager_engine(kvf_manager *m);
+/* Copy the manager's counters into *out. Any thread. */
+KVF_API void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
 
 /* ---- decode side ---- */
 
 /* Create the receiver for `room` from the prefill instance whose bootstrap
  * server is `bootstrap_addr` ("host:port"): parallel-info and rank lookups
- * (cached), M1 registration once per target set. Never fails because of the
- * peer: a lookup failure leaves the receiver Failed with a reason. Fails
- * (KVF_EEXIST) if the room is already live on this manager. Scheduler thread. */
-int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out);
+ * (cached), M1 registration once per target set. BLOCKS on a cache miss:
+ * HTTP lookups, each bounded by http_timeout_ms, and a ZMQ send per target
+ * (see Threads above). Never fails because of the peer: a lookup failure
+ * leaves the receiver Failed with a reason. KVF_EEXIST if the room is already
+ * live on this manager. The caller owns *out (kvf_receiver_destroy). Any
+ * thread. */
+KVF_API int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out);
 /* Send M2: destination pages (after the decode prefix), request-pool slot,
- * decode_prefix_len in tokens, optional state slots. Starts the waiting timeout. */
-int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int64_t aux_index,
-                      int64_t decode_prefix_len, const int64_t *state_slots, size_t nstate);
-/* Current KVF_POLL_* value; Success/Failed are final. */
-int kvf_receiver_poll(kvf_receiver *r);
-/* Copy the failure reason (empty if none). */
-void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap);
+ * decode_prefix_len in tokens, optional state slots (arrays only read during
+ * the call). Starts the waiting timeout. A send failure fails the room (with
+ * a reason) and still returns 0. The receiver's thread. */
+KVF_API int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int64_t aux_index,
+                              int64_t decode_prefix_len, const int64_t *state_slots, size_t nstate);
+/* The room's current state; Success and Failed are final. Fails the room
+ * when the waiting timeout has passed. Never blocks. The receiver's thread. */
+KVF_API kvf_poll_status kvf_receiver_poll(kvf_receiver *r);
+/* Copy the failure reason (empty if none) into buf (cap bytes, always
+ * terminated). The receiver's thread. */
+KVF_API void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap);
 /* After Success: the first token (-1 none) and up to cap speculative ids
- * (*ncand set; 0 none). Pops: a second call returns -1 / 0. */
-int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, size_t cap, size_t *ncand);
-/* Clear the room from every table and free the handle. NULL ok. */
-void kvf_receiver_destroy(kvf_receiver *r);
+ * (*ncand set; 0 none; KVF_MAX_CANDIDATES always suffices). Pops: a second
+ * call returns -1 / 0. The receiver's thread. */
+KVF_API int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, size_t cap, size_t *ncand);
+/* The route plan's supports_remote_spec_candidates (the reference's
+ * receiver attribute): 1 for identity and legacy-MLA plans, 0 for
+ * fragmented (heterogeneous-TP) ones, whose speculative ids the reference's
+ * decode scheduler ignores. KVF_ESTATE when construction failed (no plan).
+ * The receiver's thread. */
+KVF_API int kvf_receiver_supports_spec(const kvf_receiver *r);
+/* Clear the room from every table and free the handle. NULL ok. The
+ * receiver's thread, as its last call. */
+KVF_API void kvf_receiver_destroy(kvf_receiver *r);
 
 /* ---- prefill side ---- */
 
 /* Create the sender for `room` (Bootstrapping until every expected decode
- * rank has sent its M2). KVF_EEXIST if live. Scheduler thread. */
-int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out);
-/* Submit a chunk: prefill page indices (mapped onto the decode's pages in
- * order), is_last, and on the last chunk the first token (-1 none),
- * speculative ids and state slots. A chunk sent before the decode's M2
- * arrived waits for it (bounded by the bootstrap timeout). */
-int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux_index,
-                    int64_t bootstrap_token, const int32_t *cands, size_t ncand,
-                    const int64_t *state_slots, size_t nstate);
-/* Layerwise send (PROTOCOL §6.9, the reference's send_layerwise): submit the
- * KV of layer indices [layer_begin, layer_end) only, for `npages` prefill
- * pages. index_begin is the position of pages[0] in the decode's
- * destination page list, i.e. already after the decode's prefix (§6.9
- * index_slice = [start - pp, end - pp)): unlike kvf_sender_send, no
- * decode_prefix_len pages are skipped here, the caller has done it. The
- * sender's running index becomes max(current, index_begin + npages); do not
- * mix this call with kvf_sender_send in one room.
- *
- * Call it as each layer group's KV is written: kvferry has no device step
- * counter (§6.10), the readiness wait is the caller's, so the library never
- * waits on the device (§8 item 2). The same pages may be sent once per layer
- * group. A non-last chunk with no pages or no layers is skipped (§6.2) and
- * returns 0. The chunk with is_last set ends the room: it carries the
- * aux index, first token (-1 none), speculative ids and state slots (state
- * buffers go with it), and Success and the decode's M3 come only after it
- * landed; a room's chunks are written in submission order, so every earlier
- * layer group has landed by then. A last chunk may have an empty layer
- * range. KVF_EINVAL if layer_begin > layer_end or layer_end exceeds the KV
- * layer count; KVF_ETOOBIG for lists (or index_begin) past the wire limits;
- * KVF_ESTATE after the last chunk. */
-int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, size_t index_begin,
-                           size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
-                           int64_t bootstrap_token, const int32_t *cands, size_t ncand,
-                           const int64_t *state_slots, size_t nstate);
+ * rank has sent its M2). KVF_EEXIST if live. The caller owns *out
+ * (kvf_sender_destroy). Never blocks. Any thread. */
+KVF_API int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out);
 
-/* bootstrap_token value for the last chunk (kvf_sender_send or
- * kvf_sender_send_layers): "the first token will come through
- * kvf_sender_set_metadata" (PROTOCOL §6.9, §6.11 metadata wait; layerwise
- * sends the last layer group before sampling). The chunk's candidates are
- * then ignored. -1 still means "no token": the M3 carries -1 at once. */
-#define KVF_TOKEN_LATER (-2)
+/* Flags of kvf_send_params. */
+enum {
+  /* This chunk ends the room: it carries the aux index, the first token,
+   * speculative ids and state slots (state buffers go with it); Success and
+   * the decode's M3 come only after it landed. */
+  KVF_SEND_LAST = 1u << 0,
+  /* With KVF_SEND_LAST: the first token will come through
+   * kvf_sender_set_metadata (PROTOCOL §6.9, §6.11 metadata wait; layerwise
+   * sends the last layer group before sampling). bootstrap_token and the
+   * candidates of this chunk are then ignored. */
+  KVF_SEND_TOKEN_LATER = 1u << 1,
+  /* Layerwise (PROTOCOL §6.9, the reference's send_layerwise): only the KV
+   * of layers [layer_begin, layer_end), written from destination index
+   * index_begin on. */
+  KVF_SEND_LAYERS = 1u << 2,
+};
+
+/* One chunk for kvf_sender_send. Start from kvf_send_params_init (it sets
+ * `size`, so later versions can add fields at the end, and the defaults:
+ * no flags, aux_index -1, bootstrap_token -1, no arrays). Arrays are only
+ * read during the call.
+ *
+ * Without KVF_SEND_LAYERS the pages are mapped onto the decode's destination
+ * pages in order, after its decode_prefix_len pages, continuing where the
+ * previous chunk stopped; index_begin and the layer range are ignored.
+ *
+ * With KVF_SEND_LAYERS only layers [layer_begin, layer_end) of the `npages`
+ * prefill pages are written. index_begin is the position of pages[0] in the
+ * decode's destination page list, i.e. already after the decode's prefix
+ * (§6.9 index_slice = [start - pp, end - pp)): no decode_prefix_len pages are
+ * skipped, the caller has done it. The sender's running index becomes
+ * max(current, index_begin + npages); do not mix layerwise and whole-page
+ * chunks in one room. Call it as each layer group's KV is written: kvferry
+ * has no device step counter (§6.10), the readiness wait is the caller's, so
+ * the library never waits on the device (§8 item 2). The same pages may be
+ * sent once per layer group. A non-last chunk with no pages or no layers is
+ * skipped (§6.2) and returns 0. A last chunk may have an empty layer range;
+ * a room's chunks are written in submission order, so every earlier layer
+ * group has landed when the last one has. */
+typedef struct kvf_send_params {
+  size_t size;                /* sizeof(kvf_send_params), set by kvf_send_params_init */
+  uint32_t flags;             /* KVF_SEND_LAST | KVF_SEND_TOKEN_LATER | KVF_SEND_LAYERS */
+  const int64_t *pages;       /* prefill page indices */
+  size_t npages;
+  size_t index_begin;         /* KVF_SEND_LAYERS: destination index of pages[0] */
+  size_t layer_begin;         /* KVF_SEND_LAYERS: first layer */
+  size_t layer_end;           /* KVF_SEND_LAYERS: one past the last layer */
+  int64_t aux_index;          /* last chunk: the request-pool slot; -1 none */
+  int64_t bootstrap_token;    /* last chunk: the first token, -1 none */
+  const int32_t *cands;       /* last chunk: speculative ids, at most KVF_MAX_CANDIDATES */
+  size_t ncand;
+  const int64_t *state_slots; /* last chunk: state slots */
+  size_t nstate;
+} kvf_send_params;
+
+/* Fill *p with the defaults above and set p->size. Any thread. */
+KVF_API void kvf_send_params_init(kvf_send_params *p);
+
+/* Submit a chunk (see kvf_send_params). A chunk sent before the decode's M2
+ * arrived waits for it (bounded by the bootstrap timeout). Never blocks:
+ * chunks are queued to the transfer workers; poll for the outcome.
+ * Errors: KVF_EINVAL (NULL array with a count, unknown flag, TOKEN_LATER
+ * without LAST, bootstrap_token < -1, layer_begin > layer_end or layer_end
+ * past the KV layer count, a params struct not set up by
+ * kvf_send_params_init); KVF_ETOOBIG (more than KVF_MAX_CANDIDATES
+ * candidates, lists or index_begin past the wire limits, too many chunks
+ * waiting for the M2); KVF_ESTATE after the last chunk. The sender's
+ * thread. */
+KVF_API int kvf_sender_send(kvf_sender *s, const kvf_send_params *p);
 
 /* Publish the room's first token (-1 none) and speculative ids (the
- * reference's set_prefill_metadata). Once the KVF_TOKEN_LATER last chunk has
- * landed on every destination, this sends the M3 Success with them and makes
- * the room Success; published earlier, they are kept and used when the chunk
- * lands. While the room waits, kvf_sender_poll bounds the wait (the reference
- * waits forever, §8 item 2): bootstrap_timeout_s after the chunk landed it
- * fails the room ("Request <R>: first token not published within <X>s after
- * its KV landed") and sends M3 Failed. 0; KVF_EEXIST if already published
- * (the first wins); KVF_ENOTFOUND if the room is no longer known; KVF_EINVAL,
- * KVF_ETOOBIG (ncand past the wire limit). Scheduler thread. */
-int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand);
-int kvf_sender_poll(kvf_sender *s);
-void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap);
-/* Fail the room with `reason` and tell every known decode destination. */
-void kvf_sender_abort(kvf_sender *s, const char *reason);
-void kvf_sender_destroy(kvf_sender *s);
+ * reference's set_prefill_metadata) for a last chunk sent with
+ * KVF_SEND_TOKEN_LATER. Once that chunk has landed on every destination,
+ * this sends the M3 Success with them and makes the room Success; published
+ * earlier, they are kept and used when the chunk lands. While the room
+ * waits, kvf_sender_poll bounds the wait (the reference waits forever, §8
+ * item 2): bootstrap_timeout_s after the chunk landed it fails the room
+ * ("Request <R>: first token not published within <X>s after its KV
+ * landed") and sends M3 Failed. 0; KVF_EEXIST if already published (the
+ * first wins); KVF_ENOTFOUND if the room is no longer known; KVF_EINVAL;
+ * KVF_ETOOBIG (more than KVF_MAX_CANDIDATES). The sender's thread. */
+KVF_API int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand);
+/* The decode destinations known so far (the reference's
+ * transfer_infos[room]): M2s received from real (*nreal) and dummy (*ndummy)
+ * destinations, and the decode_prefix_len (tokens) of the first real one (0
+ * when none). 0; KVF_ENOTFOUND if the room is gone. Any thread. */
+KVF_API int kvf_sender_dest_info(kvf_sender *s, size_t *nreal, size_t *ndummy, int64_t *decode_prefix_len);
+/* The room's current state; Success and Failed are final. Applies the
+ * bootstrap and token-wait timeouts. The sender's thread. */
+KVF_API kvf_poll_status kvf_sender_poll(kvf_sender *s);
+/* Copy the failure reason (empty if none) into buf (cap bytes, always
+ * terminated). The sender's thread. */
+KVF_API void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap);
+/* Fail the room with `reason` and tell every known decode destination.
+ * The sender's thread. */
+KVF_API void kvf_sender_abort(kvf_sender *s, const char *reason);
+/* Clear the room and free the handle; chunks not yet written are dropped
+ * (one being written finishes on its worker). NULL ok. The sender's thread,
+ * as its last call. */
+KVF_API void kvf_sender_destroy(kvf_sender *s);
 
 #ifdef __cplusplus
 }

@@ -1,10 +1,17 @@
 """Loading libkvferry.so and declaring its C API for ctypes.
 
-The structures below mirror include/kvferry/*.h field for field; ctypes lays
-them out with the platform's C alignment rules, so the padding the compiler
-inserts (after a uint16_t port, after an int before a pointer) is reproduced
-as long as the field order and types match the header. tests/python checks
-the offsets against the C compiler.
+Everything comes from the library itself where it can:
+- every C function is declared once, in _PROTOTYPES below;
+- the constants (error codes, KVF_POLL_*, KVF_ROLE_*, KVF_SEND_*,
+  KVF_MAX_CANDIDATES, ...) are read with kvf_const_at when the module loads,
+  and exported here under their C names;
+- the config structs (engine, manager, bootstrap server) are not mirrored:
+  Config allocates the library's size, fills it with kvf_*_config_init and
+  sets fields by name through kvf_*_config_set, so a field added in C needs
+  no change here.
+Only the plain data structs the calls exchange (kvf_write, kvf_kv_buffers,
+kvf_send_params, the stats) are declared with ctypes; tests/python checks
+their layout against the C compiler.
 """
 
 import ctypes
@@ -16,38 +23,6 @@ c_u64p = ctypes.POINTER(ctypes.c_uint64)
 c_i64p = ctypes.POINTER(ctypes.c_int64)
 c_i32p = ctypes.POINTER(ctypes.c_int32)
 c_u32p = ctypes.POINTER(ctypes.c_uint32)
-
-# Error codes (include/kvferry/common.h).
-KVF_OK = 0
-KVF_EINVAL = -1
-KVF_ENOMEM = -2
-KVF_EIO = -3
-KVF_ETIMEDOUT = -4
-KVF_ECLOSED = -5
-KVF_EACCES = -6
-KVF_ERANGE = -7
-KVF_ENOTFOUND = -8
-KVF_EBUSY = -9
-KVF_EPROTO = -10
-KVF_ECONNREFUSED = -11
-KVF_ESTATE = -12
-KVF_EEXIST = -13
-KVF_ETOOBIG = -14
-
-KVF_ROLE_PREFILL = 0
-KVF_ROLE_DECODE = 1
-
-
-class kvf_engine_config(ctypes.Structure):
-    _fields_ = [
-        ("host", ctypes.c_char_p),
-        ("port", ctypes.c_uint16),
-        ("transport", ctypes.c_char_p),
-        ("auth_token", ctypes.c_char_p),
-        ("timeout_ms", ctypes.c_int),
-        ("conns_per_peer", ctypes.c_int),
-        ("max_inbound_conns", ctypes.c_int),
-    ]
 
 
 class kvf_write(ctypes.Structure):
@@ -74,18 +49,9 @@ class kvf_engine_stats(ctypes.Structure):
             "auth_refused",
             "protocol_errors",
             "conns_refused",
+            "conns_timed_out",
+            "conns_evicted",
         )
-    ]
-
-
-class kvf_bootstrap_server_config(ctypes.Structure):
-    _fields_ = [
-        ("host", ctypes.c_char_p),
-        ("port", ctypes.c_uint16),
-        ("auth_token", ctypes.c_char_p),
-        ("max_body", ctypes.c_size_t),
-        ("max_conns", ctypes.c_uint),
-        ("idle_timeout_s", ctypes.c_uint),
     ]
 
 
@@ -107,30 +73,6 @@ class kvf_kv_buffers(ctypes.Structure):
     ]
 
 
-class kvf_manager_config(ctypes.Structure):
-    _fields_ = [
-        ("role", ctypes.c_int),
-        ("host", ctypes.c_char_p),
-        ("engine_rank", ctypes.c_int),
-        ("world_size", ctypes.c_int),
-        ("dp_size", ctypes.c_int),
-        ("page_size", ctypes.c_int),
-        ("is_mla", ctypes.c_int),
-        ("bootstrap_addr", ctypes.c_char_p),
-        ("bootstrap_token", ctypes.c_char_p),
-        ("engine", ctypes.c_void_p),
-        ("engine_cfg", kvf_engine_config),
-        ("bootstrap_timeout_s", ctypes.c_double),
-        ("waiting_timeout_s", ctypes.c_double),
-        ("heartbeat_interval_s", ctypes.c_double),
-        ("heartbeat_max_failures", ctypes.c_int),
-        ("failed_session_ttl_s", ctypes.c_double),
-        ("queue_size", ctypes.c_int),
-        ("http_timeout_ms", ctypes.c_int),
-        ("max_rooms", ctypes.c_size_t),
-    ]
-
-
 class kvf_manager_stats(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_uint64)
@@ -143,19 +85,38 @@ class kvf_manager_stats(ctypes.Structure):
             "bytes_sent",
             "heartbeat_failures",
             "node_failures",
+            "messages_forged",
         )
     ]
 
 
-# Every struct the binding passes by pointer, for the layout test.
+class kvf_send_params(ctypes.Structure):
+    """One chunk for kvf_sender_send; `size` is set by kvf_send_params_init."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("flags", ctypes.c_uint32),
+        ("pages", c_i64p),
+        ("npages", ctypes.c_size_t),
+        ("index_begin", ctypes.c_size_t),
+        ("layer_begin", ctypes.c_size_t),
+        ("layer_end", ctypes.c_size_t),
+        ("aux_index", ctypes.c_int64),
+        ("bootstrap_token", ctypes.c_int64),
+        ("cands", c_i32p),
+        ("ncand", ctypes.c_size_t),
+        ("state_slots", c_i64p),
+        ("nstate", ctypes.c_size_t),
+    ]
+
+
+# Every struct the binding declares, for the layout test.
 STRUCTS = {
-    "kvf_engine_config": kvf_engine_config,
     "kvf_write": kvf_write,
     "kvf_engine_stats": kvf_engine_stats,
-    "kvf_bootstrap_server_config": kvf_bootstrap_server_config,
     "kvf_kv_buffers": kvf_kv_buffers,
-    "kvf_manager_config": kvf_manager_config,
     "kvf_manager_stats": kvf_manager_stats,
+    "kvf_send_params": kvf_send_params,
 }
 
 _vp = ctypes.c_void_p
@@ -163,50 +124,62 @@ _int = ctypes.c_int
 _cp = ctypes.c_char_p
 _sz = ctypes.c_size_t
 _i64 = ctypes.c_int64
+_P = ctypes.POINTER
 
-# name: (restype, argtypes). Handles are opaque void pointers.
+# name: (restype, argtypes): the whole C API, in header order. Handles and
+# configs are opaque void pointers.
 _PROTOTYPES = {
+    # common.h
     "kvf_strerror": (_cp, [_int]),
+    "kvf_err_name": (_cp, [_int]),
+    "kvf_const": (_int, [_cp, c_i64p]),
+    "kvf_const_at": (_cp, [_sz, c_i64p]),
     "kvf_set_log_level": (None, [_int]),
     "kvf_version": (_cp, []),
-    # engine
-    "kvf_engine_config_init": (None, [ctypes.POINTER(kvf_engine_config)]),
-    "kvf_engine_create": (_int, [ctypes.POINTER(kvf_engine_config), ctypes.POINTER(_vp)]),
+    "kvf_version_compatible": (_int, [_int, _int]),
+    # bootstrap.h
+    "kvf_bootstrap_server_config_init": (None, [_vp]),
+    "kvf_bootstrap_server_config_set": (_int, [_vp, _cp, _cp]),
+    "kvf_bootstrap_server_create": (_int, [_vp, _P(_vp)]),
+    "kvf_bootstrap_server_port": (ctypes.c_uint16, [_vp]),
+    "kvf_bootstrap_server_destroy": (None, [_vp]),
+    # engine.h
+    "kvf_engine_config_init": (None, [_vp]),
+    "kvf_engine_config_set": (_int, [_vp, _cp, _cp]),
+    "kvf_engine_create": (_int, [_vp, _P(_vp)]),
     "kvf_engine_destroy": (None, [_vp]),
     "kvf_engine_session_id": (_cp, [_vp]),
     "kvf_engine_port": (ctypes.c_uint16, [_vp]),
     "kvf_engine_register": (_int, [_vp, _vp, _sz]),
     "kvf_engine_unregister": (_int, [_vp, _vp]),
     "kvf_engine_write": (_int, [_vp, _cp, _vp, _sz]),
-    "kvf_engine_submit": (_int, [_vp, _cp, _vp, _sz, ctypes.POINTER(_vp)]),
+    "kvf_engine_submit": (_int, [_vp, _cp, _vp, _sz, _P(_vp)]),
     "kvf_batch_poll": (_int, [_vp]),
     "kvf_batch_wait": (_int, [_vp, _int]),
-    "kvf_batch_free": (None, [_vp]),
+    "kvf_batch_destroy": (None, [_vp]),
     "kvf_engine_sync": (None, [_vp]),
-    "kvf_engine_get_stats": (None, [_vp, ctypes.POINTER(kvf_engine_stats)]),
-    # bootstrap server
-    "kvf_bootstrap_server_config_init": (None, [ctypes.POINTER(kvf_bootstrap_server_config)]),
-    "kvf_bootstrap_server_start": (_int, [ctypes.POINTER(kvf_bootstrap_server_config), ctypes.POINTER(_vp)]),
-    "kvf_bootstrap_server_port": (ctypes.c_uint16, [_vp]),
-    "kvf_bootstrap_server_stop": (None, [_vp]),
-    # kv managers
-    "kvf_manager_config_init": (None, [ctypes.POINTER(kvf_manager_config)]),
-    "kvf_manager_create": (
-        _int,
-        [ctypes.POINTER(kvf_manager_config), ctypes.POINTER(kvf_kv_buffers), ctypes.POINTER(_vp)],
-    ),
+    "kvf_engine_get_stats": (None, [_vp, _P(kvf_engine_stats)]),
+    # kv.h
+    "kvf_manager_config_init": (None, [_vp]),
+    "kvf_manager_config_set": (_int, [_vp, _cp, _cp]),
+    "kvf_manager_config_set_ptr": (_int, [_vp, _cp, _vp]),
+    "kvf_manager_create": (_int, [_vp, _P(kvf_kv_buffers), _P(_vp)]),
     "kvf_manager_destroy": (None, [_vp]),
     "kvf_manager_session_id": (_cp, [_vp]),
     "kvf_manager_engine": (_vp, [_vp]),
-    "kvf_manager_get_stats": (None, [_vp, ctypes.POINTER(kvf_manager_stats)]),
-    "kvf_receiver_create": (_int, [_vp, _cp, _i64, ctypes.POINTER(_vp)]),
+    "kvf_manager_get_stats": (None, [_vp, _P(kvf_manager_stats)]),
+    "kvf_receiver_create": (_int, [_vp, _cp, _i64, _P(_vp)]),
     "kvf_receiver_init": (_int, [_vp, c_i64p, _sz, _i64, _i64, c_i64p, _sz]),
     "kvf_receiver_poll": (_int, [_vp]),
     "kvf_receiver_failure": (None, [_vp, _cp, _sz]),
-    "kvf_receiver_pop_metadata": (_int, [_vp, c_i64p, c_i32p, _sz, ctypes.POINTER(_sz)]),
+    "kvf_receiver_pop_metadata": (_int, [_vp, c_i64p, c_i32p, _sz, _P(_sz)]),
+    "kvf_receiver_supports_spec": (_int, [_vp]),
     "kvf_receiver_destroy": (None, [_vp]),
-    "kvf_sender_create": (_int, [_vp, _i64, ctypes.POINTER(_vp)]),
-    "kvf_sender_send": (_int, [_vp, c_i64p, _sz, _int, _i64, _i64, c_i32p, _sz, c_i64p, _sz]),
+    "kvf_sender_create": (_int, [_vp, _i64, _P(_vp)]),
+    "kvf_send_params_init": (None, [_P(kvf_send_params)]),
+    "kvf_sender_send": (_int, [_vp, _P(kvf_send_params)]),
+    "kvf_sender_set_metadata": (_int, [_vp, _i64, c_i32p, _sz]),
+    "kvf_sender_dest_info": (_int, [_vp, _P(_sz), _P(_sz), c_i64p]),
     "kvf_sender_poll": (_int, [_vp]),
     "kvf_sender_failure": (None, [_vp, _cp, _sz]),
     "kvf_sender_abort": (None, [_vp, _cp]),
@@ -296,18 +269,45 @@ _cdll, LIB_PATH = _load()
 lib = _bind(_cdll, LIB_PATH)
 
 
+def _constants(api):
+    """{name: value} of every constant the library lists (kvf_const_at)."""
+    out = {}
+    value = ctypes.c_int64()
+    i = 0
+    while True:
+        name = api.kvf_const_at(i, ctypes.byref(value))
+        if not name:
+            return out
+        out[name.decode()] = int(value.value)
+        i += 1
+
+
+CONSTS = _constants(lib)
+globals().update(CONSTS)  # KVF_EINVAL, KVF_POLL_SUCCESS, KVF_MAX_CANDIDATES, ... as module attributes
+
+
 def strerror(code):
     return lib.kvf_strerror(int(code)).decode("utf-8", "replace")
 
 
-class KVFerryError(Exception):
-    """A kvferry C call failed; `code` is the negative KVF_E* value."""
+def err_name(code):
+    """"KVF_EINVAL" for KVF_EINVAL (kvf_err_name)."""
+    return lib.kvf_err_name(int(code)).decode()
+
+
+class KVFError(Exception):
+    """A kvferry C call failed: `code` is the negative KVF_E* value, `name`
+    its C name ("KVF_ERANGE"), `what` the operation."""
 
     def __init__(self, code, what=""):
         self.code = int(code)
+        self.name = err_name(code)
         self.what = what
-        text = strerror(code)
-        super().__init__(f"{what}: {text} ({code})" if what else f"{text} ({code})")
+        text = f"{strerror(code)} ({self.name})"
+        super().__init__(f"{what}: {text}" if what else text)
+
+
+KVFerryError = KVFError  # the name used before API v1
 
 
 class _Closing:
@@ -329,8 +329,41 @@ class _Closing:
 
 def check(rc, what=""):
     if rc < 0:
-        raise KVFerryError(rc, what)
+        raise KVFError(rc, what)
     return rc
+
+
+class Config:
+    """A C config struct (kind "engine", "manager" or "bootstrap_server") of
+    the library's own size, initialised by kvf_<kind>_config_init; fields are
+    set by their C names with set() (values are passed as text, strings kept
+    alive by this object). Pass .ptr to the create call."""
+
+    def __init__(self, kind):
+        self.kind = kind
+        size = CONSTS[f"KVF_SIZEOF_{kind.upper()}_CONFIG"]
+        self._buf = (ctypes.c_uint64 * ((size + 7) // 8))()  # 8-byte aligned
+        self._keep = []
+        self.ptr = ctypes.cast(self._buf, ctypes.c_void_p)
+        getattr(lib, f"kvf_{kind}_config_init")(self.ptr)
+
+    def set(self, name, value):
+        if isinstance(value, bool):
+            value = int(value)
+        b = to_bytes(value)
+        self._keep.append(b)
+        check(getattr(lib, f"kvf_{self.kind}_config_set")(self.ptr, to_bytes(name), b),
+              f"{self.kind} config {name}={value!r}")
+        return self
+
+    def set_ptr(self, name, value):
+        """A pointer field (manager: "engine", "engine_cfg"); value an int
+        address, a Config or None. The object is kept alive."""
+        if isinstance(value, Config):
+            self._keep.append(value)
+            value = value.ptr
+        check(lib.kvf_manager_config_set_ptr(self.ptr, to_bytes(name), value), f"{self.kind} config {name}")
+        return self
 
 
 def to_bytes(s):

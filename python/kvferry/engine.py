@@ -1,10 +1,12 @@
-"""kvferry's transfer engine behind the interface of mooncake.engine.TransferEngine.
+"""kvferry's transfer engine, with the method names of
+mooncake.engine.TransferEngine.
 
-The Mooncake-named methods keep Mooncake's return conventions (0 or a
-non-negative value on success, a negative number on failure, never an
-exception for a failed transfer), so code written against Mooncake, such as
-tokenspeed's PD layer, runs unchanged. The extra methods (register_array,
-write, sync, get_stats, close) are kvferry's own and raise KVFerryError.
+Every method raises KVFError (with .code, the negative KVF_E* value, and
+.name, e.g. "KVF_ERANGE") when the C call fails; a method that succeeds
+returns None, or its value (a batch id, a status). Code written against
+Mooncake's return conventions (0 / negative numbers, never an exception)
+imports `mooncake.engine` from python/compat instead, whose TransferEngine
+maps these exceptions back to return codes.
 
 Memory registered through the Mooncake methods is named by raw addresses,
 which the caller keeps alive; register_array also keeps the Python object
@@ -20,16 +22,16 @@ from array import array
 
 from ._lib import (
     KVF_EINVAL,
+    KVF_EAGAIN,
     KVF_ENOTFOUND,
     KVF_ESTATE,
-    KVFerryError,
+    Config,
+    KVFError,
     _Closing,
     buffer_address,
     check,
-    kvf_engine_config,
     kvf_engine_stats,
     lib,
-    strerror,
     to_bytes,
 )
 
@@ -89,8 +91,9 @@ class TransferEngine(_Closing):
 
     def initialize(self, local_hostname, metadata_server="P2PHANDSHAKE", protocol="tcp", device_name="",
                    *, port=None, auth_token=None, timeout_ms=0, conns_per_peer=0, max_inbound_conns=0):
-        """Start listening on local_hostname (optionally "host:port"). Returns 0,
-        or a negative KVF_E* value (Mooncake: non-zero is a fatal startup error).
+        """Start listening on local_hostname (optionally "host:port"). Raises
+        KVFError (KVF_ESTATE when called twice, KVF_EIO when the port is
+        taken, ...).
 
         metadata_server: only Mooncake's "P2PHANDSHAKE" mode exists here (peers
         are named by "host:port"); anything else is warned about and ignored.
@@ -99,8 +102,7 @@ class TransferEngine(_Closing):
         RDMA NIC filter) has no meaning for tcp and is ignored.
         """
         if self._h is not None or self._owner is not None:
-            log.error("kvferry: TransferEngine.initialize called twice")
-            return KVF_ESTATE
+            raise KVFError(KVF_ESTATE, "TransferEngine.initialize called twice")
         host, hport = _split_hostname(str(local_hostname or "127.0.0.1"))
         if port is not None:
             hport = int(port)
@@ -112,30 +114,20 @@ class TransferEngine(_Closing):
             log.warning("kvferry: protocol %r is served by kvferry's tcp transport", protocol)
         if device_name:
             log.info("kvferry: device_name %r ignored by the tcp transport", device_name)
-        cfg = kvf_engine_config()
-        lib.kvf_engine_config_init(ctypes.byref(cfg))
-        hb = to_bytes(host)
-        cfg.host = hb
-        if not 0 <= hport <= 65535:
-            return KVF_EINVAL
-        cfg.port = hport
-        tb = to_bytes(auth_token)
+        cfg = Config("engine")
+        cfg.set("host", host).set("port", hport)
         if auth_token is not None:
-            cfg.auth_token = tb
+            cfg.set("auth_token", auth_token)
         if timeout_ms:
-            cfg.timeout_ms = int(timeout_ms)
+            cfg.set("timeout_ms", int(timeout_ms))
         if conns_per_peer:
-            cfg.conns_per_peer = int(conns_per_peer)
+            cfg.set("conns_per_peer", int(conns_per_peer))
         if max_inbound_conns:
-            cfg.max_inbound_conns = int(max_inbound_conns)
+            cfg.set("max_inbound_conns", int(max_inbound_conns))
         h = ctypes.c_void_p()
-        rc = lib.kvf_engine_create(ctypes.byref(cfg), ctypes.byref(h))
-        if rc != 0:
-            log.error("kvferry: engine on %s failed to start: %s", host, strerror(rc))
-            return rc
+        check(lib.kvf_engine_create(cfg.ptr, ctypes.byref(h)), f"engine on {local_hostname}")
         self._h = h.value
         self._hostname = host
-        return 0
 
     @classmethod
     def _wrap(cls, handle, owner):
@@ -165,7 +157,7 @@ class TransferEngine(_Closing):
             batches, self._batches = self._batches, {}
             self._arrays.clear()
         for b in batches.values():
-            lib.kvf_batch_free(b)
+            lib.kvf_batch_destroy(b)
         if h is not None and self._owner is None:
             lib.kvf_engine_destroy(h)
 
@@ -193,89 +185,98 @@ class TransferEngine(_Closing):
         self._require()
         return self._hostname
 
-    # ---- registration (Mooncake conventions) ------------------------------------
+    # ---- registration -----------------------------------------------------------
+
+    def _handle(self):
+        """The handle for a Mooncake-named call: KVFError(KVF_ESTATE) when
+        not initialized or closed."""
+        h = self._live()
+        if h is None:
+            raise KVFError(KVF_ESTATE, "TransferEngine is not initialized (or was closed)")
+        return h
+
+    # The public methods call these, never each other: a subclass (the
+    # Mooncake compat class) may change what the public ones return.
+
+    def _register(self, buffer_addr, capacity):
+        check(lib.kvf_engine_register(self._handle(), int(buffer_addr), int(capacity)),
+              f"register {int(capacity)} bytes at {int(buffer_addr):#x}")
+
+    def _unregister(self, buffer_addr):
+        addr = int(buffer_addr)
+        check(lib.kvf_engine_unregister(self._handle(), addr), f"unregister {addr:#x}")
+        with self._lock:
+            self._arrays.pop(addr, None)
 
     def register_memory(self, buffer_addr, capacity):
         """Register [buffer_addr, buffer_addr+capacity) for peers' writes and
-        as a source of local writes. 0, or negative (overlap, zero length)."""
-        h = self._live()
-        if h is None:
-            return KVF_ESTATE
-        return lib.kvf_engine_register(h, int(buffer_addr), int(capacity))
+        as a source of local writes. Raises KVFError (overlap, zero length)."""
+        self._register(buffer_addr, capacity)
 
     def unregister_memory(self, buffer_addr):
-        h = self._live()
-        if h is None:
-            return KVF_ESTATE
-        addr = int(buffer_addr)
-        rc = lib.kvf_engine_unregister(h, addr)
-        if rc == 0:
-            with self._lock:
-                self._arrays.pop(addr, None)
-        return rc
+        self._unregister(buffer_addr)
 
     def batch_register_memory(self, buffer_addrs, capacities):
+        """All or nothing: on a failure the ones registered are unregistered."""
         if len(buffer_addrs) != len(capacities):
-            return KVF_EINVAL
+            raise KVFError(KVF_EINVAL, "batch_register_memory: lists differ in length")
         done = []
-        for a, n in zip(buffer_addrs, capacities):
-            rc = self.register_memory(a, n)
-            if rc:
-                for d in done:
-                    self.unregister_memory(d)
-                return rc
-            done.append(a)
-        return 0
+        try:
+            for a, n in zip(buffer_addrs, capacities):
+                self._register(a, n)
+                done.append(a)
+        except KVFError:
+            for d in done:
+                self._unregister(d)
+            raise
 
     def batch_unregister_memory(self, buffer_addrs):
-        worst = 0
+        """Unregister every address; raises the first failure after trying all."""
+        first = None
         for a in buffer_addrs:
-            rc = self.unregister_memory(a)
-            if rc < worst:
-                worst = rc
-        return worst
+            try:
+                self._unregister(a)
+            except KVFError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
-    # ---- transfers (Mooncake conventions) ---------------------------------------
+    # ---- transfers ----------------------------------------------------------------
 
     def _packed(self, srcs, dsts, lens):
-        if self._live() is None:
-            return None, KVF_ESTATE
+        self._handle()
         try:
             buf = _pack_writes(srcs, dsts, lens)
         except (OverflowError, TypeError, ValueError) as e:
-            log.error("kvferry: bad transfer list: %s", e)
-            return None, KVF_EINVAL
+            raise KVFError(KVF_EINVAL, f"bad transfer list: {e}") from None
         if buf is None:
-            log.error("kvferry: batch lists differ in length (%d sources, %d destinations, %d lengths)",
-                      len(srcs), len(dsts), len(lens))
-            return None, KVF_EINVAL
-        return buf, 0
+            raise KVFError(KVF_EINVAL, f"batch lists differ in length ({len(srcs)} sources, {len(dsts)} "
+                                       f"destinations, {len(lens)} lengths)")
+        return buf
 
     def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length):
         """Write `length` bytes from local `buffer` to `peer_buffer_address` in
         the engine `target_hostname` ("host:port") and wait until they landed.
-        0, or negative (refused range, unknown peer, timeout)."""
-        return self.batch_transfer_sync_write(target_hostname, [buffer], [peer_buffer_address], [length])
+        Raises KVFError (refused range, unknown peer, timeout)."""
+        self._write(target_hostname, [buffer], [peer_buffer_address], [length])
 
     def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths):
-        """All blocks as one batch: 0 iff every byte landed, negative otherwise
-        (including lists of different lengths)."""
-        buf, rc = self._packed(buffers, peer_buffer_addresses, lengths)
-        if rc:
-            return rc
+        """All blocks as one batch; returns when every byte landed, raises
+        KVFError otherwise (including lists of different lengths)."""
+        self._write(target_hostname, buffers, peer_buffer_addresses, lengths)
+
+    def _write(self, target_hostname, buffers, peer_buffer_addresses, lengths):
+        buf = self._packed(buffers, peer_buffer_addresses, lengths)
         n = len(buf) // _WRITE_WORDS
-        return lib.kvf_engine_write(self._h, to_bytes(target_hostname), buf.buffer_info()[0] if n else None, n)
+        check(lib.kvf_engine_write(self._h, to_bytes(target_hostname), buf.buffer_info()[0] if n else None, n),
+              f"write to {target_hostname}")
 
     def _submit(self, target_hostname, buffers, peer_buffer_addresses, lengths):
-        buf, rc = self._packed(buffers, peer_buffer_addresses, lengths)
-        if rc:
-            return rc
+        buf = self._packed(buffers, peer_buffer_addresses, lengths)
         n = len(buf) // _WRITE_WORDS
         b = ctypes.c_void_p()
-        rc = lib.kvf_engine_submit(self._h, to_bytes(target_hostname), buf.buffer_info()[0] if n else None, n,
-                                   ctypes.byref(b))
-        if rc:
-            return rc
+        check(lib.kvf_engine_submit(self._h, to_bytes(target_hostname), buf.buffer_info()[0] if n else None, n,
+                                    ctypes.byref(b)), f"submit to {target_hostname}")
         with self._lock:
             bid = self._next_batch
             self._next_batch += 1
@@ -283,33 +284,36 @@ class TransferEngine(_Closing):
         return bid
 
     def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length):
-        """Start one write; returns a batch id (> 0) for transfer_check_status,
-        or negative if it could not start. The source must stay valid until
-        the batch is done."""
+        """Start one write; returns a batch id (> 0) for transfer_check_status.
+        Raises KVFError if it could not start. The source must stay valid
+        until the batch is done."""
         return self._submit(target_hostname, [buffer], [peer_buffer_address], [length])
 
     def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses, lengths):
         return self._submit(target_hostname, buffers, peer_buffer_addresses, lengths)
 
     def transfer_check_status(self, batch_id):
-        """1 = done, 0 = in progress, negative = failed (or unknown id). A
-        finished batch (1 or negative) is released; its id is then unknown."""
+        """True = done, False = in progress; raises KVFError when the batch
+        failed (or the id is unknown). A finished batch is released; its id is
+        then unknown."""
         with self._lock:
             b = self._batches.get(batch_id)
         if b is None:
-            return KVF_ENOTFOUND
+            raise KVFError(KVF_ENOTFOUND, f"batch {batch_id}")
         st = lib.kvf_batch_poll(b)
-        if st != 0:
-            with self._lock:
-                b = self._batches.pop(batch_id, None)
-            if b is not None:
-                lib.kvf_batch_free(b)
-        return st
+        if st == KVF_EAGAIN:
+            return False
+        with self._lock:
+            b = self._batches.pop(batch_id, None)
+        if b is not None:
+            lib.kvf_batch_destroy(b)
+        check(st, f"batch {batch_id}")
+        return True
 
     def get_batch_transfer_status(self, batch_ids):
-        """Wait for every batch in batch_ids; 0 if all succeeded, else the first
-        failure. The batches are released."""
-        worst = 0
+        """Wait for every batch in batch_ids and release them; raises the
+        first failure (KVFError) after all are done."""
+        first = None
         for bid in batch_ids:
             with self._lock:
                 b = self._batches.pop(bid, None)
@@ -317,15 +321,15 @@ class TransferEngine(_Closing):
                 rc = KVF_ENOTFOUND
             else:
                 rc = lib.kvf_batch_wait(b, -1)
-                lib.kvf_batch_free(b)
-            if rc < 0 and worst == 0:
-                worst = rc
-        return worst
+                lib.kvf_batch_destroy(b)
+            if rc < 0 and first is None:
+                first = KVFError(rc, f"batch {bid}")
+        if first is not None:
+            raise first
 
     def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length):
         """Not supported: kvferry's engine only writes (as tokenspeed does)."""
-        log.error("kvferry: transfer_sync_read is not supported (one-sided writes only)")
-        return KVF_EINVAL
+        raise KVFError(KVF_EINVAL, "transfer_sync_read is not supported (one-sided writes only)")
 
     # ---- kvferry's own ------------------------------------------------------------
 
@@ -333,21 +337,21 @@ class TransferEngine(_Closing):
         """Register the memory of a numpy array (or ctypes buffer, bytearray,
         mmap, CPU tensor). Returns (ptr, nbytes); the object is kept alive
         until unregister_array/unregister_memory(ptr) or close(). Raises
-        KVFerryError on failure."""
-        h = self._require()
+        KVFError on failure."""
+        self._require()
         addr, n, keep = buffer_address(arr)
-        check(lib.kvf_engine_register(h, addr, n), f"register {n} bytes at {addr:#x}")
+        self._register(addr, n)
         with self._lock:
             self._arrays[addr] = keep
         return addr, n
 
     def unregister_array(self, arr):
         addr, _, _ = buffer_address(arr)
-        check(self.unregister_memory(addr), f"unregister {addr:#x}")
+        self._unregister(addr)
 
     def write(self, target_hostname, writes):
         """Write blocks [(src, dst, len) or (src, dst, len, count, src_stride,
-        dst_stride)] as one batch; raises KVFerryError on failure."""
+        dst_stride)] as one batch; raises KVFError on failure."""
         h = self._require()
         n = len(writes)
         arr = (ctypes.c_uint64 * (_WRITE_WORDS * n))()
@@ -374,4 +378,4 @@ class TransferEngine(_Closing):
         return f"<kvferry.TransferEngine {self.get_session_id()}>"
 
 
-__all__ = ["TransferEngine", "KVFerryError"]
+__all__ = ["TransferEngine", "KVFError"]

@@ -19,69 +19,44 @@ from array import array
 from ._lib import (
     KVF_ENOTFOUND,
     KVF_ESTATE,
+    KVF_MAX_CANDIDATES,
     KVF_ROLE_DECODE,
     KVF_ROLE_PREFILL,
-    KVFerryError,
+    KVF_SEND_LAST,
+    KVF_SEND_LAYERS,
+    KVF_SEND_TOKEN_LATER,
+    Config,
+    KVFError,
     _Closing,
     buffer_address,
     check,
-    kvf_bootstrap_server_config,
     kvf_kv_buffers,
-    kvf_manager_config,
     kvf_manager_stats,
+    kvf_send_params,
     lib,
     to_bytes,
 )
 from . import _lib
 from .engine import TransferEngine
 
-# kvf_sender_send_layers is bound here (the shared prototype table in
-# _lib.py predates it), the same way: argtypes set, or a stand-in that
-# explains when the loaded library lacks the symbol.
-def _bind_send_layers():
-    i64p = ctypes.POINTER(ctypes.c_int64)
-    try:
-        fn = getattr(_lib._cdll, "kvf_sender_send_layers")
-    except AttributeError:
-        return _lib._Missing("kvf_sender_send_layers", _lib.LIB_PATH)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, i64p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
-                   ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
-                   i64p, ctypes.c_size_t]
-    return fn
-
-
-_kvf_sender_send_layers = _bind_send_layers()
-
-
-def _bind_set_metadata():
-    try:
-        fn = getattr(_lib._cdll, "kvf_sender_set_metadata")
-    except AttributeError:
-        return _lib._Missing("kvf_sender_set_metadata", _lib.LIB_PATH)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t]
-    return fn
-
-
-_kvf_sender_set_metadata = _bind_set_metadata()
-
 # bootstrap_token for the last chunk: "the first token comes later, through
-# KVSender.set_metadata" (C: KVF_TOKEN_LATER). -1 means "no token".
+# KVSender.set_metadata" (C: the KVF_SEND_TOKEN_LATER flag). -1 means "no
+# token".
 TOKEN_LATER = -2
 
 _REASON_CAP = 1024
-_CANDS_CAP = 4096
 UNKNOWN_REASON = "Failed due to an unknown reason from another rank"
 
 
-class TransferPoll(enum.IntEnum):
-    Failed = 0
-    Bootstrapping = 1
-    Bootstrapped = 2
-    WaitingForInput = 3
-    Transferring = 4
-    Success = 5
+# The spec's TransferPoll, with the values the library reports (KVF_POLL_*).
+TransferPoll = enum.IntEnum("TransferPoll", [
+    ("Failed", _lib.KVF_POLL_FAILED),
+    ("Bootstrapping", _lib.KVF_POLL_BOOTSTRAPPING),
+    ("Bootstrapped", _lib.KVF_POLL_BOOTSTRAPPED),
+    ("WaitingForInput", _lib.KVF_POLL_WAITING_FOR_INPUT),
+    ("Transferring", _lib.KVF_POLL_TRANSFERRING),
+    ("Success", _lib.KVF_POLL_SUCCESS),
+], module=__name__)
 
 
 class KVTransferError(Exception):
@@ -116,6 +91,16 @@ def _i64(values):
     if hasattr(values, "tolist"):
         values = values.tolist()
     a = array("q", values)
+    return a, len(a)
+
+
+def _i32(values):
+    """(array('i'), n) for a list / numpy array of candidate ids."""
+    if values is None:
+        return None, 0
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    a = array("i", values)
     return a, len(a)
 
 
@@ -172,6 +157,8 @@ class KVManager(_Closing):
     layer_bufs (a list per layer of KV buffer indices) overrides the MHA
     layout (layer l = buffers l and n/2 + l).
     A kv_args object with tokenspeed's attribute names may be given instead.
+    target_layer_num: layers [0, n) are the target model's, later ones the
+    draft model's (labels of heterogeneous-TP fragments); 0 = all target.
     Timeouts and sizes left at 0 / None take the C defaults and the
     TOKENSPEED_DISAGGREGATION_* environment overrides.
     """
@@ -184,7 +171,7 @@ class KVManager(_Closing):
                  engine_port=0, auth_token=None, transfer_timeout_ms=0, conns_per_peer=0,
                  bootstrap_timeout_s=0, waiting_timeout_s=0, heartbeat_interval_s=0,
                  heartbeat_max_failures=0, failed_session_ttl_s=None, queue_size=0,
-                 http_timeout_ms=0, max_rooms=0):
+                 http_timeout_ms=0, max_rooms=0, target_layer_num=0):
         self._h = None
         self._handles = weakref.WeakSet()
         self._keep = []
@@ -222,52 +209,47 @@ class KVManager(_Closing):
             c_flat = (ctypes.c_uint32 * max(len(flat), 1))(*flat)
             bufs.layer_buf_start, bufs.layer_bufs = c_starts, c_flat
 
-        cfg = kvf_manager_config()
-        lib.kvf_manager_config_init(ctypes.byref(cfg))
-        strings = []  # keep the bytes alive through the call
-
-        def s(v):
-            b = to_bytes(v)
-            strings.append(b)
-            return b
-
-        cfg.role = self.role
-        cfg.host = s(host)
-        cfg.engine_rank, cfg.world_size, cfg.dp_size = int(engine_rank), int(world_size), int(dp_size)
-        cfg.page_size, cfg.is_mla = int(page_size), int(bool(is_mla))
+        cfg = Config("manager")
+        cfg.set("role", self.role)
+        cfg.set("host", host)
+        cfg.set("engine_rank", int(engine_rank)).set("world_size", int(world_size)).set("dp_size", int(dp_size))
+        cfg.set("page_size", int(page_size)).set("is_mla", int(bool(is_mla)))
         if bootstrap_addr is not None:
-            cfg.bootstrap_addr = s(bootstrap_addr)
+            cfg.set("bootstrap_addr", bootstrap_addr)
         if bootstrap_token is not None:
-            cfg.bootstrap_token = s(bootstrap_token)
+            cfg.set("bootstrap_token", bootstrap_token)
         self._engine_obj = None
         if engine is not None:
-            cfg.engine = engine.handle if isinstance(engine, TransferEngine) else int(engine)
+            cfg.set_ptr("engine", engine.handle if isinstance(engine, TransferEngine) else int(engine))
             self._engine_obj = engine  # shared, not owned: keep it alive
-        cfg.engine_cfg.host = cfg.host
-        cfg.engine_cfg.port = int(engine_port)
+        ecfg = Config("engine")
+        ecfg.set("host", host).set("port", int(engine_port))
         if auth_token is not None:
-            cfg.engine_cfg.auth_token = s(auth_token)
+            ecfg.set("auth_token", auth_token)
         if transfer_timeout_ms:
-            cfg.engine_cfg.timeout_ms = int(transfer_timeout_ms)
+            ecfg.set("timeout_ms", int(transfer_timeout_ms))
         if conns_per_peer:
-            cfg.engine_cfg.conns_per_peer = int(conns_per_peer)
+            ecfg.set("conns_per_peer", int(conns_per_peer))
+        cfg.set_ptr("engine_cfg", ecfg)
         for name, v in (("bootstrap_timeout_s", bootstrap_timeout_s), ("waiting_timeout_s", waiting_timeout_s),
                         ("heartbeat_interval_s", heartbeat_interval_s)):
             if v:
-                setattr(cfg, name, float(v))
+                cfg.set(name, repr(float(v)))
         if heartbeat_max_failures:
-            cfg.heartbeat_max_failures = int(heartbeat_max_failures)
+            cfg.set("heartbeat_max_failures", int(heartbeat_max_failures))
         if failed_session_ttl_s is not None:
-            cfg.failed_session_ttl_s = float(failed_session_ttl_s)
+            cfg.set("failed_session_ttl_s", repr(float(failed_session_ttl_s)))
         if queue_size:
-            cfg.queue_size = int(queue_size)
+            cfg.set("queue_size", int(queue_size))
         if http_timeout_ms:
-            cfg.http_timeout_ms = int(http_timeout_ms)
+            cfg.set("http_timeout_ms", int(http_timeout_ms))
         if max_rooms:
-            cfg.max_rooms = int(max_rooms)
+            cfg.set("max_rooms", int(max_rooms))
+        if target_layer_num:
+            cfg.set("target_layer_num", int(target_layer_num))
 
         h = ctypes.c_void_p()
-        check(lib.kvf_manager_create(ctypes.byref(cfg), ctypes.byref(bufs), ctypes.byref(h)),
+        check(lib.kvf_manager_create(cfg.ptr, ctypes.byref(bufs), ctypes.byref(h)),
               "kvf_manager_create")
         self._h = h.value
         if isinstance(engine, TransferEngine):
@@ -341,7 +323,7 @@ class _Handle(_Closing):
             return self.conclude_state
         st = type(self)._poll_fn(self._require())
         if st < 0:
-            raise KVFerryError(st, "poll")
+            raise KVFError(st, "poll")
         st = TransferPoll(st)
         if st in (TransferPoll.Success, TransferPoll.Failed):
             self.conclude_state = st
@@ -393,62 +375,69 @@ class KVSender(_Handle):
         self._h = h.value
         mgr._handles.add(self)
 
+    def _send(self, what, page_indices, is_last, aux_index, bootstrap_token, spec_candidate_ids, state_indices,
+              flags=0, index_begin=0, layer_begin=0, layer_end=0):
+        """One kvf_sender_send call; arrays are kept alive through it."""
+        pages, npages = _i64(page_indices)
+        states, nstate = _i64(state_indices)
+        cands, ncand = _i32(spec_candidate_ids)
+        p = kvf_send_params()
+        lib.kvf_send_params_init(ctypes.byref(p))
+        p.flags = flags | (KVF_SEND_LAST if is_last else 0)
+        p.pages, p.npages = _ptr(pages, ctypes.c_int64), npages
+        p.index_begin, p.layer_begin, p.layer_end = index_begin, layer_begin, layer_end
+        p.aux_index = -1 if aux_index is None else int(aux_index)
+        token = -1 if bootstrap_token is None else int(bootstrap_token)
+        if token == TOKEN_LATER and is_last:
+            p.flags |= KVF_SEND_TOKEN_LATER
+        elif token != TOKEN_LATER:
+            p.bootstrap_token = token
+        p.cands, p.ncand = _ptr(cands, ctypes.c_int32), ncand
+        p.state_slots, p.nstate = _ptr(states, ctypes.c_int64), nstate
+        check(lib.kvf_sender_send(self._require(), ctypes.byref(p)), f"{what} for room {self.bootstrap_room}")
+
     def send(self, page_indices, is_last=True, *, aux_index=None, bootstrap_token=-1, spec_candidate_ids=None,
              state_indices=None):
         """Submit a chunk of prefill page indices (in order onto the decode's
-        pages). On the last chunk: the first token, speculative ids, state slots."""
-        pages, npages = _i64(page_indices)
-        states, nstate = _i64(state_indices)
-        cands = None
-        if spec_candidate_ids is not None:
-            c = spec_candidate_ids.tolist() if hasattr(spec_candidate_ids, "tolist") else spec_candidate_ids
-            cands = array("i", c)
-        ncand = len(cands) if cands is not None else 0
-        check(lib.kvf_sender_send(self._require(), _ptr(pages, ctypes.c_int64), npages, int(bool(is_last)),
-                                  -1 if aux_index is None else int(aux_index),
-                                  -1 if bootstrap_token is None else int(bootstrap_token),
-                                  _ptr(cands, ctypes.c_int32), ncand, _ptr(states, ctypes.c_int64), nstate),
-              f"send for room {self.bootstrap_room}")
+        pages). On the last chunk: the first token (TOKEN_LATER: it comes
+        through set_metadata), speculative ids (at most KVF_MAX_CANDIDATES),
+        state slots."""
+        self._send("send", page_indices, is_last, aux_index, bootstrap_token, spec_candidate_ids, state_indices)
 
     def send_layers(self, page_indices, index_begin, layer_begin, layer_end, is_last=False, *, aux_index=None,
                     bootstrap_token=-1, spec_candidate_ids=None, state_indices=None):
-        """Layerwise chunk (kvf_sender_send_layers, tokenspeed's send_layerwise):
-        the KV of layers [layer_begin, layer_end) for these prefill pages,
-        written onto the decode's destination pages from index_begin on (an
-        index after the decode's prefix; nothing is skipped here). Call it as
-        each layer group's KV is ready; an empty non-last chunk is skipped. The
-        is_last chunk carries the first token, speculative ids and state slots,
-        and only after it lands is the room Success."""
-        pages, npages = _i64(page_indices)
-        states, nstate = _i64(state_indices)
-        cands = None
-        if spec_candidate_ids is not None:
-            c = spec_candidate_ids.tolist() if hasattr(spec_candidate_ids, "tolist") else spec_candidate_ids
-            cands = array("i", c)
-        ncand = len(cands) if cands is not None else 0
+        """Layerwise chunk (kvf_sender_send with KVF_SEND_LAYERS, tokenspeed's
+        send_layerwise): the KV of layers [layer_begin, layer_end) for these
+        prefill pages, written onto the decode's destination pages from
+        index_begin on (an index after the decode's prefix; nothing is skipped
+        here). Call it as each layer group's KV is ready; an empty non-last
+        chunk is skipped. The is_last chunk carries the first token,
+        speculative ids and state slots, and only after it lands is the room
+        Success."""
         if min(int(index_begin), int(layer_begin), int(layer_end)) < 0:
             raise ValueError("index_begin, layer_begin and layer_end must be >= 0")
-        check(_kvf_sender_send_layers(self._require(), _ptr(pages, ctypes.c_int64), npages, int(index_begin),
-                                      int(layer_begin), int(layer_end), int(bool(is_last)),
-                                      -1 if aux_index is None else int(aux_index),
-                                      -1 if bootstrap_token is None else int(bootstrap_token),
-                                      _ptr(cands, ctypes.c_int32), ncand, _ptr(states, ctypes.c_int64), nstate),
-              f"send_layers for room {self.bootstrap_room}")
+        self._send("send_layers", page_indices, is_last, aux_index, bootstrap_token, spec_candidate_ids,
+                   state_indices, KVF_SEND_LAYERS, int(index_begin), int(layer_begin), int(layer_end))
 
     def set_metadata(self, bootstrap_token, spec_candidate_ids=None):
         """Publish the first token (-1 none) and speculative ids (tokenspeed's
         set_prefill_metadata) for a last chunk sent with bootstrap_token=
         TOKEN_LATER: once its KV landed, the room becomes Success and the decode
         gets them. Unpublished, the room fails bootstrap_timeout_s after the KV
-        landed. A second call raises KVFerryError (KVF_EEXIST; the first wins)."""
-        cands = None
-        if spec_candidate_ids is not None:
-            c = spec_candidate_ids.tolist() if hasattr(spec_candidate_ids, "tolist") else spec_candidate_ids
-            cands = array("i", c)
-        ncand = len(cands) if cands is not None else 0
-        check(_kvf_sender_set_metadata(self._require(), -1 if bootstrap_token is None else int(bootstrap_token),
-                                       _ptr(cands, ctypes.c_int32), ncand),
+        landed. A second call raises KVFError (KVF_EEXIST; the first wins)."""
+        cands, ncand = _i32(spec_candidate_ids)
+        check(lib.kvf_sender_set_metadata(self._require(), -1 if bootstrap_token is None else int(bootstrap_token),
+                                          _ptr(cands, ctypes.c_int32), ncand),
               f"set_metadata for room {self.bootstrap_room}")
+
+    def dest_info(self):
+        """(real, dummy, decode_prefix_len): the decode destinations whose
+        transfer request (M2) arrived, and the first real one's prefix length
+        in tokens (tokenspeed's transfer_infos[room])."""
+        nreal, ndummy, prefix = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_int64()
+        check(lib.kvf_sender_dest_info(self._require(), ctypes.byref(nreal), ctypes.byref(ndummy), ctypes.byref(prefix)),
+              f"dest_info for room {self.bootstrap_room}")
+        return nreal.value, ndummy.value, prefix.value
 
     def abort(self, reason="Aborted"):
         """Fail the room with `reason` and tell every known decode destination."""
@@ -491,12 +480,21 @@ class KVReceiver(_Handle):
         returns (-1, None)."""
         tok = ctypes.c_int64(-1)
         n = ctypes.c_size_t(0)
-        cands = (ctypes.c_int32 * _CANDS_CAP)()
-        rc = lib.kvf_receiver_pop_metadata(self._require(), ctypes.byref(tok), cands, _CANDS_CAP, ctypes.byref(n))
+        cands = (ctypes.c_int32 * KVF_MAX_CANDIDATES)()
+        rc = lib.kvf_receiver_pop_metadata(self._require(), ctypes.byref(tok), cands, KVF_MAX_CANDIDATES,
+                                           ctypes.byref(n))
         if rc in (KVF_ENOTFOUND, KVF_ESTATE):
             return -1, None
         check(rc, f"pop_metadata for room {self.bootstrap_room}")
         return int(tok.value), (list(cands[: n.value]) if n.value else None)
+
+    @property
+    def supports_spec_candidates(self):
+        """tokenspeed's supports_remote_spec_candidates: False for a
+        fragmented (heterogeneous-TP) plan, True otherwise (and when the
+        receiver failed before it had a plan)."""
+        rc = lib.kvf_receiver_supports_spec(self._require())
+        return rc != 0
 
     def pop_bootstrap_token(self):
         return self.pop_metadata()[0]
@@ -508,22 +506,18 @@ class BootstrapServer(_Closing):
 
     def __init__(self, host="0.0.0.0", port=8998, *, auth_token=None, max_body=0, max_conns=0, idle_timeout_s=0):
         self._h = None
-        cfg = kvf_bootstrap_server_config()
-        lib.kvf_bootstrap_server_config_init(ctypes.byref(cfg))
-        hb, tb = to_bytes(host), to_bytes(auth_token)
-        cfg.host = hb
-        cfg.port = int(port)
+        cfg = Config("bootstrap_server")
+        cfg.set("host", host).set("port", int(port))
         if auth_token is not None:
-            cfg.auth_token = tb
+            cfg.set("auth_token", auth_token)
         if max_body:
-            cfg.max_body = int(max_body)
+            cfg.set("max_body", int(max_body))
         if max_conns:
-            cfg.max_conns = int(max_conns)
+            cfg.set("max_conns", int(max_conns))
         if idle_timeout_s:
-            cfg.idle_timeout_s = int(idle_timeout_s)
+            cfg.set("idle_timeout_s", int(idle_timeout_s))
         h = ctypes.c_void_p()
-        check(lib.kvf_bootstrap_server_start(ctypes.byref(cfg), ctypes.byref(h)),
-              f"bootstrap server on {host}:{port}")
+        check(lib.kvf_bootstrap_server_create(cfg.ptr, ctypes.byref(h)), f"bootstrap server on {host}:{port}")
         self._h = h.value
         self.host = host
         self.port = int(lib.kvf_bootstrap_server_port(self._h))
@@ -539,7 +533,7 @@ class BootstrapServer(_Closing):
     def stop(self):
         h, self._h = self._h, None
         if h is not None:
-            lib.kvf_bootstrap_server_stop(h)
+            lib.kvf_bootstrap_server_destroy(h)
 
     close = stop
 

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/addr.h"
 #include "base/clock.h"
 #include "base/env.h"
 #include "base/log.h"
@@ -43,18 +44,10 @@ static CURLcode g_curl_init_rc = CURLE_FAILED_INIT;
 /* curl_global_init is not thread-safe and must run once per process. */
 static void curl_init_once(void) { g_curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
 
-/* A bootstrap address goes into a URL verbatim, so anything that would change
- * the URL's meaning (path, query, credentials, spaces) is refused. */
-static int addr_valid(const char *addr) {
-  if (!addr || !*addr || strlen(addr) > ROUTE_IP_MAX + 8) return 0;
-  for (const char *p = addr; *p; p++) {
-    char c = *p;
-    int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-             c == ':' || c == '-' || c == '_' || c == '[' || c == ']' || c == '%';
-    if (!ok) return 0;
-  }
-  return 1;
-}
+/* A bootstrap address goes into a URL verbatim; the address parser refuses
+ * anything that would change the URL's meaning (path, query, credentials,
+ * spaces) and a bare IPv6 host. */
+static int addr_valid(const char *addr) { return addr && !kvf__addr_parse(addr, strlen(addr), NULL, 0, NULL, NULL); }
 
 int bootstrap_client_create(const char *addr, const bootstrap_client_opts *opts, bootstrap_client **out) {
   if (!out || !addr_valid(addr)) {

@@ -1,7 +1,14 @@
 /* The bootstrap HTTP rendezvous server (PROTOCOL §4) on libmicrohttpd. One
- * internal polling thread serves every connection: each request is a table
+ * internal epoll thread serves every connection: each request is a table
  * lookup or a small JSON parse, so a thread pool would only add hand-offs,
- * and MHD's event loop keeps a slow client from blocking the others. The
+ * and MHD's event loop keeps a slow client from blocking the others.
+ * Connections cannot run out (issue 13, defect 2): MHD's timeout is an idle
+ * timeout that a byte now and then resets, so the server tracks every
+ * connection itself — each request must be complete within a deadline from
+ * the connection's start or the previous reply (a guard thread shuts down the
+ * ones that are not), and when the slots are nearly all taken a new
+ * connection evicts the oldest one still waiting for its request headers, or
+ * else the oldest request still in progress. The
  * routing table is sized once, from the first registration's world size
  * (bounded by the PUT parser), and never grows afterwards; a mutex guards it
  * because the public API promises nothing about which thread MHD calls us on.
@@ -19,6 +26,8 @@
 #include <strings.h>
 #include <sys/socket.h>
 
+#include "base/config.h"
+#include "base/clock.h"
 #include "base/log.h"
 #include "bootstrap/bootstrap.h"
 #include "kvferry/bootstrap.h"
@@ -27,13 +36,42 @@
 #define COMP "bootstrap"
 #define DEFAULT_PORT 8998
 #define DEFAULT_MAX_BODY (64u * 1024)
-#define DEFAULT_MAX_CONNS 256
+#define DEFAULT_MAX_CONNS 1024
 #define DEFAULT_IDLE_S 30
+/* A request (headers and body) must be complete this soon after the
+ * connection opened or its previous reply; idle_timeout_s lowers it. */
+#define REQUEST_DEADLINE_S 10
+/* How often the guard thread looks for connections past their deadline. */
+#define GUARD_TICK_MS 200
+/* Connections kept free for newcomers: at this many free slots or fewer (an
+ * eighth of max_conns at most), a new connection evicts the oldest one still
+ * waiting for its headers (or, if none, the oldest request in progress). */
+#define MIN_FREE_SLOTS 8
 
 /* Rejection kinds, the label values of kvferry_bootstrap_errors_total. */
-enum { ERR_BAD_REQUEST, ERR_NOT_FOUND, ERR_METHOD, ERR_TOO_LARGE, ERR_UNAUTHORIZED, ERR_CONFLICT, ERR_NKINDS };
-static const char *const err_names[ERR_NKINDS] = {"bad_request", "not_found",    "method",
-                                                  "too_large",   "unauthorized", "conflict"};
+enum {
+  ERR_BAD_REQUEST,
+  ERR_NOT_FOUND,
+  ERR_METHOD,
+  ERR_TOO_LARGE,
+  ERR_UNAUTHORIZED,
+  ERR_CONFLICT,
+  ERR_SLOW,    /* connection shut down at the request deadline */
+  ERR_EVICTED, /* connection closed to make room for a new one */
+  ERR_NKINDS
+};
+static const char *const err_names[ERR_NKINDS] = {"bad_request",  "not_found", "method", "too_large",
+                                                  "unauthorized", "conflict",  "slow",   "evicted"};
+
+/* One open connection, from MHD's STARTED to its CLOSED notification. */
+typedef struct conn_track {
+  struct conn_track *prev, *next;
+  int fd;
+  int in_request; /* headers are in: being answered */
+  int cut;        /* already shut down by us */
+  int served;     /* answered a request already: idle now means keep-alive */
+  int64_t since_ns; /* connection start or previous reply: the request deadline runs from here */
+} conn_track;
 
 typedef struct rank_entry {
   int set;
@@ -57,6 +95,15 @@ struct kvf_bootstrap_server {
 
   atomic_uint_fast64_t registrations, lookups, parallel_infos, health_checks;
   atomic_uint_fast64_t errors[ERR_NKINDS];
+
+  /* Connection tracking (see the top of the file). */
+  pthread_mutex_t conns_lock;
+  pthread_cond_t guard_cv;
+  conn_track conns; /* list head; scans are O(open connections), at most max_conns */
+  unsigned nconns, max_conns, free_slots; /* free_slots: see MIN_FREE_SLOTS */
+  int64_t deadline_ns;
+  int stopping;
+  pthread_t guard;
 };
 
 /* Per-request state, from the first handler call to MHD's completion
@@ -71,7 +118,9 @@ typedef struct request {
 enum { EP_ROUTE, EP_HEALTH, EP_METRICS, EP_UNKNOWN };
 
 void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg) {
+  if (!cfg) return;
   memset(cfg, 0, sizeof *cfg);
+  cfg->size = sizeof *cfg;
   cfg->host = "0.0.0.0";
   cfg->port = DEFAULT_PORT;
   cfg->max_body = DEFAULT_MAX_BODY;
@@ -304,6 +353,104 @@ static enum MHD_Result handle_metrics(kvf_bootstrap_server *srv, struct MHD_Conn
   return send_reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", t.buf, t.n, NULL, NULL);
 }
 
+/* ---- connection tracking ---- */
+
+static conn_track *track_of(struct MHD_Connection *conn) {
+  const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  return ci ? ci->socket_context : NULL;
+}
+
+/* Shut a tracked connection down; MHD sees the end of the stream and closes
+ * it (and sends CLOSED) on its own thread. Caller holds conns_lock, so the
+ * descriptor is still open. kind < 0: an idle keep-alive connection, closed
+ * without counting it as an error. */
+static void cut_locked(kvf_bootstrap_server *srv, conn_track *c, int kind) {
+  if (c->cut) return;
+  c->cut = 1;
+  shutdown(c->fd, SHUT_RDWR);
+  if (kind < 0) return;
+  atomic_fetch_add(&srv->errors[kind], 1);
+  if (log_first_time(log_hash_str(err_names[kind], 0xb0c1ULL)))
+    LOG_WARN(COMP, "%s (further such connections are only counted in /metrics)",
+             kind == ERR_SLOW ? "closed a connection whose request was not complete within the deadline"
+                              : "connection slots nearly full: closed the oldest connection still sending a request");
+}
+
+static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+  kvf_bootstrap_server *srv = cls;
+  conn_track *c = *socket_context;
+  pthread_mutex_lock(&srv->conns_lock);
+  if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    c = ci ? calloc(1, sizeof *c) : NULL;
+    if (c) {
+      c->fd = ci->connect_fd;
+      c->since_ns = clock_now_ns();
+      c->next = srv->conns.next;
+      c->prev = &srv->conns;
+      c->next->prev = c;
+      srv->conns.next = c;
+      srv->nconns++;
+      *socket_context = c;
+    }
+    if (srv->nconns + srv->free_slots > srv->max_conns) {
+      /* The oldest still waiting for headers; failing that, the oldest
+       * request (a body or a reply that trickles: a live one takes
+       * milliseconds). Either way the deadline would cut it soon. */
+      conn_track *victim = NULL, *busy = NULL;
+      for (conn_track *o = srv->conns.next; o != &srv->conns; o = o->next) {
+        if (o == c || o->cut) continue;
+        conn_track **best = o->in_request ? &busy : &victim;
+        if (!*best || o->since_ns < (*best)->since_ns) *best = o;
+      }
+      if (victim || busy) cut_locked(srv, victim ? victim : busy, ERR_EVICTED);
+    }
+  } else if (c) {
+    c->prev->next = c->next;
+    c->next->prev = c->prev;
+    srv->nconns--;
+    free(c);
+    *socket_context = NULL;
+  }
+  pthread_mutex_unlock(&srv->conns_lock);
+}
+
+/* The headers of a request are in (first handler call). */
+static void track_request_started(kvf_bootstrap_server *srv, struct MHD_Connection *conn) {
+  conn_track *c = track_of(conn);
+  if (!c) return;
+  pthread_mutex_lock(&srv->conns_lock);
+  c->in_request = 1;
+  pthread_mutex_unlock(&srv->conns_lock);
+}
+
+static void *guard_main(void *arg) {
+  kvf_bootstrap_server *srv = arg;
+  pthread_mutex_lock(&srv->conns_lock);
+  while (!srv->stopping) {
+    int64_t now = clock_now_ns();
+    for (conn_track *c = srv->conns.next; c != &srv->conns; c = c->next)
+      if (now - c->since_ns > srv->deadline_ns) cut_locked(srv, c, c->served && !c->in_request ? -1 : ERR_SLOW);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_nsec += GUARD_TICK_MS * 1000000L;
+    ts.tv_sec += ts.tv_nsec / 1000000000L;
+    ts.tv_nsec %= 1000000000L;
+    pthread_cond_timedwait(&srv->guard_cv, &srv->conns_lock, &ts);
+  }
+  pthread_mutex_unlock(&srv->conns_lock);
+  return NULL;
+}
+
+static void stop_guard(kvf_bootstrap_server *srv) {
+  pthread_mutex_lock(&srv->conns_lock);
+  srv->stopping = 1;
+  pthread_cond_signal(&srv->guard_cv);
+  pthread_mutex_unlock(&srv->conns_lock);
+  pthread_join(srv->guard, NULL);
+}
+
 static int endpoint_of(const char *url) {
   if (!strcmp(url, "/route")) return EP_ROUTE;
   if (!strcmp(url, "/health")) return EP_HEALTH;
@@ -325,6 +472,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     rq = calloc(1, sizeof *rq);
     if (!rq) return MHD_NO;
     *con_cls = rq;
+    track_request_started(srv, conn);
     rq->endpoint = endpoint_of(url);
     if (rq->endpoint == EP_UNKNOWN) {
       rq->replied = 1;
@@ -392,6 +540,15 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
+  kvf_bootstrap_server *srv = cls;
+  conn_track *c = track_of(conn);
+  if (c) { /* the next request on this connection has its own deadline */
+    pthread_mutex_lock(&srv->conns_lock);
+    c->in_request = 0;
+    c->served = 1;
+    c->since_ns = clock_now_ns();
+    pthread_mutex_unlock(&srv->conns_lock);
+  }
   request *rq = *con_cls;
   if (!rq) return;
   free(rq->body);
@@ -425,14 +582,24 @@ static int resolve_bind(const char *host, uint16_t port, struct sockaddr_storage
   return 0;
 }
 
-int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg_in, kvf_bootstrap_server **out) {
+static const kvf__field server_fields[] = {
+    KVF__FIELD(kvf_bootstrap_server_config, host, KVF__FIELD_STR),
+    KVF__FIELD(kvf_bootstrap_server_config, port, KVF__FIELD_U16),
+    KVF__FIELD(kvf_bootstrap_server_config, auth_token, KVF__FIELD_STR),
+    KVF__FIELD(kvf_bootstrap_server_config, max_body, KVF__FIELD_SIZE),
+    KVF__FIELD(kvf_bootstrap_server_config, max_conns, KVF__FIELD_UINT),
+    KVF__FIELD(kvf_bootstrap_server_config, idle_timeout_s, KVF__FIELD_UINT),
+};
+
+int kvf_bootstrap_server_config_set(kvf_bootstrap_server_config *cfg, const char *name, const char *value) {
+  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, server_fields, sizeof server_fields / sizeof server_fields[0],
+                         name, value);
+}
+
+int kvf_bootstrap_server_create(const kvf_bootstrap_server_config *cfg_in, kvf_bootstrap_server **out) {
   kvf_bootstrap_server_config cfg;
-  if (cfg_in) {
-    cfg = *cfg_in;
-  } else {
-    kvf_bootstrap_server_config_init(&cfg);
-  }
-  if (!out) return KVF_EINVAL;
+  kvf_bootstrap_server_config_init(&cfg);
+  if (!out || (cfg_in && kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg))) return KVF_EINVAL;
   if (!cfg.host || !*cfg.host) cfg.host = "0.0.0.0";
   if (!cfg.max_body) cfg.max_body = DEFAULT_MAX_BODY;
   if (!cfg.max_conns) cfg.max_conns = DEFAULT_MAX_CONNS;
@@ -449,22 +616,40 @@ int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg_in, kvf_bo
     rc = KVF_EIO;
     goto err_free_token;
   }
+  pthread_mutex_init(&srv->conns_lock, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&srv->guard_cv, &ca);
+  pthread_condattr_destroy(&ca);
+  srv->conns.next = srv->conns.prev = &srv->conns;
+  srv->max_conns = cfg.max_conns;
+  srv->free_slots = cfg.max_conns / 8 < MIN_FREE_SLOTS ? cfg.max_conns / 8 : MIN_FREE_SLOTS;
+  if (srv->free_slots < 1) srv->free_slots = 1;
+  unsigned deadline_s = cfg.idle_timeout_s < REQUEST_DEADLINE_S ? cfg.idle_timeout_s : REQUEST_DEADLINE_S;
+  srv->deadline_ns = (int64_t)deadline_s * 1000000000LL;
+  if (pthread_create(&srv->guard, NULL, guard_main, srv)) {
+    rc = KVF_ENOMEM;
+    goto err_destroy_lock;
+  }
 
   struct sockaddr_storage ss;
-  if ((rc = resolve_bind(cfg.host, cfg.port, &ss))) goto err_destroy_lock;
-  unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | MHD_USE_ERROR_LOG;
+  if ((rc = resolve_bind(cfg.host, cfg.port, &ss))) goto err_stop_guard;
+  /* epoll: no FD_SETSIZE ceiling, and cost per ready connection only. */
+  unsigned flags = MHD_USE_EPOLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG;
   if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
   srv->mhd = MHD_start_daemon(flags, cfg.port, NULL, NULL, on_request, srv,
                               MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
                               MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg.max_conns,
                               MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)cfg.idle_timeout_s,
                               MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
+                              MHD_OPTION_NOTIFY_CONNECTION, on_connection, srv,
                               MHD_OPTION_EXTERNAL_LOGGER, mhd_log, srv,
                               MHD_OPTION_END);
   if (!srv->mhd) {
     LOG_ERROR(COMP, "cannot listen on %s:%u (port in use or address not local?)", cfg.host, (unsigned)cfg.port);
     rc = KVF_EIO;
-    goto err_destroy_lock;
+    goto err_stop_guard;
   }
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(srv->mhd, MHD_DAEMON_INFO_BIND_PORT);
   srv->port = di && di->port ? di->port : cfg.port;
@@ -472,7 +657,11 @@ int kvf_bootstrap_server_start(const kvf_bootstrap_server_config *cfg_in, kvf_bo
   *out = srv;
   return 0;
 
+err_stop_guard:
+  stop_guard(srv);
 err_destroy_lock:
+  pthread_mutex_destroy(&srv->conns_lock);
+  pthread_cond_destroy(&srv->guard_cv);
   pthread_mutex_destroy(&srv->lock);
 err_free_token:
   free(srv->token);
@@ -483,11 +672,14 @@ err_free_srv:
 
 uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv) { return srv ? srv->port : 0; }
 
-void kvf_bootstrap_server_stop(kvf_bootstrap_server *srv) {
+void kvf_bootstrap_server_destroy(kvf_bootstrap_server *srv) {
   if (!srv) return;
+  stop_guard(srv); /* first: it must not shut down descriptors MHD is closing */
   MHD_stop_daemon(srv->mhd);
   free(srv->table);
   free_lists(srv->lists);
+  pthread_mutex_destroy(&srv->conns_lock);
+  pthread_cond_destroy(&srv->guard_cv);
   pthread_mutex_destroy(&srv->lock);
   free(srv->token);
   free(srv);

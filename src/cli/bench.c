@@ -138,7 +138,7 @@ static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char 
   while (done < total && !*failed) {
     if (b[slot]) { /* oldest batch in this slot: wait for it first */
       if (kvf_batch_wait(b[slot], -1)) *failed = 1;
-      kvf_batch_free(b[slot]);
+      kvf_batch_destroy(b[slot]);
       b[slot] = NULL;
       done += per;
     }
@@ -156,7 +156,7 @@ static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char 
   for (size_t i = 0; i < nb; i++)
     if (b[i]) {
       if (kvf_batch_wait(b[i], -1)) *failed = 1;
-      kvf_batch_free(b[i]);
+      kvf_batch_destroy(b[i]);
     }
   double dt = cli_now_s() - t0;
   free(w);

@@ -72,7 +72,7 @@ int cli_bootstrap(int argc, char **argv) {
   pthread_sigmask(SIG_BLOCK, &stop, NULL);
 
   kvf_bootstrap_server *srv = NULL;
-  int rc = kvf_bootstrap_server_start(&cfg, &srv);
+  int rc = kvf_bootstrap_server_create(&cfg, &srv);
   if (rc) {
     fprintf(stderr, "kvferry bootstrap: cannot start on %s:%u: %s\n", cfg.host, (unsigned)cfg.port,
             kvf_strerror(rc));
@@ -87,6 +87,6 @@ int cli_bootstrap(int argc, char **argv) {
   while (sigwait(&stop, &sig) != 0) {
   }
   fprintf(stderr, "kvferry bootstrap: %s, stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
   return 0;
 }

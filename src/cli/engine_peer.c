@@ -58,7 +58,7 @@ int cli_engine_peer(int argc, char **argv) {
       case 't': token = optarg; break;
       case 'H': host = optarg; break;
       case 'h':
-        printf("usage: kvferry engine-peer [--bytes 64M] [--token SECRET] [--host 127.0.0.1]\n");
+        printf("usage: kvferry engine-peer [--bytes 64M] [--token SECRET (default $KVFERRY_AUTH_TOKEN)] [--host 127.0.0.1]\n");
         return 0;
       default: return 2;
     }
@@ -74,7 +74,7 @@ int cli_engine_peer(int argc, char **argv) {
   kvf_engine_config cfg;
   kvf_engine_config_init(&cfg);
   cfg.host = host;
-  cfg.auth_token = token ? token : "";
+  cfg.auth_token = token; /* NULL: $KVFERRY_AUTH_TOKEN, as every engine */
   kvf_engine *e = NULL;
   int rc = kvf_engine_create(&cfg, &e);
   if (rc || (rc = kvf_engine_register(e, buf, bytes))) {

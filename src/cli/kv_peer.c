@@ -84,10 +84,17 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
     for (size_t off = 0; off < r->npages || off == 0; off += step) {
       size_t n = r->npages - off < step ? r->npages - off : step;
       int last = off + n >= r->npages;
-      if (kvf_sender_send(r->tx[i], r->pages[i] + off, n, last, last ? 0 : -1, last ? token : -1, last ? cands : NULL,
-                          last ? 2 : 0, last && r->state_slot >= 0 ? &r->state_slot : NULL,
-                          last && r->state_slot >= 0 ? 1 : 0))
-        return -1;
+      kvf_send_params p;
+      kvf_send_params_init(&p);
+      p.pages = r->pages[i] + off, p.npages = n;
+      if (last) {
+        p.flags = KVF_SEND_LAST;
+        p.aux_index = 0;
+        p.bootstrap_token = token;
+        p.cands = cands, p.ncand = 2;
+        if (r->state_slot >= 0) p.state_slots = &r->state_slot, p.nstate = 1;
+      }
+      if (kvf_sender_send(r->tx[i], &p)) return -1;
       if (last) break;
     }
   }
@@ -180,12 +187,12 @@ int cli_kv_peer(int argc, char **argv) {
   kvf_bootstrap_server_config_init(&bc);
   bc.host = o.host;
   bc.port = (uint16_t)o.bootstrap_port;
-  bc.auth_token = "";
+  bc.auth_token = NULL; /* $KVFERRY_BOOTSTRAP_TOKEN, which the prefill ranks below send too */
   kvf_bootstrap_server *srv = NULL;
   kvf_manager **mgr = calloc((size_t)o.world, sizeof *mgr);
   kvpool *pools = calloc((size_t)o.world, sizeof *pools);
   peer_req *reqs = calloc(PEER_MAX_REQS, sizeof *reqs);
-  if (!mgr || !pools || !reqs || (!o.bootstrap && kvf_bootstrap_server_start(&bc, &srv))) {
+  if (!mgr || !pools || !reqs || (!o.bootstrap && kvf_bootstrap_server_create(&bc, &srv))) {
     fprintf(stderr, "kv-peer: cannot start the bootstrap server\n");
     goto out;
   }
@@ -283,7 +290,7 @@ out:
   fflush(stdout);
   for (int r = 0; mgr && r < o.world; r++) kvf_manager_destroy(mgr[r]);
   for (int r = 0; pools && r < o.world; r++) kvpool_free(&pools[r]);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
   free(mgr);
   free(pools);
   free(reqs);

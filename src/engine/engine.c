@@ -7,7 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/addr.h"
 #include "base/clock.h"
+#include "base/config.h"
 #include "base/env.h"
 #include "base/log.h"
 #include "engine/engine_internal.h"
@@ -18,7 +20,9 @@
 #define ENGINE_SPLIT_MIN_BYTES (512u * 1024u)
 
 void kvf_engine_config_init(kvf_engine_config *cfg) {
+  if (!cfg) return;
   memset(cfg, 0, sizeof *cfg);
+  cfg->size = sizeof *cfg;
   cfg->host = "127.0.0.1";
   cfg->port = 0;
   cfg->transport = "tcp";
@@ -28,41 +32,25 @@ void kvf_engine_config_init(kvf_engine_config *cfg) {
   cfg->max_inbound_conns = 256;
 }
 
-int engine_parse_session(const char *session, char *host_out, size_t host_cap, uint16_t *port_out) {
-  if (!session) return KVF_EINVAL;
-  const char *colon = strrchr(session, ':');
-  if (!colon || colon == session) return KVF_EINVAL;
-  const char *h = session;
-  size_t hlen = (size_t)(colon - session);
-  if (h[0] == '[') {
-    if (hlen < 3 || h[hlen - 1] != ']') return KVF_EINVAL;
-    h++;
-    hlen -= 2;
-  } else if (memchr(h, ':', hlen)) {
-    return KVF_EINVAL; /* bare IPv6 is ambiguous: require brackets */
-  }
-  if (hlen == 0 || hlen >= host_cap) return KVF_EINVAL;
-  for (size_t i = 0; i < hlen; i++)
-    if (h[i] <= ' ' || h[i] > '~' || h[i] == '/' || h[i] == '[' || h[i] == ']') return KVF_EINVAL;
-  const char *p = colon + 1;
-  if (!*p || strlen(p) > 5) return KVF_EINVAL;
-  unsigned v = 0;
-  for (; *p; p++) {
-    if (*p < '0' || *p > '9') return KVF_EINVAL;
-    v = v * 10 + (unsigned)(*p - '0');
-  }
-  if (v == 0 || v > 65535) return KVF_EINVAL;
-  memcpy(host_out, h, hlen);
-  host_out[hlen] = '\0';
-  *port_out = (uint16_t)v;
-  return 0;
+static const kvf__field engine_fields[] = {
+    KVF__FIELD(kvf_engine_config, host, KVF__FIELD_STR),
+    KVF__FIELD(kvf_engine_config, port, KVF__FIELD_U16),
+    KVF__FIELD(kvf_engine_config, transport, KVF__FIELD_STR),
+    KVF__FIELD(kvf_engine_config, auth_token, KVF__FIELD_STR),
+    KVF__FIELD(kvf_engine_config, timeout_ms, KVF__FIELD_INT),
+    KVF__FIELD(kvf_engine_config, conns_per_peer, KVF__FIELD_INT),
+    KVF__FIELD(kvf_engine_config, max_inbound_conns, KVF__FIELD_INT),
+};
+
+int kvf_engine_config_set(kvf_engine_config *cfg, const char *name, const char *value) {
+  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, engine_fields, sizeof engine_fields / sizeof engine_fields[0],
+                         name, value);
 }
 
 int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   kvf_engine_config cfg;
-  if (cfg_in) cfg = *cfg_in;
-  else kvf_engine_config_init(&cfg);
-  if (!out) return KVF_EINVAL;
+  kvf_engine_config_init(&cfg);
+  if (!out || (cfg_in && kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg))) return KVF_EINVAL;
   if (!cfg.host || !*cfg.host) cfg.host = "127.0.0.1";
   if (!cfg.transport || !*cfg.transport) cfg.transport = "tcp";
   cfg.timeout_ms = (int)env_get_int("KVFERRY_TIMEOUT_MS", cfg.timeout_ms > 0 ? cfg.timeout_ms : 30000);
@@ -99,8 +87,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   e->port = cfg.port;
   rc = ops->start(e);
   if (rc) goto err_regions;
-  snprintf(e->session_id, sizeof e->session_id, strchr(e->host, ':') ? "[%s]:%u" : "%s:%u", e->host,
-           (unsigned)e->port);
+  kvf__addr_format(e->session_id, sizeof e->session_id, e->host, e->port);
   LOG_INFO("engine", "listening as %s (transport %s)", e->session_id, ops->name);
   *out = e;
   return 0;
@@ -149,6 +136,8 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *o) {
   o->auth_refused = atomic_load(&c->auth_refused);
   o->protocol_errors = atomic_load(&c->protocol_errors);
   o->conns_refused = atomic_load(&c->conns_refused);
+  o->conns_timed_out = atomic_load(&c->conns_timed_out);
+  o->conns_evicted = atomic_load(&c->conns_evicted);
 }
 
 uint64_t write_block_bytes(const kvf_write *w) { return w->len * (w->count > 1 ? w->count : 1); }
@@ -298,7 +287,7 @@ int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *write
   if (!e || !session || !out || (n && !writes)) return KVF_EINVAL;
   char host[256];
   uint16_t port;
-  if (engine_parse_session(session, host, sizeof host, &port)) {
+  if (kvf__addr_parse(session, strlen(session), host, sizeof host, &port, NULL)) {
     LOG_WARN("engine", "malformed session id '%.64s' (want host:port)", session);
     return KVF_EINVAL;
   }
@@ -346,7 +335,7 @@ err_batch:
 int kvf_batch_poll(kvf_batch *b) {
   if (!b) return KVF_EINVAL;
   pthread_mutex_lock(&b->mu);
-  int r = b->pending ? 0 : (b->status ? b->status : 1);
+  int r = b->pending ? KVF_EAGAIN : b->status;
   pthread_mutex_unlock(&b->mu);
   return r;
 }
@@ -366,7 +355,7 @@ int kvf_batch_wait(kvf_batch *b, int timeout_ms) {
   return r;
 }
 
-void kvf_batch_free(kvf_batch *b) {
+void kvf_batch_destroy(kvf_batch *b) {
   if (!b) return;
   /* Chunks point at the batch, so it may only go once all have reported. */
   pthread_mutex_lock(&b->mu);
@@ -382,6 +371,6 @@ int kvf_engine_write(kvf_engine *e, const char *session, const kvf_write *writes
   int rc = kvf_engine_submit(e, session, writes, n, &b);
   if (rc) return rc;
   rc = kvf_batch_wait(b, -1);
-  kvf_batch_free(b);
+  kvf_batch_destroy(b);
   return rc;
 }

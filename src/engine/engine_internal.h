@@ -17,17 +17,24 @@
 typedef struct region {
   uint64_t base;
   uint64_t len;
+  atomic_int pins;    /* inbound writes in progress into it */
+  atomic_int revoked; /* unregistered: pinned writers stop at their next tick */
 } region;
 
 typedef struct region_table {
-  pthread_rwlock_t lock; /* writer-preferring: unregister is not starved */
-  region *items;         /* sorted by base, non-overlapping */
+  pthread_rwlock_t lock; /* lookups and edits only, never held across I/O */
+  region **items;        /* sorted by base, non-overlapping; each owned by the table */
   size_t n, cap;
+  pthread_mutex_t pin_lock; /* with pin_cv: unregister waits for a region's pins */
+  pthread_cond_t pin_cv;
+  atomic_uint revocations; /* bumped by every unregister, so a receiver checks its pins only then */
 } region_table;
 
 int regions_init(region_table *t);
 void regions_destroy(region_table *t);
 int regions_add(region_table *t, uint64_t base, uint64_t len);
+/* Take the region out of the table, then wait until no receiver holds a pin
+ * on it (about one receive tick at most). */
 int regions_remove(region_table *t, uint64_t base);
 /* With the read lock held by the caller: is [addr, addr+len) inside one region? */
 int regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len);
@@ -35,6 +42,14 @@ int regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len);
  * `dst` selects the destination side of the block. Caller holds the read lock. */
 int regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
                             uint64_t stride);
+/* The same lookups, returning the region (NULL if none). Read lock held. */
+region *kvf__regions_find_locked(const region_table *t, uint64_t addr, uint64_t len);
+region *kvf__regions_find_block_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
+                                       uint64_t stride);
+/* Pin a region found under the read lock so it outlives the lock; unpin
+ * (any time, no lock) wakes an unregister waiting on it. */
+void kvf__region_pin(region *r);
+void kvf__region_unpin(region_table *t, region *r);
 
 /* ---- batches ---- */
 typedef struct kvf_batch {
@@ -80,6 +95,7 @@ typedef struct engine_counters {
   atomic_ullong batches_sent, bytes_sent, batches_failed;
   atomic_ullong batches_received, bytes_received, batches_refused;
   atomic_ullong auth_refused, protocol_errors, conns_refused;
+  atomic_ullong conns_timed_out, conns_evicted;
 } engine_counters;
 
 typedef struct kvf_engine {
@@ -94,10 +110,6 @@ typedef struct kvf_engine {
   const transport_ops *ops;
   void *transport; /* transport-private state */
 } kvf_engine;
-
-/* Parse "host:port" (host may be "[v6addr]"). host_out gets the bare host.
- * KVF_EINVAL for anything else. */
-int engine_parse_session(const char *session, char *host_out, size_t host_cap, uint16_t *port_out);
 
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
  * each with at most `max_desc` descriptors; a single large block may be cut

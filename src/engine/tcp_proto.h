@@ -15,6 +15,9 @@
 #define TCP_ACK_MAGIC 0x4b564641u
 #define TCP_PROTO_VERSION 1
 #define TCP_MAX_TOKEN 1024
+/* A receiver drops a connection whose whole hello (header and token) has not
+ * arrived this long after accept, however its bytes trickle in. */
+#define TCP_HELLO_DEADLINE_MS 5000
 /* Receivers refuse (as a protocol error) chunks with more descriptors. */
 #define TCP_MAX_DESC 16384
 

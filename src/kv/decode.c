@@ -24,9 +24,15 @@
  * - node failure drops cache entries of exactly that address (not by string
  *   prefix), resets the failure count, and forgets the PUSH sockets of its
  *   ranks, so a restarted prefill gets fresh M1s (§8.10);
+ * - the heartbeat probes the cached target ranks themselves (their ZMQ
+ *   sockets, kv/probe.c), so a dead or stopped prefill is found whether or
+ *   not its bootstrap server lives, and a silent bootstrap server alone does
+ *   not condemn live ranks (issue 13 defects 1, 2; rule at probe_addr);
  * - after each good /health probe the heartbeat looks the cached target ranks
  *   up again: a rank re-registered at another (ip, port) restarted, so its
  *   pool entries are dropped and the rooms sent through them fail (§8.10);
+ * - an M3 counts only when it comes from the address of a rank the room was
+ *   planned with (§8 lets any ZMQ peer end any room; issue 13 defect 5);
  * - HTTP calls never run under the cache lock; scheduler threads use a
  *   short-lived client on cache misses, the heartbeat its own clients.
  *
@@ -44,13 +50,15 @@
 #include "bootstrap/bootstrap.h"
 #include "kv/manager.h"
 #include "kv/plan.h"
+#include "kv/probe.h"
 
 #define DECODE_MAX_ADDRS 1024     /* bootstrap addresses cached at once */
 #define DECODE_MAX_POOLS 65536    /* pool keys cached at once */
 #define DECODE_ADDR_MAX 256       /* bytes of a bootstrap address, NUL included */
 #define DECODE_KEY_MAX 8192       /* bytes of a pool key */
 #define DECODE_HB_CONNECT_MS 2000 /* the reference heartbeat's (2, 3) timeouts */
-#define DECODE_HB_TIMEOUT_MS 5000
+#define DECODE_HB_TIMEOUT_MS 5000   /* ... each capped at the heartbeat interval */
+#define DECODE_PROBE_TIMEOUT_MS 1000 /* a rank's ZMTP greeting (also capped at the interval) */
 
 /* One resolved target prefill rank. */
 typedef struct pool_target {
@@ -74,6 +82,7 @@ typedef struct pool_entry {
   int fragmented;
   int64_t page_layout; /* M2 frame 14 (kvferry): tokens per token-major page; 0 = not sent */
   int required_prefill_response_num;
+  int supports_spec; /* the plan's supports_remote_spec_candidates */
 } pool_entry;
 
 /* What is known about one bootstrap address. */
@@ -119,9 +128,11 @@ struct kvf_receiver {
    * heartbeat's node-failure predicate reads it while create may set it. */
   _Atomic uint64_t epoch;
   pool_entry *pool; /* NULL when construction failed */
-  /* The pool entry's address as a tag, stored under ds->lock when `pool` is
-   * set: the heartbeat's rank-restart predicate compares it while create may
-   * set it. Never dereferenced; the receiver's reference keeps it unique. */
+  /* The pool entry's address, stored under ds->lock when `pool` is set: the
+   * heartbeat's rank-restart predicate compares it while create may set it,
+   * and the listener reads the planned ranks through it under the room
+   * table's lock (the receiver's reference keeps it alive and unique until
+   * kvf_receiver_destroy has cleared the room). */
   _Atomic uintptr_t pool_tag;
 };
 
@@ -211,7 +222,7 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
         .decode_tp_rank = m->tp_rank,
         .prefill_tp_size = (int)a->tp_p,
         .layout = &ds->layout,
-        .target_layer_num = 0,
+        .target_layer_num = m->cfg.target_layer_num,
         .d_kv_item = ds->d_kv_item, .d_kv_unit = ds->d_kv_unit,
         .n_d_kv = m->bufs.n_kv, .n_d_kv_unit = m->bufs.n_kv,
         .p_kv_item = L[ROUTE_KV_ITEM_LENS].v, .p_kv_unit = L[ROUTE_KV_UNIT_LENS].v,
@@ -293,6 +304,7 @@ static pool_entry *pool_from_plan(const addr_entry *a, const char *addr) {
   p->nfrags = a->plan.nfrags;
   p->frags = calloc(p->nfrags ? p->nfrags : 1, sizeof *p->frags);
   p->required_prefill_response_num = a->plan.required_prefill_response_num;
+  p->supports_spec = a->plan.supports_spec;
   if (!p->targets || !p->frags) {
     pool_unref(p);
     return NULL;
@@ -555,12 +567,12 @@ static int match_room(int64_t room, void *user, void *arg) {
   return room == *(const int64_t *)arg;
 }
 
-int kvf_receiver_poll(kvf_receiver *r) {
+kvf_poll_status kvf_receiver_poll(kvf_receiver *r) {
   if (!r) return KVF_POLL_FAILED;
   kvf_manager *m = r->m;
   rooms_info info;
   if (rooms_get_info(m->rooms, r->room, &info)) return KVF_POLL_FAILED;
-  if (info.status == ROOM_SUCCESS || info.status == ROOM_FAILED) return info.status;
+  if (info.status == ROOM_SUCCESS || info.status == ROOM_FAILED) return (kvf_poll_status)info.status;
   if (info.init_time_ns >= 0) {
     double waited = (double)(clock_now_ns() - info.init_time_ns) / 1e9;
     if (waited >= m->cfg.waiting_timeout_s) {
@@ -574,16 +586,21 @@ int kvf_receiver_poll(kvf_receiver *r) {
       if (n) LOG_WARN("kv", "%s", reason);
       int s = ROOM_FAILED;
       rooms_get_status(m->rooms, r->room, &s);
-      return s;
+      return (kvf_poll_status)s;
     }
   }
-  return info.status;
+  return (kvf_poll_status)info.status;
 }
 
 void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap) {
   if (!buf || !cap) return;
   buf[0] = 0;
   if (r) rooms_get_reason(r->m->rooms, r->room, buf, cap);
+}
+
+int kvf_receiver_supports_spec(const kvf_receiver *r) {
+  if (!r) return KVF_EINVAL;
+  return r->pool ? r->pool->supports_spec : KVF_ESTATE;
 }
 
 int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, size_t cap, size_t *ncand) {
@@ -600,6 +617,23 @@ void kvf_receiver_destroy(kvf_receiver *r) {
 
 /* ------------------------------------------------------------ listener */
 
+typedef struct m3_origin {
+  kvf_manager *m;
+  const char *peer;
+} m3_origin;
+
+/* Under the room table's lock: did the M3 come from a rank the room was
+ * planned with? (Issue 13 defect 5: PROTOCOL §8 lets any ZMQ peer end any
+ * room.) A room without a plan yet has sent no M2, so nobody may answer. */
+static int from_planned_rank(void *user, void *arg) {
+  const kvf_receiver *r = user;
+  const m3_origin *o = arg;
+  const pool_entry *p = r ? (const pool_entry *)atomic_load(&r->pool_tag) : NULL;
+  for (int i = 0; p && i < p->ntargets; i++)
+    if (manager_peer_is(o->m, o->peer, p->targets[i].ip)) return 1;
+  return 0;
+}
+
 void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
   wire_m3 m3;
   char why[WIRE_REASON_LEN] = "";
@@ -607,7 +641,12 @@ void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const
     manager_reject(m, peer, "M3", why);
     return;
   }
-  int rc;
+  m3_origin origin = {m, peer};
+  int rc = rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
+  if (rc == 0) {
+    manager_reject_forged(m, peer, "M3", "the sender is not a prefill rank this room was planned with");
+    return;
+  }
   if (m3.status == WIRE_STATUS_SUCCESS) {
     int32_t cands[ROOMS_MAX_CANDS];
     if (m3.candidates.count > ROOMS_MAX_CANDS || m3.prefill_rank >= ROOMS_MAX_RANKS) {
@@ -620,6 +659,15 @@ void decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const
     kvf_engine_sync(m->engine);
     rc = rooms_record_response(m->rooms, m3.room, (int)m3.prefill_rank, m3.bootstrap_token, cands,
                                m3.candidates.count, NULL);
+  } else if (m3.status == WIRE_STATUS_FAILED && m3.reason_len) {
+    /* A kvferry prefill says why (M3 frame 5); keep it printable. */
+    char said[WIRE_REASON_LEN], reason[ROOMS_REASON_MAX];
+    for (size_t i = 0; i < m3.reason_len; i++)
+      said[i] = m3.reason[i] >= 0x20 && m3.reason[i] < 0x7f ? m3.reason[i] : '?';
+    said[m3.reason_len] = 0;
+    set_reason(reason, sizeof reason, "Failed to get kvcache from prefill rank %" PRId64 " (%s): %s", m3.prefill_rank,
+               peer, said);
+    rc = rooms_fail(m->rooms, m3.room, reason);
   } else if (m3.status == WIRE_STATUS_FAILED) {
     rc = rooms_fail(m->rooms, m3.room, "Failed to get kvcache from prefill instance, it might be dead");
   } else {
@@ -652,7 +700,7 @@ static int match_dead(int64_t room, void *user, void *arg) {
 
 /* §7.2, with exact address matching: drop the address's cache entries,
  * forget the sockets to its ranks, fail its live rooms that are not Success. */
-static void node_failure(kvf_manager *m, const char *addr) {
+static void node_failure(kvf_manager *m, const char *addr, const char *why) {
   struct decode_state *ds = m->decode;
   pool_entry **dropped = NULL;
   size_t ndropped = 0;
@@ -683,12 +731,12 @@ static void node_failure(kvf_manager *m, const char *addr) {
   free(dropped);
 
   char reason[ROOMS_REASON_MAX];
-  set_reason(reason, sizeof reason, "Losing connection with prefill instance (bootstrap_addr: %s)", addr);
+  set_reason(reason, sizeof reason, "Losing connection with prefill instance (bootstrap_addr: %s)%s%s", addr,
+             why ? ": " : "", why ? why : "");
   size_t nfailed = 0;
   rooms_fail_matching(m->rooms, match_dead, &d, reason, &nfailed);
   atomic_fetch_add(&m->stats.node_failures, 1);
-  LOG_ERROR("kv", "Losing connection with prefill instance (bootstrap_addr: %s), affected %zu requests", addr,
-            nfailed);
+  LOG_ERROR("kv", "%s, affected %zu requests", reason, nfailed);
 }
 
 static int match_pool(int64_t room, void *user, void *arg) {
@@ -782,6 +830,96 @@ static void revalidate_ranks(kvf_manager *m, bootstrap_client *c, const char *ad
   free(seen);
 }
 
+/* The distinct (ip, port) of every cached target rank of `addr`. */
+static kvf__probe_target *collect_ranks(kvf_manager *m, const char *addr, size_t *n) {
+  struct decode_state *ds = m->decode;
+  kvf__probe_target *t = NULL;
+  size_t cap = 0;
+  *n = 0;
+  pthread_mutex_lock(&ds->lock);
+  map_iter it;
+  map_iter_init(&it);
+  void *v;
+  while (smap_next(&ds->pools, &it, NULL, &v)) {
+    const pool_entry *p = v;
+    if (strcmp(p->addr, addr)) continue;
+    for (int i = 0; i < p->ntargets; i++) {
+      const pool_target *pt = &p->targets[i];
+      size_t k = 0;
+      while (k < *n && !(t[k].port == pt->port && !strcmp(t[k].ip, pt->ip))) k++;
+      if (k < *n || !pt->port) continue;
+      if (*n == cap) {
+        size_t nc = cap ? 2 * cap : 8;
+        kvf__probe_target *nt = realloc(t, nc * sizeof *nt);
+        if (!nt) goto out;
+        t = nt, cap = nc;
+      }
+      t[*n] = (kvf__probe_target){.port = pt->port, .rank = pt->rank};
+      snprintf(t[*n].ip, sizeof t[*n].ip, "%s", pt->ip);
+      (*n)++;
+    }
+  }
+out:
+  pthread_mutex_unlock(&ds->lock);
+  return t;
+}
+
+static int ms_capped(int ms, double cap_s) {
+  double cap_ms = cap_s * 1000;
+  return cap_ms < ms ? (cap_ms < 1 ? 1 : (int)cap_ms) : ms;
+}
+
+/* One heartbeat probe of `addr` (issue 13, defects 1 and 2). The rule: when
+ * the address has cached target ranks, the ranks decide. Any rank that does
+ * not answer with a ZMTP greeting (refused, closed, or nothing within the
+ * probe timeout) makes the round a failure, whatever /health says; when
+ * every rank answers the round is good even if /health fails (a slow or
+ * stopped bootstrap server alone condemns no live prefill; it is counted in
+ * heartbeat_failures). /health then serves only the restart revalidation.
+ * With no cached rank (no receiver got that far), /health alone decides, as
+ * in the reference. Returns 0 for a good round; else fills `why`. */
+static int probe_addr(kvf_manager *m, hb_peer *p, const char *addr, char *why, size_t cap) {
+  double interval = m->cfg.heartbeat_interval_s;
+  size_t n = 0;
+  kvf__probe_target *t = collect_ranks(m, addr, &n);
+  int ranks_ok = 1;
+  if (n) {
+    kvf__probe_ranks(t, n, ms_capped(DECODE_PROBE_TIMEOUT_MS, interval));
+    for (size_t i = 0; i < n && ranks_ok; i++)
+      if (t[i].result) {
+        ranks_ok = 0;
+        set_reason(why, cap, "prefill rank %d at %s:%u does not answer (%s)", t[i].rank, t[i].ip,
+                   (unsigned)t[i].port, kvf_strerror(t[i].result));
+      }
+  }
+  free(t);
+  if (!ranks_ok) {
+    atomic_fetch_add(&m->stats.heartbeat_failures, 1);
+    return KVF_ECLOSED;
+  }
+  if (!p->client) {
+    int tmo = ms_capped(DECODE_HB_TIMEOUT_MS, interval);
+    bootstrap_client_opts o = {.token = "", .connect_timeout_ms = ms_capped(DECODE_HB_CONNECT_MS, interval),
+                               .timeout_ms = tmo};
+    bootstrap_client_create(addr, &o, &p->client);
+  }
+  int rc = p->client ? bootstrap_client_health(p->client) : KVF_EIO;
+  if (!rc) {
+    revalidate_ranks(m, p->client, addr);
+    return 0;
+  }
+  atomic_fetch_add(&m->stats.heartbeat_failures, 1);
+  /* A fresh connection next time, as the reference drops its session. */
+  bootstrap_client_destroy(p->client);
+  p->client = NULL;
+  set_reason(why, cap, "its bootstrap server does not answer /health (%s)", kvf_strerror(rc));
+  if (n) {
+    LOG_INFO("kv", "%s: %s; its %zu rank(s) answer, so it is not declared dead", addr, why, n);
+    return 0;
+  }
+  return rc;
+}
+
 static void hb_peer_free(hb_peer *p) {
   if (!p) return;
   bootstrap_client_destroy(p->client);
@@ -820,25 +958,16 @@ static void heartbeat_round(kvf_manager *m) {
       }
     }
     p->seen = 1;
-    if (!p->client) {
-      bootstrap_client_opts o = {.token = "", .connect_timeout_ms = DECODE_HB_CONNECT_MS,
-                                 .timeout_ms = DECODE_HB_TIMEOUT_MS};
-      bootstrap_client_create(addrs[i], &o, &p->client);
-    }
-    int rc = p->client ? bootstrap_client_health(p->client) : KVF_EIO;
+    char why[ROOMS_REASON_MAX / 2] = "";
+    int rc = probe_addr(m, p, addrs[i], why, sizeof why);
     if (!rc) {
       p->failures = 0;
-      revalidate_ranks(m, p->client, addrs[i]);
       continue;
     }
-    LOG_INFO("kv", "Attempting to reconnect to %s...", addrs[i]);
-    atomic_fetch_add(&m->stats.heartbeat_failures, 1);
+    LOG_INFO("kv", "Attempting to reconnect to %s (%s)...", addrs[i], why);
     p->failures++;
-    /* A fresh connection next time, as the reference drops its session. */
-    bootstrap_client_destroy(p->client);
-    p->client = NULL;
     if (p->failures >= m->cfg.heartbeat_max_failures) {
-      node_failure(m, addrs[i]);
+      node_failure(m, addrs[i], why);
       p->failures = 0; /* §8.10: a later single miss must not re-trigger */
     }
   }
@@ -858,9 +987,14 @@ static void *heartbeat_main(void *arg) {
   kvf_manager *m = arg;
   struct decode_state *ds = m->decode;
   int64_t period_ns = (int64_t)(m->cfg.heartbeat_interval_s * 1e9);
+  /* Sleep first, then probe (§7.1); the condvar lets decode_stop wake us.
+   * Rounds start at a fixed rate, so a round that waited on its probe
+   * timeouts does not push the next one back (detection stays within
+   * interval x max_failures plus one probe timeout). */
+  int64_t wake = clock_now_ns();
   for (;;) {
-    /* Sleep first, then probe (§7.1); the condvar lets decode_stop wake us. */
-    int64_t wake = clock_now_ns() + period_ns;
+    wake += period_ns;
+    if (wake < clock_now_ns()) wake = clock_now_ns(); /* overran a whole period: probe at once */
     pthread_mutex_lock(&ds->hb_lock);
     while (!ds->hb_stop && clock_now_ns() < wake) {
       struct timespec ts = clock_ts_from_ns(wake);

@@ -1,18 +1,37 @@
 /* The shared core of the KV managers (see manager.h): configuration,
- * buffers, engine, rooms, the PULL listener and the PUSH socket cache. */
+ * buffers, engine, rooms, the PULL listener and the PUSH socket cache.
+ *
+ * Control-plane authentication (issue 13 defect 5, docs/WIRE-EXTENSIONS.md).
+ * With a control token set, every message sent carries one more frame,
+ * MANAGER_MAC_LEN bytes: the sender's wall clock in milliseconds (8 bytes,
+ * big-endian) and HMAC-SHA256(token, label || clock || for each frame its
+ * length (4 bytes, big-endian) and bytes). The listener drops, counts and
+ * logs once any message whose last frame is not such a MAC, whose MAC is
+ * wrong, or whose clock is more than MANAGER_MAC_WINDOW_S away from ours,
+ * before any codec sees it. Without a token nothing is added or checked, so
+ * tokenspeed peers keep working. */
 #include "kv/manager.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <zmq.h>
 
+#include "base/addr.h"
+#include "base/config.h"
+#include "base/clock.h"
 #include "base/env.h"
 #include "base/log.h"
 
 #define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
 #define MANAGER_MAX_PUSHES 4096
+#define MANAGER_MAC_LABEL "kvferry-control-mac-v1"
+#define MANAGER_MAC_WINDOW_S 300 /* clock skew and delivery delay accepted, seconds */
+_Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
+#define MANAGER_MAX_RECV_FRAMES (WIRE_MAX_FRAMES + 1) /* the largest message and its MAC */
 
 typedef struct manager_push {
   pthread_mutex_t lock;
@@ -20,13 +39,14 @@ typedef struct manager_push {
 } manager_push;
 
 void kvf_manager_config_init(kvf_manager_config *cfg) {
+  if (!cfg) return;
   memset(cfg, 0, sizeof *cfg);
+  cfg->size = sizeof *cfg;
   cfg->role = KVF_ROLE_DECODE;
   cfg->host = "127.0.0.1";
   cfg->world_size = 1;
   cfg->dp_size = 1;
   cfg->page_size = 1;
-  kvf_engine_config_init(&cfg->engine_cfg);
   cfg->bootstrap_timeout_s = 120;
   cfg->waiting_timeout_s = 300;
   cfg->heartbeat_interval_s = 5;
@@ -35,6 +55,43 @@ void kvf_manager_config_init(kvf_manager_config *cfg) {
   cfg->queue_size = 4;
   cfg->http_timeout_ms = 5000;
   cfg->max_rooms = 0;
+}
+
+static const kvf__field manager_fields[] = {
+    KVF__FIELD(kvf_manager_config, role, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, host, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, engine_rank, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, world_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, dp_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, page_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, is_mla, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, bootstrap_addr, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, bootstrap_token, KVF__FIELD_STR),
+    KVF__FIELD(kvf_manager_config, bootstrap_timeout_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, waiting_timeout_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, heartbeat_interval_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, heartbeat_max_failures, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, failed_session_ttl_s, KVF__FIELD_DOUBLE),
+    KVF__FIELD(kvf_manager_config, queue_size, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, http_timeout_ms, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, max_rooms, KVF__FIELD_SIZE),
+    KVF__FIELD(kvf_manager_config, target_layer_num, KVF__FIELD_SIZE),
+    KVF__FIELD(kvf_manager_config, control_token, KVF__FIELD_STR),
+};
+
+int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value) {
+  if (name && value && !strcmp(name, "role") && (!strcmp(value, "prefill") || !strcmp(value, "decode")))
+    value = !strcmp(value, "prefill") ? "0" : "1";
+  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, manager_fields,
+                         sizeof manager_fields / sizeof manager_fields[0], name, value);
+}
+
+int kvf_manager_config_set_ptr(kvf_manager_config *cfg, const char *name, void *value) {
+  if (!cfg || !name || cfg->size != sizeof *cfg) return KVF_EINVAL;
+  if (!strcmp(name, "engine")) cfg->engine = value;
+  else if (!strcmp(name, "engine_cfg")) cfg->engine_cfg = value;
+  else return KVF_ENOTFOUND;
+  return 0;
 }
 
 /* Defaults for unset fields, then the tokenspeed environment names, then
@@ -154,8 +211,7 @@ err_free:
   return err ? err : KVF_ENOMEM;
 }
 
-void manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
-  atomic_fetch_add(&m->stats.messages_malformed, 1);
+static void reject_log(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
   char key[128];
   snprintf(key, sizeof key, "%s/%s/%p", peer ? peer : "?", kind, (void *)m);
   if (log_first_time(log_hash_str(key, 11)))
@@ -163,11 +219,86 @@ void manager_reject(kvf_manager *m, const char *peer, const char *kind, const ch
              peer ? peer : "unknown peer", reason);
 }
 
+void manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+  atomic_fetch_add(&m->stats.messages_malformed, 1);
+  reject_log(m, peer, kind, reason);
+}
+
+void manager_reject_forged(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+  atomic_fetch_add(&m->stats.messages_forged, 1);
+  reject_log(m, peer, kind, reason);
+}
+
+/* An address literal as 16 bytes, IPv4 as IPv4-mapped IPv6; 0 or -1. */
+static int ip_bytes(const char *s, unsigned char out[16]) {
+  struct in_addr a4;
+  if (inet_pton(AF_INET, s, &a4) == 1) {
+    memset(out, 0, 10);
+    out[10] = out[11] = 0xff;
+    memcpy(out + 12, &a4, 4);
+    return 0;
+  }
+  return inet_pton(AF_INET6, s, out) == 1 ? 0 : -1;
+}
+
+int manager_peer_is(const kvf_manager *m, const char *peer, const char *ip) {
+  static const unsigned char any6[16], any4[16] = {[10] = 0xff, [11] = 0xff};
+  unsigned char a[16], b[16];
+  char head[64];
+  if (!m->check_peer_ip || !ip) return 1;
+  /* "ip:x" names the host before the first ':' (PROTOCOL §3: where M3 goes) */
+  const char *colon = strchr(ip, ':');
+  if (ip_bytes(ip, b) && colon && !strchr(colon + 1, ':') && (size_t)(colon - ip) < sizeof head) {
+    snprintf(head, sizeof head, "%.*s", (int)(colon - ip), ip);
+    ip = head;
+  }
+  /* A host name, or the unspecified address: not checkable here. */
+  if (ip_bytes(ip, b) || !memcmp(b, any6, 16) || !memcmp(b, any4, 16)) return 1;
+  return peer && !ip_bytes(peer, a) && !memcmp(a, b, sizeof a);
+}
+
+/* ------------------------------------------------------------ MAC frame */
+
+static void mac_compute(const kvf_manager *m, const unsigned char clock[8], const wire_frame *f, size_t n,
+                        unsigned char out[crypto_auth_hmacsha256_BYTES]) {
+  crypto_auth_hmacsha256_state st;
+  crypto_auth_hmacsha256_init(&st, m->ctl_key, m->ctl_keylen);
+  crypto_auth_hmacsha256_update(&st, (const unsigned char *)MANAGER_MAC_LABEL, sizeof MANAGER_MAC_LABEL);
+  crypto_auth_hmacsha256_update(&st, clock, 8);
+  for (size_t i = 0; i < n; i++) {
+    unsigned char len[4] = {(unsigned char)(f[i].len >> 24), (unsigned char)(f[i].len >> 16),
+                            (unsigned char)(f[i].len >> 8), (unsigned char)f[i].len};
+    crypto_auth_hmacsha256_update(&st, len, 4);
+    if (f[i].len) crypto_auth_hmacsha256_update(&st, f[i].data, f[i].len);
+  }
+  crypto_auth_hmacsha256_final(&st, out);
+  sodium_memzero(&st, sizeof st);
+}
+
+void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsigned char out[MANAGER_MAC_LEN]) {
+  uint64_t ms = (uint64_t)(clock_wall_s() * 1000);
+  for (int i = 0; i < 8; i++) out[i] = (unsigned char)(ms >> (56 - 8 * i));
+  mac_compute(m, out, f, n, out + 8);
+}
+
+/* 0 when f[n-1] is a good MAC of f[0..n-1), else a reason. */
+static const char *mac_check(const kvf_manager *m, const wire_frame *f, size_t n) {
+  if (n < 2 || f[n - 1].len != MANAGER_MAC_LEN) return "no MAC frame (is KVFERRY_CONTROL_TOKEN the same on both sides?)";
+  const unsigned char *mac = f[n - 1].data;
+  uint64_t ms = 0;
+  for (int i = 0; i < 8; i++) ms = ms << 8 | mac[i];
+  unsigned char want[crypto_auth_hmacsha256_BYTES];
+  mac_compute(m, mac, f, n - 1, want);
+  if (crypto_verify_32(want, mac + 8)) return "wrong MAC";
+  double skew = (double)ms / 1000 - clock_wall_s();
+  if (skew > MANAGER_MAC_WINDOW_S || skew < -MANAGER_MAC_WINDOW_S) return "MAC clock outside the accepted window";
+  return NULL;
+}
+
 /* ------------------------------------------------------------ PUSH cache */
 
 static int push_key(char *key, size_t cap, const char *host, uint16_t port) {
-  int n = snprintf(key, cap, strchr(host, ':') ? "[%s]:%u" : "%s:%u", host, (unsigned)port);
-  return n > 0 && (size_t)n < cap ? 0 : KVF_EINVAL;
+  return kvf__addr_format(key, cap, host, port);
 }
 
 int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
@@ -199,12 +330,16 @@ int manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wir
       return KVF_EIO;
     }
   }
+  unsigned char mac[MANAGER_MAC_LEN];
+  size_t nsend = msg->nframes + (m->ctl_keylen ? 1 : 0);
+  if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
   pthread_mutex_lock(&p->lock);
   pthread_mutex_unlock(&m->push_lock);
-  for (size_t i = 0; i < msg->nframes && !rc; i++) {
-    int flags = i + 1 < msg->nframes ? ZMQ_SNDMORE : 0;
-    if (zmq_send(p->sock, msg->frames[i].data, msg->frames[i].len, flags) < 0)
-      rc = zmq_errno() == EAGAIN ? KVF_ETIMEDOUT : KVF_EIO;
+  for (size_t i = 0; i < nsend && !rc; i++) {
+    int flags = i + 1 < nsend ? ZMQ_SNDMORE : 0;
+    const void *data = i < msg->nframes ? msg->frames[i].data : mac;
+    size_t len = i < msg->nframes ? msg->frames[i].len : sizeof mac;
+    if (zmq_send(p->sock, data, len, flags) < 0) rc = zmq_errno() == EAGAIN ? KVF_ETIMEDOUT : KVF_EIO;
   }
   pthread_mutex_unlock(&p->lock);
   if (rc) LOG_WARN("kv", "sending to %s failed: %s", key, kvf_strerror(rc));
@@ -246,8 +381,8 @@ static void close_pushes(kvf_manager *m) {
 
 static void *listener_main(void *arg) {
   kvf_manager *m = arg;
-  zmq_msg_t parts[WIRE_MAX_FRAMES];
-  for (size_t i = 0; i < WIRE_MAX_FRAMES; i++) zmq_msg_init(&parts[i]);
+  zmq_msg_t parts[MANAGER_MAX_RECV_FRAMES];
+  for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_init(&parts[i]);
   while (!atomic_load(&m->stopping)) {
     zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
     int r = zmq_poll(&pi, 1, 100);
@@ -256,7 +391,7 @@ static void *listener_main(void *arg) {
     int more = 1;
     char peer[64] = "?";
     while (more) {
-      zmq_msg_t *part = n < WIRE_MAX_FRAMES ? &parts[n] : NULL;
+      zmq_msg_t *part = n < MANAGER_MAX_RECV_FRAMES ? &parts[n] : NULL;
       zmq_msg_t sink;
       if (!part) {
         zmq_msg_init(&sink);
@@ -279,14 +414,23 @@ static void *listener_main(void *arg) {
         n++;
       }
     }
-    (void)extra; /* frames past the last one any message defines are ignored, as the spec says */
-    wire_frame frames[WIRE_MAX_FRAMES];
+    wire_frame frames[MANAGER_MAX_RECV_FRAMES];
     for (size_t i = 0; i < n; i++)
       frames[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
+    if (m->ctl_keylen) {
+      const char *bad = extra ? "more frames than any message and its MAC" : mac_check(m, frames, n);
+      if (bad) {
+        manager_reject_forged(m, peer, "message", bad);
+        continue;
+      }
+      n--; /* the codecs never see the MAC */
+    } else if (n > WIRE_MAX_FRAMES) {
+      n = WIRE_MAX_FRAMES; /* frames past the last one any message defines are ignored, as the spec says */
+    }
     if (m->decode) decode_on_message(m, frames, n, peer);
     else prefill_on_message(m, frames, n, peer);
   }
-  for (size_t i = 0; i < WIRE_MAX_FRAMES; i++) zmq_msg_close(&parts[i]);
+  for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_close(&parts[i]);
   return NULL;
 }
 
@@ -310,19 +454,55 @@ static int bind_pull(kvf_manager *m) {
   char last[300];
   size_t len = sizeof last;
   if (zmq_getsockopt(m->pull, ZMQ_LAST_ENDPOINT, last, &len)) return KVF_EIO;
-  const char *colon = strrchr(last, ':');
-  int64_t port = 0;
-  if (!colon || env_parse_i64(colon + 1, &port) || port <= 0 || port > 65535) return KVF_EIO;
-  m->rank_port = (uint16_t)port;
+  const char *hp = strncmp(last, "tcp://", 6) ? last : last + 6;
+  if (kvf__addr_parse(hp, strlen(hp), NULL, 0, &m->rank_port, NULL)) return KVF_EIO;
+  return 0;
+}
+
+/* Undo register_buffers (only the buffers this manager registered). */
+static void unregister_buffers(kvf_manager *m) {
+  for (size_t i = 0; m->own_regions && i < m->bufs.n_kv + m->bufs.n_state; i++)
+    if (m->own_regions[i])
+      kvf_engine_unregister(m->engine, (void *)(uintptr_t)(i < m->bufs.n_kv ? m->bufs.kv_ptrs[i]
+                                                                             : m->bufs.state_ptrs[i - m->bufs.n_kv]));
+  free(m->own_regions);
+  m->own_regions = NULL;
+}
+
+/* Register every KV and state buffer with the engine. A buffer already
+ * registered (KVF_EEXIST: a shared engine where another manager of this
+ * process holds the same memory) is used as is and left to its owner; the
+ * flags in own_regions say which ones this manager must unregister. On
+ * failure the buffers registered so far are unregistered again, so a shared
+ * engine is left as it was. */
+static int register_buffers(kvf_manager *m) {
+  size_t n = m->bufs.n_kv + m->bufs.n_state;
+  m->own_regions = calloc(n, 1);
+  if (!m->own_regions) return KVF_ENOMEM;
+  for (size_t i = 0; i < n; i++) {
+    int kv = i < m->bufs.n_kv;
+    size_t k = kv ? i : i - m->bufs.n_kv;
+    uint64_t ptr = kv ? m->bufs.kv_ptrs[k] : m->bufs.state_ptrs[k];
+    uint64_t len = kv ? m->bufs.kv_lens[k] : m->bufs.state_lens[k];
+    int rc = kvf_engine_register(m->engine, (void *)(uintptr_t)ptr, len);
+    if (rc == KVF_EEXIST) continue;
+    if (rc) {
+      unregister_buffers(m);
+      return rc;
+    }
+    m->own_regions[i] = 1;
+  }
   return 0;
 }
 
 int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *bufs, kvf_manager **out) {
-  if (!cfg_in || !out) return KVF_EINVAL;
-  if (cfg_in->role != KVF_ROLE_PREFILL && cfg_in->role != KVF_ROLE_DECODE) return KVF_EINVAL;
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  if (!cfg_in || !out || kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg)) return KVF_EINVAL;
+  if (cfg.role != KVF_ROLE_PREFILL && cfg.role != KVF_ROLE_DECODE) return KVF_EINVAL;
   kvf_manager *m = calloc(1, sizeof *m);
   if (!m) return KVF_ENOMEM;
-  m->cfg = *cfg_in;
+  m->cfg = cfg;
   resolve_config(&m->cfg);
   kvf_manager_config *c = &m->cfg;
   int rc = KVF_EINVAL;
@@ -333,6 +513,19 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   const char *tok = c->bootstrap_token ? c->bootstrap_token : getenv("KVFERRY_BOOTSTRAP_TOKEN");
   snprintf(m->bootstrap_token, sizeof m->bootstrap_token, "%s", tok ? tok : "");
   c->bootstrap_token = m->bootstrap_token;
+  const char *ctl = c->control_token ? c->control_token : getenv("KVFERRY_CONTROL_TOKEN");
+  m->ctl_keylen = ctl ? strlen(ctl) : 0;
+  if (m->ctl_keylen >= sizeof m->ctl_key) {
+    LOG_ERROR("kv", "the control token is longer than %zu bytes", sizeof m->ctl_key - 1);
+    goto err_free;
+  }
+  if (m->ctl_keylen) memcpy(m->ctl_key, ctl, m->ctl_keylen);
+  c->control_token = (const char *)m->ctl_key;
+  if (m->ctl_keylen && sodium_init() < 0) {
+    LOG_ERROR("kv", "libsodium failed to initialise");
+    goto err_free;
+  }
+  m->check_peer_ip = env_get_int("KVFERRY_CHECK_PEER_IP", 1) != 0;
   if (c->world_size % c->dp_size || c->engine_rank < 0 || c->engine_rank >= c->world_size) {
     LOG_ERROR("kv", "bad parallel layout: rank %d of world %d with dp %d", c->engine_rank, c->world_size,
               c->dp_size);
@@ -347,23 +540,19 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   if (c->engine) {
     m->engine = c->engine;
   } else {
-    kvf_engine_config ec = c->engine_cfg;
+    kvf_engine_config ec;
+    kvf_engine_config_init(&ec);
+    if (c->engine_cfg && (rc = kvf__config_copy(&ec, sizeof ec, c->engine_cfg, sizeof ec))) goto err_rooms;
     if (!ec.host || !strcmp(ec.host, "127.0.0.1")) ec.host = m->host;
     if ((rc = kvf_engine_create(&ec, &m->engine))) goto err_rooms;
     m->own_engine = 1;
   }
   c->engine = m->engine;
-  for (size_t i = 0; i < m->bufs.n_kv; i++)
-    if ((rc = kvf_engine_register(m->engine, (void *)(uintptr_t)m->bufs.kv_ptrs[i], m->bufs.kv_lens[i])) &&
-        rc != KVF_EEXIST)
-      goto err_engine;
-  for (size_t i = 0; i < m->bufs.n_state; i++)
-    if ((rc = kvf_engine_register(m->engine, (void *)(uintptr_t)m->bufs.state_ptrs[i], m->bufs.state_lens[i])) &&
-        rc != KVF_EEXIST)
-      goto err_engine;
+  c->engine_cfg = NULL; /* the caller's, read only during create */
+  if ((rc = register_buffers(m))) goto err_engine;
 
   pthread_mutex_init(&m->push_lock, NULL);
-  if ((rc = smap_init(&m->pushes))) goto err_engine;
+  if ((rc = smap_init(&m->pushes))) goto err_lock;
   m->zctx = zmq_ctx_new();
   if (!m->zctx) {
     rc = KVF_EIO;
@@ -390,8 +579,10 @@ err_zmq:
   zmq_ctx_term(m->zctx);
 err_pushes:
   smap_free(&m->pushes);
-err_engine:
+err_lock:
   pthread_mutex_destroy(&m->push_lock);
+  unregister_buffers(m);
+err_engine:
   if (m->own_engine) kvf_engine_destroy(m->engine);
 err_rooms:
   rooms_table_free(m->rooms, NULL);
@@ -412,15 +603,11 @@ void kvf_manager_destroy(kvf_manager *m) {
   close_pushes(m);
   zmq_ctx_term(m->zctx);
   pthread_mutex_destroy(&m->push_lock);
-  if (m->own_engine) {
-    kvf_engine_destroy(m->engine);
-  } else {
-    for (size_t i = 0; i < m->bufs.n_kv; i++) kvf_engine_unregister(m->engine, (void *)(uintptr_t)m->bufs.kv_ptrs[i]);
-    for (size_t i = 0; i < m->bufs.n_state; i++)
-      kvf_engine_unregister(m->engine, (void *)(uintptr_t)m->bufs.state_ptrs[i]);
-  }
+  unregister_buffers(m);
+  if (m->own_engine) kvf_engine_destroy(m->engine);
   rooms_table_free(m->rooms, NULL);
   free_buffers(&m->bufs);
+  sodium_memzero(m->ctl_key, sizeof m->ctl_key);
   free(m);
 }
 
@@ -436,5 +623,6 @@ void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *o) {
   o->bytes_sent = atomic_load(&m->stats.bytes_sent);
   o->heartbeat_failures = atomic_load(&m->stats.heartbeat_failures);
   o->node_failures = atomic_load(&m->stats.node_failures);
+  o->messages_forged = atomic_load(&m->stats.messages_forged);
   o->live_rooms = rooms_count(m->rooms);
 }

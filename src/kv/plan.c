@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/addr.h"
+
 /* ---- Page runs ---- */
 
 int plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *out, size_t *nruns) {
@@ -568,24 +570,9 @@ int plan_dp_group(int64_t room, int64_t dp_size, int64_t *out) {
 }
 
 int plan_session_port(const char *s, int *port) {
-  const char *ps;
-  if (!s || !*s) return KVF_EINVAL;
-  if (s[0] == '[') {
-    const char *close = strchr(s, ']');
-    if (!close || close == s + 1 || close[1] != ':') return KVF_EINVAL;
-    ps = close + 2;
-  } else {
-    const char *colon = strchr(s, ':');
-    if (!colon || colon == s || strchr(colon + 1, ':')) return KVF_EINVAL;
-    ps = colon + 1;
-  }
-  int v = 0, nd = 0;
-  for (; *ps; ps++, nd++) {
-    if (*ps < '0' || *ps > '9' || nd >= 5) return KVF_EINVAL;
-    v = v * 10 + (*ps - '0');
-  }
-  if (nd == 0 || v < 1 || v > 65535) return KVF_EINVAL;
-  *port = v;
+  uint16_t p;
+  if (!s || kvf__addr_parse(s, strlen(s), NULL, 0, &p, NULL)) return KVF_EINVAL;
+  *port = p;
   return 0;
 }
 

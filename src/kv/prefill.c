@@ -8,10 +8,16 @@
  * registrations (at most PF_MAX_SESSIONS sessions), per-room state `pf_room`
  * keyed by room id, and per-room transfer infos in arrival order (at most
  * PF_MAX_INFOS). An M2 may arrive before its sender exists (a legitimate
- * race): it is stored in a pf_room without a sender, an "early" room, of
- * which at most PF_MAX_EARLY exist; when that bound is reached early rooms
- * idle for longer than the bootstrap timeout are pruned, and if none can be
- * pruned the M2 is dropped and counted as unknown-room. Early rooms are not
+ * race): it is stored in a pf_room without a sender, an "early" room
+ * (issue 13 defect 6). Each early room is charged to the decode session
+ * whose M2 created it; a session holds at most PF_MAX_EARLY_PER_SESSION of
+ * them and all sessions together at most PF_MAX_EARLY, so one flooding
+ * decode cannot starve the others. Early rooms sit on one LRU list (a repeat
+ * M2 moves its room to the tail); each M2 drops at most PF_EXPIRE_PER_MSG
+ * rooms idle past the waiting timeout from the head (the decode has given
+ * up on them by then), so every M2 costs O(1). An M2 that would need an
+ * early room past a bound is refused: its decode gets M3 Failed with the
+ * reason (kvferry frame 5) at once instead of waiting. Early rooms are not
  * in the shared room table (m->rooms holds exactly the rooms with a sender),
  * so kvf_manager_get_stats' live_rooms counts senders only.
  *
@@ -37,7 +43,7 @@
  * decode_prefix_len / page_size positions (those the decode already holds)
  * and maps position p >= P onto the decode's destination index p - P, as
  * the reference scheduler does before submitting. With a prefix of 0 this is
- * the identity. kvf_sender_send_layers instead names the destination index
+ * the identity. A layerwise chunk (KVF_SEND_LAYERS) instead names the destination index
  * of its first page itself (the reference's send_layerwise index_slice, the
  * scheduler having already skipped the prefix): such a chunk (`explicit_idx`)
  * maps pages[k] onto destination index pos + k with no skip.
@@ -60,7 +66,7 @@
  * supported: such a request fails the room with a reason.
  *
  * First-token hand-off (§6.9, §6.11 metadata wait). The token usually rides
- * on the last chunk. A last chunk whose token is KVF_TOKEN_LATER (layerwise:
+ * on the last chunk. A last chunk sent with KVF_SEND_TOKEN_LATER (layerwise:
  * the last layer group goes out before sampling) instead parks the room once
  * it landed on every required destination: the worker stores those
  * destinations in the room (`park`) and moves on, so no worker ever waits
@@ -78,6 +84,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/config.h"
 #include "base/log.h"
 #include "base/map.h"
 #include "bootstrap/bootstrap.h"
@@ -85,15 +92,18 @@
 #include "kv/plan.h"
 #include "kv/rooms.h"
 
+#define PF_TOKEN_LATER (-2)    /* a chunk's token: "comes through kvf_sender_set_metadata" */
 #define PF_MAX_SESSIONS 4096   /* registered decode sessions */
 #define PF_MAX_INFOS 4096      /* transfer infos (decode sessions) per room */
-#define PF_MAX_EARLY 4096      /* rooms with M2s but no sender yet */
+#define PF_MAX_EARLY 65536     /* rooms with M2s but no sender yet, all sessions together */
+#define PF_EXPIRE_PER_MSG 4    /* idle early rooms dropped per M2 at most */
 #define PF_MAX_PENDING 65536   /* chunks waiting on one room for its M2s */
 #define PF_QUEUE_MAX 65536     /* chunks in one worker FIFO */
 
 typedef struct pf_reg { /* one decode registration (M1) */
   wire_m1 *m1;          /* heap copy (wire_m1_dup) */
   int64_t failed_ns;    /* monotonic time of the last transfer error; 0 = not failed (§7.4) */
+  size_t nearly;        /* early rooms charged to this session */
 } pf_reg;
 
 typedef struct pf_info { /* one M2, shared with workers */
@@ -132,6 +142,8 @@ typedef struct pf_room {
   int bootstrapped;
   int shard;
   int64_t create_ns; /* sender creation, for the bootstrap timeout */
+  pf_reg *early_owner; /* early room: the session it is charged to; NULL otherwise */
+  struct pf_room *eprev, *enext; /* the early LRU list */
   int64_t last_m2_ns;
   pf_info **infos;   /* arrival order */
   size_t ninfos, cap;
@@ -142,7 +154,7 @@ typedef struct pf_room {
   int64_t meta_token;
   int32_t *meta_cands;
   size_t meta_ncand;
-  /* KVF_TOKEN_LATER: the last chunk landed, waiting for the token */
+  /* PF_TOKEN_LATER: the last chunk landed, waiting for the token */
   pf_dest *park; /* the completed destinations, NULL when not parked */
   size_t npark;
   int64_t landed_ns;
@@ -173,6 +185,7 @@ typedef struct prefill_state {
   smap regs;   /* session -> pf_reg */
   map rooms;   /* room id -> pf_room */
   size_t nearly;
+  pf_room *early_head, *early_tail; /* least recently used first */
   int nqueues;
   pf_queue *queues;
   /* plan layouts, converted once from the manager's buffers */
@@ -217,10 +230,12 @@ static void chunk_release_locked(prefill_state *ps, pf_chunk *c) {
   if (r) room_unref(ps, r);
 }
 
-static void send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
-                    const int32_t *cands, size_t ncand) {
+/* `reason` (may be NULL) travels in kvferry's M3 frame 5. */
+static void send_m3_why(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
+                        const int32_t *cands, size_t ncand, const char *reason) {
   wire_m3 m3 = {.room = room, .status = status, .prefill_rank = m->tp_rank, .bootstrap_token = token,
-                .candidates = wire_array_of(cands, cands ? ncand : 0)};
+                .candidates = wire_array_of(cands, cands ? ncand : 0), .reason = reason,
+                .reason_len = reason ? strlen(reason) : 0};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   if (wire_m3_encode(&m3, &msg, why)) {
@@ -229,6 +244,11 @@ static void send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t roo
   }
   manager_push_send(m, host, port, &msg);
   wire_msg_free(&msg);
+}
+
+static void send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
+                    const int32_t *cands, size_t ncand) {
+  send_m3_why(m, host, port, room, status, token, cands, ncand, NULL);
 }
 
 /* ps->lock held: the non-dummy destinations of r, for M3 Failed. */
@@ -303,18 +323,37 @@ static void flush_pending(prefill_state *ps, pf_room *r) {
   }
 }
 
-/* ps->lock held: drop early rooms idle past the bootstrap timeout. */
-static void prune_early(prefill_state *ps) {
-  int64_t now = clock_now_ns(), max_ns = (int64_t)(ps->m->cfg.bootstrap_timeout_s * 1e9);
-  map_iter it;
-  map_iter_init(&it);
-  uint64_t key;
-  void *v;
-  while (map_next(&ps->rooms, &it, &key, &v)) {
-    pf_room *r = v;
-    if (r->has_sender || now - r->last_m2_ns < max_ns) continue;
-    map_del(&ps->rooms, key, NULL);
-    ps->nearly--;
+/* ps->lock held: the early LRU list (see the file comment). */
+static void early_unlink(prefill_state *ps, pf_room *r) {
+  if (!r->early_owner) return;
+  if (r->eprev) r->eprev->enext = r->enext;
+  else ps->early_head = r->enext;
+  if (r->enext) r->enext->eprev = r->eprev;
+  else ps->early_tail = r->eprev;
+  r->eprev = r->enext = NULL;
+  r->early_owner->nearly--;
+  r->early_owner = NULL;
+  ps->nearly--;
+}
+
+static void early_append(prefill_state *ps, pf_room *r, pf_reg *owner) {
+  r->early_owner = owner;
+  r->eprev = ps->early_tail;
+  r->enext = NULL;
+  if (ps->early_tail) ps->early_tail->enext = r;
+  else ps->early_head = r;
+  ps->early_tail = r;
+  owner->nearly++;
+  ps->nearly++;
+}
+
+/* ps->lock held: drop a few early rooms idle past the waiting timeout. */
+static void expire_early(prefill_state *ps, int64_t now) {
+  int64_t max_ns = (int64_t)(ps->m->cfg.waiting_timeout_s * 1e9);
+  for (int i = 0; i < PF_EXPIRE_PER_MSG && ps->early_head && now - ps->early_head->last_m2_ns >= max_ns; i++) {
+    pf_room *r = ps->early_head;
+    early_unlink(ps, r);
+    map_del(&ps->rooms, (uint64_t)r->room, NULL);
     r->dead = 1;
     room_unref(ps, r);
   }
@@ -328,6 +367,12 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   char why[WIRE_REASON_LEN];
   if (wire_m1_decode(frames, n, &d, why)) {
     manager_reject(m, peer, "M1", why);
+    return;
+  }
+  /* Issue 13 defect 5: a registration names where the decode's memory and
+   * status socket are; only that host may make it. */
+  if (!manager_peer_is(m, peer, d.endpoint)) {
+    manager_reject_forged(m, peer, "M1", "the sender is not the decode host the registration names");
     return;
   }
   if (wire_m1_dup(&d, &copy)) {
@@ -364,6 +409,11 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     manager_reject(m, peer, "M2", why);
     return;
   }
+  if (!manager_peer_is(m, peer, d.endpoint)) {
+    wire_m2_free(&d);
+    manager_reject_forged(m, peer, "M2", "the sender is not the decode host the request names");
+    return;
+  }
   pf_info *info = calloc(1, sizeof *info);
   if (!info || wire_m2_dup(&d, &info->m2)) {
     free(info);
@@ -392,21 +442,35 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     return;
   }
   int mismatch = !x->is_dummy && reg->m1->kv_ptrs.count != m->bufs.n_kv;
+  int64_t now = clock_now_ns();
+  expire_early(ps, now);
   pf_room *r = map_get(&ps->rooms, (uint64_t)x->room);
   if (!r) {
-    if (ps->nearly >= PF_MAX_EARLY) prune_early(ps);
-    if (ps->nearly >= PF_MAX_EARLY || !(r = calloc(1, sizeof *r)) || map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
+    const char *full = reg->nearly >= PF_MAX_EARLY_PER_SESSION ? "from this decode session"
+                       : ps->nearly >= PF_MAX_EARLY            ? "from all decode sessions"
+                                                               : NULL;
+    if (full || !(r = calloc(1, sizeof *r)) || map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
       pthread_mutex_unlock(&ps->lock);
       free(r);
-      info_unref(info);
       atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+      snprintf(why, sizeof why, "prefill rank %d refused the transfer request: %s requests %s wait for their sender "
+               "(limit %d per session, %d in all)", m->cfg.engine_rank, full ? "too many" : "out of memory:",
+               full ? full : "no room for more", PF_MAX_EARLY_PER_SESSION, PF_MAX_EARLY);
       if (log_first_time(log_hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
-        LOG_WARN("kv", "dropped an M2 from %s: too many rooms without a sender", peer ? peer : "?");
+        LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
+                 peer ? peer : "?", why);
+      /* Tell the decode now: otherwise it waits for its timeout. */
+      send_m3_why(m, x->endpoint, x->dst_port, x->room, ROOM_FAILED, -1, NULL, 0, why);
+      info_unref(info);
       return;
     }
     r->room = x->room;
     r->refs = 1;
-    ps->nearly++;
+    early_append(ps, r, reg);
+  } else if (r->early_owner) {
+    pf_reg *owner = r->early_owner; /* a repeat: most recently used now */
+    early_unlink(ps, r);
+    early_append(ps, r, owner);
   }
   size_t k = 0;
   while (k < r->ninfos && strcmp(r->infos[k]->m2->session, x->session)) k++;
@@ -428,7 +492,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     }
     r->infos[r->ninfos++] = info;
   }
-  r->last_m2_ns = clock_now_ns();
+  r->last_m2_ns = now;
   if (mismatch && r->has_sender && !r->dead) {
     snprintf(why, sizeof why, "Decode session %s registered %zu KV buffers, this prefill rank has %zu",
              x->session, reg->m1->kv_ptrs.count, m->bufs.n_kv);
@@ -756,7 +820,7 @@ static void process_chunk(prefill_state *ps, pf_chunk *c) {
     int64_t tok = c->token;
     const int32_t *cd = c->cands;
     size_t ncd = c->ncand;
-    if (!r->dead && c->token == KVF_TOKEN_LATER) {
+    if (!r->dead && c->token == PF_TOKEN_LATER) {
       if (r->meta_set) { /* published before the chunk landed */
         tok = r->meta_token, cd = r->meta_cands, ncd = r->meta_ncand;
       } else {
@@ -997,7 +1061,7 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
     r->room = room;
     r->refs = 1;
   } else {
-    ps->nearly--; /* the M2s came first */
+    early_unlink(ps, r); /* the M2s came first */
   }
   r->has_sender = 1;
   r->create_ns = clock_now_ns();
@@ -1080,39 +1144,46 @@ out:
   return rc;
 }
 
-int kvf_sender_send(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux_index,
-                    int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
-                    size_t nstate) {
-  if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
-  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES) return KVF_ETOOBIG;
-  if (s->last_sent) return KVF_ESTATE;
-  return sender_submit(s, pages, npages, s->curr, 0, 0, s->m->bufs.n_layers, is_last, aux_index, bootstrap_token,
-                       cands, ncand, state_slots, nstate);
+void kvf_send_params_init(kvf_send_params *p) {
+  if (!p) return;
+  memset(p, 0, sizeof *p);
+  p->size = sizeof *p;
+  p->aux_index = -1;
+  p->bootstrap_token = -1;
 }
 
-int kvf_sender_send_layers(kvf_sender *s, const int64_t *pages, size_t npages, size_t index_begin,
-                           size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
-                           int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
-                           size_t nstate) {
-  if (!s || (npages && !pages) || (ncand && !cands) || (nstate && !state_slots)) return KVF_EINVAL;
-  if (layer_begin > layer_end || layer_end > s->m->bufs.n_layers) return KVF_EINVAL;
-  if (npages > WIRE_MAX_PAGES || ncand > WIRE_MAX_CANDIDATES || nstate > WIRE_MAX_PAGES ||
-      index_begin > (size_t)WIRE_MAX_PAGES)
+int kvf_sender_send(kvf_sender *s, const kvf_send_params *in) {
+  kvf_send_params p;
+  kvf_send_params_init(&p);
+  if (!s || !in || kvf__config_copy(&p, sizeof p, in, sizeof p)) return KVF_EINVAL;
+  const uint32_t known = KVF_SEND_LAST | KVF_SEND_TOKEN_LATER | KVF_SEND_LAYERS;
+  int is_last = (p.flags & KVF_SEND_LAST) != 0, layers = (p.flags & KVF_SEND_LAYERS) != 0;
+  if ((p.flags & ~known) || ((p.flags & KVF_SEND_TOKEN_LATER) && !is_last)) return KVF_EINVAL;
+  if ((p.npages && !p.pages) || (p.ncand && !p.cands) || (p.nstate && !p.state_slots)) return KVF_EINVAL;
+  if (p.bootstrap_token < -1) return KVF_EINVAL;
+  if (layers && (p.layer_begin > p.layer_end || p.layer_end > s->m->bufs.n_layers)) return KVF_EINVAL;
+  if (p.npages > WIRE_MAX_PAGES || p.ncand > KVF_MAX_CANDIDATES || p.nstate > WIRE_MAX_PAGES ||
+      (layers && p.index_begin > (size_t)WIRE_MAX_PAGES))
     return KVF_ETOOBIG;
   if (s->last_sent) return KVF_ESTATE;
+  int64_t token = p.bootstrap_token;
+  if (p.flags & KVF_SEND_TOKEN_LATER) token = PF_TOKEN_LATER, p.ncand = 0;
+  if (!layers)
+    return sender_submit(s, p.pages, p.npages, s->curr, 0, 0, s->m->bufs.n_layers, is_last, p.aux_index, token,
+                         p.cands, p.ncand, p.state_slots, p.nstate);
   /* §6.2: send_layerwise skips an empty non-last chunk (no pages or no
    * layers: nothing to write, and it completes nothing). */
-  if (!is_last && (!npages || layer_begin == layer_end)) {
-    if (s->curr < (int64_t)(index_begin + npages)) s->curr = (int64_t)(index_begin + npages);
+  if (!is_last && (!p.npages || p.layer_begin == p.layer_end)) {
+    if (s->curr < (int64_t)(p.index_begin + p.npages)) s->curr = (int64_t)(p.index_begin + p.npages);
     return 0;
   }
-  return sender_submit(s, pages, npages, (int64_t)index_begin, 1, layer_begin, layer_end, is_last, aux_index,
-                       bootstrap_token, cands, ncand, state_slots, nstate);
+  return sender_submit(s, p.pages, p.npages, (int64_t)p.index_begin, 1, p.layer_begin, p.layer_end, is_last,
+                       p.aux_index, token, p.cands, p.ncand, p.state_slots, p.nstate);
 }
 
 int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand) {
   if (!s || (ncand && !cands) || bootstrap_token < -1) return KVF_EINVAL;
-  if (ncand > WIRE_MAX_CANDIDATES) return KVF_ETOOBIG;
+  if (ncand > KVF_MAX_CANDIDATES) return KVF_ETOOBIG;
   prefill_state *ps = s->m->prefill;
   pf_room *r = s->r;
   int32_t *copy = ncand ? malloc(ncand * sizeof *copy) : NULL;
@@ -1152,7 +1223,7 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
   return rc;
 }
 
-int kvf_sender_poll(kvf_sender *s) {
+kvf_poll_status kvf_sender_poll(kvf_sender *s) {
   if (!s) return KVF_POLL_FAILED;
   prefill_state *ps = s->m->prefill;
   pf_dest *d = NULL;
@@ -1170,7 +1241,7 @@ int kvf_sender_poll(kvf_sender *s) {
     d = collect_dests(s->r, &nd);
     LOG_WARN("kv", "%s", why);
   } else if (s->r->park) {
-    /* KVF_TOKEN_LATER: the KV landed and the token is late (§8 item 2). */
+    /* PF_TOKEN_LATER: the KV landed and the token is late (§8 item 2). */
     limit = s->m->cfg.bootstrap_timeout_s;
     if (st != ROOM_FAILED && clock_now_ns() - s->r->landed_ns >= (int64_t)(limit * 1e9)) {
       char why[ROOMS_REASON_MAX];
@@ -1187,7 +1258,30 @@ int kvf_sender_poll(kvf_sender *s) {
   }
   pthread_mutex_unlock(&ps->lock);
   if (d) send_failed_all(s->m, s->room, d, nd);
-  return st;
+  return (kvf_poll_status)st;
+}
+
+int kvf_sender_dest_info(kvf_sender *s, size_t *nreal, size_t *ndummy, int64_t *decode_prefix_len) {
+  if (!s || !nreal || !ndummy || !decode_prefix_len) return KVF_EINVAL;
+  prefill_state *ps = s->m->prefill;
+  int rc = 0;
+  *nreal = *ndummy = 0;
+  *decode_prefix_len = 0;
+  pthread_mutex_lock(&ps->lock);
+  if (s->r->dead) {
+    rc = KVF_ENOTFOUND;
+  } else {
+    for (size_t i = 0; i < s->r->ninfos; i++) {
+      const wire_m2 *x = s->r->infos[i]->m2;
+      if (x->is_dummy) {
+        (*ndummy)++;
+      } else if ((*nreal)++ == 0) {
+        *decode_prefix_len = x->decode_prefix_len;
+      }
+    }
+  }
+  pthread_mutex_unlock(&ps->lock);
+  return rc;
 }
 
 void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap) {

@@ -411,6 +411,15 @@ int rooms_get_user(rooms *t, int64_t room, void **user) {
   return rc;
 }
 
+int rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg) {
+  int rc = KVF_ENOTFOUND;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (e) rc = pred(e->user, arg) ? 1 : 0;
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
 int rooms_set_init_time(rooms *t, int64_t room, int64_t ns) {
   int rc = KVF_ENOTFOUND;
   pthread_mutex_lock(&t->mu);

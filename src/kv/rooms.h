@@ -39,7 +39,7 @@ enum {
 
 /* Bounds on what one room keeps, so a peer cannot make a room large. */
 #define ROOMS_MAX_RANKS 4096   /* prefill ranks accepted in rooms_record_response: [0, 4096) */
-#define ROOMS_MAX_CANDS 64     /* speculative candidate ids per message */
+#define ROOMS_MAX_CANDS KVF_MAX_CANDIDATES /* speculative candidate ids per message */
 #define ROOMS_REASON_MAX 512   /* failure reasons are truncated to this many bytes (with NUL) */
 #define ROOMS_DEFAULT_MAX (1u << 20) /* live rooms when rooms_table_new gets 0 */
 
@@ -141,6 +141,10 @@ int rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, s
  * except through rooms_table_free's callback. */
 int rooms_set_user(rooms *t, int64_t room, void *user);
 int rooms_get_user(rooms *t, int64_t room, void **user);
+/* pred(user, arg) on a live room's user pointer, under the table lock (so
+ * the pointer cannot be cleared meanwhile; pred must not call into the
+ * table). Returns 1 or 0 as pred answers, KVF_ENOTFOUND if not live. */
+int rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg);
 /* Time (any clock the caller chooses, e.g. clock_now_ns) the last transfer
  * request was sent, for the waiting timeout. */
 int rooms_set_init_time(rooms *t, int64_t room, int64_t ns);

@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "base/addr.h"
+
 _Static_assert(sizeof(wire_fragment) % 8 == 0, "fragments pack in dup blocks");
 
 static const char *const m1_names[] = {"room",         "endpoint",       "dst_port",
@@ -25,7 +27,7 @@ static const char *const m2_names[] = {
     "dst_page_transfer_mask", "dst_page_local_indices", "dst_mamba_indices",
     "plan_version",   "fragments",        "kvferry_page_layout"};
 static const char *const m3_names[] = {"room", "status", "prefill_rank", "bootstrap_token",
-                                       "spec_candidate_ids"};
+                                       "spec_candidate_ids", "kvferry_reason"};
 
 static const char *const kind_names[] = {"target_k", "target_v", "draft_k", "draft_v",
                                          "mamba_state"};
@@ -151,19 +153,13 @@ static int check_text(const ctx *c, size_t i, const uint8_t *p, size_t len) {
   return 0;
 }
 
-/* "host:port", split at the last ':' so a bracketed IPv6 host also works. */
+/* "host:port" by the library's one address parser (base/addr.h). */
 static int check_session(const ctx *c, size_t i, const uint8_t *p, size_t len, uint16_t *port) {
   char q[128];
   int rc = check_text(c, i, p, len);
   if (rc) return rc;
-  size_t colon = len;
-  while (colon > 0 && p[colon - 1] != ':') colon--;
-  if (colon == 0) return bad(c, i, "%s is not \"host:port\"", quote(p, len, q));
-  if (colon == 1) return bad(c, i, "%s has an empty host", quote(p, len, q));
-  int64_t v;
-  if (ascii_int(p + colon, len - colon, &v) != INT_OK || v < 1 || v > 65535)
-    return bad(c, i, "%s: port is not an integer in 1..65535", quote(p, len, q));
-  *port = (uint16_t)v;
+  const char *what;
+  if (kvf__addr_parse((const char *)p, len, NULL, 0, port, &what)) return bad(c, i, "%s %s", quote(p, len, q), what);
   return 0;
 }
 
@@ -620,6 +616,10 @@ int wire_m3_decode(const wire_frame *f, size_t n, wire_m3 *out, char *reason) {
   m.bootstrap_token = -1;
   if (n >= 4 && (rc = get_int(&c, 3, -1, INT64_MAX, &m.bootstrap_token))) return rc;
   if (n >= 5 && (rc = get_array(&c, 4, 4, WIRE_MAX_CANDIDATES, &m.candidates))) return rc;
+  if (n >= 6 && f[5].len) {
+    m.reason = (const char *)f[5].data;
+    m.reason_len = f[5].len < WIRE_REASON_LEN - 1 ? f[5].len : WIRE_REASON_LEN - 1;
+  }
   *out = m;
   return 0;
 }
@@ -804,6 +804,7 @@ int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason) {
   return 0;
 
 err:
+  free(out->json); /* the plan JSON, when the error came after it was built */
   memset(out, 0, sizeof *out);
   return rc;
 }
@@ -827,5 +828,9 @@ int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason) {
   put_int(out, m->prefill_rank);
   put_int(out, m->bootstrap_token);
   put_array(out, m->candidates, 4);
+  if (m->reason && m->reason_len) {
+    size_t len = m->reason_len < WIRE_REASON_LEN - 1 ? m->reason_len : WIRE_REASON_LEN - 1;
+    out->frames[out->nframes++] = (wire_frame){(const uint8_t *)m->reason, len};
+  }
   return 0;
 }

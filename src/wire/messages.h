@@ -1,5 +1,5 @@
 /* Byte-exact codecs for the three tokenspeed ZMQ control messages
- * (spec/PROTOCOL.md §3): M1 registration and M2 transfer request (decode ->
+ * (docs/PROTOCOL.md §3): M1 registration and M2 transfer request (decode ->
  * prefill), M3 status (prefill -> decode), plus the fragment-plan JSON that
  * rides in M2 frames 12-13 (§6.5.5). Decoders work on the parts of one ZMQ
  * multipart message exactly as received and validate every frame, more
@@ -51,7 +51,7 @@ enum {
   WIRE_MAX_PAGES = 1 << 20,       /* per M2 index/mask frame */
   WIRE_MAX_FRAGMENTS = 4096,      /* per M2 plan */
   WIRE_MAX_JSON = 1 << 20,        /* bytes of M2 frame 13 */
-  WIRE_MAX_CANDIDATES = 1 << 16,  /* per M3 */
+  WIRE_MAX_CANDIDATES = KVF_MAX_CANDIDATES, /* per M3 (the public limit) */
   WIRE_MAX_FANOUT = 1 << 16,      /* M2 required_dst_info_num */
   WIRE_MAX_FRAMES = 15,           /* most frames an encoder emits (14 + kvferry's frame 14) */
   WIRE_MAX_PAGE_SIZE = 1 << 20,   /* tokens per page in the kvferry page-layout frame */
@@ -208,6 +208,11 @@ typedef struct wire_m3 {
   int64_t prefill_rank;    /* >= 0 */
   int64_t bootstrap_token; /* -1 = none (also when frame 3 is absent) */
   wire_array candidates;   /* i32, frame 4; empty = none */
+  /* kvferry frame 5 (docs/WIRE-EXTENSIONS.md): why a Failed status was sent,
+   * UTF-8 text, not NUL-terminated; sent only when reason_len > 0, decoded
+   * up to WIRE_REASON_LEN - 1 bytes (the rest is cut). Points into the frame. */
+  const char *reason;
+  size_t reason_len;
 } wire_m3;
 
 /* Decodes 3 or more frames (§3.5); as wire_m1_decode. */
@@ -241,7 +246,7 @@ void wire_msg_free(wire_msg *m);
  * KVF_EINVAL (KVF_ETOOBIG / KVF_ENOMEM for the plan JSON) with a reason and
  * *out zeroed. M1: always 8 frames. M2: 12 frames, 14 when nfrags > 0; a
  * dummy (is_dummy) is the 12-frame form of Appendix A.7; 15 with a plan
- * and page_layout > 0. M3: 5 frames. */
+ * and page_layout > 0. M3: 5 frames, 6 with a reason. */
 int wire_m1_encode(const wire_m1 *m, wire_msg *out, char *reason);
 int wire_m2_encode(const wire_m2 *m, wire_msg *out, char *reason);
 int wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason);

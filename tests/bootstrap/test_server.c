@@ -33,7 +33,7 @@ static kvf_bootstrap_server *start_server(const char *token, size_t max_body, ui
   cfg.auth_token = token ? token : "";
   if (max_body) cfg.max_body = max_body;
   kvf_bootstrap_server *srv = NULL;
-  assert_int_equal(kvf_bootstrap_server_start(&cfg, &srv), 0);
+  assert_int_equal(kvf_bootstrap_server_create(&cfg, &srv), 0);
   assert_non_null(srv);
   assert_int_not_equal(kvf_bootstrap_server_port(srv), 0);
   return srv;
@@ -117,7 +117,7 @@ static void health_get_head_and_unknown_paths(void **state) {
   assert_int_equal(raw(c, "GET", "/nope", NULL, NULL), 404);
   assert_int_equal(raw(c, "GET", "/route/extra", NULL, NULL), 404);
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 static void parallel_info_is_null_before_any_put(void **state) {
@@ -135,7 +135,7 @@ static void parallel_info_is_null_before_any_put(void **state) {
   int port = 0;
   assert_int_equal(bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), KVF_ENOTFOUND);
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 /* PROTOCOL Appendix A.1 / A.2, byte for byte where the reference's reply is
@@ -178,7 +178,7 @@ static void appendix_a_put_then_discover(void **state) {
   /* HEAD on /route answers like GET without a body (aiohttp's add_get). */
   assert_int_equal(raw(c, "HEAD", "/route?engine_rank=0&target_dp_group=0", NULL, NULL), 200);
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 struct reg_thread {
@@ -241,7 +241,7 @@ static void eight_ranks_register_concurrently(void **state) {
   assert_int_equal(bootstrap_client_get_rank(c, 0, -1, ip, sizeof ip, &port), KVF_ENOTFOUND);
   assert_int_equal(port, 0); /* untouched on failure */
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 /* Sizes freeze at the first PUT; extras are last-writer-wins; absent lists
@@ -301,7 +301,7 @@ static void sizes_freeze_and_extras_follow_the_last_put(void **state) {
   assert_string_equal(ip, "10.1.0.40");
   assert_int_equal(port, 5040);
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 static void bad_requests_get_400_and_change_nothing(void **state) {
@@ -430,7 +430,7 @@ static void bad_requests_get_400_and_change_nothing(void **state) {
   assert_int_equal(metric(m, "kvferry_bootstrap_registered_ranks"), 1);
   free(m);
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 static void oversized_bodies_get_413(void **state) {
@@ -448,7 +448,7 @@ static void oversized_bodies_get_413(void **state) {
   assert_int_equal(raw(c, "PUT", "/route", big, NULL), 400);
   free(big);
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 
   /* A small bound refuses a real registration with long lists, and the client
    * does not retry that. */
@@ -467,7 +467,7 @@ static void oversized_bodies_get_413(void **state) {
   assert_int_equal(metric(m, "kvferry_bootstrap_errors_total{kind=\"too_large\"}"), 1);
   free(m);
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 /* A chunked upload has no Content-Length to refuse up front: the server reads
@@ -510,7 +510,7 @@ static void chunked_oversized_body_is_cut_off(void **state) {
   free(m);
   assert_int_equal(bootstrap_client_health(c), 0);
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 static void token_guards_put_only(void **state) {
@@ -549,7 +549,7 @@ static void token_guards_put_only(void **state) {
   bootstrap_client_destroy(wrong);
   bootstrap_client_destroy(longer);
   bootstrap_client_destroy(right);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 
   /* NULL in the config means $KVFERRY_BOOTSTRAP_TOKEN, for server and client. */
   setenv("KVFERRY_BOOTSTRAP_TOKEN", "from-env", 1);
@@ -557,7 +557,7 @@ static void token_guards_put_only(void **state) {
   kvf_bootstrap_server_config_init(&cfg);
   cfg.host = "127.0.0.1";
   cfg.port = 0;
-  assert_int_equal(kvf_bootstrap_server_start(&cfg, &srv), 0);
+  assert_int_equal(kvf_bootstrap_server_create(&cfg, &srv), 0);
   port = kvf_bootstrap_server_port(srv);
   none = client_for_port(port, "", 3000);
   assert_int_equal(bootstrap_client_put_route(none, &r, 0), KVF_EACCES);
@@ -569,7 +569,7 @@ static void token_guards_put_only(void **state) {
   unsetenv("KVFERRY_BOOTSTRAP_TOKEN");
   bootstrap_client_destroy(env_client);
   bootstrap_client_destroy(none);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 struct late_start {
@@ -586,7 +586,7 @@ static void *start_late(void *arg) {
   cfg.host = "127.0.0.1";
   cfg.port = ls->port;
   cfg.auth_token = "";
-  if (kvf_bootstrap_server_start(&cfg, &ls->srv)) ls->srv = NULL;
+  if (kvf_bootstrap_server_create(&cfg, &ls->srv)) ls->srv = NULL;
   return NULL;
 }
 
@@ -610,7 +610,7 @@ static void put_retries_until_the_server_appears(void **state) {
   int port = 0;
   assert_int_equal(bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), 0);
   assert_int_equal(port, 39001);
-  kvf_bootstrap_server_stop(ls.srv);
+  kvf_bootstrap_server_destroy(ls.srv);
 
   /* With the server gone the retry gives up at the deadline. */
   t0 = clock_now_ns();
@@ -672,14 +672,14 @@ static void start_errors(void **state) {
   cfg.host = "127.0.0.1";
   cfg.port = kvf_bootstrap_server_port(srv);
   kvf_bootstrap_server *other = NULL;
-  assert_int_equal(kvf_bootstrap_server_start(&cfg, &other), KVF_EIO);
+  assert_int_equal(kvf_bootstrap_server_create(&cfg, &other), KVF_EIO);
   assert_null(other);
   cfg.host = "no.such.host.invalid";
   cfg.port = 0;
-  assert_int_equal(kvf_bootstrap_server_start(&cfg, &other), KVF_EINVAL);
-  assert_int_equal(kvf_bootstrap_server_start(&cfg, NULL), KVF_EINVAL);
-  kvf_bootstrap_server_stop(srv);
-  kvf_bootstrap_server_stop(NULL);
+  assert_int_equal(kvf_bootstrap_server_create(&cfg, &other), KVF_EINVAL);
+  assert_int_equal(kvf_bootstrap_server_create(&cfg, NULL), KVF_EINVAL);
+  kvf_bootstrap_server_destroy(srv);
+  kvf_bootstrap_server_destroy(NULL);
 
   bootstrap_client *c = NULL;
   assert_int_equal(bootstrap_client_create("", NULL, &c), KVF_EINVAL);
@@ -695,7 +695,7 @@ static void ipv6_loopback_when_available(void **state) {
   cfg.port = 0;
   cfg.auth_token = "";
   kvf_bootstrap_server *srv = NULL;
-  if (kvf_bootstrap_server_start(&cfg, &srv) != 0) skip(); /* no IPv6 on this host */
+  if (kvf_bootstrap_server_create(&cfg, &srv) != 0) skip(); /* no IPv6 on this host */
   char addr[32];
   snprintf(addr, sizeof addr, "[::1]:%u", (unsigned)kvf_bootstrap_server_port(srv));
   bootstrap_client_opts o = {.token = ""};
@@ -703,7 +703,7 @@ static void ipv6_loopback_when_available(void **state) {
   assert_int_equal(bootstrap_client_create(addr, &o, &c), 0);
   assert_int_equal(bootstrap_client_health(c), 0);
   bootstrap_client_destroy(c);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
 }
 
 /* ---- codecs on their own ---- */

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -35,7 +36,8 @@ typedef struct prefill_proc {
   char addr[300];
 } prefill_proc;
 
-static void peer_prefill_start(prefill_proc *pp, int world, int dp) {
+/* bootstrap: an external bootstrap server's host:port, or NULL for one in the peer. */
+static void peer_prefill_start_at(prefill_proc *pp, int world, int dp, const char *bootstrap) {
   const char *exe = getenv("KVFERRY_CLI");
   assert_non_null(exe);
   char w[16], d[16], l[16], it[16], pg[16];
@@ -44,11 +46,64 @@ static void peer_prefill_start(prefill_proc *pp, int world, int dp) {
   snprintf(l, sizeof l, "%d", LAYERS);
   snprintf(it, sizeof it, "%d", ITEM);
   snprintf(pg, sizeof pg, "%d", PAGES);
-  char *argv[] = {(char *)exe, "kv-peer", "--world", w, "--dp", d, "--layers", l, "--item", it, "--pages", pg, NULL};
+  char *argv[] = {(char *)exe, "kv-peer", "--world", w, "--dp", d, "--layers", l, "--item", it, "--pages", pg,
+                  bootstrap ? "--bootstrap" : NULL, (char *)bootstrap, NULL};
   assert_int_equal(proc_start(&pp->p, argv), 0);
   char line[400];
   assert_int_equal(proc_read_line(&pp->p, line, sizeof line, 20000), 0);
   assert_int_equal(sscanf(line, "ready %299s", pp->addr), 1);
+}
+
+static void peer_prefill_start(prefill_proc *pp, int world, int dp) { peer_prefill_start_at(pp, world, dp, NULL); }
+
+/* Children that would outlive a failed test: `kvferry bootstrap` stops only
+ * on a signal, and a SIGSTOPped kv-peer never reads its stdin's EOF. The
+ * teardown kills whatever is still listed. */
+#define MAX_STRAYS 4
+static pid_t g_strays[MAX_STRAYS];
+
+static void stray_add(pid_t pid) {
+  for (int i = 0; i < MAX_STRAYS; i++)
+    if (!g_strays[i]) {
+      g_strays[i] = pid;
+      return;
+    }
+  fail_msg("more than %d children to watch", MAX_STRAYS);
+}
+
+static void stray_del(pid_t pid) {
+  for (int i = 0; i < MAX_STRAYS; i++)
+    if (g_strays[i] == pid) g_strays[i] = 0;
+}
+
+static int kill_strays(void **state) {
+  (void)state;
+  for (int i = 0; i < MAX_STRAYS; i++)
+    if (g_strays[i]) {
+      kill(g_strays[i], SIGKILL);
+      waitpid(g_strays[i], NULL, 0);
+      g_strays[i] = 0;
+    }
+  return 0;
+}
+
+/* `kvferry bootstrap` in its own process, as deployments run it. */
+static void bootstrap_proc_start(prefill_proc *bp) {
+  const char *exe = getenv("KVFERRY_CLI");
+  assert_non_null(exe);
+  char *argv[] = {(char *)exe, "bootstrap", "--host", "127.0.0.1", "--port", "0", NULL};
+  assert_int_equal(proc_start(&bp->p, argv), 0);
+  stray_add(bp->p.pid);
+  char line[400];
+  assert_int_equal(proc_read_line(&bp->p, line, sizeof line, 20000), 0);
+  assert_int_equal(sscanf(line, "kvferry bootstrap listening on %299s", bp->addr), 1);
+}
+
+static void bootstrap_proc_stop(prefill_proc *bp) {
+  kill(bp->p.pid, SIGCONT);
+  kill(bp->p.pid, SIGTERM);
+  proc_stop(&bp->p, 5000);
+  stray_del(bp->p.pid);
 }
 
 static void prefill_send(prefill_proc *pp, int64_t room, size_t npages, uint64_t seed, int64_t token, int chunk) {
@@ -215,6 +270,192 @@ static void killed_prefill_fails_its_rooms_other_keeps_serving(void **state) {
   unsetenv("KVFERRY_HEARTBEAT_MIN_S");
 }
 
+/* Issue 13 defects 1 and 2: heartbeat interval and threshold of these tests,
+ * and the bound on detecting a dead or stopped prefill. */
+#define HB_S 0.5
+#define HB_FAILS 2
+#define DETECT_BOUND_S (HB_S * HB_FAILS + 2)
+
+/* A room whose M2 went out but whose prefill has not been told to send. */
+static void begin_waiting(decode_side *d, prefill_proc *pp, request *r, int64_t room, size_t n, uint64_t *rng) {
+  memset(r, 0, sizeof *r);
+  r->room = room;
+  r->n = n;
+  r->token = 1000 + room;
+  r->seed = 77;
+  assert_int_equal(kvf_receiver_create(d->m, pp->addr, room, &r->rx), 0);
+  assert_int_equal(kvpool_take(&d->pool, n, rng, r->pages), 0);
+  assert_int_equal(kvf_receiver_init(r->rx, r->pages, n, 0, 0, NULL, 0), 0);
+  r->active = 1;
+}
+
+/* Poll until Failed or `limit_s`; returns the seconds waited (asserts Failed). */
+static double wait_failed(kvf_receiver *rx, double limit_s, char *why, size_t cap) {
+  double t0 = now_s();
+  int st;
+  while ((st = kvf_receiver_poll(rx)) != KVF_POLL_FAILED && now_s() - t0 < limit_s) usleep(1000);
+  double dt = now_s() - t0;
+  kvf_receiver_failure(rx, why, cap);
+  assert_int_equal(st, KVF_POLL_FAILED);
+  return dt;
+}
+
+/* Defect 1: the bootstrap server runs in its own process and lives on; the
+ * prefill process is SIGKILLed. Its waiting room fails within the bound,
+ * with a reason that names the rank. */
+static void dead_prefill_detected_while_bootstrap_lives(void **state) {
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  prefill_proc bs, pp;
+  bootstrap_proc_start(&bs);
+  peer_prefill_start_at(&pp, 1, 1, bs.addr);
+  decode_side d;
+  decode_start_side(&d, HB_S, 60);
+  uint64_t rng = 21;
+  request ok, w;
+  begin(&d, &pp, &ok, 10, 8, &rng, 0);
+  finish(&d, &ok, 1);
+  begin_waiting(&d, &pp, &w, 11, 4, &rng);
+  kill(pp.p.pid, SIGKILL);
+  char why[256];
+  double dt = wait_failed(w.rx, 10, why, sizeof why);
+  fprintf(stderr, "dead prefill detected in %.2f s (bound %.1f s): %s\n", dt, DETECT_BOUND_S, why);
+  assert_true(dt < DETECT_BOUND_S);
+  assert_non_null(strstr(why, "prefill rank 0 at "));
+  assert_non_null(strstr(why, "does not answer"));
+  finish(&d, &w, 0);
+  proc_stop(&pp.p, 1000);
+  bootstrap_proc_stop(&bs);
+  decode_stop_side(&d);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+}
+
+/* Defect 2, decode side: the bootstrap server stops answering (SIGSTOP),
+ * then dies (SIGKILL), while the prefill ranks live. No room is failed for
+ * it, and the waiting room completes byte-exact afterwards. */
+static void silent_bootstrap_condemns_no_live_prefill(void **state) {
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  prefill_proc bs, pp;
+  bootstrap_proc_start(&bs);
+  peer_prefill_start_at(&pp, 1, 1, bs.addr);
+  decode_side d;
+  decode_start_side(&d, HB_S, 60);
+  uint64_t rng = 22;
+  request ok, w;
+  begin(&d, &pp, &ok, 20, 8, &rng, 0);
+  finish(&d, &ok, 1);
+  begin_waiting(&d, &pp, &w, 21, 6, &rng);
+  for (int phase = 0; phase < 2; phase++) {
+    kill(bs.p.pid, phase ? SIGKILL : SIGSTOP);
+    double t0 = now_s();
+    while (now_s() - t0 < DETECT_BOUND_S + 0.5) {
+      assert_int_equal(kvf_receiver_poll(w.rx), KVF_POLL_BOOTSTRAPPED);
+      usleep(20000);
+    }
+  }
+  kvf_manager_stats st;
+  kvf_manager_get_stats(d.m, &st);
+  assert_int_equal(st.node_failures, 0);
+  assert_true(st.heartbeat_failures >= HB_FAILS);
+  prefill_send(&pp, w.room, w.n, w.seed, w.token, 0);
+  finish(&d, &w, 1);
+  proc_stop(&pp.p, 5000);
+  bootstrap_proc_stop(&bs);
+  decode_stop_side(&d);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+}
+
+/* Defect 2's other half: a SIGSTOPped prefill (ranks and bootstrap server in
+ * one process) is detected within the bound, not after max_failures x
+ * (interval + the 5 s HTTP timeout). */
+static void stopped_prefill_detected_within_bound(void **state) {
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  prefill_proc pp;
+  peer_prefill_start(&pp, 1, 1);
+  decode_side d;
+  decode_start_side(&d, HB_S, 60);
+  uint64_t rng = 23;
+  request ok, w;
+  begin(&d, &pp, &ok, 30, 8, &rng, 0);
+  finish(&d, &ok, 1);
+  begin_waiting(&d, &pp, &w, 31, 4, &rng);
+  stray_add(pp.p.pid);
+  kill(pp.p.pid, SIGSTOP);
+  char why[256];
+  double dt = wait_failed(w.rx, 20, why, sizeof why);
+  fprintf(stderr, "stopped prefill detected in %.2f s (bound %.1f s): %s\n", dt, DETECT_BOUND_S, why);
+  assert_true(dt < DETECT_BOUND_S);
+  assert_non_null(strstr(why, "prefill rank 0 at "));
+  finish(&d, &w, 0);
+  kill(pp.p.pid, SIGCONT);
+  proc_stop(&pp.p, 5000);
+  stray_del(pp.p.pid);
+  decode_stop_side(&d);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+}
+
+/* Defect 6: one decode session floods a prefill rank with transfer requests
+ * whose sender does not exist yet, past its bound. The requests past the
+ * bound fail at once on that decode with the prefill's reason (long before
+ * any timeout), the ones within it keep waiting, and another decode
+ * session's normal decode-before-prefill room still succeeds byte-exact. */
+static void early_request_flood_is_bounded_per_session(void **state) {
+  enum { EXTRA = 8, FIRST = 100000 };
+  prefill_proc pp;
+  peer_prefill_start(&pp, 1, 1);
+  decode_side a, b;
+  decode_start_side(&a, 5, 60);
+  decode_start_side(&b, 5, 60);
+  size_t n = PF_MAX_EARLY_PER_SESSION + EXTRA;
+  kvf_receiver **rx = calloc(n, sizeof *rx);
+  assert_non_null(rx);
+  int64_t page = 0;
+  for (size_t i = 0; i < n; i++) {
+    assert_int_equal(kvf_receiver_create(a.m, pp.addr, FIRST + (int64_t)i, &rx[i]), 0);
+    assert_int_equal(kvf_receiver_init(rx[i], &page, 1, 0, 0, NULL, 0), 0);
+  }
+  uint64_t rng = 24;
+  request r;
+  begin_waiting(&b, &pp, &r, 99, 8, &rng);
+  char why[256];
+  double worst = 0;
+  for (size_t i = PF_MAX_EARLY_PER_SESSION; i < n; i++) {
+    double dt = wait_failed(rx[i], 10, why, sizeof why);
+    worst = dt > worst ? dt : worst;
+    assert_non_null(strstr(why, "refused the transfer request: too many requests from this decode session"));
+  }
+  fprintf(stderr, "refused rooms failed after the flood within %.2f s: %s\n", worst, why);
+  for (size_t i = 0; i < PF_MAX_EARLY_PER_SESSION; i++) assert_int_equal(kvf_receiver_poll(rx[i]), KVF_POLL_BOOTSTRAPPED);
+  prefill_send(&pp, r.room, r.n, r.seed, r.token, 0);
+  finish(&b, &r, 1);
+  for (size_t i = 0; i < n; i++) kvf_receiver_destroy(rx[i]);
+  free(rx);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&a);
+  decode_stop_side(&b);
+}
+
+/* Defect 5: kvferry peers that share KVFERRY_CONTROL_TOKEN (the prefill
+ * process inherits it) authenticate every control message and still move
+ * the KV byte-exact; nothing is counted as forged on either side. */
+static void control_token_between_kvferry_peers(void **state) {
+  setenv("KVFERRY_CONTROL_TOKEN", "e2e-shared-control-secret", 1);
+  prefill_proc pp;
+  peer_prefill_start(&pp, 2, 2);
+  decode_side d;
+  decode_start_side(&d, 5, 60);
+  unsetenv("KVFERRY_CONTROL_TOKEN");
+  uint64_t rng = 25;
+  request r[8];
+  for (int i = 0; i < 8; i++) begin(&d, &pp, &r[i], 4000 + i, 1 + (size_t)i * 5, &rng, 3);
+  for (int i = 0; i < 8; i++) finish(&d, &r[i], 1);
+  kvf_manager_stats st;
+  kvf_manager_get_stats(d.m, &st);
+  assert_int_equal(st.messages_forged, 0);
+  assert_int_equal(st.messages_malformed, 0);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&d);
+}
+
 /* A request the prefill never sends ends Failed at the waiting timeout. */
 static void waiting_timeout_fires(void **state) {
   prefill_proc pp;
@@ -300,6 +541,11 @@ int main(void) {
       cmocka_unit_test(two_hundred_requests_byte_exact_dp2),
       cmocka_unit_test(killed_prefill_fails_its_rooms_other_keeps_serving),
       cmocka_unit_test(waiting_timeout_fires),
+      cmocka_unit_test_teardown(dead_prefill_detected_while_bootstrap_lives, kill_strays),
+      cmocka_unit_test_teardown(silent_bootstrap_condemns_no_live_prefill, kill_strays),
+      cmocka_unit_test_teardown(stopped_prefill_detected_within_bound, kill_strays),
+      cmocka_unit_test(early_request_flood_is_bounded_per_session),
+      cmocka_unit_test(control_token_between_kvferry_peers),
       cmocka_unit_test(malformed_control_messages_do_no_harm),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

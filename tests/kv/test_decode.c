@@ -62,7 +62,7 @@ static kvf_bootstrap_server *start_server(void) {
   cfg.port = 0;
   cfg.auth_token = "";
   kvf_bootstrap_server *srv = NULL;
-  assert_int_equal(kvf_bootstrap_server_start(&cfg, &srv), 0);
+  assert_int_equal(kvf_bootstrap_server_create(&cfg, &srv), 0);
   return srv;
 }
 
@@ -101,6 +101,7 @@ static void register_rank(fixture *f, int world, int dp, int rank) { register_ra
 
 static int g_mla; /* next manager: MLA (one buffer, legacy MLA routing) */
 static int g_page_size = 1; /* next manager's tokens per page */
+static size_t g_target_layers; /* next manager: >0 = one buffer per layer, layers >= this are draft */
 
 static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) {
   f->kbuf = calloc(NPAGES, ITEM);
@@ -108,16 +109,22 @@ static void make_manager(fixture *f, double waiting_s, double hb_s, int hb_max) 
   void *ptrs[2] = {f->kbuf, f->vbuf};
   uint64_t lens[2] = {NPAGES * ITEM, NPAGES * ITEM}, items[2] = {ITEM, ITEM};
   kvf_kv_buffers b = {.n_kv = g_mla ? 1 : 2, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  static const uint32_t split_start[3] = {0, 1, 2}, split_bufs[2] = {0, 1};
+  if (g_target_layers) b.n_layers = 2, b.layer_buf_start = split_start, b.layer_bufs = split_bufs;
   kvf_manager_config cfg;
   kvf_manager_config_init(&cfg);
   cfg.role = KVF_ROLE_DECODE;
-  cfg.engine_cfg.auth_token = "";
+  static kvf_engine_config ec;
+  kvf_engine_config_init(&ec);
+  ec.auth_token = "";
+  cfg.engine_cfg = &ec;
   cfg.waiting_timeout_s = waiting_s;
   cfg.heartbeat_interval_s = hb_s;
   cfg.heartbeat_max_failures = hb_max;
   cfg.http_timeout_ms = 2000;
   cfg.is_mla = g_mla;
   cfg.page_size = g_page_size;
+  cfg.target_layer_num = g_target_layers;
   assert_int_equal(kvf_manager_create(&cfg, &b, &f->m), 0);
   char ep[64];
   snprintf(ep, sizeof ep, "tcp://127.0.0.1:%u", (unsigned)f->m->rank_port);
@@ -151,9 +158,9 @@ static fixture *setup_default(void) { return setup_full(1, 1, 300, 5, 2); }
 static void teardown(fixture *f) {
   kvf_manager_destroy(f->m);
   zmq_close(f->push);
-  zmq_close(f->pull);
+  if (f->pull) zmq_close(f->pull);
   zmq_ctx_term(f->zctx);
-  if (f->srv) kvf_bootstrap_server_stop(f->srv);
+  if (f->srv) kvf_bootstrap_server_destroy(f->srv);
   free(f->kbuf);
   free(f->vbuf);
   free(f);
@@ -454,15 +461,19 @@ static void heartbeat_node_failure(void **state) {
   assert_int_equal(s.heartbeat_failures, 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
 
-  kvf_bootstrap_server_stop(f->srv);
+  /* The whole prefill dies: its bootstrap server and its rank's socket. */
+  kvf_bootstrap_server_destroy(f->srv);
   f->srv = NULL;
+  zmq_close(f->pull);
+  f->pull = NULL;
   int64_t t0 = clock_now_ns();
   assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_FAILED);
   assert_true(secs_since(t0) < 0.3 * 2 + 2);
   char reason[256], want[256];
   kvf_receiver_failure(r, reason, sizeof reason);
-  snprintf(want, sizeof want, "Losing connection with prefill instance (bootstrap_addr: %s)", f->addr);
-  assert_string_equal(reason, want);
+  snprintf(want, sizeof want, "Losing connection with prefill instance (bootstrap_addr: %s): prefill rank 0 at "
+           "127.0.0.1:%u does not answer", f->addr, (unsigned)f->pull_port);
+  assert_memory_equal(reason, want, strlen(want));
   /* The Success room keeps its result. */
   assert_int_equal(kvf_receiver_poll(done), KVF_POLL_SUCCESS);
   stats(f, &s);
@@ -476,6 +487,143 @@ static void heartbeat_node_failure(void **state) {
   kvf_receiver_destroy(again);
   kvf_receiver_destroy(r);
   kvf_receiver_destroy(done);
+  teardown(f);
+}
+
+/* A PUSH socket to the decode's control port whose connection leaves from
+ * another loopback address (libzmq's "source;destination" endpoint): a third
+ * party on another host, as far as the decode can tell. */
+static void *third_party_push(fixture *f, const char *src_ip) {
+  void *s = zmq_socket(f->zctx, ZMQ_PUSH);
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  char ep[128];
+  snprintf(ep, sizeof ep, "tcp://%s:0;127.0.0.1:%u", src_ip, (unsigned)f->m->rank_port);
+  assert_int_equal(zmq_connect(s, ep), 0);
+  return s;
+}
+
+static uint64_t forged(fixture *f, uint64_t want) {
+  return wait_counter(f, offsetof(kvf_manager_stats, messages_forged), want, 5);
+}
+
+/* Issue 13 defect 5: an M3 Success or Failed for a live room from a peer that
+ * is not one of the room's planned prefill ranks is dropped and counted; the
+ * room waits on, and the real rank's Success still ends it. */
+static void forged_m3_from_third_party(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 80, &r), 0);
+  int64_t pages[1] = {1};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  void *real = f->push;
+  f->push = third_party_push(f, "127.0.0.2");
+  send_m3(f, 80, WIRE_STATUS_SUCCESS, 0, 5, NULL, 0);
+  send_m3(f, 80, WIRE_STATUS_FAILED, 0, -1, NULL, 0);
+  assert_int_equal(forged(f, 2), 2);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  zmq_close(f->push);
+  f->push = real;
+  send_m3(f, 80, WIRE_STATUS_SUCCESS, 0, 7, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+/* The address rule behind the checks: literals compare as addresses
+ * (IPv4-mapped IPv6 as IPv4), "ip:x" names ip, and host names and the
+ * unspecified address cannot be checked so they pass. */
+static void peer_address_rule(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  assert_true(manager_peer_is(f->m, "127.0.0.1", "127.0.0.1"));
+  assert_true(manager_peer_is(f->m, "::ffff:10.0.0.2", "10.0.0.2"));
+  assert_true(manager_peer_is(f->m, "10.0.0.2", "10.0.0.2:7000"));
+  assert_true(manager_peer_is(f->m, "fe80::1", "FE80:0::1"));
+  assert_true(manager_peer_is(f->m, "10.0.0.9", "prefill-0.local"));
+  assert_true(manager_peer_is(f->m, "10.0.0.9", "0.0.0.0"));
+  assert_false(manager_peer_is(f->m, "127.0.0.2", "127.0.0.1"));
+  assert_false(manager_peer_is(f->m, "?", "127.0.0.1"));
+  assert_false(manager_peer_is(f->m, "::1", "127.0.0.1"));
+  assert_false(manager_peer_is(f->m, NULL, "10.0.0.2"));
+  teardown(f);
+}
+
+/* Send an encoded M3 plus `mac` (NULL = none) as its last frame. */
+static void send_m3_mac(fixture *f, int64_t room, const unsigned char *mac) {
+  wire_m3 m3 = {.room = room, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = 9};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  for (size_t i = 0; i < msg.nframes; i++)
+    assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes || mac ? ZMQ_SNDMORE : 0) >= 0);
+  if (mac) assert_true(zmq_send(f->push, mac, MANAGER_MAC_LEN, 0) >= 0);
+  wire_msg_free(&msg);
+}
+
+/* With a control token, a message without the MAC frame or with a wrong one
+ * is dropped and counted, even from the planned rank's address; the right
+ * MAC is accepted. */
+static void control_token_mac(void **state) {
+  (void)state;
+  setenv("KVFERRY_CONTROL_TOKEN", "s3cret-shared-by-kvferry-peers", 1);
+  fixture *f = setup_default();
+  unsetenv("KVFERRY_CONTROL_TOKEN");
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 90, &r), 0);
+  /* M1 and M2 to the rank carry a MAC frame. */
+  raw_msg rm;
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(rm.frames[rm.n - 1].len, MANAGER_MAC_LEN);
+  raw_free(&rm);
+  int64_t pages[1] = {1};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  send_m3_mac(f, 90, NULL);
+  wire_m3 m3 = {.room = 90, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = 9};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(wire_m3_encode(&m3, &msg, why), 0);
+  unsigned char mac[MANAGER_MAC_LEN];
+  kvf__control_mac(f->m, msg.frames, msg.nframes, mac);
+  wire_msg_free(&msg);
+  mac[MANAGER_MAC_LEN - 1] ^= 1;
+  send_m3_mac(f, 90, mac);
+  assert_int_equal(forged(f, 2), 2);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  mac[MANAGER_MAC_LEN - 1] ^= 1;
+  send_m3_mac(f, 90, mac);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  int64_t tok = 0;
+  size_t nc = 0;
+  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &nc), 0);
+  assert_int_equal(tok, 9);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+/* Issue 13 defect 2: the bootstrap server stops answering while the prefill
+ * rank lives. Failed /health probes alone condemn nothing: the room stays
+ * waiting past interval x max_failures + 2 s and still completes. */
+static void heartbeat_bootstrap_down_ranks_alive(void **state) {
+  (void)state;
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  fixture *f = setup_full(1, 1, 300, 0.3, 2);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 65, &r), 0);
+  int64_t pages[1] = {1};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  kvf_bootstrap_server_destroy(f->srv);
+  f->srv = NULL;
+  kvf_manager_stats s;
+  assert_true(wait_counter(f, offsetof(kvf_manager_stats, heartbeat_failures), 3, 0.3 * 2 + 3) >= 3);
+  assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_BOOTSTRAPPED); /* waited the whole bound */
+  stats(f, &s);
+  assert_int_equal(s.node_failures, 0);
+  send_m3(f, 65, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  kvf_receiver_destroy(r);
   teardown(f);
 }
 
@@ -654,6 +802,47 @@ static void hetero_tp_fragments(void **state) {
   teardown(f);
 }
 
+/* Draft layers (config target_layer_num): layer 0 = buffer 0 is the
+ * target's, layer 1 = buffer 1 the draft's, so the plan sent to each
+ * prefill rank labels buffer 1 draft_k, as the reference's decode does; a
+ * fragmented plan does not support remote speculative ids. */
+static void hetero_tp_draft_kinds(void **state) {
+  (void)state;
+  static const int64_t half[2] = {ITEM / 2, ITEM / 2};
+  g_item_lens = half;
+  g_nitem = 2;
+  g_target_layers = 1;
+  fixture *f = setup_full(2, 1, 300, 5, 2);
+  register_rank(f, 2, 1, 1);
+  g_nitem = 0;
+  g_target_layers = 0;
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 81, &r), 0);
+  assert_int_equal(kvf_receiver_supports_spec(r), 0);
+  raw_msg rm;
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(recv_raw(f->pull, &rm), 0);
+    raw_free(&rm); /* M1s */
+  }
+  int64_t pages[1] = {2};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(recv_raw(f->pull, &rm), 0);
+    wire_m2 m2;
+    char why[WIRE_REASON_LEN];
+    assert_int_equal(wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
+    assert_int_equal(m2.nfrags, 2);
+    assert_int_equal(m2.frags[0].buffer_index, 0);
+    assert_string_equal(wire_buffer_kind_name(m2.frags[0].buffer_kind), "target_k");
+    assert_int_equal(m2.frags[1].buffer_index, 1);
+    assert_string_equal(wire_buffer_kind_name(m2.frags[1].buffer_kind), "draft_k");
+    wire_m2_free(&m2);
+    raw_free(&rm);
+  }
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
 /* page_size > 1 and a plan that cuts heads out of pages: refused against a
  * prefill that publishes no page layout (a tokenspeed peer would land wrong
  * bytes in token-major pages); with kvferry's layout, M2 carries frame 14. */
@@ -730,17 +919,54 @@ static void churn_is_bounded(void **state) {
   teardown(f);
 }
 
+/* A manager on a shared engine whose second buffer cannot be registered
+ * (its length wraps the address space): create fails and the engine is left
+ * as it was, with the first buffer no longer registered. A buffer the
+ * engine already had stays registered after the manager is gone. */
+static void shared_engine_register_failure(void **state) {
+  (void)state;
+  kvf_engine *eng = NULL;
+  assert_int_equal(kvf_engine_create(NULL, &eng), 0);
+  static uint8_t a[4096], b[4096], c[4096];
+  void *ptrs[2] = {a, b};
+  uint64_t lens[2] = {sizeof a, UINT64_MAX - 16}, items[2] = {64, 64};
+  kvf_kv_buffers bufs = {.n_kv = 2, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  cfg.role = KVF_ROLE_DECODE;
+  cfg.engine = eng;
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&cfg, &bufs, &m), KVF_EINVAL);
+  assert_null(m);
+  assert_int_equal(kvf_engine_unregister(eng, a), KVF_ENOTFOUND); /* no leftover region */
+  /* c is the engine's own: the manager uses it and leaves it registered. */
+  assert_int_equal(kvf_engine_register(eng, c, sizeof c), 0);
+  ptrs[1] = c;
+  lens[1] = sizeof c;
+  assert_int_equal(kvf_manager_create(&cfg, &bufs, &m), 0);
+  kvf_manager_destroy(m);
+  assert_int_equal(kvf_engine_unregister(eng, a), KVF_ENOTFOUND);
+  assert_int_equal(kvf_engine_unregister(eng, c), 0);
+  kvf_engine_destroy(eng);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(shared_engine_register_failure),
       cmocka_unit_test(happy_path),
       cmocka_unit_test(failed_m3),
       cmocka_unit_test(malformed_and_unknown),
       cmocka_unit_test(waiting_timeout_fires),
       cmocka_unit_test(lookup_failures),
       cmocka_unit_test(heartbeat_node_failure),
+      cmocka_unit_test(heartbeat_bootstrap_down_ranks_alive),
+      cmocka_unit_test(forged_m3_from_third_party),
+      cmocka_unit_test(peer_address_rule),
+      cmocka_unit_test(control_token_mac),
       cmocka_unit_test(heartbeat_rank_restart),
       cmocka_unit_test(mla_dummy_target),
       cmocka_unit_test(hetero_tp_fragments),
+      cmocka_unit_test(hetero_tp_draft_kinds),
       cmocka_unit_test(token_major_needs_layout),
       cmocka_unit_test(churn_is_bounded),
   };

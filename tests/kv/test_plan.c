@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include "kv/plan.h"
+#include "wire/messages.h"
 
 /* ---- Appendix A fixtures ---- */
 
@@ -656,6 +657,98 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
 
 /* ---- Small helpers ---- */
 
+/* ---- Draft layers: fragment JSON equal to the reference's ---- */
+
+/* The reference's encode_transfer_fragments output for the same input (its
+ * receiver's _build_non_mla_route_plan run on it): 2 target MHA layers and
+ * 1 draft layer, KVArgs.offsets [[0,2],[1,3],[4,5]], target_layer_num 2,
+ * unit 256. Case A: decode TP 1 (item 1024) from prefill TP 2 (item 512),
+ * targets 0 and 1. Case B: decode TP 2 rank 1 (item 512) from prefill TP 1
+ * (item 1024). */
+static const char *const DRAFT_JSON_A0 =
+    "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":2,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":1,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":3,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":4,\"buffer_kind\":\"draft_k\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":5,\"buffer_kind\":\"draft_v\",\"src_rank\":0,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null}]";
+static const char *const DRAFT_JSON_A1 =
+    "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":2,\"buffer_kind\":\"target_v\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":1,\"buffer_kind\":\"target_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":3,\"buffer_kind\":\"target_v\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":4,\"buffer_kind\":\"draft_k\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":5,\"buffer_kind\":\"draft_v\",\"src_rank\":1,\"dst_rank\":0,\"src_page_stride_bytes\":512,\"dst_page_stride_bytes\":1024,\"src_byte_offset\":0,\"dst_byte_offset\":512,\"bytes_per_page\":512,\"page_count\":null}]";
+static const char *const DRAFT_JSON_B0 =
+    "[{\"buffer_index\":0,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":2,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":1,\"buffer_kind\":\"target_k\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":3,\"buffer_kind\":\"target_v\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":4,\"buffer_kind\":\"draft_k\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null},"
+    "{\"buffer_index\":5,\"buffer_kind\":\"draft_v\",\"src_rank\":0,\"dst_rank\":1,\"src_page_stride_bytes\":1024,\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_count\":null}]";
+
+/* The decode's conversion of one target's plan fragments into frame 13. */
+static char *target_json(const plan_route *r, int t) {
+  const plan_target *pt = &r->targets[t];
+  wire_fragment w[8];
+  assert_true(pt->nfrags <= 8);
+  for (size_t i = 0; i < pt->nfrags; i++) {
+    const plan_fragment *f = &r->frags[pt->frag_start + i];
+    w[i] = (wire_fragment){.buffer_index = f->buffer_index, .buffer_kind = (int32_t)f->kind,
+                           .src_rank = f->src_rank, .dst_rank = f->dst_rank,
+                           .src_page_stride_bytes = (int64_t)f->src_page_stride,
+                           .dst_page_stride_bytes = (int64_t)f->dst_page_stride,
+                           .src_byte_offset = (int64_t)f->src_byte_offset,
+                           .dst_byte_offset = (int64_t)f->dst_byte_offset,
+                           .bytes_per_page = (int64_t)f->bytes_per_page, .page_count = f->page_count};
+  }
+  char *json = NULL, reason[128] = "";
+  size_t len = 0;
+  assert_int_equal(wire_fragments_format(w, pt->nfrags, &json, &len, reason), 0);
+  assert_int_equal(strlen(json), len);
+  return json;
+}
+
+static void route_draft_json_matches_reference(void **state) {
+  size_t start[4] = {0, 2, 4, 6}, bufs[6] = {0, 2, 1, 3, 4, 5};
+  plan_layout lay = {.nlayers = 3, .start = start, .bufs = bufs};
+  int64_t wide[6] = {1024, 1024, 1024, 1024, 1024, 1024}, narrow[6] = {512, 512, 512, 512, 512, 512};
+  int64_t unit[6] = {256, 256, 256, 256, 256, 256};
+  plan_route r;
+  char *json;
+
+  plan_route_params p = params(1, 0, 2, &lay, wide, narrow, unit, 6);
+  p.target_layer_num = 2;
+  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(r.ntargets, 2);
+  assert_false(r.supports_spec); /* the reference: supports_remote_spec_candidates False */
+  json = target_json(&r, 0);
+  assert_string_equal(json, DRAFT_JSON_A0);
+  free(json);
+  json = target_json(&r, 1);
+  assert_string_equal(json, DRAFT_JSON_A1);
+  free(json);
+  plan_route_free(&r);
+
+  /* Without the count (0) every layer is labelled target, as before. */
+  p.target_layer_num = 0;
+  assert_int_equal(plan_route_build(&p, &r), 0);
+  json = target_json(&r, 0);
+  assert_null(strstr(json, "draft"));
+  free(json);
+  plan_route_free(&r);
+
+  p = params(2, 1, 1, &lay, narrow, wide, unit, 6);
+  p.target_layer_num = 2;
+  assert_int_equal(plan_route_build(&p, &r), 0);
+  assert_int_equal(r.ntargets, 1);
+  assert_int_equal(r.targets[0].required_dst_info_num, 2);
+  json = target_json(&r, 0);
+  assert_string_equal(json, DRAFT_JSON_B0);
+  free(json);
+  plan_route_free(&r);
+}
+
 static void dp_group_floor_modulo(void **state) {
   int64_t g = -1;
   assert_int_equal(plan_dp_group(7215963401LL, 1, &g), 0);
@@ -720,6 +813,7 @@ int main(void) {
       cmocka_unit_test(kind_names),
       cmocka_unit_test(frag_writes_worked_example),
       cmocka_unit_test(frag_writes_coalesce_limit_and_reject),
+      cmocka_unit_test(route_draft_json_matches_reference),
       cmocka_unit_test(dp_group_floor_modulo),
       cmocka_unit_test(session_port_and_queue_shard),
   };

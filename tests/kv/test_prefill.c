@@ -6,7 +6,7 @@
  * malformed and unregistered messages, an engine-refused write, PUT /route
  * to a real bootstrap server, many senders created and destroyed, and
  * layerwise sends (two MHA layers, per-layer bytes and one M3), and the
- * first token published after the KV landed (KVF_TOKEN_LATER). Every
+ * first token published after the KV landed (KVF_SEND_TOKEN_LATER). Every
  * wait is bounded in time. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -70,7 +70,10 @@ static void fx_manager(fixture *f, const char *bootstrap_addr) {
   cfg.bootstrap_addr = bootstrap_addr;
   cfg.queue_size = 2;
   cfg.page_size = g_page_size;
-  cfg.engine_cfg.timeout_ms = 5000;
+  kvf_engine_config ec;
+  kvf_engine_config_init(&ec);
+  ec.timeout_ms = 5000;
+  cfg.engine_cfg = &ec;
   assert_int_equal(kvf_manager_create(&cfg, &bufs, &f->m), 0);
 }
 
@@ -190,13 +193,47 @@ static void register_and_request(fixture *f, int64_t room, const int64_t *dst, s
   wait_received(f, 2);
 }
 
+/* The tests' shorthand for kvf_sender_send: one whole-page chunk / one
+ * layerwise chunk from positional values; token TOKEN_LATER stands for
+ * the KVF_SEND_TOKEN_LATER flag. */
+#define TOKEN_LATER (-2)
+static int send_params(kvf_sender *s, kvf_send_params *p, int is_last, int64_t aux, int64_t token,
+                       const int32_t *cands, size_t ncand, const int64_t *states, size_t nstate) {
+  p->flags |= is_last ? KVF_SEND_LAST : 0;
+  if (token == TOKEN_LATER) p->flags |= KVF_SEND_TOKEN_LATER;
+  else p->bootstrap_token = token;
+  p->aux_index = aux;
+  p->cands = cands, p->ncand = ncand;
+  p->state_slots = states, p->nstate = nstate;
+  return kvf_sender_send(s, p);
+}
+
+static int send_chunk(kvf_sender *s, const int64_t *pages, size_t npages, int is_last, int64_t aux, int64_t token,
+                      const int32_t *cands, size_t ncand, const int64_t *states, size_t nstate) {
+  kvf_send_params p;
+  kvf_send_params_init(&p);
+  p.pages = pages, p.npages = npages;
+  return send_params(s, &p, is_last, aux, token, cands, ncand, states, nstate);
+}
+
+static int send_layers(kvf_sender *s, const int64_t *pages, size_t npages, size_t index_begin, size_t layer_begin,
+                       size_t layer_end, int is_last, int64_t aux, int64_t token, const int32_t *cands, size_t ncand,
+                       const int64_t *states, size_t nstate) {
+  kvf_send_params p;
+  kvf_send_params_init(&p);
+  p.flags = KVF_SEND_LAYERS;
+  p.pages = pages, p.npages = npages;
+  p.index_begin = index_begin, p.layer_begin = layer_begin, p.layer_end = layer_end;
+  return send_params(s, &p, is_last, aux, token, cands, ncand, states, nstate);
+}
+
 static kvf_sender *new_sender(fixture *f, int64_t room) {
   kvf_sender *s = NULL;
   assert_int_equal(kvf_sender_create(f->m, room, &s), 0);
   return s;
 }
 
-/* Receive one M3 within 5 s; copies candidates into cands (cap 8). */
+/* Receive one M3 within 5 s; copies candidates into cands (cap KVF_MAX_CANDIDATES). */
 static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
   zmq_msg_t parts[8];
   size_t n = 0;
@@ -213,7 +250,7 @@ static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
   for (size_t i = 0; i < n; i++) fr[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
   char why[WIRE_REASON_LEN];
   assert_int_equal(wire_m3_decode(fr, n, out, why), 0);
-  *ncand = out->candidates.count < 8 ? out->candidates.count : 8;
+  *ncand = out->candidates.count < KVF_MAX_CANDIDATES ? out->candidates.count : KVF_MAX_CANDIDATES;
   for (size_t i = 0; i < *ncand; i++) cands[i] = wire_i32_at(out->candidates, i);
   out->candidates = wire_array_of(NULL, 0);
   for (size_t i = 0; i < n; i++) zmq_msg_close(&parts[i]);
@@ -238,7 +275,7 @@ static void check_pages(fixture *f, const int64_t *src, const int64_t *dst, size
 
 static void expect_success_m3(fixture *f, int64_t room, int64_t token, const int32_t *cands, size_t ncand) {
   wire_m3 m3;
-  int32_t got[8];
+  int32_t got[KVF_MAX_CANDIDATES];
   size_t ng = 0;
   recv_m3(f, &m3, got, &ng);
   assert_int_equal(m3.room, room);
@@ -328,10 +365,10 @@ static void token_major_slices(void **state) {
     assert_int_equal(msg.nframes, with_layout ? 15 : 14);
     send_msg(&f, &msg);
     wire_msg_free(&msg);
-    assert_int_equal(kvf_sender_send(s, src, 3, 1, 0, 7, NULL, 0, NULL, 0), 0);
+    assert_int_equal(send_chunk(s, src, 3, 1, 0, 7, NULL, 0, NULL, 0), 0);
     int st = wait_final(s, 5000);
     wire_m3 m3;
-    int32_t c[8];
+    int32_t c[KVF_MAX_CANDIDATES];
     size_t nc;
     recv_m3(&f, &m3, c, &nc);
     if (!with_layout) {
@@ -370,7 +407,7 @@ static void one_chunk(void **state) {
   register_and_request(&f, 7, dst, 5);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
   int32_t cands[] = {11, 12, 13};
-  assert_int_equal(kvf_sender_send(s, src, 5, 1, 0, 42, cands, 3, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src, 5, 1, 0, 42, cands, 3, NULL, 0), 0);
   assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
   expect_success_m3(&f, 7, 42, cands, 3);
   check_pages(&f, src, dst, 5);
@@ -381,10 +418,72 @@ static void one_chunk(void **state) {
   kvf_manager_get_stats(f.m, &st);
   assert_int_equal(st.chunks_sent, 1);
   assert_int_equal(st.bytes_sent, 5 * ITEM * NKV);
-  assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), KVF_ESTATE);
+  assert_int_equal(send_chunk(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), KVF_ESTATE);
   kvf_sender_destroy(s);
   kvf_manager_get_stats(f.m, &st);
   assert_int_equal(st.live_rooms, 0);
+  fx_teardown(&f);
+}
+
+/* One candidate limit, public and shared with the decode: a sender with
+ * KVF_MAX_CANDIDATES + 1 ids is refused at the call (the decode would drop
+ * such an M3 and its room would wait for the waiting timeout); exactly the
+ * limit still works end to end. */
+static void candidate_limit(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = new_sender(&f, 9);
+  int64_t src[] = {0, 1}, dst[] = {2, 3};
+  register_and_request(&f, 9, dst, 2);
+  int32_t cands[KVF_MAX_CANDIDATES + 1];
+  for (int i = 0; i <= KVF_MAX_CANDIDATES; i++) cands[i] = 100 + i;
+  assert_int_equal(send_chunk(s, src, 2, 1, 0, 42, cands, KVF_MAX_CANDIDATES + 1, NULL, 0), KVF_ETOOBIG);
+  assert_int_equal(kvf_sender_set_metadata(s, 42, cands, KVF_MAX_CANDIDATES + 1), KVF_ETOOBIG);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
+  assert_int_equal(send_chunk(s, src, 2, 1, 0, 42, cands, KVF_MAX_CANDIDATES, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 9, 42, cands, KVF_MAX_CANDIDATES);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+/* kvf_send_params: refused without kvf_send_params_init, with unknown
+ * flags, TOKEN_LATER without LAST, or a token below -1; a struct from older
+ * headers (smaller size) is accepted, one from newer headers is not. */
+static void send_params_checked(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = new_sender(&f, 8);
+  int64_t src[] = {0, 1}, dst[] = {2, 3};
+  register_and_request(&f, 8, dst, 2);
+  kvf_send_params p;
+  memset(&p, 0, sizeof p);
+  p.pages = src, p.npages = 2, p.flags = KVF_SEND_LAST;
+  assert_int_equal(kvf_sender_send(s, &p), KVF_EINVAL); /* size 0: never initialised */
+  kvf_send_params_init(&p);
+  assert_int_equal(p.size, sizeof p);
+  assert_int_equal(p.bootstrap_token, -1);
+  p.pages = src, p.npages = 2;
+  p.size = sizeof p + 8;
+  assert_int_equal(kvf_sender_send(s, &p), KVF_EINVAL);
+  p.size = sizeof p;
+  p.flags = 1u << 7;
+  assert_int_equal(kvf_sender_send(s, &p), KVF_EINVAL);
+  p.flags = KVF_SEND_TOKEN_LATER;
+  assert_int_equal(kvf_sender_send(s, &p), KVF_EINVAL);
+  p.flags = KVF_SEND_LAST;
+  p.bootstrap_token = -2;
+  assert_int_equal(kvf_sender_send(s, &p), KVF_EINVAL);
+  assert_int_equal(kvf_sender_send(s, NULL), KVF_EINVAL);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
+  p.bootstrap_token = 77;
+  assert_int_equal(kvf_sender_send(s, &p), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 8, 77, NULL, 0);
+  check_pages(&f, src, dst, 2);
+  kvf_sender_destroy(s);
   fx_teardown(&f);
 }
 
@@ -398,9 +497,9 @@ static void many_chunks(void **state) {
   wait_received(&f, 2);
   kvf_sender *s = new_sender(&f, -3);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
-  assert_int_equal(kvf_sender_send(s, src, 3, 0, -1, -1, NULL, 0, NULL, 0), 0);
-  assert_int_equal(kvf_sender_send(s, src + 3, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
-  assert_int_equal(kvf_sender_send(s, src + 5, 2, 1, 3, 99, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src, 3, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src + 3, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src + 5, 2, 1, 3, 99, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
   expect_success_m3(&f, -3, 99, NULL, 0);
   check_pages(&f, src, dst, 7);
@@ -418,7 +517,7 @@ static void chunk_waits_for_m2(void **state) {
   fx_setup(&f, "");
   kvf_sender *s = new_sender(&f, 100);
   int64_t src[] = {5, 6}, dst[] = {1, 2};
-  assert_int_equal(kvf_sender_send(s, src, 2, 1, 0, 5, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src, 2, 1, 0, 5, NULL, 0, NULL, 0), 0);
   sleep_ms(100);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
   send_m1(&f);
@@ -441,9 +540,9 @@ static void decode_prefix_skipped(void **state) {
   int64_t src[] = {9, 8, 7, 6, 5}, dst[] = {0, 1, 2};
   send_m1(&f);
   send_m2_prefix(&f, 31, dst, 3, 2);
-  assert_int_equal(kvf_sender_send(s, src, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
-  assert_int_equal(kvf_sender_send(s, src + 1, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
-  assert_int_equal(kvf_sender_send(s, src + 3, 2, 1, 0, 1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src + 1, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src + 3, 2, 1, 0, 1, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
   expect_success_m3(&f, 31, 1, NULL, 0);
   check_pages(&f, src + 2, dst, 3);
@@ -459,7 +558,7 @@ static void bootstrap_timeout(void **state) {
   unsetenv("TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT");
   kvf_sender *s = new_sender(&f, 5);
   int64_t src[] = {1};
-  assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
   int64_t t0 = clock_now_ns();
   assert_int_equal(wait_final(s, 4000), KVF_POLL_FAILED);
   assert_true(clock_now_ns() - t0 >= 500000000LL);
@@ -496,9 +595,50 @@ static void malformed_and_unregistered(void **state) {
   send_m1(&f);
   send_m2(&f, 1, dst, 1);
   int64_t src[] = {3};
-  assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
   expect_success_m3(&f, 1, -1, NULL, 0);
+  check_pages(&f, src, dst, 1);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
+/* Issue 13 defect 5, prefill side: M1 and M2 that claim the decode host
+ * 127.0.0.1 but come from 127.0.0.2 are dropped and counted as forged (a
+ * forged M1 could point the prefill's writes at any memory of that session);
+ * the same messages from the claimed host then serve the room. */
+static void forged_m1_m2_from_other_host(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  void *real = f.push;
+  f.push = zmq_socket(f.zctx, ZMQ_PUSH);
+  int linger = 0;
+  zmq_setsockopt(f.push, ZMQ_LINGER, &linger, sizeof linger);
+  char ep[128];
+  snprintf(ep, sizeof ep, "tcp://127.0.0.2:0;127.0.0.1:%u", (unsigned)f.m->rank_port);
+  assert_int_equal(zmq_connect(f.push, ep), 0);
+  kvf_sender *s = new_sender(&f, 2);
+  int64_t dst[] = {1};
+  send_m1(&f);
+  send_m2(&f, 2, dst, 1);
+  kvf_manager_stats st;
+  int64_t end = clock_now_ns() + 5000000000LL;
+  do {
+    sleep_ms(2);
+    kvf_manager_get_stats(f.m, &st);
+  } while (st.messages_forged < 2 && clock_now_ns() < end);
+  assert_int_equal(st.messages_forged, 2);
+  assert_int_equal(stat_received(&f), 0);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+  zmq_close(f.push);
+  f.push = real;
+  send_m1(&f);
+  send_m2(&f, 2, dst, 1);
+  int64_t src[] = {4};
+  assert_int_equal(send_chunk(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 2, -1, NULL, 0);
   check_pages(&f, src, dst, 1);
   kvf_sender_destroy(s);
   fx_teardown(&f);
@@ -514,7 +654,7 @@ static void refused_write_fails_room(void **state) {
   int64_t src[] = {0, 1}, dst[] = {NPAGES - 1, NPAGES + 100};
   send_m1(&f);
   send_m2(&f, 9, dst, 2);
-  assert_int_equal(kvf_sender_send(s, src, 2, 1, 0, 3, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src, 2, 1, 0, 3, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s, 8000), KVF_POLL_FAILED);
   char why[256];
   kvf_sender_failure(s, why, sizeof why);
@@ -522,7 +662,7 @@ static void refused_write_fails_room(void **state) {
   snprintf(want, sizeof want, "Failed to send kv chunk of 9 to 127.0.0.1:%u", (unsigned)f.pull_port);
   assert_non_null(strstr(why, want));
   wire_m3 m3;
-  int32_t c[8];
+  int32_t c[KVF_MAX_CANDIDATES];
   size_t nc;
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.room, 9);
@@ -536,7 +676,7 @@ static void refused_write_fails_room(void **state) {
   assert_int_equal(kvf_sender_create(f.m, 10, &s2), 0);
   int64_t ok_dst[] = {2};
   send_m2(&f, 10, ok_dst, 1);
-  assert_int_equal(kvf_sender_send(s2, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s2, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s2, 5000), KVF_POLL_FAILED);
   kvf_sender_failure(s2, why, sizeof why);
   assert_non_null(strstr(why, "is not alive"));
@@ -547,7 +687,7 @@ static void refused_write_fails_room(void **state) {
   assert_int_equal(kvf_sender_create(f.m, 11, &s3), 0);
   send_m1(&f);
   send_m2(&f, 11, ok_dst, 1);
-  assert_int_equal(kvf_sender_send(s3, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s3, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s3, 5000), KVF_POLL_SUCCESS);
   kvf_sender_destroy(s);
   kvf_sender_destroy(s2);
@@ -568,7 +708,7 @@ static void abort_tells_decode(void **state) {
   kvf_sender_failure(s, why, sizeof why);
   assert_string_equal(why, "scheduler gave up");
   wire_m3 m3;
-  int32_t c[8];
+  int32_t c[KVF_MAX_CANDIDATES];
   size_t nc;
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.room, 21);
@@ -588,10 +728,10 @@ static void many_senders(void **state) {
   for (int i = 0; i < 1000; i++) {
     kvf_sender *s = NULL;
     assert_int_equal(kvf_sender_create(f.m, 1000 + i, &s), 0);
-    if (i % 3 == 0) assert_int_equal(kvf_sender_send(s, src, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+    if (i % 3 == 0) assert_int_equal(send_chunk(s, src, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
     if (i % 10 == 0) {
       send_m2(&f, 1000 + i, dst, 2); /* may arrive before or after the destroy */
-      assert_int_equal(kvf_sender_send(s, src, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+      assert_int_equal(send_chunk(s, src, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
     }
     kvf_sender_destroy(s);
   }
@@ -618,12 +758,12 @@ static void layerwise_appendix_a(void **state) {
   int64_t src[] = {20, 21, 25}, dst[] = {7, 8, 9};
   register_and_request(&f, room, dst, 3);
   /* §6.11 bounds: a layer range past the 2 KV layers, or reversed */
-  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 0, 3, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
-  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 2, 1, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
-  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 2, 3, 1, 3, -1, NULL, 0, NULL, 0), KVF_EINVAL);
-  assert_int_equal(kvf_sender_send_layers(NULL, src, 3, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
+  assert_int_equal(send_layers(s, src, 3, 0, 0, 3, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
+  assert_int_equal(send_layers(s, src, 3, 0, 2, 1, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
+  assert_int_equal(send_layers(s, src, 3, 0, 2, 3, 1, 3, -1, NULL, 0, NULL, 0), KVF_EINVAL);
+  assert_int_equal(send_layers(NULL, src, 3, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), KVF_EINVAL);
 
-  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_layers(s, src, 3, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
   wait_chunks(&f, 1);
   check_layer(&f, 0, src, dst, 3);
   check_layer_zero(&f, 1, dst, 3);
@@ -631,7 +771,7 @@ static void layerwise_appendix_a(void **state) {
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
 
   int32_t cands[] = {1734, 2211, 90};
-  assert_int_equal(kvf_sender_send_layers(s, src, 3, 0, 1, 2, 1, 3, 1734, cands, 3, NULL, 0), 0);
+  assert_int_equal(send_layers(s, src, 3, 0, 1, 2, 1, 3, 1734, cands, 3, NULL, 0), 0);
   assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
   expect_success_m3(&f, room, 1734, cands, 3);
   check_layer(&f, 0, src, dst, 3);
@@ -641,7 +781,7 @@ static void layerwise_appendix_a(void **state) {
   kvf_manager_get_stats(f.m, &st);
   assert_int_equal(st.chunks_sent, 2);
   assert_int_equal(st.bytes_sent, 3 * ITEM * 4);
-  assert_int_equal(kvf_sender_send_layers(s, src, 1, 0, 0, 1, 1, 3, -1, NULL, 0, NULL, 0), KVF_ESTATE);
+  assert_int_equal(send_layers(s, src, 1, 0, 0, 1, 1, 3, -1, NULL, 0, NULL, 0), KVF_ESTATE);
   kvf_sender_destroy(s);
   fx_teardown(&f);
   g_nkv = 2;
@@ -669,7 +809,7 @@ static void layerwise_windows(void **state) {
   for (int c = 0; c < 3; c++)
     for (size_t l = 0; l < 2; l++) {
       int last = c == 2 && l == 1;
-      assert_int_equal(kvf_sender_send_layers(s, occupied + win[c].start, win[c].end - win[c].start,
+      assert_int_equal(send_layers(s, occupied + win[c].start, win[c].end - win[c].start,
                                               win[c].start - pp, l, l + 1, last, last ? 0 : -1, last ? 5 : -1,
                                               NULL, 0, NULL, 0),
                        0);
@@ -699,12 +839,12 @@ static void layerwise_empty_chunks(void **state) {
   kvf_sender *s = new_sender(&f, 88);
   int64_t src[] = {1, 2}, dst[] = {5, 6};
   register_and_request(&f, 88, dst, 2);
-  assert_int_equal(kvf_sender_send_layers(s, NULL, 0, 0, 0, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
-  assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 1, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
-  assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 0, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_layers(s, NULL, 0, 0, 0, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_layers(s, src, 2, 0, 1, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_layers(s, src, 2, 0, 0, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
   wait_chunks(&f, 1);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
-  assert_int_equal(kvf_sender_send_layers(s, NULL, 0, 2, 0, 0, 1, 0, 8, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_layers(s, NULL, 0, 2, 0, 0, 1, 0, 8, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
   expect_success_m3(&f, 88, 8, NULL, 0);
   check_layer(&f, 0, src, dst, 2);
@@ -715,7 +855,7 @@ static void layerwise_empty_chunks(void **state) {
   g_nkv = 2;
 }
 
-/* ---- first-token hand-off (KVF_TOKEN_LATER, kvf_sender_set_metadata) ---- */
+/* ---- first-token hand-off (KVF_SEND_TOKEN_LATER, kvf_sender_set_metadata) ---- */
 
 /* Layerwise: the last layer group lands before sampling; the M3 and Success
  * wait for the token, which then rides on the M3. Published twice: the
@@ -729,8 +869,8 @@ static void token_after_landing(void **state) {
   int64_t src[] = {3, 4}, dst[] = {10, 11};
   register_and_request(&f, 61, dst, 2);
   int32_t ignored[] = {5};
-  assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
-  assert_int_equal(kvf_sender_send_layers(s, src, 2, 0, 1, 2, 1, 0, KVF_TOKEN_LATER, ignored, 1, NULL, 0), 0);
+  assert_int_equal(send_layers(s, src, 2, 0, 0, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_layers(s, src, 2, 0, 1, 2, 1, 0, TOKEN_LATER, ignored, 1, NULL, 0), 0);
   wait_chunks(&f, 2);
   check_layer(&f, 0, src, dst, 2);
   check_layer(&f, 1, src, dst, 2);
@@ -757,7 +897,7 @@ static void token_before_landing(void **state) {
   fx_setup(&f, "");
   kvf_sender *s = new_sender(&f, 62);
   int64_t src[] = {1, 2, 3}, dst[] = {4, 5, 6};
-  assert_int_equal(kvf_sender_send(s, src, 3, 1, 0, KVF_TOKEN_LATER, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src, 3, 1, 0, TOKEN_LATER, NULL, 0, NULL, 0), 0);
   int32_t cands[] = {9};
   assert_int_equal(kvf_sender_set_metadata(s, 17, cands, 1), 0);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
@@ -781,7 +921,7 @@ static void token_never_published(void **state) {
   kvf_sender *s = new_sender(&f, 63);
   int64_t src[] = {1}, dst[] = {2};
   register_and_request(&f, 63, dst, 1);
-  assert_int_equal(kvf_sender_send(s, src, 1, 1, 0, KVF_TOKEN_LATER, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src, 1, 1, 0, TOKEN_LATER, NULL, 0, NULL, 0), 0);
   wait_chunks(&f, 1);
   int64_t t0 = clock_now_ns();
   assert_int_equal(wait_final(s, 4000), KVF_POLL_FAILED);
@@ -790,7 +930,7 @@ static void token_never_published(void **state) {
   kvf_sender_failure(s, why, sizeof why);
   assert_string_equal(why, "Request 63: first token not published within 1.0s after its KV landed");
   wire_m3 m3;
-  int32_t c[8];
+  int32_t c[KVF_MAX_CANDIDATES];
   size_t nc;
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.room, 63);
@@ -817,14 +957,14 @@ static void token_wait_ends(void **state) {
   for (int i = 0; i < 3; i++) {
     assert_int_equal(kvf_sender_create(f.m, 64 + i, &s[i]), 0);
     send_m2(&f, 64 + i, dst, 1);
-    assert_int_equal(kvf_sender_send(s[i], src, 1, 1, 0, KVF_TOKEN_LATER, NULL, 0, NULL, 0), 0);
+    assert_int_equal(send_chunk(s[i], src, 1, 1, 0, TOKEN_LATER, NULL, 0, NULL, 0), 0);
   }
   wait_chunks(&f, 3);
   expect_no_m3(&f, 100);
   kvf_sender_destroy(s[0]); /* destroyed while waiting */
   kvf_sender_abort(s[1], "gave up");
   wire_m3 m3;
-  int32_t c[8];
+  int32_t c[KVF_MAX_CANDIDATES];
   size_t nc;
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.room, 65);
@@ -840,7 +980,7 @@ static void token_wait_ends(void **state) {
   kvf_sender *t = NULL;
   assert_int_equal(kvf_sender_create(f.m, 64, &t), 0);
   send_m2(&f, 64, dst, 1);
-  assert_int_equal(kvf_sender_send(t, src, 1, 1, 0, 11, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(t, src, 1, 1, 0, 11, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(t, 5000), KVF_POLL_SUCCESS);
   expect_success_m3(&f, 64, 11, NULL, 0);
   kvf_sender_destroy(t);
@@ -855,7 +995,7 @@ static void registers_with_bootstrap(void **state) {
   bc.port = 0;
   bc.auth_token = "";
   kvf_bootstrap_server *srv = NULL;
-  assert_int_equal(kvf_bootstrap_server_start(&bc, &srv), 0);
+  assert_int_equal(kvf_bootstrap_server_create(&bc, &srv), 0);
   char addr[64];
   snprintf(addr, sizeof addr, "127.0.0.1:%u", (unsigned)kvf_bootstrap_server_port(srv));
   fixture f;
@@ -870,7 +1010,7 @@ static void registers_with_bootstrap(void **state) {
   assert_int_equal(port, f.m->rank_port);
   bootstrap_client_destroy(c);
   fx_teardown(&f);
-  kvf_bootstrap_server_stop(srv);
+  kvf_bootstrap_server_destroy(srv);
   /* an unreachable bootstrap server fails manager creation */
   setenv("KVFERRY_BOOTSTRAP_TIMEOUT_MS", "200", 1);
   uint64_t lens[1] = {ITEM}, items[1] = {ITEM};
@@ -892,11 +1032,14 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(one_chunk),
       cmocka_unit_test(token_major_slices),
+      cmocka_unit_test(candidate_limit),
+      cmocka_unit_test(send_params_checked),
       cmocka_unit_test(many_chunks),
       cmocka_unit_test(chunk_waits_for_m2),
       cmocka_unit_test(decode_prefix_skipped),
       cmocka_unit_test(bootstrap_timeout),
       cmocka_unit_test(malformed_and_unregistered),
+      cmocka_unit_test(forged_m1_m2_from_other_host),
       cmocka_unit_test(refused_write_fails_room),
       cmocka_unit_test(abort_tells_decode),
       cmocka_unit_test(many_senders),

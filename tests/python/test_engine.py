@@ -1,8 +1,9 @@
-"""kvferry.TransferEngine through its Mooncake-compatible methods: a transfer
-between two Python processes that only import `mooncake.engine` (python/compat),
-memory registered from numpy arrays and from raw ctypes addresses, Mooncake's
-return conventions for failures (negative numbers, not exceptions), the async
-variant, and the ctypes struct layouts checked against the C compiler."""
+"""The transfer engine from Python: through `mooncake.engine` (python/compat,
+Mooncake's return conventions: negative numbers, not exceptions) between two
+Python processes and in one, memory registered from numpy arrays and from raw
+ctypes addresses, the async variant; the native kvferry.TransferEngine, which
+raises KVFError (code and name); and the ctypes struct layouts checked
+against the C compiler."""
 
 import ctypes
 import logging
@@ -19,10 +20,13 @@ PYDIR = os.path.join(ROOT, "python")
 COMPAT = os.path.join(PYDIR, "compat")
 if PYDIR not in sys.path:
     sys.path.insert(0, PYDIR)
+if COMPAT not in sys.path:
+    sys.path.insert(0, COMPAT)
 
 import kvferry  # noqa: E402
-from kvferry import KVFerryError, TransferEngine  # noqa: E402
+from kvferry import KVFError, KVFerryError  # noqa: E402
 from kvferry import _lib  # noqa: E402
+from mooncake.engine import TransferEngine  # noqa: E402  (Mooncake's return codes)
 
 from subproc import Proc, free_port  # noqa: E402  (tests/python/subproc.py)
 
@@ -195,7 +199,7 @@ def test_compat_module_is_kvferry(spawn):
     script = (
         "import mooncake.engine, kvferry\n"
         "from mooncake.engine import TransferEngine\n"
-        "print(TransferEngine is kvferry.TransferEngine, kvferry.__version__)\n"
+        "print(issubclass(TransferEngine, kvferry.TransferEngine), kvferry.__version__)\n"
     )
     p = spawn(script, pythonpath=os.pathsep.join([COMPAT, PYDIR]), name="compat")
     assert p.line() == f"True {kvferry.__version__}"
@@ -371,12 +375,52 @@ def test_native_write_raises_and_strides(engines):
 
 
 def test_context_manager_and_repr():
-    with TransferEngine() as e:
+    with kvferry.TransferEngine() as e:
         assert "not initialized" in repr(e)
-        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") is None
         assert e.get_session_id() in repr(e)
     with pytest.raises(RuntimeError):
         e.get_rpc_port()
+
+
+def test_native_engine_raises_kvferror():
+    """kvferry.TransferEngine raises KVFError (code and C name) where the
+    Mooncake class returns the code."""
+    a, b = kvferry.TransferEngine(), kvferry.TransferEngine()
+    try:
+        with pytest.raises(KVFError) as ei:
+            a.register_memory(12345, 10)  # not initialized
+        assert ei.value.code == _lib.KVF_ESTATE and ei.value.name == "KVF_ESTATE"
+        a.initialize("127.0.0.1")
+        b.initialize("127.0.0.1")
+        with pytest.raises(KVFError) as ei:
+            a.initialize("127.0.0.1")
+        assert ei.value.name == "KVF_ESTATE"
+        src = (ctypes.c_uint8 * 4096)(*range(256), *range(256))
+        dst = (ctypes.c_uint8 * 4096)()
+        a.register_memory(ctypes.addressof(src), 4096)
+        b.register_memory(ctypes.addressof(dst), 4096)
+        sid = b.get_session_id()
+        with pytest.raises(KVFError) as ei:
+            a.transfer_sync_write(sid, ctypes.addressof(src), ctypes.addressof(dst) + 4090, 16)
+        assert ei.value.code == _lib.KVF_ERANGE and "KVF_ERANGE" in str(ei.value)
+        assert a.transfer_sync_write(sid, ctypes.addressof(src), ctypes.addressof(dst), 512) is None
+        bid = a.transfer_submit_write(sid, ctypes.addressof(src), ctypes.addressof(dst), 4096)
+        deadline = time.monotonic() + POLL_LIMIT_S
+        while not a.transfer_check_status(bid):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        with pytest.raises(KVFError) as ei:
+            a.transfer_check_status(bid)  # released once done
+        assert ei.value.code == _lib.KVF_ENOTFOUND
+        b.sync()
+        assert bytes(dst) == bytes(src)
+        with pytest.raises(KVFError):
+            a.transfer_sync_read(sid, 0, 0, 1)
+        assert KVFerryError is KVFError
+    finally:
+        a.close()
+        b.close()
 
 
 # ---------------------------------------------------------------- library loading and layouts
@@ -400,13 +444,13 @@ import ctypes, sys
 sys.modules["numpy"] = None  # any import of numpy now fails
 import kvferry
 a, b = kvferry.TransferEngine(), kvferry.TransferEngine()
-assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
 src = bytearray(b"kvferry!" * 64)
 dst = (ctypes.c_char * 512)()
 sp, n = a.register_array(src)
 dp, _ = b.register_array(dst)
-assert a.transfer_sync_write(b.get_session_id(), sp, dp, n) == 0
+a.transfer_sync_write(b.get_session_id(), sp, dp, n)
 b.sync()
 print(dst.raw == bytes(src))
 a.close(); b.close()
@@ -414,6 +458,18 @@ a.close(); b.close()
     p = spawn(script, pythonpath=PYDIR, name="nonumpy")
     assert p.line() == "True"
     p.finish()
+
+
+def test_prototype_table_is_the_whole_api():
+    """_lib declares exactly the functions the library exports (nm -D)."""
+    nm = shutil.which("nm")
+    if not nm:
+        pytest.skip("no nm")
+    out = subprocess.run([nm, "-D", "--defined-only", _lib.LIB_PATH], check=True, capture_output=True, text=True,
+                         timeout=30).stdout
+    exported = {line.split()[2] for line in out.splitlines() if len(line.split()) >= 3}
+    assert exported == set(_lib._PROTOTYPES)
+    assert not _lib.lib.missing
 
 
 def test_struct_layouts_match_c(tmp_path):

@@ -229,7 +229,7 @@ def test_prefix_state_raw_addresses_and_shared_engine(closing):
     pm = closing(KVManager("prefill", kv_args=KVArgs(), layer_bufs=[[0, 1]], bootstrap_addr=srv.addr,
                            page_size=2))
     eng = closing(TransferEngine())
-    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")  # raises KVFError on failure
     dm = closing(KVManager("decode", dst, state_data_ptrs=[dst_state], layer_bufs=[[0, 1]], engine=eng,
                            page_size=2))
     assert dm.session_id == eng.get_session_id() == dm.engine.get_session_id()
@@ -322,6 +322,32 @@ def test_set_metadata_after_last_layer(closing):
     assert r.pop_metadata() == (321, [4, 5])
 
 
+def test_candidate_limit_and_constants_from_the_library(closing):
+    """Constants come from the C library (kvf_const); more than
+    KVF_MAX_CANDIDATES speculative ids are refused at once with a KVFError
+    naming the code, and exactly the limit reaches the decode."""
+    from kvferry import _lib
+    assert _lib.KVF_MAX_CANDIDATES == kvferry.MAX_CANDIDATES == 64
+    assert int(TransferPoll.Success) == _lib.KVF_POLL_SUCCESS
+    pages, item = 4, 16
+    src = [np.full((pages, item), b + 1, dtype=np.uint8) for b in range(2)]
+    dst = [np.zeros((pages, item), dtype=np.uint8) for _ in range(2)]
+    srv = closing(BootstrapServer("127.0.0.1", 0))
+    pm = closing(KVManager("prefill", src, bootstrap_addr=srv.addr))
+    dm = closing(KVManager("decode", dst))
+    room = 6464
+    r = closing(KVReceiver(dm, srv.addr, room))
+    s = closing(KVSender(pm, room))
+    r.prefill([2, 3], aux_index=0)
+    too_many = list(range(kvferry.MAX_CANDIDATES + 1))
+    with pytest.raises(kvferry.KVFError) as ei:
+        s.send([0, 1], True, aux_index=0, bootstrap_token=9, spec_candidate_ids=too_many)
+    assert ei.value.name == "KVF_ETOOBIG" and ei.value.code == _lib.KVF_ETOOBIG
+    s.send([0, 1], True, aux_index=0, bootstrap_token=9, spec_candidate_ids=too_many[:-1])
+    assert wait_final(r) == TransferPoll.Success, r.failure_reason()
+    assert r.pop_metadata() == (9, too_many[:-1])
+
+
 def test_receiver_against_nothing_listening(closing):
     dm = closing(KVManager("decode", [np.zeros((4, 16), np.uint8)], http_timeout_ms=2000))
     port = free_port()
@@ -402,7 +428,7 @@ def test_shared_engine_close_order():
     """Closing a shared engine closes the managers on it first; a borrowed
     engine object dies with its manager."""
     eng = TransferEngine()
-    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")  # raises KVFError on failure
     dm = KVManager("decode", [np.zeros((4, 16), np.uint8)], engine=eng)
     r = KVReceiver(dm, f"127.0.0.1:{free_port()}", 3)
     eng.close()
@@ -413,10 +439,12 @@ def test_shared_engine_close_order():
     dm2 = KVManager("decode", [np.zeros((4, 16), np.uint8)])
     borrowed = dm2.engine
     buf = np.zeros(64, np.uint8)
-    assert borrowed.register_memory(buf.ctypes.data, buf.nbytes) == 0
+    borrowed.register_memory(buf.ctypes.data, buf.nbytes)
     dm2.engine.close()  # not the owner: the manager keeps its engine
     assert borrowed.get_session_id() == dm2.session_id
     dm2.close()
     with pytest.raises(RuntimeError):
         borrowed.get_session_id()
-    assert borrowed.register_memory(buf.ctypes.data + 64, 8) < 0
+    with pytest.raises(kvferry.KVFError) as ei:
+        borrowed.register_memory(buf.ctypes.data + 64, 8)
+    assert ei.value.name == "KVF_ESTATE"

@@ -1,4 +1,4 @@
-/* Unit tests for the M1/M2/M3 codecs: the golden bytes of PROTOCOL.md
+/* Unit tests for the M1/M2/M3 codecs: the golden bytes of docs/PROTOCOL.md
  * Appendix A and §6.5.5 (encode byte-equal, decode field-equal), round trips
  * of every frame-count form, and one case per rejection rule of §3.3-3.5 and
  * of kvferry's stricter checks, each asserting the error code, the frame
@@ -439,7 +439,7 @@ static const wire_frame a6_frames[5] = {FR("7215963401"), FR("5"), FR("0"), FR("
                                         {a6_cand_bytes, 12}};
 
 static void m3_golden(void **state) {
-  wire_m3 m = {7215963401, WIRE_STATUS_SUCCESS, 0, 1734, wire_array_of(a6_cands, 3)};
+  wire_m3 m = {7215963401, WIRE_STATUS_SUCCESS, 0, 1734, wire_array_of(a6_cands, 3), NULL, 0};
   wire_msg msg;
   char reason[WIRE_REASON_LEN] = "";
   assert_int_equal(wire_m3_encode(&m, &msg, reason), 0);
@@ -455,9 +455,35 @@ static void m3_golden(void **state) {
   for (size_t i = 0; i < 3; i++) assert_int_equal(wire_i32_at(d.candidates, i), a6_cands[i]);
 }
 
+/* kvferry's M3 frame 5: a Failed status with its reason; a reference
+ * decoder reads 5 frames and ignores it. Decoding cuts an overlong reason. */
+static void m3_reason_frame(void **state) {
+  (void)state;
+  const char *why = "too many requests wait";
+  wire_m3 m = {9, WIRE_STATUS_FAILED, 1, -1, {NULL, 0}, why, strlen(why)};
+  wire_msg msg;
+  char reason[WIRE_REASON_LEN];
+  assert_int_equal(wire_m3_encode(&m, &msg, reason), 0);
+  assert_int_equal(msg.nframes, 6);
+  wire_m3 d;
+  assert_int_equal(wire_m3_decode(msg.frames, msg.nframes, &d, reason), 0);
+  assert_int_equal(d.reason_len, strlen(why));
+  assert_memory_equal(d.reason, why, strlen(why));
+  assert_int_equal(wire_m3_decode(msg.frames, 5, &d, reason), 0);
+  assert_int_equal(d.reason_len, 0);
+  char big[1000];
+  memset(big, 'x', sizeof big);
+  wire_frame f[6];
+  memcpy(f, msg.frames, sizeof f);
+  f[5] = (wire_frame){(const uint8_t *)big, sizeof big};
+  assert_int_equal(wire_m3_decode(f, 6, &d, reason), 0);
+  assert_int_equal(d.reason_len, WIRE_REASON_LEN - 1);
+  wire_msg_free(&msg);
+}
+
 static void m3_failed_golden(void **state) {
   static const wire_frame want[5] = {FR("7215963401"), FR("0"), FR("0"), FR("-1"), EMPTY};
-  wire_m3 m = {7215963401, WIRE_STATUS_FAILED, 0, -1, {NULL, 0}};
+  wire_m3 m = {7215963401, WIRE_STATUS_FAILED, 0, -1, {NULL, 0}, NULL, 0};
   wire_msg msg;
   char reason[WIRE_REASON_LEN];
   assert_int_equal(wire_m3_encode(&m, &msg, reason), 0);
@@ -937,7 +963,7 @@ static void m3_rejections(void **state) {
   wire_m3 m;
   char reason[WIRE_REASON_LEN];
   assert_int_equal(wire_m3_decode(f, 5, &m, reason), KVF_EPROTO);
-  assert_string_equal(reason, "M3 frame 4 (spec_candidate_ids): 65537 entries, at most 65536 allowed");
+  assert_string_equal(reason, "M3 frame 4 (spec_candidate_ids): 65 entries, at most 64 allowed");
   free(big);
 }
 
@@ -1004,13 +1030,21 @@ static void encoder_rejections(void **state) {
   fr = frag_example_struct;
   fr.page_count = -2;
   assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  /* A valid plan with a bad page layout: the plan JSON was already built
+   * and must be freed on the error path (LeakSanitizer in `make asan`). */
+  fr = frag_example_struct;
+  m2.page_layout = -1;
+  assert_int_equal(wire_m2_encode(&m2, &msg, reason), KVF_EINVAL);
+  assert_string_equal(reason, "M2 frame 14 (kvferry_page_layout): -1 is outside 0..1048576");
+  assert_memory_equal(&msg, &zero, sizeof msg);
+  m2.page_layout = 0;
   /* A dummy ignores its array fields. */
   m2.is_dummy = 1;
   assert_int_equal(wire_m2_encode(&m2, &msg, reason), 0);
   assert_frames_equal(&msg, a7_frames, 12);
   wire_msg_free(&msg);
 
-  wire_m3 m3 = {1, 6, 0, -1, {NULL, 0}};
+  wire_m3 m3 = {1, 6, 0, -1, {NULL, 0}, NULL, 0};
   assert_int_equal(wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M3 frame 1 (status): 6 is outside 0..5");
   m3.status = 5;
@@ -1062,6 +1096,7 @@ int main(void) {
       cmocka_unit_test(frag_parse_order_and_spacing),
       cmocka_unit_test(m3_golden),
       cmocka_unit_test(m3_failed_golden),
+      cmocka_unit_test(m3_reason_frame),
       cmocka_unit_test(m3_frame_count_forms),
       cmocka_unit_test(classify_kinds),
       cmocka_unit_test(bad_arguments),

@@ -1,8 +1,9 @@
 """Stand-in for the `mooncake` package, backed by kvferry.
 
 Put python/compat on PYTHONPATH (ahead of any real Mooncake) and
-`from mooncake.engine import TransferEngine` returns kvferry.TransferEngine:
-same methods and return conventions, kvferry's tcp transport underneath.
+`from mooncake.engine import TransferEngine` returns a kvferry.TransferEngine
+with Mooncake's return conventions (0 / negative codes instead of KVFError),
+kvferry's tcp transport underneath.
 Not installed by `pip install ./python`, so it never shadows a real Mooncake.
 """
 

@@ -1,0 +1,33 @@
+#!/bin/sh
+# Fails when libkvferry exports a name that could collide with another
+# library in the same process.
+#   scripts/check-symbols.sh BUILD_DIR            shared library: every dynamic
+#                                                  symbol it defines starts with kvf_
+#   scripts/check-symbols.sh --static BUILD_DIR   static archive: every global
+#                                                  symbol it defines starts with kvf_ or kvf__
+set -eu
+mode=shared
+if [ "${1:-}" = "--static" ]; then
+  mode=static
+  shift
+fi
+dir=${1:?usage: check-symbols.sh [--static] BUILD_DIR}
+if [ "$mode" = shared ]; then
+  lib=$(ls "$dir"/libkvferry.so 2>/dev/null || true)
+  [ -n "$lib" ] || { echo "check-symbols: no libkvferry.so in $dir" >&2; exit 2; }
+  syms=$(nm -D --defined-only "$lib" | awk 'NF >= 3 {print $3}')
+else
+  lib=$(ls "$dir"/libkvferry.a 2>/dev/null || true)
+  [ -n "$lib" ] || { echo "check-symbols: no libkvferry.a in $dir" >&2; exit 2; }
+  # Global (upper-case type letter) defined symbols of every member.
+  syms=$(nm -g --defined-only "$lib" | awk 'NF >= 3 && $2 ~ /^[A-Z]$/ {print $3}')
+fi
+[ -n "$syms" ] || { echo "check-symbols: $lib defines no symbols" >&2; exit 2; }
+bad=$(printf '%s\n' "$syms" | grep -v '^kvf_' || true)
+count=$(printf '%s\n' "$syms" | wc -l)
+if [ -n "$bad" ]; then
+  echo "check-symbols: $lib defines $(printf '%s\n' "$bad" | wc -l) of $count symbols without the kvf_ prefix:" >&2
+  printf '  %s\n' $bad >&2
+  exit 1
+fi
+echo "check-symbols: $lib: all $count symbols start with kvf_"

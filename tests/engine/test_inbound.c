@@ -1,0 +1,312 @@
+/* Hostile and slow peers against the engine's inbound TCP path (issue 13,
+ * defects 3 and 4): raw sockets on 127.0.0.1 that trickle a hello, idle
+ * after one, or trickle a payload, while legitimate writers and the owner's
+ * register/unregister must go on. Every case is bounded by the engine's named
+ * deadlines (5 s hello, the engine timeout for a chunk). */
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "engine/engine_internal.h"
+#include "engine/tcp_proto.h"
+#include "kvferry.h"
+
+#define FLOOD 300          /* hostile connections, over the default max_inbound_conns (256) */
+#define HELLO_DEADLINE_S (TCP_HELLO_DEADLINE_MS / 1000)
+#define CHUNK_TIMEOUT_MS 2000
+#define PROMPT_S 1.0       /* "promptly": far below any deadline in play */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static kvf_engine *make_engine(int timeout_ms, const char *token) {
+  kvf_engine_config cfg;
+  kvf_engine_config_init(&cfg);
+  cfg.timeout_ms = timeout_ms;
+  cfg.auth_token = token ? token : "";
+  kvf_engine *e = NULL;
+  assert_int_equal(kvf_engine_create(&cfg, &e), 0);
+  return e;
+}
+
+static int raw_connect(uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(0x7f000001)};
+  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a)) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* A legitimate writer on fresh connections: one engine per write, so the
+ * connection must be admitted while the flood holds the target. */
+static int legit_write(kvf_engine *target, unsigned char *dst, unsigned char value, const char *token) {
+  kvf_engine *w = make_engine(CHUNK_TIMEOUT_MS, token);
+  static unsigned char src[16];
+  memset(src, value, sizeof src);
+  assert_int_equal(kvf_engine_register(w, src, sizeof src), 0);
+  kvf_write wr = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)dst, .len = sizeof src};
+  int rc = kvf_engine_write(w, kvf_engine_session_id(target), &wr, 1);
+  kvf_engine_destroy(w);
+  kvf_engine_sync(target);
+  if (!rc && dst[0] != value) rc = -1000;
+  return rc;
+}
+
+/* ---- a flood of connections that send one byte per second ---- */
+
+typedef struct flood {
+  uint16_t port;
+  int complete_hello; /* 1: send a whole hello then idle; 0: trickle a hello */
+  double run_s;
+  atomic_int stop;
+  atomic_int ready; /* every connection is open */
+  int opened, closed;
+  double longest; /* seconds from a connection's open to its close by the peer */
+  int fds[FLOOD];
+  double opened_at[FLOOD];
+} flood;
+
+static int peer_closed(int fd) {
+  char b[64];
+  ssize_t r = recv(fd, b, sizeof b, MSG_DONTWAIT);
+  if (r == 0) return 1;
+  if (r < 0) return errno != EAGAIN && errno != EWOULDBLOCK;
+  return 0; /* a hello reply: still open */
+}
+
+static void wait_ready(flood *f) {
+  while (!atomic_load(&f->ready)) usleep(10000);
+  usleep(300000); /* and accepted */
+}
+
+static void *flood_main(void *arg) {
+  flood *f = arg;
+  int *fds = f->fds;
+  static const tcp_hello hello = {TCP_HELLO_MAGIC, TCP_PROTO_VERSION, 0, 0, 0};
+  double t0 = now_s(), next_byte = t0;
+  int sent = 0;
+  for (int i = 0; i < FLOOD; i++) {
+    fds[i] = raw_connect(f->port);
+    f->opened_at[i] = now_s();
+    if (fds[i] >= 0) f->opened++;
+    if (fds[i] >= 0 && f->complete_hello) send(fds[i], &hello, sizeof hello, MSG_NOSIGNAL);
+  }
+  atomic_store(&f->ready, 1);
+  t0 = next_byte = now_s(); /* run_s counts from here */
+  while (!atomic_load(&f->stop) && now_s() - t0 < f->run_s) {
+    int trickle = !f->complete_hello && now_s() >= next_byte && sent < (int)sizeof hello - 1;
+    for (int i = 0; i < FLOOD; i++) {
+      if (fds[i] < 0) continue;
+      if (trickle) send(fds[i], (const char *)&hello + sent, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (peer_closed(fds[i])) {
+        close(fds[i]);
+        fds[i] = -1;
+        f->closed++;
+        if (now_s() - f->opened_at[i] > f->longest) f->longest = now_s() - f->opened_at[i];
+      }
+    }
+    if (trickle) {
+      sent++;
+      next_byte += 1.0;
+    }
+    usleep(50000);
+  }
+  for (int i = 0; i < FLOOD; i++)
+    if (fds[i] >= 0) close(fds[i]);
+  return NULL;
+}
+
+/* Defect 3: with a token set, 300 connections trickling a hello one byte a
+ * second hold no slot beyond the hello deadline, and a legitimate peer
+ * connects and writes throughout. */
+static void trickled_hellos_cannot_hold_slots(void **state) {
+  (void)state;
+  kvf_engine *target = make_engine(CHUNK_TIMEOUT_MS, "tok");
+  unsigned char *buf = calloc(1, 4096);
+  assert_int_equal(kvf_engine_register(target, buf, 4096), 0);
+  flood f = {.port = kvf_engine_port(target), .complete_hello = 0, .run_s = HELLO_DEADLINE_S + 3};
+  pthread_t th;
+  pthread_create(&th, NULL, flood_main, &f);
+  wait_ready(&f);
+  for (int i = 1; i <= 5; i++) {
+    assert_int_equal(legit_write(target, buf + 64 * i, (unsigned char)i, "tok"), 0);
+    usleep(700000);
+  }
+  pthread_join(th, NULL);
+  assert_int_equal(f.opened, FLOOD);
+  printf("trickled hellos: %d of %d cut, longest held %.2f s (hello deadline %d s)\n", f.closed, FLOOD, f.longest,
+         HELLO_DEADLINE_S);
+  assert_int_equal(f.closed, FLOOD); /* every trickler cut ... */
+  assert_true(f.longest < HELLO_DEADLINE_S + 1.5); /* ... by the hello deadline, bytes or not */
+  kvf_engine_stats st;
+  kvf_engine_get_stats(target, &st);
+  assert_true(st.conns_timed_out + st.conns_evicted >= FLOOD);
+  assert_int_equal(st.batches_received, 5);
+  kvf_engine_destroy(target);
+  free(buf);
+}
+
+/* Defect 3, no token: 300 connections that complete a hello and then never
+ * send a chunk are evicted (oldest idle first) to admit a real writer. */
+static void idle_connections_evicted_for_writers(void **state) {
+  (void)state;
+  kvf_engine *target = make_engine(CHUNK_TIMEOUT_MS, NULL);
+  unsigned char *buf = calloc(1, 4096);
+  assert_int_equal(kvf_engine_register(target, buf, 4096), 0);
+  flood f = {.port = kvf_engine_port(target), .complete_hello = 1, .run_s = 3};
+  pthread_t th;
+  pthread_create(&th, NULL, flood_main, &f);
+  wait_ready(&f);
+  kvf_engine_config defaults;
+  kvf_engine_config_init(&defaults);
+  int slots = defaults.max_inbound_conns;
+  assert_true(slots < FLOOD);
+  kvf_engine_stats st;
+  /* The target has taken the whole flood in: its excess was evicted. */
+  for (int i = 0; i < 100; i++) {
+    kvf_engine_get_stats(target, &st);
+    if (st.conns_evicted >= FLOOD - (uint64_t)slots) break;
+    usleep(100000);
+  }
+  for (int i = 1; i <= 3; i++) assert_int_equal(legit_write(target, buf + 64 * i, (unsigned char)(10 + i), NULL), 0);
+  pthread_join(th, NULL);
+  kvf_engine_get_stats(target, &st);
+  /* The flood's excess, then one more for the first writer (later ones reuse
+   * the slot the previous writer freed). */
+  assert_true(st.conns_evicted >= FLOOD - (uint64_t)slots + 1);
+  assert_int_equal(st.conns_refused, 0);
+  assert_int_equal(st.batches_received, 3);
+  kvf_engine_destroy(target);
+  free(buf);
+}
+
+/* ---- one peer that trickles a chunk's payload ---- */
+
+typedef struct trickler {
+  uint16_t port;
+  uint64_t dst, len;
+  double period_s, run_s;
+  double started, cut_after; /* cut_after: seconds from the header to the peer's close, < 0 if never */
+} trickler;
+
+static void *trickler_main(void *arg) {
+  trickler *t = arg;
+  t->cut_after = -1;
+  int fd = raw_connect(t->port);
+  if (fd < 0) return NULL;
+  tcp_hello h = {TCP_HELLO_MAGIC, TCP_PROTO_VERSION, 0, 0, 0};
+  tcp_reply rep;
+  send(fd, &h, sizeof h, MSG_NOSIGNAL);
+  if (recv(fd, &rep, sizeof rep, MSG_WAITALL) != sizeof rep || rep.status) goto out;
+  struct {
+    tcp_chunk_hdr h;
+    tcp_desc d;
+  } msg = {{TCP_CHUNK_MAGIC, 1, 1, t->len}, {t->dst, t->len, 1, 0}};
+  send(fd, &msg, sizeof msg, MSG_NOSIGNAL);
+  t->started = now_s();
+  unsigned char byte = 0x5a;
+  while (now_s() - t->started < t->run_s) {
+    if (peer_closed(fd) || send(fd, &byte, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+      t->cut_after = now_s() - t->started;
+      break;
+    }
+    usleep((useconds_t)(t->period_s * 1e6));
+  }
+out:
+  close(fd);
+  return NULL;
+}
+
+/* Defect 4: while one peer trickles a payload, register returns and another
+ * peer's 16-byte write is acknowledged promptly; the trickler is cut at the
+ * chunk deadline (the engine timeout), not kept alive by its bytes. */
+static void slow_payload_stalls_nobody(void **state) {
+  (void)state;
+  kvf_engine *target = make_engine(CHUNK_TIMEOUT_MS, NULL);
+  size_t len = 1u << 20;
+  unsigned char *a = calloc(1, len), *b = calloc(1, len);
+  assert_int_equal(kvf_engine_register(target, a, len), 0);
+  trickler t = {.port = kvf_engine_port(target), .dst = (uint64_t)(uintptr_t)a, .len = 65536,
+                .period_s = 0.05, .run_s = 2.0 * CHUNK_TIMEOUT_MS / 1000 + 2};
+  pthread_t th;
+  pthread_create(&th, NULL, trickler_main, &t);
+  usleep(300000); /* the payload is trickling */
+  double t0 = now_s();
+  assert_int_equal(kvf_engine_register(target, b, len), 0);
+  double reg_s = now_s() - t0;
+  t0 = now_s();
+  assert_int_equal(legit_write(target, a + len / 2, 0x77, NULL), 0);
+  double write_s = now_s() - t0;
+  assert_true(reg_s < PROMPT_S);
+  assert_true(write_s < PROMPT_S);
+  assert_int_equal(kvf_engine_unregister(target, b), 0);
+  pthread_join(th, NULL);
+  printf("slow payload: register %.1f ms, other peer's write %.1f ms, trickler cut after %.2f s (deadline %.1f s)\n",
+         reg_s * 1e3, write_s * 1e3, t.cut_after, CHUNK_TIMEOUT_MS / 1000.0);
+  assert_true(t.cut_after > CHUNK_TIMEOUT_MS / 1000.0 - 0.5);
+  assert_true(t.cut_after < CHUNK_TIMEOUT_MS / 1000.0 + 1.0);
+  kvf_engine_stats st;
+  kvf_engine_get_stats(target, &st);
+  assert_int_equal(st.conns_timed_out, 1);
+  assert_int_equal(st.batches_received, 1);
+  kvf_engine_destroy(target);
+  free(a);
+  free(b);
+}
+
+/* Unregistering the region a slow payload is landing in returns within about
+ * a receive tick, and no byte lands in it afterwards. */
+static void unregister_cuts_a_slow_write(void **state) {
+  (void)state;
+  kvf_engine *target = make_engine(CHUNK_TIMEOUT_MS, NULL);
+  size_t len = 65536;
+  unsigned char *c = calloc(1, len), snap[64];
+  assert_int_equal(kvf_engine_register(target, c, len), 0);
+  trickler t = {.port = kvf_engine_port(target), .dst = (uint64_t)(uintptr_t)c, .len = len, .period_s = 0.02,
+                .run_s = 1.5};
+  pthread_t th;
+  pthread_create(&th, NULL, trickler_main, &t);
+  usleep(400000);
+  double t0 = now_s();
+  assert_int_equal(kvf_engine_unregister(target, c), 0);
+  double unreg_s = now_s() - t0;
+  printf("unregister during a slow write: %.1f ms\n", unreg_s * 1e3);
+  assert_true(unreg_s < PROMPT_S);
+  kvf_engine_sync(target);
+  assert_int_equal(c[0], 0x5a); /* some bytes had landed before */
+  memcpy(snap, c, sizeof snap);
+  pthread_join(th, NULL); /* the trickler goes on for another second */
+  kvf_engine_sync(target);
+  assert_memory_equal(snap, c, sizeof snap);
+  kvf_engine_destroy(target);
+  free(c);
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(trickled_hellos_cannot_hold_slots),
+      cmocka_unit_test(idle_connections_evicted_for_writers),
+      cmocka_unit_test(slow_payload_stalls_nobody),
+      cmocka_unit_test(unregister_cuts_a_slow_write),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
