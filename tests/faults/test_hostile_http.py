@@ -152,8 +152,8 @@ def test_request_flood_and_churn(stack):
     legit_rooms_succeed(t)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 defect 2: idle connections starve the bootstrap server")
 def test_half_open_flood(stack):
+    # issue 13 defect 2 (regression test); the defect was: idle connections starve the bootstrap server
     """HALF_OPEN_CONNS connections that send a request line and nothing more,
     held past the decode's heartbeat failure budget: /health keeps answering
     within its bound and rooms of the healthy prefill still succeed."""

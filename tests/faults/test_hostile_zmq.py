@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from hostile import MALFORMED_M3, MALFORMED_PREFILL, i32, m1, m2, m3
+from hostile import HOSTILE_SRC, MALFORMED_M3, MALFORMED_PREFILL, i32, m1, m2, m3
 from harness import HEALTHY_ROOM_S, PAGES_PER_ROOM, ROOM_HANG_BOUND_S, SUCCESS, Decode, Prefill, Traffic, describe
 
 FLOOD_ROUNDS = 200           # each malformed message kind sent this many times
@@ -36,7 +36,7 @@ def push(ctx, port):
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-    s.connect(f"tcp://127.0.0.1:{port}")
+    s.connect(f"tcp://{HOSTILE_SRC[0]}:0;127.0.0.1:{port}")  # from the hostile peers' own address
     return s
 
 
@@ -75,9 +75,9 @@ def test_malformed_and_unknown_room_floods(pair):
     assert not t.wrong_bytes()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 defect 5: the decode takes M3 from any ZMQ peer for any live room")
 @pytest.mark.parametrize("status", [SUCCESS, 0], ids=["forged-success", "forged-failed"])
 def test_forged_status_is_ignored(pair, status):
+    # issue 13 defect 5 (regression test); the defect was: the decode takes M3 from any ZMQ peer for any live room
     """A third party's M3 for a waiting room changes nothing: the room still
     succeeds, with the right bytes, once its real prefill sends."""
     pre, dec, t, ctx = pair
@@ -99,8 +99,8 @@ def test_forged_status_is_ignored(pair, status):
     assert room.dec == SUCCESS and not room.bad
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 defect 6: a flood of early transfer requests makes legitimate rooms hang")
 def test_early_transfer_request_flood(pair):
+    # issue 13 defect 6 (regression test); the defect was: a flood of early transfer requests makes legitimate rooms hang
     """EARLY_M2_FLOOD transfer requests for rooms no sender will ever have,
     then a legitimate room whose decode asks before its prefill sends: it
     succeeds, or fails at once with a reason, and never waits out a timeout."""

@@ -9,9 +9,8 @@ every byte of every room) and rooms left in the tables at the end (must be 0).
     KVFERRY_FAULTS_N=1000 python3 -m pytest -s tests/faults/test_random.py
     python3 -m pytest -s tests/faults/test_random.py --n 1000 --seed 7
 
-The faults that hit the open defects of issue 13 (forged M3, early-M2
-floods, half-open HTTP floods, trickling engine peers) are left out of the
-mix until they are fixed; KVFERRY_FAULTS_DEFECTS=1 adds them."""
+Hostile peers connect from 127.0.0.2 (hostile.HOSTILE_SRC), as peers on
+another host would."""
 
 import json
 import os
@@ -24,7 +23,7 @@ import zmq
 
 from harness import (ROOM_HANG_BOUND_S, SUCCESS, Cluster, assert_no_leaks, describe, reap_all,
                      transfers_again)
-from hostile import (MALFORMED_M3, MALFORMED_PREFILL, D, chunk, closed_by_peer, connect, handshake, hello, i32, m1,
+from hostile import (HOSTILE_SRC, MALFORMED_M3, MALFORMED_PREFILL, D, chunk, closed_by_peer, connect, handshake, hello, i32, m1,
                      m2, m3)
 
 FAULTS_N_CI = 12                 # faults in CI (the whole suite stays within a few minutes)
@@ -86,7 +85,7 @@ class Run:
         s = self.ctx.socket(zmq.PUSH)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDTIMEO, ZMQ_SEND_TIMEOUT_MS)
-        s.connect(f"tcp://127.0.0.1:{port}")
+        s.connect(f"tcp://{HOSTILE_SRC[0]}:0;127.0.0.1:{port}")  # from the hostile peers' own address
         try:
             for _ in range(BURST):
                 s.send_multipart(self.rng.choice(msgs))
@@ -137,25 +136,25 @@ class Run:
             except OSError:
                 pass
 
-    def defect_faults(self):
-        """Faults that hit issue 13's open defects (KVFERRY_FAULTS_DEFECTS=1)."""
+    def forged_m3(self):
+        """Success for every open room, from a third party (issue 13 item 5)."""
         c = self.c
-        kind = self.rng.choice(["forged-m3", "early-m2"])
-        if kind == "forged-m3":
-            for r in c.t.open_rooms():
-                self.zmq_burst(c.dec.control_port, [m3(r.id, token=str(r.token).encode(), cands=i32(1, 2))])
-        else:
-            self.zmq_burst(c.pre.control_port, [m1()] + [m2(30_000_000 + self.rng.randrange(1 << 20))])
-        return kind
+        forged = [m3(r.id, token=str(r.token).encode(), cands=i32(r.token + 1, r.token + 2))
+                  for r in c.t.open_rooms()]
+        if forged:
+            self.zmq_burst(c.dec.control_port, forged)
+
+    def early_m2(self):
+        """Transfer requests for rooms no sender will have (issue 13 item 6)."""
+        self.zmq_burst(self.c.pre.control_port, [m1()] + [m2(30_000_000 + self.rng.randrange(1 << 30))
+                                                          for _ in range(BURST)])
 
     # ---------------------------------------------------------------- the run
 
     def inject(self):
         c = self.c
         kinds = ["kill-prefill", "kill-decode", "kill-bootstrap", "stop-prefill", "stop-decode", "stop-bootstrap",
-                 "zmq-decode", "zmq-prefill", "zmq-unknown-room", "http", "engine"]
-        if os.environ.get("KVFERRY_FAULTS_DEFECTS") == "1":
-            kinds.append("defect")
+                 "zmq-decode", "zmq-prefill", "zmq-unknown-room", "zmq-forged-m3", "zmq-early-m2", "http", "engine"]
         kind = self.rng.choice(kinds)
         at = round(time.monotonic() - self.t0, 1)
         action, _, target = kind.partition("-")
@@ -172,10 +171,12 @@ class Run:
                                                 for s in (0, SUCCESS)])
         elif kind == "http":
             self.http_burst()
-        elif kind == "engine":
-            self.engine_attack()
+        elif kind == "zmq-forged-m3":
+            self.forged_m3()
+        elif kind == "zmq-early-m2":
+            self.early_m2()
         else:
-            kind = self.defect_faults()
+            self.engine_attack()
         self.faults[kind] = self.faults.get(kind, 0) + 1
         self.log.append((at, kind))
 
