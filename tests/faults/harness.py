@@ -100,6 +100,12 @@ class Exe(Proc):
     def alive(self):
         return self.p.poll() is None
 
+    def sigkill(self):
+        """SIGKILL the process group, reap it, close its pipes and files."""
+        self.signal(signal.SIGKILL)
+        self.p.wait(timeout=10)
+        self.kill()
+
     def signal(self, sig):
         self.signal_trace(signal.Signals(sig).name)
         os.killpg(self.p.pid, sig)
@@ -379,6 +385,7 @@ class Cluster:
         else:  # a new bootstrap server knows no ranks: the prefill registers again by restarting
             self.boot = Bootstrap(self.tmp, name=f"bootstrap{self.gen}", port=int(port))
             self.pre.finish()
+            self.pre.kill()  # closes its pipes and files (long runs restart hundreds of processes)
             self.t.forget(self.pre)
             self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", bootstrap=self.addr)
         self.t.attach(self.pre, self.dec)

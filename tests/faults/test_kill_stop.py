@@ -78,8 +78,7 @@ def test_fault(tmp_path, action, target, mode):
         side = "dec"
     t_fault = time.monotonic()
     if action == "kill":
-        victim.signal(signal.SIGKILL)
-        victim.p.wait(timeout=10)
+        victim.sigkill()
         t.forget(victim)
     else:
         victim.signal(signal.SIGSTOP)

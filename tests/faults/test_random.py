@@ -65,8 +65,7 @@ class Run:
     def kill(self, target):
         c = self.c
         p = c.target(target)
-        p.signal(signal.SIGKILL)
-        p.p.wait(timeout=10)
+        p.sigkill()
         c.t.forget(p)
         if target == "bootstrap":
             # Let the decode's rooms of the unreachable server end before the prefill is replaced.
