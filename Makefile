@@ -2,6 +2,8 @@
 # first (scripts/install-deps.sh), then configures and builds as needed.
 #   make demo   run the main job (kvferry demo)
 #   make test   build and run every test (ctest: C unit/e2e tests and pytest)
+#   make faults the fault suite (tests/faults: kills, stops, a partition, hostile
+#               peers, a seeded random fault run; FAULTS_ARGS="--n 1000" for more faults)
 #   make asan   the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make tsan   the threaded tests under ThreadSanitizer
 #   make fuzz   build the libFuzzer targets and run each briefly
@@ -10,7 +12,7 @@ JOBS ?= $(shell nproc)
 BUILD ?= build
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build demo test asan tsan fuzz bench install clean format
+.PHONY: all deps build demo test faults asan tsan fuzz bench install clean format
 
 all: build
 
@@ -28,6 +30,12 @@ demo: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+FAULTS_TIMEOUT ?= 1200
+FAULTS_TESTS ?= tests/faults
+faults: build
+	KVFERRY_CLI=$(CURDIR)/$(BUILD)/kvferry KVFERRY_LIB=$(CURDIR)/$(BUILD)/libkvferry.so PYTHONPATH=$(CURDIR)/python \
+	  timeout $(FAULTS_TIMEOUT) /usr/bin/python3 -m pytest -q -rxXs -p no:cacheprovider $(FAULTS_TESTS) $(FAULTS_ARGS)
 
 asan: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang -DKVF_SANITIZE=address

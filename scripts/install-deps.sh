@@ -9,6 +9,7 @@ PACKAGES=(
   libzmq3-dev libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libcmocka-dev libsodium-dev libxxhash-dev
   libucx-dev ucx-utils
   python3 python3-zmq python3-pytest python3-requests python3-numpy
+  iproute2
 )
 
 missing=()

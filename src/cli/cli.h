@@ -26,5 +26,10 @@ uint64_t cli_rng_next(uint64_t *s);
  * 0, or -1 with a message on stderr. */
 #define CLI_OPT_TRANSPORT 1000
 int cli_set_transport(const char *cmd, const char *name);
+/* Print "stats <live-rooms> <received> <malformed> <unknown-room>", the sums
+ * of the n managers' kvf_manager_stats, and flush stdout (the `stats`
+ * command of kv-peer and kv-decode). Main thread. */
+struct kvf_manager;
+void cli_print_stats(struct kvf_manager **m, int n);
 
 #endif

@@ -70,3 +70,17 @@ uint64_t cli_rng_next(uint64_t *s) {
   *s ^= *s << 17;
   return *s;
 }
+
+void cli_print_stats(kvf_manager **m, int n) {
+  unsigned long long live = 0, rx = 0, bad = 0, unknown = 0;
+  for (int i = 0; i < n; i++) {
+    kvf_manager_stats st;
+    kvf_manager_get_stats(m[i], &st);
+    live += st.live_rooms;
+    rx += st.messages_received;
+    bad += st.messages_malformed;
+    unknown += st.messages_unknown_room;
+  }
+  printf("stats %llu %llu %llu %llu\n", live, rx, bad, unknown);
+  fflush(stdout);
+}

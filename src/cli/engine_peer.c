@@ -7,6 +7,7 @@
  *   untouched <byte>                           → "ok" if every byte equals it
  *   fill <byte>                                → "ok" after memset
  *   stats                                      → "stats <received> <refused> <auth_refused>"
+ *   errors                                     → "errors <protocol_errors> <conns_refused>"
  *   quit
  * It exits on EOF of stdin, so a test that dies takes its peer with it. */
 #include <getopt.h>
@@ -120,6 +121,10 @@ int cli_engine_peer(int argc, char **argv) {
       kvf_engine_get_stats(e, &st);
       printf("stats %llu %llu %llu\n", (unsigned long long)st.batches_received,
              (unsigned long long)st.batches_refused, (unsigned long long)st.auth_refused);
+    } else if (!strcmp(line, "errors")) {
+      kvf_engine_stats st;
+      kvf_engine_get_stats(e, &st);
+      printf("errors %llu %llu\n", (unsigned long long)st.protocol_errors, (unsigned long long)st.conns_refused);
     } else if (!strcmp(line, "quit")) {
       break;
     } else {

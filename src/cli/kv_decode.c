@@ -18,6 +18,9 @@
  *       request's pattern. `corrupt` flips one byte of one landed page of the
  *       last rank before the check, to show that the
  *       check catches it. Seed 0 skips the byte check (benchmarks).
+ *   stats
+ *       one line "stats <live-rooms> <received> <malformed> <unknown-room>"
+ *       summed over the ranks (as kv-peer's)
  *   quit
  * and reports each request once it is final and checked:
  *   done <room> <poll-status> <bad-pages> <t-init-ns> <t-final-ns> <reason or ->
@@ -282,6 +285,10 @@ int cli_kv_decode(int argc, char **argv) {
         char extra[16] = "";
         if (!strcmp(line, "quit")) {
           eof = 1;
+        } else if (!strcmp(line, "stats")) {
+          kvf_manager *ms[DEC_MAX_RANKS];
+          for (int d = 0; d < nranks; d++) ms[d] = rk[d].m;
+          cli_print_stats(ms, nranks);
         } else if (sscanf(line, "recv %lld %lld %llu %lld %15s", &room, &np, &seed, &token, extra) >= 4 &&
                    np >= 0) {
           dec_req *r = NULL;

@@ -29,6 +29,10 @@
  *   wakeups
  *       prints `wakeups <n>`: the library's thread wake-ups in this process
  *       so far (base/wake.h; benchmarks report them per room)
+ *   stats
+ *       one line "stats <live-rooms> <received> <malformed> <unknown-room>"
+ *       summed over the ranks' kvf_manager_stats (the fault suite checks
+ *       that no room is left in the tables and that rejects are counted)
  *   quit
  * and reports each request when its senders are final:
  *   done <room> <poll-status> <last-send-ns> <reason or ->
@@ -69,6 +73,7 @@ typedef struct peer_opts {
   unsigned long long unit, state_item;
   const char *host;
   const char *bootstrap; /* external bootstrap server; NULL = start one here */
+  int bootstrap_port;    /* port of the one started here; 0 = any free port */
 } peer_opts;
 
 static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed, long long token,
@@ -192,6 +197,7 @@ int cli_kv_peer(int argc, char **argv) {
                                        {"pages", required_argument, 0, 'p'},
                                        {"host", required_argument, 0, 'H'},
                                        {"bootstrap", required_argument, 0, 'b'},
+                                       {"bootstrap-port", required_argument, 0, 'B'},
                                        {"page-size", required_argument, 0, 'P'},
                                        {"heads", required_argument, 0, 'E'},
                                        {"kv-heads", required_argument, 0, 'K'},
@@ -203,7 +209,7 @@ int cli_kv_peer(int argc, char **argv) {
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:P:E:K:U:S:T:Mh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:B:P:E:K:U:S:T:Mh", opts, NULL)) != -1) {
     switch (c) {
       case 'w': o.world = atoi(optarg); break;
       case 'd': o.dp = atoi(optarg); break;
@@ -216,6 +222,7 @@ int cli_kv_peer(int argc, char **argv) {
         break;
       case 'H': o.host = optarg; break;
       case 'b': o.bootstrap = optarg; break;
+      case 'B': o.bootstrap_port = atoi(optarg); break;
       case 'P': o.page_size = atoi(optarg); break;
       case 'E': o.heads = atoi(optarg); break;
       case 'K': o.kv_heads = atoi(optarg); break;
@@ -233,6 +240,7 @@ int cli_kv_peer(int argc, char **argv) {
       case 'h':
         printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n"
                "                       [--host 127.0.0.1] [--bootstrap HOST:PORT (default: start one here)]\n"
+               "                       [--bootstrap-port N (the one started here; default any free port)]\n"
                "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N "
                "--state-item 4096]\n"
                "                       [--mla --unit 1152 --page-size 16] [--transport tcp|ucx|auto]\n"
@@ -240,6 +248,10 @@ int cli_kv_peer(int argc, char **argv) {
         return 0;
       default: return 2;
     }
+  }
+  if (o.bootstrap_port < 0 || o.bootstrap_port > 65535) {
+    fprintf(stderr, "kv-peer: bad --bootstrap-port\n");
+    return 2;
   }
   if (o.world < 1 || o.world > 64 || o.dp < 1 || o.world % o.dp || o.layers < 1 || !o.item || !o.pages) {
     fprintf(stderr, "kv-peer: bad layout\n");
@@ -268,7 +280,7 @@ int cli_kv_peer(int argc, char **argv) {
   kvf_bootstrap_server_config bc;
   kvf_bootstrap_server_config_init(&bc);
   bc.host = o.host;
-  bc.port = 0;
+  bc.port = (uint16_t)o.bootstrap_port;
   bc.auth_token = NULL; /* $KVFERRY_BOOTSTRAP_TOKEN, which the prefill ranks below send too */
   kvf_bootstrap_server *srv = NULL;
   kvf_manager **mgr = calloc((size_t)o.world, sizeof *mgr);
@@ -322,6 +334,7 @@ int cli_kv_peer(int argc, char **argv) {
         unsigned long long seed;
         int chunk = 0, state = 0, reuse = 0, wait_m2 = 0, per_layer, sleep = 0;
         if (!strcmp(line, "quit")) eof = 1;
+        else if (!strcmp(line, "stats")) cli_print_stats(mgr, o.world);
         else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf__wake_total());
         else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
                         &sleep) >= 5 &&

@@ -1,0 +1,429 @@
+"""The fault suite's processes and bounds: a bootstrap server, a prefill
+(`kvferry kv-peer`) and a decode (`kvferry kv-decode`) as real processes over
+127.0.0.1 with kernel-chosen ports, each in its own process group so a test
+can SIGKILL/SIGSTOP it and the fixtures can always reap it; and a Traffic
+driver that keeps rooms in flight between them and records how each ends.
+
+Every bound of the suite is a named constant here, derived from the
+configuration the processes are given (ENV below)."""
+
+import os
+import random
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+from subproc import Proc  # noqa: E402  (tests/python/subproc.py)
+
+CLI = os.path.abspath(os.environ.get("KVFERRY_CLI") or os.path.join(ROOT, "build", "kvferry"))
+
+# ---------------------------------------------------------------- configuration and bounds
+
+HEARTBEAT_INTERVAL_S = 2          # decode heartbeat interval (the library's minimum)
+HEARTBEAT_MAX_FAILURES = 2        # failed probes before a prefill is declared dead
+WAITING_TIMEOUT_S = 12            # decode: receiver waiting for its transfer after init
+BOOTSTRAP_TIMEOUT_S = 12          # prefill: sender waiting for the decode's transfer request
+ENGINE_TIMEOUT_MS = 8000          # engine batch deadline (KVFERRY_TIMEOUT_MS)
+FAILED_SESSION_TTL_S = 5          # prefill: a decode session whose write failed is refused this long
+HTTP_TIMEOUT_S = 5                # the manager's bootstrap HTTP timeout (kvf_manager_config default)
+SCHED_SLACK_S = 3.0               # 2 cores shared with other jobs: scheduling margin on every bound
+
+# Issue 13 item 1: the rooms of a dead prefill rank fail within
+# interval x max_failures + 2 s, whether or not its bootstrap server lives.
+DEAD_PREFILL_BOUND_S = HEARTBEAT_INTERVAL_S * HEARTBEAT_MAX_FAILURES + 2
+# A room the peer stopped serving ends at the latest when its own timeout
+# fires (waiting or bootstrap timeout) or a write in flight hits the engine
+# deadline; past this it has hung.
+ROOM_HANG_BOUND_S = max(WAITING_TIMEOUT_S, BOOTSTRAP_TIMEOUT_S) + ENGINE_TIMEOUT_MS / 1000 + SCHED_SLACK_S
+# From restart/SIGCONT/reconnection to the first successful room: a write cut
+# by the fault marks the decode session failed on the prefill for the
+# failed-session TTL.
+RECOVERY_BOUND_S = ROOM_HANG_BOUND_S + FAILED_SESSION_TTL_S
+AFTER_ROOMS = 4                   # rooms that must all succeed once the system has recovered
+LEAK_SETTLE_S = 5.0               # a live-room count reaches 0 this long after the last room ended
+# A room on a healthy pair: well under the hang bound, generous for 2 loaded cores.
+HEALTHY_ROOM_S = 10.0
+LINE_TIMEOUT_S = 60               # a process's answer to one command (ready line, stats): a harness deadline
+
+ENV = {
+    "TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL_S),
+    "TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(HEARTBEAT_MAX_FAILURES),
+    "TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
+    "TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
+    "TOKENSPEED_DISAGGREGATION_FAILED_SESSION_TTL": str(FAILED_SESSION_TTL_S),
+    "KVFERRY_TIMEOUT_MS": str(ENGINE_TIMEOUT_MS),
+    "KVFERRY_LOG_LEVEL": "info",  # the decode's control port is read from its log
+}
+
+# Room shape: 2 layers (K and V: 4 buffers) of 16 KiB pages; a room of
+# PAGES_PER_ROOM pages moves 4 x 16 KiB x pages bytes.
+ITEM = "16K"
+POOL_PAGES = 2048
+PAGES_PER_ROOM = 48
+SUCCESS, FAILED = 5, 0
+
+
+LIVE = []  # every process started, for the fixtures to reap
+
+
+def reap_all():
+    while LIVE:
+        LIVE.pop().kill()
+
+
+class Exe(Proc):
+    """A kvferry subcommand driven by lines on stdin/stdout (subproc.Proc),
+    in its own process group, with an optional `prefix` (ip netns exec ...)."""
+
+    def __init__(self, args, tmp_path, name, env=None, prefix=()):
+        self.line_timeout = LINE_TIMEOUT_S
+        self.finish_timeout = 10
+        self.name = name
+        self.errpath = tmp_path / f"{name}.stderr"
+        self.err = open(self.errpath, "wb")
+        full_env = dict(os.environ)
+        full_env.update(ENV)
+        full_env.update(env or {})
+        self.p = subprocess.Popen([*prefix, CLI, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self.err, env=full_env, cwd=str(tmp_path), start_new_session=True)
+        LIVE.append(self)  # reaped after every test (conftest.py), even if this constructor fails
+        self.trace = open(tmp_path / f"{name}.trace", "w")  # every line in and out, for post-mortems
+        self.buf = b""
+        self.stopped = False
+
+    def alive(self):
+        return self.p.poll() is None
+
+    def sigkill(self):
+        """SIGKILL the process group, reap it, close its pipes and files."""
+        self.signal(signal.SIGKILL)
+        self.p.wait(timeout=10)
+        self.kill()
+
+    def signal(self, sig):
+        self.signal_trace(signal.Signals(sig).name)
+        os.killpg(self.p.pid, sig)
+        if sig == signal.SIGSTOP:
+            self.stopped = True
+        elif sig == signal.SIGCONT:
+            self.stopped = False
+
+    def kill(self):
+        self.trace.close()
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        super().kill()
+
+    def ready_lines(self, timeout):
+        """The complete lines available within `timeout` seconds (maybe none)."""
+        out = []
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf and self.p.stdout is not None and not self.p.stdout.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _, _ = select.select([self.p.stdout], [], [], left)
+            if not ready:
+                break
+            chunk = os.read(self.p.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            self.buf += chunk
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            out.append(line.decode())
+            self.trace.write(f"{time.monotonic():.3f} < {out[-1]}\n")
+        return out
+
+    def send(self, text):
+        self.trace.write(f"{time.monotonic():.3f} > {text}\n")
+        super().send(text)
+
+    def signal_trace(self, what):
+        self.trace.write(f"{time.monotonic():.3f} ! {what}\n")
+        self.trace.flush()
+
+    def stderr_text(self):
+        self.err.flush()
+        return self.errpath.read_text(errors="replace")
+
+    def ask(self, command, prefix):
+        """Send a command and return the first answer line starting with
+        `prefix`; lines of other kinds that arrive first go to self.others."""
+        self.send(command)
+        deadline = time.monotonic() + self.line_timeout
+        while time.monotonic() < deadline:
+            for ln in self.ready_lines(0.2):
+                if ln.startswith(prefix):
+                    return ln
+                self.others.append(ln)
+        self.fail(f"no answer to {command!r} within {self.line_timeout}s")
+
+    others = None
+
+
+class Bootstrap(Exe):
+    def __init__(self, tmp_path, name="bootstrap", args=(), prefix=(), host="127.0.0.1", port=0):
+        super().__init__(["bootstrap", "--host", host, "--port", str(port), *args], tmp_path, name, prefix=prefix)
+        m = re.match(r"kvferry bootstrap listening on (\S+)$", self.line())
+        assert m, f"bad bootstrap ready line; stderr:\n{self.stderr_text()}"
+        self.addr = m.group(1)
+
+
+class KvProc(Exe):
+    """kv-peer or kv-decode: the first line is "ready <addr>"; the rank's ZMQ
+    control port comes from its info log; `stats` sums its managers' counters."""
+
+    def __init__(self, args, tmp_path, name, role, prefix=(), env=None):
+        super().__init__(args, tmp_path, name, prefix=prefix, env=env)
+        self.others = []
+        ln = self.line()
+        assert ln.startswith("ready "), ln
+        self.ready_addr = ln.split()[1]
+        self.control_port = None
+        for _ in range(50):
+            m = re.search(role + r" manager rank 0: .* control port (\d+)", self.stderr_text())
+            if m:
+                self.control_port = int(m.group(1))
+                break
+            time.sleep(0.05)
+
+    def stats(self):
+        """[live rooms, messages received, malformed, unknown room]"""
+        return [int(x) for x in self.ask("stats", "stats ").split()[1:]]
+
+
+class Prefill(KvProc):
+    """kv-peer; bootstrap=None starts a bootstrap server inside it."""
+
+    def __init__(self, tmp_path, name="prefill", bootstrap=None, host="127.0.0.1", prefix=(), args=(), env=None):
+        extra = ["--bootstrap", bootstrap] if bootstrap else []
+        super().__init__(["kv-peer", "--item", ITEM, "--pages", str(POOL_PAGES), "--host", host, *extra, *args],
+                         tmp_path, name, "prefill", prefix=prefix, env=env)
+        self.bootstrap_addr = self.ready_addr
+
+
+class Decode(KvProc):
+    def __init__(self, tmp_path, bootstrap, name="decode", host="127.0.0.1", prefix=()):
+        super().__init__(["kv-decode", "--item", ITEM, "--pages", str(POOL_PAGES), "--host", host,
+                          "--bootstrap", bootstrap], tmp_path, name, "decode", prefix=prefix)
+        self.session = self.ready_addr
+        self.host, self.engine_port = self.session.rsplit(":", 1)[0], int(self.session.rsplit(":", 1)[1])
+
+
+class Room:
+    __slots__ = ("id", "seed", "token", "t0", "dec", "pre", "dec_t", "pre_t", "bad", "reason", "pre_reason")
+
+    def __init__(self, rid, seed, token):
+        self.id, self.seed, self.token = rid, seed, token
+        self.t0 = time.monotonic()
+        self.dec = self.pre = None
+        self.dec_t = self.pre_t = None
+        self.bad = 0
+        self.reason = self.pre_reason = ""
+
+
+class Traffic:
+    """Rooms between one prefill and one decode: each room is a `send` to the
+    prefill and a `recv` to the decode (which checks every byte); pump()
+    collects the `done` lines. A room whose process was killed is closed on
+    that side by forget()."""
+
+    def __init__(self, rng=None):
+        self.rng = rng or random.Random(1)
+        self.rooms = {}
+        self.next_id = 1000
+        self.pre = self.dec = None
+        self.closed = {"rooms": 0, "success": 0, "failed": 0, "lost": 0}  # rooms dropped by compact()
+        self.closed_wrong = []
+
+    def attach(self, pre, dec):
+        self.pre, self.dec = pre, dec
+
+    def start(self, n=1, pages=PAGES_PER_ROOM):
+        made = []
+        for _ in range(n):
+            r = Room(self.next_id, self.rng.randrange(1, 1 << 40), self.rng.randrange(1, 1 << 20))
+            self.next_id += 1
+            self.rooms[r.id] = r
+            # The decode's request first, as a scheduler usually does; the
+            # prefill's senders wait for it within the bootstrap timeout.
+            if self.dec and self.dec.alive() and not self.dec.stopped:
+                self.dec.send(f"recv {r.id} {pages} {r.seed} {r.token}")
+            else:
+                r.dec, r.dec_t, r.reason = -1, r.t0, "decode-down"
+            if self.pre and self.pre.alive() and not self.pre.stopped:
+                self.pre.send(f"send {r.id} {pages} {r.seed} {r.token} 16")
+            else:
+                r.pre, r.pre_t, r.pre_reason = -1, r.t0, "prefill-down"
+            made.append(r)
+        return made
+
+    def pump(self, timeout=0.05):
+        now = time.monotonic
+        for proc, is_dec in ((self.dec, True), (self.pre, False)):
+            if not proc or proc.stopped or not proc.alive():
+                continue
+            lines = list(proc.others)
+            proc.others.clear()
+            lines += proc.ready_lines(timeout)
+            for ln in lines:
+                f = ln.split()
+                if len(f) < 2 or f[0] != "done":
+                    continue
+                r = self.rooms.get(int(f[1]))
+                if r is None:
+                    continue
+                if is_dec:  # the decode's own CLOCK_MONOTONIC stamp of the end (Python's monotonic clock)
+                    t_final = int(f[5]) / 1e9 if len(f) > 5 and int(f[5]) > 0 else now()
+                    r.dec, r.dec_t, r.bad, r.reason = int(f[2]), t_final, int(f[3]), f[6] if len(f) > 6 else ""
+                else:
+                    r.pre, r.pre_t, r.pre_reason = int(f[2]), now(), " ".join(f[4:])
+
+    def forget(self, proc):
+        """`proc` was killed: its side of every open room is gone."""
+        for r in self.rooms.values():
+            if proc is self.dec and r.dec is None:
+                r.dec, r.dec_t, r.reason = -1, time.monotonic(), "decode-killed"
+            if proc is self.pre and r.pre is None:
+                r.pre, r.pre_t, r.pre_reason = -1, time.monotonic(), "prefill-killed"
+
+    def open_rooms(self, rooms=None):
+        return [r for r in (rooms if rooms is not None else self.rooms.values()) if r.dec is None or r.pre is None]
+
+    def run_until(self, cond, limit):
+        """Pump until cond() or `limit` seconds; returns whether cond() held."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            self.pump(0.05)
+            if cond():
+                return True
+        return cond()
+
+    def settle(self, rooms, limit):
+        """Wait up to `limit` s for every room of `rooms` to end on both live sides."""
+        return self.run_until(lambda: not self.open_rooms(rooms), limit)
+
+    def keep_busy(self, seconds, inflight=6):
+        """Keep about `inflight` rooms open for `seconds`."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.pump(0.02)
+            live = len(self.open_rooms())
+            if live < inflight:
+                self.start(inflight - live)
+
+    @staticmethod
+    def _wrong(r):
+        return r.dec == SUCCESS and (r.bad or r.reason not in ("", "-"))
+
+    def wrong_bytes(self):
+        """Rooms the decode reported Success whose bytes or metadata were wrong."""
+        return self.closed_wrong + [r for r in self.rooms.values() if self._wrong(r)]
+
+    @staticmethod
+    def _tally(c, rooms):
+        for r in rooms:
+            c["rooms"] += 1
+            if r.dec == SUCCESS:
+                c["success"] += 1
+            elif r.dec == FAILED:
+                c["failed"] += 1
+            else:
+                c["lost"] += 1  # the decode was killed or down: nobody to report it
+        return c
+
+    def counts(self):
+        return self._tally(dict(self.closed), self.rooms.values())
+
+    def compact(self):
+        """Fold the rooms ended on both sides into the counts and forget them."""
+        done = [r for r in self.rooms.values() if r.dec is not None and r.pre is not None]
+        self._tally(self.closed, done)
+        for r in done:
+            if self._wrong(r):
+                self.closed_wrong.append(r)
+            del self.rooms[r.id]
+
+
+class Cluster:
+    """A bootstrap server (mode "separate") or none ("inproc": the prefill's),
+    a prefill, a decode and the traffic between them."""
+
+    def __init__(self, tmp_path, mode, rng=None):
+        self.tmp, self.mode = tmp_path, mode
+        self.boot = Bootstrap(tmp_path) if mode == "separate" else None
+        self.pre = Prefill(tmp_path, bootstrap=self.boot.addr if self.boot else None)
+        self.addr = self.pre.bootstrap_addr
+        self.dec = Decode(tmp_path, self.addr)
+        self.t = Traffic(rng)
+        self.t.attach(self.pre, self.dec)
+        self.gen = 0
+
+    def target(self, name):
+        return {"prefill": self.pre, "decode": self.dec, "bootstrap": self.boot}[name]
+
+    def restart(self, name):
+        """Start a fresh `name` on the address the others know."""
+        self.gen += 1
+        port = self.addr.rsplit(":", 1)[1]
+        if name == "decode":
+            self.dec = Decode(self.tmp, self.addr, name=f"decode{self.gen}")
+        elif name == "prefill" and self.mode == "inproc":
+            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", args=["--bootstrap-port", port])
+        elif name == "prefill":
+            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", bootstrap=self.addr)
+        else:  # a new bootstrap server knows no ranks: the prefill registers again by restarting
+            self.boot = Bootstrap(self.tmp, name=f"bootstrap{self.gen}", port=int(port))
+            self.pre.finish()
+            self.pre.kill()  # closes its pipes and files (long runs restart hundreds of processes)
+            self.t.forget(self.pre)
+            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", bootstrap=self.addr)
+        self.t.attach(self.pre, self.dec)
+
+    def survivors(self):
+        return [p for p in (self.boot, self.pre, self.dec) if p is not None]
+
+
+def describe(rooms, limit=8):
+    return "; ".join(f"room {r.id}: decode={r.dec} ({r.reason}) prefill={r.pre} ({r.pre_reason})"
+                     for r in list(rooms)[:limit])
+
+
+def transfers_again(t):
+    """Rooms started one by one until one succeeds (the decode may first have to
+    notice the restarted peer), then AFTER_ROOMS rooms that must all succeed."""
+    deadline = time.monotonic() + RECOVERY_BOUND_S
+    ok = False
+    while not ok and time.monotonic() < deadline:
+        [r] = t.start(1)
+        t.settle([r], min(HEALTHY_ROOM_S, max(0.5, deadline - time.monotonic())))
+        ok = r.dec == SUCCESS and r.pre == SUCCESS
+        if not ok:
+            time.sleep(0.5)
+    assert ok, f"no room succeeded within {RECOVERY_BOUND_S}s of recovery: {describe(list(t.rooms.values())[-4:])}"
+    batch = t.start(AFTER_ROOMS)
+    assert t.settle(batch, HEALTHY_ROOM_S), f"rooms hung after recovery: {describe(t.open_rooms(batch))}"
+    bad = [r for r in batch if r.dec != SUCCESS or r.pre != SUCCESS]
+    assert not bad, f"rooms failed after recovery: {describe(bad)}"
+
+
+def assert_no_leaks(procs):
+    for p in procs:
+        if not hasattr(p, "stats"):
+            continue
+        deadline = time.monotonic() + LEAK_SETTLE_S
+        live = p.stats()[0]
+        while live and time.monotonic() < deadline:
+            time.sleep(0.2)
+            live = p.stats()[0]
+        assert live == 0, f"{p.name}: {live} rooms left in its tables"
