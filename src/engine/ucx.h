@@ -49,7 +49,7 @@ typedef struct ucx_info_hdr {
   uint64_t gen;
   uint32_t addr_len;
   uint32_t body_len;
-  char host_id[UCX_HOST_ID_LEN]; /* boot id, host name, IPC namespace */
+  char host_id[UCX_HOST_ID_LEN]; /* boot id, host name, IPC and network namespaces */
 } ucx_info_hdr;
 
 typedef struct ucx_region_desc {
