@@ -453,9 +453,19 @@ static void *progress_main(void *arg) {
 
 /* ------------------------------------------------------------ start / stop */
 
+#define UCX_TEARDOWN_ROUNDS 10000 /* progress calls at most, to run cancelled flushes' callbacks */
+
 static void ucx_teardown(ucx_state *u) {
   kvf__ucx_peers_free(u);
   if (u->w) {
+    /* The peers' endpoints were closed with FORCE: flushes still pending
+     * (a stopped peer's) are cancelled, but their callbacks, which free
+     * each flush's ucx_op, run only inside progress. Bounded: a few idle
+     * rounds in a row end it. */
+    pthread_mutex_lock(&u->wmu);
+    for (int i = 0, idle = 0; i < UCX_TEARDOWN_ROUNDS && idle < 3; i++)
+      idle = ucp_worker_progress(u->w) ? 0 : idle + 1;
+    pthread_mutex_unlock(&u->wmu);
     for (size_t i = 0; i < u->nregs; i++) {
       if (u->regs[i].rkey_buf) ucp_rkey_buffer_release(u->regs[i].rkey_buf);
       if (u->regs[i].pool != REG_IN_POOL) ucp_mem_unmap(u->ctx, u->regs[i].memh);
