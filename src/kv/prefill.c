@@ -962,6 +962,24 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0
   return rc;
 }
 
+/* Can the chunk's state slots go to this destination: the decode registered
+ * as many state buffers as this rank has, and sends one slot or as many as
+ * the chunk? 0 with the reason otherwise. */
+static int state_counts_ok(const wire_m2 *x, size_t nsptr, size_t n_state, size_t nstate, char *why,
+                           size_t whycap) {
+  if (nsptr != n_state) {
+    snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu", x->session,
+             nsptr, n_state);
+    return 0;
+  }
+  if (nstate != x->mamba_indices.count && nstate != 1) {
+    snprintf(why, whycap, "State slot counts differ: %zu on prefill, %zu on decode", nstate,
+             (size_t)x->mamba_indices.count);
+    return 0;
+  }
+  return 1;
+}
+
 /* The decode session's registration if writes to it may go ahead (it is
  * registered, not blocked by the failed-session TTL, with our buffer count);
  * NULL with the reason otherwise. With ps->lock held. */
@@ -1052,15 +1070,7 @@ static int send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, 
   /* §6.6: state slots in non-layerwise mode, last chunk only. */
   if (c->is_last && b->n_state && nsptr && c->nstate && x->mamba_indices.count) {
     size_t nm = x->mamba_indices.count, np = 0;
-    if (nsptr != b->n_state) {
-      snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu",
-               x->session, nsptr, b->n_state);
-      goto out;
-    }
-    if (c->nstate != nm && c->nstate != 1) {
-      snprintf(why, whycap, "State slot counts differ: %zu on prefill, %zu on decode", c->nstate, nm);
-      goto out;
-    }
+    if (!state_counts_ok(x, nsptr, b->n_state, c->nstate, why, whycap)) goto out;
     free(src), free(dst);
     src = malloc(nm * sizeof *src);
     dst = malloc(nm * sizeof *dst);
@@ -1237,15 +1247,7 @@ static int plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const
    * a layerwise chunk of the layer group they belong to). */
   if (b->n_state && nsptr && c->nstate && x->mamba_indices.count) {
     size_t nm = x->mamba_indices.count, np = 0;
-    if (nsptr != b->n_state) {
-      snprintf(why, whycap, "Decode session %s registered %zu state buffers, this prefill rank has %zu",
-               x->session, nsptr, b->n_state);
-      return ret;
-    }
-    if (c->nstate != nm && c->nstate != 1) {
-      snprintf(why, whycap, "State slot counts differ: %zu on prefill, %zu on decode", c->nstate, nm);
-      return ret;
-    }
+    if (!state_counts_ok(x, nsptr, b->n_state, c->nstate, why, whycap)) return ret;
     if (scratch_grow((void **)&sc->src, &sc->cap_src, nm, sizeof *sc->src) ||
         scratch_grow((void **)&sc->dst, &sc->cap_dst, nm, sizeof *sc->dst)) {
       snprintf(why, whycap, "Out of memory");
