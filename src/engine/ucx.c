@@ -473,6 +473,7 @@ static void ucx_teardown(ucx_state *u) {
     if (u->addr) ucp_worker_release_address(u->w, u->addr);
     ucp_worker_destroy(u->w);
   }
+  kvf__ucx_ops_free(u); /* flushes whose callbacks never ran (no worker left to run them) */
   if (u->ctx) ucp_cleanup(u->ctx);
   if (u->epfd >= 0) close(u->epfd);
   if (u->wake_fd >= 0) close(u->wake_fd);

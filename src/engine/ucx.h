@@ -145,7 +145,9 @@ typedef struct ucx_state {
   int epfd, wake_fd;
   pthread_t progress;
   atomic_int stopping;
-  ucx_op *ops;     /* in flight, under wmu */
+  ucx_op *ops; /* in flight, under wmu */
+  ucx_op *
+      orphans; /* failed by the reaper, their flush still pending (freed by its callback or at teardown), under wmu */
   atomic_int reap; /* a peer was marked dead: the progress thread ends its endpoint */
   /* registrations, under reg_mu */
   pthread_mutex_t reg_mu;
@@ -196,6 +198,8 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
 /* Progress thread: end the endpoints of peers marked dead, and fail flushes
  * past their deadline. */
 void kvf__ucx_reap(ucx_state *u);
+/* Frees every op left (teardown, after the worker is gone; no lock needed then). */
+void kvf__ucx_ops_free(ucx_state *u);
 void kvf__ucx_copier_start(ucx_state *u);
 
 #endif

@@ -38,22 +38,41 @@ static int chunks_ok(const ucx_peer *p, chunk **chunks, size_t n) {
   return 1;
 }
 
+/* Flushes in flight sit on u->ops; one the reaper failed (op->c NULL)
+ * moves to u->orphans until its callback, or the teardown, frees it. */
+static ucx_op **op_list(ucx_op *op) { return op->c ? &op->u->ops : &op->u->orphans; }
+
 static void op_unlink(ucx_op *op) {
-  ucx_state *u = op->u;
+  ucx_op **head = op_list(op);
   if (op->prev) op->prev->next = op->next;
   if (op->next) op->next->prev = op->prev;
-  if (u->ops == op) u->ops = op->next;
+  if (*head == op) *head = op->next;
   op->next = op->prev = NULL;
+}
+
+static void op_link(ucx_op *op) {
+  ucx_op **head = op_list(op);
+  op->next = *head;
+  if (*head) (*head)->prev = op;
+  *head = op;
+}
+
+void kvf__ucx_ops_free(ucx_state *u) {
+  for (ucx_op **head = &u->ops; head; head = head == &u->ops ? &u->orphans : NULL)
+    while (*head) {
+      ucx_op *op = *head;
+      *head = op->next;
+      free(op);
+    }
 }
 
 static void flush_cb(void *req, ucs_status_t st, void *arg) {
   ucx_op *op = arg;
   /* Under wmu (callbacks run inside progress or a forced close). A chunk
-   * the reaper already failed is gone (op->c NULL, op off the list). */
-  if (op->c) {
-    op_unlink(op);
-    kvf__chunk_finish(op->c, st == UCS_OK ? 0 : kvf__ucx_status(st));
-  }
+   * the reaper already failed is gone (op->c NULL, op on the orphans). */
+  chunk *c = op->c;
+  op_unlink(op);
+  if (c) kvf__chunk_finish(c, st == UCS_OK ? 0 : kvf__ucx_status(st));
   free(op);
   ucp_request_free(req);
 }
@@ -112,9 +131,7 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     } else if (sp == NULL) {
       free(op); /* flushed already */
     } else {
-      op->next = u->ops;
-      if (u->ops) u->ops->prev = op;
-      u->ops = op;
+      op_link(op);
       pending = 1;
     }
   }
@@ -227,6 +244,7 @@ void kvf__ucx_reap(ucx_state *u) {
       chunk *c = op->c;
       op_unlink(op);
       op->c = NULL;
+      op_link(op); /* its callback, or the teardown, frees it */
       kvf__chunk_finish(c, err);
     }
   }
