@@ -425,7 +425,7 @@ static void *progress_main(void *arg) {
     pthread_mutex_lock(&u->wmu);
     /* Progress may write peers' bytes into registered memory (RMA that the
      * target carries out, as over tcp): order it after the owner's last
-     * local change and publish it to the owner's next sync, as tcp.c does. */
+     * local change and publish it to the owner's next sync, as tcp_in.c does. */
     kvf_engine_sync(u->e);
     while (ucp_worker_progress(u->w)) {
     }
