@@ -468,8 +468,8 @@ out:
 #define FANOUT_PAGE_TOKENS 16
 #define FANOUT_UNIT 1152 /* one MLA latent token (576 x bf16) */
 #define FANOUT_POOL_PAGES 512
-#define FANOUT_PAGES 8
-#define FANOUT_CHUNK_PAGES 4
+#define FANOUT_PAGES 2
+#define FANOUT_CHUNK_PAGES 1
 #define FANOUT_BYTES_PER_DEST ((uint64_t)FANOUT_PAGES * FANOUT_LAYERS * FANOUT_PAGE_TOKENS * FANOUT_UNIT)
 
 typedef struct fanout_case {
