@@ -34,7 +34,7 @@ test: build
 FAULTS_TIMEOUT ?= 1200
 FAULTS_TESTS ?= tests/faults
 faults: build
-	KVFERRY_CLI=$(CURDIR)/$(BUILD)/kvferry KVFERRY_LIB=$(CURDIR)/$(BUILD)/libkvferry.so PYTHONPATH=$(CURDIR)/python \
+	KVFERRY_CLI=$(CURDIR)/$(BUILD)/kvferry KVFERRY_TESTPEER=$(CURDIR)/$(BUILD)/kvferry-testpeer KVFERRY_LIB=$(CURDIR)/$(BUILD)/libkvferry.so PYTHONPATH=$(CURDIR)/python \
 	  timeout $(FAULTS_TIMEOUT) /usr/bin/python3 -m pytest -q -rxXs -p no:cacheprovider $(FAULTS_TESTS) $(FAULTS_ARGS)
 
 asan: deps

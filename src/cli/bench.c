@@ -4,7 +4,7 @@
  *                         on 1 MiB blocks and on batches of 256 scattered
  *                         32 KiB pages, with peers in separate processes
  *   kvferry bench rooms   whole requests through the KV managers: a prefill
- *                         instance (`kvferry kv-peer`) in a child process,
+ *                         instance (`kvferry-testpeer kv-peer`) in a child process,
  *                         the decode manager here; rooms per second and the
  *                         latency from the prefill's last send to the
  *                         decode's Success, 1- and 256-page requests, 1 and
@@ -51,10 +51,10 @@
 #include "bench_ucx.h"
 #include "cli.h"
 #include "kvferry.h"
-#include "kvpool.h"
 #include "pd.h"
-#include "peer.h"
-#include "../base/wake.h"
+#include "base/wake.h"
+#include "testing/kvpool.h"
+#include "testing/peer.h"
 
 typedef struct bench_opts {
   int json;
@@ -617,8 +617,7 @@ static int bench_rooms(const bench_opts *o) {
   /* For the many-page cases: one cache-hot TCP stream's bandwidth, so
    * ideal_us = room bytes / that + one ZeroMQ round trip. */
   double hot_gbps = bench_tcp_baseline(o->quick ? 64ull << 20 : 256ull << 20, 1 << 20);
-  const char *exe = getenv("KVFERRY_CLI");
-  if (!exe || !*exe) exe = proc_self_exe();
+  const char *exe = proc_testpeer_exe();
   char pages[32], layers[16], item[16];
   snprintf(pages, sizeof pages, "%d", ROOMS_POOL_PAGES);
   snprintf(layers, sizeof layers, "%d", ROOMS_LAYERS);
@@ -968,8 +967,7 @@ static int bench_layerwise(const bench_opts *o) {
   const uint64_t bytes = npages * E2E_PAGE_BYTES;
   const int runs = o->quick ? 3 : 5;
   double rtt_us = bench_zmq_rtt_us(500);
-  const char *exe = getenv("KVFERRY_CLI");
-  if (!exe || !*exe) exe = proc_self_exe();
+  const char *exe = proc_testpeer_exe();
   char pages_s[32], layers_s[16], item_s[16];
   snprintf(pages_s, sizeof pages_s, "%zu", npages);
   snprintf(layers_s, sizeof layers_s, "%d", E2E_LAYERS);

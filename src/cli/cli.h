@@ -5,31 +5,11 @@
 
 #include <stdint.h>
 
+#include "testing/util.h"
+
 int cli_demo(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 int cli_bootstrap(int argc, char **argv);
-int cli_engine_peer(int argc, char **argv);
-int cli_kv_peer(int argc, char **argv);
-int cli_kv_decode(int argc, char **argv);
 
-/* Shared helpers (cli_util.c). */
-int cli_parse_size(const char *s, unsigned long long *out);
-int cli_is_tty(void);
-/* CLOCK_MONOTONIC in seconds, milliseconds, nanoseconds. */
-double cli_now_s(void);
-long long cli_now_ms(void);
-long long cli_now_ns(void);
-/* xorshift64: advances *s and returns it (s must not be 0). */
-uint64_t cli_rng_next(uint64_t *s);
-/* --transport tcp|ucx|auto: checked against this build, then exported as
- * KVFERRY_TRANSPORT so engines made here and in child processes use it.
- * 0, or -1 with a message on stderr. */
-#define CLI_OPT_TRANSPORT 1000
-int cli_set_transport(const char *cmd, const char *name);
-/* Print "stats <live-rooms> <received> <malformed> <unknown-room>", the sums
- * of the n managers' kvf_manager_stats, and flush stdout (the `stats`
- * command of kv-peer and kv-decode). Main thread. */
-struct kvf_manager;
-void cli_print_stats(struct kvf_manager **m, int n);
-
+/* Shared helpers: testing/util.h. */
 #endif

@@ -1,6 +1,6 @@
 /* `kvferry demo`: the main job, end to end, with every byte checked. It
  * starts on 127.0.0.1 a bootstrap server, a prefill instance (`kvferry
- * kv-peer`) and a decode instance (`kvferry kv-decode`) as separate
+ * kv-peer`) and a decode instance (`kvferry-testpeer kv-decode`) as separate
  * processes, with KV pools shaped like a real model's, then runs requests
  * whose prompt lengths spread log-uniformly over 128..8192 tokens: for each,
  * the decode takes pages and sends its M2, the prefill fills its pages with

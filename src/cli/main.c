@@ -15,10 +15,6 @@ static const struct command commands[] = {
     {"bootstrap", cli_bootstrap, "run the bootstrap HTTP rendezvous server (--port 8998)"},
     {"demo", cli_demo, "prefill and decode processes move model-shaped KV for N requests; every byte verified"},
     {"bench", cli_bench, "benchmarks with same-run baselines (engine, rooms, e2e; all by default); --json"},
-    {"kv-peer", cli_kv_peer, "run a prefill instance (bootstrap server + ranks) driven over stdin (testing)"},
-    {"kv-decode", cli_kv_decode,
-     "run a decode instance (one rank, model-shaped pool) driven over stdin (testing)"},
-    {"engine-peer", cli_engine_peer, "run a transfer engine target with a registered buffer (testing)"},
 };
 
 static void usage(FILE *f) {

@@ -11,6 +11,8 @@
 #include "cli.h"
 #include "kvferry.h"
 
+/* The bootstrap server is kvferry's own command; the prefill and decode
+ * instances are the test peer's (proc_testpeer_exe). */
 static const char *cli_exe(void) {
   const char *exe = getenv("KVFERRY_CLI");
   return exe && *exe ? exe : proc_self_exe();
@@ -23,7 +25,7 @@ int pd_start(pd_pair *pp, int layers, uint64_t item, uint64_t pages, char *err, 
 
 int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
   memset(pp, 0, sizeof *pp);
-  char *exe = (char *)cli_exe(), line[400], l[16], it[32], pg[32];
+  char *exe = (char *)cli_exe(), *tp = (char *)proc_testpeer_exe(), line[400], l[16], it[32], pg[32];
   char pw[16], dw[16], ps[16], ph[16], dh[16], kh[16], un[32];
   snprintf(l, sizeof l, "%d", lo->layers);
   snprintf(it, sizeof it, "%llu", (unsigned long long)lo->item);
@@ -46,9 +48,9 @@ int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
     snprintf(err, cap, "the bootstrap server did not start");
     goto err;
   }
-  char *pargv[24] = {exe,       "kv-peer", "--bootstrap", pp->baddr, "--layers", l, "--item", it,
+  char *pargv[24] = {tp,        "kv-peer", "--bootstrap", pp->baddr, "--layers", l, "--item", it,
                      "--pages", pg,        "--world",     pw,        NULL};
-  char *dargv[24] = {exe,       "kv-decode", "--bootstrap", pp->baddr, "--layers", l, "--item", it,
+  char *dargv[24] = {tp,        "kv-decode", "--bootstrap", pp->baddr, "--layers", l, "--item", it,
                      "--pages", pg,          "--world",     dw,        NULL};
   if (lo->mla) {
     char *pa[] = {"--page-size", ps, "--unit", un, "--mla", NULL};

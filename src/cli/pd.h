@@ -1,5 +1,5 @@
 /* A prefill/decode pair as three processes on 127.0.0.1 (`kvferry
- * bootstrap`, `kvferry kv-peer` as the prefill instance, `kvferry
+ * bootstrap`, `kvferry-testpeer kv-peer` as the prefill instance, `kvferry
  * kv-decode` as the decode instance), and the bookkeeping of requests driven
  * through them: shared by `kvferry demo` and `kvferry bench e2e`, so the
  * benchmark measures exactly what the demo shows. */
@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "proc.h"
+#include "testing/proc.h"
 
 typedef struct pd_pair {
   proc boot, prefill, decode;

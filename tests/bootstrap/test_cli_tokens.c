@@ -1,7 +1,7 @@
 /* The test peers started as processes honour the secrets from the
  * environment, as deployments set them (issue 13, "smaller"):
- * `kvferry engine-peer` takes KVFERRY_AUTH_TOKEN, and the bootstrap server
- * that `kvferry kv-peer` starts takes KVFERRY_BOOTSTRAP_TOKEN. */
+ * `kvferry-testpeer engine-peer` takes KVFERRY_AUTH_TOKEN, and the bootstrap server
+ * that `kvferry-testpeer kv-peer` starts takes KVFERRY_BOOTSTRAP_TOKEN. */
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -13,7 +13,7 @@
 #include <cmocka.h>
 
 #include "bootstrap/bootstrap.h"
-#include "cli/peer.h"
+#include "testing/peer.h"
 #include "kvferry.h"
 
 static long put_route(const char *addr, const char *token) {
@@ -32,7 +32,7 @@ static long put_route(const char *addr, const char *token) {
 
 static void engine_peer_takes_auth_token_from_env(void **state) {
   (void)state;
-  assert_non_null(getenv("KVFERRY_CLI")); /* else the peer would be this test binary */
+  assert_non_null(getenv("KVFERRY_TESTPEER")); /* the peer is the test peer of this build */
   setenv("KVFERRY_AUTH_TOKEN", "from-env", 1);
   engine_peer peer;
   int started = engine_peer_start(&peer, 1u << 20, NULL);
@@ -57,7 +57,7 @@ static void engine_peer_takes_auth_token_from_env(void **state) {
 
 static void kv_peer_bootstrap_takes_token_from_env(void **state) {
   (void)state;
-  const char *exe = getenv("KVFERRY_CLI");
+  const char *exe = getenv("KVFERRY_TESTPEER");
   assert_non_null(exe);
   char *argv[] = {(char *)exe, "kv-peer", "--world", "1", "--layers", "1", "--item", "64", "--pages", "4", NULL};
   setenv("KVFERRY_BOOTSTRAP_TOKEN", "boot-env", 1);

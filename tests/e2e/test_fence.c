@@ -1,4 +1,4 @@
-/* Fencing (issue 16), with real processes: a prefill (`kvferry kv-peer`)
+/* Fencing (issue 16), with real processes: a prefill (`kvferry-testpeer kv-peer`)
  * stopped with SIGSTOP in the middle of a large transfer; the decode's room
  * fails (a short waiting timeout), the decode refills the room's pages with
  * a new pattern, the prefill resumes (SIGCONT): not one byte of the new
@@ -18,8 +18,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "cli/kvpool.h"
-#include "cli/proc.h"
+#include "testing/kvpool.h"
+#include "testing/proc.h"
 #include "kvferry.h"
 
 #define LAYERS 2
@@ -79,7 +79,7 @@ __attribute__((noinline)) static int watch_first_bytes(const kvpool *p, const in
 
 static void late_writes_never_land_after_the_room_failed(void **state) {
   (void)state;
-  const char *exe = getenv("KVFERRY_CLI");
+  const char *exe = getenv("KVFERRY_TESTPEER");
   assert_non_null(exe);
   char l[16], it[16], pg[16];
   snprintf(l, sizeof l, "%d", LAYERS);

@@ -1,5 +1,5 @@
 /* End to end, heterogeneous TP: a prefill instance with Tp ranks in one
- * process (`kvferry kv-peer --heads ...`) and Td decode ranks, each its own
+ * process (`kvferry-testpeer kv-peer --heads ...`) and Td decode ranks, each its own
  * forked process with its own manager, engine and head-aware pool. Every
  * unit (token, head) of every page is labelled with its GLOBAL token and
  * head, so a decode rank proves byte-exactly that each head slice it holds
@@ -17,9 +17,9 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "cli/kvpool.h"
-#include "cli/pattern.h"
-#include "cli/proc.h"
+#include "testing/kvpool.h"
+#include "testing/pattern.h"
+#include "testing/proc.h"
 #include "kvferry.h"
 
 #define LAYERS 2
@@ -48,7 +48,7 @@ static double now_s(void) {
 }
 
 static void start_peer(proc *p, const hcase *c, char *addr, size_t cap) {
-  const char *exe = getenv("KVFERRY_CLI");
+  const char *exe = getenv("KVFERRY_TESTPEER");
   assert_non_null(exe);
   char w[16], l[16], pg[16], ps[16], h[16], kh[16], u[16], ns[16], si[16];
   snprintf(w, sizeof w, "%d", c->tp_p);

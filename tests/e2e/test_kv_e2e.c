@@ -1,4 +1,4 @@
-/* End to end: prefill instances as real processes (`kvferry kv-peer`: a
+/* End to end: prefill instances as real processes (`kvferry-testpeer kv-peer`: a
  * bootstrap server and prefill ranks), a decode manager in this process,
  * real libzmq, real HTTP and the real engine over 127.0.0.1. */
 #include <setjmp.h>
@@ -16,8 +16,8 @@
 #include <cmocka.h>
 
 #include "bootstrap/bootstrap.h"
-#include "cli/kvpool.h"
-#include "cli/proc.h"
+#include "testing/kvpool.h"
+#include "testing/proc.h"
 #include "kv/manager.h"
 #include "kvferry.h"
 
@@ -38,7 +38,7 @@ typedef struct prefill_proc {
 
 /* bootstrap: an external bootstrap server's host:port, or NULL for one in the peer. */
 static void peer_prefill_start_at(prefill_proc *pp, int world, int dp, const char *bootstrap) {
-  const char *exe = getenv("KVFERRY_CLI");
+  const char *exe = getenv("KVFERRY_TESTPEER");
   assert_non_null(exe);
   char w[16], d[16], l[16], it[16], pg[16];
   snprintf(w, sizeof w, "%d", world);

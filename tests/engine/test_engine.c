@@ -1,5 +1,5 @@
-/* Transfer engine tests. Peers are real processes (`kvferry engine-peer`,
- * found through KVFERRY_CLI) over 127.0.0.1, except where two engines in one
+/* Transfer engine tests. Peers are real processes (`kvferry-testpeer engine-peer`,
+ * found through KVFERRY_TESTPEER) over 127.0.0.1, except where two engines in one
  * process are enough to show the behaviour. */
 #include <pthread.h>
 #include <setjmp.h>
@@ -16,8 +16,8 @@
 #include <cmocka.h>
 
 #include "base/addr.h"
-#include "cli/pattern.h"
-#include "cli/peer.h"
+#include "testing/pattern.h"
+#include "testing/peer.h"
 #include "engine/async.h"
 #include "engine/engine_internal.h"
 #include "kvferry.h"

@@ -1,4 +1,4 @@
-/* UCX transport tests: two real processes (`kvferry engine-peer`) over the
+/* UCX transport tests: two real processes (`kvferry-testpeer engine-peer`) over the
  * UCX_TLS the ctest entry sets (unset: UCX picks shared memory; posix,cma;
  * tcp), plus two engines in one process where that is enough. Skipped with
  * a message when the library was built without UCX. */
@@ -15,8 +15,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "cli/pattern.h"
-#include "cli/peer.h"
+#include "testing/pattern.h"
+#include "testing/peer.h"
 #include "kvferry.h"
 #ifdef KVF_HAVE_UCX
 #include <ucp/api/ucp.h>

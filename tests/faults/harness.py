@@ -1,5 +1,5 @@
 """The fault suite's processes and bounds: a bootstrap server, a prefill
-(`kvferry kv-peer`) and a decode (`kvferry kv-decode`) as real processes over
+(`kvferry-testpeer kv-peer`) and a decode (`kvferry-testpeer kv-decode`) as real processes over
 127.0.0.1 with kernel-chosen ports, each in its own process group so a test
 can SIGKILL/SIGSTOP it and the fixtures can always reap it; and a Traffic
 driver that keeps rooms in flight between them and records how each ends.
@@ -22,6 +22,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 from subproc import Proc  # noqa: E402  (tests/python/subproc.py)
 
 CLI = os.path.abspath(os.environ.get("KVFERRY_CLI") or os.path.join(ROOT, "build", "kvferry"))
+# The fixtures (kv-peer, kv-decode, engine-peer) are the test peer's, built next to kvferry.
+TESTPEER = os.path.abspath(os.environ.get("KVFERRY_TESTPEER") or os.path.join(os.path.dirname(CLI), "kvferry-testpeer"))
+TESTPEER_COMMANDS = ("kv-peer", "kv-decode", "engine-peer")
 
 # ---------------------------------------------------------------- configuration and bounds
 
@@ -78,7 +81,7 @@ def reap_all():
 
 
 class Exe(Proc):
-    """A kvferry subcommand driven by lines on stdin/stdout (subproc.Proc),
+    """A kvferry (or kvferry-testpeer) subcommand driven by lines on stdin/stdout (subproc.Proc),
     in its own process group, with an optional `prefix` (ip netns exec ...)."""
 
     def __init__(self, args, tmp_path, name, env=None, prefix=()):
@@ -90,7 +93,8 @@ class Exe(Proc):
         full_env = dict(os.environ)
         full_env.update(ENV)
         full_env.update(env or {})
-        self.p = subprocess.Popen([*prefix, CLI, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        exe = TESTPEER if args and args[0] in TESTPEER_COMMANDS else CLI
+        self.p = subprocess.Popen([*prefix, exe, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=self.err, env=full_env, cwd=str(tmp_path), start_new_session=True)
         LIVE.append(self)  # reaped after every test (conftest.py), even if this constructor fails
         self.trace = open(tmp_path / f"{name}.trace", "w")  # every line in and out, for post-mortems

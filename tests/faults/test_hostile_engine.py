@@ -1,4 +1,4 @@
-"""Hostile peers against a transfer-engine target (`kvferry engine-peer`),
+"""Hostile peers against a transfer-engine target (`kvferry-testpeer engine-peer`),
 over raw TCP sockets: every framing and range violation of the engine's
 protocol (src/engine/tcp_proto.h), slow hellos, slow payloads and connection
 floods. The target counts each reject, writes nothing outside its registered

@@ -1,7 +1,7 @@
 """SIGKILL and SIGSTOP/SIGCONT of the prefill, the decode and the bootstrap
 server while rooms are in flight, with the bootstrap server in its own
 process (`kvferry bootstrap`, as deployments run it) and inside the
-prefill's (`kvferry kv-peer` without --bootstrap). Every room open at the
+prefill's (`kvferry-testpeer kv-peer` without --bootstrap). Every room open at the
 fault ends (Success or Failed with a reason) within its bound, no room hangs,
 no surviving process dies, no room is left in a survivor's tables, and
 afterwards (the killed process restarted on the same address, or the stopped

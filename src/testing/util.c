@@ -1,4 +1,4 @@
-/* Small helpers shared by the subcommands. */
+/* Small helpers shared by kvferry, the test peer and the tests (see util.h). */
 #include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -6,7 +6,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "util.h"
 #include "kvferry.h"
 
 int cli_set_transport(const char *cmd, const char *name) {

@@ -5,7 +5,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "cli.h"
+#include "util.h"
 #include "pattern.h"
 
 /* nbuf buffers of `pages` pages of item_len bytes, faulted in. */

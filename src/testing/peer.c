@@ -12,9 +12,7 @@ int engine_peer_start(engine_peer *ep, uint64_t bytes, const char *token) {
 int engine_peer_start_args(engine_peer *ep, uint64_t bytes, const char *token, const char *const *extra) {
   char sz[32];
   snprintf(sz, sizeof sz, "%llu", (unsigned long long)bytes);
-  /* Tests are not the kvferry binary: they name it in KVFERRY_CLI. */
-  const char *exe = getenv("KVFERRY_CLI");
-  if (!exe || !*exe) exe = proc_self_exe();
+  const char *exe = proc_testpeer_exe();
   char *argv[16] = {(char *)exe, "engine-peer", "--bytes", sz};
   int n = 4;
   if (token) {

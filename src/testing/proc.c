@@ -1,7 +1,7 @@
 /* Child processes over pipes (see proc.h). */
 #include "proc.h"
 
-#include "cli.h"
+#include "util.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -110,4 +110,21 @@ const char *proc_self_exe(void) {
   if (n <= 0) return "kvferry";
   path[n] = 0;
   return path;
+}
+
+/* dir(path) + "/kvferry-testpeer" into out, when that file is executable. */
+static int testpeer_beside(const char *path, char *out, size_t cap) {
+  const char *slash = path ? strrchr(path, '/') : NULL;
+  if (!slash) return -1;
+  int n = snprintf(out, cap, "%.*s/kvferry-testpeer", (int)(slash - path), path);
+  return n > 0 && (size_t)n < cap && access(out, X_OK) == 0 ? 0 : -1;
+}
+
+const char *proc_testpeer_exe(void) {
+  static char path[4096];
+  const char *env = getenv("KVFERRY_TESTPEER");
+  if (env && *env) return env;
+  if (testpeer_beside(proc_self_exe(), path, sizeof path) == 0) return path;
+  if (testpeer_beside(getenv("KVFERRY_CLI"), path, sizeof path) == 0) return path;
+  return "kvferry-testpeer"; /* execv fails: the caller reports that the peer did not start */
 }

@@ -1,4 +1,4 @@
-/* `kvferry engine-peer`: a transfer-engine target in its own process, for
+/* `kvferry-testpeer engine-peer`: a transfer-engine target in its own process, for
  * the demo and the tests. It registers a buffer of pages, prints one line
  *   ready <session-id> <buffer-address-hex> <buffer-bytes>
  * and then answers commands on stdin, one per line:
@@ -16,9 +16,9 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "cli.h"
+#include "testing/testpeer/testpeer.h"
 #include "kvferry.h"
-#include "pattern.h"
+#include "testing/pattern.h"
 
 static int verify(unsigned char *buf, size_t len, char *args) {
   unsigned long long seed = 0, page_size = 0;
@@ -63,7 +63,8 @@ int cli_engine_peer(int argc, char **argv) {
       case 'T': transport = optarg; break;
       case 'P': use_pool = 1; break;
       case 'h':
-        printf("usage: kvferry engine-peer [--bytes 64M] [--token SECRET (default $KVFERRY_AUTH_TOKEN)] [--host "
+        printf("usage: kvferry-testpeer engine-peer [--bytes 64M] [--token SECRET (default $KVFERRY_AUTH_TOKEN)] "
+               "[--host "
                "127.0.0.1]\n"
                "                           [--transport tcp|ucx|auto] [--pool]\n"
                "  --pool  place the buffer in a pool the engine allocates (kvf_engine_alloc_pool)\n");

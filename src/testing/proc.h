@@ -1,5 +1,5 @@
 /* Child processes driven over pipes: the demo, the benchmarks and the tests
- * start peers (`kvferry engine-peer`, managers, a bootstrap server) as real
+ * start peers (`kvferry-testpeer engine-peer`, managers, a bootstrap server) as real
  * processes and talk to them line by line. */
 #ifndef KVF_CLI_PROC_H
 #define KVF_CLI_PROC_H
@@ -27,5 +27,10 @@ int proc_ask(proc *p, const char *line, char *reply, size_t cap, int timeout_ms)
 int proc_stop(proc *p, int timeout_ms);
 /* Path of the running executable, for re-launching kvferry itself. */
 const char *proc_self_exe(void);
+/* Path of the test peer (kvferry-testpeer: kv-peer, kv-decode,
+ * engine-peer): $KVFERRY_TESTPEER, else the one next to the running
+ * executable, else the one next to $KVFERRY_CLI (the build tree). Not
+ * reentrant with itself (a static buffer); any thread otherwise. */
+const char *proc_testpeer_exe(void);
 
 #endif

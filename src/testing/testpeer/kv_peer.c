@@ -1,4 +1,4 @@
-/* `kvferry kv-peer`: a whole prefill instance in one process, for the demo,
+/* `kvferry-testpeer kv-peer`: a whole prefill instance in one process, for the demo,
  * the benchmarks and the end-to-end tests: a bootstrap server and `world`
  * prefill ranks (each a KV manager with its own engine and model-shaped
  * pool). It prints
@@ -48,10 +48,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "testing/testpeer/testpeer.h"
 #include "kvferry.h"
-#include "kvpool.h"
-#include "../base/wake.h"
+#include "testing/kvpool.h"
+#include "base/wake.h"
 
 #define PEER_MAX_REQS 4096
 #define PEER_STATE_SLOTS 64
@@ -238,7 +238,7 @@ int cli_kv_peer(int argc, char **argv) {
         if (cli_set_transport("kv-peer", optarg)) return 2;
         break;
       case 'h':
-        printf("usage: kvferry kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n"
+        printf("usage: kvferry-testpeer kv-peer [--world 1] [--dp 1] [--layers 2] [--item 4096] [--pages 4096]\n"
                "                       [--host 127.0.0.1] [--bootstrap HOST:PORT (default: start one here)]\n"
                "                       [--bootstrap-port N (the one started here; default any free port)]\n"
                "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N "

@@ -1,10 +1,10 @@
-/* `kvferry kv-decode`: a decode instance in one process (--world D decode
+/* `kvferry-testpeer kv-decode`: a decode instance in one process (--world D decode
  * ranks, each a KV manager with its own engine and model-shaped pool; with
  * --heads the pools are head-aware and rank d holds global KV heads
  * d*heads ..; with --mla they are MLA pools, one latent buffer per layer,
  * the same on every rank, planned by the generic planner as replicated, or
  * with --mla-legacy by the legacy MLA routing), the counterpart of
- * `kvferry kv-peer` for the demo and the end-to-end benchmark, which then
+ * `kvferry-testpeer kv-peer` for the demo and the end-to-end benchmark, which then
  * run prefill and decode as separate processes the way a deployment does.
  * It prints
  *   ready <engine-session>
@@ -36,10 +36,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "testing/testpeer/testpeer.h"
 #include "kvferry.h"
-#include "kvpool.h"
-#include "pattern.h"
+#include "testing/kvpool.h"
+#include "testing/pattern.h"
 
 #define DEC_MAX_REQS 1024
 #define DEC_MAX_RANKS 64
@@ -211,16 +211,17 @@ int cli_kv_decode(int argc, char **argv) {
         if (cli_set_transport("kv-decode", optarg)) return 2;
         break;
       case 'h':
-        printf("usage: kvferry kv-decode --bootstrap HOST:PORT [--layers 2] [--item 4096] [--pages 4096]\n"
-               "                         [--host 127.0.0.1] [--world 1] [--transport tcp|ucx|auto]\n"
-               "                         [--heads H --unit 256 --page-size 1] [--mla|--mla-legacy]\n"
-               "  --world D  D decode ranks in this process (TP D), each a manager with its own pool\n"
-               "  --heads H  head-aware pools: rank d holds global KV heads d*H .. d*H+H-1, page-size\n"
-               "             tokens a page\n"
-               "  --mla      MLA pools: one latent buffer per layer, page-size tokens of --unit bytes a\n"
-               "             page, the same on every rank (--heads ignored); the generic planner\n"
-               "             treats the latent as replicated when the TP sizes differ\n"
-               "  --mla-legacy  MLA pools with the legacy MLA routing (is_mla)\n");
+        printf(
+            "usage: kvferry-testpeer kv-decode --bootstrap HOST:PORT [--layers 2] [--item 4096] [--pages 4096]\n"
+            "                         [--host 127.0.0.1] [--world 1] [--transport tcp|ucx|auto]\n"
+            "                         [--heads H --unit 256 --page-size 1] [--mla|--mla-legacy]\n"
+            "  --world D  D decode ranks in this process (TP D), each a manager with its own pool\n"
+            "  --heads H  head-aware pools: rank d holds global KV heads d*H .. d*H+H-1, page-size\n"
+            "             tokens a page\n"
+            "  --mla      MLA pools: one latent buffer per layer, page-size tokens of --unit bytes a\n"
+            "             page, the same on every rank (--heads ignored); the generic planner\n"
+            "             treats the latent as replicated when the TP sizes differ\n"
+            "  --mla-legacy  MLA pools with the legacy MLA routing (is_mla)\n");
         return 0;
       default: return 2;
     }

@@ -1,5 +1,5 @@
-/* Starting a `kvferry engine-peer` child and writing into it: shared by the
- * demo and the engine benchmark. */
+/* Starting a `kvferry-testpeer engine-peer` child and writing into it:
+ * shared by the tests and the engine benchmark. */
 #ifndef KVF_CLI_PEER_H
 #define KVF_CLI_PEER_H
 

@@ -1,0 +1,29 @@
+/* Helpers shared by the kvferry command, the test peer and the tests:
+ * clocks, a seeded generator, size parsing, the transport option and the
+ * stats line (util.c). Part of the testing library (src/testing/), which is
+ * static and never installed. */
+#ifndef KVF_TESTING_UTIL_H
+#define KVF_TESTING_UTIL_H
+
+#include <stdint.h>
+
+int cli_parse_size(const char *s, unsigned long long *out);
+int cli_is_tty(void);
+/* CLOCK_MONOTONIC in seconds, milliseconds, nanoseconds. */
+double cli_now_s(void);
+long long cli_now_ms(void);
+long long cli_now_ns(void);
+/* xorshift64: advances *s and returns it (s must not be 0). */
+uint64_t cli_rng_next(uint64_t *s);
+/* --transport tcp|ucx|auto: checked against this build, then exported as
+ * KVFERRY_TRANSPORT so engines made here and in child processes use it.
+ * 0, or -1 with a message on stderr. */
+#define CLI_OPT_TRANSPORT 1000
+int cli_set_transport(const char *cmd, const char *name);
+/* Print "stats <live-rooms> <received> <malformed> <unknown-room>", the sums
+ * of the n managers' kvf_manager_stats, and flush stdout (the `stats`
+ * command of kv-peer and kv-decode). Main thread. */
+struct kvf_manager;
+void cli_print_stats(struct kvf_manager **m, int n);
+
+#endif
