@@ -140,8 +140,7 @@ void kvf__manager_dispatch(kvf_manager *m, const wire_frame *frames, size_t n, s
   } else if (n > WIRE_MAX_FRAMES) {
     n = WIRE_MAX_FRAMES; /* frames past the last one any message defines are ignored, as the spec says */
   }
-  if (m->decode) kvf__decode_on_message(m, frames, n, peer);
-  else kvf__prefill_on_message(m, frames, n, peer);
+  m->role->on_message(m, frames, n, peer);
 }
 
 /* Trailer layout: a 2-byte frame count, then per frame a 4-byte length and

@@ -355,22 +355,20 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   }
   if ((rc = kvf__control_bind_pull(m))) goto err_zmq;
   if ((rc = kvf__integ_start(m))) goto err_zmq;
-  rc = c->role == KVF_ROLE_DECODE ? kvf__decode_start(m) : kvf__prefill_start(m);
-  if (rc) goto err_integ;
+  m->role = c->role == KVF_ROLE_DECODE ? &kvf__decode_role : &kvf__prefill_role;
+  if ((rc = m->role->start(m))) goto err_integ;
   if (pthread_create(&m->listener, NULL, kvf__control_listener_main, m)) {
     rc = KVF_ENOMEM;
     goto err_role;
   }
   m->listener_started = 1;
-  LOG_INFO("kv", "%s manager rank %d: engine %s, control port %u",
-           c->role == KVF_ROLE_DECODE ? "decode" : "prefill", c->engine_rank, kvf_engine_session_id(m->engine),
-           (unsigned)m->rank_port);
+  LOG_INFO("kv", "%s manager rank %d: engine %s, control port %u", m->role->name, c->engine_rank,
+           kvf_engine_session_id(m->engine), (unsigned)m->rank_port);
   *out = m;
   return 0;
 
 err_role:
-  if (c->role == KVF_ROLE_DECODE) kvf__decode_stop(m);
-  else kvf__prefill_stop(m);
+  m->role->stop(m);
 err_integ:
   kvf__integ_stop(m);
 err_zmq:
@@ -396,8 +394,7 @@ void kvf_manager_destroy(kvf_manager *m) {
   if (!m) return;
   atomic_store(&m->stopping, 1);
   if (m->listener_started) pthread_join(m->listener, NULL);
-  if (m->cfg.role == KVF_ROLE_DECODE) kvf__decode_stop(m);
-  else kvf__prefill_stop(m);
+  m->role->stop(m);
   kvf__integ_stop(m);
   zmq_close(m->pull);
   kvf__control_close_pushes(m);

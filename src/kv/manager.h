@@ -44,6 +44,35 @@ typedef struct manager_buffers {
   uint32_t *state_layer; /* n_state KV layer indices (config state_layer_ids), or NULL */
 } manager_buffers;
 
+/* A role (prefill or decode) plugged into the shared core through one
+ * table, as the engine's transports are (engine_internal.h): kvf_manager_create
+ * picks it once from cfg.role, and nothing else asks which role runs. start
+ * runs after the common parts are up (the listener is not started yet); stop
+ * before they are torn down, after the listener has been joined (also after
+ * a failed start). on_message runs on the listener thread with frames valid
+ * only during the call; `peer` is the sender's address as libzmq reports it
+ * ("?" if unknown), for logs and for the sender checks
+ * (kvf__manager_peer_is). With a control token the frames are already
+ * authenticated and exclude the MAC frame. */
+typedef struct manager_role_ops {
+  const char *name; /* "prefill" or "decode", for logs */
+  int (*start)(kvf_manager *m);
+  void (*stop)(kvf_manager *m);
+  void (*on_message)(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
+} manager_role_ops;
+
+/* The two roles: decode/lifecycle.c, prefill/lifecycle.c. */
+extern const manager_role_ops kvf__decode_role, kvf__prefill_role;
+
+/* Their hooks (decode/lifecycle.c, decode/status_listener.c;
+ * prefill/lifecycle.c, prefill/listener.c). */
+int kvf__decode_start(kvf_manager *m);
+void kvf__decode_stop(kvf_manager *m);
+void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
+int kvf__prefill_start(kvf_manager *m);
+void kvf__prefill_stop(kvf_manager *m);
+void kvf__prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
+
 struct kvf_manager {
   kvf_manager_config cfg; /* resolved: defaults and env applied; strings point into the fields below */
   char host[256];
@@ -74,25 +103,11 @@ struct kvf_manager {
   pthread_mutex_t push_lock; /* guards `pushes` (the map, not the sockets) */
   smap pushes;               /* "host:port" -> manager_push */
 
+  const manager_role_ops *role; /* set once, before the role starts */
   struct decode_state *decode;
   struct prefill_state *prefill;
   struct integ_state *integ; /* verify mode and fences (integrity.c) */
 };
-
-/* Role hooks, implemented in decode/lifecycle.c and prefill/lifecycle.c
- * (on_message: decode/status_listener.c, prefill/listener.c). start runs after the
- * common parts are up (the listener is not started yet); stop before they
- * are torn down, after the listener has been joined. on_message runs on the
- * listener thread with frames valid only during the call; `peer` is the
- * sender's address as libzmq reports it ("?" if unknown), for logs and for
- * the sender checks (kvf__manager_peer_is). With a control token the frames are
- * already authenticated and exclude the MAC frame. */
-int kvf__decode_start(kvf_manager *m);
-void kvf__decode_stop(kvf_manager *m);
-void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
-int kvf__prefill_start(kvf_manager *m);
-void kvf__prefill_stop(kvf_manager *m);
-void kvf__prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
 
 /* Send an encoded message to the PULL socket at host:port through the cached
  * PUSH socket for that endpoint (one lock per socket, so FIFO order holds per

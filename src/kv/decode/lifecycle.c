@@ -79,3 +79,10 @@ void kvf__decode_stop(kvf_manager *m) {
   m->decode = NULL;
   free_state(ds);
 }
+
+const manager_role_ops kvf__decode_role = {
+    .name = "decode",
+    .start = kvf__decode_start,
+    .stop = kvf__decode_stop,
+    .on_message = kvf__decode_on_message,
+};

@@ -219,3 +219,10 @@ void kvf__prefill_stop(kvf_manager *m) {
   free_state(ps);
   m->prefill = NULL;
 }
+
+const manager_role_ops kvf__prefill_role = {
+    .name = "prefill",
+    .start = kvf__prefill_start,
+    .stop = kvf__prefill_stop,
+    .on_message = kvf__prefill_on_message,
+};
