@@ -133,6 +133,7 @@ static void free_buffers(manager_buffers *b) {
   free(b->layer_buf_start), free(b->layer_bufs);
   free(b->state_ptrs), free(b->state_lens), free(b->state_item_lens), free(b->state_unit_lens);
   free(b->state_layer);
+  free(b->lay_start), free(b->lay_bufs);
   memset(b, 0, sizeof *b);
 }
 
@@ -198,6 +199,17 @@ static int copy_buffers(manager_buffers *b, const kvf_kv_buffers *in) {
       if (mha) b->layer_bufs[l * per + 1] = (uint32_t)(b->n_layers + l);
     }
   }
+  /* The planner's form of the layer mapping, for both roles. */
+  size_t nbufs = b->layer_buf_start[b->n_layers];
+  b->lay_start = malloc((b->n_layers + 1) * sizeof *b->lay_start);
+  b->lay_bufs = malloc((nbufs ? nbufs : 1) * sizeof *b->lay_bufs);
+  if (!b->lay_start || !b->lay_bufs) {
+    err = KVF_ENOMEM;
+    goto err_free;
+  }
+  for (size_t l = 0; l <= b->n_layers; l++) b->lay_start[l] = b->layer_buf_start[l];
+  for (size_t k = 0; k < nbufs; k++) b->lay_bufs[k] = b->layer_bufs[k];
+  b->kv_layout = (plan_layout){.nlayers = b->n_layers, .start = b->lay_start, .bufs = b->lay_bufs};
   return 0;
 err_free:
   free_buffers(b);

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "base/map.h"
+#include "kv/plan.h"
 #include "kv/rooms.h"
 #include "kvferry/kv.h"
 #include "wire/messages.h"
@@ -42,6 +43,11 @@ typedef struct manager_buffers {
   size_t n_state;
   uint64_t *state_ptrs, *state_lens, *state_item_lens, *state_unit_lens;
   uint32_t *state_layer; /* n_state KV layer indices (config state_layer_ids), or NULL */
+  /* The KV layer layout as the planner reads it (kv/plan.h), built once in
+   * kvf_manager_create for both roles; start/bufs point into lay_start and
+   * lay_bufs. */
+  size_t *lay_start, *lay_bufs;
+  plan_layout kv_layout;
 } manager_buffers;
 
 /* A role (prefill or decode) plugged into the shared core through one

@@ -121,8 +121,8 @@ struct decode_state {
   smap pools; /* pool key -> pool_entry (one reference held by the map) */
   uint64_t next_epoch;
 
-  /* Planner inputs that never change, converted once. */
-  size_t *lay_start, *lay_bufs;
+  /* Planner inputs that never change, converted once (the layout by the
+   * manager: m->bufs.kv_layout). */
   plan_layout layout;
   int64_t *d_kv_item, *d_kv_unit, *d_state_item, *d_state_unit;
 

@@ -20,7 +20,6 @@ static void free_state(struct decode_state *ds) {
     ds->spare = r->next_spare;
     free(r);
   }
-  free(ds->lay_start), free(ds->lay_bufs);
   free(ds->d_kv_item), free(ds->d_kv_unit), free(ds->d_state_item), free(ds->d_state_unit);
   pthread_mutex_destroy(&ds->lock);
   pthread_mutex_destroy(&ds->hb_lock);
@@ -37,19 +36,12 @@ int kvf__decode_start(kvf_manager *m) {
   clock_cond_init(&ds->hb_cond);
   if (smap_init(&ds->infos) || smap_init(&ds->pools) || smap_init(&ds->hb_peers)) goto fail;
   const manager_buffers *b = &m->bufs;
-  size_t nb = b->layer_buf_start[b->n_layers];
-  ds->lay_start = calloc(b->n_layers + 1, sizeof *ds->lay_start);
-  ds->lay_bufs = calloc(nb ? nb : 1, sizeof *ds->lay_bufs);
   ds->d_kv_item = kvf__dec_to_i64(b->kv_item_lens, b->n_kv);
   ds->d_kv_unit = kvf__dec_to_i64(b->kv_unit_lens, b->n_kv);
   ds->d_state_item = kvf__dec_to_i64(b->state_item_lens, b->n_state);
   ds->d_state_unit = kvf__dec_to_i64(b->state_unit_lens, b->n_state);
-  if (!ds->lay_start || !ds->lay_bufs || !ds->d_kv_item || !ds->d_kv_unit || !ds->d_state_item ||
-      !ds->d_state_unit)
-    goto fail;
-  for (size_t l = 0; l <= b->n_layers; l++) ds->lay_start[l] = b->layer_buf_start[l];
-  for (size_t k = 0; k < nb; k++) ds->lay_bufs[k] = b->layer_bufs[k];
-  ds->layout = (plan_layout){.nlayers = b->n_layers, .start = ds->lay_start, .bufs = ds->lay_bufs};
+  if (!ds->d_kv_item || !ds->d_kv_unit || !ds->d_state_item || !ds->d_state_unit) goto fail;
+  ds->layout = b->kv_layout;
   m->decode = ds;
   /* A shared engine has one trailer callback: the first decode manager gets it. */
   ds->fast = m->cfg.fast_completion && !kvf__engine_on_trailer(m->engine, kvf__dec_on_trailer, m);

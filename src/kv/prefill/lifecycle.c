@@ -42,15 +42,10 @@ static int put_route(kvf_manager *m) {
 
 static int build_layouts(prefill_state *ps) {
   const manager_buffers *b = &ps->m->bufs;
-  size_t nb = b->layer_buf_start[b->n_layers];
-  ps->kv_start = malloc((b->n_layers + 1) * sizeof(size_t));
-  ps->kv_bufs = malloc((nb ? nb : 1) * sizeof(size_t));
   ps->st_start = malloc(2 * sizeof(size_t));
   ps->st_bufs = malloc((b->n_state ? b->n_state : 1) * sizeof(size_t));
-  if (!ps->kv_start || !ps->kv_bufs || !ps->st_start || !ps->st_bufs) return KVF_ENOMEM;
-  for (size_t l = 0; l <= b->n_layers; l++) ps->kv_start[l] = b->layer_buf_start[l];
-  for (size_t k = 0; k < nb; k++) ps->kv_bufs[k] = b->layer_bufs[k];
-  ps->kv_lay = (plan_layout){b->n_layers, ps->kv_start, ps->kv_bufs};
+  if (!ps->st_start || !ps->st_bufs) return KVF_ENOMEM;
+  ps->kv_lay = b->kv_layout; /* built once by the manager */
   ps->st_start[0] = 0;
   ps->st_start[1] = b->n_state;
   for (size_t k = 0; k < b->n_state; k++) ps->st_bufs[k] = k;
@@ -106,7 +101,7 @@ static void free_state(prefill_state *ps) {
     kvf__pf_room_unref(ps, r);
   }
   kvf__map_free(&ps->rooms);
-  free(ps->kv_start), free(ps->kv_bufs), free(ps->st_start), free(ps->st_bufs);
+  free(ps->st_start), free(ps->st_bufs);
   free(ps->stl_start), free(ps->stl_bufs);
   while (ps->room_spare) {
     pf_room *r = ps->room_spare;

@@ -285,7 +285,7 @@ typedef struct prefill_state {
   int nqueues;
   pf_queue *queues;
   /* plan layouts, converted once from the manager's buffers */
-  size_t *kv_start, *kv_bufs, *st_start, *st_bufs;
+  size_t *st_start, *st_bufs;
   plan_layout kv_lay, st_lay;
   /* with state_layer_ids: state buffers grouped by KV layer (nlayers 0 without) */
   size_t *stl_start, *stl_bufs;
