@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "base/addr.h"
+#include "wire/messages.h"
 
 /* ---- Page runs ---- */
 
@@ -173,19 +174,19 @@ int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const pl
 
 /* ---- Route plan ---- */
 
-static const char *const kind_names[] = {"target_k", "target_v", "draft_k", "draft_v", "mamba_state"};
+/* The kind names are the wire's (one table, wire/messages.c). */
+_Static_assert((int)PLAN_TARGET_K == (int)WIRE_KIND_TARGET_K && (int)PLAN_TARGET_V == (int)WIRE_KIND_TARGET_V &&
+                   (int)PLAN_DRAFT_K == (int)WIRE_KIND_DRAFT_K && (int)PLAN_DRAFT_V == (int)WIRE_KIND_DRAFT_V &&
+                   (int)PLAN_MAMBA_STATE == (int)WIRE_KIND_MAMBA_STATE,
+               "plan_kind values are the wire's buffer kinds");
 
-const char *kvf__plan_kind_name(int kind) {
-  return kind >= 0 && kind <= PLAN_MAMBA_STATE ? kind_names[kind] : NULL;
-}
+const char *kvf__plan_kind_name(int kind) { return kvf__wire_buffer_kind_name(kind); }
 
 int kvf__plan_kind_parse(const char *name, plan_kind *out) {
-  for (int k = 0; k <= PLAN_MAMBA_STATE; k++)
-    if (name && strcmp(name, kind_names[k]) == 0) {
-      *out = (plan_kind)k;
-      return 0;
-    }
-  return KVF_EINVAL;
+  int k = kvf__wire_buffer_kind_parse(name);
+  if (k < 0) return KVF_EINVAL;
+  *out = (plan_kind)k;
+  return 0;
 }
 
 /* One prefill/decode layout pair (§6.5.1). The decode's replica group is

@@ -208,6 +208,12 @@ const char *kvf__wire_buffer_kind_name(int kind) {
   return kind_names[kind];
 }
 
+int kvf__wire_buffer_kind_parse(const char *name) {
+  for (int kind = 0; name && kind <= WIRE_KIND_MAMBA_STATE; kind++)
+    if (!strcmp(name, kind_names[kind])) return kind;
+  return -1;
+}
+
 static const char *const frag_keys[10] = {"buffer_index",    "buffer_kind",           "src_rank",
                                           "dst_rank",        "src_page_stride_bytes", "dst_page_stride_bytes",
                                           "src_byte_offset", "dst_byte_offset",       "bytes_per_page",
@@ -289,10 +295,7 @@ static int parse_fragments(const uint8_t *json, size_t len, wire_fragment **out,
         goto err_free_frags;
       }
       if (key == 1) {
-        const char *s = json_string_value(val);
-        v[1] = -1;
-        for (int kind = 0; s && kind <= WIRE_KIND_MAMBA_STATE; kind++)
-          if (!strcmp(s, kind_names[kind])) v[1] = kind;
+        v[1] = kvf__wire_buffer_kind_parse(json_string_value(val));
         if (v[1] < 0) {
           why(reason, "%sfragment %zu: buffer_kind is not a known kind string", pre, k);
           goto err_free_frags;

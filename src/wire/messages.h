@@ -139,8 +139,11 @@ enum {
   WIRE_KIND_DRAFT_V = 3,
   WIRE_KIND_MAMBA_STATE = 4,
 };
-/* "target_k" ... "mamba_state"; NULL for an unknown kind. */
+/* "target_k" ... "mamba_state"; NULL for an unknown kind. The one table of
+ * kind names (the planner's plan_kind uses the same values). */
 const char *kvf__wire_buffer_kind_name(int kind);
+/* The kind named `name`, or -1 for an unknown (or NULL) name. */
+int kvf__wire_buffer_kind_parse(const char *name);
 
 /* One fragment of a heterogeneous-TP plan (§6.5.5), JSON key order. */
 typedef struct wire_fragment {
