@@ -72,7 +72,8 @@ typedef struct kvf_engine_stats {
   uint64_t conns_evicted;   /* target side: idle or unauthenticated, closed to make room */
   uint64_t peers_ucx;       /* writer side: peers routed over UCX (auto/ucx) */
   uint64_t peers_tcp;       /* writer side: peers routed over kvferry's TCP by auto */
-  uint64_t chunks_fenced;   /* target side: tagged chunks refused, their (tag, epoch) not open */
+  uint64_t chunks_fenced;   /* tagged chunks refused, their (tag, epoch) not open: by the target over tcp,
+                               by the writer over ucx (kvf_engine_fence_close) */
 } kvf_engine_stats;
 
 /* Options of one batch (kvf_engine_submit_ex, kvf_engine_write_ex). Always
@@ -164,8 +165,21 @@ KVF_API int kvf_engine_write_ex(kvf_engine *engine, const char *session, const k
  * payload is arriving, at most timeout_ms (<= 0: the engine timeout) in all:
  * KVF_ETIMEDOUT means a receiver did not stop in time. KVF_ENOTFOUND when
  * the pair is not open. Untagged batches are never affected. Any thread.
- * Transports: tcp checks fences; a one-sided transport (the writer puts
- * into memory without the target's CPU) cannot, and says so in its docs. */
+ *
+ * Over ucx the writer puts into this memory without this engine's CPU, so
+ * the target cannot refuse a chunk. Close then also tells every writer
+ * connected to this engine's UCX rendezvous that the pair is closed, and
+ * returns 0 only once each has confirmed (it starts no new block for the
+ * pair, and has flushed what it had posted to this engine, so those bytes
+ * are in place before close returns) or its rendezvous connection is gone.
+ * Writers learn which pairs are open from the rendezvous as well: a tagged
+ * write naming a pair already closed is refused by the writer (KVF_ESTATE,
+ * counted in its chunks_fenced); one naming an epoch newer than the
+ * writer's last snapshot is written (the target cannot tell). A writer that
+ * does not confirm within the timeout (a stopped or hung process) is cut off
+ * and close returns KVF_ETIMEDOUT: it starts no new block of the pair when
+ * it runs again, but puts it had already posted may still land then, so
+ * the pages are safe to reuse only once that writer's process is gone. */
 KVF_API int kvf_engine_fence_open(kvf_engine *engine, uint64_t tag, uint64_t *epoch);
 KVF_API int kvf_engine_fence_close(kvf_engine *engine, uint64_t tag, uint64_t epoch, int timeout_ms);
 

@@ -32,6 +32,14 @@
 #define UCX_INFO_MAGIC 0x4b564649u
 #define UCX_REQ_MAGIC 0x4b564652u
 #define UCX_ACK_MAGIC 0x4b56464bu
+#define UCX_FENCE_MAGIC 0x4b564643u     /* target -> writer: a fence closed (ucx_fence_msg) */
+#define UCX_FENCE_ACK_MAGIC 0x4b564661u /* writer -> target: ucx_req, gen = the fence message's seq */
+/* Closed fences a writer remembers per peer beyond its last snapshot; past
+ * this it asks for a new info (whose snapshot makes them redundant). */
+#define UCX_MAX_CLOSED_FENCES 65536u
+#define UCX_MAX_OPEN_FENCES (1u << 20) /* ENGINE_MAX_FENCES (fence.c) */
+/* A tagged chunk flushes after this many bytes of puts (ucx_write.c). */
+#define UCX_FENCE_WINDOW (4u << 20)
 #define UCX_HOST_ID_LEN 128
 #define UCX_MAX_ADDR_LEN (64u * 1024u)
 #define UCX_MAX_REGIONS 4096u
@@ -68,7 +76,29 @@ typedef struct ucx_req {
   uint64_t gen;
 } ucx_req;
 
+/* After the regions, an info body carries the target's fence snapshot
+ * (kvf__fence_snapshot): ucx_fence_snap, then nopen epochs (uint64_t). A
+ * tagged write whose epoch is below `next` and not among them, or that a
+ * later ucx_fence_msg closed, is refused by the writer (KVF_ESTATE). */
+typedef struct ucx_fence_snap {
+  uint64_t next;
+  uint32_t nopen;
+  uint32_t reserved;
+} ucx_fence_snap;
+
+/* Target -> writer: (tag, epoch) is closed. The writer stops writing for it
+ * (no new block starts), flushes what it has in flight to this target and
+ * answers UCX_FENCE_ACK_MAGIC with gen = seq; seqs rise, and an ack covers
+ * every lower seq (its flush came after theirs). */
+typedef struct ucx_fence_msg {
+  uint32_t magic;
+  uint32_t reserved;
+  uint64_t tag, epoch, seq;
+} ucx_fence_msg;
+
 _Static_assert(sizeof(ucx_info_hdr) == 152, "info header layout");
+_Static_assert(sizeof(ucx_fence_snap) == 16, "fence snapshot layout");
+_Static_assert(sizeof(ucx_fence_msg) == 32, "fence message layout");
 _Static_assert(sizeof(ucx_region_desc) == 24, "region descriptor layout");
 
 /* A region this engine registered with UCX. */
@@ -105,11 +135,18 @@ typedef struct ucx_peer {
   atomic_int dead;    /* 0, or the error that ended the endpoint */
   pthread_mutex_t mu; /* infos and why below */
   pthread_cond_t cv;
-  uint64_t infos; /* info messages applied (refresh waits on it) */
+  uint64_t infos; /* info messages applied (refresh waits on it); cv also
+                   * tells a writer waiting in do_chunk that a message was read */
   int same_host;
   int mapped; /* some region is mapped here (under mu) */
   ucx_route route;
   char why[160];
+  /* The target's fences (under rw: read to check, write to change): an
+   * epoch below fence_next is open only if in fence_open; fence_closed holds
+   * the ones closed since the snapshot. */
+  uint64_t fence_next;
+  map fence_open, fence_closed;
+  int fence_asked; /* a new snapshot was asked for (fence_closed is full) */
 } ucx_peer;
 
 /* A chunk whose puts wait for an endpoint flush. Under wmu. */
@@ -118,6 +155,7 @@ typedef struct ucx_op {
   chunk *c;
   ucx_peer *p;
   struct ucx_state *u;
+  int fenced; /* its batch's fence closed meanwhile: it ends KVF_ESTATE */
 } ucx_op;
 
 typedef struct ucx_job {
@@ -130,7 +168,8 @@ typedef struct ucx_ctl {
   struct ucx_ctl *next;
   int fd;
   pthread_mutex_t send_mu;
-  uint64_t acked; /* generation the writer has applied (under ctl_mu) */
+  uint64_t acked;       /* generation the writer has applied (under ctl_mu) */
+  uint64_t fence_acked; /* highest fence seq the writer confirmed (under ctl_mu) */
 } ucx_ctl;
 
 typedef struct ucx_state {
@@ -158,6 +197,7 @@ typedef struct ucx_state {
   pthread_mutex_t ctl_mu;
   pthread_cond_t ctl_cv; /* an ack arrived or a connection ended */
   ucx_ctl *ctls;
+  uint64_t fence_seq; /* fence messages sent (under ctl_mu) */
   /* peers, by session id */
   pthread_mutex_t peers_mu;
   smap peers;
@@ -192,12 +232,22 @@ void kvf__ucx_peer_mark_dead(ucx_state *u, ucx_peer *p, int err);
 /* With wmu (and p->rw for writing) held. */
 void kvf__ucx_regs_free_locked(ucx_peer *p);
 void kvf__ucx_ep_close_locked(ucx_state *u, ucx_peer *p);
+/* p->rw held: is a write tagged with `epoch` refused (its fence closed)? */
+int kvf__ucx_fence_refused(const ucx_peer *p, uint64_t epoch);
+/* p->rw held: has the target sent something not read yet (or closed the
+ * connection)? A fence close may be in it. */
+int kvf__ucx_ctl_pending(const ucx_peer *p);
 
 /* ucx_write.c */
 int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
 /* Progress thread: end the endpoints of peers marked dead, and fail flushes
  * past their deadline. */
 void kvf__ucx_reap(ucx_state *u);
+/* With wmu held and p->ep set: flush the endpoint and progress until done
+ * (wmu is let go between idle progress calls), the peer dies or until_ns. */
+int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns);
+/* With wmu held: flushes in flight to `p` for `epoch` end KVF_ESTATE. */
+void kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch);
 /* Frees every op left (teardown, after the worker is gone; no lock needed then). */
 void kvf__ucx_ops_free(ucx_state *u);
 void kvf__ucx_copier_start(ucx_state *u);

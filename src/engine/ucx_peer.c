@@ -47,6 +47,8 @@ int kvf__ucx_peer_get(ucx_state *u, const char *id, ucx_peer **out) {
     pthread_rwlockattr_destroy(&ra);
     pthread_mutex_init(&p->mu, NULL);
     clock_cond_init(&p->cv);
+    if (kvf__map_init(&p->fence_open) || kvf__map_init(&p->fence_closed))
+      rc = KVF_ENOMEM; /* a later insert fails */
   }
   *out = p;
 out:
@@ -95,6 +97,8 @@ void kvf__ucx_peers_free(ucx_state *u) {
     pthread_rwlock_destroy(&p->rw);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
+    kvf__map_free(&p->fence_open);
+    kvf__map_free(&p->fence_closed);
     free(p);
   }
   /* Let forced closes finish before the worker goes. */
@@ -141,9 +145,10 @@ static const char *const RDMA_TLS[] = {"ib",   "rc",      "rc_v", "rc_x", "rc_ml
 static const char *const PEER_ERR_TLS[] = {"tcp",  "ib",   "rc",      "rc_v", "rc_x", "rc_mlx5", "ud",
                                            "ud_v", "ud_x", "ud_mlx5", "dc",   "dc_x", "dc_mlx5", NULL};
 
-/* Read one info message (header and body), bounded in size and time. */
-static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
-  int rc = kvf__ucx_recv_all(fd, h, sizeof *h, deadline_ns);
+/* Read the rest of an info message (header and body) whose magic was read,
+ * bounded in size and time. */
+static int info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
+  int rc = kvf__ucx_recv_all(fd, (char *)h + sizeof h->magic, sizeof *h - sizeof h->magic, deadline_ns);
   if (rc) return rc;
   if (h->magic != UCX_INFO_MAGIC || h->addr_len == 0 || h->addr_len > UCX_MAX_ADDR_LEN ||
       h->nregions > UCX_MAX_REGIONS || h->body_len > UCX_MAX_INFO_BODY || h->body_len < h->addr_len ||
@@ -156,6 +161,52 @@ static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) 
     free(*body);
     *body = NULL;
   }
+  return rc;
+}
+
+static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
+  int rc = kvf__ucx_recv_all(fd, &h->magic, sizeof h->magic, deadline_ns);
+  return rc ? rc : info_read_rest(fd, deadline_ns, h, body);
+}
+
+int kvf__ucx_fence_refused(const ucx_peer *p, uint64_t epoch) {
+  if (kvf__map_has(&p->fence_closed, epoch)) return 1;
+  return epoch < p->fence_next && !kvf__map_has(&p->fence_open, epoch);
+}
+
+int kvf__ucx_ctl_pending(const ucx_peer *p) {
+  if (p->fd < 0) return 1;
+  char c;
+  ssize_t r = recv(p->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+/* With p->rw held for writing: take the fence snapshot at body+off (absent
+ * from a peer that predates it: only fence messages count then). */
+static int fence_snap_apply(ucx_peer *p, const ucx_info_hdr *h, const char *body, size_t off) {
+  ucx_fence_snap snap;
+  if (h->body_len - off < sizeof snap) return 0;
+  memcpy(&snap, body + off, sizeof snap);
+  off += sizeof snap;
+  if (snap.nopen > UCX_MAX_OPEN_FENCES || (h->body_len - off) / sizeof(uint64_t) < snap.nopen) return KVF_EPROTO;
+  map open;
+  if (kvf__map_init(&open)) return KVF_ENOMEM;
+  for (uint32_t i = 0; i < snap.nopen; i++) {
+    uint64_t ep;
+    memcpy(&ep, body + off + i * sizeof ep, sizeof ep);
+    if (kvf__map_put(&open, ep, (void *)1, NULL)) {
+      kvf__map_free(&open);
+      return KVF_ENOMEM;
+    }
+  }
+  kvf__map_free(&p->fence_open);
+  p->fence_open = open;
+  p->fence_next = snap.next;
+  /* Every pair closed before the snapshot is below `next` and not open in
+   * it: the closed list starts again. */
+  kvf__map_free(&p->fence_closed);
+  int rc = kvf__map_init(&p->fence_closed);
+  p->fence_asked = 0;
   return rc;
 }
 
@@ -235,6 +286,7 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
     if (p->same_host && ucp_rkey_ptr(r->rkey, d.base, &ptr) == UCS_OK) r->ptr = ptr;
     n++;
   }
+  if (!rc && p->ep) rc = fence_snap_apply(p, h, body, off);
   if (rc) {
     for (size_t i = 0; i < n; i++) ucp_rkey_destroy(regs[i].rkey);
     free(regs);
@@ -372,19 +424,63 @@ out:
   return rc;
 }
 
+/* Progress thread: the target closed a fence (ucx_fence_msg). From here no
+ * block tagged with it starts (do_chunk checks under p->rw, which this takes
+ * for writing); the endpoint is flushed, so what was put before is in
+ * place, and then the target hears it. */
+static int fence_msg_apply(ucx_state *u, ucx_peer *p, int fd, const ucx_fence_msg *f) {
+  int rc = 0, ask = 0;
+  pthread_rwlock_wrlock(&p->rw);
+  if (p->fd != fd) goto out_unlock;
+  if (f->epoch < p->fence_next) kvf__map_del(&p->fence_open, f->epoch, NULL);
+  else rc = kvf__map_put(&p->fence_closed, f->epoch, (void *)1, NULL);
+  if (!rc && kvf__map_size(&p->fence_closed) > UCX_MAX_CLOSED_FENCES && !p->fence_asked)
+    ask = p->fence_asked = 1; /* a new snapshot makes the list redundant */
+out_unlock:
+  pthread_rwlock_unlock(&p->rw);
+  if (rc) return rc;
+  /* Under wmu alone: p->ep changes only under it. Puts already posted
+   * complete before the flush does; progress here runs their callbacks. */
+  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_ops_fence_locked(u, p, f->epoch);
+  if (p->ep) rc = kvf__ucx_flush_wait_locked(u, p, until);
+  pthread_mutex_unlock(&u->wmu);
+  if (rc) return rc; /* not confirmed: the target cuts the connection at its deadline */
+  ucx_req ack = {UCX_FENCE_ACK_MAGIC, 0, f->seq}, req = {UCX_REQ_MAGIC, 0, 0};
+  pthread_rwlock_rdlock(&p->rw);
+  pthread_mutex_lock(&p->mu);
+  if (p->fd == fd) {
+    rc = kvf__ucx_send_all(fd, &ack, sizeof ack, until);
+    if (!rc && ask) rc = kvf__ucx_send_all(fd, &req, sizeof req, until);
+  }
+  pthread_mutex_unlock(&p->mu);
+  pthread_rwlock_unlock(&p->rw);
+  return rc;
+}
+
 /* Progress thread: the rendezvous socket of `p` has news. */
 void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
   ucx_info_hdr h;
+  ucx_fence_msg f;
   char *body = NULL;
-  int rc = KVF_ECLOSED;
+  int rc = KVF_ECLOSED, fence = 0;
   pthread_rwlock_rdlock(&p->rw);
   int fd = p->fd;
   if (fd >= 0 && (events & EPOLLIN)) {
     char c;
     ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    rc = r > 0 ? info_read(fd, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body)
+    int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+    rc = r > 0                                            ? kvf__ucx_recv_all(fd, &h.magic, sizeof h.magic, until)
          : (r < 0 && (errno == EAGAIN || errno == EINTR)) ? 1
                                                           : KVF_ECLOSED;
+    if (!rc && h.magic == UCX_FENCE_MAGIC) {
+      f.magic = h.magic;
+      rc = kvf__ucx_recv_all(fd, (char *)&f + sizeof f.magic, sizeof f - sizeof f.magic, until);
+      fence = 1;
+    } else if (!rc) {
+      rc = info_read_rest(fd, until, &h, &body);
+    }
   }
   if (fd >= 0 && rc < 0) {
     LOG_INFO("ucx", "rendezvous connection to %s ended: %s", p->id, kvf_strerror(rc));
@@ -392,6 +488,14 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
     kvf__ucx_peer_mark_dead(u, p, KVF_ECLOSED);
   }
   pthread_rwlock_unlock(&p->rw);
+  if (!rc && fence) {
+    rc = fence_msg_apply(u, p, fd, &f);
+    if (rc) kvf__ucx_peer_mark_dead(u, p, rc);
+    pthread_mutex_lock(&p->mu);
+    pthread_cond_broadcast(&p->cv); /* writers waiting for it to be read (do_chunk) */
+    pthread_mutex_unlock(&p->mu);
+    return;
+  }
   if (rc || !body) return;
   pthread_rwlock_wrlock(&p->rw);
   if (p->fd == fd && p->ep && !atomic_load(&p->dead)) {

@@ -3,6 +3,7 @@
  * mapped here (ucp_rkey_ptr), on the submitting thread and the copier
  * threads; the progress thread fails flushes past their deadline and ends
  * the endpoints of dead peers. Locking rules in ucx.h. */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -57,6 +58,11 @@ static void op_link(ucx_op *op) {
   *head = op;
 }
 
+void kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch) {
+  for (ucx_op *op = u->ops; op; op = op->next)
+    if (op->p == p && op->c->batch->tag && op->c->batch->epoch == epoch) op->fenced = 1;
+}
+
 void kvf__ucx_ops_free(ucx_state *u) {
   for (ucx_op **head = &u->ops; head; head = head == &u->ops ? &u->orphans : NULL)
     while (*head) {
@@ -72,15 +78,59 @@ static void flush_cb(void *req, ucs_status_t st, void *arg) {
    * the reaper already failed is gone (op->c NULL, op on the orphans). */
   chunk *c = op->c;
   op_unlink(op);
-  if (c) kvf__chunk_finish(c, st == UCS_OK ? 0 : kvf__ucx_status(st));
+  if (c) kvf__chunk_finish(c, st != UCS_OK ? kvf__ucx_status(st) : op->fenced ? KVF_ESTATE : 0);
   free(op);
   ucp_request_free(req);
 }
 
+int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns) {
+  ucp_request_param_t fp = {.op_attr_mask = 0};
+  ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &fp);
+  if (UCS_PTR_IS_ERR(sp)) return kvf__ucx_status(UCS_PTR_STATUS(sp));
+  if (!sp) return 0;
+  ucs_status_t st;
+  while ((st = ucp_request_check_status(sp)) == UCS_INPROGRESS && clock_now_ns() < until_ns &&
+         !atomic_load(&p->dead))
+    if (!ucp_worker_progress(u->w)) { /* let the progress thread and other writers in */
+      pthread_mutex_unlock(&u->wmu);
+      sched_yield();
+      pthread_mutex_lock(&u->wmu);
+    }
+  ucp_request_free(sp); /* released when done if it still runs */
+  if (st == UCS_INPROGRESS) return atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ETIMEDOUT;
+  return kvf__ucx_status(st);
+}
+
+/* p->rw held for reading (and wmu when *locked): may a block of a chunk
+ * tagged with `epoch` start? The target may have sent a fence close that
+ * is not read yet (the writer was stopped, or slow): then let the progress
+ * thread read it first, locks dropped, and look again. 0, or why not. */
+static int fence_gate(ucx_state *u, ucx_peer *p, uint64_t epoch, int *locked, int64_t deadline_ns) {
+  while (kvf__ucx_ctl_pending(p)) {
+    if (*locked) pthread_mutex_unlock(&u->wmu);
+    *locked = 0;
+    pthread_rwlock_unlock(&p->rw);
+    kvf__ucx_wake(u);
+    pthread_mutex_lock(&p->mu);
+    struct timespec ts = clock_ts_from_ns(clock_deadline_ms(1));
+    pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+    pthread_mutex_unlock(&p->mu);
+    pthread_rwlock_rdlock(&p->rw);
+    if (atomic_load(&p->dead) || !p->ep) return atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
+    if (clock_now_ns() > deadline_ns) return KVF_ETIMEDOUT;
+  }
+  return kvf__ucx_fence_refused(p, epoch) ? KVF_ESTATE : 0;
+}
+
 /* Write one chunk: plain stores where the peer's region is mapped here,
- * puts and an endpoint flush elsewhere. Reports through kvf__chunk_finish. */
+ * puts and an endpoint flush elsewhere. Reports through kvf__chunk_finish.
+ * A tagged chunk passes fence_gate before every block, so once the target
+ * closed its fence no further block starts (one in progress completes),
+ * and it flushes every UCX_FENCE_WINDOW bytes of puts: a fence close waits
+ * for at most that much to be flushed, and no more can land late. */
 static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
   int status = 0, puts = 0, locked = 0, pending = 0;
+  uint64_t epoch = c->batch->tag ? c->batch->epoch : 0, unflushed = 0;
   pthread_rwlock_rdlock(&p->rw);
   if (atomic_load(&p->dead) || !p->ep) {
     status = atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
@@ -92,6 +142,10 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     uint64_t count = w->count > 1 ? w->count : 1;
     for (uint64_t i = 0; i < count; i++) {
       uint64_t src = w->src + i * w->src_stride, dst = w->dst + i * w->dst_stride;
+      if (epoch && (status = fence_gate(u, p, epoch, &locked, c->batch->deadline_ns))) {
+        if (status == KVF_ESTATE) atomic_fetch_add(&u->e->stats.chunks_fenced, 1);
+        break;
+      }
       const ucx_rregion *r = rregion_find(p, dst, w->len);
       if (!r) { /* the peer unregistered it since the batch was checked */
         status = KVF_ERANGE;
@@ -110,6 +164,14 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
       }
       if (sp) ucp_request_free(sp); /* released when done; the flush covers it */
       puts++;
+      if (epoch && (unflushed += w->len) >= UCX_FENCE_WINDOW) {
+        int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+        if ((status =
+                 kvf__ucx_flush_wait_locked(u, p, until < c->batch->deadline_ns ? until : c->batch->deadline_ns)))
+          break;
+        unflushed = 0;
+        puts = 0;
+      }
     }
   }
   if (puts && !status) {
@@ -136,6 +198,9 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     }
   }
 out:
+  /* A tagged chunk whose fence closed while it was written fails: the
+   * target has given the room up (its bytes landed before it was told). */
+  if (!status && !pending && epoch && kvf__ucx_fence_refused(p, epoch)) status = KVF_ESTATE;
   if (locked) pthread_mutex_unlock(&u->wmu);
   pthread_rwlock_unlock(&p->rw);
   if (pending) {
