@@ -88,7 +88,7 @@ int kvf_engine_fence_open(kvf_engine *e, uint64_t tag, uint64_t *epoch) {
   return 0;
 }
 
-int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_ms) {
+static int fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_ms, int one_sided) {
   if (!e || !tag || !epoch) return KVF_EINVAL;
   int64_t until = clock_deadline_ms(timeout_ms > 0 ? timeout_ms : e->cfg.timeout_ms);
   int rc = 0;
@@ -117,11 +117,19 @@ int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int time
 out:
   pthread_mutex_unlock(&e->fences.lock);
   /* One-sided writers (UCX) are told and confirm (ucx.c). */
-  if (rc != KVF_ENOTFOUND && e->ops->fence_close) {
+  if (one_sided && rc != KVF_ENOTFOUND && e->ops->fence_close) {
     int r2 = e->ops->fence_close(e, tag, epoch, until);
     if (!rc) rc = r2;
   }
   return rc;
+}
+
+int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_ms) {
+  return fence_close(e, tag, epoch, timeout_ms, 1);
+}
+
+int kvf__engine_fence_retire(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_ms) {
+  return fence_close(e, tag, epoch, timeout_ms, 0);
 }
 
 int kvf__fence_snapshot(kvf_engine *e, uint64_t *next, uint64_t **epochs, size_t *n) {

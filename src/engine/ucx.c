@@ -303,6 +303,17 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
       pthread_mutex_unlock(&u->ctl_mu);
       continue;
     }
+    if (r.magic == UCX_TRAILER_MAGIC && r.reserved <= KVF_ENGINE_MAX_TRAILER) {
+      unsigned char t[KVF_ENGINE_MAX_TRAILER];
+      if (kvf__ucx_recv_all(fd, t, r.reserved, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
+      /* The writer flushed the bytes first. The callback gets the IP
+       * address, as from the TCP transport. */
+      const char *colon = strrchr(peer, ':');
+      char ip[64];
+      snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - peer) : (int)strlen(peer), peer);
+      kvf__engine_deliver_trailer(e, t, r.reserved, ip);
+      continue;
+    }
     if (r.magic != UCX_REQ_MAGIC) {
       atomic_fetch_add(&e->stats.protocol_errors, 1);
       if (kvf__log_first_time(kvf__log_hash_str(peer, 11)))

@@ -34,6 +34,10 @@
 #define UCX_ACK_MAGIC 0x4b56464bu
 #define UCX_FENCE_MAGIC 0x4b564643u     /* target -> writer: a fence closed (ucx_fence_msg) */
 #define UCX_FENCE_ACK_MAGIC 0x4b564661u /* writer -> target: ucx_req, gen = the fence message's seq */
+/* writer -> target: ucx_req with reserved = the length, then that many
+ * bytes: a batch's completion trailer (async.h), sent only once the
+ * chunk's puts were flushed (its bytes are in place). */
+#define UCX_TRAILER_MAGIC 0x4b564654u
 /* Closed fences a writer remembers per peer beyond its last snapshot; past
  * this it asks for a new info (whose snapshot makes them redundant). */
 #define UCX_MAX_CLOSED_FENCES 65536u
@@ -146,7 +150,8 @@ typedef struct ucx_peer {
    * the ones closed since the snapshot. */
   uint64_t fence_next;
   map fence_open, fence_closed;
-  int fence_asked; /* a new snapshot was asked for (fence_closed is full) */
+  int fence_asked;       /* a new snapshot was asked for (fence_closed is full) */
+  atomic_int fence_wait; /* a fence message waits for rw: tagged writers let go at their next block */
 } ucx_peer;
 
 /* A chunk whose puts wait for an endpoint flush. Under wmu. */
@@ -235,7 +240,7 @@ void kvf__ucx_ep_close_locked(ucx_state *u, ucx_peer *p);
 /* p->rw held: is a write tagged with `epoch` refused (its fence closed)? */
 int kvf__ucx_fence_refused(const ucx_peer *p, uint64_t epoch);
 /* p->rw held: has the target sent something not read yet (or closed the
- * connection)? A fence close may be in it. */
+ * connection), or is a fence close read and waiting to be applied? */
 int kvf__ucx_ctl_pending(const ucx_peer *p);
 
 /* ucx_write.c */

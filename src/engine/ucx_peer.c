@@ -175,7 +175,7 @@ int kvf__ucx_fence_refused(const ucx_peer *p, uint64_t epoch) {
 }
 
 int kvf__ucx_ctl_pending(const ucx_peer *p) {
-  if (p->fd < 0) return 1;
+  if (p->fd < 0 || atomic_load(&p->fence_wait)) return 1;
   char c;
   ssize_t r = recv(p->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
   return r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
@@ -430,7 +430,9 @@ out:
  * place, and then the target hears it. */
 static int fence_msg_apply(ucx_state *u, ucx_peer *p, int fd, const ucx_fence_msg *f) {
   int rc = 0, ask = 0;
+  atomic_store(&p->fence_wait, 1); /* tagged writers holding rw let go (fence_gate) */
   pthread_rwlock_wrlock(&p->rw);
+  atomic_store(&p->fence_wait, 0);
   if (p->fd != fd) goto out_unlock;
   if (f->epoch < p->fence_next) kvf__map_del(&p->fence_open, f->epoch, NULL);
   else rc = kvf__map_put(&p->fence_closed, f->epoch, (void *)1, NULL);

@@ -122,6 +122,19 @@ static int fence_gate(ucx_state *u, ucx_peer *p, uint64_t epoch, int *locked, in
   return kvf__ucx_fence_refused(p, epoch) ? KVF_ESTATE : 0;
 }
 
+/* p->rw held: send the chunk's trailer to the target (ucx_serve). A
+ * fenced chunk sends none: do_chunk calls this only after its last block. */
+static int trailer_send(ucx_peer *p, const chunk *c) {
+  if (c->batch->tag && kvf__ucx_fence_refused(p, c->batch->epoch)) return KVF_ESTATE;
+  ucx_req h = {UCX_TRAILER_MAGIC, c->tlen, 0};
+  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+  pthread_mutex_lock(&p->mu);
+  int rc = p->fd < 0 ? KVF_ECLOSED : kvf__ucx_send_all(p->fd, &h, sizeof h, until);
+  if (!rc) rc = kvf__ucx_send_all(p->fd, c->trailer, c->tlen, until);
+  pthread_mutex_unlock(&p->mu);
+  return rc;
+}
+
 /* Write one chunk: plain stores where the peer's region is mapped here,
  * puts and an endpoint flush elsewhere. Reports through kvf__chunk_finish.
  * A tagged chunk passes fence_gate before every block, so once the target
@@ -173,6 +186,21 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
         puts = 0;
       }
     }
+  }
+  if (!status && c->tlen) {
+    /* The completion trailer follows the bytes: flushed here (one chunk,
+     * under the split size), then sent on the rendezvous connection that
+     * the target reads in order. */
+    if (!locked) pthread_mutex_lock(&u->wmu);
+    locked = 1;
+    if (puts) {
+      int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+      status = kvf__ucx_flush_wait_locked(u, p, until < c->batch->deadline_ns ? until : c->batch->deadline_ns);
+      puts = 0;
+    }
+    pthread_mutex_unlock(&u->wmu);
+    locked = 0;
+    if (!status) status = trailer_send(p, c);
   }
   if (puts && !status) {
     ucx_op *op = calloc(1, sizeof *op);

@@ -472,9 +472,7 @@ static void control_token_between_kvferry_peers(void **state) {
   kvf_manager_get_stats(d.m, &st);
   assert_int_equal(st.messages_forged, 0);
   assert_int_equal(st.messages_malformed, 0);
-  const char *tr = getenv("KVFERRY_TRANSPORT");
-  if (!tr || strcmp(tr, "ucx")) /* over TCP the trailers carry the MAC too */
-    assert_true(atomic_load(&d.m->stats.completions_fast) > 0);
+  assert_true(atomic_load(&d.m->stats.completions_fast) > 0); /* the trailers carry the MAC too */
   proc_stop(&pp.p, 5000);
   decode_stop_side(&d);
 }
@@ -488,10 +486,9 @@ static void control_token_between_kvferry_peers(void **state) {
  * with no trailer taken. */
 static void completion_rides_the_data(void **state) {
   (void)state;
-  /* Trailers ride kvferry's TCP framing; a UCX route carries none yet, so
-   * there every room is completed by its M3 (docs/WIRE-EXTENSIONS.md). */
-  const char *tr = getenv("KVFERRY_TRANSPORT");
-  int over_ucx = tr && !strcmp(tr, "ucx");
+  /* Over TCP the trailer rides the chunk's framing; over UCX it follows
+   * on the rendezvous connection once the chunk's puts were flushed
+   * (docs/WIRE-EXTENSIONS.md). */
   for (int fast = 1; fast >= 0; fast--) {
     prefill_proc pp;
     peer_prefill_start(&pp, 1, 1);
@@ -512,7 +509,7 @@ static void completion_rides_the_data(void **state) {
     kvf_manager_get_stats(d.m, &st);
     assert_int_equal(st.messages_forged, 0);
     assert_int_equal(st.messages_malformed, 0);
-    assert_int_equal(atomic_load(&d.m->stats.completions_fast), fast && !over_ucx ? 12 : 0);
+    assert_int_equal(atomic_load(&d.m->stats.completions_fast), fast ? 12 : 0);
     proc_stop(&pp.p, 5000);
     decode_stop_side(&d);
   }
