@@ -121,7 +121,11 @@ KVF_API const char *kvf_engine_session_id(const kvf_engine *engine);
 KVF_API uint16_t kvf_engine_port(const kvf_engine *engine);
 
 /* Register [addr, addr+len) so peers may write into it and local writes may
- * read from it. Overlapping an existing region is KVF_EEXIST. Any thread. */
+ * read from it. Overlapping an existing region is KVF_EEXIST, except for a
+ * range that lies inside a pool from kvf_engine_alloc_pool (the pool itself
+ * included): that is already registered whole, so the call only counts it
+ * and the matching kvf_engine_unregister only uncounts it (the pool stays
+ * registered until kvf_engine_free_pool). Any thread. */
 KVF_API int kvf_engine_register(kvf_engine *engine, void *addr, size_t len);
 /* Unregister the region that starts at addr. KVF_ENOTFOUND if none. A peer's
  * write into the region that is in progress is cut short (its batch is

@@ -154,6 +154,12 @@ typedef struct engine_counters {
   atomic_ullong chunks_fenced;
 } engine_counters;
 
+/* An address range (pools from kvf_engine_alloc_pool, registrations
+ * nested in them). */
+typedef struct engine_span {
+  uint64_t base, len;
+} engine_span;
+
 typedef struct kvf_engine {
   kvf_engine_config cfg;
   char host[256];
@@ -173,6 +179,12 @@ typedef struct kvf_engine {
   pthread_rwlock_t trailer_lock;
   kvf__trailer_fn trailer_cb;
   void *trailer_arg;
+  /* Pools the engine allocated, and registrations that lie inside one (a
+   * manager registering memory it was given from a pool): those are counted
+   * here, the pool's region already covers them. Under pools_mu. */
+  pthread_mutex_t pools_mu;
+  engine_span *pools, *nested;
+  size_t npools, cap_pools, nnested, cap_nested;
 } kvf_engine;
 
 /* Target side: hand a chunk's trailer to the callback, if one is set (a

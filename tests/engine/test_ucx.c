@@ -131,6 +131,35 @@ static void allocated_pools_land_exact(void **state) {
   engine_peer_stop(&peer);
 }
 
+/* A manager registers the memory it is given: a range inside an allocated
+ * pool (or the whole pool) is counted, not refused as overlapping, and its
+ * unregister leaves the pool registered; a range crossing the pool's end
+ * still overlaps. On both transports (tcp allocates shared anonymous memory). */
+static void registering_inside_a_pool_is_counted(void **state) {
+  (void)state;
+  const char *transports[] = {"tcp", have_ucx() ? "ucx" : NULL};
+  for (int t = 0; t < 2 && transports[t]; t++) {
+    engine_peer peer;
+    const char *args[] = {"--transport", transports[t], NULL};
+    assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+    kvf_engine *e = make_engine(transports[t], 5000);
+    enum { POOL = 8u << 20 };
+    void *mem = NULL;
+    assert_int_equal(kvf_engine_alloc_pool(e, POOL, &mem), 0);
+    unsigned char *pool = mem;
+    assert_int_equal(kvf_engine_register(e, pool, POOL), 0);            /* the pool itself */
+    assert_int_equal(kvf_engine_register(e, pool + 4096, 1u << 20), 0); /* inside it */
+    assert_int_equal(kvf_engine_register(e, pool + POOL - 4096, 8192), KVF_EEXIST);
+    assert_int_equal(kvf_engine_unregister(e, pool + 4096), 0);
+    assert_int_equal(kvf_engine_unregister(e, pool), 0); /* the nested count only */
+    write_and_verify(e, &peer, pool, 14);                /* still registered: writes from it work */
+    assert_int_equal(kvf_engine_free_pool(e, pool), 0);
+    assert_int_equal(kvf_engine_unregister(e, pool), KVF_ENOTFOUND);
+    kvf_engine_destroy(e);
+    engine_peer_stop(&peer);
+  }
+}
+
 /* An explicit ucx writer refuses a peer that offers no UCX; auto crosses to
  * kvferry's TCP and says why. */
 static void explicit_ucx_never_falls_back(void **state) {
@@ -308,9 +337,13 @@ static void gpu_memory_moves(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(plain_and_strided_land_exact),      cmocka_unit_test(allocated_pools_land_exact),
-      cmocka_unit_test(explicit_ucx_never_falls_back),     cmocka_unit_test(other_host_without_rdma),
-      cmocka_unit_test(unregister_during_traffic_is_safe), cmocka_unit_test(gpu_memory_moves),
+      cmocka_unit_test(plain_and_strided_land_exact),
+      cmocka_unit_test(allocated_pools_land_exact),
+      cmocka_unit_test(explicit_ucx_never_falls_back),
+      cmocka_unit_test(other_host_without_rdma),
+      cmocka_unit_test(registering_inside_a_pool_is_counted),
+      cmocka_unit_test(unregister_during_traffic_is_safe),
+      cmocka_unit_test(gpu_memory_moves),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
