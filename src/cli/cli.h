@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "kvferry.h"
+
 int cli_demo(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 int cli_bootstrap(int argc, char **argv);
@@ -31,5 +33,15 @@ int cli_set_transport(const char *cmd, const char *name);
  * command of kv-peer and kv-decode). Main thread. */
 struct kvf_manager;
 void cli_print_stats(struct kvf_manager **m, int n);
+
+/* The engine a CLI rank's KV manager shares (kvf_manager_config.engine),
+ * listening on `host`, and whether its KV pool should come from that engine
+ * (kvf_engine_alloc_pool: shared memory that a same-host UCX peer maps and
+ * writes with plain stores): $KVFERRY_CLI_MEMORY "pool", or "auto"/unset
+ * when the engine's transport is ucx; "plain": private memory (UCX reaches
+ * it through CMA). 0 or a KVF_E* error. */
+int cli_rank_engine(const char *host, kvf_engine **out, int *pool);
+/* "pool" or "plain": what cli_rank_engine chooses for a transport. */
+const char *cli_memory_kind(const char *transport);
 
 #endif

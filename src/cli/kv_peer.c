@@ -285,8 +285,9 @@ int cli_kv_peer(int argc, char **argv) {
   kvf_bootstrap_server *srv = NULL;
   kvf_manager **mgr = calloc((size_t)o.world, sizeof *mgr);
   kvpool *pools = calloc((size_t)o.world, sizeof *pools);
+  kvf_engine **engines = calloc((size_t)o.world, sizeof *engines);
   peer_req *reqs = calloc(PEER_MAX_REQS, sizeof *reqs);
-  if (!mgr || !pools || !reqs || (!o.bootstrap && kvf_bootstrap_server_create(&bc, &srv))) {
+  if (!mgr || !pools || !engines || !reqs || (!o.bootstrap && kvf_bootstrap_server_create(&bc, &srv))) {
     fprintf(stderr, "kv-peer: cannot start the bootstrap server\n");
     goto out;
   }
@@ -294,10 +295,17 @@ int cli_kv_peer(int argc, char **argv) {
   if (o.bootstrap) snprintf(baddr, sizeof baddr, "%s", o.bootstrap);
   else snprintf(baddr, sizeof baddr, "%s:%u", o.host, (unsigned)kvf_bootstrap_server_port(srv));
   for (int r = 0; r < o.world; r++) {
+    int use_pool = 0, erc = cli_rank_engine(o.host, &engines[r], &use_pool);
+    if (erc) {
+      fprintf(stderr, "kv-peer: prefill rank %d: engine: %s\n", r, kvf_strerror(erc));
+      goto out;
+    }
+    kvpool_use_engine(use_pool ? engines[r] : NULL);
     int prc = o.mla     ? kvpool_init_mla(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size, o.unit)
               : o.heads ? kvpool_init_heads(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size,
                                             (size_t)o.heads, (size_t)((r % tp) / replica * o.heads), o.unit)
                         : kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item);
+    kvpool_use_engine(NULL);
     if (prc || (o.nstate && kvpool_add_state(&pools[r], (size_t)o.nstate, PEER_STATE_SLOTS, o.state_item)))
       goto out;
     kvf_manager_config mc;
@@ -309,6 +317,7 @@ int cli_kv_peer(int argc, char **argv) {
     mc.dp_size = o.dp;
     mc.bootstrap_addr = baddr;
     mc.page_size = o.page_size;
+    mc.engine = engines[r];
     int err = kvf_manager_create(&mc, &pools[r].bufs, &mgr[r]);
     if (err) {
       fprintf(stderr, "kv-peer: prefill rank %d: %s\n", r, kvf_strerror(err));
@@ -404,7 +413,9 @@ out:
   fflush(stdout);
   for (int r = 0; mgr && r < o.world; r++) kvf_manager_destroy(mgr[r]);
   for (int r = 0; pools && r < o.world; r++) kvpool_free(&pools[r]);
+  for (int r = 0; engines && r < o.world; r++) kvf_engine_destroy(engines[r]);
   kvf_bootstrap_server_destroy(srv);
+  free(engines);
   free(mgr);
   free(pools);
   free(reqs);

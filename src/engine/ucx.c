@@ -514,6 +514,7 @@ static void *progress_main(void *arg) {
       }
     }
     kvf__ucx_reap(u);
+    kvf__ucx_trailers_send(u);
   }
   return NULL;
 }

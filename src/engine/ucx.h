@@ -42,8 +42,6 @@
  * this it asks for a new info (whose snapshot makes them redundant). */
 #define UCX_MAX_CLOSED_FENCES 65536u
 #define UCX_MAX_OPEN_FENCES (1u << 20) /* ENGINE_MAX_FENCES (fence.c) */
-/* A tagged chunk flushes after this many bytes of puts (ucx_write.c). */
-#define UCX_FENCE_WINDOW (4u << 20)
 #define UCX_HOST_ID_LEN 128
 #define UCX_MAX_ADDR_LEN (64u * 1024u)
 #define UCX_MAX_REGIONS 4096u
@@ -160,7 +158,8 @@ typedef struct ucx_op {
   chunk *c;
   ucx_peer *p;
   struct ucx_state *u;
-  int fenced; /* its batch's fence closed meanwhile: it ends KVF_ESTATE */
+  int fenced;  /* its batch's fence closed meanwhile: it ends KVF_ESTATE */
+  int trailer; /* its chunk's trailer goes out once the flush is done (u->tq) */
 } ucx_op;
 
 typedef struct ucx_job {
@@ -192,6 +191,7 @@ typedef struct ucx_state {
   ucx_op *ops; /* in flight, under wmu */
   ucx_op *
       orphans; /* failed by the reaper, their flush still pending (freed by its callback or at teardown), under wmu */
+  ucx_op *tq;      /* flushed, their trailer to send (kvf__ucx_trailers_send), under wmu */
   atomic_int reap; /* a peer was marked dead: the progress thread ends its endpoint */
   /* registrations, under reg_mu */
   pthread_mutex_t reg_mu;
@@ -248,13 +248,17 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
 /* Progress thread: end the endpoints of peers marked dead, and fail flushes
  * past their deadline. */
 void kvf__ucx_reap(ucx_state *u);
-/* With wmu held and p->ep set: flush the endpoint and progress until done
- * (wmu is let go between idle progress calls), the peer dies or until_ns. */
+/* Progress thread only, with wmu held and p->ep set: flush the endpoint
+ * and progress until done (wmu is let go between idle progress calls), the
+ * peer dies or until_ns. */
 int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns);
 /* With wmu held: flushes in flight to `p` for `epoch` end KVF_ESTATE. */
 void kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch);
 /* Frees every op left (teardown, after the worker is gone; no lock needed then). */
 void kvf__ucx_ops_free(ucx_state *u);
 void kvf__ucx_copier_start(ucx_state *u);
+/* Progress thread, no lock held: send the trailers of flushed chunks (tq)
+ * and finish those chunks. */
+void kvf__ucx_trailers_send(ucx_state *u);
 
 #endif

@@ -3,7 +3,6 @@
  * mapped here (ucp_rkey_ptr), on the submitting thread and the copier
  * threads; the progress thread fails flushes past their deadline and ends
  * the endpoints of dead peers. Locking rules in ucx.h. */
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -65,12 +64,25 @@ void kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch) {
 }
 
 void kvf__ucx_ops_free(ucx_state *u) {
-  for (ucx_op **head = &u->ops; head; head = head == &u->ops ? &u->orphans : NULL)
+  for (ucx_op **head = &u->ops; head; head = head == &u->ops ? &u->orphans : head == &u->orphans ? &u->tq : NULL)
     while (*head) {
       ucx_op *op = *head;
       *head = op->next;
       free(op);
     }
+}
+
+/* p->rw held: send the chunk's trailer to the target (ucx_serve). A
+ * fenced chunk sends none: do_chunk calls this only after its last block. */
+static int trailer_send(ucx_peer *p, const chunk *c) {
+  if (c->batch->tag && kvf__ucx_fence_refused(p, c->batch->epoch)) return KVF_ESTATE;
+  ucx_req h = {UCX_TRAILER_MAGIC, c->tlen, 0};
+  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+  pthread_mutex_lock(&p->mu);
+  int rc = p->fd < 0 ? KVF_ECLOSED : kvf__ucx_send_all(p->fd, &h, sizeof h, until);
+  if (!rc) rc = kvf__ucx_send_all(p->fd, c->trailer, c->tlen, until);
+  pthread_mutex_unlock(&p->mu);
+  return rc;
 }
 
 static void flush_cb(void *req, ucs_status_t st, void *arg) {
@@ -79,9 +91,31 @@ static void flush_cb(void *req, ucs_status_t st, void *arg) {
    * the reaper already failed is gone (op->c NULL, op on the orphans). */
   chunk *c = op->c;
   op_unlink(op);
+  if (c && st == UCS_OK && !op->fenced && op->trailer) { /* its trailer goes out after progress */
+    op->next = op->u->tq;
+    op->u->tq = op;
+    ucp_request_free(req);
+    return;
+  }
   if (c) kvf__chunk_finish(c, st != UCS_OK ? kvf__ucx_status(st) : op->fenced ? KVF_ESTATE : 0);
   free(op);
   ucp_request_free(req);
+}
+
+void kvf__ucx_trailers_send(ucx_state *u) {
+  pthread_mutex_lock(&u->wmu);
+  ucx_op *list = u->tq;
+  u->tq = NULL;
+  pthread_mutex_unlock(&u->wmu);
+  while (list) {
+    ucx_op *op = list;
+    list = op->next;
+    pthread_rwlock_rdlock(&op->p->rw);
+    int rc = trailer_send(op->p, op->c);
+    pthread_rwlock_unlock(&op->p->rw);
+    kvf__chunk_finish(op->c, rc);
+    free(op);
+  }
 }
 
 int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns) {
@@ -123,28 +157,13 @@ static int fence_gate(ucx_state *u, ucx_peer *p, uint64_t epoch, int *locked, in
   return kvf__ucx_fence_refused(p, epoch) ? KVF_ESTATE : 0;
 }
 
-/* p->rw held: send the chunk's trailer to the target (ucx_serve). A
- * fenced chunk sends none: do_chunk calls this only after its last block. */
-static int trailer_send(ucx_peer *p, const chunk *c) {
-  if (c->batch->tag && kvf__ucx_fence_refused(p, c->batch->epoch)) return KVF_ESTATE;
-  ucx_req h = {UCX_TRAILER_MAGIC, c->tlen, 0};
-  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-  pthread_mutex_lock(&p->mu);
-  int rc = p->fd < 0 ? KVF_ECLOSED : kvf__ucx_send_all(p->fd, &h, sizeof h, until);
-  if (!rc) rc = kvf__ucx_send_all(p->fd, c->trailer, c->tlen, until);
-  pthread_mutex_unlock(&p->mu);
-  return rc;
-}
-
 /* Write one chunk: plain stores where the peer's region is mapped here,
  * puts and an endpoint flush elsewhere. Reports through kvf__chunk_finish.
  * A tagged chunk passes fence_gate before every block, so once the target
- * closed its fence no further block starts (one in progress completes),
- * and it flushes every UCX_FENCE_WINDOW bytes of puts: a fence close waits
- * for at most that much to be flushed, and no more can land late. */
+ * closed its fence no further block starts (one in progress completes). */
 static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
   int status = 0, puts = 0, locked = 0, pending = 0;
-  uint64_t epoch = c->batch->tag ? c->batch->epoch : 0, unflushed = 0;
+  uint64_t epoch = c->batch->tag ? c->batch->epoch : 0;
   pthread_rwlock_rdlock(&p->rw);
   if (atomic_load(&p->dead) || !p->ep) {
     status = atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
@@ -178,31 +197,12 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
       }
       if (sp) ucp_request_free(sp); /* released when done; the flush covers it */
       puts++;
-      if (epoch && (unflushed += w->len) >= UCX_FENCE_WINDOW) {
-        int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-        if ((status =
-                 kvf__ucx_flush_wait_locked(u, p, until < c->batch->deadline_ns ? until : c->batch->deadline_ns)))
-          break;
-        unflushed = 0;
-        puts = 0;
-      }
     }
   }
-  if (!status && c->tlen) {
-    /* The completion trailer follows the bytes: flushed here (one chunk,
-     * under the split size), then sent on the rendezvous connection that
-     * the target reads in order. */
-    if (!locked) pthread_mutex_lock(&u->wmu);
-    locked = 1;
-    if (puts) {
-      int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-      status = kvf__ucx_flush_wait_locked(u, p, until < c->batch->deadline_ns ? until : c->batch->deadline_ns);
-      puts = 0;
-    }
-    pthread_mutex_unlock(&u->wmu);
-    locked = 0;
-    if (!status) status = trailer_send(p, c);
-  }
+  /* The completion trailer follows the bytes, on the rendezvous connection
+   * that the target reads in order: after the flush (the progress thread
+   * sends it, kvf__ucx_trailers_send), or now when every byte was a store. */
+  if (!status && c->tlen && !puts) status = trailer_send(p, c);
   if (puts && !status) {
     ucx_op *op = calloc(1, sizeof *op);
     if (!op) {
@@ -212,6 +212,7 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     op->c = c;
     op->p = p;
     op->u = u;
+    op->trailer = c->tlen > 0;
     ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                               .cb.send = flush_cb,
                               .user_data = op};
@@ -221,6 +222,7 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
       free(op);
     } else if (sp == NULL) {
       free(op); /* flushed already */
+      if (c->tlen) status = trailer_send(p, c);
     } else {
       op_link(op);
       pending = 1;
