@@ -42,6 +42,9 @@ void cli_print_stats(struct kvf_manager **m, int n);
  * it through CMA). 0 or a KVF_E* error. */
 int cli_rank_engine(const char *host, kvf_engine **out, int *pool);
 /* "pool" or "plain": what cli_rank_engine chooses for a transport. */
+/* Do two same-host CLI processes reach each other over UCX ($KVFERRY_TRANSPORT
+ * ucx, or auto in a build with UCX)? */
+int cli_ucx_route(void);
 const char *cli_memory_kind(const char *transport);
 
 #endif

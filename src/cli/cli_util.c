@@ -99,3 +99,8 @@ int cli_rank_engine(const char *host, kvf_engine **out, int *pool) {
   if (!rc) *pool = !strcmp(cli_memory_kind(kvf_engine_transport(*out)), "pool");
   return rc;
 }
+
+int cli_ucx_route(void) {
+  const char *tr = getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto";
+  return !strcmp(tr, "ucx") || (!strcmp(tr, "auto") && strstr(kvf_engine_transports(), "ucx"));
+}

@@ -254,9 +254,7 @@ int cli_demo(int argc, char **argv) {
          (unsigned long long)pool_pages, (unsigned long long)pool_pages * md->page_tokens,
          pool_pages * page_bytes / (double)(1ull << 30), md->mla ? "rank" : "side", inflight,
          getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto");
-  /* auto between two processes of one host runs UCX where this build has it */
-  const char *tr = getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto";
-  int ucx_route = !strcmp(tr, "ucx") || (!strcmp(tr, "auto") && strstr(kvf_engine_transports(), "ucx"));
+  int ucx_route = cli_ucx_route();
   printf("  memory: %s\n", !strcmp(cli_memory_kind(ucx_route ? "ucx" : "tcp"), "pool")
                                ? "pools from kvf_engine_alloc_pool (UCX maps them: plain stores, rkey_ptr)"
                            : ucx_route ? "private memory registered with the engine (UCX reaches it through CMA)"
