@@ -219,6 +219,12 @@ KVF_API const char *kvf_engine_transport(const kvf_engine *engine);
  * UCX shared memory", into out (cap bytes, NUL-terminated). KVF_ENOTFOUND
  * before the first batch to that peer. Any thread. */
 KVF_API int kvf_engine_peer_transport(kvf_engine *engine, const char *session, char *out, size_t cap);
+/* Every peer this engine has chosen a transport for, one line each:
+ * "<session> <tcp|ucx> <why>\n" (the why as kvf_engine_peer_transport
+ * says it), into out (cap bytes, NUL-terminated; lines that do not fit are
+ * left out). The number of lines written; an engine running transport tcp
+ * chooses nothing per peer and writes none. Any thread. */
+KVF_API int kvf_engine_peer_routes(kvf_engine *engine, char *out, size_t cap);
 
 /* Allocate a `len`-byte pool and register it. With UCX it lives in shared
  * memory that a same-host peer maps directly (ucp_rkey_ptr), so writes into

@@ -301,6 +301,7 @@ int cli_kv_peer(int argc, char **argv) {
       goto out;
     }
     kvpool_use_engine(use_pool ? engines[r] : NULL);
+    if (srv) kvf_bootstrap_server_add_engine(srv, engines[r]); /* its routes in /metrics */
     int prc = o.mla     ? kvpool_init_mla(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size, o.unit)
               : o.heads ? kvpool_init_heads(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size,
                                             (size_t)o.heads, (size_t)((r % tp) / replica * o.heads), o.unit)
@@ -413,8 +414,8 @@ out:
   fflush(stdout);
   for (int r = 0; mgr && r < o.world; r++) kvf_manager_destroy(mgr[r]);
   for (int r = 0; pools && r < o.world; r++) kvpool_free(&pools[r]);
+  kvf_bootstrap_server_destroy(srv); /* before the engines it shows */
   for (int r = 0; engines && r < o.world; r++) kvf_engine_destroy(engines[r]);
-  kvf_bootstrap_server_destroy(srv);
   free(engines);
   free(mgr);
   free(pools);

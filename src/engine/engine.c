@@ -221,6 +221,12 @@ int kvf_engine_peer_transport(kvf_engine *e, const char *session, char *out, siz
   return 0;
 }
 
+int kvf_engine_peer_routes(kvf_engine *e, char *out, size_t cap) {
+  if (!e || !out || !cap) return KVF_EINVAL;
+  out[0] = 0;
+  return e->ops->routes ? e->ops->routes(e, out, cap) : 0;
+}
+
 /* Length of the registered region that starts at addr, or 0. */
 static uint64_t region_len_at(kvf_engine *e, uint64_t addr) {
   uint64_t len = 0;

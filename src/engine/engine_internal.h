@@ -136,6 +136,8 @@ typedef struct transport_ops {
    * pair is already refused by the table): returns once no writer can
    * write for it any more, or `until_ns` passed. */
   int (*fence_close)(struct kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t until_ns);
+  /* Optional: kvf_engine_peer_routes. */
+  int (*routes)(struct kvf_engine *e, char *out, size_t cap);
 } transport_ops;
 
 extern const transport_ops kvf__tcp_transport_ops;

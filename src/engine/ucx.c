@@ -661,4 +661,5 @@ const transport_ops kvf__ucx_transport_ops = {
     .alloc_pool = ucx_alloc_pool,
     .free_pool = ucx_free_pool,
     .fence_close = ucx_fence_close,
+    .routes = kvf__ucx_routes,
 };

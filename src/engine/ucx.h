@@ -223,6 +223,7 @@ int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 
 /* ucx_peer.c: peers, the rendezvous client, routing */
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap);
+int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap);
 /* Progress thread: a peer's rendezvous socket is readable or closed. */
 void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events);
 void kvf__ucx_peers_free(ucx_state *u);

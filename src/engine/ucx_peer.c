@@ -541,6 +541,32 @@ void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
   pthread_mutex_unlock(&p->mu);
 }
 
+int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap) {
+  ucx_state *u = e->ucx;
+  size_t n = 0;
+  int lines = 0;
+  pthread_mutex_lock(&u->peers_mu);
+  map_iter it;
+  kvf__map_iter_init(&it);
+  void *v;
+  while (kvf__smap_next(&u->peers, &it, NULL, &v)) {
+    ucx_peer *p = v;
+    char line[sizeof p->id + sizeof p->why + 64];
+    pthread_mutex_lock(&p->mu);
+    int w = p->route == ROUTE_UNKNOWN
+                ? 0
+                : snprintf(line, sizeof line, "%s %s %s%s\n", p->id, p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
+                           p->mapped ? "; its pool is mapped here (plain stores)" : "");
+    pthread_mutex_unlock(&p->mu);
+    if (w <= 0 || (size_t)w >= cap - n) continue;
+    memcpy(out + n, line, (size_t)w + 1);
+    n += (size_t)w;
+    lines++;
+  }
+  pthread_mutex_unlock(&u->peers_mu);
+  return lines;
+}
+
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap) {
   ucx_state *u = e->ucx;
   pthread_mutex_lock(&u->peers_mu);

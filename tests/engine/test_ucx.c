@@ -15,6 +15,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "bootstrap/bootstrap.h"
+
 #include "cli/pattern.h"
 #include "cli/peer.h"
 #include "kvferry.h"
@@ -158,6 +160,47 @@ static void registering_inside_a_pool_is_counted(void **state) {
     kvf_engine_destroy(e);
     engine_peer_stop(&peer);
   }
+}
+
+/* No silent fallback: the route an engine chose for each peer, and why, is
+ * in kvf_engine_peer_routes and on a bootstrap server's /metrics. */
+static void routes_show_in_metrics(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  kvf_engine *e = make_engine("ucx", 5000);
+  static unsigned char src[PAGE];
+  assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), 0);
+  char lines[1024];
+  assert_int_equal(kvf_engine_peer_routes(e, lines, sizeof lines), 1);
+  printf("routes: %s", lines);
+  assert_int_equal(strncmp(lines, peer.session, strlen(peer.session)), 0);
+  kvf_bootstrap_server *srv = NULL;
+  assert_int_equal(kvf_bootstrap_server_create(NULL, &srv), 0);
+  assert_int_equal(kvf_bootstrap_server_add_engine(srv, e), 0);
+  char addr[32], *body = NULL;
+  snprintf(addr, sizeof addr, "127.0.0.1:%u", (unsigned)kvf_bootstrap_server_port(srv));
+  bootstrap_client_opts o = {.token = "", .connect_timeout_ms = 5000, .timeout_ms = 5000};
+  bootstrap_client *c = NULL;
+  long status = 0;
+  assert_int_equal(kvf__bootstrap_client_create(addr, &o, &c), 0);
+  assert_int_equal(kvf__bootstrap_client_request(c, "GET", "/metrics", NULL, 0, &status, &body, NULL), 0);
+  kvf__bootstrap_client_destroy(c);
+  assert_int_equal(status, 200);
+  char want[400];
+  snprintf(want, sizeof want, "kvferry_engine_peer_route{engine=\"%s\",peer=\"%s\",transport=\"ucx\",why=\"",
+           kvf_engine_session_id(e), peer.session);
+  const char *hit = strstr(body, want);
+  if (hit) printf("%.*s\n", (int)strcspn(hit, "\n"), hit);
+  assert_non_null(hit);
+  free(body);
+  kvf_bootstrap_server_destroy(srv);
+  kvf_engine_destroy(e);
+  engine_peer_stop(&peer);
 }
 
 /* An explicit ucx writer refuses a peer that offers no UCX; auto crosses to
@@ -337,13 +380,10 @@ static void gpu_memory_moves(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(plain_and_strided_land_exact),
-      cmocka_unit_test(allocated_pools_land_exact),
-      cmocka_unit_test(explicit_ucx_never_falls_back),
-      cmocka_unit_test(other_host_without_rdma),
-      cmocka_unit_test(registering_inside_a_pool_is_counted),
-      cmocka_unit_test(unregister_during_traffic_is_safe),
-      cmocka_unit_test(gpu_memory_moves),
+      cmocka_unit_test(plain_and_strided_land_exact),         cmocka_unit_test(allocated_pools_land_exact),
+      cmocka_unit_test(explicit_ucx_never_falls_back),        cmocka_unit_test(other_host_without_rdma),
+      cmocka_unit_test(registering_inside_a_pool_is_counted), cmocka_unit_test(routes_show_in_metrics),
+      cmocka_unit_test(unregister_during_traffic_is_safe),    cmocka_unit_test(gpu_memory_moves),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
