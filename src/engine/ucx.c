@@ -313,6 +313,10 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
       char ip[64];
       snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - peer) : (int)strlen(peer), peer);
       kvf__engine_deliver_trailer(e, t, r.reserved, ip);
+      ucx_req ack = {UCX_TRAILER_ACK_MAGIC, 0, 0};
+      pthread_mutex_lock(&c->send_mu);
+      rc = kvf__ucx_send_all(fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+      pthread_mutex_unlock(&c->send_mu);
       continue;
     }
     if (r.magic != UCX_REQ_MAGIC) {

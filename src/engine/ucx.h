@@ -38,6 +38,8 @@
  * bytes: a batch's completion trailer (async.h), sent only once the
  * chunk's puts were flushed (its bytes are in place). */
 #define UCX_TRAILER_MAGIC 0x4b564654u
+/* target -> writer: ucx_req, a trailer was handled (in order). */
+#define UCX_TRAILER_ACK_MAGIC 0x4b564674u
 /* Closed fences a writer remembers per peer beyond its last snapshot; past
  * this it asks for a new info (whose snapshot makes them redundant). */
 #define UCX_MAX_CLOSED_FENCES 65536u
@@ -148,8 +150,9 @@ typedef struct ucx_peer {
    * the ones closed since the snapshot. */
   uint64_t fence_next;
   map fence_open, fence_closed;
-  int fence_asked;       /* a new snapshot was asked for (fence_closed is full) */
-  atomic_int fence_wait; /* a fence message waits for rw: tagged writers let go at their next block */
+  int fence_asked;                   /* a new snapshot was asked for (fence_closed is full) */
+  atomic_int fence_wait;             /* a fence message waits for rw: tagged writers let go at their next block */
+  struct ucx_op *tacks, *tacks_tail; /* trailers sent, acks due in this order (under the state's wmu) */
 } ucx_peer;
 
 /* A chunk whose puts wait for an endpoint flush. Under wmu. */
@@ -158,8 +161,9 @@ typedef struct ucx_op {
   chunk *c;
   ucx_peer *p;
   struct ucx_state *u;
-  int fenced;  /* its batch's fence closed meanwhile: it ends KVF_ESTATE */
-  int trailer; /* its chunk's trailer goes out once the flush is done (u->tq) */
+  int fenced;           /* its batch's fence closed meanwhile: it ends KVF_ESTATE */
+  int trailer;          /* its chunk's trailer goes out once the flush is done (u->tq) */
+  struct ucx_op *tnext; /* on its peer's FIFO of trailers sent, not yet acked */
 } ucx_op;
 
 typedef struct ucx_job {
@@ -261,5 +265,7 @@ void kvf__ucx_copier_start(ucx_state *u);
 /* Progress thread, no lock held: send the trailers of flushed chunks (tq)
  * and finish those chunks. */
 void kvf__ucx_trailers_send(ucx_state *u);
+/* Progress thread: the target handled the oldest trailer sent to it. */
+void kvf__ucx_trailer_acked(ucx_state *u, ucx_peer *p);
 
 #endif

@@ -84,6 +84,7 @@ static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
   pthread_mutex_lock(&u->wmu);
   kvf__ucx_regs_free_locked(p);
   kvf__ucx_ep_close_locked(u, p);
+  p->tacks = p->tacks_tail = NULL; /* their ops stay on u->ops: the reaper fails them */
   pthread_mutex_unlock(&u->wmu);
 }
 
@@ -477,7 +478,15 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
     rc = r > 0                                            ? kvf__ucx_recv_all(fd, &h.magic, sizeof h.magic, until)
          : (r < 0 && (errno == EAGAIN || errno == EINTR)) ? 1
                                                           : KVF_ECLOSED;
-    if (!rc && h.magic == UCX_FENCE_MAGIC) {
+    if (!rc && h.magic == UCX_TRAILER_ACK_MAGIC) {
+      ucx_req rest;
+      rc = kvf__ucx_recv_all(fd, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic, until);
+      if (!rc) {
+        pthread_rwlock_unlock(&p->rw);
+        kvf__ucx_trailer_acked(u, p);
+        return;
+      }
+    } else if (!rc && h.magic == UCX_FENCE_MAGIC) {
       f.magic = h.magic;
       rc = kvf__ucx_recv_all(fd, (char *)&f + sizeof f.magic, sizeof f - sizeof f.magic, until);
       fence = 1;

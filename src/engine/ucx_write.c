@@ -102,6 +102,53 @@ static void flush_cb(void *req, ucs_status_t st, void *arg) {
   ucp_request_free(req);
 }
 
+/* p->rw held for reading, wmu not: send the chunk's trailer, its bytes in
+ * place. The chunk completes when the target says it handled the trailer
+ * (kvf__ucx_trailer_acked), as over TCP, where the ack follows the trailer:
+ * the prefill's M3 then never overtakes the completion it duplicates. Until
+ * then the op waits on u->ops (the reaper enforces the batch deadline) and
+ * on the peer's FIFO. `op` is reused, or NULL. */
+static void trailer_out(ucx_state *u, ucx_peer *p, chunk *c, ucx_op *op) {
+  if (!op && !(op = calloc(1, sizeof *op))) {
+    kvf__chunk_finish(c, KVF_ENOMEM);
+    return;
+  }
+  *op = (ucx_op){.c = c, .p = p, .u = u};
+  pthread_mutex_lock(&u->wmu);
+  op_link(op);
+  if (p->tacks_tail) p->tacks_tail->tnext = op;
+  else p->tacks = op;
+  p->tacks_tail = op;
+  pthread_mutex_unlock(&u->wmu);
+  int rc = trailer_send(p, c);
+  if (!rc) return;
+  pthread_mutex_lock(&u->wmu);
+  chunk *cc = op->c;
+  if (cc) { /* failed now: an orphan on the FIFO until the peer is reset */
+    op_unlink(op);
+    op->c = NULL;
+    op_link(op);
+  }
+  pthread_mutex_unlock(&u->wmu);
+  if (cc) kvf__chunk_finish(cc, rc);
+  kvf__ucx_peer_mark_dead(u, p, rc); /* a trailer cut short leaves the stream unusable */
+}
+
+void kvf__ucx_trailer_acked(ucx_state *u, ucx_peer *p) {
+  pthread_mutex_lock(&u->wmu);
+  ucx_op *op = p->tacks;
+  chunk *c = NULL;
+  if (op) {
+    p->tacks = op->tnext;
+    if (!p->tacks) p->tacks_tail = NULL;
+    c = op->c;
+    op_unlink(op);
+    free(op);
+  }
+  pthread_mutex_unlock(&u->wmu);
+  if (c) kvf__chunk_finish(c, 0);
+}
+
 void kvf__ucx_trailers_send(ucx_state *u) {
   pthread_mutex_lock(&u->wmu);
   ucx_op *list = u->tq;
@@ -110,11 +157,10 @@ void kvf__ucx_trailers_send(ucx_state *u) {
   while (list) {
     ucx_op *op = list;
     list = op->next;
-    pthread_rwlock_rdlock(&op->p->rw);
-    int rc = trailer_send(op->p, op->c);
-    pthread_rwlock_unlock(&op->p->rw);
-    kvf__chunk_finish(op->c, rc);
-    free(op);
+    ucx_peer *p = op->p;
+    pthread_rwlock_rdlock(&p->rw);
+    trailer_out(u, p, op->c, op);
+    pthread_rwlock_unlock(&p->rw);
   }
 }
 
@@ -202,8 +248,13 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
   /* The completion trailer follows the bytes, on the rendezvous connection
    * that the target reads in order: after the flush (the progress thread
    * sends it, kvf__ucx_trailers_send), or now when every byte was a store. */
-  if (!status && c->tlen && !puts) status = trailer_send(p, c);
-  if (puts && !status) {
+  if (!status && c->tlen && !puts) {
+    if (locked) pthread_mutex_unlock(&u->wmu);
+    locked = 0;
+    trailer_out(u, p, c, NULL); /* it finishes the chunk */
+    pending = 1;
+  }
+  if (puts && !status && !pending) {
     ucx_op *op = calloc(1, sizeof *op);
     if (!op) {
       status = KVF_ENOMEM;
@@ -221,8 +272,14 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
       status = kvf__ucx_status(UCS_PTR_STATUS(sp));
       free(op);
     } else if (sp == NULL) {
-      free(op); /* flushed already */
-      if (c->tlen) status = trailer_send(p, c);
+      if (c->tlen) { /* flushed already */
+        pthread_mutex_unlock(&u->wmu);
+        locked = 0;
+        trailer_out(u, p, c, op);
+        pending = 1;
+      } else {
+        free(op);
+      }
     } else {
       op_link(op);
       pending = 1;
