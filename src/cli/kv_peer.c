@@ -76,6 +76,14 @@ typedef struct peer_opts {
   int bootstrap_port;    /* port of the one started here; 0 = any free port */
 } peer_opts;
 
+/* --reuse-early: the scheduler's bug, the page goes to another request at
+ * once, while the engine may still be reading it for the transfer. A data
+ * race on purpose (verify mode must catch it, tests/e2e/test_demo.c):
+ * tests/tsan.supp names this function. */
+__attribute__((noinline)) static void reuse_page_early(const kvf_kv_buffers *b, int64_t page) {
+  ((volatile unsigned char *)b->kv_ptrs[0])[(uint64_t)page * b->kv_item_lens[0]] ^= 0xff;
+}
+
 static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed, long long token,
                          int chunk, int reuse, int wait_m2, uint64_t *rng) {
   for (int i = 0; i < r->nranks; i++) {
@@ -117,9 +125,8 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
       if (kvf_sender_send(r->tx[i], &p)) return -1;
       if (last) break;
     }
-    if (reuse && r->npages) { /* the scheduler's bug: the page goes to another request at once */
-      const kvf_kv_buffers *b = &pools[rank].bufs;
-      ((volatile unsigned char *)b->kv_ptrs[0])[(uint64_t)r->pages[i][0] * b->kv_item_lens[0]] ^= 0xff;
+    if (reuse && r->npages) {
+      reuse_page_early(&pools[rank].bufs, r->pages[i][0]);
       kvf_engine_sync(kvf_manager_engine(mgr[rank]));
     }
   }
