@@ -484,6 +484,9 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
       if (!rc) {
         pthread_rwlock_unlock(&p->rw);
         kvf__ucx_trailer_acked(u, p);
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv); /* writers waiting for it to be read (fence_gate) */
+        pthread_mutex_unlock(&p->mu);
         return;
       }
     } else if (!rc && h.magic == UCX_FENCE_MAGIC) {
