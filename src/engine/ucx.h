@@ -153,6 +153,7 @@ typedef struct ucx_peer {
   int fence_asked;                   /* a new snapshot was asked for (fence_closed is full) */
   atomic_int fence_wait;             /* a fence message waits for rw: tagged writers let go at their next block */
   struct ucx_op *tacks, *tacks_tail; /* trailers sent, acks due in this order (under the state's wmu) */
+  atomic_int gated;                  /* writers in fence_gate with puts posted and not flushed yet */
 } ucx_peer;
 
 /* A chunk whose puts wait for an endpoint flush. Under wmu. */
@@ -163,6 +164,7 @@ typedef struct ucx_op {
   struct ucx_state *u;
   int fenced;           /* its batch's fence closed meanwhile: it ends KVF_ESTATE */
   int trailer;          /* its chunk's trailer goes out once the flush is done (u->tq) */
+  int err;              /* the chunk already failed (a flush still covers the puts it posted) */
   struct ucx_op *tnext; /* on its peer's FIFO of trailers sent, not yet acked */
 } ucx_op;
 
@@ -262,8 +264,9 @@ void kvf__ucx_reap(ucx_state *u);
  * and progress until done (wmu is let go between idle progress calls), the
  * peer dies or until_ns. */
 int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns);
-/* With wmu held: flushes in flight to `p` for `epoch` end KVF_ESTATE. */
-void kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch);
+/* With wmu held: flushes in flight to `p` for `epoch` end KVF_ESTATE; how
+ * many there are (0: every put for it is complete). */
+int kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch);
 /* Frees every op left (teardown, after the worker is gone; no lock needed then). */
 void kvf__ucx_ops_free(ucx_state *u);
 void kvf__ucx_copier_start(ucx_state *u);

@@ -58,9 +58,11 @@ static void op_link(ucx_op *op) {
   *head = op;
 }
 
-void kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch) {
+int kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch) {
+  int n = 0;
   for (ucx_op *op = u->ops; op; op = op->next)
-    if (op->p == p && op->c->batch->tag && op->c->batch->epoch == epoch) op->fenced = 1;
+    if (op->p == p && op->c->batch->tag && op->c->batch->epoch == epoch) op->fenced = 1, n++;
+  return n;
 }
 
 void kvf__ucx_ops_free(ucx_state *u) {
@@ -97,7 +99,8 @@ static void flush_cb(void *req, ucs_status_t st, void *arg) {
     ucp_request_free(req);
     return;
   }
-  if (c) kvf__chunk_finish(c, st != UCS_OK ? kvf__ucx_status(st) : op->fenced ? KVF_ESTATE : 0);
+  if (c)
+    kvf__chunk_finish(c, st != UCS_OK ? kvf__ucx_status(st) : op->err ? op->err : op->fenced ? KVF_ESTATE : 0);
   free(op);
   ucp_request_free(req);
 }
@@ -186,10 +189,13 @@ int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns) {
  * tagged with `epoch` start? The target may have sent a fence close that
  * is not read yet (the writer was stopped, or slow): then let the progress
  * thread read it first, locks dropped, and look again. 0, or why not. */
-static int fence_gate(ucx_state *u, ucx_peer *p, uint64_t epoch, int *locked, int64_t deadline_ns) {
+static int fence_gate(ucx_state *u, ucx_peer *p, uint64_t epoch, int *locked, int puts, int64_t deadline_ns) {
   while (kvf__ucx_ctl_pending(p)) {
     if (*locked) pthread_mutex_unlock(&u->wmu);
     *locked = 0;
+    /* Puts posted and not flushed yet: a fence confirmation meanwhile must
+     * flush (fence_msg_apply). */
+    if (puts) atomic_fetch_add(&p->gated, 1);
     pthread_rwlock_unlock(&p->rw);
     kvf__ucx_wake(u);
     pthread_mutex_lock(&p->mu);
@@ -197,6 +203,7 @@ static int fence_gate(ucx_state *u, ucx_peer *p, uint64_t epoch, int *locked, in
     pthread_cond_timedwait(&p->cv, &p->mu, &ts);
     pthread_mutex_unlock(&p->mu);
     pthread_rwlock_rdlock(&p->rw);
+    if (puts) atomic_fetch_sub(&p->gated, 1);
     if (atomic_load(&p->dead) || !p->ep) return atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
     if (clock_now_ns() > deadline_ns) return KVF_ETIMEDOUT;
   }
@@ -224,7 +231,7 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     uint64_t count = w->count > 1 ? w->count : 1;
     for (uint64_t i = 0; i < count; i++) {
       uint64_t src = w->src + i * w->src_stride, dst = w->dst + i * w->dst_stride;
-      if (epoch && (status = fence_gate(u, p, epoch, &locked, c->batch->deadline_ns))) {
+      if (epoch && (status = fence_gate(u, p, epoch, &locked, puts, c->batch->deadline_ns))) {
         if (status == KVF_ESTATE) atomic_fetch_add(&u->e->stats.chunks_fenced, 1);
         break;
       }
@@ -261,7 +268,9 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     trailer_out(u, p, c, NULL); /* it finishes the chunk */
     pending = 1;
   }
-  if (puts && !status && !pending) {
+  /* Posted puts are always covered by a tracked flush, a failed chunk's
+   * too: a fence confirmation flushes while such a flush is in flight. */
+  if (puts && !pending && p->ep) {
     ucx_op *op = calloc(1, sizeof *op);
     if (!op) {
       status = KVF_ENOMEM;
@@ -270,16 +279,17 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     op->c = c;
     op->p = p;
     op->u = u;
-    op->trailer = c->tlen > 0;
+    op->err = status;
+    op->trailer = !status && c->tlen > 0;
     ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                               .cb.send = flush_cb,
                               .user_data = op};
     ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &fp);
     if (UCS_PTR_IS_ERR(sp)) {
-      status = kvf__ucx_status(UCS_PTR_STATUS(sp));
+      if (!status) status = kvf__ucx_status(UCS_PTR_STATUS(sp));
       free(op);
     } else if (sp == NULL) {
-      if (c->tlen) { /* flushed already */
+      if (op->trailer) { /* flushed already */
         pthread_mutex_unlock(&u->wmu);
         locked = 0;
         trailer_out(u, p, c, op);
