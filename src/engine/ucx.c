@@ -515,11 +515,12 @@ static void *progress_main(void *arg) {
     }
     kvf_engine_sync(u->e);
     ucs_status_t st = ucp_worker_arm(u->w);
-    int busy = u->ops != NULL;
+    int busy = u->ops != NULL, trailers = u->tq != NULL;
     pthread_mutex_unlock(&u->wmu);
-    /* Sleep only when the worker is armed; with batches in flight wake at
-     * least every tick to check their deadlines. */
-    int n = epoll_wait(u->epfd, ev, 16, st == UCS_ERR_BUSY ? 0 : busy ? UCX_TICK_MS : -1);
+    /* Sleep only when the worker is armed and no flushed chunk waits to send
+     * its trailer (the progress above may have completed one); with batches
+     * in flight wake at least every tick to check their deadlines. */
+    int n = epoll_wait(u->epfd, ev, 16, st == UCS_ERR_BUSY || trailers ? 0 : busy ? UCX_TICK_MS : -1);
     for (int i = 0; i < n; i++) {
       void *tag = ev[i].data.ptr;
       if (tag == u) {
