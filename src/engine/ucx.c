@@ -365,19 +365,6 @@ static void del_reg(ucx_state *u, ucx_reg *r) {
   u->nregs--;
 }
 
-ucp_mem_h kvf__ucx_local_memh(ucx_state *u, uint64_t addr, uint64_t len, uint64_t *base, uint64_t *rlen) {
-  ucp_mem_h m = NULL;
-  pthread_mutex_lock(&u->reg_mu);
-  for (size_t i = 0; i < u->nregs && !m; i++)
-    if (addr >= u->regs[i].base && addr + len <= u->regs[i].base + u->regs[i].len) {
-      m = u->regs[i].memh;
-      *base = u->regs[i].base;
-      *rlen = u->regs[i].len;
-    }
-  pthread_mutex_unlock(&u->reg_mu);
-  return m;
-}
-
 static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   ucx_state *u = e->ucx;
   uint64_t base = (uint64_t)(uintptr_t)addr;

@@ -227,11 +227,6 @@ void kvf__ucx_wake(ucx_state *u);
 int kvf__ucx_send_all(int fd, const void *buf, size_t len, int64_t deadline_ns);
 int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 
-/* The memory handle of the local region holding [addr, addr+len) (its
- * bounds in *base, *rlen), or NULL. The region is the batch's source: it
- * stays registered while the batch runs (engine.h). */
-ucp_mem_h kvf__ucx_local_memh(ucx_state *u, uint64_t addr, uint64_t len, uint64_t *base, uint64_t *rlen);
-
 /* ucx_peer.c: peers, the rendezvous client, routing */
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap);
 int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap);

@@ -222,10 +222,7 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     status = atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
     goto out;
   }
-  /* The source's memory handle, as a raw UCP loop passes it: UCX then
-   * skips its registration-cache lookup on every put. */
   ucp_request_param_t prm = {.op_attr_mask = 0};
-  uint64_t mh_base = 0, mh_len = 0;
   for (size_t k = 0; k < c->n && !status; k++) {
     const kvf_write *w = &c->writes[k];
     uint64_t count = w->count > 1 ? w->count : 1;
@@ -243,10 +240,6 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
       if (r->ptr) {
         memcpy(r->ptr + (dst - r->base), (const void *)(uintptr_t)src, w->len);
         continue;
-      }
-      if (src < mh_base || src + w->len > mh_base + mh_len) {
-        prm.memh = kvf__ucx_local_memh(u, src, w->len, &mh_base, &mh_len);
-        prm.op_attr_mask = prm.memh ? UCP_OP_ATTR_FIELD_MEMH : 0;
       }
       if (!locked) pthread_mutex_lock(&u->wmu);
       locked = 1;
