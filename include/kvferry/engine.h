@@ -72,7 +72,8 @@ typedef struct kvf_engine_stats {
   uint64_t conns_evicted;   /* target side: idle or unauthenticated, closed to make room */
   uint64_t peers_ucx;       /* writer side: peers routed over UCX (auto/ucx) */
   uint64_t peers_tcp;       /* writer side: peers routed over kvferry's TCP by auto */
-  uint64_t chunks_fenced;   /* target side: tagged chunks refused, their (tag, epoch) not open */
+  uint64_t chunks_fenced;   /* tagged chunks refused, their (tag, epoch) not open: by the target over tcp,
+                               by the writer over ucx (kvf_engine_fence_close) */
 } kvf_engine_stats;
 
 /* Options of one batch (kvf_engine_submit_ex, kvf_engine_write_ex). Always
@@ -120,7 +121,11 @@ KVF_API const char *kvf_engine_session_id(const kvf_engine *engine);
 KVF_API uint16_t kvf_engine_port(const kvf_engine *engine);
 
 /* Register [addr, addr+len) so peers may write into it and local writes may
- * read from it. Overlapping an existing region is KVF_EEXIST. Any thread. */
+ * read from it. Overlapping an existing region is KVF_EEXIST, except for a
+ * range that lies inside a pool from kvf_engine_alloc_pool (the pool itself
+ * included): that is already registered whole, so the call only counts it
+ * and the matching kvf_engine_unregister only uncounts it (the pool stays
+ * registered until kvf_engine_free_pool). Any thread. */
 KVF_API int kvf_engine_register(kvf_engine *engine, void *addr, size_t len);
 /* Unregister the region that starts at addr. KVF_ENOTFOUND if none. A peer's
  * write into the region that is in progress is cut short (its batch is
@@ -164,8 +169,21 @@ KVF_API int kvf_engine_write_ex(kvf_engine *engine, const char *session, const k
  * payload is arriving, at most timeout_ms (<= 0: the engine timeout) in all:
  * KVF_ETIMEDOUT means a receiver did not stop in time. KVF_ENOTFOUND when
  * the pair is not open. Untagged batches are never affected. Any thread.
- * Transports: tcp checks fences; a one-sided transport (the writer puts
- * into memory without the target's CPU) cannot, and says so in its docs. */
+ *
+ * Over ucx the writer puts into this memory without this engine's CPU, so
+ * the target cannot refuse a chunk. Close then also tells every writer
+ * connected to this engine's UCX rendezvous that the pair is closed, and
+ * returns 0 only once each has confirmed (it starts no new block for the
+ * pair, and has flushed what it had posted to this engine, so those bytes
+ * are in place before close returns) or its rendezvous connection is gone.
+ * Writers learn which pairs are open from the rendezvous as well: a tagged
+ * write naming a pair already closed is refused by the writer (KVF_ESTATE,
+ * counted in its chunks_fenced); one naming an epoch newer than the
+ * writer's last snapshot is written (the target cannot tell). A writer that
+ * does not confirm within the timeout (a stopped or hung process) is cut off
+ * and close returns KVF_ETIMEDOUT: it starts no new block of the pair when
+ * it runs again, but puts it had already posted may still land then, so
+ * the pages are safe to reuse only once that writer's process is gone. */
 KVF_API int kvf_engine_fence_open(kvf_engine *engine, uint64_t tag, uint64_t *epoch);
 KVF_API int kvf_engine_fence_close(kvf_engine *engine, uint64_t tag, uint64_t epoch, int timeout_ms);
 
@@ -201,6 +219,12 @@ KVF_API const char *kvf_engine_transport(const kvf_engine *engine);
  * UCX shared memory", into out (cap bytes, NUL-terminated). KVF_ENOTFOUND
  * before the first batch to that peer. Any thread. */
 KVF_API int kvf_engine_peer_transport(kvf_engine *engine, const char *session, char *out, size_t cap);
+/* Every peer this engine has chosen a transport for, one line each:
+ * "<session> <tcp|ucx> <why>\n" (the why as kvf_engine_peer_transport
+ * says it), into out (cap bytes, NUL-terminated; lines that do not fit are
+ * left out). The number of lines written; an engine running transport tcp
+ * chooses nothing per peer and writes none. Any thread. */
+KVF_API int kvf_engine_peer_routes(kvf_engine *engine, char *out, size_t cap);
 
 /* Allocate a `len`-byte pool and register it. With UCX it lives in shared
  * memory that a same-host peer maps directly (ucp_rkey_ptr), so writes into

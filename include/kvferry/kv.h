@@ -228,12 +228,17 @@ KVF_API int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npag
  * tokenspeed prefill (its engine is not kvferry's, or it sends no fence
  * epoch) nothing can be refused: a late write can land until that prefill's
  * own transfer timeout, so do not reuse the pages of a Failed room before
- * then (see docs/WIRE-EXTENSIONS.md). One-sided transports cannot be fenced
- * by the target: when the prefill reaches this decode over UCX
- * (kvf_engine_peer_transport), a write submitted before the failure can
- * still land until the prefill's batch deadline (its engine timeout_ms,
- * 30 s by default) after this call returned Failed; reuse the pages only
- * then. Otherwise never blocks. */
+ * then (see docs/WIRE-EXTENSIONS.md). Over UCX (a kvferry prefill whose
+ * engine writes into this decode one-sided, kvf_engine_peer_transport) the
+ * decode cannot refuse a write: the first Failed call tells every prefill
+ * engine connected over UCX and waits until each confirmed that it writes
+ * nothing more for the room and flushed what it had posted (about one round
+ * trip plus that flush), so the same guarantee holds when it returns. A
+ * prefill that does not confirm within 2 s (stopped, hung) is cut off and
+ * the failure to fence is logged ("could not fence late writes"): it starts
+ * no new write for the room when it runs again, but what it had already
+ * posted may land then, so reuse those pages only once that prefill process
+ * is gone (kvf_engine_fence_close). Otherwise never blocks. */
 KVF_API kvf_poll_status kvf_receiver_poll(kvf_receiver *r);
 /* Copy the failure reason (empty if none) into buf (cap bytes, always
  * terminated). The receiver's thread. */

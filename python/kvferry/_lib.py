@@ -148,6 +148,7 @@ _PROTOTYPES = {
     "kvf_bootstrap_server_config_set": (_int, [_vp, _cp, _cp]),
     "kvf_bootstrap_server_create": (_int, [_vp, _P(_vp)]),
     "kvf_bootstrap_server_port": (ctypes.c_uint16, [_vp]),
+    "kvf_bootstrap_server_add_engine": (_int, [_vp, _vp]),
     "kvf_bootstrap_server_destroy": (None, [_vp]),
     # engine.h
     "kvf_engine_config_init": (None, [_vp]),
@@ -202,6 +203,7 @@ _PROTOTYPES.update({
     "kvf_engine_transports": (_cp, []),
     "kvf_engine_transport": (_cp, [_vp]),
     "kvf_engine_peer_transport": (_int, [_vp, _cp, ctypes.c_char_p, _sz]),
+    "kvf_engine_peer_routes": (_int, [_vp, ctypes.c_char_p, _sz]),
     "kvf_engine_alloc_pool": (_int, [_vp, _sz, ctypes.POINTER(_vp)]),
     "kvf_engine_free_pool": (_int, [_vp, _vp]),
 })

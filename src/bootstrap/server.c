@@ -33,6 +33,7 @@
 #include "base/parse.h"
 #include "bootstrap/bootstrap.h"
 #include "kvferry/bootstrap.h"
+#include "kvferry/engine.h"
 #include "wire/route_json.h"
 
 #define COMP "bootstrap"
@@ -95,6 +96,8 @@ struct kvf_bootstrap_server {
   int enable_mla_l1_5_cache;
   route_lens lists[ROUTE_NLISTS]; /* owned; present = sent at least once */
 
+  kvf_engine *engines[KVF_BOOTSTRAP_MAX_ENGINES]; /* /metrics route lines, under lock */
+  int nengines;
   atomic_uint_fast64_t registrations, lookups, parallel_infos, health_checks;
   atomic_uint_fast64_t errors[ERR_NKINDS];
 
@@ -305,9 +308,9 @@ static enum MHD_Result handle_get_route(kvf_bootstrap_server *srv, struct MHD_Co
 }
 
 /* A fixed buffer that drops what does not fit, for the /metrics page (about
- * 1.5 KiB; the buffer is sized well past it). */
+ * 1.5 KiB, plus a line per engine peer; the buffer is sized well past it). */
 typedef struct textbuf {
-  char buf[4096];
+  char buf[32768];
   size_t n;
 } textbuf;
 
@@ -325,21 +328,73 @@ static void counter(textbuf *t, const char *name, const char *help, atomic_uint_
           (unsigned long long)atomic_load(v));
 }
 
+/* A label value: quotes, backslashes and newlines escaped. */
+static void append_label(textbuf *t, const char *v, size_t len) {
+  for (size_t i = 0; i < len; i++) {
+    char c = v[i];
+    if (c == '"' || c == '\\') appendf(t, "\\%c", c);
+    else if (c == '\n') appendf(t, "\\n");
+    else appendf(t, "%c", c);
+  }
+}
+
+/* kvferry_engine_peer_route{engine,peer,transport,why} 1 per engine peer. */
+static void engine_routes(kvf_bootstrap_server *srv, textbuf *t) {
+  enum { LINES = 16384 };
+  char *lines = malloc(LINES);
+  if (!lines) return;
+  appendf(t, "# HELP kvferry_engine_peer_route The transport each engine chose for a peer, and why.\n"
+             "# TYPE kvferry_engine_peer_route gauge\n");
+  pthread_mutex_lock(&srv->lock);
+  for (int i = 0; i < srv->nengines; i++) {
+    if (kvf_engine_peer_routes(srv->engines[i], lines, LINES) <= 0) continue;
+    const char *self = kvf_engine_session_id(srv->engines[i]);
+    for (char *l = lines, *nl; *l; l = nl + 1) {
+      if (!(nl = strchr(l, '\n'))) break;
+      char *sp1 = memchr(l, ' ', (size_t)(nl - l)),
+           *sp2 = sp1 ? memchr(sp1 + 1, ' ', (size_t)(nl - sp1 - 1)) : NULL;
+      if (!sp2) continue;
+      appendf(t, "kvferry_engine_peer_route{engine=\"");
+      append_label(t, self, strlen(self));
+      appendf(t, "\",peer=\"");
+      append_label(t, l, (size_t)(sp1 - l));
+      appendf(t, "\",transport=\"");
+      append_label(t, sp1 + 1, (size_t)(sp2 - sp1 - 1));
+      appendf(t, "\",why=\"");
+      append_label(t, sp2 + 1, (size_t)(nl - sp2 - 1));
+      appendf(t, "\"} 1\n");
+    }
+  }
+  pthread_mutex_unlock(&srv->lock);
+  free(lines);
+}
+
+int kvf_bootstrap_server_add_engine(kvf_bootstrap_server *srv, kvf_engine *engine) {
+  if (!srv || !engine) return KVF_EINVAL;
+  int rc = 0;
+  pthread_mutex_lock(&srv->lock);
+  if (srv->nengines == KVF_BOOTSTRAP_MAX_ENGINES) rc = KVF_ENOMEM;
+  else srv->engines[srv->nengines++] = engine;
+  pthread_mutex_unlock(&srv->lock);
+  return rc;
+}
+
 static enum MHD_Result handle_metrics(kvf_bootstrap_server *srv, struct MHD_Connection *conn) {
-  textbuf t = {.n = 0};
+  textbuf *tp = calloc(1, sizeof *tp);
+  if (!tp) return send_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory");
   pthread_mutex_lock(&srv->lock);
   long long ranks = (long long)srv->ranks_set, world = (long long)srv->world_size;
   pthread_mutex_unlock(&srv->lock);
-  counter(&t, "kvferry_bootstrap_registrations_total", "Accepted PUT /route registrations.", &srv->registrations);
-  counter(&t, "kvferry_bootstrap_lookups_total", "Answered rank lookups.", &srv->lookups);
-  counter(&t, "kvferry_bootstrap_parallel_info_total", "Answered parallel-info requests.", &srv->parallel_infos);
-  counter(&t, "kvferry_bootstrap_health_checks_total", "Answered /health probes.", &srv->health_checks);
-  appendf(&t, "# HELP kvferry_bootstrap_errors_total Rejected requests by kind.\n"
+  counter(tp, "kvferry_bootstrap_registrations_total", "Accepted PUT /route registrations.", &srv->registrations);
+  counter(tp, "kvferry_bootstrap_lookups_total", "Answered rank lookups.", &srv->lookups);
+  counter(tp, "kvferry_bootstrap_parallel_info_total", "Answered parallel-info requests.", &srv->parallel_infos);
+  counter(tp, "kvferry_bootstrap_health_checks_total", "Answered /health probes.", &srv->health_checks);
+  appendf(tp, "# HELP kvferry_bootstrap_errors_total Rejected requests by kind.\n"
               "# TYPE kvferry_bootstrap_errors_total counter\n");
   for (int k = 0; k < ERR_NKINDS; k++)
-    appendf(&t, "kvferry_bootstrap_errors_total{kind=\"%s\"} %llu\n", err_names[k],
+    appendf(tp, "kvferry_bootstrap_errors_total{kind=\"%s\"} %llu\n", err_names[k],
             (unsigned long long)atomic_load(&srv->errors[k]));
-  appendf(&t,
+  appendf(tp,
           "# HELP kvferry_bootstrap_registered_ranks Prefill ranks in the routing table.\n"
           "# TYPE kvferry_bootstrap_registered_ranks gauge\n"
           "kvferry_bootstrap_registered_ranks %lld\n"
@@ -347,7 +402,11 @@ static enum MHD_Result handle_metrics(kvf_bootstrap_server *srv, struct MHD_Conn
           "# TYPE kvferry_bootstrap_world_size gauge\n"
           "kvferry_bootstrap_world_size %lld\n",
           ranks, world);
-  return send_reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", t.buf, t.n, NULL, NULL);
+  engine_routes(srv, tp);
+  enum MHD_Result r =
+      send_reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", tp->buf, tp->n, NULL, NULL);
+  free(tp);
+  return r;
 }
 
 /* ---- connection tracking ---- */

@@ -855,6 +855,27 @@ static int bench_e2e(const bench_opts *o) {
     rc = e2e_case(&pp, tokens, runs, &room, &p50, &best);
   }
   pd_stop(&pp);
+  /* Over UCX the processes' KV pools come from kvf_engine_alloc_pool (the
+   * peer maps them, rkey_ptr); the same request again with private memory
+   * (UCX reaches it through CMA). */
+  const char *mem = cli_memory_kind(cli_ucx_route() ? "ucx" : "tcp");
+  double plain50 = 0, plainbest = 0;
+  int plain_case = !rc && !o->verify && !strcmp(mem, "pool");
+  if (plain_case) {
+    char *prev = getenv("KVFERRY_CLI_MEMORY") ? strdup(getenv("KVFERRY_CLI_MEMORY")) : NULL;
+    setenv("KVFERRY_CLI_MEMORY", "plain", 1);
+    if (pd_start(&pp, E2E_LAYERS, E2E_ITEM, pages, err, sizeof err)) {
+      fprintf(stderr, "bench e2e: %s\n", err);
+      rc = 1;
+    } else {
+      rc = e2e_case(&pp, tokens, 1, &room, &w50, &wmin);
+      if (!rc) rc = e2e_case(&pp, tokens, runs, &room, &plain50, &plainbest);
+      pd_stop(&pp);
+    }
+    if (prev) setenv("KVFERRY_CLI_MEMORY", prev, 1);
+    else unsetenv("KVFERRY_CLI_MEMORY");
+    free(prev);
+  }
   if (rc) return 1;
   double ideal = base > 0 ? bytes / (base * 1e9) : 0, gbps = p50 > 0 ? bytes / p50 / 1e9 : 0;
   if (o->json) {
@@ -866,6 +887,10 @@ static int bench_e2e(const bench_opts *o) {
            "\"memcpy_ratio\":%.3f",
            tokens, (unsigned long long)bytes, runs, p50, best, gbps, base, base_pool, ideal,
            p50 > 0 ? ideal / p50 : 0, mc, mc > 0 ? gbps / mc : 0);
+    printf(",\"memory\":\"%s\"", mem);
+    if (plain_case)
+      printf(",\"plain_memory\":{\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"gbps\":%.3f,\"ratio\":%.3f}",
+             plain50, plainbest, plain50 > 0 ? bytes / plain50 / 1e9 : 0, plain50 > 0 ? ideal / plain50 : 0);
     if (o->verify) /* the verify pair's figures belong to the same object */
       printf(",\"verify\":{\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"overhead_ratio\":%.3f}", v50, vbest,
              p50 > 0 ? v50 / p50 : 0);
@@ -885,6 +910,14 @@ static int bench_e2e(const bench_opts *o) {
            "ratio (ideal/p50)");
     printf("%-28s %10.1f %10.1f %10.2f %10.1f %14.2f\n", "e2e_llama8b_4096tok", p50 * 1e3, best * 1e3, gbps,
            ideal * 1e3, p50 > 0 ? ideal / p50 : 0);
+    if (plain_case)
+      printf("%-28s %10.1f %10.1f %10.2f %10.1f %14.2f\n", "e2e_llama8b_4096tok_plain", plain50 * 1e3,
+             plainbest * 1e3, plain50 > 0 ? bytes / plain50 / 1e9 : 0, ideal * 1e3,
+             plain50 > 0 ? ideal / plain50 : 0);
+    printf("memory: %s\n", plain_case
+                               ? "the first row in pools from kvf_engine_alloc_pool (UCX maps them, rkey_ptr); "
+                                 "_plain in private memory (UCX: CMA)"
+                               : mem);
   }
   if (o->verify) {
     double ratio = p50 > 0 ? v50 / p50 : 0;

@@ -254,6 +254,11 @@ int cli_demo(int argc, char **argv) {
          (unsigned long long)pool_pages, (unsigned long long)pool_pages * md->page_tokens,
          pool_pages * page_bytes / (double)(1ull << 30), md->mla ? "rank" : "side", inflight,
          getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto");
+  int ucx_route = cli_ucx_route();
+  printf("  memory: %s\n", !strcmp(cli_memory_kind(ucx_route ? "ucx" : "tcp"), "pool")
+                               ? "pools from kvf_engine_alloc_pool (UCX maps them: plain stores, rkey_ptr)"
+                           : ucx_route ? "private memory registered with the engine (UCX reaches it through CMA)"
+                                       : "private memory registered with the engine");
   if (md->mla)
     printf("  TP: prefill %d rank(s), decode %d rank(s), each with the whole latent (%s); every (token, layer) "
            "latent checked on every decode rank\n",

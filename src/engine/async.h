@@ -53,4 +53,10 @@ int kvf__engine_submit_cb(kvf_engine *engine, const char *session, const kvf_wri
                           const kvf_batch_opts *opts, const void *trailer, size_t tlen,
                           void (*on_done)(void *arg, int status), void *arg);
 
+/* kvf_engine_fence_close for a pair whose writes all completed (the room
+ * ended Success: its writers flushed before they said so): the same over
+ * tcp, but one-sided writers (UCX) are not asked to confirm, which saves a
+ * round trip to each of them. Any thread. */
+int kvf__engine_fence_retire(kvf_engine *engine, uint64_t tag, uint64_t epoch, int timeout_ms);
+
 #endif

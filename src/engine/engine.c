@@ -91,6 +91,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   if (rc) goto err_free;
   if ((rc = kvf__fence_init(&e->fences))) goto err_regions;
   pthread_rwlock_init(&e->trailer_lock, NULL);
+  pthread_mutex_init(&e->pools_mu, NULL);
   snprintf(e->host, sizeof e->host, "%s", cfg.host);
   const char *tok = cfg.auth_token ? cfg.auth_token : getenv("KVFERRY_AUTH_TOKEN");
   if (tok && strlen(tok) >= sizeof e->auth_token) {
@@ -118,6 +119,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   return 0;
 
 err_regions:
+  pthread_mutex_destroy(&e->pools_mu);
   pthread_rwlock_destroy(&e->trailer_lock);
   kvf__fence_destroy(&e->fences);
   kvf__regions_destroy(&e->regions);
@@ -129,6 +131,9 @@ err_free:
 void kvf_engine_destroy(kvf_engine *e) {
   if (!e) return;
   e->ops->stop(e);
+  free(e->pools);
+  free(e->nested);
+  pthread_mutex_destroy(&e->pools_mu);
   pthread_rwlock_destroy(&e->trailer_lock);
   kvf__fence_destroy(&e->fences);
   kvf__regions_destroy(&e->regions);
@@ -138,9 +143,50 @@ void kvf_engine_destroy(kvf_engine *e) {
 const char *kvf_engine_session_id(const kvf_engine *e) { return e->session_id; }
 uint16_t kvf_engine_port(const kvf_engine *e) { return e->port; }
 
+static int span_push(engine_span **v, size_t *n, size_t *cap, engine_span x) {
+  if (*n == *cap) {
+    size_t c = *cap ? *cap * 2 : 8;
+    engine_span *nv = realloc(*v, c * sizeof *nv);
+    if (!nv) return KVF_ENOMEM;
+    *v = nv;
+    *cap = c;
+  }
+  (*v)[(*n)++] = x;
+  return 0;
+}
+
+/* Remove the last span of v starting at base (inside [lo, hi) when lo <
+ * hi: every one in it); how many went. */
+static size_t span_del(engine_span *v, size_t *n, uint64_t base, uint64_t lo, uint64_t hi) {
+  size_t gone = 0;
+  for (size_t i = *n; i-- > 0;) {
+    int hit = lo < hi ? v[i].base >= lo && v[i].base + v[i].len <= hi : v[i].base == base;
+    if (!hit) continue;
+    memmove(&v[i], &v[i + 1], (*n - i - 1) * sizeof *v);
+    (*n)--;
+    gone++;
+    if (lo >= hi) break;
+  }
+  return gone;
+}
+
+/* pools_mu held: does [base, base+len) lie inside an allocated pool? */
+static int in_pool_locked(const kvf_engine *e, uint64_t base, uint64_t len) {
+  for (size_t i = 0; i < e->npools; i++)
+    if (base >= e->pools[i].base && base + len <= e->pools[i].base + e->pools[i].len) return 1;
+  return 0;
+}
+
 int kvf_engine_register(kvf_engine *e, void *addr, size_t len) {
   if (!e || !addr || !len) return KVF_EINVAL;
-  int rc = kvf__regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len);
+  uint64_t base = (uint64_t)(uintptr_t)addr;
+  int rc = KVF_EEXIST;
+  pthread_mutex_lock(&e->pools_mu);
+  if (base + len >= base && in_pool_locked(e, base, len))
+    rc = span_push(&e->nested, &e->nnested, &e->cap_nested, (engine_span){base, len});
+  pthread_mutex_unlock(&e->pools_mu);
+  if (rc != KVF_EEXIST) return rc; /* inside a pool, already registered whole */
+  rc = kvf__regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len);
   if (!rc && e->ops->reg && (rc = e->ops->reg(e, addr, len)))
     kvf__regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
   if (rc) LOG_WARN("engine", "register %p+%zu failed: %s", addr, len, kvf_strerror(rc));
@@ -149,6 +195,10 @@ int kvf_engine_register(kvf_engine *e, void *addr, size_t len) {
 
 int kvf_engine_unregister(kvf_engine *e, void *addr) {
   if (!e || !addr) return KVF_EINVAL;
+  pthread_mutex_lock(&e->pools_mu);
+  size_t nested = span_del(e->nested, &e->nnested, (uint64_t)(uintptr_t)addr, 0, 0);
+  pthread_mutex_unlock(&e->pools_mu);
+  if (nested) return 0; /* the pool's region stays until kvf_engine_free_pool */
   int rc = kvf__regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
   if (!rc && e->ops->dereg) e->ops->dereg(e, addr);
   return rc;
@@ -169,6 +219,12 @@ int kvf_engine_peer_transport(kvf_engine *e, const char *session, char *out, siz
   if (e->ops->describe) return e->ops->describe(e, session, out, cap);
   snprintf(out, cap, "tcp: transport tcp");
   return 0;
+}
+
+int kvf_engine_peer_routes(kvf_engine *e, char *out, size_t cap) {
+  if (!e || !out || !cap) return KVF_EINVAL;
+  out[0] = 0;
+  return e->ops->routes ? e->ops->routes(e, out, cap) : 0;
 }
 
 /* Length of the registered region that starts at addr, or 0. */
@@ -193,6 +249,12 @@ int kvf_engine_alloc_pool(kvf_engine *e, size_t len, void **out) {
   }
   if (rc) return rc;
   rc = kvf_engine_register(e, p, len);
+  if (!rc) {
+    pthread_mutex_lock(&e->pools_mu);
+    rc = span_push(&e->pools, &e->npools, &e->cap_pools, (engine_span){(uint64_t)(uintptr_t)p, len});
+    pthread_mutex_unlock(&e->pools_mu);
+    if (rc) kvf_engine_unregister(e, p);
+  }
   if (rc) {
     if (e->ops->free_pool) e->ops->free_pool(e, p);
     else munmap(p, len);
@@ -204,7 +266,16 @@ int kvf_engine_alloc_pool(kvf_engine *e, size_t len, void **out) {
 
 int kvf_engine_free_pool(kvf_engine *e, void *addr) {
   if (!e || !addr) return KVF_EINVAL;
-  uint64_t len = region_len_at(e, (uint64_t)(uintptr_t)addr);
+  uint64_t base = (uint64_t)(uintptr_t)addr;
+  pthread_mutex_lock(&e->pools_mu);
+  for (size_t i = 0; i < e->npools; i++)
+    if (e->pools[i].base == base) { /* registrations nested in it go with it */
+      span_del(e->nested, &e->nnested, 0, base, base + e->pools[i].len);
+      span_del(e->pools, &e->npools, base, 0, 0);
+      break;
+    }
+  pthread_mutex_unlock(&e->pools_mu);
+  uint64_t len = region_len_at(e, base);
   if (len) kvf_engine_unregister(e, addr);
   if (e->ops->free_pool) return e->ops->free_pool(e, addr);
   if (!len) return KVF_ENOTFOUND;

@@ -73,6 +73,10 @@ void kvf__fence_destroy(engine_fences *f);
  * (counted in chunks_fenced) when the pair is not open. */
 engine_fence *kvf__fence_enter(struct kvf_engine *e, uint64_t tag, uint64_t epoch);
 void kvf__fence_leave(struct kvf_engine *e, engine_fence *x);
+/* The pairs open now: every epoch below *next was handed out by this
+ * process, and one of this engine's that is not in *epochs (malloc'd, the
+ * caller frees it) is closed for good. Any thread. */
+int kvf__fence_snapshot(struct kvf_engine *e, uint64_t *next, uint64_t **epochs, size_t *n);
 
 /* ---- batches ---- */
 typedef struct kvf_batch {
@@ -128,6 +132,12 @@ typedef struct transport_ops {
   int (*describe)(struct kvf_engine *e, const char *session, char *out, size_t cap);
   int (*alloc_pool)(struct kvf_engine *e, size_t len, void **out);
   int (*free_pool)(struct kvf_engine *e, void *addr);
+  /* Optional: a one-sided transport's part of kvf_engine_fence_close (the
+   * pair is already refused by the table): returns once no writer can
+   * write for it any more, or `until_ns` passed. */
+  int (*fence_close)(struct kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t until_ns);
+  /* Optional: kvf_engine_peer_routes. */
+  int (*routes)(struct kvf_engine *e, char *out, size_t cap);
 } transport_ops;
 
 extern const transport_ops kvf__tcp_transport_ops;
@@ -145,6 +155,12 @@ typedef struct engine_counters {
   atomic_ullong peers_ucx, peers_tcp; /* writer side: routing decisions per peer */
   atomic_ullong chunks_fenced;
 } engine_counters;
+
+/* An address range (pools from kvf_engine_alloc_pool, registrations
+ * nested in them). */
+typedef struct engine_span {
+  uint64_t base, len;
+} engine_span;
 
 typedef struct kvf_engine {
   kvf_engine_config cfg;
@@ -165,6 +181,12 @@ typedef struct kvf_engine {
   pthread_rwlock_t trailer_lock;
   kvf__trailer_fn trailer_cb;
   void *trailer_arg;
+  /* Pools the engine allocated, and registrations that lie inside one (a
+   * manager registering memory it was given from a pool): those are counted
+   * here, the pool's region already covers them. Under pools_mu. */
+  pthread_mutex_t pools_mu;
+  engine_span *pools, *nested;
+  size_t npools, cap_pools, nnested, cap_nested;
 } kvf_engine;
 
 /* Target side: hand a chunk's trailer to the callback, if one is set (a

@@ -11,7 +11,13 @@
  * in the high half, then a counter), holds only open pairs and pairs whose
  * last admitted chunk has not left yet, and is bounded by
  * ENGINE_MAX_FENCES. One mutex guards it; nothing blocks under it except the
- * closer's condition wait. */
+ * closer's condition wait.
+ *
+ * A one-sided transport (UCX: the writer puts into this engine's memory
+ * without its CPU) cannot refuse a chunk: close then also runs the
+ * transport's fence_close hook, which tells every connected writer and
+ * waits for each to confirm (ucx.c), and a writer learns which pairs are
+ * open from kvf__fence_snapshot. */
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -66,9 +72,11 @@ int kvf_engine_fence_open(kvf_engine *e, uint64_t tag, uint64_t *epoch) {
   engine_fence *x = calloc(1, sizeof *x);
   if (!x) return KVF_ENOMEM;
   x->tag = tag;
-  x->epoch = epoch_new();
   int rc = 0;
   pthread_mutex_lock(&e->fences.lock);
+  /* Under the lock: a snapshot (kvf__fence_snapshot) sees every epoch below
+   * its `next` either open in the table or closed. */
+  x->epoch = epoch_new();
   if (kvf__map_size(&e->fences.open) >= ENGINE_MAX_FENCES) rc = KVF_ENOMEM;
   else rc = kvf__map_put(&e->fences.open, x->epoch, x, NULL);
   pthread_mutex_unlock(&e->fences.lock);
@@ -80,7 +88,7 @@ int kvf_engine_fence_open(kvf_engine *e, uint64_t tag, uint64_t *epoch) {
   return 0;
 }
 
-int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_ms) {
+static int fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_ms, int one_sided) {
   if (!e || !tag || !epoch) return KVF_EINVAL;
   int64_t until = clock_deadline_ms(timeout_ms > 0 ? timeout_ms : e->cfg.timeout_ms);
   int rc = 0;
@@ -108,6 +116,44 @@ int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int time
   free(x);
 out:
   pthread_mutex_unlock(&e->fences.lock);
+  /* One-sided writers (UCX) are told and confirm (ucx.c). */
+  if (one_sided && rc != KVF_ENOTFOUND && e->ops->fence_close) {
+    int r2 = e->ops->fence_close(e, tag, epoch, until);
+    if (!rc) rc = r2;
+  }
+  return rc;
+}
+
+int kvf_engine_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_ms) {
+  return fence_close(e, tag, epoch, timeout_ms, 1);
+}
+
+int kvf__engine_fence_retire(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_ms) {
+  return fence_close(e, tag, epoch, timeout_ms, 0);
+}
+
+int kvf__fence_snapshot(kvf_engine *e, uint64_t *next, uint64_t **epochs, size_t *n) {
+  int rc = 0;
+  pthread_mutex_lock(&e->fences.lock);
+  pthread_once(&epoch_once, epoch_seed);
+  *next = atomic_load(&next_epoch);
+  size_t cap = kvf__map_size(&e->fences.open);
+  uint64_t *v = malloc((cap ? cap : 1) * sizeof *v);
+  size_t k = 0;
+  if (!v) {
+    rc = KVF_ENOMEM;
+  } else {
+    map_iter it;
+    void *val;
+    kvf__map_iter_init(&it);
+    while (kvf__map_next(&e->fences.open, &it, NULL, &val)) {
+      const engine_fence *x = val;
+      if (!x->closed) v[k++] = x->epoch;
+    }
+  }
+  pthread_mutex_unlock(&e->fences.lock);
+  *epochs = v;
+  *n = k;
   return rc;
 }
 

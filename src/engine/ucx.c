@@ -143,10 +143,16 @@ enum { REG_PLAIN = 0, REG_IN_POOL = 1, REG_POOL = 2 };
 
 /* ------------------------------------------------------------ rendezvous server */
 
-/* The info message for the current registrations. Caller frees *out. */
+/* The info message for the current registrations and fences. Caller frees
+ * *out. */
 static int build_info(ucx_state *u, char **out, size_t *out_len) {
+  ucx_fence_snap snap = {0};
+  uint64_t *open = NULL;
+  size_t nopen = 0;
+  if (kvf__fence_snapshot(u->e, &snap.next, &open, &nopen)) return KVF_ENOMEM;
+  snap.nopen = (uint32_t)nopen;
   pthread_mutex_lock(&u->reg_mu);
-  size_t body = u->addr_len, nadv = 0;
+  size_t body = u->addr_len + sizeof snap + nopen * sizeof *open, nadv = 0;
   for (size_t i = 0; i < u->nregs; i++)
     if (u->regs[i].pool != REG_POOL) {
       body += sizeof(ucx_region_desc) + u->regs[i].rkey_len;
@@ -155,6 +161,7 @@ static int build_info(ucx_state *u, char **out, size_t *out_len) {
   char *m = malloc(sizeof(ucx_info_hdr) + body);
   if (!m) {
     pthread_mutex_unlock(&u->reg_mu);
+    free(open);
     return KVF_ENOMEM;
   }
   ucx_info_hdr h = {.magic = UCX_INFO_MAGIC,
@@ -176,21 +183,27 @@ static int build_info(ucx_state *u, char **out, size_t *out_len) {
     p += sizeof d + r->rkey_len;
   }
   pthread_mutex_unlock(&u->reg_mu);
+  memcpy(p, &snap, sizeof snap);
+  if (nopen) memcpy(p + sizeof snap, open, nopen * sizeof *open);
+  free(open);
   *out = m;
   *out_len = sizeof h + body;
   return 0;
 }
 
+/* Built and sent under send_mu: a fence message (ucx_fence_close) for a
+ * pair this info still shows open comes after it on the connection. */
 static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out) {
   char *m;
   size_t len;
-  int rc = build_info(u, &m, &len);
-  if (rc) return rc;
-  if (gen_out) *gen_out = ((const ucx_info_hdr *)(const void *)m)->gen;
   pthread_mutex_lock(&c->send_mu);
-  rc = kvf__ucx_send_all(c->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  int rc = build_info(u, &m, &len);
+  if (!rc) {
+    if (gen_out) *gen_out = ((const ucx_info_hdr *)(const void *)m)->gen;
+    rc = kvf__ucx_send_all(c->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+    free(m);
+  }
   pthread_mutex_unlock(&c->send_mu);
-  free(m);
   if (rc) shutdown(c->fd, SHUT_RDWR); /* the serving thread sees it and ends */
   return rc;
 }
@@ -219,6 +232,46 @@ static void push_info(ucx_state *u, uint64_t gen, int wait) {
   pthread_mutex_unlock(&u->ctl_mu);
 }
 
+/* kvf_engine_fence_close's part over UCX: tell every connected writer that
+ * (tag, epoch) is closed and wait until each confirmed (it writes nothing
+ * more for it and flushed what it had in flight) or its connection is gone.
+ * A writer that does not confirm by `until` (stopped, or hung) is cut off
+ * and the close fails with KVF_ETIMEDOUT: it checks its rendezvous
+ * connection before each block of a tagged write, so it starts no new
+ * block, but puts it had posted may still land when it runs again
+ * (engine.h). */
+static int ucx_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t until) {
+  ucx_state *u = e->ucx;
+  ucx_fence_msg m = {UCX_FENCE_MAGIC, 0, tag, epoch, 0};
+  int rc = 0;
+  pthread_mutex_lock(&u->ctl_mu);
+  m.seq = ++u->fence_seq;
+  for (ucx_ctl *c = u->ctls; c; c = c->next) {
+    pthread_mutex_lock(&c->send_mu);
+    if (kvf__ucx_send_all(c->fd, &m, sizeof m, until)) shutdown(c->fd, SHUT_RDWR);
+    pthread_mutex_unlock(&c->send_mu);
+  }
+  for (;;) {
+    int pending = 0;
+    for (ucx_ctl *c = u->ctls; c; c = c->next) pending |= c->fence_acked < m.seq;
+    if (!pending) break;
+    struct timespec ts = clock_ts_from_ns(until);
+    if (pthread_cond_timedwait(&u->ctl_cv, &u->ctl_mu, &ts) == ETIMEDOUT) {
+      for (ucx_ctl *c = u->ctls; c; c = c->next)
+        if (c->fence_acked < m.seq) {
+          LOG_WARN("ucx", "a writer did not confirm the fence of tag %llu in time; its connection is cut",
+                   (unsigned long long)tag);
+          shutdown(c->fd, SHUT_RDWR);
+          c->fence_acked = m.seq; /* gone for this fence: it reconnects with a new snapshot */
+          rc = KVF_ETIMEDOUT;
+        }
+      break;
+    }
+  }
+  pthread_mutex_unlock(&u->ctl_mu);
+  return rc;
+}
+
 /* Runs on the TCP inbound thread of a rendezvous connection, after the
  * token was accepted; returns when the peer closes or the engine stops. */
 static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
@@ -230,6 +283,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
   /* The writer applies the first info before it writes: it counts as acked. */
   pthread_mutex_lock(&u->ctl_mu);
   int rc = ctl_send_info(u, c, &c->acked);
+  c->fence_acked = u->fence_seq; /* its snapshot shows every fence closed so far */
   c->next = u->ctls;
   u->ctls = c;
   pthread_mutex_unlock(&u->ctl_mu);
@@ -242,11 +296,27 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
     }
     ucx_req r;
     if (kvf__ucx_recv_all(fd, &r, sizeof r, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
-    if (r.magic == UCX_ACK_MAGIC) {
+    if (r.magic == UCX_ACK_MAGIC || r.magic == UCX_FENCE_ACK_MAGIC) {
       pthread_mutex_lock(&u->ctl_mu);
-      if (r.gen > c->acked) c->acked = r.gen;
+      uint64_t *acked = r.magic == UCX_ACK_MAGIC ? &c->acked : &c->fence_acked;
+      if (r.gen > *acked) *acked = r.gen;
       pthread_cond_broadcast(&u->ctl_cv);
       pthread_mutex_unlock(&u->ctl_mu);
+      continue;
+    }
+    if (r.magic == UCX_TRAILER_MAGIC && r.reserved <= KVF_ENGINE_MAX_TRAILER) {
+      unsigned char t[KVF_ENGINE_MAX_TRAILER];
+      if (kvf__ucx_recv_all(fd, t, r.reserved, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
+      /* The writer flushed the bytes first. The callback gets the IP
+       * address, as from the TCP transport. */
+      const char *colon = strrchr(peer, ':');
+      char ip[64];
+      snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - peer) : (int)strlen(peer), peer);
+      kvf__engine_deliver_trailer(e, t, r.reserved, ip);
+      ucx_req ack = {UCX_TRAILER_ACK_MAGIC, 0, 0};
+      pthread_mutex_lock(&c->send_mu);
+      rc = kvf__ucx_send_all(fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+      pthread_mutex_unlock(&c->send_mu);
       continue;
     }
     if (r.magic != UCX_REQ_MAGIC) {
@@ -432,11 +502,12 @@ static void *progress_main(void *arg) {
     }
     kvf_engine_sync(u->e);
     ucs_status_t st = ucp_worker_arm(u->w);
-    int busy = u->ops != NULL;
+    int busy = u->ops != NULL, trailers = u->tq != NULL;
     pthread_mutex_unlock(&u->wmu);
-    /* Sleep only when the worker is armed; with batches in flight wake at
-     * least every tick to check their deadlines. */
-    int n = epoll_wait(u->epfd, ev, 16, st == UCS_ERR_BUSY ? 0 : busy ? UCX_TICK_MS : -1);
+    /* Sleep only when the worker is armed and no flushed chunk waits to send
+     * its trailer (the progress above may have completed one); with batches
+     * in flight wake at least every tick to check their deadlines. */
+    int n = epoll_wait(u->epfd, ev, 16, st == UCS_ERR_BUSY || trailers ? 0 : busy ? UCX_TICK_MS : -1);
     for (int i = 0; i < n; i++) {
       void *tag = ev[i].data.ptr;
       if (tag == u) {
@@ -448,6 +519,7 @@ static void *progress_main(void *arg) {
       }
     }
     kvf__ucx_reap(u);
+    kvf__ucx_trailers_send(u);
   }
   return NULL;
 }
@@ -593,4 +665,6 @@ const transport_ops kvf__ucx_transport_ops = {
     .describe = kvf__ucx_describe,
     .alloc_pool = ucx_alloc_pool,
     .free_pool = ucx_free_pool,
+    .fence_close = ucx_fence_close,
+    .routes = kvf__ucx_routes,
 };

@@ -32,6 +32,18 @@
 #define UCX_INFO_MAGIC 0x4b564649u
 #define UCX_REQ_MAGIC 0x4b564652u
 #define UCX_ACK_MAGIC 0x4b56464bu
+#define UCX_FENCE_MAGIC 0x4b564643u     /* target -> writer: a fence closed (ucx_fence_msg) */
+#define UCX_FENCE_ACK_MAGIC 0x4b564661u /* writer -> target: ucx_req, gen = the fence message's seq */
+/* writer -> target: ucx_req with reserved = the length, then that many
+ * bytes: a batch's completion trailer (async.h), sent only once the
+ * chunk's puts were flushed (its bytes are in place). */
+#define UCX_TRAILER_MAGIC 0x4b564654u
+/* target -> writer: ucx_req, a trailer was handled (in order). */
+#define UCX_TRAILER_ACK_MAGIC 0x4b564674u
+/* Closed fences a writer remembers per peer beyond its last snapshot; past
+ * this it asks for a new info (whose snapshot makes them redundant). */
+#define UCX_MAX_CLOSED_FENCES 65536u
+#define UCX_MAX_OPEN_FENCES (1u << 20) /* ENGINE_MAX_FENCES (fence.c) */
 #define UCX_HOST_ID_LEN 128
 #define UCX_MAX_ADDR_LEN (64u * 1024u)
 #define UCX_MAX_REGIONS 4096u
@@ -68,7 +80,29 @@ typedef struct ucx_req {
   uint64_t gen;
 } ucx_req;
 
+/* After the regions, an info body carries the target's fence snapshot
+ * (kvf__fence_snapshot): ucx_fence_snap, then nopen epochs (uint64_t). A
+ * tagged write whose epoch is below `next` and not among them, or that a
+ * later ucx_fence_msg closed, is refused by the writer (KVF_ESTATE). */
+typedef struct ucx_fence_snap {
+  uint64_t next;
+  uint32_t nopen;
+  uint32_t reserved;
+} ucx_fence_snap;
+
+/* Target -> writer: (tag, epoch) is closed. The writer stops writing for it
+ * (no new block starts), flushes what it has in flight to this target and
+ * answers UCX_FENCE_ACK_MAGIC with gen = seq; seqs rise, and an ack covers
+ * every lower seq (its flush came after theirs). */
+typedef struct ucx_fence_msg {
+  uint32_t magic;
+  uint32_t reserved;
+  uint64_t tag, epoch, seq;
+} ucx_fence_msg;
+
 _Static_assert(sizeof(ucx_info_hdr) == 152, "info header layout");
+_Static_assert(sizeof(ucx_fence_snap) == 16, "fence snapshot layout");
+_Static_assert(sizeof(ucx_fence_msg) == 32, "fence message layout");
 _Static_assert(sizeof(ucx_region_desc) == 24, "region descriptor layout");
 
 /* A region this engine registered with UCX. */
@@ -105,11 +139,21 @@ typedef struct ucx_peer {
   atomic_int dead;    /* 0, or the error that ended the endpoint */
   pthread_mutex_t mu; /* infos and why below */
   pthread_cond_t cv;
-  uint64_t infos; /* info messages applied (refresh waits on it) */
+  uint64_t infos; /* info messages applied (refresh waits on it); cv also
+                   * tells a writer waiting in do_chunk that a message was read */
   int same_host;
   int mapped; /* some region is mapped here (under mu) */
   ucx_route route;
   char why[160];
+  /* The target's fences (under rw: read to check, write to change): an
+   * epoch below fence_next is open only if in fence_open; fence_closed holds
+   * the ones closed since the snapshot. */
+  uint64_t fence_next;
+  map fence_open, fence_closed;
+  int fence_asked;                   /* a new snapshot was asked for (fence_closed is full) */
+  atomic_int fence_wait;             /* a fence message waits for rw: tagged writers let go at their next block */
+  struct ucx_op *tacks, *tacks_tail; /* trailers sent, acks due in this order (under the state's wmu) */
+  atomic_int gated;                  /* writers in fence_gate with puts posted and not flushed yet */
 } ucx_peer;
 
 /* A chunk whose puts wait for an endpoint flush. Under wmu. */
@@ -118,6 +162,10 @@ typedef struct ucx_op {
   chunk *c;
   ucx_peer *p;
   struct ucx_state *u;
+  int fenced;           /* its batch's fence closed meanwhile: it ends KVF_ESTATE */
+  int trailer;          /* its chunk's trailer goes out once the flush is done (u->tq) */
+  int err;              /* the chunk already failed (a flush still covers the puts it posted) */
+  struct ucx_op *tnext; /* on its peer's FIFO of trailers sent, not yet acked */
 } ucx_op;
 
 typedef struct ucx_job {
@@ -130,7 +178,8 @@ typedef struct ucx_ctl {
   struct ucx_ctl *next;
   int fd;
   pthread_mutex_t send_mu;
-  uint64_t acked; /* generation the writer has applied (under ctl_mu) */
+  uint64_t acked;       /* generation the writer has applied (under ctl_mu) */
+  uint64_t fence_acked; /* highest fence seq the writer confirmed (under ctl_mu) */
 } ucx_ctl;
 
 typedef struct ucx_state {
@@ -148,6 +197,7 @@ typedef struct ucx_state {
   ucx_op *ops; /* in flight, under wmu */
   ucx_op *
       orphans; /* failed by the reaper, their flush still pending (freed by its callback or at teardown), under wmu */
+  ucx_op *tq;      /* flushed, their trailer to send (kvf__ucx_trailers_send), under wmu */
   atomic_int reap; /* a peer was marked dead: the progress thread ends its endpoint */
   /* registrations, under reg_mu */
   pthread_mutex_t reg_mu;
@@ -158,6 +208,7 @@ typedef struct ucx_state {
   pthread_mutex_t ctl_mu;
   pthread_cond_t ctl_cv; /* an ack arrived or a connection ended */
   ucx_ctl *ctls;
+  uint64_t fence_seq; /* fence messages sent (under ctl_mu) */
   /* peers, by session id */
   pthread_mutex_t peers_mu;
   smap peers;
@@ -178,6 +229,7 @@ int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 
 /* ucx_peer.c: peers, the rendezvous client, routing */
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap);
+int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap);
 /* Progress thread: a peer's rendezvous socket is readable or closed. */
 void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events);
 void kvf__ucx_peers_free(ucx_state *u);
@@ -192,14 +244,31 @@ void kvf__ucx_peer_mark_dead(ucx_state *u, ucx_peer *p, int err);
 /* With wmu (and p->rw for writing) held. */
 void kvf__ucx_regs_free_locked(ucx_peer *p);
 void kvf__ucx_ep_close_locked(ucx_state *u, ucx_peer *p);
+/* p->rw held: is a write tagged with `epoch` refused (its fence closed)? */
+int kvf__ucx_fence_refused(const ucx_peer *p, uint64_t epoch);
+/* p->rw held: has the target sent something not read yet (or closed the
+ * connection), or is a fence close read and waiting to be applied? */
+int kvf__ucx_ctl_pending(const ucx_peer *p);
 
 /* ucx_write.c */
 int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
 /* Progress thread: end the endpoints of peers marked dead, and fail flushes
  * past their deadline. */
 void kvf__ucx_reap(ucx_state *u);
+/* Progress thread only, with wmu held and p->ep set: flush the endpoint
+ * and progress until done (wmu is let go between idle progress calls), the
+ * peer dies or until_ns. */
+int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns);
+/* With wmu held: flushes in flight to `p` for `epoch` end KVF_ESTATE; how
+ * many there are (0: every put for it is complete). */
+int kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch);
 /* Frees every op left (teardown, after the worker is gone; no lock needed then). */
 void kvf__ucx_ops_free(ucx_state *u);
 void kvf__ucx_copier_start(ucx_state *u);
+/* Progress thread, no lock held: send the trailers of flushed chunks (tq)
+ * and finish those chunks. */
+void kvf__ucx_trailers_send(ucx_state *u);
+/* Progress thread: the target handled the oldest trailer sent to it. */
+void kvf__ucx_trailer_acked(ucx_state *u, ucx_peer *p);
 
 #endif

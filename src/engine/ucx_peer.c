@@ -48,6 +48,8 @@ int kvf__ucx_peer_get(ucx_state *u, const char *id, ucx_peer **out) {
     pthread_rwlockattr_destroy(&ra);
     pthread_mutex_init(&p->mu, NULL);
     clock_cond_init(&p->cv);
+    if (kvf__map_init(&p->fence_open) || kvf__map_init(&p->fence_closed))
+      rc = KVF_ENOMEM; /* a later insert fails */
   }
   *out = p;
 out:
@@ -82,6 +84,7 @@ static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
   pthread_mutex_lock(&u->wmu);
   kvf__ucx_regs_free_locked(p);
   kvf__ucx_ep_close_locked(u, p);
+  p->tacks = p->tacks_tail = NULL; /* their ops stay on u->ops: the reaper fails them */
   pthread_mutex_unlock(&u->wmu);
 }
 
@@ -96,6 +99,8 @@ void kvf__ucx_peers_free(ucx_state *u) {
     pthread_rwlock_destroy(&p->rw);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
+    kvf__map_free(&p->fence_open);
+    kvf__map_free(&p->fence_closed);
     free(p);
   }
   /* Let forced closes finish before the worker goes. */
@@ -142,9 +147,10 @@ static const char *const RDMA_TLS[] = {"ib",   "rc",      "rc_v", "rc_x", "rc_ml
 static const char *const PEER_ERR_TLS[] = {"tcp",  "ib",   "rc",      "rc_v", "rc_x", "rc_mlx5", "ud",
                                            "ud_v", "ud_x", "ud_mlx5", "dc",   "dc_x", "dc_mlx5", NULL};
 
-/* Read one info message (header and body), bounded in size and time. */
-static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
-  int rc = kvf__ucx_recv_all(fd, h, sizeof *h, deadline_ns);
+/* Read the rest of an info message (header and body) whose magic was read,
+ * bounded in size and time. */
+static int info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
+  int rc = kvf__ucx_recv_all(fd, (char *)h + sizeof h->magic, sizeof *h - sizeof h->magic, deadline_ns);
   if (rc) return rc;
   if (h->magic != UCX_INFO_MAGIC || h->addr_len == 0 || h->addr_len > UCX_MAX_ADDR_LEN ||
       h->nregions > UCX_MAX_REGIONS || h->body_len > UCX_MAX_INFO_BODY || h->body_len < h->addr_len ||
@@ -157,6 +163,52 @@ static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) 
     free(*body);
     *body = NULL;
   }
+  return rc;
+}
+
+static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
+  int rc = kvf__ucx_recv_all(fd, &h->magic, sizeof h->magic, deadline_ns);
+  return rc ? rc : info_read_rest(fd, deadline_ns, h, body);
+}
+
+int kvf__ucx_fence_refused(const ucx_peer *p, uint64_t epoch) {
+  if (kvf__map_has(&p->fence_closed, epoch)) return 1;
+  return epoch < p->fence_next && !kvf__map_has(&p->fence_open, epoch);
+}
+
+int kvf__ucx_ctl_pending(const ucx_peer *p) {
+  if (p->fd < 0 || atomic_load(&p->fence_wait)) return 1;
+  char c;
+  ssize_t r = recv(p->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+/* With p->rw held for writing: take the fence snapshot at body+off (absent
+ * from a peer that predates it: only fence messages count then). */
+static int fence_snap_apply(ucx_peer *p, const ucx_info_hdr *h, const char *body, size_t off) {
+  ucx_fence_snap snap;
+  if (h->body_len - off < sizeof snap) return 0;
+  memcpy(&snap, body + off, sizeof snap);
+  off += sizeof snap;
+  if (snap.nopen > UCX_MAX_OPEN_FENCES || (h->body_len - off) / sizeof(uint64_t) < snap.nopen) return KVF_EPROTO;
+  map open;
+  if (kvf__map_init(&open)) return KVF_ENOMEM;
+  for (uint32_t i = 0; i < snap.nopen; i++) {
+    uint64_t ep;
+    memcpy(&ep, body + off + i * sizeof ep, sizeof ep);
+    if (kvf__map_put(&open, ep, (void *)1, NULL)) {
+      kvf__map_free(&open);
+      return KVF_ENOMEM;
+    }
+  }
+  kvf__map_free(&p->fence_open);
+  p->fence_open = open;
+  p->fence_next = snap.next;
+  /* Every pair closed before the snapshot is below `next` and not open in
+   * it: the closed list starts again. */
+  kvf__map_free(&p->fence_closed);
+  int rc = kvf__map_init(&p->fence_closed);
+  p->fence_asked = 0;
   return rc;
 }
 
@@ -236,6 +288,7 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
     if (p->same_host && ucp_rkey_ptr(r->rkey, d.base, &ptr) == UCS_OK) r->ptr = ptr;
     n++;
   }
+  if (!rc && p->ep) rc = fence_snap_apply(p, h, body, off);
   if (rc) {
     for (size_t i = 0; i < n; i++) ucp_rkey_destroy(regs[i].rkey);
     free(regs);
@@ -373,19 +426,82 @@ out:
   return rc;
 }
 
+/* Progress thread: the target closed a fence (ucx_fence_msg). From here no
+ * block tagged with it starts (do_chunk checks under p->rw, which this takes
+ * for writing); the endpoint is flushed, so what was put before is in
+ * place, and then the target hears it. */
+static int fence_msg_apply(ucx_state *u, ucx_peer *p, int fd, const ucx_fence_msg *f) {
+  int rc = 0, ask = 0, inflight = 0;
+  atomic_store(&p->fence_wait, 1); /* tagged writers holding rw let go (fence_gate) */
+  pthread_rwlock_wrlock(&p->rw);
+  atomic_store(&p->fence_wait, 0);
+  if (p->fd != fd) goto out_unlock;
+  if (f->epoch < p->fence_next) kvf__map_del(&p->fence_open, f->epoch, NULL);
+  else rc = kvf__map_put(&p->fence_closed, f->epoch, (void *)1, NULL);
+  if (!rc && kvf__map_size(&p->fence_closed) > UCX_MAX_CLOSED_FENCES && !p->fence_asked)
+    ask = p->fence_asked = 1; /* a new snapshot makes the list redundant */
+  /* With no block being posted (the write lock): puts not complete for the
+   * pair are those of its flushes in flight (which now end KVF_ESTATE) and
+   * those of writers paused in fence_gate. None: nothing to wait for,
+   * whatever else is in flight. */
+  pthread_mutex_lock(&u->wmu);
+  inflight = kvf__ucx_ops_fence_locked(u, p, f->epoch) + atomic_load(&p->gated);
+  pthread_mutex_unlock(&u->wmu);
+out_unlock:
+  pthread_rwlock_unlock(&p->rw);
+  if (rc) return rc;
+  /* Under wmu alone: p->ep changes only under it. Puts already posted
+   * complete before the flush does; progress here runs their callbacks. */
+  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+  pthread_mutex_lock(&u->wmu);
+  if (inflight && p->ep) rc = kvf__ucx_flush_wait_locked(u, p, until);
+  pthread_mutex_unlock(&u->wmu);
+  if (rc) return rc; /* not confirmed: the target cuts the connection at its deadline */
+  ucx_req ack = {UCX_FENCE_ACK_MAGIC, 0, f->seq}, req = {UCX_REQ_MAGIC, 0, 0};
+  pthread_rwlock_rdlock(&p->rw);
+  pthread_mutex_lock(&p->mu);
+  if (p->fd == fd) {
+    rc = kvf__ucx_send_all(fd, &ack, sizeof ack, until);
+    if (!rc && ask) rc = kvf__ucx_send_all(fd, &req, sizeof req, until);
+  }
+  pthread_mutex_unlock(&p->mu);
+  pthread_rwlock_unlock(&p->rw);
+  return rc;
+}
+
 /* Progress thread: the rendezvous socket of `p` has news. */
 void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
   ucx_info_hdr h;
+  ucx_fence_msg f;
   char *body = NULL;
-  int rc = KVF_ECLOSED;
+  int rc = KVF_ECLOSED, fence = 0;
   pthread_rwlock_rdlock(&p->rw);
   int fd = p->fd;
   if (fd >= 0 && (events & EPOLLIN)) {
     char c;
     ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    rc = r > 0 ? info_read(fd, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body)
+    int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+    rc = r > 0                                            ? kvf__ucx_recv_all(fd, &h.magic, sizeof h.magic, until)
          : (r < 0 && (errno == EAGAIN || errno == EINTR)) ? 1
                                                           : KVF_ECLOSED;
+    if (!rc && h.magic == UCX_TRAILER_ACK_MAGIC) {
+      ucx_req rest;
+      rc = kvf__ucx_recv_all(fd, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic, until);
+      if (!rc) {
+        pthread_rwlock_unlock(&p->rw);
+        kvf__ucx_trailer_acked(u, p);
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv); /* writers waiting for it to be read (fence_gate) */
+        pthread_mutex_unlock(&p->mu);
+        return;
+      }
+    } else if (!rc && h.magic == UCX_FENCE_MAGIC) {
+      f.magic = h.magic;
+      rc = kvf__ucx_recv_all(fd, (char *)&f + sizeof f.magic, sizeof f - sizeof f.magic, until);
+      fence = 1;
+    } else if (!rc) {
+      rc = info_read_rest(fd, until, &h, &body);
+    }
   }
   if (fd >= 0 && rc < 0) {
     LOG_INFO("ucx", "rendezvous connection to %s ended: %s", p->id, kvf_strerror(rc));
@@ -393,6 +509,14 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
     kvf__ucx_peer_mark_dead(u, p, KVF_ECLOSED);
   }
   pthread_rwlock_unlock(&p->rw);
+  if (!rc && fence) {
+    rc = fence_msg_apply(u, p, fd, &f);
+    if (rc) kvf__ucx_peer_mark_dead(u, p, rc);
+    pthread_mutex_lock(&p->mu);
+    pthread_cond_broadcast(&p->cv); /* writers waiting for it to be read (do_chunk) */
+    pthread_mutex_unlock(&p->mu);
+    return;
+  }
   if (rc || !body) return;
   pthread_rwlock_wrlock(&p->rw);
   if (p->fd == fd && p->ep && !atomic_load(&p->dead)) {
@@ -433,6 +557,32 @@ void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
     if (pthread_cond_timedwait(&p->cv, &p->mu, &ts) == ETIMEDOUT) break;
   }
   pthread_mutex_unlock(&p->mu);
+}
+
+int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap) {
+  ucx_state *u = e->ucx;
+  size_t n = 0;
+  int lines = 0;
+  pthread_mutex_lock(&u->peers_mu);
+  map_iter it;
+  kvf__map_iter_init(&it);
+  void *v;
+  while (kvf__smap_next(&u->peers, &it, NULL, &v)) {
+    ucx_peer *p = v;
+    char line[sizeof p->id + sizeof p->why + 64];
+    pthread_mutex_lock(&p->mu);
+    int w = p->route == ROUTE_UNKNOWN
+                ? 0
+                : snprintf(line, sizeof line, "%s %s %s%s\n", p->id, p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
+                           p->mapped ? "; its pool is mapped here (plain stores)" : "");
+    pthread_mutex_unlock(&p->mu);
+    if (w <= 0 || (size_t)w >= cap - n) continue;
+    memcpy(out + n, line, (size_t)w + 1);
+    n += (size_t)w;
+    lines++;
+  }
+  pthread_mutex_unlock(&u->peers_mu);
+  return lines;
 }
 
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap) {

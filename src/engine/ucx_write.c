@@ -58,13 +58,33 @@ static void op_link(ucx_op *op) {
   *head = op;
 }
 
+int kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch) {
+  int n = 0;
+  for (ucx_op *op = u->ops; op; op = op->next)
+    if (op->p == p && op->c->batch->tag && op->c->batch->epoch == epoch) op->fenced = 1, n++;
+  return n;
+}
+
 void kvf__ucx_ops_free(ucx_state *u) {
-  for (ucx_op **head = &u->ops; head; head = head == &u->ops ? &u->orphans : NULL)
+  for (ucx_op **head = &u->ops; head; head = head == &u->ops ? &u->orphans : head == &u->orphans ? &u->tq : NULL)
     while (*head) {
       ucx_op *op = *head;
       *head = op->next;
       free(op);
     }
+}
+
+/* p->rw held: send the chunk's trailer to the target (ucx_serve). A
+ * fenced chunk sends none: do_chunk calls this only after its last block. */
+static int trailer_send(ucx_peer *p, const chunk *c) {
+  if (c->batch->tag && kvf__ucx_fence_refused(p, c->batch->epoch)) return KVF_ESTATE;
+  ucx_req h = {UCX_TRAILER_MAGIC, c->tlen, 0};
+  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+  pthread_mutex_lock(&p->mu);
+  int rc = p->fd < 0 ? KVF_ECLOSED : kvf__ucx_send_all(p->fd, &h, sizeof h, until);
+  if (!rc) rc = kvf__ucx_send_all(p->fd, c->trailer, c->tlen, until);
+  pthread_mutex_unlock(&p->mu);
+  return rc;
 }
 
 static void flush_cb(void *req, ucs_status_t st, void *arg) {
@@ -73,15 +93,130 @@ static void flush_cb(void *req, ucs_status_t st, void *arg) {
    * the reaper already failed is gone (op->c NULL, op on the orphans). */
   chunk *c = op->c;
   op_unlink(op);
-  if (c) kvf__chunk_finish(c, st == UCS_OK ? 0 : kvf__ucx_status(st));
+  if (c && st == UCS_OK && !op->fenced && op->trailer) { /* its trailer goes out after progress */
+    op->next = op->u->tq;
+    op->u->tq = op;
+    ucp_request_free(req);
+    return;
+  }
+  if (c)
+    kvf__chunk_finish(c, st != UCS_OK ? kvf__ucx_status(st) : op->err ? op->err : op->fenced ? KVF_ESTATE : 0);
   free(op);
   ucp_request_free(req);
 }
 
+/* p->rw held for reading, wmu not: send the chunk's trailer, its bytes in
+ * place. The chunk completes when the target says it handled the trailer
+ * (kvf__ucx_trailer_acked), as over TCP, where the ack follows the trailer:
+ * the prefill's M3 then never overtakes the completion it duplicates. Until
+ * then the op waits on u->ops (the reaper enforces the batch deadline) and
+ * on the peer's FIFO. `op` is reused, or NULL. */
+static void trailer_out(ucx_state *u, ucx_peer *p, chunk *c, ucx_op *op) {
+  if (!op && !(op = calloc(1, sizeof *op))) {
+    kvf__chunk_finish(c, KVF_ENOMEM);
+    return;
+  }
+  *op = (ucx_op){.c = c, .p = p, .u = u};
+  pthread_mutex_lock(&u->wmu);
+  op_link(op);
+  if (p->tacks_tail) p->tacks_tail->tnext = op;
+  else p->tacks = op;
+  p->tacks_tail = op;
+  pthread_mutex_unlock(&u->wmu);
+  int rc = trailer_send(p, c);
+  if (!rc) return;
+  pthread_mutex_lock(&u->wmu);
+  chunk *cc = op->c;
+  if (cc) { /* failed now: an orphan on the FIFO until the peer is reset */
+    op_unlink(op);
+    op->c = NULL;
+    op_link(op);
+  }
+  pthread_mutex_unlock(&u->wmu);
+  if (cc) kvf__chunk_finish(cc, rc);
+  kvf__ucx_peer_mark_dead(u, p, rc); /* a trailer cut short leaves the stream unusable */
+}
+
+void kvf__ucx_trailer_acked(ucx_state *u, ucx_peer *p) {
+  pthread_mutex_lock(&u->wmu);
+  ucx_op *op = p->tacks;
+  chunk *c = NULL;
+  if (op) {
+    p->tacks = op->tnext;
+    if (!p->tacks) p->tacks_tail = NULL;
+    c = op->c;
+    op_unlink(op);
+    free(op);
+  }
+  pthread_mutex_unlock(&u->wmu);
+  if (c) kvf__chunk_finish(c, 0);
+}
+
+void kvf__ucx_trailers_send(ucx_state *u) {
+  pthread_mutex_lock(&u->wmu);
+  ucx_op *list = u->tq;
+  u->tq = NULL;
+  pthread_mutex_unlock(&u->wmu);
+  while (list) {
+    ucx_op *op = list;
+    list = op->next;
+    ucx_peer *p = op->p;
+    pthread_rwlock_rdlock(&p->rw);
+    trailer_out(u, p, op->c, op);
+    pthread_rwlock_unlock(&p->rw);
+  }
+}
+
+int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns) {
+  ucp_request_param_t fp = {.op_attr_mask = 0};
+  ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &fp);
+  if (UCS_PTR_IS_ERR(sp)) return kvf__ucx_status(UCS_PTR_STATUS(sp));
+  if (!sp) return 0;
+  ucs_status_t st;
+  while ((st = ucp_request_check_status(sp)) == UCS_INPROGRESS && clock_now_ns() < until_ns &&
+         !atomic_load(&p->dead))
+    if (!ucp_worker_progress(u->w)) { /* let the progress thread and other writers in */
+      pthread_mutex_unlock(&u->wmu);
+      sched_yield();
+      pthread_mutex_lock(&u->wmu);
+    }
+  ucp_request_free(sp); /* released when done if it still runs */
+  if (st == UCS_INPROGRESS) return atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ETIMEDOUT;
+  return kvf__ucx_status(st);
+}
+
+/* p->rw held for reading (and wmu when *locked): may a block of a chunk
+ * tagged with `epoch` start? The target may have sent a fence close that
+ * is not read yet (the writer was stopped, or slow): then let the progress
+ * thread read it first, locks dropped, and look again. 0, or why not. */
+static int fence_gate(ucx_state *u, ucx_peer *p, uint64_t epoch, int *locked, int puts, int64_t deadline_ns) {
+  while (kvf__ucx_ctl_pending(p)) {
+    if (*locked) pthread_mutex_unlock(&u->wmu);
+    *locked = 0;
+    /* Puts posted and not flushed yet: a fence confirmation meanwhile must
+     * flush (fence_msg_apply). */
+    if (puts) atomic_fetch_add(&p->gated, 1);
+    pthread_rwlock_unlock(&p->rw);
+    kvf__ucx_wake(u);
+    pthread_mutex_lock(&p->mu);
+    struct timespec ts = clock_ts_from_ns(clock_deadline_ms(1));
+    pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+    pthread_mutex_unlock(&p->mu);
+    pthread_rwlock_rdlock(&p->rw);
+    if (puts) atomic_fetch_sub(&p->gated, 1);
+    if (atomic_load(&p->dead) || !p->ep) return atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
+    if (clock_now_ns() > deadline_ns) return KVF_ETIMEDOUT;
+  }
+  return kvf__ucx_fence_refused(p, epoch) ? KVF_ESTATE : 0;
+}
+
 /* Write one chunk: plain stores where the peer's region is mapped here,
- * puts and an endpoint flush elsewhere. Reports through kvf__chunk_finish. */
+ * puts and an endpoint flush elsewhere. Reports through kvf__chunk_finish.
+ * A tagged chunk passes fence_gate before every block, so once the target
+ * closed its fence no further block starts (one in progress completes). */
 static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
   int status = 0, puts = 0, locked = 0, pending = 0;
+  uint64_t epoch = c->batch->tag ? c->batch->epoch : 0;
   pthread_rwlock_rdlock(&p->rw);
   if (atomic_load(&p->dead) || !p->ep) {
     status = atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
@@ -93,6 +228,10 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     uint64_t count = w->count > 1 ? w->count : 1;
     for (uint64_t i = 0; i < count; i++) {
       uint64_t src = w->src + i * w->src_stride, dst = w->dst + i * w->dst_stride;
+      if (epoch && (status = fence_gate(u, p, epoch, &locked, puts, c->batch->deadline_ns))) {
+        if (status == KVF_ESTATE) atomic_fetch_add(&u->e->stats.chunks_fenced, 1);
+        break;
+      }
       const ucx_rregion *r = rregion_find(p, dst, w->len);
       if (!r) { /* the peer unregistered it since the batch was checked */
         status = KVF_ERANGE;
@@ -113,7 +252,18 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
       puts++;
     }
   }
-  if (puts && !status) {
+  /* The completion trailer follows the bytes, on the rendezvous connection
+   * that the target reads in order: after the flush (the progress thread
+   * sends it, kvf__ucx_trailers_send), or now when every byte was a store. */
+  if (!status && c->tlen && !puts) {
+    if (locked) pthread_mutex_unlock(&u->wmu);
+    locked = 0;
+    trailer_out(u, p, c, NULL); /* it finishes the chunk */
+    pending = 1;
+  }
+  /* Posted puts are always covered by a tracked flush, a failed chunk's
+   * too: a fence confirmation flushes while such a flush is in flight. */
+  if (puts && !pending && p->ep) {
     ucx_op *op = calloc(1, sizeof *op);
     if (!op) {
       status = KVF_ENOMEM;
@@ -122,21 +272,33 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     op->c = c;
     op->p = p;
     op->u = u;
+    op->err = status;
+    op->trailer = !status && c->tlen > 0;
     ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                               .cb.send = flush_cb,
                               .user_data = op};
     ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &fp);
     if (UCS_PTR_IS_ERR(sp)) {
-      status = kvf__ucx_status(UCS_PTR_STATUS(sp));
+      if (!status) status = kvf__ucx_status(UCS_PTR_STATUS(sp));
       free(op);
     } else if (sp == NULL) {
-      free(op); /* flushed already */
+      if (op->trailer) { /* flushed already */
+        pthread_mutex_unlock(&u->wmu);
+        locked = 0;
+        trailer_out(u, p, c, op);
+        pending = 1;
+      } else {
+        free(op);
+      }
     } else {
       op_link(op);
       pending = 1;
     }
   }
 out:
+  /* A tagged chunk whose fence closed while it was written fails: the
+   * target has given the room up (its bytes landed before it was told). */
+  if (!status && !pending && epoch && kvf__ucx_fence_refused(p, epoch)) status = KVF_ESTATE;
   if (locked) pthread_mutex_unlock(&u->wmu);
   pthread_rwlock_unlock(&p->rw);
   if (pending) {

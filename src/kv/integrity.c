@@ -9,6 +9,7 @@
 #include "base/env.h"
 #include "base/hash.h"
 #include "base/log.h"
+#include "engine/async.h"
 #include "kvferry/engine.h"
 
 /* A fence close waits for receivers for at most this long. */
@@ -92,7 +93,12 @@ void kvf__integ_room_open(kvf_manager *m, int64_t room, int kvferry, uint64_t *f
 void kvf__integ_room_close(kvf_manager *m, int64_t room, uint64_t epoch, int failed, int forget) {
   integ_state *s = m->integ;
   if (epoch) {
-    int rc = kvf_engine_fence_close(m->engine, manager_room_tag(room), epoch, INTEG_FENCE_CLOSE_MS);
+    /* A room that ended Success: its writers flushed before they said so,
+     * so one-sided writers need not confirm (async.h). */
+    int st = ROOM_FAILED;
+    int done = !failed && !kvf__rooms_get_status(m->rooms, room, &st) && st == ROOM_SUCCESS;
+    int rc = done ? kvf__engine_fence_retire(m->engine, manager_room_tag(room), epoch, INTEG_FENCE_CLOSE_MS)
+                  : kvf_engine_fence_close(m->engine, manager_room_tag(room), epoch, INTEG_FENCE_CLOSE_MS);
     if (rc == 0 && failed) atomic_fetch_add(&m->stats.rooms_fenced, 1);
     if (rc && rc != KVF_ENOTFOUND)
       LOG_ERROR("kv", "room %" PRId64 ": could not fence late writes: %s", room, kvf_strerror(rc));

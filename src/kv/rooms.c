@@ -220,8 +220,14 @@ static char *reason_dup(const char *reason) {
   return r;
 }
 
-/* Caller holds the lock; takes ownership of r. */
+/* Caller holds the lock; takes ownership of r. Failed is final and its
+ * first reason stays: a later one (the prefill's failed M3 for a room the
+ * decode already failed and fenced) is a consequence, not the cause. */
 static void fail_entry(room_entry *e, char *r) {
+  if (e->status == ROOM_FAILED && e->reason && *e->reason) {
+    free(r);
+    return;
+  }
   free(e->reason);
   e->reason = r;
   e->status = ROOM_FAILED;

@@ -8,9 +8,14 @@
 #include "util.h"
 #include "pattern.h"
 
+static kvf_engine *next_engine;
+
+void kvpool_use_engine(kvf_engine *e) { next_engine = e; }
+
 /* nbuf buffers of `pages` pages of item_len bytes, faulted in. */
 static int pool_alloc(kvpool *p, size_t layers, size_t nbuf, size_t pages, uint64_t item_len) {
   memset(p, 0, sizeof *p);
+  p->engine = next_engine;
   p->layers = layers;
   p->nbuf = nbuf;
   p->pages = pages;
@@ -23,10 +28,14 @@ static int pool_alloc(kvpool *p, size_t layers, size_t nbuf, size_t pages, uint6
   for (size_t b = 0; b < p->nbuf; b++) {
     p->lens[b] = pages * item_len;
     p->item_lens[b] = item_len;
-    p->ptrs[b] = mmap(NULL, p->lens[b], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p->ptrs[b] == MAP_FAILED) {
-      p->ptrs[b] = NULL;
-      goto err;
+    if (p->engine) {
+      if (kvf_engine_alloc_pool(p->engine, p->lens[b], &p->ptrs[b])) goto err;
+    } else {
+      p->ptrs[b] = mmap(NULL, p->lens[b], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p->ptrs[b] == MAP_FAILED) {
+        p->ptrs[b] = NULL;
+        goto err;
+      }
     }
     memset(p->ptrs[b], 0, p->lens[b]); /* fault in now, as a real pool is */
   }
@@ -131,7 +140,8 @@ void kvpool_free(kvpool *p) {
   free(p->layer_start);
   free(p->layer_bufs);
   for (size_t b = 0; p->ptrs && b < p->nbuf; b++)
-    if (p->ptrs[b]) munmap(p->ptrs[b], p->lens[b]);
+    if (p->ptrs[b] && p->engine) kvf_engine_free_pool(p->engine, p->ptrs[b]);
+    else if (p->ptrs[b]) munmap(p->ptrs[b], p->lens[b]);
   free(p->ptrs);
   free(p->lens);
   free(p->item_lens);

@@ -41,7 +41,13 @@ typedef struct kvpool {
   /* free list of page indices */
   int64_t *free_pages;
   size_t nfree;
+  kvf_engine *engine; /* the KV buffers came from kvf_engine_alloc_pool of it, or NULL (mmap) */
 } kvpool;
+
+/* The next kvpool_init* allocates its KV buffers with kvf_engine_alloc_pool
+ * of `e` (shared memory a same-host UCX peer maps), NULL: private mmap (the
+ * default). The engine must outlive the pool. One thread. */
+void kvpool_use_engine(kvf_engine *e);
 
 int kvpool_init(kvpool *p, size_t layers, size_t pages, uint64_t item_len);
 /* A head-aware pool: item_len = page_size * heads * unit; this rank holds

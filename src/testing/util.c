@@ -84,3 +84,23 @@ void cli_print_stats(kvf_manager **m, int n) {
   printf("stats %llu %llu %llu %llu\n", live, rx, bad, unknown);
   fflush(stdout);
 }
+
+const char *cli_memory_kind(const char *transport) {
+  const char *m = getenv("KVFERRY_CLI_MEMORY");
+  if (m && (!strcmp(m, "pool") || !strcmp(m, "plain"))) return m;
+  return transport && !strcmp(transport, "ucx") ? "pool" : "plain";
+}
+
+int cli_rank_engine(const char *host, kvf_engine **out, int *pool) {
+  kvf_engine_config c;
+  kvf_engine_config_init(&c);
+  if (host) c.host = host;
+  int rc = kvf_engine_create(&c, out);
+  if (!rc) *pool = !strcmp(cli_memory_kind(kvf_engine_transport(*out)), "pool");
+  return rc;
+}
+
+int cli_ucx_route(void) {
+  const char *tr = getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto";
+  return !strcmp(tr, "ucx") || (!strcmp(tr, "auto") && strstr(kvf_engine_transports(), "ucx"));
+}

@@ -15,6 +15,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "bootstrap/bootstrap.h"
+
 #include "testing/pattern.h"
 #include "testing/peer.h"
 #include "kvferry.h"
@@ -127,6 +129,76 @@ static void allocated_pools_land_exact(void **state) {
     assert_non_null(strstr(why, "mapped here"));
   assert_int_equal(kvf_engine_free_pool(e, pool), 0);
   assert_int_equal(kvf_engine_free_pool(e, pool), KVF_ENOTFOUND);
+  kvf_engine_destroy(e);
+  engine_peer_stop(&peer);
+}
+
+/* A manager registers the memory it is given: a range inside an allocated
+ * pool (or the whole pool) is counted, not refused as overlapping, and its
+ * unregister leaves the pool registered; a range crossing the pool's end
+ * still overlaps. On both transports (tcp allocates shared anonymous memory). */
+static void registering_inside_a_pool_is_counted(void **state) {
+  (void)state;
+  const char *transports[] = {"tcp", have_ucx() ? "ucx" : NULL};
+  for (int t = 0; t < 2 && transports[t]; t++) {
+    engine_peer peer;
+    const char *args[] = {"--transport", transports[t], NULL};
+    assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+    kvf_engine *e = make_engine(transports[t], 5000);
+    enum { POOL = 8u << 20 };
+    void *mem = NULL;
+    assert_int_equal(kvf_engine_alloc_pool(e, POOL, &mem), 0);
+    unsigned char *pool = mem;
+    assert_int_equal(kvf_engine_register(e, pool, POOL), 0);            /* the pool itself */
+    assert_int_equal(kvf_engine_register(e, pool + 4096, 1u << 20), 0); /* inside it */
+    assert_int_equal(kvf_engine_register(e, pool + POOL - 4096, 8192), KVF_EEXIST);
+    assert_int_equal(kvf_engine_unregister(e, pool + 4096), 0);
+    assert_int_equal(kvf_engine_unregister(e, pool), 0); /* the nested count only */
+    write_and_verify(e, &peer, pool, 14);                /* still registered: writes from it work */
+    assert_int_equal(kvf_engine_free_pool(e, pool), 0);
+    assert_int_equal(kvf_engine_unregister(e, pool), KVF_ENOTFOUND);
+    kvf_engine_destroy(e);
+    engine_peer_stop(&peer);
+  }
+}
+
+/* No silent fallback: the route an engine chose for each peer, and why, is
+ * in kvf_engine_peer_routes and on a bootstrap server's /metrics. */
+static void routes_show_in_metrics(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  kvf_engine *e = make_engine("ucx", 5000);
+  static unsigned char src[PAGE];
+  assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), 0);
+  char lines[1024];
+  assert_int_equal(kvf_engine_peer_routes(e, lines, sizeof lines), 1);
+  printf("routes: %s", lines);
+  assert_int_equal(strncmp(lines, peer.session, strlen(peer.session)), 0);
+  kvf_bootstrap_server *srv = NULL;
+  assert_int_equal(kvf_bootstrap_server_create(NULL, &srv), 0);
+  assert_int_equal(kvf_bootstrap_server_add_engine(srv, e), 0);
+  char addr[32], *body = NULL;
+  snprintf(addr, sizeof addr, "127.0.0.1:%u", (unsigned)kvf_bootstrap_server_port(srv));
+  bootstrap_client_opts o = {.token = "", .connect_timeout_ms = 5000, .timeout_ms = 5000};
+  bootstrap_client *c = NULL;
+  long status = 0;
+  assert_int_equal(kvf__bootstrap_client_create(addr, &o, &c), 0);
+  assert_int_equal(kvf__bootstrap_client_request(c, "GET", "/metrics", NULL, 0, &status, &body, NULL), 0);
+  kvf__bootstrap_client_destroy(c);
+  assert_int_equal(status, 200);
+  char want[400];
+  snprintf(want, sizeof want, "kvferry_engine_peer_route{engine=\"%s\",peer=\"%s\",transport=\"ucx\",why=\"",
+           kvf_engine_session_id(e), peer.session);
+  const char *hit = strstr(body, want);
+  if (hit) printf("%.*s\n", (int)strcspn(hit, "\n"), hit);
+  assert_non_null(hit);
+  free(body);
+  kvf_bootstrap_server_destroy(srv);
   kvf_engine_destroy(e);
   engine_peer_stop(&peer);
 }
@@ -308,9 +380,10 @@ static void gpu_memory_moves(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(plain_and_strided_land_exact),      cmocka_unit_test(allocated_pools_land_exact),
-      cmocka_unit_test(explicit_ucx_never_falls_back),     cmocka_unit_test(other_host_without_rdma),
-      cmocka_unit_test(unregister_during_traffic_is_safe), cmocka_unit_test(gpu_memory_moves),
+      cmocka_unit_test(plain_and_strided_land_exact),         cmocka_unit_test(allocated_pools_land_exact),
+      cmocka_unit_test(explicit_ucx_never_falls_back),        cmocka_unit_test(other_host_without_rdma),
+      cmocka_unit_test(registering_inside_a_pool_is_counted), cmocka_unit_test(routes_show_in_metrics),
+      cmocka_unit_test(unregister_during_traffic_is_safe),    cmocka_unit_test(gpu_memory_moves),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -48,6 +48,7 @@
 typedef struct dec_rank {
   kvf_manager *m;
   kvpool pool;
+  kvf_engine *e; /* shared by the manager; the pool may come from it (cli_rank_engine) */
 } dec_rank;
 
 typedef struct dec_req {
@@ -237,10 +238,17 @@ int cli_kv_decode(int argc, char **argv) {
   if (!reqs || !rk) goto out;
   for (int d = 0; d < world; d++) {
     kvpool *pool = &rk[d].pool;
+    int use_pool = 0, erc = cli_rank_engine(host, &rk[d].e, &use_pool);
+    if (erc) {
+      fprintf(stderr, "kv-decode: decode rank %d: engine: %s\n", d, kvf_strerror(erc));
+      goto out;
+    }
+    kvpool_use_engine(use_pool ? rk[d].e : NULL);
     int prc = mla     ? kvpool_init_mla(pool, (size_t)layers, pages, (size_t)page_size, unit)
               : heads ? kvpool_init_heads(pool, (size_t)layers, pages, (size_t)page_size, (size_t)heads,
                                           (size_t)d * (size_t)heads, unit)
                       : kvpool_init(pool, (size_t)layers, pages, item);
+    kvpool_use_engine(NULL);
     if (prc) {
       fprintf(stderr, "kv-decode: cannot allocate a pool of %llu pages x %d buffers x %llu B\n", pages,
               mla ? layers : 2 * layers,
@@ -258,6 +266,7 @@ int cli_kv_decode(int argc, char **argv) {
     mc.world_size = world;
     mc.page_size = page_size;
     mc.is_mla = mla == 2;
+    mc.engine = rk[d].e;
     int err = kvf_manager_create(&mc, &pool->bufs, &rk[d].m);
     if (err) {
       fprintf(stderr, "kv-decode: decode rank %d: %s\n", d, kvf_strerror(err));
@@ -349,6 +358,7 @@ out:
       }
   for (int d = 0; d < nranks; d++) kvf_manager_destroy(rk[d].m);
   for (int d = 0; rk && d < world; d++) kvpool_free(&rk[d].pool);
+  for (int d = 0; rk && d < world; d++) kvf_engine_destroy(rk[d].e);
   free(rk);
   free(reqs);
   return rc;

@@ -76,6 +76,14 @@ typedef struct peer_opts {
   int bootstrap_port;    /* port of the one started here; 0 = any free port */
 } peer_opts;
 
+/* --reuse-early: the scheduler's bug, the page goes to another request at
+ * once, while the engine may still be reading it for the transfer. A data
+ * race on purpose (verify mode must catch it, tests/e2e/test_demo.c):
+ * tests/tsan.supp names this function. */
+__attribute__((noinline)) static void reuse_page_early(const kvf_kv_buffers *b, int64_t page) {
+  ((volatile unsigned char *)b->kv_ptrs[0])[(uint64_t)page * b->kv_item_lens[0]] ^= 0xff;
+}
+
 static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed, long long token,
                          int chunk, int reuse, int wait_m2, uint64_t *rng) {
   for (int i = 0; i < r->nranks; i++) {
@@ -117,9 +125,8 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
       if (kvf_sender_send(r->tx[i], &p)) return -1;
       if (last) break;
     }
-    if (reuse && r->npages) { /* the scheduler's bug: the page goes to another request at once */
-      const kvf_kv_buffers *b = &pools[rank].bufs;
-      ((volatile unsigned char *)b->kv_ptrs[0])[(uint64_t)r->pages[i][0] * b->kv_item_lens[0]] ^= 0xff;
+    if (reuse && r->npages) {
+      reuse_page_early(&pools[rank].bufs, r->pages[i][0]);
       kvf_engine_sync(kvf_manager_engine(mgr[rank]));
     }
   }
@@ -285,8 +292,9 @@ int cli_kv_peer(int argc, char **argv) {
   kvf_bootstrap_server *srv = NULL;
   kvf_manager **mgr = calloc((size_t)o.world, sizeof *mgr);
   kvpool *pools = calloc((size_t)o.world, sizeof *pools);
+  kvf_engine **engines = calloc((size_t)o.world, sizeof *engines);
   peer_req *reqs = calloc(PEER_MAX_REQS, sizeof *reqs);
-  if (!mgr || !pools || !reqs || (!o.bootstrap && kvf_bootstrap_server_create(&bc, &srv))) {
+  if (!mgr || !pools || !engines || !reqs || (!o.bootstrap && kvf_bootstrap_server_create(&bc, &srv))) {
     fprintf(stderr, "kv-peer: cannot start the bootstrap server\n");
     goto out;
   }
@@ -294,10 +302,18 @@ int cli_kv_peer(int argc, char **argv) {
   if (o.bootstrap) snprintf(baddr, sizeof baddr, "%s", o.bootstrap);
   else snprintf(baddr, sizeof baddr, "%s:%u", o.host, (unsigned)kvf_bootstrap_server_port(srv));
   for (int r = 0; r < o.world; r++) {
+    int use_pool = 0, erc = cli_rank_engine(o.host, &engines[r], &use_pool);
+    if (erc) {
+      fprintf(stderr, "kv-peer: prefill rank %d: engine: %s\n", r, kvf_strerror(erc));
+      goto out;
+    }
+    kvpool_use_engine(use_pool ? engines[r] : NULL);
+    if (srv) kvf_bootstrap_server_add_engine(srv, engines[r]); /* its routes in /metrics */
     int prc = o.mla     ? kvpool_init_mla(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size, o.unit)
               : o.heads ? kvpool_init_heads(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size,
                                             (size_t)o.heads, (size_t)((r % tp) / replica * o.heads), o.unit)
                         : kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item);
+    kvpool_use_engine(NULL);
     if (prc || (o.nstate && kvpool_add_state(&pools[r], (size_t)o.nstate, PEER_STATE_SLOTS, o.state_item)))
       goto out;
     kvf_manager_config mc;
@@ -309,6 +325,7 @@ int cli_kv_peer(int argc, char **argv) {
     mc.dp_size = o.dp;
     mc.bootstrap_addr = baddr;
     mc.page_size = o.page_size;
+    mc.engine = engines[r];
     int err = kvf_manager_create(&mc, &pools[r].bufs, &mgr[r]);
     if (err) {
       fprintf(stderr, "kv-peer: prefill rank %d: %s\n", r, kvf_strerror(err));
@@ -404,7 +421,9 @@ out:
   fflush(stdout);
   for (int r = 0; mgr && r < o.world; r++) kvf_manager_destroy(mgr[r]);
   for (int r = 0; pools && r < o.world; r++) kvpool_free(&pools[r]);
-  kvf_bootstrap_server_destroy(srv);
+  kvf_bootstrap_server_destroy(srv); /* before the engines it shows */
+  for (int r = 0; engines && r < o.world; r++) kvf_engine_destroy(engines[r]);
+  free(engines);
   free(mgr);
   free(pools);
   free(reqs);
