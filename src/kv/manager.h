@@ -1,10 +1,10 @@
 /* The part of a KV manager both roles share: configuration (defaults, then
  * TOKENSPEED_DISAGGREGATION_* overrides), the copied buffer description, the
  * transfer engine, the room table, the ZMQ PULL socket with its listener
- * thread, and a cache of PUSH sockets per peer endpoint. decode.c and
- * prefill.c add their role's state behind `decode` / `prefill` and receive
- * every control message through their on_message hook, on the listener
- * thread, which owns the PULL socket. */
+ * thread, and a cache of PUSH sockets per peer endpoint (control.c). The
+ * roles (kv/decode/, kv/prefill/) add their state behind `decode` /
+ * `prefill` and receive every control message through their on_message
+ * hook, on the listener thread, which owns the PULL socket. */
 #ifndef KVF_KV_MANAGER_H
 #define KVF_KV_MANAGER_H
 
@@ -18,7 +18,7 @@
 #include "wire/messages.h"
 
 /* Rooms with an M2 but no sender yet that one decode session may hold on a
- * prefill rank (prefill.c; issue 13 defect 6). */
+ * prefill rank (prefill/rooms_early.c; issue 13 defect 6). */
 #define PF_MAX_EARLY_PER_SESSION 4096
 
 typedef struct manager_counters {
@@ -79,7 +79,8 @@ struct kvf_manager {
   struct integ_state *integ; /* verify mode and fences (integrity.c) */
 };
 
-/* Role hooks, implemented in decode.c and prefill.c. start runs after the
+/* Role hooks, implemented in decode/lifecycle.c and prefill/lifecycle.c
+ * (on_message: decode/status_listener.c, prefill/listener.c). start runs after the
  * common parts are up (the listener is not started yet); stop before they
  * are torn down, after the listener has been joined. on_message runs on the
  * listener thread with frames valid only during the call; `peer` is the
@@ -124,9 +125,16 @@ void kvf__manager_reject_forged(kvf_manager *m, const char *peer, const char *ki
  * is off or `ip` is a host name (not checkable without DNS); 0 otherwise. */
 int kvf__manager_peer_is(const kvf_manager *m, const char *peer, const char *ip);
 
-/* The MAC frame (see manager.c) of frames f[0..n) under m's control token:
+/* The MAC frame (see control.c) of frames f[0..n) under m's control token:
  * MANAGER_MAC_LEN bytes into out. Any thread. */
 #define MANAGER_MAC_LEN 40 /* 8 bytes of clock + HMAC-SHA256 */
 void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsigned char out[MANAGER_MAC_LEN]);
+
+/* control.c, for kvf_manager_create / destroy: bind the PULL socket to a
+ * kernel-chosen port (m->rank_port), the listener thread's body, and closing
+ * every cached PUSH socket (after the listener stopped). */
+int kvf__control_bind_pull(kvf_manager *m);
+void *kvf__control_listener_main(void *arg);
+void kvf__control_close_pushes(kvf_manager *m);
 
 #endif

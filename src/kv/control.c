@@ -1,0 +1,337 @@
+/* The manager's control plane, shared by both roles: the PULL listener
+ * thread (receives M1/M2/M3 and fence messages and dispatches them to the
+ * role), the PUSH socket cache per peer endpoint, the rejection log, and
+ * the trailer packing.
+ *
+ * Control-plane authentication (issue 13 defect 5, docs/WIRE-EXTENSIONS.md).
+ * With a control token set, every message sent carries one more frame,
+ * MANAGER_MAC_LEN bytes: the sender's wall clock in milliseconds (8 bytes,
+ * big-endian) and HMAC-SHA256(token, label || clock || for each frame its
+ * length (4 bytes, big-endian) and bytes). The listener drops, counts and
+ * logs once any message whose last frame is not such a MAC, whose MAC is
+ * wrong, or whose clock is more than MANAGER_MAC_WINDOW_S away from ours,
+ * before any codec sees it. Without a token nothing is added or checked, so
+ * tokenspeed peers keep working. */
+#include "kv/manager.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "base/addr.h"
+#include "base/config.h"
+#include "base/clock.h"
+#include "base/env.h"
+#include "base/log.h"
+#include "base/wake.h"
+#include "kv/integrity.h"
+
+#define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
+#define MANAGER_MAX_PUSHES 4096
+#define MANAGER_MAC_LABEL "kvferry-control-mac-v1"
+#define MANAGER_MAC_WINDOW_S 300 /* clock skew and delivery delay accepted, seconds */
+_Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
+
+typedef struct manager_push {
+  pthread_mutex_t lock;
+  void *sock;
+} manager_push;
+
+static void reject_log(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+  char key[128];
+  snprintf(key, sizeof key, "%s/%s/%p", peer ? peer : "?", kind, (void *)m);
+  if (kvf__log_first_time(kvf__log_hash_str(key, 11)))
+    LOG_WARN("kv", "dropped %s from %s: %s (further ones from this peer are counted, not logged)", kind,
+             peer ? peer : "unknown peer", reason);
+}
+
+void kvf__manager_reject(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+  atomic_fetch_add(&m->stats.messages_malformed, 1);
+  reject_log(m, peer, kind, reason);
+}
+
+void kvf__manager_reject_forged(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
+  atomic_fetch_add(&m->stats.messages_forged, 1);
+  reject_log(m, peer, kind, reason);
+}
+
+/* An address literal as 16 bytes, IPv4 as IPv4-mapped IPv6; 0 or -1. */
+static int ip_bytes(const char *s, unsigned char out[16]) {
+  struct in_addr a4;
+  if (inet_pton(AF_INET, s, &a4) == 1) {
+    memset(out, 0, 10);
+    out[10] = out[11] = 0xff;
+    memcpy(out + 12, &a4, 4);
+    return 0;
+  }
+  return inet_pton(AF_INET6, s, out) == 1 ? 0 : -1;
+}
+
+int kvf__manager_peer_is(const kvf_manager *m, const char *peer, const char *ip) {
+  static const unsigned char any6[16], any4[16] = {[10] = 0xff, [11] = 0xff};
+  unsigned char a[16], b[16];
+  char head[64];
+  if (!m->check_peer_ip || !ip) return 1;
+  /* "ip:x" names the host before the first ':' (PROTOCOL §3: where M3 goes) */
+  const char *colon = strchr(ip, ':');
+  if (ip_bytes(ip, b) && colon && !strchr(colon + 1, ':') && (size_t)(colon - ip) < sizeof head) {
+    snprintf(head, sizeof head, "%.*s", (int)(colon - ip), ip);
+    ip = head;
+  }
+  /* A host name, or the unspecified address: not checkable here. */
+  if (ip_bytes(ip, b) || !memcmp(b, any6, 16) || !memcmp(b, any4, 16)) return 1;
+  return peer && !ip_bytes(peer, a) && !memcmp(a, b, sizeof a);
+}
+
+/* ------------------------------------------------------------ MAC frame */
+
+static void mac_compute(const kvf_manager *m, const unsigned char clock[8], const wire_frame *f, size_t n,
+                        unsigned char out[crypto_auth_hmacsha256_BYTES]) {
+  crypto_auth_hmacsha256_state st;
+  crypto_auth_hmacsha256_init(&st, m->ctl_key, m->ctl_keylen);
+  crypto_auth_hmacsha256_update(&st, (const unsigned char *)MANAGER_MAC_LABEL, sizeof MANAGER_MAC_LABEL);
+  crypto_auth_hmacsha256_update(&st, clock, 8);
+  for (size_t i = 0; i < n; i++) {
+    unsigned char len[4] = {(unsigned char)(f[i].len >> 24), (unsigned char)(f[i].len >> 16),
+                            (unsigned char)(f[i].len >> 8), (unsigned char)f[i].len};
+    crypto_auth_hmacsha256_update(&st, len, 4);
+    if (f[i].len) crypto_auth_hmacsha256_update(&st, f[i].data, f[i].len);
+  }
+  crypto_auth_hmacsha256_final(&st, out);
+  sodium_memzero(&st, sizeof st);
+}
+
+void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsigned char out[MANAGER_MAC_LEN]) {
+  uint64_t ms = (uint64_t)(clock_wall_s() * 1000);
+  for (int i = 0; i < 8; i++) out[i] = (unsigned char)(ms >> (56 - 8 * i));
+  mac_compute(m, out, f, n, out + 8);
+}
+
+/* 0 when f[n-1] is a good MAC of f[0..n-1), else a reason. */
+static const char *mac_check(const kvf_manager *m, const wire_frame *f, size_t n) {
+  if (n < 2 || f[n - 1].len != MANAGER_MAC_LEN)
+    return "no MAC frame (is KVFERRY_CONTROL_TOKEN the same on both sides?)";
+  const unsigned char *mac = f[n - 1].data;
+  uint64_t ms = 0;
+  for (int i = 0; i < 8; i++) ms = ms << 8 | mac[i];
+  unsigned char want[crypto_auth_hmacsha256_BYTES];
+  mac_compute(m, mac, f, n - 1, want);
+  if (crypto_verify_32(want, mac + 8)) return "wrong MAC";
+  double skew = (double)ms / 1000 - clock_wall_s();
+  if (skew > MANAGER_MAC_WINDOW_S || skew < -MANAGER_MAC_WINDOW_S) return "MAC clock outside the accepted window";
+  return NULL;
+}
+
+void kvf__manager_dispatch(kvf_manager *m, const wire_frame *frames, size_t n, size_t extra, const char *peer) {
+  if (m->ctl_keylen) {
+    const char *bad = extra ? "more frames than any message and its MAC" : mac_check(m, frames, n);
+    if (bad) {
+      kvf__manager_reject_forged(m, peer, "message", bad);
+      return;
+    }
+    n--; /* the codecs never see the MAC */
+  } else if (n > WIRE_MAX_FRAMES) {
+    n = WIRE_MAX_FRAMES; /* frames past the last one any message defines are ignored, as the spec says */
+  }
+  if (m->decode) kvf__decode_on_message(m, frames, n, peer);
+  else kvf__prefill_on_message(m, frames, n, peer);
+}
+
+/* Trailer layout: a 2-byte frame count, then per frame a 4-byte length and
+ * its bytes (little-endian, as the engine's framing). */
+size_t kvf__trailer_pack(const kvf_manager *m, const wire_msg *msg, unsigned char *out, size_t cap) {
+  unsigned char mac[MANAGER_MAC_LEN];
+  size_t nf = msg->nframes + (m->ctl_keylen ? 1 : 0), len = 2;
+  if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
+  if (cap < 2) return 0;
+  out[0] = (unsigned char)nf, out[1] = (unsigned char)(nf >> 8);
+  for (size_t i = 0; i < nf; i++) {
+    const unsigned char *d = i < msg->nframes ? msg->frames[i].data : mac;
+    uint32_t fl = (uint32_t)(i < msg->nframes ? msg->frames[i].len : MANAGER_MAC_LEN);
+    if (cap - len < 4 || cap - len - 4 < fl) return 0;
+    memcpy(out + len, &fl, 4);
+    if (fl) memcpy(out + len + 4, d, fl);
+    len += 4 + fl;
+  }
+  return len;
+}
+
+int kvf__trailer_unpack(const unsigned char *p, size_t len, wire_frame *f, size_t cap, size_t *n, size_t *extra) {
+  if (len < 2) return KVF_EPROTO;
+  size_t nf = (size_t)p[0] | (size_t)p[1] << 8, off = 2;
+  *n = *extra = 0;
+  for (size_t i = 0; i < nf; i++) {
+    uint32_t fl;
+    if (len - off < 4) return KVF_EPROTO;
+    memcpy(&fl, p + off, 4);
+    if (len - off - 4 < fl) return KVF_EPROTO;
+    if (*n < cap) f[(*n)++] = (wire_frame){p + off + 4, fl};
+    else (*extra)++;
+    off += 4 + fl;
+  }
+  return off == len && *n ? 0 : KVF_EPROTO;
+}
+
+/* ------------------------------------------------------------ PUSH cache */
+
+static int push_key(char *key, size_t cap, const char *host, uint16_t port) {
+  return kvf__addr_format(key, cap, host, port);
+}
+
+int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
+  char key[300];
+  if (!host || !*host || !port || push_key(key, sizeof key, host, port)) return KVF_EINVAL;
+  pthread_mutex_lock(&m->push_lock);
+  manager_push *p = kvf__smap_get(&m->pushes, key);
+  int rc = 0;
+  if (!p) {
+    if (smap_size(&m->pushes) >= MANAGER_MAX_PUSHES || !(p = calloc(1, sizeof *p))) {
+      pthread_mutex_unlock(&m->push_lock);
+      return KVF_ENOMEM;
+    }
+    pthread_mutex_init(&p->lock, NULL);
+    p->sock = zmq_socket(m->zctx, ZMQ_PUSH);
+    int linger = 200, hwm = 1000, sndtimeo = 1000, ipv6 = strchr(host, ':') != NULL;
+    char ep[320];
+    snprintf(ep, sizeof ep, "tcp://%s", key);
+    if (!p->sock || zmq_setsockopt(p->sock, ZMQ_LINGER, &linger, sizeof linger) ||
+        zmq_setsockopt(p->sock, ZMQ_SNDHWM, &hwm, sizeof hwm) ||
+        zmq_setsockopt(p->sock, ZMQ_SNDTIMEO, &sndtimeo, sizeof sndtimeo) ||
+        zmq_setsockopt(p->sock, ZMQ_IPV6, &ipv6, sizeof ipv6) || zmq_connect(p->sock, ep) ||
+        kvf__smap_put(&m->pushes, key, p, NULL)) {
+      LOG_WARN("kv", "cannot open a PUSH socket to %s: %s", ep, zmq_strerror(zmq_errno()));
+      if (p->sock) zmq_close(p->sock);
+      pthread_mutex_destroy(&p->lock);
+      free(p);
+      pthread_mutex_unlock(&m->push_lock);
+      return KVF_EIO;
+    }
+  }
+  unsigned char mac[MANAGER_MAC_LEN];
+  size_t nsend = msg->nframes + (m->ctl_keylen ? 1 : 0);
+  if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
+  pthread_mutex_lock(&p->lock);
+  pthread_mutex_unlock(&m->push_lock);
+  for (size_t i = 0; i < nsend && !rc; i++) {
+    int flags = i + 1 < nsend ? ZMQ_SNDMORE : 0;
+    const void *data = i < msg->nframes ? msg->frames[i].data : mac;
+    size_t len = i < msg->nframes ? msg->frames[i].len : sizeof mac;
+    if (zmq_send(p->sock, data, len, flags) < 0) rc = zmq_errno() == EAGAIN ? KVF_ETIMEDOUT : KVF_EIO;
+  }
+  pthread_mutex_unlock(&p->lock);
+  if (rc) LOG_WARN("kv", "sending to %s failed: %s", key, kvf_strerror(rc));
+  return rc;
+}
+
+void kvf__manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {
+  char key[300];
+  if (push_key(key, sizeof key, host, port)) return;
+  void *v = NULL;
+  pthread_mutex_lock(&m->push_lock);
+  int had = kvf__smap_del(&m->pushes, key, &v);
+  pthread_mutex_unlock(&m->push_lock);
+  if (had) {
+    manager_push *p = v;
+    /* A sender may still hold p->lock: take it before closing. */
+    pthread_mutex_lock(&p->lock);
+    zmq_close(p->sock);
+    pthread_mutex_unlock(&p->lock);
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+  }
+}
+
+void kvf__control_close_pushes(kvf_manager *m) {
+  map_iter it;
+  kvf__map_iter_init(&it);
+  void *v;
+  while (kvf__smap_next(&m->pushes, &it, NULL, &v)) {
+    manager_push *p = v;
+    zmq_close(p->sock);
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+  }
+  kvf__smap_free(&m->pushes);
+}
+
+/* -------------------------------------------------------------- listener */
+
+void *kvf__control_listener_main(void *arg) {
+  kvf_manager *m = arg;
+  zmq_msg_t parts[MANAGER_MAX_RECV_FRAMES];
+  for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_init(&parts[i]);
+  while (!atomic_load(&m->stopping)) {
+    /* Messages already queued are taken without a poll (and without going
+     * back to sleep): one wake-up drains a burst. */
+    int events = 0;
+    size_t elen = sizeof events;
+    if (zmq_getsockopt(m->pull, ZMQ_EVENTS, &events, &elen) || !(events & ZMQ_POLLIN)) {
+      zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
+      int r = zmq_poll(&pi, 1, 100);
+      if (r <= 0) continue;
+      kvf__wake_count();
+    }
+    size_t n = 0, extra = 0;
+    int more = 1;
+    char peer[64] = "?";
+    while (more) {
+      zmq_msg_t *part = n < MANAGER_MAX_RECV_FRAMES ? &parts[n] : NULL;
+      zmq_msg_t sink;
+      if (!part) {
+        zmq_msg_init(&sink);
+        part = &sink;
+      }
+      if (zmq_msg_recv(part, m->pull, 0) < 0) {
+        if (part == &sink) zmq_msg_close(&sink);
+        more = 0;
+        break;
+      }
+      if (n == 0) {
+        const char *pa = zmq_msg_gets(part, "Peer-Address");
+        if (pa) snprintf(peer, sizeof peer, "%s", pa);
+      }
+      more = zmq_msg_more(part);
+      if (part == &sink) {
+        zmq_msg_close(&sink);
+        extra++;
+      } else {
+        n++;
+      }
+    }
+    wire_frame frames[MANAGER_MAX_RECV_FRAMES];
+    for (size_t i = 0; i < n; i++) frames[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
+    kvf__manager_dispatch(m, frames, n, extra, peer);
+  }
+  for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_close(&parts[i]);
+  return NULL;
+}
+
+/* Bind to an ephemeral port chosen by the kernel (no bind-then-release race
+ * as in the reference) and read back which one. */
+int kvf__control_bind_pull(kvf_manager *m) {
+  m->pull = zmq_socket(m->zctx, ZMQ_PULL);
+  if (!m->pull) return KVF_EIO;
+  int64_t maxmsg = MANAGER_MAX_FRAME_BYTES;
+  int linger = 0, ipv6 = strchr(m->host, ':') != NULL, hwm = 10000;
+  zmq_setsockopt(m->pull, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+  zmq_setsockopt(m->pull, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(m->pull, ZMQ_IPV6, &ipv6, sizeof ipv6);
+  zmq_setsockopt(m->pull, ZMQ_RCVHWM, &hwm, sizeof hwm);
+  char ep[300];
+  snprintf(ep, sizeof ep, ipv6 ? "tcp://[%s]:*" : "tcp://%s:*", m->host);
+  if (zmq_bind(m->pull, ep)) {
+    LOG_ERROR("kv", "cannot bind the control socket on %s: %s", ep, zmq_strerror(zmq_errno()));
+    return KVF_EIO;
+  }
+  char last[300];
+  size_t len = sizeof last;
+  if (zmq_getsockopt(m->pull, ZMQ_LAST_ENDPOINT, last, &len)) return KVF_EIO;
+  const char *hp = strncmp(last, "tcp://", 6) ? last : last + 6;
+  if (kvf__addr_parse(hp, strlen(hp), NULL, 0, &m->rank_port, NULL)) return KVF_EIO;
+  return 0;
+}

@@ -1,0 +1,201 @@
+/* The kvf_receiver API the scheduler drives (include/kvferry/kv.h): create
+ * (construction failures leave a receiver that polls Failed, §7.3), init,
+ * poll with the waiting timeout, first-token metadata, destroy. */
+#include "kv/decode/decode_int.h"
+
+#define DECODE_SPARE_MAX 4096 /* destroyed receivers kept for reuse: no allocation per room */
+
+static kvf_receiver *receiver_take(struct decode_state *ds) {
+  pthread_mutex_lock(&ds->lock);
+  kvf_receiver *r = ds->spare;
+  if (r) ds->spare = r->next_spare, ds->nspare--;
+  pthread_mutex_unlock(&ds->lock);
+  if (r) memset(r, 0, sizeof *r);
+  return r ? r : calloc(1, sizeof *r);
+}
+
+static void receiver_give(struct decode_state *ds, kvf_receiver *r) {
+  pthread_mutex_lock(&ds->lock);
+  int keep = ds->nspare < DECODE_SPARE_MAX;
+  if (keep) {
+    r->next_spare = ds->spare;
+    ds->spare = r;
+    ds->nspare++;
+  }
+  pthread_mutex_unlock(&ds->lock);
+  if (!keep) free(r);
+}
+
+int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out) {
+  if (!m || !m->decode || !bootstrap_addr || !out) return KVF_EINVAL;
+  if (!*bootstrap_addr || strlen(bootstrap_addr) >= DECODE_ADDR_MAX) return KVF_EINVAL;
+  kvf_receiver *r = receiver_take(m->decode);
+  if (!r) return KVF_ENOMEM;
+  r->m = m;
+  r->room = room;
+  snprintf(r->addr, sizeof r->addr, "%s", bootstrap_addr);
+  int rc = kvf__rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
+  if (rc) {
+    receiver_give(m->decode, r);
+    return rc;
+  }
+  kvf__rooms_set_user(m->rooms, room, r);
+  char reason[ROOMS_REASON_MAX] = "";
+  if (kvf__dec_resolve_receiver(m, r, reason, sizeof reason)) {
+    kvf__dec_fail_room(m, room, reason);
+  } else {
+    kvf__rooms_set_required(m->rooms, room, r->pool->required_prefill_response_num);
+    kvf__rooms_update(m->rooms, room, ROOM_BOOTSTRAPPED, NULL);
+  }
+  *out = r;
+  return 0;
+}
+
+int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int64_t aux_index,
+                      int64_t decode_prefix_len, const int64_t *state_slots, size_t nstate) {
+  if (!r || (npages && !pages) || (nstate && !state_slots) || decode_prefix_len < 0) return KVF_EINVAL;
+  if (npages > WIRE_MAX_PAGES || nstate > WIRE_MAX_PAGES) return KVF_ETOOBIG;
+  for (size_t i = 0; i < npages; i++)
+    if (pages[i] < 0) return KVF_EINVAL;
+  kvf_manager *m = r->m;
+  int status = ROOM_FAILED;
+  if (!r->pool || kvf__rooms_get_status(m->rooms, r->room, &status) || status == ROOM_FAILED)
+    return 0; /* already Failed with its reason: poll reports it */
+  pool_entry *p = r->pool;
+  char reason[ROOMS_REASON_MAX] = "";
+  int rc = 0;
+  uint64_t room_flags = 0;
+  if (r->fence_epoch) kvf__integ_room_close(m, r->room, r->fence_epoch, 0, 1); /* a repeated init */
+  kvf__integ_room_open(m, r->room, p->kvferry_peer, &room_flags, &r->fence_epoch);
+  /* Only a kvferry prefill (it published its page layout) is asked; verify
+   * mode checks digests before Success, which come by the control plane, so
+   * such a room is completed by its M3. */
+  if (m->decode->fast && p->kvferry_peer && !(room_flags & WIRE_ROOM_VERIFY)) atomic_store(&r->asked_fast, 1);
+  for (int i = 0; i < p->ntargets && !rc; i++) {
+    const pool_target *t = &p->targets[i];
+    wire_m2 m2;
+    memset(&m2, 0, sizeof m2);
+    m2.room = r->room;
+    kvf__dec_fill_self(m, m2.endpoint, &m2.dst_port, m2.session, &m2.session_port);
+    m2.required_dst_info_num = t->required_dst_info_num;
+    m2.is_dummy = t->is_dummy;
+    if (!t->is_dummy) {
+      m2.kv_indices = wire_array_of(pages, npages);
+      m2.dst_aux_index = aux_index;
+      m2.decode_prefix_len = decode_prefix_len;
+      m2.mamba_indices = wire_array_of(state_slots, nstate);
+      m2.room_flags = room_flags;
+      m2.fence_epoch = r->fence_epoch;
+      if (p->fragmented && t->nfrags) {
+        m2.frags = p->frags + t->frag_start;
+        m2.nfrags = t->nfrags;
+        m2.page_layout = p->page_layout;
+      }
+      if (atomic_load(&r->asked_fast)) m2.room_flags |= WIRE_ROOM_FAST_COMPLETION;
+    }
+    wire_msg msg;
+    char why[WIRE_REASON_LEN] = "";
+    if ((rc = kvf__wire_m2_encode(&m2, &msg, why))) {
+      kvf__dec_set_reason(reason, sizeof reason, "Could not encode the transfer request for prefill rank %d: %s",
+                          t->rank, why);
+      break;
+    }
+    rc = kvf__manager_push_send(m, t->ip, t->port, &msg);
+    kvf__wire_msg_free(&msg);
+    if (rc)
+      kvf__dec_set_reason(reason, sizeof reason, "Could not send the transfer request to prefill rank %s:%u: %s",
+                          t->ip, (unsigned)t->port, kvf_strerror(rc));
+  }
+  if (rc) {
+    kvf__dec_fail_room(m, r->room, reason);
+    return 0;
+  }
+  kvf__rooms_set_init_time(m->rooms, r->room, clock_now_ns());
+  return 0;
+}
+
+static int match_room(int64_t room, void *user, void *arg) {
+  (void)user;
+  return room == *(const int64_t *)arg;
+}
+
+/* The room is Failed: refuse its late writes from now on (the engine fence)
+ * and tell every kvferry prefill rank of the plan, so its sender fails
+ * instead of writing on. Once per receiver. */
+static void fence_failed(kvf_receiver *r) {
+  if (!r->fence_epoch || r->fenced) return;
+  kvf_manager *m = r->m;
+  r->fenced = 1;
+  char reason[ROOMS_REASON_MAX] = "";
+  kvf__rooms_get_reason(m->rooms, r->room, reason, sizeof reason);
+  kvf__integ_room_close(m, r->room, r->fence_epoch, 1, 0);
+  for (int i = 0; r->pool && i < r->pool->ntargets; i++) {
+    const pool_target *t = &r->pool->targets[i];
+    if (!t->is_dummy) kvf__integ_send_fence(m, t->ip, t->port, r->room, r->fence_epoch, reason);
+  }
+}
+
+static kvf_poll_status poll_room(kvf_receiver *r);
+
+kvf_poll_status kvf_receiver_poll(kvf_receiver *r) {
+  kvf_poll_status st = poll_room(r);
+  if (st == KVF_POLL_FAILED && r) fence_failed(r);
+  return st;
+}
+
+static kvf_poll_status poll_room(kvf_receiver *r) {
+  if (!r) return KVF_POLL_FAILED;
+  kvf_manager *m = r->m;
+  rooms_info info;
+  if (kvf__rooms_get_info(m->rooms, r->room, &info)) return KVF_POLL_FAILED;
+  if (info.status == ROOM_SUCCESS || info.status == ROOM_FAILED) return (kvf_poll_status)info.status;
+  if (info.init_time_ns >= 0) {
+    double waited = (double)(clock_now_ns() - info.init_time_ns) / 1e9;
+    if (waited >= m->cfg.waiting_timeout_s) {
+      char reason[ROOMS_REASON_MAX];
+      kvf__dec_set_reason(reason, sizeof reason,
+                          "Request %" PRId64 " timed out after %.1fs in TransferPoll.WaitingForInput", r->room,
+                          waited);
+      /* Fail only if Success did not win the race: fail_matching skips
+       * Success rooms atomically. */
+      size_t n = 0;
+      kvf__rooms_fail_matching(m->rooms, match_room, &r->room, reason, &n);
+      if (n) LOG_WARN("kv", "%s", reason);
+      int s = ROOM_FAILED;
+      kvf__rooms_get_status(m->rooms, r->room, &s);
+      return (kvf_poll_status)s;
+    }
+  }
+  return (kvf_poll_status)info.status;
+}
+
+void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap) {
+  if (!buf || !cap) return;
+  buf[0] = 0;
+  if (r) kvf__rooms_get_reason(r->m->rooms, r->room, buf, cap);
+}
+
+int kvf_receiver_supports_spec(const kvf_receiver *r) {
+  if (!r) return KVF_EINVAL;
+  return r->pool ? r->pool->supports_spec : KVF_ESTATE;
+}
+
+int kvf_receiver_pop_metadata(kvf_receiver *r, int64_t *token, int32_t *cands, size_t cap, size_t *ncand) {
+  if (!r || !token || !ncand) return KVF_EINVAL;
+  return kvf__rooms_pop_metadata(r->m->rooms, r->room, token, cands, cap, ncand);
+}
+
+void kvf_receiver_destroy(kvf_receiver *r) {
+  if (!r) return;
+  int st = ROOM_FAILED;
+  kvf__rooms_get_status(r->m->rooms, r->room, &st);
+  if (st != ROOM_SUCCESS) { /* a late write must not land in pages the caller takes back now */
+    if (st != ROOM_FAILED)
+      kvf__rooms_fail(r->m->rooms, r->room, "The decode dropped the request (receiver destroyed)");
+    fence_failed(r);
+  }
+  kvf__integ_room_close(r->m, r->room, r->fence_epoch, 0, 1);
+  kvf__rooms_clear(r->m->rooms, r->room, NULL);
+  kvf__dec_pool_unref(r->pool);
+  receiver_give(r->m->decode, r);
+}

@@ -1,0 +1,113 @@
+/* The decode's status listener: M3s from prefill ranks (only from a rank
+ * the room was planned with, issue 13 defect 5) and completions that ride
+ * an engine trailer (docs/WIRE-EXTENSIONS.md). */
+#include "kv/decode/decode_int.h"
+
+typedef struct m3_origin {
+  kvf_manager *m;
+  const char *peer;
+} m3_origin;
+
+/* Under the room table's lock: did the M3 come from a rank the room was
+ * planned with? (Issue 13 defect 5: PROTOCOL §8 lets any ZMQ peer end any
+ * room.) A room without a plan yet has sent no M2, so nobody may answer. */
+static int from_planned_rank(void *user, void *arg) {
+  const kvf_receiver *r = user;
+  const m3_origin *o = arg;
+  const pool_entry *p = r ? (const pool_entry *)atomic_load(&r->pool_tag) : NULL;
+  for (int i = 0; p && i < p->ntargets; i++)
+    if (kvf__manager_peer_is(o->m, o->peer, p->targets[i].ip)) return 1;
+  return 0;
+}
+
+static int asked_fast(void *user, void *arg) {
+  (void)arg;
+  const kvf_receiver *r = user;
+  return r && atomic_load(&r->asked_fast);
+}
+
+/* The engine's trailer callback (a transport thread, after the bytes of the
+ * chunk that carried it landed): a room's completion riding behind its
+ * data, an encoded M3 (and its MAC with a control token). It counts only for
+ * a room whose M2s asked for it, and then takes the M3's path: the MAC, the
+ * planned-rank origin check, and one response per prefill rank, so the M3
+ * that still follows changes nothing. Anything else is rejected and
+ * counted, and never makes a room Success. */
+void kvf__dec_on_trailer(void *arg, const unsigned char *data, size_t len, const char *peer) {
+  kvf_manager *m = arg;
+  wire_frame frames[MANAGER_MAX_RECV_FRAMES];
+  size_t n = 0, extra = 0;
+  wire_m3 m3;
+  char why[WIRE_REASON_LEN] = "";
+  if (kvf__trailer_unpack(data, len, frames, MANAGER_MAX_RECV_FRAMES, &n, &extra) ||
+      kvf__wire_m3_decode(frames, n - (m->ctl_keylen && n > 1 && !extra ? 1 : 0), &m3, why)) {
+    kvf__manager_reject(m, peer, "completion trailer", *why ? why : "malformed");
+    return;
+  }
+  if (kvf__rooms_with_user(m->rooms, m3.room, asked_fast, NULL) != 1) {
+    kvf__manager_reject_forged(m, peer, "completion trailer", "for a room that did not ask for one (no M2 yet)");
+    return;
+  }
+  atomic_fetch_add(&m->stats.completions_fast, 1);
+  kvf__manager_dispatch(m, frames, n, extra, peer);
+}
+
+/* The same check for a kvferry digests message. */
+static int from_planned(kvf_manager *m, int64_t room, const char *peer) {
+  m3_origin origin = {m, peer};
+  return kvf__rooms_with_user(m->rooms, room, from_planned_rank, &origin) != 0;
+}
+
+void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
+  wire_m3 m3;
+  char why[WIRE_REASON_LEN] = "";
+  if (kvf__wire_is_digests(frames, n)) {
+    kvf__integ_on_digests(m, frames, n, peer, from_planned);
+    return;
+  }
+  if (kvf__wire_m3_decode(frames, n, &m3, why)) {
+    kvf__manager_reject(m, peer, "M3", why);
+    return;
+  }
+  m3_origin origin = {m, peer};
+  int rc = kvf__rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
+  if (rc == 0) {
+    kvf__manager_reject_forged(m, peer, "M3", "the sender is not a prefill rank this room was planned with");
+    return;
+  }
+  if (m3.status == WIRE_STATUS_SUCCESS) {
+    int32_t cands[ROOMS_MAX_CANDS];
+    if (m3.candidates.count > ROOMS_MAX_CANDS || m3.prefill_rank >= ROOMS_MAX_RANKS) {
+      kvf__manager_reject(m, peer, "M3",
+                          m3.candidates.count > ROOMS_MAX_CANDS ? "too many speculative candidates"
+                                                                : "prefill rank out of range");
+      return;
+    }
+    for (size_t i = 0; i < m3.candidates.count; i++) cands[i] = wire_i32_at(m3.candidates, i);
+    /* The bytes the prefill wrote must be visible before anyone sees Success. */
+    kvf_engine_sync(m->engine);
+    kvf__integ_on_success(m, m3.room, m3.prefill_rank);
+    rc = kvf__rooms_record_response(m->rooms, m3.room, (int)m3.prefill_rank, m3.bootstrap_token, cands,
+                                    m3.candidates.count, NULL);
+  } else if (m3.status == WIRE_STATUS_FAILED && m3.reason_len) {
+    /* A kvferry prefill says why (M3 frame 5); keep it printable. */
+    char said[WIRE_REASON_LEN], reason[ROOMS_REASON_MAX];
+    for (size_t i = 0; i < m3.reason_len; i++)
+      said[i] = m3.reason[i] >= 0x20 && m3.reason[i] < 0x7f ? m3.reason[i] : '?';
+    said[m3.reason_len] = 0;
+    kvf__dec_set_reason(reason, sizeof reason, "Failed to get kvcache from prefill rank %" PRId64 " (%s): %s",
+                        m3.prefill_rank, peer, said);
+    rc = kvf__rooms_fail(m->rooms, m3.room, reason);
+  } else if (m3.status == WIRE_STATUS_FAILED) {
+    rc = kvf__rooms_fail(m->rooms, m3.room, "Failed to get kvcache from prefill instance, it might be dead");
+  } else {
+    rc = kvf__rooms_update(m->rooms, m3.room, m3.status, NULL);
+  }
+  if (rc == KVF_ENOTFOUND) {
+    atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+  } else if (rc) {
+    kvf__manager_reject(m, peer, "M3", kvf_strerror(rc));
+  } else {
+    atomic_fetch_add(&m->stats.messages_received, 1);
+  }
+}

@@ -1,0 +1,141 @@
+/* Direct transfers: a room sent in one small chunk skips the worker queue;
+ * the engine's completion callbacks finish the room. */
+#include "kv/prefill/prefill_int.h"
+
+/* ------------------------------------------------------- direct transfers */
+
+/* A room sent in one chunk small enough (PF_DIRECT_MAX_BYTES) skips the
+ * worker: the calling thread plans it and submits one engine write per
+ * destination with a completion callback, and the thread that reads the
+ * engine's acknowledgements makes the room Success and sends the M3s. No
+ * thread wakes up only to pass the chunk on, and the sender's call does not
+ * wait for the bytes. Only a room's first and last chunk goes this way, so
+ * no earlier chunk of the room can still be in flight when it completes.
+ * Records come from a pool sized once (PF_DIRECT_SLOTS); with none free, or
+ * the planning scratch busy on another thread, the chunk takes the worker
+ * path. */
+
+static void direct_finish(pf_direct *dj) {
+  prefill_state *ps = dj->ps;
+  kvf_manager *m = ps->m;
+  pf_room *r = dj->r;
+  size_t upto = 0, nreal = 0;
+  int ok = !atomic_load(&dj->failed), success = 0;
+  for (size_t i = 0; ok && i < dj->n && !upto; i++) {
+    const wire_m2 *x = dj->d[i].info->m2;
+    if (x->is_dummy) continue;
+    if ((int64_t)++nreal == x->required_dst_info_num) upto = i + 1; /* §6.11 step 6 */
+  }
+  for (size_t i = upto; ok && i < dj->n; i++) nreal += !dj->d[i].info->m2->is_dummy;
+  if (ok) { /* the counters move first, so whoever sees Success also sees them */
+    atomic_fetch_add(&m->stats.chunks_sent, 1);
+    atomic_fetch_add(&m->stats.bytes_sent, dj->bytes);
+  }
+  int fin = ROOM_FAILED;
+  pthread_mutex_lock(&ps->lock);
+  if (ok && !r->dead && (upto || (nreal == 0 && dj->n > 0))) { /* or only dummies (§6.11 step 1) */
+    kvf__rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+    kvf__rooms_get_status(m->rooms, r->room, &fin);
+    success = upto > 0;
+  }
+  pthread_mutex_unlock(&ps->lock);
+  for (size_t i = 0; success && i < upto; i++) {
+    const wire_m2 *y = dj->d[i].info->m2;
+    if (y->is_dummy) continue;
+    kvf__pf_send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
+                    dj->token, dj->cands, dj->ncand);
+  }
+  pthread_mutex_lock(&ps->lock);
+  for (size_t i = 0; i < dj->n; i++) kvf__pf_info_unref(dj->d[i].info);
+  kvf__pf_room_unref(ps, r);
+  dj->r = NULL;
+  dj->next = ps->direct_free;
+  ps->direct_free = dj;
+  if (--ps->direct_busy == 0) pthread_cond_broadcast(&ps->direct_cv);
+  pthread_mutex_unlock(&ps->lock);
+}
+
+static void direct_release(pf_direct *dj) {
+  if (atomic_fetch_sub(&dj->left, 1) == 1) direct_finish(dj);
+}
+
+/* Engine completion of one destination's write (a transport thread). */
+static void direct_done(void *arg, int status) {
+  pf_direct_dest *d = arg;
+  pf_direct *dj = d->owner;
+  if (status) {
+    char why[ROOMS_REASON_MAX];
+    kvf__pf_xfer_why(dj->r, d->info->m2, status, why, sizeof why);
+    atomic_store(&dj->failed, 1);
+    kvf__pf_fail_dest(dj->ps, dj->r, d->info->m2, why, 1);
+  }
+  direct_release(dj);
+}
+
+/* ps->lock held: a direct record for the chunk, or NULL (worker path). On
+ * success the room and its infos are referenced and ps->direct_lock is held. */
+pf_direct *kvf__pf_direct_take_locked(prefill_state *ps, pf_room *r, const pf_chunk *c, size_t prior) {
+  int st = ROOM_FAILED;
+  if (!c->is_last || c->token == PF_TOKEN_LATER || !r->bootstrapped || r->nchunks != prior || r->dead ||
+      r->ninfos > PF_DIRECT_MAX_DESTS || !ps->direct_free || ps->m->cfg.verify || c->digests)
+    return NULL;
+  for (size_t i = 0; i < r->ninfos; i++) /* verify mode: the integrity path */
+    if (r->infos[i]->m2->room_flags & WIRE_ROOM_VERIFY) return NULL;
+  uint64_t per_page = ps->layer_bytes[c->layer_end] - ps->layer_bytes[c->layer_begin];
+  if (c->npages && per_page > PF_DIRECT_MAX_BYTES / c->npages) return NULL;
+  if (kvf__rooms_get_status(ps->m->rooms, r->room, &st) || st == ROOM_FAILED) return NULL;
+  if (pthread_mutex_trylock(&ps->direct_lock)) return NULL;
+  pf_direct *dj = ps->direct_free;
+  ps->direct_free = dj->next;
+  ps->direct_busy++;
+  dj->r = r;
+  r->refs++;
+  dj->n = r->ninfos;
+  for (size_t i = 0; i < dj->n; i++) {
+    dj->d[i] = (pf_direct_dest){.owner = dj, .info = r->infos[i]};
+    r->infos[i]->refs++;
+  }
+  return dj;
+}
+
+/* Plan and submit a direct chunk (ps->direct_lock held; released here). */
+void kvf__pf_direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
+  pf_scratch *sc = &ps->direct_sc;
+  char why[ROOMS_REASON_MAX];
+  dj->ps = ps;
+  dj->token = c->token;
+  dj->ncand = c->ncand;
+  if (c->ncand) memcpy(dj->cands, c->cands, c->ncand * sizeof *c->cands);
+  dj->bytes = 0;
+  atomic_store(&dj->failed, 0);
+  atomic_store(&dj->left, 1); /* this thread's guard: no finish while submitting */
+  size_t nreal = 0;
+  for (size_t i = 0; i < dj->n; i++) nreal += !dj->d[i].info->m2->is_dummy;
+  for (size_t i = 0; i < dj->n; i++) {
+    const wire_m2 *x = dj->d[i].info->m2;
+    if (x->is_dummy) continue;
+    if (kvf__pf_plan_dest(ps, sc, c, dj->d[i].info, why, sizeof why) != DEST_OK) {
+      atomic_store(&dj->failed, 1);
+      kvf__pf_fail_dest(ps, dj->r, x, why, 0);
+      break; /* §6.11 step 5: stop processing this chunk */
+    }
+    dj->bytes += kvf__pf_writes_bytes(sc->w, sc->nw);
+    atomic_fetch_add(&dj->left, 1);
+    unsigned char tb[KVF_ENGINE_MAX_TRAILER];
+    size_t tlen =
+        kvf__pf_completion_trailer(ps, dj->r->room, x, nreal, dj->token, dj->cands, dj->ncand, tb, sizeof tb);
+    kvf_batch_opts opts;
+    kvf__pf_fence_opts(x, &opts);
+    int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, &opts, tlen ? tb : NULL, tlen,
+                                   direct_done, &dj->d[i]);
+    if (rc) {
+      atomic_fetch_sub(&dj->left, 1);
+      atomic_store(&dj->failed, 1);
+      kvf__pf_xfer_why(dj->r, x, rc, why, sizeof why);
+      kvf__pf_fail_dest(ps, dj->r, x, why, 1);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&ps->direct_lock);
+  direct_release(dj);
+}

@@ -1,0 +1,216 @@
+/* The prefill's control messages from decodes (PROTOCOL §3.3-§3.5), on the
+ * manager's listener thread: M1 registers a decode session, M2 asks for a
+ * room's transfer (creating an early room when no sender exists yet), and
+ * a fence message closes a room's writes (issue 16). */
+#include "kv/prefill/prefill_int.h"
+
+static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
+  wire_m1 d;
+  wire_m1 *copy = NULL;
+  char why[WIRE_REASON_LEN];
+  if (kvf__wire_m1_decode(frames, n, &d, why)) {
+    kvf__manager_reject(m, peer, "M1", why);
+    return;
+  }
+  /* Issue 13 defect 5: a registration names where the decode's memory and
+   * status socket are; only that host may make it. */
+  if (!kvf__manager_peer_is(m, peer, d.endpoint)) {
+    kvf__manager_reject_forged(m, peer, "M1", "the sender is not the decode host the registration names");
+    return;
+  }
+  if (kvf__wire_m1_dup(&d, &copy)) {
+    kvf__manager_reject(m, peer, "M1", "out of memory");
+    return;
+  }
+  pthread_mutex_lock(&ps->lock);
+  pf_reg *reg = kvf__smap_get(&ps->regs, d.session);
+  if (!reg) {
+    if (smap_size(&ps->regs) >= PF_MAX_SESSIONS || !(reg = calloc(1, sizeof *reg)) ||
+        kvf__smap_put(&ps->regs, d.session, reg, NULL)) {
+      pthread_mutex_unlock(&ps->lock);
+      free(reg);
+      free(copy);
+      kvf__manager_reject(m, peer, "M1", "registration table full");
+      return;
+    }
+  } else {
+    free(reg->m1);
+  }
+  reg->m1 = copy;
+  reg->failed_ns = 0; /* a new registration clears the failed mark (§3.3, §7.4) */
+  pthread_mutex_unlock(&ps->lock);
+  if (d.kv_ptrs.count != m->bufs.n_kv)
+    LOG_WARN("kv", "decode session %s registered %zu KV buffers, this prefill rank has %zu: its rooms will fail",
+             d.session, d.kv_ptrs.count, m->bufs.n_kv);
+  atomic_fetch_add(&m->stats.messages_received, 1);
+}
+
+static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
+  wire_m2 d;
+  char why[ROOMS_REASON_MAX];
+  if (kvf__wire_m2_decode(frames, n, &d, why)) {
+    kvf__manager_reject(m, peer, "M2", why);
+    return;
+  }
+  if (!kvf__manager_peer_is(m, peer, d.endpoint)) {
+    kvf__wire_m2_free(&d);
+    kvf__manager_reject_forged(m, peer, "M2", "the sender is not the decode host the request names");
+    return;
+  }
+  pf_info *info = calloc(1, sizeof *info);
+  if (!info || kvf__wire_m2_dup(&d, &info->m2)) {
+    free(info);
+    kvf__wire_m2_free(&d);
+    kvf__manager_reject(m, peer, "M2", "out of memory");
+    return;
+  }
+  info->refs = 1;
+  kvf__wire_m2_free(&d);
+  const wire_m2 *x = info->m2;
+  if (!x->is_dummy && (x->indices_are_local || x->page_mask.count || x->local_indices.count)) {
+    /* L1.5 partial cache indices: not supported, and silently ignoring them
+     * would write whole pages to the wrong places. */
+    kvf__pf_info_unref(info);
+    kvf__manager_reject(m, peer, "M2", "L1.5 local indices are not supported");
+    return;
+  }
+  if (kvf__pf_info_plan(m, info)) {
+    kvf__pf_info_unref(info);
+    kvf__manager_reject(m, peer, "M2", "out of memory");
+    return;
+  }
+
+  pthread_mutex_lock(&ps->lock);
+  pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
+  if (!reg) {
+    pthread_mutex_unlock(&ps->lock);
+    snprintf(why, sizeof why, "decode session %s never registered (no M1)", x->session);
+    kvf__pf_info_unref(info);
+    kvf__manager_reject(m, peer, "M2", why);
+    return;
+  }
+  int mismatch = !x->is_dummy && reg->m1->kv_ptrs.count != m->bufs.n_kv;
+  int64_t now = clock_now_ns();
+  kvf__pf_expire_early(ps, now);
+  pf_room *r = kvf__map_get(&ps->rooms, (uint64_t)x->room);
+  if (!r) {
+    const char *full = reg->nearly >= PF_MAX_EARLY_PER_SESSION ? "from this decode session"
+                       : ps->nearly >= PF_MAX_EARLY            ? "from all decode sessions"
+                                                               : NULL;
+    if (full || !(r = kvf__pf_room_new(ps)) || kvf__map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
+      kvf__pf_room_drop(ps, r);
+      pthread_mutex_unlock(&ps->lock);
+      atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+      snprintf(why, sizeof why,
+               "prefill rank %d refused the transfer request: %s requests %s wait for their sender "
+               "(limit %d per session, %d in all)",
+               m->cfg.engine_rank, full ? "too many" : "out of memory:", full ? full : "no room for more",
+               PF_MAX_EARLY_PER_SESSION, PF_MAX_EARLY);
+      if (kvf__log_first_time(kvf__log_hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
+        LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
+                 peer ? peer : "?", why);
+      /* Tell the decode now: otherwise it waits for its timeout. */
+      kvf__pf_send_m3_why(m, x->endpoint, x->dst_port, x->room, ROOM_FAILED, -1, NULL, 0, why);
+      kvf__pf_info_unref(info);
+      return;
+    }
+    r->room = x->room;
+    r->refs = 1;
+    kvf__pf_early_append(ps, r, reg);
+  } else if (r->early_owner) {
+    pf_reg *owner = r->early_owner; /* a repeat: most recently used now */
+    kvf__pf_early_unlink(ps, r);
+    kvf__pf_early_append(ps, r, owner);
+  }
+  size_t k = 0;
+  while (k < r->ninfos && strcmp(r->infos[k]->m2->session, x->session)) k++;
+  if (k < r->ninfos) {
+    kvf__pf_info_unref(r->infos[k]); /* a repeat from the same session replaces it in place */
+    r->infos[k] = info;
+  } else {
+    if (r->ninfos == r->cap) {
+      size_t nc = r->cap ? r->cap * 2 : 4;
+      pf_info **ni = r->ninfos < PF_MAX_INFOS ? realloc(r->infos, nc * sizeof *ni) : NULL;
+      if (!ni) {
+        pthread_mutex_unlock(&ps->lock);
+        kvf__pf_info_unref(info);
+        kvf__manager_reject(m, peer, "M2", "too many decode sessions for one room");
+        return;
+      }
+      r->infos = ni;
+      r->cap = nc;
+    }
+    r->infos[r->ninfos++] = info;
+  }
+  r->last_m2_ns = now;
+  if (mismatch && r->has_sender && !r->dead) {
+    snprintf(why, sizeof why, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", x->session,
+             reg->m1->kv_ptrs.count, m->bufs.n_kv);
+    kvf__rooms_fail(m->rooms, r->room, why);
+  }
+  pf_direct *dj = NULL;
+  pf_chunk *direct = NULL;
+  if (!r->bootstrapped && (int64_t)r->ninfos == x->required_dst_info_num) {
+    r->bootstrapped = 1;
+    r->shard = kvf__pf_room_shard(ps, r);
+    if (r->has_sender) kvf__rooms_update(m->rooms, r->room, ROOM_BOOTSTRAPPED, NULL);
+    kvf__pf_flush_pending(ps, r, &dj, &direct);
+  }
+  pthread_mutex_unlock(&ps->lock);
+  if (direct) { /* the room's only chunk waited for this M2: send it from here */
+    kvf__pf_direct_run(ps, dj, direct);
+    pthread_mutex_lock(&ps->lock);
+    kvf__pf_chunk_release_locked(ps, direct);
+    pthread_mutex_unlock(&ps->lock);
+  }
+  atomic_fetch_add(&m->stats.messages_received, 1);
+}
+
+/* A kvferry decode failed or dropped a room it asked us to fence: fail the
+ * sender's room so it stops writing (its engine would be refused anyway). */
+static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
+  wire_fence f;
+  char why[ROOMS_REASON_MAX];
+  if (kvf__wire_fence_decode(frames, n, &f, why)) {
+    kvf__manager_reject(m, peer, "fence", why);
+    return;
+  }
+  char host[WIRE_STR_MAX + 1];
+  snprintf(host, sizeof host, "%.*s", (int)(strrchr(f.session, ':') - f.session), f.session);
+  if (!kvf__manager_peer_is(m, peer, host)) {
+    kvf__manager_reject_forged(m, peer, "fence", "the sender is not the decode host the notice names");
+    return;
+  }
+  int hit = 0;
+  pthread_mutex_lock(&ps->lock);
+  pf_room *r = kvf__map_get(&ps->rooms, (uint64_t)f.room);
+  for (size_t i = 0; r && !r->dead && i < r->ninfos && !hit; i++) {
+    const wire_m2 *x = r->infos[i]->m2;
+    hit = x->fence_epoch == f.epoch && !strcmp(x->session, f.session);
+  }
+  int st = ROOM_FAILED;
+  if (hit && r->has_sender && !kvf__rooms_get_status(m->rooms, f.room, &st) && st != ROOM_FAILED) {
+    snprintf(why, sizeof why, "Decode %.200s failed the room: %.250s", f.session,
+             *f.reason ? f.reason : "no reason given");
+    kvf__rooms_fail(m->rooms, f.room, why);
+  }
+  pthread_mutex_unlock(&ps->lock);
+  if (hit) {
+    atomic_fetch_add(&m->stats.messages_received, 1);
+    LOG_INFO("kv", "room %" PRId64 ": decode %s failed it (%s); sending stops", f.room, f.session, f.reason);
+  } else {
+    atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+  }
+}
+
+void kvf__prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
+  prefill_state *ps = m->prefill;
+  if (kvf__wire_is_fence(frames, n)) {
+    on_fence(m, ps, frames, n, peer);
+    return;
+  }
+  int kind = kvf__wire_classify(frames, n);
+  if (kind == WIRE_MSG_M1) on_m1(m, ps, frames, n, peer);
+  else if (kind == WIRE_MSG_M2) on_m2(m, ps, frames, n, peer);
+  else kvf__manager_reject(m, peer, "message", "no frames");
+}

@@ -1,0 +1,343 @@
+/* The prefill half of a KV manager (PROTOCOL §1.5, §3.3-§3.5, §6, §7.4),
+ * private to src/kv/prefill/: its state, records and cross-file functions.
+ * Files: lifecycle.c (start, stop, PUT /route), listener.c (M1, M2, fence),
+ * rooms_early.c (room records, early rooms, pending chunks, M3 helpers),
+ * sender.c (the kvf_sender API), workers.c (queues and process_chunk),
+ * chunk_plan.c (the chunk planner: pages to engine writes per destination),
+ * verify_send.c (the verify-mode path), direct.c (direct transfers).
+ *
+ * In short:
+ * the PUT /route registration at startup, the listener's handling of M1
+ * (decode registrations, keyed by session) and M2 (transfer requests, per
+ * room and session), the senders the scheduler drives, and queue_size
+ * transfer workers that turn chunks into engine writes and report M3.
+ *
+ * Tables and bounds. All prefill tables sit behind one mutex (ps->lock):
+ * registrations (at most PF_MAX_SESSIONS sessions), per-room state `pf_room`
+ * keyed by room id, and per-room transfer infos in arrival order (at most
+ * PF_MAX_INFOS). An M2 may arrive before its sender exists (a legitimate
+ * race): it is stored in a pf_room without a sender, an "early" room
+ * (issue 13 defect 6). Each early room is charged to the decode session
+ * whose M2 created it; a session holds at most PF_MAX_EARLY_PER_SESSION of
+ * them and all sessions together at most PF_MAX_EARLY, so one flooding
+ * decode cannot starve the others. Early rooms sit on one LRU list (a repeat
+ * M2 moves its room to the tail); each M2 drops at most PF_EXPIRE_PER_MSG
+ * rooms idle past the waiting timeout from the head (the decode has given
+ * up on them by then), so every M2 costs O(1). An M2 that would need an
+ * early room past a bound is refused: its decode gets M3 Failed with the
+ * reason (kvferry frame 5) at once instead of waiting. Early rooms are not
+ * in the shared room table (m->rooms holds exactly the rooms with a sender),
+ * so kvf_manager_get_stats' live_rooms counts senders only.
+ *
+ * Lifetime. A pf_room is reference counted: one reference for its map entry
+ * and one per chunk that is pending on it or queued/being processed. Destroy
+ * removes the map entry and marks the room dead; a worker that still holds
+ * a chunk sees `dead` and drops it, and every call into m->rooms that names
+ * the room by id is made under ps->lock after checking `dead`, so a room id
+ * reused by a new sender is never touched by an old chunk. Transfer infos
+ * are reference counted too, because a repeated M2 replaces one while a
+ * worker may be using it. Room and sender records that nothing refers to
+ * any more are kept (PF_SPARE_ROOMS each) and reused, and the planning
+ * arrays are per worker and grow-only, so a warm manager allocates per room
+ * only the M2's copy, a queued chunk's copy (worker path) and the engine's batch.
+ * Lock order: ps->lock, then a queue's lock, then
+ * the room table's internal lock. Nothing that blocks (engine writes, M3
+ * sends) runs under ps->lock.
+ *
+ * Chunks sent before every M2 arrived wait on the room (`pending`) and are
+ * queued, in order, when the room becomes Bootstrapped; the sender's poll
+ * fails the room after bootstrap_timeout_s in Bootstrapping (which the
+ * reference never does, §8 item 2). The queue shard is fixed when the room
+ * becomes Bootstrapped, so every chunk of a room runs on one worker in order.
+ *
+ * decode_prefix_len (§6.8): kvf_sender_send's pages are the request's full
+ * page list, chunk after chunk; the worker skips the first
+ * decode_prefix_len / page_size positions (those the decode already holds)
+ * and maps position p >= P onto the decode's destination index p - P, as
+ * the reference scheduler does before submitting. With a prefix of 0 this is
+ * the identity. A layerwise chunk (KVF_SEND_LAYERS) instead names the destination index
+ * of its first page itself (the reference's send_layerwise index_slice, the
+ * scheduler having already skipped the prefix): such a chunk (`explicit_idx`)
+ * maps pages[k] onto destination index pos + k with no skip.
+ *
+ * Layerwise sends (§6.9, §6.10): a chunk carries the KV layer range
+ * [layer_begin, layer_end) it writes; kvf_sender_send's chunks cover every
+ * layer. There is no device step counter: the caller submits a layer group
+ * once its KV is written, so no worker ever waits on the device (§8 item 2).
+ * A room's chunks run in order on one worker, so when the is_last chunk
+ * completes, every earlier layer group has landed; Success and the M3 come
+ * only then. State buffers go with the chunk that carries state slots: the
+ * last chunk, or a layerwise chunk, which then writes the state buffers of
+ * its layer range when the manager has state_layer_ids (every state buffer
+ * without), so a layer group's recurrent state leaves with its KV (§6.10).
+ *
+ * Deviations from the reference, on purpose: an M2 from an unregistered
+ * session is rejected at the listener (§8 item 3); a decode whose KV pointer
+ * count differs from ours fails the room with a reason instead of indexing
+ * past its list; a dummy destination makes the room Success on the last
+ * chunk only when the room has no real destination (otherwise Success comes
+ * from the real transfers, so a dummy cannot report Success before the data
+ * landed). L1.5 partial-cache indices (§6.3 modes other than OFF/OFF) are not
+ * supported: such a request fails the room with a reason.
+ *
+ * First-token hand-off (§6.9, §6.11 metadata wait). The token usually rides
+ * on the last chunk. A last chunk sent with KVF_SEND_TOKEN_LATER (layerwise:
+ * the last layer group goes out before sampling) instead parks the room once
+ * it landed on every required destination: the worker stores those
+ * destinations in the room (`park`) and moves on, so no worker ever waits
+ * for a token. kvf_sender_set_metadata stores the token (first wins) and, if
+ * the room is parked, makes it Success and sends the M3s; published before
+ * the chunk lands, the worker uses it at once. The reference waits forever;
+ * kvferry bounds the wait in kvf_sender_poll: bootstrap_timeout_s after the
+ * chunk landed the room fails and the parked destinations get M3 Failed. A
+ * parked room that failed another way (abort sends its own M3s and unparks)
+ * gets M3 Failed from the next poll. A destroyed room just drops its park. */
+#ifndef KVF_KV_PREFILL_INT_H
+#define KVF_KV_PREFILL_INT_H
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/clock.h"
+#include "base/config.h"
+#include "base/hash.h"
+#include "base/log.h"
+#include "base/map.h"
+#include "base/wake.h"
+#include "bootstrap/bootstrap.h"
+#include "engine/async.h"
+#include "kv/integrity.h"
+#include "kv/manager.h"
+#include "kv/plan.h"
+#include "kv/rooms.h"
+
+#define PF_TOKEN_LATER (-2)             /* a chunk's token: "comes through kvf_sender_set_metadata" */
+#define PF_MAX_SESSIONS 4096            /* registered decode sessions */
+#define PF_MAX_INFOS 4096               /* transfer infos (decode sessions) per room */
+#define PF_MAX_EARLY 65536              /* rooms with M2s but no sender yet, all sessions together */
+#define PF_EXPIRE_PER_MSG 4             /* idle early rooms dropped per M2 at most */
+#define PF_MAX_PENDING 65536            /* chunks waiting on one room for its M2s */
+#define PF_QUEUE_MAX 65536              /* chunks in one worker FIFO */
+#define PF_DIRECT_MAX_BYTES (16u << 20) /* a room's only chunk up to this size skips the worker */
+#define PF_DIRECT_MAX_DESTS 8           /* ... when it has at most this many destinations */
+#define PF_DIRECT_SLOTS 256             /* direct chunks in flight per prefill rank */
+#define PF_SPARE_ROOMS 4096             /* unreferenced room records kept for reuse */
+#define PF_DIRECT_DRAIN_MS 120000       /* stop: wait this long for direct chunks' engine callbacks */
+
+typedef struct pf_reg { /* one decode registration (M1) */
+  wire_m1 *m1;          /* heap copy (kvf__wire_m1_dup) */
+  int64_t failed_ns;    /* monotonic time of the last transfer error; 0 = not failed (§7.4) */
+  size_t nearly;        /* early rooms charged to this session */
+} pf_reg;
+
+typedef struct pf_info { /* one M2, shared with workers */
+  int refs;
+  wire_m2 *m2; /* heap copy (kvf__wire_m2_dup) */
+  /* its plan, converted once when the M2 arrives */
+  plan_fragment *frags; /* m2->nfrags, per token when tokens > 1 */
+  int64_t tokens;       /* tokens per page the runs scale by; 0 = plan refused (plan_why) */
+  char plan_why[200];
+} pf_info;
+
+/* A transfer context's arrays: the destination pointer lists sized once,
+ * the rest grow-only, so the hot path does not allocate per room. */
+typedef struct pf_scratch {
+  uint64_t *dptr, *sptr; /* n_kv, n_state */
+  int64_t *src, *dst;
+  size_t cap_src, cap_dst;
+  plan_run *runs;
+  size_t cap_runs;
+  kvf_write *w;
+  size_t cap_w, nw;
+  struct pf_info **infos;
+  size_t *done;
+  size_t cap_infos, cap_done;
+} pf_scratch;
+
+typedef struct pf_chunk {
+  struct pf_chunk *next;
+  struct pf_room *r; /* holds a room reference once queued or pending */
+  int64_t *pages;
+  size_t npages;
+  int64_t pos;                   /* index_slice start: position of pages[0] in the request's page list,
+                        or (explicit_idx) in the decode's destination list */
+  int explicit_idx;              /* pos is a destination index: no decode-prefix skip */
+  size_t layer_begin, layer_end; /* KV layer indices written: [layer_begin, layer_end) */
+  int is_last;
+  int64_t aux_index;
+  int64_t token;
+  int32_t *cands;
+  size_t ncand;
+  int64_t *state_slots;
+  size_t nstate;
+  /* Verify mode: the digest of every (page, KV buffer of the chunk's
+   * layers) taken in kvf_sender_send, digests[k * ndig + j] for pages[k]
+   * and buffer dig_bufs[j]; NULL when verify mode is off. */
+  uint64_t *digests;
+  size_t *dig_bufs;
+  size_t ndig;
+} pf_chunk;
+
+typedef struct pf_dest { /* where an M3 goes */
+  char host[WIRE_STR_MAX + 1];
+  uint16_t port;
+} pf_dest;
+
+typedef struct pf_room {
+  int64_t room;
+  int refs;
+  size_t nchunks; /* chunks accepted from the sender */
+  int dead;       /* destroyed: chunks still holding it are dropped */
+  int has_sender;
+  int bootstrapped;
+  int shard;
+  int64_t create_ns;             /* sender creation, for the bootstrap timeout */
+  pf_reg *early_owner;           /* early room: the session it is charged to; NULL otherwise */
+  struct pf_room *eprev, *enext; /* the early LRU list */
+  int64_t last_m2_ns;
+  pf_info **infos; /* arrival order */
+  size_t ninfos, cap;
+  pf_chunk *pend_head, *pend_tail;
+  size_t npending;
+  /* first token published by kvf_sender_set_metadata (immutable once set) */
+  int meta_set;
+  int64_t meta_token;
+  int32_t *meta_cands;
+  size_t meta_ncand;
+  /* PF_TOKEN_LATER: the last chunk landed, waiting for the token */
+  pf_dest *park; /* the completed destinations, NULL when not parked */
+  size_t npark;
+  int64_t landed_ns;
+  struct pf_room *next_spare; /* on ps->room_spare once unreferenced */
+} pf_room;
+
+typedef struct pf_queue {
+  struct prefill_state *ps;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  pf_chunk *head, *tail;
+  size_t count;
+  int stop;
+  pthread_t thread;
+  int started;
+  pf_scratch sc; /* the worker's */
+} pf_queue;
+
+struct kvf_sender {
+  kvf_manager *m;
+  pf_room *r;
+  int64_t room;
+  int64_t curr; /* next index_slice start (§6.2) */
+  int last_sent;
+  struct kvf_sender *next_spare; /* on ps->sender_spare once destroyed */
+};
+
+/* One destination of a direct chunk: the engine callback's argument. */
+typedef struct pf_direct_dest {
+  struct pf_direct *owner;
+  pf_info *info; /* referenced */
+} pf_direct_dest;
+
+/* A direct chunk in flight (see "direct transfers"): from a pool sized once. */
+typedef struct pf_direct {
+  struct pf_direct *next; /* free list (ps->lock) */
+  struct prefill_state *ps;
+  pf_room *r; /* referenced */
+  int64_t token;
+  int32_t cands[KVF_MAX_CANDIDATES];
+  size_t ncand;
+  uint64_t bytes;
+  size_t n;           /* the room's infos, dummies included */
+  atomic_size_t left; /* engine writes outstanding + the submitter's guard */
+  atomic_int failed;
+  pf_direct_dest d[PF_DIRECT_MAX_DESTS];
+} pf_direct;
+
+typedef struct prefill_state {
+  kvf_manager *m;
+  pthread_mutex_t lock;
+  /* direct transfers: the records (free list and count under lock), the
+   * calling threads' planning scratch (direct_lock, only ever try-locked) */
+  pf_direct *direct_pool, *direct_free;
+  size_t direct_busy;
+  pthread_cond_t direct_cv; /* direct_busy reached 0 */
+  pthread_mutex_t direct_lock;
+  pf_scratch direct_sc;
+  uint64_t *layer_bytes; /* n_layers + 1: KV bytes per page of layers [0, l) */
+  pf_room *room_spare;   /* unreferenced rooms kept for reuse (room_new), under lock */
+  size_t nroom_spare;
+  kvf_sender *sender_spare; /* destroyed senders' records, under lock */
+  size_t nsender_spare;
+  smap regs; /* session -> pf_reg */
+  map rooms; /* room id -> pf_room */
+  size_t nearly;
+  pf_room *early_head, *early_tail; /* least recently used first */
+  int nqueues;
+  pf_queue *queues;
+  /* plan layouts, converted once from the manager's buffers */
+  size_t *kv_start, *kv_bufs, *st_start, *st_bufs;
+  plan_layout kv_lay, st_lay;
+  /* with state_layer_ids: state buffers grouped by KV layer (nlayers 0 without) */
+  size_t *stl_start, *stl_bufs;
+  plan_layout stl_lay;
+} prefill_state;
+
+enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
+
+/* rooms_early.c */
+void kvf__pf_chunk_free(pf_chunk *c);
+void kvf__pf_info_unref(pf_info *i);
+pf_room *kvf__pf_room_new(prefill_state *ps);
+void kvf__pf_room_drop(prefill_state *ps, pf_room *r);
+void kvf__pf_room_unref(prefill_state *ps, pf_room *r);
+void kvf__pf_chunk_release_locked(prefill_state *ps, pf_chunk *c);
+void kvf__pf_send_m3_why(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
+                         const int32_t *cands, size_t ncand, const char *reason);
+void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
+                     const int32_t *cands, size_t ncand);
+pf_dest *kvf__pf_collect_dests(pf_room *r, size_t *n);
+void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n);
+int kvf__pf_room_shard(prefill_state *ps, pf_room *r);
+int kvf__pf_queue_push(pf_queue *q, pf_chunk *c);
+void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct);
+void kvf__pf_early_unlink(prefill_state *ps, pf_room *r);
+void kvf__pf_early_append(prefill_state *ps, pf_room *r, pf_reg *owner);
+void kvf__pf_expire_early(prefill_state *ps, int64_t now);
+
+/* chunk_plan.c */
+uint64_t kvf__pf_writes_bytes(const kvf_write *w, size_t n);
+plan_fragment *kvf__pf_convert_frags(const wire_m2 *x);
+int64_t kvf__pf_per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, char *why, size_t whycap);
+int kvf__pf_state_counts_ok(const wire_m2 *x, size_t nsptr, size_t n_state, size_t nstate, char *why,
+                            size_t whycap);
+pf_reg *kvf__pf_usable_reg_locked(prefill_state *ps, const char *session, int64_t now, char *why, size_t whycap);
+int kvf__pf_scratch_grow(void **p, size_t *cap, size_t need, size_t elem);
+void kvf__pf_scratch_free(pf_scratch *sc);
+int kvf__pf_scratch_init(pf_scratch *sc, const manager_buffers *b);
+int kvf__pf_info_plan(kvf_manager *m, pf_info *info);
+int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, char *why,
+                      size_t whycap);
+void kvf__pf_fence_opts(const wire_m2 *x, kvf_batch_opts *opts);
+void kvf__pf_xfer_why(const pf_room *r, const wire_m2 *x, int rc, char *why, size_t whycap);
+size_t kvf__pf_completion_trailer(prefill_state *ps, int64_t room, const wire_m2 *x, size_t nreal, int64_t token,
+                                  const int32_t *cands, size_t ncand, unsigned char *out, size_t cap);
+int kvf__pf_send_to_dest_sc(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info,
+                            size_t nreal, uint64_t *bytes, char *why, size_t whycap);
+
+/* verify_send.c */
+int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,
+                         size_t whycap);
+
+/* workers.c */
+void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const char *why, int mark);
+void *kvf__pf_worker_main(void *arg);
+
+/* direct.c */
+pf_direct *kvf__pf_direct_take_locked(prefill_state *ps, pf_room *r, const pf_chunk *c, size_t prior);
+void kvf__pf_direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c);
+
+#endif

@@ -1,0 +1,208 @@
+/* Prefill room records (reference counted, reused), the early-room rule
+ * (an M2 before its sender: charged to its decode session, bounded per
+ * session and overall, LRU-expired; see prefill_int.h "Tables and bounds"),
+ * the chunks pending on a room until it is Bootstrapped, and the M3 helpers. */
+#include "kv/prefill/prefill_int.h"
+
+void kvf__pf_chunk_free(pf_chunk *c) {
+  if (!c) return;
+  free(c->pages), free(c->cands), free(c->state_slots);
+  free(c->digests), free(c->dig_bufs);
+  free(c);
+}
+
+void kvf__pf_info_unref(pf_info *i) {
+  if (i && --i->refs == 0) {
+    free(i->frags);
+    free(i->m2);
+    free(i);
+  }
+}
+
+/* ps->lock held: an empty room, a spare one when there is (its infos
+ * array kept), so rooms cost no allocation once warm. NULL without memory. */
+pf_room *kvf__pf_room_new(prefill_state *ps) {
+  pf_room *r = ps->room_spare;
+  if (!r) return calloc(1, sizeof *r);
+  ps->room_spare = r->next_spare;
+  ps->nroom_spare--;
+  pf_info **infos = r->infos;
+  size_t cap = r->cap;
+  memset(r, 0, sizeof *r);
+  r->infos = infos, r->cap = cap;
+  return r;
+}
+
+/* ps->lock held: a room nothing refers to any more (its contents released),
+ * kept as a spare (PF_SPARE_ROOMS) or freed; NULL ok. */
+void kvf__pf_room_drop(prefill_state *ps, pf_room *r) {
+  if (!r) return;
+  if (ps->nroom_spare < PF_SPARE_ROOMS) {
+    r->next_spare = ps->room_spare;
+    ps->room_spare = r;
+    ps->nroom_spare++;
+    return;
+  }
+  free(r->infos);
+  free(r);
+}
+
+/* ps->lock held. */
+void kvf__pf_room_unref(prefill_state *ps, pf_room *r) {
+  if (--r->refs > 0) return;
+  for (size_t i = 0; i < r->ninfos; i++) kvf__pf_info_unref(r->infos[i]);
+  free(r->meta_cands);
+  free(r->park);
+  for (pf_chunk *c = r->pend_head, *n; c; c = n) {
+    n = c->next;
+    kvf__pf_chunk_free(c);
+  }
+  kvf__pf_room_drop(ps, r);
+}
+
+/* ps->lock held: drop a chunk and the room reference it holds. */
+void kvf__pf_chunk_release_locked(prefill_state *ps, pf_chunk *c) {
+  pf_room *r = c->r;
+  kvf__pf_chunk_free(c);
+  if (r) kvf__pf_room_unref(ps, r);
+}
+
+/* `reason` (may be NULL) travels in kvferry's M3 frame 5. */
+void kvf__pf_send_m3_why(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
+                         const int32_t *cands, size_t ncand, const char *reason) {
+  wire_m3 m3 = {.room = room,
+                .status = status,
+                .prefill_rank = m->tp_rank,
+                .bootstrap_token = token,
+                .candidates = wire_array_of(cands, cands ? ncand : 0),
+                .reason = reason,
+                .reason_len = reason ? strlen(reason) : 0};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  if (kvf__wire_m3_encode(&m3, &msg, why)) {
+    LOG_WARN("kv", "cannot encode the status of room %" PRId64 " for %s:%u: %s", room, host, (unsigned)port, why);
+    return;
+  }
+  kvf__manager_push_send(m, host, port, &msg);
+  kvf__wire_msg_free(&msg);
+}
+
+void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
+                     const int32_t *cands, size_t ncand) {
+  kvf__pf_send_m3_why(m, host, port, room, status, token, cands, ncand, NULL);
+}
+
+/* ps->lock held: the non-dummy destinations of r, for M3 Failed. */
+pf_dest *kvf__pf_collect_dests(pf_room *r, size_t *n) {
+  *n = 0;
+  pf_dest *d = calloc(r->ninfos ? r->ninfos : 1, sizeof *d);
+  if (!d) return NULL;
+  for (size_t i = 0; i < r->ninfos; i++) {
+    const wire_m2 *x = r->infos[i]->m2;
+    if (x->is_dummy) continue;
+    snprintf(d[*n].host, sizeof d[*n].host, "%s", x->endpoint);
+    d[*n].port = x->dst_port;
+    (*n)++;
+  }
+  return d;
+}
+
+void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n) {
+  for (size_t i = 0; i < n; i++) kvf__pf_send_m3(m, d[i].host, d[i].port, room, ROOM_FAILED, -1, NULL, 0);
+  free(d);
+}
+
+/* ps->lock held: the room's queue shard. The reference shards by the
+ * destination sessions alone (§6.12), which puts every room from one decode
+ * rank on one worker, one synchronous write after another. kvferry mixes in
+ * the room id: a room's chunks still run in order on one worker, while rooms
+ * to the same decode spread over all workers. The failed-session mark is
+ * shared, so a dead session is still seen by every worker at once. */
+int kvf__pf_room_shard(prefill_state *ps, pf_room *r) {
+  const char *small[PF_DIRECT_MAX_DESTS] = {0}, **s = small;
+  int shard = 0;
+  if (r->ninfos > PF_DIRECT_MAX_DESTS && !(s = calloc(r->ninfos, sizeof *s))) return 0;
+  for (size_t i = 0; i < r->ninfos; i++) s[i] = r->infos[i]->m2->session;
+  if (kvf__plan_queue_shard(s, r->ninfos, ps->nqueues, &shard)) shard = 0;
+  uint64_t h = (uint64_t)r->room * 0x9e3779b97f4a7c15ULL;
+  shard = (int)(((uint64_t)shard + (h >> 32)) % (uint64_t)ps->nqueues);
+  if (s != small) free(s);
+  return shard;
+}
+
+/* ps->lock held (taken before the queue lock). KVF_ETOOBIG when full. */
+int kvf__pf_queue_push(pf_queue *q, pf_chunk *c) {
+  pthread_mutex_lock(&q->lock);
+  if (q->count >= PF_QUEUE_MAX || q->stop) {
+    pthread_mutex_unlock(&q->lock);
+    return KVF_ETOOBIG;
+  }
+  c->next = NULL;
+  if (q->tail) q->tail->next = c;
+  else q->head = c;
+  q->tail = c;
+  q->count++;
+  pthread_cond_signal(&q->cond);
+  pthread_mutex_unlock(&q->lock);
+  return 0;
+}
+
+/* ps->lock held: queue every pending chunk of a now-Bootstrapped room, in
+ * order. A full queue fails the room (the chunk cannot wait forever). A
+ * room's only chunk, small enough, is instead returned in *direct (with its
+ * record in *dj) for this thread to send once it dropped the lock. */
+void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct) {
+  pf_chunk *c = r->pend_head;
+  if (c && !c->next && (*dj = kvf__pf_direct_take_locked(ps, r, c, 1))) {
+    r->pend_head = r->pend_tail = NULL;
+    r->npending = 0;
+    *direct = c;
+    return;
+  }
+  r->pend_head = r->pend_tail = NULL;
+  r->npending = 0;
+  while (c) {
+    pf_chunk *n = c->next;
+    if (kvf__pf_queue_push(&ps->queues[r->shard], c)) {
+      if (r->has_sender && !r->dead) kvf__rooms_fail(ps->m->rooms, r->room, "Prefill transfer queue is full");
+      kvf__pf_chunk_release_locked(ps, c);
+    }
+    c = n;
+  }
+}
+
+/* ps->lock held: the early LRU list (see the file comment). */
+void kvf__pf_early_unlink(prefill_state *ps, pf_room *r) {
+  if (!r->early_owner) return;
+  if (r->eprev) r->eprev->enext = r->enext;
+  else ps->early_head = r->enext;
+  if (r->enext) r->enext->eprev = r->eprev;
+  else ps->early_tail = r->eprev;
+  r->eprev = r->enext = NULL;
+  r->early_owner->nearly--;
+  r->early_owner = NULL;
+  ps->nearly--;
+}
+
+void kvf__pf_early_append(prefill_state *ps, pf_room *r, pf_reg *owner) {
+  r->early_owner = owner;
+  r->eprev = ps->early_tail;
+  r->enext = NULL;
+  if (ps->early_tail) ps->early_tail->enext = r;
+  else ps->early_head = r;
+  ps->early_tail = r;
+  owner->nearly++;
+  ps->nearly++;
+}
+
+/* ps->lock held: drop a few early rooms idle past the waiting timeout. */
+void kvf__pf_expire_early(prefill_state *ps, int64_t now) {
+  int64_t max_ns = (int64_t)(ps->m->cfg.waiting_timeout_s * 1e9);
+  for (int i = 0; i < PF_EXPIRE_PER_MSG && ps->early_head && now - ps->early_head->last_m2_ns >= max_ns; i++) {
+    pf_room *r = ps->early_head;
+    kvf__pf_early_unlink(ps, r);
+    kvf__map_del(&ps->rooms, (uint64_t)r->room, NULL);
+    r->dead = 1;
+    kvf__pf_room_unref(ps, r);
+  }
+}

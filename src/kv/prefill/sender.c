@@ -1,0 +1,352 @@
+/* The kvf_sender API the scheduler drives (include/kvferry/kv.h): create,
+ * send (whole-request chunks or layer groups), set_metadata (the first
+ * token, which also releases a parked room), poll (with the bootstrap and
+ * token timeouts), abort and destroy. */
+#include "kv/prefill/prefill_int.h"
+
+/* ----------------------------------------------------------------- sender */
+
+/* ps->lock held: keep a sender's record for the next room (PF_SPARE_ROOMS). */
+static void sender_drop_locked(prefill_state *ps, kvf_sender *s) {
+  if (ps->nsender_spare >= PF_SPARE_ROOMS) {
+    free(s);
+    return;
+  }
+  s->next_spare = ps->sender_spare;
+  ps->sender_spare = s;
+  ps->nsender_spare++;
+}
+
+int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
+  if (!m || !out || !m->prefill) return KVF_EINVAL;
+  prefill_state *ps = m->prefill;
+  pthread_mutex_lock(&ps->lock);
+  kvf_sender *s = ps->sender_spare; /* a destroyed sender's record, when there is one */
+  if (s) ps->sender_spare = s->next_spare, ps->nsender_spare--;
+  pthread_mutex_unlock(&ps->lock);
+  if (s) memset(s, 0, sizeof *s);
+  else if (!(s = calloc(1, sizeof *s))) return KVF_ENOMEM;
+  pthread_mutex_lock(&ps->lock);
+  pf_room *r = kvf__map_get(&ps->rooms, (uint64_t)room);
+  int rc = r && r->has_sender ? KVF_EEXIST : 0;
+  if (!rc) rc = kvf__rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
+  if (rc) goto err_unlock;
+  if (!r) {
+    if (!(r = kvf__pf_room_new(ps)) || kvf__map_put(&ps->rooms, (uint64_t)room, r, NULL)) {
+      kvf__pf_room_drop(ps, r);
+      kvf__rooms_clear(m->rooms, room, NULL);
+      rc = KVF_ENOMEM;
+      goto err_unlock;
+    }
+    r->room = room;
+    r->refs = 1;
+  } else {
+    kvf__pf_early_unlink(ps, r); /* the M2s came first */
+  }
+  r->has_sender = 1;
+  r->create_ns = clock_now_ns();
+  if (r->bootstrapped) kvf__rooms_update(m->rooms, room, ROOM_BOOTSTRAPPED, NULL);
+  pthread_mutex_unlock(&ps->lock);
+  s->m = m;
+  s->r = r;
+  s->room = room;
+  *out = s;
+  return 0;
+
+err_unlock:
+  sender_drop_locked(ps, s);
+  pthread_mutex_unlock(&ps->lock);
+  return rc;
+}
+
+/* Verify mode: digest every (page, buffer) the chunk will send, now, while
+ * the caller still guarantees the pages hold the request's KV. A page
+ * outside the pool is KVF_ERANGE. */
+static int hash_pages(kvf_manager *m, pf_chunk *c) {
+  int rc = kvf__integ_layer_bufs(m, c->layer_begin, c->layer_end, &c->dig_bufs, &c->ndig);
+  if (rc) return rc;
+  size_t nd = c->npages * c->ndig;
+  if (!(c->digests = malloc((nd ? nd : 1) * sizeof *c->digests))) return KVF_ENOMEM;
+  for (size_t k = 0; k < c->npages; k++)
+    for (size_t j = 0; j < c->ndig; j++)
+      if ((rc = kvf__integ_page_digest(m, c->dig_bufs[j], c->pages[k], &c->digests[k * c->ndig + j]))) return rc;
+  return 0;
+}
+
+/* Both send calls: validate, copy and queue (or park) one chunk. pos is the
+ * index_slice start; explicit_idx says it is a destination index. */
+static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int64_t pos, int explicit_idx,
+                         size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
+                         int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
+                         size_t nstate) {
+  prefill_state *ps = s->m->prefill;
+  if (is_last) { /* a room's only chunk, small enough: straight to the engine */
+    pf_chunk view = {.r = s->r,
+                     .pages = (int64_t *)pages,
+                     .npages = npages,
+                     .pos = pos,
+                     .explicit_idx = explicit_idx,
+                     .layer_begin = layer_begin,
+                     .layer_end = layer_end,
+                     .is_last = 1,
+                     .aux_index = aux_index,
+                     .token = bootstrap_token,
+                     .cands = (int32_t *)cands,
+                     .ncand = ncand,
+                     .state_slots = (int64_t *)state_slots,
+                     .nstate = nstate};
+    pthread_mutex_lock(&ps->lock);
+    pf_direct *dj = kvf__pf_direct_take_locked(ps, s->r, &view, 0);
+    if (dj) s->r->nchunks++;
+    pthread_mutex_unlock(&ps->lock);
+    if (dj) {
+      kvf__pf_direct_run(ps, dj, &view);
+      if (s->curr < pos + (int64_t)npages) s->curr = pos + (int64_t)npages;
+      s->last_sent = 1;
+      return 0;
+    }
+  }
+  pf_chunk *c = calloc(1, sizeof *c);
+  if (!c) return KVF_ENOMEM;
+  c->pages = malloc((npages ? npages : 1) * sizeof *c->pages);
+  c->cands = is_last && ncand ? malloc(ncand * sizeof *c->cands) : NULL;
+  c->state_slots = nstate ? malloc(nstate * sizeof *c->state_slots) : NULL;
+  if (!c->pages || (is_last && ncand && !c->cands) || (nstate && !c->state_slots)) {
+    kvf__pf_chunk_free(c);
+    return KVF_ENOMEM;
+  }
+  if (npages) memcpy(c->pages, pages, npages * sizeof *pages);
+  c->npages = npages;
+  c->pos = pos;
+  c->explicit_idx = explicit_idx;
+  c->layer_begin = layer_begin;
+  c->layer_end = layer_end;
+  c->is_last = is_last != 0;
+  /* non-last chunks carry no aux index, token or candidates (§6.2) */
+  c->aux_index = is_last ? aux_index : -1;
+  c->token = is_last ? bootstrap_token : -1;
+  if (c->cands) memcpy(c->cands, cands, ncand * sizeof *cands), c->ncand = ncand;
+  if (c->state_slots) memcpy(c->state_slots, state_slots, nstate * sizeof *state_slots), c->nstate = nstate;
+  int rc = s->m->cfg.verify ? hash_pages(s->m, c) : 0;
+  if (rc) {
+    kvf__pf_chunk_free(c);
+    return rc;
+  }
+
+  int st = ROOM_FAILED;
+  pf_room *r = s->r;
+  pthread_mutex_lock(&ps->lock);
+  if (kvf__rooms_get_status(s->m->rooms, s->room, &st) || st == ROOM_FAILED) {
+    kvf__pf_chunk_free(c); /* the reference drops chunks of a failed room silently */
+    goto out;
+  }
+  if (!r->bootstrapped && r->npending >= PF_MAX_PENDING) {
+    kvf__pf_chunk_free(c);
+    rc = KVF_ETOOBIG;
+    goto out;
+  }
+  c->r = r;
+  r->refs++;
+  r->nchunks++;
+  if (r->bootstrapped) {
+    if (kvf__pf_queue_push(&ps->queues[r->shard], c)) {
+      kvf__pf_chunk_release_locked(ps, c);
+      rc = KVF_ETOOBIG;
+      goto out;
+    }
+  } else {
+    c->next = NULL;
+    if (r->pend_tail) r->pend_tail->next = c;
+    else r->pend_head = c;
+    r->pend_tail = c;
+    r->npending++;
+  }
+out:
+  pthread_mutex_unlock(&ps->lock);
+  if (!rc) {
+    if (s->curr < pos + (int64_t)npages) s->curr = pos + (int64_t)npages;
+    if (is_last) s->last_sent = 1;
+  }
+  return rc;
+}
+
+void kvf_send_params_init(kvf_send_params *p) {
+  if (!p) return;
+  memset(p, 0, sizeof *p);
+  p->size = sizeof *p;
+  p->aux_index = -1;
+  p->bootstrap_token = -1;
+}
+
+int kvf_sender_send(kvf_sender *s, const kvf_send_params *in) {
+  kvf_send_params p;
+  kvf_send_params_init(&p);
+  if (!s || !in || kvf__config_copy(&p, sizeof p, in, sizeof p)) return KVF_EINVAL;
+  const uint32_t known = KVF_SEND_LAST | KVF_SEND_TOKEN_LATER | KVF_SEND_LAYERS;
+  int is_last = (p.flags & KVF_SEND_LAST) != 0, layers = (p.flags & KVF_SEND_LAYERS) != 0;
+  if ((p.flags & ~known) || ((p.flags & KVF_SEND_TOKEN_LATER) && !is_last)) return KVF_EINVAL;
+  if ((p.npages && !p.pages) || (p.ncand && !p.cands) || (p.nstate && !p.state_slots)) return KVF_EINVAL;
+  if (p.bootstrap_token < -1) return KVF_EINVAL;
+  if (layers && (p.layer_begin > p.layer_end || p.layer_end > s->m->bufs.n_layers)) return KVF_EINVAL;
+  if (p.npages > WIRE_MAX_PAGES || p.ncand > KVF_MAX_CANDIDATES || p.nstate > WIRE_MAX_PAGES ||
+      (layers && p.index_begin > (size_t)WIRE_MAX_PAGES))
+    return KVF_ETOOBIG;
+  if (s->last_sent) return KVF_ESTATE;
+  int64_t token = p.bootstrap_token;
+  if (p.flags & KVF_SEND_TOKEN_LATER) token = PF_TOKEN_LATER, p.ncand = 0;
+  if (!layers)
+    return sender_submit(s, p.pages, p.npages, s->curr, 0, 0, s->m->bufs.n_layers, is_last, p.aux_index, token,
+                         p.cands, p.ncand, p.state_slots, is_last ? p.nstate : 0);
+  /* §6.2: send_layerwise skips an empty non-last chunk (no pages or no
+   * layers: nothing to write, and it completes nothing), unless it carries
+   * the state of its layer group. */
+  if (!is_last && (!p.npages || p.layer_begin == p.layer_end) && !p.nstate) {
+    if (s->curr < (int64_t)(p.index_begin + p.npages)) s->curr = (int64_t)(p.index_begin + p.npages);
+    return 0;
+  }
+  return sender_submit(s, p.pages, p.npages, (int64_t)p.index_begin, 1, p.layer_begin, p.layer_end, is_last,
+                       p.aux_index, token, p.cands, p.ncand, p.state_slots, p.nstate);
+}
+
+int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand) {
+  if (!s || (ncand && !cands) || bootstrap_token < -1) return KVF_EINVAL;
+  if (ncand > KVF_MAX_CANDIDATES) return KVF_ETOOBIG;
+  prefill_state *ps = s->m->prefill;
+  pf_room *r = s->r;
+  int32_t *copy = ncand ? malloc(ncand * sizeof *copy) : NULL;
+  if (ncand && !copy) return KVF_ENOMEM;
+  if (ncand) memcpy(copy, cands, ncand * sizeof *cands);
+  int st = ROOM_FAILED, rc = 0;
+  pf_dest *d = NULL;
+  size_t nd = 0;
+  const int32_t *cd = NULL;
+  pthread_mutex_lock(&ps->lock);
+  if (r->dead || kvf__rooms_get_status(s->m->rooms, s->room, &st)) {
+    rc = KVF_ENOTFOUND;
+  } else if (r->meta_set) {
+    rc = KVF_EEXIST;
+  } else {
+    r->meta_set = 1;
+    r->meta_token = bootstrap_token;
+    r->meta_cands = copy, r->meta_ncand = ncand;
+    cd = copy, copy = NULL;
+    if (r->park) { /* the KV landed: Success now (§6.11 step 6) */
+      d = r->park, nd = r->npark;
+      r->park = NULL, r->npark = 0;
+      if (st != ROOM_FAILED) {
+        kvf__rooms_update(s->m->rooms, s->room, ROOM_SUCCESS, NULL);
+        kvf__rooms_get_status(s->m->rooms, s->room, &st);
+      }
+    }
+  }
+  pthread_mutex_unlock(&ps->lock);
+  free(copy);
+  /* cd stays valid: the room lives as long as the sender, and its metadata
+   * never changes once set. */
+  for (size_t k = 0; k < nd; k++)
+    kvf__pf_send_m3(s->m, d[k].host, d[k].port, s->room, st == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
+                    bootstrap_token, cd, ncand);
+  free(d);
+  return rc;
+}
+
+kvf_poll_status kvf_sender_poll(kvf_sender *s) {
+  if (!s) return KVF_POLL_FAILED;
+  prefill_state *ps = s->m->prefill;
+  pf_dest *d = NULL;
+  size_t nd = 0;
+  int st = ROOM_FAILED;
+  pthread_mutex_lock(&ps->lock);
+  if (kvf__rooms_get_status(s->m->rooms, s->room, &st)) st = ROOM_FAILED;
+  double limit = s->m->cfg.bootstrap_timeout_s;
+  if (st == ROOM_BOOTSTRAPPING && clock_now_ns() - s->r->create_ns >= (int64_t)(limit * 1e9)) {
+    char why[ROOMS_REASON_MAX];
+    snprintf(why, sizeof why, "Request %" PRId64 " timed out after %.1fs in TransferPoll.Bootstrapping", s->room,
+             limit);
+    kvf__rooms_fail(s->m->rooms, s->room, why);
+    st = ROOM_FAILED;
+    d = kvf__pf_collect_dests(s->r, &nd);
+    LOG_WARN("kv", "%s", why);
+  } else if (s->r->park) {
+    /* PF_TOKEN_LATER: the KV landed and the token is late (§8 item 2). */
+    limit = s->m->cfg.bootstrap_timeout_s;
+    if (st != ROOM_FAILED && clock_now_ns() - s->r->landed_ns >= (int64_t)(limit * 1e9)) {
+      char why[ROOMS_REASON_MAX];
+      snprintf(why, sizeof why, "Request %" PRId64 ": first token not published within %.1fs after its KV landed",
+               s->room, limit);
+      kvf__rooms_fail(s->m->rooms, s->room, why);
+      st = ROOM_FAILED;
+      LOG_WARN("kv", "%s", why);
+    }
+    if (st == ROOM_FAILED) { /* timed out, or failed another way without telling these */
+      d = s->r->park, nd = s->r->npark;
+      s->r->park = NULL, s->r->npark = 0;
+    }
+  }
+  pthread_mutex_unlock(&ps->lock);
+  if (d) kvf__pf_send_failed_all(s->m, s->room, d, nd);
+  return (kvf_poll_status)st;
+}
+
+int kvf_sender_dest_info(kvf_sender *s, size_t *nreal, size_t *ndummy, int64_t *decode_prefix_len) {
+  if (!s || !nreal || !ndummy || !decode_prefix_len) return KVF_EINVAL;
+  prefill_state *ps = s->m->prefill;
+  int rc = 0;
+  *nreal = *ndummy = 0;
+  *decode_prefix_len = 0;
+  pthread_mutex_lock(&ps->lock);
+  if (s->r->dead) {
+    rc = KVF_ENOTFOUND;
+  } else {
+    for (size_t i = 0; i < s->r->ninfos; i++) {
+      const wire_m2 *x = s->r->infos[i]->m2;
+      if (x->is_dummy) {
+        (*ndummy)++;
+      } else if ((*nreal)++ == 0) {
+        *decode_prefix_len = x->decode_prefix_len;
+      }
+    }
+  }
+  pthread_mutex_unlock(&ps->lock);
+  return rc;
+}
+
+void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap) {
+  if (!buf || !cap) return;
+  buf[0] = 0;
+  if (s && kvf__rooms_get_reason(s->m->rooms, s->room, buf, cap)) buf[0] = 0;
+}
+
+void kvf_sender_abort(kvf_sender *s, const char *reason) {
+  if (!s) return;
+  prefill_state *ps = s->m->prefill;
+  size_t nd = 0;
+  pthread_mutex_lock(&ps->lock);
+  kvf__rooms_fail(s->m->rooms, s->room, reason && *reason ? reason : "Aborted");
+  pf_dest *d = kvf__pf_collect_dests(s->r, &nd);
+  free(s->r->park); /* the parked destinations are told here */
+  s->r->park = NULL, s->r->npark = 0;
+  pthread_mutex_unlock(&ps->lock);
+  if (d) kvf__pf_send_failed_all(s->m, s->room, d, nd);
+}
+
+void kvf_sender_destroy(kvf_sender *s) {
+  if (!s) return;
+  prefill_state *ps = s->m->prefill;
+  pf_room *r = s->r;
+  pthread_mutex_lock(&ps->lock);
+  kvf__rooms_clear(s->m->rooms, s->room, NULL);
+  r->dead = 1;
+  if (kvf__map_get(&ps->rooms, (uint64_t)s->room) == r) kvf__map_del(&ps->rooms, (uint64_t)s->room, NULL);
+  pf_chunk *c = r->pend_head;
+  r->pend_head = r->pend_tail = NULL;
+  r->npending = 0;
+  while (c) {
+    pf_chunk *n = c->next;
+    kvf__pf_chunk_release_locked(ps, c);
+    c = n;
+  }
+  kvf__pf_room_unref(ps, r); /* the map's reference; queued chunks keep theirs */
+  sender_drop_locked(ps, s);
+  pthread_mutex_unlock(&ps->lock);
+}

@@ -1,0 +1,147 @@
+/* The transfer workers: each drains one FIFO of chunks (a room's chunks all
+ * run on one worker, in order), writes a chunk to every destination of its
+ * room, and on the last chunk makes the room Success (or parks it for a
+ * later first token) and sends the M3s (§6.11). */
+#include "kv/prefill/prefill_int.h"
+
+/* Fail the room (if it is still this room) and tell the destination. */
+void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const char *why, int mark) {
+  kvf_manager *m = ps->m;
+  pthread_mutex_lock(&ps->lock);
+  if (mark && m->cfg.failed_session_ttl_s > 0) {
+    pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
+    if (reg) reg->failed_ns = clock_now_ns();
+  }
+  int live = !r->dead;
+  if (live) kvf__rooms_fail(m->rooms, r->room, why);
+  pthread_mutex_unlock(&ps->lock);
+  if (!live) return;
+  LOG_WARN("kv", "room %" PRId64 ": %s", r->room, why);
+  kvf__pf_send_m3(m, x->endpoint, x->dst_port, r->room, ROOM_FAILED, -1, NULL, 0);
+}
+
+static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
+  kvf_manager *m = ps->m;
+  pf_room *r = c->r;
+  int st = ROOM_FAILED;
+  pthread_mutex_lock(&ps->lock);
+  if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) {
+    pthread_mutex_unlock(&ps->lock);
+    return;
+  }
+  size_t n = r->ninfos;
+  if (kvf__pf_scratch_grow((void **)&sc->infos, &sc->cap_infos, n ? n : 1, sizeof *sc->infos) ||
+      kvf__pf_scratch_grow((void **)&sc->done, &sc->cap_done, n ? n : 1, sizeof *sc->done)) {
+    kvf__rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
+    pthread_mutex_unlock(&ps->lock);
+    return;
+  }
+  pf_info **infos = sc->infos;
+  size_t *done = sc->done;
+  for (size_t i = 0; i < n; i++) (infos[i] = r->infos[i])->refs++;
+  pthread_mutex_unlock(&ps->lock);
+
+  uint64_t bytes = 0;
+  size_t ndone = 0, nreal = 0, nreal_all = 0;
+  int ok = 1, counted = 0;
+  char why[ROOMS_REASON_MAX];
+  for (size_t i = 0; i < n; i++) nreal_all += !infos[i]->m2->is_dummy;
+  for (size_t i = 0; i < n && ok; i++) {
+    const wire_m2 *x = infos[i]->m2;
+    if (x->is_dummy) continue;
+    nreal++;
+    /* Verify mode (hashes, digests, parts) takes the integrity path. */
+    int rc = c->digests || (x->room_flags & WIRE_ROOM_VERIFY)
+                 ? kvf__pf_send_to_dest(ps, c, x, &bytes, why, sizeof why)
+                 : kvf__pf_send_to_dest_sc(ps, sc, c, infos[i], nreal_all, &bytes, why, sizeof why);
+    if (rc != DEST_OK) {
+      kvf__pf_fail_dest(ps, r, x, why, rc == DEST_XFER_FAIL);
+      ok = 0; /* §6.11 step 5: stop processing this chunk */
+      break;
+    }
+    if (!c->is_last) continue;
+    done[ndone++] = i;
+    if ((int64_t)ndone != x->required_dst_info_num) continue;
+    /* §6.11 step 6: every required destination has the data. The counters
+     * move first, so whoever sees Success also sees them. */
+    atomic_fetch_add(&m->stats.chunks_sent, 1);
+    atomic_fetch_add(&m->stats.bytes_sent, bytes);
+    counted = 1;
+    pthread_mutex_lock(&ps->lock);
+    int fin = ROOM_FAILED, parked = 0;
+    int64_t tok = c->token;
+    const int32_t *cd = c->cands;
+    size_t ncd = c->ncand;
+    if (!r->dead && c->token == PF_TOKEN_LATER) {
+      if (r->meta_set) { /* published before the chunk landed */
+        tok = r->meta_token, cd = r->meta_cands, ncd = r->meta_ncand;
+      } else {
+        tok = -1, cd = NULL, ncd = 0; /* the chunk's values, should the room be Failed */
+        kvf__rooms_get_status(m->rooms, r->room, &fin);
+        if (fin != ROOM_FAILED) {
+          pf_dest *d = calloc(ndone, sizeof *d);
+          if (d) {
+            for (size_t k = 0; k < ndone; k++) {
+              const wire_m2 *y = infos[done[k]]->m2;
+              snprintf(d[k].host, sizeof d[k].host, "%s", y->endpoint);
+              d[k].port = y->dst_port;
+            }
+            free(r->park); /* a later, larger completed list replaces it */
+            r->park = d, r->npark = ndone, r->landed_ns = clock_now_ns();
+            parked = 1;
+          } else {
+            kvf__rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
+          }
+        }
+      }
+    }
+    if (!r->dead && !parked) {
+      kvf__rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+      kvf__rooms_get_status(m->rooms, r->room, &fin);
+    }
+    int dead = r->dead;
+    pthread_mutex_unlock(&ps->lock);
+    if (dead || parked) break; /* parked: kvf_sender_set_metadata or the poll sends the M3s */
+    for (size_t k = 0; k < ndone; k++) {
+      const wire_m2 *y = infos[done[k]]->m2;
+      kvf__pf_send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED, tok,
+                      cd, ncd);
+    }
+  }
+  if (ok && !counted) {
+    atomic_fetch_add(&m->stats.chunks_sent, 1);
+    atomic_fetch_add(&m->stats.bytes_sent, bytes);
+  }
+  if (ok && c->is_last && nreal == 0 && n > 0) { /* all destinations are dummies (§6.11 step 1) */
+    pthread_mutex_lock(&ps->lock);
+    if (!r->dead) kvf__rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+    pthread_mutex_unlock(&ps->lock);
+  }
+  pthread_mutex_lock(&ps->lock);
+  for (size_t i = 0; i < n; i++) kvf__pf_info_unref(infos[i]);
+  pthread_mutex_unlock(&ps->lock);
+}
+
+void *kvf__pf_worker_main(void *arg) {
+  pf_queue *q = arg;
+  prefill_state *ps = q->ps;
+  for (;;) {
+    pthread_mutex_lock(&q->lock);
+    while (!q->head && !q->stop) pthread_cond_wait(&q->cond, &q->lock);
+    if (q->stop) {
+      pthread_mutex_unlock(&q->lock);
+      break;
+    }
+    kvf__wake_count();
+    pf_chunk *c = q->head;
+    q->head = c->next;
+    if (!q->head) q->tail = NULL;
+    q->count--;
+    pthread_mutex_unlock(&q->lock);
+    process_chunk(ps, &q->sc, c);
+    pthread_mutex_lock(&ps->lock);
+    kvf__pf_chunk_release_locked(ps, c);
+    pthread_mutex_unlock(&ps->lock);
+  }
+  return NULL;
+}
