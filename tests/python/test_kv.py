@@ -356,6 +356,22 @@ def test_verify_on_the_prefill_only_names_a_page_reused_too_early(closing):
     assert ps["verify_failures"] == 1 and ds["verify_failures"] == 0
 
 
+def test_verify_both_sides_a_page_reused_before_the_write_fails_the_decode(closing):
+    """Both sides in verify mode: the decode checks its landed bytes against
+    the digests taken at send, so a source page overwritten after send and
+    before the write (sent before the decode's M2) fails the decode's room
+    naming the buffer and page, and the prefill's sender ends Failed too."""
+    src, dst, pm, dm, r, s = _verify_pair(closing, 34, decode_verify=True, prefill_verify=True)
+    s.send([2, 3, 4], is_last=True, aux_index=0, bootstrap_token=5)
+    src[0][4][100] ^= 0xFF
+    r.prefill([5, 6, 7], aux_index=0)
+    assert wait_final(r) == TransferPoll.Failed
+    assert wait_final(s) == TransferPoll.Failed
+    why = r.failure_reason()
+    assert "Integrity check failed: KV buffer 0 page 7 " in why, why
+    assert dm.get_stats()["verify_failures"] == 1
+
+
 def test_send_layers_two_layers(closing):
     """Layerwise: layer 0 lands alone with no Success; layer 1 with is_last
     completes the room; a layer range past the model is refused."""
