@@ -7,20 +7,10 @@
 #include <strings.h>
 
 #include "base/log.h"
+#include "base/parse.h"
 
 int kvf__env_parse_i64(const char *s, int64_t *out) {
-  if (!s || !*s) return KVF_EINVAL;
-  const char *p = s;
-  if (*p == '-') p++;
-  if (!*p) return KVF_EINVAL;
-  for (const char *q = p; *q; q++)
-    if (*q < '0' || *q > '9') return KVF_EINVAL;
-  errno = 0;
-  char *end = NULL;
-  long long v = strtoll(s, &end, 10);
-  if (errno || *end) return KVF_EINVAL;
-  *out = v;
-  return 0;
+  return s && kvf__parse_i64(s, strlen(s), 0, out) == KVF_INT_OK ? 0 : KVF_EINVAL;
 }
 
 int64_t kvf__env_get_int(const char *name, int64_t def) {

@@ -3,6 +3,7 @@
 #define XXH_STATIC_LINKING_ONLY
 #include "base/hash.h"
 
+#include <string.h>
 #include <xxhash.h>
 /* The _dispatch entry points Debian's libxxhash exports pick the widest
  * vector unit the CPU has at run time (AVX2 / AVX-512 here: 45 GB/s on
@@ -17,6 +18,10 @@ _Static_assert(sizeof(XXH3_state_t) <= sizeof(kvf__hash_state), "kvf__hash_state
 _Static_assert(_Alignof(XXH3_state_t) <= _Alignof(kvf__hash_state), "kvf__hash_state under-aligned");
 
 uint64_t kvf__hash64(const void *data, size_t len) { return (uint64_t)XXH3_64bits(data, len); }
+
+uint64_t kvf__hash_str(const char *s, uint64_t seed) {
+  return (uint64_t)XXH3_64bits_withSeed(s ? s : "", s ? strlen(s) : 0, (XXH64_hash_t)seed);
+}
 
 void kvf__hash_begin(kvf__hash_state *st) { XXH3_64bits_reset((XXH3_state_t *)(void *)st->opaque); }
 

@@ -25,6 +25,10 @@ void kvf__hash_begin(kvf__hash_state *st);
 void kvf__hash_update(kvf__hash_state *st, const void *data, size_t len);
 uint64_t kvf__hash_end(const kvf__hash_state *st);
 
+/* A string's XXH3-64 under `seed`: the one string hash for hash tables and
+ * kvf__log_first_time keys. NULL hashes as "". */
+uint64_t kvf__hash_str(const char *s, uint64_t seed);
+
 /* Digest of a (possibly strided) block: count pieces of len bytes, piece i
  * at base + i*stride (count <= 1: one piece). Equals kvf__hash64 over the
  * pieces laid end to end. */

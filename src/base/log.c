@@ -54,15 +54,6 @@ void kvf__log_write(int level, const char *component, const char *fmt, ...) {
           ts.tv_nsec / 1000000, names[level & 3], component, msg);
 }
 
-uint64_t kvf__log_hash_str(const char *s, uint64_t seed) {
-  uint64_t h = 1469598103934665603ULL ^ seed;
-  for (; s && *s; s++) {
-    h ^= (unsigned char)*s;
-    h *= 1099511628211ULL;
-  }
-  return h;
-}
-
 #define ONCE_SLOTS 256
 static uint64_t g_once[ONCE_SLOTS];
 static pthread_mutex_t g_once_lock = PTHREAD_MUTEX_INITIALIZER;

@@ -19,12 +19,9 @@ void kvf__log_write(int level, const char *component, const char *fmt, ...) __at
 #define LOG_INFO(comp, ...) KVF_LOG(KVF_LOG_INFO, comp, __VA_ARGS__)
 #define LOG_DEBUG(comp, ...) KVF_LOG(KVF_LOG_DEBUG, comp, __VA_ARGS__)
 
-/* Returns 1 the first time `key` (e.g. a hash of a peer address and an error
- * kind) is seen, 0 afterwards; a small fixed table, so very many distinct
+/* Returns 1 the first time `key` (e.g. kvf__hash_str of a peer address and
+ * an error kind, base/hash.h) is seen, 0 afterwards; a small fixed table, so very many distinct
  * keys may log again after eviction. Thread-safe. */
 int kvf__log_first_time(uint64_t key);
-
-/* FNV-1a of a string, for kvf__log_first_time keys and hash tables. */
-uint64_t kvf__log_hash_str(const char *s, uint64_t seed);
 
 #endif

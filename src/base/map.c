@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/hash.h"
 #include "kvferry/common.h"
 
 static uint64_t hash_u64(uint64_t x) {
@@ -13,15 +14,6 @@ static uint64_t hash_u64(uint64_t x) {
   x *= 0xc4ceb9fe1a85ec53ULL;
   x ^= x >> 33;
   return x;
-}
-
-static uint64_t hash_str(const char *s) {
-  uint64_t h = 1469598103934665603ULL;
-  for (; *s; s++) {
-    h ^= (unsigned char)*s;
-    h *= 1099511628211ULL;
-  }
-  return hash_u64(h);
 }
 
 int kvf__map_init(map *m) {
@@ -126,13 +118,13 @@ int kvf__map_put(map *m, uint64_t key, void *val, void **old) {
 int kvf__map_del(map *m, uint64_t key, void **val) { return del(m, hash_u64(key), key, NULL, val); }
 
 void *kvf__smap_get(const smap *m, const char *key) {
-  map_node **pp = find(m, hash_str(key), 0, key);
+  map_node **pp = find(m, kvf__hash_str(key, 0), 0, key);
   return *pp ? (*pp)->val : NULL;
 }
 int kvf__smap_put(smap *m, const char *key, void *val, void **old) {
-  return put(m, hash_str(key), 0, key, val, old);
+  return put(m, kvf__hash_str(key, 0), 0, key, val, old);
 }
-int kvf__smap_del(smap *m, const char *key, void **val) { return del(m, hash_str(key), 0, key, val); }
+int kvf__smap_del(smap *m, const char *key, void **val) { return del(m, kvf__hash_str(key, 0), 0, key, val); }
 
 void kvf__map_iter_init(map_iter *it) { memset(it, 0, sizeof *it); }
 

@@ -28,7 +28,9 @@
 
 #include "base/config.h"
 #include "base/clock.h"
+#include "base/hash.h"
 #include "base/log.h"
+#include "base/parse.h"
 #include "bootstrap/bootstrap.h"
 #include "kvferry/bootstrap.h"
 #include "wire/route_json.h"
@@ -172,20 +174,11 @@ static enum MHD_Result reject(kvf_bootstrap_server *srv, struct MHD_Connection *
     snprintf(host, sizeof host, "%s", peer);
     char *colon = strrchr(host, ':');
     if (colon) *colon = '\0';
-    if (kvf__log_first_time(kvf__log_hash_str(host, 0xb007ULL + (uint64_t)kind)))
+    if (kvf__log_first_time(kvf__hash_str(host, 0xb007ULL + (uint64_t)kind)))
       LOG_WARN(COMP, "rejected %s %s from %s: %u %s (further %s rejections from this host are only counted)",
                method, url, peer, status, why, err_names[kind]);
   }
   return send_reply(conn, status, "text/plain; charset=utf-8", why, strlen(why), hname, hval);
-}
-
-/* Constant-time so the reply time does not reveal how much of a guess was
- * right. */
-static int token_matches(const char *expected, const char *got) {
-  size_t n = strlen(expected), m = strlen(got);
-  unsigned char diff = (unsigned char)(n != m);
-  for (size_t i = 0; i < n; i++) diff |= (unsigned char)(expected[i] ^ got[i < m ? i : 0]);
-  return diff == 0;
 }
 
 static int authorized(const kvf_bootstrap_server *srv, struct MHD_Connection *conn) {
@@ -194,7 +187,9 @@ static int authorized(const kvf_bootstrap_server *srv, struct MHD_Connection *co
   if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
   h += 7;
   while (*h == ' ') h++;
-  return token_matches(srv->token, h);
+  /* Constant-time so the reply time does not reveal how much of a guess
+   * was right. */
+  return kvf__ct_equal(srv->token, strlen(srv->token), h, strlen(h));
 }
 
 static void free_lists(route_lens *lists) {
@@ -372,7 +367,7 @@ static void cut_locked(kvf_bootstrap_server *srv, conn_track *c, int kind) {
   shutdown(c->fd, SHUT_RDWR);
   if (kind < 0) return;
   atomic_fetch_add(&srv->errors[kind], 1);
-  if (kvf__log_first_time(kvf__log_hash_str(err_names[kind], 0xb0c1ULL)))
+  if (kvf__log_first_time(kvf__hash_str(err_names[kind], 0xb0c1ULL)))
     LOG_WARN(COMP, "%s (further such connections are only counted in /metrics)",
              kind == ERR_SLOW
                  ? "closed a connection whose request was not complete within the deadline"
@@ -515,7 +510,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
       atomic_fetch_add(&srv->errors[ERR_TOO_LARGE], 1);
       char peer[INET6_ADDRSTRLEN + 16];
       peer_name(conn, peer, sizeof peer);
-      if (kvf__log_first_time(kvf__log_hash_str(peer, 0xb00fULL)))
+      if (kvf__log_first_time(kvf__hash_str(peer, 0xb00fULL)))
         LOG_WARN(COMP, "closed connection from %s: %s %s body over %zu bytes", peer, method, url, srv->max_body);
       return MHD_NO;
     }

@@ -9,7 +9,10 @@
  *                         latency from the prefill's last send to the
  *                         decode's Success, 1- and 256-page requests, 1 and
  *                         64 in flight; baseline: a ZeroMQ PUSH/PULL round
- *                         trip between the same two kinds of process
+ *                         trip between the same two kinds of process; and
+ *                         fan-out (prefill TP 1 to decode TP 4, 4 to 1)
+ *                         against TP 1 to 1 with the same bytes per
+ *                         destination
  *   kvferry bench e2e     one llama-3.1-8b request of 4096 tokens (512 MiB)
  *                         through bootstrap + prefill + decode processes,
  *                         as `kvferry demo` runs them: transfer time (the
@@ -453,6 +456,87 @@ out:
   return rc;
 }
 
+/* Fan-out: one chunk that several decode ranks need (replicated MLA latent
+ * cache, prefill TP 1 to decode TP 4), and the other way (prefill TP 4 to
+ * decode TP 1: one real sender, three dummies). Each case is a
+ * bootstrap + kv-peer + kv-decode trio (pd.c); requests of FANOUT_PAGES pages
+ * in chunks of FANOUT_CHUNK_PAGES, so every chunk goes through the prefill's
+ * transfer workers, sent once the M2s are there. Baseline: the same requests
+ * between TP 1 and TP 1, the same bytes per destination. Requests alternate
+ * between the trios so the machine's noise hits all of them. */
+#define FANOUT_LAYERS 4
+#define FANOUT_PAGE_TOKENS 16
+#define FANOUT_UNIT 1152 /* one MLA latent token (576 x bf16) */
+#define FANOUT_POOL_PAGES 512
+#define FANOUT_PAGES 2
+#define FANOUT_CHUNK_PAGES 1
+#define FANOUT_BYTES_PER_DEST ((uint64_t)FANOUT_PAGES * FANOUT_LAYERS * FANOUT_PAGE_TOKENS * FANOUT_UNIT)
+
+typedef struct fanout_case {
+  const char *name;
+  int prefill_tp, decode_tp;
+  double p50_us, p99_us;
+} fanout_case;
+
+/* One request through the trio: its transfer time (the later of the last
+ * send and the decode's M2 to the decode's Success) in µs. */
+static int fanout_request(pd_pair *pp, int64_t room, double *us) {
+  pd_req r = {.room = room, .token = 42, .npages = FANOUT_PAGES, .chunk = FANOUT_CHUNK_PAGES, .wait_m2 = 1};
+  if (pd_issue(pp, &r)) return -1;
+  double until = cli_now_s() + 30;
+  while (!(r.prefill_done && r.decode_done) && cli_now_s() < until)
+    if (pd_collect(pp, &r, 1, r.room, 200) < 0) break;
+  if (!r.prefill_done || !r.decode_done || pd_failed(&r)) {
+    fprintf(stderr, "bench rooms: fan-out request %lld failed: %s\n", (long long)room,
+            *r.reason ? r.reason : "timed out");
+    return -1;
+  }
+  *us = pd_transfer_s(&r) * 1e6;
+  return 0;
+}
+
+/* Runs the cases (cases[0] is the baseline), `runs` requests each. */
+static int bench_fanout(fanout_case *cases, size_t nc, int runs) {
+  pd_pair pp[3];
+  size_t up = 0;
+  double *t = calloc(nc * (size_t)runs, sizeof *t), w;
+  int rc = -1;
+  if (!t || nc > 3) goto out;
+  for (; up < nc; up++) {
+    pd_layout lo = {.layers = FANOUT_LAYERS,
+                    .item = (uint64_t)FANOUT_PAGE_TOKENS * FANOUT_UNIT,
+                    .pages = FANOUT_POOL_PAGES,
+                    .prefill_tp = cases[up].prefill_tp,
+                    .decode_tp = cases[up].decode_tp,
+                    .page_size = FANOUT_PAGE_TOKENS,
+                    .mla = 1,
+                    .unit = FANOUT_UNIT};
+    char err[256];
+    if (pd_start_layout(&pp[up], &lo, err, sizeof err)) {
+      fprintf(stderr, "bench rooms: %s: %s\n", cases[up].name, err);
+      goto out;
+    }
+  }
+  int64_t room = 1;
+  for (size_t c = 0; c < nc; c++) /* warm-up: connections, pools, caches */
+    for (int i = 0; i < 5; i++)
+      if (fanout_request(&pp[c], room++, &w)) goto out;
+  for (int i = 0; i < runs; i++)
+    for (size_t c = 0; c < nc; c++)
+      if (fanout_request(&pp[c], room++, &t[c * (size_t)runs + (size_t)i])) goto out;
+  for (size_t c = 0; c < nc; c++) {
+    double *v = t + c * (size_t)runs;
+    qsort(v, (size_t)runs, sizeof *v, cmp_dbl);
+    cases[c].p50_us = v[runs / 2];
+    cases[c].p99_us = v[(size_t)((runs - 1) * 0.99)];
+  }
+  rc = 0;
+out:
+  while (up > 0) pd_stop(&pp[--up]);
+  free(t);
+  return rc;
+}
+
 /* Baseline: a ZeroMQ PUSH/PULL round trip (one 3-frame message each way)
  * between this process and a forked child: the floor for any request that
  * needs a control message there and back. Returns the median in µs, 0 on
@@ -582,6 +666,11 @@ static int bench_rooms(const bench_opts *o) {
     if (bench_rooms_case(cases[i].m3_only ? m3only : m, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;
     base += cases[i].rooms;
   }
+  fanout_case fo[] = {{"fanout_1to1_base", 1, 1, 0, 0},
+                      {"fanout_1to4_mla", 1, 4, 0, 0},
+                      {"fanout_4to1_mla", 4, 1, 0, 0}};
+  size_t nfo = o->room_pages ? 0 : sizeof fo / sizeof fo[0];
+  if (nfo && bench_fanout(fo, nfo, o->quick ? 30 : 200)) goto out_mgr;
   if (o->json) {
     printf("{\"bench\":\"rooms\",\"model\":{\"layers\":%d,\"page_bytes_per_buffer\":%d,\"buffers\":%d},"
            "\"baseline\":\"ZeroMQ PUSH/PULL round trip between two processes\",\"baseline_rtt_us\":%.1f,"
@@ -596,7 +685,20 @@ static int bench_rooms(const bench_opts *o) {
              rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room, ideal,
              ideal > 0 ? cases[i].p50_us / ideal : 0);
     }
-    printf("]}\n");
+    printf("]");
+    if (nfo) {
+      printf(",\"fanout\":{\"baseline\":\"the same requests between TP 1 and TP 1\",\"layers\":%d,"
+             "\"page_tokens\":%d,\"unit\":%d,\"pages\":%d,\"chunk_pages\":%d,\"bytes_per_dest\":%llu,\"cases\":[",
+             FANOUT_LAYERS, FANOUT_PAGE_TOKENS, FANOUT_UNIT, FANOUT_PAGES, FANOUT_CHUNK_PAGES,
+             (unsigned long long)FANOUT_BYTES_PER_DEST);
+      for (size_t i = 0; i < nfo; i++)
+        printf("%s{\"name\":\"%s\",\"prefill_tp\":%d,\"decode_tp\":%d,\"p50_us\":%.1f,\"p99_us\":%.1f,"
+               "\"p50_over_base\":%.2f}",
+               i ? "," : "", fo[i].name, fo[i].prefill_tp, fo[i].decode_tp, fo[i].p50_us, fo[i].p99_us,
+               fo[0].p50_us > 0 ? fo[i].p50_us / fo[0].p50_us : 0);
+      printf("]}");
+    }
+    printf("}\n");
   } else {
     printf("rooms through the KV managers (prefill in a child process, %d layers, %d B pages x %d buffers)\n",
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS);
@@ -609,6 +711,15 @@ static int bench_rooms(const bench_opts *o) {
       printf("%-28s %8d %12.0f %10.1f %10.1f %12.2f %10.2f\n", cases[i].name, cases[i].rooms, cases[i].rooms_per_s,
              cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0,
              cases[i].wakeups_per_room);
+    if (nfo) {
+      printf("fan-out: MLA requests of %d pages in chunks of %d (%llu B per destination), prefill workers;\n"
+             "         baseline: the same requests between TP 1 and TP 1\n",
+             FANOUT_PAGES, FANOUT_CHUNK_PAGES, (unsigned long long)FANOUT_BYTES_PER_DEST);
+      printf("%-28s %10s %10s %10s %12s\n", "case", "prefill tp", "decode tp", "p50 us", "p50/base");
+      for (size_t i = 0; i < nfo; i++)
+        printf("%-28s %10d %10d %10.1f %12.2f\n", fo[i].name, fo[i].prefill_tp, fo[i].decode_tp, fo[i].p50_us,
+               fo[0].p50_us > 0 ? fo[i].p50_us / fo[0].p50_us : 0);
+    }
   }
   rc = 0;
 out_mgr:

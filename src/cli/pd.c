@@ -102,8 +102,8 @@ int pd_issue(pd_pair *pp, const pd_req *r) {
               (unsigned long long)r->seed, (long long)r->token, r->corrupt ? " corrupt" : "") < 0 ||
       fflush(pp->decode.in))
     return -1;
-  if (fprintf(pp->prefill.in, "send %lld %zu %llu %lld 0 0 %d\n", (long long)r->room, r->npages,
-              (unsigned long long)r->seed, (long long)r->token, r->reuse_early) < 0 ||
+  if (fprintf(pp->prefill.in, "send %lld %zu %llu %lld %zu 0 %d %d\n", (long long)r->room, r->npages,
+              (unsigned long long)r->seed, (long long)r->token, r->chunk, r->reuse_early, r->wait_m2) < 0 ||
       fflush(pp->prefill.in))
     return -1;
   return 0;

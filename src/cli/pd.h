@@ -24,6 +24,8 @@ typedef struct pd_req {
   uint64_t seed;   /* 0: no pattern fill or check (benchmarks) */
   int corrupt;     /* kv-decode flips one landed byte before its check */
   int reuse_early; /* kv-peer overwrites a source page right after its send call */
+  size_t chunk;    /* pages per send call (0: the whole request in one) */
+  int wait_m2;     /* kv-peer sends once the decode's M2 is there (benchmarks) */
   int prefill_done, decode_done;
   int prefill_status, decode_status;
   size_t bad_pages;

@@ -30,6 +30,13 @@ int kvf__engine_on_trailer(kvf_engine *engine, kvf__trailer_fn cb, void *arg);
  * thread but the callback's. */
 void kvf__engine_off_trailer(kvf_engine *engine, void *arg);
 
+/* kvf_engine_submit_ex with a trailer (NULL/0 = none; at most
+ * KVF_ENGINE_MAX_TRAILER bytes): the blocks and the trailer are copied, the
+ * caller owns *out (kvf_batch_wait, kvf_batch_destroy). Never blocks on the
+ * network. Any thread. */
+int kvf__engine_submit_trailer(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
+                               const kvf_batch_opts *opts, const void *trailer, size_t tlen, kvf_batch **out);
+
 /* kvf_engine_write_ex with a trailer (NULL/0 = none; at most
  * KVF_ENGINE_MAX_TRAILER bytes). Blocks as kvf_engine_write. Any thread. */
 int kvf__engine_write_trailer(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,

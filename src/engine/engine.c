@@ -491,10 +491,16 @@ int kvf__engine_submit_cb(kvf_engine *e, const char *session, const kvf_write *w
   return engine_submit(e, session, writes, n, opts, trailer, tlen, on_done, arg, NULL);
 }
 
+int kvf__engine_submit_trailer(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
+                               const kvf_batch_opts *opts, const void *trailer, size_t tlen, kvf_batch **out) {
+  if (!out) return KVF_EINVAL;
+  return engine_submit(e, session, writes, n, opts, trailer, tlen, NULL, NULL, out);
+}
+
 int kvf__engine_write_trailer(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
                               const kvf_batch_opts *opts, const void *trailer, size_t tlen) {
   kvf_batch *b = NULL;
-  int rc = engine_submit(e, session, writes, n, opts, trailer, tlen, NULL, NULL, &b);
+  int rc = kvf__engine_submit_trailer(e, session, writes, n, opts, trailer, tlen, &b);
   if (rc) return rc;
   rc = kvf_batch_wait(b, -1);
   kvf_batch_destroy(b);

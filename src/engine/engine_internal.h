@@ -172,7 +172,7 @@ typedef struct kvf_engine {
 void kvf__engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_t len, const char *peer);
 
 /* A blocking TCP connection to host:port made within the deadline, with
- * TCP_NODELAY (tcp.c). 0 or KVF_ECONNREFUSED / KVF_ETIMEDOUT. */
+ * TCP_NODELAY (tcp_out.c). 0 or KVF_ECONNREFUSED / KVF_ETIMEDOUT. */
 int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out);
 
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,

@@ -1,6 +1,6 @@
 /* The engine's inbound TCP framing as pure functions: given the bytes a peer
  * sent and the region table, accept or reject with a reason. No I/O and no
- * logging; tcp.c calls the stage functions as the bytes
+ * logging; tcp_in.c calls the stage functions as the bytes
  * arrive, and kvf__tcp_frame_parse runs them over a whole byte string for the
  * unit tests and the fuzzer (tests/fuzz/fuzz_engine_frame.c). */
 #ifndef KVF_ENGINE_TCP_FRAME_H

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "base/hash.h"
 #include "base/log.h"
 #include "engine/tcp_proto.h"
 
@@ -250,7 +251,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
     }
     if (r.magic != UCX_REQ_MAGIC) {
       atomic_fetch_add(&e->stats.protocol_errors, 1);
-      if (kvf__log_first_time(kvf__log_hash_str(peer, 11)))
+      if (kvf__log_first_time(kvf__hash_str(peer, 11)))
         LOG_WARN("ucx", "peer %s: malformed rendezvous request; connection dropped", peer);
       break;
     }
@@ -425,7 +426,7 @@ static void *progress_main(void *arg) {
     pthread_mutex_lock(&u->wmu);
     /* Progress may write peers' bytes into registered memory (RMA that the
      * target carries out, as over tcp): order it after the owner's last
-     * local change and publish it to the owner's next sync, as tcp.c does. */
+     * local change and publish it to the owner's next sync, as tcp_in.c does. */
     kvf_engine_sync(u->e);
     while (ucp_worker_progress(u->w)) {
     }

@@ -12,6 +12,7 @@
 
 #include "base/addr.h"
 #include "base/clock.h"
+#include "base/hash.h"
 #include "base/log.h"
 #include "engine/tcp_proto.h"
 #include "engine/ucx.h"
@@ -196,7 +197,7 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
       st = ucp_ep_create(u->w, &ep, &p->ep);
     }
     if (st == UCS_OK && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
-      if (kvf__log_first_time(kvf__log_hash_str("ucx-err-mode-none", 3)))
+      if (kvf__log_first_time(kvf__hash_str("ucx-err-mode-none", 3)))
         LOG_INFO("ucx",
                  "the UCX transports to %s have no peer-failure handling; failures are detected "
                  "through the rendezvous connection and batch deadlines",

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/hash.h"
 #include "base/log.h"
 #include "engine/ucx.h"
 
@@ -193,7 +194,7 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
     pthread_rwlock_unlock(&p->rw);
   }
   if (!ok) {
-    if (kvf__log_first_time(kvf__log_hash_str(p->id, 13)))
+    if (kvf__log_first_time(kvf__hash_str(p->id, 13)))
       LOG_WARN("ucx", "write outside the registered memory of %s refused (nothing written)", p->id);
     for (size_t i = 0; i < nchunks; i++) kvf__chunk_finish(chunks[i], KVF_ERANGE);
     return 0;

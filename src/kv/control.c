@@ -27,7 +27,9 @@
 #include "base/config.h"
 #include "base/clock.h"
 #include "base/env.h"
+#include "base/hash.h"
 #include "base/log.h"
+#include "base/parse.h"
 #include "base/wake.h"
 #include "kv/integrity.h"
 
@@ -45,7 +47,7 @@ typedef struct manager_push {
 static void reject_log(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
   char key[128];
   snprintf(key, sizeof key, "%s/%s/%p", peer ? peer : "?", kind, (void *)m);
-  if (kvf__log_first_time(kvf__log_hash_str(key, 11)))
+  if (kvf__log_first_time(kvf__hash_str(key, 11)))
     LOG_WARN("kv", "dropped %s from %s: %s (further ones from this peer are counted, not logged)", kind,
              peer ? peer : "unknown peer", reason);
 }
@@ -121,7 +123,7 @@ static const char *mac_check(const kvf_manager *m, const wire_frame *f, size_t n
   for (int i = 0; i < 8; i++) ms = ms << 8 | mac[i];
   unsigned char want[crypto_auth_hmacsha256_BYTES];
   mac_compute(m, mac, f, n - 1, want);
-  if (crypto_verify_32(want, mac + 8)) return "wrong MAC";
+  if (!kvf__ct_equal(want, sizeof want, mac + 8, crypto_auth_hmacsha256_BYTES)) return "wrong MAC";
   double skew = (double)ms / 1000 - clock_wall_s();
   if (skew > MANAGER_MAC_WINDOW_S || skew < -MANAGER_MAC_WINDOW_S) return "MAC clock outside the accepted window";
   return NULL;

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/env.h"
 #include "base/hash.h"
 #include "base/log.h"
 #include "kvferry/engine.h"
@@ -38,9 +39,10 @@ int kvf__integ_start(kvf_manager *m) {
     return KVF_ENOMEM;
   }
   const char *c = getenv("KVFERRY_TEST_CORRUPT_ROOM");
-  if (c && *c) {
+  int64_t room;
+  if (c && *c && kvf__env_parse_i64(c, &room) == 0) {
     s->corrupt_armed = 1;
-    s->corrupt_room = strtoll(c, NULL, 10);
+    s->corrupt_room = room;
   }
   m->integ = s;
   return 0;
@@ -212,7 +214,7 @@ void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank) {
   pthread_mutex_unlock(&s->lock);
   if (!unverified) return;
   atomic_fetch_add(&m->stats.verify_unverified, 1);
-  if (kvf__log_first_time(kvf__log_hash_str("verify-unverified", (uint64_t)(uintptr_t)m)))
+  if (kvf__log_first_time(kvf__hash_str("verify-unverified", (uint64_t)(uintptr_t)m)))
     LOG_WARN("kv",
              "room %" PRId64 ": prefill rank %" PRId64 " reported Success without digests (not a kvferry "
              "prefill?): the room is not verified (counted in verify_unverified; further ones are not logged)",

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "base/addr.h"
+#include "base/parse.h"
 
 _Static_assert(sizeof(wire_fragment) % 8 == 0, "fragments pack in dup blocks");
 
@@ -97,43 +98,17 @@ static const char *quote(const uint8_t *p, size_t len, char buf[128]) {
 
 /* ---- ascii ints ---- */
 
-enum { INT_OK = 0, INT_EMPTY, INT_SYNTAX, INT_NONCANON, INT_RANGE };
-
-/* Canonical decimal (Python str(int)) within int64. Leading zeros and "-0"
- * are refused so that decode -> encode reproduces the peer's bytes. */
-static int ascii_int(const uint8_t *p, size_t len, int64_t *out) {
-  if (len == 0) return INT_EMPTY;
-  size_t i = 0;
-  int neg = p[0] == '-';
-  if (neg) i = 1;
-  if (i == len) return INT_SYNTAX;
-  for (size_t k = i; k < len; k++)
-    if (p[k] < '0' || p[k] > '9') return INT_SYNTAX;
-  if (p[i] == '0' && (len - i > 1 || neg)) return INT_NONCANON;
-  uint64_t limit = neg ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX;
-  uint64_t acc = 0;
-  for (; i < len; i++) {
-    uint64_t d = (uint64_t)(p[i] - '0');
-    if (acc > (limit - d) / 10) return INT_RANGE;
-    acc = acc * 10 + d;
-  }
-  if (!neg) *out = (int64_t)acc;
-  else if (acc == (uint64_t)INT64_MAX + 1) *out = INT64_MIN;
-  else *out = -(int64_t)acc;
-  return INT_OK;
-}
-
 /* Frame i as an ascii int in [lo, hi]. */
 static int get_int(const ctx *c, size_t i, int64_t lo, int64_t hi, int64_t *out) {
   const wire_frame *f = &c->f[i];
   char q[128];
   int64_t v = 0;
-  switch (ascii_int(f->data, f->len, &v)) {
-    case INT_OK: break;
-    case INT_EMPTY: return bad(c, i, "empty, expected an ascii int");
-    case INT_NONCANON:
+  switch (kvf__parse_i64((const char *)f->data, f->len, KVF_INT_CANONICAL, &v)) {
+    case KVF_INT_OK: break;
+    case KVF_INT_EMPTY: return bad(c, i, "empty, expected an ascii int");
+    case KVF_INT_NONCANON:
       return bad(c, i, "%s is not a canonical ascii int (leading zero or -0)", quote(f->data, f->len, q));
-    case INT_RANGE: return bad(c, i, "%s does not fit in int64", quote(f->data, f->len, q));
+    case KVF_INT_RANGE: return bad(c, i, "%s does not fit in int64", quote(f->data, f->len, q));
     default: return bad(c, i, "%s is not an ascii int", quote(f->data, f->len, q));
   }
   if (v < lo || v > hi) return bad(c, i, "%" PRId64 " is outside %" PRId64 "..%" PRId64, v, lo, hi);

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/parse.h"
 #include "kvferry/common.h"
 
 const char *const kvf__route_list_names[ROUTE_NLISTS] = {"kv_item_lens", "kv_unit_lens", "state_item_lens",
@@ -27,26 +28,7 @@ static void set_why(char *why, size_t whylen, const char *fmt, ...) {
 }
 
 int kvf__route_parse_int(const char *s, size_t len, int64_t *out) {
-  size_t i = 0;
-  while (i < len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++;
-  while (len > i && (s[len - 1] == ' ' || s[len - 1] == '\t' || s[len - 1] == '\n' || s[len - 1] == '\r')) len--;
-  int neg = 0;
-  if (i < len && (s[i] == '-' || s[i] == '+')) neg = s[i++] == '-';
-  if (i >= len) return KVF_EINVAL;
-  /* Accumulate as a negative number so INT64_MIN parses without overflow. */
-  int64_t v = 0;
-  for (; i < len; i++) {
-    if (s[i] < '0' || s[i] > '9') return KVF_EINVAL;
-    int d = s[i] - '0';
-    if (v < (INT64_MIN + d) / 10) return KVF_EINVAL;
-    v = v * 10 - d;
-  }
-  if (!neg) {
-    if (v == INT64_MIN) return KVF_EINVAL;
-    v = -v;
-  }
-  *out = v;
-  return 0;
+  return kvf__parse_i64(s, len, KVF_INT_LENIENT, out) == KVF_INT_OK ? 0 : KVF_EINVAL;
 }
 
 int kvf__route_ip_valid(const char *ip, size_t len) {

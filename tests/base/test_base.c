@@ -8,8 +8,10 @@
 #include <cmocka.h>
 
 #include "base/env.h"
+#include "base/hash.h"
 #include "base/log.h"
 #include "base/map.h"
+#include "base/parse.h"
 #include "kvferry.h"
 
 static void map_put_get_delete_many(void **state) {
@@ -80,10 +82,38 @@ static void env_parsing_keeps_default_on_garbage(void **state) {
   assert_int_equal(kvf__env_parse_i64("99999999999999999999", &v), KVF_EINVAL);
 }
 
+/* The one integer parser, under each caller's rule, and the one
+ * constant-time compare. */
+static void parse_i64_rules_and_ct_equal(void **state) {
+  int64_t v = 0;
+  assert_int_equal(kvf__parse_i64("-9223372036854775808", 20, 0, &v), KVF_INT_OK);
+  assert_true(v == INT64_MIN);
+  assert_int_equal(kvf__parse_i64("9223372036854775808", 19, 0, &v), KVF_INT_RANGE);
+  assert_int_equal(kvf__parse_i64("", 0, 0, &v), KVF_INT_EMPTY);
+  assert_int_equal(kvf__parse_i64("-", 1, 0, &v), KVF_INT_SYNTAX);
+  assert_int_equal(kvf__parse_i64("12x", 3, 0, &v), KVF_INT_SYNTAX);
+  assert_int_equal(kvf__parse_i64("12x", 2, 0, &v), KVF_INT_OK); /* only len bytes are read */
+  assert_true(v == 12);
+  assert_int_equal(kvf__parse_i64("007", 3, 0, &v), KVF_INT_OK);
+  assert_int_equal(kvf__parse_i64("007", 3, KVF_INT_CANONICAL, &v), KVF_INT_NONCANON);
+  assert_int_equal(kvf__parse_i64("-0", 2, KVF_INT_CANONICAL, &v), KVF_INT_NONCANON);
+  assert_int_equal(kvf__parse_i64("0", 1, KVF_INT_CANONICAL, &v), KVF_INT_OK);
+  assert_int_equal(kvf__parse_i64(" +7 ", 4, 0, &v), KVF_INT_SYNTAX);
+  assert_int_equal(kvf__parse_i64(" +7 ", 4, KVF_INT_LENIENT, &v), KVF_INT_OK);
+  assert_true(v == 7);
+  assert_int_equal(kvf__parse_i64("  ", 2, KVF_INT_LENIENT, &v), KVF_INT_EMPTY);
+  assert_int_equal(kvf__ct_equal("secret", 6, "secret", 6), 1);
+  assert_int_equal(kvf__ct_equal("secret", 6, "secreT", 6), 0);
+  assert_int_equal(kvf__ct_equal("secret", 6, "secret2", 7), 0);
+  assert_int_equal(kvf__ct_equal("secret", 6, "", 0), 0);
+  assert_true(kvf__hash_str("a", 0) != kvf__hash_str("a", 1));
+  assert_true(kvf__hash_str(NULL, 3) == kvf__hash_str("", 3));
+}
+
 static void error_texts_and_log_once(void **state) {
   assert_string_equal(kvf_strerror(KVF_ERANGE), "address range outside registered memory");
   assert_string_equal(kvf_strerror(12345), "unknown error");
-  uint64_t k = kvf__log_hash_str("10.0.0.9:1234", 1);
+  uint64_t k = kvf__hash_str("10.0.0.9:1234", 1);
   assert_int_equal(kvf__log_first_time(k), 1);
   assert_int_equal(kvf__log_first_time(k), 0);
 }
@@ -93,6 +123,7 @@ int main(void) {
       cmocka_unit_test(map_put_get_delete_many),
       cmocka_unit_test(smap_keys_are_copied),
       cmocka_unit_test(env_parsing_keeps_default_on_garbage),
+      cmocka_unit_test(parse_i64_rules_and_ct_equal),
       cmocka_unit_test(error_texts_and_log_once),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

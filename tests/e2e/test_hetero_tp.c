@@ -252,6 +252,22 @@ static void mla_legacy_tp2_to_tp1_and_tp1_to_tp2(void **state) {
   run_case(&b);
 }
 
+/* Fan-out (issue 12): one prefill rank serves four decode ranks the same
+ * latent pages, chunk after chunk, each chunk submitted to the four at once
+ * and waited for once; every decode rank checks every byte. */
+static void mla_legacy_tp1_to_tp4_chunked_fanout(void **state) {
+  hcase c = {.tp_p = 1,
+             .tp_d = 4,
+             .page_size = 16,
+             .heads_p = 1,
+             .heads_d = 1,
+             .kv_heads = 1,
+             .mla = 1,
+             .npages = 11,
+             .chunk = 3};
+  run_case(&c);
+}
+
 /* State buffers (replicated across TP, like a per-request recurrent state
  * here) next to sharded KV heads: only the planned source rank writes the
  * state slot; the other rank's plan has KV fragments only (§8.11). */
@@ -297,6 +313,7 @@ int main(void) {
       cmocka_unit_test(gqa_replicated_tp4_to_tp1),
       cmocka_unit_test(mla_replicated_generic_tp2_to_tp1),
       cmocka_unit_test(mla_legacy_tp2_to_tp1_and_tp1_to_tp2),
+      cmocka_unit_test(mla_legacy_tp1_to_tp4_chunked_fanout),
       cmocka_unit_test(state_buffers_tp2_to_tp1),
       cmocka_unit_test(decode_prefix_tp1_to_tp2_chunked),
       cmocka_unit_test(tp2_to_tp1_page16),

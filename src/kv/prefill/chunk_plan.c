@@ -132,7 +132,7 @@ int kvf__pf_scratch_grow(void **p, size_t *cap, size_t need, size_t elem) {
 
 void kvf__pf_scratch_free(pf_scratch *sc) {
   free(sc->dptr), free(sc->sptr), free(sc->src), free(sc->dst), free(sc->runs), free(sc->w);
-  free(sc->infos), free(sc->done);
+  free(sc->infos), free(sc->done), free(sc->batches), free(sc->dbytes), free(sc->res);
   memset(sc, 0, sizeof *sc);
 }
 
@@ -321,11 +321,14 @@ size_t kvf__pf_completion_trailer(prefill_state *ps, int64_t room, const wire_m2
   return len;
 }
 
-/* One chunk to one real destination, written and confirmed (worker path).
- * DEST_FAIL with a reason, or DEST_XFER_FAIL when the engine refused or
- * failed the write. */
-int kvf__pf_send_to_dest_sc(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info,
-                            size_t nreal, uint64_t *bytes, char *why, size_t whycap) {
+/* One chunk to one real destination, planned and submitted (worker path):
+ * *out is the engine write in flight (NULL when there is nothing to write),
+ * *bytes its size. DEST_FAIL with a reason, or DEST_XFER_FAIL when the
+ * engine refused the write. The blocks are copied at submit, so sc's arrays
+ * serve the next destination at once. */
+int kvf__pf_submit_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, size_t nreal,
+                        kvf_batch **out, uint64_t *bytes, char *why, size_t whycap) {
+  *out = NULL;
   int ret = kvf__pf_plan_dest(ps, sc, c, info, why, whycap);
   if (ret != DEST_OK || !sc->nw) return ret;
   unsigned char tb[KVF_ENGINE_MAX_TRAILER];
@@ -334,12 +337,12 @@ int kvf__pf_send_to_dest_sc(prefill_state *ps, pf_scratch *sc, const pf_chunk *c
                            : 0;
   kvf_batch_opts opts;
   kvf__pf_fence_opts(info->m2, &opts);
-  int rc =
-      kvf__engine_write_trailer(ps->m->engine, info->m2->session, sc->w, sc->nw, &opts, tlen ? tb : NULL, tlen);
+  int rc = kvf__engine_submit_trailer(ps->m->engine, info->m2->session, sc->w, sc->nw, &opts, tlen ? tb : NULL,
+                                      tlen, out);
   if (rc) {
     kvf__pf_xfer_why(c->r, info->m2, rc, why, whycap);
     return DEST_XFER_FAIL;
   }
-  *bytes += kvf__pf_writes_bytes(sc->w, sc->nw);
+  *bytes = kvf__pf_writes_bytes(sc->w, sc->nw);
   return DEST_OK;
 }

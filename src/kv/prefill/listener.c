@@ -106,7 +106,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
                "(limit %d per session, %d in all)",
                m->cfg.engine_rank, full ? "too many" : "out of memory:", full ? full : "no room for more",
                PF_MAX_EARLY_PER_SESSION, PF_MAX_EARLY);
-      if (kvf__log_first_time(kvf__log_hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
+      if (kvf__log_first_time(kvf__hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
         LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
                  peer ? peer : "?", why);
       /* Tell the decode now: otherwise it waits for its timeout. */

@@ -156,6 +156,12 @@ typedef struct pf_scratch {
   struct pf_info **infos;
   size_t *done;
   size_t cap_infos, cap_done;
+  /* per destination of the chunk (fan-out): its engine write in flight or
+   * NULL, the write's bytes, and its DEST_* outcome once known */
+  kvf_batch **batches;
+  uint64_t *dbytes;
+  int *res;
+  size_t cap_batches, cap_dbytes, cap_res;
 } pf_scratch;
 
 typedef struct pf_chunk {
@@ -330,8 +336,8 @@ void kvf__pf_fence_opts(const wire_m2 *x, kvf_batch_opts *opts);
 void kvf__pf_xfer_why(const pf_room *r, const wire_m2 *x, int rc, char *why, size_t whycap);
 size_t kvf__pf_completion_trailer(prefill_state *ps, int64_t room, const wire_m2 *x, size_t nreal, int64_t token,
                                   const int32_t *cands, size_t ncand, unsigned char *out, size_t cap);
-int kvf__pf_send_to_dest_sc(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info,
-                            size_t nreal, uint64_t *bytes, char *why, size_t whycap);
+int kvf__pf_submit_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, size_t nreal,
+                        kvf_batch **out, uint64_t *bytes, char *why, size_t whycap);
 
 /* verify_send.c */
 int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,

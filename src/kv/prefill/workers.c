@@ -1,7 +1,8 @@
 /* The transfer workers: each drains one FIFO of chunks (a room's chunks all
  * run on one worker, in order), writes a chunk to every destination of its
- * room, and on the last chunk makes the room Success (or parks it for a
- * later first token) and sends the M3s (§6.11). */
+ * room at once (fan-out: submitted together, waited for once), and on the
+ * last chunk makes the room Success (or parks it for a later first token)
+ * and sends the M3s (§6.11). */
 #include "kv/prefill/prefill_int.h"
 
 /* Fail the room (if it is still this room) and tell the destination. */
@@ -52,7 +53,10 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
   }
   size_t n = r->ninfos;
   if (kvf__pf_scratch_grow((void **)&sc->infos, &sc->cap_infos, n ? n : 1, sizeof *sc->infos) ||
-      kvf__pf_scratch_grow((void **)&sc->done, &sc->cap_done, n ? n : 1, sizeof *sc->done)) {
+      kvf__pf_scratch_grow((void **)&sc->done, &sc->cap_done, n ? n : 1, sizeof *sc->done) ||
+      kvf__pf_scratch_grow((void **)&sc->batches, &sc->cap_batches, n ? n : 1, sizeof *sc->batches) ||
+      kvf__pf_scratch_grow((void **)&sc->dbytes, &sc->cap_dbytes, n ? n : 1, sizeof *sc->dbytes) ||
+      kvf__pf_scratch_grow((void **)&sc->res, &sc->cap_res, n ? n : 1, sizeof *sc->res)) {
     kvf__rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
     pthread_mutex_unlock(&ps->lock);
     return;
@@ -76,19 +80,46 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
     const wire_m2 *x = infos[i]->m2;
     if (!x->is_dummy && (!(x->room_flags & WIRE_ROOM_VERIFY) || x->nfrags)) c->recheck_late = 0;
   }
-  for (size_t i = 0; i < n && ok; i++) {
+  /* Fan-out (issue 12): every destination's write is planned and submitted
+   * first and waited for afterwards, so a chunk that several decode ranks
+   * need costs its slowest destination, not the sum. The outcomes are then
+   * taken in destination order, as when the writes ran one after another:
+   * the first failure fails the room and stops the chunk (§6.11 step 5);
+   * writes already submitted past it are only waited for. */
+  size_t nsub = n; /* destinations [0, nsub) have an outcome */
+  for (size_t i = 0; i < n; i++) sc->batches[i] = NULL, sc->dbytes[i] = 0, sc->res[i] = DEST_OK;
+  for (size_t i = 0; i < n; i++) {
+    const wire_m2 *x = infos[i]->m2;
+    if (x->is_dummy) continue;
+    /* Verify mode (hashes, digests, parts) takes the integrity path, which
+     * writes and confirms here. */
+    sc->res[i] = c->digests || (x->room_flags & WIRE_ROOM_VERIFY)
+                     ? kvf__pf_send_to_dest(ps, c, x, &sc->dbytes[i], why, sizeof why)
+                     : kvf__pf_submit_dest(ps, sc, c, infos[i], nreal_all, &sc->batches[i], &sc->dbytes[i], why,
+                                           sizeof why);
+    if (sc->res[i] != DEST_OK) { /* `why` keeps its reason */
+      nsub = i + 1;
+      break;
+    }
+  }
+  for (size_t i = 0; i < nsub && ok; i++) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
     nreal++;
-    /* Verify mode (hashes, digests, parts) takes the integrity path. */
-    int rc = c->digests || (x->room_flags & WIRE_ROOM_VERIFY)
-                 ? kvf__pf_send_to_dest(ps, c, x, &bytes, why, sizeof why)
-                 : kvf__pf_send_to_dest_sc(ps, sc, c, infos[i], nreal_all, &bytes, why, sizeof why);
+    int rc = sc->res[i];
+    if (rc == DEST_OK && sc->batches[i]) {
+      int err = kvf_batch_wait(sc->batches[i], -1);
+      if (err) {
+        kvf__pf_xfer_why(r, x, err, why, sizeof why);
+        rc = DEST_XFER_FAIL;
+      }
+    }
     if (rc != DEST_OK) {
       kvf__pf_fail_dest(ps, r, x, why, rc == DEST_XFER_FAIL);
       ok = 0; /* §6.11 step 5: stop processing this chunk */
       break;
     }
+    bytes += sc->dbytes[i];
     if (!c->is_last) continue;
     done[ndone++] = i;
     if ((int64_t)ndone != x->required_dst_info_num) continue;
@@ -140,6 +171,10 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
                       cd, ncd);
     }
     if (late && fin == ROOM_SUCCESS) recheck_after_m3(ps, r, c);
+  }
+  for (size_t i = 0; i < nsub; i++) { /* waits for the writes not taken above */
+    kvf_batch_destroy(sc->batches[i]);
+    sc->batches[i] = NULL;
   }
   if (ok && !counted) {
     atomic_fetch_add(&m->stats.chunks_sent, 1);

@@ -1,0 +1,29 @@
+/* Strict parsing and comparison of untrusted text, one definition each for
+ * the whole library: the decimal integer parser (environment and config
+ * values, wire frames, route JSON, HTTP headers) and the constant-time
+ * comparison of secrets (bootstrap bearer tokens, control-plane MACs).
+ * Pure functions, any thread, no allocation. */
+#ifndef KVF_BASE_PARSE_H
+#define KVF_BASE_PARSE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* kvf__parse_i64's verdicts (0 = accepted; not KVF_E* codes: callers that
+ * report to a peer name the exact rule that was broken). */
+enum { KVF_INT_OK = 0, KVF_INT_EMPTY, KVF_INT_SYNTAX, KVF_INT_NONCANON, KVF_INT_RANGE };
+
+/* Flags of kvf__parse_i64. Without flags: an optional '-', then decimal
+ * digits only, within int64. */
+#define KVF_INT_CANONICAL 1u /* refuse leading zeros and "-0" (Python's str(int)) */
+#define KVF_INT_LENIENT 2u   /* Python's int(str): surrounding whitespace and a '+' sign allowed */
+
+/* Parse s[0..len) (no NUL needed) as a decimal int64 under `flags`; *out is
+ * written only on KVF_INT_OK. */
+int kvf__parse_i64(const char *s, size_t len, unsigned flags, int64_t *out);
+
+/* 1 when a[0..alen) equals b[0..blen), in time that depends only on alen
+ * (the secret's length), never on where the inputs differ. */
+int kvf__ct_equal(const void *a, size_t alen, const void *b, size_t blen);
+
+#endif

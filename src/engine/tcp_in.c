@@ -1,0 +1,499 @@
+/* The TCP transport's target side: an accept thread and one thread per inbound connection. A
+ * chunk's framing is checked (tcp_frame.c) and its destination regions are
+ * pinned before any payload byte is read; the payload is then received
+ * directly into its destination (no staging copy) without the regions lock,
+ * so a slow peer delays nobody else. A refused chunk's payload is drained
+ * into a scratch buffer so the stream stays in step, and answered with
+ * KVF_ERANGE. Malformed framing closes the connection; it never stops the
+ * engine. The hello and each chunk have an overall deadline that trickled
+ * bytes do not extend, and when every slot is taken a connection still in its
+ * hello, or idle, is evicted to admit a new one. A tagged chunk
+ * (kvf_batch_opts.tag) is written only while the target has its (tag, epoch)
+ * open (fence.c): refused before any payload byte otherwise (KVF_ESTATE),
+ * and cut at the next receive tick when the fence closes meanwhile, as a
+ * pinned region's unregistering cuts it. */
+#include "engine/tcp_int.h"
+
+#include "base/hash.h"
+
+/* Where an inbound connection stands, for eviction when every slot is taken.
+ * The connection's thread moves HELLO → IDLE → BUSY → IDLE ...; the accept
+ * thread may move HELLO or IDLE to EVICTED (and shut the socket down), never
+ * BUSY, so a chunk in progress is never cut to make room. */
+enum { IN_HELLO, IN_IDLE, IN_BUSY, IN_EVICTED };
+
+typedef struct tcp_inbound {
+  struct tcp_inbound *next;
+  tcp_state *t;
+  int fd;
+  atomic_int finished;
+  atomic_int phase;
+  atomic_llong idle_since_ns;
+  atomic_ullong chunks; /* chunks answered on this connection */
+  int64_t accepted_ns;
+  uint64_t rx_bytes; /* bytes received so far (this connection's thread only) */
+  pthread_t thread;
+  char peer[64];
+} tcp_inbound;
+
+/* The regions one chunk writes into, pinned while its payload arrives. */
+typedef struct in_pins {
+  region **r;
+  size_t n;
+  unsigned gen;        /* the table's revocation count when they were pinned */
+  engine_fence *fence; /* a tagged chunk's fence (fence.c): cut = stop like a revocation */
+} in_pins;
+
+static void peer_name(const struct sockaddr_storage *ss, char *out, size_t cap) {
+  char host[INET6_ADDRSTRLEN] = "?", port[8] = "?";
+  getnameinfo((const struct sockaddr *)ss, sizeof *ss, host, sizeof host, port, sizeof port,
+              NI_NUMERICHOST | NI_NUMERICSERV);
+  snprintf(out, cap, "%s:%s", host, port);
+}
+
+/* Report a misbehaving peer once per (peer address, kind). */
+static void log_peer_once(const char *peer, const char *kind, const char *detail) {
+  char key[96];
+  const char *colon = strrchr(peer, ':');
+  snprintf(key, sizeof key, "%.*s/%s", colon ? (int)(colon - peer) : (int)strlen(peer), peer, kind);
+  if (kvf__log_first_time(kvf__hash_str(key, 7)))
+    LOG_WARN("tcp", "peer %s: %s (further reports of this kind from it are not logged)", peer, detail);
+}
+
+static int pins_revoked(const tcp_inbound *in, const in_pins *p) {
+  if (p && p->fence && atomic_load(&p->fence->cut)) return 1;
+  if (!p || atomic_load(&in->t->e->regions.revocations) == p->gen) return 0;
+  for (size_t i = 0; i < p->n; i++)
+    if (atomic_load(&p->r[i]->revoked)) return 1;
+  return 0;
+}
+
+/* Receive into iov[cnt] (advanced as bytes arrive). The socket's receive
+ * timeout is one tick (TCP_READER_TICK_MS), so every call ends within it and
+ * the overall *deadline_ns holds however slowly the bytes trickle in. With
+ * *deadline_ns == 0 the message has not started: a tick with no byte returns
+ * 1 (idle), and the first byte sets the deadline to now + budget_ms. With
+ * `pins`, the unregistering of a pinned region returns 2 at the next tick.
+ * Otherwise 0, KVF_ETIMEDOUT or KVF_ECLOSED. */
+static int in_recvv(tcp_inbound *in, struct iovec *iov, int cnt, int64_t *deadline_ns, int budget_ms,
+                    const in_pins *pins) {
+  while (cnt) {
+    struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+    ssize_t r = recvmsg(in->fd, &m, MSG_WAITALL);
+    if (r > 0) {
+      in->rx_bytes += (uint64_t)r;
+      kvf__tcp_iov_advance(&iov, &cnt, (size_t)r);
+      if (!*deadline_ns) *deadline_ns = clock_deadline_ms(budget_ms);
+    } else if (r == 0) {
+      return KVF_ECLOSED;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (!*deadline_ns) return 1;
+    } else if (errno != EINTR) {
+      return KVF_ECLOSED;
+    }
+    if (cnt && clock_now_ns() > *deadline_ns) return KVF_ETIMEDOUT;
+    if (cnt && pins_revoked(in, pins)) return 2;
+  }
+  return 0;
+}
+
+static int in_recv(tcp_inbound *in, void *buf, size_t len, int64_t *deadline_ns, int budget_ms) {
+  struct iovec iov = {buf, len};
+  return in_recvv(in, &iov, len ? 1 : 0, deadline_ns, budget_ms, NULL);
+}
+
+/* Read and discard n bytes by the deadline, so the stream stays in step. */
+static int in_drain(tcp_inbound *in, uint64_t n, int64_t *deadline_ns) {
+  char buf[65536];
+  while (n) {
+    size_t k = n < sizeof buf ? (size_t)n : sizeof buf;
+    int rc = in_recv(in, buf, k, deadline_ns, 0);
+    if (rc) return rc;
+    n -= k;
+  }
+  return 0;
+}
+
+/* Receive a checked chunk's payload straight into its destinations. Returns
+ * 2 with *left set to the bytes not yet read when a pinned region was
+ * unregistered meanwhile (the caller unpins, then drains them). */
+static int in_recv_payload(tcp_inbound *in, const tcp_desc *d, uint32_t n, uint64_t total, const in_pins *pins,
+                           int64_t *deadline_ns, uint64_t *left) {
+  struct iovec iov[TCP_IOV_BATCH];
+  piece_src src = {.descs = d, .n = n};
+  piece_iter it = {0, 0};
+  uint64_t start = in->rx_bytes;
+  for (;;) {
+    int k = kvf__tcp_iter_fill(&src, &it, iov, TCP_IOV_BATCH);
+    if (k == 0) return 0;
+    int rc = in_recvv(in, iov, k, deadline_ns, 0, pins);
+    if (rc == 2) *left = total - (in->rx_bytes - start);
+    if (rc) return rc;
+  }
+}
+
+/* Count and report a peer cut at a deadline (hello or chunk). */
+static void in_timed_out(tcp_inbound *in, kvf_engine *e, const char *what) {
+  atomic_fetch_add(&e->stats.conns_timed_out, 1);
+  log_peer_once(in->peer, "slow", what);
+}
+
+static void in_frame_error(tcp_inbound *in, kvf_engine *e, int verdict) {
+  char msg[96];
+  atomic_fetch_add(&e->stats.protocol_errors, 1);
+  snprintf(msg, sizeof msg, "%s; connection dropped", kvf__tcp_frame_reason(verdict));
+  log_peer_once(in->peer, "frame", msg);
+}
+
+/* A chunk's trailer, after its payload, within the chunk's deadline: read
+ * it whole (bounded) and, when the payload was written (`landed`), hand it
+ * to the trailer callback with the peer's IP address. Non-zero ends the
+ * connection. */
+static int inbound_trailer(tcp_inbound *in, kvf_engine *e, int landed, int64_t *deadline) {
+  tcp_trailer t;
+  unsigned char buf[KVF_ENGINE_MAX_TRAILER];
+  int rc = in_recv(in, &t, sizeof t, deadline, 0);
+  if (rc) return rc;
+  if (t.magic != TCP_TRAILER_MAGIC || t.len > sizeof buf) {
+    atomic_fetch_add(&e->stats.protocol_errors, 1);
+    log_peer_once(in->peer, "frame", "malformed chunk trailer; connection dropped");
+    return KVF_EPROTO;
+  }
+  if ((rc = in_recv(in, buf, t.len, deadline, 0))) return rc;
+  char ip[64];
+  const char *colon = strrchr(in->peer, ':');
+  snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - in->peer) : (int)strlen(in->peer), in->peer);
+  if (landed) kvf__engine_deliver_trailer(e, buf, t.len, ip);
+  return 0;
+}
+
+static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
+  tcp_hello h;
+  char token[TCP_MAX_TOKEN];
+  int ucx = 0;
+  /* One deadline for the whole hello, from accept: a byte now and then does
+   * not extend it. */
+  int64_t deadline = in->accepted_ns + (int64_t)TCP_HELLO_DEADLINE_MS * 1000000;
+  int rc = in_recv(in, &h, sizeof h, &deadline, 0);
+  if (!rc) {
+    int v = kvf__tcp_frame_hello(&h);
+    ucx = h.magic == TCP_UCX_HELLO_MAGIC; /* a UCX rendezvous (ucx.c), same token check */
+    if (v) {
+      in_frame_error(in, e, v);
+      return KVF_EPROTO;
+    }
+    rc = in_recv(in, token, h.token_len, &deadline, 0);
+  }
+  if (rc) {
+    if (rc == KVF_ETIMEDOUT) in_timed_out(in, e, "no complete hello within the hello deadline; dropped");
+    return rc;
+  }
+  size_t want = strlen(e->auth_token);
+  int ok = 1;
+  if (want) {
+    /* Constant-time compare over the expected length. */
+    unsigned diff = h.token_len != want;
+    for (size_t i = 0; i < want; i++) diff |= (unsigned)(e->auth_token[i] ^ (i < h.token_len ? token[i] : 0));
+    ok = diff == 0;
+  }
+  tcp_reply rep = {TCP_HELLO_MAGIC, ok ? (ucx && !e->ops->serve ? KVF_ESTATE : 0) : KVF_EACCES};
+  kvf__tcp_send_all(in->fd, &rep, sizeof rep);
+  if (!ok) {
+    atomic_fetch_add(&e->stats.auth_refused, 1);
+    log_peer_once(in->peer, "auth", h.token_len ? "wrong auth token; refused" : "no auth token; refused");
+    return KVF_EACCES;
+  }
+  atomic_store(&in->idle_since_ns, clock_now_ns());
+  int expect = IN_HELLO;
+  /* A UCX rendezvous connection stays open for the engine's life (ucx.c
+   * serves it): busy, so never evicted as idle. It is authenticated. */
+  if (!atomic_compare_exchange_strong(&in->phase, &expect, ucx ? IN_BUSY : IN_IDLE)) return KVF_ECLOSED;
+  return ucx ? (rep.status ? KVF_ESTATE : 1) : 0;
+}
+
+/* Make room for the descriptors and pins of an ndesc chunk. */
+static int in_grow(tcp_desc **descs, region ***pins, size_t *cap, uint32_t ndesc) {
+  if (ndesc <= *cap) return 0;
+  tcp_desc *d = realloc(*descs, ndesc * sizeof *d);
+  if (d) *descs = d;
+  region **p = d ? realloc(*pins, ndesc * sizeof *p) : NULL;
+  if (!p) return KVF_ENOMEM;
+  *pins = p;
+  *cap = ndesc;
+  return 0;
+}
+
+/* One chunk after its header: descriptors, checks, payload; returns the
+ * status to acknowledge, or a negative error that ends the connection
+ * (reported here). The regions lock is held only to look up and pin. */
+static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h, const tcp_chunk_tag *tag,
+                         tcp_desc *descs, region **pinv, int64_t *deadline, int *status) {
+  int rc = in_recv(in, descs, h->ndesc * sizeof *descs, deadline, 0);
+  if (rc) return rc;
+  int v = kvf__tcp_frame_descs(h, descs);
+  if (v) {
+    in_frame_error(in, e, v);
+    return KVF_EPROTO;
+  }
+  in_pins pins = {.r = pinv};
+  pthread_rwlock_rdlock(&e->regions.lock);
+  v = kvf__tcp_frame_ranges_locked(&e->regions, descs, h->ndesc, pinv, &pins.n);
+  for (size_t i = 0; !v && i < pins.n; i++) kvf__region_pin(pinv[i]);
+  pins.gen = atomic_load(&e->regions.revocations);
+  pthread_rwlock_unlock(&e->regions.lock);
+  /* A tagged chunk lands only while its fence is open (fence.c): checked
+   * before any byte is written, and again at every receive tick. */
+  int fenced = 0;
+  if (!v && tag && !(pins.fence = kvf__fence_enter(e, tag->tag, tag->epoch))) {
+    for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
+    fenced = 1;
+  }
+  uint64_t left = h->total_bytes;
+  if (!v && !fenced) {
+    kvf_engine_sync(e); /* order after the owner's last local change */
+    rc = in_recv_payload(in, descs, h->ndesc, h->total_bytes, &pins, deadline, &left);
+    kvf_engine_sync(e); /* publish the bytes to the owner's next sync */
+    for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
+    int cut = rc == 2 && pins.fence && atomic_load(&pins.fence->cut);
+    if (pins.fence) kvf__fence_leave(e, pins.fence); /* from here the chunk writes nothing more */
+    if (cut) {
+      atomic_fetch_add(&e->stats.chunks_fenced, 1);
+      fenced = 1;
+      rc = 0;
+    } else if (rc == 2) {
+      log_peer_once(in->peer, "revoked", "destination unregistered during a write; rest of the chunk refused");
+      v = TCP_FRAME_OUT_OF_RANGE;
+      rc = 0;
+    } else {
+      left = 0;
+    }
+  } else if (v) {
+    log_peer_once(in->peer, "range", "write outside registered memory refused");
+  }
+  if (!rc && left) rc = in_drain(in, left, deadline);
+  if (rc) return rc;
+  if (v) {
+    atomic_fetch_add(&e->stats.batches_refused, 1);
+  } else if (!fenced) {
+    atomic_fetch_add(&e->stats.batches_received, 1);
+    atomic_fetch_add(&e->stats.bytes_received, h->total_bytes);
+  }
+  *status = v ? KVF_ERANGE : fenced ? KVF_ESTATE : 0;
+  return 0;
+}
+
+static void *inbound_main(void *arg) {
+  tcp_inbound *in = arg;
+  kvf_engine *e = in->t->e;
+  tcp_desc *descs = NULL;
+  region **pins = NULL;
+  size_t cap = 0;
+  int hs = inbound_handshake(in, e);
+  if (hs == 1) e->ops->serve(e, in->fd, in->peer);
+  if (hs) goto out;
+  for (;;) {
+    /* Idle between chunks is fine (a tick with nothing read); from its first
+     * byte a chunk (header, descriptors, payload) has the engine timeout in
+     * all, however its bytes trickle in. */
+    tcp_chunk_hdr h;
+    int64_t deadline = 0;
+    int rc = in_recv(in, &h, sizeof h, &deadline, e->cfg.timeout_ms);
+    if (atomic_load(&in->t->stopping)) break;
+    if (rc == 1) continue;
+    int expect = IN_IDLE;
+    if (rc || !atomic_compare_exchange_strong(&in->phase, &expect, IN_BUSY)) goto out_err;
+    kvf__wake_count();
+    /* A chunk with a completion trailer (async.h) frames as a plain one up
+     * to its payload; the trailer follows. */
+    int has_trailer = h.magic == TCP_CHUNK_TRAILER_MAGIC || h.magic == TCP_CHUNK_TAGGED_TRAILER_MAGIC;
+    if (has_trailer) h.magic = h.magic == TCP_CHUNK_TRAILER_MAGIC ? TCP_CHUNK_MAGIC : TCP_CHUNK_TAGGED_MAGIC;
+    int v = kvf__tcp_frame_chunk_hdr(&h);
+    if (v) {
+      in_frame_error(in, e, v);
+      break;
+    }
+    tcp_chunk_tag tag = {0, 0};
+    if (h.magic == TCP_CHUNK_TAGGED_MAGIC && (rc = in_recv(in, &tag, sizeof tag, &deadline, 0))) goto out_err;
+    if (in_grow(&descs, &pins, &cap, h.ndesc)) break;
+    int status = 0;
+    rc =
+        inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, descs, pins, &deadline, &status);
+    if (!rc && has_trailer) rc = inbound_trailer(in, e, status == 0, &deadline);
+    if (rc) goto out_err;
+    tcp_ack a = {h.seq, status, TCP_ACK_MAGIC};
+    if (kvf__tcp_send_all(in->fd, &a, sizeof a)) break;
+    atomic_fetch_add(&in->chunks, 1);
+    atomic_store(&in->idle_since_ns, clock_now_ns());
+    atomic_store(&in->phase, IN_IDLE);
+    continue;
+out_err:
+    if (rc == KVF_ETIMEDOUT) in_timed_out(in, e, "chunk not complete within the engine timeout; dropped");
+    break;
+  }
+out:
+  free(descs);
+  free(pins);
+  shutdown(in->fd, SHUT_RDWR);
+  atomic_store(&in->finished, 1);
+  return NULL;
+}
+
+/* Every slot is taken: close the connection that holds one for the least
+ * reason, so neither silent nor trickling peers can keep a legitimate one
+ * out. Order: the oldest still in its hello, then the oldest idle one that
+ * never sent a chunk, then the one idle longest. A connection inside a chunk
+ * is never chosen. Caller holds in_lock; 1 if one was evicted. */
+static tcp_inbound *pick_victim_locked(tcp_state *t, int *phase_out) {
+  tcp_inbound *victim = NULL;
+  int vrank = 0;
+  int64_t vkey = 0;
+  for (tcp_inbound *in = t->inbound; in; in = in->next) {
+    int ph = atomic_load(&in->phase), rank;
+    int64_t key;
+    if (ph == IN_HELLO) rank = 0, key = in->accepted_ns;
+    else if (ph == IN_IDLE) rank = atomic_load(&in->chunks) ? 2 : 1, key = atomic_load(&in->idle_since_ns);
+    else continue;
+    if (!victim || rank < vrank || (rank == vrank && key < vkey))
+      victim = in, vrank = rank, vkey = key, *phase_out = ph;
+  }
+  return victim;
+}
+
+static int evict_one_locked(tcp_state *t) {
+  tcp_inbound *victim = NULL;
+  /* The victim's own thread may move it on meanwhile (its hello done, a
+   * chunk begun): then look again. */
+  for (int tries = 0; !victim && tries < TCP_EVICT_TRIES; tries++) {
+    int phase = 0;
+    victim = pick_victim_locked(t, &phase);
+    if (!victim) return 0;
+    if (!atomic_compare_exchange_strong(&victim->phase, &phase, IN_EVICTED)) victim = NULL;
+  }
+  if (!victim) return 0;
+  shutdown(victim->fd, SHUT_RDWR);
+  t->n_evicted++;
+  atomic_fetch_add(&t->e->stats.conns_evicted, 1);
+  log_peer_once(victim->peer, "evict", "connection slots full; idle or unauthenticated connection closed");
+  return 1;
+}
+
+void kvf__tcp_inbound_reap(tcp_state *t, int all) {
+  pthread_mutex_lock(&t->in_lock);
+  tcp_inbound **pp = &t->inbound;
+  while (*pp) {
+    tcp_inbound *in = *pp;
+    if (all) shutdown(in->fd, SHUT_RDWR);
+    if (all || atomic_load(&in->finished)) {
+      *pp = in->next;
+      t->n_inbound--;
+      if (atomic_load(&in->phase) == IN_EVICTED) t->n_evicted--;
+      pthread_mutex_unlock(&t->in_lock);
+      pthread_join(in->thread, NULL);
+      close(in->fd);
+      free(in);
+      pthread_mutex_lock(&t->in_lock);
+    } else {
+      pp = &in->next;
+    }
+  }
+  pthread_mutex_unlock(&t->in_lock);
+}
+
+/* Is there a slot for one more connection, evicting one if need be? Evicted
+ * connections hold their thread until it notices, so the live count is kept
+ * under the limit and the total under twice it. */
+static int inbound_admit(tcp_state *t) {
+  int max = t->e->cfg.max_inbound_conns, ok;
+  pthread_mutex_lock(&t->in_lock);
+  ok = t->n_inbound < 2 * max && (t->n_inbound - t->n_evicted < max || evict_one_locked(t));
+  pthread_mutex_unlock(&t->in_lock);
+  return ok;
+}
+
+void *kvf__tcp_accept_main(void *arg) {
+  tcp_state *t = arg;
+  kvf_engine *e = t->e;
+  while (!atomic_load(&t->stopping)) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    int fd = accept4(t->listen_fd, (struct sockaddr *)&ss, &sl, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (atomic_load(&t->stopping)) break;
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        usleep(10000); /* out of descriptors: back off instead of spinning */
+        continue;
+      }
+      break;
+    }
+    int64_t now = clock_now_ns();
+    kvf__tcp_inbound_reap(t, 0);
+    char peer[64];
+    peer_name(&ss, peer, sizeof peer);
+    tcp_inbound *in = inbound_admit(t) ? calloc(1, sizeof *in) : NULL;
+    if (!in) {
+      atomic_fetch_add(&e->stats.conns_refused, 1);
+      log_peer_once(peer, "limit", "too many inbound connections; refused");
+      close(fd);
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    /* Receives end every tick so deadlines and revocations are checked;
+     * replies and acks are small, but a peer that never reads is bounded. */
+    kvf__tcp_set_timeout(fd, SO_RCVTIMEO, TCP_READER_TICK_MS);
+    kvf__tcp_set_timeout(fd, SO_SNDTIMEO, e->cfg.timeout_ms);
+    in->t = t;
+    in->fd = fd;
+    in->accepted_ns = now;
+    atomic_init(&in->phase, IN_HELLO);
+    snprintf(in->peer, sizeof in->peer, "%s", peer);
+    /* Listed before its thread starts, so eviction sees every connection. */
+    pthread_mutex_lock(&t->in_lock);
+    in->next = t->inbound;
+    t->inbound = in;
+    t->n_inbound++;
+    if (pthread_create(&in->thread, NULL, inbound_main, in)) {
+      t->inbound = in->next;
+      t->n_inbound--;
+      close(fd);
+      free(in);
+    }
+    pthread_mutex_unlock(&t->in_lock);
+  }
+  return NULL;
+}
+
+int kvf__tcp_listen_on(kvf_engine *e, int *fd_out, uint16_t *port_out) {
+  struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                           .ai_socktype = SOCK_STREAM,
+                           .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+  struct addrinfo *res = NULL;
+  char ps[8];
+  snprintf(ps, sizeof ps, "%u", (unsigned)e->cfg.port);
+  int g = getaddrinfo(e->host, ps, &hints, &res);
+  if (g || !res) {
+    LOG_ERROR("tcp", "cannot resolve listen address %s: %s", e->host, gai_strerror(g));
+    return KVF_EINVAL;
+  }
+  int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  int rc = KVF_EIO;
+  if (fd < 0) goto out;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (bind(fd, res->ai_addr, res->ai_addrlen) || listen(fd, 128)) {
+    LOG_ERROR("tcp", "cannot listen on %s:%u: %s", e->host, (unsigned)e->cfg.port, strerror(errno));
+    close(fd);
+    goto out;
+  }
+  struct sockaddr_storage ss;
+  socklen_t sl = sizeof ss;
+  getsockname(fd, (struct sockaddr *)&ss, &sl);
+  *port_out = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                             : ((struct sockaddr_in *)&ss)->sin_port);
+  *fd_out = fd;
+  rc = 0;
+out:
+  freeaddrinfo(res);
+  return rc;
+}

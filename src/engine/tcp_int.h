@@ -1,0 +1,111 @@
+/* The TCP transport of the transfer engine, private to its three files:
+ * tcp.c (blocking I/O helpers shared by both sides, start, stop and the
+ * transport ops), tcp_out.c (the writer side: sessions, connections,
+ * submit) and tcp_in.c (the target side: accept, hello, inbound chunks,
+ * eviction). The wire format is in tcp_proto.h, the inbound framing
+ * checks in tcp_frame.c. */
+#ifndef KVF_ENGINE_TCP_INT_H
+#define KVF_ENGINE_TCP_INT_H
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "base/addr.h"
+#include "base/clock.h"
+#include "base/log.h"
+#include "base/wake.h"
+#include "engine/engine_internal.h"
+#include "engine/tcp_frame.h"
+#include "engine/tcp_proto.h"
+
+#define TCP_IOV_BATCH 512
+#define TCP_INLINE_MAX_BYTES (1u << 20)
+#define TCP_MAX_SESSIONS 4096
+/* Every blocking receive ends within a tick, so overall deadlines (a batch's,
+ * a hello's, an inbound chunk's) and unregisters are noticed in time. */
+#define TCP_READER_TICK_MS 100
+/* Attempts to evict a connection that keeps changing state under us. */
+#define TCP_EVICT_TRIES 8
+
+typedef struct tcp_state tcp_state;
+
+/* Walks the pieces of a block list (strided blocks expand to count pieces)
+ * and fills iovec batches, so any number of pieces costs O(1) memory. */
+typedef struct piece_iter {
+  size_t i;       /* block index */
+  uint64_t piece; /* piece within the block */
+} piece_iter;
+
+typedef struct piece_src {
+  /* Either writer-side blocks (src addresses) or target-side descriptors. */
+  const kvf_write *writes;
+  const tcp_desc *descs;
+  size_t n;
+} piece_src;
+
+typedef struct tcp_conn {
+  atomic_int refs;
+  int fd;
+  atomic_int dead; /* 0, or the error that killed it */
+  char peer[300];
+  int timeout_ms;
+  pthread_mutex_t send_lock; /* serialises bytes on the socket */
+  pthread_mutex_t q_lock;    /* guards the two lists below */
+  pthread_cond_t q_cv;
+  chunk *q_head, *q_tail; /* waiting to be sent */
+  chunk *f_head, *f_tail; /* sent, waiting for their ack, in wire order */
+  uint64_t next_seq;
+  pthread_t writer, reader;
+} tcp_conn;
+
+typedef struct tcp_session {
+  pthread_mutex_t lock;
+  char id[300];
+  char host[256];
+  uint16_t port;
+  tcp_conn *conns[16];
+  unsigned rr;
+} tcp_session;
+
+struct tcp_state {
+  kvf_engine *e;
+  int listen_fd;
+  pthread_t accept_thread;
+  atomic_int stopping;
+  pthread_mutex_t in_lock;
+  struct tcp_inbound *inbound; /* guarded by in_lock, as are the two counts */
+  int n_inbound;
+  int n_evicted; /* evicted, thread not yet joined */
+  pthread_mutex_t sess_lock;
+  smap sessions;
+};
+
+/* tcp.c */
+void kvf__tcp_set_timeout(int fd, int opt, int ms);
+int kvf__tcp_recv_all(int fd, void *buf, size_t len);
+int kvf__tcp_send_all(int fd, const void *buf, size_t len);
+int kvf__tcp_recv_msg_or_idle(int fd, void *buf, size_t len, int tick_ms, int rest_ms);
+void kvf__tcp_iov_advance(struct iovec **iov, int *cnt, size_t n);
+int kvf__tcp_iter_fill(const piece_src *s, piece_iter *it, struct iovec *iov, int max);
+int kvf__tcp_xfer_pieces(int fd, const piece_src *s, int sending, const struct iovec *head, int nhead);
+
+/* tcp_out.c */
+void kvf__tcp_conn_put(tcp_conn *c);
+int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
+
+/* tcp_in.c */
+void kvf__tcp_inbound_reap(tcp_state *t, int all);
+void *kvf__tcp_accept_main(void *arg);
+int kvf__tcp_listen_on(kvf_engine *e, int *fd_out, uint16_t *port_out);
+
+#endif

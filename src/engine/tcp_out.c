@@ -1,0 +1,355 @@
+/* The TCP transport's writer side: one session per remote "host:port", each with a few persistent
+ * connections. A connection has a writer thread that sends queued chunks
+ * (header, descriptors, then the payload straight from the source memory with
+ * sendmsg) and a reader thread that matches in-order acks to in-flight chunks
+ * and fails them at their deadline. Small chunks are sent by the submitting
+ * thread itself when the connection is idle, which saves two thread wake-ups. */
+#include "engine/tcp_int.h"
+
+static void list_push(chunk **head, chunk **tail, chunk *c) {
+  c->next = NULL;
+  if (*tail) (*tail)->next = c;
+  else *head = c;
+  *tail = c;
+}
+
+static chunk *list_pop(chunk **head, chunk **tail) {
+  chunk *c = *head;
+  if (c) {
+    *head = c->next;
+    if (!*head) *tail = NULL;
+    c->next = NULL;
+  }
+  return c;
+}
+
+/* Declare the connection dead: wake every thread blocked on it and fail
+ * every chunk it holds. Idempotent; any thread. */
+static void conn_fail(tcp_conn *c, int err) {
+  int expected = 0;
+  if (atomic_compare_exchange_strong(&c->dead, &expected, err)) {
+    shutdown(c->fd, SHUT_RDWR);
+    LOG_DEBUG("tcp", "connection to %s closed: %s", c->peer, kvf_strerror(err));
+  }
+  pthread_mutex_lock(&c->q_lock);
+  chunk *q = c->q_head, *f = c->f_head;
+  c->q_head = c->q_tail = c->f_head = c->f_tail = NULL;
+  pthread_cond_broadcast(&c->q_cv);
+  pthread_mutex_unlock(&c->q_lock);
+  int st = atomic_load(&c->dead);
+  while (f) {
+    chunk *n = f->next;
+    kvf__chunk_finish(f, st);
+    f = n;
+  }
+  while (q) {
+    chunk *n = q->next;
+    kvf__chunk_finish(q, st);
+    q = n;
+  }
+}
+
+/* Put the chunk on the wire. The caller holds send_lock, so the in-flight
+ * list order is the wire order, which is the ack order. */
+static void conn_send_locked(tcp_conn *c, chunk *ch) {
+  pthread_mutex_lock(&c->q_lock);
+  int dead = atomic_load(&c->dead);
+  if (!dead) {
+    ch->seq = c->next_seq++;
+    list_push(&c->f_head, &c->f_tail, ch);
+  }
+  pthread_mutex_unlock(&c->q_lock);
+  if (dead) {
+    kvf__chunk_finish(ch, dead);
+    return;
+  }
+  tcp_desc descs_small[64], *descs = descs_small;
+  if (ch->n > 64 && !(descs = malloc(ch->n * sizeof *descs))) {
+    conn_fail(c, KVF_ENOMEM);
+    return;
+  }
+  for (size_t i = 0; i < ch->n; i++) {
+    const kvf_write *w = &ch->writes[i];
+    descs[i] = (tcp_desc){w->dst, w->len, w->count > 1 ? w->count : 1, w->dst_stride};
+  }
+  const kvf_batch *b = ch->batch;
+  uint32_t magic = b->tag ? (ch->trailer ? TCP_CHUNK_TAGGED_TRAILER_MAGIC : TCP_CHUNK_TAGGED_MAGIC)
+                          : (ch->trailer ? TCP_CHUNK_TRAILER_MAGIC : TCP_CHUNK_MAGIC);
+  tcp_chunk_hdr h = {magic, (uint32_t)ch->n, ch->seq, ch->bytes};
+  tcp_chunk_tag tag = {b->tag, b->epoch};
+  /* The reader may see the ack and finish the chunk before the last send
+   * call returns: hold a reference so its blocks stay readable until then. */
+  atomic_fetch_add(&ch->refs, 1);
+  piece_src src = {.writes = ch->writes, .n = ch->n};
+  struct iovec head[3] = {{&h, sizeof h}, {&tag, b->tag ? sizeof tag : 0}, {descs, ch->n * sizeof *descs}};
+  int rc = kvf__tcp_xfer_pieces(c->fd, &src, 1, head, 3);
+  if (!rc && ch->trailer) { /* behind the payload, on the same connection */
+    tcp_trailer t = {TCP_TRAILER_MAGIC, ch->tlen};
+    rc = kvf__tcp_send_all(c->fd, &t, sizeof t);
+    if (!rc) rc = kvf__tcp_send_all(c->fd, ch->trailer, ch->tlen);
+  }
+  kvf__chunk_release(ch);
+  if (descs != descs_small) free(descs);
+  if (rc) conn_fail(c, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED);
+}
+
+static void *conn_writer_main(void *arg) {
+  tcp_conn *c = arg;
+  for (;;) {
+    pthread_mutex_lock(&c->q_lock);
+    while (!c->q_head && !atomic_load(&c->dead)) pthread_cond_wait(&c->q_cv, &c->q_lock);
+    chunk *ch = atomic_load(&c->dead) ? NULL : list_pop(&c->q_head, &c->q_tail);
+    pthread_mutex_unlock(&c->q_lock);
+    if (!ch) break;
+    kvf__wake_count();
+    if (clock_now_ns() > ch->batch->deadline_ns) {
+      kvf__chunk_finish(ch, KVF_ETIMEDOUT);
+      continue;
+    }
+    pthread_mutex_lock(&c->send_lock);
+    conn_send_locked(c, ch);
+    pthread_mutex_unlock(&c->send_lock);
+  }
+  return NULL;
+}
+
+static void *conn_reader_main(void *arg) {
+  tcp_conn *c = arg;
+  while (!atomic_load(&c->dead)) {
+    /* The socket's receive timeout is the idle tick (TCP_READER_TICK_MS). */
+    tcp_ack a;
+    int r = kvf__tcp_recv_msg_or_idle(c->fd, &a, sizeof a, TCP_READER_TICK_MS, c->timeout_ms);
+    if (r == 1) {
+      /* Idle tick: a chunk whose deadline passed means the peer stopped
+       * answering (SIGSTOP, a hung host): fail the connection, and with it
+       * everything it carries, rather than wait on TCP's own timers. */
+      pthread_mutex_lock(&c->q_lock);
+      int late = c->f_head && clock_now_ns() > c->f_head->batch->deadline_ns;
+      pthread_mutex_unlock(&c->q_lock);
+      if (late) {
+        LOG_WARN("tcp", "peer %s did not confirm a batch before its deadline (%d ms)", c->peer, c->timeout_ms);
+        conn_fail(c, KVF_ETIMEDOUT);
+      }
+      continue;
+    }
+    if (r) {
+      conn_fail(c, KVF_ECLOSED);
+      break;
+    }
+    kvf__wake_count();
+    pthread_mutex_lock(&c->q_lock);
+    chunk *ch = c->f_head;
+    int ok = ch && a.magic == TCP_ACK_MAGIC && a.seq == ch->seq;
+    if (ok) list_pop(&c->f_head, &c->f_tail);
+    pthread_mutex_unlock(&c->q_lock);
+    if (!ok) {
+      LOG_ERROR("tcp", "peer %s sent an unexpected acknowledgement", c->peer);
+      conn_fail(c, KVF_EPROTO);
+      break;
+    }
+    kvf__chunk_finish(ch, a.status > 0 || a.status < KVF_ETOOBIG ? KVF_EPROTO : a.status);
+  }
+  return NULL;
+}
+
+void kvf__tcp_conn_put(tcp_conn *c) {
+  if (!c || atomic_fetch_sub(&c->refs, 1) != 1) return;
+  conn_fail(c, KVF_ECLOSED);
+  pthread_join(c->writer, NULL);
+  pthread_join(c->reader, NULL);
+  close(c->fd);
+  pthread_mutex_destroy(&c->send_lock);
+  pthread_mutex_destroy(&c->q_lock);
+  pthread_cond_destroy(&c->q_cv);
+  free(c);
+}
+
+/* Connect with a deadline: a non-blocking connect, then poll. */
+static int connect_deadline(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out) {
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+  struct addrinfo *res = NULL;
+  char ps[8];
+  snprintf(ps, sizeof ps, "%u", (unsigned)port);
+  if (getaddrinfo(host, ps, &hints, &res) || !res) return KVF_ECONNREFUSED;
+  int rc = KVF_ECONNREFUSED;
+  for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) continue;
+    int r = connect(fd, ai->ai_addr, ai->ai_addrlen);
+    if (r < 0 && errno == EINPROGRESS) {
+      int64_t left = (deadline_ns - clock_now_ns()) / 1000000;
+      struct pollfd p = {.fd = fd, .events = POLLOUT};
+      r = left > 0 && poll(&p, 1, (int)left) == 1 ? 0 : -1;
+      int err = 0;
+      socklen_t el = sizeof err;
+      if (r == 0 && (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) || err)) r = -1;
+      if (left <= 0) rc = KVF_ETIMEDOUT;
+    }
+    if (r == 0) {
+      fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      *fd_out = fd;
+      rc = 0;
+      break;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return rc;
+}
+
+int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out) {
+  return connect_deadline(host, port, deadline_ns, fd_out);
+}
+
+static int conn_open(kvf_engine *e, tcp_session *s, int64_t deadline_ns, tcp_conn **out) {
+  int fd = -1;
+  int rc = connect_deadline(s->host, s->port, deadline_ns, &fd);
+  if (rc) {
+    LOG_WARN("tcp", "cannot connect to %s: %s", s->id, kvf_strerror(rc));
+    return rc;
+  }
+  /* Handshake: the hello and our token, then the peer's verdict. */
+  int64_t left = (deadline_ns - clock_now_ns()) / 1000000;
+  kvf__tcp_set_timeout(fd, SO_RCVTIMEO, left > 1 ? (int)left : 1);
+  kvf__tcp_set_timeout(fd, SO_SNDTIMEO, left > 1 ? (int)left : 1);
+  size_t tl = strlen(e->auth_token);
+  tcp_hello h = {TCP_HELLO_MAGIC, TCP_PROTO_VERSION, 0, (uint32_t)tl, 0};
+  tcp_reply rep;
+  rc = kvf__tcp_send_all(fd, &h, sizeof h);
+  if (!rc && tl) rc = kvf__tcp_send_all(fd, e->auth_token, tl);
+  if (!rc) rc = kvf__tcp_recv_all(fd, &rep, sizeof rep);
+  if (!rc && (rep.magic != TCP_HELLO_MAGIC || rep.status > 0)) rc = KVF_EPROTO;
+  if (!rc && rep.status) rc = rep.status == KVF_EACCES ? KVF_EACCES : KVF_ECONNREFUSED;
+  if (rc) {
+    LOG_WARN("tcp", "handshake with %s failed: %s", s->id, kvf_strerror(rc));
+    goto err_close;
+  }
+  /* Data-phase sends may block while the peer drains; the reader's deadline
+   * check is what bounds them (it shuts the socket down). Receives wake at
+   * least every tick so the reader can check deadlines. */
+  kvf__tcp_set_timeout(fd, SO_RCVTIMEO, TCP_READER_TICK_MS);
+  kvf__tcp_set_timeout(fd, SO_SNDTIMEO, 0);
+
+  tcp_conn *c = calloc(1, sizeof *c);
+  if (!c) {
+    rc = KVF_ENOMEM;
+    goto err_close;
+  }
+  atomic_init(&c->refs, 1);
+  c->fd = fd;
+  c->timeout_ms = e->cfg.timeout_ms;
+  snprintf(c->peer, sizeof c->peer, "%s", s->id);
+  pthread_mutex_init(&c->send_lock, NULL);
+  pthread_mutex_init(&c->q_lock, NULL);
+  pthread_cond_init(&c->q_cv, NULL);
+  if (pthread_create(&c->writer, NULL, conn_writer_main, c)) goto err_free_conn;
+  if (pthread_create(&c->reader, NULL, conn_reader_main, c)) {
+    conn_fail(c, KVF_ENOMEM);
+    pthread_join(c->writer, NULL);
+    goto err_free_conn;
+  }
+  *out = c;
+  return 0;
+
+err_free_conn:
+  pthread_mutex_destroy(&c->send_lock);
+  pthread_mutex_destroy(&c->q_lock);
+  pthread_cond_destroy(&c->q_cv);
+  free(c);
+  rc = KVF_ENOMEM;
+err_close:
+  close(fd);
+  return rc;
+}
+
+static int session_get(tcp_state *t, const char *id, tcp_session **out) {
+  int rc = 0;
+  pthread_mutex_lock(&t->sess_lock);
+  tcp_session *s = kvf__smap_get(&t->sessions, id);
+  if (!s) {
+    if (smap_size(&t->sessions) >= TCP_MAX_SESSIONS) {
+      rc = KVF_ENOMEM;
+      goto out;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s) {
+      rc = KVF_ENOMEM;
+      goto out;
+    }
+    if (kvf__addr_parse(id, strlen(id), s->host, sizeof s->host, &s->port, NULL) ||
+        kvf__smap_put(&t->sessions, id, s, NULL)) {
+      free(s);
+      rc = KVF_EINVAL;
+      goto out;
+    }
+    pthread_mutex_init(&s->lock, NULL);
+    snprintf(s->id, sizeof s->id, "%s", id);
+  }
+  *out = s;
+out:
+  pthread_mutex_unlock(&t->sess_lock);
+  return rc;
+}
+
+int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks) {
+  tcp_state *t = e->transport;
+  tcp_session *s;
+  int rc = session_get(t, session, &s);
+  if (rc) return rc;
+  int nconn = e->cfg.conns_per_peer;
+  size_t use = nchunks < (size_t)nconn ? nchunks : (size_t)nconn;
+  tcp_conn *picked[16] = {0};
+  int64_t deadline = chunks[0]->batch->deadline_ns;
+
+  pthread_mutex_lock(&s->lock);
+  unsigned start = s->rr;
+  s->rr += (unsigned)use;
+  for (size_t k = 0; k < use; k++) {
+    int slot = (int)((start + k) % (unsigned)nconn);
+    tcp_conn *c = s->conns[slot];
+    if (c && atomic_load(&c->dead)) { /* reconnect after a failure */
+      s->conns[slot] = NULL;
+      kvf__tcp_conn_put(c);
+      c = NULL;
+    }
+    if (!c) {
+      rc = conn_open(e, s, deadline, &c);
+      if (rc) break;
+      s->conns[slot] = c;
+    }
+    atomic_fetch_add(&c->refs, 1);
+    picked[k] = c;
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (rc) goto out_put;
+
+  for (size_t i = 0; i < nchunks; i++) {
+    tcp_conn *c = picked[i % use];
+    chunk *ch = chunks[i];
+    /* An idle connection and a small chunk: send from this thread. */
+    if (ch->bytes <= TCP_INLINE_MAX_BYTES && pthread_mutex_trylock(&c->send_lock) == 0) {
+      pthread_mutex_lock(&c->q_lock);
+      int idle = !c->q_head;
+      pthread_mutex_unlock(&c->q_lock);
+      if (idle) {
+        conn_send_locked(c, ch);
+        pthread_mutex_unlock(&c->send_lock);
+        continue;
+      }
+      pthread_mutex_unlock(&c->send_lock);
+    }
+    pthread_mutex_lock(&c->q_lock);
+    int dead = atomic_load(&c->dead);
+    if (!dead) {
+      list_push(&c->q_head, &c->q_tail, ch);
+      pthread_cond_signal(&c->q_cv);
+    }
+    pthread_mutex_unlock(&c->q_lock);
+    if (dead) kvf__chunk_finish(ch, dead);
+  }
+out_put:
+  for (size_t k = 0; k < use; k++) kvf__tcp_conn_put(picked[k]);
+  return rc;
+}
