@@ -134,7 +134,9 @@ typedef struct kvf_manager_config {
   /* Verify mode (issue 16; docs/WIRE-EXTENSIONS.md "Integrity"): 1 = a
    * prefill hashes (XXH3-64) every page it sends when kvf_sender_send is
    * called, rehashes it after the write completed and fails the room if it
-   * changed (a page reused too early), and sends the digests of what it
+   * changed (a page reused too early; when the decode checks the send-time
+   * digests, this recheck runs after the decode was told Success and
+   * decides the sender's status only), and sends the digests of what it
    * wrote to decodes that asked; a decode asks (M2) and recomputes the
    * digests over the landed bytes before Success, failing the room with the
    * buffer and page on a mismatch. Default 0; env KVFERRY_VERIFY=1 turns it

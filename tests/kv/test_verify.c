@@ -43,9 +43,27 @@ static void verify_mode_needs_host_memory(void **state) {
   munmap(unreadable, LEN);
 }
 
+/* An address with no mapping at all (a device pointer outside any host
+ * mapping, where the driver reserved none) is refused too, as is a buffer
+ * that is host memory only in part. */
+static void verify_mode_refuses_unmapped_and_partly_mapped_buffers(void **state) {
+  (void)state;
+  char *two = mmap(NULL, 2 * LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  assert_true(two != MAP_FAILED);
+  assert_int_equal(munmap(two + LEN, LEN), 0); /* [two, two+LEN) mapped, the next LEN not */
+  kvf_manager *m = NULL;
+  assert_int_equal(make(two + LEN, 1, &m), KVF_EINVAL);
+  assert_int_equal(make(two + LEN / 2, 1, &m), KVF_EINVAL);
+  assert_null(m);
+  assert_int_equal(make(two, 1, &m), 0);
+  kvf_manager_destroy(m);
+  munmap(two, LEN);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(verify_mode_needs_host_memory),
+      cmocka_unit_test(verify_mode_refuses_unmapped_and_partly_mapped_buffers),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

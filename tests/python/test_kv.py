@@ -294,6 +294,84 @@ def test_verify_mode_with_prefix_and_state(closing):
     assert ds["rooms_fenced"] == 0
 
 
+def _verify_pair(closing, room, decode_verify, prefill_verify, pages=16, item=4096):
+    src, src_state, dst, dst_state = kv_arrays(room, pages, item)
+    srv = closing(BootstrapServer("127.0.0.1", 0))
+    pm = closing(KVManager("prefill", src, layer_bufs=[[0, 1]], bootstrap_addr=srv.addr, verify=prefill_verify))
+    dm = closing(KVManager("decode", dst, layer_bufs=[[0, 1]], verify=decode_verify))
+    r = closing(KVReceiver(dm, srv.addr, room))
+    s = closing(KVSender(pm, room))
+    return src, dst, pm, dm, r, s
+
+
+def test_verify_asked_by_the_decode_only(closing):
+    """Only the decode in verify mode (docs/WIRE-EXTENSIONS.md, "when only one
+    side asks"): the kvferry prefill still sends the digests of what it
+    wrote, so the room is verified (nothing counted unverified) and succeeds;
+    the prefill took no send-time digests, so it rechecks nothing."""
+    src, dst, pm, dm, r, s = _verify_pair(closing, 31, decode_verify=True, prefill_verify=False)
+    assert r.poll() == TransferPoll.Bootstrapped
+    r.prefill([8, 9, 10], aux_index=0)
+    s.send([1, 2, 3], is_last=True, aux_index=0, bootstrap_token=5)
+    assert wait_final(r) == TransferPoll.Success, r.failure_reason()
+    assert wait_final(s) == TransferPoll.Success
+    dm.sync()
+    for b in range(2):
+        assert (dst[b][[8, 9, 10]] == src[b][[1, 2, 3]]).all()
+    ds, ps = dm.get_stats(), pm.get_stats()
+    assert ds["verify_unverified"] == 0 and ds["verify_failures"] == 0 and ps["verify_failures"] == 0
+
+
+def test_verify_asked_by_the_decode_only_catches_a_landed_byte(closing, monkeypatch):
+    """Same one-sided mode: one landed byte flipped before the decode's check
+    (the library's test hook) fails the room on the decode, naming the KV
+    buffer and page, counted in verify_failures."""
+    monkeypatch.setenv("KVFERRY_TEST_CORRUPT_ROOM", "32")  # read at manager creation
+    src, dst, pm, dm, r, s = _verify_pair(closing, 32, decode_verify=True, prefill_verify=False)
+    monkeypatch.delenv("KVFERRY_TEST_CORRUPT_ROOM")
+    assert r.poll() == TransferPoll.Bootstrapped
+    r.prefill([4, 5], aux_index=0)
+    s.send([6, 7], is_last=True, aux_index=0, bootstrap_token=5)
+    assert wait_final(r) == TransferPoll.Failed
+    why = r.failure_reason()
+    assert "Integrity check failed: KV buffer " in why and " page " in why, why
+    assert dm.get_stats()["verify_failures"] == 1
+
+
+def test_verify_on_the_prefill_only_names_a_page_reused_too_early(closing):
+    """Only the prefill in verify mode: no digests go to the decode, but the
+    prefill hashed its pages at send and rechecks them after the write. A
+    source page overwritten after send and before the transfer (sent before
+    the decode's M2, so the write cannot have happened yet) fails the room
+    on the prefill naming the page, and the decode is told (M3 Failed)."""
+    src, dst, pm, dm, r, s = _verify_pair(closing, 33, decode_verify=False, prefill_verify=True)
+    s.send([2, 3, 4], is_last=True, aux_index=0, bootstrap_token=5)
+    src[1][3][17] ^= 0xFF  # the page went to another request at once
+    r.prefill([0, 1, 2], aux_index=0)
+    assert wait_final(s) == TransferPoll.Failed
+    assert wait_final(r) == TransferPoll.Failed
+    why = s.failure_reason()
+    assert "source page 3 of KV buffer 1 changed" in why, why
+    ps, ds = pm.get_stats(), dm.get_stats()
+    assert ps["verify_failures"] == 1 and ds["verify_failures"] == 0
+
+
+def test_verify_both_sides_a_page_reused_before_the_write_fails_the_decode(closing):
+    """Both sides in verify mode: the decode checks its landed bytes against
+    the digests taken at send, so a source page overwritten after send and
+    before the write (sent before the decode's M2) fails the decode's room
+    naming the buffer and page, and the prefill's sender ends Failed too."""
+    src, dst, pm, dm, r, s = _verify_pair(closing, 34, decode_verify=True, prefill_verify=True)
+    s.send([2, 3, 4], is_last=True, aux_index=0, bootstrap_token=5)
+    src[0][4][100] ^= 0xFF
+    r.prefill([5, 6, 7], aux_index=0)
+    assert wait_final(r) == TransferPoll.Failed
+    assert wait_final(s) == TransferPoll.Failed
+    why = r.failure_reason()
+    assert "Integrity check failed: KV buffer 0 page 7 " in why, why
+    assert dm.get_stats()["verify_failures"] == 1
+
+
 def test_send_layers_two_layers(closing):
     """Layerwise: layer 0 lands alone with no Success; layer 1 with is_last
     completes the room; a layer range past the model is refused."""

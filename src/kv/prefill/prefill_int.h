@@ -186,6 +186,11 @@ typedef struct pf_chunk {
   uint64_t *digests;
   size_t *dig_bufs;
   size_t ndig;
+  /* Verify mode, set by the worker: every destination asked for digests
+   * and gets the send-time page digests (whole-page plans), so it checks
+   * its landed bytes against what kvf_sender_send hashed; the recheck of the
+   * sources then runs after the M3s instead of before (see workers.c). */
+  int recheck_late;
 } pf_chunk;
 
 typedef struct pf_dest { /* where an M3 goes */
@@ -337,6 +342,10 @@ int kvf__pf_submit_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, co
 /* verify_send.c */
 int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,
                          size_t whycap);
+/* Verify mode: do the chunk's source pages still hold what kvf_sender_send
+ * hashed? 0, or KVF_ESTATE with the first changed page named in why
+ * (counted in verify_failures). */
+int kvf__pf_recheck_chunk(prefill_state *ps, const pf_chunk *c, char *why, size_t whycap);
 
 /* workers.c */
 void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const char *why, int mark);

@@ -13,6 +13,7 @@ typedef struct pf_integ {
   const uint64_t *pdig;
   const size_t *bufs;
   size_t nb;
+  int late; /* the worker rechecks the sources after the M3s (pf_chunk.recheck_late) */
 } pf_integ;
 
 /* The digest entries of what `w` writes, for a decode that asked: from the
@@ -59,6 +60,11 @@ static int recheck_sources(prefill_state *ps, const pf_integ *vi, const int64_t 
       return KVF_ESTATE;
     }
   return 0;
+}
+
+int kvf__pf_recheck_chunk(prefill_state *ps, const pf_chunk *c, char *why, size_t whycap) {
+  pf_integ vi = {c->digests, c->dig_bufs, c->ndig, 0};
+  return c->digests ? recheck_sources(ps, &vi, c->pages, c->npages, c->r->room, why, whycap) : 0;
 }
 
 /* Plan the engine blocks of n page pairs: *w (malloc'd, NULL when nothing
@@ -146,7 +152,7 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0
                     &p->w, &p->nw);
     if (rc || !p->nw) continue;
     if (ask) {
-      pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb};
+      pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb, vi->late};
       if (!(p->dg = write_digests(ps, p->w, p->nw, &pv, plain, dst + p->a, p->n, dst_ptrs, &p->ndg))) {
         rc = KVF_ENOMEM;
         break;
@@ -161,8 +167,11 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0
       *xfer = 1;
       break;
     }
-    pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb};
-    if (!state && pv.pdig && (rc = recheck_sources(ps, &pv, src + p->a, p->n, x->room, why, whycap))) {
+    pf_integ pv = {vi->pdig ? vi->pdig + p->a * vi->nb : NULL, vi->bufs, vi->nb, vi->late};
+    /* Not rechecked here when the decode checks the send-time digests:
+     * whatever the source held when it was read, the decode finds it. */
+    if (!state && pv.pdig && !(vi->late && ask && plain) &&
+        (rc = recheck_sources(ps, &pv, src + p->a, p->n, x->room, why, whycap))) {
       have_reason = 1;
       break;
     }
@@ -251,7 +260,7 @@ int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x,
     }
     memcpy(src, c->pages + skip, n * sizeof *src);
     for (size_t k = 0; k < n; k++) dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
-    pf_integ vi = {c->digests ? c->digests + skip * c->ndig : NULL, c->dig_bufs, c->ndig};
+    pf_integ vi = {c->digests ? c->digests + skip * c->ndig : NULL, c->dig_bufs, c->ndig, c->recheck_late};
     if (write_pairs(ps, x, 0, c->layer_begin, c->layer_end, src, dst, n, dptr, frags, x->nfrags, x->nfrags > 0,
                     tokens, &vi, bytes, why, whycap, &xfer))
       goto out;
@@ -276,7 +285,7 @@ int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x,
     /* §8 item 11: with a fragment plan, state goes through it too; a rank
      * whose plan has no state fragment writes no state (the reference
      * would send whole slots of its own, possibly larger, item size). */
-    pf_integ none = {NULL, NULL, 0};
+    pf_integ none = {NULL, NULL, 0, 0};
     if (np && write_pairs(ps, x, 1, 0, 0, src, dst, np, sptr, frags, x->nfrags, x->nfrags > 0, 1, &none, bytes,
                           why, whycap, &xfer))
       goto out;

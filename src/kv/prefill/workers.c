@@ -21,6 +21,27 @@ void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const ch
   kvf__pf_send_m3(m, x->endpoint, x->dst_port, r->room, ROOM_FAILED, -1, NULL, 0);
 }
 
+/* Verify mode, recheck_late: the decodes have checked (or are checking)
+ * their landed bytes against the send-time digests, and got our M3
+ * Success; the sender ends Success only if no source page changed
+ * meanwhile. A page that did was reused before its transfer completed: a
+ * bug of the caller's page allocator, reported here, on the side that has
+ * it. The decode's bytes are right either way (what the engine read is what
+ * the decode checked), so its Success stands. */
+static void recheck_after_m3(prefill_state *ps, pf_room *r, const pf_chunk *c) {
+  char why[ROOMS_REASON_MAX];
+  int bad = kvf__pf_recheck_chunk(ps, c, why, sizeof why);
+  pthread_mutex_lock(&ps->lock);
+  int live = !r->dead;
+  if (live && bad) kvf__rooms_fail(ps->m->rooms, r->room, why);
+  if (live && !bad) kvf__rooms_update(ps->m->rooms, r->room, ROOM_SUCCESS, NULL);
+  pthread_mutex_unlock(&ps->lock);
+  if (live && bad)
+    LOG_WARN("kv",
+             "room %" PRId64 ": %s; the decode checked the bytes it received against the digests taken at send",
+             r->room, why);
+}
+
 static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
   kvf_manager *m = ps->m;
   pf_room *r = c->r;
@@ -50,6 +71,15 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
   int ok = 1, counted = 0;
   char why[ROOMS_REASON_MAX];
   for (size_t i = 0; i < n; i++) nreal_all += !infos[i]->m2->is_dummy;
+  /* Verify mode, last chunk, first token known (never parked): when every
+   * destination checks its landed bytes against the send-time digests, the
+   * decode's Success does not wait for the recheck of our sources, which
+   * runs after the M3s and only decides this side's status (recheck_late). */
+  c->recheck_late = c->is_last && c->digests && c->token != PF_TOKEN_LATER && nreal_all > 0;
+  for (size_t i = 0; i < n && c->recheck_late; i++) {
+    const wire_m2 *x = infos[i]->m2;
+    if (!x->is_dummy && (!(x->room_flags & WIRE_ROOM_VERIFY) || x->nfrags)) c->recheck_late = 0;
+  }
   /* Fan-out (issue 12): every destination's write is planned and submitted
    * first and waited for afterwards, so a chunk that several decode ranks
    * need costs its slowest destination, not the sum. The outcomes are then
@@ -126,9 +156,11 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
         }
       }
     }
+    int late = c->recheck_late && !parked;
     if (!r->dead && !parked) {
-      kvf__rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
+      if (!late) kvf__rooms_update(m->rooms, r->room, ROOM_SUCCESS, NULL);
       kvf__rooms_get_status(m->rooms, r->room, &fin);
+      if (late && fin != ROOM_FAILED) fin = ROOM_SUCCESS;
     }
     int dead = r->dead;
     pthread_mutex_unlock(&ps->lock);
@@ -138,6 +170,7 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
       kvf__pf_send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED, tok,
                       cd, ncd);
     }
+    if (late && fin == ROOM_SUCCESS) recheck_after_m3(ps, r, c);
   }
   for (size_t i = 0; i < nsub; i++) { /* waits for the writes not taken above */
     kvf_batch_destroy(sc->batches[i]);
