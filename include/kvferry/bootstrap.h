@@ -68,7 +68,7 @@ KVF_API uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv);
 /* Show the per-peer transport choices of `engine` (kvf_engine_peer_routes)
  * in this server's GET /metrics, as kvferry_engine_peer_route lines (a
  * process that runs its bootstrap server beside its ranks' engines, e.g.
- * kvferry kv-peer). The engine must outlive the server, or be destroyed only
+ * kvferry-testpeer kv-peer). The engine must outlive the server, or be destroyed only
  * after it. KVF_ENOMEM past KVF_BOOTSTRAP_MAX_ENGINES. Any thread. */
 #define KVF_BOOTSTRAP_MAX_ENGINES 64
 KVF_API int kvf_bootstrap_server_add_engine(kvf_bootstrap_server *srv, kvf_engine *engine);
