@@ -137,9 +137,11 @@ typedef struct pf_reg { /* one decode registration (M1) */
 typedef struct pf_info { /* one M2, shared with workers */
   int refs;
   wire_m2 *m2; /* heap copy (kvf__wire_m2_dup) */
-  /* its plan, converted once when the M2 arrives */
-  plan_fragment *frags; /* m2->nfrags, per token when tokens > 1 */
-  int64_t tokens;       /* tokens per page the runs scale by; 0 = plan refused (plan_why) */
+  /* its plan, checked once when the M2 arrives: m2->nfrags fragments, the
+   * M2's own (m2->frags) or, when tokens > 1, their per-token cut (frags_cut) */
+  const wire_fragment *frags;
+  wire_fragment *frags_cut; /* owned; NULL unless tokens > 1 */
+  int64_t tokens;           /* tokens per page the runs scale by; 0 = plan refused (plan_why) */
   char plan_why[200];
 } pf_info;
 
@@ -321,8 +323,8 @@ void kvf__pf_expire_early(prefill_state *ps, int64_t now);
 
 /* chunk_plan.c */
 uint64_t kvf__pf_writes_bytes(const kvf_write *w, size_t n);
-plan_fragment *kvf__pf_convert_frags(const wire_m2 *x);
-int64_t kvf__pf_per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, char *why, size_t whycap);
+int64_t kvf__pf_per_token(const wire_fragment *f, size_t n, int64_t P, int64_t layout, wire_fragment **cut,
+                          char *why, size_t whycap);
 int kvf__pf_state_counts_ok(const wire_m2 *x, size_t nsptr, size_t n_state, size_t nstate, char *why,
                             size_t whycap);
 pf_reg *kvf__pf_usable_reg_locked(prefill_state *ps, const char *session, int64_t now, char *why, size_t whycap);
@@ -340,7 +342,7 @@ int kvf__pf_submit_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, co
                         kvf_batch **out, uint64_t *bytes, char *why, size_t whycap);
 
 /* verify_send.c */
-int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,
+int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const pf_info *info, uint64_t *bytes, char *why,
                          size_t whycap);
 /* Verify mode: do the chunk's source pages still hold what kvf_sender_send
  * hashed? 0, or KVF_ESTATE with the first changed page named in why

@@ -13,7 +13,7 @@ void kvf__pf_chunk_free(pf_chunk *c) {
 
 void kvf__pf_info_unref(pf_info *i) {
   if (i && --i->refs == 0) {
-    free(i->frags);
+    free(i->frags_cut);
     free(i->m2);
     free(i);
   }

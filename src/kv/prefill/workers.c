@@ -94,7 +94,7 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
     /* Verify mode (hashes, digests, parts) takes the integrity path, which
      * writes and confirms here. */
     sc->res[i] = c->digests || (x->room_flags & WIRE_ROOM_VERIFY)
-                     ? kvf__pf_send_to_dest(ps, c, x, &sc->dbytes[i], why, sizeof why)
+                     ? kvf__pf_send_to_dest(ps, c, infos[i], &sc->dbytes[i], why, sizeof why)
                      : kvf__pf_submit_dest(ps, sc, c, infos[i], nreal_all, &sc->batches[i], &sc->dbytes[i], why,
                                            sizeof why);
     if (sc->res[i] != DEST_OK) { /* `why` keeps its reason */
