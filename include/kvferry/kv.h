@@ -164,6 +164,15 @@ typedef struct kvf_manager_stats {
   uint64_t verify_unverified;  /* decode, verify mode: Success reports from a prefill that sent no
                                    digests (a tokenspeed prefill): the room succeeded unverified */
   uint64_t rooms_fenced;       /* decode: failed or dropped rooms whose late writes are now refused */
+  /* the room table (both roles; live_rooms above is its live count) */
+  uint64_t rooms_created;             /* rooms made live: receivers / senders created */
+  uint64_t rooms_cleared;             /* live rooms removed: receivers / senders destroyed */
+  uint64_t rooms_early;               /* prefill, now: rooms whose M2 came before their sender */
+  uint64_t rooms_early_dropped;       /* prefill: such rooms dropped without a sender (expired) */
+  uint64_t rooms_rejected_full;       /* creations refused at max_rooms live rooms */
+  uint64_t rooms_dropped_unknown;     /* status changes for a room not live here: dropped */
+  uint64_t rooms_rejected_invalid;    /* status reports with a bad status, rank or candidate count */
+  uint64_t rooms_duplicate_responses; /* decode: Success reports from a prefill rank already counted */
 } kvf_manager_stats;
 
 /* Fill `cfg` with the defaults above and set cfg->size. Any thread. */

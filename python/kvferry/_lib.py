@@ -92,6 +92,14 @@ class kvf_manager_stats(ctypes.Structure):
             "verify_failures",
             "verify_unverified",
             "rooms_fenced",
+            "rooms_created",
+            "rooms_cleared",
+            "rooms_early",
+            "rooms_early_dropped",
+            "rooms_rejected_full",
+            "rooms_dropped_unknown",
+            "rooms_rejected_invalid",
+            "rooms_duplicate_responses",
         )
     ]
 

@@ -436,5 +436,15 @@ void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *o) {
   o->verify_failures = atomic_load(&m->stats.verify_failures);
   o->verify_unverified = atomic_load(&m->stats.verify_unverified);
   o->rooms_fenced = atomic_load(&m->stats.rooms_fenced);
-  o->live_rooms = kvf__rooms_count(m->rooms);
+  rooms_stats rs;
+  kvf__rooms_get_stats(m->rooms, &rs);
+  o->live_rooms = rs.live;
+  o->rooms_created = rs.created;
+  o->rooms_cleared = rs.cleared;
+  o->rooms_early = rs.early;
+  o->rooms_early_dropped = rs.early_dropped;
+  o->rooms_rejected_full = rs.rejected_full;
+  o->rooms_dropped_unknown = rs.dropped_unknown;
+  o->rooms_rejected_invalid = rs.rejected_invalid;
+  o->rooms_duplicate_responses = rs.duplicate_responses;
 }

@@ -497,13 +497,6 @@ void kvf__rooms_clear_all(rooms *t, void (*release)(void *user, void *arg), void
   pthread_mutex_unlock(&t->mu);
 }
 
-size_t kvf__rooms_count(rooms *t) {
-  pthread_mutex_lock(&t->mu);
-  size_t n = nlive(t);
-  pthread_mutex_unlock(&t->mu);
-  return n;
-}
-
 void kvf__rooms_get_stats(rooms *t, rooms_stats *out) {
   pthread_mutex_lock(&t->mu);
   rooms_stats s = t->st;

@@ -173,8 +173,7 @@ int kvf__rooms_clear(rooms *t, int64_t room, void **user);
  * table). For a role's shutdown. */
 void kvf__rooms_clear_all(rooms *t, void (*release)(void *user, void *arg), void *arg);
 
-/* Number of live rooms. */
-size_t kvf__rooms_count(rooms *t);
+/* The counters, live and early counts included. */
 void kvf__rooms_get_stats(rooms *t, rooms_stats *out);
 
 /* For the heartbeat's node-failure handling (§7.2): every live room that is
