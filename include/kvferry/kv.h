@@ -207,6 +207,14 @@ KVF_API const char *kvf_manager_session_id(const kvf_manager *m);
 KVF_API kvf_engine *kvf_manager_engine(kvf_manager *m);
 /* Copy the manager's counters into *out. Any thread. */
 KVF_API void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
+/* The same counters as Prometheus text, one line per kvf_manager_stats
+ * field: kvferry_manager_<field>{role="prefill",session="ip:port"} <value>
+ * (no HELP/TYPE lines, so the lines of several managers can share a page,
+ * e.g. a bootstrap server's GET /metrics through
+ * kvf_bootstrap_server_add_metrics). Writes whole lines only, at most
+ * cap - 1 bytes, NUL-terminated when cap > 0; returns the bytes written.
+ * Any thread. */
+KVF_API size_t kvf_manager_metrics(kvf_manager *m, char *buf, size_t cap);
 
 /* ---- decode side ---- */
 

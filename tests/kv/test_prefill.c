@@ -583,6 +583,19 @@ static void early_rooms_in_stats(void **state) {
   assert_int_equal(st.rooms_cleared, 1);
   assert_int_equal(st.rooms_early, 1);
   assert_int_equal(st.rooms_early_dropped, 0);
+  /* The same counters as /metrics lines, whole lines only. */
+  char text[4096], want[160];
+  size_t n = kvf_manager_metrics(f.m, text, sizeof text);
+  assert_int_equal(n, strlen(text));
+  snprintf(want, sizeof want, "\nkvferry_manager_rooms_early{role=\"prefill\",session=\"%s\"} 1\n",
+           kvf_manager_session_id(f.m));
+  assert_non_null(strstr(text, want));
+  snprintf(want, sizeof want, "\nkvferry_manager_rooms_cleared{role=\"prefill\",session=\"%s\"} 1\n",
+           kvf_manager_session_id(f.m));
+  assert_non_null(strstr(text, want));
+  n = kvf_manager_metrics(f.m, text, 100);
+  assert_true(n > 0 && n < 100 && text[n - 1] == '\n' && text[n] == '\0');
+  assert_int_equal(kvf_manager_metrics(f.m, text, 0), 0);
   fx_teardown(&f);
 }
 
