@@ -29,6 +29,7 @@ typedef struct room_entry {
   size_t npending_cands; /* 0 = none */
   int32_t *final_cands;
   size_t nfinal_cands;
+  int published; /* prefill: kvf__rooms_publish_metadata stored final_* */
   char *reason;
   void *user;
   int64_t init_time_ns;
@@ -402,6 +403,45 @@ out_unlock:
     *token = tok;
     *ncand = n;
   }
+  return rc;
+}
+
+int kvf__rooms_publish_metadata(rooms *t, int64_t room, int64_t token, int32_t *cands, size_t ncand) {
+  if (ncand > ROOMS_MAX_CANDS || (ncand && !cands)) return ncand > ROOMS_MAX_CANDS ? KVF_ETOOBIG : KVF_EINVAL;
+  int rc = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!e) {
+    rc = KVF_ENOTFOUND;
+  } else if (e->published) {
+    rc = KVF_EEXIST;
+  } else {
+    e->published = 1;
+    e->final_token = token;
+    free(e->final_cands);
+    e->final_cands = ncand ? cands : NULL;
+    e->nfinal_cands = ncand;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+int kvf__rooms_get_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap, size_t *ncand) {
+  int rc = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!e) {
+    rc = KVF_ENOTFOUND;
+  } else if (!e->published) {
+    rc = KVF_EAGAIN;
+  } else if (e->nfinal_cands > cap || (e->nfinal_cands && !cands)) {
+    rc = KVF_ETOOBIG;
+  } else {
+    *token = e->final_token;
+    *ncand = e->nfinal_cands;
+    if (e->nfinal_cands) memcpy(cands, e->final_cands, e->nfinal_cands * sizeof *cands);
+  }
+  pthread_mutex_unlock(&t->mu);
   return rc;
 }
 

@@ -326,6 +326,46 @@ static void high_ranks_and_bounds(void **state) {
   kvf__rooms_table_free(t, NULL);
 }
 
+/* The prefill publishes a room's first token once (kvf_sender_set_metadata)
+ * and reads it as often as it needs; the table owns the candidates. */
+static void prefill_publishes_metadata_once(void **state) {
+  rooms *t = new_table(0);
+  int64_t tok = 7;
+  int32_t got[ROOMS_MAX_CANDS];
+  size_t n = 9;
+  int32_t *c = malloc(3 * sizeof *c);
+  assert_non_null(c);
+  c[0] = 4, c[1] = 5, c[2] = 6;
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, 11, c, 3), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_create(t, 3, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), KVF_EAGAIN);
+  assert_int_equal(tok, 7);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, 11, c, ROOMS_MAX_CANDS + 1), KVF_ETOOBIG);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, 11, c, 3), 0); /* c is the table's now */
+  int32_t *d = malloc(sizeof *d);
+  assert_non_null(d);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, 12, d, 1), KVF_EEXIST);
+  free(d);
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), 0);
+    assert_int_equal(tok, 11);
+    assert_int_equal(n, 3);
+    assert_int_equal(got[2], 6);
+  }
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, 2, &n), KVF_ETOOBIG);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, -1, NULL, 2), KVF_EINVAL);
+  /* Gone with the room: a reused id starts unpublished. */
+  assert_int_equal(kvf__rooms_clear(t, 3, NULL), 0);
+  assert_int_equal(kvf__rooms_create(t, 3, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), KVF_EAGAIN);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, -1, NULL, 0), 0);
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), 0);
+  assert_int_equal(tok, -1);
+  assert_int_equal(n, 0);
+  kvf__rooms_table_free(t, NULL);
+}
+
 static void failed_room_ignores_success(void **state) {
   rooms *t = new_table(0);
   assert_int_equal(kvf__rooms_create(t, 4, ROOM_BOOTSTRAPPED), 0);
@@ -523,6 +563,7 @@ int main(void) {
       cmocka_unit_test(unknown_room_messages_dropped),
       cmocka_unit_test(first_token_wins_two_responders),
       cmocka_unit_test(high_ranks_and_bounds),
+      cmocka_unit_test(prefill_publishes_metadata_once),
       cmocka_unit_test(failed_room_ignores_success),
       cmocka_unit_test(fail_matching),
       cmocka_unit_test(token_visible_when_success_seen),

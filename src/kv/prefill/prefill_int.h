@@ -221,11 +221,6 @@ typedef struct pf_room {
   size_t ninfos, cap;
   pf_chunk *pend_head, *pend_tail;
   size_t npending;
-  /* first token published by kvf_sender_set_metadata (immutable once set) */
-  int meta_set;
-  int64_t meta_token;
-  int32_t *meta_cands;
-  size_t meta_ncand;
   /* PF_TOKEN_LATER: the last chunk landed, waiting for the token */
   pf_dest *park; /* the completed destinations, NULL when not parked */
   size_t npark;

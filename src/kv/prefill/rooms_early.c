@@ -59,7 +59,6 @@ void kvf__pf_room_drop(prefill_state *ps, pf_room *r) {
 void kvf__pf_room_unref(prefill_state *ps, pf_room *r) {
   if (--r->refs > 0) return;
   for (size_t i = 0; i < r->ninfos; i++) kvf__pf_info_unref(r->infos[i]);
-  free(r->meta_cands);
   free(r->park);
   for (pf_chunk *c = r->pend_head, *n; c; c = n) {
     n = c->next;

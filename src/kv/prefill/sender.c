@@ -219,17 +219,11 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
   int st = ROOM_FAILED, rc = 0;
   pf_dest *d = NULL;
   size_t nd = 0;
-  const int32_t *cd = NULL;
   pthread_mutex_lock(&ps->lock);
   if (r->dead || kvf__rooms_get_status(s->m->rooms, s->room, &st)) {
     rc = KVF_ENOTFOUND;
-  } else if (r->meta_set) {
-    rc = KVF_EEXIST;
-  } else {
-    r->meta_set = 1;
-    r->meta_token = bootstrap_token;
-    r->meta_cands = copy, r->meta_ncand = ncand;
-    cd = copy, copy = NULL;
+  } else if (!(rc = kvf__rooms_publish_metadata(s->m->rooms, s->room, bootstrap_token, copy, ncand))) {
+    copy = NULL;   /* the room's now */
     if (r->park) { /* the KV landed: Success now (§6.11 step 6) */
       d = r->park, nd = r->npark;
       r->park = NULL, r->npark = 0;
@@ -241,11 +235,9 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
   }
   pthread_mutex_unlock(&ps->lock);
   free(copy);
-  /* cd stays valid: the room lives as long as the sender, and its metadata
-   * never changes once set. */
   for (size_t k = 0; k < nd; k++)
     kvf__pf_send_m3(s->m, d[k].host, d[k].port, s->room, st == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
-                    bootstrap_token, cd, ncand);
+                    bootstrap_token, cands, ncand);
   free(d);
   return rc;
 }

@@ -133,9 +133,10 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
     int64_t tok = c->token;
     const int32_t *cd = c->cands;
     size_t ncd = c->ncand;
+    int32_t meta[KVF_MAX_CANDIDATES];
     if (!r->dead && c->token == PF_TOKEN_LATER) {
-      if (r->meta_set) { /* published before the chunk landed */
-        tok = r->meta_token, cd = r->meta_cands, ncd = r->meta_ncand;
+      if (!kvf__rooms_get_metadata(m->rooms, r->room, &tok, meta, KVF_MAX_CANDIDATES, &ncd)) {
+        cd = meta; /* published before the chunk landed */
       } else {
         tok = -1, cd = NULL, ncd = 0; /* the chunk's values, should the room be Failed */
         kvf__rooms_get_status(m->rooms, r->room, &fin);
