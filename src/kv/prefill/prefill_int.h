@@ -34,8 +34,8 @@
  *
  * Lifetime. A pf_room is reference counted: one reference for its place in
  * the room table and one per chunk that is pending on it or queued/being
- * processed. Destroy clears the room from the table and marks it dead; a worker that still holds
- * a chunk sees `dead` and drops it, and every call into m->rooms that names
+ * processed. Destroy clears the room from the table and marks the pf_room
+ * dead; a worker that still holds a chunk sees `dead` and drops it, and every call into m->rooms that names
  * the room by id is made under ps->lock after checking `dead`, so a room id
  * reused by a new sender is never touched by an old chunk. Transfer infos
  * are reference counted too, because a repeated M2 replaces one while a
