@@ -73,6 +73,17 @@ KVF_API uint16_t kvf_bootstrap_server_port(const kvf_bootstrap_server *srv);
 #define KVF_BOOTSTRAP_MAX_ENGINES 64
 KVF_API int kvf_bootstrap_server_add_engine(kvf_bootstrap_server *srv, kvf_engine *engine);
 
+/* More lines for this server's GET /metrics, from the process that runs it
+ * (e.g. its KV managers' counters, kvf_manager_metrics): on every request
+ * fn(arg, buf, cap) writes Prometheus text lines into buf (at most cap - 1
+ * bytes, NUL-terminated) and returns the bytes written. It runs on a
+ * request thread under the server's lock: quick, no call into the server.
+ * arg must stay valid until the server is destroyed. KVF_EINVAL for a NULL
+ * srv or fn, KVF_ENOMEM past KVF_BOOTSTRAP_MAX_SOURCES. Any thread. */
+#define KVF_BOOTSTRAP_MAX_SOURCES 64
+typedef size_t (*kvf_metrics_fn)(void *arg, char *buf, size_t cap);
+KVF_API int kvf_bootstrap_server_add_metrics(kvf_bootstrap_server *srv, kvf_metrics_fn fn, void *arg);
+
 /* Stop serving, close every connection and free the server; requests in
  * progress finish first. NULL is ignored. Call once, from any thread except a
  * request handler, with no other call on `srv` in progress. */

@@ -164,6 +164,15 @@ typedef struct kvf_manager_stats {
   uint64_t verify_unverified;  /* decode, verify mode: Success reports from a prefill that sent no
                                    digests (a tokenspeed prefill): the room succeeded unverified */
   uint64_t rooms_fenced;       /* decode: failed or dropped rooms whose late writes are now refused */
+  /* the room table (both roles; live_rooms above is its live count) */
+  uint64_t rooms_created;             /* rooms made live: receivers / senders created */
+  uint64_t rooms_cleared;             /* live rooms removed: receivers / senders destroyed */
+  uint64_t rooms_early;               /* prefill, now: rooms whose M2 came before their sender */
+  uint64_t rooms_early_dropped;       /* prefill: such rooms dropped without a sender (expired) */
+  uint64_t rooms_rejected_full;       /* creations refused at max_rooms live rooms */
+  uint64_t rooms_dropped_unknown;     /* status changes for a room not live here: dropped */
+  uint64_t rooms_rejected_invalid;    /* status reports with a bad status, rank or candidate count */
+  uint64_t rooms_duplicate_responses; /* decode: Success reports from a prefill rank already counted */
 } kvf_manager_stats;
 
 /* Fill `cfg` with the defaults above and set cfg->size. Any thread. */
@@ -198,6 +207,14 @@ KVF_API const char *kvf_manager_session_id(const kvf_manager *m);
 KVF_API kvf_engine *kvf_manager_engine(kvf_manager *m);
 /* Copy the manager's counters into *out. Any thread. */
 KVF_API void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
+/* The same counters as Prometheus text, one line per kvf_manager_stats
+ * field: kvferry_manager_<field>{role="prefill",session="ip:port"} <value>
+ * (no HELP/TYPE lines, so the lines of several managers can share a page,
+ * e.g. a bootstrap server's GET /metrics through
+ * kvf_bootstrap_server_add_metrics). Writes whole lines only, at most
+ * cap - 1 bytes, NUL-terminated when cap > 0; returns the bytes written.
+ * Any thread. */
+KVF_API size_t kvf_manager_metrics(kvf_manager *m, char *buf, size_t cap);
 
 /* ---- decode side ---- */
 

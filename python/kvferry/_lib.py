@@ -92,6 +92,14 @@ class kvf_manager_stats(ctypes.Structure):
             "verify_failures",
             "verify_unverified",
             "rooms_fenced",
+            "rooms_created",
+            "rooms_cleared",
+            "rooms_early",
+            "rooms_early_dropped",
+            "rooms_rejected_full",
+            "rooms_dropped_unknown",
+            "rooms_rejected_invalid",
+            "rooms_duplicate_responses",
         )
     ]
 
@@ -149,6 +157,7 @@ _PROTOTYPES = {
     "kvf_bootstrap_server_create": (_int, [_vp, _P(_vp)]),
     "kvf_bootstrap_server_port": (ctypes.c_uint16, [_vp]),
     "kvf_bootstrap_server_add_engine": (_int, [_vp, _vp]),
+    "kvf_bootstrap_server_add_metrics": (_int, [_vp, _vp, _vp]),
     "kvf_bootstrap_server_destroy": (None, [_vp]),
     # engine.h
     "kvf_engine_config_init": (None, [_vp]),
@@ -180,6 +189,7 @@ _PROTOTYPES = {
     "kvf_manager_session_id": (_cp, [_vp]),
     "kvf_manager_engine": (_vp, [_vp]),
     "kvf_manager_get_stats": (None, [_vp, _P(kvf_manager_stats)]),
+    "kvf_manager_metrics": (_sz, [_vp, _cp, _sz]),
     "kvf_receiver_create": (_int, [_vp, _cp, _i64, _P(_vp)]),
     "kvf_receiver_init": (_int, [_vp, c_i64p, _sz, _i64, _i64, c_i64p, _sz]),
     "kvf_receiver_poll": (_int, [_vp]),

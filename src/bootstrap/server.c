@@ -98,6 +98,9 @@ struct kvf_bootstrap_server {
 
   kvf_engine *engines[KVF_BOOTSTRAP_MAX_ENGINES]; /* /metrics route lines, under lock */
   int nengines;
+  kvf_metrics_fn sources[KVF_BOOTSTRAP_MAX_SOURCES]; /* kvf_bootstrap_server_add_metrics, under lock */
+  void *source_args[KVF_BOOTSTRAP_MAX_SOURCES];
+  int nsources;
   atomic_uint_fast64_t registrations, lookups, parallel_infos, health_checks;
   atomic_uint_fast64_t errors[ERR_NKINDS];
 
@@ -379,6 +382,31 @@ int kvf_bootstrap_server_add_engine(kvf_bootstrap_server *srv, kvf_engine *engin
   return rc;
 }
 
+int kvf_bootstrap_server_add_metrics(kvf_bootstrap_server *srv, kvf_metrics_fn fn, void *arg) {
+  if (!srv || !fn) return KVF_EINVAL;
+  int rc = 0;
+  pthread_mutex_lock(&srv->lock);
+  if (srv->nsources == KVF_BOOTSTRAP_MAX_SOURCES) {
+    rc = KVF_ENOMEM;
+  } else {
+    srv->sources[srv->nsources] = fn;
+    srv->source_args[srv->nsources++] = arg;
+  }
+  pthread_mutex_unlock(&srv->lock);
+  return rc;
+}
+
+/* The lines of kvf_bootstrap_server_add_metrics' sources, each writing into
+ * what is left of the page (what does not fit is dropped). */
+static void source_lines(kvf_bootstrap_server *srv, textbuf *t) {
+  pthread_mutex_lock(&srv->lock);
+  for (int i = 0; i < srv->nsources; i++) {
+    size_t room = sizeof t->buf - t->n, w = srv->sources[i](srv->source_args[i], t->buf + t->n, room);
+    t->n += w < room ? w : room - 1;
+  }
+  pthread_mutex_unlock(&srv->lock);
+}
+
 static enum MHD_Result handle_metrics(kvf_bootstrap_server *srv, struct MHD_Connection *conn) {
   textbuf *tp = calloc(1, sizeof *tp);
   if (!tp) return send_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory");
@@ -403,6 +431,7 @@ static enum MHD_Result handle_metrics(kvf_bootstrap_server *srv, struct MHD_Conn
           "kvferry_bootstrap_world_size %lld\n",
           ranks, world);
   engine_routes(srv, tp);
+  source_lines(srv, tp);
   enum MHD_Result r =
       send_reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", tp->buf, tp->n, NULL, NULL);
   free(tp);

@@ -436,5 +436,69 @@ void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *o) {
   o->verify_failures = atomic_load(&m->stats.verify_failures);
   o->verify_unverified = atomic_load(&m->stats.verify_unverified);
   o->rooms_fenced = atomic_load(&m->stats.rooms_fenced);
-  o->live_rooms = kvf__rooms_count(m->rooms);
+  rooms_stats rs;
+  kvf__rooms_get_stats(m->rooms, &rs);
+  o->live_rooms = rs.live;
+  o->rooms_created = rs.created;
+  o->rooms_cleared = rs.cleared;
+  o->rooms_early = rs.early;
+  o->rooms_early_dropped = rs.early_dropped;
+  o->rooms_rejected_full = rs.rejected_full;
+  o->rooms_dropped_unknown = rs.dropped_unknown;
+  o->rooms_rejected_invalid = rs.rejected_invalid;
+  o->rooms_duplicate_responses = rs.duplicate_responses;
+}
+
+/* kvf_manager_stats field by field, for kvf_manager_metrics. */
+#define STAT_FIELD(f) \
+  { #f, offsetof(kvf_manager_stats, f) }
+static const struct {
+  const char *name;
+  size_t off;
+} stat_fields[] = {
+    STAT_FIELD(messages_received),
+    STAT_FIELD(messages_malformed),
+    STAT_FIELD(messages_unknown_room),
+    STAT_FIELD(live_rooms),
+    STAT_FIELD(chunks_sent),
+    STAT_FIELD(bytes_sent),
+    STAT_FIELD(heartbeat_failures),
+    STAT_FIELD(node_failures),
+    STAT_FIELD(messages_forged),
+    STAT_FIELD(verify_failures),
+    STAT_FIELD(verify_unverified),
+    STAT_FIELD(rooms_fenced),
+    STAT_FIELD(rooms_created),
+    STAT_FIELD(rooms_cleared),
+    STAT_FIELD(rooms_early),
+    STAT_FIELD(rooms_early_dropped),
+    STAT_FIELD(rooms_rejected_full),
+    STAT_FIELD(rooms_dropped_unknown),
+    STAT_FIELD(rooms_rejected_invalid),
+    STAT_FIELD(rooms_duplicate_responses),
+};
+#undef STAT_FIELD
+_Static_assert(sizeof stat_fields / sizeof stat_fields[0] == sizeof(kvf_manager_stats) / sizeof(uint64_t),
+               "every kvf_manager_stats field has its /metrics line");
+
+size_t kvf_manager_metrics(kvf_manager *m, char *buf, size_t cap) {
+  if (!buf || !cap) return 0;
+  buf[0] = '\0';
+  if (!m) return 0;
+  kvf_manager_stats st;
+  kvf_manager_get_stats(m, &st);
+  const char *session = kvf_manager_session_id(m);
+  size_t n = 0;
+  for (size_t i = 0; i < sizeof stat_fields / sizeof stat_fields[0]; i++) {
+    uint64_t v;
+    memcpy(&v, (const char *)&st + stat_fields[i].off, sizeof v);
+    int w = snprintf(buf + n, cap - n, "kvferry_manager_%s{role=\"%s\",session=\"%s\"} %llu\n",
+                     stat_fields[i].name, m->role->name, session, (unsigned long long)v);
+    if (w < 0 || (size_t)w >= cap - n) { /* whole lines only */
+      buf[n] = '\0';
+      break;
+    }
+    n += (size_t)w;
+  }
+  return n;
 }

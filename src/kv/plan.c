@@ -101,15 +101,26 @@ int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const p
 
 /* ---- Fragment execution ---- */
 
-static int frag_matches(const plan_fragment *f, size_t b, int state) {
-  return f->buffer_index == b && ((f->kind == PLAN_MAMBA_STATE) == (state != 0));
+static int frag_matches(const wire_fragment *f, size_t b, int state) {
+  return f->buffer_index >= 0 && (uint64_t)f->buffer_index == b &&
+         ((f->buffer_kind == WIRE_KIND_MAMBA_STATE) == (state != 0));
 }
 
-static int64_t frag_pages(const plan_fragment *f, int64_t run_len) {
+static int64_t frag_pages(const wire_fragment *f, int64_t run_len) {
   return f->page_count >= 0 && f->page_count < run_len ? f->page_count : run_len;
 }
 
-size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
+int kvf__plan_frags_slice_pages(const wire_fragment *frags, size_t nfrags) {
+  for (size_t i = 0; i < nfrags; i++) {
+    const wire_fragment *f = &frags[i];
+    if (f->buffer_kind != WIRE_KIND_MAMBA_STATE &&
+        (f->bytes_per_page != f->src_page_stride_bytes || f->bytes_per_page != f->dst_page_stride_bytes))
+      return 1;
+  }
+  return 0;
+}
+
+size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const wire_fragment *frags,
                             size_t nfrags, int state, const plan_run *runs, size_t nruns) {
   if (!layer_range_ok(lay, l0, l1)) return 0;
   size_t n = 0;
@@ -123,15 +134,18 @@ size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const 
 
 /* A fragment must stay inside one page on both sides; anything else from a
  * peer would write into the neighbouring page. */
-static int frag_valid(const plan_fragment *f) {
-  uint64_t e;
-  if (f->bytes_per_page == 0) return 0;
-  if (__builtin_add_overflow(f->src_byte_offset, f->bytes_per_page, &e) || e > f->src_page_stride) return 0;
-  if (__builtin_add_overflow(f->dst_byte_offset, f->bytes_per_page, &e) || e > f->dst_page_stride) return 0;
+static int frag_valid(const wire_fragment *f) {
+  if (f->bytes_per_page <= 0 || f->src_byte_offset < 0 || f->dst_byte_offset < 0) return 0;
+  if (f->src_byte_offset > f->src_page_stride_bytes ||
+      f->bytes_per_page > f->src_page_stride_bytes - f->src_byte_offset)
+    return 0;
+  if (f->dst_byte_offset > f->dst_page_stride_bytes ||
+      f->bytes_per_page > f->dst_page_stride_bytes - f->dst_byte_offset)
+    return 0;
   return 1;
 }
 
-int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags, size_t nfrags,
+int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const wire_fragment *frags, size_t nfrags,
                           int state, const plan_run *runs, size_t nruns, const plan_mem *src, const plan_mem *dst,
                           kvf_write *out, size_t cap, size_t *nout) {
   if (!layer_range_ok(lay, l0, l1)) return KVF_EINVAL;
@@ -139,7 +153,7 @@ int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const pl
   for (size_t i = lay->start[l0]; i < lay->start[l1]; i++) {
     size_t b = lay->bufs[i];
     for (size_t fi = 0; fi < nfrags; fi++) {
-      const plan_fragment *f = &frags[fi];
+      const wire_fragment *f = &frags[fi];
       if (!frag_matches(f, b, state)) continue;
       if (b >= src->nbufs || b >= dst->nbufs) return KVF_EINVAL;
       if (!frag_valid(f)) return KVF_ERANGE;
@@ -148,21 +162,24 @@ int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const pl
         int64_t m = frag_pages(f, r->len);
         if (m <= 0) continue;
         if (n == cap) return KVF_ETOOBIG;
-        kvf_write w = {.len = f->bytes_per_page, .count = 1};
-        int rc = span(src->base[b], src->len ? &src->len[b] : NULL, r->src, m, f->src_page_stride,
-                      f->src_byte_offset, f->bytes_per_page, &w.src);
+        /* frag_valid: every field below is positive (offsets >= 0). */
+        uint64_t bpp = (uint64_t)f->bytes_per_page, ss = (uint64_t)f->src_page_stride_bytes,
+                 ds = (uint64_t)f->dst_page_stride_bytes;
+        kvf_write w = {.len = bpp, .count = 1};
+        int rc = span(src->base[b], src->len ? &src->len[b] : NULL, r->src, m, ss, (uint64_t)f->src_byte_offset,
+                      bpp, &w.src);
         if (rc == 0)
-          rc = span(dst->base[b], dst->len ? &dst->len[b] : NULL, r->dst, m, f->dst_page_stride,
-                    f->dst_byte_offset, f->bytes_per_page, &w.dst);
+          rc = span(dst->base[b], dst->len ? &dst->len[b] : NULL, r->dst, m, ds, (uint64_t)f->dst_byte_offset, bpp,
+                    &w.dst);
         if (rc != 0) return rc;
-        if (m > 1 && f->src_page_stride == f->bytes_per_page && f->dst_page_stride == f->bytes_per_page) {
+        if (m > 1 && ss == bpp && ds == bpp) {
           /* Whole pages on both sides: the pieces touch, one plain block.
            * span() has shown m*bytes fits in the buffer, so no overflow. */
-          w.len = f->bytes_per_page * (uint64_t)m;
+          w.len = bpp * (uint64_t)m;
         } else if (m > 1) {
           w.count = (uint64_t)m;
-          w.src_stride = f->src_page_stride;
-          w.dst_stride = f->dst_page_stride;
+          w.src_stride = ss;
+          w.dst_stride = ds;
         }
         out[n++] = w;
       }
@@ -174,26 +191,11 @@ int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const pl
 
 /* ---- Route plan ---- */
 
-/* The kind names are the wire's (one table, wire/messages.c). */
-_Static_assert((int)PLAN_TARGET_K == (int)WIRE_KIND_TARGET_K && (int)PLAN_TARGET_V == (int)WIRE_KIND_TARGET_V &&
-                   (int)PLAN_DRAFT_K == (int)WIRE_KIND_DRAFT_K && (int)PLAN_DRAFT_V == (int)WIRE_KIND_DRAFT_V &&
-                   (int)PLAN_MAMBA_STATE == (int)WIRE_KIND_MAMBA_STATE,
-               "plan_kind values are the wire's buffer kinds");
-
-const char *kvf__plan_kind_name(int kind) { return kvf__wire_buffer_kind_name(kind); }
-
-int kvf__plan_kind_parse(const char *name, plan_kind *out) {
-  int k = kvf__wire_buffer_kind_parse(name);
-  if (k < 0) return KVF_EINVAL;
-  *out = (plan_kind)k;
-  return 0;
-}
-
 /* One prefill/decode layout pair (§6.5.1). The decode's replica group is
  * always 1; `R` is the prefill's. */
 typedef struct pair {
   uint32_t index;
-  plan_kind kind;
+  int kind;    /* WIRE_KIND_* */
   int sharded; /* 0 = replicated axis */
   int64_t S, U, Ip, Id, R;
 } pair;
@@ -219,7 +221,7 @@ static int list_get(const int64_t *v, size_t n, size_t b, int64_t def, int64_t *
   return 0;
 }
 
-static int make_pair(const plan_route_params *p, size_t b, plan_kind kind, int is_kv, pair *out) {
+static int make_pair(const plan_route_params *p, size_t b, int kind, int is_kv, pair *out) {
   const char *what = is_kv ? "kv" : "state";
   const int64_t *di = is_kv ? p->d_kv_item : p->d_state_item;
   const int64_t *du = is_kv ? p->d_kv_unit : p->d_state_unit;
@@ -326,7 +328,7 @@ static int emit_mark(void *ctx, const pair *pr, int prank, int drank, int64_t so
 }
 
 typedef struct frag_vec {
-  plan_fragment *v;
+  wire_fragment *v;
   size_t n, cap;
   unsigned char *mark;
 } frag_vec;
@@ -335,21 +337,21 @@ static int emit_frag(void *ctx, const pair *pr, int prank, int drank, int64_t so
   frag_vec *fv = ctx;
   if (fv->n == fv->cap) {
     size_t nc = fv->cap ? fv->cap * 2 : 64;
-    plan_fragment *nv = realloc(fv->v, nc * sizeof *nv);
+    wire_fragment *nv = realloc(fv->v, nc * sizeof *nv);
     if (!nv) return KVF_ENOMEM;
     fv->v = nv;
     fv->cap = nc;
   }
-  fv->v[fv->n++] = (plan_fragment){
+  fv->v[fv->n++] = (wire_fragment){
       .buffer_index = pr->index,
-      .kind = pr->kind,
+      .buffer_kind = pr->kind,
       .src_rank = prank,
       .dst_rank = drank,
-      .src_page_stride = (uint64_t)pr->Ip,
-      .dst_page_stride = (uint64_t)pr->Id,
-      .src_byte_offset = (uint64_t)so,
-      .dst_byte_offset = (uint64_t)dof,
-      .bytes_per_page = (uint64_t)bytes,
+      .src_page_stride_bytes = pr->Ip,
+      .dst_page_stride_bytes = pr->Id,
+      .src_byte_offset = so,
+      .dst_byte_offset = dof,
+      .bytes_per_page = bytes,
       .page_count = -1,
   };
   fv->mark[prank] = 1;
@@ -373,11 +375,12 @@ static int build_pairs(const plan_route_params *p, pair **out, size_t *npairs) {
     int draft = p->target_layer_num && l >= p->target_layer_num;
     for (size_t i = lay->start[l]; i < lay->start[l + 1] && rc == 0; i++) {
       int first = i == lay->start[l];
-      plan_kind kind = draft ? (first ? PLAN_DRAFT_K : PLAN_DRAFT_V) : (first ? PLAN_TARGET_K : PLAN_TARGET_V);
+      int kind = draft ? (first ? WIRE_KIND_DRAFT_K : WIRE_KIND_DRAFT_V)
+                       : (first ? WIRE_KIND_TARGET_K : WIRE_KIND_TARGET_V);
       rc = make_pair(p, lay->bufs[i], kind, 1, &pairs[k++]);
     }
   }
-  for (size_t j = 0; j < p->n_d_state && rc == 0; j++) rc = make_pair(p, j, PLAN_MAMBA_STATE, 0, &pairs[k++]);
+  for (size_t j = 0; j < p->n_d_state && rc == 0; j++) rc = make_pair(p, j, WIRE_KIND_MAMBA_STATE, 0, &pairs[k++]);
   if (rc != 0) {
     free(pairs);
     return rc;

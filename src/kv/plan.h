@@ -20,6 +20,7 @@
 
 #include "kvferry/common.h"
 #include "kvferry/engine.h"
+#include "wire/messages.h"
 
 /* Largest TP size the planner accepts on either side. */
 #define PLAN_MAX_TP 4096
@@ -82,32 +83,9 @@ int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const p
 
 /* ---- Route plan (§5.2, §6.5) ---- */
 
-typedef enum plan_kind {
-  PLAN_TARGET_K = 0,
-  PLAN_TARGET_V,
-  PLAN_DRAFT_K,
-  PLAN_DRAFT_V,
-  PLAN_MAMBA_STATE,
-} plan_kind;
-
-/* Wire name of a kind ("target_k", ...), or NULL for a bad value; and back:
- * KVF_EINVAL for an unknown name. */
-const char *kvf__plan_kind_name(int kind);
-int kvf__plan_kind_parse(const char *name, plan_kind *out);
-
-/* One fragment: the ten fields of §6.5.5. */
-typedef struct plan_fragment {
-  uint32_t buffer_index; /* KV buffer index, or state buffer index for mamba_state */
-  plan_kind kind;
-  int32_t src_rank; /* prefill TP rank (informational on the wire) */
-  int32_t dst_rank; /* decode TP rank (informational) */
-  uint64_t src_page_stride;
-  uint64_t dst_page_stride;
-  uint64_t src_byte_offset;
-  uint64_t dst_byte_offset;
-  uint64_t bytes_per_page;
-  int64_t page_count; /* -1 = null (the planner always emits null) */
-} plan_fragment;
+/* Fragments (§6.5.5) are the wire's type, wire_fragment (wire/messages.h):
+ * the planner emits them, the M2 carries them and the executor below reads
+ * them as they are, with no conversion. buffer_kind is a WIRE_KIND_*. */
 
 /* Inputs of the generic planner, as the decode rank knows them. Lists from
  * the prefill are the parallel-info reply's; an empty prefill item list is
@@ -147,7 +125,7 @@ typedef struct plan_route {
   int prefill_tp_size;
   int *fanout; /* fanout[p], p < prefill_tp_size: decode ranks that contact p */
   size_t nfrags;
-  plan_fragment *frags; /* grouped by target, pair order within a target */
+  wire_fragment *frags; /* grouped by target, pair order within a target */
 } plan_route;
 
 /* The generic planner (§6.5.1-6.5.4) for one decode TP rank. The caller owns
@@ -176,8 +154,13 @@ void kvf__plan_route_free(plan_route *r);
 
 /* ---- Fragment execution (§6.5.6) ---- */
 
+/* 1 if a KV fragment cuts a byte range out of a page on either side (not
+ * whole pages): such a plan needs pages that hold their heads contiguously
+ * (§6.5.7 caveat); 0 otherwise. mamba_state fragments do not count. */
+int kvf__plan_frags_slice_pages(const wire_fragment *frags, size_t nfrags);
+
 /* Exact number of blocks kvf__plan_frag_writes emits for the same arguments. */
-size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags,
+size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const wire_fragment *frags,
                             size_t nfrags, int state, const plan_run *runs, size_t nruns);
 
 /* Blocks for fragment mode, in the reference's order: for each buffer b of
@@ -185,16 +168,16 @@ size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const 
  * against mamba_state fragments; else against the other kinds), each fragment
  * of b in list order, each run: the m = min(r, page_count if set) pages of
  * the run become ONE block, strided when m > 1:
- *   src = src.base[b] + s0*src_page_stride + src_byte_offset   (stride src_page_stride)
- *   dst = dst.base[b] + d0*dst_page_stride + dst_byte_offset   (stride dst_page_stride)
+ *   src = src.base[b] + s0*src_page_stride_bytes + src_byte_offset   (that stride)
+ *   dst = dst.base[b] + d0*dst_page_stride_bytes + dst_byte_offset   (that stride)
  *   len = bytes_per_page, count = m
  * and a plain block of m*bytes_per_page when both strides equal
  * bytes_per_page. Buffers without a fragment are skipped. Fragments come
- * from the network, so each is checked: bytes_per_page > 0 and
+ * from the network, so each is checked: bytes_per_page > 0, offsets >= 0 and
  * offset + bytes <= stride on each side (no spill into the next page), pages
  * in range of known buffer lengths, no overflow (KVF_ERANGE); buffer index
  * past either side: KVF_EINVAL. KVF_ETOOBIG if cap is short. */
-int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_fragment *frags, size_t nfrags,
+int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const wire_fragment *frags, size_t nfrags,
                           int state, const plan_run *runs, size_t nruns, const plan_mem *src, const plan_mem *dst,
                           kvf_write *out, size_t cap, size_t *nout);
 

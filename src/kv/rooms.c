@@ -1,5 +1,6 @@
-/* The per-manager room table (see rooms.h): a hash map from room id to a
- * small heap record, behind one mutex. The record is kept small because a
+/* The per-manager room table (see rooms.h for the early state and the lock
+ * discipline): a hash map from room id to a small heap record, behind one
+ * leaf mutex. The record is kept small because a
  * busy decode holds many rooms: responders below 64 live in one inline word
  * and only larger ranks allocate a bitmap; candidate arrays and reasons are
  * allocated only when present. The status rule and the Success bookkeeping
@@ -16,6 +17,7 @@
 #define HI_WORDS ((ROOMS_MAX_RANKS - 64) / 64)
 
 typedef struct room_entry {
+  int early; /* an early room: only `user` is meaningful, not live */
   int status;
   int required; /* 0 = never set, which means 1 */
   int nresponded;
@@ -27,6 +29,7 @@ typedef struct room_entry {
   size_t npending_cands; /* 0 = none */
   int32_t *final_cands;
   size_t nfinal_cands;
+  int published; /* prefill: kvf__rooms_publish_metadata stored final_* */
   char *reason;
   void *user;
   int64_t init_time_ns;
@@ -41,6 +44,7 @@ struct rooms {
   pthread_mutex_t mu;
   map m;
   size_t max_rooms;
+  size_t nearly; /* early entries in m */
   rooms_stats st;
   room_entry *spare;
   size_t nspare;
@@ -99,11 +103,19 @@ void kvf__rooms_table_free(rooms *t, void (*free_user)(void *)) {
   free(t);
 }
 
-static room_entry *find(rooms *t, int64_t room) { return kvf__map_get(&t->m, (uint64_t)room); }
+/* A live room (early ones read as absent), or any room. */
+static room_entry *find_any(rooms *t, int64_t room) { return kvf__map_get(&t->m, (uint64_t)room); }
+static room_entry *find(rooms *t, int64_t room) {
+  room_entry *e = find_any(t, room);
+  return e && !e->early ? e : NULL;
+}
 
-/* Caller holds the lock and has checked that the room is absent. */
-static int insert(rooms *t, int64_t room, int status) {
-  if (kvf__map_size(&t->m) >= t->max_rooms) {
+static size_t nlive(rooms *t) { return kvf__map_size(&t->m) - t->nearly; }
+
+/* Caller holds the lock and has checked that the room is absent. A live
+ * room (early 0) is subject to the bound and counted as created. */
+static int insert(rooms *t, int64_t room, int status, int early, void *user) {
+  if (!early && nlive(t) >= t->max_rooms) {
     t->st.rejected_full++;
     return KVF_ENOMEM;
   }
@@ -114,36 +126,48 @@ static int insert(rooms *t, int64_t room, int status) {
   } else if (!(e = calloc(1, sizeof *e))) {
     return KVF_ENOMEM;
   }
+  e->early = early;
   e->status = status;
   e->pending_token = -1;
   e->final_token = -1;
   e->init_time_ns = -1;
+  e->user = user;
   int rc = kvf__map_put(&t->m, (uint64_t)room, e, NULL);
   if (rc != 0) {
-    free(e); /* zeroed but for the three fields above: nothing else to free */
+    free(e); /* zeroed but for the fields above: nothing else to free */
     return rc;
   }
-  t->st.created++;
+  if (early) t->nearly++;
+  else t->st.created++;
   return 0;
 }
 
 int kvf__rooms_create(rooms *t, int64_t room, int status) {
   if (!status_valid(status)) return KVF_EINVAL;
+  int rc = 0;
   pthread_mutex_lock(&t->mu);
-  int rc = find(t, room) ? KVF_EEXIST : insert(t, room, status);
+  room_entry *e = find_any(t, room);
+  if (!e) {
+    rc = insert(t, room, status, 0, NULL);
+  } else if (!e->early) {
+    rc = KVF_EEXIST;
+  } else if (nlive(t) >= t->max_rooms) {
+    t->st.rejected_full++;
+    rc = KVF_ENOMEM;
+  } else { /* the early room becomes live, with its user pointer */
+    e->early = 0;
+    e->status = status;
+    t->nearly--;
+    t->st.created++;
+  }
   pthread_mutex_unlock(&t->mu);
   return rc;
 }
 
-int kvf__rooms_upsert(rooms *t, int64_t room, int status, int *new_status) {
-  if (!status_valid(status)) return KVF_EINVAL;
-  int rc = 0, now = status;
+int kvf__rooms_add_early(rooms *t, int64_t room, void *user) {
   pthread_mutex_lock(&t->mu);
-  room_entry *e = find(t, room);
-  if (e) now = e->status = merge_status(e->status, status);
-  else rc = insert(t, room, status);
+  int rc = find_any(t, room) ? KVF_EEXIST : insert(t, room, ROOM_BOOTSTRAPPING, 1, user);
   pthread_mutex_unlock(&t->mu);
-  if (rc == 0 && new_status) *new_status = now;
   return rc;
 }
 
@@ -176,13 +200,6 @@ int kvf__rooms_get_status(rooms *t, int64_t room, int *status) {
   pthread_mutex_unlock(&t->mu);
   if (rc == 0) *status = s;
   return rc;
-}
-
-int kvf__rooms_exists(rooms *t, int64_t room) {
-  pthread_mutex_lock(&t->mu);
-  int r = find(t, room) != NULL;
-  pthread_mutex_unlock(&t->mu);
-  return r;
 }
 
 static void fill_info(const room_entry *e, rooms_info *out) {
@@ -361,21 +378,6 @@ out_unlock:
   return rc;
 }
 
-int kvf__rooms_pop_token(rooms *t, int64_t room, int64_t *token) {
-  int rc = KVF_ENOTFOUND;
-  int64_t tok = -1;
-  pthread_mutex_lock(&t->mu);
-  room_entry *e = find(t, room);
-  if (e) {
-    tok = e->final_token;
-    e->final_token = -1;
-    rc = 0;
-  }
-  pthread_mutex_unlock(&t->mu);
-  if (rc == 0) *token = tok;
-  return rc;
-}
-
 int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap, size_t *ncand) {
   int rc = KVF_ENOTFOUND;
   int64_t tok = -1;
@@ -404,10 +406,49 @@ out_unlock:
   return rc;
 }
 
+int kvf__rooms_publish_metadata(rooms *t, int64_t room, int64_t token, int32_t *cands, size_t ncand) {
+  if (ncand > ROOMS_MAX_CANDS || (ncand && !cands)) return ncand > ROOMS_MAX_CANDS ? KVF_ETOOBIG : KVF_EINVAL;
+  int rc = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!e) {
+    rc = KVF_ENOTFOUND;
+  } else if (e->published) {
+    rc = KVF_EEXIST;
+  } else {
+    e->published = 1;
+    e->final_token = token;
+    free(e->final_cands);
+    e->final_cands = ncand ? cands : NULL;
+    e->nfinal_cands = ncand;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
+int kvf__rooms_get_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap, size_t *ncand) {
+  int rc = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!e) {
+    rc = KVF_ENOTFOUND;
+  } else if (!e->published) {
+    rc = KVF_EAGAIN;
+  } else if (e->nfinal_cands > cap || (e->nfinal_cands && !cands)) {
+    rc = KVF_ETOOBIG;
+  } else {
+    *token = e->final_token;
+    *ncand = e->nfinal_cands;
+    if (e->nfinal_cands) memcpy(cands, e->final_cands, e->nfinal_cands * sizeof *cands);
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
 int kvf__rooms_set_user(rooms *t, int64_t room, void *user) {
   int rc = KVF_ENOTFOUND;
   pthread_mutex_lock(&t->mu);
-  room_entry *e = find(t, room);
+  room_entry *e = find_any(t, room);
   if (e) {
     e->user = user;
     rc = 0;
@@ -420,7 +461,7 @@ int kvf__rooms_get_user(rooms *t, int64_t room, void **user) {
   int rc = KVF_ENOTFOUND;
   void *u = NULL;
   pthread_mutex_lock(&t->mu);
-  room_entry *e = find(t, room);
+  room_entry *e = find_any(t, room);
   if (e) {
     u = e->user;
     rc = 0;
@@ -458,7 +499,8 @@ int kvf__rooms_clear(rooms *t, int64_t room, void **user) {
   int found = kvf__map_del(&t->m, (uint64_t)room, &v);
   room_entry *e = v;
   if (found) {
-    t->st.cleared++;
+    if (e->early) t->nearly--, t->st.early_dropped++;
+    else t->st.cleared++;
     held = *e;
     if (t->nspare < ROOMS_SPARE_MAX) { /* kept zeroed for the next room */
       memset(e, 0, sizeof *e);
@@ -477,35 +519,31 @@ int kvf__rooms_clear(rooms *t, int64_t room, void **user) {
   return 0;
 }
 
-size_t kvf__rooms_count(rooms *t) {
-  pthread_mutex_lock(&t->mu);
-  size_t n = kvf__map_size(&t->m);
-  pthread_mutex_unlock(&t->mu);
-  return n;
-}
-
-void kvf__rooms_get_stats(rooms *t, rooms_stats *out) {
-  pthread_mutex_lock(&t->mu);
-  rooms_stats s = t->st;
-  s.live = kvf__map_size(&t->m);
-  pthread_mutex_unlock(&t->mu);
-  *out = s;
-}
-
-int kvf__rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info, void *arg), void *arg) {
-  int rc = 0;
+void kvf__rooms_clear_all(rooms *t, void (*release)(void *user, void *arg), void *arg) {
   map_iter it;
   kvf__map_iter_init(&it);
   uint64_t key;
   void *v;
   pthread_mutex_lock(&t->mu);
-  while (rc == 0 && kvf__map_next(&t->m, &it, &key, &v)) {
-    rooms_info info;
-    fill_info(v, &info);
-    rc = cb((int64_t)key, &info, arg);
+  while (kvf__map_next(&t->m, &it, &key, &v)) {
+    room_entry *e = v;
+    if (e->early) t->st.early_dropped++;
+    else t->st.cleared++;
+    if (release && e->user) release(e->user, arg);
+    kvf__map_del(&t->m, key, NULL); /* the iteration tolerates it */
+    entry_free(e);
   }
+  t->nearly = 0;
   pthread_mutex_unlock(&t->mu);
-  return rc;
+}
+
+void kvf__rooms_get_stats(rooms *t, rooms_stats *out) {
+  pthread_mutex_lock(&t->mu);
+  rooms_stats s = t->st;
+  s.live = nlive(t);
+  s.early = t->nearly;
+  pthread_mutex_unlock(&t->mu);
+  *out = s;
 }
 
 int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, void *arg), void *arg,
@@ -518,7 +556,7 @@ int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, voi
   pthread_mutex_lock(&t->mu);
   while (kvf__map_next(&t->m, &it, &key, &v)) {
     room_entry *e = v;
-    if (e->status == ROOM_SUCCESS || !pred((int64_t)key, e->user, arg)) continue;
+    if (e->early || e->status == ROOM_SUCCESS || !pred((int64_t)key, e->user, arg)) continue;
     /* One copy per room, because each room owns its reason; a failed copy
      * still fails the room (see kvf__rooms_fail). */
     fail_entry(e, reason_dup(reason));

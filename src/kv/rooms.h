@@ -1,21 +1,39 @@
-/* The room table of one KV manager (decode or prefill): for every live room
- * its transfer status (PROTOCOL §2), the failure reason, the count of prefill
- * ranks that reported Success, the first token and speculative candidates
- * carried by those reports (§3.5), the time of the last transfer request and
- * one opaque pointer the manager hangs its own per-room state on.
+/* The room object of one KV manager (decode or prefill), one table of them
+ * per manager: for every room its transfer status (PROTOCOL §2), the
+ * failure reason, the prefill ranks that reported Success, the first token
+ * and speculative candidates carried by those reports (§3.5), the time of
+ * the last transfer request and the role's own per-room data (`user`: the
+ * decode's receiver, the prefill's pf_room).
  *
- * Unlike the reference, the table is bounded and never grows from network
- * input: a message about a room that is not live (never created, or already
- * cleared) is dropped and counted (`dropped_unknown`), never stored (§8
- * items 5, 6). Rooms are created explicitly by the local manager and removed
- * by kvf__rooms_clear, after which the id may be reused from scratch.
+ * A room is live (created by the local manager: a receiver or a sender) or
+ * early: the prefill keeps an M2 that arrived before its sender in an early
+ * room, which holds only its user pointer, is not live (every by-id call
+ * below but get_user, set_user and clear sees it as absent, count and
+ * stats.live leave it out) and becomes live, keeping its user pointer, when
+ * kvf__rooms_create names it. Early rooms are bounded by their owner (the
+ * prefill's PF_MAX_EARLY rule), live rooms by the table (max_rooms).
  *
- * Threads: every function may be called from any thread; one mutex inside
- * guards the whole table, and no function calls out while holding it except
- * the callbacks of kvf__rooms_foreach / kvf__rooms_fail_matching (which must therefore
- * not call back into the table). Functions return 0 or a negative KVF_E*
- * code and set output parameters only on success. Nothing here logs: callers
- * know the peer and log once. */
+ * Unlike the reference, the table never grows from network input: a message
+ * about a room that is not live (never created, or already cleared) is
+ * dropped and counted (`dropped_unknown`), never stored (§8 items 5, 6).
+ * kvf__rooms_clear removes a room, after which the id may be reused from
+ * scratch.
+ *
+ * Lock discipline (the one rule for rooms, both roles). Every function may
+ * be called from any thread. One mutex inside the table guards every record, and it is a leaf: no function calls out while
+ * holding it except the predicate of kvf__rooms_with_user /
+ * kvf__rooms_fail_matching and the release callback of kvf__rooms_clear_all
+ * (which must not call into the table), and nothing here blocks, allocates
+ * under it beyond the map's own growth, or logs. A role that keeps its own
+ * per-room data behind its own lock takes that lock first and the table's
+ * second, never the reverse: the prefill holds ps->lock (then possibly a
+ * queue's lock) while it calls in here, which is what lets it look a room's
+ * pf_room up by id and act on it atomically (prefill_int.h, "Lifetime").
+ * The decode's receiver is owned by its caller; the status listener reads
+ * it only through kvf__rooms_with_user's predicate.
+ *
+ * Functions return 0 or a negative KVF_E* code and set output parameters
+ * only on success. Nothing here logs: callers know the peer and log once. */
 #ifndef KVF_KV_ROOMS_H
 #define KVF_KV_ROOMS_H
 
@@ -45,11 +63,13 @@ enum {
 
 typedef struct rooms rooms;
 
-/* Counters, for metrics and tests. */
+/* Counters, for kvf_manager_stats (and tests). */
 typedef struct rooms_stats {
-  uint64_t live;                /* rooms present now */
-  uint64_t created;             /* successful creations, kvf__rooms_create and kvf__rooms_upsert */
-  uint64_t cleared;             /* successful kvf__rooms_clear calls */
+  uint64_t live;                /* live rooms now */
+  uint64_t early;               /* early rooms now */
+  uint64_t created;             /* rooms made live by kvf__rooms_create */
+  uint64_t cleared;             /* live rooms removed by kvf__rooms_clear / kvf__rooms_clear_all */
+  uint64_t early_dropped;       /* early rooms removed without ever becoming live */
   uint64_t dropped_unknown;     /* update/fail/response for a room that is not live */
   uint64_t rejected_full;       /* creations refused by the live-room bound */
   uint64_t rejected_invalid;    /* bad status value, rank or candidate count */
@@ -75,17 +95,16 @@ int kvf__rooms_table_new(size_t max_rooms, rooms **out);
  * race with any other call on the table. */
 void kvf__rooms_table_free(rooms *t, void (*free_user)(void *));
 
-/* Create a live room with `status` (0..5). KVF_EEXIST if the room is already
- * live (a reused id must be cleared first so it cannot inherit an old
- * terminal status, §8 item 6), KVF_ENOMEM at the bound, KVF_EINVAL for a bad
- * status. */
+/* Make room live with `status` (0..5): a new room, or an early one, which
+ * keeps its user pointer. KVF_EEXIST if the room is already live (a reused
+ * id must be cleared first so it cannot inherit an old terminal status, §8
+ * item 6), KVF_ENOMEM at the live-room bound, KVF_EINVAL for a bad status. */
 int kvf__rooms_create(rooms *t, int64_t room, int status);
 
-/* The full §2.2 rule: absent -> create with `status` (subject to the bound);
- * present -> Failed if either is Failed, else max. For local actors whose
- * order is not fixed (e.g. a prefill listener storing an M2 before the sender
- * exists). *new_status (may be NULL) gets the resulting status. */
-int kvf__rooms_upsert(rooms *t, int64_t room, int status, int *new_status);
+/* Store an early room holding `user`. KVF_EEXIST if the room is present
+ * (live or early), KVF_ENOMEM without memory. Not subject to max_rooms: the
+ * caller bounds its early rooms. */
+int kvf__rooms_add_early(rooms *t, int64_t room, void *user);
 
 /* §2.2 on a live room only: Failed if either is Failed, else max(current,
  * status). An unknown room is not created: KVF_ENOTFOUND, counted in
@@ -94,8 +113,6 @@ int kvf__rooms_update(rooms *t, int64_t room, int status, int *new_status);
 
 /* Current status into *status; KVF_ENOTFOUND if not live (not counted). */
 int kvf__rooms_get_status(rooms *t, int64_t room, int *status);
-/* 1 if the room is live, 0 otherwise. */
-int kvf__rooms_exists(rooms *t, int64_t room);
 /* Snapshot of a live room; KVF_ENOTFOUND otherwise. */
 int kvf__rooms_get_info(rooms *t, int64_t room, rooms_info *out);
 
@@ -128,16 +145,26 @@ int kvf__rooms_set_required(rooms *t, int64_t room, int required);
 int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token, const int32_t *cands,
                                size_t ncand, int *became_success);
 
-/* Take the published token (-1 if none) out of a live room. */
-int kvf__rooms_pop_token(rooms *t, int64_t room, int64_t *token);
 /* Take the published token (-1 if none) and candidates out of a live room.
  * Candidates are copied into cands (capacity cap; ROOMS_MAX_CANDS always
  * suffices) and *ncand gets their count, 0 meaning none. KVF_ETOOBIG (nothing
  * taken) if cap is too small. */
 int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap, size_t *ncand);
 
-/* The manager's per-room pointer; the table never dereferences or frees it
- * except through kvf__rooms_table_free's callback. */
+/* The prefill's side of the first token (kvf_sender_set_metadata): publish
+ * the room's token and candidates once, into the same fields a decode's
+ * Success publishes into. 0, and the table owns `cands` (malloc'd; NULL
+ * when ncand is 0); KVF_EEXIST if already published, KVF_ENOTFOUND if not
+ * live, KVF_ETOOBIG past ROOMS_MAX_CANDS (cands stays the caller's then). */
+int kvf__rooms_publish_metadata(rooms *t, int64_t room, int64_t token, int32_t *cands, size_t ncand);
+/* A copy of what kvf__rooms_publish_metadata stored (it stays): 0,
+ * KVF_EAGAIN if nothing is published yet, KVF_ENOTFOUND if not live,
+ * KVF_ETOOBIG if cap is short. */
+int kvf__rooms_get_metadata(rooms *t, int64_t room, int64_t *token, int32_t *cands, size_t cap, size_t *ncand);
+
+/* The role's per-room pointer, of a live or early room (KVF_ENOTFOUND
+ * otherwise); the table never dereferences or frees it except through
+ * kvf__rooms_table_free's and kvf__rooms_clear_all's callbacks. */
 int kvf__rooms_set_user(rooms *t, int64_t room, void *user);
 int kvf__rooms_get_user(rooms *t, int64_t room, void **user);
 /* pred(user, arg) on a live room's user pointer, under the table lock (so
@@ -148,18 +175,17 @@ int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *a
  * request was sent, for the waiting timeout. */
 int kvf__rooms_set_init_time(rooms *t, int64_t room, int64_t ns);
 
-/* Remove the room and everything it holds; the id may then be created anew.
- * *user (may be NULL) gets the stored user pointer, which the caller now
- * owns. KVF_ENOTFOUND if not live. */
+/* Remove the room (live or early) and everything it holds; the id may then
+ * be created anew. *user (may be NULL) gets the stored user pointer, which
+ * the caller now owns. KVF_ENOTFOUND if absent. */
 int kvf__rooms_clear(rooms *t, int64_t room, void **user);
+/* Remove every room, live and early, handing each non-NULL user pointer to
+ * release(user, arg) under the table lock (release must not call into the
+ * table). For a role's shutdown. */
+void kvf__rooms_clear_all(rooms *t, void (*release)(void *user, void *arg), void *arg);
 
-/* Number of live rooms. */
-size_t kvf__rooms_count(rooms *t);
+/* The counters, live and early counts included. */
 void kvf__rooms_get_stats(rooms *t, rooms_stats *out);
-
-/* Call cb for every live room, under the table lock (cb must not call into
- * the table). A non-zero return from cb stops the walk and is returned. */
-int kvf__rooms_foreach(rooms *t, int (*cb)(int64_t room, const rooms_info *info, void *arg), void *arg);
 
 /* For the heartbeat's node-failure handling (§7.2): every live room that is
  * not Success and for which pred(room, user, arg) is non-zero gets `reason`

@@ -140,7 +140,7 @@ enum {
   WIRE_KIND_MAMBA_STATE = 4,
 };
 /* "target_k" ... "mamba_state"; NULL for an unknown kind. The one table of
- * kind names (the planner's plan_kind uses the same values). */
+ * kind names. */
 const char *kvf__wire_buffer_kind_name(int kind);
 /* The kind named `name`, or -1 for an unknown (or NULL) name. */
 int kvf__wire_buffer_kind_parse(const char *name);

@@ -434,6 +434,52 @@ static void bad_requests_get_400_and_change_nothing(void **state) {
   kvf_bootstrap_server_destroy(srv);
 }
 
+/* A metrics source writing `arg` (a line) as often as it fits. */
+static size_t repeat_source(void *arg, char *buf, size_t cap) {
+  size_t n = 0, len = strlen(arg);
+  while (cap - n > len) {
+    memcpy(buf + n, arg, len);
+    n += len;
+  }
+  buf[n] = '\0';
+  return n;
+}
+
+static size_t one_line_source(void *arg, char *buf, size_t cap) {
+  int w = snprintf(buf, cap, "kvferry_test_source{id=\"%s\"} 42\n", (const char *)arg);
+  return w > 0 && (size_t)w < cap ? (size_t)w : 0;
+}
+
+/* kvf_bootstrap_server_add_metrics: each source's lines join the page after
+ * the server's own; one that fills the page cuts only what is past it. */
+static void metrics_sources_add_lines(void **state) {
+  kvf_bootstrap_server *srv = start_server(NULL, 0, 0);
+  assert_int_equal(kvf_bootstrap_server_add_metrics(NULL, one_line_source, "a"), KVF_EINVAL);
+  assert_int_equal(kvf_bootstrap_server_add_metrics(srv, NULL, "a"), KVF_EINVAL);
+  assert_int_equal(kvf_bootstrap_server_add_metrics(srv, one_line_source, "a"), 0);
+  assert_int_equal(kvf_bootstrap_server_add_metrics(srv, one_line_source, "b"), 0);
+  bootstrap_client *c = client_for(srv);
+  char *m = NULL;
+  assert_int_equal(raw(c, "GET", "/metrics", NULL, &m), 200);
+  assert_int_equal(metric(m, "kvferry_test_source{id=\"a\"}"), 42);
+  assert_int_equal(metric(m, "kvferry_test_source{id=\"b\"}"), 42);
+  assert_int_equal(metric(m, "kvferry_bootstrap_registered_ranks"), 0);
+  free(m);
+  m = NULL;
+  assert_int_equal(kvf_bootstrap_server_add_metrics(srv, repeat_source, "kvferry_test_fill 1\n"), 0);
+  for (int i = 4; i <= KVF_BOOTSTRAP_MAX_SOURCES; i++)
+    assert_int_equal(kvf_bootstrap_server_add_metrics(srv, one_line_source, "late"), 0);
+  assert_int_equal(kvf_bootstrap_server_add_metrics(srv, one_line_source, "over"), KVF_ENOMEM);
+  assert_int_equal(raw(c, "GET", "/metrics", NULL, &m), 200);
+  assert_int_equal(metric(m, "kvferry_test_source{id=\"a\"}"), 42);
+  assert_int_equal(metric(m, "kvferry_test_fill"), 1);
+  assert_null(strstr(m, "id=\"late\""));    /* no room left on the page */
+  assert_int_equal(m[strlen(m) - 1], '\n'); /* whole lines only */
+  free(m);
+  kvf__bootstrap_client_destroy(c);
+  kvf_bootstrap_server_destroy(srv);
+}
+
 static void oversized_bodies_get_413(void **state) {
   kvf_bootstrap_server *srv = start_server(NULL, 0, 0); /* default 64 KiB */
   bootstrap_client *c = client_for(srv);
@@ -819,6 +865,7 @@ int main(void) {
       cmocka_unit_test(ipv6_loopback_when_available),
       cmocka_unit_test(put_body_round_trips),
       cmocka_unit_test(reply_parsers_are_strict),
+      cmocka_unit_test(metrics_sources_add_lines),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

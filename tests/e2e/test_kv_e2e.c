@@ -412,6 +412,28 @@ static void stopped_prefill_detected_within_bound(void **state) {
   unsetenv("KVFERRY_HEARTBEAT_MIN_S");
 }
 
+/* The value of the first /metrics line of `family` (any labels) served at
+ * addr, or -1. */
+static long long peer_metric(const char *addr, const char *family) {
+  bootstrap_client *bc = NULL;
+  char *body = NULL;
+  long status = 0;
+  long long v = -1;
+  assert_int_equal(kvf__bootstrap_client_create(addr, NULL, &bc), 0);
+  assert_int_equal(kvf__bootstrap_client_request(bc, "GET", "/metrics", NULL, 0, &status, &body, NULL), 0);
+  kvf__bootstrap_client_destroy(bc);
+  assert_int_equal(status, 200);
+  size_t n = strlen(family);
+  for (const char *p = body; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+    if (!strncmp(p, family, n) && p[n] == '{') {
+      const char *sp = strstr(p, "} ");
+      v = sp ? atoll(sp + 2) : -1;
+      break;
+    }
+  free(body);
+  return v;
+}
+
 /* Defect 6: one decode session floods a prefill rank with transfer requests
  * whose sender does not exist yet, past its bound. The requests past the
  * bound fail at once on that decode with the prefill's reason (long before
@@ -445,6 +467,12 @@ static void early_request_flood_is_bounded_per_session(void **state) {
   fprintf(stderr, "refused rooms failed after the flood within %.2f s: %s\n", worst, why);
   for (size_t i = 0; i < PF_MAX_EARLY_PER_SESSION; i++)
     assert_int_equal(kvf_receiver_poll(rx[i]), KVF_POLL_BOOTSTRAPPED);
+  /* The prefill's room counters on its bootstrap server's /metrics: the
+   * flood's early rooms (and b's, whose M2 may be in), the refused ones. */
+  long long early = peer_metric(pp.addr, "kvferry_manager_rooms_early");
+  assert_true(early >= PF_MAX_EARLY_PER_SESSION && early <= PF_MAX_EARLY_PER_SESSION + 1);
+  assert_true(peer_metric(pp.addr, "kvferry_manager_messages_unknown_room") >= EXTRA);
+  assert_int_equal(peer_metric(pp.addr, "kvferry_manager_live_rooms"), 0);
   prefill_send(&pp, r.room, r.n, r.seed, r.token, 0);
   finish(&b, &r, 1);
   for (size_t i = 0; i < n; i++) kvf_receiver_destroy(rx[i]);

@@ -467,8 +467,9 @@ static void malformed_and_unknown(void **state) {
   send_m3(f, 998, WIRE_STATUS_FAILED, 0, -1, NULL, 0);
   send_m3(f, 997, WIRE_STATUS_TRANSFERRING, 0, -1, NULL, 0);
   assert_int_equal(wait_counter(f, offsetof(kvf_manager_stats, messages_unknown_room), 3, 5), 3);
-  assert_int_equal(kvf__rooms_exists(f->m->rooms, 999), 0);
-  assert_int_equal(kvf__rooms_exists(f->m->rooms, 998), 0);
+  int unk;
+  assert_int_equal(kvf__rooms_get_status(f->m->rooms, 999, &unk), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_get_status(f->m->rooms, 998, &unk), KVF_ENOTFOUND);
   kvf_manager_stats s;
   stats(f, &s);
   assert_int_equal(s.live_rooms, 1);

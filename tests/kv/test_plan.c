@@ -171,14 +171,14 @@ static plan_route_params params(int td, int d, int tp, const plan_layout *lay, c
   return p;
 }
 
-static void check_frag(const plan_fragment *f, uint32_t buf, plan_kind kind, int src_rank, int dst_rank,
-                       uint64_t ss, uint64_t ds, uint64_t so, uint64_t dof, uint64_t bytes) {
+static void check_frag(const wire_fragment *f, uint32_t buf, int kind, int src_rank, int dst_rank, uint64_t ss,
+                       uint64_t ds, uint64_t so, uint64_t dof, uint64_t bytes) {
   assert_int_equal(f->buffer_index, buf);
-  assert_int_equal(f->kind, kind);
+  assert_int_equal(f->buffer_kind, kind);
   assert_int_equal(f->src_rank, src_rank);
   assert_int_equal(f->dst_rank, dst_rank);
-  assert_int_equal(f->src_page_stride, ss);
-  assert_int_equal(f->dst_page_stride, ds);
+  assert_int_equal(f->src_page_stride_bytes, ss);
+  assert_int_equal(f->dst_page_stride_bytes, ds);
   assert_int_equal(f->src_byte_offset, so);
   assert_int_equal(f->dst_byte_offset, dof);
   assert_int_equal(f->bytes_per_page, bytes);
@@ -236,8 +236,8 @@ static void route_prefill_wider(void **state) {
       assert_int_equal(tg->required_dst_info_num, 1);
       assert_int_equal(tg->nfrags, 2);
       /* One fragment per KV buffer, in pair order K0 then V0. */
-      check_frag(&r.frags[tg->frag_start], 0, PLAN_TARGET_K, 2 * d + t, d, 512, 1024, 0, 512 * t, 512);
-      check_frag(&r.frags[tg->frag_start + 1], 1, PLAN_TARGET_V, 2 * d + t, d, 512, 1024, 0, 512 * t, 512);
+      check_frag(&r.frags[tg->frag_start], 0, WIRE_KIND_TARGET_K, 2 * d + t, d, 512, 1024, 0, 512 * t, 512);
+      check_frag(&r.frags[tg->frag_start + 1], 1, WIRE_KIND_TARGET_V, 2 * d + t, d, 512, 1024, 0, 512 * t, 512);
     }
     assert_int_equal(r.nfrags, 4);
     kvf__plan_route_free(&r);
@@ -262,15 +262,15 @@ static void route_decode_wider(void **state) {
   assert_int_equal(r.fanout[0], 2);
   assert_int_equal(r.fanout[1], 2);
   assert_int_equal(r.nfrags, 2);
-  check_frag(&r.frags[0], 0, PLAN_TARGET_K, 0, 1, 1024, 512, 512, 0, 512);
-  check_frag(&r.frags[1], 1, PLAN_TARGET_V, 0, 1, 1024, 512, 512, 0, 512);
+  check_frag(&r.frags[0], 0, WIRE_KIND_TARGET_K, 0, 1, 1024, 512, 512, 0, 512);
+  check_frag(&r.frags[1], 1, WIRE_KIND_TARGET_V, 0, 1, 1024, 512, 512, 0, 512);
   kvf__plan_route_free(&r);
   /* Decode rank 2 takes the first half of p1. */
   p.decode_tp_rank = 2;
   assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 1);
   assert_int_equal(r.targets[0].rank, 1);
-  check_frag(&r.frags[0], 0, PLAN_TARGET_K, 1, 2, 1024, 512, 0, 0, 512);
+  check_frag(&r.frags[0], 0, WIRE_KIND_TARGET_K, 1, 2, 1024, 512, 0, 0, 512);
   kvf__plan_route_free(&r);
 }
 
@@ -287,8 +287,8 @@ static void route_gqa_replicas(void **state) {
   assert_int_equal(r.targets[0].rank, 0);
   assert_int_equal(r.targets[1].rank, 2);
   assert_int_equal(r.required_prefill_response_num, 2);
-  check_frag(&r.frags[r.targets[0].frag_start], 0, PLAN_TARGET_K, 0, 0, 16384, 32768, 0, 0, 16384);
-  check_frag(&r.frags[r.targets[1].frag_start], 0, PLAN_TARGET_K, 2, 0, 16384, 32768, 0, 16384, 16384);
+  check_frag(&r.frags[r.targets[0].frag_start], 0, WIRE_KIND_TARGET_K, 0, 0, 16384, 32768, 0, 0, 16384);
+  check_frag(&r.frags[r.targets[1].frag_start], 0, WIRE_KIND_TARGET_K, 2, 0, 16384, 32768, 0, 16384, 16384);
   int want[4] = {1, 0, 1, 0};
   for (int q = 0; q < 4; q++) assert_int_equal(r.fanout[q], want[q]);
   assert_int_equal(r.targets[0].required_dst_info_num, 1);
@@ -304,7 +304,7 @@ static void route_gqa_replicas(void **state) {
   }
   assert_int_equal(r.targets[1].nfrags, 0);
   assert_int_equal(r.targets[2].nfrags, 1);
-  check_frag(&r.frags[r.targets[2].frag_start], 0, PLAN_TARGET_K, 2, 0, 16384, 32768, 0, 16384, 16384);
+  check_frag(&r.frags[r.targets[2].frag_start], 0, WIRE_KIND_TARGET_K, 2, 0, 16384, 32768, 0, 16384, 16384);
   assert_int_equal(r.required_prefill_response_num, 2);
   kvf__plan_route_free(&r);
 }
@@ -357,10 +357,10 @@ static void route_replicated_draft_state(void **state) {
   assert_int_equal(r.targets[1].rank, 3);
   assert_int_equal(r.targets[1].nfrags, 1);
   assert_int_equal(r.nfrags, 4);
-  check_frag(&r.frags[0], 0, PLAN_TARGET_K, 2, 1, 1152, 1152, 0, 0, 1152);
-  check_frag(&r.frags[1], 1, PLAN_DRAFT_K, 2, 1, 1152, 1152, 0, 0, 1152);
-  check_frag(&r.frags[2], 0, PLAN_MAMBA_STATE, 2, 1, 2048, 4096, 0, 0, 2048);
-  check_frag(&r.frags[3], 0, PLAN_MAMBA_STATE, 3, 1, 2048, 4096, 0, 2048, 2048);
+  check_frag(&r.frags[0], 0, WIRE_KIND_TARGET_K, 2, 1, 1152, 1152, 0, 0, 1152);
+  check_frag(&r.frags[1], 1, WIRE_KIND_DRAFT_K, 2, 1, 1152, 1152, 0, 0, 1152);
+  check_frag(&r.frags[2], 0, WIRE_KIND_MAMBA_STATE, 2, 1, 2048, 4096, 0, 0, 2048);
+  check_frag(&r.frags[3], 0, WIRE_KIND_MAMBA_STATE, 3, 1, 2048, 4096, 0, 2048, 2048);
   kvf__plan_route_free(&r);
   /* ...so recompute without state to check the pure replicated case. */
   p.n_d_state = p.n_p_state = 0;
@@ -378,8 +378,8 @@ static void route_replicated_draft_state(void **state) {
   assert_int_equal(r.ntargets, 2);
   assert_int_equal(r.targets[0].rank, 2);
   assert_int_equal(r.targets[1].rank, 3);
-  check_frag(&r.frags[0], 0, PLAN_MAMBA_STATE, 2, 1, 2048, 4096, 0, 0, 2048);
-  check_frag(&r.frags[1], 0, PLAN_MAMBA_STATE, 3, 1, 2048, 4096, 0, 2048, 2048);
+  check_frag(&r.frags[0], 0, WIRE_KIND_MAMBA_STATE, 2, 1, 2048, 4096, 0, 0, 2048);
+  check_frag(&r.frags[1], 0, WIRE_KIND_MAMBA_STATE, 3, 1, 2048, 4096, 0, 2048, 2048);
   kvf__plan_route_free(&r);
   /* Published none: Ip = Id*Td/Tp = 1024*2/4 = 512, as in §6.5.7. */
   size_t st2[2], bf2[2];
@@ -396,7 +396,7 @@ static void route_replicated_draft_state(void **state) {
   p.n_p_kv_unit = 2;
   assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 2);
-  assert_int_equal(r.frags[0].src_page_stride, 512);
+  assert_int_equal(r.frags[0].src_page_stride_bytes, 512);
   kvf__plan_route_free(&r);
 }
 
@@ -415,9 +415,9 @@ static void route_kinds_and_pair_order(void **state) {
   assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   assert_int_equal(r.ntargets, 2);
   assert_int_equal(r.targets[1].nfrags, 4);
-  const plan_fragment *f = &r.frags[r.targets[1].frag_start];
+  const wire_fragment *f = &r.frags[r.targets[1].frag_start];
   static const uint32_t want_buf[4] = {0, 2, 1, 3};
-  static const plan_kind want_kind[4] = {PLAN_TARGET_K, PLAN_TARGET_V, PLAN_DRAFT_K, PLAN_DRAFT_V};
+  static const int want_kind[4] = {WIRE_KIND_TARGET_K, WIRE_KIND_TARGET_V, WIRE_KIND_DRAFT_K, WIRE_KIND_DRAFT_V};
   for (int i = 0; i < 4; i++) {
     check_frag(&f[i], want_buf[i], want_kind[i], 1, 0, 512, 1024, 0, 512, 512);
   }
@@ -506,18 +506,15 @@ static void route_legacy_mla(void **state) {
   assert_int_equal(kvf__plan_route_legacy_mla(2, 0, 3, 0, &r), KVF_EINVAL);
 }
 
+/* The planner's fragments carry the wire's kinds and names (one table). */
 static void kind_names(void **state) {
   static const char *names[] = {"target_k", "target_v", "draft_k", "draft_v", "mamba_state"};
-  for (int k = 0; k <= PLAN_MAMBA_STATE; k++) {
-    assert_string_equal(kvf__plan_kind_name(k), names[k]);
-    plan_kind got;
-    assert_int_equal(kvf__plan_kind_parse(names[k], &got), 0);
-    assert_int_equal(got, k);
+  for (int k = 0; k <= WIRE_KIND_MAMBA_STATE; k++) {
+    assert_string_equal(kvf__wire_buffer_kind_name(k), names[k]);
+    assert_int_equal(kvf__wire_buffer_kind_parse(names[k]), k);
   }
-  plan_kind got = PLAN_DRAFT_V;
-  assert_null(kvf__plan_kind_name(5));
-  assert_int_equal(kvf__plan_kind_parse("target_q", &got), KVF_EINVAL);
-  assert_int_equal(got, PLAN_DRAFT_V);
+  assert_null(kvf__wire_buffer_kind_name(5));
+  assert_int_equal(kvf__wire_buffer_kind_parse("target_q"), -1);
 }
 
 /* ---- Fragment execution ---- */
@@ -534,7 +531,7 @@ static void frag_writes_worked_example(void **state) {
   assert_int_equal(kvf__plan_route_build(&p, &r), 0);
   const plan_target *t1 = &r.targets[1];
   assert_int_equal(t1->rank, 1);
-  const plan_fragment *fr = &r.frags[t1->frag_start];
+  const wire_fragment *fr = &r.frags[t1->frag_start];
   uint64_t pbase[2] = {0x100000, 0x200000}, dbase[2] = {0x900000, 0xa00000};
   plan_mem pm = {.base = pbase, .nbufs = 2}, dm = {.base = dbase, .nbufs = 2};
 
@@ -597,10 +594,10 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   assert_int_equal(nruns, 2);
   kvf_write w[8];
   /* Whole pages on both sides (replicated): one plain block per run. */
-  plan_fragment whole = {.buffer_index = 0,
-                         .kind = PLAN_TARGET_K,
-                         .src_page_stride = 1152,
-                         .dst_page_stride = 1152,
+  wire_fragment whole = {.buffer_index = 0,
+                         .buffer_kind = WIRE_KIND_TARGET_K,
+                         .src_page_stride_bytes = 1152,
+                         .dst_page_stride_bytes = 1152,
                          .bytes_per_page = 1152,
                          .page_count = -1};
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
@@ -611,8 +608,8 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   assert_int_equal(w[0].dst, 0x80000 + 4 * 1152);
   assert_int_equal(w[1].len, 2 * 1152);
   /* page_count limits each run; 0 drops every block, and counts agree. */
-  plan_fragment lim = whole;
-  lim.src_page_stride = 2048;
+  wire_fragment lim = whole;
+  lim.src_page_stride_bytes = 2048;
   lim.page_count = 2;
   assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, &lim, 1, 0, runs, nruns), 2);
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
@@ -623,27 +620,27 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 0);
   /* A fragment that would spill into the next page, or is empty. */
-  plan_fragment spill = whole;
+  wire_fragment spill = whole;
   spill.dst_byte_offset = 1;
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &spill, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
-  plan_fragment empty = whole;
+  wire_fragment empty = whole;
   empty.bytes_per_page = 0;
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &empty, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
-  plan_fragment wrap = whole;
-  wrap.src_byte_offset = UINT64_MAX - 10;
+  wire_fragment wrap = whole;
+  wrap.src_byte_offset = INT64_MAX - 10;
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &wrap, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
   /* Fragments for buffers not in the layer are ignored; a layer buffer
    * past the decode's registered count is refused. */
-  plan_fragment other = whole;
+  wire_fragment other = whole;
   other.buffer_index = 5;
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &other, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
   assert_int_equal(n, 0);
   plan_mem none = {.base = dbase, .nbufs = 0};
   assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &none, w, 8, &n), KVF_EINVAL);
   /* State mode uses mamba_state fragments only. */
-  plan_fragment st = whole;
-  st.kind = PLAN_MAMBA_STATE;
-  plan_fragment both[2] = {whole, st};
+  wire_fragment st = whole;
+  st.buffer_kind = WIRE_KIND_MAMBA_STATE;
+  wire_fragment both[2] = {whole, st};
   assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, both, 2, 1, runs, nruns), 2);
   assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, both, 2, 0, runs, nruns), 2);
 }
@@ -716,27 +713,12 @@ static const char *const DRAFT_JSON_B0 =
     "\"dst_page_stride_bytes\":512,\"src_byte_offset\":512,\"dst_byte_offset\":0,\"bytes_per_page\":512,\"page_"
     "count\":null}]";
 
-/* The decode's conversion of one target's plan fragments into frame 13. */
+/* Frame 13 of one target: its plan fragments as the decode sends them. */
 static char *target_json(const plan_route *r, int t) {
   const plan_target *pt = &r->targets[t];
-  wire_fragment w[8];
-  assert_true(pt->nfrags <= 8);
-  for (size_t i = 0; i < pt->nfrags; i++) {
-    const plan_fragment *f = &r->frags[pt->frag_start + i];
-    w[i] = (wire_fragment){.buffer_index = f->buffer_index,
-                           .buffer_kind = (int32_t)f->kind,
-                           .src_rank = f->src_rank,
-                           .dst_rank = f->dst_rank,
-                           .src_page_stride_bytes = (int64_t)f->src_page_stride,
-                           .dst_page_stride_bytes = (int64_t)f->dst_page_stride,
-                           .src_byte_offset = (int64_t)f->src_byte_offset,
-                           .dst_byte_offset = (int64_t)f->dst_byte_offset,
-                           .bytes_per_page = (int64_t)f->bytes_per_page,
-                           .page_count = f->page_count};
-  }
   char *json = NULL, reason[128] = "";
   size_t len = 0;
-  assert_int_equal(kvf__wire_fragments_format(w, pt->nfrags, &json, &len, reason), 0);
+  assert_int_equal(kvf__wire_fragments_format(&r->frags[pt->frag_start], pt->nfrags, &json, &len, reason), 0);
   assert_int_equal(strlen(json), len);
   return json;
 }

@@ -551,6 +551,54 @@ static void many_chunks(void **state) {
   fx_teardown(&f);
 }
 
+/* The room table's counters reach kvf_manager_stats: M2s before their
+ * sender are early rooms (not live), a sender makes its early room live,
+ * destroying it clears it; an early room still there at shutdown is freed
+ * with the manager. */
+static void early_rooms_in_stats(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  int64_t dst[] = {1, 2};
+  send_m1(&f);
+  send_m2(&f, 41, dst, 2);
+  send_m2(&f, 42, dst, 2);
+  wait_received(&f, 3);
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.rooms_early, 2);
+  assert_int_equal(st.live_rooms, 0);
+  assert_int_equal(st.rooms_created, 0);
+  kvf_sender *s = new_sender(&f, 41);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPED);
+  kvf_sender *again = NULL;
+  assert_int_equal(kvf_sender_create(f.m, 41, &again), KVF_EEXIST);
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.rooms_early, 1);
+  assert_int_equal(st.live_rooms, 1);
+  assert_int_equal(st.rooms_created, 1);
+  kvf_sender_destroy(s);
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.live_rooms, 0);
+  assert_int_equal(st.rooms_cleared, 1);
+  assert_int_equal(st.rooms_early, 1);
+  assert_int_equal(st.rooms_early_dropped, 0);
+  /* The same counters as /metrics lines, whole lines only. */
+  char text[4096], want[160];
+  size_t n = kvf_manager_metrics(f.m, text, sizeof text);
+  assert_int_equal(n, strlen(text));
+  snprintf(want, sizeof want, "\nkvferry_manager_rooms_early{role=\"prefill\",session=\"%s\"} 1\n",
+           kvf_manager_session_id(f.m));
+  assert_non_null(strstr(text, want));
+  snprintf(want, sizeof want, "\nkvferry_manager_rooms_cleared{role=\"prefill\",session=\"%s\"} 1\n",
+           kvf_manager_session_id(f.m));
+  assert_non_null(strstr(text, want));
+  n = kvf_manager_metrics(f.m, text, 100);
+  assert_true(n > 0 && n < 100 && text[n - 1] == '\n' && text[n] == '\0');
+  assert_int_equal(kvf_manager_metrics(f.m, text, 0), 0);
+  fx_teardown(&f);
+}
+
 /* A chunk submitted before the M2 waits on the room and completes after. */
 static void chunk_waits_for_m2(void **state) {
   (void)state;
@@ -1125,6 +1173,7 @@ int main(void) {
       cmocka_unit_test(candidate_limit),
       cmocka_unit_test(send_params_checked),
       cmocka_unit_test(many_chunks),
+      cmocka_unit_test(early_rooms_in_stats),
       cmocka_unit_test(chunk_waits_for_m2),
       cmocka_unit_test(decode_prefix_skipped),
       cmocka_unit_test(bootstrap_timeout),

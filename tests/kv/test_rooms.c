@@ -27,6 +27,19 @@ static int status_of(rooms *t, int64_t room) {
   return s;
 }
 
+static uint64_t live_count(rooms *t) {
+  rooms_stats st;
+  kvf__rooms_get_stats(t, &st);
+  return st.live;
+}
+
+/* The published token alone (its candidates, if any, are taken too). */
+static int pop_token(rooms *t, int64_t room, int64_t *tok) {
+  int32_t cands[ROOMS_MAX_CANDS];
+  size_t n;
+  return kvf__rooms_pop_metadata(t, room, tok, cands, ROOMS_MAX_CANDS, &n);
+}
+
 /* Every (current, incoming) pair of §2.2: Failed sticky and overriding
  * (Success included), otherwise max. */
 static void update_rule_table(void **state) {
@@ -58,22 +71,68 @@ static void update_rule_table(void **state) {
   kvf__rooms_table_free(t, NULL);
 }
 
-/* kvf__rooms_upsert is rule 1 too: absent stores as is, even Failed or Success. */
-static void upsert_stores_absent_as_is(void **state) {
-  rooms *t = new_table(0);
-  int now = -1;
-  assert_int_equal(kvf__rooms_upsert(t, 1, ROOM_BOOTSTRAPPED, &now), 0);
-  assert_int_equal(now, ROOM_BOOTSTRAPPED);
-  assert_int_equal(kvf__rooms_upsert(t, 1, ROOM_BOOTSTRAPPING, &now), 0);
-  assert_int_equal(now, ROOM_BOOTSTRAPPED);
-  assert_int_equal(kvf__rooms_upsert(t, 2, ROOM_FAILED, &now), 0);
-  assert_int_equal(now, ROOM_FAILED);
-  assert_int_equal(kvf__rooms_upsert(t, 3, ROOM_SUCCESS, NULL), 0);
-  assert_int_equal(status_of(t, 3), ROOM_SUCCESS);
+static int any_room(int64_t room, void *user, void *arg) { return 1; }
+
+static void count_release(void *user, void *arg) { ++*(int *)arg; }
+
+/* An early room (the prefill's M2 before its sender) holds only its user
+ * pointer: no status call sees it, no count includes it, the live bound
+ * applies only when it becomes live, and it keeps its pointer then. */
+static void early_rooms_are_not_live(void **state) {
+  rooms *t = new_table(2);
+  int a, b, s;
+  void *u = NULL;
+  assert_int_equal(kvf__rooms_add_early(t, 1, &a), 0);
+  assert_int_equal(kvf__rooms_add_early(t, 1, &b), KVF_EEXIST);
+  assert_int_equal(kvf__rooms_get_status(t, 1, &s), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_update(t, 1, ROOM_SUCCESS, NULL), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_fail(t, 1, "x"), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 5, NULL, 0, NULL), KVF_ENOTFOUND);
+  assert_int_equal(live_count(t), 0);
+  assert_int_equal(kvf__rooms_get_user(t, 1, &u), 0);
+  assert_ptr_equal(u, &a);
+  /* Early rooms do not count against the live bound; becoming live does. */
+  assert_int_equal(kvf__rooms_add_early(t, 2, &b), 0);
+  assert_int_equal(kvf__rooms_create(t, 10, ROOM_BOOTSTRAPPING), 0);
+  assert_int_equal(kvf__rooms_create(t, 11, ROOM_BOOTSTRAPPING), 0);
+  assert_int_equal(kvf__rooms_create(t, 1, ROOM_BOOTSTRAPPING), KVF_ENOMEM);
+  assert_int_equal(kvf__rooms_get_status(t, 1, &s), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_clear(t, 10, NULL), 0);
+  assert_int_equal(kvf__rooms_create(t, 1, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(status_of(t, 1), ROOM_BOOTSTRAPPED);
+  assert_int_equal(kvf__rooms_get_user(t, 1, &u), 0);
+  assert_ptr_equal(u, &a);
+  assert_int_equal(kvf__rooms_create(t, 1, ROOM_BOOTSTRAPPED), KVF_EEXIST);
+  assert_int_equal(kvf__rooms_add_early(t, 1, &b), KVF_EEXIST);
+  /* The heartbeat's pass fails live rooms only. */
+  size_t n = 0;
+  assert_int_equal(kvf__rooms_fail_matching(t, any_room, NULL, "gone", &n), 0);
+  assert_int_equal(n, 2);
   rooms_stats st;
   kvf__rooms_get_stats(t, &st);
+  assert_int_equal(st.live, 2);
+  assert_int_equal(st.early, 1);
   assert_int_equal(st.created, 3);
-  assert_int_equal(st.live, 3);
+  assert_int_equal(st.cleared, 1);
+  assert_int_equal(st.rejected_full, 1);
+  assert_int_equal(st.early_dropped, 0);
+  assert_int_equal(kvf__rooms_clear(t, 2, &u), 0);
+  assert_ptr_equal(u, &b);
+  kvf__rooms_get_stats(t, &st);
+  assert_int_equal(st.early, 0);
+  assert_int_equal(st.early_dropped, 1);
+  assert_int_equal(st.cleared, 1);
+  /* Shutdown: every room goes, each user pointer handed over once. */
+  assert_int_equal(kvf__rooms_add_early(t, 3, &b), 0);
+  int released = 0;
+  kvf__rooms_clear_all(t, count_release, &released);
+  assert_int_equal(released, 2); /* rooms 1 and 3; room 11 has none */
+  assert_int_equal(live_count(t), 0);
+  assert_int_equal(kvf__rooms_get_user(t, 3, &u), KVF_ENOTFOUND);
+  kvf__rooms_get_stats(t, &st);
+  assert_int_equal(st.cleared, 3);
+  assert_int_equal(st.early_dropped, 2);
+  assert_int_equal(kvf__rooms_create(t, 3, ROOM_BOOTSTRAPPING), 0); /* the table works on */
   kvf__rooms_table_free(t, NULL);
 }
 
@@ -114,7 +173,7 @@ static void reuse_after_clear(void **state) {
   assert_int_equal(kvf__rooms_record_response(t, room, 0, 42, NULL, 0, &became), 0);
   assert_int_equal(became, 1);
   int64_t tok;
-  assert_int_equal(kvf__rooms_pop_token(t, room, &tok), 0);
+  assert_int_equal(pop_token(t, room, &tok), 0);
   assert_int_equal(tok, 42);
   kvf__rooms_table_free(t, NULL);
 }
@@ -125,9 +184,9 @@ static void many_rooms_created_and_cleared(void **state) {
     assert_int_equal(kvf__rooms_create(t, r * 7919 - 5000, ROOM_BOOTSTRAPPING), 0);
     assert_int_equal(kvf__rooms_fail(t, r * 7919 - 5000, "x"), 0);
   }
-  assert_int_equal(kvf__rooms_count(t), 10000);
+  assert_int_equal(live_count(t), 10000);
   for (int64_t r = 0; r < 10000; r++) assert_int_equal(kvf__rooms_clear(t, r * 7919 - 5000, NULL), 0);
-  assert_int_equal(kvf__rooms_count(t), 0);
+  assert_int_equal(live_count(t), 0);
   rooms_stats st;
   kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.created, 10000);
@@ -140,15 +199,15 @@ static void live_room_bound(void **state) {
   rooms *t = new_table(3);
   for (int r = 0; r < 3; r++) assert_int_equal(kvf__rooms_create(t, r, ROOM_BOOTSTRAPPING), 0);
   assert_int_equal(kvf__rooms_create(t, 3, ROOM_BOOTSTRAPPING), KVF_ENOMEM);
-  assert_int_equal(kvf__rooms_upsert(t, 3, ROOM_BOOTSTRAPPED, NULL), KVF_ENOMEM);
-  /* Upsert of a live room is not a creation, so the bound does not apply. */
-  assert_int_equal(kvf__rooms_upsert(t, 2, ROOM_BOOTSTRAPPED, NULL), 0);
+  assert_int_equal(kvf__rooms_create(t, 4, ROOM_BOOTSTRAPPED), KVF_ENOMEM);
+  /* An update of a live room is not a creation, so the bound does not apply. */
+  assert_int_equal(kvf__rooms_update(t, 2, ROOM_BOOTSTRAPPED, NULL), 0);
   rooms_stats st;
   kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.rejected_full, 2);
   assert_int_equal(kvf__rooms_clear(t, 0, NULL), 0);
   assert_int_equal(kvf__rooms_create(t, 3, ROOM_BOOTSTRAPPING), 0);
-  assert_int_equal(kvf__rooms_count(t), 3);
+  assert_int_equal(live_count(t), 3);
   kvf__rooms_table_free(t, NULL);
 }
 
@@ -163,19 +222,20 @@ static void unknown_room_messages_dropped(void **state) {
   int became = 7;
   assert_int_equal(kvf__rooms_record_response(t, 9, 0, 5, cands, 2, &became), KVF_ENOTFOUND);
   assert_int_equal(became, 7); /* outputs untouched on failure */
-  assert_int_equal(kvf__rooms_count(t), 0);
-  assert_int_equal(kvf__rooms_exists(t, 9), 0);
+  assert_int_equal(live_count(t), 0);
+  int s;
+  assert_int_equal(kvf__rooms_get_status(t, 9, &s), KVF_ENOTFOUND);
   /* A cleared room is unknown again. */
   assert_int_equal(kvf__rooms_create(t, 10, ROOM_BOOTSTRAPPING), 0);
   assert_int_equal(kvf__rooms_clear(t, 10, NULL), 0);
   assert_int_equal(kvf__rooms_update(t, 10, ROOM_FAILED, NULL), KVF_ENOTFOUND);
-  assert_int_equal(kvf__rooms_count(t), 0);
+  assert_int_equal(live_count(t), 0);
   rooms_stats st;
   kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.dropped_unknown, 4);
   /* Local reads of an unknown room fail without counting as drops. */
   int64_t tok = 3;
-  assert_int_equal(kvf__rooms_pop_token(t, 9, &tok), KVF_ENOTFOUND);
+  assert_int_equal(pop_token(t, 9, &tok), KVF_ENOTFOUND);
   assert_int_equal(tok, 3);
   char buf[8];
   assert_int_equal(kvf__rooms_get_reason(t, 9, buf, sizeof buf), KVF_ENOTFOUND);
@@ -261,8 +321,48 @@ static void high_ranks_and_bounds(void **state) {
   assert_int_equal(kvf__rooms_record_response(t, 1, ROOMS_MAX_RANKS - 1, 9, NULL, 0, &became), 0);
   assert_int_equal(became, 1);
   int64_t tok;
-  assert_int_equal(kvf__rooms_pop_token(t, 1, &tok), 0);
+  assert_int_equal(pop_token(t, 1, &tok), 0);
   assert_int_equal(tok, 9);
+  kvf__rooms_table_free(t, NULL);
+}
+
+/* The prefill publishes a room's first token once (kvf_sender_set_metadata)
+ * and reads it as often as it needs; the table owns the candidates. */
+static void prefill_publishes_metadata_once(void **state) {
+  rooms *t = new_table(0);
+  int64_t tok = 7;
+  int32_t got[ROOMS_MAX_CANDS];
+  size_t n = 9;
+  int32_t *c = malloc(3 * sizeof *c);
+  assert_non_null(c);
+  c[0] = 4, c[1] = 5, c[2] = 6;
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, 11, c, 3), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_create(t, 3, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), KVF_EAGAIN);
+  assert_int_equal(tok, 7);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, 11, c, ROOMS_MAX_CANDS + 1), KVF_ETOOBIG);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, 11, c, 3), 0); /* c is the table's now */
+  int32_t *d = malloc(sizeof *d);
+  assert_non_null(d);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, 12, d, 1), KVF_EEXIST);
+  free(d);
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), 0);
+    assert_int_equal(tok, 11);
+    assert_int_equal(n, 3);
+    assert_int_equal(got[2], 6);
+  }
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, 2, &n), KVF_ETOOBIG);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, -1, NULL, 2), KVF_EINVAL);
+  /* Gone with the room: a reused id starts unpublished. */
+  assert_int_equal(kvf__rooms_clear(t, 3, NULL), 0);
+  assert_int_equal(kvf__rooms_create(t, 3, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), KVF_EAGAIN);
+  assert_int_equal(kvf__rooms_publish_metadata(t, 3, -1, NULL, 0), 0);
+  assert_int_equal(kvf__rooms_get_metadata(t, 3, &tok, got, ROOMS_MAX_CANDS, &n), 0);
+  assert_int_equal(tok, -1);
+  assert_int_equal(n, 0);
   kvf__rooms_table_free(t, NULL);
 }
 
@@ -303,20 +403,12 @@ static void failed_room_ignores_success(void **state) {
 
 static int is_tagged(int64_t room, void *user, void *arg) { return user == arg; }
 
-static int count_cb(int64_t room, const rooms_info *info, void *arg) {
-  int *n = arg;
-  if (info->status == ROOM_FAILED) (*n)++;
-  return 0;
-}
-
-static int stop_cb(int64_t room, const rooms_info *info, void *arg) { return 17; }
-
 static int nfreed;
 static void free_user(void *u) { nfreed++; }
 
 /* The heartbeat's node-failure pass: tagged rooms that are not Success
  * fail with the reason; others are left alone. */
-static void fail_matching_and_foreach(void **state) {
+static void fail_matching(void **state) {
   rooms *t = new_table(0);
   int tag_a, tag_b;
   for (int r = 0; r < 6; r++) {
@@ -345,9 +437,8 @@ static void fail_matching_and_foreach(void **state) {
   assert_int_equal(kvf__rooms_get_user(t, 4, &u), 0);
   assert_ptr_equal(u, &tag_b);
   int nf = 0;
-  assert_int_equal(kvf__rooms_foreach(t, count_cb, &nf), 0);
+  for (int r = 0; r < 6; r++) nf += status_of(t, r) == ROOM_FAILED;
   assert_int_equal(nf, 3);
-  assert_int_equal(kvf__rooms_foreach(t, stop_cb, NULL), 17);
   nfreed = 0;
   kvf__rooms_table_free(t, free_user);
   assert_int_equal(nfreed, 6);
@@ -368,7 +459,7 @@ static void *poller(void *arg) {
     while (kvf__rooms_get_status(c->t, r, &s) != 0 || s != ROOM_SUCCESS) {
     }
     int64_t tok = -1;
-    if (kvf__rooms_pop_token(c->t, r, &tok) != 0 || tok != 1000 + r) atomic_fetch_add(&c->bad, 1);
+    if (pop_token(c->t, r, &tok) != 0 || tok != 1000 + r) atomic_fetch_add(&c->bad, 1);
   }
   return NULL;
 }
@@ -422,19 +513,23 @@ static void *hammer(void *arg) {
     if (kvf__rooms_clear(t, own, NULL) != 0) abort();
     /* Shared rooms: racing creators, updaters, failers and clearers; any
      * result code is allowed, nothing may crash or race. */
-    kvf__rooms_upsert(t, shared, ROOM_BOOTSTRAPPING, NULL);
+    kvf__rooms_create(t, shared, ROOM_BOOTSTRAPPING);
+    /* and early rooms the threads race to add, make live and clear */
+    kvf__rooms_add_early(t, SHARED + shared, h);
+    if (i % 3 == 0) kvf__rooms_create(t, SHARED + shared, ROOM_BOOTSTRAPPING);
     kvf__rooms_update(t, shared, (i + h->id) % (ROOM_STATUS_MAX + 1), NULL);
     kvf__rooms_record_response(t, shared, h->id, i, cands, (size_t)(i % 5), NULL);
     if (i % 7 == 0) kvf__rooms_fail(t, shared, "shared failure");
     if (i % 11 == h->id) kvf__rooms_clear(t, shared, NULL);
+    if (i % 5 == h->id) kvf__rooms_clear(t, SHARED + shared, NULL);
     kvf__rooms_get_status(t, shared, &s);
     char buf[32];
     kvf__rooms_get_reason(t, shared, buf, sizeof buf);
-    kvf__rooms_pop_token(t, shared, &tok);
+    pop_token(t, shared, &tok);
     if (i % 97 == 0) {
       rooms_stats st;
       kvf__rooms_get_stats(t, &st);
-      kvf__rooms_count(t);
+      live_count(t);
     }
   }
   return NULL;
@@ -449,9 +544,9 @@ static void concurrent_updates_and_clears(void **state) {
     assert_int_equal(pthread_create(&th[i], NULL, hammer, &ctx[i]), 0);
   }
   for (int i = 0; i < NTHREADS; i++) pthread_join(th[i], NULL);
-  assert_true(kvf__rooms_count(t) <= SHARED);
-  for (int64_t r = 0; r < SHARED; r++) kvf__rooms_clear(t, r, NULL);
-  assert_int_equal(kvf__rooms_count(t), 0);
+  assert_true(live_count(t) <= 2 * SHARED);
+  for (int64_t r = 0; r < 2 * SHARED; r++) kvf__rooms_clear(t, r, NULL);
+  assert_int_equal(live_count(t), 0);
   rooms_stats st;
   kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.created, st.cleared);
@@ -461,15 +556,16 @@ static void concurrent_updates_and_clears(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(update_rule_table),
-      cmocka_unit_test(upsert_stores_absent_as_is),
+      cmocka_unit_test(early_rooms_are_not_live),
       cmocka_unit_test(reuse_after_clear),
       cmocka_unit_test(many_rooms_created_and_cleared),
       cmocka_unit_test(live_room_bound),
       cmocka_unit_test(unknown_room_messages_dropped),
       cmocka_unit_test(first_token_wins_two_responders),
       cmocka_unit_test(high_ranks_and_bounds),
+      cmocka_unit_test(prefill_publishes_metadata_once),
       cmocka_unit_test(failed_room_ignores_success),
-      cmocka_unit_test(fail_matching_and_foreach),
+      cmocka_unit_test(fail_matching),
       cmocka_unit_test(token_visible_when_success_seen),
       cmocka_unit_test(concurrent_updates_and_clears),
   };

@@ -117,13 +117,7 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
    * token-major, so with page_size > 1 the slices must be cut per token,
    * which only a prefill that publishes its page layout (kvferry) does. A
    * tokenspeed prefill would land wrong bytes: refuse instead. */
-  int slicing = 0;
-  for (size_t i = 0; !rc && i < a->plan.nfrags; i++) {
-    const plan_fragment *f = &a->plan.frags[i];
-    if (f->kind != PLAN_MAMBA_STATE &&
-        (f->bytes_per_page != f->src_page_stride || f->bytes_per_page != f->dst_page_stride))
-      slicing = 1;
-  }
+  int slicing = !rc && kvf__plan_frags_slice_pages(a->plan.frags, a->plan.nfrags);
   a->kvferry_peer = pi.lists[ROUTE_KVF_PAGE_LAYOUT].n >= 2;
   if (!rc && slicing && m->cfg.page_size > 1) {
     const route_lens *lay = &pi.lists[ROUTE_KVF_PAGE_LAYOUT];
@@ -197,19 +191,7 @@ static pool_entry *pool_from_plan(const addr_entry *a, const char *addr) {
                                   .frag_start = t->frag_start,
                                   .nfrags = t->nfrags};
   }
-  for (size_t i = 0; i < p->nfrags; i++) {
-    const plan_fragment *f = &a->plan.frags[i];
-    p->frags[i] = (wire_fragment){.buffer_index = f->buffer_index,
-                                  .buffer_kind = (int32_t)f->kind,
-                                  .src_rank = f->src_rank,
-                                  .dst_rank = f->dst_rank,
-                                  .src_page_stride_bytes = (int64_t)f->src_page_stride,
-                                  .dst_page_stride_bytes = (int64_t)f->dst_page_stride,
-                                  .src_byte_offset = (int64_t)f->src_byte_offset,
-                                  .dst_byte_offset = (int64_t)f->dst_byte_offset,
-                                  .bytes_per_page = (int64_t)f->bytes_per_page,
-                                  .page_count = f->page_count};
-  }
+  if (p->nfrags) memcpy(p->frags, a->plan.frags, p->nfrags * sizeof *p->frags);
   return p;
 }
 

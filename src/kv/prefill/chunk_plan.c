@@ -1,6 +1,6 @@
 /* The chunk planner (PROTOCOL §6.3-§6.8): one chunk's page pairs to one
- * destination's engine writes, through the M2's fragments (converted and
- * cut per token once, when the M2 arrives) and per-worker grow-only scratch
+ * destination's engine writes, through the M2's fragments (used as they
+ * are, or cut per token once when the M2 arrives) and per-worker grow-only scratch
  * arrays, so the hot path does not allocate; plus the fence options, the
  * completion trailer and the worker path's write to one destination. */
 #include "kv/prefill/prefill_int.h"
@@ -11,25 +11,6 @@ uint64_t kvf__pf_writes_bytes(const kvf_write *w, size_t n) {
   return b;
 }
 
-plan_fragment *kvf__pf_convert_frags(const wire_m2 *x) {
-  plan_fragment *f = calloc(x->nfrags ? x->nfrags : 1, sizeof *f);
-  if (!f) return NULL;
-  for (size_t i = 0; i < x->nfrags; i++) {
-    const wire_fragment *w = &x->frags[i];
-    f[i] = (plan_fragment){.buffer_index = (uint32_t)w->buffer_index,
-                           .kind = (plan_kind)w->buffer_kind,
-                           .src_rank = (int32_t)w->src_rank,
-                           .dst_rank = (int32_t)w->dst_rank,
-                           .src_page_stride = (uint64_t)w->src_page_stride_bytes,
-                           .dst_page_stride = (uint64_t)w->dst_page_stride_bytes,
-                           .src_byte_offset = (uint64_t)w->src_byte_offset,
-                           .dst_byte_offset = (uint64_t)w->dst_byte_offset,
-                           .bytes_per_page = (uint64_t)w->bytes_per_page,
-                           .page_count = w->page_count};
-  }
-  return f;
-}
-
 /* Token-major pages ([token][head][dim], our MHA pool) hold a head range
  * contiguously only per token. A plan that cuts a byte range out of each
  * page (§6.5.7 caveat) is therefore cut per token when the decode says its
@@ -38,14 +19,12 @@ plan_fragment *kvf__pf_convert_frags(const wire_m2 *x) {
  * and the caller scales page runs to token runs. A slicing plan without
  * that frame, or with another page size, would land wrong bytes: refused.
  * Whole-page fragments (replicated buffers) and page_size 1 need nothing.
- * Returns the tokens per page to scale by (1 = plain), or 0 with a reason. */
-int64_t kvf__pf_per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, char *why, size_t whycap) {
-  int slicing = 0;
-  for (size_t i = 0; i < n; i++)
-    if (f[i].kind != PLAN_MAMBA_STATE &&
-        (f[i].bytes_per_page != f[i].src_page_stride || f[i].bytes_per_page != f[i].dst_page_stride))
-      slicing = 1;
-  if (P <= 1 || !slicing) return 1;
+ * Returns the tokens per page to scale by (1 = plain: the fragments are
+ * used as they are), or 0 with a reason, or -1 without memory; when it
+ * returns P > 1, *cut is a malloc'd per-token copy of the n fragments. */
+int64_t kvf__pf_per_token(const wire_fragment *f, size_t n, int64_t P, int64_t layout, wire_fragment **cut,
+                          char *why, size_t whycap) {
+  if (P <= 1 || !kvf__plan_frags_slice_pages(f, n)) return 1;
   if (layout != P) {
     if (layout)
       snprintf(why, whycap,
@@ -60,22 +39,29 @@ int64_t kvf__pf_per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout,
                P);
     return 0;
   }
-  uint64_t u = (uint64_t)P;
   for (size_t i = 0; i < n; i++) {
-    plan_fragment *g = &f[i];
-    if (g->kind == PLAN_MAMBA_STATE) continue;
-    if (g->src_page_stride % u || g->dst_page_stride % u || g->src_byte_offset % u || g->dst_byte_offset % u ||
-        g->bytes_per_page % u || (g->page_count >= 0 && g->page_count > INT64_MAX / P)) {
+    const wire_fragment *g = &f[i];
+    if (g->buffer_kind == WIRE_KIND_MAMBA_STATE) continue;
+    if (g->src_page_stride_bytes % P || g->dst_page_stride_bytes % P || g->src_byte_offset % P ||
+        g->dst_byte_offset % P || g->bytes_per_page % P || (g->page_count >= 0 && g->page_count > INT64_MAX / P)) {
       snprintf(why, whycap,
                "Refusing a fragment of buffer %u: its slice does not split into %" PRId64 " equal token slices",
                (unsigned)g->buffer_index, P);
       return 0;
     }
-    g->src_page_stride /= u, g->dst_page_stride /= u;
-    g->src_byte_offset /= u, g->dst_byte_offset /= u;
-    g->bytes_per_page /= u;
+  }
+  wire_fragment *t = malloc(n * sizeof *t);
+  if (!t) return -1;
+  for (size_t i = 0; i < n; i++) {
+    wire_fragment *g = &t[i];
+    *g = f[i];
+    if (g->buffer_kind == WIRE_KIND_MAMBA_STATE) continue;
+    g->src_page_stride_bytes /= P, g->dst_page_stride_bytes /= P;
+    g->src_byte_offset /= P, g->dst_byte_offset /= P;
+    g->bytes_per_page /= P;
     if (g->page_count >= 0) g->page_count *= P;
   }
+  *cut = t;
   return P;
 }
 
@@ -144,16 +130,19 @@ int kvf__pf_scratch_init(pf_scratch *sc, const manager_buffers *b) {
   return sc->dptr && sc->sptr ? 0 : KVF_ENOMEM;
 }
 
-/* The M2's plan, once, when it arrives: fragments converted (and cut per
- * token). info->tokens = 0 when the plan is refused (reason in plan_why:
- * its rooms fail when a chunk is sent). KVF_ENOMEM only without memory. */
+/* The M2's plan, once, when it arrives: its fragments, cut per token when
+ * the pages are token-major. info->tokens = 0 when the plan is refused
+ * (reason in plan_why: its rooms fail when a chunk is sent). KVF_ENOMEM
+ * only without memory. */
 int kvf__pf_info_plan(kvf_manager *m, pf_info *info) {
   const wire_m2 *x = info->m2;
   info->tokens = 1;
+  info->frags = x->frags;
   if (!x->nfrags || x->is_dummy) return 0;
-  if (!(info->frags = kvf__pf_convert_frags(x))) return KVF_ENOMEM;
-  info->tokens = kvf__pf_per_token(info->frags, x->nfrags, m->cfg.page_size, x->page_layout, info->plan_why,
-                                   sizeof info->plan_why);
+  info->tokens = kvf__pf_per_token(x->frags, x->nfrags, m->cfg.page_size, x->page_layout, &info->frags_cut,
+                                   info->plan_why, sizeof info->plan_why);
+  if (info->tokens < 0) return KVF_ENOMEM;
+  if (info->frags_cut) info->frags = info->frags_cut;
   return 0;
 }
 
@@ -161,7 +150,7 @@ int kvf__pf_info_plan(kvf_manager *m, pf_info *info) {
  * the destination, appending the writes to sc->w. Uses only sc's arrays. */
 static int plan_pairs_sc(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, int state, size_t l0, size_t l1,
                          const int64_t *src, const int64_t *dst, size_t n, const uint64_t *dst_ptrs,
-                         const plan_fragment *frags, size_t nfrags, int frag_mode, int64_t tokens, char *why,
+                         const wire_fragment *frags, size_t nfrags, int frag_mode, int64_t tokens, char *why,
                          size_t whycap) {
   kvf_manager *m = ps->m;
   const manager_buffers *b = &m->bufs;
@@ -235,7 +224,7 @@ int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, cons
     snprintf(why, whycap, "%s", info->plan_why);
     return ret;
   }
-  const plan_fragment *frags = info->frags;
+  const wire_fragment *frags = info->frags;
 
   /* §6.8: skip the pages the decode already holds; position p maps to
    * destination index p - P. Then truncate to what both sides have (§6.3). */

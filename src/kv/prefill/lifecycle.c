@@ -84,6 +84,13 @@ static int direct_init(prefill_state *ps) {
   return 0;
 }
 
+/* Stop: a room still in the table (early, or a sender never destroyed). */
+static void release_room(void *user, void *arg) {
+  pf_room *r = user;
+  r->refs = 1; /* workers are gone: nothing else can hold it */
+  kvf__pf_room_unref(arg, r);
+}
+
 static void free_state(prefill_state *ps) {
   map_iter it;
   void *v;
@@ -94,13 +101,7 @@ static void free_state(prefill_state *ps) {
     free(reg);
   }
   kvf__smap_free(&ps->regs);
-  kvf__map_iter_init(&it);
-  while (kvf__map_next(&ps->rooms, &it, NULL, &v)) {
-    pf_room *r = v;
-    r->refs = 1; /* workers are gone: nothing else can hold it */
-    kvf__pf_room_unref(ps, r);
-  }
-  kvf__map_free(&ps->rooms);
+  kvf__rooms_clear_all(ps->m->rooms, release_room, ps);
   free(ps->st_start), free(ps->st_bufs);
   free(ps->stl_start), free(ps->stl_bufs);
   while (ps->room_spare) {
@@ -156,7 +157,6 @@ int kvf__prefill_start(kvf_manager *m) {
   pthread_mutex_init(&ps->direct_lock, NULL);
   clock_cond_init(&ps->direct_cv);
   int rc = smap_init(&ps->regs);
-  if (!rc) rc = kvf__map_init(&ps->rooms);
   if (!rc) rc = build_layouts(ps);
   if (!rc) rc = direct_init(ps);
   ps->nqueues = m->cfg.queue_size;

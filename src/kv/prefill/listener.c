@@ -92,12 +92,12 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   int mismatch = !x->is_dummy && reg->m1->kv_ptrs.count != m->bufs.n_kv;
   int64_t now = clock_now_ns();
   kvf__pf_expire_early(ps, now);
-  pf_room *r = kvf__map_get(&ps->rooms, (uint64_t)x->room);
+  pf_room *r = kvf__pf_room_find(ps, x->room);
   if (!r) {
     const char *full = reg->nearly >= PF_MAX_EARLY_PER_SESSION ? "from this decode session"
                        : ps->nearly >= PF_MAX_EARLY            ? "from all decode sessions"
                                                                : NULL;
-    if (full || !(r = kvf__pf_room_new(ps)) || kvf__map_put(&ps->rooms, (uint64_t)x->room, r, NULL)) {
+    if (full || !(r = kvf__pf_room_new(ps)) || kvf__rooms_add_early(m->rooms, x->room, r)) {
       kvf__pf_room_drop(ps, r);
       pthread_mutex_unlock(&ps->lock);
       atomic_fetch_add(&m->stats.messages_unknown_room, 1);
@@ -183,7 +183,7 @@ static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames
   }
   int hit = 0;
   pthread_mutex_lock(&ps->lock);
-  pf_room *r = kvf__map_get(&ps->rooms, (uint64_t)f.room);
+  pf_room *r = kvf__pf_room_find(ps, f.room);
   for (size_t i = 0; r && !r->dead && i < r->ninfos && !hit; i++) {
     const wire_m2 *x = r->infos[i]->m2;
     hit = x->fence_epoch == f.epoch && !strcmp(x->session, f.session);

@@ -12,12 +12,15 @@
  * room and session), the senders the scheduler drives, and queue_size
  * transfer workers that turn chunks into engine writes and report M3.
  *
- * Tables and bounds. All prefill tables sit behind one mutex (ps->lock):
- * registrations (at most PF_MAX_SESSIONS sessions), per-room state `pf_room`
- * keyed by room id, and per-room transfer infos in arrival order (at most
- * PF_MAX_INFOS). An M2 may arrive before its sender exists (a legitimate
- * race): it is stored in a pf_room without a sender, an "early" room
- * (issue 13 defect 6). Each early room is charged to the decode session
+ * Tables and bounds. A room is one object, the manager's room table's
+ * (kv/rooms.h): status, reason and the rest there, and the prefill's own
+ * per-room data, `pf_room`, hung on it as its user pointer and found through
+ * it by room id (kvf__pf_room_find). The prefill's data sits behind one
+ * mutex (ps->lock): registrations (at most PF_MAX_SESSIONS sessions), the
+ * pf_rooms and their transfer infos in arrival order (at most PF_MAX_INFOS).
+ * An M2 may arrive before its sender exists (a legitimate race): it is
+ * stored in a pf_room without a sender, in the table's early state (not
+ * live; issue 13 defect 6). Each early room is charged to the decode session
  * whose M2 created it; a session holds at most PF_MAX_EARLY_PER_SESSION of
  * them and all sessions together at most PF_MAX_EARLY, so one flooding
  * decode cannot starve the others. Early rooms sit on one LRU list (a repeat
@@ -25,14 +28,14 @@
  * rooms idle past the waiting timeout from the head (the decode has given
  * up on them by then), so every M2 costs O(1). An M2 that would need an
  * early room past a bound is refused: its decode gets M3 Failed with the
- * reason (kvferry frame 5) at once instead of waiting. Early rooms are not
- * in the shared room table (m->rooms holds exactly the rooms with a sender),
- * so kvf_manager_get_stats' live_rooms counts senders only.
+ * reason (kvferry frame 5) at once instead of waiting. kvf_sender_create
+ * makes an early room live (it keeps its pf_room); only live rooms count in
+ * kvf_manager_get_stats' live_rooms (senders), early ones in rooms_early.
  *
- * Lifetime. A pf_room is reference counted: one reference for its map entry
- * and one per chunk that is pending on it or queued/being processed. Destroy
- * removes the map entry and marks the room dead; a worker that still holds
- * a chunk sees `dead` and drops it, and every call into m->rooms that names
+ * Lifetime. A pf_room is reference counted: one reference for its place in
+ * the room table and one per chunk that is pending on it or queued/being
+ * processed. Destroy clears the room from the table and marks the pf_room
+ * dead; a worker that still holds a chunk sees `dead` and drops it, and every call into m->rooms that names
  * the room by id is made under ps->lock after checking `dead`, so a room id
  * reused by a new sender is never touched by an old chunk. Transfer infos
  * are reference counted too, because a repeated M2 replaces one while a
@@ -40,9 +43,11 @@
  * any more are kept (PF_SPARE_ROOMS each) and reused, and the planning
  * arrays are per worker and grow-only, so a warm manager allocates per room
  * only the M2's copy, a queued chunk's copy (worker path) and the engine's batch.
- * Lock order: ps->lock, then a queue's lock, then
- * the room table's internal lock. Nothing that blocks (engine writes, M3
- * sends) runs under ps->lock.
+ * Lock order (the rule of kv/rooms.h): ps->lock, then a queue's lock, then
+ * the room table's leaf lock; the table's early/live state and its user
+ * pointers change only under ps->lock, so a pf_room found by id stays valid
+ * while ps->lock is held. Nothing that blocks (engine writes, M3 sends)
+ * runs under ps->lock.
  *
  * Chunks sent before every M2 arrived wait on the room (`pending`) and are
  * queued, in order, when the room becomes Bootstrapped; the sender's poll
@@ -137,9 +142,11 @@ typedef struct pf_reg { /* one decode registration (M1) */
 typedef struct pf_info { /* one M2, shared with workers */
   int refs;
   wire_m2 *m2; /* heap copy (kvf__wire_m2_dup) */
-  /* its plan, converted once when the M2 arrives */
-  plan_fragment *frags; /* m2->nfrags, per token when tokens > 1 */
-  int64_t tokens;       /* tokens per page the runs scale by; 0 = plan refused (plan_why) */
+  /* its plan, checked once when the M2 arrives: m2->nfrags fragments, the
+   * M2's own (m2->frags) or, when tokens > 1, their per-token cut (frags_cut) */
+  const wire_fragment *frags;
+  wire_fragment *frags_cut; /* owned; NULL unless tokens > 1 */
+  int64_t tokens;           /* tokens per page the runs scale by; 0 = plan refused (plan_why) */
   char plan_why[200];
 } pf_info;
 
@@ -214,11 +221,6 @@ typedef struct pf_room {
   size_t ninfos, cap;
   pf_chunk *pend_head, *pend_tail;
   size_t npending;
-  /* first token published by kvf_sender_set_metadata (immutable once set) */
-  int meta_set;
-  int64_t meta_token;
-  int32_t *meta_cands;
-  size_t meta_ncand;
   /* PF_TOKEN_LATER: the last chunk landed, waiting for the token */
   pf_dest *park; /* the completed destinations, NULL when not parked */
   size_t npark;
@@ -284,7 +286,6 @@ typedef struct prefill_state {
   kvf_sender *sender_spare; /* destroyed senders' records, under lock */
   size_t nsender_spare;
   smap regs; /* session -> pf_reg */
-  map rooms; /* room id -> pf_room */
   size_t nearly;
   pf_room *early_head, *early_tail; /* least recently used first */
   int nqueues;
@@ -302,6 +303,7 @@ enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
 /* rooms_early.c */
 void kvf__pf_chunk_free(pf_chunk *c);
 void kvf__pf_info_unref(pf_info *i);
+pf_room *kvf__pf_room_find(prefill_state *ps, int64_t room);
 pf_room *kvf__pf_room_new(prefill_state *ps);
 void kvf__pf_room_drop(prefill_state *ps, pf_room *r);
 void kvf__pf_room_unref(prefill_state *ps, pf_room *r);
@@ -321,8 +323,8 @@ void kvf__pf_expire_early(prefill_state *ps, int64_t now);
 
 /* chunk_plan.c */
 uint64_t kvf__pf_writes_bytes(const kvf_write *w, size_t n);
-plan_fragment *kvf__pf_convert_frags(const wire_m2 *x);
-int64_t kvf__pf_per_token(plan_fragment *f, size_t n, int64_t P, int64_t layout, char *why, size_t whycap);
+int64_t kvf__pf_per_token(const wire_fragment *f, size_t n, int64_t P, int64_t layout, wire_fragment **cut,
+                          char *why, size_t whycap);
 int kvf__pf_state_counts_ok(const wire_m2 *x, size_t nsptr, size_t n_state, size_t nstate, char *why,
                             size_t whycap);
 pf_reg *kvf__pf_usable_reg_locked(prefill_state *ps, const char *session, int64_t now, char *why, size_t whycap);
@@ -340,7 +342,7 @@ int kvf__pf_submit_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, co
                         kvf_batch **out, uint64_t *bytes, char *why, size_t whycap);
 
 /* verify_send.c */
-int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,
+int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const pf_info *info, uint64_t *bytes, char *why,
                          size_t whycap);
 /* Verify mode: do the chunk's source pages still hold what kvf_sender_send
  * hashed? 0, or KVF_ESTATE with the first changed page named in why

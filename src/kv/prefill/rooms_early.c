@@ -13,10 +13,18 @@ void kvf__pf_chunk_free(pf_chunk *c) {
 
 void kvf__pf_info_unref(pf_info *i) {
   if (i && --i->refs == 0) {
-    free(i->frags);
+    free(i->frags_cut);
     free(i->m2);
     free(i);
   }
+}
+
+/* ps->lock held: the pf_room of a room id (live or early), or NULL. It
+ * stays valid while ps->lock is held: only the prefill, under ps->lock,
+ * stores or clears its rooms. */
+pf_room *kvf__pf_room_find(prefill_state *ps, int64_t room) {
+  void *u = NULL;
+  return kvf__rooms_get_user(ps->m->rooms, room, &u) ? NULL : u;
 }
 
 /* ps->lock held: an empty room, a spare one when there is (its infos
@@ -51,7 +59,6 @@ void kvf__pf_room_drop(prefill_state *ps, pf_room *r) {
 void kvf__pf_room_unref(prefill_state *ps, pf_room *r) {
   if (--r->refs > 0) return;
   for (size_t i = 0; i < r->ninfos; i++) kvf__pf_info_unref(r->infos[i]);
-  free(r->meta_cands);
   free(r->park);
   for (pf_chunk *c = r->pend_head, *n; c; c = n) {
     n = c->next;
@@ -201,7 +208,7 @@ void kvf__pf_expire_early(prefill_state *ps, int64_t now) {
   for (int i = 0; i < PF_EXPIRE_PER_MSG && ps->early_head && now - ps->early_head->last_m2_ns >= max_ns; i++) {
     pf_room *r = ps->early_head;
     kvf__pf_early_unlink(ps, r);
-    kvf__map_del(&ps->rooms, (uint64_t)r->room, NULL);
+    kvf__rooms_clear(ps->m->rooms, r->room, NULL);
     r->dead = 1;
     kvf__pf_room_unref(ps, r);
   }

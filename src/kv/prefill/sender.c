@@ -27,19 +27,19 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
   if (s) memset(s, 0, sizeof *s);
   else if (!(s = calloc(1, sizeof *s))) return KVF_ENOMEM;
   pthread_mutex_lock(&ps->lock);
-  pf_room *r = kvf__map_get(&ps->rooms, (uint64_t)room);
+  pf_room *r = kvf__pf_room_find(ps, room);
   int rc = r && r->has_sender ? KVF_EEXIST : 0;
-  if (!rc) rc = kvf__rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
+  if (!rc) rc = kvf__rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING); /* an early room becomes live */
   if (rc) goto err_unlock;
   if (!r) {
-    if (!(r = kvf__pf_room_new(ps)) || kvf__map_put(&ps->rooms, (uint64_t)room, r, NULL)) {
-      kvf__pf_room_drop(ps, r);
+    if (!(r = kvf__pf_room_new(ps))) {
       kvf__rooms_clear(m->rooms, room, NULL);
       rc = KVF_ENOMEM;
       goto err_unlock;
     }
     r->room = room;
     r->refs = 1;
+    kvf__rooms_set_user(m->rooms, room, r); /* cannot fail: live, and ps->lock held */
   } else {
     kvf__pf_early_unlink(ps, r); /* the M2s came first */
   }
@@ -219,17 +219,11 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
   int st = ROOM_FAILED, rc = 0;
   pf_dest *d = NULL;
   size_t nd = 0;
-  const int32_t *cd = NULL;
   pthread_mutex_lock(&ps->lock);
   if (r->dead || kvf__rooms_get_status(s->m->rooms, s->room, &st)) {
     rc = KVF_ENOTFOUND;
-  } else if (r->meta_set) {
-    rc = KVF_EEXIST;
-  } else {
-    r->meta_set = 1;
-    r->meta_token = bootstrap_token;
-    r->meta_cands = copy, r->meta_ncand = ncand;
-    cd = copy, copy = NULL;
+  } else if (!(rc = kvf__rooms_publish_metadata(s->m->rooms, s->room, bootstrap_token, copy, ncand))) {
+    copy = NULL;   /* the room's now */
     if (r->park) { /* the KV landed: Success now (§6.11 step 6) */
       d = r->park, nd = r->npark;
       r->park = NULL, r->npark = 0;
@@ -241,11 +235,9 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
   }
   pthread_mutex_unlock(&ps->lock);
   free(copy);
-  /* cd stays valid: the room lives as long as the sender, and its metadata
-   * never changes once set. */
   for (size_t k = 0; k < nd; k++)
     kvf__pf_send_m3(s->m, d[k].host, d[k].port, s->room, st == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
-                    bootstrap_token, cd, ncand);
+                    bootstrap_token, cands, ncand);
   free(d);
   return rc;
 }
@@ -335,9 +327,8 @@ void kvf_sender_destroy(kvf_sender *s) {
   prefill_state *ps = s->m->prefill;
   pf_room *r = s->r;
   pthread_mutex_lock(&ps->lock);
-  kvf__rooms_clear(s->m->rooms, s->room, NULL);
+  kvf__rooms_clear(s->m->rooms, s->room, NULL); /* the table held r: nothing else names it by id now */
   r->dead = 1;
-  if (kvf__map_get(&ps->rooms, (uint64_t)s->room) == r) kvf__map_del(&ps->rooms, (uint64_t)s->room, NULL);
   pf_chunk *c = r->pend_head;
   r->pend_head = r->pend_tail = NULL;
   r->npending = 0;
@@ -346,7 +337,7 @@ void kvf_sender_destroy(kvf_sender *s) {
     kvf__pf_chunk_release_locked(ps, c);
     c = n;
   }
-  kvf__pf_room_unref(ps, r); /* the map's reference; queued chunks keep theirs */
+  kvf__pf_room_unref(ps, r); /* the table's reference; queued chunks keep theirs */
   sender_drop_locked(ps, s);
   pthread_mutex_unlock(&ps->lock);
 }

@@ -70,7 +70,7 @@ int kvf__pf_recheck_chunk(prefill_state *ps, const pf_chunk *c, char *why, size_
 /* Plan the engine blocks of n page pairs: *w (malloc'd, NULL when nothing
  * to write) holds *nw blocks. */
 static int plan_pairs(prefill_state *ps, int state, size_t l0, size_t l1, const int64_t *src, const int64_t *dst,
-                      size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags, size_t nfrags, int frag_mode,
+                      size_t n, const uint64_t *dst_ptrs, const wire_fragment *frags, size_t nfrags, int frag_mode,
                       int64_t tokens, kvf_write **wout, size_t *nwout) {
   const manager_buffers *b = &ps->m->bufs;
   const plan_layout *lay = state ? &ps->st_lay : &ps->kv_lay;
@@ -132,7 +132,7 @@ typedef struct pf_part {
 #define PF_VERIFY_PARTS 16
 
 static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0, size_t l1, const int64_t *src,
-                       const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const plan_fragment *frags,
+                       const int64_t *dst, size_t n, const uint64_t *dst_ptrs, const wire_fragment *frags,
                        size_t nfrags, int frag_mode, int64_t tokens, const pf_integ *vi, uint64_t *bytes,
                        char *why, size_t whycap, int *xfer) {
   kvf_manager *m = ps->m;
@@ -201,15 +201,16 @@ static int write_pairs(prefill_state *ps, const wire_m2 *x, int state, size_t l0
 
 /* One chunk to one real destination (§6.3-§6.6). DEST_FAIL with a reason,
  * or DEST_XFER_FAIL when the engine refused or failed the write. */
-int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x, uint64_t *bytes, char *why,
+int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const pf_info *info, uint64_t *bytes, char *why,
                          size_t whycap) {
+  const wire_m2 *x = info->m2;
   kvf_manager *m = ps->m;
   const manager_buffers *b = &m->bufs;
   int64_t page_size = m->cfg.page_size, now = clock_now_ns();
   uint64_t *dptr = NULL, *sptr = NULL;
   size_t nsptr = 0;
   int64_t *src = NULL, *dst = NULL;
-  plan_fragment *frags = NULL;
+  const wire_fragment *frags = info->frags;
   int ret = DEST_FAIL, xfer = 0;
 
   pthread_mutex_lock(&ps->lock);
@@ -234,13 +235,11 @@ int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const wire_m2 *x,
              x->decode_prefix_len, page_size);
     goto out;
   }
-  if (x->nfrags && !(frags = kvf__pf_convert_frags(x))) {
-    snprintf(why, whycap, "Out of memory");
+  int64_t tokens = info->tokens;
+  if (tokens < 1) { /* the plan was refused when the M2 arrived */
+    snprintf(why, whycap, "%s", info->plan_why);
     goto out;
   }
-  int64_t tokens = 1;
-  if (frags && (tokens = kvf__pf_per_token(frags, x->nfrags, page_size, x->page_layout, why, whycap)) < 1)
-    goto out;
 
   /* §6.8: skip the pages the decode already holds; position p maps to
    * destination index p - P. Then truncate to what both sides have (§6.3). */
@@ -299,6 +298,6 @@ out:
              (unsigned)x->dst_port, err);
     ret = DEST_XFER_FAIL;
   }
-  free(frags), free(src), free(dst), free(dptr), free(sptr);
+  free(src), free(dst), free(dptr), free(sptr);
   return ret;
 }

@@ -94,7 +94,7 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
     /* Verify mode (hashes, digests, parts) takes the integrity path, which
      * writes and confirms here. */
     sc->res[i] = c->digests || (x->room_flags & WIRE_ROOM_VERIFY)
-                     ? kvf__pf_send_to_dest(ps, c, x, &sc->dbytes[i], why, sizeof why)
+                     ? kvf__pf_send_to_dest(ps, c, infos[i], &sc->dbytes[i], why, sizeof why)
                      : kvf__pf_submit_dest(ps, sc, c, infos[i], nreal_all, &sc->batches[i], &sc->dbytes[i], why,
                                            sizeof why);
     if (sc->res[i] != DEST_OK) { /* `why` keeps its reason */
@@ -133,9 +133,10 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
     int64_t tok = c->token;
     const int32_t *cd = c->cands;
     size_t ncd = c->ncand;
+    int32_t meta[KVF_MAX_CANDIDATES];
     if (!r->dead && c->token == PF_TOKEN_LATER) {
-      if (r->meta_set) { /* published before the chunk landed */
-        tok = r->meta_token, cd = r->meta_cands, ncd = r->meta_ncand;
+      if (!kvf__rooms_get_metadata(m->rooms, r->room, &tok, meta, KVF_MAX_CANDIDATES, &ncd)) {
+        cd = meta; /* published before the chunk landed */
       } else {
         tok = -1, cd = NULL, ncd = 0; /* the chunk's values, should the room be Failed */
         kvf__rooms_get_status(m->rooms, r->room, &fin);

@@ -84,6 +84,9 @@ __attribute__((noinline)) static void reuse_page_early(const kvf_kv_buffers *b, 
   ((volatile unsigned char *)b->kv_ptrs[0])[(uint64_t)page * b->kv_item_lens[0]] ^= 0xff;
 }
 
+/* A bootstrap /metrics source: one prefill rank's manager counters. */
+static size_t manager_metrics(void *m, char *buf, size_t cap) { return kvf_manager_metrics(m, buf, cap); }
+
 static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed, long long token,
                          int chunk, int reuse, int wait_m2, uint64_t *rng) {
   for (int i = 0; i < r->nranks; i++) {
@@ -331,6 +334,7 @@ int cli_kv_peer(int argc, char **argv) {
       fprintf(stderr, "kv-peer: prefill rank %d: %s\n", r, kvf_strerror(err));
       goto out;
     }
+    if (srv) kvf_bootstrap_server_add_metrics(srv, manager_metrics, mgr[r]); /* its counters in /metrics */
   }
   printf("ready %s\n", baddr);
   fflush(stdout);
@@ -419,9 +423,9 @@ out:
   for (int i = 0; reqs && i < PEER_MAX_REQS; i++)
     if (reqs[i].nranks) finish_req(&reqs[i], pools, 0, "shutdown");
   fflush(stdout);
+  kvf_bootstrap_server_destroy(srv); /* before the managers and engines it shows */
   for (int r = 0; mgr && r < o.world; r++) kvf_manager_destroy(mgr[r]);
   for (int r = 0; pools && r < o.world; r++) kvpool_free(&pools[r]);
-  kvf_bootstrap_server_destroy(srv); /* before the engines it shows */
   for (int r = 0; engines && r < o.world; r++) kvf_engine_destroy(engines[r]);
   free(engines);
   free(mgr);
