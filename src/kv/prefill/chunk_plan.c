@@ -191,6 +191,21 @@ out:
   return rc;
 }
 
+/* §6.8: skip the pages the decode already holds (its prefix, unless the
+ * chunk names its destination indices); position p maps to destination index
+ * p - P. Then truncate to what both sides have (§6.3): *n pages from
+ * c->pages + *skip go to the M2's kv_indices from *dstart. */
+void kvf__pf_dest_window(const pf_chunk *c, const wire_m2 *x, int64_t page_size, size_t *skip, int64_t *dstart,
+                         size_t *n) {
+  int64_t prefix = c->explicit_idx ? 0 : x->decode_prefix_len / page_size;
+  *skip =
+      c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
+  *dstart = c->pos + (int64_t)*skip - prefix;
+  size_t ndst = x->kv_indices.count, nsrc = c->npages - *skip;
+  size_t avail = (uint64_t)*dstart < ndst ? ndst - (size_t)*dstart : 0;
+  *n = nsrc < avail ? nsrc : avail;
+}
+
 /* Plan one chunk to one real destination (§6.3-§6.6): sc->w[0..sc->nw)
  * holds the writes (KV, then state slots) afterwards. DEST_FAIL with a
  * reason; DEST_OK otherwise. No allocation beyond sc's grow-only arrays. */
@@ -226,15 +241,10 @@ int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, cons
   }
   const wire_fragment *frags = info->frags;
 
-  /* §6.8: skip the pages the decode already holds; position p maps to
-   * destination index p - P. Then truncate to what both sides have (§6.3). */
-  int64_t prefix = c->explicit_idx ? 0 : x->decode_prefix_len / page_size;
-  size_t skip =
-      c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
-  int64_t dstart = c->pos + (int64_t)skip - prefix;
-  size_t ndst = x->kv_indices.count, nsrc = c->npages - skip;
-  size_t avail = (uint64_t)dstart < ndst ? ndst - (size_t)dstart : 0;
-  size_t n = nsrc < avail ? nsrc : avail;
+  /* §6.8 and §6.3: the chunk's pages the decode still needs, and where. */
+  size_t skip, n;
+  int64_t dstart;
+  kvf__pf_dest_window(c, x, page_size, &skip, &dstart, &n);
   if (n) {
     if (kvf__pf_scratch_grow((void **)&sc->dst, &sc->cap_dst, n, sizeof *sc->dst)) {
       snprintf(why, whycap, "Out of memory");

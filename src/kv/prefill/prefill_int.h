@@ -332,6 +332,9 @@ int kvf__pf_scratch_grow(void **p, size_t *cap, size_t need, size_t elem);
 void kvf__pf_scratch_free(pf_scratch *sc);
 int kvf__pf_scratch_init(pf_scratch *sc, const manager_buffers *b);
 int kvf__pf_info_plan(kvf_manager *m, pf_info *info);
+/* The chunk's pages one destination still needs (chunk_plan.c). */
+void kvf__pf_dest_window(const pf_chunk *c, const wire_m2 *x, int64_t page_size, size_t *skip, int64_t *dstart,
+                         size_t *n);
 int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, char *why,
                       size_t whycap);
 void kvf__pf_fence_opts(const wire_m2 *x, kvf_batch_opts *opts);

@@ -241,15 +241,10 @@ int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const pf_info *in
     goto out;
   }
 
-  /* §6.8: skip the pages the decode already holds; position p maps to
-   * destination index p - P. Then truncate to what both sides have (§6.3). */
-  int64_t prefix = c->explicit_idx ? 0 : x->decode_prefix_len / page_size;
-  size_t skip =
-      c->pos < prefix ? (size_t)(prefix - c->pos < (int64_t)c->npages ? prefix - c->pos : (int64_t)c->npages) : 0;
-  int64_t dstart = c->pos + (int64_t)skip - prefix;
-  size_t ndst = x->kv_indices.count, nsrc = c->npages - skip;
-  size_t avail = (uint64_t)dstart < ndst ? ndst - (size_t)dstart : 0;
-  size_t n = nsrc < avail ? nsrc : avail;
+  /* §6.8 and §6.3: the chunk's pages the decode still needs, and where. */
+  size_t skip, n;
+  int64_t dstart;
+  kvf__pf_dest_window(c, x, page_size, &skip, &dstart, &n);
   if (n) {
     src = malloc(n * sizeof *src);
     dst = malloc(n * sizeof *dst);
