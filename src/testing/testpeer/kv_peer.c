@@ -148,6 +148,13 @@ static void busy_until(long long end_ns, uint64_t *acc, int sleep) {
     for (int i = 0; i < 256; i++) *acc = *acc * 6364136223846793005ULL + 1442695040888963407ULL;
 }
 
+/* A request slot not in use, or NULL when all PEER_MAX_REQS are. */
+static peer_req *free_req(peer_req *reqs) {
+  for (int i = 0; i < PEER_MAX_REQS; i++)
+    if (!reqs[i].nranks) return &reqs[i];
+  return NULL;
+}
+
 /* The `layerwise` command: compute layer by layer, sending each layer's KV
  * when it is done (per_layer) or the whole request after the last. */
 static int start_layerwise(peer_req *r, kvf_manager *m, kvpool *pool, size_t layers, long long layer_us,
@@ -360,9 +367,7 @@ int cli_kv_peer(int argc, char **argv) {
         else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
                         &sleep) >= 5 &&
                  npages > 0 && layer_us >= 0 && o.world == 1) {
-          peer_req *r = NULL;
-          for (int i = 0; i < PEER_MAX_REQS && !r; i++)
-            if (!reqs[i].nranks) r = &reqs[i];
+          peer_req *r = free_req(reqs);
           if (!r) {
             printf("done %lld 0 0 too-many-requests\n", room);
           } else {
@@ -376,9 +381,7 @@ int cli_kv_peer(int argc, char **argv) {
         } else if (sscanf(line, "send %lld %lld %llu %lld %d %d %d %d", &room, &npages, &seed, &token, &chunk,
                           &state, &reuse, &wait_m2) >= 4 &&
                    npages >= 0) {
-          peer_req *r = NULL;
-          for (int i = 0; i < PEER_MAX_REQS && !r; i++)
-            if (!reqs[i].nranks) r = &reqs[i];
+          peer_req *r = free_req(reqs);
           if (!r) {
             printf("done %lld 0 0 too-many-requests\n", room);
           } else {
