@@ -123,9 +123,12 @@ int kvf__tcp_iter_fill(const piece_src *s, piece_iter *it, struct iovec *iov, in
   return k;
 }
 
-/* Move every piece; `head` (may be NULL) goes first in the same system call,
- * so a small chunk is one sendmsg: header, descriptors and payload. */
-int kvf__tcp_xfer_pieces(int fd, const piece_src *s, int sending, const struct iovec *head, int nhead) {
+/* Move every piece; `head` (may be NULL) goes first in the same system call
+ * and `tail` (may be NULL) last, so a small chunk is one sendmsg: header,
+ * descriptors, payload and trailer (one segment for the target to read, not
+ * a segment it may wake up for and then wait behind for the rest). */
+int kvf__tcp_xfer_pieces(int fd, const piece_src *s, int sending, const struct iovec *head, int nhead,
+                         const struct iovec *tail, int ntail) {
   struct iovec iov[TCP_IOV_BATCH];
   piece_iter it = {0, 0};
   for (;;) {
@@ -133,11 +136,16 @@ int kvf__tcp_xfer_pieces(int fd, const piece_src *s, int sending, const struct i
     for (; k < nhead; k++) iov[k] = head[k];
     nhead = 0;
     k += kvf__tcp_iter_fill(s, &it, iov + k, TCP_IOV_BATCH - k);
+    if (it.i >= s->n && ntail && k + ntail <= TCP_IOV_BATCH) { /* the pieces are all in: the tail fits */
+      for (int j = 0; j < ntail; j++) iov[k++] = tail[j];
+      ntail = 0;
+    }
     if (k == 0) return 0;
     int rc = iov_xfer(fd, iov, k, sending);
     if (rc) return rc;
   }
 }
+
 static int tcp_start(kvf_engine *e) {
   tcp_state *t = calloc(1, sizeof *t);
   if (!t) return KVF_ENOMEM;

@@ -82,12 +82,10 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
   atomic_fetch_add(&ch->refs, 1);
   piece_src src = {.writes = ch->writes, .n = ch->n};
   struct iovec head[3] = {{&h, sizeof h}, {&tag, b->tag ? sizeof tag : 0}, {descs, ch->n * sizeof *descs}};
-  int rc = kvf__tcp_xfer_pieces(c->fd, &src, 1, head, 3);
-  if (!rc && ch->trailer) { /* behind the payload, on the same connection */
-    tcp_trailer t = {TCP_TRAILER_MAGIC, ch->tlen};
-    rc = kvf__tcp_send_all(c->fd, &t, sizeof t);
-    if (!rc) rc = kvf__tcp_send_all(c->fd, ch->trailer, ch->tlen);
-  }
+  /* The trailer goes behind the payload, on the same connection. */
+  tcp_trailer t = {TCP_TRAILER_MAGIC, ch->tlen};
+  struct iovec tail[2] = {{&t, sizeof t}, {ch->trailer, ch->tlen}};
+  int rc = kvf__tcp_xfer_pieces(c->fd, &src, 1, head, 3, tail, ch->trailer ? 2 : 0);
   kvf__chunk_release(ch);
   if (descs != descs_small) free(descs);
   if (rc) conn_fail(c, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED);
