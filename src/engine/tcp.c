@@ -39,23 +39,24 @@ int kvf__tcp_send_all(int fd, const void *buf, size_t len) {
   return 0;
 }
 
-/* Read one fixed-size message from a socket whose SO_RCVTIMEO is a short
- * tick, without a poll() call first (each system call is costly on these
- * VMs). Returns 0 when the message is in, 1 when a tick passed with nothing
- * read (idle), or an error. Once a first byte has arrived the rest must
- * follow within `rest_ms`. */
-int kvf__tcp_recv_msg_or_idle(int fd, void *buf, size_t len, int tick_ms, int rest_ms) {
+/* Read fixed-size messages from a socket whose SO_RCVTIMEO is a short tick,
+ * without a poll() call first (each system call is costly on these VMs):
+ * receives into buf, which holds *got bytes already (a message's start),
+ * until at least `len` bytes are there, taking up to `cap` (so one call
+ * takes every message that has arrived). Returns 0 when they are in, 1 when
+ * a tick passed with nothing read and nothing held (idle), or an error.
+ * Once a first byte has arrived the rest must follow within `rest_ms`. */
+int kvf__tcp_recv_msg_or_idle(int fd, void *buf, size_t len, size_t cap, size_t *got, int tick_ms, int rest_ms) {
   char *p = buf;
-  size_t got = 0;
   int waited = 0;
-  while (got < len) {
-    ssize_t r = recv(fd, p + got, len - got, MSG_WAITALL);
+  while (*got < len) {
+    ssize_t r = recv(fd, p + *got, cap - *got, 0);
     if (r > 0) {
-      got += (size_t)r;
+      *got += (size_t)r;
     } else if (r == 0) {
       return KVF_ECLOSED;
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (got == 0) return 1;
+      if (*got == 0) return 1;
       waited += tick_ms;
       if (waited >= rest_ms) return KVF_ETIMEDOUT;
     } else if (errno != EINTR) {

@@ -37,6 +37,11 @@ typedef struct tcp_inbound {
    * stage are received but not yet taken. This connection's thread only. */
   unsigned char *stage;
   size_t st_off, st_len;
+  /* Acknowledgements not yet sent: they go out together before this thread
+   * next reads from the socket, so chunks found whole in the stage are
+   * answered by one send. */
+  tcp_ack acks[TCP_ACK_BATCH];
+  int nack;
   pthread_t thread;
   char peer[64];
 } tcp_inbound;
@@ -87,6 +92,13 @@ static size_t stage_take(tcp_inbound *in, struct iovec **iov, int *cnt, size_t n
   return n;
 }
 
+/* Send the acknowledgements held back; 0 or KVF_ECLOSED. */
+static int acks_flush(tcp_inbound *in) {
+  int n = in->nack;
+  in->nack = 0;
+  return n ? kvf__tcp_send_all(in->fd, in->acks, (size_t)n * sizeof *in->acks) : 0;
+}
+
 /* Receive into iov[cnt] (advanced as bytes arrive). The socket's receive
  * timeout is one tick (TCP_READER_TICK_MS), so every call ends within it and
  * the overall *deadline_ns holds however slowly the bytes trickle in. With
@@ -107,6 +119,8 @@ static int in_recvv(tcp_inbound *in, struct iovec *iov, int cnt, int64_t *deadli
     ssize_t r;
     if (in->st_off < in->st_len) {
       r = (ssize_t)stage_take(in, &iov, &cnt, need);
+    } else if (in->nack && acks_flush(in)) { /* before this thread may wait: answer what landed */
+      return KVF_ECLOSED;
     } else if (in->stage && need < TCP_IN_STAGE_BYTES) {
       r = recv(in->fd, in->stage, TCP_IN_STAGE_BYTES, 0);
       if (r > 0) {
@@ -359,8 +373,8 @@ static void *inbound_main(void *arg) {
         inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, descs, pins, &deadline, &status);
     if (!rc && has_trailer) rc = inbound_trailer(in, e, status == 0, &deadline);
     if (rc) goto out_err;
-    tcp_ack a = {h.seq, status, TCP_ACK_MAGIC};
-    if (kvf__tcp_send_all(in->fd, &a, sizeof a)) break;
+    in->acks[in->nack++] = (tcp_ack){h.seq, status, TCP_ACK_MAGIC};
+    if (in->nack == TCP_ACK_BATCH && acks_flush(in)) break;
     atomic_fetch_add(&in->chunks, 1);
     atomic_store(&in->idle_since_ns, clock_now_ns());
     atomic_store(&in->phase, IN_IDLE);
@@ -370,6 +384,7 @@ out_err:
     break;
   }
 out:
+  acks_flush(in); /* chunks that landed before an error are still answered */
   free(descs);
   free(pins);
   free(in->stage);
