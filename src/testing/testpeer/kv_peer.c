@@ -335,6 +335,7 @@ int cli_kv_peer(int argc, char **argv) {
   printf("ready %s\n", baddr);
   fflush(stdout);
   uint64_t rng = 0x2545F4914F6CDD1DULL;
+  int nused = 0; /* slots below this may be live */
   char line[512];
   size_t llen = 0;
   int eof = 0;
@@ -358,7 +359,7 @@ int cli_kv_peer(int argc, char **argv) {
                  npages > 0 && layer_us >= 0 && o.world == 1) {
           peer_req *r = NULL;
           for (int i = 0; i < PEER_MAX_REQS && !r; i++)
-            if (!reqs[i].nranks) r = &reqs[i];
+            if (!reqs[i].nranks) r = &reqs[i], nused = i + 1 > nused ? i + 1 : nused;
           if (!r) {
             printf("done %lld 0 0 too-many-requests\n", room);
           } else {
@@ -374,7 +375,7 @@ int cli_kv_peer(int argc, char **argv) {
                    npages >= 0) {
           peer_req *r = NULL;
           for (int i = 0; i < PEER_MAX_REQS && !r; i++)
-            if (!reqs[i].nranks) r = &reqs[i];
+            if (!reqs[i].nranks) r = &reqs[i], nused = i + 1 > nused ? i + 1 : nused;
           if (!r) {
             printf("done %lld 0 0 too-many-requests\n", room);
           } else {
@@ -395,7 +396,9 @@ int cli_kv_peer(int argc, char **argv) {
       }
       if (llen == sizeof line - 1) llen = 0; /* an overlong line is dropped */
     }
-    for (int i = 0; i < PEER_MAX_REQS; i++) {
+    /* Requests take the lowest free slot: only the first nused can be live. */
+    while (nused > 0 && !reqs[nused - 1].nranks) nused--;
+    for (int i = 0; i < nused; i++) {
       peer_req *r = &reqs[i];
       if (!r->nranks) continue;
       int st = KVF_POLL_SUCCESS, final = 1;
