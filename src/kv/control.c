@@ -38,6 +38,8 @@
 #define MANAGER_MAX_PUSHES 4096
 #define MANAGER_MAC_LABEL "kvferry-control-mac-v1"
 #define MANAGER_MAC_WINDOW_S 300 /* clock skew and delivery delay accepted, seconds */
+#define MANAGER_WAIT_MS 100      /* the listener checks `stopping` at least this often */
+#define MANAGER_TICK_MSGS 64     /* messages between two role ticks when the listener is never idle */
 _Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
 
 typedef struct manager_push {
@@ -264,18 +266,21 @@ void kvf__control_close_pushes(kvf_manager *m) {
 /* -------------------------------------------------------------- listener */
 
 /* Wait until the PULL socket may have a message: poll() on its ZMQ_FD (the
- * socket's command mailbox) for at most 100 ms. Called only after a
+ * socket's command mailbox) for at most MANAGER_WAIT_MS, or until the role's
+ * timed work is due. Called only after a
  * non-blocking receive found nothing, which also processed every pending
  * command, so the descriptor turns readable exactly when the I/O thread
  * signals new input (zmq_getsockopt(3), ZMQ_FD). zmq_poll would check the
  * socket's events once more before and after the wait, two more system calls
  * each. */
 static void listener_wait(kvf_manager *m, int fd) {
+  int ms = m->role->tick ? m->role->tick(m) : -1;
+  if (ms < 0 || ms > MANAGER_WAIT_MS) ms = MANAGER_WAIT_MS;
   struct pollfd pf = {.fd = fd, .events = POLLIN};
   if (fd < 0) {
     zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
-    if (zmq_poll(&pi, 1, 100) > 0) kvf__wake_count();
-  } else if (poll(&pf, 1, 100) > 0) {
+    if (zmq_poll(&pi, 1, ms) > 0) kvf__wake_count();
+  } else if (poll(&pf, 1, ms) > 0) {
     kvf__wake_count();
   }
 }
@@ -287,7 +292,10 @@ void *kvf__control_listener_main(void *arg) {
   int fd = -1;
   size_t fdlen = sizeof fd;
   if (zmq_getsockopt(m->pull, ZMQ_FD, &fd, &fdlen)) fd = -1;
+  unsigned since_tick = 0;
   while (!atomic_load(&m->stopping)) {
+    if (m->role->tick && ++since_tick >= MANAGER_TICK_MSGS) /* a listener that never waits still ticks */
+      since_tick = 0, m->role->tick(m);
     /* Messages already queued are taken without a wait or a readiness check
      * (a check costs two system calls in libzmq): one wake-up drains a
      * burst, and the first receive that finds nothing leads to the wait. */
