@@ -81,12 +81,13 @@ int kvf__pf_m3_tick(kvf_manager *m) {
   prefill_state *ps = m->prefill;
   if (!ps) return -1;
   pthread_mutex_lock(&ps->m3_lock);
-  int64_t left = ps->nm3 ? (int64_t)PF_M3_DEFER_MS * 1000000 - (clock_now_ns() - ps->m3_since_ns) : -1;
+  size_t n = ps->nm3;
+  int64_t left = (int64_t)PF_M3_DEFER_MS * 1000000 - (clock_now_ns() - ps->m3_since_ns);
   pthread_mutex_unlock(&ps->m3_lock);
-  if (left < 0) return -1;
-  if (left == 0 || left < 1000000) {
+  if (!n) return -1;
+  if (left <= 0) { /* due: the oldest has waited PF_M3_DEFER_MS */
     kvf__pf_m3_flush(ps, 0);
     return -1;
   }
-  return (int)(left / 1000000);
+  return (int)((left + 999999) / 1000000); /* wake when it is due */
 }
