@@ -341,7 +341,8 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
     }
     if (!c) {
       rc = conn_open(e, s, deadline, &c);
-      if (rc) break;
+      if (rc && small && k > 0) rc = 0, use = k; /* a small chunk makes do with the connections it has */
+      if (rc || use == k) break;
       s->conns[slot] = c;
     }
     atomic_fetch_add(&c->refs, 1);
