@@ -92,9 +92,7 @@ static size_t stage_take(tcp_inbound *in, struct iovec **iov, int *cnt, size_t n
   return n;
 }
 
-/* Send the acknowledgements held back; 0 or KVF_ECLOSED. They are held only
- * while this thread has more to read without waiting (staged bytes, or
- * bytes a non-blocking receive finds), never across a wait. */
+/* Send the acknowledgements held back; 0 or KVF_ECLOSED. */
 static int acks_flush(tcp_inbound *in) {
   int n = in->nack;
   in->nack = 0;
@@ -121,9 +119,6 @@ static int in_recvv(tcp_inbound *in, struct iovec *iov, int cnt, int64_t *deadli
     ssize_t r;
     if (in->st_off < in->st_len) {
       r = (ssize_t)stage_take(in, &iov, &cnt, need);
-    } else if (in->nack && in->stage && (r = recv(in->fd, in->stage, TCP_IN_STAGE_BYTES, MSG_DONTWAIT)) > 0) {
-      in->st_off = 0, in->st_len = (size_t)r; /* more came meanwhile: its chunks' acks join these */
-      continue;
     } else if (in->nack && acks_flush(in)) { /* before this thread may wait: answer what landed */
       return KVF_ECLOSED;
     } else if (in->stage && need < TCP_IN_STAGE_BYTES) {
