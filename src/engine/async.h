@@ -5,6 +5,7 @@
 #ifndef KVF_ENGINE_ASYNC_H
 #define KVF_ENGINE_ASYNC_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 
 #include "kvferry/engine.h"
@@ -48,10 +49,13 @@ int kvf__engine_write_trailer(kvf_engine *engine, const char *session, const kvf
  * thread before this call returns (nothing to move, or a quick peer). The
  * source memory must stay valid until then. on_done must not block for long
  * (it runs on the thread that reads acknowledgements). On error on_done is
- * never called and nothing was sent. Any thread. */
+ * never called and nothing was sent. With a trailer, *carried (may be NULL)
+ * is set to 1 before on_done can run when the trailer goes with the batch
+ * (a batch of one transport chunk), so on_done(0) means the target's
+ * trailer callback has had it; 0 when it was dropped. Any thread. */
 int kvf__engine_submit_cb(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
                           const kvf_batch_opts *opts, const void *trailer, size_t tlen,
-                          void (*on_done)(void *arg, int status), void *arg);
+                          void (*on_done)(void *arg, int status), void *arg, atomic_int *carried);
 
 /* kvf_engine_fence_close for a pair whose writes all completed (the room
  * ended Success: its writers flushed before they said so): the same over

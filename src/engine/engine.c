@@ -472,7 +472,7 @@ void kvf_batch_opts_init(kvf_batch_opts *o) {
  * a trailer (async.h) with either. */
 static int engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
                          const kvf_batch_opts *opts_in, const void *trailer, size_t tlen,
-                         void (*on_done)(void *, int), void *arg, kvf_batch **out) {
+                         void (*on_done)(void *, int), void *arg, kvf_batch **out, atomic_int *carried) {
   kvf_batch_opts opts;
   kvf_batch_opts_init(&opts);
   if (!e || !session || (!out && !on_done) || (n && !writes) || (tlen && !trailer) ||
@@ -517,6 +517,7 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
     memcpy(chunks[0]->trailer, trailer, tlen);
     chunks[0]->tlen = (uint32_t)tlen;
   }
+  if (carried) atomic_store(carried, tlen && nchunks == 1);
   if (nchunks == 0) { /* nothing to move: done at once, as Mooncake does */
     free(chunks);
     if (on_done) {
@@ -547,25 +548,25 @@ err_batch:
 }
 
 int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n, kvf_batch **out) {
-  return engine_submit(e, session, writes, n, NULL, NULL, 0, NULL, NULL, out);
+  return engine_submit(e, session, writes, n, NULL, NULL, 0, NULL, NULL, out, NULL);
 }
 
 int kvf_engine_submit_ex(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
                          const kvf_batch_opts *opts, kvf_batch **out) {
-  return engine_submit(e, session, writes, n, opts, NULL, 0, NULL, NULL, out);
+  return engine_submit(e, session, writes, n, opts, NULL, 0, NULL, NULL, out, NULL);
 }
 
 int kvf__engine_submit_cb(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
                           const kvf_batch_opts *opts, const void *trailer, size_t tlen,
-                          void (*on_done)(void *arg, int status), void *arg) {
+                          void (*on_done)(void *arg, int status), void *arg, atomic_int *carried) {
   if (!on_done) return KVF_EINVAL;
-  return engine_submit(e, session, writes, n, opts, trailer, tlen, on_done, arg, NULL);
+  return engine_submit(e, session, writes, n, opts, trailer, tlen, on_done, arg, NULL, carried);
 }
 
 int kvf__engine_submit_trailer(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
                                const kvf_batch_opts *opts, const void *trailer, size_t tlen, kvf_batch **out) {
   if (!out) return KVF_EINVAL;
-  return engine_submit(e, session, writes, n, opts, trailer, tlen, NULL, NULL, out);
+  return engine_submit(e, session, writes, n, opts, trailer, tlen, NULL, NULL, out, NULL);
 }
 
 int kvf__engine_write_trailer(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,

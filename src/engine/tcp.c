@@ -39,23 +39,24 @@ int kvf__tcp_send_all(int fd, const void *buf, size_t len) {
   return 0;
 }
 
-/* Read one fixed-size message from a socket whose SO_RCVTIMEO is a short
- * tick, without a poll() call first (each system call is costly on these
- * VMs). Returns 0 when the message is in, 1 when a tick passed with nothing
- * read (idle), or an error. Once a first byte has arrived the rest must
- * follow within `rest_ms`. */
-int kvf__tcp_recv_msg_or_idle(int fd, void *buf, size_t len, int tick_ms, int rest_ms) {
+/* Read fixed-size messages from a socket whose SO_RCVTIMEO is a short tick,
+ * without a poll() call first (each system call is costly on these VMs):
+ * receives into buf, which holds *got bytes already (a message's start),
+ * until at least `len` bytes are there, taking up to `cap` (so one call
+ * takes every message that has arrived). Returns 0 when they are in, 1 when
+ * a tick passed with nothing read and nothing held (idle), or an error.
+ * Once a first byte has arrived the rest must follow within `rest_ms`. */
+int kvf__tcp_recv_msg_or_idle(int fd, void *buf, size_t len, size_t cap, size_t *got, int tick_ms, int rest_ms) {
   char *p = buf;
-  size_t got = 0;
   int waited = 0;
-  while (got < len) {
-    ssize_t r = recv(fd, p + got, len - got, MSG_WAITALL);
+  while (*got < len) {
+    ssize_t r = recv(fd, p + *got, cap - *got, 0);
     if (r > 0) {
-      got += (size_t)r;
+      *got += (size_t)r;
     } else if (r == 0) {
       return KVF_ECLOSED;
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (got == 0) return 1;
+      if (*got == 0) return 1;
       waited += tick_ms;
       if (waited >= rest_ms) return KVF_ETIMEDOUT;
     } else if (errno != EINTR) {
@@ -123,9 +124,12 @@ int kvf__tcp_iter_fill(const piece_src *s, piece_iter *it, struct iovec *iov, in
   return k;
 }
 
-/* Move every piece; `head` (may be NULL) goes first in the same system call,
- * so a small chunk is one sendmsg: header, descriptors and payload. */
-int kvf__tcp_xfer_pieces(int fd, const piece_src *s, int sending, const struct iovec *head, int nhead) {
+/* Move every piece; `head` (may be NULL) goes first in the same system call
+ * and `tail` (may be NULL) last, so a small chunk is one sendmsg: header,
+ * descriptors, payload and trailer (one segment for the target to read, not
+ * a segment it may wake up for and then wait behind for the rest). */
+int kvf__tcp_xfer_pieces(int fd, const piece_src *s, int sending, const struct iovec *head, int nhead,
+                         const struct iovec *tail, int ntail) {
   struct iovec iov[TCP_IOV_BATCH];
   piece_iter it = {0, 0};
   for (;;) {
@@ -133,11 +137,16 @@ int kvf__tcp_xfer_pieces(int fd, const piece_src *s, int sending, const struct i
     for (; k < nhead; k++) iov[k] = head[k];
     nhead = 0;
     k += kvf__tcp_iter_fill(s, &it, iov + k, TCP_IOV_BATCH - k);
+    if (it.i >= s->n && ntail && k + ntail <= TCP_IOV_BATCH) { /* the pieces are all in: the tail fits */
+      for (int j = 0; j < ntail; j++) iov[k++] = tail[j];
+      ntail = 0;
+    }
     if (k == 0) return 0;
     int rc = iov_xfer(fd, iov, k, sending);
     if (rc) return rc;
   }
 }
+
 static int tcp_start(kvf_engine *e) {
   tcp_state *t = calloc(1, sizeof *t);
   if (!t) return KVF_ENOMEM;

@@ -31,7 +31,17 @@ typedef struct tcp_inbound {
   atomic_llong idle_since_ns;
   atomic_ullong chunks; /* chunks answered on this connection */
   int64_t accepted_ns;
-  uint64_t rx_bytes; /* bytes received so far (this connection's thread only) */
+  uint64_t rx_bytes; /* bytes taken so far (this connection's thread only) */
+  /* Read-ahead of a data connection (NULL during the hello, so a UCX
+   * rendezvous gets its socket with nothing consumed): st_off..st_len of
+   * stage are received but not yet taken. This connection's thread only. */
+  unsigned char *stage;
+  size_t st_off, st_len;
+  /* Acknowledgements not yet sent: they go out together before this thread
+   * next reads from the socket, so chunks found whole in the stage are
+   * answered by one send. */
+  tcp_ack acks[TCP_ACK_BATCH];
+  int nack;
   pthread_t thread;
   char peer[64];
 } tcp_inbound;
@@ -68,21 +78,63 @@ static int pins_revoked(const tcp_inbound *in, const in_pins *p) {
   return 0;
 }
 
+/* Copy staged bytes (read ahead by an earlier receive) into iov[cnt], at
+ * most `need`; advances the iovecs. Returns the bytes taken. */
+static size_t stage_take(tcp_inbound *in, struct iovec **iov, int *cnt, size_t need) {
+  size_t avail = in->st_len - in->st_off, n = avail < need ? avail : need, done = 0;
+  for (int i = 0; done < n && i < *cnt; i++) {
+    size_t k = (*iov)[i].iov_len < n - done ? (*iov)[i].iov_len : n - done;
+    if (k) memcpy((*iov)[i].iov_base, in->stage + in->st_off + done, k);
+    done += k;
+  }
+  in->st_off += n;
+  kvf__tcp_iov_advance(iov, cnt, n);
+  return n;
+}
+
+/* Send the acknowledgements held back; 0 or KVF_ECLOSED. */
+static int acks_flush(tcp_inbound *in) {
+  int n = in->nack;
+  in->nack = 0;
+  return n ? kvf__tcp_send_all(in->fd, in->acks, (size_t)n * sizeof *in->acks) : 0;
+}
+
 /* Receive into iov[cnt] (advanced as bytes arrive). The socket's receive
  * timeout is one tick (TCP_READER_TICK_MS), so every call ends within it and
  * the overall *deadline_ns holds however slowly the bytes trickle in. With
  * *deadline_ns == 0 the message has not started: a tick with no byte returns
  * 1 (idle), and the first byte sets the deadline to now + budget_ms. With
  * `pins`, the unregistering of a pinned region returns 2 at the next tick.
- * Otherwise 0, KVF_ETIMEDOUT or KVF_ECLOSED. */
+ * Otherwise 0, KVF_ETIMEDOUT or KVF_ECLOSED.
+ * Small reads (framing, small payloads) go through the connection's stage:
+ * one recv takes whatever has arrived, often a whole chunk and its trailer,
+ * and the rest of the chunk is then parsed from memory instead of one system
+ * call per part. Reads of TCP_IN_STAGE_BYTES or more go straight into their
+ * destination (after the staged bytes), so big payloads are not copied twice. */
 static int in_recvv(tcp_inbound *in, struct iovec *iov, int cnt, int64_t *deadline_ns, int budget_ms,
                     const in_pins *pins) {
-  while (cnt) {
-    struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
-    ssize_t r = recvmsg(in->fd, &m, MSG_WAITALL);
+  size_t need = 0;
+  for (int i = 0; i < cnt; i++) need += iov[i].iov_len;
+  while (need) {
+    ssize_t r;
+    if (in->st_off < in->st_len) {
+      r = (ssize_t)stage_take(in, &iov, &cnt, need);
+    } else if (in->nack && acks_flush(in)) { /* before this thread may wait: answer what landed */
+      return KVF_ECLOSED;
+    } else if (in->stage && need < TCP_IN_STAGE_BYTES) {
+      r = recv(in->fd, in->stage, TCP_IN_STAGE_BYTES, 0);
+      if (r > 0) {
+        in->st_off = 0, in->st_len = (size_t)r;
+        continue; /* taken from the stage at the next turn */
+      }
+    } else {
+      struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+      r = recvmsg(in->fd, &m, MSG_WAITALL);
+      if (r > 0) kvf__tcp_iov_advance(&iov, &cnt, (size_t)r);
+    }
     if (r > 0) {
       in->rx_bytes += (uint64_t)r;
-      kvf__tcp_iov_advance(&iov, &cnt, (size_t)r);
+      need -= (size_t)r;
       if (!*deadline_ns) *deadline_ns = clock_deadline_ms(budget_ms);
     } else if (r == 0) {
       return KVF_ECLOSED;
@@ -91,8 +143,8 @@ static int in_recvv(tcp_inbound *in, struct iovec *iov, int cnt, int64_t *deadli
     } else if (errno != EINTR) {
       return KVF_ECLOSED;
     }
-    if (cnt && clock_now_ns() > *deadline_ns) return KVF_ETIMEDOUT;
-    if (cnt && pins_revoked(in, pins)) return 2;
+    if (need && clock_now_ns() > *deadline_ns) return KVF_ETIMEDOUT;
+    if (need && pins_revoked(in, pins)) return 2;
   }
   return 0;
 }
@@ -291,6 +343,7 @@ static void *inbound_main(void *arg) {
   int hs = inbound_handshake(in, e);
   if (hs == 1) e->ops->serve(e, in->fd, in->peer);
   if (hs) goto out;
+  in->stage = malloc(TCP_IN_STAGE_BYTES); /* without it, every read goes to the socket */
   for (;;) {
     /* Idle between chunks is fine (a tick with nothing read); from its first
      * byte a chunk (header, descriptors, payload) has the engine timeout in
@@ -320,8 +373,8 @@ static void *inbound_main(void *arg) {
         inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, descs, pins, &deadline, &status);
     if (!rc && has_trailer) rc = inbound_trailer(in, e, status == 0, &deadline);
     if (rc) goto out_err;
-    tcp_ack a = {h.seq, status, TCP_ACK_MAGIC};
-    if (kvf__tcp_send_all(in->fd, &a, sizeof a)) break;
+    in->acks[in->nack++] = (tcp_ack){h.seq, status, TCP_ACK_MAGIC};
+    if (in->nack == TCP_ACK_BATCH && acks_flush(in)) break;
     atomic_fetch_add(&in->chunks, 1);
     atomic_store(&in->idle_since_ns, clock_now_ns());
     atomic_store(&in->phase, IN_IDLE);
@@ -331,8 +384,11 @@ out_err:
     break;
   }
 out:
+  acks_flush(in); /* chunks that landed before an error are still answered */
   free(descs);
   free(pins);
+  free(in->stage);
+  in->stage = NULL;
   shutdown(in->fd, SHUT_RDWR);
   atomic_store(&in->finished, 1);
   return NULL;

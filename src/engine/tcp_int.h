@@ -30,6 +30,12 @@
 
 #define TCP_IOV_BATCH 512
 #define TCP_INLINE_MAX_BYTES (1u << 20)
+/* An inbound connection reads framing and small payloads through a stage
+ * of this size (one recv per chunk instead of one per part); larger reads
+ * go straight into their destination. */
+#define TCP_IN_STAGE_BYTES (64u << 10)
+/* Acknowledgements read (writer) or sent (target) per system call at most. */
+#define TCP_ACK_BATCH 64
 #define TCP_MAX_SESSIONS 4096
 /* Every blocking receive ends within a tick, so overall deadlines (a batch's,
  * a hello's, an inbound chunk's) and unregisters are noticed in time. */
@@ -94,10 +100,11 @@ struct tcp_state {
 void kvf__tcp_set_timeout(int fd, int opt, int ms);
 int kvf__tcp_recv_all(int fd, void *buf, size_t len);
 int kvf__tcp_send_all(int fd, const void *buf, size_t len);
-int kvf__tcp_recv_msg_or_idle(int fd, void *buf, size_t len, int tick_ms, int rest_ms);
+int kvf__tcp_recv_msg_or_idle(int fd, void *buf, size_t len, size_t cap, size_t *got, int tick_ms, int rest_ms);
 void kvf__tcp_iov_advance(struct iovec **iov, int *cnt, size_t n);
 int kvf__tcp_iter_fill(const piece_src *s, piece_iter *it, struct iovec *iov, int max);
-int kvf__tcp_xfer_pieces(int fd, const piece_src *s, int sending, const struct iovec *head, int nhead);
+int kvf__tcp_xfer_pieces(int fd, const piece_src *s, int sending, const struct iovec *head, int nhead,
+                         const struct iovec *tail, int ntail);
 
 /* tcp_out.c */
 void kvf__tcp_conn_put(tcp_conn *c);

@@ -82,12 +82,10 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
   atomic_fetch_add(&ch->refs, 1);
   piece_src src = {.writes = ch->writes, .n = ch->n};
   struct iovec head[3] = {{&h, sizeof h}, {&tag, b->tag ? sizeof tag : 0}, {descs, ch->n * sizeof *descs}};
-  int rc = kvf__tcp_xfer_pieces(c->fd, &src, 1, head, 3);
-  if (!rc && ch->trailer) { /* behind the payload, on the same connection */
-    tcp_trailer t = {TCP_TRAILER_MAGIC, ch->tlen};
-    rc = kvf__tcp_send_all(c->fd, &t, sizeof t);
-    if (!rc) rc = kvf__tcp_send_all(c->fd, ch->trailer, ch->tlen);
-  }
+  /* The trailer goes behind the payload, on the same connection. */
+  tcp_trailer t = {TCP_TRAILER_MAGIC, ch->tlen};
+  struct iovec tail[2] = {{&t, sizeof t}, {ch->trailer, ch->tlen}};
+  int rc = kvf__tcp_xfer_pieces(c->fd, &src, 1, head, 3, tail, ch->trailer ? 2 : 0);
   kvf__chunk_release(ch);
   if (descs != descs_small) free(descs);
   if (rc) conn_fail(c, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED);
@@ -115,10 +113,12 @@ static void *conn_writer_main(void *arg) {
 
 static void *conn_reader_main(void *arg) {
   tcp_conn *c = arg;
+  tcp_ack acks[TCP_ACK_BATCH];
+  size_t got = 0; /* bytes in acks: whole acks, then the start of the next */
   while (!atomic_load(&c->dead)) {
     /* The socket's receive timeout is the idle tick (TCP_READER_TICK_MS). */
-    tcp_ack a;
-    int r = kvf__tcp_recv_msg_or_idle(c->fd, &a, sizeof a, TCP_READER_TICK_MS, c->timeout_ms);
+    int r =
+        kvf__tcp_recv_msg_or_idle(c->fd, acks, sizeof *acks, sizeof acks, &got, TCP_READER_TICK_MS, c->timeout_ms);
     if (r == 1) {
       /* Idle tick: a chunk whose deadline passed means the peer stopped
        * answering (SIGSTOP, a hung host): fail the connection, and with it
@@ -137,17 +137,23 @@ static void *conn_reader_main(void *arg) {
       break;
     }
     kvf__wake_count();
-    pthread_mutex_lock(&c->q_lock);
-    chunk *ch = c->f_head;
-    int ok = ch && a.magic == TCP_ACK_MAGIC && a.seq == ch->seq;
-    if (ok) list_pop(&c->f_head, &c->f_tail);
-    pthread_mutex_unlock(&c->q_lock);
-    if (!ok) {
-      LOG_ERROR("tcp", "peer %s sent an unexpected acknowledgement", c->peer);
-      conn_fail(c, KVF_EPROTO);
-      break;
+    size_t n = got / sizeof *acks; /* every ack that came in this read, in order */
+    for (size_t i = 0; i < n; i++) {
+      const tcp_ack *a = &acks[i];
+      pthread_mutex_lock(&c->q_lock);
+      chunk *ch = c->f_head;
+      int ok = ch && a->magic == TCP_ACK_MAGIC && a->seq == ch->seq;
+      if (ok) list_pop(&c->f_head, &c->f_tail);
+      pthread_mutex_unlock(&c->q_lock);
+      if (!ok) {
+        LOG_ERROR("tcp", "peer %s sent an unexpected acknowledgement", c->peer);
+        conn_fail(c, KVF_EPROTO);
+        return NULL;
+      }
+      kvf__chunk_finish(ch, a->status > 0 || a->status < KVF_ETOOBIG ? KVF_EPROTO : a->status);
     }
-    kvf__chunk_finish(ch, a.status > 0 || a.status < KVF_ETOOBIG ? KVF_EPROTO : a.status);
+    got -= n * sizeof *acks;
+    if (got) memmove(acks, &acks[n], got);
   }
   return NULL;
 }
@@ -293,19 +299,38 @@ out:
   return rc;
 }
 
+/* An idle connection and a small chunk: send it from this thread (1), or
+ * leave it to the caller (0). */
+static int send_inline(tcp_conn *c, chunk *ch) {
+  if (ch->bytes > TCP_INLINE_MAX_BYTES || pthread_mutex_trylock(&c->send_lock)) return 0;
+  pthread_mutex_lock(&c->q_lock);
+  int idle = !c->q_head;
+  pthread_mutex_unlock(&c->q_lock);
+  if (idle) conn_send_locked(c, ch);
+  pthread_mutex_unlock(&c->send_lock);
+  return idle;
+}
+
 int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks) {
   tcp_state *t = e->transport;
   tcp_session *s;
   int rc = session_get(t, session, &s);
   if (rc) return rc;
   int nconn = e->cfg.conns_per_peer;
-  size_t use = nchunks < (size_t)nconn ? nchunks : (size_t)nconn;
+  /* A batch of one small chunk (a short room) takes the first idle
+   * connection in slot order rather than the next in turn: small chunks then
+   * share one connection while it keeps up, so the target's thread reads
+   * several per wake-up (and one recv) and acknowledges them together,
+   * instead of every connection's threads waking for every other chunk.
+   * Batches of several chunks spread over the connections in turn. */
+  int small = nchunks == 1 && chunks[0]->bytes <= TCP_INLINE_MAX_BYTES;
+  size_t use = small ? (size_t)nconn : nchunks < (size_t)nconn ? nchunks : (size_t)nconn;
   tcp_conn *picked[16] = {0};
   int64_t deadline = chunks[0]->batch->deadline_ns;
 
   pthread_mutex_lock(&s->lock);
-  unsigned start = s->rr;
-  s->rr += (unsigned)use;
+  unsigned start = small ? 0 : s->rr;
+  if (!small) s->rr += (unsigned)use;
   for (size_t k = 0; k < use; k++) {
     int slot = (int)((start + k) % (unsigned)nconn);
     tcp_conn *c = s->conns[slot];
@@ -316,7 +341,8 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
     }
     if (!c) {
       rc = conn_open(e, s, deadline, &c);
-      if (rc) break;
+      if (rc && small && k > 0) rc = 0, use = k; /* a small chunk makes do with the connections it has */
+      if (rc || use == k) break;
       s->conns[slot] = c;
     }
     atomic_fetch_add(&c->refs, 1);
@@ -328,18 +354,9 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
   for (size_t i = 0; i < nchunks; i++) {
     tcp_conn *c = picked[i % use];
     chunk *ch = chunks[i];
-    /* An idle connection and a small chunk: send from this thread. */
-    if (ch->bytes <= TCP_INLINE_MAX_BYTES && pthread_mutex_trylock(&c->send_lock) == 0) {
-      pthread_mutex_lock(&c->q_lock);
-      int idle = !c->q_head;
-      pthread_mutex_unlock(&c->q_lock);
-      if (idle) {
-        conn_send_locked(c, ch);
-        pthread_mutex_unlock(&c->send_lock);
-        continue;
-      }
-      pthread_mutex_unlock(&c->send_lock);
-    }
+    int sent = send_inline(c, ch);
+    for (size_t k = 1; small && !sent && k < use; k++) sent = send_inline(picked[k], ch);
+    if (sent) continue;
     pthread_mutex_lock(&c->q_lock);
     int dead = atomic_load(&c->dead);
     if (!dead) {

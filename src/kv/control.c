@@ -17,6 +17,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +38,8 @@
 #define MANAGER_MAX_PUSHES 4096
 #define MANAGER_MAC_LABEL "kvferry-control-mac-v1"
 #define MANAGER_MAC_WINDOW_S 300 /* clock skew and delivery delay accepted, seconds */
+#define MANAGER_WAIT_MS 100      /* the listener checks `stopping` at least this often */
+#define MANAGER_TICK_MSGS 64     /* messages between two role ticks when the listener is never idle */
 _Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
 
 typedef struct manager_push {
@@ -262,25 +265,51 @@ void kvf__control_close_pushes(kvf_manager *m) {
 
 /* -------------------------------------------------------------- listener */
 
+/* Wait until the PULL socket may have a message: poll() on its ZMQ_FD (the
+ * socket's command mailbox) for at most MANAGER_WAIT_MS, or until the role's
+ * timed work is due. Called only after a
+ * non-blocking receive found nothing, which also processed every pending
+ * command, so the descriptor turns readable exactly when the I/O thread
+ * signals new input (zmq_getsockopt(3), ZMQ_FD). zmq_poll would check the
+ * socket's events once more before and after the wait, two more system calls
+ * each. */
+static void listener_wait(kvf_manager *m, int fd) {
+  int ms = m->role->tick ? m->role->tick(m) : -1;
+  if (ms < 0 || ms > MANAGER_WAIT_MS) ms = MANAGER_WAIT_MS;
+  struct pollfd pf = {.fd = fd, .events = POLLIN};
+  if (fd < 0) {
+    zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
+    if (zmq_poll(&pi, 1, ms) > 0) kvf__wake_count();
+  } else if (poll(&pf, 1, ms) > 0) {
+    kvf__wake_count();
+  }
+}
+
 void *kvf__control_listener_main(void *arg) {
   kvf_manager *m = arg;
   zmq_msg_t parts[MANAGER_MAX_RECV_FRAMES];
   for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_init(&parts[i]);
+  int fd = -1;
+  size_t fdlen = sizeof fd;
+  if (zmq_getsockopt(m->pull, ZMQ_FD, &fd, &fdlen)) fd = -1;
+  unsigned since_tick = 0;
   while (!atomic_load(&m->stopping)) {
-    /* Messages already queued are taken without a poll (and without going
-     * back to sleep): one wake-up drains a burst. */
-    int events = 0;
-    size_t elen = sizeof events;
-    if (zmq_getsockopt(m->pull, ZMQ_EVENTS, &events, &elen) || !(events & ZMQ_POLLIN)) {
-      zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
-      int r = zmq_poll(&pi, 1, 100);
-      if (r <= 0) continue;
-      kvf__wake_count();
+    if (m->role->tick && ++since_tick >= MANAGER_TICK_MSGS) /* a listener that never waits still ticks */
+      since_tick = 0, m->role->tick(m);
+    /* Messages already queued are taken without a wait or a readiness check
+     * (a check costs two system calls in libzmq): one wake-up drains a
+     * burst, and the first receive that finds nothing leads to the wait. */
+    if (zmq_msg_recv(&parts[0], m->pull, ZMQ_DONTWAIT) < 0) {
+      listener_wait(m, fd); /* EAGAIN; any other error waits too, rather than spin */
+      continue;
     }
-    size_t n = 0, extra = 0;
-    int more = 1;
+    size_t n = 1, extra = 0;
     char peer[64] = "?";
-    while (more) {
+    const char *pa = zmq_msg_gets(&parts[0], "Peer-Address");
+    if (pa) snprintf(peer, sizeof peer, "%s", pa);
+    /* The rest of a multipart message is already here (ZeroMQ delivers
+     * messages whole). */
+    for (int more = zmq_msg_more(&parts[0]); more;) {
       zmq_msg_t *part = n < MANAGER_MAX_RECV_FRAMES ? &parts[n] : NULL;
       zmq_msg_t sink;
       if (!part) {
@@ -289,12 +318,7 @@ void *kvf__control_listener_main(void *arg) {
       }
       if (zmq_msg_recv(part, m->pull, 0) < 0) {
         if (part == &sink) zmq_msg_close(&sink);
-        more = 0;
         break;
-      }
-      if (n == 0) {
-        const char *pa = zmq_msg_gets(part, "Peer-Address");
-        if (pa) snprintf(peer, sizeof peer, "%s", pa);
       }
       more = zmq_msg_more(part);
       if (part == &sink) {

@@ -65,6 +65,10 @@ typedef struct manager_role_ops {
   int (*start)(kvf_manager *m);
   void (*stop)(kvf_manager *m);
   void (*on_message)(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer);
+  /* Optional, on the listener thread before it waits and every
+   * MANAGER_TICK_MSGS messages: the role's timed work; returns the longest
+   * the listener may wait before the next call, in ms (-1: no limit). */
+  int (*tick)(kvf_manager *m);
 } manager_role_ops;
 
 /* The two roles: decode/lifecycle.c, prefill/lifecycle.c. */

@@ -426,17 +426,19 @@ static void on_trailer(void *arg, const unsigned char *data, size_t len, const c
  * write returned; over UCX the target reads the trailer from the rendezvous
  * connection after the writer's flush, so it may come just after), or
  * after 5 s. */
-static int trailer_calls(trailer_seen *t, int want) {
+static int trailer_calls_of(const int *calls, int want) {
   int n = 0;
   for (int i = 0; i < 5000; i++) {
     pthread_mutex_lock(&trailer_mu);
-    n = t->calls;
+    n = *calls;
     pthread_mutex_unlock(&trailer_mu);
     if (n >= want) break;
     usleep(1000);
   }
   return n;
 }
+
+static int trailer_calls(trailer_seen *t, int want) { return trailer_calls_of(&t->calls, want); }
 
 static void trailer_after_bytes(void **state) {
   (void)state;
@@ -473,6 +475,79 @@ static void trailer_after_bytes(void **state) {
   unsigned char big[KVF_ENGINE_MAX_TRAILER + 1] = {0};
   assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, big, sizeof big),
                    KVF_EINVAL);
+  kvf_engine_destroy(a);
+  kvf_engine_destroy(b);
+  free(src);
+  free(dst);
+}
+
+/* A burst of small batches, each with a trailer, written back to back from
+ * one thread with larger ones among them: the target reads several small
+ * chunks per receive (its stage) and answers them together, a larger chunk
+ * goes straight into place, and still every byte lands, every batch
+ * completes, and each trailer is handed over once, after the bytes of its
+ * own batch are in place. */
+typedef struct burst_seen {
+  const uint8_t *dst, *want;
+  const size_t *off, *len; /* per batch: where it writes, how much */
+  int n, calls, bad;
+  unsigned char *seen; /* per batch: trailers delivered */
+} burst_seen;
+
+static void on_burst_trailer(void *arg, const unsigned char *data, size_t len, const char *peer) {
+  (void)peer;
+  burst_seen *t = arg;
+  int k = -1;
+  pthread_mutex_lock(&trailer_mu);
+  if (len == sizeof k) memcpy(&k, data, sizeof k);
+  if (k < 0 || k >= t->n || memcmp(t->dst + t->off[k], t->want + t->off[k], t->len[k])) t->bad++;
+  else t->seen[k]++;
+  t->calls++;
+  pthread_mutex_unlock(&trailer_mu);
+}
+
+static void small_batches_in_a_burst_keep_their_trailers(void **state) {
+  (void)state;
+  enum { N = 300, AREA = 8 << 20 };
+  kvf_engine *a = NULL, *b = NULL;
+  kvf_engine_config c;
+  kvf_engine_config_init(&c);
+  c.auth_token = "";
+  assert_int_equal(kvf_engine_create(&c, &a), 0);
+  assert_int_equal(kvf_engine_create(&c, &b), 0);
+  uint8_t *src = malloc(AREA), *dst = calloc(1, AREA);
+  assert_non_null(src);
+  assert_non_null(dst);
+  for (size_t i = 0; i < AREA; i++) src[i] = (uint8_t)(i * 13 + 5);
+  assert_int_equal(kvf_engine_register(a, src, AREA), 0);
+  assert_int_equal(kvf_engine_register(b, dst, AREA), 0);
+  size_t off[N], len[N], at = 0;
+  unsigned char seen[N] = {0};
+  for (int k = 0; k < N; k++) { /* mostly under the stage, every 25th over it */
+    len[k] = k % 25 == 24 ? (size_t)(96 << 10) + (size_t)k * 1000 : 1 + (size_t)(k * 997) % (20 << 10);
+    off[k] = at;
+    at += len[k];
+  }
+  assert_true(at <= AREA);
+  burst_seen t = {.dst = dst, .want = src, .off = off, .len = len, .n = N, .seen = seen};
+  assert_int_equal(kvf__engine_on_trailer(b, on_burst_trailer, &t), 0);
+  kvf_batch *bt[N];
+  for (int k = 0; k < N; k++) {
+    kvf_write w = {.src = (uint64_t)(uintptr_t)(src + off[k]),
+                   .dst = (uint64_t)(uintptr_t)(dst + off[k]),
+                   .len = len[k]};
+    assert_int_equal(kvf__engine_submit_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, &k, sizeof k, &bt[k]),
+                     0);
+  }
+  for (int k = 0; k < N; k++) {
+    assert_int_equal(kvf_batch_wait(bt[k], -1), 0);
+    kvf_batch_destroy(bt[k]);
+  }
+  assert_int_equal(trailer_calls_of(&t.calls, N), N);
+  assert_int_equal(t.bad, 0);
+  for (int k = 0; k < N; k++) assert_int_equal(seen[k], 1);
+  assert_memory_equal(dst, src, at);
+  kvf__engine_off_trailer(b, &t);
   kvf_engine_destroy(a);
   kvf_engine_destroy(b);
   free(src);
@@ -545,6 +620,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(scattered_pages_land_byte_exact, setup, teardown),
       cmocka_unit_test(trailer_after_bytes),
+      cmocka_unit_test(small_batches_in_a_burst_keep_their_trailers),
       cmocka_unit_test_setup_teardown(large_block_split_across_connections, setup, teardown),
       cmocka_unit_test_setup_teardown(outside_registered_memory_refused_untouched, setup, teardown),
       cmocka_unit_test_setup_teardown(unregistered_source_rejected_locally, setup, teardown),

@@ -39,9 +39,14 @@ static void direct_finish(pf_direct *dj) {
     success = upto > 0;
   }
   pthread_mutex_unlock(&ps->lock);
+  /* The trailer went to the room's only real destination, whose decode
+   * therefore has its Success: that M3 is a duplicate and may wait for
+   * others to share the trip (m3_outbox.c). */
+  int dup = fin == ROOM_SUCCESS && atomic_load(&dj->carried);
   for (size_t i = 0; success && i < upto; i++) {
     const wire_m2 *y = dj->d[i].info->m2;
     if (y->is_dummy) continue;
+    if (dup && kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, r->room, dj->token, dj->cands, dj->ncand)) continue;
     kvf__pf_send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
                     dj->token, dj->cands, dj->ncand);
   }
@@ -108,6 +113,7 @@ void kvf__pf_direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
   if (c->ncand) memcpy(dj->cands, c->cands, c->ncand * sizeof *c->cands);
   dj->bytes = 0;
   atomic_store(&dj->failed, 0);
+  atomic_store(&dj->carried, 0);
   atomic_store(&dj->left, 1); /* this thread's guard: no finish while submitting */
   size_t nreal = 0;
   for (size_t i = 0; i < dj->n; i++) nreal += !dj->d[i].info->m2->is_dummy;
@@ -127,7 +133,7 @@ void kvf__pf_direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
     kvf_batch_opts opts;
     kvf__pf_fence_opts(x, &opts);
     int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, &opts, tlen ? tb : NULL, tlen,
-                                   direct_done, &dj->d[i]);
+                                   direct_done, &dj->d[i], tlen ? &dj->carried : NULL);
     if (rc) {
       atomic_fetch_sub(&dj->left, 1);
       atomic_store(&dj->failed, 1);

@@ -115,6 +115,7 @@ static void free_state(prefill_state *ps) {
     ps->sender_spare = s->next_spare;
     free(s);
   }
+  kvf__pf_m3_free(ps);
   free(ps->layer_bytes), free(ps->direct_pool);
   kvf__pf_scratch_free(&ps->direct_sc);
   pthread_cond_destroy(&ps->direct_cv);
@@ -156,7 +157,8 @@ int kvf__prefill_start(kvf_manager *m) {
   pthread_mutex_init(&ps->lock, NULL);
   pthread_mutex_init(&ps->direct_lock, NULL);
   clock_cond_init(&ps->direct_cv);
-  int rc = smap_init(&ps->regs);
+  int rc = kvf__pf_m3_init(ps);
+  if (!rc) rc = smap_init(&ps->regs);
   if (!rc) rc = build_layouts(ps);
   if (!rc) rc = direct_init(ps);
   ps->nqueues = m->cfg.queue_size;
@@ -211,6 +213,7 @@ void kvf__prefill_stop(kvf_manager *m) {
     return;
   }
   stop_workers(ps);
+  kvf__pf_m3_flush(ps, 1); /* the M3s deferred by the last completions */
   free_state(ps);
   m->prefill = NULL;
 }
@@ -220,4 +223,5 @@ const manager_role_ops kvf__prefill_role = {
     .start = kvf__prefill_start,
     .stop = kvf__prefill_stop,
     .on_message = kvf__prefill_on_message,
+    .tick = kvf__pf_m3_tick,
 };

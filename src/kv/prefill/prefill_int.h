@@ -132,6 +132,8 @@
 #define PF_DIRECT_SLOTS 256             /* direct chunks in flight per prefill rank */
 #define PF_SPARE_ROOMS 4096             /* unreferenced room records kept for reuse */
 #define PF_DIRECT_DRAIN_MS 120000       /* stop: wait this long for direct chunks' engine callbacks */
+#define PF_M3_BATCH 32                  /* deferred M3s held at most; a full queue goes out at once */
+#define PF_M3_DEFER_MS 2                /* a deferred M3 goes out within about this long (m3_outbox.c) */
 
 typedef struct pf_reg { /* one decode registration (M1) */
   wire_m1 *m1;          /* heap copy (kvf__wire_m1_dup) */
@@ -205,6 +207,13 @@ typedef struct pf_dest { /* where an M3 goes */
   uint16_t port;
 } pf_dest;
 
+typedef struct pf_m3 { /* a deferred M3 Success (m3_outbox.c) */
+  pf_dest d;
+  int64_t room, token;
+  size_t ncand;
+  int32_t cands[KVF_MAX_CANDIDATES];
+} pf_m3;
+
 typedef struct pf_room {
   int64_t room;
   int refs;
@@ -264,6 +273,7 @@ typedef struct pf_direct {
   int32_t cands[KVF_MAX_CANDIDATES];
   size_t ncand;
   uint64_t bytes;
+  atomic_int carried; /* the engine took the completion trailer (to the room's one real destination) */
   size_t n;           /* the room's infos, dummies included */
   atomic_size_t left; /* engine writes outstanding + the submitter's guard */
   atomic_int failed;
@@ -296,6 +306,11 @@ typedef struct prefill_state {
   /* with state_layer_ids: state buffers grouped by KV layer (nlayers 0 without) */
   size_t *stl_start, *stl_bufs;
   plan_layout stl_lay;
+  /* deferred M3s (m3_outbox.c, which states the lock rules) */
+  pthread_mutex_t m3_lock, m3_send_lock;
+  pf_m3 *m3q, *m3out; /* PF_M3_BATCH each: the queue, the batch being sent */
+  size_t nm3;
+  int64_t m3_since_ns; /* when the oldest queued M3 was queued */
 } prefill_state;
 
 enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
@@ -359,5 +374,21 @@ void *kvf__pf_worker_main(void *arg);
 /* direct.c */
 pf_direct *kvf__pf_direct_take_locked(prefill_state *ps, pf_room *r, const pf_chunk *c, size_t prior);
 void kvf__pf_direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c);
+
+/* m3_outbox.c */
+int kvf__pf_m3_init(prefill_state *ps);
+void kvf__pf_m3_free(prefill_state *ps);
+/* Queue an M3 Success that duplicates a completion the decode already took
+ * from the engine trailer: 1 when queued (it goes out within about
+ * PF_M3_DEFER_MS), 0 when the caller must send it now. Any thread without
+ * ps->lock. */
+int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, int64_t room, int64_t token,
+                     const int32_t *cands, size_t ncand);
+/* Send the queued M3s: all of them, or (all 0) if full or due. Any thread
+ * without ps->lock. */
+void kvf__pf_m3_flush(prefill_state *ps, int all);
+/* The listener's turn: send the queue if due; the milliseconds until the
+ * next one is due, or -1 when none waits. */
+int kvf__pf_m3_tick(kvf_manager *m);
 
 #endif

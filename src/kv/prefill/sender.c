@@ -248,6 +248,10 @@ kvf_poll_status kvf_sender_poll(kvf_sender *s) {
   pf_dest *d = NULL;
   size_t nd = 0;
   int st = ROOM_FAILED;
+  /* Success is final and has nothing left to check: answered from the room
+   * table alone, without ps->lock, which the listener and the completion
+   * threads take for every room (a scheduler polls often). */
+  if (!kvf__rooms_get_status(s->m->rooms, s->room, &st) && st == ROOM_SUCCESS) return KVF_POLL_SUCCESS;
   pthread_mutex_lock(&ps->lock);
   if (kvf__rooms_get_status(s->m->rooms, s->room, &st)) st = ROOM_FAILED;
   double limit = s->m->cfg.bootstrap_timeout_s;

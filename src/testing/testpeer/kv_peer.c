@@ -148,10 +148,14 @@ static void busy_until(long long end_ns, uint64_t *acc, int sleep) {
     for (int i = 0; i < 256; i++) *acc = *acc * 6364136223846793005ULL + 1442695040888963407ULL;
 }
 
-/* A request slot not in use, or NULL when all PEER_MAX_REQS are. */
-static peer_req *free_req(peer_req *reqs) {
+/* The lowest request slot not in use (*nused grows to cover it), or NULL
+ * when all PEER_MAX_REQS are. */
+static peer_req *free_req(peer_req *reqs, int *nused) {
   for (int i = 0; i < PEER_MAX_REQS; i++)
-    if (!reqs[i].nranks) return &reqs[i];
+    if (!reqs[i].nranks) {
+      if (i + 1 > *nused) *nused = i + 1;
+      return &reqs[i];
+    }
   return NULL;
 }
 
@@ -346,6 +350,7 @@ int cli_kv_peer(int argc, char **argv) {
   printf("ready %s\n", baddr);
   fflush(stdout);
   uint64_t rng = 0x2545F4914F6CDD1DULL;
+  int nused = 0; /* slots below this may be live */
   char line[512];
   size_t llen = 0;
   int eof = 0;
@@ -367,7 +372,7 @@ int cli_kv_peer(int argc, char **argv) {
         else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
                         &sleep) >= 5 &&
                  npages > 0 && layer_us >= 0 && o.world == 1) {
-          peer_req *r = free_req(reqs);
+          peer_req *r = free_req(reqs, &nused);
           if (!r) {
             printf("done %lld 0 0 too-many-requests\n", room);
           } else {
@@ -381,7 +386,7 @@ int cli_kv_peer(int argc, char **argv) {
         } else if (sscanf(line, "send %lld %lld %llu %lld %d %d %d %d", &room, &npages, &seed, &token, &chunk,
                           &state, &reuse, &wait_m2) >= 4 &&
                    npages >= 0) {
-          peer_req *r = free_req(reqs);
+          peer_req *r = free_req(reqs, &nused);
           if (!r) {
             printf("done %lld 0 0 too-many-requests\n", room);
           } else {
@@ -402,7 +407,9 @@ int cli_kv_peer(int argc, char **argv) {
       }
       if (llen == sizeof line - 1) llen = 0; /* an overlong line is dropped */
     }
-    for (int i = 0; i < PEER_MAX_REQS; i++) {
+    /* Requests take the lowest free slot: only the first nused can be live. */
+    while (nused > 0 && !reqs[nused - 1].nranks) nused--;
+    for (int i = 0; i < nused; i++) {
       peer_req *r = &reqs[i];
       if (!r->nranks) continue;
       int st = KVF_POLL_SUCCESS, final = 1;
