@@ -147,6 +147,8 @@ static void stop_workers(prefill_state *ps) {
     pthread_cond_destroy(&q->cond);
     pthread_mutex_destroy(&q->lock);
     kvf__pf_scratch_free(&q->sc);
+    for (int k = 0; k < PF_WORKER_WINDOW; k++) /* the worker drained its window before it ended */
+      free(q->fl[k].infos), free(q->fl[k].batches), free(q->fl[k].dbytes);
   }
 }
 

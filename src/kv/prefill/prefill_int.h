@@ -132,6 +132,7 @@
 #define PF_DIRECT_SLOTS 256             /* direct chunks in flight per prefill rank */
 #define PF_SPARE_ROOMS 4096             /* unreferenced room records kept for reuse */
 #define PF_DIRECT_DRAIN_MS 120000       /* stop: wait this long for direct chunks' engine callbacks */
+#define PF_WORKER_WINDOW 4              /* chunks a worker keeps in flight before waiting (workers.c) */
 #define PF_M3_BATCH 32                  /* deferred M3s held at most; a full queue goes out at once */
 #define PF_M3_DEFER_MS 2                /* a deferred M3 goes out within about this long (m3_outbox.c) */
 
@@ -237,6 +238,19 @@ typedef struct pf_room {
   struct pf_room *next_spare; /* on ps->room_spare once unreferenced */
 } pf_room;
 
+/* A chunk whose writes a worker submitted and has not waited for yet (the
+ * worker's window, workers.c): its destinations, referenced, and per
+ * destination its engine write (NULL: nothing sent) and the write's bytes.
+ * The arrays are grow-only and swapped with the worker's scratch. */
+typedef struct pf_flight {
+  struct pf_chunk *c;
+  size_t n;
+  struct pf_info **infos;
+  kvf_batch **batches;
+  uint64_t *dbytes;
+  size_t cap_infos, cap_batches, cap_dbytes;
+} pf_flight;
+
 typedef struct pf_queue {
   struct prefill_state *ps;
   pthread_mutex_t lock;
@@ -247,6 +261,10 @@ typedef struct pf_queue {
   pthread_t thread;
   int started;
   pf_scratch sc; /* the worker's */
+  /* the worker's window: fl[(fl_head + k) % PF_WORKER_WINDOW], k < fl_n,
+   * oldest first (this worker's thread only) */
+  pf_flight fl[PF_WORKER_WINDOW];
+  unsigned fl_head, fl_n;
 } pf_queue;
 
 struct kvf_sender {

@@ -2,7 +2,15 @@
  * run on one worker, in order), writes a chunk to every destination of its
  * room at once (fan-out: submitted together, waited for once), and on the
  * last chunk makes the room Success (or parks it for a later first token)
- * and sends the M3s (§6.11). */
+ * and sends the M3s (§6.11).
+ *
+ * The window: a chunk that is not its room's last (a layer of a layerwise
+ * send, a part of a chunked prefill) stays in flight while the worker
+ * submits the next ones, up to PF_WORKER_WINDOW, so the connections never
+ * idle between two chunks waiting for the previous one's acknowledgements.
+ * Before a last chunk (whose completion must follow every earlier byte of
+ * its room) and before any other kind of chunk, the worker waits for its
+ * whole window; it also waits for it when its FIFO is empty. */
 #include "kv/prefill/prefill_int.h"
 
 /* Fail the room (if it is still this room) and tell the destination. */
@@ -42,14 +50,77 @@ static void recheck_after_m3(prefill_state *ps, pf_room *r, const pf_chunk *c) {
              r->room, why);
 }
 
-static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
+/* Wait for the oldest chunk in the worker's window: the first failed write
+ * fails the room and tells its destination (§6.11 step 5); then the chunk
+ * is counted (when every write landed) and released. */
+static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
+  pf_flight *f = &q->fl[q->fl_head];
+  q->fl_head = (q->fl_head + 1) % PF_WORKER_WINDOW;
+  q->fl_n--;
+  pf_chunk *c = f->c;
+  uint64_t bytes = 0;
+  int ok = 1;
+  char why[ROOMS_REASON_MAX];
+  for (size_t i = 0; i < f->n; i++) {
+    if (!f->batches[i]) continue;
+    int err = ok ? kvf_batch_wait(f->batches[i], -1) : 0;
+    if (ok && err) {
+      kvf__pf_xfer_why(c->r, f->infos[i]->m2, err, why, sizeof why);
+      kvf__pf_fail_dest(ps, c->r, f->infos[i]->m2, why, 1);
+      ok = 0;
+    } else if (ok) {
+      bytes += f->dbytes[i];
+    }
+    kvf_batch_destroy(f->batches[i]); /* waits for writes past a failure */
+    f->batches[i] = NULL;
+  }
+  if (ok) {
+    atomic_fetch_add(&ps->m->stats.chunks_sent, 1);
+    atomic_fetch_add(&ps->m->stats.bytes_sent, bytes);
+  }
+  pthread_mutex_lock(&ps->lock);
+  for (size_t i = 0; i < f->n; i++) kvf__pf_info_unref(f->infos[i]);
+  kvf__pf_chunk_release_locked(ps, c);
+  pthread_mutex_unlock(&ps->lock);
+  f->c = NULL;
+}
+
+static void flight_drain(prefill_state *ps, pf_queue *q) {
+  while (q->fl_n) flight_finish_oldest(ps, q);
+}
+
+#define SWAP(a, b)          \
+  do {                      \
+    __typeof__(a) t_ = (a); \
+    (a) = (b), (b) = t_;    \
+  } while (0)
+
+/* The chunk's writes, all submitted without a failure, go into the window
+ * (the next slot takes over the scratch's per-destination arrays). */
+static void flight_add(pf_queue *q, pf_chunk *c, size_t n) {
+  pf_scratch *sc = &q->sc;
+  pf_flight *f = &q->fl[(q->fl_head + q->fl_n) % PF_WORKER_WINDOW];
+  q->fl_n++;
+  f->c = c, f->n = n;
+  SWAP(f->infos, sc->infos);
+  SWAP(f->cap_infos, sc->cap_infos);
+  SWAP(f->batches, sc->batches);
+  SWAP(f->cap_batches, sc->cap_batches);
+  SWAP(f->dbytes, sc->dbytes);
+  SWAP(f->cap_dbytes, sc->cap_dbytes);
+}
+
+/* Write chunk c; 1 when it went into the worker's window (released when
+ * its writes are waited for), 0 when it is done here. */
+static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
+  pf_scratch *sc = &q->sc;
   kvf_manager *m = ps->m;
   pf_room *r = c->r;
   int st = ROOM_FAILED;
   pthread_mutex_lock(&ps->lock);
   if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) {
     pthread_mutex_unlock(&ps->lock);
-    return;
+    return 0;
   }
   size_t n = r->ninfos;
   if (kvf__pf_scratch_grow((void **)&sc->infos, &sc->cap_infos, n ? n : 1, sizeof *sc->infos) ||
@@ -59,7 +130,7 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
       kvf__pf_scratch_grow((void **)&sc->res, &sc->cap_res, n ? n : 1, sizeof *sc->res)) {
     kvf__rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
     pthread_mutex_unlock(&ps->lock);
-    return;
+    return 0;
   }
   pf_info **infos = sc->infos;
   size_t *done = sc->done;
@@ -86,6 +157,11 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
    * taken in destination order, as when the writes ran one after another:
    * the first failure fails the room and stops the chunk (§6.11 step 5);
    * writes already submitted past it are only waited for. */
+  /* A chunk that is not the room's last, on the planned path, may stay in
+   * flight (the window, above); any other waits for the window first. */
+  int flies = !c->is_last && !c->digests && n > 0;
+  for (size_t i = 0; i < n && flies; i++) flies = !(infos[i]->m2->room_flags & WIRE_ROOM_VERIFY);
+  if (!flies) flight_drain(ps, q);
   size_t nsub = n; /* destinations [0, nsub) have an outcome */
   for (size_t i = 0; i < n; i++) sc->batches[i] = NULL, sc->dbytes[i] = 0, sc->res[i] = DEST_OK;
   for (size_t i = 0; i < n; i++) {
@@ -101,6 +177,10 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
       nsub = i + 1;
       break;
     }
+  }
+  if (flies && nsub == n && sc->res[n - 1] == DEST_OK) { /* every write submitted */
+    flight_add(q, c, n);
+    return 1;
   }
   for (size_t i = 0; i < nsub && ok; i++) {
     const wire_m2 *x = infos[i]->m2;
@@ -189,6 +269,7 @@ static void process_chunk(prefill_state *ps, pf_scratch *sc, pf_chunk *c) {
   pthread_mutex_lock(&ps->lock);
   for (size_t i = 0; i < n; i++) kvf__pf_info_unref(infos[i]);
   pthread_mutex_unlock(&ps->lock);
+  return 0;
 }
 
 void *kvf__pf_worker_main(void *arg) {
@@ -196,9 +277,15 @@ void *kvf__pf_worker_main(void *arg) {
   prefill_state *ps = q->ps;
   for (;;) {
     pthread_mutex_lock(&q->lock);
+    while (!q->head && !q->stop && q->fl_n) { /* nothing new: wait for the window, oldest first */
+      pthread_mutex_unlock(&q->lock);
+      flight_finish_oldest(ps, q);
+      pthread_mutex_lock(&q->lock);
+    }
     while (!q->head && !q->stop) pthread_cond_wait(&q->cond, &q->lock);
     if (q->stop) {
       pthread_mutex_unlock(&q->lock);
+      flight_drain(ps, q);
       break;
     }
     kvf__wake_count();
@@ -207,7 +294,8 @@ void *kvf__pf_worker_main(void *arg) {
     if (!q->head) q->tail = NULL;
     q->count--;
     pthread_mutex_unlock(&q->lock);
-    process_chunk(ps, &q->sc, c);
+    if (q->fl_n == PF_WORKER_WINDOW) flight_finish_oldest(ps, q);
+    if (process_chunk(ps, q, c)) continue;
     pthread_mutex_lock(&ps->lock);
     kvf__pf_chunk_release_locked(ps, c);
     pthread_mutex_unlock(&ps->lock);
