@@ -789,6 +789,40 @@ static void refused_write_fails_room(void **state) {
   fx_teardown(&f);
 }
 
+/* A refused write in a chunk that is not the room's last, while the worker
+ * keeps it in flight (its window): the room fails, the decode gets one M3
+ * Failed, and the chunks behind it, the last one included, make no
+ * Success. */
+static void refused_write_in_window_fails_room(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = new_sender(&f, 12);
+  int64_t src[] = {0, 1, 2, 3, 4}, dst[] = {0, NPAGES + 100, 2, 3, 4};
+  send_m1(&f);
+  send_m2(&f, 12, dst, 5);
+  assert_int_equal(send_chunk(s, src, 2, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src + 2, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src + 3, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(s, src + 4, 1, 1, 0, 7, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 8000), KVF_POLL_FAILED);
+  char why[256];
+  kvf_sender_failure(s, why, sizeof why);
+  assert_non_null(strstr(why, "Failed to send kv chunk of 12"));
+  wire_m3 m3;
+  int32_t c[KVF_MAX_CANDIDATES];
+  size_t nc;
+  recv_m3(&f, &m3, c, &nc);
+  assert_int_equal(m3.room, 12);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  sleep_ms(300); /* the chunks behind it have been waited for or skipped by now */
+  zmq_pollitem_t pi = {.socket = f.pull, .events = ZMQ_POLLIN};
+  assert_int_equal(zmq_poll(&pi, 1, 0), 0); /* no second M3, no Success */
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_FAILED);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+}
+
 static void abort_tells_decode(void **state) {
   (void)state;
   fixture f;
@@ -1180,6 +1214,7 @@ int main(void) {
       cmocka_unit_test(malformed_and_unregistered),
       cmocka_unit_test(forged_m1_m2_from_other_host),
       cmocka_unit_test(refused_write_fails_room),
+      cmocka_unit_test(refused_write_in_window_fails_room),
       cmocka_unit_test(abort_tells_decode),
       cmocka_unit_test(many_senders),
       cmocka_unit_test(layerwise_appendix_a),

@@ -9,8 +9,9 @@
  * submits the next ones, up to PF_WORKER_WINDOW, so the connections never
  * idle between two chunks waiting for the previous one's acknowledgements.
  * Before a last chunk (whose completion must follow every earlier byte of
- * its room) and before any other kind of chunk, the worker waits for its
- * whole window; it also waits for it when its FIFO is empty. */
+ * its room) the worker waits for its whole window; it also waits for it
+ * when its FIFO is empty. A room failed by a chunk in the window is
+ * reported once; the chunks behind it are waited for or skipped. */
 #include "kv/prefill/prefill_int.h"
 
 /* Fail the room (if it is still this room) and tell the destination. */
@@ -59,8 +60,13 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
   q->fl_n--;
   pf_chunk *c = f->c;
   uint64_t bytes = 0;
-  int ok = 1;
   char why[ROOMS_REASON_MAX];
+  /* A room failed meanwhile (by an earlier chunk of the window, say) was
+   * reported once: its writes are only waited for. */
+  int st = ROOM_FAILED;
+  pthread_mutex_lock(&ps->lock);
+  int ok = !c->r->dead && !kvf__rooms_get_status(ps->m->rooms, c->r->room, &st) && st != ROOM_FAILED;
+  pthread_mutex_unlock(&ps->lock);
   for (size_t i = 0; i < f->n; i++) {
     if (!f->batches[i]) continue;
     int err = ok ? kvf_batch_wait(f->batches[i], -1) : 0;
@@ -117,6 +123,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
   kvf_manager *m = ps->m;
   pf_room *r = c->r;
   int st = ROOM_FAILED;
+  if (c->is_last) flight_drain(ps, q); /* its completion follows every earlier byte; a failure stops it */
   pthread_mutex_lock(&ps->lock);
   if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) {
     pthread_mutex_unlock(&ps->lock);
@@ -158,10 +165,9 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
    * the first failure fails the room and stops the chunk (§6.11 step 5);
    * writes already submitted past it are only waited for. */
   /* A chunk that is not the room's last, on the planned path, may stay in
-   * flight (the window, above); any other waits for the window first. */
+   * flight (the window, above). */
   int flies = !c->is_last && !c->digests && n > 0;
   for (size_t i = 0; i < n && flies; i++) flies = !(infos[i]->m2->room_flags & WIRE_ROOM_VERIFY);
-  if (!flies) flight_drain(ps, q);
   size_t nsub = n; /* destinations [0, nsub) have an outcome */
   for (size_t i = 0; i < n; i++) sc->batches[i] = NULL, sc->dbytes[i] = 0, sc->res[i] = DEST_OK;
   for (size_t i = 0; i < n; i++) {
