@@ -440,15 +440,20 @@ static int trailer_calls_of(const int *calls, int want) {
 
 static int trailer_calls(trailer_seen *t, int want) { return trailer_calls_of(&t->calls, want); }
 
+/* Two engines in this process, no auth token: a writes, b is written. */
+static void engine_pair(kvf_engine **a, kvf_engine **b) {
+  kvf_engine_config c;
+  kvf_engine_config_init(&c);
+  c.auth_token = "";
+  assert_int_equal(kvf_engine_create(&c, a), 0);
+  assert_int_equal(kvf_engine_create(&c, b), 0);
+}
+
 static void trailer_after_bytes(void **state) {
   (void)state;
   enum { LEN = 64 << 10, BIG = 2 << 20 };
   kvf_engine *a = NULL, *b = NULL;
-  kvf_engine_config c;
-  kvf_engine_config_init(&c);
-  c.auth_token = "";
-  assert_int_equal(kvf_engine_create(&c, &a), 0);
-  assert_int_equal(kvf_engine_create(&c, &b), 0);
+  engine_pair(&a, &b);
   uint8_t *src = malloc(BIG), *dst = calloc(1, BIG);
   for (size_t i = 0; i < BIG; i++) src[i] = (uint8_t)(i * 7 + 1);
   assert_int_equal(kvf_engine_register(a, src, BIG), 0);
@@ -510,11 +515,7 @@ static void small_batches_in_a_burst_keep_their_trailers(void **state) {
   (void)state;
   enum { N = 300, AREA = 8 << 20 };
   kvf_engine *a = NULL, *b = NULL;
-  kvf_engine_config c;
-  kvf_engine_config_init(&c);
-  c.auth_token = "";
-  assert_int_equal(kvf_engine_create(&c, &a), 0);
-  assert_int_equal(kvf_engine_create(&c, &b), 0);
+  engine_pair(&a, &b);
   uint8_t *src = malloc(AREA), *dst = calloc(1, AREA);
   assert_non_null(src);
   assert_non_null(dst);
