@@ -16,10 +16,16 @@ typedef struct map_node {
   void *val;
 } map_node;
 
+/* Nodes of deleted entries kept for the next inserts (no allocation per
+ * insert once a table has seen its working set), at most this many. */
+#define MAP_SPARE_MAX 4096
+
 typedef struct map {
   map_node **buckets;
   size_t nbuckets;
   size_t size;
+  map_node *spare; /* linked through next */
+  size_t nspare;
 } map;
 
 typedef struct map_iter {

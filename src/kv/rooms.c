@@ -25,10 +25,12 @@ typedef struct room_entry {
   uint64_t *resp_hi;     /* ranks 64..ROOMS_MAX_RANKS-1, allocated on first use */
   int64_t pending_token; /* -1 = none */
   int64_t final_token;   /* -1 = none */
-  int32_t *pending_cands;
+  /* candidates held in the entry (no allocation per room; entries are
+   * recycled): the first responder's, then the published ones */
   size_t npending_cands; /* 0 = none */
-  int32_t *final_cands;
   size_t nfinal_cands;
+  int32_t pending_cands[ROOMS_MAX_CANDS];
+  int32_t final_cands[ROOMS_MAX_CANDS];
   int published; /* prefill: kvf__rooms_publish_metadata stored final_* */
   char *reason;
   void *user;
@@ -60,8 +62,6 @@ static int merge_status(int cur, int s) {
 
 static void entry_free(room_entry *e) {
   free(e->resp_hi);
-  free(e->pending_cands);
-  free(e->final_cands);
   free(e->reason);
   free(e);
 }
@@ -321,18 +321,11 @@ static int add_responder(room_entry *e, int rank) {
 int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token, const int32_t *cands,
                                size_t ncand, int *became_success) {
   int rc = 0, became = 0;
-  int32_t *copy = NULL;
   if (ncand > ROOMS_MAX_CANDS || prefill_rank < 0 || prefill_rank >= ROOMS_MAX_RANKS || (ncand && !cands)) {
     pthread_mutex_lock(&t->mu);
     t->st.rejected_invalid++;
     pthread_mutex_unlock(&t->mu);
     return ncand > ROOMS_MAX_CANDS ? KVF_ETOOBIG : KVF_EINVAL;
-  }
-  /* Allocate before locking; most reports do not need it (first wins) but a
-   * malloc under the table lock would stall the other threads. */
-  if (ncand) {
-    if (!(copy = malloc(ncand * sizeof *copy))) return KVF_ENOMEM;
-    memcpy(copy, cands, ncand * sizeof *copy);
   }
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
@@ -348,10 +341,9 @@ int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t
   }
   if (added == 0) t->st.duplicate_responses++;
   if (token != -1 && e->pending_token == -1) e->pending_token = token;
-  if (copy && !e->pending_cands) {
-    e->pending_cands = copy;
+  if (ncand && !e->npending_cands) { /* the first responder's candidates */
+    memcpy(e->pending_cands, cands, ncand * sizeof *cands);
     e->npending_cands = ncand;
-    copy = NULL;
   }
   int expected = e->required ? e->required : 1;
   if (e->nresponded < expected) goto out_unlock;
@@ -361,11 +353,9 @@ int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t
     e->final_token = e->pending_token;
     e->pending_token = -1;
   }
-  if (e->pending_cands) {
-    free(e->final_cands);
-    e->final_cands = e->pending_cands;
+  if (e->npending_cands) {
+    memcpy(e->final_cands, e->pending_cands, e->npending_cands * sizeof *e->final_cands);
     e->nfinal_cands = e->npending_cands;
-    e->pending_cands = NULL;
     e->npending_cands = 0;
   }
   int before = e->status;
@@ -373,7 +363,6 @@ int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t
   became = before != ROOM_SUCCESS && e->status == ROOM_SUCCESS;
 out_unlock:
   pthread_mutex_unlock(&t->mu);
-  free(copy);
   if (rc == 0 && became_success) *became_success = became;
   return rc;
 }
@@ -393,8 +382,6 @@ int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *can
   e->final_token = -1;
   n = e->nfinal_cands;
   if (n) memcpy(cands, e->final_cands, n * sizeof *cands);
-  free(e->final_cands);
-  e->final_cands = NULL;
   e->nfinal_cands = 0;
   rc = 0;
 out_unlock:
@@ -406,7 +393,7 @@ out_unlock:
   return rc;
 }
 
-int kvf__rooms_publish_metadata(rooms *t, int64_t room, int64_t token, int32_t *cands, size_t ncand) {
+int kvf__rooms_publish_metadata(rooms *t, int64_t room, int64_t token, const int32_t *cands, size_t ncand) {
   if (ncand > ROOMS_MAX_CANDS || (ncand && !cands)) return ncand > ROOMS_MAX_CANDS ? KVF_ETOOBIG : KVF_EINVAL;
   int rc = 0;
   pthread_mutex_lock(&t->mu);
@@ -418,8 +405,7 @@ int kvf__rooms_publish_metadata(rooms *t, int64_t room, int64_t token, int32_t *
   } else {
     e->published = 1;
     e->final_token = token;
-    free(e->final_cands);
-    e->final_cands = ncand ? cands : NULL;
+    if (ncand) memcpy(e->final_cands, cands, ncand * sizeof *cands);
     e->nfinal_cands = ncand;
   }
   pthread_mutex_unlock(&t->mu);
@@ -514,7 +500,7 @@ int kvf__rooms_clear(rooms *t, int64_t room, void **user) {
   if (!found) return KVF_ENOTFOUND;
   if (user) *user = held.user;
   /* outside the lock: what the entry held is unreachable now */
-  free(held.resp_hi), free(held.pending_cands), free(held.final_cands), free(held.reason);
+  free(held.resp_hi), free(held.reason);
   free(e);
   return 0;
 }

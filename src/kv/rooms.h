@@ -153,10 +153,9 @@ int kvf__rooms_pop_metadata(rooms *t, int64_t room, int64_t *token, int32_t *can
 
 /* The prefill's side of the first token (kvf_sender_set_metadata): publish
  * the room's token and candidates once, into the same fields a decode's
- * Success publishes into. 0, and the table owns `cands` (malloc'd; NULL
- * when ncand is 0); KVF_EEXIST if already published, KVF_ENOTFOUND if not
- * live, KVF_ETOOBIG past ROOMS_MAX_CANDS (cands stays the caller's then). */
-int kvf__rooms_publish_metadata(rooms *t, int64_t room, int64_t token, int32_t *cands, size_t ncand);
+ * Success publishes into (cands is copied). 0; KVF_EEXIST if already
+ * published, KVF_ENOTFOUND if not live, KVF_ETOOBIG past ROOMS_MAX_CANDS. */
+int kvf__rooms_publish_metadata(rooms *t, int64_t room, int64_t token, const int32_t *cands, size_t ncand);
 /* A copy of what kvf__rooms_publish_metadata stored (it stays): 0,
  * KVF_EAGAIN if nothing is published yet, KVF_ENOTFOUND if not live,
  * KVF_ETOOBIG if cap is short. */

@@ -213,17 +213,13 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
   if (ncand > KVF_MAX_CANDIDATES) return KVF_ETOOBIG;
   prefill_state *ps = s->m->prefill;
   pf_room *r = s->r;
-  int32_t *copy = ncand ? malloc(ncand * sizeof *copy) : NULL;
-  if (ncand && !copy) return KVF_ENOMEM;
-  if (ncand) memcpy(copy, cands, ncand * sizeof *cands);
   int st = ROOM_FAILED, rc = 0;
   pf_dest *d = NULL;
   size_t nd = 0;
   pthread_mutex_lock(&ps->lock);
   if (r->dead || kvf__rooms_get_status(s->m->rooms, s->room, &st)) {
     rc = KVF_ENOTFOUND;
-  } else if (!(rc = kvf__rooms_publish_metadata(s->m->rooms, s->room, bootstrap_token, copy, ncand))) {
-    copy = NULL;   /* the room's now */
+  } else if (!(rc = kvf__rooms_publish_metadata(s->m->rooms, s->room, bootstrap_token, cands, ncand))) {
     if (r->park) { /* the KV landed: Success now (§6.11 step 6) */
       d = r->park, nd = r->npark;
       r->park = NULL, r->npark = 0;
@@ -234,7 +230,6 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
     }
   }
   pthread_mutex_unlock(&ps->lock);
-  free(copy);
   for (size_t k = 0; k < nd; k++)
     kvf__pf_send_m3(s->m, d[k].host, d[k].port, s->room, st == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
                     bootstrap_token, cands, ncand);
