@@ -19,8 +19,7 @@ static uint64_t hash_u64(uint64_t x) {
 int kvf__map_init(map *m) {
   m->nbuckets = 16;
   m->size = 0;
-  m->spare = NULL;
-  m->nspare = 0;
+  m->spare = (spare_list){0};
   m->buckets = calloc(m->nbuckets, sizeof *m->buckets);
   return m->buckets ? 0 : KVF_ENOMEM;
 }
@@ -35,14 +34,10 @@ static void free_nodes(map *m) {
       n = next;
     }
   }
-  while (m->spare) {
-    map_node *next = m->spare->next;
-    free(m->spare);
-    m->spare = next;
-  }
+  kvf__spare_free(&m->spare);
   free(m->buckets);
   m->buckets = NULL;
-  m->nbuckets = m->size = m->nspare = 0;
+  m->nbuckets = m->size = 0;
 }
 
 void kvf__map_free(map *m) { free_nodes(m); }
@@ -86,13 +81,8 @@ static int put(map *m, uint64_t h, uint64_t key, const char *skey, void *val, vo
     (*pp)->val = val;
     return 0;
   }
-  map_node *n = m->spare;
-  if (n) {
-    m->spare = n->next, m->nspare--;
-    memset(n, 0, sizeof *n);
-  } else if (!(n = calloc(1, sizeof *n))) {
-    return KVF_ENOMEM;
-  }
+  map_node *n = kvf__spare_take(&m->spare, sizeof *n);
+  if (!n) return KVF_ENOMEM;
   if (skey && !(n->skey = strdup(skey))) {
     free(n);
     return KVF_ENOMEM;
@@ -114,11 +104,7 @@ static int del(map *m, uint64_t h, uint64_t key, const char *skey, void **val) {
   *pp = n->next;
   if (val) *val = n->val;
   free(n->skey);
-  if (m->nspare < MAP_SPARE_MAX) {
-    n->next = m->spare, m->spare = n, m->nspare++;
-  } else {
-    free(n);
-  }
+  kvf__spare_give(&m->spare, n);
   m->size--;
   return 1;
 }

@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/spare.h"
+
 typedef struct map_node {
   struct map_node *next;
   uint64_t hash;
@@ -16,16 +18,11 @@ typedef struct map_node {
   void *val;
 } map_node;
 
-/* Nodes of deleted entries kept for the next inserts (no allocation per
- * insert once a table has seen its working set), at most this many. */
-#define MAP_SPARE_MAX 4096
-
 typedef struct map {
   map_node **buckets;
   size_t nbuckets;
   size_t size;
-  map_node *spare; /* linked through next */
-  size_t nspare;
+  spare_list spare; /* nodes of deleted entries, for the next inserts */
 } map;
 
 typedef struct map_iter {

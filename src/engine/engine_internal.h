@@ -65,6 +65,7 @@ typedef struct engine_fences {
   pthread_mutex_t lock;
   pthread_cond_t cv; /* a fenced pair's last receiver left */
   map open;          /* epoch -> engine_fence */
+  spare_list spare;  /* engine_fence records for the next opens */
 } engine_fences;
 
 int kvf__fence_init(engine_fences *f);

@@ -55,6 +55,7 @@ void kvf__fence_destroy(engine_fences *f) {
   kvf__map_iter_init(&it);
   while (kvf__map_next(&f->open, &it, NULL, &v)) free(v);
   kvf__map_free(&f->open);
+  kvf__spare_free(&f->spare);
   pthread_cond_destroy(&f->cv);
   pthread_mutex_destroy(&f->lock);
 }
@@ -69,21 +70,22 @@ static uint64_t epoch_new(void) {
 
 int kvf_engine_fence_open(kvf_engine *e, uint64_t tag, uint64_t *epoch) {
   if (!e || !tag || !epoch) return KVF_EINVAL;
-  engine_fence *x = calloc(1, sizeof *x);
-  if (!x) return KVF_ENOMEM;
-  x->tag = tag;
   int rc = 0;
   pthread_mutex_lock(&e->fences.lock);
-  /* Under the lock: a snapshot (kvf__fence_snapshot) sees every epoch below
-   * its `next` either open in the table or closed. */
-  x->epoch = epoch_new();
-  if (kvf__map_size(&e->fences.open) >= ENGINE_MAX_FENCES) rc = KVF_ENOMEM;
-  else rc = kvf__map_put(&e->fences.open, x->epoch, x, NULL);
-  pthread_mutex_unlock(&e->fences.lock);
-  if (rc) {
-    free(x);
-    return rc;
+  engine_fence *x = kvf__spare_take(&e->fences.spare, sizeof *x);
+  if (x) {
+    x->tag = tag;
+    /* Under the lock: a snapshot (kvf__fence_snapshot) sees every epoch
+     * below its `next` either open in the table or closed. */
+    x->epoch = epoch_new();
+    if (kvf__map_size(&e->fences.open) >= ENGINE_MAX_FENCES) rc = KVF_ENOMEM;
+    else rc = kvf__map_put(&e->fences.open, x->epoch, x, NULL);
+    if (rc) kvf__spare_give(&e->fences.spare, x);
+  } else {
+    rc = KVF_ENOMEM;
   }
+  pthread_mutex_unlock(&e->fences.lock);
+  if (rc) return rc;
   *epoch = x->epoch;
   return 0;
 }
@@ -113,7 +115,7 @@ static int fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_
     }
   }
   kvf__map_del(&e->fences.open, epoch, NULL);
-  free(x);
+  kvf__spare_give(&e->fences.spare, x);
 out:
   pthread_mutex_unlock(&e->fences.lock);
   /* One-sided writers (UCX) are told and confirm (ucx.c). */
@@ -174,7 +176,7 @@ void kvf__fence_leave(kvf_engine *e, engine_fence *x) {
     /* A closer that timed out left the entry for the last receiver to drop. */
     if (kvf__map_get(&e->fences.open, x->epoch) == x && x->abandoned) {
       kvf__map_del(&e->fences.open, x->epoch, NULL);
-      free(x);
+      kvf__spare_give(&e->fences.spare, x);
     }
   }
   pthread_mutex_unlock(&e->fences.lock);

@@ -23,7 +23,8 @@ typedef struct integ_room {
 
 typedef struct integ_state {
   pthread_mutex_t lock;
-  map rooms; /* room (as u64) -> integ_room */
+  map rooms;        /* room (as u64) -> integ_room */
+  spare_list spare; /* integ_room records for the next rooms */
   /* Test hook (KVFERRY_TEST_CORRUPT_ROOM=<room>): flip one landed byte of
    * that room before its first digest is checked, to show the check. */
   int corrupt_armed;
@@ -57,6 +58,7 @@ void kvf__integ_stop(kvf_manager *m) {
   kvf__map_iter_init(&it);
   while (kvf__map_next(&s->rooms, &it, NULL, &v)) free(v);
   kvf__map_free(&s->rooms);
+  kvf__spare_free(&s->spare);
   pthread_mutex_destroy(&s->lock);
   free(s);
   m->integ = NULL;
@@ -70,19 +72,18 @@ void kvf__integ_room_open(kvf_manager *m, int64_t room, int kvferry, uint64_t *f
   *flags = *epoch = 0;
   if (kvferry && tag && kvf_engine_fence_open(m->engine, tag, &e)) e = 0;
   if (!e && !m->cfg.verify) return;
-  integ_room *x = calloc(1, sizeof *x);
   int rc = KVF_ENOMEM;
+  pthread_mutex_lock(&s->lock);
+  integ_room *x = kvf__spare_take(&s->spare, sizeof *x);
   if (x) {
     x->epoch = e;
     x->verify = m->cfg.verify;
     void *old = NULL;
-    pthread_mutex_lock(&s->lock);
     rc = kvf__map_put(&s->rooms, (uint64_t)room, x, &old);
-    pthread_mutex_unlock(&s->lock);
-    free(old); /* a re-init of the same receiver replaces its entry */
+    kvf__spare_give(&s->spare, rc ? x : old); /* a re-init of the same receiver replaces its entry */
   }
+  pthread_mutex_unlock(&s->lock);
   if (rc) {
-    free(x);
     if (e) kvf_engine_fence_close(m->engine, tag, e, INTEG_FENCE_CLOSE_MS);
     return;
   }
@@ -106,10 +107,11 @@ void kvf__integ_room_close(kvf_manager *m, int64_t room, uint64_t epoch, int fai
   if (!forget) return;
   pthread_mutex_lock(&s->lock);
   integ_room *x = kvf__map_get(&s->rooms, (uint64_t)room);
-  if (x && x->epoch == epoch) kvf__map_del(&s->rooms, (uint64_t)room, NULL);
-  else x = NULL;
+  if (x && x->epoch == epoch) {
+    kvf__map_del(&s->rooms, (uint64_t)room, NULL);
+    kvf__spare_give(&s->spare, x);
+  }
   pthread_mutex_unlock(&s->lock);
-  free(x);
 }
 
 void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_t room, uint64_t epoch,
