@@ -18,6 +18,7 @@
 #include "engine/engine_internal.h"
 
 #define ENGINE_MAX_DESC_PER_CHUNK 4096
+#define ENGINE_FEW_CHUNKS 8 /* a batch of up to this many chunks lists them on the stack */
 /* Below this a batch goes on one connection: a second ack costs more than
  * the parallel copy saves. */
 #define ENGINE_SPLIT_MIN_BYTES (512u * 1024u)
@@ -92,6 +93,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   if ((rc = kvf__fence_init(&e->fences))) goto err_regions;
   pthread_rwlock_init(&e->trailer_lock, NULL);
   pthread_mutex_init(&e->pools_mu, NULL);
+  pthread_mutex_init(&e->spare_mu, NULL);
   snprintf(e->host, sizeof e->host, "%s", cfg.host);
   const char *tok = cfg.auth_token ? cfg.auth_token : getenv("KVFERRY_AUTH_TOKEN");
   if (tok && strlen(tok) >= sizeof e->auth_token) {
@@ -119,6 +121,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   return 0;
 
 err_regions:
+  pthread_mutex_destroy(&e->spare_mu);
   pthread_mutex_destroy(&e->pools_mu);
   pthread_rwlock_destroy(&e->trailer_lock);
   kvf__fence_destroy(&e->fences);
@@ -133,6 +136,9 @@ void kvf_engine_destroy(kvf_engine *e) {
   e->ops->stop(e);
   free(e->pools);
   free(e->nested);
+  kvf__spare_free(&e->spare_batches); /* the transport is stopped: every batch and chunk came back */
+  kvf__spare_free(&e->spare_chunks);
+  pthread_mutex_destroy(&e->spare_mu);
   pthread_mutex_destroy(&e->pools_mu);
   pthread_rwlock_destroy(&e->trailer_lock);
   kvf__fence_destroy(&e->fences);
@@ -334,9 +340,15 @@ static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *t
 
 void kvf__chunk_free(chunk *c) {
   if (!c) return;
-  free(c->trailer);
-  free(c->writes);
-  free(c);
+  if (c->writes != c->inline_writes) free(c->writes);
+  kvf_engine *e = c->batch ? c->batch->engine : NULL;
+  if (!e) {
+    free(c);
+    return;
+  }
+  pthread_mutex_lock(&e->spare_mu);
+  kvf__spare_give(&e->spare_chunks, c);
+  pthread_mutex_unlock(&e->spare_mu);
 }
 
 void kvf__chunk_release(chunk *c) {
@@ -353,28 +365,35 @@ void kvf__chunk_finish(chunk *c, int status) {
 }
 
 static chunk *chunk_new(kvf_batch *b, size_t cap) {
-  chunk *c = calloc(1, sizeof *c);
+  chunk *c;
+  if (b->engine) {
+    pthread_mutex_lock(&b->engine->spare_mu);
+    c = kvf__spare_take(&b->engine->spare_chunks, sizeof *c);
+    pthread_mutex_unlock(&b->engine->spare_mu);
+  } else {
+    c = calloc(1, sizeof *c);
+  }
   if (!c) return NULL;
-  c->writes = malloc((cap ? cap : 1) * sizeof *c->writes);
+  c->batch = b;
+  c->writes = cap <= CHUNK_INLINE_WRITES ? c->inline_writes : malloc(cap * sizeof *c->writes);
   if (!c->writes) {
-    free(c);
+    kvf__chunk_free(c);
     return NULL;
   }
-  c->batch = b;
   atomic_init(&c->refs, 1);
   return c;
 }
 
 int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks, size_t max_desc,
-                            chunk ***out, size_t *nout) {
+                            chunk **buf, size_t bufcap, chunk ***out, size_t *nout) {
   uint64_t total = 0;
   for (size_t i = 0; i < n; i++) total += kvf__write_block_bytes(&writes[i]);
   /* Aim for `want` chunks of `target` bytes; a chunk also closes at max_desc. */
   size_t want = total >= ENGINE_SPLIT_MIN_BYTES ? max_chunks : 1;
   uint64_t target = (total + want - 1) / want;
   if (target == 0) target = 1;
-  size_t nc = 0, cap = 0;
-  chunk **list = NULL, *cur = NULL;
+  size_t nc = 0, cap = buf ? bufcap : 0;
+  chunk **list = buf, *cur = NULL;
   int rc = 0;
   for (size_t i = 0; i < n; i++) {
     kvf_write w = writes[i];
@@ -384,11 +403,12 @@ int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, siz
       if (!cur || cur->n == max_desc || cur->bytes >= target) {
         if (nc == cap) {
           size_t ncap = cap ? cap * 2 : want + 1;
-          chunk **l = realloc(list, ncap * sizeof *l);
+          chunk **l = list == buf ? malloc(ncap * sizeof *l) : realloc(list, ncap * sizeof *l);
           if (!l) {
             rc = KVF_ENOMEM;
             goto err_free;
           }
+          if (list == buf && nc) memcpy(l, buf, nc * sizeof *l);
           list = l;
           cap = ncap;
         }
@@ -425,14 +445,17 @@ int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, siz
   return 0;
 err_free:
   for (size_t i = 0; i < nc; i++) kvf__chunk_free(list[i]);
-  free(list);
+  if (list != buf) free(list);
   return rc;
 }
 
 static void batch_free(kvf_batch *b) {
+  kvf_engine *e = b->engine;
   pthread_cond_destroy(&b->cv);
   pthread_mutex_destroy(&b->mu);
-  free(b);
+  pthread_mutex_lock(&e->spare_mu);
+  kvf__spare_give(&e->spare_batches, b);
+  pthread_mutex_unlock(&e->spare_mu);
 }
 
 void kvf__batch_chunk_done(kvf_batch *b, int status) {
@@ -490,7 +513,9 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
   int rc = check_writes(e, writes, n, &total);
   if (rc) return rc;
 
-  kvf_batch *b = calloc(1, sizeof *b);
+  pthread_mutex_lock(&e->spare_mu);
+  kvf_batch *b = kvf__spare_take(&e->spare_batches, sizeof *b);
+  pthread_mutex_unlock(&e->spare_mu);
   if (!b) return KVF_ENOMEM;
   pthread_mutex_init(&b->mu, NULL);
   clock_cond_init(&b->cv);
@@ -502,24 +527,19 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
   b->on_done = on_done;
   b->on_done_arg = arg;
 
-  chunk **chunks = NULL;
+  chunk *few[ENGINE_FEW_CHUNKS], **chunks = NULL;
   size_t nchunks = 0;
-  rc = kvf__engine_make_chunks(b, writes, n, (size_t)e->cfg.conns_per_peer, ENGINE_MAX_DESC_PER_CHUNK, &chunks,
-                               &nchunks);
+  rc = kvf__engine_make_chunks(b, writes, n, (size_t)e->cfg.conns_per_peer, ENGINE_MAX_DESC_PER_CHUNK, few,
+                               ENGINE_FEW_CHUNKS, &chunks, &nchunks);
   if (rc) goto err_batch;
   if (tlen && nchunks == 1) { /* a trailer rides only on a batch of one chunk (async.h) */
-    if (!(chunks[0]->trailer = malloc(tlen))) {
-      kvf__chunk_free(chunks[0]);
-      free(chunks);
-      rc = KVF_ENOMEM;
-      goto err_batch;
-    }
+    chunks[0]->trailer = chunks[0]->trailer_buf;
     memcpy(chunks[0]->trailer, trailer, tlen);
     chunks[0]->tlen = (uint32_t)tlen;
   }
   if (carried) atomic_store(carried, tlen && nchunks == 1);
   if (nchunks == 0) { /* nothing to move: done at once, as Mooncake does */
-    free(chunks);
+    if (chunks != few) free(chunks);
     if (on_done) {
       batch_free(b);
       on_done(arg, 0);
@@ -532,18 +552,16 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
   rc = e->ops->submit(e, session, chunks, nchunks);
   if (rc) {
     for (size_t i = 0; i < nchunks; i++) kvf__chunk_free(chunks[i]);
-    free(chunks);
+    if (chunks != few) free(chunks);
     atomic_fetch_add(&e->stats.batches_failed, 1);
     goto err_batch;
   }
-  free(chunks);
+  if (chunks != few) free(chunks);
   if (!on_done) *out = b; /* with on_done, b may already be gone */
   return 0;
 
 err_batch:
-  pthread_cond_destroy(&b->cv);
-  pthread_mutex_destroy(&b->mu);
-  free(b);
+  batch_free(b);
   return rc;
 }
 
@@ -631,9 +649,7 @@ void kvf_batch_destroy(kvf_batch *b) {
   pthread_mutex_lock(&b->mu);
   while (b->pending) pthread_cond_wait(&b->cv, &b->mu);
   pthread_mutex_unlock(&b->mu);
-  pthread_cond_destroy(&b->cv);
-  pthread_mutex_destroy(&b->mu);
-  free(b);
+  batch_free(b);
 }
 
 int kvf_engine_write(kvf_engine *e, const char *session, const kvf_write *writes, size_t n) {

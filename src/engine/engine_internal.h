@@ -96,19 +96,27 @@ typedef struct kvf_batch {
   void *on_done_arg;
 } kvf_batch;
 
+/* Descriptors a chunk holds without an allocation of their own (a short
+ * room's chunk has a few). */
+#define CHUNK_INLINE_WRITES 16
+
 /* A contiguous part of a batch sent on one connection. Descriptors are owned
- * by the chunk. */
+ * by the chunk. Chunks and batches are recycled through the engine's spare
+ * lists (kvf_engine.spare_*). */
 typedef struct chunk {
   struct chunk *next;
   atomic_int refs; /* the transport may hold one while it sends */
   int status;      /* set once by kvf__chunk_finish */
   kvf_batch *batch;
-  kvf_write *writes;
+  kvf_write *writes; /* inline_writes, or allocated when more are needed */
   size_t n;
   uint64_t bytes;
   uint64_t seq;
-  unsigned char *trailer; /* owned; delivered to the target's trailer callback after the bytes (async.h) */
+  unsigned char
+      *trailer; /* NULL or trailer_buf: delivered to the target's trailer callback after the bytes (async.h) */
   uint32_t tlen;
+  kvf_write inline_writes[CHUNK_INLINE_WRITES];
+  unsigned char trailer_buf[KVF_ENGINE_MAX_TRAILER];
 } chunk;
 
 void kvf__batch_chunk_done(kvf_batch *b, int status);
@@ -188,6 +196,10 @@ typedef struct kvf_engine {
   pthread_mutex_t pools_mu;
   engine_span *pools, *nested;
   size_t npools, cap_pools, nnested, cap_nested;
+  /* Finished batches and chunks kept for the next transfers (no allocation
+   * per transfer once warm). Under spare_mu. */
+  pthread_mutex_t spare_mu;
+  spare_list spare_batches, spare_chunks;
 } kvf_engine;
 
 /* Target side: hand a chunk's trailer to the callback, if one is set (a
@@ -200,9 +212,12 @@ int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *
 
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
  * each with at most `max_desc` descriptors; a single large block may be cut
- * into pieces. Chunks are allocated and linked to `b`. */
+ * into pieces. Chunks are taken from b's engine (b->engine may be NULL:
+ * allocated) and linked to `b`. The list is `buf` (bufcap entries, may be
+ * NULL) when it fits, else allocated: the caller frees *out if it is not
+ * buf. */
 int kvf__engine_make_chunks(kvf_batch *b, const kvf_write *writes, size_t n, size_t max_chunks, size_t max_desc,
-                            chunk ***out, size_t *nout);
+                            chunk **buf, size_t bufcap, chunk ***out, size_t *nout);
 void kvf__chunk_free(chunk *c);
 /* The chunk's outcome is known (an ack, a failure): record it and drop the
  * owner's reference. Called exactly once per submitted chunk. */

@@ -374,7 +374,7 @@ static void chunking_covers_every_byte(void **state) {
        {.src = 7, .dst = 9, .len = 0}};
   chunk **c = NULL;
   size_t n = 0;
-  assert_int_equal(kvf__engine_make_chunks(&b, w, 3, 2, 4096, &c, &n), 0);
+  assert_int_equal(kvf__engine_make_chunks(&b, w, 3, 2, 4096, NULL, 0, &c, &n), 0);
   assert_true(n >= 2);
   uint64_t total = 0, next_dst = 1000000, pieces = 0;
   for (size_t i = 0; i < n; i++) {
