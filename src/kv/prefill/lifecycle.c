@@ -116,6 +116,8 @@ static void free_state(prefill_state *ps) {
     free(s);
   }
   kvf__pf_m3_free(ps);
+  kvf__spare_free(&ps->chunk_spare); /* after every chunk above was freed */
+  pthread_mutex_destroy(&ps->chunk_spare_mu);
   free(ps->layer_bytes), free(ps->direct_pool);
   kvf__pf_scratch_free(&ps->direct_sc);
   pthread_cond_destroy(&ps->direct_cv);
@@ -159,6 +161,7 @@ int kvf__prefill_start(kvf_manager *m) {
   pthread_mutex_init(&ps->lock, NULL);
   pthread_mutex_init(&ps->direct_lock, NULL);
   clock_cond_init(&ps->direct_cv);
+  pthread_mutex_init(&ps->chunk_spare_mu, NULL);
   int rc = kvf__pf_m3_init(ps);
   if (!rc) rc = smap_init(&ps->regs);
   if (!rc) rc = build_layouts(ps);

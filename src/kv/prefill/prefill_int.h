@@ -132,6 +132,8 @@
 #define PF_DIRECT_SLOTS 256             /* direct chunks in flight per prefill rank */
 #define PF_SPARE_ROOMS 4096             /* unreferenced room records kept for reuse */
 #define PF_DIRECT_DRAIN_MS 120000       /* stop: wait this long for direct chunks' engine callbacks */
+#define PF_CHUNK_INLINE_PAGES 16        /* pages a chunk holds without an allocation */
+#define PF_CHUNK_INLINE_STATE 4         /* state slots a chunk holds without an allocation */
 #define PF_WORKER_WINDOW 4              /* chunks a worker keeps in flight before waiting (workers.c) */
 #define PF_M3_BATCH 32                  /* deferred M3s held at most; a full queue goes out at once */
 #define PF_M3_DEFER_MS 2                /* a deferred M3 goes out within about this long (m3_outbox.c) */
@@ -201,6 +203,11 @@ typedef struct pf_chunk {
    * its landed bytes against what kvf_sender_send hashed; the recheck of the
    * sources then runs after the M3s instead of before (see workers.c). */
   int recheck_late;
+  /* Where pages, candidates and state slots go when few (a short room's
+   * chunk: no allocation; chunks are recycled through ps->chunk_spare). */
+  int64_t pages_inline[PF_CHUNK_INLINE_PAGES];
+  int64_t state_inline[PF_CHUNK_INLINE_STATE];
+  int32_t cands_inline[KVF_MAX_CANDIDATES];
 } pf_chunk;
 
 typedef struct pf_dest { /* where an M3 goes */
@@ -329,12 +336,18 @@ typedef struct prefill_state {
   pf_m3 *m3q, *m3out; /* PF_M3_BATCH each: the queue, the batch being sent */
   size_t nm3;
   int64_t m3_since_ns; /* when the oldest queued M3 was queued */
+  /* freed chunks kept for the next sends (a leaf lock) */
+  pthread_mutex_t chunk_spare_mu;
+  spare_list chunk_spare;
 } prefill_state;
 
 enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
 
 /* rooms_early.c */
-void kvf__pf_chunk_free(pf_chunk *c);
+/* A zeroed chunk (a spare one or a new one), or NULL. Any thread. */
+pf_chunk *kvf__pf_chunk_new(prefill_state *ps);
+/* Free a chunk's arrays and keep it for kvf__pf_chunk_new. Any thread. */
+void kvf__pf_chunk_free(prefill_state *ps, pf_chunk *c);
 void kvf__pf_info_unref(pf_info *i);
 pf_room *kvf__pf_room_find(prefill_state *ps, int64_t room);
 pf_room *kvf__pf_room_new(prefill_state *ps);

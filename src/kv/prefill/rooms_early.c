@@ -4,11 +4,22 @@
  * the chunks pending on a room until it is Bootstrapped, and the M3 helpers. */
 #include "kv/prefill/prefill_int.h"
 
-void kvf__pf_chunk_free(pf_chunk *c) {
+pf_chunk *kvf__pf_chunk_new(prefill_state *ps) {
+  pthread_mutex_lock(&ps->chunk_spare_mu);
+  pf_chunk *c = kvf__spare_take(&ps->chunk_spare, sizeof *c);
+  pthread_mutex_unlock(&ps->chunk_spare_mu);
+  return c;
+}
+
+void kvf__pf_chunk_free(prefill_state *ps, pf_chunk *c) {
   if (!c) return;
-  free(c->pages), free(c->cands), free(c->state_slots);
+  if (c->pages != c->pages_inline) free(c->pages);
+  if (c->cands != c->cands_inline) free(c->cands);
+  if (c->state_slots != c->state_inline) free(c->state_slots);
   free(c->digests), free(c->dig_bufs);
-  free(c);
+  pthread_mutex_lock(&ps->chunk_spare_mu);
+  kvf__spare_give(&ps->chunk_spare, c);
+  pthread_mutex_unlock(&ps->chunk_spare_mu);
 }
 
 void kvf__pf_info_unref(pf_info *i) {
@@ -62,7 +73,7 @@ void kvf__pf_room_unref(prefill_state *ps, pf_room *r) {
   free(r->park);
   for (pf_chunk *c = r->pend_head, *n; c; c = n) {
     n = c->next;
-    kvf__pf_chunk_free(c);
+    kvf__pf_chunk_free(ps, c);
   }
   kvf__pf_room_drop(ps, r);
 }
@@ -70,7 +81,7 @@ void kvf__pf_room_unref(prefill_state *ps, pf_room *r) {
 /* ps->lock held: drop a chunk and the room reference it holds. */
 void kvf__pf_chunk_release_locked(prefill_state *ps, pf_chunk *c) {
   pf_room *r = c->r;
-  kvf__pf_chunk_free(c);
+  kvf__pf_chunk_free(ps, c);
   if (r) kvf__pf_room_unref(ps, r);
 }
 

@@ -106,13 +106,15 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
       return 0;
     }
   }
-  pf_chunk *c = calloc(1, sizeof *c);
+  pf_chunk *c = kvf__pf_chunk_new(ps);
   if (!c) return KVF_ENOMEM;
-  c->pages = malloc((npages ? npages : 1) * sizeof *c->pages);
-  c->cands = is_last && ncand ? malloc(ncand * sizeof *c->cands) : NULL;
-  c->state_slots = nstate ? malloc(nstate * sizeof *c->state_slots) : NULL;
-  if (!c->pages || (is_last && ncand && !c->cands) || (nstate && !c->state_slots)) {
-    kvf__pf_chunk_free(c);
+  c->pages = npages <= PF_CHUNK_INLINE_PAGES ? c->pages_inline : malloc(npages * sizeof *c->pages);
+  c->cands = is_last && ncand ? c->cands_inline : NULL; /* ncand <= KVF_MAX_CANDIDATES (checked) */
+  c->state_slots = !nstate                           ? NULL
+                   : nstate <= PF_CHUNK_INLINE_STATE ? c->state_inline
+                                                     : malloc(nstate * sizeof *c->state_slots);
+  if (!c->pages || (nstate && !c->state_slots)) {
+    kvf__pf_chunk_free(ps, c);
     return KVF_ENOMEM;
   }
   if (npages) memcpy(c->pages, pages, npages * sizeof *pages);
@@ -129,7 +131,7 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
   if (c->state_slots) memcpy(c->state_slots, state_slots, nstate * sizeof *state_slots), c->nstate = nstate;
   int rc = s->m->cfg.verify ? hash_pages(s->m, c) : 0;
   if (rc) {
-    kvf__pf_chunk_free(c);
+    kvf__pf_chunk_free(ps, c);
     return rc;
   }
 
@@ -137,11 +139,11 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
   pf_room *r = s->r;
   pthread_mutex_lock(&ps->lock);
   if (kvf__rooms_get_status(s->m->rooms, s->room, &st) || st == ROOM_FAILED) {
-    kvf__pf_chunk_free(c); /* the reference drops chunks of a failed room silently */
+    kvf__pf_chunk_free(ps, c); /* the reference drops chunks of a failed room silently */
     goto out;
   }
   if (!r->bootstrapped && r->npending >= PF_MAX_PENDING) {
-    kvf__pf_chunk_free(c);
+    kvf__pf_chunk_free(ps, c);
     rc = KVF_ETOOBIG;
     goto out;
   }
