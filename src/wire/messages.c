@@ -616,14 +616,23 @@ int kvf__wire_m1_dup(const wire_m1 *m, wire_m1 **out) {
 }
 
 int kvf__wire_m2_dup(const wire_m2 *m, wire_m2 **out) {
-  if (!m || !out || m->kv_indices.count > WIRE_MAX_PAGES || m->page_mask.count > WIRE_MAX_PAGES ||
+  size_t cap = 0;
+  if (out) *out = NULL;
+  return kvf__wire_m2_dup_into(m, out, &cap);
+}
+
+int kvf__wire_m2_dup_into(const wire_m2 *m, wire_m2 **block, size_t *cap) {
+  if (!m || !block || !cap || m->kv_indices.count > WIRE_MAX_PAGES || m->page_mask.count > WIRE_MAX_PAGES ||
       m->local_indices.count > WIRE_MAX_PAGES || m->mamba_indices.count > WIRE_MAX_PAGES ||
       m->nfrags > WIRE_MAX_FRAGMENTS)
     return KVF_EINVAL;
   size_t size = pad8(sizeof *m) + 8 * m->kv_indices.count + pad8(m->page_mask.count) + 8 * m->local_indices.count +
                 8 * m->mamba_indices.count + m->nfrags * sizeof(wire_fragment);
-  wire_m2 *d = malloc(size);
-  if (!d) return KVF_ENOMEM;
+  wire_m2 *d = *block;
+  if (size > *cap) {
+    if (!(d = realloc(*block, size))) return KVF_ENOMEM;
+    *block = d, *cap = size;
+  }
   *d = *m;
   uint8_t *cur = (uint8_t *)d + pad8(sizeof *m);
   place(&d->kv_indices, 8, &cur);
@@ -637,7 +646,6 @@ int kvf__wire_m2_dup(const wire_m2 *m, wire_m2 **out) {
     d->frags = NULL;
   }
   d->frags_owned = 0; /* lives inside the block: free(d) releases it */
-  *out = d;
   return 0;
 }
 

@@ -236,6 +236,10 @@ int kvf__wire_m3_decode(const wire_frame *frames, size_t nframes, wire_m3 *out, 
  * 8-byte aligned; release with free(*out). KVF_ENOMEM on failure. */
 int kvf__wire_m1_dup(const wire_m1 *m, wire_m1 **out);
 int kvf__wire_m2_dup(const wire_m2 *m, wire_m2 **out);
+/* The same copy into *block, a malloc'd block of *cap bytes (NULL and 0 at
+ * first), grown (*block and *cap updated) when short: a recycled block
+ * costs no allocation. On error *block still holds its old bytes. */
+int kvf__wire_m2_dup_into(const wire_m2 *m, wire_m2 **block, size_t *cap);
 
 /* ---- encoding ---- */
 

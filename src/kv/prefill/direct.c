@@ -51,7 +51,7 @@ static void direct_finish(pf_direct *dj) {
                     dj->token, dj->cands, dj->ncand);
   }
   pthread_mutex_lock(&ps->lock);
-  for (size_t i = 0; i < dj->n; i++) kvf__pf_info_unref(dj->d[i].info);
+  for (size_t i = 0; i < dj->n; i++) kvf__pf_info_unref(ps, dj->d[i].info);
   kvf__pf_room_unref(ps, r);
   dj->r = NULL;
   dj->next = ps->direct_free;

@@ -117,6 +117,11 @@ static void free_state(prefill_state *ps) {
   }
   kvf__pf_m3_free(ps);
   kvf__spare_free(&ps->chunk_spare); /* after every chunk above was freed */
+  while (ps->info_spare) {
+    pf_info *i = ps->info_spare;
+    ps->info_spare = i->next_spare;
+    free(i->m2), free(i);
+  }
   pthread_mutex_destroy(&ps->chunk_spare_mu);
   free(ps->layer_bytes), free(ps->direct_pool);
   kvf__pf_scratch_free(&ps->direct_sc);

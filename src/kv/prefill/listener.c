@@ -57,9 +57,9 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     kvf__manager_reject_forged(m, peer, "M2", "the sender is not the decode host the request names");
     return;
   }
-  pf_info *info = calloc(1, sizeof *info);
-  if (!info || kvf__wire_m2_dup(&d, &info->m2)) {
-    free(info);
+  pf_info *info = kvf__pf_info_new(ps);
+  if (!info || kvf__wire_m2_dup_into(&d, &info->m2, &info->m2_cap)) {
+    if (info) info->refs = 1, kvf__pf_info_unref(ps, info);
     kvf__wire_m2_free(&d);
     kvf__manager_reject(m, peer, "M2", "out of memory");
     return;
@@ -70,12 +70,12 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   if (!x->is_dummy && (x->indices_are_local || x->page_mask.count || x->local_indices.count)) {
     /* L1.5 partial cache indices: not supported, and silently ignoring them
      * would write whole pages to the wrong places. */
-    kvf__pf_info_unref(info);
+    kvf__pf_info_unref(ps, info);
     kvf__manager_reject(m, peer, "M2", "L1.5 local indices are not supported");
     return;
   }
   if (kvf__pf_info_plan(m, info)) {
-    kvf__pf_info_unref(info);
+    kvf__pf_info_unref(ps, info);
     kvf__manager_reject(m, peer, "M2", "out of memory");
     return;
   }
@@ -85,7 +85,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   if (!reg) {
     pthread_mutex_unlock(&ps->lock);
     snprintf(why, sizeof why, "decode session %s never registered (no M1)", x->session);
-    kvf__pf_info_unref(info);
+    kvf__pf_info_unref(ps, info);
     kvf__manager_reject(m, peer, "M2", why);
     return;
   }
@@ -111,7 +111,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
                  peer ? peer : "?", why);
       /* Tell the decode now: otherwise it waits for its timeout. */
       kvf__pf_send_m3_why(m, x->endpoint, x->dst_port, x->room, ROOM_FAILED, -1, NULL, 0, why);
-      kvf__pf_info_unref(info);
+      kvf__pf_info_unref(ps, info);
       return;
     }
     r->room = x->room;
@@ -125,7 +125,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   size_t k = 0;
   while (k < r->ninfos && strcmp(r->infos[k]->m2->session, x->session)) k++;
   if (k < r->ninfos) {
-    kvf__pf_info_unref(r->infos[k]); /* a repeat from the same session replaces it in place */
+    kvf__pf_info_unref(ps, r->infos[k]); /* a repeat from the same session replaces it in place */
     r->infos[k] = info;
   } else {
     if (r->ninfos == r->cap) {
@@ -133,7 +133,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
       pf_info **ni = r->ninfos < PF_MAX_INFOS ? realloc(r->infos, nc * sizeof *ni) : NULL;
       if (!ni) {
         pthread_mutex_unlock(&ps->lock);
-        kvf__pf_info_unref(info);
+        kvf__pf_info_unref(ps, info);
         kvf__manager_reject(m, peer, "M2", "too many decode sessions for one room");
         return;
       }

@@ -133,6 +133,7 @@
 #define PF_SPARE_ROOMS 4096             /* unreferenced room records kept for reuse */
 #define PF_DIRECT_DRAIN_MS 120000       /* stop: wait this long for direct chunks' engine callbacks */
 #define PF_CHUNK_INLINE_PAGES 16        /* pages a chunk holds without an allocation */
+#define PF_SPARE_INFOS 4096             /* unreferenced transfer infos kept for reuse */
 #define PF_CHUNK_INLINE_STATE 4         /* state slots a chunk holds without an allocation */
 #define PF_WORKER_WINDOW 4              /* chunks a worker keeps in flight before waiting (workers.c) */
 #define PF_M3_BATCH 32                  /* deferred M3s held at most; a full queue goes out at once */
@@ -146,7 +147,9 @@ typedef struct pf_reg { /* one decode registration (M1) */
 
 typedef struct pf_info { /* one M2, shared with workers */
   int refs;
-  wire_m2 *m2; /* heap copy (kvf__wire_m2_dup) */
+  wire_m2 *m2;   /* heap copy (kvf__wire_m2_dup_into) */
+  size_t m2_cap; /* its block's size, kept while the record waits on ps->info_spare */
+  struct pf_info *next_spare;
   /* its plan, checked once when the M2 arrives: m2->nfrags fragments, the
    * M2's own (m2->frags) or, when tokens > 1, their per-token cut (frags_cut) */
   const wire_fragment *frags;
@@ -339,6 +342,9 @@ typedef struct prefill_state {
   /* freed chunks kept for the next sends (a leaf lock) */
   pthread_mutex_t chunk_spare_mu;
   spare_list chunk_spare;
+  /* unreferenced transfer infos with their M2 blocks (under chunk_spare_mu) */
+  pf_info *info_spare;
+  size_t ninfo_spare;
 } prefill_state;
 
 enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
@@ -348,7 +354,12 @@ enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
 pf_chunk *kvf__pf_chunk_new(prefill_state *ps);
 /* Free a chunk's arrays and keep it for kvf__pf_chunk_new. Any thread. */
 void kvf__pf_chunk_free(prefill_state *ps, pf_chunk *c);
-void kvf__pf_info_unref(pf_info *i);
+/* A zeroed transfer info (a spare one keeps its M2 block for reuse), or
+ * NULL. Any thread. */
+pf_info *kvf__pf_info_new(prefill_state *ps);
+/* Drop a reference; the last keeps the record for kvf__pf_info_new. Under
+ * ps->lock, or by the only holder. */
+void kvf__pf_info_unref(prefill_state *ps, pf_info *i);
 pf_room *kvf__pf_room_find(prefill_state *ps, int64_t room);
 pf_room *kvf__pf_room_new(prefill_state *ps);
 void kvf__pf_room_drop(prefill_state *ps, pf_room *r);

@@ -22,12 +22,31 @@ void kvf__pf_chunk_free(prefill_state *ps, pf_chunk *c) {
   pthread_mutex_unlock(&ps->chunk_spare_mu);
 }
 
-void kvf__pf_info_unref(pf_info *i) {
-  if (i && --i->refs == 0) {
-    free(i->frags_cut);
-    free(i->m2);
-    free(i);
+pf_info *kvf__pf_info_new(prefill_state *ps) {
+  pthread_mutex_lock(&ps->chunk_spare_mu);
+  pf_info *i = ps->info_spare;
+  if (i) ps->info_spare = i->next_spare, ps->ninfo_spare--;
+  pthread_mutex_unlock(&ps->chunk_spare_mu);
+  if (!i) return calloc(1, sizeof *i);
+  wire_m2 *m2 = i->m2;
+  size_t cap = i->m2_cap;
+  memset(i, 0, sizeof *i);
+  i->m2 = m2, i->m2_cap = cap;
+  return i;
+}
+
+void kvf__pf_info_unref(prefill_state *ps, pf_info *i) {
+  if (!i || --i->refs > 0) return;
+  free(i->frags_cut);
+  i->frags_cut = NULL;
+  pthread_mutex_lock(&ps->chunk_spare_mu);
+  if (ps->ninfo_spare < PF_SPARE_INFOS) {
+    i->next_spare = ps->info_spare;
+    ps->info_spare = i, ps->ninfo_spare++;
+    i = NULL;
   }
+  pthread_mutex_unlock(&ps->chunk_spare_mu);
+  if (i) free(i->m2), free(i);
 }
 
 /* ps->lock held: the pf_room of a room id (live or early), or NULL. It
@@ -69,7 +88,7 @@ void kvf__pf_room_drop(prefill_state *ps, pf_room *r) {
 /* ps->lock held. */
 void kvf__pf_room_unref(prefill_state *ps, pf_room *r) {
   if (--r->refs > 0) return;
-  for (size_t i = 0; i < r->ninfos; i++) kvf__pf_info_unref(r->infos[i]);
+  for (size_t i = 0; i < r->ninfos; i++) kvf__pf_info_unref(ps, r->infos[i]);
   free(r->park);
   for (pf_chunk *c = r->pend_head, *n; c; c = n) {
     n = c->next;

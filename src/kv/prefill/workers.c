@@ -85,7 +85,7 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
     atomic_fetch_add(&ps->m->stats.bytes_sent, bytes);
   }
   pthread_mutex_lock(&ps->lock);
-  for (size_t i = 0; i < f->n; i++) kvf__pf_info_unref(f->infos[i]);
+  for (size_t i = 0; i < f->n; i++) kvf__pf_info_unref(ps, f->infos[i]);
   kvf__pf_chunk_release_locked(ps, c);
   pthread_mutex_unlock(&ps->lock);
   f->c = NULL;
@@ -273,7 +273,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     pthread_mutex_unlock(&ps->lock);
   }
   pthread_mutex_lock(&ps->lock);
-  for (size_t i = 0; i < n; i++) kvf__pf_info_unref(infos[i]);
+  for (size_t i = 0; i < n; i++) kvf__pf_info_unref(ps, infos[i]);
   pthread_mutex_unlock(&ps->lock);
   return 0;
 }
