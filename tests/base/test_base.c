@@ -12,6 +12,7 @@
 #include "base/log.h"
 #include "base/map.h"
 #include "base/parse.h"
+#include "base/spare.h"
 #include "kvferry.h"
 
 static void map_put_get_delete_many(void **state) {
@@ -54,6 +55,44 @@ static void smap_keys_are_copied(void **state) {
   assert_ptr_equal(v, (void *)1);
   assert_int_equal(smap_size(&m), 0);
   kvf__smap_free(&m);
+}
+
+/* A spare list hands back what it was given, zeroed, and keeps at most
+ * SPARE_LIST_MAX objects; a map reuses the nodes of deleted entries. */
+static void spare_list_recycles_zeroed_and_bounded(void **state) {
+  (void)state;
+  spare_list l = {0};
+  unsigned char *a = kvf__spare_take(&l, 64);
+  assert_non_null(a);
+  memset(a, 0xab, 64);
+  kvf__spare_give(&l, a);
+  assert_int_equal(l.n, 1);
+  unsigned char *b = kvf__spare_take(&l, 64);
+  assert_ptr_equal(b, a);
+  for (int i = 0; i < 64; i++) assert_int_equal(b[i], 0);
+  assert_int_equal(l.n, 0);
+  kvf__spare_give(&l, b);
+  kvf__spare_give(&l, NULL); /* a no-op */
+  void **many = malloc((SPARE_LIST_MAX + 10) * sizeof *many);
+  assert_non_null(many);
+  for (int i = 0; i < SPARE_LIST_MAX + 10; i++) assert_non_null(many[i] = kvf__spare_take(&l, 32));
+  for (int i = 0; i < SPARE_LIST_MAX + 10; i++) kvf__spare_give(&l, many[i]);
+  assert_int_equal(l.n, SPARE_LIST_MAX); /* the rest were freed (ASan checks) */
+  free(many);
+  kvf__spare_free(&l);
+  assert_int_equal(l.n, 0);
+  assert_null(l.head);
+
+  map m;
+  assert_int_equal(kvf__map_init(&m), 0);
+  int v = 1;
+  for (uint64_t k = 0; k < 100; k++) assert_int_equal(kvf__map_put(&m, k, &v, NULL), 0);
+  for (uint64_t k = 0; k < 100; k++) assert_int_equal(kvf__map_del(&m, k, NULL), 1);
+  assert_int_equal(m.spare.n, 100);
+  for (uint64_t k = 0; k < 50; k++) assert_int_equal(kvf__map_put(&m, k + 1000, &v, NULL), 0);
+  assert_int_equal(m.spare.n, 50);
+  assert_ptr_equal(kvf__map_get(&m, 1049), &v);
+  kvf__map_free(&m);
 }
 
 static void env_parsing_keeps_default_on_garbage(void **state) {
@@ -122,6 +161,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(map_put_get_delete_many),
       cmocka_unit_test(smap_keys_are_copied),
+      cmocka_unit_test(spare_list_recycles_zeroed_and_bounded),
       cmocka_unit_test(env_parsing_keeps_default_on_garbage),
       cmocka_unit_test(parse_i64_rules_and_ct_equal),
       cmocka_unit_test(error_texts_and_log_once),

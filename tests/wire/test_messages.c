@@ -360,7 +360,32 @@ static void m2_roundtrip_full(void **state) {
   assert_int_equal(wire_i64_at(copy->local_indices, 2), 9);
   assert_int_equal(wire_i64_at(copy->mamba_indices, 0), 3);
   assert_string_equal(copy->session, "10.0.0.2:15001");
-  free(copy);
+  /* dup_into a kept block: a smaller M2 reuses it as it is, a larger one grows it. */
+  wire_m2 *block = copy;
+  size_t cap = 1u << 20; /* pretend it is large: no realloc below */
+  block = realloc(block, cap);
+  assert_non_null(block);
+  wire_m2 small = *block;
+  int64_t one = 77;
+  small.kv_indices = wire_array_of(&one, 1);
+  small.page_mask = wire_array_of(NULL, 0);
+  small.local_indices = wire_array_of(NULL, 0);
+  small.mamba_indices = wire_array_of(NULL, 0);
+  wire_m2 *before = block;
+  assert_int_equal(kvf__wire_m2_dup_into(&small, &block, &cap), 0);
+  assert_ptr_equal(block, before);
+  assert_int_equal(cap, 1u << 20);
+  assert_int_equal(block->kv_indices.count, 1);
+  assert_int_equal(wire_i64_at(block->kv_indices, 0), 77);
+  assert_string_equal(block->session, "10.0.0.2:15001");
+  int64_t many[300];
+  for (size_t i = 0; i < 300; i++) many[i] = (int64_t)i * 3;
+  small.kv_indices = wire_array_of(many, 300);
+  cap = 64; /* too small now: grown */
+  assert_int_equal(kvf__wire_m2_dup_into(&small, &block, &cap), 0);
+  assert_true(cap > 300 * 8);
+  assert_int_equal(wire_i64_at(block->kv_indices, 299), 897);
+  free(block);
 }
 
 static void m2_int64_room_bounds(void **state) {
