@@ -23,7 +23,6 @@ def load(d):
     out = {}
     for f in sorted(glob.glob(os.path.join(work, d, "alloc.*")), key=lambda p: int(p.rsplit(".", 1)[1])):
         sites = collections.Counter()
-        obj_of = {}
         for line in open(f):
             calls, obj, off = line.split()
             sites[(obj, off)] += int(calls)

@@ -112,8 +112,9 @@ typedef struct chunk {
   size_t n;
   uint64_t bytes;
   uint64_t seq;
-  unsigned char
-      *trailer; /* NULL or trailer_buf: delivered to the target's trailer callback after the bytes (async.h) */
+  /* NULL or trailer_buf: delivered to the target's trailer callback after
+   * the bytes (async.h) */
+  unsigned char *trailer;
   uint32_t tlen;
   kvf_write inline_writes[CHUNK_INLINE_WRITES];
   unsigned char trailer_buf[KVF_ENGINE_MAX_TRAILER];

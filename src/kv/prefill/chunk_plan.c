@@ -116,9 +116,15 @@ int kvf__pf_scratch_grow(void **p, size_t *cap, size_t need, size_t elem) {
   return 0;
 }
 
+void kvf__pf_dest_writes_free(pf_dest_writes *dw) {
+  free(dw->infos), free(dw->batches), free(dw->dbytes);
+  memset(dw, 0, sizeof *dw);
+}
+
 void kvf__pf_scratch_free(pf_scratch *sc) {
   free(sc->dptr), free(sc->sptr), free(sc->src), free(sc->dst), free(sc->runs), free(sc->w);
-  free(sc->infos), free(sc->done), free(sc->batches), free(sc->dbytes), free(sc->res);
+  kvf__pf_dest_writes_free(&sc->dw);
+  free(sc->done), free(sc->res);
   memset(sc, 0, sizeof *sc);
 }
 

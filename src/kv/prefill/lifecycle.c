@@ -122,7 +122,7 @@ static void free_state(prefill_state *ps) {
     ps->info_spare = i->next_spare;
     free(i->m2), free(i);
   }
-  pthread_mutex_destroy(&ps->chunk_spare_mu);
+  pthread_mutex_destroy(&ps->spare_mu);
   free(ps->layer_bytes), free(ps->direct_pool);
   kvf__pf_scratch_free(&ps->direct_sc);
   pthread_cond_destroy(&ps->direct_cv);
@@ -155,7 +155,7 @@ static void stop_workers(prefill_state *ps) {
     pthread_mutex_destroy(&q->lock);
     kvf__pf_scratch_free(&q->sc);
     for (int k = 0; k < PF_WORKER_WINDOW; k++) /* the worker drained its window before it ended */
-      free(q->fl[k].infos), free(q->fl[k].batches), free(q->fl[k].dbytes);
+      kvf__pf_dest_writes_free(&q->fl[k].dw);
   }
 }
 
@@ -166,7 +166,7 @@ int kvf__prefill_start(kvf_manager *m) {
   pthread_mutex_init(&ps->lock, NULL);
   pthread_mutex_init(&ps->direct_lock, NULL);
   clock_cond_init(&ps->direct_cv);
-  pthread_mutex_init(&ps->chunk_spare_mu, NULL);
+  pthread_mutex_init(&ps->spare_mu, NULL);
   int rc = kvf__pf_m3_init(ps);
   if (!rc) rc = smap_init(&ps->regs);
   if (!rc) rc = build_layouts(ps);

@@ -59,12 +59,11 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   }
   pf_info *info = kvf__pf_info_new(ps);
   if (!info || kvf__wire_m2_dup_into(&d, &info->m2, &info->m2_cap)) {
-    if (info) info->refs = 1, kvf__pf_info_unref(ps, info);
+    kvf__pf_info_unref(ps, info); /* NULL-safe */
     kvf__wire_m2_free(&d);
     kvf__manager_reject(m, peer, "M2", "out of memory");
     return;
   }
-  info->refs = 1;
   kvf__wire_m2_free(&d);
   const wire_m2 *x = info->m2;
   if (!x->is_dummy && (x->indices_are_local || x->page_mask.count || x->local_indices.count)) {

@@ -132,8 +132,8 @@
 #define PF_DIRECT_SLOTS 256             /* direct chunks in flight per prefill rank */
 #define PF_SPARE_ROOMS 4096             /* unreferenced room records kept for reuse */
 #define PF_DIRECT_DRAIN_MS 120000       /* stop: wait this long for direct chunks' engine callbacks */
-#define PF_CHUNK_INLINE_PAGES 16        /* pages a chunk holds without an allocation */
 #define PF_SPARE_INFOS 4096             /* unreferenced transfer infos kept for reuse */
+#define PF_CHUNK_INLINE_PAGES 16        /* pages a chunk holds without an allocation */
 #define PF_CHUNK_INLINE_STATE 4         /* state slots a chunk holds without an allocation */
 #define PF_WORKER_WINDOW 4              /* chunks a worker keeps in flight before waiting (workers.c) */
 #define PF_M3_BATCH 32                  /* deferred M3s held at most; a full queue goes out at once */
@@ -158,6 +158,17 @@ typedef struct pf_info { /* one M2, shared with workers */
   char plan_why[200];
 } pf_info;
 
+/* Per destination of a chunk (fan-out), grow-only: its transfer info
+ * (referenced while the chunk is written), its engine write in flight or
+ * NULL, and the write's bytes. A worker's window slot takes these over from
+ * the scratch (pf_flight). */
+typedef struct pf_dest_writes {
+  struct pf_info **infos;
+  kvf_batch **batches;
+  uint64_t *dbytes;
+  size_t cap_infos, cap_batches, cap_dbytes;
+} pf_dest_writes;
+
 /* A transfer context's arrays: the destination pointer lists sized once,
  * the rest grow-only, so the hot path does not allocate per room. */
 typedef struct pf_scratch {
@@ -168,15 +179,11 @@ typedef struct pf_scratch {
   size_t cap_runs;
   kvf_write *w;
   size_t cap_w, nw;
-  struct pf_info **infos;
+  pf_dest_writes dw;
+  /* per destination of the chunk: done (last chunk), its DEST_* outcome */
   size_t *done;
-  size_t cap_infos, cap_done;
-  /* per destination of the chunk (fan-out): its engine write in flight or
-   * NULL, the write's bytes, and its DEST_* outcome once known */
-  kvf_batch **batches;
-  uint64_t *dbytes;
   int *res;
-  size_t cap_batches, cap_dbytes, cap_res;
+  size_t cap_done, cap_res;
 } pf_scratch;
 
 typedef struct pf_chunk {
@@ -249,16 +256,11 @@ typedef struct pf_room {
 } pf_room;
 
 /* A chunk whose writes a worker submitted and has not waited for yet (the
- * worker's window, workers.c): its destinations, referenced, and per
- * destination its engine write (NULL: nothing sent) and the write's bytes.
- * The arrays are grow-only and swapped with the worker's scratch. */
+ * worker's window, workers.c): its n destinations' writes. */
 typedef struct pf_flight {
   struct pf_chunk *c;
   size_t n;
-  struct pf_info **infos;
-  kvf_batch **batches;
-  uint64_t *dbytes;
-  size_t cap_infos, cap_batches, cap_dbytes;
+  pf_dest_writes dw;
 } pf_flight;
 
 typedef struct pf_queue {
@@ -339,10 +341,10 @@ typedef struct prefill_state {
   pf_m3 *m3q, *m3out; /* PF_M3_BATCH each: the queue, the batch being sent */
   size_t nm3;
   int64_t m3_since_ns; /* when the oldest queued M3 was queued */
-  /* freed chunks kept for the next sends (a leaf lock) */
-  pthread_mutex_t chunk_spare_mu;
+  /* records kept for reuse, under spare_mu (a leaf lock): freed chunks, and
+   * unreferenced transfer infos with their M2 blocks */
+  pthread_mutex_t spare_mu;
   spare_list chunk_spare;
-  /* unreferenced transfer infos with their M2 blocks (under chunk_spare_mu) */
   pf_info *info_spare;
   size_t ninfo_spare;
 } prefill_state;
@@ -354,8 +356,8 @@ enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
 pf_chunk *kvf__pf_chunk_new(prefill_state *ps);
 /* Free a chunk's arrays and keep it for kvf__pf_chunk_new. Any thread. */
 void kvf__pf_chunk_free(prefill_state *ps, pf_chunk *c);
-/* A zeroed transfer info (a spare one keeps its M2 block for reuse), or
- * NULL. Any thread. */
+/* A zeroed transfer info holding one reference, the caller's (a spare one
+ * keeps its M2 block for reuse), or NULL. Any thread. */
 pf_info *kvf__pf_info_new(prefill_state *ps);
 /* Drop a reference; the last keeps the record for kvf__pf_info_new. Under
  * ps->lock, or by the only holder. */
@@ -387,6 +389,7 @@ int kvf__pf_state_counts_ok(const wire_m2 *x, size_t nsptr, size_t n_state, size
 pf_reg *kvf__pf_usable_reg_locked(prefill_state *ps, const char *session, int64_t now, char *why, size_t whycap);
 int kvf__pf_scratch_grow(void **p, size_t *cap, size_t need, size_t elem);
 void kvf__pf_scratch_free(pf_scratch *sc);
+void kvf__pf_dest_writes_free(pf_dest_writes *dw);
 int kvf__pf_scratch_init(pf_scratch *sc, const manager_buffers *b);
 int kvf__pf_info_plan(kvf_manager *m, pf_info *info);
 /* The chunk's pages one destination still needs (chunk_plan.c). */

@@ -5,9 +5,9 @@
 #include "kv/prefill/prefill_int.h"
 
 pf_chunk *kvf__pf_chunk_new(prefill_state *ps) {
-  pthread_mutex_lock(&ps->chunk_spare_mu);
+  pthread_mutex_lock(&ps->spare_mu);
   pf_chunk *c = kvf__spare_take(&ps->chunk_spare, sizeof *c);
-  pthread_mutex_unlock(&ps->chunk_spare_mu);
+  pthread_mutex_unlock(&ps->spare_mu);
   return c;
 }
 
@@ -17,21 +17,25 @@ void kvf__pf_chunk_free(prefill_state *ps, pf_chunk *c) {
   if (c->cands != c->cands_inline) free(c->cands);
   if (c->state_slots != c->state_inline) free(c->state_slots);
   free(c->digests), free(c->dig_bufs);
-  pthread_mutex_lock(&ps->chunk_spare_mu);
+  pthread_mutex_lock(&ps->spare_mu);
   kvf__spare_give(&ps->chunk_spare, c);
-  pthread_mutex_unlock(&ps->chunk_spare_mu);
+  pthread_mutex_unlock(&ps->spare_mu);
 }
 
 pf_info *kvf__pf_info_new(prefill_state *ps) {
-  pthread_mutex_lock(&ps->chunk_spare_mu);
+  pthread_mutex_lock(&ps->spare_mu);
   pf_info *i = ps->info_spare;
   if (i) ps->info_spare = i->next_spare, ps->ninfo_spare--;
-  pthread_mutex_unlock(&ps->chunk_spare_mu);
-  if (!i) return calloc(1, sizeof *i);
-  wire_m2 *m2 = i->m2;
-  size_t cap = i->m2_cap;
-  memset(i, 0, sizeof *i);
-  i->m2 = m2, i->m2_cap = cap;
+  pthread_mutex_unlock(&ps->spare_mu);
+  if (i) {
+    wire_m2 *m2 = i->m2;
+    size_t cap = i->m2_cap;
+    memset(i, 0, sizeof *i);
+    i->m2 = m2, i->m2_cap = cap;
+  } else if (!(i = calloc(1, sizeof *i))) {
+    return NULL;
+  }
+  i->refs = 1;
   return i;
 }
 
@@ -39,13 +43,13 @@ void kvf__pf_info_unref(prefill_state *ps, pf_info *i) {
   if (!i || --i->refs > 0) return;
   free(i->frags_cut);
   i->frags_cut = NULL;
-  pthread_mutex_lock(&ps->chunk_spare_mu);
+  pthread_mutex_lock(&ps->spare_mu);
   if (ps->ninfo_spare < PF_SPARE_INFOS) {
     i->next_spare = ps->info_spare;
     ps->info_spare = i, ps->ninfo_spare++;
     i = NULL;
   }
-  pthread_mutex_unlock(&ps->chunk_spare_mu);
+  pthread_mutex_unlock(&ps->spare_mu);
   if (i) free(i->m2), free(i);
 }
 

@@ -68,24 +68,24 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
   int ok = !c->r->dead && !kvf__rooms_get_status(ps->m->rooms, c->r->room, &st) && st != ROOM_FAILED;
   pthread_mutex_unlock(&ps->lock);
   for (size_t i = 0; i < f->n; i++) {
-    if (!f->batches[i]) continue;
-    int err = ok ? kvf_batch_wait(f->batches[i], -1) : 0;
+    if (!f->dw.batches[i]) continue;
+    int err = ok ? kvf_batch_wait(f->dw.batches[i], -1) : 0;
     if (ok && err) {
-      kvf__pf_xfer_why(c->r, f->infos[i]->m2, err, why, sizeof why);
-      kvf__pf_fail_dest(ps, c->r, f->infos[i]->m2, why, 1);
+      kvf__pf_xfer_why(c->r, f->dw.infos[i]->m2, err, why, sizeof why);
+      kvf__pf_fail_dest(ps, c->r, f->dw.infos[i]->m2, why, 1);
       ok = 0;
     } else if (ok) {
-      bytes += f->dbytes[i];
+      bytes += f->dw.dbytes[i];
     }
-    kvf_batch_destroy(f->batches[i]); /* waits for writes past a failure */
-    f->batches[i] = NULL;
+    kvf_batch_destroy(f->dw.batches[i]); /* waits for writes past a failure */
+    f->dw.batches[i] = NULL;
   }
   if (ok) {
     atomic_fetch_add(&ps->m->stats.chunks_sent, 1);
     atomic_fetch_add(&ps->m->stats.bytes_sent, bytes);
   }
   pthread_mutex_lock(&ps->lock);
-  for (size_t i = 0; i < f->n; i++) kvf__pf_info_unref(ps, f->infos[i]);
+  for (size_t i = 0; i < f->n; i++) kvf__pf_info_unref(ps, f->dw.infos[i]);
   kvf__pf_chunk_release_locked(ps, c);
   pthread_mutex_unlock(&ps->lock);
   f->c = NULL;
@@ -95,25 +95,14 @@ static void flight_drain(prefill_state *ps, pf_queue *q) {
   while (q->fl_n) flight_finish_oldest(ps, q);
 }
 
-#define SWAP(a, b)          \
-  do {                      \
-    __typeof__(a) t_ = (a); \
-    (a) = (b), (b) = t_;    \
-  } while (0)
-
-/* The chunk's writes, all submitted without a failure, go into the window
- * (the next slot takes over the scratch's per-destination arrays). */
+/* The chunk's writes, all submitted without a failure, go into the window:
+ * the next slot takes over the scratch's per-destination arrays. */
 static void flight_add(pf_queue *q, pf_chunk *c, size_t n) {
-  pf_scratch *sc = &q->sc;
   pf_flight *f = &q->fl[(q->fl_head + q->fl_n) % PF_WORKER_WINDOW];
   q->fl_n++;
   f->c = c, f->n = n;
-  SWAP(f->infos, sc->infos);
-  SWAP(f->cap_infos, sc->cap_infos);
-  SWAP(f->batches, sc->batches);
-  SWAP(f->cap_batches, sc->cap_batches);
-  SWAP(f->dbytes, sc->dbytes);
-  SWAP(f->cap_dbytes, sc->cap_dbytes);
+  pf_dest_writes spare = f->dw;
+  f->dw = q->sc.dw, q->sc.dw = spare;
 }
 
 /* Write chunk c; 1 when it went into the worker's window (released when
@@ -130,16 +119,16 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     return 0;
   }
   size_t n = r->ninfos;
-  if (kvf__pf_scratch_grow((void **)&sc->infos, &sc->cap_infos, n ? n : 1, sizeof *sc->infos) ||
+  if (kvf__pf_scratch_grow((void **)&sc->dw.infos, &sc->dw.cap_infos, n ? n : 1, sizeof *sc->dw.infos) ||
       kvf__pf_scratch_grow((void **)&sc->done, &sc->cap_done, n ? n : 1, sizeof *sc->done) ||
-      kvf__pf_scratch_grow((void **)&sc->batches, &sc->cap_batches, n ? n : 1, sizeof *sc->batches) ||
-      kvf__pf_scratch_grow((void **)&sc->dbytes, &sc->cap_dbytes, n ? n : 1, sizeof *sc->dbytes) ||
+      kvf__pf_scratch_grow((void **)&sc->dw.batches, &sc->dw.cap_batches, n ? n : 1, sizeof *sc->dw.batches) ||
+      kvf__pf_scratch_grow((void **)&sc->dw.dbytes, &sc->dw.cap_dbytes, n ? n : 1, sizeof *sc->dw.dbytes) ||
       kvf__pf_scratch_grow((void **)&sc->res, &sc->cap_res, n ? n : 1, sizeof *sc->res)) {
     kvf__rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
     pthread_mutex_unlock(&ps->lock);
     return 0;
   }
-  pf_info **infos = sc->infos;
+  pf_info **infos = sc->dw.infos;
   size_t *done = sc->done;
   for (size_t i = 0; i < n; i++) (infos[i] = r->infos[i])->refs++;
   pthread_mutex_unlock(&ps->lock);
@@ -169,22 +158,23 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
   int flies = !c->is_last && !c->digests && n > 0;
   for (size_t i = 0; i < n && flies; i++) flies = !(infos[i]->m2->room_flags & WIRE_ROOM_VERIFY);
   size_t nsub = n; /* destinations [0, nsub) have an outcome */
-  for (size_t i = 0; i < n; i++) sc->batches[i] = NULL, sc->dbytes[i] = 0, sc->res[i] = DEST_OK;
+  int refused = 0; /* a submission failed */
+  for (size_t i = 0; i < n; i++) sc->dw.batches[i] = NULL, sc->dw.dbytes[i] = 0, sc->res[i] = DEST_OK;
   for (size_t i = 0; i < n; i++) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
     /* Verify mode (hashes, digests, parts) takes the integrity path, which
      * writes and confirms here. */
     sc->res[i] = c->digests || (x->room_flags & WIRE_ROOM_VERIFY)
-                     ? kvf__pf_send_to_dest(ps, c, infos[i], &sc->dbytes[i], why, sizeof why)
-                     : kvf__pf_submit_dest(ps, sc, c, infos[i], nreal_all, &sc->batches[i], &sc->dbytes[i], why,
-                                           sizeof why);
+                     ? kvf__pf_send_to_dest(ps, c, infos[i], &sc->dw.dbytes[i], why, sizeof why)
+                     : kvf__pf_submit_dest(ps, sc, c, infos[i], nreal_all, &sc->dw.batches[i], &sc->dw.dbytes[i],
+                                           why, sizeof why);
     if (sc->res[i] != DEST_OK) { /* `why` keeps its reason */
-      nsub = i + 1;
+      nsub = i + 1, refused = 1;
       break;
     }
   }
-  if (flies && nsub == n && sc->res[n - 1] == DEST_OK) { /* every write submitted */
+  if (flies && !refused) {
     flight_add(q, c, n);
     return 1;
   }
@@ -193,8 +183,8 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     if (x->is_dummy) continue;
     nreal++;
     int rc = sc->res[i];
-    if (rc == DEST_OK && sc->batches[i]) {
-      int err = kvf_batch_wait(sc->batches[i], -1);
+    if (rc == DEST_OK && sc->dw.batches[i]) {
+      int err = kvf_batch_wait(sc->dw.batches[i], -1);
       if (err) {
         kvf__pf_xfer_why(r, x, err, why, sizeof why);
         rc = DEST_XFER_FAIL;
@@ -205,7 +195,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
       ok = 0; /* §6.11 step 5: stop processing this chunk */
       break;
     }
-    bytes += sc->dbytes[i];
+    bytes += sc->dw.dbytes[i];
     if (!c->is_last) continue;
     done[ndone++] = i;
     if ((int64_t)ndone != x->required_dst_info_num) continue;
@@ -260,8 +250,8 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     if (late && fin == ROOM_SUCCESS) recheck_after_m3(ps, r, c);
   }
   for (size_t i = 0; i < nsub; i++) { /* waits for the writes not taken above */
-    kvf_batch_destroy(sc->batches[i]);
-    sc->batches[i] = NULL;
+    kvf_batch_destroy(sc->dw.batches[i]);
+    sc->dw.batches[i] = NULL;
   }
   if (ok && !counted) {
     atomic_fetch_add(&m->stats.chunks_sent, 1);
