@@ -24,4 +24,9 @@ void kvf__log_write(int level, const char *component, const char *fmt, ...) __at
  * keys may log again after eviction. Thread-safe. */
 int kvf__log_first_time(uint64_t key);
 
+/* kvf__log_first_time keyed by the host part of `peer` ("ip:port",
+ * "[ipv6]:port" or a bare host) and `kind`: a peer that misbehaves on many
+ * connections (each from a new port) is still reported once per kind. */
+int kvf__log_first_time_for_host(const char *peer, const char *kind);
+
 #endif

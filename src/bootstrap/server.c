@@ -175,12 +175,8 @@ static enum MHD_Result reject(kvf_bootstrap_server *srv, struct MHD_Connection *
   if (kind == ERR_NOT_FOUND) {
     LOG_DEBUG(COMP, "%s %s from %s: %u %s", method, url, peer, status, why);
   } else {
-    /* Key on the host only: each connection comes from a new port. */
-    char host[sizeof peer];
-    snprintf(host, sizeof host, "%s", peer);
-    char *colon = strrchr(host, ':');
-    if (colon) *colon = '\0';
-    if (kvf__log_first_time(kvf__hash_str(host, 0xb007ULL + (uint64_t)kind)))
+    /* Keyed on the host only: each connection comes from a new port. */
+    if (kvf__log_first_time_for_host(peer, err_names[kind]))
       LOG_WARN(COMP, "rejected %s %s from %s: %u %s (further %s rejections from this host are only counted)",
                method, url, peer, status, why, err_names[kind]);
   }
@@ -598,7 +594,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
       atomic_fetch_add(&srv->errors[ERR_TOO_LARGE], 1);
       char peer[INET6_ADDRSTRLEN + 16];
       peer_name(conn, peer, sizeof peer);
-      if (kvf__log_first_time(kvf__hash_str(peer, 0xb00fULL)))
+      if (kvf__log_first_time_for_host(peer, "bootstrap-body-too-large"))
         LOG_WARN(COMP, "closed connection from %s: %s %s body over %zu bytes", peer, method, url, srv->max_body);
       return MHD_NO;
     }

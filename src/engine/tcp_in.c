@@ -14,8 +14,6 @@
  * pinned region's unregistering cuts it. */
 #include "engine/tcp_int.h"
 
-#include "base/hash.h"
-
 /* Where an inbound connection stands, for eviction when every slot is taken.
  * The connection's thread moves HELLO → IDLE → BUSY → IDLE ...; the accept
  * thread may move HELLO or IDLE to EVICTED (and shut the socket down), never
@@ -63,10 +61,7 @@ static void peer_name(const struct sockaddr_storage *ss, char *out, size_t cap) 
 
 /* Report a misbehaving peer once per (peer address, kind). */
 static void log_peer_once(const char *peer, const char *kind, const char *detail) {
-  char key[96];
-  const char *colon = strrchr(peer, ':');
-  snprintf(key, sizeof key, "%.*s/%s", colon ? (int)(colon - peer) : (int)strlen(peer), peer, kind);
-  if (kvf__log_first_time(kvf__hash_str(key, 7)))
+  if (kvf__log_first_time_for_host(peer, kind))
     LOG_WARN("tcp", "peer %s: %s (further reports of this kind from it are not logged)", peer, detail);
 }
 

@@ -21,7 +21,6 @@
 #include <unistd.h>
 
 #include "base/clock.h"
-#include "base/hash.h"
 #include "base/log.h"
 #include "engine/tcp_proto.h"
 
@@ -321,8 +320,10 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
     }
     if (r.magic != UCX_REQ_MAGIC) {
       atomic_fetch_add(&e->stats.protocol_errors, 1);
-      if (kvf__log_first_time(kvf__hash_str(peer, 11)))
-        LOG_WARN("ucx", "peer %s: malformed rendezvous request; connection dropped", peer);
+      if (kvf__log_first_time_for_host(peer, "ucx-frame"))
+        LOG_WARN("ucx",
+                 "peer %s: malformed rendezvous request; connection dropped (further ones from it are not logged)",
+                 peer);
       break;
     }
     rc = ctl_send_info(u, c, NULL);

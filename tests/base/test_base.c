@@ -157,6 +157,21 @@ static void error_texts_and_log_once(void **state) {
   assert_int_equal(kvf__log_first_time(k), 0);
 }
 
+/* One report per host and kind, whatever port each connection comes from. */
+static void log_once_per_host_ignores_the_port(void **state) {
+  assert_int_equal(kvf__log_first_time_for_host("10.0.0.7:40001", "frame"), 1);
+  assert_int_equal(kvf__log_first_time_for_host("10.0.0.7:40002", "frame"), 0);
+  assert_int_equal(kvf__log_first_time_for_host("10.0.0.7:40003", "auth"), 1);
+  assert_int_equal(kvf__log_first_time_for_host("10.0.0.8:40001", "frame"), 1);
+  assert_int_equal(kvf__log_first_time_for_host("[fd00::1]:5000", "frame"), 1);
+  assert_int_equal(kvf__log_first_time_for_host("[fd00::1]:5001", "frame"), 0);
+  assert_int_equal(kvf__log_first_time_for_host("[fd00::2]:5000", "frame"), 1);
+  /* A bare IPv6 address: its last group is not a port. */
+  assert_int_equal(kvf__log_first_time_for_host("fd00::3", "frame"), 1);
+  assert_int_equal(kvf__log_first_time_for_host("fd00::4", "frame"), 1);
+  assert_int_equal(kvf__log_first_time_for_host("fd00::4", "frame"), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(map_put_get_delete_many),
@@ -165,6 +180,7 @@ int main(void) {
       cmocka_unit_test(env_parsing_keeps_default_on_garbage),
       cmocka_unit_test(parse_i64_rules_and_ct_equal),
       cmocka_unit_test(error_texts_and_log_once),
+      cmocka_unit_test(log_once_per_host_ignores_the_port),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
