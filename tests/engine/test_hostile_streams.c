@@ -39,6 +39,9 @@
 
 #include "engine/async.h"
 #include "engine/tcp_proto.h"
+#ifdef KVF_HAVE_UCX
+#include "engine/ucx.h"
+#endif
 #include "kvferry.h"
 
 #define TOKEN "s3cret"
@@ -340,6 +343,16 @@ static uint64_t sum_bytes(const tcp_desc *d, int n) {
   return total;
 }
 
+/* Send a hostile stream (cut anywhere at times) on a new connection, read
+ * the answers for a while or not at all, close. */
+static void send_hostile(target *t, rng *r, stream *s) {
+  if (chance(r, 10)) s->n = below(r, s->n + 1);
+  int fd = raw_connect(kvf_engine_port(t->e));
+  if (fd < 0) return;
+  if (!send_pieces(fd, s, r) && chance(r, 50)) drain(fd, 200);
+  close(fd);
+}
+
 static void hostile_stream(target *t, rng *r, stream *s) {
   static const uint32_t magics[] = {TCP_CHUNK_MAGIC, TCP_CHUNK_TRAILER_MAGIC, TCP_CHUNK_TAGGED_MAGIC,
                                     TCP_CHUNK_TAGGED_TRAILER_MAGIC};
@@ -354,7 +367,28 @@ static void hostile_stream(target *t, rng *r, stream *s) {
       put(s, &h, sizeof h);
       break;
     }
-    case 5: put_hello(s, TCP_UCX_HELLO_MAGIC, TCP_PROTO_VERSION, TOKEN, strlen(TOKEN)); break;
+    case 5: put_hello(s, TCP_UCX_HELLO_MAGIC, TCP_PROTO_VERSION, TOKEN, strlen(TOKEN));
+#ifdef KVF_HAVE_UCX
+      /* A UCX rendezvous: requests and acks with random fields, trailers of
+     * any length (an engine without UCX answers the hello with KVF_ESTATE). */
+      if (chance(r, 70)) {
+        static const uint32_t req_magics[] = {UCX_REQ_MAGIC, UCX_ACK_MAGIC, UCX_FENCE_ACK_MAGIC,
+                                              UCX_TRAILER_MAGIC};
+        for (int i = 0, n = 1 + (int)below(r, 6); i < n; i++) {
+          ucx_req q = {chance(r, 10) ? (uint32_t)next(r) : req_magics[below(r, 4)], 0, next(r)};
+          unsigned char tb[KVF_ENGINE_MAX_TRAILER + 64];
+          if (q.magic == UCX_TRAILER_MAGIC) q.reserved = (uint32_t)below(r, sizeof tb + 1);
+          put(s, &q, sizeof q);
+          if (q.magic == UCX_TRAILER_MAGIC) {
+            memset(tb, 'H', sizeof tb);
+            put(s, tb, chance(r, 10) ? below(r, q.reserved + 1) : q.reserved);
+          }
+        }
+        send_hostile(t, r, s);
+        return;
+      }
+#endif
+      break;
     default: put_hello(s, TCP_HELLO_MAGIC, TCP_PROTO_VERSION, TOKEN, strlen(TOKEN)); break;
   }
   int nch = 1 + (int)below(r, 4);
@@ -407,11 +441,7 @@ static void hostile_stream(target *t, rng *r, stream *s) {
     }
     (void)all_in;
   }
-  if (chance(r, 10)) s->n = below(r, s->n + 1); /* cut anywhere */
-  int fd = raw_connect(kvf_engine_port(t->e));
-  if (fd < 0) return;
-  if (!send_pieces(fd, s, r) && chance(r, 50)) drain(fd, 200);
-  close(fd);
+  send_hostile(t, r, s);
 }
 
 typedef struct hostile_arg {
