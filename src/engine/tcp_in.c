@@ -111,6 +111,11 @@ static int in_recvv(tcp_inbound *in, struct iovec *iov, int cnt, int64_t *deadli
   size_t need = 0;
   for (int i = 0; i < cnt; i++) need += iov[i].iov_len;
   while (need) {
+    /* Every turn, before any byte is taken: the message's overall deadline
+     * and the revocation of a pinned region. A peer that keeps pace (each
+     * request filled by one read or from the stage) must not outlive them. */
+    if (*deadline_ns && clock_now_ns() > *deadline_ns) return KVF_ETIMEDOUT;
+    if (pins_revoked(in, pins)) return 2;
     ssize_t r;
     if (in->st_off < in->st_len) {
       r = (ssize_t)stage_take(in, &iov, &cnt, need);
@@ -138,8 +143,6 @@ static int in_recvv(tcp_inbound *in, struct iovec *iov, int cnt, int64_t *deadli
     } else if (errno != EINTR) {
       return KVF_ECLOSED;
     }
-    if (need && clock_now_ns() > *deadline_ns) return KVF_ETIMEDOUT;
-    if (need && pins_revoked(in, pins)) return 2;
   }
   return 0;
 }
@@ -369,7 +372,10 @@ static void *inbound_main(void *arg) {
     if (!rc && has_trailer) rc = inbound_trailer(in, e, status == 0, &deadline);
     if (rc) goto out_err;
     in->acks[in->nack++] = (tcp_ack){h.seq, status, TCP_ACK_MAGIC};
-    if (in->nack == TCP_ACK_BATCH && acks_flush(in)) break;
+    /* Held back only while more staged chunks follow (one send answers
+     * them all); otherwise answered before the connection counts as idle,
+     * where it may be evicted. */
+    if ((in->nack == TCP_ACK_BATCH || in->st_off == in->st_len) && acks_flush(in)) break;
     atomic_fetch_add(&in->chunks, 1);
     atomic_store(&in->idle_since_ns, clock_now_ns());
     atomic_store(&in->phase, IN_IDLE);

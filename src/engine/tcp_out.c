@@ -56,6 +56,11 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
   int dead = atomic_load(&c->dead);
   if (!dead) {
     ch->seq = c->next_seq++;
+    /* From the moment it is on the in-flight list the reader may finish the
+     * chunk (its ack, or a failed connection): this thread's reference,
+     * taken first, keeps the chunk and its batch readable until the last
+     * send call returns. */
+    atomic_fetch_add(&ch->refs, 1);
     list_push(&c->f_head, &c->f_tail, ch);
   }
   pthread_mutex_unlock(&c->q_lock);
@@ -66,6 +71,7 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
   tcp_desc descs_small[64], *descs = descs_small;
   if (ch->n > 64 && !(descs = malloc(ch->n * sizeof *descs))) {
     conn_fail(c, KVF_ENOMEM);
+    kvf__chunk_release(ch);
     return;
   }
   for (size_t i = 0; i < ch->n; i++) {
@@ -77,9 +83,6 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
                           : (ch->trailer ? TCP_CHUNK_TRAILER_MAGIC : TCP_CHUNK_MAGIC);
   tcp_chunk_hdr h = {magic, (uint32_t)ch->n, ch->seq, ch->bytes};
   tcp_chunk_tag tag = {b->tag, b->epoch};
-  /* The reader may see the ack and finish the chunk before the last send
-   * call returns: hold a reference so its blocks stay readable until then. */
-  atomic_fetch_add(&ch->refs, 1);
   piece_src src = {.writes = ch->writes, .n = ch->n};
   struct iovec head[3] = {{&h, sizeof h}, {&tag, b->tag ? sizeof tag : 0}, {descs, ch->n * sizeof *descs}};
   /* The trailer goes behind the payload, on the same connection. */

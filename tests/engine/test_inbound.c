@@ -204,6 +204,8 @@ static void idle_connections_evicted_for_writers(void **state) {
 typedef struct trickler {
   uint16_t port;
   uint64_t dst, len;
+  uint64_t count, stride; /* the descriptor's repeat (0: 1) and stride */
+  size_t piece;           /* bytes sent per period (0: 1) */
   double period_s, run_s;
   double started, cut_after; /* cut_after: seconds from the header to the peer's close, < 0 if never */
 } trickler;
@@ -220,17 +222,21 @@ static void *trickler_main(void *arg) {
   struct {
     tcp_chunk_hdr h;
     tcp_desc d;
-  } msg = {{TCP_CHUNK_MAGIC, 1, 1, t->len}, {t->dst, t->len, 1, 0}};
+  } msg = {{TCP_CHUNK_MAGIC, 1, 1, t->len * (t->count ? t->count : 1)},
+           {t->dst, t->len, t->count ? t->count : 1, t->stride}};
   send(fd, &msg, sizeof msg, MSG_NOSIGNAL);
   t->started = now_s();
-  unsigned char byte = 0x5a;
+  size_t piece = t->piece ? t->piece : 1;
+  unsigned char *bytes = malloc(piece);
+  memset(bytes, 0x5a, piece);
   while (now_s() - t->started < t->run_s) {
-    if (peer_closed(fd) || send(fd, &byte, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+    if (peer_closed(fd) || send(fd, bytes, piece, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
       t->cut_after = now_s() - t->started;
       break;
     }
     usleep((useconds_t)(t->period_s * 1e6));
   }
+  free(bytes);
 out:
   close(fd);
   return NULL;
@@ -277,6 +283,66 @@ static void slow_payload_stalls_nobody(void **state) {
   free(b);
 }
 
+/* A peer that keeps pace: every receive the target makes is filled at once
+ * (512 one-byte pieces per 50 ms into registered memory; 64 KiB per 50 ms of
+ * a refused chunk the target drains), so no read ever waits. It is still cut
+ * at the chunk deadline, and the region it writes into can be unregistered
+ * promptly meanwhile. */
+static void paced_payload_cut_at_deadline(void **state) {
+  (void)state;
+  kvf_engine *target = make_engine(CHUNK_TIMEOUT_MS, NULL);
+  size_t len = 1u << 20;
+  unsigned char *a = calloc(1, len), *c = calloc(1, len);
+  assert_int_equal(kvf_engine_register(target, a, len), 0);
+  assert_int_equal(kvf_engine_register(target, c, len), 0);
+  double run_s = 3.0 * CHUNK_TIMEOUT_MS / 1000 + 2;
+  trickler t[3] = {
+      /* into a: one byte repeated 2^40 times over the same address */
+      {.port = kvf_engine_port(target),
+       .dst = (uint64_t)(uintptr_t)a,
+       .len = 1,
+       .count = 1ull << 40,
+       .piece = 512,
+       .period_s = 0.05,
+       .run_s = run_s},
+      /* outside registered memory: refused, then drained */
+      {.port = kvf_engine_port(target),
+       .dst = 0x1000,
+       .len = 1ull << 62,
+       .piece = 65536,
+       .period_s = 0.05,
+       .run_s = run_s},
+      /* into c, which is unregistered while the bytes come */
+      {.port = kvf_engine_port(target),
+       .dst = (uint64_t)(uintptr_t)c,
+       .len = 1,
+       .count = 1ull << 40,
+       .piece = 512,
+       .period_s = 0.05,
+       .run_s = run_s},
+  };
+  pthread_t th[3];
+  for (int i = 0; i < 3; i++) pthread_create(&th[i], NULL, trickler_main, &t[i]);
+  usleep(500000);
+  double t0 = now_s();
+  assert_int_equal(kvf_engine_unregister(target, c), 0);
+  double unreg_s = now_s() - t0;
+  for (int i = 0; i < 3; i++) pthread_join(th[i], NULL);
+  printf("paced peers cut after %.2f / %.2f / %.2f s (deadline %.1f s); unregister under one: %.1f ms\n",
+         t[0].cut_after, t[1].cut_after, t[2].cut_after, CHUNK_TIMEOUT_MS / 1000.0, unreg_s * 1e3);
+  assert_true(unreg_s < PROMPT_S);
+  for (int i = 0; i < 3; i++) {
+    assert_true(t[i].cut_after > 0);
+    assert_true(t[i].cut_after < CHUNK_TIMEOUT_MS / 1000.0 + 1.0);
+  }
+  kvf_engine_stats st;
+  kvf_engine_get_stats(target, &st);
+  assert_int_equal(st.conns_timed_out, 3);
+  kvf_engine_destroy(target);
+  free(a);
+  free(c);
+}
+
 /* Unregistering the region a slow payload is landing in returns within about
  * a receive tick, and no byte lands in it afterwards. */
 static void unregister_cuts_a_slow_write(void **state) {
@@ -311,10 +377,9 @@ static void unregister_cuts_a_slow_write(void **state) {
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(trickled_hellos_cannot_hold_slots),
-      cmocka_unit_test(idle_connections_evicted_for_writers),
-      cmocka_unit_test(slow_payload_stalls_nobody),
-      cmocka_unit_test(unregister_cuts_a_slow_write),
+      cmocka_unit_test(trickled_hellos_cannot_hold_slots), cmocka_unit_test(idle_connections_evicted_for_writers),
+      cmocka_unit_test(slow_payload_stalls_nobody),        cmocka_unit_test(unregister_cuts_a_slow_write),
+      cmocka_unit_test(paced_payload_cut_at_deadline),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
