@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "base/addr.h"
@@ -276,13 +277,27 @@ void kvf__control_close_pushes(kvf_manager *m) {
 static void listener_wait(kvf_manager *m, int fd) {
   int ms = m->role->tick ? m->role->tick(m) : -1;
   if (ms < 0 || ms > MANAGER_WAIT_MS) ms = MANAGER_WAIT_MS;
-  struct pollfd pf = {.fd = fd, .events = POLLIN};
+  int woken = 0;
   if (fd < 0) {
-    zmq_pollitem_t pi = {.socket = m->pull, .events = ZMQ_POLLIN};
-    if (zmq_poll(&pi, 1, ms) > 0) kvf__wake_count();
-  } else if (poll(&pf, 1, ms) > 0) {
-    kvf__wake_count();
+    zmq_pollitem_t pi[2] = {{.socket = m->pull, .events = ZMQ_POLLIN}, {.fd = m->wake_fd, .events = ZMQ_POLLIN}};
+    if (zmq_poll(pi, m->wake_fd >= 0 ? 2 : 1, ms) > 0) woken = 1 + (pi[1].revents != 0);
+  } else {
+    struct pollfd pf[2] = {{.fd = fd, .events = POLLIN}, {.fd = m->wake_fd, .events = POLLIN}};
+    if (poll(pf, m->wake_fd >= 0 ? 2 : 1, ms) > 0) woken = 1 + (pf[1].revents != 0);
   }
+  if (woken) kvf__wake_count();
+  if (woken == 2) { /* kvf__control_wake: clear it; the caller's next turn runs the tick */
+    uint64_t v;
+    ssize_t r = read(m->wake_fd, &v, sizeof v); /* EAGAIN only if nothing was pending */
+    (void)r;
+  }
+}
+
+void kvf__control_wake(kvf_manager *m) {
+  uint64_t one = 1;
+  if (m->wake_fd < 0) return;
+  ssize_t r = write(m->wake_fd, &one, sizeof one); /* fails only when the counter is full: a wake is pending */
+  (void)r;
 }
 
 void *kvf__control_listener_main(void *arg) {

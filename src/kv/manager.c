@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "base/addr.h"
@@ -298,6 +300,8 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   if (cfg.role != KVF_ROLE_PREFILL && cfg.role != KVF_ROLE_DECODE) return KVF_EINVAL;
   kvf_manager *m = calloc(1, sizeof *m);
   if (!m) return KVF_ENOMEM;
+  m->wake_fd =
+      eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC); /* -1: the listener wakes on its own within MANAGER_WAIT_MS */
   m->cfg = cfg;
   resolve_config(&m->cfg);
   kvf_manager_config *c = &m->cfg;
@@ -398,6 +402,7 @@ err_rooms:
 err_bufs:
   free_buffers(&m->bufs);
 err_free:
+  if (m->wake_fd >= 0) close(m->wake_fd);
   free(m);
   return rc;
 }
@@ -405,6 +410,7 @@ err_free:
 void kvf_manager_destroy(kvf_manager *m) {
   if (!m) return;
   atomic_store(&m->stopping, 1);
+  kvf__control_wake(m);
   if (m->listener_started) pthread_join(m->listener, NULL);
   m->role->stop(m);
   kvf__integ_stop(m);
@@ -417,6 +423,7 @@ void kvf_manager_destroy(kvf_manager *m) {
   kvf__rooms_table_free(m->rooms, NULL);
   free_buffers(&m->bufs);
   sodium_memzero(m->ctl_key, sizeof m->ctl_key);
+  if (m->wake_fd >= 0) close(m->wake_fd);
   free(m);
 }
 

@@ -102,6 +102,7 @@ struct kvf_manager {
   pthread_t listener;
   int listener_started;
   atomic_int stopping;
+  int wake_fd; /* eventfd the listener polls besides the PULL socket (kvf__control_wake); -1: none */
 
   /* Control-plane authentication (issue 13 defect 5): the HMAC key, 0 bytes
    * = off; whether a message's sender IP must match what it claims or what
@@ -159,6 +160,10 @@ void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsig
  * kernel-chosen port (m->rank_port), the listener thread's body, and closing
  * every cached PUSH socket (after the listener stopped). */
 int kvf__control_bind_pull(kvf_manager *m);
+/* Wake the listener from its wait, so that it runs the role's timed work
+ * (tick) now: for work queued by another thread that is due before the
+ * listener's current wait ends. Any thread. */
+void kvf__control_wake(kvf_manager *m);
 void *kvf__control_listener_main(void *arg);
 void kvf__control_close_pushes(kvf_manager *m);
 

@@ -219,6 +219,7 @@ void kvf__prefill_stop(kvf_manager *m) {
   if (busy) { /* a transport bug: leak the state rather than free it under a callback */
     LOG_ERROR("kv", "prefill stop: %zu direct transfers never completed; their state is leaked", busy);
     stop_workers(ps);
+    kvf__pf_m3_flush(ps, 1);
     m->prefill = NULL;
     return;
   }

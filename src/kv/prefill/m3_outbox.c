@@ -9,8 +9,9 @@
  * decode's and the decode's listener. Held here and sent PF_M3_BATCH at a
  * time (each still its own ZeroMQ message, byte for byte the same), those
  * wake-ups are shared by the batch. An M3 waits at most about
- * PF_M3_DEFER_MS: the listener thread sends what is due before it waits
- * (kvf__pf_m3_tick), and the manager's stop sends the rest. Only M3 Success
+ * PF_M3_DEFER_MS: the first M3 of a batch wakes the listener
+ * (kvf__control_wake), which then waits no longer than until the batch is
+ * due and sends it (kvf__pf_m3_tick); the manager's stop sends the rest. Only M3 Success
  * for a destination whose trailer the engine delivered is deferred; every
  * other M3 (Failed, M3-only peers, tokenspeed decodes) goes out at once.
  *
@@ -74,6 +75,8 @@ int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, int64_t
   ps->nm3 = k + 1;
   pthread_mutex_unlock(&ps->m3_lock);
   if (k + 1 == PF_M3_BATCH) kvf__pf_m3_flush(ps, 0);
+  else if (k == 0)
+    kvf__control_wake(ps->m); /* the listener may be in a longer wait: it sets its next one by the tick */
   return 1;
 }
 

@@ -133,6 +133,7 @@
 #define PF_SPARE_ROOMS 4096             /* unreferenced room records kept for reuse */
 #define PF_DIRECT_DRAIN_MS 120000       /* stop: wait this long for direct chunks' engine callbacks */
 #define PF_SPARE_INFOS 4096             /* unreferenced transfer infos kept for reuse */
+#define PF_SPARE_M2_BYTES (16u << 10)   /* ... each keeping its M2 copy's block only up to this size */
 #define PF_CHUNK_INLINE_PAGES 16        /* pages a chunk holds without an allocation */
 #define PF_CHUNK_INLINE_STATE 4         /* state slots a chunk holds without an allocation */
 #define PF_WORKER_WINDOW 4              /* chunks a worker keeps in flight before waiting (workers.c) */

@@ -43,6 +43,10 @@ void kvf__pf_info_unref(prefill_state *ps, pf_info *i) {
   if (!i || --i->refs > 0) return;
   free(i->frags_cut);
   i->frags_cut = NULL;
+  if (i->m2_cap > PF_SPARE_M2_BYTES) { /* a long request's page list: not kept by every spare for ever */
+    free(i->m2);
+    i->m2 = NULL, i->m2_cap = 0;
+  }
   pthread_mutex_lock(&ps->spare_mu);
   if (ps->ninfo_spare < PF_SPARE_INFOS) {
     i->next_spare = ps->info_spare;
