@@ -269,6 +269,44 @@ int kvf__rooms_fail(rooms *t, int64_t room, const char *reason) {
   return rc;
 }
 
+int kvf__rooms_fail_unless_success(rooms *t, int64_t room, const char *reason, int *failed) {
+  char *r = reason_dup(reason);
+  int rc = 0, did = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!e) {
+    t->st.dropped_unknown++;
+    rc = KVF_ENOTFOUND;
+  } else if (e->status != ROOM_SUCCESS) {
+    fail_entry(e, r);
+    r = NULL;
+    did = 1;
+  }
+  pthread_mutex_unlock(&t->mu);
+  free(r);
+  if (failed) *failed = did;
+  return rc;
+}
+
+int kvf__rooms_reset_responses(rooms *t, int64_t room, int status) {
+  if (!status_valid(status)) return KVF_EINVAL;
+  int rc = 0;
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  if (!e) {
+    rc = KVF_ENOTFOUND;
+  } else {
+    e->nresponded = 0;
+    e->resp_lo = 0;
+    if (e->resp_hi) memset(e->resp_hi, 0, HI_WORDS * sizeof *e->resp_hi);
+    e->pending_token = e->final_token = -1;
+    e->npending_cands = e->nfinal_cands = 0;
+    if (e->status != ROOM_FAILED) e->status = status;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return rc;
+}
+
 int kvf__rooms_get_reason(rooms *t, int64_t room, char *buf, size_t cap) {
   if (cap == 0) return KVF_EINVAL;
   int rc = KVF_ENOTFOUND;
@@ -339,7 +377,12 @@ int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t
     rc = added;
     goto out_unlock;
   }
-  if (added == 0) t->st.duplicate_responses++;
+  if (added == 0) {
+    t->st.duplicate_responses++;
+    /* The same rank again after Success (a completion trailer's M3 also
+     * comes by ZeroMQ): nothing changes, a popped first token stays popped. */
+    if (e->status == ROOM_SUCCESS) goto out_unlock;
+  }
   if (token != -1 && e->pending_token == -1) e->pending_token = token;
   if (ncand && !e->npending_cands) { /* the first responder's candidates */
     memcpy(e->pending_cands, cands, ncand * sizeof *cands);
@@ -347,8 +390,8 @@ int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t
   }
   int expected = e->required ? e->required : 1;
   if (e->nresponded < expected) goto out_unlock;
-  /* Publish before Success (the reference overwrites an unpopped final value
-   * here too, which only matters for a repeated report after Success). */
+  /* Publish before Success. (The reference publishes again on a repeated
+   * report after Success; here that changes nothing, see above.) */
   if (e->pending_token != -1) {
     e->final_token = e->pending_token;
     e->pending_token = -1;

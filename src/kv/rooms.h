@@ -120,6 +120,14 @@ int kvf__rooms_get_info(rooms *t, int64_t room, rooms_info *out);
  * an earlier one) and mark the room Failed, overriding even Success. Unknown
  * room: KVF_ENOTFOUND, counted in dropped_unknown, nothing stored. */
 int kvf__rooms_fail(rooms *t, int64_t room, const char *reason);
+/* kvf__rooms_fail unless the room is Success already (checked and set under
+ * one lock: a Success that wins the race stands). *failed (may be NULL):
+ * whether this call failed it. */
+int kvf__rooms_fail_unless_success(rooms *t, int64_t room, const char *reason, int *failed);
+/* A new use of a live room (the decode's repeated init): forget every
+ * response and first-token value of the earlier one and go back to
+ * `status` (unless Failed). */
+int kvf__rooms_reset_responses(rooms *t, int64_t room, int status);
 /* Copy the recorded reason into buf (always NUL-terminated, truncated to
  * cap-1). A live room without a reason yields "". KVF_ENOTFOUND if not live,
  * KVF_EINVAL if cap is 0. The reason stays until kvf__rooms_clear. */

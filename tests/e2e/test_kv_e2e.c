@@ -589,7 +589,8 @@ static void deferred_status_messages_still_arrive(void **state) {
     usleep(200);
     kvf_manager_get_stats(d.m, &st);
   } while (st.messages_received < 2 * N && now_s() < until);
-  fprintf(stderr, "deferred M3s: the last arrived %.1f ms after the last Success\n", (now_s() - last_success) * 1e3);
+  fprintf(stderr, "deferred M3s: the last arrived %.1f ms after the last Success\n",
+          (now_s() - last_success) * 1e3);
   assert_int_equal(st.messages_received, 2 * N);
   assert_int_equal(st.messages_unknown_room, 0);
   assert_int_equal(st.messages_forged, 0);

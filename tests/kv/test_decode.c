@@ -217,6 +217,12 @@ static void send_m3(fixture *f, int64_t room, int status, int rank, int64_t toke
 }
 
 /* Poll until a final status or `limit_s` seconds. */
+/* Send the room's M2s (one page): until then no M3 may count for it. */
+static void init_one(kvf_receiver *r) {
+  int64_t pages[1] = {1};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+}
+
 static int poll_final(kvf_receiver *r, double limit_s) {
   int64_t t0 = clock_now_ns();
   int s = kvf_receiver_poll(r);
@@ -426,6 +432,7 @@ static void failed_m3(void **state) {
   fixture *f = setup_default();
   kvf_receiver *r = NULL;
   assert_int_equal(kvf_receiver_create(f->m, f->addr, 20, &r), 0);
+  init_one(r);
   send_m3(f, 20, WIRE_STATUS_FAILED, 0, -1, NULL, 0);
   assert_int_equal(poll_final(r, 5), KVF_POLL_FAILED);
   char reason[256];
@@ -444,6 +451,7 @@ static void malformed_and_unknown(void **state) {
   fixture *f = setup_default();
   kvf_receiver *r = NULL;
   assert_int_equal(kvf_receiver_create(f->m, f->addr, 30, &r), 0);
+  init_one(r);
 
   const char *a[] = {"abc", "5", "0"};
   const size_t al[] = {3, 1, 1};
@@ -550,6 +558,7 @@ static void heartbeat_node_failure(void **state) {
   assert_int_equal(kvf_receiver_create(f->m, f->addr, 61, &done), 0);
   int64_t pages[1] = {1};
   assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  init_one(done);
   send_m3(f, 61, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0);
   assert_int_equal(poll_final(done, 5), KVF_POLL_SUCCESS);
   /* A healthy server: a few rounds pass without failures. */
@@ -1053,6 +1062,101 @@ static void shared_engine_register_failure(void **state) {
   kvf_engine_destroy(eng);
 }
 
+/* A late M3 from an earlier use of a room id (the deferred duplicate of a
+ * fast completion, say) arrives after the id was created again but before
+ * its M2s went out: it is refused as forged, and the new use completes only
+ * on its own M3, with its own first token. */
+static void late_m3_before_init_does_not_count(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  kvf_receiver *r = NULL;
+  raw_msg rm;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 90, &r), 0);
+  assert_int_equal(recv_raw(f->pull, &rm), 0); /* M1 */
+  raw_free(&rm);
+  init_one(r);
+  assert_int_equal(recv_raw(f->pull, &rm), 0); /* M2 */
+  raw_free(&rm);
+  send_m3(f, 90, WIRE_STATUS_SUCCESS, 0, 5, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  kvf_receiver_destroy(r);
+  /* The id again at once (same prefill, cached plan: no HTTP). */
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 90, &r), 0);
+  kvf_manager_stats s;
+  stats(f, &s);
+  send_m3(f, 90, WIRE_STATUS_SUCCESS, 0, 5, NULL, 0);
+  assert_int_equal(wait_counter(f, offsetof(kvf_manager_stats, messages_forged), s.messages_forged + 1, 5),
+                   s.messages_forged + 1);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  init_one(r);
+  send_m3(f, 90, WIRE_STATUS_SUCCESS, 0, 6, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  int64_t tok = 0;
+  size_t n = 0;
+  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &n), 0);
+  assert_int_equal(tok, 6);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+/* Heterogeneous TP, planned ranks {0, 1}, two responses required: an M3
+ * naming a rank outside the plan does not count (nor could rank 1 answer
+ * for rank 0 by naming it: the rank must be on its planned host, which here
+ * is the same one, so only the plan's ranks are checked). */
+static void m3_rank_must_be_planned(void **state) {
+  (void)state;
+  static const int64_t half[2] = {ITEM / 2, ITEM / 2};
+  g_item_lens = half;
+  g_nitem = 2;
+  fixture *f = setup_full(2, 1, 300, 5, 2);
+  register_rank(f, 2, 1, 1);
+  g_nitem = 0;
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 91, &r), 0);
+  int64_t pages[1] = {2};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  kvf_manager_stats s;
+  stats(f, &s);
+  send_m3(f, 91, WIRE_STATUS_SUCCESS, 1, 77, NULL, 0); /* planned rank 1 */
+  send_m3(f, 91, WIRE_STATUS_SUCCESS, 7, -1, NULL, 0); /* rank 7: prefill TP is 2 */
+  assert_int_equal(wait_counter(f, offsetof(kvf_manager_stats, messages_forged), s.messages_forged + 1, 5),
+                   s.messages_forged + 1);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  send_m3(f, 91, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0); /* rank 0 completes the set */
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+/* A repeated init is a new request in the room: the responses to the first
+ * M2s do not count for it. */
+static void reinit_forgets_earlier_responses(void **state) {
+  (void)state;
+  static const int64_t half[2] = {ITEM / 2, ITEM / 2};
+  g_item_lens = half;
+  g_nitem = 2;
+  fixture *f = setup_full(2, 1, 300, 5, 2);
+  register_rank(f, 2, 1, 1);
+  g_nitem = 0;
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 92, &r), 0);
+  int64_t pages[1] = {2}, pages2[1] = {5};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
+  kvf_manager_stats s;
+  stats(f, &s);
+  uint64_t got = s.messages_received;
+  send_m3(f, 92, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0); /* rank 0, for the first M2s */
+  assert_int_equal(wait_counter(f, offsetof(kvf_manager_stats, messages_received), got + 1, 5), got + 1);
+  assert_int_equal(kvf_receiver_init(r, pages2, 1, 0, 0, NULL, 0), 0);
+  send_m3(f, 92, WIRE_STATUS_SUCCESS, 1, -1, NULL, 0); /* only rank 1 answers the new ones */
+  assert_int_equal(wait_counter(f, offsetof(kvf_manager_stats, messages_received), got + 2, 5), got + 2);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  send_m3(f, 92, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(shared_engine_register_failure),
@@ -1073,6 +1177,9 @@ int main(void) {
       cmocka_unit_test(hetero_tp_draft_kinds),
       cmocka_unit_test(token_major_needs_layout),
       cmocka_unit_test(churn_is_bounded),
+      cmocka_unit_test(late_m3_before_init_does_not_count),
+      cmocka_unit_test(m3_rank_must_be_planned),
+      cmocka_unit_test(reinit_forgets_earlier_responses),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -151,6 +151,10 @@ struct kvf_receiver {
   /* Set just before the M2s go out when they ask for the fast completion:
    * only then may a completion come in an engine trailer. */
   atomic_int asked_fast;
+  /* Set just before this receiver's first M2 goes out: until then no prefill
+   * has been asked, so no M3 or trailer may count for the room (a late one
+   * from an earlier use of the same room id included). */
+  atomic_int m2_out;
   struct kvf_receiver *next_spare; /* on ds->spare once destroyed */
   /* Fencing (integrity.c): the room's engine fence epoch, 0 = unfenced;
    * `fenced` once it was closed on Failed. The receiver's thread only. */

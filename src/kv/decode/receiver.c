@@ -65,12 +65,16 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
   char reason[ROOMS_REASON_MAX] = "";
   int rc = 0;
   uint64_t room_flags = 0;
-  if (r->fence_epoch) kvf__integ_room_close(m, r->room, r->fence_epoch, 0, 1); /* a repeated init */
+  if (atomic_load(&r->m2_out)) { /* a repeated init: a new request in the same room */
+    if (r->fence_epoch) kvf__integ_room_close(m, r->room, r->fence_epoch, 0, 1);
+    kvf__rooms_reset_responses(m->rooms, r->room, ROOM_BOOTSTRAPPED);
+  }
   kvf__integ_room_open(m, r->room, p->kvferry_peer, &room_flags, &r->fence_epoch);
   /* Only a kvferry prefill (it published its page layout) is asked; verify
    * mode checks digests before Success, which come by the control plane, so
    * such a room is completed by its M3. */
-  if (m->decode->fast && p->kvferry_peer && !(room_flags & WIRE_ROOM_VERIFY)) atomic_store(&r->asked_fast, 1);
+  atomic_store(&r->asked_fast, m->decode->fast && p->kvferry_peer && !(room_flags & WIRE_ROOM_VERIFY));
+  atomic_store(&r->m2_out, 1);
   for (int i = 0; i < p->ntargets && !rc; i++) {
     const pool_target *t = &p->targets[i];
     wire_m2 m2;
@@ -114,11 +118,6 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
   return 0;
 }
 
-static int match_room(int64_t room, void *user, void *arg) {
-  (void)user;
-  return room == *(const int64_t *)arg;
-}
-
 /* The room is Failed: refuse its late writes from now on (the engine fence)
  * and tell every kvferry prefill rank of the plan, so its sender fails
  * instead of writing on. Once per receiver. */
@@ -156,11 +155,10 @@ static kvf_poll_status poll_room(kvf_receiver *r) {
       kvf__dec_set_reason(reason, sizeof reason,
                           "Request %" PRId64 " timed out after %.1fs in TransferPoll.WaitingForInput", r->room,
                           waited);
-      /* Fail only if Success did not win the race: fail_matching skips
-       * Success rooms atomically. */
-      size_t n = 0;
-      kvf__rooms_fail_matching(m->rooms, match_room, &r->room, reason, &n);
-      if (n) LOG_WARN("kv", "%s", reason);
+      /* Fail only if Success did not win the race. */
+      int failed = 0;
+      kvf__rooms_fail_unless_success(m->rooms, r->room, reason, &failed);
+      if (failed) LOG_WARN("kv", "%s", reason);
       int s = ROOM_FAILED;
       kvf__rooms_get_status(m->rooms, r->room, &s);
       return (kvf_poll_status)s;

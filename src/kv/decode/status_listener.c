@@ -6,17 +6,25 @@
 typedef struct m3_origin {
   kvf_manager *m;
   const char *peer;
+  int64_t rank; /* the prefill rank the message names; -1: any */
 } m3_origin;
 
-/* Under the room table's lock: did the M3 come from a rank the room was
- * planned with? (Issue 13 defect 5: PROTOCOL §8 lets any ZMQ peer end any
- * room.) A room without a plan yet has sent no M2, so nobody may answer. */
+/* Under the room table's lock: did the message come from a rank the room
+ * was planned with? (Issue 13 defect 5: PROTOCOL §8 lets any ZMQ peer end
+ * any room.) The rank it names must be one of the room's targets that
+ * transfers (not a dummy), on the host the plan has for that rank: one rank
+ * cannot answer for another (heterogeneous TP counts one response per rank),
+ * nor a rank outside the plan. Nobody may answer before the room's M2s went
+ * out (a late M3 of an earlier use of the room id). */
 static int from_planned_rank(void *user, void *arg) {
   const kvf_receiver *r = user;
   const m3_origin *o = arg;
-  const pool_entry *p = r ? (const pool_entry *)atomic_load(&r->pool_tag) : NULL;
-  for (int i = 0; p && i < p->ntargets; i++)
-    if (kvf__manager_peer_is(o->m, o->peer, p->targets[i].ip)) return 1;
+  const pool_entry *p = r && atomic_load(&r->m2_out) ? (const pool_entry *)atomic_load(&r->pool_tag) : NULL;
+  for (int i = 0; p && i < p->ntargets; i++) {
+    const pool_target *t = &p->targets[i];
+    if (!t->is_dummy && (o->rank < 0 || t->rank == o->rank) && kvf__manager_peer_is(o->m, o->peer, t->ip))
+      return 1;
+  }
   return 0;
 }
 
@@ -54,7 +62,7 @@ void kvf__dec_on_trailer(void *arg, const unsigned char *data, size_t len, const
 
 /* The same check for a kvferry digests message. */
 static int from_planned(kvf_manager *m, int64_t room, const char *peer) {
-  m3_origin origin = {m, peer};
+  m3_origin origin = {m, peer, -1};
   return kvf__rooms_with_user(m->rooms, room, from_planned_rank, &origin) != 0;
 }
 
@@ -69,10 +77,13 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
     kvf__manager_reject(m, peer, "M3", why);
     return;
   }
-  m3_origin origin = {m, peer};
+  m3_origin origin = {m, peer, m3.prefill_rank};
   int rc = kvf__rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
   if (rc == 0) {
-    kvf__manager_reject_forged(m, peer, "M3", "the sender is not a prefill rank this room was planned with");
+    kvf__manager_reject_forged(m, peer, "M3",
+                               "the sender is not the prefill rank it names, or not one this room was planned "
+                               "with "
+                               "and asked");
     return;
   }
   if (m3.status == WIRE_STATUS_SUCCESS) {
