@@ -277,7 +277,8 @@ static int in_grow(tcp_desc **descs, region ***pins, size_t *cap, uint32_t ndesc
  * status to acknowledge, or a negative error that ends the connection
  * (reported here). The regions lock is held only to look up and pin. */
 static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h, const tcp_chunk_tag *tag,
-                         tcp_desc *descs, region **pinv, int64_t *deadline, int *status) {
+                         int has_trailer, tcp_desc *descs, region **pinv, int64_t *deadline, int *status,
+                         int *trailer_read) {
   int rc = in_recv(in, descs, h->ndesc * sizeof *descs, deadline, 0);
   if (rc) return rc;
   int v = kvf__tcp_frame_descs(h, descs);
@@ -305,6 +306,13 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
     kvf_engine_sync(e); /* publish the bytes to the owner's next sync */
     for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
     int cut = rc == 2 && pins.fence && atomic_load(&pins.fence->cut);
+    /* A landed chunk's trailer is handed over before the fence is left: once
+     * kvf_engine_fence_close has returned, no trailer of that epoch arrives
+     * (a room id used again must not see the last use's completion). */
+    if (!rc && has_trailer) {
+      rc = inbound_trailer(in, e, 1, deadline);
+      *trailer_read = 1;
+    }
     if (pins.fence) kvf__fence_leave(e, pins.fence); /* from here the chunk writes nothing more */
     if (cut) {
       atomic_fetch_add(&e->stats.chunks_fenced, 1);
@@ -366,10 +374,10 @@ static void *inbound_main(void *arg) {
     tcp_chunk_tag tag = {0, 0};
     if (h.magic == TCP_CHUNK_TAGGED_MAGIC && (rc = in_recv(in, &tag, sizeof tag, &deadline, 0))) goto out_err;
     if (in_grow(&descs, &pins, &cap, h.ndesc)) break;
-    int status = 0;
-    rc =
-        inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, descs, pins, &deadline, &status);
-    if (!rc && has_trailer) rc = inbound_trailer(in, e, status == 0, &deadline);
+    int status = 0, trailer_read = 0;
+    rc = inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, has_trailer, descs, pins,
+                       &deadline, &status, &trailer_read);
+    if (!rc && has_trailer && !trailer_read) rc = inbound_trailer(in, e, 0, &deadline); /* read, not delivered */
     if (rc) goto out_err;
     in->acks[in->nack++] = (tcp_ack){h.seq, status, TCP_ACK_MAGIC};
     /* Held back only while more staged chunks follow (one send answers
