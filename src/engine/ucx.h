@@ -48,6 +48,7 @@
 #define UCX_MAX_ADDR_LEN (64u * 1024u)
 #define UCX_MAX_REGIONS 4096u
 #define UCX_MAX_RKEY_LEN (64u * 1024u)
+#define UCX_RKEY_PARSE_PAD (64u * 1024u) /* zeroed bytes behind a received info body (ucx_peer.c) */
 #define UCX_MAX_INFO_BODY (16u << 20)
 /* A rendezvous message must arrive whole within this once it has started. */
 #define UCX_CTL_TIMEOUT_MS 5000
@@ -138,6 +139,11 @@ typedef struct ucx_peer {
   uint64_t gen;
   atomic_int dead;    /* 0, or the error that ended the endpoint */
   pthread_mutex_t mu; /* infos and why below */
+  /* Held by a writer from putting its trailer op on `tacks` until the
+   * trailer is sent: the list order is the wire order, which is the order
+   * of the target's trailer acks (kvf__ucx_trailer_acked takes the head).
+   * Taken before wmu and mu, never under them. */
+  pthread_mutex_t tmu;
   pthread_cond_t cv;
   uint64_t infos; /* info messages applied (refresh waits on it); cv also
                    * tells a writer waiting in do_chunk that a message was read */

@@ -47,6 +47,7 @@ int kvf__ucx_peer_get(ucx_state *u, const char *id, ucx_peer **out) {
     pthread_rwlock_init(&p->rw, &ra);
     pthread_rwlockattr_destroy(&ra);
     pthread_mutex_init(&p->mu, NULL);
+    pthread_mutex_init(&p->tmu, NULL);
     clock_cond_init(&p->cv);
     if (kvf__map_init(&p->fence_open) || kvf__map_init(&p->fence_closed))
       rc = KVF_ENOMEM; /* a later insert fails */
@@ -98,6 +99,7 @@ void kvf__ucx_peers_free(ucx_state *u) {
     pthread_mutex_destroy(&p->conn_mu);
     pthread_rwlock_destroy(&p->rw);
     pthread_mutex_destroy(&p->mu);
+    pthread_mutex_destroy(&p->tmu);
     pthread_cond_destroy(&p->cv);
     kvf__map_free(&p->fence_open);
     kvf__map_free(&p->fence_closed);
@@ -156,8 +158,13 @@ static int info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **b
       h->nregions > UCX_MAX_REGIONS || h->body_len > UCX_MAX_INFO_BODY || h->body_len < h->addr_len ||
       memchr(h->host_id, 0, sizeof h->host_id) == NULL)
     return KVF_EPROTO;
-  *body = malloc(h->body_len);
+  /* ucp_ep_rkey_unpack takes no length: it parses a packed key by the sizes
+   * written inside it (a map of memory domains, then at most 255 bytes per
+   * domain). A zeroed tail longer than any key can describe keeps a key cut
+   * short, or lying about its length, inside this buffer. */
+  *body = malloc((size_t)h->body_len + UCX_RKEY_PARSE_PAD);
   if (!*body) return KVF_ENOMEM;
+  memset(*body + h->body_len, 0, UCX_RKEY_PARSE_PAD);
   rc = kvf__ucx_recv_all(fd, *body, h->body_len, deadline_ns);
   if (rc) {
     free(*body);
@@ -519,10 +526,13 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
   }
   if (rc || !body) return;
   pthread_rwlock_wrlock(&p->rw);
-  if (p->fd == fd && p->ep && !atomic_load(&p->dead)) {
-    rc = info_apply(u, p, &h, body, 0);
+  if (p->fd == fd) {
     /* Applied under the write lock: no write into the old regions is under
-     * way or can start. Tell the target (its unregister waits for this). */
+     * way or can start. Tell the target (its unregister waits for this).
+     * Without a live endpoint (the peer failed; a reconnect brings a new
+     * connection and a new info) nothing can be written: acknowledged as is,
+     * or the target's unregister would wait out its cut-off. */
+    if (p->ep && !atomic_load(&p->dead)) rc = info_apply(u, p, &h, body, 0);
     ucx_req ack = {UCX_ACK_MAGIC, 0, h.gen};
     pthread_mutex_lock(&p->mu);
     if (!rc) rc = kvf__ucx_send_all(fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));

@@ -70,14 +70,16 @@ void kvf__ucx_ops_free(ucx_state *u) {
     while (*head) {
       ucx_op *op = *head;
       *head = op->next;
+      /* A chunk still waiting for its flush or its trailer's ack fails: its
+       * batch's waiter or on_done hears of it, as over TCP. */
+      if (op->c) kvf__chunk_finish(op->c, KVF_ECLOSED);
       free(op);
     }
 }
 
-/* p->rw held: send the chunk's trailer to the target (ucx_serve). A
- * fenced chunk sends none: do_chunk calls this only after its last block. */
+/* p->rw and p->tmu held: send the chunk's trailer to the target
+ * (ucx_serve). The caller checked the chunk's fence under the same rw hold. */
 static int trailer_send(ucx_peer *p, const chunk *c) {
-  if (c->batch->tag && kvf__ucx_fence_refused(p, c->batch->epoch)) return KVF_ESTATE;
   ucx_req h = {UCX_TRAILER_MAGIC, c->tlen, 0};
   int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
   pthread_mutex_lock(&p->mu);
@@ -112,11 +114,20 @@ static void flush_cb(void *req, ucs_status_t st, void *arg) {
  * then the op waits on u->ops (the reaper enforces the batch deadline) and
  * on the peer's FIFO. `op` is reused, or NULL. */
 static void trailer_out(ucx_state *u, ucx_peer *p, chunk *c, ucx_op *op) {
+  /* A fence closed since the flush (the rw hold keeps it so until the send):
+   * this chunk fails, as a fenced one, and sends no trailer; the connection
+   * and the peer's other batches are not affected. */
+  if (c->batch->tag && kvf__ucx_fence_refused(p, c->batch->epoch)) {
+    free(op);
+    kvf__chunk_finish(c, KVF_ESTATE);
+    return;
+  }
   if (!op && !(op = calloc(1, sizeof *op))) {
     kvf__chunk_finish(c, KVF_ENOMEM);
     return;
   }
   *op = (ucx_op){.c = c, .p = p, .u = u};
+  pthread_mutex_lock(&p->tmu);
   pthread_mutex_lock(&u->wmu);
   op_link(op);
   if (p->tacks_tail) p->tacks_tail->tnext = op;
@@ -124,6 +135,7 @@ static void trailer_out(ucx_state *u, ucx_peer *p, chunk *c, ucx_op *op) {
   p->tacks_tail = op;
   pthread_mutex_unlock(&u->wmu);
   int rc = trailer_send(p, c);
+  pthread_mutex_unlock(&p->tmu);
   if (!rc) return;
   pthread_mutex_lock(&u->wmu);
   chunk *cc = op->c;
