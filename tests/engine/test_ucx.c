@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -15,7 +16,9 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "base/clock.h"
 #include "bootstrap/bootstrap.h"
+#include "engine/async.h"
 
 #include "testing/pattern.h"
 #include "testing/peer.h"
@@ -378,12 +381,162 @@ static void gpu_memory_moves(void **state) {
 #endif
 }
 
+/* ---- completion trailers over UCX (two engines in this process) ---- */
+
+enum { TR_THREADS = 4, TR_PER = 200 };
+
+typedef struct trailer_run {
+  kvf_engine *w, *t;
+  void *wpool, *tpool;
+  int callback_us; /* the target's trailer callback takes this long */
+  atomic_uchar delivered[TR_THREADS * TR_PER];
+  atomic_int early, ok, failed, pending; /* early: on_done(0) before the target had the trailer */
+} trailer_run;
+
+static trailer_run *g_tr;
+
+static void tr_on_trailer(void *arg, const unsigned char *d, size_t len, const char *peer) {
+  trailer_run *r = arg;
+  (void)peer;
+  uint32_t id;
+  if (len < sizeof id) return;
+  memcpy(&id, d, sizeof id);
+  if (r->callback_us) usleep((useconds_t)r->callback_us);
+  if (id < TR_THREADS * TR_PER) atomic_store(&r->delivered[id], 1);
+}
+
+typedef struct tr_ctx {
+  trailer_run *r;
+  uint32_t id;
+} tr_ctx;
+
+static void tr_on_done(void *arg, int st) {
+  tr_ctx *c = arg;
+  trailer_run *r = c->r;
+  if (st == 0) {
+    atomic_fetch_add(&r->ok, 1);
+    if (!atomic_load(&r->delivered[c->id])) atomic_fetch_add(&r->early, 1);
+  } else {
+    atomic_fetch_add(&r->failed, 1);
+  }
+  atomic_fetch_sub(&r->pending, 1);
+  free(c);
+}
+
+static int tr_submit(trailer_run *r, uint32_t id, size_t page) {
+  kvf_write w = {.src = (uint64_t)(uintptr_t)r->wpool + page * PAGE,
+                 .dst = (uint64_t)(uintptr_t)r->tpool + page * PAGE,
+                 .len = PAGE};
+  tr_ctx *c = malloc(sizeof *c);
+  *c = (tr_ctx){r, id};
+  unsigned char tr[64] = {0};
+  memcpy(tr, &id, sizeof id);
+  atomic_fetch_add(&r->pending, 1);
+  int rc =
+      kvf__engine_submit_cb(r->w, kvf_engine_session_id(r->t), &w, 1, NULL, tr, sizeof tr, tr_on_done, c, NULL);
+  if (rc) {
+    atomic_fetch_sub(&r->pending, 1);
+    free(c);
+  }
+  return rc;
+}
+
+static void *tr_writer(void *arg) {
+  int t = (int)(intptr_t)arg;
+  for (int i = 0; i < TR_PER; i++) {
+    if (tr_submit(g_tr, (uint32_t)(t * TR_PER + i), (size_t)t)) break;
+    while (atomic_load(&g_tr->pending) > 32) usleep(50);
+  }
+  return NULL;
+}
+
+static trailer_run *tr_start(int timeout_ms, int callback_us) {
+  trailer_run *r = calloc(1, sizeof *r);
+  r->callback_us = callback_us;
+  r->t = make_engine("ucx", timeout_ms);
+  r->w = make_engine("ucx", timeout_ms);
+  assert_int_equal(kvf_engine_alloc_pool(r->t, 1 << 20, &r->tpool), 0);
+  assert_int_equal(kvf_engine_alloc_pool(r->w, 1 << 20, &r->wpool), 0);
+  assert_int_equal(kvf__engine_on_trailer(r->t, tr_on_trailer, r), 0);
+  return r;
+}
+
+/* Several threads send one-chunk batches with trailers to one peer: each
+ * batch completes only once the target's callback has had its own trailer
+ * (the target acknowledges trailers in the order they were sent). */
+static void trailer_acks_match_their_batches(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+  trailer_run *r = g_tr = tr_start(10000, 300);
+  pthread_t th[TR_THREADS];
+  for (int i = 0; i < TR_THREADS; i++) pthread_create(&th[i], NULL, tr_writer, (void *)(intptr_t)i);
+  for (int i = 0; i < TR_THREADS; i++) pthread_join(th[i], NULL);
+  int64_t until = clock_deadline_ms(30000);
+  while (atomic_load(&r->pending) > 0 && clock_now_ns() < until) usleep(1000);
+  printf("trailer batches: %d ok, %d failed, %d completed before the target had their trailer\n",
+         atomic_load(&r->ok), atomic_load(&r->failed), atomic_load(&r->early));
+  assert_int_equal(atomic_load(&r->pending), 0);
+  assert_int_equal(atomic_load(&r->ok), TR_THREADS * TR_PER);
+  assert_int_equal(atomic_load(&r->early), 0);
+  kvf_engine_destroy(r->w);
+  kvf_engine_destroy(r->t);
+  free(r);
+}
+
+/* A batch still waiting for its trailer's acknowledgement when the writer
+ * engine is destroyed fails (its on_done runs), as over TCP. */
+static void destroy_fails_batches_waiting_for_a_trailer_ack(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+  trailer_run *r = tr_start(5000, 1500000); /* the target's callback holds the ack back 1.5 s */
+  assert_int_equal(tr_submit(r, 0, 0), 0);
+  usleep(200000);
+  kvf_engine_destroy(r->w);
+  assert_int_equal(atomic_load(&r->pending), 0);
+  assert_int_equal(atomic_load(&r->failed), 1);
+  kvf_engine_destroy(r->t);
+  free(r);
+}
+
+/* The writer gave up on the target (a batch past its deadline), its
+ * endpoint gone: the target's unregister is still acknowledged at once
+ * instead of waiting out the 5 s cut-off. */
+static void unregister_prompt_after_the_writer_gave_up(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+  trailer_run *r = tr_start(1000, 1500000);
+  void *extra = mmap(NULL, 1 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  assert_true(extra != MAP_FAILED);
+  assert_int_equal(kvf_engine_register(r->t, extra, 1 << 20), 0);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)r->wpool, .dst = (uint64_t)(uintptr_t)r->tpool, .len = PAGE};
+  char tr[8] = "x";
+  assert_int_equal(kvf__engine_write_trailer(r->w, kvf_engine_session_id(r->t), &w, 1, NULL, tr, sizeof tr),
+                   KVF_ETIMEDOUT);
+  usleep(1000000); /* the target's callback returns; the writer has reaped the peer */
+  int64_t t0 = clock_now_ns();
+  kvf_engine_unregister(r->t, extra);
+  double ms = (double)(clock_now_ns() - t0) / 1e6;
+  printf("unregister after the writer gave up: %.1f ms\n", ms);
+  assert_true(ms < 2000);
+  kvf_engine_destroy(r->w);
+  kvf_engine_destroy(r->t);
+  munmap(extra, 1 << 20);
+  free(r);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(plain_and_strided_land_exact),         cmocka_unit_test(allocated_pools_land_exact),
-      cmocka_unit_test(explicit_ucx_never_falls_back),        cmocka_unit_test(other_host_without_rdma),
-      cmocka_unit_test(registering_inside_a_pool_is_counted), cmocka_unit_test(routes_show_in_metrics),
-      cmocka_unit_test(unregister_during_traffic_is_safe),    cmocka_unit_test(gpu_memory_moves),
+      cmocka_unit_test(plain_and_strided_land_exact),
+      cmocka_unit_test(allocated_pools_land_exact),
+      cmocka_unit_test(explicit_ucx_never_falls_back),
+      cmocka_unit_test(other_host_without_rdma),
+      cmocka_unit_test(registering_inside_a_pool_is_counted),
+      cmocka_unit_test(routes_show_in_metrics),
+      cmocka_unit_test(unregister_during_traffic_is_safe),
+      cmocka_unit_test(gpu_memory_moves),
+      cmocka_unit_test(trailer_acks_match_their_batches),
+      cmocka_unit_test(destroy_fails_batches_waiting_for_a_trailer_ack),
+      cmocka_unit_test(unregister_prompt_after_the_writer_gave_up),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
