@@ -172,6 +172,7 @@ typedef struct ucx_op {
   int trailer;          /* its chunk's trailer goes out once the flush is done (u->tq) */
   int err;              /* the chunk already failed (a flush still covers the puts it posted) */
   struct ucx_op *tnext; /* on its peer's FIFO of trailers sent, not yet acked */
+  int gone;             /* the connection its trailer went on was dropped: the reaper fails it with this */
 } ucx_op;
 
 typedef struct ucx_job {
@@ -270,6 +271,11 @@ int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns);
 int kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch);
 /* Frees every op left (teardown, after the worker is gone; no lock needed then). */
 void kvf__ucx_ops_free(ucx_state *u);
+/* With wmu held: the chunks whose trailers went on p's rendezvous
+ * connection and wait for its acknowledgement are to fail with `err` (the
+ * connection is being dropped: no ack will come); the reaper finishes them
+ * on its next round, outside the peer's locks. */
+void kvf__ucx_tacks_fail_locked(ucx_peer *p, int err);
 void kvf__ucx_copier_start(ucx_state *u);
 /* Progress thread, no lock held: send the trailers of flushed chunks (tq)
  * and finish those chunks. */

@@ -85,7 +85,9 @@ static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
   pthread_mutex_lock(&u->wmu);
   kvf__ucx_regs_free_locked(p);
   kvf__ucx_ep_close_locked(u, p);
-  p->tacks = p->tacks_tail = NULL; /* their ops stay on u->ops: the reaper fails them */
+  /* No ack comes on a closed connection: fail them now, not at their
+   * deadline (when a reconnected peer would be taken for the late one). */
+  kvf__ucx_tacks_fail_locked(p, atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED);
   pthread_mutex_unlock(&u->wmu);
 }
 

@@ -149,6 +149,22 @@ static void trailer_out(ucx_state *u, ucx_peer *p, chunk *c, ucx_op *op) {
   kvf__ucx_peer_mark_dead(u, p, rc); /* a trailer cut short leaves the stream unusable */
 }
 
+void kvf__ucx_tacks_fail_locked(ucx_peer *p, int err) {
+  ucx_op *op = p->tacks;
+  p->tacks = p->tacks_tail = NULL;
+  while (op) {
+    ucx_op *next = op->tnext;
+    op->tnext = NULL;
+    if (op->c) {
+      op->gone = err;
+    } else { /* already failed, an orphan kept only for the ack count */
+      op_unlink(op);
+      free(op);
+    }
+    op = next;
+  }
+}
+
 void kvf__ucx_trailer_acked(ucx_state *u, ucx_peer *p) {
   pthread_mutex_lock(&u->wmu);
   ucx_op *op = p->tacks;
@@ -407,7 +423,7 @@ void kvf__ucx_reap(ucx_state *u) {
   pthread_mutex_lock(&u->wmu);
   for (ucx_op *op = u->ops, *next; op; op = next) {
     next = op->next;
-    int err = atomic_load(&op->p->dead);
+    int err = op->gone ? op->gone : atomic_load(&op->p->dead);
     if (!err && now > op->c->batch->deadline_ns) {
       err = KVF_ETIMEDOUT;
       if (!atomic_load(&op->p->dead))
@@ -418,8 +434,12 @@ void kvf__ucx_reap(ucx_state *u) {
     if (err) {
       chunk *c = op->c;
       op_unlink(op);
-      op->c = NULL;
-      op_link(op); /* its callback, or the teardown, frees it */
+      if (op->gone) { /* a trailer op off its dropped connection: nothing else refers to it */
+        free(op);
+      } else {
+        op->c = NULL;
+        op_link(op); /* its callback, or the teardown, frees it */
+      }
       kvf__chunk_finish(c, err);
     }
   }
