@@ -866,17 +866,24 @@ static void mla_dummy_target(void **state) {
   teardown(f);
 }
 
-/* Heterogeneous TP (prefill 2 -> decode 1, sharded heads): two real
- * targets, each M2 carries its fragment plan (14 frames), and Success needs
- * an M3 from both prefill ranks (a duplicate from one counts once). */
-static void hetero_tp_fragments(void **state) {
-  (void)state;
+/* Heterogeneous TP, prefill 2 -> decode 1 with sharded heads: both prefill
+ * ranks registered, two responses required per room. */
+static fixture *setup_hetero2(void) {
   static const int64_t half[2] = {ITEM / 2, ITEM / 2};
   g_item_lens = half;
   g_nitem = 2;
   fixture *f = setup_full(2, 1, 300, 5, 2);
   register_rank(f, 2, 1, 1);
   g_nitem = 0;
+  return f;
+}
+
+/* Heterogeneous TP (prefill 2 -> decode 1, sharded heads): two real
+ * targets, each M2 carries its fragment plan (14 frames), and Success needs
+ * an M3 from both prefill ranks (a duplicate from one counts once). */
+static void hetero_tp_fragments(void **state) {
+  (void)state;
+  fixture *f = setup_hetero2();
   kvf_receiver *r = NULL;
   assert_int_equal(kvf_receiver_create(f->m, f->addr, 80, &r), 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
@@ -1105,12 +1112,7 @@ static void late_m3_before_init_does_not_count(void **state) {
  * is the same one, so only the plan's ranks are checked). */
 static void m3_rank_must_be_planned(void **state) {
   (void)state;
-  static const int64_t half[2] = {ITEM / 2, ITEM / 2};
-  g_item_lens = half;
-  g_nitem = 2;
-  fixture *f = setup_full(2, 1, 300, 5, 2);
-  register_rank(f, 2, 1, 1);
-  g_nitem = 0;
+  fixture *f = setup_hetero2();
   kvf_receiver *r = NULL;
   assert_int_equal(kvf_receiver_create(f->m, f->addr, 91, &r), 0);
   int64_t pages[1] = {2};
@@ -1132,12 +1134,7 @@ static void m3_rank_must_be_planned(void **state) {
  * M2s do not count for it. */
 static void reinit_forgets_earlier_responses(void **state) {
   (void)state;
-  static const int64_t half[2] = {ITEM / 2, ITEM / 2};
-  g_item_lens = half;
-  g_nitem = 2;
-  fixture *f = setup_full(2, 1, 300, 5, 2);
-  register_rank(f, 2, 1, 1);
-  g_nitem = 0;
+  fixture *f = setup_hetero2();
   kvf_receiver *r = NULL;
   assert_int_equal(kvf_receiver_create(f->m, f->addr, 92, &r), 0);
   int64_t pages[1] = {2}, pages2[1] = {5};
