@@ -52,6 +52,7 @@
 #define UCX_MAX_INFO_BODY (16u << 20)
 /* A rendezvous message must arrive whole within this once it has started. */
 #define UCX_CTL_TIMEOUT_MS 5000
+#define UCX_REFRESH_ROUNDS 3 /* region refreshes before a write outside them is refused (ucx_write.c) */
 /* The progress thread's tick while batches are in flight (deadline checks). */
 #define UCX_TICK_MS 50
 #define UCX_MAX_COPIERS 15

@@ -377,7 +377,11 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
   pthread_rwlock_rdlock(&p->rw);
   int ok = chunks_ok(p, chunks, nchunks);
   pthread_rwlock_unlock(&p->rw);
-  if (!ok) {
+  /* A refresh returns at the next info applied, which may be one already on
+   * its way (the answer to an earlier request, or a push from before this
+   * request reached the target); the target answers requests in order, so a
+   * few rounds reach the current regions. */
+  for (int round = 0; !ok && round < UCX_REFRESH_ROUNDS && clock_now_ns() < deadline; round++) {
     kvf__ucx_peer_refresh(u, p, deadline);
     pthread_rwlock_rdlock(&p->rw);
     ok = chunks_ok(p, chunks, nchunks);
