@@ -174,12 +174,15 @@ static void wait_malformed(fixture *f, uint64_t want) {
   assert_true(stat_malformed(f) >= want);
 }
 
+/* The decode host M1 and M2 name (frame 1, `endpoint`). */
+static const char *g_endpoint = "127.0.0.1";
+
 static void send_m1(fixture *f) {
   uint64_t ptrs[NKV_MAX];
   for (int b = 0; b < NKV; b++) ptrs[b] = (uint64_t)(uintptr_t)f->dbuf[b];
   wire_m1 m1;
   memset(&m1, 0, sizeof m1);
-  snprintf(m1.endpoint, sizeof m1.endpoint, "127.0.0.1");
+  snprintf(m1.endpoint, sizeof m1.endpoint, "%s", g_endpoint);
   m1.dst_port = f->pull_port;
   snprintf(m1.session, sizeof m1.session, "%s", f->session);
   m1.kv_ptrs = wire_array_of(ptrs, (size_t)NKV);
@@ -198,7 +201,7 @@ static void send_m2_full(fixture *f, int64_t room, const int64_t *dst, size_t n,
   wire_m2 m2;
   memset(&m2, 0, sizeof m2);
   m2.room = room;
-  snprintf(m2.endpoint, sizeof m2.endpoint, "127.0.0.1");
+  snprintf(m2.endpoint, sizeof m2.endpoint, "%s", g_endpoint);
   m2.dst_port = f->pull_port;
   snprintf(m2.session, sizeof m2.session, "%s", f->session);
   m2.required_dst_info_num = 1;
@@ -698,8 +701,9 @@ static void malformed_and_unregistered(void **state) {
 }
 
 /* Issue 13 defect 5, prefill side: M1 and M2 that claim the decode host
- * 127.0.0.1 but come from 127.0.0.2 are dropped and counted as forged (a
- * forged M1 could point the prefill's writes at any memory of that session);
+ * 127.0.0.1, or its engine session, but come from 127.0.0.2 are dropped and
+ * counted as forged (a forged M1 could point the prefill's writes at any
+ * memory of that session);
  * the same messages from the claimed host then serve the room. */
 static void forged_m1_m2_from_other_host(void **state) {
   (void)state;
@@ -723,6 +727,17 @@ static void forged_m1_m2_from_other_host(void **state) {
     kvf_manager_get_stats(f.m, &st);
   } while (st.messages_forged < 2 && clock_now_ns() < end);
   assert_int_equal(st.messages_forged, 2);
+  /* From 127.0.0.2 naming itself as the endpoint but 127.0.0.1's engine as
+   * the session: that would replace 127.0.0.1's registration. Forged too. */
+  g_endpoint = "127.0.0.2";
+  send_m1(&f);
+  send_m2(&f, 2, dst, 1);
+  g_endpoint = "127.0.0.1";
+  do {
+    sleep_ms(2);
+    kvf_manager_get_stats(f.m, &st);
+  } while (st.messages_forged < 4 && clock_now_ns() < end);
+  assert_int_equal(st.messages_forged, 4);
   assert_int_equal(stat_received(&f), 0);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
   zmq_close(f.push);

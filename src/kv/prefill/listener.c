@@ -13,8 +13,10 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     return;
   }
   /* Issue 13 defect 5: a registration names where the decode's memory and
-   * status socket are; only that host may make it. */
-  if (!kvf__manager_peer_is(m, peer, d.endpoint)) {
+   * status socket are; only that host may make it. The session (the decode
+   * engine's address, which keys the registration and receives the writes)
+   * too: another host cannot replace a decode's registration. */
+  if (!kvf__manager_peer_is(m, peer, d.endpoint) || !kvf__manager_peer_is(m, peer, d.session)) {
     kvf__manager_reject_forged(m, peer, "M1", "the sender is not the decode host the registration names");
     return;
   }
@@ -52,7 +54,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     kvf__manager_reject(m, peer, "M2", why);
     return;
   }
-  if (!kvf__manager_peer_is(m, peer, d.endpoint)) {
+  if (!kvf__manager_peer_is(m, peer, d.endpoint) || !kvf__manager_peer_is(m, peer, d.session)) {
     kvf__wire_m2_free(&d);
     kvf__manager_reject_forged(m, peer, "M2", "the sender is not the decode host the request names");
     return;
