@@ -46,6 +46,9 @@
 #define REQUEST_DEADLINE_S 10
 /* How often the guard thread looks for connections past their deadline. */
 #define GUARD_TICK_MS 200
+/* A connection this young that has not sent its headers yet is a client
+ * about to: it is evicted only when no request has been running longer. */
+#define EVICT_GRACE_MS 2000
 /* Connections kept free for newcomers: at this many free slots or fewer (an
  * eighth of max_conns at most), a new connection evicts the oldest one still
  * waiting for its headers (or, if none, the oldest request in progress). */
@@ -477,15 +480,20 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
       *socket_context = c;
     }
     if (srv->nconns + srv->free_slots > srv->max_conns) {
-      /* The oldest still waiting for headers; failing that, the oldest
-       * request (a body or a reply that trickles: a live one takes
-       * milliseconds). Either way the deadline would cut it soon. */
+      /* The oldest still waiting for headers (or idle between requests);
+       * failing that, the oldest request (a body or a reply that trickles:
+       * a live one takes milliseconds). Either way the deadline would cut
+       * it soon. A connection accepted within EVICT_GRACE_MS is not yet
+       * late with its headers: a request running longer goes first, so a
+       * flood of slow bodies cannot make new clients evict each other. */
       conn_track *victim = NULL, *busy = NULL;
+      int64_t grace_from = clock_now_ns() - (int64_t)EVICT_GRACE_MS * 1000000;
       for (conn_track *o = srv->conns.next; o != &srv->conns; o = o->next) {
         if (o == c || o->cut) continue;
         conn_track **best = o->in_request ? &busy : &victim;
         if (!*best || o->since_ns < (*best)->since_ns) *best = o;
       }
+      if (victim && busy && victim->since_ns > grace_from && busy->since_ns < victim->since_ns) victim = NULL;
       if (victim || busy) cut_locked(srv, victim ? victim : busy, ERR_EVICTED);
     }
   } else if (c) {

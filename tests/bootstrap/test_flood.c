@@ -220,6 +220,58 @@ static void stalled_bodies_over_the_limit_evict_the_oldest(void **state) {
   free(f);
 }
 
+/* New clients that arrive together while stalled bodies hold the slots:
+ * each is still sending its headers when the next one comes, and must not be
+ * the one evicted for it (the stalled bodies, older, go first). */
+typedef struct burst_client {
+  uint16_t port;
+  long status;
+} burst_client;
+
+static void *burst_client_main(void *arg) {
+  burst_client *b = arg;
+  char addr[32];
+  snprintf(addr, sizeof addr, "127.0.0.1:%u", (unsigned)b->port);
+  bootstrap_client_opts o = {.token = "", .connect_timeout_ms = PROBE_TIMEOUT_MS, .timeout_ms = PROBE_TIMEOUT_MS};
+  bootstrap_client *c = NULL;
+  b->status = -1;
+  if (kvf__bootstrap_client_create(addr, &o, &c)) return NULL;
+  int rc = kvf__bootstrap_client_request(c, "GET", "/health", NULL, 0, &b->status, NULL, NULL);
+  if (rc) b->status = rc;
+  kvf__bootstrap_client_destroy(c);
+  return NULL;
+}
+
+static void burst_of_clients_not_evicted_for_each_other(void **state) {
+  (void)state;
+  enum { STALLED = 56, BURST = 16 };
+  kvf_bootstrap_server *srv = start(64, 0);
+  flood *f = calloc(1, sizeof *f);
+  *f = (flood){.port = kvf_bootstrap_server_port(srv),
+               .half_open = STALLED,
+               .trickling = 0,
+               .run_s = 5.5,
+               .opening = "PUT /route HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{"};
+  pthread_t th, cl[BURST];
+  pthread_create(&th, NULL, flood_main, f);
+  usleep(2500000); /* the stalled bodies are in, older than the grace period (2 s) */
+  burst_client b[BURST];
+  for (int i = 0; i < BURST; i++) {
+    b[i] = (burst_client){.port = kvf_bootstrap_server_port(srv)};
+    pthread_create(&cl[i], NULL, burst_client_main, &b[i]);
+  }
+  int ok = 0;
+  for (int i = 0; i < BURST; i++) {
+    pthread_join(cl[i], NULL);
+    ok += b[i].status == 200;
+  }
+  pthread_join(th, NULL);
+  printf("burst of %d clients over %d stalled bodies (limit 64): %d answered\n", BURST, STALLED, ok);
+  assert_int_equal(ok, BURST);
+  kvf_bootstrap_server_destroy(srv);
+  free(f);
+}
+
 /* MHD's own timeout is an idle timeout: a byte every 0.3 s would hold the
  * connection forever. The request deadline (here idle_timeout_s = 2) cuts
  * it however busy it keeps. */
@@ -250,6 +302,7 @@ int main(void) {
       cmocka_unit_test(flood_does_not_starve_health_or_route),
       cmocka_unit_test(flood_over_the_limit_evicts_the_oldest),
       cmocka_unit_test(stalled_bodies_over_the_limit_evict_the_oldest),
+      cmocka_unit_test(burst_of_clients_not_evicted_for_each_other),
       cmocka_unit_test(trickling_client_cut_at_the_deadline),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
