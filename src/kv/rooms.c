@@ -250,26 +250,8 @@ static void fail_entry(room_entry *e, char *r) {
   e->status = ROOM_FAILED;
 }
 
-int kvf__rooms_fail(rooms *t, int64_t room, const char *reason) {
-  char *r = reason_dup(reason);
-  int rc = 0;
-  pthread_mutex_lock(&t->mu);
-  room_entry *e = find(t, room);
-  if (!e) {
-    t->st.dropped_unknown++;
-    rc = KVF_ENOTFOUND;
-  } else {
-    /* Without memory for the text the room still fails: the status is what
-     * stops a hang; the reason is a courtesy. */
-    fail_entry(e, r);
-    r = NULL;
-  }
-  pthread_mutex_unlock(&t->mu);
-  free(r);
-  return rc;
-}
-
-int kvf__rooms_fail_unless_success(rooms *t, int64_t room, const char *reason, int *failed) {
+/* kvf__rooms_fail and kvf__rooms_fail_unless_success. */
+static int fail_room(rooms *t, int64_t room, const char *reason, int spare_success, int *failed) {
   char *r = reason_dup(reason);
   int rc = 0, did = 0;
   pthread_mutex_lock(&t->mu);
@@ -277,7 +259,9 @@ int kvf__rooms_fail_unless_success(rooms *t, int64_t room, const char *reason, i
   if (!e) {
     t->st.dropped_unknown++;
     rc = KVF_ENOTFOUND;
-  } else if (e->status != ROOM_SUCCESS) {
+  } else if (!spare_success || e->status != ROOM_SUCCESS) {
+    /* Without memory for the text the room still fails: the status is what
+     * stops a hang; the reason is a courtesy. */
     fail_entry(e, r);
     r = NULL;
     did = 1;
@@ -286,6 +270,12 @@ int kvf__rooms_fail_unless_success(rooms *t, int64_t room, const char *reason, i
   free(r);
   if (failed) *failed = did;
   return rc;
+}
+
+int kvf__rooms_fail(rooms *t, int64_t room, const char *reason) { return fail_room(t, room, reason, 0, NULL); }
+
+int kvf__rooms_fail_unless_success(rooms *t, int64_t room, const char *reason, int *failed) {
+  return fail_room(t, room, reason, 1, failed);
 }
 
 int kvf__rooms_reset_responses(rooms *t, int64_t room, int status) {

@@ -81,9 +81,8 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
   int rc = kvf__rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
   if (rc == 0) {
     kvf__manager_reject_forged(m, peer, "M3",
-                               "the sender is not the prefill rank it names, or not one this room was planned "
-                               "with "
-                               "and asked");
+                               "the sender is not the prefill rank it names, "
+                               "or not one this room was planned with and asked");
     return;
   }
   if (m3.status == WIRE_STATUS_SUCCESS) {

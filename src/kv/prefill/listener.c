@@ -4,6 +4,13 @@
  * a fence message closes a room's writes (issue 16). */
 #include "kv/prefill/prefill_int.h"
 
+/* Issue 13 defect 5: an M1 or M2 names where the decode's status socket
+ * (endpoint) and memory (its engine session, which also keys the
+ * registration) are; only that host may send it. */
+static int from_named_decode(kvf_manager *m, const char *peer, const char *endpoint, const char *session) {
+  return kvf__manager_peer_is(m, peer, endpoint) && kvf__manager_peer_is(m, peer, session);
+}
+
 static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
   wire_m1 d;
   wire_m1 *copy = NULL;
@@ -12,11 +19,7 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     kvf__manager_reject(m, peer, "M1", why);
     return;
   }
-  /* Issue 13 defect 5: a registration names where the decode's memory and
-   * status socket are; only that host may make it. The session (the decode
-   * engine's address, which keys the registration and receives the writes)
-   * too: another host cannot replace a decode's registration. */
-  if (!kvf__manager_peer_is(m, peer, d.endpoint) || !kvf__manager_peer_is(m, peer, d.session)) {
+  if (!from_named_decode(m, peer, d.endpoint, d.session)) {
     kvf__manager_reject_forged(m, peer, "M1", "the sender is not the decode host the registration names");
     return;
   }
@@ -54,7 +57,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     kvf__manager_reject(m, peer, "M2", why);
     return;
   }
-  if (!kvf__manager_peer_is(m, peer, d.endpoint) || !kvf__manager_peer_is(m, peer, d.session)) {
+  if (!from_named_decode(m, peer, d.endpoint, d.session)) {
     kvf__wire_m2_free(&d);
     kvf__manager_reject_forged(m, peer, "M2", "the sender is not the decode host the request names");
     return;
