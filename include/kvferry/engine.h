@@ -43,6 +43,17 @@ typedef struct kvf_engine_config {
   int timeout_ms;         /* batch deadline; default 30000, env KVFERRY_TIMEOUT_MS */
   int conns_per_peer;     /* parallel TCP connections per remote session; default 2, env KVFERRY_CONNS_PER_PEER */
   int max_inbound_conns;  /* bound on accepted connections; default 256 */
+  /* UCX between two kvferry engines: "read" (default) = the target reads
+   * each chunk the writer announces (decode-initiated reads: fencing, bounds
+   * and completion stay with the side whose memory receives the bytes);
+   * "write" = the writer puts into the target's memory. Read mode is used
+   * when both engines allow it. NULL = $KVFERRY_UCX_MODE, else "read". */
+  const char *ucx_mode;
+  /* Read mode, writer side: how long a target may take to read an announced
+   * chunk (capped by the batch deadline); the sources stay as they are that
+   * long at least, and a read finished later does not count. Default 10000,
+   * env KVFERRY_READ_LEASE_MS. */
+  int read_lease_ms;
 } kvf_engine_config;
 
 /* One block to write. With count <= 1 it is `len` bytes from local `src` to
@@ -72,8 +83,12 @@ typedef struct kvf_engine_stats {
   uint64_t conns_evicted;   /* target side: idle or unauthenticated, closed to make room */
   uint64_t peers_ucx;       /* writer side: peers routed over UCX (auto/ucx) */
   uint64_t peers_tcp;       /* writer side: peers routed over kvferry's TCP by auto */
-  uint64_t chunks_fenced;   /* tagged chunks refused, their (tag, epoch) not open: by the target over tcp,
-                               by the writer over ucx (kvf_engine_fence_close) */
+  uint64_t chunks_fenced;   /* tagged chunks refused, their (tag, epoch) not open: by the target over tcp
+                               and in UCX read mode, by the writer in UCX write mode (kvf_engine_fence_close) */
+  uint64_t peers_read;      /* UCX connections in read mode: writer side, peers that read from this engine;
+                               target side, writers this engine reads from */
+  uint64_t reads_refused;   /* target side, read mode: notices refused (fence closed, outside memory or bounds) */
+  uint64_t reads_late;      /* target side, read mode: chunks read after their lease ended (not counted) */
 } kvf_engine_stats;
 
 /* Options of one batch (kvf_engine_submit_ex, kvf_engine_write_ex). Always

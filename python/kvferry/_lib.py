@@ -54,6 +54,9 @@ class kvf_engine_stats(ctypes.Structure):
             "peers_ucx",
             "peers_tcp",
             "chunks_fenced",
+            "peers_read",
+            "reads_refused",
+            "reads_late",
         )
     ]
 

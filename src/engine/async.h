@@ -63,4 +63,14 @@ int kvf__engine_submit_cb(kvf_engine *engine, const char *session, const kvf_wri
  * round trip to each of them. Any thread. */
 int kvf__engine_fence_retire(kvf_engine *engine, uint64_t tag, uint64_t epoch, int timeout_ms);
 
+/* Bound what a tagged batch for the open pair (tag, epoch) may write (or,
+ * in UCX read mode, have read) here: every destination piece must lie
+ * inside one of the n ranges (base, len pairs: ranges[2i], ranges[2i+1]),
+ * sorted by base and disjoint; a chunk outside them is refused whole
+ * (KVF_ERANGE) before any byte lands. The ranges are not copied: they must
+ * stay valid and unchanged until the pair's kvf_engine_fence_close or
+ * kvf__engine_fence_retire returned. n == 0 removes the bound.
+ * KVF_ENOTFOUND when the pair is not open. Any thread. */
+int kvf__engine_fence_bound(kvf_engine *engine, uint64_t tag, uint64_t epoch, const uint64_t *ranges, size_t n);
+
 #endif

@@ -18,7 +18,8 @@
 #include "engine/engine_internal.h"
 
 #define ENGINE_MAX_DESC_PER_CHUNK 4096
-#define ENGINE_FEW_CHUNKS 8 /* a batch of up to this many chunks lists them on the stack */
+#define UCX_LEASE_MAX_MS (3600 * 1000) /* UCX_MAX_LEASE_MS (ucx.h), the most a target accepts */
+#define ENGINE_FEW_CHUNKS 8            /* a batch of up to this many chunks lists them on the stack */
 /* Below this a batch goes on one connection: a second ack costs more than
  * the parallel copy saves. */
 #define ENGINE_SPLIT_MIN_BYTES (512u * 1024u)
@@ -34,6 +35,8 @@ void kvf_engine_config_init(kvf_engine_config *cfg) {
   cfg->timeout_ms = 30000;
   cfg->conns_per_peer = 2;
   cfg->max_inbound_conns = 256;
+  cfg->ucx_mode = NULL; /* $KVFERRY_UCX_MODE, else "read" */
+  cfg->read_lease_ms = 10000;
 }
 
 static const kvf__field engine_fields[] = {
@@ -44,6 +47,8 @@ static const kvf__field engine_fields[] = {
     KVF__FIELD(kvf_engine_config, timeout_ms, KVF__FIELD_INT),
     KVF__FIELD(kvf_engine_config, conns_per_peer, KVF__FIELD_INT),
     KVF__FIELD(kvf_engine_config, max_inbound_conns, KVF__FIELD_INT),
+    KVF__FIELD(kvf_engine_config, ucx_mode, KVF__FIELD_STR),
+    KVF__FIELD(kvf_engine_config, read_lease_ms, KVF__FIELD_INT),
 };
 
 int kvf_engine_config_set(kvf_engine_config *cfg, const char *name, const char *value) {
@@ -64,6 +69,17 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   if (cfg.conns_per_peer < 1) cfg.conns_per_peer = 1;
   if (cfg.conns_per_peer > 16) cfg.conns_per_peer = 16;
   if (cfg.max_inbound_conns <= 0) cfg.max_inbound_conns = 256;
+  if (!cfg.ucx_mode || !*cfg.ucx_mode) cfg.ucx_mode = getenv("KVFERRY_UCX_MODE");
+  if (!cfg.ucx_mode || !*cfg.ucx_mode) cfg.ucx_mode = "read";
+  if (strcmp(cfg.ucx_mode, "read") && strcmp(cfg.ucx_mode, "write")) {
+    LOG_ERROR("engine", "unknown ucx_mode '%s' (read or write)", cfg.ucx_mode);
+    return KVF_EINVAL;
+  }
+  int ucx_read = !strcmp(cfg.ucx_mode, "read");
+  cfg.ucx_mode = ucx_read ? "read" : "write"; /* not the caller's or getenv's string */
+  cfg.read_lease_ms = (int)kvf__env_get_int("KVFERRY_READ_LEASE_MS", cfg.read_lease_ms);
+  if (cfg.read_lease_ms <= 0) cfg.read_lease_ms = 10000;
+  if (cfg.read_lease_ms > UCX_LEASE_MAX_MS) cfg.read_lease_ms = UCX_LEASE_MAX_MS;
 
   const transport_ops *ops = NULL;
   int want_ucx = !strcmp(cfg.transport, "ucx"), is_auto = !strcmp(cfg.transport, "auto");
@@ -108,6 +124,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   e->ops = ops;
   e->port = cfg.port;
   e->ucx_explicit = want_ucx;
+  e->ucx_read = ucx_read;
   rc = ops->start(e);
   if (rc && is_auto && ops != &kvf__tcp_transport_ops) { /* auto: UCX would not start; say so, use TCP */
     LOG_INFO("engine", "transport auto: UCX did not start (%s); using tcp for every peer", kvf_strerror(rc));
@@ -309,6 +326,9 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *o) {
   o->peers_ucx = atomic_load(&c->peers_ucx);
   o->peers_tcp = atomic_load(&c->peers_tcp);
   o->chunks_fenced = atomic_load(&c->chunks_fenced);
+  o->peers_read = atomic_load(&c->peers_read);
+  o->reads_refused = atomic_load(&c->reads_refused);
+  o->reads_late = atomic_load(&c->reads_late);
 }
 
 uint64_t kvf__write_block_bytes(const kvf_write *w) { return w->len * (w->count > 1 ? w->count : 1); }

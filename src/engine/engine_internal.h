@@ -59,6 +59,11 @@ typedef struct engine_fence {
   int closed;     /* kvf_engine_fence_close ran: admit nothing more */
   int abandoned;  /* the closer timed out: the last receiver frees it */
   atomic_int cut; /* read without the lock by receivers between receive calls */
+  /* kvf__engine_fence_bound: nbounds sorted, disjoint (base, len) pairs
+   * that a chunk's destinations must lie in (the room's own pages), owned
+   * by the caller until the pair is closed; read under the table's lock. */
+  const uint64_t *bounds;
+  size_t nbounds;
 } engine_fence;
 
 typedef struct engine_fences {
@@ -74,6 +79,14 @@ void kvf__fence_destroy(engine_fences *f);
  * (counted in chunks_fenced) when the pair is not open. */
 engine_fence *kvf__fence_enter(struct kvf_engine *e, uint64_t tag, uint64_t epoch);
 void kvf__fence_leave(struct kvf_engine *e, engine_fence *x);
+/* A receiver of an admitted chunk checks its destinations against the
+ * fence's bounds between _begin (which takes the table's lock; 1 = the pair
+ * closed meanwhile: refuse) and _end (which lets it go); _ok says whether
+ * every piece of a (strided) block lies inside one bound (always, for a
+ * fence without bounds). */
+int kvf__fence_bounds_begin(struct kvf_engine *e, engine_fence *x);
+int kvf__fence_bounds_ok(const engine_fence *x, uint64_t dst, uint64_t len, uint64_t count, uint64_t stride);
+void kvf__fence_bounds_end(struct kvf_engine *e);
 /* The pairs open now: every epoch below *next was handed out by this
  * process, and one of this engine's that is not in *epochs (malloc'd, the
  * caller frees it) is closed for good. Any thread. */
@@ -138,7 +151,7 @@ typedef struct transport_ops {
    * alloc_pool/free_pool place a pool in memory peers can map. */
   int (*reg)(struct kvf_engine *e, void *addr, size_t len);
   void (*dereg)(struct kvf_engine *e, void *addr);
-  void (*serve)(struct kvf_engine *e, int fd, const char *peer);
+  void (*serve)(struct kvf_engine *e, int fd, const char *peer, unsigned hello_flags);
   int (*describe)(struct kvf_engine *e, const char *session, char *out, size_t cap);
   int (*alloc_pool)(struct kvf_engine *e, size_t len, void **out);
   int (*free_pool)(struct kvf_engine *e, void *addr);
@@ -164,6 +177,7 @@ typedef struct engine_counters {
   atomic_ullong conns_timed_out, conns_evicted;
   atomic_ullong peers_ucx, peers_tcp; /* writer side: routing decisions per peer */
   atomic_ullong chunks_fenced;
+  atomic_ullong peers_read, reads_refused, reads_late;
 } engine_counters;
 
 /* An address range (pools from kvf_engine_alloc_pool, registrations
@@ -186,6 +200,7 @@ typedef struct kvf_engine {
   void *transport;  /* transport-private state */
   void *ucx;        /* UCX transport state (ucx.c), beside the tcp state */
   int ucx_explicit; /* transport "ucx" was asked for (not "auto") */
+  int ucx_read;     /* ucx_mode "read": UCX peers read from each other (ucx_read.c) */
   /* target side: the trailer callback (async.h); transports call it under
    * the read lock, setting it takes the write lock */
   pthread_rwlock_t trailer_lock;

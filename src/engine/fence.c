@@ -169,6 +169,51 @@ engine_fence *kvf__fence_enter(kvf_engine *e, uint64_t tag, uint64_t epoch) {
   return x;
 }
 
+int kvf__engine_fence_bound(kvf_engine *e, uint64_t tag, uint64_t epoch, const uint64_t *ranges, size_t n) {
+  if (!e || !tag || !epoch || (n && !ranges)) return KVF_EINVAL;
+  pthread_mutex_lock(&e->fences.lock);
+  engine_fence *x = kvf__map_get(&e->fences.open, epoch);
+  int rc = x && x->tag == tag && !x->closed ? 0 : KVF_ENOTFOUND;
+  if (!rc) {
+    x->bounds = n ? ranges : NULL;
+    x->nbounds = n;
+  }
+  pthread_mutex_unlock(&e->fences.lock);
+  return rc;
+}
+
+int kvf__fence_bounds_begin(kvf_engine *e, engine_fence *x) {
+  pthread_mutex_lock(&e->fences.lock);
+  return x->closed;
+}
+
+void kvf__fence_bounds_end(kvf_engine *e) { pthread_mutex_unlock(&e->fences.lock); }
+
+/* Is [a, a+len) inside one of the sorted bounds? */
+static int in_bounds(const engine_fence *x, uint64_t a, uint64_t len) {
+  size_t lo = 0, hi = x->nbounds;
+  while (lo < hi) { /* the last bound starting at or below a */
+    size_t mid = (lo + hi) / 2;
+    if (x->bounds[2 * mid] <= a) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo == 0) return 0;
+  uint64_t base = x->bounds[2 * (lo - 1)], blen = x->bounds[2 * (lo - 1) + 1];
+  return a - base <= blen && len <= blen - (a - base);
+}
+
+int kvf__fence_bounds_ok(const engine_fence *x, uint64_t dst, uint64_t len, uint64_t count, uint64_t stride) {
+  if (!x->bounds) return 1;
+  if (count <= 1) return in_bounds(x, dst, len);
+  for (uint64_t i = 0; i < count; i++) {
+    uint64_t off;
+    if (__builtin_mul_overflow(i, stride, &off) || __builtin_add_overflow(dst, off, &off) ||
+        !in_bounds(x, off, len))
+      return 0;
+  }
+  return 1;
+}
+
 void kvf__fence_leave(kvf_engine *e, engine_fence *x) {
   pthread_mutex_lock(&e->fences.lock);
   if (--x->inflight == 0 && x->closed) {

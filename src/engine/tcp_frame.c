@@ -31,7 +31,8 @@ int kvf__tcp_frame_fatal(int v) { return v != TCP_FRAME_OK && v != TCP_FRAME_OUT
 int kvf__tcp_frame_hello(const tcp_hello *h) {
   /* A data connection's hello, or a UCX rendezvous (ucx.c): same layout. */
   if (h->magic != TCP_HELLO_MAGIC && h->magic != TCP_UCX_HELLO_MAGIC) return TCP_FRAME_HELLO_MAGIC;
-  if (h->version != TCP_PROTO_VERSION) return TCP_FRAME_HELLO_VERSION;
+  if (h->version != (h->magic == TCP_UCX_HELLO_MAGIC ? TCP_UCX_PROTO_VERSION : TCP_PROTO_VERSION))
+    return TCP_FRAME_HELLO_VERSION;
   if (h->token_len > TCP_MAX_TOKEN) return TCP_FRAME_TOKEN_TOO_LONG;
   return TCP_FRAME_OK;
 }

@@ -40,6 +40,7 @@ typedef struct tcp_inbound {
    * answered by one send. */
   tcp_ack acks[TCP_ACK_BATCH];
   int nack;
+  unsigned hello_flags; /* tcp_hello.flags, for a UCX rendezvous */
   pthread_t thread;
   char peer[64];
 } tcp_inbound;
@@ -228,6 +229,7 @@ static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
   if (!rc) {
     int v = kvf__tcp_frame_hello(&h);
     ucx = h.magic == TCP_UCX_HELLO_MAGIC; /* a UCX rendezvous (ucx.c), same token check */
+    in->hello_flags = h.flags;
     if (v) {
       in_frame_error(in, e, v);
       return KVF_EPROTO;
@@ -299,6 +301,23 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
     for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
     fenced = 1;
   }
+  /* ... and only into the fence's bounds (the room's pages), when set. */
+  if (!v && pins.fence) {
+    int closed = kvf__fence_bounds_begin(e, pins.fence);
+    for (uint32_t i = 0; !closed && !v && i < h->ndesc; i++)
+      if (!kvf__fence_bounds_ok(pins.fence, descs[i].dst, descs[i].len, descs[i].count, descs[i].stride))
+        v = TCP_FRAME_OUT_OF_RANGE;
+    kvf__fence_bounds_end(e);
+    if (closed || v) {
+      for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
+      kvf__fence_leave(e, pins.fence);
+      pins.fence = NULL;
+      if (closed && !v) {
+        atomic_fetch_add(&e->stats.chunks_fenced, 1);
+        fenced = 1;
+      }
+    }
+  }
   uint64_t left = h->total_bytes;
   if (!v && !fenced) {
     kvf_engine_sync(e); /* order after the owner's last local change */
@@ -326,7 +345,7 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
       left = 0;
     }
   } else if (v) {
-    log_peer_once(in->peer, "range", "write outside registered memory refused");
+    log_peer_once(in->peer, "range", "write outside registered memory (or its room's pages) refused");
   }
   if (!rc && left) rc = in_drain(in, left, deadline);
   if (rc) return rc;
@@ -347,7 +366,7 @@ static void *inbound_main(void *arg) {
   region **pins = NULL;
   size_t cap = 0;
   int hs = inbound_handshake(in, e);
-  if (hs == 1) e->ops->serve(e, in->fd, in->peer);
+  if (hs == 1) e->ops->serve(e, in->fd, in->peer, in->hello_flags);
   if (hs) goto out;
   in->stage = malloc(TCP_IN_STAGE_BYTES); /* without it, every read goes to the socket */
   for (;;) {

@@ -29,6 +29,12 @@
 #define TCP_UCX_HELLO_MAGIC 0x4b564655u
 #define TCP_CHUNK_TAGGED_MAGIC 0x4b564654u
 #define TCP_PROTO_VERSION 1
+/* A UCX hello carries the rendezvous version instead (UCX_PROTO_VERSION,
+ * ucx.h: 2 since read mode changed the info layout). */
+#define TCP_UCX_PROTO_VERSION 2
+/* tcp_hello.flags of a UCX hello: this writer can be read from (read mode,
+ * src/engine/ucx_read.c); the target decides. */
+#define TCP_HELLO_CAN_READ 0x1u
 #define TCP_MAX_TOKEN 1024
 /* A receiver drops a connection whose whole hello (header and token) has not
  * arrived this long after accept, however its bytes trickle in. */

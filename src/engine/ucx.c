@@ -142,17 +142,16 @@ enum { REG_PLAIN = 0, REG_IN_POOL = 1, REG_POOL = 2 };
 
 /* ------------------------------------------------------------ rendezvous server */
 
-/* The info message for the current registrations and fences. Caller frees
- * *out. */
-static int build_info(ucx_state *u, char **out, size_t *out_len) {
+int kvf__ucx_build_info(ucx_state *u, uint32_t flags, int64_t echo_ns, char **out, size_t *out_len) {
   ucx_fence_snap snap = {0};
   uint64_t *open = NULL;
   size_t nopen = 0;
   if (kvf__fence_snapshot(u->e, &snap.next, &open, &nopen)) return KVF_ENOMEM;
   snap.nopen = (uint32_t)nopen;
+  int regions = !(flags & UCX_INFO_READ);
   pthread_mutex_lock(&u->reg_mu);
   size_t body = u->addr_len + sizeof snap + nopen * sizeof *open, nadv = 0;
-  for (size_t i = 0; i < u->nregs; i++)
+  for (size_t i = 0; regions && i < u->nregs; i++)
     if (u->regs[i].pool != REG_POOL) {
       body += sizeof(ucx_region_desc) + u->regs[i].rkey_len;
       nadv++;
@@ -167,13 +166,16 @@ static int build_info(ucx_state *u, char **out, size_t *out_len) {
                     .nregions = (uint32_t)nadv,
                     .gen = u->gen,
                     .addr_len = (uint32_t)u->addr_len,
-                    .body_len = (uint32_t)body};
+                    .body_len = (uint32_t)body,
+                    .flags = flags,
+                    .clock_ns = clock_now_ns(),
+                    .echo_ns = echo_ns};
   memcpy(h.host_id, u->host_id, sizeof h.host_id);
   memcpy(m, &h, sizeof h);
   char *p = m + sizeof h;
   memcpy(p, u->addr, u->addr_len);
   p += u->addr_len;
-  for (size_t i = 0; i < u->nregs; i++) {
+  for (size_t i = 0; regions && i < u->nregs; i++) {
     const ucx_reg *r = &u->regs[i];
     if (r->pool == REG_POOL) continue;
     ucx_region_desc d = {r->base, r->len, (uint32_t)r->rkey_len, 0};
@@ -190,40 +192,52 @@ static int build_info(ucx_state *u, char **out, size_t *out_len) {
   return 0;
 }
 
+/* Shut a writer's connection down (its serving thread sees it and ends);
+ * a read under way on it does not count from here (ucx_ctl.closing). */
+static void ctl_cut(ucx_ctl *c) {
+  atomic_store(&c->closing, 1);
+  shutdown(c->fd, SHUT_RDWR);
+}
+
 /* Built and sent under send_mu: a fence message (ucx_fence_close) for a
  * pair this info still shows open comes after it on the connection. */
 static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out) {
   char *m;
   size_t len;
   pthread_mutex_lock(&c->send_mu);
-  int rc = build_info(u, &m, &len);
+  int rc = kvf__ucx_build_info(u, c->read_mode ? UCX_INFO_READ : 0, 0, &m, &len);
   if (!rc) {
-    if (gen_out) *gen_out = ((const ucx_info_hdr *)(const void *)m)->gen;
+    const ucx_info_hdr *h = (const ucx_info_hdr *)(const void *)m;
+    if (gen_out) *gen_out = h->gen;
+    if (!c->info_ns) c->info_ns = h->clock_ns;
     rc = kvf__ucx_send_all(c->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
     free(m);
   }
   pthread_mutex_unlock(&c->send_mu);
-  if (rc) shutdown(c->fd, SHUT_RDWR); /* the serving thread sees it and ends */
+  if (rc) ctl_cut(c);
   return rc;
 }
 
 /* Tell every connected writer about a new generation of registrations;
- * with `wait`, return once each has applied it (see ucx.h). */
+ * with `wait`, return once each has applied it (see ucx.h). Writers in read
+ * mode are given no regions: nothing to tell them (this engine's own reads
+ * hold pins that unregister waits for). */
 static void push_info(ucx_state *u, uint64_t gen, int wait) {
   pthread_mutex_lock(&u->ctl_mu);
-  for (ucx_ctl *c = u->ctls; c; c = c->next) ctl_send_info(u, c, NULL);
+  for (ucx_ctl *c = u->ctls; c; c = c->next)
+    if (!c->read_mode) ctl_send_info(u, c, NULL);
   int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
   for (int pending = wait; pending;) {
     pending = 0;
-    for (ucx_ctl *c = u->ctls; c; c = c->next) pending |= c->acked < gen;
+    for (ucx_ctl *c = u->ctls; c; c = c->next) pending |= !c->read_mode && c->acked < gen;
     if (!pending) break;
     struct timespec ts = clock_ts_from_ns(until);
     if (pthread_cond_timedwait(&u->ctl_cv, &u->ctl_mu, &ts) == ETIMEDOUT) {
       for (ucx_ctl *c = u->ctls; c; c = c->next)
-        if (c->acked < gen) {
+        if (!c->read_mode && c->acked < gen) {
           LOG_WARN("ucx", "a writer did not confirm an unregister within %d ms; its connection is cut",
                    UCX_CTL_TIMEOUT_MS);
-          shutdown(c->fd, SHUT_RDWR);
+          ctl_cut(c);
         }
       break;
     }
@@ -238,7 +252,9 @@ static void push_info(ucx_state *u, uint64_t gen, int wait) {
  * and the close fails with KVF_ETIMEDOUT: it checks its rendezvous
  * connection before each block of a tagged write, so it starts no new
  * block, but puts it had posted may still land when it runs again
- * (engine.h). */
+ * (engine.h). Writers in read mode write nothing: this engine reads their
+ * chunks, and the fence table already stopped its reads of the pair
+ * (fence.c), so they are neither told nor waited for. */
 static int ucx_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t until) {
   ucx_state *u = e->ucx;
   ucx_fence_msg m = {UCX_FENCE_MAGIC, 0, tag, epoch, 0};
@@ -246,21 +262,22 @@ static int ucx_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t 
   pthread_mutex_lock(&u->ctl_mu);
   m.seq = ++u->fence_seq;
   for (ucx_ctl *c = u->ctls; c; c = c->next) {
+    if (c->read_mode) continue;
     pthread_mutex_lock(&c->send_mu);
-    if (kvf__ucx_send_all(c->fd, &m, sizeof m, until)) shutdown(c->fd, SHUT_RDWR);
+    if (kvf__ucx_send_all(c->fd, &m, sizeof m, until)) ctl_cut(c);
     pthread_mutex_unlock(&c->send_mu);
   }
   for (;;) {
     int pending = 0;
-    for (ucx_ctl *c = u->ctls; c; c = c->next) pending |= c->fence_acked < m.seq;
+    for (ucx_ctl *c = u->ctls; c; c = c->next) pending |= !c->read_mode && c->fence_acked < m.seq;
     if (!pending) break;
     struct timespec ts = clock_ts_from_ns(until);
     if (pthread_cond_timedwait(&u->ctl_cv, &u->ctl_mu, &ts) == ETIMEDOUT) {
       for (ucx_ctl *c = u->ctls; c; c = c->next)
-        if (c->fence_acked < m.seq) {
+        if (!c->read_mode && c->fence_acked < m.seq) {
           LOG_WARN("ucx", "a writer did not confirm the fence of tag %llu in time; its connection is cut",
                    (unsigned long long)tag);
-          shutdown(c->fd, SHUT_RDWR);
+          ctl_cut(c);
           c->fence_acked = m.seq; /* gone for this fence: it reconnects with a new snapshot */
           rc = KVF_ETIMEDOUT;
         }
@@ -271,14 +288,29 @@ static int ucx_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t 
   return rc;
 }
 
+static void log_malformed(kvf_engine *e, const char *peer) {
+  atomic_fetch_add(&e->stats.protocol_errors, 1);
+  if (kvf__log_first_time_for_host(peer, "ucx-frame"))
+    LOG_WARN("ucx",
+             "peer %s: malformed rendezvous request; connection dropped (further ones from it are not logged)",
+             peer);
+}
+
 /* Runs on the TCP inbound thread of a rendezvous connection, after the
- * token was accepted; returns when the peer closes or the engine stops. */
-static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
+ * token was accepted; returns when the peer closes or the engine stops.
+ * Read mode when this engine's ucx_mode and the writer's hello allow it. */
+static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_flags) {
   ucx_state *u = e->ucx;
   ucx_ctl *c = calloc(1, sizeof *c);
   if (!c) return;
   c->fd = fd;
+  snprintf(c->peer, sizeof c->peer, "%s", peer);
+  c->read_mode = e->ucx_read && (hello_flags & TCP_HELLO_CAN_READ);
   pthread_mutex_init(&c->send_mu, NULL);
+  if (c->read_mode) {
+    atomic_fetch_add(&e->stats.peers_read, 1);
+    LOG_INFO("ucx", "writer %s: read mode (this engine reads its chunks)", peer);
+  }
   /* The writer applies the first info before it writes: it counts as acked. */
   pthread_mutex_lock(&u->ctl_mu);
   int rc = ctl_send_info(u, c, &c->acked);
@@ -294,7 +326,21 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
       break;
     }
     ucx_req r;
-    if (kvf__ucx_recv_all(fd, &r, sizeof r, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
+    int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+    if (kvf__ucx_recv_all(fd, &r.magic, sizeof r.magic, until)) break;
+    if (c->read_mode && r.magic == UCX_INFO_MAGIC) {
+      rc = kvf__ucx_serve_writer_info(u, c);
+      continue;
+    }
+    if (c->read_mode && r.magic == UCX_NOTICE_MAGIC) {
+      rc = kvf__ucx_serve_notice(u, c);
+      continue;
+    }
+    if (c->read_mode && r.magic == UCX_CLOCK_ANS_MAGIC) {
+      rc = kvf__ucx_serve_clock(u, c);
+      continue;
+    }
+    if (kvf__ucx_recv_all(fd, (char *)&r + sizeof r.magic, sizeof r - sizeof r.magic, until)) break;
     if (r.magic == UCX_ACK_MAGIC || r.magic == UCX_FENCE_ACK_MAGIC) {
       pthread_mutex_lock(&u->ctl_mu);
       uint64_t *acked = r.magic == UCX_ACK_MAGIC ? &c->acked : &c->fence_acked;
@@ -303,7 +349,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
       pthread_mutex_unlock(&u->ctl_mu);
       continue;
     }
-    if (r.magic == UCX_TRAILER_MAGIC && r.reserved <= KVF_ENGINE_MAX_TRAILER) {
+    if (!c->read_mode && r.magic == UCX_TRAILER_MAGIC && r.reserved <= KVF_ENGINE_MAX_TRAILER) {
       unsigned char t[KVF_ENGINE_MAX_TRAILER];
       if (kvf__ucx_recv_all(fd, t, r.reserved, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
       /* The writer flushed the bytes first. The callback gets the IP
@@ -319,15 +365,12 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
       continue;
     }
     if (r.magic != UCX_REQ_MAGIC) {
-      atomic_fetch_add(&e->stats.protocol_errors, 1);
-      if (kvf__log_first_time_for_host(peer, "ucx-frame"))
-        LOG_WARN("ucx",
-                 "peer %s: malformed rendezvous request; connection dropped (further ones from it are not logged)",
-                 peer);
+      log_malformed(e, peer);
       break;
     }
     rc = ctl_send_info(u, c, NULL);
   }
+  if (rc == KVF_EPROTO) log_malformed(e, peer);
   pthread_mutex_lock(&u->ctl_mu);
   for (ucx_ctl **pp = &u->ctls; *pp; pp = &(*pp)->next)
     if (*pp == c) {
@@ -336,6 +379,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer) {
     }
   pthread_cond_broadcast(&u->ctl_cv);
   pthread_mutex_unlock(&u->ctl_mu);
+  kvf__ucx_ctl_reader_free(u, c); /* every read of this connection is over: the caller closes it */
   pthread_mutex_destroy(&c->send_mu);
   free(c);
 }

@@ -40,6 +40,31 @@
 #define UCX_TRAILER_MAGIC 0x4b564654u
 /* target -> writer: ucx_req, a trailer was handled (in order). */
 #define UCX_TRAILER_ACK_MAGIC 0x4b564674u
+/* Read mode (ucx_read.c), writer -> target: a ready notice (ucx_notice),
+ * ndesc kvf_write descriptors (sources in the writer's memory, destinations
+ * in the target's) and tlen trailer bytes; the target checks it, reads the
+ * bytes itself and answers UCX_READ_DONE_MAGIC. */
+#define UCX_NOTICE_MAGIC 0x4b56464eu
+/* target -> writer: ucx_req, reserved = the status (0 or a negative KVF_E*
+ * code as uint32_t), gen = the notice's id. */
+#define UCX_READ_DONE_MAGIC 0x4b564664u
+/* target -> writer: ucx_req, gen = the target's clock (ns); the writer
+ * answers UCX_CLOCK_ANS_MAGIC (ucx_clock_ans) at once. */
+#define UCX_CLOCK_MAGIC 0x4b56464cu
+#define UCX_CLOCK_ANS_MAGIC 0x4b56466cu
+/* The rendezvous protocol version a UCX hello carries (tcp_hello.version). */
+#define UCX_PROTO_VERSION 2
+/* Bounds of a ready notice, checked by the target before it reads one. */
+#define UCX_MAX_NOTICE_DESC 16384u
+#define UCX_MAX_LEASE_MS (3600 * 1000)
+/* A target re-measures its bound on the writer's clock this often (ns), and
+ * allows the clocks to drift apart by this much per second meanwhile (ns):
+ * 500 ppm, the most NTP slews a clock. */
+#define UCX_CLOCK_PING_NS 1000000000ll
+#define UCX_CLOCK_DRIFT_PPM 500
+/* Reads into the target's memory are copied or posted in slices of this
+ * size, the fence and revocations checked between them. */
+#define UCX_READ_SLICE (256u * 1024u)
 /* Closed fences a writer remembers per peer beyond its last snapshot; past
  * this it asks for a new info (whose snapshot makes them redundant). */
 #define UCX_MAX_CLOSED_FENCES 65536u
@@ -57,6 +82,10 @@
 #define UCX_TICK_MS 50
 #define UCX_MAX_COPIERS 15
 
+/* ucx_info_hdr.flags */
+#define UCX_INFO_READ 0x1u   /* target -> writer: this connection runs in read mode */
+#define UCX_INFO_WRITER 0x2u /* writer -> target: the writer's own memory, for reads */
+
 typedef struct ucx_info_hdr {
   uint32_t magic;
   uint32_t nregions;
@@ -64,7 +93,33 @@ typedef struct ucx_info_hdr {
   uint32_t addr_len;
   uint32_t body_len;
   char host_id[UCX_HOST_ID_LEN]; /* boot id, host name, IPC and network namespaces */
+  uint32_t flags;
+  uint32_t reserved;
+  int64_t clock_ns; /* the sender's CLOCK_MONOTONIC when it built the message */
+  int64_t echo_ns;  /* UCX_INFO_WRITER: clock_ns of the target's info it answers */
 } ucx_info_hdr;
+
+/* A ready notice (read mode): the writer's chunk `id` may be read. lease_ns
+ * from sent_ns (the writer's clock): the writer keeps the sources as they
+ * are until then at least (docs/WIRE-EXTENSIONS.md, "Decode-initiated
+ * reads"). */
+typedef struct ucx_notice {
+  uint32_t magic;
+  uint32_t ndesc;
+  uint64_t id;
+  uint64_t tag, epoch;
+  int64_t sent_ns;
+  int64_t lease_ns;
+  uint32_t tlen;
+  uint32_t reserved;
+} ucx_notice;
+
+typedef struct ucx_clock_ans {
+  uint32_t magic;
+  uint32_t reserved;
+  int64_t echo_ns;  /* the target's clock from its UCX_CLOCK_MAGIC */
+  int64_t clock_ns; /* the writer's clock when it answered */
+} ucx_clock_ans;
 
 typedef struct ucx_region_desc {
   uint64_t base;
@@ -102,7 +157,9 @@ typedef struct ucx_fence_msg {
   uint64_t tag, epoch, seq;
 } ucx_fence_msg;
 
-_Static_assert(sizeof(ucx_info_hdr) == 152, "info header layout");
+_Static_assert(sizeof(ucx_info_hdr) == 176, "info header layout");
+_Static_assert(sizeof(ucx_notice) == 56, "notice layout");
+_Static_assert(sizeof(ucx_clock_ans) == 24, "clock answer layout");
 _Static_assert(sizeof(ucx_fence_snap) == 16, "fence snapshot layout");
 _Static_assert(sizeof(ucx_fence_msg) == 32, "fence message layout");
 _Static_assert(sizeof(ucx_region_desc) == 24, "region descriptor layout");
@@ -161,6 +218,15 @@ typedef struct ucx_peer {
   atomic_int fence_wait;             /* a fence message waits for rw: tagged writers let go at their next block */
   struct ucx_op *tacks, *tacks_tail; /* trailers sent, acks due in this order (under the state's wmu) */
   atomic_int gated;                  /* writers in fence_gate with puts posted and not flushed yet */
+  /* Read mode (ucx_read.c): the target reads this engine's chunks. Set with
+   * the endpoint (under rw); conn_id counts rendezvous connections, and
+   * info_sent_gen is this engine's registration generation the target last
+   * got (under mu, as every send on fd). */
+  int read_mode;
+  uint64_t conn_id;
+  uint64_t info_sent_gen;
+  int64_t target_clock_ns; /* clock_ns of the target's last info, echoed in ours */
+  uint64_t next_read_id;   /* under wmu */
 } ucx_peer;
 
 /* A chunk whose puts wait for an endpoint flush. Under wmu. */
@@ -174,6 +240,11 @@ typedef struct ucx_op {
   int err;              /* the chunk already failed (a flush still covers the puts it posted) */
   struct ucx_op *tnext; /* on its peer's FIFO of trailers sent, not yet acked */
   int gone;             /* the connection its trailer went on was dropped: the reaper fails it with this */
+  /* Read mode: a notice sent, waiting for the target's read done (or the
+   * lease's end, or the target closing the connection). */
+  int read;
+  uint64_t id, conn_id;
+  int64_t lease_end_ns;
 } ucx_op;
 
 typedef struct ucx_job {
@@ -182,12 +253,35 @@ typedef struct ucx_job {
   ucx_peer *p;
 } ucx_job;
 
+/* A writer connected to this engine's rendezvous (ucx.c serves it). In
+ * read mode this engine reads the writer's chunks itself: the fields from
+ * read_mode down belong to the serving thread (ucx_read.c), except
+ * `closing`. */
 typedef struct ucx_ctl {
   struct ucx_ctl *next;
   int fd;
   pthread_mutex_t send_mu;
   uint64_t acked;       /* generation the writer has applied (under ctl_mu) */
   uint64_t fence_acked; /* highest fence seq the writer confirmed (under ctl_mu) */
+  char peer[64];
+  int read_mode;
+  /* Set before this engine shuts the connection down: a read under way then
+   * does not count (the writer may take the shutdown for "reads over"). */
+  atomic_int closing;
+  int64_t info_ns;      /* clock_ns of the first info sent to the writer */
+  ucp_ep_h ep;          /* to the writer, under wmu; NULL until its info, or after a cancel */
+  atomic_int ep_failed; /* UCX reported the endpoint failed */
+  void *waddr;          /* the writer's worker address (its info), to make ep again */
+  size_t waddr_len;
+  int same_host;
+  ucx_rregion *wregs; /* the writer's regions (sorted), their rkeys on ep */
+  size_t nwregs;
+  int have_skew; /* skew_ns bounds (writer's clock - this clock) from above */
+  int64_t skew_ns, skew_at_ns, ping_ns;
+  unsigned char *buf; /* a notice's descriptors and trailer */
+  size_t cap;
+  region **pins; /* the destination regions of a notice, pinned while read */
+  size_t pins_cap;
 } ucx_ctl;
 
 typedef struct ucx_state {
@@ -230,12 +324,32 @@ typedef struct ucx_state {
 
 /* ucx.c */
 int kvf__ucx_status(ucs_status_t st);
+/* This engine's info message (regions, worker address, fences) for a
+ * connection: `flags` (UCX_INFO_*), `echo_ns` as in ucx_info_hdr; with
+ * UCX_INFO_READ the regions are left out (a reading target takes no
+ * writes). Caller frees *out. */
+int kvf__ucx_build_info(ucx_state *u, uint32_t flags, int64_t echo_ns, char **out, size_t *out_len);
 void kvf__ucx_wake(ucx_state *u);
 /* Send `len` bytes / receive exactly `len` bytes before the deadline. */
 int kvf__ucx_send_all(int fd, const void *buf, size_t len, int64_t deadline_ns);
 int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 
 /* ucx_peer.c: peers, the rendezvous client, routing */
+/* Read the rest of an info message whose magic was read, bounded in size
+ * and time; *body (malloc'd, a zeroed pad behind it) is the caller's. */
+int kvf__ucx_info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body);
+/* With wmu held: an endpoint to the worker at `address`, with UCX's
+ * peer-failure handling where the transports allow it. */
+int kvf__ucx_ep_create(ucx_state *u, const void *address, int same_host, ucp_err_handler_cb_t cb, void *arg,
+                       const char *who, ucp_ep_h *out);
+/* With wmu held: unpack the regions of an info body (from `*off`, which
+ * moves past them) with keys on `ep`, mapped here where `same_host` allows;
+ * sorted by base. Regions whose key does not unpack are left out. */
+int kvf__ucx_regions_unpack(ucp_ep_h ep, const ucx_info_hdr *h, const char *body, size_t *off, int same_host,
+                            const char *who, ucx_rregion **out, size_t *nout);
+void kvf__ucx_rregions_free(ucx_rregion *regs, size_t n);
+/* The region of regs (sorted) holding [addr, addr+len), or NULL. */
+const ucx_rregion *kvf__ucx_rregion_find(const ucx_rregion *regs, size_t n, uint64_t addr, uint64_t len);
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap);
 int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap);
 /* Progress thread: a peer's rendezvous socket is readable or closed. */
@@ -283,5 +397,30 @@ void kvf__ucx_copier_start(ucx_state *u);
 void kvf__ucx_trailers_send(ucx_state *u);
 /* Progress thread: the target handled the oldest trailer sent to it. */
 void kvf__ucx_trailer_acked(ucx_state *u, ucx_peer *p);
+void kvf__ucx_op_link(ucx_op *op);
+void kvf__ucx_op_unlink(ucx_op *op);
+
+/* ucx_read.c: read mode */
+/* Writer, p->rw held for reading: send the chunk as a ready notice; it
+ * finishes at the target's read done, the lease's end or the target
+ * closing the connection. */
+void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c);
+/* Writer, progress thread: the target answered notice `id` sent on
+ * connection `conn_id`. */
+void kvf__ucx_read_done(ucx_state *u, ucx_peer *p, uint64_t conn_id, uint64_t id, int status);
+/* Writer, p->rw held: resend this engine's info to the target when its
+ * registrations changed since the last one sent (read mode). */
+int kvf__ucx_writer_info_refresh(ucx_state *u, ucx_peer *p);
+/* Writer: the target closed connection `conn_id` (it reads nothing more
+ * for it); its notices fail at the reaper's next round. */
+void kvf__ucx_reads_closed(ucx_state *u, ucx_peer *p, uint64_t conn_id);
+/* Target, serving thread of `c`: the writer's info (UCX_INFO_WRITER), a
+ * notice, a clock answer, each after its magic was read. 0 to go on, an
+ * error to drop the connection. */
+int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c);
+int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c);
+int kvf__ucx_serve_clock(ucx_state *u, ucx_ctl *c);
+/* Target: free what the serving thread of `c` kept for reading. */
+void kvf__ucx_ctl_reader_free(ucx_state *u, ucx_ctl *c);
 
 #endif

@@ -59,9 +59,7 @@ out:
 }
 
 void kvf__ucx_regs_free_locked(ucx_peer *p) {
-  for (size_t i = 0; i < p->nregs; i++)
-    if (p->regs[i].rkey) ucp_rkey_destroy(p->regs[i].rkey);
-  free(p->regs);
+  kvf__ucx_rregions_free(p->regs, p->nregs);
   p->regs = NULL;
   p->nregs = 0;
 }
@@ -151,9 +149,7 @@ static const char *const RDMA_TLS[] = {"ib",   "rc",      "rc_v", "rc_x", "rc_ml
 static const char *const PEER_ERR_TLS[] = {"tcp",  "ib",   "rc",      "rc_v", "rc_x", "rc_mlx5", "ud",
                                            "ud_v", "ud_x", "ud_mlx5", "dc",   "dc_x", "dc_mlx5", NULL};
 
-/* Read the rest of an info message (header and body) whose magic was read,
- * bounded in size and time. */
-static int info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
+int kvf__ucx_info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
   int rc = kvf__ucx_recv_all(fd, (char *)h + sizeof h->magic, sizeof *h - sizeof h->magic, deadline_ns);
   if (rc) return rc;
   if (h->magic != UCX_INFO_MAGIC || h->addr_len == 0 || h->addr_len > UCX_MAX_ADDR_LEN ||
@@ -177,7 +173,7 @@ static int info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **b
 
 static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
   int rc = kvf__ucx_recv_all(fd, &h->magic, sizeof h->magic, deadline_ns);
-  return rc ? rc : info_read_rest(fd, deadline_ns, h, body);
+  return rc ? rc : kvf__ucx_info_read_rest(fd, deadline_ns, h, body);
 }
 
 int kvf__ucx_fence_refused(const ucx_peer *p, uint64_t epoch) {
@@ -230,48 +226,67 @@ static int cmp_rregion(const void *a, const void *b) {
  * which on one host means tcp instead of shared memory and CMA. A same-host
  * peer reached over shared memory gets no UCX failure mode: its death is
  * seen through the rendezvous connection and the batch deadline instead. */
-static ucp_err_handling_mode_t peer_err_mode(const ucx_peer *p) {
+static ucp_err_handling_mode_t peer_err_mode(int same_host) {
   const char *tls = getenv("UCX_TLS");
-  if (p->same_host && tls_allows(tls, SHM_TLS)) return UCP_ERR_HANDLING_MODE_NONE;
+  if (same_host && tls_allows(tls, SHM_TLS)) return UCP_ERR_HANDLING_MODE_NONE;
   return tls_allows(tls, PEER_ERR_TLS) ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
 }
 
-/* With p->rw held for writing: replace the peer's regions with the ones in
- * the message, creating the endpoint first when `create_ep`. */
-static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const char *body, int create_ep) {
+int kvf__ucx_ep_create(ucx_state *u, const void *address, int same_host, ucp_err_handler_cb_t cb, void *arg,
+                       const char *who, ucp_ep_h *out) {
+  ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                        .address = (const ucp_address_t *)address,
+                        .err_mode = peer_err_mode(same_host),
+                        .err_handler = {.cb = cb, .arg = arg}};
+  ucs_status_t st = ucp_ep_create(u->w, &ep, out);
+  if (st == UCS_ERR_UNREACHABLE && ep.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
+    /* UCX 1.13's shared-memory transports have no peer-failure support;
+     * a dead peer is then noticed through the rendezvous connection and
+     * the batch deadline (kvf__ucx_peer_event, kvf__ucx_reap). */
+    ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    st = ucp_ep_create(u->w, &ep, out);
+  }
+  if (st == UCS_OK && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
+    if (kvf__log_first_time(kvf__hash_str("ucx-err-mode-none", 3)))
+      LOG_INFO("ucx",
+               "the UCX transports to %s have no peer-failure handling; failures are detected "
+               "through the rendezvous connection and batch deadlines",
+               who);
+  }
+  if (st != UCS_OK) {
+    LOG_WARN("ucx", "cannot reach %s over UCX: %s", who, ucs_status_string(st));
+    *out = NULL;
+    return kvf__ucx_status(st) == KVF_ECLOSED ? KVF_ECONNREFUSED : kvf__ucx_status(st);
+  }
+  return 0;
+}
+
+void kvf__ucx_rregions_free(ucx_rregion *regs, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (regs[i].rkey) ucp_rkey_destroy(regs[i].rkey);
+  free(regs);
+}
+
+const ucx_rregion *kvf__ucx_rregion_find(const ucx_rregion *regs, size_t n, uint64_t addr, uint64_t len) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (regs[mid].base <= addr) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo == 0 || addr + len < addr) return NULL;
+  const ucx_rregion *r = &regs[lo - 1];
+  return addr >= r->base && addr + len <= r->base + r->len ? r : NULL;
+}
+
+int kvf__ucx_regions_unpack(ucp_ep_h ep, const ucx_info_hdr *h, const char *body, size_t *off_io, int same_host,
+                            const char *who, ucx_rregion **out, size_t *nout) {
   ucx_rregion *regs = calloc(h->nregions ? h->nregions : 1, sizeof *regs);
   if (!regs) return KVF_ENOMEM;
+  size_t off = *off_io, n = 0;
   int rc = 0;
-  pthread_mutex_lock(&u->wmu);
-  if (create_ep && !p->ep) {
-    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                                        UCP_EP_PARAM_FIELD_ERR_HANDLER,
-                          .address = (const ucp_address_t *)body,
-                          .err_mode = peer_err_mode(p),
-                          .err_handler = {.cb = ep_error_cb, .arg = p}};
-    ucs_status_t st = ucp_ep_create(u->w, &ep, &p->ep);
-    if (st == UCS_ERR_UNREACHABLE && ep.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
-      /* UCX 1.13's shared-memory transports have no peer-failure support;
-       * a dead peer is then noticed through the rendezvous connection and
-       * the batch deadline (kvf__ucx_peer_event, kvf__ucx_reap). */
-      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-      st = ucp_ep_create(u->w, &ep, &p->ep);
-    }
-    if (st == UCS_OK && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
-      if (kvf__log_first_time(kvf__hash_str("ucx-err-mode-none", 3)))
-        LOG_INFO("ucx",
-                 "the UCX transports to %s have no peer-failure handling; failures are detected "
-                 "through the rendezvous connection and batch deadlines",
-                 p->id);
-    }
-    if (st != UCS_OK) {
-      LOG_WARN("ucx", "cannot reach %s over UCX: %s", p->id, ucs_status_string(st));
-      p->ep = NULL;
-      rc = kvf__ucx_status(st) == KVF_ECLOSED ? KVF_ECONNREFUSED : kvf__ucx_status(st);
-    }
-  }
-  size_t off = h->addr_len, n = 0;
-  for (uint32_t i = 0; !rc && p->ep && i < h->nregions; i++) {
+  for (uint32_t i = 0; i < h->nregions; i++) {
     ucx_region_desc d;
     if (h->body_len - off < sizeof d) {
       rc = KVF_EPROTO;
@@ -284,28 +299,50 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
       break;
     }
     ucx_rregion *r = &regs[n];
-    ucs_status_t st = ucp_ep_rkey_unpack(p->ep, body + off, &r->rkey);
+    ucs_status_t st = ucp_ep_rkey_unpack(ep, body + off, &r->rkey);
     off += d.rkey_len;
     if (st != UCS_OK) {
-      LOG_WARN("ucx", "peer %s: cannot unpack the key of region 0x%llx: %s", p->id, (unsigned long long)d.base,
+      LOG_WARN("ucx", "peer %s: cannot unpack the key of region 0x%llx: %s", who, (unsigned long long)d.base,
                ucs_status_string(st));
-      continue; /* writes there are refused like unregistered memory */
+      continue; /* accesses there are refused like unregistered memory */
     }
     r->base = d.base;
     r->len = d.len;
     void *ptr = NULL;
-    if (p->same_host && ucp_rkey_ptr(r->rkey, d.base, &ptr) == UCS_OK) r->ptr = ptr;
+    if (same_host && ucp_rkey_ptr(r->rkey, d.base, &ptr) == UCS_OK) r->ptr = ptr;
     n++;
   }
+  if (rc) {
+    kvf__ucx_rregions_free(regs, n);
+    return rc;
+  }
+  qsort(regs, n, sizeof *regs, cmp_rregion);
+  *off_io = off;
+  *out = regs;
+  *nout = n;
+  return 0;
+}
+
+/* With p->rw held for writing: replace the peer's regions with the ones in
+ * the message, creating the endpoint first when `create_ep`. The target's
+ * info also says whether it reads (read mode). */
+static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const char *body, int create_ep) {
+  int rc = 0;
+  ucx_rregion *regs = NULL;
+  size_t n = 0, off = h->addr_len;
+  pthread_mutex_lock(&u->wmu);
+  if (create_ep && !p->ep) rc = kvf__ucx_ep_create(u, body, p->same_host, ep_error_cb, p, p->id, &p->ep);
+  if (!rc && p->ep) rc = kvf__ucx_regions_unpack(p->ep, h, body, &off, p->same_host, p->id, &regs, &n);
   if (!rc && p->ep) rc = fence_snap_apply(p, h, body, off);
   if (rc) {
-    for (size_t i = 0; i < n; i++) ucp_rkey_destroy(regs[i].rkey);
-    free(regs);
-  } else {
+    kvf__ucx_rregions_free(regs, n);
+  } else if (p->ep) {
     kvf__ucx_regs_free_locked(p);
     p->regs = regs;
     p->nregs = n;
     p->gen = h->gen;
+    p->read_mode = (h->flags & UCX_INFO_READ) != 0;
+    p->target_clock_ns = h->clock_ns;
     int mapped = 0;
     for (size_t i = 0; i < n; i++) mapped |= regs[i].ptr != NULL;
     pthread_mutex_lock(&p->mu);
@@ -313,7 +350,6 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
     pthread_mutex_unlock(&p->mu);
   }
   pthread_mutex_unlock(&u->wmu);
-  if (!rc) qsort(p->regs, p->nregs, sizeof *p->regs, cmp_rregion);
   return rc;
 }
 
@@ -323,7 +359,8 @@ static int ctl_open(kvf_engine *e, ucx_peer *p, int64_t deadline_ns, int *fd_out
   int rc = kvf__tcp_connect(p->host, p->port, deadline_ns, &fd);
   if (rc) return rc;
   size_t tl = strlen(e->auth_token);
-  tcp_hello hello = {TCP_UCX_HELLO_MAGIC, TCP_PROTO_VERSION, 0, (uint32_t)tl, 0};
+  tcp_hello hello = {TCP_UCX_HELLO_MAGIC, TCP_UCX_PROTO_VERSION, e->ucx_read ? TCP_HELLO_CAN_READ : 0,
+                     (uint32_t)tl, 0};
   tcp_reply rep;
   rc = kvf__ucx_send_all(fd, &hello, sizeof hello, deadline_ns);
   if (!rc && tl) rc = kvf__ucx_send_all(fd, e->auth_token, tl, deadline_ns);
@@ -368,7 +405,13 @@ static int decide(ucx_state *u, ucx_peer *p, ucx_route *route, char *why, size_t
   return 0;
 }
 
-static void set_route(ucx_state *u, ucx_peer *p, ucx_route route, const char *why) {
+static void set_route(ucx_state *u, ucx_peer *p, ucx_route route, const char *why_in) {
+  char why[sizeof p->why];
+  int rd = route == ROUTE_UCX && p->read_mode;
+  snprintf(why, sizeof why, "%s%s", why_in,
+           route != ROUTE_UCX ? ""
+           : rd               ? "; read mode (the target reads each chunk)"
+                              : "; write mode (puts into the target)");
   pthread_mutex_lock(&p->mu);
   int same = p->route == route && !strcmp(p->why, why);
   p->route = route;
@@ -376,7 +419,35 @@ static void set_route(ucx_state *u, ucx_peer *p, ucx_route route, const char *wh
   pthread_mutex_unlock(&p->mu);
   if (same) return;
   atomic_fetch_add(route == ROUTE_UCX ? &u->e->stats.peers_ucx : &u->e->stats.peers_tcp, 1);
+  if (rd) atomic_fetch_add(&u->e->stats.peers_read, 1);
   LOG_INFO("ucx", "peer %s: transport %s (%s)", p->id, route == ROUTE_UCX ? "ucx" : "tcp", p->why);
+}
+
+/* Read mode, p->rw held: send this engine's info (worker address, regions,
+ * clock) to the target, which reads from them. Under p->mu, as every send
+ * on the connection. */
+static int writer_info_send_locked(ucx_state *u, ucx_peer *p) {
+  char *m;
+  size_t len;
+  pthread_mutex_lock(&p->mu);
+  int rc = kvf__ucx_build_info(u, UCX_INFO_WRITER, p->target_clock_ns, &m, &len);
+  if (!rc) {
+    p->info_sent_gen = ((const ucx_info_hdr *)(const void *)m)->gen;
+    rc = p->fd < 0 ? KVF_ECLOSED : kvf__ucx_send_all(p->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+    free(m);
+  }
+  pthread_mutex_unlock(&p->mu);
+  return rc;
+}
+
+int kvf__ucx_writer_info_refresh(ucx_state *u, ucx_peer *p) {
+  pthread_mutex_lock(&u->reg_mu);
+  uint64_t gen = u->gen;
+  pthread_mutex_unlock(&u->reg_mu);
+  pthread_mutex_lock(&p->mu);
+  int stale = p->info_sent_gen != gen;
+  pthread_mutex_unlock(&p->mu);
+  return stale ? writer_info_send_locked(u, p) : 0;
 }
 
 /* Make sure the peer has a route, and over UCX a live endpoint. Serialised
@@ -420,9 +491,13 @@ int kvf__ucx_peer_ensure(ucx_state *u, ucx_peer *p, int64_t deadline_ns, ucx_rou
     if (!rc) {
       p->fd = fd;
       fd = -1;
+      p->conn_id++;
+      p->info_sent_gen = 0;
       atomic_store(&p->dead, 0);
+      /* Read mode: the target gets this engine's memory before any notice. */
+      if (p->read_mode) rc = writer_info_send_locked(u, p);
       struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = p};
-      epoll_ctl(u->epfd, EPOLL_CTL_ADD, p->fd, &ev);
+      if (!rc) epoll_ctl(u->epfd, EPOLL_CTL_ADD, p->fd, &ev);
     }
     pthread_rwlock_unlock(&p->rw);
   }
@@ -493,7 +568,29 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
     rc = r > 0                                            ? kvf__ucx_recv_all(fd, &h.magic, sizeof h.magic, until)
          : (r < 0 && (errno == EAGAIN || errno == EINTR)) ? 1
                                                           : KVF_ECLOSED;
-    if (!rc && h.magic == UCX_TRAILER_ACK_MAGIC) {
+    /* The target closed the connection (or its process is gone): it reads
+     * nothing more for this connection's notices (ucx_read.c). */
+    if (r == 0 || (r < 0 && errno == ECONNRESET)) kvf__ucx_reads_closed(u, p, p->conn_id);
+    if (!rc && (h.magic == UCX_READ_DONE_MAGIC || h.magic == UCX_CLOCK_MAGIC)) {
+      ucx_req rest;
+      rc = kvf__ucx_recv_all(fd, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic, until);
+      if (!rc && h.magic == UCX_READ_DONE_MAGIC) {
+        uint64_t conn = p->conn_id;
+        pthread_rwlock_unlock(&p->rw);
+        kvf__ucx_read_done(u, p, conn, rest.gen, (int)(int32_t)rest.reserved);
+        return;
+      }
+      if (!rc) { /* a clock question: answered at once, it bounds the clocks' difference */
+        ucx_clock_ans a = {UCX_CLOCK_ANS_MAGIC, 0, (int64_t)rest.gen, clock_now_ns()};
+        pthread_mutex_lock(&p->mu);
+        rc = kvf__ucx_send_all(fd, &a, sizeof a, until);
+        pthread_mutex_unlock(&p->mu);
+        if (!rc) {
+          pthread_rwlock_unlock(&p->rw);
+          return;
+        }
+      }
+    } else if (!rc && h.magic == UCX_TRAILER_ACK_MAGIC) {
       ucx_req rest;
       rc = kvf__ucx_recv_all(fd, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic, until);
       if (!rc) {
@@ -509,7 +606,7 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
       rc = kvf__ucx_recv_all(fd, (char *)&f + sizeof f.magic, sizeof f - sizeof f.magic, until);
       fence = 1;
     } else if (!rc) {
-      rc = info_read_rest(fd, until, &h, &body);
+      rc = kvf__ucx_info_read_rest(fd, until, &h, &body);
     }
   }
   if (fd >= 0 && rc < 0) {

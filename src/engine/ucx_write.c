@@ -13,17 +13,8 @@
 
 /* ------------------------------------------------------------ writes */
 
-/* The peer region holding [addr, addr+len), or NULL. p->rw held. */
 static const ucx_rregion *rregion_find(const ucx_peer *p, uint64_t addr, uint64_t len) {
-  size_t lo = 0, hi = p->nregs;
-  while (lo < hi) {
-    size_t mid = (lo + hi) / 2;
-    if (p->regs[mid].base <= addr) lo = mid + 1;
-    else hi = mid;
-  }
-  if (lo == 0 || addr + len < addr) return NULL;
-  const ucx_rregion *r = &p->regs[lo - 1];
-  return addr >= r->base && addr + len <= r->base + r->len ? r : NULL;
+  return kvf__ucx_rregion_find(p->regs, p->nregs, addr, len);
 }
 
 /* Is every destination of the chunks inside one advertised region? p->rw held. */
@@ -43,7 +34,7 @@ static int chunks_ok(const ucx_peer *p, chunk **chunks, size_t n) {
  * moves to u->orphans until its callback, or the teardown, frees it. */
 static ucx_op **op_list(ucx_op *op) { return op->c ? &op->u->ops : &op->u->orphans; }
 
-static void op_unlink(ucx_op *op) {
+void kvf__ucx_op_unlink(ucx_op *op) {
   ucx_op **head = op_list(op);
   if (op->prev) op->prev->next = op->next;
   if (op->next) op->next->prev = op->prev;
@@ -51,7 +42,7 @@ static void op_unlink(ucx_op *op) {
   op->next = op->prev = NULL;
 }
 
-static void op_link(ucx_op *op) {
+void kvf__ucx_op_link(ucx_op *op) {
   ucx_op **head = op_list(op);
   op->next = *head;
   if (*head) (*head)->prev = op;
@@ -61,7 +52,7 @@ static void op_link(ucx_op *op) {
 int kvf__ucx_ops_fence_locked(ucx_state *u, ucx_peer *p, uint64_t epoch) {
   int n = 0;
   for (ucx_op *op = u->ops; op; op = op->next)
-    if (op->p == p && op->c->batch->tag && op->c->batch->epoch == epoch) op->fenced = 1, n++;
+    if (!op->read && op->p == p && op->c->batch->tag && op->c->batch->epoch == epoch) op->fenced = 1, n++;
   return n;
 }
 
@@ -94,7 +85,7 @@ static void flush_cb(void *req, ucs_status_t st, void *arg) {
   /* Under wmu (callbacks run inside progress or a forced close). A chunk
    * the reaper already failed is gone (op->c NULL, op on the orphans). */
   chunk *c = op->c;
-  op_unlink(op);
+  kvf__ucx_op_unlink(op);
   if (c && st == UCS_OK && !op->fenced && op->trailer) { /* its trailer goes out after progress */
     op->next = op->u->tq;
     op->u->tq = op;
@@ -129,7 +120,7 @@ static void trailer_out(ucx_state *u, ucx_peer *p, chunk *c, ucx_op *op) {
   *op = (ucx_op){.c = c, .p = p, .u = u};
   pthread_mutex_lock(&p->tmu);
   pthread_mutex_lock(&u->wmu);
-  op_link(op);
+  kvf__ucx_op_link(op);
   if (p->tacks_tail) p->tacks_tail->tnext = op;
   else p->tacks = op;
   p->tacks_tail = op;
@@ -140,9 +131,9 @@ static void trailer_out(ucx_state *u, ucx_peer *p, chunk *c, ucx_op *op) {
   pthread_mutex_lock(&u->wmu);
   chunk *cc = op->c;
   if (cc) { /* failed now: an orphan on the FIFO until the peer is reset */
-    op_unlink(op);
+    kvf__ucx_op_unlink(op);
     op->c = NULL;
-    op_link(op);
+    kvf__ucx_op_link(op);
   }
   pthread_mutex_unlock(&u->wmu);
   if (cc) kvf__chunk_finish(cc, rc);
@@ -158,7 +149,7 @@ void kvf__ucx_tacks_fail_locked(ucx_peer *p, int err) {
     if (op->c) {
       op->gone = err;
     } else { /* already failed, an orphan kept only for the ack count */
-      op_unlink(op);
+      kvf__ucx_op_unlink(op);
       free(op);
     }
     op = next;
@@ -173,7 +164,7 @@ void kvf__ucx_trailer_acked(ucx_state *u, ucx_peer *p) {
     p->tacks = op->tnext;
     if (!p->tacks) p->tacks_tail = NULL;
     c = op->c;
-    op_unlink(op);
+    kvf__ucx_op_unlink(op);
     free(op);
   }
   pthread_mutex_unlock(&u->wmu);
@@ -250,6 +241,11 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
     status = atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
     goto out;
   }
+  if (p->read_mode) { /* the target reads it (ucx_read.c) */
+    kvf__ucx_notice_send(u, p, c);
+    pthread_rwlock_unlock(&p->rw);
+    return;
+  }
   ucp_request_param_t prm = {.op_attr_mask = 0};
   for (size_t k = 0; k < c->n && !status; k++) {
     const kvf_write *w = &c->writes[k];
@@ -319,7 +315,7 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
         free(op);
       }
     } else {
-      op_link(op);
+      kvf__ucx_op_link(op);
       pending = 1;
     }
   }
@@ -373,10 +369,16 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
   if (rc) return rc;
   if (route == ROUTE_TCP) return kvf__tcp_transport_ops.submit(e, session, chunks, nchunks);
   /* The whole batch is checked before any byte moves, as the TCP target
-   * does: a region registered since the last message is fetched once. */
+   * does: a region registered since the last message is fetched once. In
+   * read mode the target checks every notice itself. */
   pthread_rwlock_rdlock(&p->rw);
-  int ok = chunks_ok(p, chunks, nchunks);
+  int read_mode = p->read_mode;
+  int ok = read_mode || chunks_ok(p, chunks, nchunks);
   pthread_rwlock_unlock(&p->rw);
+  if (read_mode) {
+    for (size_t i = 0; i < nchunks; i++) do_chunk(u, p, chunks[i]);
+    return 0;
+  }
   /* A refresh returns at the next info applied, which may be one already on
    * its way (the answer to an earlier request, or a push from before this
    * request reached the target); the target answers requests in order, so a
@@ -427,6 +429,19 @@ void kvf__ucx_reap(ucx_state *u) {
   pthread_mutex_lock(&u->wmu);
   for (ucx_op *op = u->ops, *next; op; op = next) {
     next = op->next;
+    if (op->read) { /* read mode: only the target's answer, its closing or the lease ends it */
+      int err = op->gone ? op->gone : now > op->lease_end_ns ? KVF_ETIMEDOUT : 0;
+      if (!err) continue;
+      if (err == KVF_ETIMEDOUT && !atomic_load(&op->p->dead)) {
+        LOG_WARN("ucx", "peer %s did not read a chunk within its lease; the chunk fails", op->p->id);
+        kvf__ucx_peer_mark_dead(u, op->p, KVF_ETIMEDOUT);
+      }
+      chunk *c = op->c;
+      kvf__ucx_op_unlink(op);
+      free(op);
+      kvf__chunk_finish(c, err);
+      continue;
+    }
     int err = op->gone ? op->gone : atomic_load(&op->p->dead);
     if (!err && now > op->c->batch->deadline_ns) {
       err = KVF_ETIMEDOUT;
@@ -437,12 +452,12 @@ void kvf__ucx_reap(ucx_state *u) {
     }
     if (err) {
       chunk *c = op->c;
-      op_unlink(op);
+      kvf__ucx_op_unlink(op);
       if (op->gone) { /* a trailer op off its dropped connection: nothing else refers to it */
         free(op);
       } else {
         op->c = NULL;
-        op_link(op); /* its callback, or the teardown, frees it */
+        kvf__ucx_op_link(op); /* its callback, or the teardown, frees it */
       }
       kvf__chunk_finish(c, err);
     }

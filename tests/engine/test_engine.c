@@ -122,12 +122,18 @@ static void large_block_split_across_connections(void **state) {
   assert_string_equal(reply, "ok 2048");
 }
 
-/* Over UCX writes are one-sided: the target's counters do not see them (the
- * writer refuses out-of-range batches itself), so the target-side counter
- * checks apply to kvferry's TCP only. */
+/* Over UCX in write mode writes are one-sided: the target's counters do
+ * not see them (the writer refuses out-of-range batches itself), so the
+ * target-side counter checks apply to kvferry's TCP and to UCX's read mode
+ * (the default), where the target reads every chunk itself. */
+static int ucx_write_mode(void) {
+  const char *t = getenv("KVFERRY_TRANSPORT"), *m = getenv("KVFERRY_UCX_MODE");
+  return t && !strcmp(t, "ucx") && m && !strcmp(m, "write");
+}
+
 static int target_counts(void) {
   const char *t = getenv("KVFERRY_TRANSPORT");
-  return t && !strcmp(t, "tcp");
+  return t && (!strcmp(t, "tcp") || !ucx_write_mode());
 }
 
 static void outside_registered_memory_refused_untouched(void **state) {
@@ -560,11 +566,10 @@ static void small_batches_in_a_burst_keep_their_trailers(void **state) {
  * before any byte is written (KVF_ESTATE, counted); untagged batches are
  * never affected. */
 static void tagged_batches_land_only_while_their_fence_is_open(void **state) {
-  const char *tr = getenv("KVFERRY_TRANSPORT");
-  if (tr && !strcmp(tr, "ucx")) {
+  if (ucx_write_mode()) {
     /* Target-side fences need the target to see the write: UCX puts are
      * one-sided (kv.h, kvf_receiver_poll, says when pages may be reused). */
-    print_message("fences are enforced by the TCP transport only; skipped over ucx\n");
+    print_message("fences are enforced by the target over tcp and UCX read mode only; skipped in write mode\n");
     skip();
   }
   kvf_engine *t = make_engine(2000, NULL), *w = make_engine(2000, NULL);
@@ -588,6 +593,30 @@ static void tagged_batches_land_only_while_their_fence_is_open(void **state) {
   kvf_engine_sync(t);
   assert_int_equal(dst[0], 0xab);
   assert_int_equal(dst[N - 1], 0xab);
+
+  /* Bounded to its first half (a room's own pages): a batch reaching past
+   * them fails and not one byte lands past them (a chunk inside them may
+   * land); one inside them lands. */
+  uint64_t half[2] = {(uint64_t)(uintptr_t)dst, N / 2};
+  assert_int_equal(kvf__engine_fence_bound(t, 77, epoch, half, 1), 0);
+  assert_int_equal(kvf__engine_fence_bound(t, 77, epoch + 12345, half, 1), KVF_ENOTFOUND);
+  memset(src, 0xee, N);
+  assert_int_equal(kvf_engine_write_ex(w, kvf_engine_session_id(t), &wr, 1, &o), KVF_ERANGE);
+  kvf_engine_sync(t);
+  for (size_t i = N / 2; i < N; i += 4093) assert_int_equal(dst[i], 0xab);
+  memset(dst, 0xab, N / 2);
+  kvf_engine_sync(t);
+  kvf_write in_half = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst + 4096, N / 2 - 4096, 1, 0, 0};
+  kvf_write strided = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst, 4096, 200, 4096, 4096};
+  assert_int_equal(kvf_engine_write_ex(w, kvf_engine_session_id(t), &strided, 1, &o), KVF_ERANGE);
+  assert_int_equal(kvf_engine_write_ex(w, kvf_engine_session_id(t), &in_half, 1, &o), 0);
+  kvf_engine_sync(t);
+  assert_int_equal(dst[4096], 0xee);
+  assert_int_equal(dst[N / 2 - 1], 0xee);
+  assert_int_equal(dst[N / 2], 0xab);
+  assert_int_equal(kvf__engine_fence_bound(t, 77, epoch, NULL, 0), 0);
+  memset(dst, 0xab, N);
+  kvf_engine_sync(t);
 
   memset(src, 0xcd, N);
   o.epoch = other; /* another room's epoch */

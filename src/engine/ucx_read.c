@@ -1,0 +1,503 @@
+/* The UCX transport, read mode: between two kvferry engines the target (the
+ * decode, whose memory receives the bytes) reads each chunk itself instead
+ * of the writer putting it, so the side whose memory is at risk drives
+ * every byte that lands in it (docs/WIRE-EXTENSIONS.md, "Decode-initiated
+ * reads").
+ *
+ * Writer: a chunk goes to the target as a ready notice on the rendezvous
+ * connection (ucx_notice: its id, the batch's fence tag and epoch, the
+ * writer's clock and a lease, the descriptors, the completion trailer).
+ * The chunk finishes when the target answers "read done", when the target
+ * closes the connection (it reads nothing more then), or when the lease
+ * ends; until then the sources stay as they are. Before the first notice,
+ * and whenever its registrations change, the writer sends its own info
+ * (worker address, regions with packed keys).
+ *
+ * Target: the connection's serving thread checks a notice (the fence pair
+ * open, every destination inside this engine's registered memory and the
+ * fence's bounds, every source inside a region the writer advertised),
+ * reads it (plain loads from a pool UCX mapped here, ucp_get elsewhere: CMA
+ * or the NIC), hands the trailer over once the bytes are in place, and
+ * answers. A read counts only if it completed before the lease ended by
+ * the writer's clock, bounded from above here: the writer's info answers
+ * this engine's first info and a clock question answers another, and a
+ * message sent at this engine's t0 and answered with the writer's w shows
+ * (writer - here) <= w - t0, plus UCX_CLOCK_DRIFT_PPM since then. A closed
+ * fence, an unregister or the connection being cut stops a read within one
+ * slice (UCX_READ_SLICE); gets in flight are cancelled by closing the
+ * endpoint (forced), after which UCX places no more data. */
+#include <errno.h>
+#include <inttypes.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "engine/ucx.h"
+
+/* ------------------------------------------------------------ writer */
+
+/* Send the iovecs whole before the deadline (a partial send resumes). */
+static int sendv_all(int fd, struct iovec *iov, int cnt, int64_t deadline_ns) {
+  while (cnt > 0) {
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+    ssize_t r = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return KVF_ECLOSED;
+      /* Full: the rest goes through the waiting sender, piece by piece. */
+      for (int i = 0; i < cnt; i++) {
+        int rc = kvf__ucx_send_all(fd, iov[i].iov_base, iov[i].iov_len, deadline_ns);
+        if (rc) return rc;
+      }
+      return 0;
+    }
+    size_t n = (size_t)r;
+    while (cnt > 0 && n >= iov->iov_len) n -= iov->iov_len, iov++, cnt--;
+    if (cnt > 0) iov->iov_base = (char *)iov->iov_base + n, iov->iov_len -= n;
+  }
+  return 0;
+}
+
+void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
+  kvf_engine *e = u->e;
+  int64_t now = clock_now_ns();
+  int64_t lease = (int64_t)e->cfg.read_lease_ms * 1000000, left = c->batch->deadline_ns - now;
+  if (left < lease) lease = left;
+  if (lease <= 0) {
+    kvf__chunk_finish(c, KVF_ETIMEDOUT);
+    return;
+  }
+  int rc = kvf__ucx_writer_info_refresh(u, p);
+  ucx_op *op = rc ? NULL : calloc(1, sizeof *op);
+  if (!op) { /* nothing of the notice went out: it fails now */
+    if (!rc) rc = KVF_ENOMEM;
+    else kvf__ucx_peer_mark_dead(u, p, rc);
+    kvf__chunk_finish(c, rc);
+    return;
+  }
+  *op = (ucx_op){.c = c, .p = p, .u = u, .read = 1, .conn_id = p->conn_id, .lease_end_ns = now + lease};
+  pthread_mutex_lock(&u->wmu);
+  op->id = ++p->next_read_id;
+  int idle = u->ops == NULL;
+  kvf__ucx_op_link(op);
+  pthread_mutex_unlock(&u->wmu);
+  if (idle) kvf__ucx_wake(u); /* the progress thread ticks for the lease from now on */
+  ucx_notice n = {UCX_NOTICE_MAGIC,
+                  (uint32_t)c->n,
+                  op->id,
+                  c->batch->tag,
+                  c->batch->tag ? c->batch->epoch : 0,
+                  now,
+                  lease,
+                  c->tlen,
+                  0};
+  struct iovec iov[3] = {{&n, sizeof n}, {c->writes, c->n * sizeof *c->writes}, {c->trailer, c->tlen}};
+  pthread_mutex_lock(&p->mu);
+  int fd = p->fd;
+  rc = fd < 0 ? KVF_ECLOSED : sendv_all(fd, iov, c->tlen ? 3 : 2, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  pthread_mutex_unlock(&p->mu);
+  if (!rc) return;
+  /* Cut short: the target may have the notice whole and read it, so the
+   * chunk waits for the lease (or the target closing) like any other; with
+   * no connection at all nothing went out. */
+  kvf__ucx_peer_mark_dead(u, p, rc);
+  if (fd >= 0) return;
+  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_op_unlink(op);
+  pthread_mutex_unlock(&u->wmu);
+  free(op);
+  kvf__chunk_finish(c, rc);
+}
+
+void kvf__ucx_read_done(ucx_state *u, ucx_peer *p, uint64_t conn_id, uint64_t id, int status) {
+  if (status > 0) status = KVF_EPROTO;
+  pthread_mutex_lock(&u->wmu);
+  ucx_op *op = u->ops;
+  while (op && !(op->read && op->p == p && op->id == id && op->conn_id == conn_id)) op = op->next;
+  if (op) kvf__ucx_op_unlink(op);
+  pthread_mutex_unlock(&u->wmu);
+  if (!op) return; /* ended already (its lease): the answer comes too late to matter */
+  chunk *c = op->c;
+  free(op);
+  if (!status) atomic_thread_fence(memory_order_acquire);
+  kvf__chunk_finish(c, status);
+}
+
+void kvf__ucx_reads_closed(ucx_state *u, ucx_peer *p, uint64_t conn_id) {
+  pthread_mutex_lock(&u->wmu);
+  for (ucx_op *op = u->ops; op; op = op->next)
+    if (op->read && op->p == p && op->conn_id == conn_id && !op->gone) op->gone = KVF_ECLOSED;
+  pthread_mutex_unlock(&u->wmu);
+}
+
+/* ------------------------------------------------------------ target */
+
+static void reader_ep_error(void *arg, ucp_ep_h ep, ucs_status_t st) {
+  (void)ep;
+  ucx_ctl *c = arg;
+  LOG_WARN("ucx", "endpoint for reads from %s failed: %s", c->peer, ucs_status_string(st));
+  atomic_store(&c->ep_failed, 1);
+}
+
+/* With wmu held: end the endpoint to the writer, cancelling what it still
+ * carries; `req`, a flush on it still in progress, is waited for (it ends
+ * cancelled) and freed. From here UCX places no more data of those gets. */
+static void reader_ep_cancel_locked(ucx_state *u, ucx_ctl *c, void *req) {
+  if (c->ep) {
+    ucp_request_param_t cp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    void *creq = ucp_ep_close_nbx(c->ep, &cp);
+    c->ep = NULL;
+    for (int i = 0; i < 100000 && UCS_PTR_IS_PTR(creq) && ucp_request_check_status(creq) == UCS_INPROGRESS; i++)
+      ucp_worker_progress(u->w);
+    if (UCS_PTR_IS_PTR(creq)) ucp_request_free(creq);
+  }
+  for (int i = 0; i < 100000 && req && ucp_request_check_status(req) == UCS_INPROGRESS; i++)
+    ucp_worker_progress(u->w);
+  if (req) ucp_request_free(req);
+  kvf__ucx_rregions_free(c->wregs, c->nwregs); /* their keys belonged to the endpoint */
+  c->wregs = NULL;
+  c->nwregs = 0;
+}
+
+/* With wmu held: the endpoint to the writer and its regions, from the
+ * writer's last info (kept in waddr: header, then body). */
+static int reader_ep_make_locked(ucx_state *u, ucx_ctl *c) {
+  if (c->ep && !atomic_load(&c->ep_failed)) return 0;
+  if (c->ep) reader_ep_cancel_locked(u, c, NULL);
+  atomic_store(&c->ep_failed, 0);
+  const ucx_info_hdr *h = c->waddr;
+  const char *body = (const char *)c->waddr + sizeof *h;
+  int rc = kvf__ucx_ep_create(u, body, c->same_host, reader_ep_error, c, c->peer, &c->ep);
+  size_t off = h->addr_len;
+  if (!rc) rc = kvf__ucx_regions_unpack(c->ep, h, body, &off, c->same_host, c->peer, &c->wregs, &c->nwregs);
+  return rc;
+}
+
+int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
+  ucx_info_hdr h = {.magic = UCX_INFO_MAGIC};
+  char *body = NULL;
+  int rc = kvf__ucx_info_read_rest(c->fd, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body);
+  if (rc) return rc;
+  if (!(h.flags & UCX_INFO_WRITER)) {
+    free(body);
+    return KVF_EPROTO;
+  }
+  /* Kept whole (header, body, the zeroed pad info_read_rest put behind it)
+   * to make the endpoint again after a cancel. */
+  char *keep = malloc(sizeof h + h.body_len + UCX_RKEY_PARSE_PAD);
+  if (!keep) {
+    free(body);
+    return KVF_ENOMEM;
+  }
+  memcpy(keep, &h, sizeof h);
+  memcpy(keep + sizeof h, body, (size_t)h.body_len + UCX_RKEY_PARSE_PAD);
+  free(body);
+  pthread_mutex_lock(&u->wmu);
+  if (c->ep) reader_ep_cancel_locked(u, c, NULL); /* new regions: keys on a fresh endpoint */
+  free(c->waddr);
+  c->waddr = keep;
+  c->waddr_len = sizeof h + h.body_len;
+  c->same_host = !strcmp(h.host_id, u->host_id);
+  rc = reader_ep_make_locked(u, c);
+  pthread_mutex_unlock(&u->wmu);
+  /* The answer to this engine's first info bounds the writer's clock. */
+  if (!rc && c->info_ns && h.echo_ns == c->info_ns && h.clock_ns >= c->info_ns - (int64_t)1e15) {
+    int64_t skew = h.clock_ns - c->info_ns;
+    if (!c->have_skew || skew < c->skew_ns) c->skew_ns = skew, c->skew_at_ns = c->info_ns;
+    c->have_skew = 1;
+  }
+  return rc;
+}
+
+int kvf__ucx_serve_clock(ucx_state *u, ucx_ctl *c) {
+  (void)u;
+  ucx_clock_ans a;
+  int rc = kvf__ucx_recv_all(c->fd, (char *)&a + sizeof a.magic, sizeof a - sizeof a.magic,
+                             clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  if (rc) return rc;
+  if (c->ping_ns && a.echo_ns == c->ping_ns) { /* a later bound replaces the older one: clocks drift */
+    c->skew_ns = a.clock_ns - a.echo_ns;
+    c->skew_at_ns = a.echo_ns;
+    c->have_skew = 1;
+    c->ping_ns = 0;
+  }
+  return 0;
+}
+
+/* The writer's clock is at most here + this (see the top of the file). */
+static int64_t skew_bound(const ucx_ctl *c, int64_t now) {
+  int64_t age = now - c->skew_at_ns;
+  return c->skew_ns + (age > 0 ? age / (1000000 / UCX_CLOCK_DRIFT_PPM) : 0);
+}
+
+/* Ask the writer for its clock again when the bound is old (its answer is
+ * read like any message); one question at a time, asked again after the
+ * control timeout. */
+static void clock_ask(ucx_ctl *c, int64_t now) {
+  if (now - c->skew_at_ns < UCX_CLOCK_PING_NS) return;
+  if (c->ping_ns && now - c->ping_ns < (int64_t)UCX_CTL_TIMEOUT_MS * 1000000) return;
+  ucx_req q = {UCX_CLOCK_MAGIC, 0, (uint64_t)now};
+  pthread_mutex_lock(&c->send_mu);
+  if (!kvf__ucx_send_all(c->fd, &q, sizeof q, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) c->ping_ns = now;
+  pthread_mutex_unlock(&c->send_mu);
+}
+
+/* What one notice reads, and why it stops. */
+typedef struct notice_read {
+  ucx_state *u;
+  ucx_ctl *c;
+  const ucx_notice *n;
+  engine_fence *fence;
+  size_t npins;
+  unsigned gen;      /* the region table's revocation count when pinned */
+  int64_t lease_end; /* on this engine's clock */
+} notice_read;
+
+/* Should the read stop, and with what? Checked between slices. */
+static int read_stop(const notice_read *r) {
+  kvf_engine *e = r->u->e;
+  if (r->fence && atomic_load(&r->fence->cut)) return KVF_ESTATE;
+  if (atomic_load(&e->regions.revocations) != r->gen)
+    for (size_t i = 0; i < r->npins; i++)
+      if (atomic_load(&r->c->pins[i]->revoked)) return KVF_ERANGE;
+  if (atomic_load(&r->c->closing) || atomic_load(&r->u->stopping)) return KVF_ECLOSED;
+  if (clock_now_ns() >= r->lease_end) return KVF_ETIMEDOUT;
+  return 0;
+}
+
+/* The span a strided block covers from `base`, or 0 on overflow. */
+static int block_span(uint64_t len, uint64_t count, uint64_t stride, uint64_t *span) {
+  if (count <= 1) return *span = len, 1;
+  return !__builtin_mul_overflow(count - 1, stride, span) && !__builtin_add_overflow(*span, len, span);
+}
+
+/* Check every descriptor and pin the destination regions: 0, KVF_ERANGE
+ * (outside this engine's memory, the fence's bounds or the writer's
+ * regions), KVF_EPROTO (sizes that overflow). */
+static int notice_check(notice_read *r, const kvf_write *w, uint32_t ndesc) {
+  ucx_ctl *c = r->c;
+  kvf_engine *e = r->u->e;
+  if (c->pins_cap < ndesc) {
+    region **pv = realloc(c->pins, ndesc * sizeof *pv);
+    if (!pv) return KVF_ENOMEM;
+    c->pins = pv;
+    c->pins_cap = ndesc;
+  }
+  int rc = 0;
+  if (r->fence && kvf__fence_bounds_begin(e, r->fence)) rc = KVF_ESTATE;
+  pthread_rwlock_rdlock(&e->regions.lock);
+  r->gen = atomic_load(&e->regions.revocations);
+  for (uint32_t i = 0; !rc && i < ndesc; i++) {
+    uint64_t count = w[i].count > 1 ? w[i].count : 1, sspan, dspan;
+    if (!w[i].len || !block_span(w[i].len, count, w[i].src_stride, &sspan) ||
+        !block_span(w[i].len, count, w[i].dst_stride, &dspan)) {
+      rc = KVF_EPROTO;
+      break;
+    }
+    region *dr = kvf__regions_find_block_locked(&e->regions, w[i].dst, w[i].len, count, w[i].dst_stride);
+    if (!dr || !kvf__ucx_rregion_find(c->wregs, c->nwregs, w[i].src, sspan) ||
+        (r->fence && !kvf__fence_bounds_ok(r->fence, w[i].dst, w[i].len, count, w[i].dst_stride))) {
+      rc = KVF_ERANGE;
+      break;
+    }
+    kvf__region_pin(dr);
+    c->pins[r->npins++] = dr;
+  }
+  pthread_rwlock_unlock(&e->regions.lock);
+  if (r->fence) kvf__fence_bounds_end(e);
+  return rc;
+}
+
+/* With wmu held: wait for the gets posted on the endpoint (a flush covers
+ * them), progressing the worker; a stop cancels them. */
+static int gets_wait_locked(notice_read *r) {
+  ucx_state *u = r->u;
+  ucx_ctl *c = r->c;
+  ucp_request_param_t fp = {.op_attr_mask = 0};
+  ucs_status_ptr_t sp = ucp_ep_flush_nbx(c->ep, &fp);
+  if (UCS_PTR_IS_ERR(sp)) {
+    reader_ep_cancel_locked(u, c, NULL);
+    return kvf__ucx_status(UCS_PTR_STATUS(sp));
+  }
+  ucs_status_t st = UCS_OK;
+  int idle = 0, stop = 0;
+  while (sp && (st = ucp_request_check_status(sp)) == UCS_INPROGRESS) {
+    if (ucp_worker_progress(u->w)) {
+      idle = 0;
+      continue;
+    }
+    pthread_mutex_unlock(&u->wmu); /* let the progress thread and the other readers in */
+    stop = read_stop(r);
+    if (!stop && atomic_load(&c->ep_failed)) stop = KVF_ECLOSED;
+    if (!stop) {
+      if (++idle < 64) sched_yield();
+      else usleep(20);
+    }
+    pthread_mutex_lock(&u->wmu);
+    if (stop) break;
+  }
+  if (stop) {
+    reader_ep_cancel_locked(u, c, sp);
+    return stop;
+  }
+  if (sp) ucp_request_free(sp);
+  if (st != UCS_OK) reader_ep_cancel_locked(u, c, NULL);
+  return kvf__ucx_status(st);
+}
+
+/* Read every piece of the notice into this engine's memory: loads from a
+ * mapped pool, gets elsewhere. 0 once every byte is in place. */
+static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint64_t *bytes) {
+  ucx_state *u = r->u;
+  ucx_ctl *c = r->c;
+  int rc = 0, posted = 0;
+  ucp_request_param_t prm = {.op_attr_mask = 0};
+  for (uint32_t i = 0; !rc && i < ndesc; i++) {
+    uint64_t count = w[i].count > 1 ? w[i].count : 1;
+    const ucx_rregion *src = kvf__ucx_rregion_find(c->wregs, c->nwregs, w[i].src, w[i].len);
+    for (uint64_t k = 0; !rc && k < count; k++) {
+      uint64_t s = w[i].src + k * w[i].src_stride, d = w[i].dst + k * w[i].dst_stride;
+      for (uint64_t off = 0; !rc && off < w[i].len; off += UCX_READ_SLICE) {
+        uint64_t len = w[i].len - off < UCX_READ_SLICE ? w[i].len - off : UCX_READ_SLICE;
+        if ((rc = read_stop(r))) break;
+        src = src && s + off >= src->base && s + off + len <= src->base + src->len
+                  ? src
+                  : kvf__ucx_rregion_find(c->wregs, c->nwregs, s + off, len);
+        if (!src) {
+          rc = KVF_ERANGE;
+          break;
+        }
+        if (src->ptr) {
+          memcpy((void *)(uintptr_t)(d + off), src->ptr + (s + off - src->base), len);
+        } else {
+          pthread_mutex_lock(&u->wmu);
+          ucs_status_ptr_t sp =
+              c->ep ? ucp_get_nbx(c->ep, (void *)(uintptr_t)(d + off), len, s + off, src->rkey, &prm)
+                    : UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED);
+          pthread_mutex_unlock(&u->wmu);
+          if (UCS_PTR_IS_ERR(sp)) {
+            rc = kvf__ucx_status(UCS_PTR_STATUS(sp));
+            break;
+          }
+          if (sp) ucp_request_free(sp); /* released when done; the flush covers it */
+          posted = 1;
+        }
+        *bytes += len;
+      }
+    }
+  }
+  if (posted) { /* failed or not, the gets posted end before the pins go */
+    pthread_mutex_lock(&u->wmu);
+    int w2 = c->ep ? gets_wait_locked(r) : KVF_ECLOSED;
+    pthread_mutex_unlock(&u->wmu);
+    if (!rc) rc = w2;
+  }
+  return rc;
+}
+
+/* Report a notice refused or read late, once per writer host and kind. */
+static void notice_refused(ucx_state *u, ucx_ctl *c, const ucx_notice *n, int rc) {
+  kvf_engine *e = u->e;
+  if (rc == KVF_ETIMEDOUT) {
+    atomic_fetch_add(&e->stats.reads_late, 1);
+    if (kvf__log_first_time_for_host(c->peer, "ucx-read-late"))
+      LOG_WARN("ucx",
+               "writer %s: chunk read after its lease (%" PRId64 " ms) ended; not counted (further ones from it "
+               "are not logged)",
+               c->peer, n->lease_ns / 1000000);
+    return;
+  }
+  if (rc == KVF_ECLOSED) return; /* this engine is stopping or cutting the connection */
+  atomic_fetch_add(&e->stats.reads_refused, 1);
+  if (rc == KVF_ESTATE) return; /* a closed fence: counted in chunks_fenced, the normal end of a failed room */
+  atomic_fetch_add(&e->stats.batches_refused, 1);
+  if (kvf__log_first_time_for_host(c->peer, "ucx-read-refused"))
+    LOG_WARN("ucx",
+             "writer %s: ready notice for tag %" PRIu64 " refused (%s): a source outside its regions or a "
+             "destination outside this engine's memory or the room's pages; nothing read (further ones from it "
+             "are not logged)",
+             c->peer, n->tag, kvf_strerror(rc));
+}
+
+int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
+  kvf_engine *e = u->e;
+  ucx_notice n = {.magic = UCX_NOTICE_MAGIC};
+  int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+  int rc = kvf__ucx_recv_all(c->fd, (char *)&n + sizeof n.magic, sizeof n - sizeof n.magic, until);
+  if (rc) return rc;
+  if (!c->waddr || n.ndesc == 0 || n.ndesc > UCX_MAX_NOTICE_DESC || n.tlen > KVF_ENGINE_MAX_TRAILER ||
+      n.lease_ns <= 0 || n.lease_ns > (int64_t)UCX_MAX_LEASE_MS * 1000000 || (n.tag && !n.epoch))
+    return KVF_EPROTO;
+  size_t need = (size_t)n.ndesc * sizeof(kvf_write) + n.tlen;
+  if (c->cap < need) {
+    unsigned char *b = realloc(c->buf, need);
+    if (!b) return KVF_ENOMEM;
+    c->buf = b;
+    c->cap = need;
+  }
+  if ((rc = kvf__ucx_recv_all(c->fd, c->buf, need, until))) return rc;
+  const kvf_write *w = (const kvf_write *)(const void *)c->buf;
+  const unsigned char *trailer = c->buf + (size_t)n.ndesc * sizeof(kvf_write);
+
+  int64_t now = clock_now_ns();
+  notice_read r = {.u = u, .c = c, .n = &n};
+  /* Without a bound on the writer's clock no lease can be checked: none is
+   * counted (the writer's info answers the first info, so only a writer
+   * that echoed something else is here). */
+  r.lease_end = c->have_skew ? n.sent_ns + n.lease_ns - skew_bound(c, now) : now;
+  uint64_t bytes = 0;
+  int status = 0;
+  if (n.tag && !(r.fence = kvf__fence_enter(e, n.tag, n.epoch))) status = KVF_ESTATE;
+  if (!status) status = notice_check(&r, w, n.ndesc);
+  if (!status) {
+    pthread_mutex_lock(&u->wmu);
+    status = reader_ep_make_locked(u, c);
+    pthread_mutex_unlock(&u->wmu);
+  }
+  if (!status) status = notice_copy(&r, w, n.ndesc, &bytes);
+  /* Done reading: it counts only if that was within the lease (by the
+   * bound on the writer's clock, taken now) and nothing cut it. */
+  if (!status && c->have_skew) r.lease_end = n.sent_ns + n.lease_ns - skew_bound(c, clock_now_ns());
+  if (!status) status = read_stop(&r);
+  if (!status) {
+    kvf_engine_sync(e); /* the bytes read, before the trailer's reader looks at them */
+    atomic_fetch_add(&e->stats.batches_received, 1);
+    atomic_fetch_add(&e->stats.bytes_received, bytes);
+    if (n.tlen) {
+      /* Handed over before the fence is left, as over tcp: once a fence
+       * close returned, no trailer of that epoch arrives. */
+      const char *colon = strrchr(c->peer, ':');
+      char ip[64];
+      snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - c->peer) : (int)strlen(c->peer), c->peer);
+      kvf__engine_deliver_trailer(e, trailer, n.tlen, ip);
+    }
+  }
+  for (size_t i = 0; i < r.npins; i++) kvf__region_unpin(&e->regions, c->pins[i]);
+  if (r.fence) kvf__fence_leave(e, r.fence);
+  if (status) notice_refused(u, c, &n, status);
+  if (c->have_skew) clock_ask(c, clock_now_ns());
+  ucx_req done = {UCX_READ_DONE_MAGIC, (uint32_t)status, n.id};
+  pthread_mutex_lock(&c->send_mu);
+  rc = kvf__ucx_send_all(c->fd, &done, sizeof done, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  pthread_mutex_unlock(&c->send_mu);
+  (void)now;
+  return rc;
+}
+
+void kvf__ucx_ctl_reader_free(ucx_state *u, ucx_ctl *c) {
+  pthread_mutex_lock(&u->wmu);
+  reader_ep_cancel_locked(u, c, NULL);
+  pthread_mutex_unlock(&u->wmu);
+  free(c->waddr);
+  free(c->buf);
+  free(c->pins);
+  c->waddr = NULL;
+  c->buf = NULL;
+  c->pins = NULL;
+}
