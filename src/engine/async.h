@@ -31,6 +31,19 @@ int kvf__engine_on_trailer(kvf_engine *engine, kvf__trailer_fn cb, void *arg);
  * thread but the callback's. */
 void kvf__engine_off_trailer(kvf_engine *engine, void *arg);
 
+/* Target side: a tagged chunk for the open pair (tag, epoch) from `peer`
+ * (its IP address) was refused before any byte landed: `err` is KVF_ERANGE
+ * (outside registered memory or the fence's bounds) or KVF_EPROTO (sizes
+ * that do not add up). Only a writer that knows the pair's epoch gets
+ * here, so the owner may give the pair's work up. Runs on a transport
+ * thread: must not block for long. A closed fence (KVF_ESTATE) is not
+ * reported: its owner closed it. */
+typedef void (*kvf__refusal_fn)(void *arg, uint64_t tag, uint64_t epoch, int err, const char *peer);
+
+/* Set / unset the engine's one refusal callback, as the trailer callback. */
+int kvf__engine_on_refusal(kvf_engine *engine, kvf__refusal_fn cb, void *arg);
+void kvf__engine_off_refusal(kvf_engine *engine, void *arg);
+
 /* kvf_engine_submit_ex with a trailer (NULL/0 = none; at most
  * KVF_ENGINE_MAX_TRAILER bytes): the blocks and the trailer are copied, the
  * caller owns *out (kvf_batch_wait, kvf_batch_destroy). Never blocks on the

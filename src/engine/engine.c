@@ -639,6 +639,28 @@ void kvf__engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_
   pthread_rwlock_unlock(&e->trailer_lock);
 }
 
+int kvf__engine_on_refusal(kvf_engine *e, kvf__refusal_fn cb, void *arg) {
+  if (!e || !cb) return KVF_EINVAL;
+  pthread_rwlock_wrlock(&e->trailer_lock);
+  int rc = e->refusal_cb ? KVF_EEXIST : 0;
+  if (!rc) e->refusal_cb = cb, e->refusal_arg = arg;
+  pthread_rwlock_unlock(&e->trailer_lock);
+  return rc;
+}
+
+void kvf__engine_off_refusal(kvf_engine *e, void *arg) {
+  if (!e) return;
+  pthread_rwlock_wrlock(&e->trailer_lock);
+  if (e->refusal_cb && e->refusal_arg == arg) e->refusal_cb = NULL, e->refusal_arg = NULL;
+  pthread_rwlock_unlock(&e->trailer_lock);
+}
+
+void kvf__engine_deliver_refusal(kvf_engine *e, uint64_t tag, uint64_t epoch, int err, const char *peer) {
+  pthread_rwlock_rdlock(&e->trailer_lock);
+  if (e->refusal_cb) e->refusal_cb(e->refusal_arg, tag, epoch, err, peer);
+  pthread_rwlock_unlock(&e->trailer_lock);
+}
+
 int kvf_batch_poll(kvf_batch *b) {
   if (!b) return KVF_EINVAL;
   pthread_mutex_lock(&b->mu);

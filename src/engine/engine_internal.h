@@ -206,6 +206,8 @@ typedef struct kvf_engine {
   pthread_rwlock_t trailer_lock;
   kvf__trailer_fn trailer_cb;
   void *trailer_arg;
+  kvf__refusal_fn refusal_cb; /* under trailer_lock as well */
+  void *refusal_arg;
   /* Pools the engine allocated, and registrations that lie inside one (a
    * manager registering memory it was given from a pool): those are counted
    * here, the pool's region already covers them. Under pools_mu. */
@@ -221,6 +223,9 @@ typedef struct kvf_engine {
 /* Target side: hand a chunk's trailer to the callback, if one is set (a
  * transport thread, after the chunk's bytes landed). */
 void kvf__engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_t len, const char *peer);
+/* Target side: report a refused tagged chunk to the refusal callback
+ * (async.h); `peer` is "ip:port" or an IP address. */
+void kvf__engine_deliver_refusal(kvf_engine *e, uint64_t tag, uint64_t epoch, int err, const char *peer);
 
 /* A blocking TCP connection to host:port made within the deadline, with
  * TCP_NODELAY (tcp_out.c). 0 or KVF_ECONNREFUSED / KVF_ETIMEDOUT. */

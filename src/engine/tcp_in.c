@@ -302,12 +302,14 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
     fenced = 1;
   }
   /* ... and only into the fence's bounds (the room's pages), when set. */
+  int bounded = 0; /* refused by the bounds of an open fence: its owner hears of it */
   if (!v && pins.fence) {
     int closed = kvf__fence_bounds_begin(e, pins.fence);
     for (uint32_t i = 0; !closed && !v && i < h->ndesc; i++)
       if (!kvf__fence_bounds_ok(pins.fence, descs[i].dst, descs[i].len, descs[i].count, descs[i].stride))
         v = TCP_FRAME_OUT_OF_RANGE;
     kvf__fence_bounds_end(e);
+    bounded = v != 0;
     if (closed || v) {
       for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
       kvf__fence_leave(e, pins.fence);
@@ -351,6 +353,7 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
   if (rc) return rc;
   if (v) {
     atomic_fetch_add(&e->stats.batches_refused, 1);
+    if (tag && bounded) kvf__engine_deliver_refusal(e, tag->tag, tag->epoch, KVF_ERANGE, in->peer);
   } else if (!fenced) {
     atomic_fetch_add(&e->stats.batches_received, 1);
     atomic_fetch_add(&e->stats.bytes_received, h->total_bytes);

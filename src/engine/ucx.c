@@ -592,6 +592,8 @@ static void ucx_teardown(ucx_state *u) {
     ucp_worker_destroy(u->w);
   }
   kvf__ucx_ops_free(u); /* flushes whose callbacks never ran (no worker left to run them) */
+  for (size_t i = 0; i < u->nquarantine; i++) free(u->quarantine[i]);
+  free(u->quarantine);
   if (u->ctx) ucp_cleanup(u->ctx);
   if (u->epfd >= 0) close(u->epfd);
   if (u->wake_fd >= 0) close(u->wake_fd);

@@ -65,6 +65,14 @@
 /* Reads into the target's memory are copied or posted in slices of this
  * size, the fence and revocations checked between them. */
 #define UCX_READ_SLICE (256u * 1024u)
+/* Gets (CMA, the network) land in a bounce buffer of the connection first
+ * and are copied into place slice by slice, the fence checked between
+ * slices: a get that a cancel could not stop (UCX's tcp places data after a
+ * forced endpoint close) lands in a buffer nobody reads, which is then
+ * quarantined until the engine stops. Loads from a mapped pool go straight
+ * into place. */
+#define UCX_BOUNCE_BYTES (2u << 20)
+#define UCX_BOUNCE_SLICES (UCX_BOUNCE_BYTES / UCX_READ_SLICE)
 /* Closed fences a writer remembers per peer beyond its last snapshot; past
  * this it asks for a new info (whose snapshot makes them redundant). */
 #define UCX_MAX_CLOSED_FENCES 65536u
@@ -282,6 +290,7 @@ typedef struct ucx_ctl {
   size_t cap;
   region **pins; /* the destination regions of a notice, pinned while read */
   size_t pins_cap;
+  unsigned char *bounce; /* UCX_BOUNCE_BYTES, allocated at the first get */
 } ucx_ctl;
 
 typedef struct ucx_state {
@@ -320,6 +329,10 @@ typedef struct ucx_state {
   ucx_job *q_head, *q_tail;
   pthread_t copiers[UCX_MAX_COPIERS];
   int ncopiers;
+  /* Bounce buffers of cancelled reads (ucx_read.c): UCX may still place
+   * data there, so they are freed only after the worker is gone. Under wmu. */
+  void **quarantine;
+  size_t nquarantine, cap_quarantine;
 } ucx_state;
 
 /* ucx.c */

@@ -314,6 +314,22 @@ static int notice_check(notice_read *r, const kvf_write *w, uint32_t ndesc) {
   return rc;
 }
 
+/* With wmu held: the gets into the bounce buffer were cancelled (or
+ * failed): UCX may still place their data there, so the buffer is kept
+ * aside until the engine stops and the next get gets a new one. */
+static void bounce_quarantine_locked(ucx_state *u, ucx_ctl *c) {
+  if (!c->bounce) return;
+  if (u->nquarantine == u->cap_quarantine) {
+    size_t cap = u->cap_quarantine ? 2 * u->cap_quarantine : 8;
+    void **v = realloc(u->quarantine, cap * sizeof *v);
+    if (!v) return; /* kept by the connection: it is not reused before its gets are cancelled again */
+    u->quarantine = v;
+    u->cap_quarantine = cap;
+  }
+  u->quarantine[u->nquarantine++] = c->bounce;
+  c->bounce = NULL;
+}
+
 /* With wmu held: wait for the gets posted on the endpoint (a flush covers
  * them), progressing the worker; a stop cancels them. */
 static int gets_wait_locked(notice_read *r) {
@@ -323,6 +339,7 @@ static int gets_wait_locked(notice_read *r) {
   ucs_status_ptr_t sp = ucp_ep_flush_nbx(c->ep, &fp);
   if (UCS_PTR_IS_ERR(sp)) {
     reader_ep_cancel_locked(u, c, NULL);
+    bounce_quarantine_locked(u, c);
     return kvf__ucx_status(UCS_PTR_STATUS(sp));
   }
   ucs_status_t st = UCS_OK;
@@ -344,19 +361,50 @@ static int gets_wait_locked(notice_read *r) {
   }
   if (stop) {
     reader_ep_cancel_locked(u, c, sp);
+    bounce_quarantine_locked(u, c);
     return stop;
   }
   if (sp) ucp_request_free(sp);
-  if (st != UCS_OK) reader_ep_cancel_locked(u, c, NULL);
+  if (st != UCS_OK) {
+    reader_ep_cancel_locked(u, c, NULL);
+    bounce_quarantine_locked(u, c);
+  }
   return kvf__ucx_status(st);
 }
 
+/* Slices read into the bounce buffer, to copy into place. */
+typedef struct bounce_slice {
+  uint64_t dst;
+  uint32_t off, len;
+} bounce_slice;
+
+/* Wait for the gets into the bounce buffer, then copy their slices into
+ * place, the fence checked before each. */
+static int bounce_drain(notice_read *r, bounce_slice *pend, unsigned *np, uint32_t *used) {
+  ucx_state *u = r->u;
+  ucx_ctl *c = r->c;
+  pthread_mutex_lock(&u->wmu);
+  int rc = c->ep ? gets_wait_locked(r) : KVF_ECLOSED;
+  pthread_mutex_unlock(&u->wmu);
+  for (unsigned i = 0; !rc && i < *np; i++) {
+    if ((rc = read_stop(r))) break;
+    memcpy((void *)(uintptr_t)pend[i].dst, c->bounce + pend[i].off, pend[i].len);
+  }
+  *np = 0;
+  *used = 0;
+  return rc;
+}
+
 /* Read every piece of the notice into this engine's memory: loads from a
- * mapped pool, gets elsewhere. 0 once every byte is in place. */
+ * mapped pool, gets through the bounce buffer elsewhere. 0 once every byte
+ * is in place. */
 static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint64_t *bytes) {
   ucx_state *u = r->u;
   ucx_ctl *c = r->c;
-  int rc = 0, posted = 0;
+  int rc = 0;
+  bounce_slice pend[UCX_BOUNCE_SLICES];
+  unsigned np = 0;
+  uint32_t used = 0;
   ucp_request_param_t prm = {.op_attr_mask = 0};
   for (uint32_t i = 0; !rc && i < ndesc; i++) {
     uint64_t count = w[i].count > 1 ? w[i].count : 1;
@@ -364,7 +412,7 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
     for (uint64_t k = 0; !rc && k < count; k++) {
       uint64_t s = w[i].src + k * w[i].src_stride, d = w[i].dst + k * w[i].dst_stride;
       for (uint64_t off = 0; !rc && off < w[i].len; off += UCX_READ_SLICE) {
-        uint64_t len = w[i].len - off < UCX_READ_SLICE ? w[i].len - off : UCX_READ_SLICE;
+        uint32_t len = (uint32_t)(w[i].len - off < UCX_READ_SLICE ? w[i].len - off : UCX_READ_SLICE);
         if ((rc = read_stop(r))) break;
         src = src && s + off >= src->base && s + off + len <= src->base + src->len
                   ? src
@@ -373,30 +421,39 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
           rc = KVF_ERANGE;
           break;
         }
+        *bytes += len;
         if (src->ptr) {
           memcpy((void *)(uintptr_t)(d + off), src->ptr + (s + off - src->base), len);
-        } else {
-          pthread_mutex_lock(&u->wmu);
-          ucs_status_ptr_t sp =
-              c->ep ? ucp_get_nbx(c->ep, (void *)(uintptr_t)(d + off), len, s + off, src->rkey, &prm)
-                    : UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED);
-          pthread_mutex_unlock(&u->wmu);
-          if (UCS_PTR_IS_ERR(sp)) {
-            rc = kvf__ucx_status(UCS_PTR_STATUS(sp));
-            break;
-          }
-          if (sp) ucp_request_free(sp); /* released when done; the flush covers it */
-          posted = 1;
+          continue;
         }
-        *bytes += len;
+        if (np == UCX_BOUNCE_SLICES || used + len > UCX_BOUNCE_BYTES) {
+          if ((rc = bounce_drain(r, pend, &np, &used))) break;
+        }
+        if (!c->bounce && !(c->bounce = malloc(UCX_BOUNCE_BYTES))) {
+          rc = KVF_ENOMEM;
+          break;
+        }
+        pthread_mutex_lock(&u->wmu);
+        ucs_status_ptr_t sp = c->ep ? ucp_get_nbx(c->ep, c->bounce + used, len, s + off, src->rkey, &prm)
+                                    : UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED);
+        pthread_mutex_unlock(&u->wmu);
+        if (UCS_PTR_IS_ERR(sp)) {
+          rc = kvf__ucx_status(UCS_PTR_STATUS(sp));
+          break;
+        }
+        if (sp) ucp_request_free(sp); /* released when done; the flush covers it */
+        pend[np++] = (bounce_slice){d + off, used, len};
+        used += len;
       }
     }
   }
-  if (posted) { /* failed or not, the gets posted end before the pins go */
-    pthread_mutex_lock(&u->wmu);
-    int w2 = c->ep ? gets_wait_locked(r) : KVF_ECLOSED;
-    pthread_mutex_unlock(&u->wmu);
-    if (!rc) rc = w2;
+  /* Failed or not, the gets posted end (or are cancelled) before the pins
+   * go; their slices are copied only when all went well. */
+  if (np) {
+    int r2 = rc ? KVF_ECLOSED : 0;
+    if (rc) np = 0, r2 = 0;
+    int w2 = bounce_drain(r, pend, &np, &used);
+    if (!rc) rc = w2 ? w2 : r2;
   }
   return rc;
 }
@@ -454,12 +511,13 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   uint64_t bytes = 0;
   int status = 0;
   if (n.tag && !(r.fence = kvf__fence_enter(e, n.tag, n.epoch))) status = KVF_ESTATE;
-  if (!status) status = notice_check(&r, w, n.ndesc);
-  if (!status) {
+  if (!status) { /* again after a cancel: the writer's regions come with it */
     pthread_mutex_lock(&u->wmu);
     status = reader_ep_make_locked(u, c);
     pthread_mutex_unlock(&u->wmu);
   }
+  if (!status) status = notice_check(&r, w, n.ndesc);
+  int checked = !status; /* a refusal from here on is this engine's (an unregister), not the writer's */
   if (!status) status = notice_copy(&r, w, n.ndesc, &bytes);
   /* Done reading: it counts only if that was within the lease (by the
    * bound on the writer's clock, taken now) and nothing cut it. */
@@ -481,6 +539,10 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   for (size_t i = 0; i < r.npins; i++) kvf__region_unpin(&e->regions, c->pins[i]);
   if (r.fence) kvf__fence_leave(e, r.fence);
   if (status) notice_refused(u, c, &n, status);
+  /* A writer that knew the open pair sent what may not be read: its owner
+   * gives the pair up. */
+  if (r.fence && (status == KVF_ERANGE || status == KVF_EPROTO) && !checked)
+    kvf__engine_deliver_refusal(e, n.tag, n.epoch, status, c->peer);
   if (c->have_skew) clock_ask(c, clock_now_ns());
   ucx_req done = {UCX_READ_DONE_MAGIC, (uint32_t)status, n.id};
   pthread_mutex_lock(&c->send_mu);
@@ -497,6 +559,8 @@ void kvf__ucx_ctl_reader_free(ucx_state *u, ucx_ctl *c) {
   free(c->waddr);
   free(c->buf);
   free(c->pins);
+  free(c->bounce); /* its gets ended with the endpoint above (a cancelled one's buffer is quarantined) */
+  c->bounce = NULL;
   c->waddr = NULL;
   c->buf = NULL;
   c->pins = NULL;

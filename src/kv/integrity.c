@@ -213,6 +213,28 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
   }
 }
 
+void kvf__integ_on_refused(void *arg, uint64_t tag, uint64_t epoch, int err, const char *peer) {
+  kvf_manager *m = arg;
+  integ_state *s = m->integ;
+  int64_t room = (int64_t)(tag ^ manager_room_tag(0));
+  pthread_mutex_lock(&s->lock);
+  integ_room *x = kvf__map_get(&s->rooms, (uint64_t)room);
+  int known = x && x->epoch == epoch;
+  pthread_mutex_unlock(&s->lock);
+  if (!known) return;
+  char reason[ROOMS_REASON_MAX];
+  snprintf(reason, sizeof reason,
+           "Prefill engine %s sent a chunk for this room outside its pages or this decode's registered memory "
+           "(%s); "
+           "refused, nothing of it landed",
+           peer, kvf_strerror(err));
+  if (kvf__rooms_fail(m->rooms, room, reason) == 0) {
+    atomic_fetch_add(&m->stats.messages_forged, 1);
+    if (kvf__log_first_time_for_host(peer, "kv-refused-chunk"))
+      LOG_WARN("kv", "room %" PRId64 ": %s (further ones from this host are not logged)", room, reason);
+  }
+}
+
 void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank) {
   integ_state *s = m->integ;
   if (rank < 0 || rank >= INTEG_MAX_RANKS) return;

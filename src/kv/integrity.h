@@ -44,6 +44,10 @@ void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_
 void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer,
                            int (*from_planned)(kvf_manager *m, int64_t room, const char *peer));
 void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank);
+/* Engine refusal callback (engine/async.h; arg: the manager): a chunk for
+ * the room's open fence came outside its bounds or the decode's memory, so
+ * its prefill cannot be trusted with the room: it fails with a reason. */
+void kvf__integ_on_refused(void *arg, uint64_t tag, uint64_t epoch, int err, const char *peer);
 
 /* ---- prefill ---- */
 

@@ -120,6 +120,7 @@ struct decode_state {
   smap infos; /* bootstrap addr -> addr_entry */
   smap pools; /* pool key -> pool_entry (one reference held by the map) */
   uint64_t next_epoch;
+  int refusals; /* this manager has the engine's refusal callback (integrity.c) */
 
   /* Planner inputs that never change, converted once (the layout by the
    * manager: m->bufs.kv_layout). */
@@ -160,7 +161,23 @@ struct kvf_receiver {
    * `fenced` once it was closed on Failed. The receiver's thread only. */
   uint64_t fence_epoch;
   int fenced;
+  /* The room's own pages as (base, len) pairs, the fence's bounds
+   * (room_bounds.c): what a prefill may write, or have read, here. Kept
+   * across reuse of the receiver (grow-only, no allocation per room once
+   * warm); valid until the fence is closed. */
+  uint64_t *bounds;
+  size_t bounds_cap;
+  int64_t *sorted; /* scratch: the room's pages, sorted */
+  size_t sorted_cap;
 };
+
+/* room_bounds.c */
+/* Bound the room's fence to its own pages (every KV buffer's pages, every
+ * state buffer's slots): a chunk for the room landing elsewhere is refused
+ * by this engine. KVF_ENOMEM leaves the fence without bounds. */
+int kvf__dec_room_bound(kvf_manager *m, kvf_receiver *r, const int64_t *pages, size_t npages, const int64_t *slots,
+                        size_t nslots);
+void kvf__dec_receiver_free(kvf_receiver *r);
 
 /* discovery.c */
 void kvf__dec_pool_unref(pool_entry *p);

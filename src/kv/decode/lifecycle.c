@@ -18,7 +18,7 @@ static void free_state(struct decode_state *ds) {
   while (ds->spare) {
     kvf_receiver *r = ds->spare;
     ds->spare = r->next_spare;
-    free(r);
+    kvf__dec_receiver_free(r);
   }
   free(ds->d_kv_item), free(ds->d_kv_unit), free(ds->d_state_item), free(ds->d_state_unit);
   pthread_mutex_destroy(&ds->lock);
@@ -45,8 +45,10 @@ int kvf__decode_start(kvf_manager *m) {
   m->decode = ds;
   /* A shared engine has one trailer callback: the first decode manager gets it. */
   ds->fast = m->cfg.fast_completion && !kvf__engine_on_trailer(m->engine, kvf__dec_on_trailer, m);
+  ds->refusals = !kvf__engine_on_refusal(m->engine, kvf__integ_on_refused, m);
   if (pthread_create(&ds->hb, NULL, kvf__dec_heartbeat_main, m)) {
     if (ds->fast) kvf__engine_off_trailer(m->engine, m);
+    if (ds->refusals) kvf__engine_off_refusal(m->engine, m);
     m->decode = NULL;
     goto fail;
   }
@@ -61,6 +63,7 @@ void kvf__decode_stop(kvf_manager *m) {
   struct decode_state *ds = m->decode;
   if (!ds) return;
   if (ds->fast) kvf__engine_off_trailer(m->engine, m); /* returns once no trailer is being handled */
+  if (ds->refusals) kvf__engine_off_refusal(m->engine, m);
   if (ds->hb_started) {
     pthread_mutex_lock(&ds->hb_lock);
     ds->hb_stop = 1;

@@ -10,7 +10,12 @@ static kvf_receiver *receiver_take(struct decode_state *ds) {
   kvf_receiver *r = ds->spare;
   if (r) ds->spare = r->next_spare, ds->nspare--;
   pthread_mutex_unlock(&ds->lock);
-  if (r) memset(r, 0, sizeof *r);
+  if (r) { /* zeroed, but its grow-only arrays kept */
+    kvf_receiver keep = *r;
+    memset(r, 0, sizeof *r);
+    r->bounds = keep.bounds, r->bounds_cap = keep.bounds_cap;
+    r->sorted = keep.sorted, r->sorted_cap = keep.sorted_cap;
+  }
   return r ? r : calloc(1, sizeof *r);
 }
 
@@ -23,7 +28,7 @@ static void receiver_give(struct decode_state *ds, kvf_receiver *r) {
     ds->nspare++;
   }
   pthread_mutex_unlock(&ds->lock);
-  if (!keep) free(r);
+  if (!keep) kvf__dec_receiver_free(r);
 }
 
 int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out) {
@@ -70,6 +75,11 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
     kvf__rooms_reset_responses(m->rooms, r->room, ROOM_BOOTSTRAPPED);
   }
   kvf__integ_room_open(m, r->room, p->kvferry_peer, &room_flags, &r->fence_epoch);
+  if (r->fence_epoch && kvf__dec_room_bound(m, r, pages, npages, state_slots, nstate))
+    LOG_WARN("kv",
+             "room %" PRId64 ": no memory for its page bounds; its writes are checked against the engine's "
+             "registered memory only",
+             r->room);
   /* Only a kvferry prefill (it published its page layout) is asked; verify
    * mode checks digests before Success, which come by the control plane, so
    * such a room is completed by its M3. */
