@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -565,6 +566,19 @@ static void small_batches_in_a_burst_keep_their_trailers(void **state) {
  * target; a wrong epoch, a closed pair or a pair never opened is refused
  * before any byte is written (KVF_ESTATE, counted); untagged batches are
  * never affected. */
+typedef struct refusals {
+  atomic_int n;
+  uint64_t tag, epoch;
+  int err;
+} refusals;
+
+static void on_refused(void *arg, uint64_t tag, uint64_t epoch, int err, const char *peer) {
+  refusals *r = arg;
+  (void)peer;
+  r->tag = tag, r->epoch = epoch, r->err = err;
+  atomic_fetch_add(&r->n, 1);
+}
+
 static void tagged_batches_land_only_while_their_fence_is_open(void **state) {
   if (ucx_write_mode()) {
     /* Target-side fences need the target to see the write: UCX puts are
@@ -599,11 +613,17 @@ static void tagged_batches_land_only_while_their_fence_is_open(void **state) {
    * land); one inside them lands. */
   uint64_t half[2] = {(uint64_t)(uintptr_t)dst, N / 2};
   assert_int_equal(kvf__engine_fence_bound(t, 77, epoch, half, 1), 0);
+  refusals seen = {0};
+  assert_int_equal(kvf__engine_on_refusal(t, on_refused, &seen), 0);
   assert_int_equal(kvf__engine_fence_bound(t, 77, epoch + 12345, half, 1), KVF_ENOTFOUND);
   memset(src, 0xee, N);
   assert_int_equal(kvf_engine_write_ex(w, kvf_engine_session_id(t), &wr, 1, &o), KVF_ERANGE);
   kvf_engine_sync(t);
   for (size_t i = N / 2; i < N; i += 4093) assert_int_equal(dst[i], 0xab);
+  /* The fence's owner heard of it (the decode fails the room). */
+  assert_true(atomic_load(&seen.n) >= 1);
+  assert_true(seen.tag == 77 && seen.epoch == epoch && seen.err == KVF_ERANGE);
+  kvf__engine_off_refusal(t, &seen);
   memset(dst, 0xab, N / 2);
   kvf_engine_sync(t);
   kvf_write in_half = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst + 4096, N / 2 - 4096, 1, 0, 0};

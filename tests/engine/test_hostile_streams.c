@@ -367,15 +367,68 @@ static void hostile_stream(target *t, rng *r, stream *s) {
       put(s, &h, sizeof h);
       break;
     }
-    case 5: put_hello(s, TCP_UCX_HELLO_MAGIC, TCP_PROTO_VERSION, TOKEN, strlen(TOKEN));
+    case 5: {
+      /* A UCX rendezvous, in read mode or not (hello flags). */
+      tcp_hello h = {TCP_UCX_HELLO_MAGIC, chance(r, 10) ? TCP_PROTO_VERSION : TCP_UCX_PROTO_VERSION,
+                     chance(r, 50) ? TCP_HELLO_CAN_READ : 0, (uint32_t)strlen(TOKEN), 0};
+      put(s, &h, sizeof h);
+      put(s, TOKEN, strlen(TOKEN));
+    }
 #ifdef KVF_HAVE_UCX
-      /* A UCX rendezvous: requests and acks with random fields, trailers of
-     * any length (an engine without UCX answers the hello with KVF_ESTATE). */
+      /* Requests and acks with random fields, trailers of any length, and
+       * read mode's messages: writer infos, ready notices and clock answers
+       * with random fields (an engine without UCX answers the hello with
+       * KVF_ESTATE). */
       if (chance(r, 70)) {
-        static const uint32_t req_magics[] = {UCX_REQ_MAGIC, UCX_ACK_MAGIC, UCX_FENCE_ACK_MAGIC,
-                                              UCX_TRAILER_MAGIC};
+        static const uint32_t req_magics[] = {UCX_REQ_MAGIC,      UCX_ACK_MAGIC,    UCX_FENCE_ACK_MAGIC,
+                                              UCX_TRAILER_MAGIC,  UCX_NOTICE_MAGIC, UCX_INFO_MAGIC,
+                                              UCX_CLOCK_ANS_MAGIC};
         for (int i = 0, n = 1 + (int)below(r, 6); i < n; i++) {
-          ucx_req q = {chance(r, 10) ? (uint32_t)next(r) : req_magics[below(r, 4)], 0, next(r)};
+          uint32_t magic = chance(r, 10) ? (uint32_t)next(r) : req_magics[below(r, 7)];
+          if (magic == UCX_NOTICE_MAGIC) {
+            ucx_notice nt = {magic,
+                             (uint32_t)below(r, 5),
+                             next(r),
+                             chance(r, 50) ? OPEN_TAG : next(r),
+                             next(r),
+                             (int64_t)next(r),
+                             (int64_t)below(r, 1ull << 40),
+                             (uint32_t)below(r, 64),
+                             0};
+            put(s, &nt, sizeof nt);
+            for (uint32_t k = 0; k < nt.ndesc; k++) {
+              kvf_write d = {next(r),
+                             (uint64_t)(uintptr_t)t->base + below(r, 2 * HALF),
+                             1 + below(r, 8192),
+                             below(r, 3),
+                             next(r),
+                             below(r, 8192)};
+              put(s, &d, sizeof d);
+            }
+            unsigned char tb[64];
+            memset(tb, 'N', sizeof tb);
+            put(s, tb, chance(r, 10) ? below(r, nt.tlen + 1) : nt.tlen);
+            continue;
+          }
+          if (magic == UCX_INFO_MAGIC) { /* a writer info with random fields and a garbage body */
+            ucx_info_hdr ih;
+            memset(&ih, 0, sizeof ih);
+            ih.magic = magic, ih.nregions = (uint32_t)below(r, 4), ih.gen = next(r);
+            ih.addr_len = (uint32_t)below(r, 256), ih.body_len = (uint32_t)below(r, 512);
+            ih.flags = chance(r, 80) ? UCX_INFO_WRITER : (uint32_t)next(r);
+            memset(ih.host_id, 'h', sizeof ih.host_id - 1);
+            put(s, &ih, sizeof ih);
+            unsigned char body[512];
+            for (size_t k = 0; k < sizeof body; k++) body[k] = (unsigned char)next(r);
+            put(s, body, chance(r, 10) ? below(r, ih.body_len + 1) : ih.body_len);
+            continue;
+          }
+          if (magic == UCX_CLOCK_ANS_MAGIC) {
+            ucx_clock_ans a = {magic, 0, (int64_t)next(r), (int64_t)next(r)};
+            put(s, &a, sizeof a);
+            continue;
+          }
+          ucx_req q = {magic, 0, next(r)};
           unsigned char tb[KVF_ENGINE_MAX_TRAILER + 64];
           if (q.magic == UCX_TRAILER_MAGIC) q.reserved = (uint32_t)below(r, sizeof tb + 1);
           put(s, &q, sizeof q);

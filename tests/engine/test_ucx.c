@@ -25,7 +25,10 @@
 #include "kvferry.h"
 #ifdef KVF_HAVE_UCX
 #include <ucp/api/ucp.h>
+
+#include "engine/ucx.h"
 #endif
+#include <signal.h>
 
 #define PAGE 4096u
 #define PEER_BYTES (16u << 20)
@@ -526,8 +529,177 @@ static void unregister_prompt_after_the_writer_gave_up(void **state) {
   free(r);
 }
 
+static int read_mode(void) {
+  const char *m = getenv("KVFERRY_UCX_MODE");
+  return !m || strcmp(m, "write");
+}
+
+static void peer_reads(engine_peer *peer, unsigned long long *got, unsigned long long *late,
+                       unsigned long long *refused) {
+  char reply[128];
+  assert_int_equal(proc_ask(&peer->p, "reads", reply, sizeof reply, 5000), 0);
+  assert_int_equal(sscanf(reply, "reads %llu %llu %llu", got, late, refused), 3);
+}
+
+/* Read mode: a target stopped (SIGSTOP) past the lease of a chunk it was
+ * told about. The writer's batch fails at the lease's end, the writer
+ * reuses its sources with a new pattern, the target resumes: it does not
+ * count the chunk (no read of reused sources passes as done), and nothing
+ * of it lands in its memory; the next batch works. */
+static void stopped_target_past_its_lease_counts_nothing(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+  if (!read_mode()) skip();
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  setenv("KVFERRY_READ_LEASE_MS", "500", 1);
+  kvf_engine *e = make_engine("ucx", 20000);
+  unsetenv("KVFERRY_READ_LEASE_MS");
+  enum { N = 64 };
+  unsigned char *src = malloc(N * PAGE);
+  assert_non_null(src);
+  assert_int_equal(kvf_engine_register(e, src, N * PAGE), 0);
+  char reply[64];
+  assert_int_equal(proc_ask(&peer.p, "fill 0", reply, sizeof reply, 5000), 0);
+  memset(src, 0, PAGE);
+  kvf_write warm = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
+  assert_int_equal(kvf_engine_write(e, peer.session, &warm, 1), 0); /* rendezvous done, read mode set */
+  unsigned long long got0, late0, ref0, got, late, ref;
+  peer_reads(&peer, &got0, &late0, &ref0);
+
+  memset(src, 0x11, N * PAGE);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base + PAGE, .len = N * PAGE - PAGE};
+  assert_int_equal(kill(peer.p.pid, SIGSTOP), 0);
+  kvf_batch *b = NULL;
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(kvf_engine_submit(e, peer.session, &w, 1, &b), 0);
+  int rc = kvf_batch_wait(b, -1);
+  double waited = (double)(clock_now_ns() - t0) / 1e9;
+  kvf_batch_destroy(b);
+  printf("batch to a stopped target ended after %.3f s: %s\n", waited, kvf_strerror(rc));
+  assert_int_equal(rc, KVF_ETIMEDOUT);
+  assert_true(waited >= 0.45 && waited < 10); /* the lease, not the 20 s deadline */
+  memset(src, 0x22, N * PAGE);                /* the sources are reused */
+  usleep(200000);                             /* the target stays stopped past the lease */
+  assert_int_equal(kill(peer.p.pid, SIGCONT), 0);
+  int64_t until = clock_now_ns() + 5000000000ll;
+  do {
+    usleep(20000);
+    peer_reads(&peer, &got, &late, &ref);
+  } while (late == late0 && clock_now_ns() < until);
+  printf("target after SIGCONT: counted %llu, late %llu\n", got - got0, late - late0);
+  assert_true(late > late0);
+  assert_int_equal(got, got0);
+  assert_int_equal(proc_ask(&peer.p, "untouched 0", reply, sizeof reply, 5000), 0);
+  assert_string_equal(reply, "ok");
+  assert_int_equal(kvf_engine_write(e, peer.session, &warm, 1), 0); /* the pair works again */
+  kvf_engine_unregister(e, src);
+  kvf_engine_destroy(e);
+  free(src);
+  engine_peer_stop(&peer);
+}
+
+#ifdef KVF_HAVE_UCX
+/* Send a crafted ready notice on the writer's rendezvous connection. */
+static void send_notice(kvf_engine *w, const char *session, const ucx_notice *n, const kvf_write *d) {
+  ucx_state *u = w->ucx;
+  ucx_peer *p = NULL;
+  assert_int_equal(kvf__ucx_peer_get(u, session, &p), 0);
+  pthread_mutex_lock(&p->mu);
+  assert_true(p->fd >= 0);
+  assert_int_equal(kvf__ucx_send_all(p->fd, n, sizeof *n, clock_deadline_ms(2000)), 0);
+  if (n->ndesc) assert_int_equal(kvf__ucx_send_all(p->fd, d, n->ndesc * sizeof *d, clock_deadline_ms(2000)), 0);
+  pthread_mutex_unlock(&p->mu);
+}
+
+static uint64_t wait_stat(kvf_engine *t, size_t field, uint64_t above) {
+  kvf_engine_stats st;
+  for (int i = 0; i < 500; i++) {
+    kvf_engine_get_stats(t, &st);
+    uint64_t v = *(const uint64_t *)(const void *)((const char *)&st + field);
+    if (v > above) return v;
+    usleep(10000);
+  }
+  return above;
+}
+#endif
+
+/* Read mode, a hostile writer: ready notices with a source outside its
+ * regions, a destination outside the target's memory, the epoch of a room
+ * closed before, or no descriptor at all. Each is refused and counted;
+ * nothing is read or written; the last one (malformed) ends the
+ * connection, and the writer reconnects. */
+static void hostile_ready_notices_refused(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+#ifdef KVF_HAVE_UCX
+  if (!read_mode()) skip();
+  kvf_engine *t = make_engine("ucx", 5000), *w = make_engine("ucx", 5000);
+  enum { N = 1 << 20 };
+  unsigned char *src = malloc(N), *dst = calloc(1, N), *other = malloc(N);
+  assert_true(src && dst && other);
+  memset(src, 0x77, N);
+  memset(other, 0x66, N);
+  assert_int_equal(kvf_engine_register(w, src, N), 0);
+  assert_int_equal(kvf_engine_register(t, dst, N), 0);
+  const char *session = kvf_engine_session_id(t);
+  kvf_write ok = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst, PAGE, 1, 0, 0};
+  assert_int_equal(kvf_engine_write(w, session, &ok, 1), 0); /* connection and read mode set up */
+  kvf_engine_sync(t);
+  memset(dst, 0, PAGE);
+  kvf_engine_sync(t);
+  uint64_t epoch = 0;
+  assert_int_equal(kvf_engine_fence_open(t, 9, &epoch), 0);
+  assert_int_equal(kvf_engine_fence_close(t, 9, epoch, 1000), 0);
+  kvf_engine_stats st0, st;
+  kvf_engine_get_stats(t, &st0);
+
+  ucx_notice n = {UCX_NOTICE_MAGIC, 1, 1000001, 0, 0, clock_now_ns(), 2000000000ll, 0, 0};
+  kvf_write d = {(uint64_t)(uintptr_t)other, (uint64_t)(uintptr_t)dst, N, 1, 0, 0}; /* not the writer's memory */
+  send_notice(w, session, &n, &d);
+  uint64_t refused = wait_stat(t, offsetof(kvf_engine_stats, reads_refused), st0.reads_refused);
+  assert_int_equal(refused, st0.reads_refused + 1);
+  d = (kvf_write){(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)other, PAGE, 1, 0, 0}; /* not the target's */
+  n.id++, n.sent_ns = clock_now_ns();
+  send_notice(w, session, &n, &d);
+  refused = wait_stat(t, offsetof(kvf_engine_stats, reads_refused), refused);
+  assert_int_equal(refused, st0.reads_refused + 2);
+  d = (kvf_write){(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst, N, 1, 0, 0};
+  n.id++, n.sent_ns = clock_now_ns(), n.tag = 9, n.epoch = epoch; /* a room closed before */
+  send_notice(w, session, &n, &d);
+  refused = wait_stat(t, offsetof(kvf_engine_stats, reads_refused), refused);
+  assert_int_equal(refused, st0.reads_refused + 3);
+  kvf_engine_get_stats(t, &st);
+  assert_true(st.chunks_fenced > st0.chunks_fenced);
+  assert_int_equal(st.batches_received, st0.batches_received);
+  kvf_engine_sync(t);
+  for (size_t i = 0; i < N; i += 4093) assert_int_equal(dst[i], 0);
+  for (size_t i = 0; i < N; i += 4093) assert_int_equal(other[i], 0x66);
+
+  n.id++, n.ndesc = 0, n.tag = 0, n.epoch = 0; /* malformed: the connection ends */
+  send_notice(w, session, &n, NULL);
+  wait_stat(t, offsetof(kvf_engine_stats, protocol_errors), st0.protocol_errors);
+  kvf_engine_get_stats(t, &st);
+  assert_true(st.protocol_errors > st0.protocol_errors);
+  int rc = KVF_ECLOSED;
+  for (int i = 0; i < 20 && rc; i++) { /* the writer sees the connection end, then reconnects */
+    rc = kvf_engine_write(w, session, &ok, 1);
+    if (rc) usleep(50000);
+  }
+  assert_int_equal(rc, 0);
+  kvf_engine_destroy(w);
+  kvf_engine_destroy(t);
+  free(src);
+  free(dst);
+  free(other);
+#endif
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(stopped_target_past_its_lease_counts_nothing),
+      cmocka_unit_test(hostile_ready_notices_refused),
       cmocka_unit_test(plain_and_strided_land_exact),
       cmocka_unit_test(allocated_pools_land_exact),
       cmocka_unit_test(explicit_ucx_never_falls_back),

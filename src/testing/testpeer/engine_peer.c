@@ -8,6 +8,7 @@
  *   fill <byte>                                → "ok" after memset
  *   stats                                      → "stats <received> <refused> <auth_refused>"
  *   errors                                     → "errors <protocol_errors> <conns_refused>"
+ *   reads                                      → "reads <received> <reads_late> <reads_refused>"
  *   quit
  * It exits on EOF of stdin, so a test that dies takes its peer with it. */
 #include <getopt.h>
@@ -126,6 +127,11 @@ int cli_engine_peer(int argc, char **argv) {
       kvf_engine_stats st;
       kvf_engine_get_stats(e, &st);
       printf("errors %llu %llu\n", (unsigned long long)st.protocol_errors, (unsigned long long)st.conns_refused);
+    } else if (!strcmp(line, "reads")) {
+      kvf_engine_stats st;
+      kvf_engine_get_stats(e, &st);
+      printf("reads %llu %llu %llu\n", (unsigned long long)st.batches_received, (unsigned long long)st.reads_late,
+             (unsigned long long)st.reads_refused);
     } else if (!strcmp(line, "quit")) {
       break;
     } else {
