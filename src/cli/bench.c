@@ -233,6 +233,8 @@ typedef struct engine_case {
   size_t per_batch;
   int alloc; /* into pools from kvf_engine_alloc_pool */
   double gbps, memcpy2, ucx_raw;
+  const char *mode;  /* UCX: "read" (the target reads, the default) or "write"; NULL over tcp */
+  double write_gbps; /* a read case: its write twin's figure of this run */
 } engine_case;
 
 /* Over UCX (explicit, or auto between two processes here) the same-run
@@ -243,39 +245,75 @@ static int bench_uses_ucx(void) {
   return strstr(kvf_engine_transports(), "ucx") && (!t || strcmp(t, "tcp"));
 }
 
+/* Set the UCX mode the next engines (and the peers they start) use; the
+ * caller's setting comes back with mode NULL. */
+static void bench_ucx_mode(const char *mode, char *saved, size_t cap) {
+  if (mode) {
+    const char *cur = getenv("KVFERRY_UCX_MODE");
+    snprintf(saved, cap, "%s", cur ? cur : "");
+    setenv("KVFERRY_UCX_MODE", mode, 1);
+  } else if (*saved) {
+    setenv("KVFERRY_UCX_MODE", saved, 1);
+  } else {
+    unsetenv("KVFERRY_UCX_MODE");
+  }
+}
+
 static int bench_engine(const bench_opts *o) {
   const uint64_t pool_bytes = o->pool_bytes;
   int ucx = bench_uses_ucx();
   double base = bench_tcp_baseline(o->bytes, pool_bytes);
   double base_hot = bench_tcp_baseline(o->bytes, 1 << 20);
   int rc = 1, failed = 0;
-  engine_case cases[4] = {{"engine_1MiB_blocks", 1 << 20, 16, 0, 0, 0, 0},
-                          {"engine_256x32KiB_scattered", 32 << 10, 256, 0, 0, 0, 0},
-                          {"engine_1MiB_blocks_pool", 1 << 20, 16, 1, 0, 0, 0},
-                          {"engine_256x32KiB_scattered_pool", 32 << 10, 256, 1, 0, 0, 0}};
+  /* Over UCX every case runs in read mode and in write mode, the read case
+   * first with its write twin's figure beside it. */
+  engine_case cases[8] = {{"engine_1MiB_blocks", 1 << 20, 16, 0, 0, 0, 0, NULL, 0},
+                          {"engine_256x32KiB_scattered", 32 << 10, 256, 0, 0, 0, 0, NULL, 0},
+                          {"engine_1MiB_blocks_pool", 1 << 20, 16, 1, 0, 0, 0, NULL, 0},
+                          {"engine_256x32KiB_scattered_pool", 32 << 10, 256, 1, 0, 0, 0, NULL, 0}};
   size_t nc = ucx ? 4 : 2;
   if (o->block) { /* a single custom case (and its pool twin) replaces the standard ones */
-    cases[0] = (engine_case){"engine_custom", o->block, (size_t)o->per_batch, 0, 0, 0, 0};
-    cases[1] = (engine_case){"engine_custom_pool", o->block, (size_t)o->per_batch, 1, 0, 0, 0};
+    cases[0] = (engine_case){"engine_custom", o->block, (size_t)o->per_batch, 0, 0, 0, 0, NULL, 0};
+    cases[1] = (engine_case){"engine_custom_pool", o->block, (size_t)o->per_batch, 1, 0, 0, 0, NULL, 0};
     nc = ucx ? 2 : 1;
   }
-  for (int alloc = 0; alloc < 2 && !failed; alloc++) {
-    engine_rig g;
-    int any = 0;
-    for (size_t i = 0; i < nc; i++) any |= cases[i].alloc == alloc;
-    if (!any) continue;
-    if (engine_rig_start(&g, pool_bytes, alloc)) return 1;
-    for (size_t i = 0; i < nc && !failed; i++)
-      if (cases[i].alloc == alloc)
-        cases[i].gbps = bench_engine_case(g.e, &g.peer, g.pool, pool_bytes, cases[i].block, cases[i].per_batch,
-                                          o->inflight, o->bytes, &failed);
-    engine_rig_stop(&g);
+  if (ucx) {
+    for (size_t i = nc; i-- > 0;) {
+      cases[2 * i] = cases[i];
+      cases[2 * i + 1] = cases[i];
+      cases[2 * i].mode = "read";
+      cases[2 * i + 1].mode = "write";
+    }
+    nc *= 2;
   }
+  static const char *const modes[] = {"read", "write"};
+  for (int m = 0; m < (ucx ? 2 : 1) && !failed; m++)
+    for (int alloc = 0; alloc < 2 && !failed; alloc++) {
+      engine_rig g;
+      int any = 0;
+      for (size_t i = 0; i < nc; i++) any |= cases[i].alloc == alloc && (!ucx || !strcmp(cases[i].mode, modes[m]));
+      if (!any) continue;
+      char saved[16] = "";
+      if (ucx) bench_ucx_mode(modes[m], saved, sizeof saved);
+      int up = engine_rig_start(&g, pool_bytes, alloc);
+      if (ucx) bench_ucx_mode(NULL, saved, sizeof saved);
+      if (up) return 1;
+      for (size_t i = 0; i < nc && !failed; i++)
+        if (cases[i].alloc == alloc && (!ucx || !strcmp(cases[i].mode, modes[m])))
+          cases[i].gbps = bench_engine_case(g.e, &g.peer, g.pool, pool_bytes, cases[i].block, cases[i].per_batch,
+                                            o->inflight, o->bytes, &failed);
+      engine_rig_stop(&g);
+    }
   if (failed) {
     fprintf(stderr, "bench: a batch failed\n");
     goto out;
   }
   for (size_t i = 0; i < nc; i++) {
+    if (ucx && i % 2) { /* the write twin: same baselines */
+      cases[i].memcpy2 = cases[i - 1].memcpy2, cases[i].ucx_raw = cases[i - 1].ucx_raw;
+      cases[i - 1].write_gbps = cases[i].gbps;
+      continue;
+    }
     cases[i].memcpy2 = bench_memcpy2_gbps(pool_bytes, cases[i].block, cases[i].per_batch, o->bytes);
     if (ucx)
       cases[i].ucx_raw = bench_ucx_raw_gbps(pool_bytes, cases[i].block, cases[i].per_batch, o->inflight, o->bytes,
@@ -289,12 +327,14 @@ static int bench_engine(const bench_opts *o) {
            transport, tls ? tls : "", (unsigned long long)o->bytes, o->inflight);
     for (size_t i = 0; i < nc; i++) {
       engine_case *c = &cases[i];
-      printf("%s{\"name\":\"%s\",\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,\"memcpy2_gbps\":%.3f,"
+      printf("%s{\"name\":\"%s%s%s\",\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,\"memcpy2_gbps\":%.3f,"
              "\"memcpy_ratio\":%.3f",
-             i ? "," : "", c->name, c->gbps, base, base > 0 ? c->gbps / base : 0, c->memcpy2,
-             c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
+             i ? "," : "", c->name, c->mode ? "_" : "", c->mode ? c->mode : "", c->gbps, base,
+             base > 0 ? c->gbps / base : 0, c->memcpy2, c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
       if (ucx)
-        printf(",\"ucx_raw_gbps\":%.3f,\"ucx_ratio\":%.3f", c->ucx_raw, c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
+        printf(",\"mode\":\"%s\",\"ucx_raw_gbps\":%.3f,\"ucx_ratio\":%.3f", c->mode, c->ucx_raw,
+               c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
+      if (ucx && c->write_gbps > 0) printf(",\"read_over_write\":%.3f", c->gbps / c->write_gbps);
       printf("}");
     }
     printf("],\"pool_bytes\":%llu,\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes through a pool of "
@@ -309,15 +349,20 @@ static int bench_engine(const bench_opts *o) {
            "          (same, one cache-hot 1 MiB buffer at both ends: %.2f GB/s)\n"
            "memcpy2:  2 threads memcpy the same blocks between two pools of that size\n%s",
            (unsigned long long)(pool_bytes >> 20), base, base_hot,
-           ucx ? "ucx raw:  a raw UCP put loop of the same blocks into a child process, same UCX_TLS\n" : "");
-    printf("%-32s %8s %8s %6s %8s %6s", "case", "GB/s", "tcp", "ratio", "memcpy2", "ratio");
-    if (ucx) printf(" %8s %6s", "ucx raw", "ratio");
+           ucx ? "ucx raw:  a raw UCP put loop of the same blocks into a child process, same UCX_TLS\n"
+                 "mode:     read = the target reads each chunk (the default), write = the writer puts\n"
+               : "");
+    printf("%-38s %8s %8s %6s %8s %6s", "case", "GB/s", "tcp", "ratio", "memcpy2", "ratio");
+    if (ucx) printf(" %8s %6s %6s", "ucx raw", "ratio", "r/w");
     printf("\n");
     for (size_t i = 0; i < nc; i++) {
       engine_case *c = &cases[i];
-      printf("%-32s %8.2f %8.2f %6.2f %8.2f %6.2f", c->name, c->gbps, base, base > 0 ? c->gbps / base : 0,
-             c->memcpy2, c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
+      char name[64];
+      snprintf(name, sizeof name, "%s%s%s", c->name, c->mode ? "_" : "", c->mode ? c->mode : "");
+      printf("%-38s %8.2f %8.2f %6.2f %8.2f %6.2f", name, c->gbps, base, base > 0 ? c->gbps / base : 0, c->memcpy2,
+             c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
       if (ucx) printf(" %8.2f %6.2f", c->ucx_raw, c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
+      if (ucx && c->write_gbps > 0) printf(" %6.2f", c->gbps / c->write_gbps);
       printf("\n");
     }
   }

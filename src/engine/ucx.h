@@ -72,7 +72,7 @@
  * quarantined until the engine stops. Loads from a mapped pool go straight
  * into place. */
 #define UCX_BOUNCE_BYTES (2u << 20)
-#define UCX_BOUNCE_SLICES (UCX_BOUNCE_BYTES / UCX_READ_SLICE)
+#define UCX_BOUNCE_PIECES 4096u /* gets in flight into one bounce buffer at most */
 /* Closed fences a writer remembers per peer beyond its last snapshot; past
  * this it asks for a new info (whose snapshot makes them redundant). */
 #define UCX_MAX_CLOSED_FENCES 65536u
@@ -259,6 +259,9 @@ typedef struct ucx_job {
   struct ucx_job *next;
   chunk *c;
   ucx_peer *p;
+  /* Or, when set, run fn(arg) (read mode: a share of a notice's copy). */
+  void (*fn)(void *arg);
+  void *arg;
 } ucx_job;
 
 /* A writer connected to this engine's rendezvous (ucx.c serves it). In
@@ -290,7 +293,10 @@ typedef struct ucx_ctl {
   size_t cap;
   region **pins; /* the destination regions of a notice, pinned while read */
   size_t pins_cap;
-  unsigned char *bounce; /* UCX_BOUNCE_BYTES, allocated at the first get */
+  unsigned char *bounce;     /* UCX_BOUNCE_BYTES, allocated at the first get */
+  struct bounce_slice *pend; /* UCX_BOUNCE_PIECES: where the bounce buffer's slices go */
+  struct ucx_load *loads;    /* a notice's slices from a mapped pool, copied after the checks */
+  size_t loads_cap;
 } ucx_ctl;
 
 typedef struct ucx_state {
@@ -405,6 +411,9 @@ void kvf__ucx_ops_free(ucx_state *u);
  * on its next round, outside the peer's locks. */
 void kvf__ucx_tacks_fail_locked(ucx_peer *p, int err);
 void kvf__ucx_copier_start(ucx_state *u);
+/* Queue a job for the copier threads (0, or KVF_ENOMEM / KVF_EBUSY when
+ * there are none: the caller does the work itself). */
+int kvf__ucx_copier_queue(ucx_state *u, ucx_job *j);
 /* Progress thread, no lock held: send the trailers of flushed chunks (tq)
  * and finish those chunks. */
 void kvf__ucx_trailers_send(ucx_state *u);

@@ -395,6 +395,72 @@ static int bounce_drain(notice_read *r, bounce_slice *pend, unsigned *np, uint32
   return rc;
 }
 
+/* A slice to load from a pool mapped here. */
+typedef struct ucx_load {
+  void *dst;
+  const void *src;
+  size_t len;
+} ucx_load;
+
+/* Copy loads [from, to), the fence checked before each slice. */
+static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size_t to) {
+  for (size_t i = from; i < to; i++) {
+    int rc = read_stop(r);
+    if (rc) return rc;
+    memcpy(l[i].dst, l[i].src, l[i].len);
+  }
+  return 0;
+}
+
+/* A share of the loads that a copier thread copies. */
+typedef struct load_share {
+  ucx_job job;
+  const notice_read *r;
+  const ucx_load *l;
+  size_t from, to;
+  int rc, done;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+} load_share;
+
+static void load_share_run(void *arg) {
+  load_share *s = arg;
+  int rc = loads_copy(s->r, s->l, s->from, s->to);
+  pthread_mutex_lock(&s->mu);
+  s->rc = rc;
+  s->done = 1;
+  pthread_cond_signal(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* Below this a notice's loads stay on the serving thread (a hand-off costs
+ * a wake-up). */
+#define UCX_LOADS_SPLIT_BYTES (1u << 20)
+
+/* Copy the loads, a share of them on a copier thread when there is enough
+ * to share: the writer's copiers split a large write the same way. */
+static int loads_run(const notice_read *r, const ucx_load *l, size_t n, uint64_t total) {
+  ucx_state *u = r->u;
+  if (n < 2 || total < UCX_LOADS_SPLIT_BYTES || !u->ncopiers) return loads_copy(r, l, 0, n);
+  size_t half = 0;
+  for (uint64_t acc = 0; half < n && acc < total / 2; half++) acc += l[half].len;
+  load_share s = {.r = r, .l = l, .from = half, .to = n};
+  pthread_mutex_init(&s.mu, NULL);
+  pthread_cond_init(&s.cv, NULL);
+  s.job = (ucx_job){.fn = load_share_run, .arg = &s};
+  int queued = !kvf__ucx_copier_queue(u, &s.job);
+  int rc = loads_copy(r, l, 0, queued ? half : n);
+  if (queued) {
+    pthread_mutex_lock(&s.mu);
+    while (!s.done) pthread_cond_wait(&s.cv, &s.mu);
+    pthread_mutex_unlock(&s.mu);
+    if (!rc) rc = s.rc;
+  }
+  pthread_cond_destroy(&s.cv);
+  pthread_mutex_destroy(&s.mu);
+  return rc;
+}
+
 /* Read every piece of the notice into this engine's memory: loads from a
  * mapped pool, gets through the bounce buffer elsewhere. 0 once every byte
  * is in place. */
@@ -402,9 +468,11 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
   ucx_state *u = r->u;
   ucx_ctl *c = r->c;
   int rc = 0;
-  bounce_slice pend[UCX_BOUNCE_SLICES];
+  bounce_slice *pend = c->pend;
   unsigned np = 0;
   uint32_t used = 0;
+  size_t nload = 0;
+  uint64_t load_bytes = 0;
   ucp_request_param_t prm = {.op_attr_mask = 0};
   for (uint32_t i = 0; !rc && i < ndesc; i++) {
     uint64_t count = w[i].count > 1 ? w[i].count : 1;
@@ -422,14 +490,29 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
           break;
         }
         *bytes += len;
-        if (src->ptr) {
-          memcpy((void *)(uintptr_t)(d + off), src->ptr + (s + off - src->base), len);
+        if (src->ptr) { /* copied below, once every slice is known */
+          if (nload == c->loads_cap) {
+            size_t cap = c->loads_cap ? 2 * c->loads_cap : 64;
+            ucx_load *v = realloc(c->loads, cap * sizeof *v);
+            if (!v) {
+              rc = KVF_ENOMEM;
+              break;
+            }
+            c->loads = v;
+            c->loads_cap = cap;
+          }
+          c->loads[nload++] = (ucx_load){(void *)(uintptr_t)(d + off), src->ptr + (s + off - src->base), len};
+          load_bytes += len;
           continue;
         }
-        if (np == UCX_BOUNCE_SLICES || used + len > UCX_BOUNCE_BYTES) {
+        if (np == UCX_BOUNCE_PIECES || used + len > UCX_BOUNCE_BYTES) {
           if ((rc = bounce_drain(r, pend, &np, &used))) break;
         }
         if (!c->bounce && !(c->bounce = malloc(UCX_BOUNCE_BYTES))) {
+          rc = KVF_ENOMEM;
+          break;
+        }
+        if (!pend && !(pend = c->pend = malloc(UCX_BOUNCE_PIECES * sizeof *pend))) {
           rc = KVF_ENOMEM;
           break;
         }
@@ -447,6 +530,7 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
       }
     }
   }
+  if (!rc && nload) rc = loads_run(r, c->loads, nload, load_bytes);
   /* Failed or not, the gets posted end (or are cancelled) before the pins
    * go; their slices are copied only when all went well. */
   if (np) {
@@ -561,6 +645,10 @@ void kvf__ucx_ctl_reader_free(ucx_state *u, ucx_ctl *c) {
   free(c->pins);
   free(c->bounce); /* its gets ended with the endpoint above (a cancelled one's buffer is quarantined) */
   c->bounce = NULL;
+  free(c->loads);
+  c->loads = NULL;
+  free(c->pend);
+  c->pend = NULL;
   c->waddr = NULL;
   c->buf = NULL;
   c->pins = NULL;

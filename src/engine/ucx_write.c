@@ -346,6 +346,10 @@ static void *copier_main(void *arg) {
     }
     pthread_mutex_unlock(&u->q_mu);
     if (!j) return NULL;
+    if (j->fn) { /* the job belongs to whoever queued it */
+      j->fn(j->arg);
+      continue;
+    }
     do_chunk(u, j->p, j->c);
     free(j);
   }
@@ -356,6 +360,18 @@ void kvf__ucx_copier_start(ucx_state *u) {
   if (want > UCX_MAX_COPIERS) want = UCX_MAX_COPIERS;
   for (int i = 0; i < want; i++)
     if (pthread_create(&u->copiers[u->ncopiers], NULL, copier_main, u) == 0) u->ncopiers++;
+}
+
+int kvf__ucx_copier_queue(ucx_state *u, ucx_job *j) {
+  if (!u->ncopiers) return KVF_EBUSY;
+  j->next = NULL;
+  pthread_mutex_lock(&u->q_mu);
+  if (u->q_tail) u->q_tail->next = j;
+  else u->q_head = j;
+  u->q_tail = j;
+  pthread_cond_signal(&u->q_cv);
+  pthread_mutex_unlock(&u->q_mu);
+  return 0;
 }
 
 int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks) {
@@ -407,7 +423,7 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
       do_chunk(u, p, chunks[i]);
       continue;
     }
-    *j = (ucx_job){NULL, chunks[i], p};
+    *j = (ucx_job){NULL, chunks[i], p, NULL, NULL};
     pthread_mutex_lock(&u->q_mu);
     if (u->q_tail) u->q_tail->next = j;
     else u->q_head = j;
