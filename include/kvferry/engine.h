@@ -150,7 +150,9 @@ KVF_API int kvf_engine_register(kvf_engine *engine, void *addr, size_t len);
 KVF_API int kvf_engine_unregister(kvf_engine *engine, void *addr);
 
 /* Write `n` blocks to the engine named by `session` ("host:port") and wait
- * until the peer confirms every byte landed, or the deadline passes. The
+ * until the peer confirms every byte landed, or the deadline passes (over
+ * UCX in read mode the peer reads the blocks itself: the same call, the
+ * source memory read by the peer until it confirms or the read lease ends). The
  * peer refuses the whole batch (KVF_ERANGE, no byte written) unless every
  * destination lies inside memory it registered. Sources must lie in memory
  * registered locally. Any thread; many threads may write at once. */
@@ -185,8 +187,11 @@ KVF_API int kvf_engine_write_ex(kvf_engine *engine, const char *session, const k
  * KVF_ETIMEDOUT means a receiver did not stop in time. KVF_ENOTFOUND when
  * the pair is not open. Untagged batches are never affected. Any thread.
  *
- * Over ucx the writer puts into this memory without this engine's CPU, so
- * the target cannot refuse a chunk. Close then also tells every writer
+ * Over ucx in read mode (the default between kvferry engines) this engine
+ * reads every chunk itself: close stops its own reads of the pair (within
+ * one 256 KiB slice; gets in flight are cancelled) and waits for nothing
+ * else. In write mode the writer puts into this memory without this
+ * engine's CPU, so the target cannot refuse a chunk. Close then also tells every writer
  * connected to this engine's UCX rendezvous that the pair is closed, and
  * returns 0 only once each has confirmed (it starts no new block for the
  * pair, and has flushed what it had posted to this engine, so those bytes
