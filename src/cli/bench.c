@@ -371,6 +371,32 @@ out:
   return rc;
 }
 
+/* Which transport and UCX mode a benchmark ran on: the one asked for
+ * ($KVFERRY_TRANSPORT or auto, $KVFERRY_UCX_MODE or read) and, with the
+ * decode's manager in this process, what its engine runs and whether a
+ * prefill connected in read mode. As JSON members, or as one text line. */
+static void bench_path(kvf_manager *m, int json) {
+  const char *asked = getenv("KVFERRY_TRANSPORT"), *mode = getenv("KVFERRY_UCX_MODE");
+  if (!asked || !*asked) asked = "auto";
+  if (!mode || !*mode) mode = "read";
+  const char *engine = m ? kvf_engine_transport(kvf_manager_engine(m)) : "";
+  const char *used = "";
+  if (m) {
+    kvf_engine_stats st;
+    kvf_engine_get_stats(kvf_manager_engine(m), &st);
+    used = strcmp(engine, "ucx") ? "tcp"
+           : st.peers_read       ? "read"
+           : st.batches_received ? "write or tcp"
+                                 : "none yet";
+  }
+  if (json)
+    printf(",\"transport\":\"%s\",\"ucx_mode\":\"%s\",\"engine\":\"%s\",\"mode\":\"%s\"", asked, mode, engine,
+           used);
+  else
+    printf("path: transport %s, ucx_mode %s%s%s%s%s\n", asked, mode, m ? "; decode engine " : "", engine,
+           m ? ", mode used " : "", used);
+}
+
 static int cmp_dbl(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -726,7 +752,9 @@ static int bench_rooms(const bench_opts *o) {
   size_t nfo = o->room_pages ? 0 : sizeof fo / sizeof fo[0];
   if (nfo && bench_fanout(fo, nfo, o->quick ? 30 : 200)) goto out_mgr;
   if (o->json) {
-    printf("{\"bench\":\"rooms\",\"model\":{\"layers\":%d,\"page_bytes_per_buffer\":%d,\"buffers\":%d},"
+    printf("{\"bench\":\"rooms\"");
+    bench_path(m, 1);
+    printf(",\"model\":{\"layers\":%d,\"page_bytes_per_buffer\":%d,\"buffers\":%d},"
            "\"baseline\":\"ZeroMQ PUSH/PULL round trip between two processes\",\"baseline_rtt_us\":%.1f,"
            "\"baseline_hot_tcp_gbps\":%.3f,\"cases\":[",
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS, rtt_us, hot_gbps);
@@ -757,6 +785,7 @@ static int bench_rooms(const bench_opts *o) {
   } else {
     printf("rooms through the KV managers (prefill in a child process, %d layers, %d B pages x %d buffers)\n",
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS);
+    bench_path(m, 0);
     printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us; one cache-hot TCP stream\n"
            "          %.2f GB/s (ideal = room bytes / that + one round trip)\n",
            rtt_us, hot_gbps);
@@ -924,7 +953,9 @@ static int bench_e2e(const bench_opts *o) {
   if (rc) return 1;
   double ideal = base > 0 ? bytes / (base * 1e9) : 0, gbps = p50 > 0 ? bytes / p50 / 1e9 : 0;
   if (o->json) {
-    printf("{\"bench\":\"e2e\",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"bytes\":%llu,\"runs\":%d,"
+    printf("{\"bench\":\"e2e\"");
+    bench_path(NULL, 1);
+    printf(",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"bytes\":%llu,\"runs\":%d,"
            "\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"gbps\":%.3f,"
            "\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes, cache-hot buffers\","
            "\"baseline_gbps\":%.3f,\"baseline_pool_gbps\":%.3f,\"ideal_s\":%.4f,\"ratio\":%.3f,\"memcpy_gbps\":%."
@@ -941,6 +972,7 @@ static int bench_e2e(const bench_opts *o) {
              p50 > 0 ? v50 / p50 : 0);
     printf("}\n");
   } else {
+    bench_path(NULL, 0);
     printf("end to end: one llama-3.1-8b request of %zu tokens (%llu pages x %d buffers x %u KiB = %llu MiB),\n"
            "bootstrap, prefill and decode in separate processes; transfer = decode M2 -> decode Success; %d "
            "runs\n",
@@ -1102,7 +1134,9 @@ static int bench_layerwise(const bench_opts *o) {
   if (hidden > 1) hidden = 1;
   double layer_xfer_ms = transfer_s * 1e3 / E2E_LAYERS;
   if (o->json) {
-    printf("{\"bench\":\"layerwise\",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"layers\":%d,\"bytes\":%llu,"
+    printf("{\"bench\":\"layerwise\"");
+    bench_path(m, 1);
+    printf(",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"layers\":%d,\"bytes\":%llu,"
            "\"runs\":%d,"
            "\"layer_ms\":%.3f,\"compute_ms\":%.2f,\"transfer_alone_ms\":%.2f,\"transfer_per_layer_ms\":%.3f,"
            "\"whole_success_after_compute_ms\":%.2f,\"whole_time_to_success_ms\":%.2f,"
@@ -1113,6 +1147,7 @@ static int bench_layerwise(const bench_opts *o) {
            layer_xfer_ms, whole_after * 1e3, whole_ttft * 1e3, lw_after * 1e3, lw_ttft * 1e3, hidden, rtt_us,
            o->idle_compute ? "sleep" : "busy", lw_after * 1e3 / (layer_xfer_ms + rtt_us / 1e3));
   } else {
+    bench_path(m, 0);
     printf("layerwise: one llama-3.1-8b request of %zu tokens (%d layers, %llu MiB), prefill computing each "
            "layer\n"
            "for %.3f ms (%s; default: the transfer time per layer measured below); median of %d runs\n",
