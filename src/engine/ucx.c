@@ -91,6 +91,48 @@ int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns) {
   return 0;
 }
 
+int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns) {
+  char *p = buf;
+  while (len) {
+    if (c->rb_len > c->rb_off) {
+      size_t k = c->rb_len - c->rb_off < len ? c->rb_len - c->rb_off : len;
+      memcpy(p, c->rb + c->rb_off, k);
+      c->rb_off += k, p += k, len -= k;
+      continue;
+    }
+    if (!c->rb || len >= UCX_CTL_RBUF / 2) return kvf__ucx_recv_all(c->fd, p, len, deadline_ns);
+    ssize_t r = recv(c->fd, c->rb, UCX_CTL_RBUF, MSG_DONTWAIT);
+    if (r > 0) {
+      c->rb_off = 0;
+      c->rb_len = (size_t)r;
+    } else if (r == 0) {
+      return KVF_ECLOSED;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      int rc = kvf__ucx_ctl_flush(c); /* nothing held back while this thread waits */
+      if (!rc) rc = wait_fd(c->fd, POLLIN, deadline_ns);
+      if (rc) return rc;
+    } else if (errno != EINTR) {
+      return KVF_ECLOSED;
+    }
+  }
+  return 0;
+}
+
+int kvf__ucx_ctl_flush(ucx_ctl *c) {
+  if (!c->ndone) return 0;
+  pthread_mutex_lock(&c->send_mu);
+  int rc = kvf__ucx_send_all(c->fd, c->dones, (size_t)c->ndone * sizeof c->dones[0],
+                             clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  pthread_mutex_unlock(&c->send_mu);
+  c->ndone = 0;
+  return rc;
+}
+
+int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
+  c->dones[c->ndone++] = (ucx_req){UCX_READ_DONE_MAGIC, (uint32_t)status, id};
+  return c->ndone == UCX_CTL_DONES || c->rb_len == c->rb_off ? kvf__ucx_ctl_flush(c) : 0;
+}
+
 /* ------------------------------------------------------------ host identity */
 
 static void read_first_line(const char *path, char *out, size_t cap) {
@@ -318,16 +360,21 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
   c->next = u->ctls;
   u->ctls = c;
   pthread_mutex_unlock(&u->ctl_mu);
+  c->rb = c->read_mode ? malloc(UCX_CTL_RBUF) : NULL; /* read mode: notices come back to back */
   while (!rc && !atomic_load(&u->stopping)) {
-    /* Idle until the writer asks again or goes (tcp_stop shuts the socket). */
-    struct pollfd pf = {.fd = fd, .events = POLLIN};
-    if (poll(&pf, 1, -1) < 0) {
-      if (errno == EINTR) continue;
-      break;
+    /* Idle until the writer asks again or goes (tcp_stop shuts the socket);
+     * answers held back go out first. */
+    if (c->rb_len == c->rb_off) {
+      if ((rc = kvf__ucx_ctl_flush(c))) break;
+      struct pollfd pf = {.fd = fd, .events = POLLIN};
+      if (poll(&pf, 1, -1) < 0) {
+        if (errno == EINTR) continue;
+        break;
+      }
     }
     ucx_req r;
     int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-    if (kvf__ucx_recv_all(fd, &r.magic, sizeof r.magic, until)) break;
+    if (kvf__ucx_ctl_recv(c, &r.magic, sizeof r.magic, until)) break;
     if (c->read_mode && r.magic == UCX_INFO_MAGIC) {
       rc = kvf__ucx_serve_writer_info(u, c);
       continue;
@@ -340,7 +387,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
       rc = kvf__ucx_serve_clock(u, c);
       continue;
     }
-    if (kvf__ucx_recv_all(fd, (char *)&r + sizeof r.magic, sizeof r - sizeof r.magic, until)) break;
+    if (kvf__ucx_ctl_recv(c, (char *)&r + sizeof r.magic, sizeof r - sizeof r.magic, until)) break;
     if (r.magic == UCX_ACK_MAGIC || r.magic == UCX_FENCE_ACK_MAGIC) {
       pthread_mutex_lock(&u->ctl_mu);
       uint64_t *acked = r.magic == UCX_ACK_MAGIC ? &c->acked : &c->fence_acked;
@@ -351,7 +398,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
     }
     if (!c->read_mode && r.magic == UCX_TRAILER_MAGIC && r.reserved <= KVF_ENGINE_MAX_TRAILER) {
       unsigned char t[KVF_ENGINE_MAX_TRAILER];
-      if (kvf__ucx_recv_all(fd, t, r.reserved, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
+      if (kvf__ucx_ctl_recv(c, t, r.reserved, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
       /* The writer flushed the bytes first. The callback gets the IP
        * address, as from the TCP transport. */
       const char *colon = strrchr(peer, ':');
@@ -371,6 +418,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
     rc = ctl_send_info(u, c, NULL);
   }
   if (rc == KVF_EPROTO) log_malformed(e, peer);
+  if (!rc) kvf__ucx_ctl_flush(c); /* the answers to notices already read */
   pthread_mutex_lock(&u->ctl_mu);
   for (ucx_ctl **pp = &u->ctls; *pp; pp = &(*pp)->next)
     if (*pp == c) {
@@ -380,6 +428,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
   pthread_cond_broadcast(&u->ctl_cv);
   pthread_mutex_unlock(&u->ctl_mu);
   kvf__ucx_ctl_reader_free(u, c); /* every read of this connection is over: the caller closes it */
+  free(c->rb);
   pthread_mutex_destroy(&c->send_mu);
   free(c);
 }
@@ -551,8 +600,14 @@ static void *progress_main(void *arg) {
     pthread_mutex_unlock(&u->wmu);
     /* Sleep only when the worker is armed and no flushed chunk waits to send
      * its trailer (the progress above may have completed one); with batches
-     * in flight wake at least every tick to check their deadlines. */
-    int n = epoll_wait(u->epfd, ev, 16, st == UCS_ERR_BUSY || trailers ? 0 : busy ? UCX_TICK_MS : -1);
+     * in flight wake at least every tick to check their deadlines, and idle
+     * at least every UCX_IDLE_TICK_MS (a notice sent meanwhile does not wake
+     * this thread: its lease is checked at the next tick, which only makes
+     * the writer keep its sources a little longer). */
+    int n = epoll_wait(u->epfd, ev, 16,
+                       st == UCS_ERR_BUSY || trailers ? 0
+                       : busy                         ? UCX_TICK_MS
+                                                      : UCX_IDLE_TICK_MS);
     for (int i = 0; i < n; i++) {
       void *tag = ev[i].data.ptr;
       if (tag == u) {

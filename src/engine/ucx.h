@@ -88,6 +88,7 @@
 #define UCX_REFRESH_ROUNDS 3 /* region refreshes before a write outside them is refused (ucx_write.c) */
 /* The progress thread's tick while batches are in flight (deadline checks). */
 #define UCX_TICK_MS 50
+#define UCX_IDLE_TICK_MS 200 /* ... and while none is, at least this often */
 #define UCX_MAX_COPIERS 15
 
 /* ucx_info_hdr.flags */
@@ -268,6 +269,9 @@ typedef struct ucx_job {
  * read mode this engine reads the writer's chunks itself: the fields from
  * read_mode down belong to the serving thread (ucx_read.c), except
  * `closing`. */
+#define UCX_CTL_RBUF (64u * 1024u)
+#define UCX_CTL_DONES 64
+
 typedef struct ucx_ctl {
   struct ucx_ctl *next;
   int fd;
@@ -297,6 +301,13 @@ typedef struct ucx_ctl {
   struct bounce_slice *pend; /* UCX_BOUNCE_PIECES: where the bounce buffer's slices go */
   struct ucx_load *loads;    /* a notice's slices from a mapped pool, copied after the checks */
   size_t loads_cap;
+  /* The serving thread's read-ahead (UCX_CTL_RBUF bytes; rb_off..rb_len
+   * received, not yet taken), and read done answers held back while more
+   * notices are already here (sent together before it next waits). */
+  unsigned char *rb;
+  size_t rb_off, rb_len;
+  ucx_req dones[UCX_CTL_DONES];
+  int ndone;
 } ucx_ctl;
 
 typedef struct ucx_state {
@@ -352,11 +363,19 @@ void kvf__ucx_wake(ucx_state *u);
 /* Send `len` bytes / receive exactly `len` bytes before the deadline. */
 int kvf__ucx_send_all(int fd, const void *buf, size_t len, int64_t deadline_ns);
 int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
+/* The serving thread of c: receive exactly `len` bytes through its
+ * read-ahead before the deadline. */
+int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns);
+/* The serving thread of c: answer a notice (held back while more input is
+ * already here), and send the answers held back. */
+int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id);
+int kvf__ucx_ctl_flush(ucx_ctl *c);
 
 /* ucx_peer.c: peers, the rendezvous client, routing */
 /* Read the rest of an info message whose magic was read, bounded in size
- * and time; *body (malloc'd, a zeroed pad behind it) is the caller's. */
-int kvf__ucx_info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body);
+ * and time, from fd or (not NULL) through c's read-ahead; *body (malloc'd,
+ * a zeroed pad behind it) is the caller's. */
+int kvf__ucx_info_read_rest(int fd, ucx_ctl *c, int64_t deadline_ns, ucx_info_hdr *h, char **body);
 /* With wmu held: an endpoint to the worker at `address`, with UCX's
  * peer-failure handling where the transports allow it. */
 int kvf__ucx_ep_create(ucx_state *u, const void *address, int same_host, ucp_err_handler_cb_t cb, void *arg,

@@ -149,8 +149,9 @@ static const char *const RDMA_TLS[] = {"ib",   "rc",      "rc_v", "rc_x", "rc_ml
 static const char *const PEER_ERR_TLS[] = {"tcp",  "ib",   "rc",      "rc_v", "rc_x", "rc_mlx5", "ud",
                                            "ud_v", "ud_x", "ud_mlx5", "dc",   "dc_x", "dc_mlx5", NULL};
 
-int kvf__ucx_info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
-  int rc = kvf__ucx_recv_all(fd, (char *)h + sizeof h->magic, sizeof *h - sizeof h->magic, deadline_ns);
+int kvf__ucx_info_read_rest(int fd, ucx_ctl *c, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
+  int rc = c ? kvf__ucx_ctl_recv(c, (char *)h + sizeof h->magic, sizeof *h - sizeof h->magic, deadline_ns)
+             : kvf__ucx_recv_all(fd, (char *)h + sizeof h->magic, sizeof *h - sizeof h->magic, deadline_ns);
   if (rc) return rc;
   if (h->magic != UCX_INFO_MAGIC || h->addr_len == 0 || h->addr_len > UCX_MAX_ADDR_LEN ||
       h->nregions > UCX_MAX_REGIONS || h->body_len > UCX_MAX_INFO_BODY || h->body_len < h->addr_len ||
@@ -163,7 +164,8 @@ int kvf__ucx_info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char *
   *body = malloc((size_t)h->body_len + UCX_RKEY_PARSE_PAD);
   if (!*body) return KVF_ENOMEM;
   memset(*body + h->body_len, 0, UCX_RKEY_PARSE_PAD);
-  rc = kvf__ucx_recv_all(fd, *body, h->body_len, deadline_ns);
+  rc = c ? kvf__ucx_ctl_recv(c, *body, h->body_len, deadline_ns)
+         : kvf__ucx_recv_all(fd, *body, h->body_len, deadline_ns);
   if (rc) {
     free(*body);
     *body = NULL;
@@ -173,7 +175,7 @@ int kvf__ucx_info_read_rest(int fd, int64_t deadline_ns, ucx_info_hdr *h, char *
 
 static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
   int rc = kvf__ucx_recv_all(fd, &h->magic, sizeof h->magic, deadline_ns);
-  return rc ? rc : kvf__ucx_info_read_rest(fd, deadline_ns, h, body);
+  return rc ? rc : kvf__ucx_info_read_rest(fd, NULL, deadline_ns, h, body);
 }
 
 int kvf__ucx_fence_refused(const ucx_peer *p, uint64_t epoch) {
@@ -606,7 +608,7 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
       rc = kvf__ucx_recv_all(fd, (char *)&f + sizeof f.magic, sizeof f - sizeof f.magic, until);
       fence = 1;
     } else if (!rc) {
-      rc = kvf__ucx_info_read_rest(fd, until, &h, &body);
+      rc = kvf__ucx_info_read_rest(fd, NULL, until, &h, &body);
     }
   }
   if (fd >= 0 && rc < 0) {

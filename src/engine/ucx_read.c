@@ -84,10 +84,8 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
   *op = (ucx_op){.c = c, .p = p, .u = u, .read = 1, .conn_id = p->conn_id, .lease_end_ns = now + lease};
   pthread_mutex_lock(&u->wmu);
   op->id = ++p->next_read_id;
-  int idle = u->ops == NULL;
-  kvf__ucx_op_link(op);
+  kvf__ucx_op_link(op); /* the progress thread checks its lease at its next tick (UCX_IDLE_TICK_MS at most) */
   pthread_mutex_unlock(&u->wmu);
-  if (idle) kvf__ucx_wake(u); /* the progress thread ticks for the lease from now on */
   ucx_notice n = {UCX_NOTICE_MAGIC,
                   (uint32_t)c->n,
                   op->id,
@@ -182,7 +180,7 @@ static int reader_ep_make_locked(ucx_state *u, ucx_ctl *c) {
 int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   ucx_info_hdr h = {.magic = UCX_INFO_MAGIC};
   char *body = NULL;
-  int rc = kvf__ucx_info_read_rest(c->fd, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body);
+  int rc = kvf__ucx_info_read_rest(c->fd, c, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body);
   if (rc) return rc;
   if (!(h.flags & UCX_INFO_WRITER)) {
     free(body);
@@ -218,7 +216,7 @@ int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
 int kvf__ucx_serve_clock(ucx_state *u, ucx_ctl *c) {
   (void)u;
   ucx_clock_ans a;
-  int rc = kvf__ucx_recv_all(c->fd, (char *)&a + sizeof a.magic, sizeof a - sizeof a.magic,
+  int rc = kvf__ucx_ctl_recv(c, (char *)&a + sizeof a.magic, sizeof a - sizeof a.magic,
                              clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
   if (rc) return rc;
   if (c->ping_ns && a.echo_ns == c->ping_ns) { /* a later bound replaces the older one: clocks drift */
@@ -570,7 +568,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   kvf_engine *e = u->e;
   ucx_notice n = {.magic = UCX_NOTICE_MAGIC};
   int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-  int rc = kvf__ucx_recv_all(c->fd, (char *)&n + sizeof n.magic, sizeof n - sizeof n.magic, until);
+  int rc = kvf__ucx_ctl_recv(c, (char *)&n + sizeof n.magic, sizeof n - sizeof n.magic, until);
   if (rc) return rc;
   if (!c->waddr || n.ndesc == 0 || n.ndesc > UCX_MAX_NOTICE_DESC || n.tlen > KVF_ENGINE_MAX_TRAILER ||
       n.lease_ns <= 0 || n.lease_ns > (int64_t)UCX_MAX_LEASE_MS * 1000000 || (n.tag && !n.epoch))
@@ -582,7 +580,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
     c->buf = b;
     c->cap = need;
   }
-  if ((rc = kvf__ucx_recv_all(c->fd, c->buf, need, until))) return rc;
+  if ((rc = kvf__ucx_ctl_recv(c, c->buf, need, until))) return rc;
   const kvf_write *w = (const kvf_write *)(const void *)c->buf;
   const unsigned char *trailer = c->buf + (size_t)n.ndesc * sizeof(kvf_write);
 
@@ -628,12 +626,8 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   if (r.fence && (status == KVF_ERANGE || status == KVF_EPROTO) && !checked)
     kvf__engine_deliver_refusal(e, n.tag, n.epoch, status, c->peer);
   if (c->have_skew) clock_ask(c, clock_now_ns());
-  ucx_req done = {UCX_READ_DONE_MAGIC, (uint32_t)status, n.id};
-  pthread_mutex_lock(&c->send_mu);
-  rc = kvf__ucx_send_all(c->fd, &done, sizeof done, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
-  pthread_mutex_unlock(&c->send_mu);
   (void)now;
-  return rc;
+  return kvf__ucx_ctl_done(c, status, n.id);
 }
 
 void kvf__ucx_ctl_reader_free(ucx_state *u, ucx_ctl *c) {
