@@ -36,13 +36,14 @@ int kvf__plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *o
 
 /* ---- Buffers ---- */
 
-void kvf__plan_layout_mha(size_t nlayers, size_t *start, size_t *bufs, plan_layout *out) {
+void kvf__plan_layout_default(size_t n_kv, uint32_t *start, uint32_t *bufs, plan_layout *out) {
+  int mha = n_kv % 2 == 0;
+  size_t per = mha ? 2 : 1, nlayers = n_kv / per;
+  for (size_t l = 0; l <= nlayers; l++) start[l] = (uint32_t)(l * per);
   for (size_t l = 0; l < nlayers; l++) {
-    start[l] = 2 * l;
-    bufs[2 * l] = l;
-    bufs[2 * l + 1] = nlayers + l;
+    bufs[l * per] = (uint32_t)l;
+    if (mha) bufs[l * per + 1] = (uint32_t)(nlayers + l);
   }
-  start[nlayers] = 2 * nlayers;
   out->nlayers = nlayers;
   out->start = start;
   out->bufs = bufs;

@@ -42,16 +42,21 @@ int kvf__plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *o
 /* ---- Buffers ---- */
 
 /* Which buffers belong to each KV layer index (`offsets` of §6.1), in CSR
- * form: layer l owns bufs[start[l] .. start[l+1]). MHA: {l, L+l}; MLA: {l}. */
+ * form: layer l owns bufs[start[l] .. start[l+1]). MHA: {l, L+l}; MLA: {l}.
+ * The same uint32_t arrays as kvf_kv_buffers' layer_buf_start/layer_bufs,
+ * so the manager keeps its layer map once and points a layout into it. */
 typedef struct plan_layout {
   size_t nlayers;
-  const size_t *start; /* nlayers + 1 entries, start[0] == 0 */
-  const size_t *bufs;  /* start[nlayers] buffer indices */
+  const uint32_t *start; /* nlayers + 1 entries, start[0] == 0 */
+  const uint32_t *bufs;  /* start[nlayers] buffer indices */
 } plan_layout;
 
-/* Fill an MHA layout for L layers (buffers K0..K(L-1), V0..V(L-1)): start
- * needs L+1 entries, bufs 2L. */
-void kvf__plan_layout_mha(size_t nlayers, size_t *start, size_t *bufs, plan_layout *out);
+/* The layout of n_kv buffers when the caller gives none (kvf_kv_buffers
+ * without layer_buf_start): an even count is MHA, n_kv/2 layers with
+ * buffers K0..K(L-1) then V0..V(L-1), so layer l owns {l, L+l}; an odd count
+ * is one buffer per layer (MLA). start needs nlayers + 1 entries (at most
+ * n_kv + 1), bufs n_kv. */
+void kvf__plan_layout_default(size_t n_kv, uint32_t *start, uint32_t *bufs, plan_layout *out);
 
 /* One side's buffers: base addresses and, where known, byte lengths. */
 typedef struct plan_mem {

@@ -71,13 +71,21 @@ static void runs_break_on_either_side(void **state) {
 
 /* The table of Appendix A.5: 8 blocks, layer-major, K then V, runs in order. */
 static void plain_writes_appendix_a(void **state) {
-  size_t start[3], bufs[4];
+  uint32_t start[3], bufs[4];
   plan_layout lay;
-  kvf__plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_default(4, start, bufs, &lay);
   assert_int_equal(bufs[0], 0);
   assert_int_equal(bufs[1], 2);
   assert_int_equal(bufs[2], 1);
   assert_int_equal(bufs[3], 3);
+  assert_true(lay.nlayers == 2 && start[0] == 0 && start[1] == 2 && start[2] == 4);
+  /* The manager's default for an odd count (MLA): one buffer per layer. */
+  uint32_t mla_start[4], mla_bufs[3];
+  plan_layout mla;
+  kvf__plan_layout_default(3, mla_start, mla_bufs, &mla);
+  assert_int_equal(mla.nlayers, 3);
+  for (uint32_t l = 0; l < 3; l++) assert_true(mla_start[l] == l && mla_bufs[l] == l);
+  assert_int_equal(mla_start[3], 3);
   int64_t src[3] = {20, 21, 25}, dst[3] = {7, 8, 9};
   plan_run runs[3];
   size_t nruns;
@@ -114,9 +122,9 @@ static void plain_writes_appendix_a(void **state) {
 /* kvferry's additions (§8 item 8): a page whose bytes would end past a known
  * buffer length is refused, on either side; so are bad ranges and buffers. */
 static void plain_writes_bounds(void **state) {
-  size_t start[3], bufs[4];
+  uint32_t start[3], bufs[4];
   plan_layout lay;
-  kvf__plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_default(4, start, bufs, &lay);
   int64_t src[3] = {20, 21, 25}, dst[3] = {7, 8, 9};
   plan_run runs[3];
   size_t nruns, n = 77;
@@ -187,9 +195,9 @@ static void check_frag(const wire_fragment *f, uint32_t buf, int kind, int src_r
 
 /* Appendix A.2: TP 1 both sides, 4 buffers of 8192 B, unit 256: identity. */
 static void route_identity_appendix_a(void **state) {
-  size_t start[3], bufs[4];
+  uint32_t start[3], bufs[4];
   plan_layout lay;
-  kvf__plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_default(4, start, bufs, &lay);
   int64_t item[4] = {8192, 8192, 8192, 8192}, unit[4] = {256, 256, 256, 256};
   plan_route_params p = params(1, 0, 1, &lay, item, item, unit, 4);
   plan_route r;
@@ -217,9 +225,9 @@ static void route_identity_appendix_a(void **state) {
 
 /* §6.5.7: prefill TP 4 -> decode TP 2, 1-layer MHA (K0, V0), 512 -> 1024 B. */
 static void route_prefill_wider(void **state) {
-  size_t start[2], bufs[2];
+  uint32_t start[2], bufs[2];
   plan_layout lay;
-  kvf__plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_default(2, start, bufs, &lay);
   int64_t di[2] = {1024, 1024}, pi[2] = {512, 512}, unit[2] = {256, 256};
   plan_route r;
   for (int d = 0; d < 2; d++) {
@@ -247,9 +255,9 @@ static void route_prefill_wider(void **state) {
 /* §6.5.7 reverse: prefill TP 2 -> decode TP 4; decode rank 1 takes the
  * second half of p0's pages; p0 waits for two M2s. */
 static void route_decode_wider(void **state) {
-  size_t start[2], bufs[2];
+  uint32_t start[2], bufs[2];
   plan_layout lay;
-  kvf__plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_default(2, start, bufs, &lay);
   int64_t di[2] = {512, 512}, pi[2] = {1024, 1024}, unit[2] = {256, 256};
   plan_route_params p = params(4, 1, 2, &lay, di, pi, unit, 2);
   plan_route r;
@@ -276,7 +284,7 @@ static void route_decode_wider(void **state) {
 
 /* §6.5.7 GQA replica example: Tp 4, Td 1, 16384 -> 32768, unit 256. */
 static void route_gqa_replicas(void **state) {
-  size_t start[2] = {0, 1}, bufs[1] = {0};
+  uint32_t start[2] = {0, 1}, bufs[1] = {0};
   plan_layout lay = {.nlayers = 1, .start = start, .bufs = bufs};
   int64_t di[1] = {32768}, pi[1] = {16384}, unit[1] = {256};
   plan_route_params p = params(1, 0, 4, &lay, di, pi, unit, 1);
@@ -312,7 +320,7 @@ static void route_gqa_replicas(void **state) {
 /* Dummies spread over decode ranks: Tp 4 replicated onto Td 2 (sources 0
  * and 2): rank 1 goes to decode 0, rank 3 to decode 1, each exactly once. */
 static void route_dummies_spread(void **state) {
-  size_t start[2] = {0, 1}, bufs[1] = {0};
+  uint32_t start[2] = {0, 1}, bufs[1] = {0};
   plan_layout lay = {.nlayers = 1, .start = start, .bufs = bufs};
   int64_t di[1] = {4096}, pi[1] = {4096}, unit[1] = {4096};
   for (int d = 0; d < 2; d++) {
@@ -337,7 +345,7 @@ static void route_dummies_spread(void **state) {
  * are never contacted (§8 item 4), which fanout makes visible. Also draft
  * kinds, state pairs and "published none". */
 static void route_replicated_draft_state(void **state) {
-  size_t start[3] = {0, 1, 2}, bufs[2] = {0, 1};
+  uint32_t start[3] = {0, 1, 2}, bufs[2] = {0, 1};
   plan_layout lay = {.nlayers = 2, .start = start, .bufs = bufs};
   int64_t item[2] = {1152, 1152}, sd[1] = {4096}, sp[1] = {2048};
   plan_route_params p = params(2, 1, 4, &lay, item, item, NULL, 2);
@@ -370,7 +378,7 @@ static void route_replicated_draft_state(void **state) {
   for (int q = 0; q < 4; q++) assert_int_equal(r.fanout[q], want[q]);
   kvf__plan_route_free(&r);
   /* And state alone: targets 2 and 3 with mamba_state fragments. */
-  size_t s0[1] = {0};
+  uint32_t s0[1] = {0};
   plan_layout empty = {.nlayers = 0, .start = s0, .bufs = NULL};
   p.layout = &empty;
   p.n_d_state = p.n_p_state = 1;
@@ -382,9 +390,9 @@ static void route_replicated_draft_state(void **state) {
   check_frag(&r.frags[1], 0, WIRE_KIND_MAMBA_STATE, 3, 1, 2048, 4096, 0, 2048, 2048);
   kvf__plan_route_free(&r);
   /* Published none: Ip = Id*Td/Tp = 1024*2/4 = 512, as in §6.5.7. */
-  size_t st2[2], bf2[2];
+  uint32_t st2[2], bf2[2];
   plan_layout mha;
-  kvf__plan_layout_mha(1, st2, bf2, &mha);
+  kvf__plan_layout_default(2, st2, bf2, &mha);
   int64_t di[2] = {1024, 1024}, unit[2] = {256, 256};
   p = params(2, 0, 4, &mha, di, NULL, unit, 2);
   p.n_p_kv_unit = 0; /* prefill units unpublished -> 1, decode says 256: mismatch */
@@ -404,9 +412,9 @@ static void route_replicated_draft_state(void **state) {
  * layers at or past target_layer_num are draft. Pair order is offsets order
  * (K0, V0, K1, V1), not buffer-index order. */
 static void route_kinds_and_pair_order(void **state) {
-  size_t start[3], bufs[4];
+  uint32_t start[3], bufs[4];
   plan_layout lay;
-  kvf__plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_default(4, start, bufs, &lay);
   int64_t di[4] = {1024, 1024, 1024, 1024}, pi[4] = {512, 512, 512, 512};
   int64_t unit[4] = {256, 256, 256, 256};
   plan_route_params p = params(1, 0, 2, &lay, di, pi, unit, 4);
@@ -425,9 +433,9 @@ static void route_kinds_and_pair_order(void **state) {
 }
 
 static void route_rejects_bad_layouts(void **state) {
-  size_t start[2], bufs[2];
+  uint32_t start[2], bufs[2];
   plan_layout lay;
-  kvf__plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_default(2, start, bufs, &lay);
   char err[200];
   plan_route r;
   memset(&r, 0x5a, sizeof r);
@@ -522,9 +530,9 @@ static void kind_names(void **state) {
 /* §6.5.7: prefill rank p1 writes its page 7 into decode-0 page 3 of K0 at
  * +512; a run of three pages becomes one strided block. */
 static void frag_writes_worked_example(void **state) {
-  size_t start[2], bufs[2];
+  uint32_t start[2], bufs[2];
   plan_layout lay;
-  kvf__plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_default(2, start, bufs, &lay);
   int64_t di[2] = {1024, 1024}, pi[2] = {512, 512}, unit[2] = {256, 256};
   plan_route_params p = params(2, 0, 4, &lay, di, pi, unit, 2);
   plan_route r;
@@ -583,7 +591,7 @@ static void frag_writes_worked_example(void **state) {
 }
 
 static void frag_writes_coalesce_limit_and_reject(void **state) {
-  size_t start[2] = {0, 1}, bufs[1] = {0};
+  uint32_t start[2] = {0, 1}, bufs[1] = {0};
   plan_layout lay = {.nlayers = 1, .start = start, .bufs = bufs};
   uint64_t pbase[1] = {0x10000}, dbase[1] = {0x80000};
   plan_mem pm = {.base = pbase, .nbufs = 1}, dm = {.base = dbase, .nbufs = 1};
@@ -724,7 +732,7 @@ static char *target_json(const plan_route *r, int t) {
 }
 
 static void route_draft_json_matches_reference(void **state) {
-  size_t start[4] = {0, 2, 4, 6}, bufs[6] = {0, 2, 1, 3, 4, 5};
+  uint32_t start[4] = {0, 2, 4, 6}, bufs[6] = {0, 2, 1, 3, 4, 5};
   plan_layout lay = {.nlayers = 3, .start = start, .bufs = bufs};
   int64_t wide[6] = {1024, 1024, 1024, 1024, 1024, 1024}, narrow[6] = {512, 512, 512, 512, 512, 512};
   int64_t unit[6] = {256, 256, 256, 256, 256, 256};

@@ -332,10 +332,10 @@ typedef struct prefill_state {
   int nqueues;
   pf_queue *queues;
   /* plan layouts, converted once from the manager's buffers */
-  size_t *st_start, *st_bufs;
+  uint32_t *st_start, *st_bufs;
   plan_layout kv_lay, st_lay;
   /* with state_layer_ids: state buffers grouped by KV layer (nlayers 0 without) */
-  size_t *stl_start, *stl_bufs;
+  uint32_t *stl_start, *stl_bufs;
   plan_layout stl_lay;
   /* deferred M3s (m3_outbox.c, which states the lock rules) */
   pthread_mutex_t m3_lock, m3_send_lock;
