@@ -91,10 +91,12 @@ static void plain_writes_appendix_a(void **state) {
   size_t nruns;
   assert_int_equal(kvf__plan_runs(src, dst, 3, runs, &nruns), 0);
   plan_mem pm = {.base = A_PBASE, .nbufs = 4}, dm = {.base = A_DBASE, .nbufs = 4};
-  assert_int_equal(kvf__plan_plain_count(&lay, 0, 2, nruns), 8);
+  plan_xfer x =
+      {.lay = &lay, .l0 = 0, .l1 = 2, .runs = runs, .nruns = nruns, .src = &pm, .dst = &dm, .item = A_ITEM};
+  assert_int_equal(kvf__plan_plain_count(&x), 8);
   kvf_write w[8];
   size_t n = 0;
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 8);
   static const uint64_t want[8][3] = {
       {0x7e1000028000ULL, 0x7f3a0000e000ULL, 16384}, {0x7e1000032000ULL, 0x7f3a00012000ULL, 8192},
@@ -109,13 +111,15 @@ static void plain_writes_appendix_a(void **state) {
     assert_true(w[i].count <= 1);
   }
   /* Layerwise: layer 1 alone gives the last four blocks. */
-  assert_int_equal(kvf__plan_plain_count(&lay, 1, 2, nruns), 4);
-  assert_int_equal(kvf__plan_plain_writes(&lay, 1, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
+  x.l0 = 1;
+  assert_int_equal(kvf__plan_plain_count(&x), 4);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 4);
   assert_int_equal(w[0].src, 0x7e1040028000ULL);
   assert_int_equal(w[3].dst, 0x7f3ac0012000ULL);
   /* No runs: no blocks. */
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, 0, &pm, &dm, A_ITEM, w, 0, &n), 0);
+  x.l0 = 0, x.nruns = 0;
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 0, &n), 0);
   assert_int_equal(n, 0);
 }
 
@@ -135,27 +139,35 @@ static void plain_writes_bounds(void **state) {
   uint64_t plen[4] = {26 * 8192, 26 * 8192, 26 * 8192, 26 * 8192};
   plan_mem pm = {.base = A_PBASE, .len = plen, .nbufs = 4};
   plan_mem dm = {.base = A_DBASE, .len = dlen, .nbufs = 4};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
+  plan_xfer x =
+      {.lay = &lay, .l0 = 0, .l1 = 2, .runs = runs, .nruns = nruns, .src = &pm, .dst = &dm, .item = A_ITEM};
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), 0);
   dlen[3] = 81919;
   n = 77;
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), KVF_ERANGE);
   assert_int_equal(n, 77);
   dlen[3] = 81920;
   plen[1] = 26 * 8192 - 1;
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), KVF_ERANGE);
   plen[1] = 26 * 8192;
   /* Array too small, bad layer range, decode registered fewer buffers. */
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 7, &n), KVF_ETOOBIG);
-  assert_int_equal(kvf__plan_plain_writes(&lay, 1, 3, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_EINVAL);
-  assert_int_equal(kvf__plan_plain_count(&lay, 2, 1, nruns), 0);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 7, &n), KVF_ETOOBIG);
+  plan_xfer y = x;
+  y.l0 = 1, y.l1 = 3;
+  assert_int_equal(kvf__plan_plain_writes(&y, w, 8, &n), KVF_EINVAL);
+  y.l0 = 2, y.l1 = 1;
+  assert_int_equal(kvf__plan_plain_count(&y), 0);
   plan_mem short_dm = {.base = A_DBASE, .nbufs = 3};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &short_dm, A_ITEM, w, 8, &n), KVF_EINVAL);
+  y = x, y.dst = &short_dm;
+  assert_int_equal(kvf__plan_plain_writes(&y, w, 8, &n), KVF_EINVAL);
   /* Negative or overflowing pages in hand-made runs. */
   plan_run bad = {.src = -1, .dst = 0, .len = 1};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 1, &bad, 1, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
+  y = x, y.l1 = 1, y.runs = &bad, y.nruns = 1;
+  assert_int_equal(kvf__plan_plain_writes(&y, w, 8, &n), KVF_ERANGE);
   plan_run huge = {.src = INT64_MAX / 2, .dst = 0, .len = 1};
   plan_mem nolen = {.base = A_PBASE, .nbufs = 4};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 1, &huge, 1, &nolen, &nolen, A_ITEM, w, 8, &n), KVF_ERANGE);
+  y.runs = &huge, y.src = y.dst = &nolen;
+  assert_int_equal(kvf__plan_plain_writes(&y, w, 8, &n), KVF_ERANGE);
 }
 
 /* ---- Route planner ---- */
@@ -548,8 +560,10 @@ static void frag_writes_worked_example(void **state) {
   size_t nruns, n;
   assert_int_equal(kvf__plan_runs(src1, dst1, 1, runs, &nruns), 0);
   kvf_write w[8];
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns), 2);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  plan_xfer x = {.lay = &lay, .l0 = 0, .l1 = 1, .runs = runs, .nruns = nruns, .src = &pm, .dst = &dm};
+  x.frags = fr, x.nfrags = t1->nfrags;
+  assert_int_equal(kvf__plan_frag_count(&x), 2);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_int_equal(w[0].src, 0x100000 + 7 * 512);
   assert_int_equal(w[0].dst, 0x900000 + 3 * 1024 + 512);
@@ -560,7 +574,8 @@ static void frag_writes_worked_example(void **state) {
 
   int64_t src3[3] = {7, 8, 9}, dst3[3] = {3, 4, 5};
   assert_int_equal(kvf__plan_runs(src3, dst3, 3, runs, &nruns), 0);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  x.nruns = nruns;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_int_equal(w[0].count, 3);
   assert_int_equal(w[0].len, 512);
@@ -574,19 +589,19 @@ static void frag_writes_worked_example(void **state) {
     assert_int_equal(w[0].dst + i * w[0].dst_stride, 0x900000 + (uint64_t)dst3[i] * 1024 + 512);
   }
   /* State mode picks no KV fragments. */
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, fr, t1->nfrags, 1, runs, nruns), 0);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 1, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  x.state = 1;
+  assert_int_equal(kvf__plan_frag_count(&x), 0);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 0);
+  x.state = 0;
   /* Decode buffer length: page 5 + 512 + 512 ends at 6*1024. */
   uint64_t dlen[2] = {6 * 1024, 6 * 1024};
   dm.len = dlen;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   dlen[1] = 6 * 1024 - 1;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n),
-                   KVF_ERANGE);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_ERANGE);
   dm.len = NULL;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 1, &n),
-                   KVF_ETOOBIG);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 1, &n), KVF_ETOOBIG);
   kvf__plan_route_free(&r);
 }
 
@@ -608,7 +623,9 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
                          .dst_page_stride_bytes = 1152,
                          .bytes_per_page = 1152,
                          .page_count = -1};
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  plan_xfer x = {.lay = &lay, .l0 = 0, .l1 = 1, .runs = runs, .nruns = nruns, .src = &pm, .dst = &dm};
+  x.frags = &whole, x.nfrags = 1;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_true(w[0].count <= 1);
   assert_int_equal(w[0].len, 3 * 1152);
@@ -619,38 +636,46 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   wire_fragment lim = whole;
   lim.src_page_stride_bytes = 2048;
   lim.page_count = 2;
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, &lim, 1, 0, runs, nruns), 2);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  x.frags = &lim;
+  assert_int_equal(kvf__plan_frag_count(&x), 2);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(w[0].count, 2);
   assert_int_equal(w[1].count, 2);
   lim.page_count = 0;
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, &lim, 1, 0, runs, nruns), 0);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_count(&x), 0);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 0);
   /* A fragment that would spill into the next page, or is empty. */
   wire_fragment spill = whole;
   spill.dst_byte_offset = 1;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &spill, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
+  x.frags = &spill;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_ERANGE);
   wire_fragment empty = whole;
   empty.bytes_per_page = 0;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &empty, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
+  x.frags = &empty;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_ERANGE);
   wire_fragment wrap = whole;
   wrap.src_byte_offset = INT64_MAX - 10;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &wrap, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
+  x.frags = &wrap;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_ERANGE);
   /* Fragments for buffers not in the layer are ignored; a layer buffer
    * past the decode's registered count is refused. */
   wire_fragment other = whole;
   other.buffer_index = 5;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &other, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  x.frags = &other;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 0);
   plan_mem none = {.base = dbase, .nbufs = 0};
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &none, w, 8, &n), KVF_EINVAL);
+  x.frags = &whole, x.dst = &none;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_EINVAL);
   /* State mode uses mamba_state fragments only. */
   wire_fragment st = whole;
   st.buffer_kind = WIRE_KIND_MAMBA_STATE;
   wire_fragment both[2] = {whole, st};
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, both, 2, 1, runs, nruns), 2);
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, both, 2, 0, runs, nruns), 2);
+  x.frags = both, x.nfrags = 2, x.state = 1;
+  assert_int_equal(kvf__plan_frag_count(&x), 2);
+  x.state = 0;
+  assert_int_equal(kvf__plan_frag_count(&x), 2);
 }
 
 /* ---- Small helpers ---- */

@@ -180,7 +180,6 @@ static int plan_pairs(prefill_state *ps, pf_scratch *sc, const pf_info *info, co
   plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens,
                  state ? b->n_state : b->n_kv};
   plan_mem dm = {state ? sc->sptr : sc->dptr, NULL, sm.nbufs};
-  const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
   size_t nruns = 0, nw = 0, cap;
   int rc = kvf__pf_scratch_grow((void **)&sc->runs, &sc->cap_runs, p->n ? p->n : 1, sizeof *sc->runs);
   if (!rc) rc = kvf__plan_runs(p->src, p->dst, p->n, sc->runs, &nruns);
@@ -197,14 +196,22 @@ static int plan_pairs(prefill_state *ps, pf_scratch *sc, const pf_info *info, co
       goto out;
     }
   if (state == 1) l0 = 0, l1 = lay->nlayers;
-  cap = frag_mode ? kvf__plan_frag_count(lay, l0, l1, info->frags, x->nfrags, state, runs, nruns)
-                  : kvf__plan_plain_count(lay, l0, l1, nruns);
+  plan_xfer px = {.lay = lay,
+                  .l0 = l0,
+                  .l1 = l1,
+                  .runs = runs,
+                  .nruns = nruns,
+                  .src = &sm,
+                  .dst = &dm,
+                  .item = state ? b->state_item_lens : b->kv_item_lens,
+                  .frags = info->frags,
+                  .nfrags = x->nfrags,
+                  .state = state};
+  cap = frag_mode ? kvf__plan_frag_count(&px) : kvf__plan_plain_count(&px);
   if (!cap) goto out;
   if ((rc = kvf__pf_scratch_grow((void **)&sc->w, &sc->cap_w, sc->nw + cap, sizeof *sc->w))) goto out;
   kvf_write *w = sc->w + sc->nw;
-  rc = frag_mode
-           ? kvf__plan_frag_writes(lay, l0, l1, info->frags, x->nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
-           : kvf__plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
+  rc = frag_mode ? kvf__plan_frag_writes(&px, w, cap, &nw) : kvf__plan_plain_writes(&px, w, cap, &nw);
   if (!rc) sc->nw += nw;
 out:
   if (rc)
