@@ -24,10 +24,14 @@ uint64_t kvf__pf_writes_bytes(const kvf_write *w, size_t n) {
  * that frame, or with another page size, would land wrong bytes: refused.
  * Whole-page fragments (replicated buffers) and page_size 1 need nothing.
  * Returns the tokens per page to scale by (1 = plain: the fragments are
- * used as they are), or 0 with a reason, or -1 without memory; when it
- * returns P > 1, *cut is a malloc'd per-token copy of the n fragments. */
-static int64_t per_token(const wire_fragment *f, size_t n, int64_t P, int64_t layout, wire_fragment **cut,
-                         char *why, size_t whycap) {
+ * used as they are), or 0 with a reason in info->plan_why, or -1 without
+ * memory; when it returns P > 1, info->frags_cut is a malloc'd per-token
+ * copy of the M2's fragments. */
+static int64_t per_token(pf_info *info, int64_t P) {
+  const wire_fragment *f = info->m2->frags;
+  size_t n = info->m2->nfrags, whycap = sizeof info->plan_why;
+  int64_t layout = info->m2->page_layout;
+  char *why = info->plan_why;
   if (P <= 1 || !kvf__plan_frags_slice_pages(f, n)) return 1;
   if (layout != P) {
     if (layout)
@@ -65,7 +69,7 @@ static int64_t per_token(const wire_fragment *f, size_t n, int64_t P, int64_t la
     g->bytes_per_page /= P;
     if (g->page_count >= 0) g->page_count *= P;
   }
-  *cut = t;
+  info->frags_cut = t;
   return P;
 }
 
@@ -149,8 +153,7 @@ int kvf__pf_info_plan(kvf_manager *m, pf_info *info) {
   info->tokens = 1;
   info->frags = x->frags;
   if (!x->nfrags || x->is_dummy) return 0;
-  info->tokens = per_token(x->frags, x->nfrags, m->cfg.page_size, x->page_layout, &info->frags_cut, info->plan_why,
-                           sizeof info->plan_why);
+  info->tokens = per_token(info, m->cfg.page_size);
   if (info->tokens < 0) return KVF_ENOMEM;
   if (info->frags_cut) info->frags = info->frags_cut;
   return 0;
@@ -164,6 +167,7 @@ typedef struct pf_pairs {
   size_t l0, l1;
   const int64_t *src, *dst;
   size_t n;
+  size_t nparts; /* plan_parts: cut into this many parts */
 } pf_pairs;
 
 /* Plan the pairs to the destination of `info`, appending the writes to
@@ -220,12 +224,12 @@ out:
   return rc;
 }
 
-/* Plan the pairs in nparts parts of equal size (the last shorter, some
+/* Plan the pairs in p->nparts parts of equal size (the last shorter, some
  * perhaps empty), each its own runs and blocks, recorded in sc->parts. */
-static int plan_parts(prefill_state *ps, pf_scratch *sc, const pf_info *info, const pf_pairs *p, size_t nparts,
-                      char *why, size_t whycap) {
-  size_t per = (p->n + nparts - 1) / nparts;
-  for (size_t g = 0; g < nparts; g++) {
+static int plan_parts(prefill_state *ps, pf_scratch *sc, const pf_info *info, const pf_pairs *p, char *why,
+                      size_t whycap) {
+  size_t per = (p->n + p->nparts - 1) / p->nparts;
+  for (size_t g = 0; g < p->nparts; g++) {
     pf_part *part = &sc->parts[sc->nparts++];
     pf_pairs sub = *p;
     size_t a = g * per < p->n ? g * per : p->n;
@@ -298,9 +302,9 @@ int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, cons
       return ret;
     }
     for (size_t k = 0; k < n; k++) sc->dst[k] = wire_i64_at(x->kv_indices, (size_t)sc->dstart + k);
-    pf_pairs kv = {0, c->layer_begin, c->layer_end, c->pages + sc->skip, sc->dst, n};
-    if (plan_parts(ps, sc, info, &kv, verify && n >= PF_VERIFY_PARTS ? PF_VERIFY_PARTS : 1, why, whycap))
-      return ret;
+    pf_pairs kv = {0, c->layer_begin, c->layer_end, c->pages + sc->skip, sc->dst, n, 1};
+    if (verify && n >= PF_VERIFY_PARTS) kv.nparts = PF_VERIFY_PARTS;
+    if (plan_parts(ps, sc, info, &kv, why, whycap)) return ret;
   }
 
   /* §6.6: state slots, with the chunk that carries them (the last chunk, or
@@ -323,9 +327,9 @@ int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, cons
      * would send whole slots of its own, possibly larger, item size). */
     /* A layerwise chunk with state_layer_ids: the state of its layer group. */
     int by_layer = c->explicit_idx && ps->stl_lay.nlayers;
-    pf_pairs st = {by_layer ? 2 : 1, c->layer_begin, c->layer_end, sc->src, sc->dst, np};
-    if (np && plan_parts(ps, sc, info, &st, ask && np >= PF_VERIFY_PARTS ? PF_VERIFY_PARTS : 1, why, whycap))
-      return ret;
+    pf_pairs st = {by_layer ? 2 : 1, c->layer_begin, c->layer_end, sc->src, sc->dst, np, 1};
+    if (ask && np >= PF_VERIFY_PARTS) st.nparts = PF_VERIFY_PARTS;
+    if (np && plan_parts(ps, sc, info, &st, why, whycap)) return ret;
   }
   return DEST_OK;
 }

@@ -43,12 +43,16 @@ static void direct_finish(pf_direct *dj) {
    * therefore has its Success: that M3 is a duplicate and may wait for
    * others to share the trip (m3_outbox.c). */
   int dup = fin == ROOM_SUCCESS && atomic_load(&dj->carried);
+  pf_m3_msg msg = {.room = r->room,
+                   .status = fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
+                   .token = dj->token,
+                   .cands = dj->cands,
+                   .ncand = dj->ncand};
   for (size_t i = 0; success && i < upto; i++) {
     const wire_m2 *y = dj->d[i].info->m2;
     if (y->is_dummy) continue;
-    if (dup && kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, r->room, dj->token, dj->cands, dj->ncand)) continue;
-    kvf__pf_send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
-                    dj->token, dj->cands, dj->ncand);
+    if (dup && kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, &msg)) continue;
+    kvf__pf_send_m3(m, y->endpoint, y->dst_port, &msg);
   }
   pthread_mutex_lock(&ps->lock);
   for (size_t i = 0; i < dj->n; i++) kvf__pf_info_unref(ps, dj->d[i].info);

@@ -252,6 +252,16 @@ typedef struct pf_dest { /* where an M3 goes */
   uint16_t port;
 } pf_dest;
 
+/* An M3's contents (kvf__pf_send_m3). */
+typedef struct pf_m3_msg {
+  int64_t room;
+  int status; /* ROOM_SUCCESS or ROOM_FAILED */
+  int64_t token;
+  const int32_t *cands;
+  size_t ncand;
+  const char *reason; /* kvferry's frame 5; NULL: none */
+} pf_m3_msg;
+
 typedef struct pf_m3 { /* a deferred M3 Success (m3_outbox.c) */
   pf_dest d;
   int64_t room, token;
@@ -418,10 +428,12 @@ pf_room *kvf__pf_room_new(prefill_state *ps);
 void kvf__pf_room_drop(prefill_state *ps, pf_room *r);
 void kvf__pf_room_unref(prefill_state *ps, pf_room *r);
 void kvf__pf_chunk_release_locked(prefill_state *ps, pf_chunk *c);
-void kvf__pf_send_m3_why(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
-                         const int32_t *cands, size_t ncand, const char *reason);
-void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
-                     const int32_t *cands, size_t ncand);
+/* Send an M3 (§6.11) to the decode's PULL socket at host:port. Any thread
+ * without ps->lock. */
+void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m3_msg *msg);
+/* M3 Failed (token -1, no candidates), with kvferry's reason frame when
+ * reason is not NULL. */
+void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, int64_t room, const char *reason);
 pf_dest *kvf__pf_collect_dests(pf_room *r, size_t *n);
 void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n);
 int kvf__pf_room_shard(prefill_state *ps, pf_room *r);
@@ -486,8 +498,7 @@ void kvf__pf_m3_free(prefill_state *ps);
  * from the engine trailer: 1 when queued (it goes out within about
  * PF_M3_DEFER_MS), 0 when the caller must send it now. Any thread without
  * ps->lock. */
-int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, int64_t room, int64_t token,
-                     const int32_t *cands, size_t ncand);
+int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, const pf_m3_msg *msg);
 /* Send the queued M3s: all of them, or (all 0) if full or due. Any thread
  * without ps->lock. */
 void kvf__pf_m3_flush(prefill_state *ps, int all);

@@ -54,10 +54,13 @@ static int part_digests(prefill_state *ps, pf_scratch *sc, const pf_send *s, pf_
   return 0;
 }
 
-/* After the write: every source page still holds what kvf_sender_send
- * hashed, or the room fails naming the first page that changed. */
-static int recheck_sources(prefill_state *ps, const pf_chunk *c, const int64_t *src, const uint64_t *pdig,
-                           size_t n, char *why, size_t whycap) {
+/* After the write: the chunk's source pages [first, first + n) still hold
+ * what kvf_sender_send hashed, or the room fails naming the first page that
+ * changed. */
+static int recheck_sources(prefill_state *ps, const pf_chunk *c, size_t first, size_t n, char *why,
+                           size_t whycap) {
+  const int64_t *src = c->pages + first;
+  const uint64_t *pdig = c->digests + first * c->ndig;
   for (size_t i = 0; i < n; i++)
     for (size_t j = 0; j < c->ndig; j++) {
       uint64_t h = 0;
@@ -73,7 +76,7 @@ static int recheck_sources(prefill_state *ps, const pf_chunk *c, const int64_t *
 }
 
 int kvf__pf_recheck_chunk(prefill_state *ps, const pf_chunk *c, char *why, size_t whycap) {
-  return c->digests ? recheck_sources(ps, c, c->pages, c->digests, c->npages, why, whycap) : 0;
+  return c->digests ? recheck_sources(ps, c, 0, c->npages, why, whycap) : 0;
 }
 
 int kvf__pf_verify_send(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why, size_t whycap) {
@@ -108,9 +111,8 @@ int kvf__pf_verify_send(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why
     }
     /* Not rechecked here when the decode checks the send-time digests:
      * whatever the source held when it was read, the decode finds it. */
-    const uint64_t *pdig = p->state ? NULL : part_pdig(sc, c, p->a);
-    if (pdig && !(c->recheck_late && ask && part_plain(p, s->info)) &&
-        recheck_sources(ps, c, c->pages + sc->skip + p->a, pdig, p->n, why, whycap)) {
+    if (!p->state && c->digests && !(c->recheck_late && ask && part_plain(p, s->info)) &&
+        recheck_sources(ps, c, sc->skip + p->a, p->n, why, whycap)) {
       ret = DEST_FAIL;
       break;
     }

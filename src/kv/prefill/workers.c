@@ -27,7 +27,7 @@ void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const ch
   pthread_mutex_unlock(&ps->lock);
   if (!live) return;
   LOG_WARN("kv", "room %" PRId64 ": %s", r->room, why);
-  kvf__pf_send_m3(m, x->endpoint, x->dst_port, r->room, ROOM_FAILED, -1, NULL, 0);
+  kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, r->room, NULL);
 }
 
 /* Verify mode, recheck_late: the decodes have checked (or are checking)
@@ -238,10 +238,14 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     int dead = r->dead;
     pthread_mutex_unlock(&ps->lock);
     if (dead || parked) break; /* parked: kvf_sender_set_metadata or the poll sends the M3s */
+    pf_m3_msg msg = {.room = r->room,
+                     .status = fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
+                     .token = tok,
+                     .cands = cd,
+                     .ncand = ncd};
     for (size_t k = 0; k < ndone; k++) {
       const wire_m2 *y = infos[done[k]]->m2;
-      kvf__pf_send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED, tok,
-                      cd, ncd);
+      kvf__pf_send_m3(m, y->endpoint, y->dst_port, &msg);
     }
     if (late && fin == ROOM_SUCCESS) recheck_after_m3(ps, r, c);
   }
