@@ -32,9 +32,6 @@ typedef struct bootstrap_client_opts {
 int kvf__bootstrap_client_create(const char *addr, const bootstrap_client_opts *opts, bootstrap_client **out);
 void kvf__bootstrap_client_destroy(bootstrap_client *c);
 
-/* The "host:port" the client was created with; owned by the client. */
-const char *kvf__bootstrap_client_addr(const bootstrap_client *c);
-
 /* PUT /route with `reg`. Retries with exponential backoff (50 ms doubling to
  * 1 s) while the failure is one a later try can fix — connection refused,
  * timeout, connection dropped, 5xx — until `deadline_ms` from the call has

@@ -108,8 +108,6 @@ void kvf__bootstrap_client_destroy(bootstrap_client *c) {
   free(c);
 }
 
-const char *kvf__bootstrap_client_addr(const bootstrap_client *c) { return c->addr; }
-
 static size_t on_data(char *ptr, size_t size, size_t nmemb, void *userdata) {
   bootstrap_client *c = userdata;
   size_t n = size * nmemb;

@@ -135,7 +135,6 @@ static void free_buffers(manager_buffers *b) {
   free(b->layer_buf_start), free(b->layer_bufs);
   free(b->state_ptrs), free(b->state_lens), free(b->state_item_lens), free(b->state_unit_lens);
   free(b->state_layer);
-  free(b->lay_start), free(b->lay_bufs);
   memset(b, 0, sizeof *b);
 }
 
@@ -183,35 +182,18 @@ static int copy_buffers(manager_buffers *b, const kvf_kv_buffers *in) {
       LOG_ERROR("kv", "layer mapping names a buffer that does not exist");
       goto err_free;
     }
+    b->kv_layout = (plan_layout){.nlayers = b->n_layers, .start = b->layer_buf_start, .bufs = b->layer_bufs};
   } else {
-    /* MHA: K of every layer, then V of every layer; an odd count is one
-     * buffer per layer (MLA). */
-    int mha = b->n_kv % 2 == 0;
-    b->n_layers = mha ? b->n_kv / 2 : b->n_kv;
-    size_t per = mha ? 2 : 1;
-    b->layer_buf_start = malloc((b->n_layers + 1) * sizeof *b->layer_buf_start);
+    /* The planner's default: MHA for an even count, MLA for an odd one. */
+    b->layer_buf_start = malloc((b->n_kv + 1) * sizeof *b->layer_buf_start);
     b->layer_bufs = malloc(b->n_kv * sizeof *b->layer_bufs);
     if (!b->layer_buf_start || !b->layer_bufs) {
       err = KVF_ENOMEM;
       goto err_free;
     }
-    for (size_t l = 0; l <= b->n_layers; l++) b->layer_buf_start[l] = (uint32_t)(l * per);
-    for (size_t l = 0; l < b->n_layers; l++) {
-      b->layer_bufs[l * per] = (uint32_t)l;
-      if (mha) b->layer_bufs[l * per + 1] = (uint32_t)(b->n_layers + l);
-    }
+    kvf__plan_layout_default(b->n_kv, b->layer_buf_start, b->layer_bufs, &b->kv_layout);
+    b->n_layers = b->kv_layout.nlayers;
   }
-  /* The planner's form of the layer mapping, for both roles. */
-  size_t nbufs = b->layer_buf_start[b->n_layers];
-  b->lay_start = malloc((b->n_layers + 1) * sizeof *b->lay_start);
-  b->lay_bufs = malloc((nbufs ? nbufs : 1) * sizeof *b->lay_bufs);
-  if (!b->lay_start || !b->lay_bufs) {
-    err = KVF_ENOMEM;
-    goto err_free;
-  }
-  for (size_t l = 0; l <= b->n_layers; l++) b->lay_start[l] = b->layer_buf_start[l];
-  for (size_t k = 0; k < nbufs; k++) b->lay_bufs[k] = b->layer_bufs[k];
-  b->kv_layout = (plan_layout){.nlayers = b->n_layers, .start = b->lay_start, .bufs = b->lay_bufs};
   return 0;
 err_free:
   free_buffers(b);

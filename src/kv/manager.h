@@ -38,16 +38,15 @@ typedef struct manager_buffers {
   size_t n_kv;
   uint64_t *kv_ptrs, *kv_lens, *kv_item_lens, *kv_unit_lens;
   size_t n_layers;
+  /* The KV layer map, stored once: the caller's (kvf_kv_buffers) copied, or
+   * kvf__plan_layout_default's; kv_layout is the planner's view of it (kv/plan.h),
+   * for both roles. */
   uint32_t *layer_buf_start; /* n_layers + 1 */
   uint32_t *layer_bufs;
+  plan_layout kv_layout;
   size_t n_state;
   uint64_t *state_ptrs, *state_lens, *state_item_lens, *state_unit_lens;
   uint32_t *state_layer; /* n_state KV layer indices (config state_layer_ids), or NULL */
-  /* The KV layer layout as the planner reads it (kv/plan.h), built once in
-   * kvf_manager_create for both roles; start/bufs point into lay_start and
-   * lay_bufs. */
-  size_t *lay_start, *lay_bufs;
-  plan_layout kv_layout;
 } manager_buffers;
 
 /* A role (prefill or decode) plugged into the shared core through one

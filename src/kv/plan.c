@@ -36,13 +36,14 @@ int kvf__plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *o
 
 /* ---- Buffers ---- */
 
-void kvf__plan_layout_mha(size_t nlayers, size_t *start, size_t *bufs, plan_layout *out) {
+void kvf__plan_layout_default(size_t n_kv, uint32_t *start, uint32_t *bufs, plan_layout *out) {
+  int mha = n_kv % 2 == 0;
+  size_t per = mha ? 2 : 1, nlayers = n_kv / per;
+  for (size_t l = 0; l <= nlayers; l++) start[l] = (uint32_t)(l * per);
   for (size_t l = 0; l < nlayers; l++) {
-    start[l] = 2 * l;
-    bufs[2 * l] = l;
-    bufs[2 * l + 1] = nlayers + l;
+    bufs[l * per] = (uint32_t)l;
+    if (mha) bufs[l * per + 1] = (uint32_t)(nlayers + l);
   }
-  start[nlayers] = 2 * nlayers;
   out->nlayers = nlayers;
   out->start = start;
   out->bufs = bufs;
@@ -52,44 +53,52 @@ static int layer_range_ok(const plan_layout *lay, size_t l0, size_t l1) {
   return lay && l0 <= l1 && l1 <= lay->nlayers && lay->start[l0] <= lay->start[l1];
 }
 
-/* Address of `count` pieces of `bytes` at `off` in pages page.. of `stride`
- * bytes in a buffer at base (length *lenp if known): checks that the last
- * piece ends inside the buffer and that nothing overflows. */
-static int span(uint64_t base, const uint64_t *lenp, int64_t page, int64_t count, uint64_t stride, uint64_t off,
-                uint64_t bytes, uint64_t *addr) {
-  uint64_t first, last, end;
-  if (page < 0 || count < 1) return KVF_ERANGE;
-  if (__builtin_mul_overflow((uint64_t)page, stride, &first) || __builtin_add_overflow(first, off, &first) ||
-      __builtin_mul_overflow((uint64_t)(count - 1), stride, &last) || __builtin_add_overflow(first, last, &end) ||
-      __builtin_add_overflow(end, bytes, &end))
+/* `count` pieces of `bytes` at `off` in pages page.. of `stride` bytes. */
+typedef struct piece {
+  int64_t page, count;
+  uint64_t stride, off, bytes;
+} piece;
+
+/* Address of piece p in buffer b of memory m (length m->len[b] if known):
+ * checks that the last piece ends inside the buffer and that nothing
+ * overflows. */
+static int span(const plan_mem *m, size_t b, const piece *p, uint64_t *addr) {
+  uint64_t first, last, end, base = m->base[b];
+  if (p->page < 0 || p->count < 1) return KVF_ERANGE;
+  if (__builtin_mul_overflow((uint64_t)p->page, p->stride, &first) ||
+      __builtin_add_overflow(first, p->off, &first) ||
+      __builtin_mul_overflow((uint64_t)(p->count - 1), p->stride, &last) ||
+      __builtin_add_overflow(first, last, &end) || __builtin_add_overflow(end, p->bytes, &end))
     return KVF_ERANGE;
-  if (lenp && end > *lenp) return KVF_ERANGE;
+  if (m->len && end > m->len[b]) return KVF_ERANGE;
   if (__builtin_add_overflow(base, first, addr) || __builtin_add_overflow(base, end, &end)) return KVF_ERANGE;
   return 0;
 }
 
 /* ---- Plain address computation ---- */
 
-size_t kvf__plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_t nruns) {
-  if (!layer_range_ok(lay, l0, l1)) return 0;
-  return (lay->start[l1] - lay->start[l0]) * nruns;
+size_t kvf__plan_plain_count(const plan_xfer *x) {
+  const plan_layout *lay = x->lay;
+  if (!layer_range_ok(lay, x->l0, x->l1)) return 0;
+  return (lay->start[x->l1] - lay->start[x->l0]) * x->nruns;
 }
 
-int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs, size_t nruns,
-                           const plan_mem *src, const plan_mem *dst, const uint64_t *item, kvf_write *out,
-                           size_t cap, size_t *nout) {
-  if (!layer_range_ok(lay, l0, l1)) return KVF_EINVAL;
-  if (kvf__plan_plain_count(lay, l0, l1, nruns) > cap) return KVF_ETOOBIG;
+int kvf__plan_plain_writes(const plan_xfer *x, kvf_write *out, size_t cap, size_t *nout) {
+  const plan_layout *lay = x->lay;
+  const plan_mem *src = x->src, *dst = x->dst;
+  if (!layer_range_ok(lay, x->l0, x->l1)) return KVF_EINVAL;
+  if (kvf__plan_plain_count(x) > cap) return KVF_ETOOBIG;
   size_t n = 0;
-  for (size_t i = lay->start[l0]; i < lay->start[l1]; i++) {
+  for (size_t i = lay->start[x->l0]; i < lay->start[x->l1]; i++) {
     size_t b = lay->bufs[i];
-    if (b >= src->nbufs || b >= dst->nbufs || item[b] == 0) return KVF_EINVAL;
-    uint64_t it = item[b];
-    for (size_t k = 0; k < nruns; k++) {
-      const plan_run *r = &runs[k];
+    if (b >= src->nbufs || b >= dst->nbufs || x->item[b] == 0) return KVF_EINVAL;
+    uint64_t it = x->item[b];
+    for (size_t k = 0; k < x->nruns; k++) {
+      const plan_run *r = &x->runs[k];
       kvf_write w = {.count = 1};
-      int rc = span(src->base[b], src->len ? &src->len[b] : NULL, r->src, r->len, it, 0, it, &w.src);
-      if (rc == 0) rc = span(dst->base[b], dst->len ? &dst->len[b] : NULL, r->dst, r->len, it, 0, it, &w.dst);
+      piece ps = {r->src, r->len, it, 0, it}, pd = {r->dst, r->len, it, 0, it};
+      int rc = span(src, b, &ps, &w.src);
+      if (rc == 0) rc = span(dst, b, &pd, &w.dst);
       if (rc == 0 && __builtin_mul_overflow(it, (uint64_t)r->len, &w.len)) rc = KVF_ERANGE;
       if (rc != 0) return rc;
       out[n++] = w;
@@ -120,14 +129,14 @@ int kvf__plan_frags_slice_pages(const wire_fragment *frags, size_t nfrags) {
   return 0;
 }
 
-size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const wire_fragment *frags,
-                            size_t nfrags, int state, const plan_run *runs, size_t nruns) {
-  if (!layer_range_ok(lay, l0, l1)) return 0;
+size_t kvf__plan_frag_count(const plan_xfer *x) {
+  const plan_layout *lay = x->lay;
+  if (!layer_range_ok(lay, x->l0, x->l1)) return 0;
   size_t n = 0;
-  for (size_t i = lay->start[l0]; i < lay->start[l1]; i++)
-    for (size_t f = 0; f < nfrags; f++) {
-      if (!frag_matches(&frags[f], lay->bufs[i], state)) continue;
-      for (size_t k = 0; k < nruns; k++) n += frag_pages(&frags[f], runs[k].len) > 0;
+  for (size_t i = lay->start[x->l0]; i < lay->start[x->l1]; i++)
+    for (size_t f = 0; f < x->nfrags; f++) {
+      if (!frag_matches(&x->frags[f], lay->bufs[i], x->state)) continue;
+      for (size_t k = 0; k < x->nruns; k++) n += frag_pages(&x->frags[f], x->runs[k].len) > 0;
     }
   return n;
 }
@@ -145,20 +154,20 @@ static int frag_valid(const wire_fragment *f) {
   return 1;
 }
 
-int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const wire_fragment *frags, size_t nfrags,
-                          int state, const plan_run *runs, size_t nruns, const plan_mem *src, const plan_mem *dst,
-                          kvf_write *out, size_t cap, size_t *nout) {
-  if (!layer_range_ok(lay, l0, l1)) return KVF_EINVAL;
+int kvf__plan_frag_writes(const plan_xfer *x, kvf_write *out, size_t cap, size_t *nout) {
+  const plan_layout *lay = x->lay;
+  const plan_mem *src = x->src, *dst = x->dst;
+  if (!layer_range_ok(lay, x->l0, x->l1)) return KVF_EINVAL;
   size_t n = 0;
-  for (size_t i = lay->start[l0]; i < lay->start[l1]; i++) {
+  for (size_t i = lay->start[x->l0]; i < lay->start[x->l1]; i++) {
     size_t b = lay->bufs[i];
-    for (size_t fi = 0; fi < nfrags; fi++) {
-      const wire_fragment *f = &frags[fi];
-      if (!frag_matches(f, b, state)) continue;
+    for (size_t fi = 0; fi < x->nfrags; fi++) {
+      const wire_fragment *f = &x->frags[fi];
+      if (!frag_matches(f, b, x->state)) continue;
       if (b >= src->nbufs || b >= dst->nbufs) return KVF_EINVAL;
       if (!frag_valid(f)) return KVF_ERANGE;
-      for (size_t k = 0; k < nruns; k++) {
-        const plan_run *r = &runs[k];
+      for (size_t k = 0; k < x->nruns; k++) {
+        const plan_run *r = &x->runs[k];
         int64_t m = frag_pages(f, r->len);
         if (m <= 0) continue;
         if (n == cap) return KVF_ETOOBIG;
@@ -166,11 +175,10 @@ int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const wi
         uint64_t bpp = (uint64_t)f->bytes_per_page, ss = (uint64_t)f->src_page_stride_bytes,
                  ds = (uint64_t)f->dst_page_stride_bytes;
         kvf_write w = {.len = bpp, .count = 1};
-        int rc = span(src->base[b], src->len ? &src->len[b] : NULL, r->src, m, ss, (uint64_t)f->src_byte_offset,
-                      bpp, &w.src);
-        if (rc == 0)
-          rc = span(dst->base[b], dst->len ? &dst->len[b] : NULL, r->dst, m, ds, (uint64_t)f->dst_byte_offset, bpp,
-                    &w.dst);
+        piece ps = {r->src, m, ss, (uint64_t)f->src_byte_offset, bpp},
+              pd = {r->dst, m, ds, (uint64_t)f->dst_byte_offset, bpp};
+        int rc = span(src, b, &ps, &w.src);
+        if (rc == 0) rc = span(dst, b, &pd, &w.dst);
         if (rc != 0) return rc;
         if (m > 1 && ss == bpp && ds == bpp) {
           /* Whole pages on both sides: the pieces touch, one plain block.
@@ -302,13 +310,16 @@ err_bad_len:
 
 /* Fragments of pair `pr` between decode rank d and every prefill rank it
  * overlaps (§6.5.3-6.5.4), handed to emit in ascending prefill rank. */
-typedef int (*emit_fn)(void *ctx, const pair *pr, int prank, int drank, int64_t src_off, int64_t dst_off,
-                       int64_t bytes);
+typedef struct overlap { /* one prefill rank's share of a decode rank's slice of a pair */
+  int prank, drank;
+  int64_t src_off, dst_off, bytes;
+} overlap;
+typedef int (*emit_fn)(void *ctx, const pair *pr, const overlap *o);
 
 static int pair_overlaps(const pair *pr, int d, int Tp, int Td, emit_fn emit, void *ctx) {
   if (!pr->sharded) {
     int s = (int)(((int64_t)d * Tp) / Td);
-    return emit(ctx, pr, s, d, 0, 0, pr->Id);
+    return emit(ctx, pr, &(overlap){s, d, 0, 0, pr->Id});
   }
   int64_t wd = pr->S / Td, d_lo = d * wd, d_hi = d_lo + wd;
   int64_t Tq = Tp / pr->R, wp = pr->S / Tq;
@@ -316,14 +327,16 @@ static int pair_overlaps(const pair *pr, int d, int Tp, int Td, emit_fn emit, vo
     int64_t p_lo = q * wp, p_hi = p_lo + wp;
     int64_t a = d_lo > p_lo ? d_lo : p_lo, e = d_hi < p_hi ? d_hi : p_hi;
     if (a >= e) continue;
-    int rc = emit(ctx, pr, (int)(q * pr->R), d, (a - p_lo) * pr->U, (a - d_lo) * pr->U, (e - a) * pr->U);
+    overlap o = {(int)(q * pr->R), d, (a - p_lo) * pr->U, (a - d_lo) * pr->U, (e - a) * pr->U};
+    int rc = emit(ctx, pr, &o);
     if (rc != 0) return rc;
   }
   return 0;
 }
 
-static int emit_mark(void *ctx, const pair *pr, int prank, int drank, int64_t so, int64_t dof, int64_t bytes) {
-  ((unsigned char *)ctx)[prank] = 1;
+static int emit_mark(void *ctx, const pair *pr, const overlap *o) {
+  (void)pr;
+  ((unsigned char *)ctx)[o->prank] = 1;
   return 0;
 }
 
@@ -333,7 +346,7 @@ typedef struct frag_vec {
   unsigned char *mark;
 } frag_vec;
 
-static int emit_frag(void *ctx, const pair *pr, int prank, int drank, int64_t so, int64_t dof, int64_t bytes) {
+static int emit_frag(void *ctx, const pair *pr, const overlap *o) {
   frag_vec *fv = ctx;
   if (fv->n == fv->cap) {
     size_t nc = fv->cap ? fv->cap * 2 : 64;
@@ -345,16 +358,16 @@ static int emit_frag(void *ctx, const pair *pr, int prank, int drank, int64_t so
   fv->v[fv->n++] = (wire_fragment){
       .buffer_index = pr->index,
       .buffer_kind = pr->kind,
-      .src_rank = prank,
-      .dst_rank = drank,
+      .src_rank = o->prank,
+      .dst_rank = o->drank,
       .src_page_stride_bytes = pr->Ip,
       .dst_page_stride_bytes = pr->Id,
-      .src_byte_offset = so,
-      .dst_byte_offset = dof,
-      .bytes_per_page = bytes,
+      .src_byte_offset = o->src_off,
+      .dst_byte_offset = o->dst_off,
+      .bytes_per_page = o->bytes,
       .page_count = -1,
   };
-  fv->mark[prank] = 1;
+  fv->mark[o->prank] = 1;
   return 0;
 }
 

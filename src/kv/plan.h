@@ -42,16 +42,21 @@ int kvf__plan_runs(const int64_t *src, const int64_t *dst, size_t n, plan_run *o
 /* ---- Buffers ---- */
 
 /* Which buffers belong to each KV layer index (`offsets` of §6.1), in CSR
- * form: layer l owns bufs[start[l] .. start[l+1]). MHA: {l, L+l}; MLA: {l}. */
+ * form: layer l owns bufs[start[l] .. start[l+1]). MHA: {l, L+l}; MLA: {l}.
+ * The same uint32_t arrays as kvf_kv_buffers' layer_buf_start/layer_bufs,
+ * so the manager keeps its layer map once and points a layout into it. */
 typedef struct plan_layout {
   size_t nlayers;
-  const size_t *start; /* nlayers + 1 entries, start[0] == 0 */
-  const size_t *bufs;  /* start[nlayers] buffer indices */
+  const uint32_t *start; /* nlayers + 1 entries, start[0] == 0 */
+  const uint32_t *bufs;  /* start[nlayers] buffer indices */
 } plan_layout;
 
-/* Fill an MHA layout for L layers (buffers K0..K(L-1), V0..V(L-1)): start
- * needs L+1 entries, bufs 2L. */
-void kvf__plan_layout_mha(size_t nlayers, size_t *start, size_t *bufs, plan_layout *out);
+/* The layout of n_kv buffers when the caller gives none (kvf_kv_buffers
+ * without layer_buf_start): an even count is MHA, n_kv/2 layers with
+ * buffers K0..K(L-1) then V0..V(L-1), so layer l owns {l, L+l}; an odd count
+ * is one buffer per layer (MLA). start needs nlayers + 1 entries (at most
+ * n_kv + 1), bufs n_kv. */
+void kvf__plan_layout_default(size_t n_kv, uint32_t *start, uint32_t *bufs, plan_layout *out);
 
 /* One side's buffers: base addresses and, where known, byte lengths. */
 typedef struct plan_mem {
@@ -60,11 +65,28 @@ typedef struct plan_mem {
   size_t nbufs;
 } plan_mem;
 
+/* One call of the address functions below: the buffers of layers [l0, l1)
+ * of lay, the page runs, both sides' memory, and what the mode needs: the
+ * prefill's item lengths (plain) or the fragments (fragment mode; state !=
+ * 0 matches the layout's buffers against mamba_state fragments, 0 against
+ * the other kinds). A struct, so a new input does not change every call. */
+typedef struct plan_xfer {
+  const plan_layout *lay;
+  size_t l0, l1;
+  const plan_run *runs;
+  size_t nruns;
+  const plan_mem *src, *dst;  /* not read by the *_count functions */
+  const uint64_t *item;       /* plain mode */
+  const wire_fragment *frags; /* fragment mode: nfrags of them */
+  size_t nfrags;
+  int state;
+} plan_xfer;
+
 /* ---- Plain (identity) address computation (§6.4) ---- */
 
-/* Blocks kvf__plan_plain_writes emits for KV layer indices [l0, l1) and nruns
- * runs; 0 if the range is invalid. */
-size_t kvf__plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_t nruns);
+/* Blocks kvf__plan_plain_writes emits for x (its layers and runs); 0 if the
+ * layer range is invalid. */
+size_t kvf__plan_plain_count(const plan_xfer *x);
 
 /* Blocks for KV layers [l0, l1): layer-major, buffer order within the layer,
  * run order within the buffer; for buffer b and run (s0, d0, r):
@@ -77,9 +99,7 @@ size_t kvf__plan_plain_count(const plan_layout *lay, size_t l0, size_t l1, size_
  * overflow is KVF_ERANGE. KVF_ETOOBIG if cap is short of the count. State
  * buffers (§6.6) use the same function with a layout of one layer listing
  * the state buffers. */
-int kvf__plan_plain_writes(const plan_layout *lay, size_t l0, size_t l1, const plan_run *runs, size_t nruns,
-                           const plan_mem *src, const plan_mem *dst, const uint64_t *item, kvf_write *out,
-                           size_t cap, size_t *nout);
+int kvf__plan_plain_writes(const plan_xfer *x, kvf_write *out, size_t cap, size_t *nout);
 
 /* ---- Route plan (§5.2, §6.5) ---- */
 
@@ -159,9 +179,8 @@ void kvf__plan_route_free(plan_route *r);
  * (§6.5.7 caveat); 0 otherwise. mamba_state fragments do not count. */
 int kvf__plan_frags_slice_pages(const wire_fragment *frags, size_t nfrags);
 
-/* Exact number of blocks kvf__plan_frag_writes emits for the same arguments. */
-size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const wire_fragment *frags,
-                            size_t nfrags, int state, const plan_run *runs, size_t nruns);
+/* Exact number of blocks kvf__plan_frag_writes emits for the same x. */
+size_t kvf__plan_frag_count(const plan_xfer *x);
 
 /* Blocks for fragment mode, in the reference's order: for each buffer b of
  * layers [l0, l1) (state != 0: every buffer listed in the layout, matched
@@ -177,9 +196,7 @@ size_t kvf__plan_frag_count(const plan_layout *lay, size_t l0, size_t l1, const 
  * offset + bytes <= stride on each side (no spill into the next page), pages
  * in range of known buffer lengths, no overflow (KVF_ERANGE); buffer index
  * past either side: KVF_EINVAL. KVF_ETOOBIG if cap is short. */
-int kvf__plan_frag_writes(const plan_layout *lay, size_t l0, size_t l1, const wire_fragment *frags, size_t nfrags,
-                          int state, const plan_run *runs, size_t nruns, const plan_mem *src, const plan_mem *dst,
-                          kvf_write *out, size_t cap, size_t *nout);
+int kvf__plan_frag_writes(const plan_xfer *x, kvf_write *out, size_t cap, size_t *nout);
 
 /* ---- Small routing helpers ---- */
 

@@ -71,22 +71,32 @@ static void runs_break_on_either_side(void **state) {
 
 /* The table of Appendix A.5: 8 blocks, layer-major, K then V, runs in order. */
 static void plain_writes_appendix_a(void **state) {
-  size_t start[3], bufs[4];
+  uint32_t start[3], bufs[4];
   plan_layout lay;
-  kvf__plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_default(4, start, bufs, &lay);
   assert_int_equal(bufs[0], 0);
   assert_int_equal(bufs[1], 2);
   assert_int_equal(bufs[2], 1);
   assert_int_equal(bufs[3], 3);
+  assert_true(lay.nlayers == 2 && start[0] == 0 && start[1] == 2 && start[2] == 4);
+  /* The manager's default for an odd count (MLA): one buffer per layer. */
+  uint32_t mla_start[4], mla_bufs[3];
+  plan_layout mla;
+  kvf__plan_layout_default(3, mla_start, mla_bufs, &mla);
+  assert_int_equal(mla.nlayers, 3);
+  for (uint32_t l = 0; l < 3; l++) assert_true(mla_start[l] == l && mla_bufs[l] == l);
+  assert_int_equal(mla_start[3], 3);
   int64_t src[3] = {20, 21, 25}, dst[3] = {7, 8, 9};
   plan_run runs[3];
   size_t nruns;
   assert_int_equal(kvf__plan_runs(src, dst, 3, runs, &nruns), 0);
   plan_mem pm = {.base = A_PBASE, .nbufs = 4}, dm = {.base = A_DBASE, .nbufs = 4};
-  assert_int_equal(kvf__plan_plain_count(&lay, 0, 2, nruns), 8);
+  plan_xfer x =
+      {.lay = &lay, .l0 = 0, .l1 = 2, .runs = runs, .nruns = nruns, .src = &pm, .dst = &dm, .item = A_ITEM};
+  assert_int_equal(kvf__plan_plain_count(&x), 8);
   kvf_write w[8];
   size_t n = 0;
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 8);
   static const uint64_t want[8][3] = {
       {0x7e1000028000ULL, 0x7f3a0000e000ULL, 16384}, {0x7e1000032000ULL, 0x7f3a00012000ULL, 8192},
@@ -101,22 +111,24 @@ static void plain_writes_appendix_a(void **state) {
     assert_true(w[i].count <= 1);
   }
   /* Layerwise: layer 1 alone gives the last four blocks. */
-  assert_int_equal(kvf__plan_plain_count(&lay, 1, 2, nruns), 4);
-  assert_int_equal(kvf__plan_plain_writes(&lay, 1, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
+  x.l0 = 1;
+  assert_int_equal(kvf__plan_plain_count(&x), 4);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 4);
   assert_int_equal(w[0].src, 0x7e1040028000ULL);
   assert_int_equal(w[3].dst, 0x7f3ac0012000ULL);
   /* No runs: no blocks. */
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, 0, &pm, &dm, A_ITEM, w, 0, &n), 0);
+  x.l0 = 0, x.nruns = 0;
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 0, &n), 0);
   assert_int_equal(n, 0);
 }
 
 /* kvferry's additions (§8 item 8): a page whose bytes would end past a known
  * buffer length is refused, on either side; so are bad ranges and buffers. */
 static void plain_writes_bounds(void **state) {
-  size_t start[3], bufs[4];
+  uint32_t start[3], bufs[4];
   plan_layout lay;
-  kvf__plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_default(4, start, bufs, &lay);
   int64_t src[3] = {20, 21, 25}, dst[3] = {7, 8, 9};
   plan_run runs[3];
   size_t nruns, n = 77;
@@ -127,27 +139,35 @@ static void plain_writes_bounds(void **state) {
   uint64_t plen[4] = {26 * 8192, 26 * 8192, 26 * 8192, 26 * 8192};
   plan_mem pm = {.base = A_PBASE, .len = plen, .nbufs = 4};
   plan_mem dm = {.base = A_DBASE, .len = dlen, .nbufs = 4};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), 0);
+  plan_xfer x =
+      {.lay = &lay, .l0 = 0, .l1 = 2, .runs = runs, .nruns = nruns, .src = &pm, .dst = &dm, .item = A_ITEM};
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), 0);
   dlen[3] = 81919;
   n = 77;
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), KVF_ERANGE);
   assert_int_equal(n, 77);
   dlen[3] = 81920;
   plen[1] = 26 * 8192 - 1;
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 8, &n), KVF_ERANGE);
   plen[1] = 26 * 8192;
   /* Array too small, bad layer range, decode registered fewer buffers. */
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &dm, A_ITEM, w, 7, &n), KVF_ETOOBIG);
-  assert_int_equal(kvf__plan_plain_writes(&lay, 1, 3, runs, nruns, &pm, &dm, A_ITEM, w, 8, &n), KVF_EINVAL);
-  assert_int_equal(kvf__plan_plain_count(&lay, 2, 1, nruns), 0);
+  assert_int_equal(kvf__plan_plain_writes(&x, w, 7, &n), KVF_ETOOBIG);
+  plan_xfer y = x;
+  y.l0 = 1, y.l1 = 3;
+  assert_int_equal(kvf__plan_plain_writes(&y, w, 8, &n), KVF_EINVAL);
+  y.l0 = 2, y.l1 = 1;
+  assert_int_equal(kvf__plan_plain_count(&y), 0);
   plan_mem short_dm = {.base = A_DBASE, .nbufs = 3};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 2, runs, nruns, &pm, &short_dm, A_ITEM, w, 8, &n), KVF_EINVAL);
+  y = x, y.dst = &short_dm;
+  assert_int_equal(kvf__plan_plain_writes(&y, w, 8, &n), KVF_EINVAL);
   /* Negative or overflowing pages in hand-made runs. */
   plan_run bad = {.src = -1, .dst = 0, .len = 1};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 1, &bad, 1, &pm, &dm, A_ITEM, w, 8, &n), KVF_ERANGE);
+  y = x, y.l1 = 1, y.runs = &bad, y.nruns = 1;
+  assert_int_equal(kvf__plan_plain_writes(&y, w, 8, &n), KVF_ERANGE);
   plan_run huge = {.src = INT64_MAX / 2, .dst = 0, .len = 1};
   plan_mem nolen = {.base = A_PBASE, .nbufs = 4};
-  assert_int_equal(kvf__plan_plain_writes(&lay, 0, 1, &huge, 1, &nolen, &nolen, A_ITEM, w, 8, &n), KVF_ERANGE);
+  y.runs = &huge, y.src = y.dst = &nolen;
+  assert_int_equal(kvf__plan_plain_writes(&y, w, 8, &n), KVF_ERANGE);
 }
 
 /* ---- Route planner ---- */
@@ -187,9 +207,9 @@ static void check_frag(const wire_fragment *f, uint32_t buf, int kind, int src_r
 
 /* Appendix A.2: TP 1 both sides, 4 buffers of 8192 B, unit 256: identity. */
 static void route_identity_appendix_a(void **state) {
-  size_t start[3], bufs[4];
+  uint32_t start[3], bufs[4];
   plan_layout lay;
-  kvf__plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_default(4, start, bufs, &lay);
   int64_t item[4] = {8192, 8192, 8192, 8192}, unit[4] = {256, 256, 256, 256};
   plan_route_params p = params(1, 0, 1, &lay, item, item, unit, 4);
   plan_route r;
@@ -217,9 +237,9 @@ static void route_identity_appendix_a(void **state) {
 
 /* §6.5.7: prefill TP 4 -> decode TP 2, 1-layer MHA (K0, V0), 512 -> 1024 B. */
 static void route_prefill_wider(void **state) {
-  size_t start[2], bufs[2];
+  uint32_t start[2], bufs[2];
   plan_layout lay;
-  kvf__plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_default(2, start, bufs, &lay);
   int64_t di[2] = {1024, 1024}, pi[2] = {512, 512}, unit[2] = {256, 256};
   plan_route r;
   for (int d = 0; d < 2; d++) {
@@ -247,9 +267,9 @@ static void route_prefill_wider(void **state) {
 /* §6.5.7 reverse: prefill TP 2 -> decode TP 4; decode rank 1 takes the
  * second half of p0's pages; p0 waits for two M2s. */
 static void route_decode_wider(void **state) {
-  size_t start[2], bufs[2];
+  uint32_t start[2], bufs[2];
   plan_layout lay;
-  kvf__plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_default(2, start, bufs, &lay);
   int64_t di[2] = {512, 512}, pi[2] = {1024, 1024}, unit[2] = {256, 256};
   plan_route_params p = params(4, 1, 2, &lay, di, pi, unit, 2);
   plan_route r;
@@ -276,7 +296,7 @@ static void route_decode_wider(void **state) {
 
 /* §6.5.7 GQA replica example: Tp 4, Td 1, 16384 -> 32768, unit 256. */
 static void route_gqa_replicas(void **state) {
-  size_t start[2] = {0, 1}, bufs[1] = {0};
+  uint32_t start[2] = {0, 1}, bufs[1] = {0};
   plan_layout lay = {.nlayers = 1, .start = start, .bufs = bufs};
   int64_t di[1] = {32768}, pi[1] = {16384}, unit[1] = {256};
   plan_route_params p = params(1, 0, 4, &lay, di, pi, unit, 1);
@@ -312,7 +332,7 @@ static void route_gqa_replicas(void **state) {
 /* Dummies spread over decode ranks: Tp 4 replicated onto Td 2 (sources 0
  * and 2): rank 1 goes to decode 0, rank 3 to decode 1, each exactly once. */
 static void route_dummies_spread(void **state) {
-  size_t start[2] = {0, 1}, bufs[1] = {0};
+  uint32_t start[2] = {0, 1}, bufs[1] = {0};
   plan_layout lay = {.nlayers = 1, .start = start, .bufs = bufs};
   int64_t di[1] = {4096}, pi[1] = {4096}, unit[1] = {4096};
   for (int d = 0; d < 2; d++) {
@@ -337,7 +357,7 @@ static void route_dummies_spread(void **state) {
  * are never contacted (§8 item 4), which fanout makes visible. Also draft
  * kinds, state pairs and "published none". */
 static void route_replicated_draft_state(void **state) {
-  size_t start[3] = {0, 1, 2}, bufs[2] = {0, 1};
+  uint32_t start[3] = {0, 1, 2}, bufs[2] = {0, 1};
   plan_layout lay = {.nlayers = 2, .start = start, .bufs = bufs};
   int64_t item[2] = {1152, 1152}, sd[1] = {4096}, sp[1] = {2048};
   plan_route_params p = params(2, 1, 4, &lay, item, item, NULL, 2);
@@ -370,7 +390,7 @@ static void route_replicated_draft_state(void **state) {
   for (int q = 0; q < 4; q++) assert_int_equal(r.fanout[q], want[q]);
   kvf__plan_route_free(&r);
   /* And state alone: targets 2 and 3 with mamba_state fragments. */
-  size_t s0[1] = {0};
+  uint32_t s0[1] = {0};
   plan_layout empty = {.nlayers = 0, .start = s0, .bufs = NULL};
   p.layout = &empty;
   p.n_d_state = p.n_p_state = 1;
@@ -382,9 +402,9 @@ static void route_replicated_draft_state(void **state) {
   check_frag(&r.frags[1], 0, WIRE_KIND_MAMBA_STATE, 3, 1, 2048, 4096, 0, 2048, 2048);
   kvf__plan_route_free(&r);
   /* Published none: Ip = Id*Td/Tp = 1024*2/4 = 512, as in §6.5.7. */
-  size_t st2[2], bf2[2];
+  uint32_t st2[2], bf2[2];
   plan_layout mha;
-  kvf__plan_layout_mha(1, st2, bf2, &mha);
+  kvf__plan_layout_default(2, st2, bf2, &mha);
   int64_t di[2] = {1024, 1024}, unit[2] = {256, 256};
   p = params(2, 0, 4, &mha, di, NULL, unit, 2);
   p.n_p_kv_unit = 0; /* prefill units unpublished -> 1, decode says 256: mismatch */
@@ -404,9 +424,9 @@ static void route_replicated_draft_state(void **state) {
  * layers at or past target_layer_num are draft. Pair order is offsets order
  * (K0, V0, K1, V1), not buffer-index order. */
 static void route_kinds_and_pair_order(void **state) {
-  size_t start[3], bufs[4];
+  uint32_t start[3], bufs[4];
   plan_layout lay;
-  kvf__plan_layout_mha(2, start, bufs, &lay);
+  kvf__plan_layout_default(4, start, bufs, &lay);
   int64_t di[4] = {1024, 1024, 1024, 1024}, pi[4] = {512, 512, 512, 512};
   int64_t unit[4] = {256, 256, 256, 256};
   plan_route_params p = params(1, 0, 2, &lay, di, pi, unit, 4);
@@ -425,9 +445,9 @@ static void route_kinds_and_pair_order(void **state) {
 }
 
 static void route_rejects_bad_layouts(void **state) {
-  size_t start[2], bufs[2];
+  uint32_t start[2], bufs[2];
   plan_layout lay;
-  kvf__plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_default(2, start, bufs, &lay);
   char err[200];
   plan_route r;
   memset(&r, 0x5a, sizeof r);
@@ -522,9 +542,9 @@ static void kind_names(void **state) {
 /* §6.5.7: prefill rank p1 writes its page 7 into decode-0 page 3 of K0 at
  * +512; a run of three pages becomes one strided block. */
 static void frag_writes_worked_example(void **state) {
-  size_t start[2], bufs[2];
+  uint32_t start[2], bufs[2];
   plan_layout lay;
-  kvf__plan_layout_mha(1, start, bufs, &lay);
+  kvf__plan_layout_default(2, start, bufs, &lay);
   int64_t di[2] = {1024, 1024}, pi[2] = {512, 512}, unit[2] = {256, 256};
   plan_route_params p = params(2, 0, 4, &lay, di, pi, unit, 2);
   plan_route r;
@@ -540,8 +560,10 @@ static void frag_writes_worked_example(void **state) {
   size_t nruns, n;
   assert_int_equal(kvf__plan_runs(src1, dst1, 1, runs, &nruns), 0);
   kvf_write w[8];
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns), 2);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  plan_xfer x = {.lay = &lay, .l0 = 0, .l1 = 1, .runs = runs, .nruns = nruns, .src = &pm, .dst = &dm};
+  x.frags = fr, x.nfrags = t1->nfrags;
+  assert_int_equal(kvf__plan_frag_count(&x), 2);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_int_equal(w[0].src, 0x100000 + 7 * 512);
   assert_int_equal(w[0].dst, 0x900000 + 3 * 1024 + 512);
@@ -552,7 +574,8 @@ static void frag_writes_worked_example(void **state) {
 
   int64_t src3[3] = {7, 8, 9}, dst3[3] = {3, 4, 5};
   assert_int_equal(kvf__plan_runs(src3, dst3, 3, runs, &nruns), 0);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  x.nruns = nruns;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_int_equal(w[0].count, 3);
   assert_int_equal(w[0].len, 512);
@@ -566,24 +589,24 @@ static void frag_writes_worked_example(void **state) {
     assert_int_equal(w[0].dst + i * w[0].dst_stride, 0x900000 + (uint64_t)dst3[i] * 1024 + 512);
   }
   /* State mode picks no KV fragments. */
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, fr, t1->nfrags, 1, runs, nruns), 0);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 1, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  x.state = 1;
+  assert_int_equal(kvf__plan_frag_count(&x), 0);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 0);
+  x.state = 0;
   /* Decode buffer length: page 5 + 512 + 512 ends at 6*1024. */
   uint64_t dlen[2] = {6 * 1024, 6 * 1024};
   dm.len = dlen;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   dlen[1] = 6 * 1024 - 1;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 8, &n),
-                   KVF_ERANGE);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_ERANGE);
   dm.len = NULL;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, fr, t1->nfrags, 0, runs, nruns, &pm, &dm, w, 1, &n),
-                   KVF_ETOOBIG);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 1, &n), KVF_ETOOBIG);
   kvf__plan_route_free(&r);
 }
 
 static void frag_writes_coalesce_limit_and_reject(void **state) {
-  size_t start[2] = {0, 1}, bufs[1] = {0};
+  uint32_t start[2] = {0, 1}, bufs[1] = {0};
   plan_layout lay = {.nlayers = 1, .start = start, .bufs = bufs};
   uint64_t pbase[1] = {0x10000}, dbase[1] = {0x80000};
   plan_mem pm = {.base = pbase, .nbufs = 1}, dm = {.base = dbase, .nbufs = 1};
@@ -600,7 +623,9 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
                          .dst_page_stride_bytes = 1152,
                          .bytes_per_page = 1152,
                          .page_count = -1};
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  plan_xfer x = {.lay = &lay, .l0 = 0, .l1 = 1, .runs = runs, .nruns = nruns, .src = &pm, .dst = &dm};
+  x.frags = &whole, x.nfrags = 1;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 2);
   assert_true(w[0].count <= 1);
   assert_int_equal(w[0].len, 3 * 1152);
@@ -611,38 +636,46 @@ static void frag_writes_coalesce_limit_and_reject(void **state) {
   wire_fragment lim = whole;
   lim.src_page_stride_bytes = 2048;
   lim.page_count = 2;
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, &lim, 1, 0, runs, nruns), 2);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  x.frags = &lim;
+  assert_int_equal(kvf__plan_frag_count(&x), 2);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(w[0].count, 2);
   assert_int_equal(w[1].count, 2);
   lim.page_count = 0;
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, &lim, 1, 0, runs, nruns), 0);
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &lim, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  assert_int_equal(kvf__plan_frag_count(&x), 0);
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 0);
   /* A fragment that would spill into the next page, or is empty. */
   wire_fragment spill = whole;
   spill.dst_byte_offset = 1;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &spill, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
+  x.frags = &spill;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_ERANGE);
   wire_fragment empty = whole;
   empty.bytes_per_page = 0;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &empty, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
+  x.frags = &empty;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_ERANGE);
   wire_fragment wrap = whole;
   wrap.src_byte_offset = INT64_MAX - 10;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &wrap, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), KVF_ERANGE);
+  x.frags = &wrap;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_ERANGE);
   /* Fragments for buffers not in the layer are ignored; a layer buffer
    * past the decode's registered count is refused. */
   wire_fragment other = whole;
   other.buffer_index = 5;
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &other, 1, 0, runs, nruns, &pm, &dm, w, 8, &n), 0);
+  x.frags = &other;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), 0);
   assert_int_equal(n, 0);
   plan_mem none = {.base = dbase, .nbufs = 0};
-  assert_int_equal(kvf__plan_frag_writes(&lay, 0, 1, &whole, 1, 0, runs, nruns, &pm, &none, w, 8, &n), KVF_EINVAL);
+  x.frags = &whole, x.dst = &none;
+  assert_int_equal(kvf__plan_frag_writes(&x, w, 8, &n), KVF_EINVAL);
   /* State mode uses mamba_state fragments only. */
   wire_fragment st = whole;
   st.buffer_kind = WIRE_KIND_MAMBA_STATE;
   wire_fragment both[2] = {whole, st};
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, both, 2, 1, runs, nruns), 2);
-  assert_int_equal(kvf__plan_frag_count(&lay, 0, 1, both, 2, 0, runs, nruns), 2);
+  x.frags = both, x.nfrags = 2, x.state = 1;
+  assert_int_equal(kvf__plan_frag_count(&x), 2);
+  x.state = 0;
+  assert_int_equal(kvf__plan_frag_count(&x), 2);
 }
 
 /* ---- Small helpers ---- */
@@ -724,7 +757,7 @@ static char *target_json(const plan_route *r, int t) {
 }
 
 static void route_draft_json_matches_reference(void **state) {
-  size_t start[4] = {0, 2, 4, 6}, bufs[6] = {0, 2, 1, 3, 4, 5};
+  uint32_t start[4] = {0, 2, 4, 6}, bufs[6] = {0, 2, 1, 3, 4, 5};
   plan_layout lay = {.nlayers = 3, .start = start, .bufs = bufs};
   int64_t wide[6] = {1024, 1024, 1024, 1024, 1024, 1024}, narrow[6] = {512, 512, 512, 512, 512, 512};
   int64_t unit[6] = {256, 256, 256, 256, 256, 256};

@@ -7,8 +7,12 @@
  * to a real bootstrap server, many senders created and destroyed, and
  * layerwise sends (two MHA layers, per-layer bytes and one M3), and the
  * first token published after the KV landed (KVF_SEND_TOKEN_LATER), and
- * layerwise sends whose state buffers go with their layer group. Every
- * wait is bounded in time. */
+ * layerwise sends whose state buffers go with their layer group, and a
+ * write refused by the decode's room fence, which fails that room only;
+ * the last two in verify mode too (pages hashed at send, digests asked by
+ * the decode and checked here against the landed bytes). Every wait is
+ * bounded in time. */
+#include <inttypes.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -22,6 +26,7 @@
 #include <zmq.h>
 
 #include "base/clock.h"
+#include "base/hash.h"
 #include "bootstrap/bootstrap.h"
 #include "kv/manager.h"
 #include "kvferry/bootstrap.h"
@@ -46,11 +51,18 @@ typedef struct fixture {
   void *zctx, *pull, *push;
   uint16_t pull_port;
   char session[64];
+  /* digest messages received (verify mode): entries that match the bytes
+   * landed here, entries that do not */
+  size_t digests_ok, digests_bad;
 } fixture;
 
-static int g_page_size = 1; /* the prefill manager's tokens per page */
-static int g_nkv = 2;       /* KV buffers (MHA: 2 per layer) */
-static int g_nstate = 0;    /* state buffers; state buffer j belongs to KV layer j */
+static int g_page_size = 1;     /* the prefill manager's tokens per page */
+static int g_nkv = 2;           /* KV buffers (MHA: 2 per layer) */
+static int g_nstate = 0;        /* state buffers; state buffer j belongs to KV layer j */
+static int g_verify = 0;        /* the prefill runs in verify mode (hashes pages at send) */
+static uint64_t g_room_flags;   /* the M2s' WIRE_ROOM_* flags (WIRE_ROOM_VERIFY: digests asked) */
+static uint64_t g_fence_epoch;  /* the next M2's fence epoch (0: unfenced) */
+static const char *g_transport; /* both engines' transport; NULL: the default */
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
@@ -89,9 +101,11 @@ static void fx_manager(fixture *f, const char *bootstrap_addr) {
   cfg.bootstrap_addr = bootstrap_addr;
   cfg.queue_size = 2;
   cfg.page_size = g_page_size;
+  cfg.verify = g_verify;
   kvf_engine_config ec;
   kvf_engine_config_init(&ec);
   ec.timeout_ms = 5000;
+  ec.transport = g_transport;
   cfg.engine_cfg = &ec;
   assert_int_equal(kvf_manager_create(&cfg, &bufs, &f->m), 0);
 }
@@ -100,6 +114,7 @@ static void fx_decode(fixture *f) {
   kvf_engine_config ec;
   kvf_engine_config_init(&ec);
   ec.timeout_ms = 5000;
+  ec.transport = g_transport;
   assert_int_equal(kvf_engine_create(&ec, &f->eng), 0);
   snprintf(f->session, sizeof f->session, "%s", kvf_engine_session_id(f->eng));
   for (int b = 0; b < NKV; b++) {
@@ -209,6 +224,8 @@ static void send_m2_full(fixture *f, int64_t room, const int64_t *dst, size_t n,
   m2.dst_aux_index = 0;
   m2.decode_prefix_len = prefix;
   m2.mamba_indices = wire_array_of(mamba, nmamba);
+  m2.room_flags = g_room_flags;
+  m2.fence_epoch = g_fence_epoch;
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   assert_int_equal(kvf__wire_m2_encode(&m2, &msg, why), 0);
@@ -270,27 +287,52 @@ static kvf_sender *new_sender(fixture *f, int64_t room) {
   return s;
 }
 
-/* Receive one M3 within 5 s; copies candidates into cands (cap KVF_MAX_CANDIDATES). */
-static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
-  zmq_msg_t parts[8];
-  size_t n = 0;
-  zmq_pollitem_t pi = {.socket = f->pull, .events = ZMQ_POLLIN};
-  assert_int_equal(zmq_poll(&pi, 1, 5000), 1);
-  int more = 1;
-  while (more && n < 8) {
-    zmq_msg_init(&parts[n]);
-    assert_true(zmq_msg_recv(&parts[n], f->pull, 0) >= 0);
-    more = zmq_msg_more(&parts[n]);
-    n++;
-  }
-  wire_frame fr[8];
-  for (size_t i = 0; i < n; i++) fr[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
+/* A digest message (verify mode, the decode asked): each entry is checked
+ * against the bytes landed in this process's decode memory, as the decode
+ * manager does. The prefill sends a part's digests once its write landed,
+ * on the same PUSH socket as the room's M3, so they come before it. */
+static void check_digests(fixture *f, const wire_frame *fr, size_t n) {
+  wire_digests dg;
   char why[WIRE_REASON_LEN];
-  assert_int_equal(kvf__wire_m3_decode(fr, n, out, why), 0);
-  *ncand = out->candidates.count < KVF_MAX_CANDIDATES ? out->candidates.count : KVF_MAX_CANDIDATES;
-  for (size_t i = 0; i < *ncand; i++) cands[i] = wire_i32_at(out->candidates, i);
-  out->candidates = wire_array_of(NULL, 0);
-  for (size_t i = 0; i < n; i++) zmq_msg_close(&parts[i]);
+  assert_int_equal(kvf__wire_digests_decode(fr, n, &dg, why), 0);
+  kvf_engine_sync(f->eng);
+  for (size_t i = 0; i < dg.entries.count; i++) {
+    wire_digest d = wire_digest_at(dg.entries, i);
+    if (kvf__hash_block(d.dst, d.len, d.count, d.stride) == d.hash) f->digests_ok++;
+    else f->digests_bad++;
+  }
+}
+
+/* Receive one M3 within 5 s (digest messages before it are checked and
+ * counted); copies candidates into cands (cap KVF_MAX_CANDIDATES). */
+static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
+  for (;;) {
+    zmq_msg_t parts[8];
+    size_t n = 0;
+    zmq_pollitem_t pi = {.socket = f->pull, .events = ZMQ_POLLIN};
+    assert_int_equal(zmq_poll(&pi, 1, 5000), 1);
+    int more = 1;
+    while (more && n < 8) {
+      zmq_msg_init(&parts[n]);
+      assert_true(zmq_msg_recv(&parts[n], f->pull, 0) >= 0);
+      more = zmq_msg_more(&parts[n]);
+      n++;
+    }
+    wire_frame fr[8];
+    for (size_t i = 0; i < n; i++) fr[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
+    int digests = kvf__wire_is_digests(fr, n);
+    if (digests) {
+      check_digests(f, fr, n);
+    } else {
+      char why[WIRE_REASON_LEN];
+      assert_int_equal(kvf__wire_m3_decode(fr, n, out, why), 0);
+      *ncand = out->candidates.count < KVF_MAX_CANDIDATES ? out->candidates.count : KVF_MAX_CANDIDATES;
+      for (size_t i = 0; i < *ncand; i++) cands[i] = wire_i32_at(out->candidates, i);
+      out->candidates = wire_array_of(NULL, 0);
+    }
+    for (size_t i = 0; i < n; i++) zmq_msg_close(&parts[i]);
+    if (!digests) return;
+  }
 }
 
 static int wait_final(kvf_sender *s, int ms) {
@@ -342,8 +384,24 @@ static void check_layer_zero(fixture *f, int l, const int64_t *dst, size_t n) {
 
 /* No M3 arrives within ms. */
 static void expect_no_m3(fixture *f, int ms) {
-  zmq_pollitem_t pi = {.socket = f->pull, .events = ZMQ_POLLIN};
-  assert_int_equal(zmq_poll(&pi, 1, ms), 0);
+  int64_t end = clock_now_ns() + (int64_t)ms * 1000000;
+  for (int64_t left = ms; left > 0; left = (end - clock_now_ns()) / 1000000) {
+    zmq_pollitem_t pi = {.socket = f->pull, .events = ZMQ_POLLIN};
+    if (zmq_poll(&pi, 1, (long)left) == 0) return;
+    zmq_msg_t parts[8];
+    size_t n = 0;
+    for (int more = 1; more && n < 8; n++) {
+      zmq_msg_init(&parts[n]);
+      assert_true(zmq_msg_recv(&parts[n], f->pull, 0) >= 0);
+      more = zmq_msg_more(&parts[n]);
+    }
+    wire_frame fr[8];
+    for (size_t i = 0; i < n; i++) fr[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
+    int digests = kvf__wire_is_digests(fr, n);
+    if (digests) check_digests(f, fr, n); /* verify mode: digests may come, an M3 may not */
+    for (size_t i = 0; i < n; i++) zmq_msg_close(&parts[i]);
+    assert_true(digests);
+  }
 }
 
 static uint64_t stat_chunks(fixture *f) {
@@ -835,6 +893,91 @@ static void refused_write_in_window_fails_room(void **state) {
   fx_teardown(&f);
 }
 
+/* The decode's room fence (issue 16) refuses a write: the decode failed or
+ * dropped that room. The room fails with that reason and its decode gets
+ * one M3 Failed, but the decode session is not marked failed (the decode
+ * gave up one room, it is not dead): its other rooms, before and after,
+ * still succeed. Refused on the direct path (a room's only chunk), in the
+ * worker's window (the first chunk of two) and, in verify mode, in the
+ * verify step. Over tcp, where the decode's engine refuses each chunk
+ * before any byte of it lands. */
+static void fence_refusal(int verify) {
+  g_verify = verify;
+  g_room_flags = verify ? WIRE_ROOM_VERIFY : 0;
+  g_transport = "tcp";
+  fixture f;
+  fx_setup(&f, "");
+  send_m1(&f);
+  wait_received(&f, 1);
+  /* in this order, each finished before the next starts */
+  const struct {
+    int64_t room;
+    int fenced, nchunks;
+    int64_t dst[2];
+  } rm[] = {{51, 1, 1, {1, 2}}, {52, 0, 1, {3, 4}}, {53, 1, 2, {5, 6}}, {54, 0, 2, {7, 8}}, {55, 0, 1, {9, 10}}};
+  const size_t nrm = sizeof rm / sizeof rm[0];
+  int64_t src[] = {20, 21};
+  for (size_t i = 0; i < nrm; i++) {
+    uint64_t tag = manager_room_tag(rm[i].room), epoch = 0;
+    assert_int_equal(kvf_engine_fence_open(f.eng, tag, &epoch), 0);
+    kvf_sender *s = new_sender(&f, rm[i].room);
+    g_fence_epoch = epoch;
+    send_m2(&f, rm[i].room, rm[i].dst, 2);
+    g_fence_epoch = 0;
+    wait_received(&f, 2 + i);
+    if (rm[i].fenced) assert_int_equal(kvf_engine_fence_close(f.eng, tag, epoch, 5000), 0);
+    if (rm[i].nchunks == 2) {
+      assert_int_equal(send_chunk(s, src, 1, 0, -1, -1, NULL, 0, NULL, 0), 0);
+      assert_int_equal(send_chunk(s, src + 1, 1, 1, 0, 7, NULL, 0, NULL, 0), 0);
+    } else {
+      assert_int_equal(send_chunk(s, src, 2, 1, 0, 7, NULL, 0, NULL, 0), 0);
+    }
+    if (rm[i].fenced) {
+      assert_int_equal(wait_final(s, 8000), KVF_POLL_FAILED);
+      char why[256], want[96];
+      kvf_sender_failure(s, why, sizeof why);
+      snprintf(want, sizeof want, "The decode fenced room %" PRId64, rm[i].room);
+      assert_non_null(strstr(why, want));
+      wire_m3 m3;
+      int32_t c[KVF_MAX_CANDIDATES];
+      size_t nc;
+      recv_m3(&f, &m3, c, &nc);
+      assert_int_equal(m3.room, rm[i].room);
+      assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+      check_layer_zero(&f, 0, rm[i].dst, 2); /* not one byte landed */
+    } else {
+      assert_int_equal(wait_final(s, 8000), KVF_POLL_SUCCESS);
+      expect_success_m3(&f, rm[i].room, 7, NULL, 0);
+      check_pages(&f, src, rm[i].dst, 2);
+      assert_int_equal(kvf_engine_fence_close(f.eng, tag, epoch, 5000), 0);
+    }
+    kvf_sender_destroy(s);
+  }
+  expect_no_m3(&f, 100); /* one M3 per room */
+  kvf_engine_stats es;
+  kvf_engine_get_stats(f.eng, &es);
+  assert_true(es.chunks_fenced >= 2);
+  kvf_manager_stats st;
+  kvf_manager_get_stats(f.m, &st);
+  assert_int_equal(st.verify_failures, 0);
+  assert_int_equal(f.digests_bad, 0);
+  assert_int_equal(f.digests_ok, verify ? 3 * 2 * 2 : 0); /* the open rooms' pages, K and V; none refused */
+  fx_teardown(&f);
+  g_verify = 0;
+  g_room_flags = 0;
+  g_transport = NULL;
+}
+
+static void fence_refusal_fails_only_that_room(void **state) {
+  (void)state;
+  fence_refusal(0);
+}
+
+static void fence_refusal_fails_only_that_room_verify(void **state) {
+  (void)state;
+  fence_refusal(1);
+}
+
 static void abort_tells_decode(void **state) {
   (void)state;
   fixture f;
@@ -937,11 +1080,15 @@ static void layerwise_appendix_a(void **state) {
 /* A hybrid model, 2 KV layers and one state buffer per layer: a layerwise
  * chunk that carries the state slot writes its layer group's state with its
  * KV, byte for byte, and leaves the other group's state alone until that
- * group's chunk (the last) goes. */
-static void layerwise_state_with_layer_group(void **state) {
-  (void)state;
+ * group's chunk (the last) goes. The same in verify mode, where the decode
+ * also gets the digests of both (7 entries a chunk: 3 pages x K, V from the
+ * send-time page digests, and the state slot's block), each matching what
+ * landed. */
+static void state_with_layer_group(int verify) {
   g_nkv = 4;
   g_nstate = 2;
+  g_verify = verify;
+  g_room_flags = verify ? WIRE_ROOM_VERIFY : 0;
   fixture f;
   fx_setup(&f, "");
   int64_t room = 88;
@@ -973,10 +1120,25 @@ static void layerwise_state_with_layer_group(void **state) {
   kvf_manager_stats st;
   kvf_manager_get_stats(f.m, &st);
   assert_int_equal(st.bytes_sent, 3 * ITEM * 4 + 2 * STATE_ITEM);
+  assert_int_equal(st.verify_failures, 0);
+  assert_int_equal(f.digests_bad, 0);
+  assert_int_equal(f.digests_ok, verify ? 2 * (3 * 2 + 1) : 0);
   kvf_sender_destroy(s);
   fx_teardown(&f);
   g_nkv = 2;
   g_nstate = 0;
+  g_verify = 0;
+  g_room_flags = 0;
+}
+
+static void layerwise_state_with_layer_group(void **state) {
+  (void)state;
+  state_with_layer_group(0);
+}
+
+static void layerwise_state_with_layer_group_verify(void **state) {
+  (void)state;
+  state_with_layer_group(1);
 }
 
 static void layerwise_windows(void **state) {
@@ -1237,6 +1399,9 @@ int main(void) {
       cmocka_unit_test(layerwise_empty_chunks),
       cmocka_unit_test(registers_with_bootstrap),
       cmocka_unit_test(layerwise_state_with_layer_group),
+      cmocka_unit_test(layerwise_state_with_layer_group_verify),
+      cmocka_unit_test(fence_refusal_fails_only_that_room),
+      cmocka_unit_test(fence_refusal_fails_only_that_room_verify),
       cmocka_unit_test(token_after_landing),
       cmocka_unit_test(token_before_landing),
       cmocka_unit_test(token_never_published),

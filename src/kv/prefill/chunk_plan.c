@@ -1,8 +1,12 @@
-/* The chunk planner (PROTOCOL §6.3-§6.8): one chunk's page pairs to one
- * destination's engine writes, through the M2's fragments (used as they
- * are, or cut per token once when the M2 arrives) and per-worker grow-only scratch
- * arrays, so the hot path does not allocate; plus the fence options, the
- * completion trailer and the worker path's write to one destination. */
+/* The one per-destination send path (PROTOCOL §6.3-§6.8) of the worker
+ * and of direct transfers: one chunk's page pairs to one destination's
+ * engine writes, through the M2's fragments (used as they are, or cut per
+ * token once when the M2 arrives) and per-worker grow-only scratch arrays,
+ * so the hot path does not allocate; then the write, with the room's fence
+ * and, on the last chunk, its completion trailer. Verify mode is a step of
+ * this path (verify_send.c): the same plan, cut in parts, written and
+ * checked there. A failed write is judged in one place
+ * (kvf__pf_xfer_failed). */
 #include "kv/prefill/prefill_int.h"
 
 uint64_t kvf__pf_writes_bytes(const kvf_write *w, size_t n) {
@@ -20,10 +24,14 @@ uint64_t kvf__pf_writes_bytes(const kvf_write *w, size_t n) {
  * that frame, or with another page size, would land wrong bytes: refused.
  * Whole-page fragments (replicated buffers) and page_size 1 need nothing.
  * Returns the tokens per page to scale by (1 = plain: the fragments are
- * used as they are), or 0 with a reason, or -1 without memory; when it
- * returns P > 1, *cut is a malloc'd per-token copy of the n fragments. */
-int64_t kvf__pf_per_token(const wire_fragment *f, size_t n, int64_t P, int64_t layout, wire_fragment **cut,
-                          char *why, size_t whycap) {
+ * used as they are), or 0 with a reason in info->plan_why, or -1 without
+ * memory; when it returns P > 1, info->frags_cut is a malloc'd per-token
+ * copy of the M2's fragments. */
+static int64_t per_token(pf_info *info, int64_t P) {
+  const wire_fragment *f = info->m2->frags;
+  size_t n = info->m2->nfrags, whycap = sizeof info->plan_why;
+  int64_t layout = info->m2->page_layout;
+  char *why = info->plan_why;
   if (P <= 1 || !kvf__plan_frags_slice_pages(f, n)) return 1;
   if (layout != P) {
     if (layout)
@@ -61,7 +69,7 @@ int64_t kvf__pf_per_token(const wire_fragment *f, size_t n, int64_t P, int64_t l
     g->bytes_per_page /= P;
     if (g->page_count >= 0) g->page_count *= P;
   }
-  *cut = t;
+  info->frags_cut = t;
   return P;
 }
 
@@ -124,7 +132,7 @@ void kvf__pf_dest_writes_free(pf_dest_writes *dw) {
 void kvf__pf_scratch_free(pf_scratch *sc) {
   free(sc->dptr), free(sc->sptr), free(sc->src), free(sc->dst), free(sc->runs), free(sc->w);
   kvf__pf_dest_writes_free(&sc->dw);
-  free(sc->done), free(sc->res);
+  free(sc->done), free(sc->res), free(sc->dg);
   memset(sc, 0, sizeof *sc);
 }
 
@@ -145,30 +153,40 @@ int kvf__pf_info_plan(kvf_manager *m, pf_info *info) {
   info->tokens = 1;
   info->frags = x->frags;
   if (!x->nfrags || x->is_dummy) return 0;
-  info->tokens = kvf__pf_per_token(x->frags, x->nfrags, m->cfg.page_size, x->page_layout, &info->frags_cut,
-                                   info->plan_why, sizeof info->plan_why);
+  info->tokens = per_token(info, m->cfg.page_size);
   if (info->tokens < 0) return KVF_ENOMEM;
   if (info->frags_cut) info->frags = info->frags_cut;
   return 0;
 }
 
-/* Plan one set of page pairs (KV when state == 0, state slots otherwise) to
- * the destination, appending the writes to sc->w. Uses only sc's arrays. */
-static int plan_pairs_sc(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, int state, size_t l0, size_t l1,
-                         const int64_t *src, const int64_t *dst, size_t n, const uint64_t *dst_ptrs,
-                         const wire_fragment *frags, size_t nfrags, int frag_mode, int64_t tokens, char *why,
-                         size_t whycap) {
-  kvf_manager *m = ps->m;
-  const manager_buffers *b = &m->bufs;
-  /* state 2: state buffers of KV layers [l0, l1) (state_layer_ids) */
+/* One set of page pairs to plan: KV pages of layers [l0, l1) (state 0),
+ * or state slots of every state buffer (1) or of the state buffers of KV
+ * layers [l0, l1) (2, with state_layer_ids). */
+typedef struct pf_pairs {
+  int state;
+  size_t l0, l1;
+  const int64_t *src, *dst;
+  size_t n;
+  size_t nparts; /* plan_parts: cut into this many parts */
+} pf_pairs;
+
+/* Plan the pairs to the destination of `info`, appending the writes to
+ * sc->w. Uses only sc's arrays (sc->dptr / sc->sptr hold the destination's
+ * buffer addresses). */
+static int plan_pairs(prefill_state *ps, pf_scratch *sc, const pf_info *info, const pf_pairs *p, char *why,
+                      size_t whycap) {
+  const manager_buffers *b = &ps->m->bufs;
+  const wire_m2 *x = info->m2;
+  int state = p->state, frag_mode = x->nfrags > 0;
+  int64_t tokens = state ? 1 : info->tokens;
+  size_t l0 = p->l0, l1 = p->l1;
   const plan_layout *lay = state == 2 ? &ps->stl_lay : state ? &ps->st_lay : &ps->kv_lay;
   plan_mem sm = {state ? b->state_ptrs : b->kv_ptrs, state ? b->state_lens : b->kv_lens,
                  state ? b->n_state : b->n_kv};
-  plan_mem dm = {dst_ptrs, NULL, sm.nbufs};
-  const uint64_t *item = state ? b->state_item_lens : b->kv_item_lens;
+  plan_mem dm = {state ? sc->sptr : sc->dptr, NULL, sm.nbufs};
   size_t nruns = 0, nw = 0, cap;
-  int rc = kvf__pf_scratch_grow((void **)&sc->runs, &sc->cap_runs, n ? n : 1, sizeof *sc->runs);
-  if (!rc) rc = kvf__plan_runs(src, dst, n, sc->runs, &nruns);
+  int rc = kvf__pf_scratch_grow((void **)&sc->runs, &sc->cap_runs, p->n ? p->n : 1, sizeof *sc->runs);
+  if (!rc) rc = kvf__plan_runs(p->src, p->dst, p->n, sc->runs, &nruns);
   if (rc) goto out;
   plan_run *runs = sc->runs;
   /* Per-token fragments (tokens > 1): a run of r pages is r*tokens token
@@ -182,19 +200,47 @@ static int plan_pairs_sc(prefill_state *ps, pf_scratch *sc, const wire_m2 *x, in
       goto out;
     }
   if (state == 1) l0 = 0, l1 = lay->nlayers;
-  cap = frag_mode ? kvf__plan_frag_count(lay, l0, l1, frags, nfrags, state, runs, nruns)
-                  : kvf__plan_plain_count(lay, l0, l1, nruns);
+  plan_xfer px = {.lay = lay,
+                  .l0 = l0,
+                  .l1 = l1,
+                  .runs = runs,
+                  .nruns = nruns,
+                  .src = &sm,
+                  .dst = &dm,
+                  .item = state ? b->state_item_lens : b->kv_item_lens,
+                  .frags = info->frags,
+                  .nfrags = x->nfrags,
+                  .state = state};
+  cap = frag_mode ? kvf__plan_frag_count(&px) : kvf__plan_plain_count(&px);
   if (!cap) goto out;
   if ((rc = kvf__pf_scratch_grow((void **)&sc->w, &sc->cap_w, sc->nw + cap, sizeof *sc->w))) goto out;
   kvf_write *w = sc->w + sc->nw;
-  rc = frag_mode ? kvf__plan_frag_writes(lay, l0, l1, frags, nfrags, state, runs, nruns, &sm, &dm, w, cap, &nw)
-                 : kvf__plan_plain_writes(lay, l0, l1, runs, nruns, &sm, &dm, item, w, cap, &nw);
+  rc = frag_mode ? kvf__plan_frag_writes(&px, w, cap, &nw) : kvf__plan_plain_writes(&px, w, cap, &nw);
   if (!rc) sc->nw += nw;
 out:
   if (rc)
     snprintf(why, whycap, "%s pages of the chunk cannot be mapped onto decode session %s: %s",
              state ? "State" : "KV", x->session, kvf_strerror(rc));
   return rc;
+}
+
+/* Plan the pairs in p->nparts parts of equal size (the last shorter, some
+ * perhaps empty), each its own runs and blocks, recorded in sc->parts. */
+static int plan_parts(prefill_state *ps, pf_scratch *sc, const pf_info *info, const pf_pairs *p, char *why,
+                      size_t whycap) {
+  size_t per = (p->n + p->nparts - 1) / p->nparts;
+  for (size_t g = 0; g < p->nparts; g++) {
+    pf_part *part = &sc->parts[sc->nparts++];
+    pf_pairs sub = *p;
+    size_t a = g * per < p->n ? g * per : p->n;
+    sub.src += a, sub.dst += a;
+    sub.n = p->n - a < per ? p->n - a : per;
+    *part = (pf_part){.state = p->state, .a = a, .n = sub.n, .w0 = sc->nw};
+    int rc = plan_pairs(ps, sc, info, &sub, why, whycap);
+    if (rc) return rc;
+    part->nw = sc->nw - part->w0;
+  }
+  return 0;
 }
 
 /* §6.8: skip the pages the decode already holds (its prefix, unless the
@@ -212,9 +258,10 @@ void kvf__pf_dest_window(const pf_chunk *c, const wire_m2 *x, int64_t page_size,
   *n = nsrc < avail ? nsrc : avail;
 }
 
-/* Plan one chunk to one real destination (§6.3-§6.6): sc->w[0..sc->nw)
- * holds the writes (KV, then state slots) afterwards. DEST_FAIL with a
- * reason; DEST_OK otherwise. No allocation beyond sc's grow-only arrays. */
+/* Plan one chunk to one real destination (§6.3-§6.6), see prefill_int.h.
+ * Verify mode cuts the KV pages in PF_VERIFY_PARTS parts (and the state
+ * slots too, for a decode that asked for digests), so its step can check
+ * part by part. No allocation beyond sc's grow-only arrays. */
 int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, char *why,
                       size_t whycap) {
   kvf_manager *m = ps->m;
@@ -222,8 +269,8 @@ int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, cons
   const manager_buffers *b = &m->bufs;
   int64_t page_size = m->cfg.page_size, now = clock_now_ns();
   size_t nsptr = 0;
-  int ret = DEST_FAIL;
-  sc->nw = 0;
+  int ret = DEST_FAIL, verify = pf_verifies(c, x), ask = (x->room_flags & WIRE_ROOM_VERIFY) != 0;
+  sc->nw = 0, sc->nparts = 0;
 
   pthread_mutex_lock(&ps->lock);
   pf_reg *reg = kvf__pf_usable_reg_locked(ps, x->session, now, why, whycap);
@@ -245,21 +292,19 @@ int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, cons
     snprintf(why, whycap, "%s", info->plan_why);
     return ret;
   }
-  const wire_fragment *frags = info->frags;
 
   /* §6.8 and §6.3: the chunk's pages the decode still needs, and where. */
-  size_t skip, n;
-  int64_t dstart;
-  kvf__pf_dest_window(c, x, page_size, &skip, &dstart, &n);
+  size_t n;
+  kvf__pf_dest_window(c, x, page_size, &sc->skip, &sc->dstart, &n);
   if (n) {
     if (kvf__pf_scratch_grow((void **)&sc->dst, &sc->cap_dst, n, sizeof *sc->dst)) {
       snprintf(why, whycap, "Out of memory");
       return ret;
     }
-    for (size_t k = 0; k < n; k++) sc->dst[k] = wire_i64_at(x->kv_indices, (size_t)dstart + k);
-    if (plan_pairs_sc(ps, sc, x, 0, c->layer_begin, c->layer_end, c->pages + skip, sc->dst, n, sc->dptr, frags,
-                      x->nfrags, x->nfrags > 0, info->tokens, why, whycap))
-      return ret;
+    for (size_t k = 0; k < n; k++) sc->dst[k] = wire_i64_at(x->kv_indices, (size_t)sc->dstart + k);
+    pf_pairs kv = {0, c->layer_begin, c->layer_end, c->pages + sc->skip, sc->dst, n, 1};
+    if (verify && n >= PF_VERIFY_PARTS) kv.nparts = PF_VERIFY_PARTS;
+    if (plan_parts(ps, sc, info, &kv, why, whycap)) return ret;
   }
 
   /* §6.6: state slots, with the chunk that carries them (the last chunk, or
@@ -282,42 +327,54 @@ int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, cons
      * would send whole slots of its own, possibly larger, item size). */
     /* A layerwise chunk with state_layer_ids: the state of its layer group. */
     int by_layer = c->explicit_idx && ps->stl_lay.nlayers;
-    if (np && plan_pairs_sc(ps, sc, x, by_layer ? 2 : 1, c->layer_begin, c->layer_end, sc->src, sc->dst, np,
-                            sc->sptr, frags, x->nfrags, x->nfrags > 0, 1, why, whycap))
-      return ret;
+    pf_pairs st = {by_layer ? 2 : 1, c->layer_begin, c->layer_end, sc->src, sc->dst, np, 1};
+    if (ask && np >= PF_VERIFY_PARTS) st.nparts = PF_VERIFY_PARTS;
+    if (np && plan_parts(ps, sc, info, &st, why, whycap)) return ret;
   }
   return DEST_OK;
 }
 
-/* The decode's fence for its room (issue 16), as engine batch options:
- * untagged when it asked for none. */
 void kvf__pf_fence_opts(const wire_m2 *x, kvf_batch_opts *opts) {
   kvf_batch_opts_init(opts);
   if (x->fence_epoch && manager_room_tag(x->room))
     opts->tag = manager_room_tag(x->room), opts->epoch = x->fence_epoch;
 }
 
-/* The reason for a failed engine write to one destination. */
-void kvf__pf_xfer_why(const pf_room *r, const wire_m2 *x, int rc, char *why, size_t whycap) {
+/* A write refused by the decode's fence (KVF_ESTATE on a write tagged with
+ * the room's fence) means the decode failed or dropped that room: the room
+ * fails, and nothing else. The decode session is alive and its other rooms
+ * go on, so it is not marked failed (which would fail every room to it for
+ * failed_session_ttl_s). Any other failure marks it (§7.4). */
+int kvf__pf_xfer_failed(const pf_room *r, const wire_m2 *x, int rc, char *why, size_t whycap) {
+  kvf_batch_opts opts;
+  kvf__pf_fence_opts(x, &opts);
+  if (rc == KVF_ESTATE && opts.tag) {
+    snprintf(why, whycap, "The decode fenced room %" PRId64 " (it failed or dropped it there): write refused",
+             x->room);
+    return DEST_FAIL;
+  }
   snprintf(why, whycap, "Failed to send kv chunk of %" PRId64 " to %s:%u (%s)", r->room, x->endpoint,
            (unsigned)x->dst_port, kvf_strerror(rc));
+  return DEST_XFER_FAIL;
 }
 
-/* A room's completion as an engine trailer to destination x (docs/WIRE-
- * EXTENSIONS.md, "completion rides the data"), when it may ride: x asked
- * for it (M2 frame 15), x is the room's only real destination and needs no
- * other, and the first token is known. Its length, or 0: the M3, which
- * goes out either way, then completes the room alone. */
-size_t kvf__pf_completion_trailer(prefill_state *ps, int64_t room, const wire_m2 *x, size_t nreal, int64_t token,
-                                  const int32_t *cands, size_t ncand, unsigned char *out, size_t cap) {
-  if (!(x->room_flags & WIRE_ROOM_FAST_COMPLETION) || nreal != 1 || x->required_dst_info_num != 1 ||
-      token == PF_TOKEN_LATER)
+/* A room's completion as an engine trailer to s's destination (docs/WIRE-
+ * EXTENSIONS.md, "completion rides the data"), when it may ride: the chunk
+ * is the last, the destination asked for it (M2 frame 15), is the room's
+ * only real destination and needs no other, and the first token is known.
+ * Its length, or 0: the M3, which goes out either way, then completes the
+ * room alone. */
+static size_t completion_trailer(prefill_state *ps, const pf_send *s, unsigned char *out, size_t cap) {
+  const pf_chunk *c = s->c;
+  const wire_m2 *x = s->info->m2;
+  if (!c->is_last || !(x->room_flags & WIRE_ROOM_FAST_COMPLETION) || s->nreal != 1 ||
+      x->required_dst_info_num != 1 || c->token == PF_TOKEN_LATER)
     return 0;
-  wire_m3 m3 = {.room = room,
+  wire_m3 m3 = {.room = c->r->room,
                 .status = ROOM_SUCCESS,
                 .prefill_rank = ps->m->tp_rank,
-                .bootstrap_token = token,
-                .candidates = wire_array_of(cands, cands ? ncand : 0)};
+                .bootstrap_token = c->token,
+                .candidates = wire_array_of(c->cands, c->cands ? c->ncand : 0)};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   if (kvf__wire_m3_encode(&m3, &msg, why)) return 0;
@@ -326,28 +383,25 @@ size_t kvf__pf_completion_trailer(prefill_state *ps, int64_t room, const wire_m2
   return len;
 }
 
-/* One chunk to one real destination, planned and submitted (worker path):
- * *out is the engine write in flight (NULL when there is nothing to write),
- * *bytes its size. DEST_FAIL with a reason, or DEST_XFER_FAIL when the
- * engine refused the write. The blocks are copied at submit, so sc's arrays
+/* See prefill_int.h. The engine copies the blocks at submit, so sc's arrays
  * serve the next destination at once. */
-int kvf__pf_submit_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, size_t nreal,
-                        kvf_batch **out, uint64_t *bytes, char *why, size_t whycap) {
-  *out = NULL;
-  int ret = kvf__pf_plan_dest(ps, sc, c, info, why, whycap);
-  if (ret != DEST_OK || !sc->nw) return ret;
+int kvf__pf_send_dest(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why, size_t whycap) {
+  const wire_m2 *x = s->info->m2;
+  s->batch = NULL, s->bytes = 0;
+  int ret = kvf__pf_plan_dest(ps, sc, s->c, s->info, why, whycap);
+  /* Nothing to write: done, except that a direct transfer still goes to the
+   * engine, whose callback completes it. */
+  if (ret != DEST_OK || (!sc->nw && !s->on_done)) return ret;
+  if (pf_verifies(s->c, x)) return kvf__pf_verify_send(ps, sc, s, why, whycap);
   unsigned char tb[KVF_ENGINE_MAX_TRAILER];
-  size_t tlen = c->is_last ? kvf__pf_completion_trailer(ps, c->r->room, info->m2, nreal, c->token, c->cands,
-                                                        c->ncand, tb, sizeof tb)
-                           : 0;
+  size_t tlen = completion_trailer(ps, s, tb, sizeof tb);
   kvf_batch_opts opts;
-  kvf__pf_fence_opts(info->m2, &opts);
-  int rc = kvf__engine_submit_trailer(ps->m->engine, info->m2->session, sc->w, sc->nw, &opts, tlen ? tb : NULL,
-                                      tlen, out);
-  if (rc) {
-    kvf__pf_xfer_why(c->r, info->m2, rc, why, whycap);
-    return DEST_XFER_FAIL;
-  }
-  *bytes = kvf__pf_writes_bytes(sc->w, sc->nw);
+  kvf__pf_fence_opts(x, &opts);
+  int rc = s->on_done ? kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, &opts, tlen ? tb : NULL,
+                                              tlen, s->on_done, s->arg, tlen ? s->carried : NULL)
+                      : kvf__engine_submit_trailer(ps->m->engine, x->session, sc->w, sc->nw, &opts,
+                                                   tlen ? tb : NULL, tlen, &s->batch);
+  if (rc) return kvf__pf_xfer_failed(s->c->r, x, rc, why, whycap);
+  s->bytes = kvf__pf_writes_bytes(sc->w, sc->nw);
   return DEST_OK;
 }

@@ -43,12 +43,16 @@ static void direct_finish(pf_direct *dj) {
    * therefore has its Success: that M3 is a duplicate and may wait for
    * others to share the trip (m3_outbox.c). */
   int dup = fin == ROOM_SUCCESS && atomic_load(&dj->carried);
+  pf_m3_msg msg = {.room = r->room,
+                   .status = fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
+                   .token = dj->token,
+                   .cands = dj->cands,
+                   .ncand = dj->ncand};
   for (size_t i = 0; success && i < upto; i++) {
     const wire_m2 *y = dj->d[i].info->m2;
     if (y->is_dummy) continue;
-    if (dup && kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, r->room, dj->token, dj->cands, dj->ncand)) continue;
-    kvf__pf_send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
-                    dj->token, dj->cands, dj->ncand);
+    if (dup && kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, &msg)) continue;
+    kvf__pf_send_m3(m, y->endpoint, y->dst_port, &msg);
   }
   pthread_mutex_lock(&ps->lock);
   for (size_t i = 0; i < dj->n; i++) kvf__pf_info_unref(ps, dj->d[i].info);
@@ -70,9 +74,9 @@ static void direct_done(void *arg, int status) {
   pf_direct *dj = d->owner;
   if (status) {
     char why[ROOMS_REASON_MAX];
-    kvf__pf_xfer_why(dj->r, d->info->m2, status, why, sizeof why);
+    int res = kvf__pf_xfer_failed(dj->r, d->info->m2, status, why, sizeof why);
     atomic_store(&dj->failed, 1);
-    kvf__pf_fail_dest(dj->ps, dj->r, d->info->m2, why, 1);
+    kvf__pf_fail_dest(dj->ps, dj->r, d->info->m2, why, res == DEST_XFER_FAIL);
   }
   direct_release(dj);
 }
@@ -120,27 +124,21 @@ void kvf__pf_direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
   for (size_t i = 0; i < dj->n; i++) {
     const wire_m2 *x = dj->d[i].info->m2;
     if (x->is_dummy) continue;
-    if (kvf__pf_plan_dest(ps, sc, c, dj->d[i].info, why, sizeof why) != DEST_OK) {
-      atomic_store(&dj->failed, 1);
-      kvf__pf_fail_dest(ps, dj->r, x, why, 0);
-      break; /* §6.11 step 5: stop processing this chunk */
-    }
-    dj->bytes += kvf__pf_writes_bytes(sc->w, sc->nw);
-    atomic_fetch_add(&dj->left, 1);
-    unsigned char tb[KVF_ENGINE_MAX_TRAILER];
-    size_t tlen =
-        kvf__pf_completion_trailer(ps, dj->r->room, x, nreal, dj->token, dj->cands, dj->ncand, tb, sizeof tb);
-    kvf_batch_opts opts;
-    kvf__pf_fence_opts(x, &opts);
-    int rc = kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, &opts, tlen ? tb : NULL, tlen,
-                                   direct_done, &dj->d[i], tlen ? &dj->carried : NULL);
-    if (rc) {
+    pf_send snd = {.c = c,
+                   .info = dj->d[i].info,
+                   .nreal = nreal,
+                   .on_done = direct_done,
+                   .arg = &dj->d[i],
+                   .carried = &dj->carried};
+    atomic_fetch_add(&dj->left, 1); /* before the submit: its callback may run at once */
+    int res = kvf__pf_send_dest(ps, sc, &snd, why, sizeof why);
+    if (res != DEST_OK) { /* the callback will not run */
       atomic_fetch_sub(&dj->left, 1);
       atomic_store(&dj->failed, 1);
-      kvf__pf_xfer_why(dj->r, x, rc, why, sizeof why);
-      kvf__pf_fail_dest(ps, dj->r, x, why, 1);
-      break;
+      kvf__pf_fail_dest(ps, dj->r, x, why, res == DEST_XFER_FAIL);
+      break; /* §6.11 step 5: stop processing this chunk */
     }
+    dj->bytes += snd.bytes;
   }
   pthread_mutex_unlock(&ps->direct_lock);
   direct_release(dj);

@@ -42,24 +42,24 @@ static int put_route(kvf_manager *m) {
 
 static int build_layouts(prefill_state *ps) {
   const manager_buffers *b = &ps->m->bufs;
-  ps->st_start = malloc(2 * sizeof(size_t));
-  ps->st_bufs = malloc((b->n_state ? b->n_state : 1) * sizeof(size_t));
+  ps->st_start = malloc(2 * sizeof *ps->st_start);
+  ps->st_bufs = malloc((b->n_state ? b->n_state : 1) * sizeof *ps->st_bufs);
   if (!ps->st_start || !ps->st_bufs) return KVF_ENOMEM;
   ps->kv_lay = b->kv_layout; /* built once by the manager */
   ps->st_start[0] = 0;
-  ps->st_start[1] = b->n_state;
-  for (size_t k = 0; k < b->n_state; k++) ps->st_bufs[k] = k;
+  ps->st_start[1] = (uint32_t)b->n_state;
+  for (size_t k = 0; k < b->n_state; k++) ps->st_bufs[k] = (uint32_t)k;
   ps->st_lay = (plan_layout){1, ps->st_start, ps->st_bufs};
   if (!b->state_layer) return 0;
   /* State buffers by layer (a counting sort), for layerwise chunks. */
-  ps->stl_start = calloc(b->n_layers + 1, sizeof(size_t));
-  ps->stl_bufs = malloc((b->n_state ? b->n_state : 1) * sizeof(size_t));
+  ps->stl_start = calloc(b->n_layers + 1, sizeof *ps->stl_start);
+  ps->stl_bufs = malloc((b->n_state ? b->n_state : 1) * sizeof *ps->stl_bufs);
   if (!ps->stl_start || !ps->stl_bufs) return KVF_ENOMEM;
   for (size_t k = 0; k < b->n_state; k++) ps->stl_start[b->state_layer[k] + 1]++;
   for (size_t l = 0; l < b->n_layers; l++) ps->stl_start[l + 1] += ps->stl_start[l];
   for (size_t l = 0, k = 0; l < b->n_layers; l++)
     for (size_t j = 0; j < b->n_state; j++)
-      if (b->state_layer[j] == l) ps->stl_bufs[k++] = j;
+      if (b->state_layer[j] == l) ps->stl_bufs[k++] = (uint32_t)j;
   ps->stl_lay = (plan_layout){b->n_layers, ps->stl_start, ps->stl_bufs};
   return 0;
 }

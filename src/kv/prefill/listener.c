@@ -114,7 +114,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
         LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
                  peer ? peer : "?", why);
       /* Tell the decode now: otherwise it waits for its timeout. */
-      kvf__pf_send_m3_why(m, x->endpoint, x->dst_port, x->room, ROOM_FAILED, -1, NULL, 0, why);
+      kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
       kvf__pf_info_unref(ps, info);
       return;
     }

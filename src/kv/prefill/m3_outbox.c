@@ -50,14 +50,19 @@ void kvf__pf_m3_flush(prefill_state *ps, int all) {
   pthread_mutex_unlock(&ps->m3_lock);
   for (size_t i = 0; i < n; i++) {
     const pf_m3 *x = &ps->m3out[i];
-    kvf__pf_send_m3(ps->m, x->d.host, x->d.port, x->room, ROOM_SUCCESS, x->token, x->cands, x->ncand);
+    pf_m3_msg msg = {.room = x->room,
+                     .status = ROOM_SUCCESS,
+                     .token = x->token,
+                     .cands = x->cands,
+                     .ncand = x->ncand};
+    kvf__pf_send_m3(ps->m, x->d.host, x->d.port, &msg);
   }
   pthread_mutex_unlock(&ps->m3_send_lock);
 }
 
-int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, int64_t room, int64_t token,
-                     const int32_t *cands, size_t ncand) {
-  if (ncand > KVF_MAX_CANDIDATES || strlen(host) >= sizeof ps->m3q[0].d.host) return 0;
+int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, const pf_m3_msg *msg) {
+  if (msg->status != ROOM_SUCCESS || msg->ncand > KVF_MAX_CANDIDATES || strlen(host) >= sizeof ps->m3q[0].d.host)
+    return 0;
   pthread_mutex_lock(&ps->m3_lock);
   size_t k = ps->nm3;
   if (k == PF_M3_BATCH) { /* a batch is waiting to be sent: this one goes now */
@@ -67,10 +72,10 @@ int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, int64_t
   pf_m3 *x = &ps->m3q[k];
   snprintf(x->d.host, sizeof x->d.host, "%s", host);
   x->d.port = port;
-  x->room = room;
-  x->token = token;
-  x->ncand = cands ? ncand : 0;
-  if (x->ncand) memcpy(x->cands, cands, x->ncand * sizeof *cands);
+  x->room = msg->room;
+  x->token = msg->token;
+  x->ncand = msg->cands ? msg->ncand : 0;
+  if (x->ncand) memcpy(x->cands, msg->cands, x->ncand * sizeof *msg->cands);
   if (k == 0) ps->m3_since_ns = clock_now_ns();
   ps->nm3 = k + 1;
   pthread_mutex_unlock(&ps->m3_lock);

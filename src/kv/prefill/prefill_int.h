@@ -3,8 +3,8 @@
  * Files: lifecycle.c (start, stop, PUT /route), listener.c (M1, M2, fence),
  * rooms_early.c (room records, early rooms, pending chunks, M3 helpers),
  * sender.c (the kvf_sender API), workers.c (queues and process_chunk),
- * chunk_plan.c (the chunk planner: pages to engine writes per destination),
- * verify_send.c (the verify-mode path), direct.c (direct transfers).
+ * chunk_plan.c (the one per-destination send path: pages to engine writes),
+ * verify_send.c (its verify-mode step), direct.c (direct transfers).
  *
  * In short:
  * the PUT /route registration at startup, the listener's handling of M1
@@ -170,8 +170,26 @@ typedef struct pf_dest_writes {
   size_t cap_infos, cap_batches, cap_dbytes;
 } pf_dest_writes;
 
+/* Verify mode cuts a destination's KV pages (and, when the decode asked
+ * for digests, its state slots) into this many parts, submitted at once and
+ * finished in order: while later parts are on the wire, the prefill
+ * rechecks the sources of the parts that landed and the decode checks their
+ * digests, so hashing overlaps the transfer instead of following it. */
+#define PF_VERIFY_PARTS 16
+
+/* One part of a destination's writes (kvf__pf_plan_dest): its blocks
+ * sc->w[w0, w0 + nw), its page pairs [a, a + n) of the KV window or of the
+ * state slots, and (verify mode) its digest entries and engine write. */
+typedef struct pf_part {
+  int state; /* 0: KV pages; else state slots */
+  size_t a, n;
+  size_t w0, nw;
+  size_t d0, nd; /* sc->dg[d0, d0 + nd) */
+  kvf_batch *batch;
+} pf_part;
+
 /* A transfer context's arrays: the destination pointer lists sized once,
- * the rest grow-only, so the hot path does not allocate per room. */
+ * the rest grow-only (or fixed), so the hot path does not allocate per room. */
 typedef struct pf_scratch {
   uint64_t *dptr, *sptr; /* n_kv, n_state */
   int64_t *src, *dst;
@@ -180,6 +198,14 @@ typedef struct pf_scratch {
   size_t cap_runs;
   kvf_write *w;
   size_t cap_w, nw;
+  /* the planned destination's parts (one each for KV and state outside
+   * verify mode) and its window: chunk pages from `skip` go to the M2's
+   * kv_indices from `dstart` */
+  pf_part parts[2 * PF_VERIFY_PARTS];
+  size_t nparts, skip;
+  int64_t dstart;
+  wire_digest *dg; /* verify mode: the digest entries of every part */
+  size_t cap_dg;
   pf_dest_writes dw;
   /* per destination of the chunk: done (last chunk), its DEST_* outcome */
   size_t *done;
@@ -225,6 +251,16 @@ typedef struct pf_dest { /* where an M3 goes */
   char host[WIRE_STR_MAX + 1];
   uint16_t port;
 } pf_dest;
+
+/* An M3's contents (kvf__pf_send_m3). */
+typedef struct pf_m3_msg {
+  int64_t room;
+  int status; /* ROOM_SUCCESS or ROOM_FAILED */
+  int64_t token;
+  const int32_t *cands;
+  size_t ncand;
+  const char *reason; /* kvferry's frame 5; NULL: none */
+} pf_m3_msg;
 
 typedef struct pf_m3 { /* a deferred M3 Success (m3_outbox.c) */
   pf_dest d;
@@ -332,10 +368,10 @@ typedef struct prefill_state {
   int nqueues;
   pf_queue *queues;
   /* plan layouts, converted once from the manager's buffers */
-  size_t *st_start, *st_bufs;
+  uint32_t *st_start, *st_bufs;
   plan_layout kv_lay, st_lay;
   /* with state_layer_ids: state buffers grouped by KV layer (nlayers 0 without) */
-  size_t *stl_start, *stl_bufs;
+  uint32_t *stl_start, *stl_bufs;
   plan_layout stl_lay;
   /* deferred M3s (m3_outbox.c, which states the lock rules) */
   pthread_mutex_t m3_lock, m3_send_lock;
@@ -350,7 +386,31 @@ typedef struct prefill_state {
   size_t ninfo_spare;
 } prefill_state;
 
+/* A destination's outcome: DEST_FAIL fails the room; DEST_XFER_FAIL also
+ * marks the decode session failed for failed_session_ttl_s (§7.4). */
 enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
+
+/* One chunk to one real destination, the one per-destination send path
+ * (kvf__pf_send_dest) of the worker and of direct transfers. */
+typedef struct pf_send {
+  const pf_chunk *c;
+  const pf_info *info;
+  size_t nreal; /* the room's real destinations: a completion trailer rides only with one */
+  /* direct transfers: the engine reports the write's end here instead of
+   * through a batch (kvf__engine_submit_cb); NULL on the worker path */
+  void (*on_done)(void *arg, int status);
+  void *arg;
+  atomic_int *carried;
+  /* set by kvf__pf_send_dest when it returns DEST_OK */
+  kvf_batch *batch; /* the write still in flight (worker path), or NULL: done or nothing to write */
+  uint64_t bytes;   /* the bytes it writes (or wrote) */
+} pf_send;
+
+/* Verify mode for a destination: the chunk's pages were hashed when sent
+ * (the prefill's verify mode), or the decode asked for digests. */
+static inline int pf_verifies(const pf_chunk *c, const wire_m2 *x) {
+  return c->digests || (x->room_flags & WIRE_ROOM_VERIFY);
+}
 
 /* rooms_early.c */
 /* A zeroed chunk (a spare one or a new one), or NULL. Any thread. */
@@ -368,10 +428,12 @@ pf_room *kvf__pf_room_new(prefill_state *ps);
 void kvf__pf_room_drop(prefill_state *ps, pf_room *r);
 void kvf__pf_room_unref(prefill_state *ps, pf_room *r);
 void kvf__pf_chunk_release_locked(prefill_state *ps, pf_chunk *c);
-void kvf__pf_send_m3_why(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
-                         const int32_t *cands, size_t ncand, const char *reason);
-void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
-                     const int32_t *cands, size_t ncand);
+/* Send an M3 (§6.11) to the decode's PULL socket at host:port. Any thread
+ * without ps->lock. */
+void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m3_msg *msg);
+/* M3 Failed (token -1, no candidates), with kvferry's reason frame when
+ * reason is not NULL. */
+void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, int64_t room, const char *reason);
 pf_dest *kvf__pf_collect_dests(pf_room *r, size_t *n);
 void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n);
 int kvf__pf_room_shard(prefill_state *ps, pf_room *r);
@@ -383,8 +445,6 @@ void kvf__pf_expire_early(prefill_state *ps, int64_t now);
 
 /* chunk_plan.c */
 uint64_t kvf__pf_writes_bytes(const kvf_write *w, size_t n);
-int64_t kvf__pf_per_token(const wire_fragment *f, size_t n, int64_t P, int64_t layout, wire_fragment **cut,
-                          char *why, size_t whycap);
 int kvf__pf_state_counts_ok(const wire_m2 *x, size_t nsptr, size_t n_state, size_t nstate, char *why,
                             size_t whycap);
 pf_reg *kvf__pf_usable_reg_locked(prefill_state *ps, const char *session, int64_t now, char *why, size_t whycap);
@@ -396,18 +456,28 @@ int kvf__pf_info_plan(kvf_manager *m, pf_info *info);
 /* The chunk's pages one destination still needs (chunk_plan.c). */
 void kvf__pf_dest_window(const pf_chunk *c, const wire_m2 *x, int64_t page_size, size_t *skip, int64_t *dstart,
                          size_t *n);
+/* Plan one chunk to one real destination (§6.3-§6.6) into sc: its writes
+ * sc->w[0, sc->nw), KV pages then the state slots the chunk carries, in
+ * sc->parts. DEST_FAIL with a reason; DEST_OK otherwise. */
 int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, char *why,
                       size_t whycap);
+/* The engine batch options of a write to x: tagged with the room's fence
+ * when the decode gave one (issue 16). */
 void kvf__pf_fence_opts(const wire_m2 *x, kvf_batch_opts *opts);
-void kvf__pf_xfer_why(const pf_room *r, const wire_m2 *x, int rc, char *why, size_t whycap);
-size_t kvf__pf_completion_trailer(prefill_state *ps, int64_t room, const wire_m2 *x, size_t nreal, int64_t token,
-                                  const int32_t *cands, size_t ncand, unsigned char *out, size_t cap);
-int kvf__pf_submit_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, const pf_info *info, size_t nreal,
-                        kvf_batch **out, uint64_t *bytes, char *why, size_t whycap);
+/* The one decision on a failed engine write to a destination, any path:
+ * DEST_FAIL (the room only) when the decode's fence refused it, else
+ * DEST_XFER_FAIL; the reason goes to why. */
+int kvf__pf_xfer_failed(const pf_room *r, const wire_m2 *x, int rc, char *why, size_t whycap);
+/* One chunk to one real destination: planned, then written (verify mode:
+ * the verify step writes, checks and confirms here) or submitted (s->batch,
+ * or s->on_done). DEST_OK, or DEST_FAIL / DEST_XFER_FAIL with the reason. */
+int kvf__pf_send_dest(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why, size_t whycap);
 
 /* verify_send.c */
-int kvf__pf_send_to_dest(prefill_state *ps, const pf_chunk *c, const pf_info *info, uint64_t *bytes, char *why,
-                         size_t whycap);
+/* The verify step of kvf__pf_send_dest, once sc holds the plan: every part
+ * submitted, then in order waited for, its sources rechecked and its
+ * digests sent to the decode that asked. */
+int kvf__pf_verify_send(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why, size_t whycap);
 /* Verify mode: do the chunk's source pages still hold what kvf_sender_send
  * hashed? 0, or KVF_ESTATE with the first changed page named in why
  * (counted in verify_failures). */
@@ -428,8 +498,7 @@ void kvf__pf_m3_free(prefill_state *ps);
  * from the engine trailer: 1 when queued (it goes out within about
  * PF_M3_DEFER_MS), 0 when the caller must send it now. Any thread without
  * ps->lock. */
-int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, int64_t room, int64_t token,
-                     const int32_t *cands, size_t ncand);
+int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, const pf_m3_msg *msg);
 /* Send the queued M3s: all of them, or (all 0) if full or due. Any thread
  * without ps->lock. */
 void kvf__pf_m3_flush(prefill_state *ps, int all);

@@ -112,29 +112,27 @@ void kvf__pf_chunk_release_locked(prefill_state *ps, pf_chunk *c) {
   if (r) kvf__pf_room_unref(ps, r);
 }
 
-/* `reason` (may be NULL) travels in kvferry's M3 frame 5. */
-void kvf__pf_send_m3_why(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
-                         const int32_t *cands, size_t ncand, const char *reason) {
-  wire_m3 m3 = {.room = room,
-                .status = status,
+void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m3_msg *s) {
+  wire_m3 m3 = {.room = s->room,
+                .status = s->status,
                 .prefill_rank = m->tp_rank,
-                .bootstrap_token = token,
-                .candidates = wire_array_of(cands, cands ? ncand : 0),
-                .reason = reason,
-                .reason_len = reason ? strlen(reason) : 0};
+                .bootstrap_token = s->token,
+                .candidates = wire_array_of(s->cands, s->cands ? s->ncand : 0),
+                .reason = s->reason,
+                .reason_len = s->reason ? strlen(s->reason) : 0};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   if (kvf__wire_m3_encode(&m3, &msg, why)) {
-    LOG_WARN("kv", "cannot encode the status of room %" PRId64 " for %s:%u: %s", room, host, (unsigned)port, why);
+    LOG_WARN("kv", "cannot encode the status of room %" PRId64 " for %s:%u: %s", s->room, host, (unsigned)port,
+             why);
     return;
   }
   kvf__manager_push_send(m, host, port, &msg);
   kvf__wire_msg_free(&msg);
 }
 
-void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, int64_t room, int status, int64_t token,
-                     const int32_t *cands, size_t ncand) {
-  kvf__pf_send_m3_why(m, host, port, room, status, token, cands, ncand, NULL);
+void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, int64_t room, const char *reason) {
+  kvf__pf_send_m3(m, host, port, &(pf_m3_msg){.room = room, .status = ROOM_FAILED, .token = -1, .reason = reason});
 }
 
 /* ps->lock held: the non-dummy destinations of r, for M3 Failed. */
@@ -153,7 +151,7 @@ pf_dest *kvf__pf_collect_dests(pf_room *r, size_t *n) {
 }
 
 void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n) {
-  for (size_t i = 0; i < n; i++) kvf__pf_send_m3(m, d[i].host, d[i].port, room, ROOM_FAILED, -1, NULL, 0);
+  for (size_t i = 0; i < n; i++) kvf__pf_send_m3_failed(m, d[i].host, d[i].port, room, NULL);
   free(d);
 }
 

@@ -73,35 +73,22 @@ static int hash_pages(kvf_manager *m, pf_chunk *c) {
   return 0;
 }
 
-/* Both send calls: validate, copy and queue (or park) one chunk. pos is the
- * index_slice start; explicit_idx says it is a destination index. */
-static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int64_t pos, int explicit_idx,
-                         size_t layer_begin, size_t layer_end, int is_last, int64_t aux_index,
-                         int64_t bootstrap_token, const int32_t *cands, size_t ncand, const int64_t *state_slots,
-                         size_t nstate) {
+/* Both send calls: copy and queue (or park) one chunk, given as a view of
+ * the caller's arrays (in->r is the sender's room; pages, candidates and
+ * state slots are copied, not kept). in->pos is the index_slice start;
+ * in->explicit_idx says it is a destination index. */
+static int sender_submit(kvf_sender *s, const pf_chunk *in) {
   prefill_state *ps = s->m->prefill;
+  int is_last = in->is_last;
+  size_t npages = in->npages, nstate = in->nstate, ncand = in->ncand;
   if (is_last) { /* a room's only chunk, small enough: straight to the engine */
-    pf_chunk view = {.r = s->r,
-                     .pages = (int64_t *)pages,
-                     .npages = npages,
-                     .pos = pos,
-                     .explicit_idx = explicit_idx,
-                     .layer_begin = layer_begin,
-                     .layer_end = layer_end,
-                     .is_last = 1,
-                     .aux_index = aux_index,
-                     .token = bootstrap_token,
-                     .cands = (int32_t *)cands,
-                     .ncand = ncand,
-                     .state_slots = (int64_t *)state_slots,
-                     .nstate = nstate};
     pthread_mutex_lock(&ps->lock);
-    pf_direct *dj = kvf__pf_direct_take_locked(ps, s->r, &view, 0);
+    pf_direct *dj = kvf__pf_direct_take_locked(ps, s->r, in, 0);
     if (dj) s->r->nchunks++;
     pthread_mutex_unlock(&ps->lock);
     if (dj) {
-      kvf__pf_direct_run(ps, dj, &view);
-      if (s->curr < pos + (int64_t)npages) s->curr = pos + (int64_t)npages;
+      kvf__pf_direct_run(ps, dj, in);
+      if (s->curr < in->pos + (int64_t)npages) s->curr = in->pos + (int64_t)npages;
       s->last_sent = 1;
       return 0;
     }
@@ -117,18 +104,19 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
     kvf__pf_chunk_free(ps, c);
     return KVF_ENOMEM;
   }
-  if (npages) memcpy(c->pages, pages, npages * sizeof *pages);
+  if (npages) memcpy(c->pages, in->pages, npages * sizeof *in->pages);
   c->npages = npages;
-  c->pos = pos;
-  c->explicit_idx = explicit_idx;
-  c->layer_begin = layer_begin;
-  c->layer_end = layer_end;
+  c->pos = in->pos;
+  c->explicit_idx = in->explicit_idx;
+  c->layer_begin = in->layer_begin;
+  c->layer_end = in->layer_end;
   c->is_last = is_last != 0;
   /* non-last chunks carry no aux index, token or candidates (§6.2) */
-  c->aux_index = is_last ? aux_index : -1;
-  c->token = is_last ? bootstrap_token : -1;
-  if (c->cands) memcpy(c->cands, cands, ncand * sizeof *cands), c->ncand = ncand;
-  if (c->state_slots) memcpy(c->state_slots, state_slots, nstate * sizeof *state_slots), c->nstate = nstate;
+  c->aux_index = is_last ? in->aux_index : -1;
+  c->token = is_last ? in->token : -1;
+  if (c->cands) memcpy(c->cands, in->cands, ncand * sizeof *in->cands), c->ncand = ncand;
+  if (c->state_slots)
+    memcpy(c->state_slots, in->state_slots, nstate * sizeof *in->state_slots), c->nstate = nstate;
   int rc = s->m->cfg.verify ? hash_pages(s->m, c) : 0;
   if (rc) {
     kvf__pf_chunk_free(ps, c);
@@ -166,7 +154,7 @@ static int sender_submit(kvf_sender *s, const int64_t *pages, size_t npages, int
 out:
   pthread_mutex_unlock(&ps->lock);
   if (!rc) {
-    if (s->curr < pos + (int64_t)npages) s->curr = pos + (int64_t)npages;
+    if (s->curr < in->pos + (int64_t)npages) s->curr = in->pos + (int64_t)npages;
     if (is_last) s->last_sent = 1;
   }
   return rc;
@@ -194,11 +182,23 @@ int kvf_sender_send(kvf_sender *s, const kvf_send_params *in) {
       (layers && p.index_begin > (size_t)WIRE_MAX_PAGES))
     return KVF_ETOOBIG;
   if (s->last_sent) return KVF_ESTATE;
-  int64_t token = p.bootstrap_token;
-  if (p.flags & KVF_SEND_TOKEN_LATER) token = PF_TOKEN_LATER, p.ncand = 0;
-  if (!layers)
-    return sender_submit(s, p.pages, p.npages, s->curr, 0, 0, s->m->bufs.n_layers, is_last, p.aux_index, token,
-                         p.cands, p.ncand, p.state_slots, is_last ? p.nstate : 0);
+  if (p.flags & KVF_SEND_TOKEN_LATER) p.bootstrap_token = PF_TOKEN_LATER, p.ncand = 0;
+  /* The chunk as a view of the caller's arrays; sender_submit copies it. */
+  pf_chunk view = {.r = s->r,
+                   .pages = (int64_t *)p.pages,
+                   .npages = p.npages,
+                   .is_last = is_last,
+                   .aux_index = p.aux_index,
+                   .token = p.bootstrap_token,
+                   .cands = (int32_t *)p.cands,
+                   .ncand = p.ncand,
+                   .state_slots = (int64_t *)p.state_slots,
+                   .nstate = p.nstate};
+  if (!layers) { /* every layer, from where the last chunk ended; state slots with the last chunk */
+    view.pos = s->curr, view.layer_end = s->m->bufs.n_layers;
+    if (!is_last) view.nstate = 0;
+    return sender_submit(s, &view);
+  }
   /* §6.2: send_layerwise skips an empty non-last chunk (no pages or no
    * layers: nothing to write, and it completes nothing), unless it carries
    * the state of its layer group. */
@@ -206,8 +206,9 @@ int kvf_sender_send(kvf_sender *s, const kvf_send_params *in) {
     if (s->curr < (int64_t)(p.index_begin + p.npages)) s->curr = (int64_t)(p.index_begin + p.npages);
     return 0;
   }
-  return sender_submit(s, p.pages, p.npages, (int64_t)p.index_begin, 1, p.layer_begin, p.layer_end, is_last,
-                       p.aux_index, token, p.cands, p.ncand, p.state_slots, p.nstate);
+  view.pos = (int64_t)p.index_begin, view.explicit_idx = 1;
+  view.layer_begin = p.layer_begin, view.layer_end = p.layer_end;
+  return sender_submit(s, &view);
 }
 
 int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_t *cands, size_t ncand) {
@@ -232,9 +233,12 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
     }
   }
   pthread_mutex_unlock(&ps->lock);
-  for (size_t k = 0; k < nd; k++)
-    kvf__pf_send_m3(s->m, d[k].host, d[k].port, s->room, st == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
-                    bootstrap_token, cands, ncand);
+  pf_m3_msg msg = {.room = s->room,
+                   .status = st == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
+                   .token = bootstrap_token,
+                   .cands = cands,
+                   .ncand = ncand};
+  for (size_t k = 0; k < nd; k++) kvf__pf_send_m3(s->m, d[k].host, d[k].port, &msg);
   free(d);
   return rc;
 }

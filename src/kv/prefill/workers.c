@@ -27,7 +27,7 @@ void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const ch
   pthread_mutex_unlock(&ps->lock);
   if (!live) return;
   LOG_WARN("kv", "room %" PRId64 ": %s", r->room, why);
-  kvf__pf_send_m3(m, x->endpoint, x->dst_port, r->room, ROOM_FAILED, -1, NULL, 0);
+  kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, r->room, NULL);
 }
 
 /* Verify mode, recheck_late: the decodes have checked (or are checking)
@@ -71,8 +71,8 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
     if (!f->dw.batches[i]) continue;
     int err = ok ? kvf_batch_wait(f->dw.batches[i], -1) : 0;
     if (ok && err) {
-      kvf__pf_xfer_why(c->r, f->dw.infos[i]->m2, err, why, sizeof why);
-      kvf__pf_fail_dest(ps, c->r, f->dw.infos[i]->m2, why, 1);
+      int res = kvf__pf_xfer_failed(c->r, f->dw.infos[i]->m2, err, why, sizeof why);
+      kvf__pf_fail_dest(ps, c->r, f->dw.infos[i]->m2, why, res == DEST_XFER_FAIL);
       ok = 0;
     } else if (ok) {
       bytes += f->dw.dbytes[i];
@@ -153,22 +153,21 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
    * taken in destination order, as when the writes ran one after another:
    * the first failure fails the room and stops the chunk (§6.11 step 5);
    * writes already submitted past it are only waited for. */
-  /* A chunk that is not the room's last, on the planned path, may stay in
+  /* A chunk that is not the room's last, outside verify mode, may stay in
    * flight (the window, above). */
-  int flies = !c->is_last && !c->digests && n > 0;
-  for (size_t i = 0; i < n && flies; i++) flies = !(infos[i]->m2->room_flags & WIRE_ROOM_VERIFY);
+  int flies = !c->is_last && n > 0;
+  for (size_t i = 0; i < n && flies; i++) flies = !pf_verifies(c, infos[i]->m2);
   size_t nsub = n; /* destinations [0, nsub) have an outcome */
   int refused = 0; /* a submission failed */
   for (size_t i = 0; i < n; i++) sc->dw.batches[i] = NULL, sc->dw.dbytes[i] = 0, sc->res[i] = DEST_OK;
   for (size_t i = 0; i < n; i++) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
-    /* Verify mode (hashes, digests, parts) takes the integrity path, which
-     * writes and confirms here. */
-    sc->res[i] = c->digests || (x->room_flags & WIRE_ROOM_VERIFY)
-                     ? kvf__pf_send_to_dest(ps, c, infos[i], &sc->dw.dbytes[i], why, sizeof why)
-                     : kvf__pf_submit_dest(ps, sc, c, infos[i], nreal_all, &sc->dw.batches[i], &sc->dw.dbytes[i],
-                                           why, sizeof why);
+    /* In verify mode the write is also confirmed and checked here (its
+     * batch comes back NULL). */
+    pf_send snd = {.c = c, .info = infos[i], .nreal = nreal_all};
+    sc->res[i] = kvf__pf_send_dest(ps, sc, &snd, why, sizeof why);
+    sc->dw.batches[i] = snd.batch, sc->dw.dbytes[i] = snd.bytes;
     if (sc->res[i] != DEST_OK) { /* `why` keeps its reason */
       nsub = i + 1, refused = 1;
       break;
@@ -185,10 +184,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     int rc = sc->res[i];
     if (rc == DEST_OK && sc->dw.batches[i]) {
       int err = kvf_batch_wait(sc->dw.batches[i], -1);
-      if (err) {
-        kvf__pf_xfer_why(r, x, err, why, sizeof why);
-        rc = DEST_XFER_FAIL;
-      }
+      if (err) rc = kvf__pf_xfer_failed(r, x, err, why, sizeof why);
     }
     if (rc != DEST_OK) {
       kvf__pf_fail_dest(ps, r, x, why, rc == DEST_XFER_FAIL);
@@ -242,10 +238,14 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     int dead = r->dead;
     pthread_mutex_unlock(&ps->lock);
     if (dead || parked) break; /* parked: kvf_sender_set_metadata or the poll sends the M3s */
+    pf_m3_msg msg = {.room = r->room,
+                     .status = fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
+                     .token = tok,
+                     .cands = cd,
+                     .ncand = ncd};
     for (size_t k = 0; k < ndone; k++) {
       const wire_m2 *y = infos[done[k]]->m2;
-      kvf__pf_send_m3(m, y->endpoint, y->dst_port, r->room, fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED, tok,
-                      cd, ncd);
+      kvf__pf_send_m3(m, y->endpoint, y->dst_port, &msg);
     }
     if (late && fin == ROOM_SUCCESS) recheck_after_m3(ps, r, c);
   }
