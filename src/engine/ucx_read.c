@@ -593,7 +593,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   uint64_t bytes = 0;
   int status = 0;
   if (n.tag && !(r.fence = kvf__fence_enter(e, n.tag, n.epoch))) status = KVF_ESTATE;
-  if (!status) { /* again after a cancel: the writer's regions come with it */
+  if (!status && (!c->ep || atomic_load(&c->ep_failed))) { /* again after a cancel: the regions come with it */
     pthread_mutex_lock(&u->wmu);
     status = reader_ep_make_locked(u, c);
     pthread_mutex_unlock(&u->wmu);
