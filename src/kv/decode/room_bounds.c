@@ -53,6 +53,7 @@ static size_t add_runs(uint64_t *out, size_t k, uint64_t base, uint64_t blen, ui
 /* Sorted indices of `v` in r->sorted from offset `at`. */
 static int sort_into(kvf_receiver *r, size_t at, const int64_t *v, size_t n) {
   if (grow((void **)&r->sorted, &r->sorted_cap, at + n, sizeof *r->sorted)) return KVF_ENOMEM;
+  if (!n) return 0;
   memcpy(r->sorted + at, v, n * sizeof *v);
   qsort(r->sorted + at, n, sizeof *v, cmp_i64);
   return 0;
