@@ -82,6 +82,10 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
     return;
   }
   *op = (ucx_op){.c = c, .p = p, .u = u, .read = 1, .conn_id = p->conn_id, .lease_end_ns = now + lease};
+  /* Held while the notice is being sent (its descriptors and trailer are the
+   * chunk's): the answer may come, and finish the chunk, before the send
+   * call has returned. */
+  atomic_fetch_add(&c->refs, 1);
   pthread_mutex_lock(&u->wmu);
   op->id = ++p->next_read_id;
   kvf__ucx_op_link(op); /* the progress thread checks its lease at its next tick (UCX_IDLE_TICK_MS at most) */
@@ -100,17 +104,20 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
   int fd = p->fd;
   rc = fd < 0 ? KVF_ECLOSED : sendv_all(fd, iov, c->tlen ? 3 : 2, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
   pthread_mutex_unlock(&p->mu);
-  if (!rc) return;
-  /* Cut short: the target may have the notice whole and read it, so the
-   * chunk waits for the lease (or the target closing) like any other; with
-   * no connection at all nothing went out. */
-  kvf__ucx_peer_mark_dead(u, p, rc);
-  if (fd >= 0) return;
-  pthread_mutex_lock(&u->wmu);
-  kvf__ucx_op_unlink(op);
-  pthread_mutex_unlock(&u->wmu);
-  free(op);
-  kvf__chunk_finish(c, rc);
+  if (rc) {
+    /* Cut short: the target may have the notice whole and read it, so the
+     * chunk waits for the lease (or the target closing) like any other;
+     * with no connection at all nothing went out. */
+    kvf__ucx_peer_mark_dead(u, p, rc);
+    if (fd < 0) {
+      pthread_mutex_lock(&u->wmu);
+      kvf__ucx_op_unlink(op);
+      pthread_mutex_unlock(&u->wmu);
+      free(op);
+      kvf__chunk_finish(c, rc);
+    }
+  }
+  kvf__chunk_release(c); /* the send's reference */
 }
 
 void kvf__ucx_read_done(ucx_state *u, ucx_peer *p, uint64_t conn_id, uint64_t id, int status) {
