@@ -1,7 +1,9 @@
 # Front door for users and CI. Every target installs missing Debian packages
 # first (scripts/install-deps.sh), then configures and builds as needed.
 #   make demo   run the main job (kvferry demo)
-#   make test   build and run every test (ctest: C unit/e2e tests and pytest)
+#   make test   build and run the tests a change is checked with first (ctest: C
+#               unit/e2e tests, fuzz-corpus replays, pytest; not label `slow`), < 1 min
+#   make test-all  every test, the `slow` ones too (faults, floods, UCX reruns): CI
 #   make faults the fault suite (tests/faults: kills, stops, a partition, hostile
 #               peers, a seeded random fault run; FAULTS_ARGS="--n 1000" for more faults)
 #   make asan   the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
@@ -12,7 +14,7 @@ JOBS ?= $(shell nproc)
 BUILD ?= build
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build demo test faults asan tsan fuzz bench install clean format
+.PHONY: all deps build demo test test-all faults asan tsan fuzz bench install clean format
 
 all: build
 
@@ -28,7 +30,12 @@ build: deps $(BUILD)/CMakeCache.txt
 demo: build
 	$(BUILD)/kvferry demo $(DEMO_ARGS)
 
+# Label `slow` (tests/CMakeLists.txt, KVF_SLOW_CASES): multi-second fault,
+# flood and UCX-rerun cases, left to test-all.
 test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE slow $(CTEST_ARGS)
+
+test-all: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
 
 FAULTS_TIMEOUT ?= 1200

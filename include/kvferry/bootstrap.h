@@ -45,6 +45,12 @@ typedef struct kvf_bootstrap_server_config {
                              also be complete within min(this, 10 s) of the connection's start or
                              its previous reply, however its bytes trickle in. */
 } kvf_bootstrap_server_config;
+/* The size of the first published kvf_bootstrap_server_config (up to
+ * idle_timeout_s), the smallest `size` accepted (see
+ * KVF_ENGINE_CONFIG_SIZE_V1). */
+#define KVF_BOOTSTRAP_SERVER_CONFIG_SIZE_V1                \
+  (offsetof(kvf_bootstrap_server_config, idle_timeout_s) + \
+   sizeof(((kvf_bootstrap_server_config *)0)->idle_timeout_s))
 
 /* Fill `cfg` with the defaults above and set cfg->size. Any thread. */
 KVF_API void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg);

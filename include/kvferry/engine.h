@@ -55,6 +55,12 @@ typedef struct kvf_engine_config {
    * env KVFERRY_READ_LEASE_MS. */
   int read_lease_ms;
 } kvf_engine_config;
+/* The size of the first published kvf_engine_config (every field up to
+ * max_inbound_conns): the smallest `size` the library accepts, so a program
+ * built against those headers keeps working when fields are added at the
+ * end. Later fields must start at or past sizeof of that first version. */
+#define KVF_ENGINE_CONFIG_SIZE_V1 \
+  (offsetof(kvf_engine_config, max_inbound_conns) + sizeof(((kvf_engine_config *)0)->max_inbound_conns))
 
 /* One block to write. With count <= 1 it is `len` bytes from local `src` to
  * remote `dst`. With count > 1 it is a strided block: `count` pieces of `len`
@@ -106,6 +112,9 @@ typedef struct kvf_batch_opts {
   uint64_t tag;   /* 0 = untagged */
   uint64_t epoch; /* the target's epoch for tag (from its kvf_engine_fence_open) */
 } kvf_batch_opts;
+/* The size of the first published kvf_batch_opts (up to epoch), the
+ * smallest `size` accepted (see KVF_ENGINE_CONFIG_SIZE_V1). */
+#define KVF_BATCH_OPTS_SIZE_V1 (offsetof(kvf_batch_opts, epoch) + sizeof(((kvf_batch_opts *)0)->epoch))
 
 /* Fill `cfg` with defaults and set cfg->size (environment overrides are
  * applied at create). Any thread. */

@@ -144,6 +144,10 @@ typedef struct kvf_manager_config {
    * a buffer is not readable host memory (device memory). */
   int verify;
 } kvf_manager_config;
+/* The size of the first published kvf_manager_config (up to verify), the
+ * smallest `size` accepted (see KVF_ENGINE_CONFIG_SIZE_V1). */
+#define KVF_MANAGER_CONFIG_SIZE_V1 \
+  (offsetof(kvf_manager_config, verify) + sizeof(((kvf_manager_config *)0)->verify))
 
 typedef struct kvf_manager kvf_manager;
 typedef struct kvf_receiver kvf_receiver;
@@ -341,6 +345,9 @@ typedef struct kvf_send_params {
                                  state slots (see kvf_manager_config.state_layer_ids) */
   size_t nstate;
 } kvf_send_params;
+/* The size of the first published kvf_send_params (up to nstate), the
+ * smallest `size` accepted (see KVF_ENGINE_CONFIG_SIZE_V1). */
+#define KVF_SEND_PARAMS_SIZE_V1 (offsetof(kvf_send_params, nstate) + sizeof(((kvf_send_params *)0)->nstate))
 
 /* Fill *p with the defaults above and set p->size. Any thread. */
 KVF_API void kvf_send_params_init(kvf_send_params *p);

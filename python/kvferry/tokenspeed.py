@@ -20,9 +20,19 @@ Addresses: the managers advertise $KVFERRY_HOST if set, else the address of
 the interface that routes outward (tokenspeed's get_local_ip_by_remote),
 else 127.0.0.1. The prefill registers with the bootstrap server at
 args.dist_init_addr's host (or that local address) and args.bootstrap_port.
+
+Page size: tokenspeed gives page_size to its PD executors, not to the
+managers they build; install() wraps the executors' constructors so a
+manager built inside one learns it (page_size_scope() does the same for
+code that builds the managers itself). A decode manager that does not know
+its page size refuses heterogeneous-TP rooms with a reason instead of
+landing head slices cut out of multi-token pages.
 """
 
+import contextlib
 import enum
+import functools
+import inspect
 import logging
 import os
 import socket
@@ -98,12 +108,57 @@ def _ints(values):
     return [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
 
 
+# The page size of the PD executor whose constructor is running on this
+# thread (install() wraps DisaggPrefillExecutor / DisaggDecodeExecutor, which
+# build their manager in __init__), or of a page_size_scope() block.
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def page_size_scope(page_size):
+    """Managers built on this thread inside the block have `page_size` tokens
+    per page. install() runs tokenspeed's PD executor constructors in one with
+    the page_size tokenspeed passes them; use it when building the managers
+    without those executors."""
+    page_size = int(page_size)
+    if page_size <= 0:
+        raise ValueError(f"kvferry: page_size must be positive, got {page_size}")
+    prev = getattr(_scope, "page_size", None)
+    _scope.page_size = page_size
+    try:
+        yield page_size
+    finally:
+        _scope.page_size = prev
+
+
 def _page_size(args):
-    """Tokens per page: tokenspeed hands page_size to its executors, not to
-    the managers, so kvferry reads args.page_size if the object has one, else
-    $KVFERRY_PAGE_SIZE, else 1 (which disables the heterogeneous-TP
-    page-layout refusal, PROTOCOL §8 item 11)."""
-    return int(getattr(args, "page_size", None) or os.environ.get("KVFERRY_PAGE_SIZE") or 1)
+    """Tokens per page, or None when nothing says: args.page_size if the
+    object has one (tokenspeed's KVManagerArgs has not), else the page_size
+    of the PD executor building this manager (install(), page_size_scope()),
+    else $KVFERRY_PAGE_SIZE. Unknown, the manager runs with 1, and a decode
+    refuses heterogeneous-TP rooms (PROTOCOL §8 item 11): their head slices
+    would be cut per page out of token-major pages of more tokens."""
+    for where, value in (("args.page_size", getattr(args, "page_size", None)),
+                         ("the PD executor's page_size", getattr(_scope, "page_size", None)),
+                         ("$KVFERRY_PAGE_SIZE", os.environ.get("KVFERRY_PAGE_SIZE"))):
+        if value is None or value == "":
+            continue
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"kvferry: {where} is not an integer: {value!r}") from None
+        if n <= 0:
+            raise ValueError(f"kvferry: {where} must be positive, got {n}")
+        return n
+    return None
+
+
+# Why a decode that does not know its page size refuses a heterogeneous-TP room.
+PAGE_SIZE_UNKNOWN_REASON = (
+    "kvferry: refusing a heterogeneous-TP transfer (prefill and decode TP sizes differ): this decode's "
+    "page size is not known, and with pages of more than one token the head slices would land wrong "
+    "bytes. Call kvferry.tokenspeed.install() before tokenspeed builds its PD executors (it takes their "
+    "page_size), or set KVFERRY_PAGE_SIZE")
 
 
 def _env_seconds(name, default):
@@ -136,6 +191,7 @@ class _Base:
         self.src_mode = "OFF"
         self.kv_transfer_metrics = None  # tokenspeed's KV metrics are not reported
         self.host = _local_ip()
+        self.page_size = _page_size(args)  # None: not known (see _page_size)
         offsets = [list(map(int, layer)) for layer in (getattr(kv_args, "offsets", None) or [])]
         self.n_kv_layers = len(offsets)
         state_ptrs = list(getattr(kv_args, "state_data_ptrs", None) or [])
@@ -154,7 +210,7 @@ class _Base:
             world_size=int(args.world_size),
             dp_size=int(args.dp_size),
             is_mla=bool(args.is_mla_backend),
-            page_size=_page_size(args),
+            page_size=self.page_size or 1,
             host=self.host,
             target_layer_num=int(getattr(kv_args, "target_layer_num", 0) or 0),
             **extra,
@@ -181,6 +237,8 @@ class _Base:
         h = self._handle(bootstrap_room)
         if h is None:
             raise KeyError(bootstrap_room)
+        if getattr(h, "_refused", None) is not None:
+            return TransferPoll.Failed
         return h._h.poll()
 
     def room_status(self, bootstrap_room):
@@ -613,8 +671,16 @@ class MooncakeKVReceiver:
         self.dst_enable_mla_l1_5_cache = False
         self.decode_prefix_len = 0
         self._synced = False
+        self._refused = None  # why this room was refused here, before any request went out
         self._h = KVReceiver(mgr.kv, bootstrap_addr, self.bootstrap_room)
         self.supports_remote_spec_candidates = self._h.supports_spec_candidates
+        if mgr.page_size is None and not self.supports_remote_spec_candidates:
+            # A fragmented plan (heterogeneous TP) with an unknown page size:
+            # fail the room now, before the M2 that would let the prefill write.
+            self._refused = PAGE_SIZE_UNKNOWN_REASON
+            self.conclude_state = TransferPoll.Failed
+            logger.error("room %s: %s", self.bootstrap_room, self._refused)
+            self._h.clear()
         mgr._add(self.bootstrap_room, self)
 
     def prefill(self, kv_indices, aux_index=None, decode_prefix_len=0, mla_l1_5_args=None, mamba_indices=None):
@@ -623,6 +689,9 @@ class MooncakeKVReceiver:
         if mla_l1_5_args is not None:
             raise NotImplementedError("kvferry: decode-side MLA L1.5 partial cache (mla_l1_5_args) is not supported")
         self.decode_prefix_len = decode_prefix_len
+        if self._refused is not None:  # Failed already: no request goes to the prefill
+            self.init_time = time.time()
+            return
         self._h.prefill(_ints(kv_indices), aux_index=aux_index, decode_prefix_len=int(decode_prefix_len or 0),
                         state_indices=_ints(mamba_indices) if mamba_indices is not None else None)
         self.init_time = time.time()
@@ -644,6 +713,8 @@ class MooncakeKVReceiver:
     def failure_exception(self):
         if self.conclude_state is None:
             self.conclude_state = TransferPoll.Failed
+        if self._refused is not None:
+            raise _error_cls(self.bootstrap_room, self._refused, self.bootstrap_addr)
         _raise_failure(self._h)
 
 
@@ -699,7 +770,36 @@ _OURS = {
     "MooncakeKVSender": MooncakeKVSender,
     "MooncakeKVReceiver": MooncakeKVReceiver,
 }
-_patched = []  # (module, attribute, original) for uninstall()
+# tokenspeed's PD executors: (module under runtime.pd, class); each takes
+# page_size in its constructor and builds its manager there.
+_EXECUTORS = (("prefill_executor", "DisaggPrefillExecutor"), ("decode_executor", "DisaggDecodeExecutor"))
+_patched = []  # (module or class, attribute, original) for uninstall()
+
+
+def _patched_name(owner, attr):
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}.{attr}"
+    return f"{owner.__name__}.{attr}"
+
+
+def _executor_init(orig):
+    """orig (a PD executor's __init__) run in page_size_scope(page_size), so
+    the manager it builds learns tokenspeed's page size."""
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def __init__(self, *a, **kw):
+        try:
+            page_size = sig.bind(self, *a, **kw).arguments.get("page_size")
+        except TypeError:
+            page_size = None
+        if page_size is None:
+            return orig(self, *a, **kw)
+        with page_size_scope(page_size):
+            return orig(self, *a, **kw)
+
+    __init__._kvferry_page_size = True
+    return __init__
 
 
 def _make_get_kv_class(original):
@@ -729,14 +829,18 @@ def install(package="tokenspeed"):
     `from ... import MooncakeKVManagerPrefill`; utils.get_kv_class by a
     wrapper returning kvferry's classes for the "mooncake" backend. Modules
     imported later pick the patched attributes up through their own imports.
-    failure_exception() then raises tokenspeed's KVTransferError class.
-    Returns the list of "module.attribute" names patched; idempotent."""
+    The constructors of <package>.runtime.pd.{prefill,decode}_executor's
+    DisaggPrefillExecutor / DisaggDecodeExecutor are wrapped so the manager
+    each builds learns the page_size tokenspeed passes it (without it a
+    decode refuses heterogeneous-TP rooms). failure_exception() then raises
+    tokenspeed's KVTransferError class. Returns the list of
+    "module.attribute" names patched; idempotent."""
     global _error_cls
     import importlib
 
     base = f"{package}.{_PD}"
     if _patched:
-        return [f"{m.__name__}.{a}" for m, a, _ in _patched]
+        return [_patched_name(m, a) for m, a, _ in _patched]
     try:
         utils = importlib.import_module(f"{base}.utils")
         mods = {sub: importlib.import_module(f"{base}.{sub}") for sub in _DEFINED}
@@ -769,8 +873,21 @@ def install(package="tokenspeed"):
             new = replace.get(id(value))
             if new is not None and getattr(mod, name) is not new:
                 patch(mod, name, new)
+    for sub, cls_name in _EXECUTORS:
+        try:
+            cls = getattr(importlib.import_module(f"{base}.{sub}"), cls_name, None)
+        except ImportError as e:
+            cls = None
+            logger.warning("kvferry.tokenspeed.install(): cannot import %s.%s (%s)", base, sub, e)
+        init = cls.__dict__.get("__init__") if isinstance(cls, type) else None
+        if init is None:
+            logger.warning("kvferry.tokenspeed.install(): no %s.%s.%s: managers will not learn tokenspeed's "
+                           "page size (set KVFERRY_PAGE_SIZE), and decodes refuse heterogeneous-TP rooms",
+                           base, sub, cls_name)
+        elif not getattr(init, "_kvferry_page_size", False):
+            patch(cls, "__init__", _executor_init(init))
     _error_cls = getattr(entities, "KVTransferError", KVTransferError)
-    return [f"{m.__name__}.{a}" for m, a, _ in _patched]
+    return [_patched_name(m, a) for m, a, _ in _patched]
 
 
 def uninstall():
@@ -794,5 +911,6 @@ __all__ = [
     "TransferPoll",
     "get_kv_class",
     "install",
+    "page_size_scope",
     "uninstall",
 ]

@@ -678,14 +678,15 @@ static const kvf__field server_fields[] = {
 };
 
 int kvf_bootstrap_server_config_set(kvf_bootstrap_server_config *cfg, const char *name, const char *value) {
-  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, server_fields,
+  return kvf__config_set(cfg, KVF_BOOTSTRAP_SERVER_CONFIG_SIZE_V1, sizeof *cfg, server_fields,
                          sizeof server_fields / sizeof server_fields[0], name, value);
 }
 
 int kvf_bootstrap_server_create(const kvf_bootstrap_server_config *cfg_in, kvf_bootstrap_server **out) {
   kvf_bootstrap_server_config cfg;
   kvf_bootstrap_server_config_init(&cfg);
-  if (!out || (cfg_in && kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg))) return KVF_EINVAL;
+  if (!out || (cfg_in && kvf__config_copy(&cfg, sizeof cfg, cfg_in, KVF_BOOTSTRAP_SERVER_CONFIG_SIZE_V1)))
+    return KVF_EINVAL;
   if (!cfg.host || !*cfg.host) cfg.host = "0.0.0.0";
   if (!cfg.max_body) cfg.max_body = DEFAULT_MAX_BODY;
   if (!cfg.max_conns) cfg.max_conns = DEFAULT_MAX_CONNS;

@@ -52,14 +52,14 @@ static const kvf__field engine_fields[] = {
 };
 
 int kvf_engine_config_set(kvf_engine_config *cfg, const char *name, const char *value) {
-  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, engine_fields,
+  return kvf__config_set(cfg, KVF_ENGINE_CONFIG_SIZE_V1, sizeof *cfg, engine_fields,
                          sizeof engine_fields / sizeof engine_fields[0], name, value);
 }
 
 int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   kvf_engine_config cfg;
   kvf_engine_config_init(&cfg);
-  if (!out || (cfg_in && kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg))) return KVF_EINVAL;
+  if (!out || (cfg_in && kvf__config_copy(&cfg, sizeof cfg, cfg_in, KVF_ENGINE_CONFIG_SIZE_V1))) return KVF_EINVAL;
   if (!cfg.host || !*cfg.host) cfg.host = "127.0.0.1";
   if (!cfg.transport || !*cfg.transport) cfg.transport = getenv("KVFERRY_TRANSPORT");
   if (!cfg.transport || !*cfg.transport) cfg.transport = "auto";
@@ -521,7 +521,7 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
   if (!e || !session || (!out && !on_done) || (n && !writes) || (tlen && !trailer) ||
       tlen > KVF_ENGINE_MAX_TRAILER)
     return KVF_EINVAL;
-  if (opts_in && kvf__config_copy(&opts, sizeof opts, opts_in, sizeof opts)) return KVF_EINVAL;
+  if (opts_in && kvf__config_copy(&opts, sizeof opts, opts_in, KVF_BATCH_OPTS_SIZE_V1)) return KVF_EINVAL;
   if (opts.tag && !opts.epoch) return KVF_EINVAL;
   char host[256];
   uint16_t port;

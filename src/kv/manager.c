@@ -69,12 +69,12 @@ static const kvf__field manager_fields[] = {
 int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value) {
   if (name && value && !strcmp(name, "role") && (!strcmp(value, "prefill") || !strcmp(value, "decode")))
     value = !strcmp(value, "prefill") ? "0" : "1";
-  return kvf__config_set(cfg, sizeof *cfg, sizeof *cfg, manager_fields,
+  return kvf__config_set(cfg, KVF_MANAGER_CONFIG_SIZE_V1, sizeof *cfg, manager_fields,
                          sizeof manager_fields / sizeof manager_fields[0], name, value);
 }
 
 int kvf_manager_config_set_ptr(kvf_manager_config *cfg, const char *name, void *value) {
-  if (!cfg || !name || cfg->size != sizeof *cfg) return KVF_EINVAL;
+  if (!cfg || !name || cfg->size < KVF_MANAGER_CONFIG_SIZE_V1 || cfg->size > sizeof *cfg) return KVF_EINVAL;
   if (!strcmp(name, "engine")) cfg->engine = value;
   else if (!strcmp(name, "engine_cfg")) cfg->engine_cfg = value;
   else if (!strcmp(name, "state_layer_ids")) cfg->state_layer_ids = value;
@@ -278,7 +278,7 @@ static int check_host_memory(const manager_buffers *b) {
 int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *bufs, kvf_manager **out) {
   kvf_manager_config cfg;
   kvf_manager_config_init(&cfg);
-  if (!cfg_in || !out || kvf__config_copy(&cfg, sizeof cfg, cfg_in, sizeof cfg)) return KVF_EINVAL;
+  if (!cfg_in || !out || kvf__config_copy(&cfg, sizeof cfg, cfg_in, KVF_MANAGER_CONFIG_SIZE_V1)) return KVF_EINVAL;
   if (cfg.role != KVF_ROLE_PREFILL && cfg.role != KVF_ROLE_DECODE) return KVF_EINVAL;
   kvf_manager *m = calloc(1, sizeof *m);
   if (!m) return KVF_ENOMEM;
@@ -335,7 +335,8 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   } else {
     kvf_engine_config ec;
     kvf_engine_config_init(&ec);
-    if (c->engine_cfg && (rc = kvf__config_copy(&ec, sizeof ec, c->engine_cfg, sizeof ec))) goto err_rooms;
+    if (c->engine_cfg && (rc = kvf__config_copy(&ec, sizeof ec, c->engine_cfg, KVF_ENGINE_CONFIG_SIZE_V1)))
+      goto err_rooms;
     if (!ec.host || !strcmp(ec.host, "127.0.0.1")) ec.host = m->host;
     if ((rc = kvf_engine_create(&ec, &m->engine))) goto err_rooms;
     m->own_engine = 1;

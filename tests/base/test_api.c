@@ -11,6 +11,7 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include "base/config.h"
 #include "kvferry.h"
 
 static void error_table(void **state) {
@@ -95,6 +96,137 @@ static void config_size_checked(void **state) {
   assert_null(m);
 }
 
+/* A struct as a program built against the first published headers hands it
+ * over: `size` is the first version's, and whatever lies past it in memory
+ * (fields that version did not have) is garbage the library must not read. */
+#define FIRST_VERSION(type, init_fn, v1, out) \
+  do {                                        \
+    type full_;                               \
+    init_fn(&full_);                          \
+    memset(&(out), 0xA5, sizeof(out));        \
+    memcpy(&(out), &full_, (v1));             \
+    (out).c.size = (v1);                      \
+  } while (0)
+
+/* The copy itself: a caller's first-version struct fills only the fields it
+ * has; newer fields keep the library's defaults, never the caller's bytes
+ * past its size. */
+static void config_copy_takes_first_version(void **state) {
+  (void)state;
+  typedef struct v2 {
+    size_t size;
+    int a;
+    int pad_;
+    uint64_t b; /* added in "v2" */
+  } v2;
+  const size_t v1_size = offsetof(v2, pad_);
+  union {
+    v2 s;
+    unsigned char raw[sizeof(v2)];
+  } caller;
+  memset(&caller, 0xA5, sizeof caller);
+  caller.s.size = v1_size;
+  caller.s.a = 7;
+  v2 lib = {.size = sizeof(v2), .a = 1, .pad_ = 0, .b = 42};
+  assert_int_equal(kvf__config_copy(&lib, sizeof lib, &caller, v1_size), 0);
+  assert_int_equal(lib.size, sizeof lib);
+  assert_int_equal(lib.a, 7);
+  assert_int_equal(lib.b, 42); /* not 0xA5A5...: past the caller's size */
+  caller.s.size = v1_size - 1;
+  assert_int_equal(kvf__config_copy(&lib, sizeof lib, &caller, v1_size), KVF_EINVAL);
+  caller.s.size = sizeof(v2) + 1; /* newer than the library */
+  assert_int_equal(kvf__config_copy(&lib, sizeof lib, &caller, v1_size), KVF_EINVAL);
+}
+
+/* Every public growable struct of exactly its first published size (garbage
+ * past it) is accepted by the calls that take it; one byte less is refused. */
+static void config_first_version_accepted(void **state) {
+  (void)state;
+  union {
+    kvf_engine_config c;
+    unsigned char raw[sizeof(kvf_engine_config) + 64];
+  } ec;
+  FIRST_VERSION(kvf_engine_config, kvf_engine_config_init, KVF_ENGINE_CONFIG_SIZE_V1, ec);
+  assert_true(KVF_ENGINE_CONFIG_SIZE_V1 <= sizeof(kvf_engine_config));
+  assert_int_equal(kvf_engine_config_set(&ec.c, "timeout_ms", "4321"), 0);
+  assert_int_equal(kvf_engine_config_set(&ec.c, "transport", "tcp"), 0);
+  kvf_engine *e = NULL;
+  assert_int_equal(kvf_engine_create(&ec.c, &e), 0);
+  assert_non_null(e);
+  assert_string_equal(kvf_engine_transport(e), "tcp");
+
+  /* a batch's options of the first size: a write to this engine itself lands */
+  union {
+    kvf_batch_opts c;
+    unsigned char raw[sizeof(kvf_batch_opts) + 64];
+  } bo;
+  FIRST_VERSION(kvf_batch_opts, kvf_batch_opts_init, KVF_BATCH_OPTS_SIZE_V1, bo);
+  static uint8_t src[256], dst[256];
+  memset(src, 0x5C, sizeof src);
+  memset(dst, 0, sizeof dst);
+  assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
+  assert_int_equal(kvf_engine_register(e, dst, sizeof dst), 0);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)dst, .len = sizeof src};
+  assert_int_equal(kvf_engine_write_ex(e, kvf_engine_session_id(e), &w, 1, &bo.c), 0);
+  kvf_engine_sync(e);
+  assert_memory_equal(src, dst, sizeof src);
+  bo.c.size = KVF_BATCH_OPTS_SIZE_V1 - 1;
+  assert_int_equal(kvf_engine_write_ex(e, kvf_engine_session_id(e), &w, 1, &bo.c), KVF_EINVAL);
+
+  /* a manager (decode) whose engine config is also of the first size */
+  union {
+    kvf_manager_config c;
+    unsigned char raw[sizeof(kvf_manager_config) + 64];
+  } mc;
+  FIRST_VERSION(kvf_manager_config, kvf_manager_config_init, KVF_MANAGER_CONFIG_SIZE_V1, mc);
+  assert_int_equal(kvf_manager_config_set(&mc.c, "role", "decode"), 0);
+  assert_int_equal(kvf_manager_config_set(&mc.c, "heartbeat_interval_s", "30"), 0);
+  assert_int_equal(kvf_manager_config_set_ptr(&mc.c, "engine_cfg", &ec.c), 0);
+  static uint8_t kv[4096];
+  void *ptrs[] = {kv};
+  uint64_t lens[] = {sizeof kv}, items[] = {64};
+  kvf_kv_buffers bufs = {.n_kv = 1, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&mc.c, &bufs, &m), 0);
+  assert_string_equal(kvf_engine_transport(kvf_manager_engine(m)), "tcp");
+  kvf_manager_destroy(m);
+  m = NULL;
+  mc.c.size = KVF_MANAGER_CONFIG_SIZE_V1 - 1;
+  assert_int_equal(kvf_manager_create(&mc.c, &bufs, &m), KVF_EINVAL);
+  assert_int_equal(kvf_manager_config_set(&mc.c, "role", "decode"), KVF_EINVAL);
+  assert_int_equal(kvf_manager_config_set_ptr(&mc.c, "engine_cfg", &ec.c), KVF_EINVAL);
+  assert_null(m);
+  mc.c.size = KVF_MANAGER_CONFIG_SIZE_V1;
+  ec.c.size = KVF_ENGINE_CONFIG_SIZE_V1 - 1; /* the manager's engine config too */
+  assert_int_equal(kvf_manager_create(&mc.c, &bufs, &m), KVF_EINVAL);
+  assert_null(m);
+
+  kvf_engine *e2 = NULL;
+  assert_int_equal(kvf_engine_create(&ec.c, &e2), KVF_EINVAL);
+  assert_int_equal(kvf_engine_config_set(&ec.c, "timeout_ms", "1"), KVF_EINVAL);
+  assert_null(e2);
+  assert_int_equal(kvf_engine_unregister(e, src), 0);
+  assert_int_equal(kvf_engine_unregister(e, dst), 0);
+  kvf_engine_destroy(e);
+
+  union {
+    kvf_bootstrap_server_config c;
+    unsigned char raw[sizeof(kvf_bootstrap_server_config) + 64];
+  } bc;
+  FIRST_VERSION(kvf_bootstrap_server_config, kvf_bootstrap_server_config_init, KVF_BOOTSTRAP_SERVER_CONFIG_SIZE_V1,
+                bc);
+  assert_int_equal(kvf_bootstrap_server_config_set(&bc.c, "host", "127.0.0.1"), 0);
+  assert_int_equal(kvf_bootstrap_server_config_set(&bc.c, "port", "0"), 0);
+  kvf_bootstrap_server *srv = NULL;
+  assert_int_equal(kvf_bootstrap_server_create(&bc.c, &srv), 0);
+  assert_true(kvf_bootstrap_server_port(srv) != 0);
+  kvf_bootstrap_server_destroy(srv);
+  srv = NULL;
+  bc.c.size = KVF_BOOTSTRAP_SERVER_CONFIG_SIZE_V1 - 1;
+  assert_int_equal(kvf_bootstrap_server_create(&bc.c, &srv), KVF_EINVAL);
+  assert_null(srv);
+}
+
 static void config_set_by_name(void **state) {
   (void)state;
   kvf_engine_config ec;
@@ -136,8 +268,13 @@ static void config_set_by_name(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(error_table),         cmocka_unit_test(constants),          cmocka_unit_test(version),
-      cmocka_unit_test(config_size_checked), cmocka_unit_test(config_set_by_name),
+      cmocka_unit_test(error_table),
+      cmocka_unit_test(constants),
+      cmocka_unit_test(version),
+      cmocka_unit_test(config_size_checked),
+      cmocka_unit_test(config_set_by_name),
+      cmocka_unit_test(config_copy_takes_first_version),
+      cmocka_unit_test(config_first_version_accepted),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -25,6 +25,13 @@
 
 /* ---- helpers ---- */
 
+/* Upper bounds on how long a call takes are its deadline plus this much
+ * scheduling slack on a loaded machine (two ctest -j2 on two cores); what
+ * they catch (a deadline ignored, a retry that should not happen) is far
+ * beyond. */
+#define LOAD_SLACK_MS 3000
+#define NOT_RETRIED_MS 5000 /* with a 10 s deadline: one try, not a retry loop */
+
 static kvf_bootstrap_server *start_server(const char *token, size_t max_body, uint16_t port) {
   kvf_bootstrap_server_config cfg;
   kvf_bootstrap_server_config_init(&cfg);
@@ -281,8 +288,8 @@ static void sizes_freeze_and_extras_follow_the_last_put(void **state) {
   /* Different sizes: refused, not mis-filed. */
   reg_init(&r, 8, 2, 5, "10.1.0.6", 5005);
   int64_t t0 = clock_now_ns();
-  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 3000), KVF_ESTATE);
-  assert_true(ms_since(t0) < 1000); /* not retried */
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 10000), KVF_ESTATE);
+  assert_true(ms_since(t0) < NOT_RETRIED_MS); /* a retry runs to the 10 s deadline */
   reg_init(&r, 4, 1, 2, "10.1.0.3", 5002);
   assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 0), KVF_ESTATE);
 
@@ -507,8 +514,8 @@ static void oversized_bodies_get_413(void **state) {
   for (int i = 0; i < 200; i++) lens[i] = 8192;
   r.lists[ROUTE_KV_ITEM_LENS] = (route_lens){lens, 200, 1};
   int64_t t0 = clock_now_ns();
-  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 3000), KVF_ETOOBIG);
-  assert_true(ms_since(t0) < 1000);
+  assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 10000), KVF_ETOOBIG);
+  assert_true(ms_since(t0) < NOT_RETRIED_MS);
   char *m = NULL;
   assert_int_equal(raw(c, "GET", "/metrics", NULL, &m), 200);
   assert_int_equal(metric(m, "kvferry_bootstrap_errors_total{kind=\"too_large\"}"), 1);
@@ -569,8 +576,8 @@ static void token_guards_put_only(void **state) {
 
   bootstrap_client *none = client_for_port(port, "", 3000);
   int64_t t0 = clock_now_ns();
-  assert_int_equal(kvf__bootstrap_client_put_route(none, &r, 3000), KVF_EACCES);
-  assert_true(ms_since(t0) < 1000); /* not retried */
+  assert_int_equal(kvf__bootstrap_client_put_route(none, &r, 10000), KVF_EACCES);
+  assert_true(ms_since(t0) < NOT_RETRIED_MS); /* not retried */
   char *body = NULL;
   assert_int_equal(raw(none, "PUT", "/route", A1_PUT, &body), 401);
   free(body);
@@ -653,7 +660,7 @@ static void put_retries_until_the_server_appears(void **state) {
   pthread_join(th, NULL);
   assert_non_null(ls.srv);
   assert_int_equal(rc, 0);
-  assert_true(took >= 250 && took < 5000);
+  assert_true(took >= 250 && took < 5000 + LOAD_SLACK_MS);
   char ip[64];
   int port = 0;
   assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), 0);
@@ -666,11 +673,11 @@ static void put_retries_until_the_server_appears(void **state) {
   /* The last try may be cut short by the deadline on a loaded machine. */
   assert_true(rc == KVF_ECONNREFUSED || rc == KVF_ETIMEDOUT);
   took = ms_since(t0);
-  assert_true(took >= 350 && took < 1500);
+  assert_true(took >= 350 && took < 400 + LOAD_SLACK_MS);
   /* Deadline 0 is one try. */
   t0 = clock_now_ns();
   assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 0), KVF_ECONNREFUSED);
-  assert_true(ms_since(t0) < 300);
+  assert_true(ms_since(t0) < 1500); /* a retry runs for seconds */
   assert_int_equal(kvf__bootstrap_client_health(c), KVF_ECONNREFUSED);
   char ip2[64];
   assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 0, ip2, sizeof ip2, &port), KVF_ECONNREFUSED);
@@ -694,11 +701,11 @@ static void client_times_out_on_a_silent_server(void **state) {
   int port = 0;
   assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), KVF_ETIMEDOUT);
   double took = ms_since(t0);
-  assert_true(took >= 250 && took < 2000);
+  assert_true(took >= 250 && took < 300 + LOAD_SLACK_MS);
 
   t0 = clock_now_ns();
   assert_int_equal(kvf__bootstrap_client_health(c), KVF_ETIMEDOUT);
-  assert_true(ms_since(t0) < 2000);
+  assert_true(ms_since(t0) < 300 + LOAD_SLACK_MS);
   route_parallel_info p;
   assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), KVF_ETIMEDOUT);
 
@@ -708,7 +715,7 @@ static void client_times_out_on_a_silent_server(void **state) {
   t0 = clock_now_ns();
   assert_int_equal(kvf__bootstrap_client_put_route(c, &r, 700), KVF_ETIMEDOUT);
   took = ms_since(t0);
-  assert_true(took >= 600 && took < 1500);
+  assert_true(took >= 600 && took < 700 + LOAD_SLACK_MS);
   kvf__bootstrap_client_destroy(c);
   close(fd);
 }

@@ -25,6 +25,12 @@
 #define ITEM 4096
 #define PAGES 4096
 
+/* Added to every bound on how long a failure takes to surface: scheduling on
+ * a loaded machine (two ctest -j2 on two cores). The failures these bounds
+ * catch (never detected, or only at the 60 s waiting timeout) are far
+ * beyond. */
+#define LOAD_SLACK_S 3.0
+
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -292,7 +298,7 @@ static void killed_prefill_fails_its_rooms_other_keeps_serving(void **state) {
    * the fence (kvf_receiver_poll). */
   double bound = 0.5 * 2 + 2 + 0.5 + (strcmp(kvf_engine_transport(kvf_manager_engine(d.m)), "ucx") ? 0 : 2);
   fprintf(stderr, "killed prefill's rooms failed in %.2f s (bound %.1f s)\n", failed_at - t0, bound);
-  assert_true(failed_at - t0 < bound);
+  assert_true(failed_at - t0 < bound + LOAD_SLACK_S);
   for (int i = 0; i < 4; i++) finish(&d, &rb[i], 1);
   /* B still serves after A's failure was handled. */
   begin(&d, &b, &rb[0], 950, 16, &rng, 4);
@@ -352,7 +358,7 @@ static void dead_prefill_detected_while_bootstrap_lives(void **state) {
   char why[256];
   double dt = wait_failed(w.rx, 10, why, sizeof why);
   fprintf(stderr, "dead prefill detected in %.2f s (bound %.1f s): %s\n", dt, DETECT_BOUND_S, why);
-  assert_true(dt < DETECT_BOUND_S);
+  assert_true(dt < DETECT_BOUND_S + LOAD_SLACK_S);
   assert_non_null(strstr(why, "prefill rank 0 at "));
   assert_non_null(strstr(why, "does not answer"));
   finish(&d, &w, 0);
@@ -419,7 +425,7 @@ static void stopped_prefill_detected_within_bound(void **state) {
    * to confirm the fence, 2 s at most (kvf_receiver_poll). */
   double bound = DETECT_BOUND_S + (strcmp(kvf_engine_transport(kvf_manager_engine(d.m)), "ucx") ? 0 : 2);
   fprintf(stderr, "stopped prefill detected in %.2f s (bound %.1f s): %s\n", dt, bound, why);
-  assert_true(dt < bound);
+  assert_true(dt < bound + LOAD_SLACK_S);
   assert_non_null(strstr(why, "prefill rank 0 at "));
   finish(&d, &w, 0);
   kill(pp.p.pid, SIGCONT);
@@ -612,10 +618,10 @@ static void waiting_timeout_fires(void **state) {
   double t0 = now_s();
   assert_int_equal(kvf_receiver_init(r.rx, r.pages, 2, 0, 0, NULL, 0), 0);
   int st;
-  while ((st = kvf_receiver_poll(r.rx)) != KVF_POLL_FAILED && now_s() - t0 < 5) usleep(1000);
+  while ((st = kvf_receiver_poll(r.rx)) != KVF_POLL_FAILED && now_s() - t0 < 10) usleep(1000);
   double dt = now_s() - t0;
   assert_int_equal(st, KVF_POLL_FAILED);
-  assert_true(dt >= 0.9 && dt < 2.5);
+  assert_true(dt >= 0.9 && dt < 1.0 + LOAD_SLACK_S);
   char why[256];
   kvf_receiver_failure(r.rx, why, sizeof why);
   assert_non_null(strstr(why, "timed out"));

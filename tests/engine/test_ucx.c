@@ -522,7 +522,7 @@ static void unregister_prompt_after_the_writer_gave_up(void **state) {
   kvf_engine_unregister(r->t, extra);
   double ms = (double)(clock_now_ns() - t0) / 1e6;
   printf("unregister after the writer gave up: %.1f ms\n", ms);
-  assert_true(ms < 2000);
+  assert_true(ms < 4000); /* the cut-off it must not wait out is 5 s; the rest is slack for load */
   kvf_engine_destroy(r->w);
   kvf_engine_destroy(r->t);
   munmap(extra, 1 << 20);

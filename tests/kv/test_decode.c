@@ -42,6 +42,10 @@ typedef struct fixture {
   uint8_t *kbuf, *vbuf;
 } fixture;
 
+/* Added to a bound on how long a failure takes to surface: scheduling on a
+ * loaded machine (two ctest -j2 on two cores). */
+#define LOAD_SLACK_S 3.0
+
 static double secs_since(int64_t t0) { return (double)(clock_now_ns() - t0) / 1e9; }
 
 static uint16_t free_port(void) {
@@ -500,9 +504,9 @@ static void waiting_timeout_fires(void **state) {
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
   int64_t t0 = clock_now_ns();
   assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, NULL, 0), 0);
-  assert_int_equal(poll_final(r, 4), KVF_POLL_FAILED);
+  assert_int_equal(poll_final(r, 1 + LOAD_SLACK_S + 1), KVF_POLL_FAILED);
   double took = secs_since(t0);
-  assert_true(took >= 0.9 && took < 3.5);
+  assert_true(took >= 0.9 && took < 1 + LOAD_SLACK_S);
   char reason[256];
   kvf_receiver_failure(r, reason, sizeof reason);
   assert_non_null(strstr(reason, "Request 40 timed out after 1."));
@@ -520,7 +524,7 @@ static void lookup_failures(void **state) {
   kvf_receiver *r = NULL;
   int64_t t0 = clock_now_ns();
   assert_int_equal(kvf_receiver_create(f->m, dead, 50, &r), 0);
-  assert_true(secs_since(t0) < 3);
+  assert_true(secs_since(t0) < 5); /* refused at once; retries would run 3 x the 2 s HTTP timeout */
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_FAILED);
   char reason[256], want[256];
   kvf_receiver_failure(r, reason, sizeof reason);
@@ -574,8 +578,8 @@ static void heartbeat_node_failure(void **state) {
   zmq_close(f->pull);
   f->pull = NULL;
   int64_t t0 = clock_now_ns();
-  assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_FAILED);
-  assert_true(secs_since(t0) < 0.3 * 2 + 2);
+  assert_int_equal(poll_final(r, 0.3 * 2 + 2 + LOAD_SLACK_S), KVF_POLL_FAILED);
+  assert_true(secs_since(t0) < 0.3 * 2 + 2 + LOAD_SLACK_S);
   char reason[256], want[256];
   kvf_receiver_failure(r, reason, sizeof reason);
   snprintf(want, sizeof want,
@@ -777,8 +781,8 @@ static void heartbeat_rank_restart(void **state) {
   register_rank_at(f, 1, 1, 0, port2);
 
   int64_t t0 = clock_now_ns();
-  assert_int_equal(poll_final(r, 0.3 * 2 + 2), KVF_POLL_FAILED);
-  assert_true(secs_since(t0) < 0.3 * 2 + 2);
+  assert_int_equal(poll_final(r, 0.3 * 2 + 2 + LOAD_SLACK_S), KVF_POLL_FAILED);
+  assert_true(secs_since(t0) < 0.3 * 2 + 2 + LOAD_SLACK_S);
   char reason[256], want[256];
   kvf_receiver_failure(r, reason, sizeof reason);
   snprintf(want, sizeof want, "Prefill rank 0 of %s restarted (now 127.0.0.1:%u)", f->addr, (unsigned)port2);

@@ -57,10 +57,11 @@ def spawn(tmp_path):
 
 # Shared by both processes: the argument look-alikes, the pools, the content.
 COMMON = r"""
-import dataclasses, json, sys, threading, time
+import contextlib, dataclasses, json, sys, threading, time
 import numpy as np
 from kvferry.tokenspeed import (KVTransferError, MooncakeKVBootstrapServer, MooncakeKVManagerDecode,
-                                MooncakeKVManagerPrefill, MooncakeKVReceiver, MooncakeKVSender, TransferPoll)
+                                MooncakeKVManagerPrefill, MooncakeKVReceiver, MooncakeKVSender, TransferPoll,
+                                page_size_scope)
 
 @dataclasses.dataclass
 class KVArgs:  # tokenspeed's mooncake/entities.py field names and order
@@ -108,6 +109,9 @@ L, D, PAGES, SLOTS = SPEC["layers"], SPEC["draft"], SPEC["pages"], 4
 MLA, TP, PS = SPEC["mla"], SPEC["tp"], SPEC["page_size"]
 DP, PEER_DP = SPEC["dp"], SPEC["peer_dp"]  # DP attention: TP // DP ranks per DP group
 TPD = TP // DP
+
+def executor_scope():  # what install() does around tokenspeed's PD executors, which know PS
+    return page_size_scope(PS) if SPEC.get("tell_page_size", True) else contextlib.nullcontext()
 UNIT, HEADS, STATE = SPEC["unit"], SPEC["heads"], SPEC["state"]   # STATE: bytes of one state slot (all ranks)
 # Global layer ids: target KV layers at even ids, the state layer between,
 # draft layers after them (factory.get_kv_args: draft ids follow max(kv ids)).
@@ -182,7 +186,8 @@ class StepCounter:  # tokenspeed's StepCounter interface, host-side
 srv = MooncakeKVBootstrapServer(0)
 pools = [[part(full(b, r // TPD), r % TPD) for b in range(NBUF)] for r in range(TP)]
 states = [part(full_state(r // TPD), r % TPD) if STATE else None for r in range(TP)]
-all_mgrs = [MooncakeKVManagerPrefill(*make_args(r, pools[r], states[r], srv.port)) for r in range(TP)]
+with executor_scope():
+    all_mgrs = [MooncakeKVManagerPrefill(*make_args(r, pools[r], states[r], srv.port)) for r in range(TP)]
 all_counters = [StepCounter() for _ in range(TP)]
 print("READY", f"127.0.0.1:{srv.port}", flush=True)
 seen = {}  # manager -> control messages received when its last room ended
@@ -277,7 +282,8 @@ DECODE = COMMON + r"""
 addr = sys.argv[2]
 pools = [[np.zeros((PAGES, FULL if MLA else FULL // TP), dtype=np.uint8) for _ in range(NBUF)] for _ in range(TP)]
 states = [np.zeros((SLOTS, STATE // TP), dtype=np.uint8) if STATE else None for _ in range(TP)]
-mgrs = [MooncakeKVManagerDecode(*make_args(r, pools[r], states[r], 0)) for r in range(TP)]
+with executor_scope():
+    mgrs = [MooncakeKVManagerDecode(*make_args(r, pools[r], states[r], 0)) for r in range(TP)]
 print("READY", flush=True)
 for line in sys.stdin:
     room, src, dst, prefix, slot, src_slot = line.split()
@@ -422,6 +428,56 @@ def test_mla(spawn, tp_d):
     decode.finish()
 
 
+def test_heterogeneous_tp_refused_when_page_size_unknown(spawn):
+    """A decode whose managers were built without a page size (no install()
+    around tokenspeed's executors, no KVFERRY_PAGE_SIZE) refuses a
+    heterogeneous-TP room with a reason before sending the request, instead
+    of landing head slices cut per page; same TP still works."""
+    prefill, decode = start_pair(spawn, spec(tp=2), spec(tp=1, tell_page_size=False))
+    decode.send(f"61 {','.join(map(str, SRC))} {','.join(map(str, DST))} 0 2 1")
+    done = decode.line()
+    assert done.startswith("DONE Failed KVTransferError(bootstrap_room=61"), done
+    assert "heterogeneous-TP" in done and "page size is not known" in done and "KVFERRY_PAGE_SIZE" in done, done
+    prefill.finish()
+    decode.finish()
+    prefill, decode = start_pair(spawn, spec(tp=1), spec(tp=1, tell_page_size=False))
+    done, sent = run_room(prefill, decode, 62, "send", SRC, DST, nchunks=2)
+    assert done.split()[:6] == ["DONE", "Success", "bad=0", "stray=0", "77", "5,6,7"], done
+    assert sent.split() == ["SENT", "Success"], sent
+    prefill.finish()
+    decode.finish()
+
+
+def test_page_size_sources(monkeypatch):
+    """Where a manager's page size comes from: args.page_size, the PD
+    executor's (page_size_scope, as install() sets it), $KVFERRY_PAGE_SIZE;
+    none of them: unknown. Bad values are refused."""
+    from kvferry import tokenspeed as ts
+
+    class Args:
+        pass
+
+    monkeypatch.delenv("KVFERRY_PAGE_SIZE", raising=False)
+    assert ts._page_size(Args()) is None
+    monkeypatch.setenv("KVFERRY_PAGE_SIZE", "8")
+    assert ts._page_size(Args()) == 8
+    with ts.page_size_scope(16):
+        assert ts._page_size(Args()) == 16  # the executor's, before the environment
+        a = Args()
+        a.page_size = 32
+        assert ts._page_size(a) == 32  # the arguments', first
+    assert ts._page_size(Args()) == 8  # the scope ended
+    monkeypatch.setenv("KVFERRY_PAGE_SIZE", "0")
+    with pytest.raises(ValueError, match="KVFERRY_PAGE_SIZE must be positive"):
+        ts._page_size(Args())
+    monkeypatch.setenv("KVFERRY_PAGE_SIZE", "x")
+    with pytest.raises(ValueError, match="not an integer"):
+        ts._page_size(Args())
+    with pytest.raises(ValueError, match="positive"):
+        with ts.page_size_scope(0):
+            pass
+
+
 def test_page_size_two(spawn):
     """Pages of 2 tokens: the executors' page arithmetic (a 4-token decode
     prefix is 2 pages; layerwise windows in tokens) with the same TP."""
@@ -544,13 +600,22 @@ FAKE_MODULES = {
             raise ValueError(transfer_backend)
         """,
     # the executors bind the classes at import time, as the reference's do
+    # and build their manager in the constructor, which takes page_size
     "runtime/pd/prefill_executor.py": """
         from tokenspeed.runtime.pd.mooncake.prefill import MooncakeKVManagerPrefill, MooncakeKVSender
         from tokenspeed.runtime.pd.utils import TransferBackend, get_kv_class
+        class DisaggPrefillExecutor:
+            def __init__(self, backend, args, kv_args, gloo_group, page_size: int):
+                self.page_size = page_size
+                self.kv_manager = MooncakeKVManagerPrefill(args, kv_args)
         """,
     "runtime/pd/decode_executor.py": """
         from tokenspeed.runtime.pd.mooncake.decode import MooncakeKVManagerDecode
         from tokenspeed.runtime.pd.mooncake.receiver import MooncakeKVReceiver
+        class DisaggDecodeExecutor:
+            def __init__(self, backend, args, kv_args, gloo_group, page_size: int):
+                self.page_size = page_size
+                self.kv_manager = MooncakeKVManagerDecode(args, kv_args)
         """,
 }
 
@@ -571,6 +636,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import tokenspeed.runtime.pd.prefill_executor as pe      # imported before install()
 orig = pe.MooncakeKVManagerPrefill
+orig_init = pe.DisaggPrefillExecutor.__init__
 from kvferry import tokenspeed as kt
 patched = kt.install()
 assert kt.install() == patched                          # idempotent
@@ -598,21 +664,40 @@ try:
     checks.append(False)
 except ValueError as e:
     checks.append("async" in str(e))
+# a decode executor learns tokenspeed's page size (positional or keyword)
+import ctypes, types
+kv = [ctypes.create_string_buffer(4096) for _ in range(2)]
+args = types.SimpleNamespace(bootstrap_port=0, dist_init_addr="", world_size=1, dp_size=1, attn_tp_rank=0,
+                             attn_dp_rank=0, is_mla_backend=False, enable_dp_attention=False,
+                             enable_mla_l1_5_cache=False)
+kv_args = types.SimpleNamespace(engine_rank=0, kv_data_ptrs=[ctypes.addressof(b) for b in kv],
+                                kv_data_lens=[4096, 4096], kv_item_lens=[256, 256], offsets=[[0, 1]],
+                                target_layer_num=1)
+ex = de.DisaggDecodeExecutor(T.MOONCAKE, args, kv_args, None, 16)
+ex2 = de.DisaggDecodeExecutor(backend=T.MOONCAKE, args=args, kv_args=kv_args, gloo_group=None, page_size=4)
+plain = kt.MooncakeKVManagerDecode(args, kv_args)  # built outside an executor
+checks += [isinstance(ex.kv_manager, kt.MooncakeKVManagerDecode), ex.kv_manager.page_size == 16,
+           ex2.kv_manager.page_size == 4, plain.page_size is None]
+for m in (ex.kv_manager, ex2.kv_manager, plain):
+    m.close()
 print("CHECKS", "".join("1" if c else "0" for c in checks), flush=True)
 print("PATCHED", " ".join(sorted(patched)), flush=True)
 kt.uninstall()
 print("RESTORED", pe.MooncakeKVManagerPrefill is orig and utils.get_kv_class(T.MOONCAKE, K.SENDER).__module__
-      == "tokenspeed.runtime.pd.mooncake.sender" and kt._error_cls is kt.KVTransferError, flush=True)
+      == "tokenspeed.runtime.pd.mooncake.sender" and kt._error_cls is kt.KVTransferError
+      and pe.DisaggPrefillExecutor.__init__ is orig_init, flush=True)
 """
     p = spawn(script, str(tmp_path), name="install")
     checks = p.line()
-    assert checks == "CHECKS " + "1" * 14, checks
+    assert checks == "CHECKS " + "1" * 18, checks
     patched = p.line().split()[1:]
     for name in ("tokenspeed.runtime.pd.prefill_executor.MooncakeKVManagerPrefill",
                  "tokenspeed.runtime.pd.prefill_executor.get_kv_class",
                  "tokenspeed.runtime.pd.utils.get_kv_class",
                  "tokenspeed.runtime.pd.mooncake.conn.MooncakeKVBootstrapServer",
-                 "tokenspeed.runtime.pd.mooncake.receiver.MooncakeKVManagerDecode"):
+                 "tokenspeed.runtime.pd.mooncake.receiver.MooncakeKVManagerDecode",
+                 "tokenspeed.runtime.pd.prefill_executor.DisaggPrefillExecutor.__init__",
+                 "tokenspeed.runtime.pd.decode_executor.DisaggDecodeExecutor.__init__"):
         assert name in patched, patched
     assert p.line() == "RESTORED True"
     p.finish()

@@ -171,7 +171,7 @@ void kvf_send_params_init(kvf_send_params *p) {
 int kvf_sender_send(kvf_sender *s, const kvf_send_params *in) {
   kvf_send_params p;
   kvf_send_params_init(&p);
-  if (!s || !in || kvf__config_copy(&p, sizeof p, in, sizeof p)) return KVF_EINVAL;
+  if (!s || !in || kvf__config_copy(&p, sizeof p, in, KVF_SEND_PARAMS_SIZE_V1)) return KVF_EINVAL;
   const uint32_t known = KVF_SEND_LAST | KVF_SEND_TOKEN_LATER | KVF_SEND_LAYERS;
   int is_last = (p.flags & KVF_SEND_LAST) != 0, layers = (p.flags & KVF_SEND_LAYERS) != 0;
   if ((p.flags & ~known) || ((p.flags & KVF_SEND_TOKEN_LATER) && !is_last)) return KVF_EINVAL;

@@ -1,0 +1,375 @@
+/* The manager's control plane (src/kv/control.c) over real ZeroMQ sockets
+ * on 127.0.0.1: the PULL listener takes messages from many peers at once
+ * and counts what it drops (malformed, forged, for unknown rooms) without
+ * stopping; frames past any message are ignored; with a control token only
+ * messages with a good MAC reach the role; the PUSH cache delivers in order
+ * per endpoint and reconnects after a forget; engine trailers pack and
+ * unpack byte-exact and malformed ones are refused; the peer-address check
+ * compares what it can. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <cmocka.h>
+#include <zmq.h>
+
+#include "kv/manager.h"
+#include "kvferry.h"
+#include "wire/messages.h"
+
+#define PEERS 32        /* PUSH sockets sending to one manager at once */
+#define PER_PEER 20     /* valid messages each */
+#define BAD_PER_PEER 5  /* malformed messages each */
+#define DEADLINE_S 30.0 /* for counters to reach what was sent (loaded machines) */
+#define ENDPOINTS 16    /* PULL sockets one manager pushes to */
+#define PER_ENDPOINT 50
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static kvf_manager *make_manager(const char *token) {
+  static uint8_t kv[1 << 16];
+  void *ptrs[] = {kv};
+  uint64_t lens[] = {sizeof kv}, items[] = {256};
+  kvf_kv_buffers b = {.n_kv = 1, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_manager_config c;
+  kvf_manager_config_init(&c);
+  c.role = KVF_ROLE_DECODE;
+  c.heartbeat_interval_s = 60;
+  c.control_token = token ? token : "";
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&c, &b, &m), 0);
+  return m;
+}
+
+static void *push_to(void *zctx, uint16_t port) {
+  void *s = zmq_socket(zctx, ZMQ_PUSH);
+  assert_non_null(s);
+  int linger = 5000;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  char ep[64];
+  snprintf(ep, sizeof ep, "tcp://127.0.0.1:%u", port);
+  assert_int_equal(zmq_connect(s, ep), 0);
+  return s;
+}
+
+static void send_frames(void *s, const wire_frame *f, size_t n) {
+  for (size_t i = 0; i < n; i++) assert_true(zmq_send(s, f[i].data, f[i].len, i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
+}
+
+static void send_texts(void *s, const char *const *t, size_t n) {
+  wire_frame f[8];
+  for (size_t i = 0; i < n; i++) f[i] = (wire_frame){(const uint8_t *)t[i], strlen(t[i])};
+  send_frames(s, f, n);
+}
+
+/* An M3 (Transferring) for `room`, which is not live on the receiving decode. */
+static void m3_for(int64_t room, wire_msg *msg) {
+  wire_m3 m3 = {.room = room, .status = WIRE_STATUS_TRANSFERRING, .prefill_rank = 0, .bootstrap_token = -1};
+  char why[WIRE_REASON_LEN] = "";
+  assert_int_equal(kvf__wire_m3_encode(&m3, msg, why), 0);
+}
+
+typedef struct expect {
+  uint64_t received, malformed, unknown, forged;
+} expect;
+
+/* Wait until the counters reach `want` (each at least), then check they
+ * are exactly that. */
+static void wait_counts(kvf_manager *m, expect want) {
+  kvf_manager_stats st;
+  double t0 = now_s();
+  for (;;) {
+    kvf_manager_get_stats(m, &st);
+    if (st.messages_received >= want.received && st.messages_malformed >= want.malformed &&
+        st.messages_unknown_room >= want.unknown && st.messages_forged >= want.forged)
+      break;
+    if (now_s() - t0 > DEADLINE_S) break;
+    usleep(10000);
+  }
+  usleep(100000); /* anything more would show up here */
+  kvf_manager_get_stats(m, &st);
+  printf("received %llu malformed %llu unknown %llu forged %llu\n", (unsigned long long)st.messages_received,
+         (unsigned long long)st.messages_malformed, (unsigned long long)st.messages_unknown_room,
+         (unsigned long long)st.messages_forged);
+  assert_int_equal(st.messages_received, want.received);
+  assert_int_equal(st.messages_malformed, want.malformed);
+  assert_int_equal(st.messages_unknown_room, want.unknown);
+  assert_int_equal(st.messages_forged, want.forged);
+}
+
+typedef struct peer_arg {
+  void *zctx;
+  uint16_t port;
+  int id;
+} peer_arg;
+
+/* One peer: valid M3s for rooms not live there, mixed with malformed ones. */
+static void *peer_main(void *arg) {
+  peer_arg *p = arg;
+  void *s = push_to(p->zctx, p->port);
+  static const char *const bad[BAD_PER_PEER][4] = {
+      {"garbage"},       /* one frame */
+      {"12", "9", "0"},  /* status out of range */
+      {"x", "4", "0"},   /* room not a number */
+      {"12", "4", "-3"}, /* negative rank */
+      {"", "", ""},      /* empty frames */
+  };
+  static const size_t nbad[BAD_PER_PEER] = {1, 3, 3, 3, 3};
+  for (int i = 0; i < PER_PEER; i++) {
+    wire_msg msg;
+    m3_for(100000 + p->id * 1000 + i, &msg);
+    send_frames(s, msg.frames, msg.nframes);
+    kvf__wire_msg_free(&msg);
+    if (i < BAD_PER_PEER) send_texts(s, bad[i], nbad[i]);
+  }
+  zmq_close(s); /* lingers until delivered */
+  return NULL;
+}
+
+/* 32 peers at once, each 20 valid messages and 5 malformed ones: every one
+ * is taken and counted, none is lost, none stops the listener, and it goes
+ * on answering afterwards. */
+static void messages_from_many_peers(void **state) {
+  (void)state;
+  kvf_manager *m = make_manager(NULL);
+  void *zctx = zmq_ctx_new();
+  pthread_t th[PEERS];
+  peer_arg args[PEERS];
+  for (int i = 0; i < PEERS; i++) {
+    args[i] = (peer_arg){zctx, m->rank_port, i};
+    assert_int_equal(pthread_create(&th[i], NULL, peer_main, &args[i]), 0);
+  }
+  for (int i = 0; i < PEERS; i++) pthread_join(th[i], NULL);
+  wait_counts(m, (expect){0, PEERS * BAD_PER_PEER, PEERS * PER_PEER, 0});
+  void *s = push_to(zctx, m->rank_port);
+  wire_msg msg;
+  m3_for(7, &msg);
+  send_frames(s, msg.frames, msg.nframes);
+  kvf__wire_msg_free(&msg);
+  wait_counts(m, (expect){0, PEERS * BAD_PER_PEER, PEERS * PER_PEER + 1, 0});
+  zmq_close(s);
+  zmq_ctx_term(zctx);
+  kvf_manager_destroy(m);
+}
+
+/* Frames past the last one any message defines are ignored (more than the
+ * listener keeps are received and dropped), so an M3 with 40 trailing
+ * frames still counts as that M3; an M3 cut short is malformed. */
+static void frames_past_any_message_are_ignored(void **state) {
+  (void)state;
+  kvf_manager *m = make_manager(NULL);
+  void *zctx = zmq_ctx_new();
+  void *s = push_to(zctx, m->rank_port);
+  wire_msg msg;
+  m3_for(8, &msg);
+  wire_frame f[WIRE_MAX_FRAMES + 40];
+  size_t n = 0;
+  for (size_t i = 0; i < msg.nframes; i++) f[n++] = msg.frames[i];
+  while (n < sizeof f / sizeof f[0]) f[n++] = (wire_frame){(const uint8_t *)"junk", 4};
+  send_frames(s, f, n);
+  send_frames(s, msg.frames, 2);
+  kvf__wire_msg_free(&msg);
+  wait_counts(m, (expect){0, 1, 1, 0});
+  zmq_close(s);
+  zmq_ctx_term(zctx);
+  kvf_manager_destroy(m);
+}
+
+/* With a control token, a message reaches the role only with a good MAC
+ * under the same token: one from a manager with another token, one without
+ * a MAC and one whose MAC was altered are counted as forged. */
+static void control_token_admits_only_good_macs(void **state) {
+  (void)state;
+  kvf_manager *a = make_manager("the-token"), *b = make_manager("the-token"), *other = make_manager("another");
+  wire_msg msg;
+  m3_for(9, &msg);
+  assert_int_equal(kvf__manager_push_send(a, "127.0.0.1", b->rank_port, &msg), 0);     /* good */
+  assert_int_equal(kvf__manager_push_send(other, "127.0.0.1", b->rank_port, &msg), 0); /* wrong key */
+  void *zctx = zmq_ctx_new();
+  void *s = push_to(zctx, b->rank_port);
+  send_frames(s, msg.frames, msg.nframes); /* no MAC */
+  wire_frame f[WIRE_MAX_FRAMES + 1];
+  unsigned char mac[MANAGER_MAC_LEN];
+  kvf__control_mac(a, msg.frames, msg.nframes, mac);
+  mac[MANAGER_MAC_LEN - 1] ^= 1;
+  for (size_t i = 0; i < msg.nframes; i++) f[i] = msg.frames[i];
+  f[msg.nframes] = (wire_frame){mac, sizeof mac};
+  send_frames(s, f, msg.nframes + 1); /* altered MAC */
+  mac[MANAGER_MAC_LEN - 1] ^= 1;
+  send_frames(s, f, msg.nframes + 1); /* the same, intact: good */
+  kvf__wire_msg_free(&msg);
+  wait_counts(b, (expect){0, 0, 2, 3});
+  zmq_close(s);
+  zmq_ctx_term(zctx);
+  kvf_manager_destroy(a);
+  kvf_manager_destroy(b);
+  kvf_manager_destroy(other);
+}
+
+/* The room of the next M3 on a PULL socket (-1 when none comes). */
+static int64_t recv_room(void *pull) {
+  wire_frame f[WIRE_MAX_FRAMES];
+  zmq_msg_t parts[WIRE_MAX_FRAMES];
+  size_t n = 0;
+  int more = 1, ok = 1;
+  while (ok && more && n < WIRE_MAX_FRAMES) {
+    zmq_msg_init(&parts[n]);
+    ok = zmq_msg_recv(&parts[n], pull, 0) >= 0;
+    more = ok && zmq_msg_more(&parts[n]);
+    f[n] = (wire_frame){zmq_msg_data(&parts[n]), zmq_msg_size(&parts[n])};
+    n++;
+  }
+  wire_m3 got;
+  char why[WIRE_REASON_LEN] = "";
+  int64_t room = ok && !kvf__wire_m3_decode(f, n, &got, why) ? got.room : -1;
+  for (size_t k = 0; k < n; k++) zmq_msg_close(&parts[k]);
+  return room;
+}
+
+/* The PUSH cache: one socket per endpoint, so each of 16 endpoints gets its
+ * 50 messages in the order sent; after a forget the next send opens a new
+ * socket and still arrives. Bad endpoints are refused. */
+static void push_cache_keeps_order_per_endpoint(void **state) {
+  (void)state;
+  kvf_manager *m = make_manager(NULL);
+  void *zctx = zmq_ctx_new();
+  void *pull[ENDPOINTS];
+  uint16_t port[ENDPOINTS];
+  for (int e = 0; e < ENDPOINTS; e++) {
+    pull[e] = zmq_socket(zctx, ZMQ_PULL);
+    int tmo = (int)(DEADLINE_S * 1000);
+    zmq_setsockopt(pull[e], ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+    assert_int_equal(zmq_bind(pull[e], "tcp://127.0.0.1:*"), 0);
+    char ep[128];
+    size_t len = sizeof ep;
+    assert_int_equal(zmq_getsockopt(pull[e], ZMQ_LAST_ENDPOINT, ep, &len), 0);
+    port[e] = (uint16_t)atoi(strrchr(ep, ':') + 1);
+  }
+  for (int i = 0; i < PER_ENDPOINT; i++)
+    for (int e = 0; e < ENDPOINTS; e++) {
+      wire_msg msg;
+      m3_for(e * 1000 + i, &msg);
+      assert_int_equal(kvf__manager_push_send(m, "127.0.0.1", port[e], &msg), 0);
+      kvf__wire_msg_free(&msg);
+    }
+  for (int e = 0; e < ENDPOINTS; e++)
+    for (int i = 0; i < PER_ENDPOINT; i++) assert_int_equal(recv_room(pull[e]), e * 1000 + i);
+  /* Forgotten (its peer restarted): the next message goes on a new socket. */
+  kvf__manager_push_forget(m, "127.0.0.1", port[3]);
+  wire_msg msg;
+  m3_for(99999, &msg);
+  assert_int_equal(kvf__manager_push_send(m, "127.0.0.1", port[3], &msg), 0);
+  kvf__wire_msg_free(&msg);
+  assert_int_equal(recv_room(pull[3]), 99999);
+  m3_for(1, &msg);
+  assert_int_equal(kvf__manager_push_send(m, NULL, port[0], &msg), KVF_EINVAL);
+  assert_int_equal(kvf__manager_push_send(m, "", port[0], &msg), KVF_EINVAL);
+  assert_int_equal(kvf__manager_push_send(m, "127.0.0.1", 0, &msg), KVF_EINVAL);
+  kvf__wire_msg_free(&msg);
+  kvf__manager_push_forget(m, "127.0.0.1", 1); /* never opened: nothing to do */
+  for (int e = 0; e < ENDPOINTS; e++) zmq_close(pull[e]);
+  zmq_ctx_term(zctx);
+  kvf_manager_destroy(m);
+}
+
+/* Engine trailers: pack then unpack gives the message's frames back (and a
+ * MAC frame with a token); a cut, an extra byte, no frames or a length past
+ * the end is refused; a buffer too small packs nothing; frames past the
+ * caller's capacity are counted, not written. */
+static void trailers_round_trip_and_refuse_malformed(void **state) {
+  (void)state;
+  kvf_manager *plain = make_manager(NULL), *keyed = make_manager("k");
+  wire_msg msg;
+  wire_m3 m3 = {.room = 42, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 1, .bootstrap_token = 77};
+  char why[WIRE_REASON_LEN] = "";
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, why), 0);
+  unsigned char buf[4096];
+  wire_frame f[MANAGER_MAX_RECV_FRAMES];
+  size_t n = 0, extra = 0;
+  size_t len = kvf__trailer_pack(plain, &msg, buf, sizeof buf);
+  assert_true(len > 2);
+  assert_int_equal(kvf__trailer_unpack(buf, len, f, MANAGER_MAX_RECV_FRAMES, &n, &extra), 0);
+  assert_int_equal(n, msg.nframes);
+  assert_int_equal(extra, 0);
+  for (size_t i = 0; i < n; i++) {
+    assert_int_equal(f[i].len, msg.frames[i].len);
+    assert_memory_equal(f[i].data, msg.frames[i].data, f[i].len);
+  }
+  wire_m3 back;
+  assert_int_equal(kvf__wire_m3_decode(f, n, &back, why), 0);
+  assert_int_equal(back.room, 42);
+  assert_int_equal(back.bootstrap_token, 77);
+  for (size_t cut = 0; cut < len; cut++)
+    assert_int_equal(kvf__trailer_unpack(buf, cut, f, MANAGER_MAX_RECV_FRAMES, &n, &extra), KVF_EPROTO);
+  buf[len] = 0;
+  assert_int_equal(kvf__trailer_unpack(buf, len + 1, f, MANAGER_MAX_RECV_FRAMES, &n, &extra), KVF_EPROTO);
+  const unsigned char none[2] = {0, 0}, past[7] = {1, 0, 9, 0, 0, 0, 'x'};
+  assert_int_equal(kvf__trailer_unpack(none, 2, f, MANAGER_MAX_RECV_FRAMES, &n, &extra), KVF_EPROTO);
+  assert_int_equal(kvf__trailer_unpack(past, 7, f, MANAGER_MAX_RECV_FRAMES, &n, &extra), KVF_EPROTO);
+  assert_int_equal(kvf__trailer_unpack(buf, len, f, 2, &n, &extra), 0);
+  assert_int_equal(n, 2);
+  assert_int_equal(extra, msg.nframes - 2);
+  for (size_t cap = 0; cap < len; cap++) assert_int_equal(kvf__trailer_pack(plain, &msg, buf, cap), 0);
+
+  size_t klen = kvf__trailer_pack(keyed, &msg, buf, sizeof buf);
+  assert_int_equal(klen, len + 4 + MANAGER_MAC_LEN);
+  assert_int_equal(kvf__trailer_unpack(buf, klen, f, MANAGER_MAX_RECV_FRAMES, &n, &extra), 0);
+  assert_int_equal(n, msg.nframes + 1);
+  assert_int_equal(f[n - 1].len, MANAGER_MAC_LEN);
+  /* dispatched as the decode does it: the MAC is checked, the M3 reaches the role */
+  kvf_manager_stats before, after;
+  kvf_manager_get_stats(keyed, &before);
+  kvf__manager_dispatch(keyed, f, n, 0, "127.0.0.1");
+  ((unsigned char *)buf)[klen - 1] ^= 1;
+  kvf__manager_dispatch(keyed, f, n, 0, "127.0.0.1");
+  kvf_manager_get_stats(keyed, &after);
+  assert_int_equal(after.messages_unknown_room, before.messages_unknown_room + 1);
+  assert_int_equal(after.messages_forged, before.messages_forged + 1);
+  kvf__wire_msg_free(&msg);
+  kvf_manager_destroy(plain);
+  kvf_manager_destroy(keyed);
+}
+
+/* The sender check compares IP literals (IPv4-mapped IPv6 as IPv4, "ip:x"
+ * by its host), and lets through what it cannot check (a host name, the
+ * unspecified address). */
+static void peer_address_check(void **state) {
+  (void)state;
+  kvf_manager *m = make_manager(NULL);
+  assert_true(kvf__manager_peer_is(m, "127.0.0.1", "127.0.0.1"));
+  assert_false(kvf__manager_peer_is(m, "127.0.0.2", "127.0.0.1"));
+  assert_true(kvf__manager_peer_is(m, "::ffff:127.0.0.1", "127.0.0.1"));
+  assert_false(kvf__manager_peer_is(m, "::1", "127.0.0.1"));
+  assert_true(kvf__manager_peer_is(m, "::1", "::1"));
+  assert_true(kvf__manager_peer_is(m, "127.0.0.1", "127.0.0.1:5000"));
+  assert_false(kvf__manager_peer_is(m, "10.0.0.1", "127.0.0.1:5000"));
+  assert_true(kvf__manager_peer_is(m, "10.0.0.1", "prefill-0.example"));
+  assert_true(kvf__manager_peer_is(m, "10.0.0.1", "0.0.0.0"));
+  assert_true(kvf__manager_peer_is(m, "10.0.0.1", "::"));
+  assert_false(kvf__manager_peer_is(m, "?", "127.0.0.1"));
+  assert_false(kvf__manager_peer_is(m, NULL, "127.0.0.1"));
+  assert_true(kvf__manager_peer_is(m, "10.0.0.1", NULL));
+  kvf_manager_destroy(m);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(messages_from_many_peers),
+      cmocka_unit_test(frames_past_any_message_are_ignored),
+      cmocka_unit_test(control_token_admits_only_good_macs),
+      cmocka_unit_test(push_cache_keeps_order_per_endpoint),
+      cmocka_unit_test(trailers_round_trip_and_refuse_malformed),
+      cmocka_unit_test(peer_address_check),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
