@@ -3,7 +3,8 @@
 #   make demo   run the main job (kvferry demo)
 #   make test   build and run the tests a change is checked with first (ctest: C
 #               unit/e2e tests, fuzz-corpus replays, pytest; not label `slow`), < 1 min
-#   make test-all  every test, the `slow` ones too (faults, floods, UCX reruns): CI
+#   make test-all  every test, the `slow` ones too (faults, floods, UCX reruns)
+#   make test-slow only the `slow` ones (CI runs `make test` then this: every test once)
 #   make faults the fault suite (tests/faults: kills, stops, a partition, hostile
 #               peers, a seeded random fault run; FAULTS_ARGS="--n 1000" for more faults)
 #   make asan   the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
@@ -14,7 +15,7 @@ JOBS ?= $(shell nproc)
 BUILD ?= build
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build demo test test-all faults asan tsan fuzz bench install clean format
+.PHONY: all deps build demo test test-all test-slow faults asan tsan fuzz bench install clean format
 
 all: build
 
@@ -37,6 +38,9 @@ test: build
 
 test-all: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+test-slow: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -L slow $(CTEST_ARGS)
 
 FAULTS_TIMEOUT ?= 1200
 FAULTS_TESTS ?= tests/faults
