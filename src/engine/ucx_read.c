@@ -32,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -184,6 +185,26 @@ static int reader_ep_make_locked(ucx_state *u, ucx_ctl *c) {
   return rc;
 }
 
+/* Map every page of the writer's pools that UCX mapped here up front: a
+ * load that first touches a page faults (tens of microseconds each on a
+ * virtual machine, seen as most of a small room's time), one populate call
+ * per region at connect costs a fraction of that per page. Best effort. */
+static void populate(const ucx_ctl *c) {
+#ifdef MADV_POPULATE_READ
+  long pg = sysconf(_SC_PAGESIZE);
+  for (size_t i = 0; i < c->nwregs; i++) {
+    if (!c->wregs[i].ptr || pg <= 0) continue;
+    uintptr_t a = (uintptr_t)c->wregs[i].ptr & ~(uintptr_t)(pg - 1);
+    size_t len = (size_t)((uintptr_t)c->wregs[i].ptr + c->wregs[i].len - a);
+    if (madvise((void *)a, len, MADV_POPULATE_READ) && kvf__log_first_time_for_host(c->peer, "ucx-populate"))
+      LOG_INFO("ucx", "writer %s: could not map its pool ahead (%s); first reads fault it in", c->peer,
+               strerror(errno));
+  }
+#else
+  (void)c;
+#endif
+}
+
 int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   ucx_info_hdr h = {.magic = UCX_INFO_MAGIC};
   char *body = NULL;
@@ -211,6 +232,7 @@ int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   c->same_host = !strcmp(h.host_id, u->host_id);
   rc = reader_ep_make_locked(u, c);
   pthread_mutex_unlock(&u->wmu);
+  if (!rc) populate(c);
   /* The answer to this engine's first info bounds the writer's clock. */
   if (!rc && c->info_ns && h.echo_ns == c->info_ns && h.clock_ns >= c->info_ns - (int64_t)1e15) {
     int64_t skew = h.clock_ns - c->info_ns;
@@ -604,6 +626,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
     pthread_mutex_lock(&u->wmu);
     status = reader_ep_make_locked(u, c);
     pthread_mutex_unlock(&u->wmu);
+    if (!status) populate(c);
   }
   if (!status) status = notice_check(&r, w, n.ndesc);
   int checked = !status; /* a refusal from here on is this engine's (an unregister), not the writer's */
