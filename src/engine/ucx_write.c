@@ -424,12 +424,7 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
       continue;
     }
     *j = (ucx_job){NULL, chunks[i], p, NULL, NULL};
-    pthread_mutex_lock(&u->q_mu);
-    if (u->q_tail) u->q_tail->next = j;
-    else u->q_head = j;
-    u->q_tail = j;
-    pthread_cond_signal(&u->q_cv);
-    pthread_mutex_unlock(&u->q_mu);
+    kvf__ucx_copier_queue(u, j); /* parallel: there are copiers */
   }
   do_chunk(u, p, chunks[0]);
   return 0;
