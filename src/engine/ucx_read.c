@@ -87,13 +87,15 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
    * chunk's): the answer may come, and finish the chunk, before the send
    * call has returned. */
   atomic_fetch_add(&c->refs, 1);
+  /* From the link on, `op` belongs to the progress thread (an answer or the
+   * reaper may free it at once): only its id is used here. */
   pthread_mutex_lock(&u->wmu);
-  op->id = ++p->next_read_id;
+  uint64_t id = op->id = ++p->next_read_id;
   kvf__ucx_op_link(op); /* the progress thread checks its lease at its next tick (UCX_IDLE_TICK_MS at most) */
   pthread_mutex_unlock(&u->wmu);
   ucx_notice n = {UCX_NOTICE_MAGIC,
                   (uint32_t)c->n,
-                  op->id,
+                  id,
                   c->batch->tag,
                   c->batch->tag ? c->batch->epoch : 0,
                   now,
@@ -110,12 +112,12 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
      * chunk waits for the lease (or the target closing) like any other;
      * with no connection at all nothing went out. */
     kvf__ucx_peer_mark_dead(u, p, rc);
-    if (fd < 0) {
+    if (fd < 0) { /* the reaper fails it at once (if nothing ended it yet) */
       pthread_mutex_lock(&u->wmu);
-      kvf__ucx_op_unlink(op);
+      for (ucx_op *o = u->ops; o; o = o->next)
+        if (o->read && o->p == p && o->id == id && !o->gone) o->gone = rc;
       pthread_mutex_unlock(&u->wmu);
-      free(op);
-      kvf__chunk_finish(c, rc);
+      kvf__ucx_wake(u);
     }
   }
   kvf__chunk_release(c); /* the send's reference */
