@@ -632,7 +632,10 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   }
   if (!status) status = notice_check(&r, w, n.ndesc);
   int checked = !status; /* a refusal from here on is this engine's (an unregister), not the writer's */
-  if (!status) status = notice_copy(&r, w, n.ndesc, &bytes);
+  if (!status) {
+    kvf_engine_sync(e); /* order after the owner's last local change, as tcp_in.c does */
+    status = notice_copy(&r, w, n.ndesc, &bytes);
+  }
   /* Done reading: it counts only if that was within the lease (by the
    * bound on the writer's clock, taken now) and nothing cut it. */
   if (!status && c->have_skew) r.lease_end = n.sent_ns + n.lease_ns - skew_bound(c, clock_now_ns());
