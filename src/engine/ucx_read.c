@@ -212,7 +212,13 @@ int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   char *body = NULL;
   int rc = kvf__ucx_info_read_rest(c->fd, c, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body);
   if (rc) return rc;
-  if (!(h.flags & UCX_INFO_WRITER)) {
+  /* UCX parses a worker address with assertions, not checks (a malformed one
+   * aborts the process): at least its header byte (object version and
+   * flags) must be this worker's own, as between two kvferry engines built
+   * on one UCX. An authenticated peer (KVFERRY_AUTH_TOKEN) is trusted with
+   * the rest (README, threat model). */
+  if (!(h.flags & UCX_INFO_WRITER) || !h.addr_len ||
+      *(const unsigned char *)body != *(const unsigned char *)u->addr) {
     free(body);
     return KVF_EPROTO;
   }

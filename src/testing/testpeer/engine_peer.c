@@ -137,6 +137,7 @@ int cli_engine_peer(int argc, char **argv) {
     } else {
       printf("error unknown command\n");
     }
+    kvf_engine_sync(e); /* ... and before the answer lets a peer write there again */
     fflush(stdout);
   }
   free(line);
