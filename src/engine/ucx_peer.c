@@ -343,7 +343,7 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
     p->regs = regs;
     p->nregs = n;
     p->gen = h->gen;
-    p->read_mode = (h->flags & UCX_INFO_READ) != 0;
+    if (create_ep) p->read_mode = (h->flags & UCX_INFO_READ) != 0; /* fixed for the connection */
     p->target_clock_ns = h->clock_ns;
     int mapped = 0;
     for (size_t i = 0; i < n; i++) mapped |= regs[i].ptr != NULL;
