@@ -302,8 +302,8 @@ typedef struct ucx_ctl {
   struct ucx_load *loads;    /* a notice's slices from a mapped pool, copied after the checks */
   size_t loads_cap;
   /* The serving thread's read-ahead (UCX_CTL_RBUF bytes; rb_off..rb_len
-   * received, not yet taken), and read done answers held back while more
-   * notices are already here (sent together before it next waits). */
+   * received, not yet taken), and read done answers not sent yet (each is
+   * sent at once today, kvf__ucx_ctl_done says why). */
   unsigned char *rb;
   size_t rb_off, rb_len;
   ucx_req dones[UCX_CTL_DONES];
@@ -366,8 +366,8 @@ int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 /* The serving thread of c: receive exactly `len` bytes through its
  * read-ahead before the deadline. */
 int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns);
-/* The serving thread of c: answer a notice (held back while more input is
- * already here), and send the answers held back. */
+/* The serving thread of c: answer a notice, and send the answers held
+ * back (none today: kvf__ucx_ctl_done sends at once, see there). */
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id);
 int kvf__ucx_ctl_flush(ucx_ctl *c);
 
