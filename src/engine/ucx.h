@@ -299,7 +299,9 @@ typedef struct ucx_ctl {
   size_t pins_cap;
   unsigned char *bounce;     /* UCX_BOUNCE_BYTES, allocated at the first get */
   struct bounce_slice *pend; /* UCX_BOUNCE_PIECES: where the bounce buffer's slices go */
-  struct ucx_load *loads;    /* a notice's slices from a mapped pool, copied after the checks */
+  void **reqs;               /* UCX_BOUNCE_PIECES: the gets in progress into it */
+  unsigned nreq;
+  struct ucx_load *loads; /* a notice's slices from a mapped pool, copied after the checks */
   size_t loads_cap;
   /* The serving thread's read-ahead (UCX_CTL_RBUF bytes; rb_off..rb_len
    * received, not yet taken), and read done answers not sent yet (each is

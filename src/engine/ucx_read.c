@@ -365,21 +365,44 @@ static void bounce_quarantine_locked(ucx_state *u, ucx_ctl *c) {
   c->bounce = NULL;
 }
 
-/* With wmu held: wait for the gets posted on the endpoint (a flush covers
- * them), progressing the worker; a stop cancels them. */
+/* With wmu held: progress until none of the connection's gets is in
+ * progress any more (bounded: used after their endpoint was closed). */
+static void gets_settle_locked(ucx_state *u, ucx_ctl *c) {
+  for (int i = 0; i < 100000; i++) {
+    int busy = 0;
+    for (unsigned k = 0; k < c->nreq && !busy; k++) busy = ucp_request_check_status(c->reqs[k]) == UCS_INPROGRESS;
+    if (!busy) break;
+    ucp_worker_progress(u->w);
+  }
+}
+
+/* With wmu held: release the connection's get requests (each is complete,
+ * or its endpoint is closed); the first error among them. UCX 1.13 asserts
+ * when a software-RMA get (UCX's tcp) is released before it completes, so
+ * every get is kept until then. */
+static int gets_release_locked(ucx_ctl *c) {
+  int rc = 0;
+  for (unsigned k = 0; k < c->nreq; k++) {
+    ucs_status_t st = ucp_request_check_status(c->reqs[k]);
+    if (!rc && st != UCS_OK) rc = st == UCS_INPROGRESS ? KVF_ECLOSED : kvf__ucx_status(st);
+    ucp_request_free(c->reqs[k]);
+  }
+  c->nreq = 0;
+  return rc;
+}
+
+/* With wmu held: wait for the gets posted on the endpoint, progressing the
+ * worker; a stop cancels them (the endpoint closed, its bounce buffer set
+ * aside). */
 static int gets_wait_locked(notice_read *r) {
   ucx_state *u = r->u;
   ucx_ctl *c = r->c;
-  ucp_request_param_t fp = {.op_attr_mask = 0};
-  ucs_status_ptr_t sp = ucp_ep_flush_nbx(c->ep, &fp);
-  if (UCS_PTR_IS_ERR(sp)) {
-    reader_ep_cancel_locked(u, c, NULL);
-    bounce_quarantine_locked(u, c);
-    return kvf__ucx_status(UCS_PTR_STATUS(sp));
-  }
-  ucs_status_t st = UCS_OK;
   int idle = 0, stop = 0;
-  while (sp && (st = ucp_request_check_status(sp)) == UCS_INPROGRESS) {
+  for (unsigned k = 0; k < c->nreq;) {
+    if (ucp_request_check_status(c->reqs[k]) != UCS_INPROGRESS) {
+      k++;
+      continue;
+    }
     if (ucp_worker_progress(u->w)) {
       idle = 0;
       continue;
@@ -395,16 +418,18 @@ static int gets_wait_locked(notice_read *r) {
     if (stop) break;
   }
   if (stop) {
-    reader_ep_cancel_locked(u, c, sp);
+    reader_ep_cancel_locked(u, c, NULL);
+    gets_settle_locked(u, c);
+    gets_release_locked(c);
     bounce_quarantine_locked(u, c);
     return stop;
   }
-  if (sp) ucp_request_free(sp);
-  if (st != UCS_OK) {
+  int rc = gets_release_locked(c);
+  if (rc) {
     reader_ep_cancel_locked(u, c, NULL);
     bounce_quarantine_locked(u, c);
   }
-  return kvf__ucx_status(st);
+  return rc;
 }
 
 /* Slices read into the bounce buffer, to copy into place. */
@@ -419,7 +444,7 @@ static int bounce_drain(notice_read *r, bounce_slice *pend, unsigned *np, uint32
   ucx_state *u = r->u;
   ucx_ctl *c = r->c;
   pthread_mutex_lock(&u->wmu);
-  int rc = c->ep ? gets_wait_locked(r) : KVF_ECLOSED;
+  int rc = gets_wait_locked(r); /* with no endpoint left, nothing is in progress */
   pthread_mutex_unlock(&u->wmu);
   for (unsigned i = 0; !rc && i < *np; i++) {
     if ((rc = read_stop(r))) break;
@@ -551,6 +576,10 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
           rc = KVF_ENOMEM;
           break;
         }
+        if (!c->reqs && !(c->reqs = malloc(UCX_BOUNCE_PIECES * sizeof *c->reqs))) {
+          rc = KVF_ENOMEM;
+          break;
+        }
         pthread_mutex_lock(&u->wmu);
         ucs_status_ptr_t sp = c->ep ? ucp_get_nbx(c->ep, c->bounce + used, len, s + off, src->rkey, &prm)
                                     : UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED);
@@ -559,7 +588,7 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
           rc = kvf__ucx_status(UCS_PTR_STATUS(sp));
           break;
         }
-        if (sp) ucp_request_free(sp); /* released when done; the flush covers it */
+        if (sp) c->reqs[c->nreq++] = sp; /* released once complete (gets_wait_locked) */
         pend[np++] = (bounce_slice){d + off, used, len};
         used += len;
       }
@@ -684,6 +713,8 @@ void kvf__ucx_ctl_reader_free(ucx_state *u, ucx_ctl *c) {
   c->loads = NULL;
   free(c->pend);
   c->pend = NULL;
+  free(c->reqs); /* none left: every notice waits for (or settles) its gets */
+  c->reqs = NULL;
   c->waddr = NULL;
   c->buf = NULL;
   c->pins = NULL;
