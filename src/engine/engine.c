@@ -18,8 +18,7 @@
 #include "engine/engine_internal.h"
 
 #define ENGINE_MAX_DESC_PER_CHUNK 4096
-#define UCX_LEASE_MAX_MS (3600 * 1000) /* UCX_MAX_LEASE_MS (ucx.h), the most a target accepts */
-#define ENGINE_FEW_CHUNKS 8            /* a batch of up to this many chunks lists them on the stack */
+#define ENGINE_FEW_CHUNKS 8 /* a batch of up to this many chunks lists them on the stack */
 /* Below this a batch goes on one connection: a second ack costs more than
  * the parallel copy saves. */
 #define ENGINE_SPLIT_MIN_BYTES (512u * 1024u)
@@ -79,7 +78,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   cfg.ucx_mode = ucx_read ? "read" : "write"; /* not the caller's or getenv's string */
   cfg.read_lease_ms = (int)kvf__env_get_int("KVFERRY_READ_LEASE_MS", cfg.read_lease_ms);
   if (cfg.read_lease_ms <= 0) cfg.read_lease_ms = 10000;
-  if (cfg.read_lease_ms > UCX_LEASE_MAX_MS) cfg.read_lease_ms = UCX_LEASE_MAX_MS;
+  if (cfg.read_lease_ms > ENGINE_MAX_LEASE_MS) cfg.read_lease_ms = ENGINE_MAX_LEASE_MS;
 
   const transport_ops *ops = NULL;
   int want_ucx = !strcmp(cfg.transport, "ucx"), is_auto = !strcmp(cfg.transport, "auto");

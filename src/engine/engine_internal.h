@@ -52,6 +52,10 @@ region *kvf__regions_find_block_locked(const region_table *t, uint64_t addr, uin
 void kvf__region_pin(region *r);
 void kvf__region_unpin(region_table *t, region *r);
 
+/* The longest read lease a UCX writer grants and a target accepts (the
+ * engine config's read_lease_ms is capped at it). */
+#define ENGINE_MAX_LEASE_MS (3600 * 1000)
+
 /* ---- fences (fence.c) ---- */
 typedef struct engine_fence {
   uint64_t tag, epoch;

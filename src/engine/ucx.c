@@ -108,8 +108,7 @@ int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns) {
     } else if (r == 0) {
       return KVF_ECLOSED;
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      int rc = kvf__ucx_ctl_flush(c); /* nothing held back while this thread waits */
-      if (!rc) rc = wait_fd(c->fd, POLLIN, deadline_ns);
+      int rc = wait_fd(c->fd, POLLIN, deadline_ns);
       if (rc) return rc;
     } else if (errno != EINTR) {
       return KVF_ECLOSED;
@@ -118,24 +117,21 @@ int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns) {
   return 0;
 }
 
-int kvf__ucx_ctl_flush(ucx_ctl *c) {
-  if (!c->ndone) return 0;
-  pthread_mutex_lock(&c->send_mu);
-  int rc = kvf__ucx_send_all(c->fd, c->dones, (size_t)c->ndone * sizeof c->dones[0],
-                             clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
-  pthread_mutex_unlock(&c->send_mu);
-  c->ndone = 0;
-  return rc;
+void kvf__ucx_peer_ip(const char *peer, char *out, size_t cap) {
+  const char *colon = strrchr(peer, ':');
+  snprintf(out, cap, "%.*s", colon ? (int)(colon - peer) : (int)strlen(peer), peer);
 }
 
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
-  /* Sent at once. Holding answers back while more notices were already
-   * read ahead (and sending them together) made `kvferry bench rooms
-   * --room-pages 256 --inflight 64` leave rooms unfinished at both ends in
-   * about half the runs, with no transfer pending: not understood yet, so
-   * not done (the array keeps room for it). */
-  c->dones[c->ndone++] = (ucx_req){UCX_READ_DONE_MAGIC, (uint32_t)status, id};
-  return kvf__ucx_ctl_flush(c);
+  /* One answer per notice, at once: sending the answers of notices read
+   * ahead together made `kvferry bench rooms --room-pages 256 --inflight 64`
+   * leave rooms unfinished at both ends in about half the runs, with no
+   * transfer pending (not understood yet). */
+  ucx_req done = {UCX_READ_DONE_MAGIC, (uint32_t)status, id};
+  pthread_mutex_lock(&c->send_mu);
+  int rc = kvf__ucx_send_all(c->fd, &done, sizeof done, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  pthread_mutex_unlock(&c->send_mu);
+  return rc;
 }
 
 /* ------------------------------------------------------------ host identity */
@@ -367,10 +363,8 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
   pthread_mutex_unlock(&u->ctl_mu);
   c->rb = c->read_mode ? malloc(UCX_CTL_RBUF) : NULL; /* read mode: notices come back to back */
   while (!rc && !atomic_load(&u->stopping)) {
-    /* Idle until the writer asks again or goes (tcp_stop shuts the socket);
-     * answers held back go out first. */
+    /* Idle until the writer asks again or goes (tcp_stop shuts the socket). */
     if (c->rb_len == c->rb_off) {
-      if ((rc = kvf__ucx_ctl_flush(c))) break;
       struct pollfd pf = {.fd = fd, .events = POLLIN};
       if (poll(&pf, 1, -1) < 0) {
         if (errno == EINTR) continue;
@@ -406,9 +400,8 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
       if (kvf__ucx_ctl_recv(c, t, r.reserved, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
       /* The writer flushed the bytes first. The callback gets the IP
        * address, as from the TCP transport. */
-      const char *colon = strrchr(peer, ':');
       char ip[64];
-      snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - peer) : (int)strlen(peer), peer);
+      kvf__ucx_peer_ip(peer, ip, sizeof ip);
       kvf__engine_deliver_trailer(e, t, r.reserved, ip);
       ucx_req ack = {UCX_TRAILER_ACK_MAGIC, 0, 0};
       pthread_mutex_lock(&c->send_mu);
@@ -423,7 +416,6 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
     rc = ctl_send_info(u, c, NULL);
   }
   if (rc == KVF_EPROTO) log_malformed(e, peer);
-  if (!rc) kvf__ucx_ctl_flush(c); /* the answers to notices already read */
   pthread_mutex_lock(&u->ctl_mu);
   for (ucx_ctl **pp = &u->ctls; *pp; pp = &(*pp)->next)
     if (*pp == c) {

@@ -56,7 +56,7 @@
 #define UCX_PROTO_VERSION 2
 /* Bounds of a ready notice, checked by the target before it reads one. */
 #define UCX_MAX_NOTICE_DESC 16384u
-#define UCX_MAX_LEASE_MS (3600 * 1000)
+#define UCX_MAX_LEASE_MS ENGINE_MAX_LEASE_MS
 /* A target re-measures its bound on the writer's clock this often (ns), and
  * allows the clocks to drift apart by this much per second meanwhile (ns):
  * 500 ppm, the most NTP slews a clock. */
@@ -270,7 +270,6 @@ typedef struct ucx_job {
  * read_mode down belong to the serving thread (ucx_read.c), except
  * `closing`. */
 #define UCX_CTL_RBUF (64u * 1024u)
-#define UCX_CTL_DONES 64
 
 typedef struct ucx_ctl {
   struct ucx_ctl *next;
@@ -304,12 +303,9 @@ typedef struct ucx_ctl {
   struct ucx_load *loads; /* a notice's slices from a mapped pool, copied after the checks */
   size_t loads_cap;
   /* The serving thread's read-ahead (UCX_CTL_RBUF bytes; rb_off..rb_len
-   * received, not yet taken), and read done answers not sent yet (each is
-   * sent at once today, kvf__ucx_ctl_done says why). */
+   * received, not yet taken). */
   unsigned char *rb;
   size_t rb_off, rb_len;
-  ucx_req dones[UCX_CTL_DONES];
-  int ndone;
 } ucx_ctl;
 
 typedef struct ucx_state {
@@ -368,10 +364,10 @@ int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 /* The serving thread of c: receive exactly `len` bytes through its
  * read-ahead before the deadline. */
 int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns);
-/* The serving thread of c: answer a notice, and send the answers held
- * back (none today: kvf__ucx_ctl_done sends at once, see there). */
+/* The serving thread of c: answer a notice (read done). */
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id);
-int kvf__ucx_ctl_flush(ucx_ctl *c);
+/* The IP address of a "host:port" peer name (the form trailer callbacks get). */
+void kvf__ucx_peer_ip(const char *peer, char *out, size_t cap);
 
 /* ucx_peer.c: peers, the rendezvous client, routing */
 /* Read the rest of an info message whose magic was read, bounded in size

@@ -682,9 +682,8 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
     if (n.tlen) {
       /* Handed over before the fence is left, as over tcp: once a fence
        * close returned, no trailer of that epoch arrives. */
-      const char *colon = strrchr(c->peer, ':');
       char ip[64];
-      snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - c->peer) : (int)strlen(c->peer), c->peer);
+      kvf__ucx_peer_ip(c->peer, ip, sizeof ip);
       kvf__engine_deliver_trailer(e, trailer, n.tlen, ip);
     }
   }
@@ -696,7 +695,6 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   if (r.fence && (status == KVF_ERANGE || status == KVF_EPROTO) && !checked)
     kvf__engine_deliver_refusal(e, n.tag, n.epoch, status, c->peer);
   if (c->have_skew) clock_ask(c, clock_now_ns());
-  (void)now;
   return kvf__ucx_ctl_done(c, status, n.id);
 }
 
