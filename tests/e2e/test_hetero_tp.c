@@ -39,6 +39,7 @@ typedef struct hcase {
   int npages;
   int prefix;            /* pages the decode already holds (decode_prefix_len / page_size) */
   const char *fail_with; /* expected failure reason substring on the decode, NULL = success */
+  int crash;             /* decode rank crash-1 dies after its M2 went out, before the send (0 = none) */
 } hcase;
 
 static double now_s(void) {
@@ -105,6 +106,12 @@ static int decode_rank(const hcase *c, int d, const char *addr, int64_t room) {
   kvf_receiver_init(rx, pages, n, 0, (int64_t)c->prefix * c->page_size, c->nstate ? &slot : NULL,
                     c->nstate ? 1 : 0);
   int st;
+  if (c->crash == d + 1) { /* Bootstrapped: its M2 went to ZeroMQ; give that time to send it, then die */
+    double by = now_s() + 20;
+    while (kvf_receiver_poll(rx) < KVF_POLL_BOOTSTRAPPED && now_s() < by) usleep(1000);
+    usleep(500 * 1000);
+    _exit(0);
+  }
   double until = now_s() + 40;
   while ((st = kvf_receiver_poll(rx)) != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED && now_s() < until) usleep(500);
   char why[256];
@@ -168,6 +175,11 @@ static void run_case(const hcase *c) {
     assert_true(kids[d] >= 0);
     if (kids[d] == 0) _exit(decode_rank(c, d, addr, room));
   }
+  int crashed = 0;
+  if (c->crash) { /* the send starts once that rank is gone */
+    assert_int_equal(waitpid(kids[c->crash - 1], &crashed, 0), kids[c->crash - 1]);
+    kids[c->crash - 1] = 0;
+  }
   fprintf(peer.in, "send %lld %d %d 4242 %d %d\n", (long long)room, c->npages, SEED, c->chunk, c->nstate ? 1 : 0);
   fflush(peer.in);
   /* Children first (bounded), then the peer's verdict. */
@@ -176,6 +188,10 @@ static void run_case(const hcase *c) {
   for (int d = 0; d < c->tp_d; d++) {
     int status = 0;
     pid_t w = 0;
+    if (!kids[d]) {
+      codes[d] = WIFEXITED(crashed) ? WEXITSTATUS(crashed) : 97;
+      continue;
+    }
     while ((w = waitpid(kids[d], &status, WNOHANG)) == 0 && now_s() < until) usleep(2000);
     if (w == 0) {
       kill(kids[d], SIGKILL);
@@ -304,6 +320,25 @@ static void tp4_to_tp2_page16_gqa(void **state) {
   run_case(&b);
 }
 
+/* One decode rank of a fan-out dies after its transfer request reached the
+ * prefill: the prefill's write to it fails, and the other three decode ranks
+ * hear at once that the room can no longer succeed (M3 Failed with the
+ * reason), instead of waiting out their 30 s waiting timeout. */
+static void dead_decode_rank_fails_the_other_ranks_at_once(void **state) {
+  hcase c = {.tp_p = 1,
+             .tp_d = 4,
+             .page_size = 16,
+             .heads_p = 1,
+             .heads_d = 1,
+             .kv_heads = 1,
+             .mla = 1,
+             .npages = 11,
+             .chunk = 3,
+             .crash = 3,
+             .fail_with = "failed the room with another decode rank"};
+  run_case(&c);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
@@ -314,6 +349,7 @@ int main(void) {
       cmocka_unit_test(mla_replicated_generic_tp2_to_tp1),
       cmocka_unit_test(mla_legacy_tp2_to_tp1_and_tp1_to_tp2),
       cmocka_unit_test(mla_legacy_tp1_to_tp4_chunked_fanout),
+      cmocka_unit_test(dead_decode_rank_fails_the_other_ranks_at_once),
       cmocka_unit_test(state_buffers_tp2_to_tp1),
       cmocka_unit_test(decode_prefix_tp1_to_tp2_chunked),
       cmocka_unit_test(tp2_to_tp1_page16),

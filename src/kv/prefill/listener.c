@@ -186,6 +186,8 @@ static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames
     return;
   }
   int hit = 0;
+  pf_dest *d = NULL;
+  size_t nd = 0;
   pthread_mutex_lock(&ps->lock);
   pf_room *r = kvf__pf_room_find(ps, f.room);
   for (size_t i = 0; r && !r->dead && i < r->ninfos && !hit; i++) {
@@ -197,8 +199,10 @@ static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames
     snprintf(why, sizeof why, "Decode %.200s failed the room: %.250s", f.session,
              *f.reason ? f.reason : "no reason given");
     kvf__rooms_fail(m->rooms, f.room, why);
+    d = kvf__pf_collect_dests(r, f.session, &nd);
   }
   pthread_mutex_unlock(&ps->lock);
+  if (d) kvf__pf_tell_others_failed(m, f.room, d, nd, why);
   if (hit) {
     atomic_fetch_add(&m->stats.messages_received, 1);
     LOG_INFO("kv", "room %" PRId64 ": decode %s failed it (%s); sending stops", f.room, f.session, f.reason);

@@ -434,8 +434,9 @@ void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m
 /* M3 Failed (token -1, no candidates), with kvferry's reason frame when
  * reason is not NULL. */
 void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, int64_t room, const char *reason);
-pf_dest *kvf__pf_collect_dests(pf_room *r, size_t *n);
-void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n);
+pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n);
+void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *reason);
+void kvf__pf_tell_others_failed(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *why);
 int kvf__pf_room_shard(prefill_state *ps, pf_room *r);
 int kvf__pf_queue_push(pf_queue *q, pf_chunk *c);
 void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct);

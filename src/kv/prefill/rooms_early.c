@@ -135,14 +135,15 @@ void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, int
   kvf__pf_send_m3(m, host, port, &(pf_m3_msg){.room = room, .status = ROOM_FAILED, .token = -1, .reason = reason});
 }
 
-/* ps->lock held: the non-dummy destinations of r, for M3 Failed. */
-pf_dest *kvf__pf_collect_dests(pf_room *r, size_t *n) {
+/* ps->lock held: the non-dummy destinations of r, for M3 Failed, but the
+ * one of decode session `except` (NULL: none). */
+pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n) {
   *n = 0;
   pf_dest *d = calloc(r->ninfos ? r->ninfos : 1, sizeof *d);
   if (!d) return NULL;
   for (size_t i = 0; i < r->ninfos; i++) {
     const wire_m2 *x = r->infos[i]->m2;
-    if (x->is_dummy) continue;
+    if (x->is_dummy || (except && !strcmp(x->session, except))) continue;
     snprintf(d[*n].host, sizeof d[*n].host, "%s", x->endpoint);
     d[*n].port = x->dst_port;
     (*n)++;
@@ -150,9 +151,20 @@ pf_dest *kvf__pf_collect_dests(pf_room *r, size_t *n) {
   return d;
 }
 
-void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n) {
-  for (size_t i = 0; i < n; i++) kvf__pf_send_m3_failed(m, d[i].host, d[i].port, room, NULL);
+void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *reason) {
+  for (size_t i = 0; i < n; i++) kvf__pf_send_m3_failed(m, d[i].host, d[i].port, room, reason);
   free(d);
+}
+
+/* The room failed with one decode session: the other destinations can no
+ * longer get Success from this rank, so they hear it now (the reference
+ * leaves them to their waiting timeout or the scheduler's all-reduce).
+ * Frees d. */
+void kvf__pf_tell_others_failed(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *why) {
+  char reason[ROOMS_REASON_MAX];
+  snprintf(reason, sizeof reason, "prefill rank %d failed the room with another decode rank: %.200s", m->tp_rank,
+           why);
+  kvf__pf_send_failed_all(m, room, d, n, reason);
 }
 
 /* ps->lock held: the room's queue shard. The reference shards by the

@@ -262,7 +262,7 @@ kvf_poll_status kvf_sender_poll(kvf_sender *s) {
              limit);
     kvf__rooms_fail(s->m->rooms, s->room, why);
     st = ROOM_FAILED;
-    d = kvf__pf_collect_dests(s->r, &nd);
+    d = kvf__pf_collect_dests(s->r, NULL, &nd);
     LOG_WARN("kv", "%s", why);
   } else if (s->r->park) {
     /* PF_TOKEN_LATER: the KV landed and the token is late (§8 item 2). */
@@ -281,7 +281,7 @@ kvf_poll_status kvf_sender_poll(kvf_sender *s) {
     }
   }
   pthread_mutex_unlock(&ps->lock);
-  if (d) kvf__pf_send_failed_all(s->m, s->room, d, nd);
+  if (d) kvf__pf_send_failed_all(s->m, s->room, d, nd, NULL);
   return (kvf_poll_status)st;
 }
 
@@ -320,11 +320,11 @@ void kvf_sender_abort(kvf_sender *s, const char *reason) {
   size_t nd = 0;
   pthread_mutex_lock(&ps->lock);
   kvf__rooms_fail(s->m->rooms, s->room, reason && *reason ? reason : "Aborted");
-  pf_dest *d = kvf__pf_collect_dests(s->r, &nd);
+  pf_dest *d = kvf__pf_collect_dests(s->r, NULL, &nd);
   free(s->r->park); /* the parked destinations are told here */
   s->r->park = NULL, s->r->npark = 0;
   pthread_mutex_unlock(&ps->lock);
-  if (d) kvf__pf_send_failed_all(s->m, s->room, d, nd);
+  if (d) kvf__pf_send_failed_all(s->m, s->room, d, nd, NULL);
 }
 
 void kvf_sender_destroy(kvf_sender *s) {

@@ -14,20 +14,29 @@
  * reported once; the chunks behind it are waited for or skipped. */
 #include "kv/prefill/prefill_int.h"
 
-/* Fail the room (if it is still this room) and tell the destination. */
+/* Fail the room (if it is still this room) and tell its destinations: the
+ * one whose transfer failed, and (when this failed the room) the others. */
 void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const char *why, int mark) {
   kvf_manager *m = ps->m;
+  pf_dest *d = NULL;
+  size_t nd = 0;
   pthread_mutex_lock(&ps->lock);
   if (mark && m->cfg.failed_session_ttl_s > 0) {
     pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
     if (reg) reg->failed_ns = clock_now_ns();
   }
   int live = !r->dead;
-  if (live) kvf__rooms_fail(m->rooms, r->room, why);
+  if (live) {
+    int st = ROOM_FAILED;
+    int first = !kvf__rooms_get_status(m->rooms, r->room, &st) && st != ROOM_FAILED;
+    kvf__rooms_fail(m->rooms, r->room, why);
+    if (first) d = kvf__pf_collect_dests(r, x->session, &nd);
+  }
   pthread_mutex_unlock(&ps->lock);
   if (!live) return;
   LOG_WARN("kv", "room %" PRId64 ": %s", r->room, why);
   kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, r->room, NULL);
+  if (d) kvf__pf_tell_others_failed(m, r->room, d, nd, why);
 }
 
 /* Verify mode, recheck_late: the decodes have checked (or are checking)
