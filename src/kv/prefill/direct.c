@@ -55,6 +55,7 @@ static void direct_finish(pf_direct *dj) {
     kvf__pf_send_m3(m, y->endpoint, y->dst_port, &msg);
   }
   pthread_mutex_lock(&ps->lock);
+  r->busy--;
   for (size_t i = 0; i < dj->n; i++) kvf__pf_info_unref(ps, dj->d[i].info);
   kvf__pf_room_unref(ps, r);
   dj->r = NULL;
@@ -99,6 +100,7 @@ pf_direct *kvf__pf_direct_take_locked(prefill_state *ps, pf_room *r, const pf_ch
   ps->direct_busy++;
   dj->r = r;
   r->refs++;
+  r->busy++; /* until direct_finish: every destination's write ended */
   dj->n = r->ninfos;
   for (size_t i = 0; i < dj->n; i++) {
     dj->d[i] = (pf_direct_dest){.owner = dj, .info = r->infos[i]};

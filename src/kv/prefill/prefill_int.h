@@ -273,6 +273,7 @@ typedef struct pf_room {
   int64_t room;
   int refs;
   size_t nchunks; /* chunks accepted from the sender */
+  int busy;       /* chunks submitted to the engine and not finished: their reads of the sources may go on */
   int dead;       /* destroyed: chunks still holding it are dropped */
   int has_sender;
   int bootstrapped;

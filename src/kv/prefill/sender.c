@@ -280,6 +280,10 @@ kvf_poll_status kvf_sender_poll(kvf_sender *s) {
       s->r->park = NULL, s->r->npark = 0;
     }
   }
+  /* Failed is reported once no transfer of the room may still read its
+   * sources (a failed destination's siblings, chunks in the worker's
+   * window): until then the caller must not reuse the pages. */
+  if (st == ROOM_FAILED && s->r->busy > 0) st = ROOM_TRANSFERRING;
   pthread_mutex_unlock(&ps->lock);
   if (d) kvf__pf_send_failed_all(s->m, s->room, d, nd, NULL);
   return (kvf_poll_status)st;

@@ -94,6 +94,7 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
     atomic_fetch_add(&ps->m->stats.bytes_sent, bytes);
   }
   pthread_mutex_lock(&ps->lock);
+  c->r->busy--;
   for (size_t i = 0; i < f->n; i++) kvf__pf_info_unref(ps, f->dw.infos[i]);
   kvf__pf_chunk_release_locked(ps, c);
   pthread_mutex_unlock(&ps->lock);
@@ -140,6 +141,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
   pf_info **infos = sc->dw.infos;
   size_t *done = sc->done;
   for (size_t i = 0; i < n; i++) (infos[i] = r->infos[i])->refs++;
+  r->busy++; /* until its batches are destroyed (here or in flight_finish_oldest) */
   pthread_mutex_unlock(&ps->lock);
 
   uint64_t bytes = 0;
@@ -272,6 +274,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     pthread_mutex_unlock(&ps->lock);
   }
   pthread_mutex_lock(&ps->lock);
+  r->busy--;
   for (size_t i = 0; i < n; i++) kvf__pf_info_unref(ps, infos[i]);
   pthread_mutex_unlock(&ps->lock);
   return 0;
