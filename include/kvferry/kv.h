@@ -385,7 +385,10 @@ KVF_API int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, cons
  * when none). 0; KVF_ENOTFOUND if the room is gone. Any thread. */
 KVF_API int kvf_sender_dest_info(kvf_sender *s, size_t *nreal, size_t *ndummy, int64_t *decode_prefix_len);
 /* The room's current state; Success and Failed are final. Applies the
- * bootstrap and token-wait timeouts. The sender's thread. */
+ * bootstrap and token-wait timeouts. Failed is reported once no transfer of
+ * the room may still read its source pages (a failed room's other writes
+ * end within the engine's timeout_ms, or its read lease in UCX read mode):
+ * from Success or Failed on, the pages may be reused. The sender's thread. */
 KVF_API kvf_poll_status kvf_sender_poll(kvf_sender *s);
 /* Copy the failure reason (empty if none) into buf (cap bytes, always
  * terminated). The sender's thread. */
