@@ -48,11 +48,30 @@ double trace_pct(trace_sample *x, double p) {
   return x->v[rank ? rank - 1 : 0];
 }
 
+/* Makes a kept string printable and valid UTF-8 in place (jansson refuses
+ * anything else in its output): control bytes, and bytes of sequences that
+ * are invalid or were cut by a length limit, become '?'. */
+static void tidy(char *str) {
+  unsigned char *p = (unsigned char *)str;
+  while (*p) {
+    size_t len = *p < 0x80 ? 1 : *p < 0xC2 ? 0 : *p < 0xE0 ? 2 : *p < 0xF0 ? 3 : *p < 0xF5 ? 4 : 0, i = 1;
+    while (i < len && (p[i] & 0xC0) == 0x80) i++;
+    int bad = !len || i < len || (*p == 0xE0 && p[1] < 0xA0) || (*p == 0xED && p[1] >= 0xA0) ||
+              (*p == 0xF0 && p[1] < 0x90) || (*p == 0xF4 && p[1] >= 0x90);
+    if (bad || (len == 1 && *p < 0x20)) {
+      *p++ = '?';
+      continue;
+    }
+    p += len;
+  }
+}
+
 static void bad_line(trace_summary *s, const char *why, const char *detail) {
   if (s->bad_lines < TRACE_BAD_LISTED) {
     trace_bad *b = &s->bad[s->bad_lines];
     b->line = s->lines;
     snprintf(b->why, sizeof b->why, "%.80s%s%.110s", why, detail ? ": " : "", detail ? detail : "");
+    tidy(b->why);
   }
   s->bad_lines++;
 }
@@ -113,10 +132,17 @@ static const char *check_record(json_t *o, record *r) {
   return NULL;
 }
 
-/* The slot of `name` in a table of `n` names of `cap`; n when it is full. */
+/* A name as it is kept: cut to the table's length, then tidied. */
+static void keep_name(char *dst, size_t cap, const char *src) {
+  snprintf(dst, cap, "%s", src);
+  tidy(dst);
+}
+
+/* The slot of `name` (kept form) in a table of `n` names of `cap`; cap when
+ * it is full. */
 static size_t name_slot(char (*names)[TRACE_NAME_LEN], size_t *n, size_t cap, const char *name) {
   for (size_t i = 0; i < *n; i++)
-    if (!strncmp(names[i], name, TRACE_NAME_LEN - 1)) return i;
+    if (!strcmp(names[i], name)) return i;
   if (*n == cap) return cap;
   snprintf(names[*n], TRACE_NAME_LEN, "%s", name);
   return (*n)++;
@@ -125,15 +151,17 @@ static size_t name_slot(char (*names)[TRACE_NAME_LEN], size_t *n, size_t cap, co
 static size_t step_slot(trace_side *sd, const char *name) {
   size_t i = 0;
   for (; i < sd->nsteps; i++)
-    if (!strncmp(sd->steps[i].name, name, TRACE_NAME_LEN - 1)) return i;
+    if (!strcmp(sd->steps[i].name, name)) return i;
   if (i == TRACE_MAX_NAMES) return i;
   snprintf(sd->steps[i].name, TRACE_NAME_LEN, "%s", name);
   return sd->nsteps++;
 }
 
 static void count_status(trace_side *sd, const char *status) {
+  char name[sizeof sd->status[0].name];
+  keep_name(name, sizeof name, status);
   for (size_t i = 0; i < sd->nstatus; i++)
-    if (!strncmp(sd->status[i].name, status, sizeof sd->status[i].name - 1)) {
+    if (!strcmp(sd->status[i].name, name)) {
       sd->status[i].n++;
       return;
     }
@@ -141,13 +169,13 @@ static void count_status(trace_side *sd, const char *status) {
     sd->status_other++;
     return;
   }
-  snprintf(sd->status[sd->nstatus].name, sizeof sd->status[0].name, "%s", status);
+  memcpy(sd->status[sd->nstatus].name, name, sizeof name);
   sd->status[sd->nstatus++].n = 1;
 }
 
 static int count_reason(trace_summary *s, int side, const char *reason) {
   char text[TRACE_REASON_LEN + 1];
-  snprintf(text, sizeof text, "%s", reason ? reason : "(no reason)");
+  keep_name(text, sizeof text, reason ? reason : "(no reason)");
   for (size_t i = 0; i < s->nreasons; i++)
     if (s->reasons[i].side == side && !strcmp(s->reasons[i].text, text)) {
       s->reasons[i].n++;
@@ -208,8 +236,10 @@ static int keep_row(trace_summary *s, const record *r) {
   else snprintf(row->label, sizeof row->label, "%s room %llu", side_names[r->side], (unsigned long long)r->room);
   row->n = r->nsteps;
   for (size_t i = 0; i < r->nsteps; i++) {
+    char name[TRACE_NAME_LEN];
+    keep_name(name, sizeof name, r->name[i]);
     row->t_ms[i] = (double)(r->t_ns[i] - r->t_ns[0]) / 1e6;
-    row->step[i] = name_slot(s->names, &s->nnames, TRACE_MAX_NAMES, r->name[i]);
+    row->step[i] = name_slot(s->names, &s->nnames, TRACE_MAX_NAMES, name);
   }
   return 0;
 }
@@ -222,7 +252,9 @@ static int add_record(trace_summary *s, const record *r) {
   if (strcmp(r->status, "Success") && count_reason(s, r->side, r->reason)) return -1;
   long long first_byte = -1, last_byte = -1;
   for (size_t i = 0; i < r->nsteps; i++) {
-    size_t k = step_slot(sd, r->name[i]);
+    char name[TRACE_NAME_LEN];
+    keep_name(name, sizeof name, r->name[i]);
+    size_t k = step_slot(sd, name);
     if (!strncmp(r->name[i], "first_byte", 10) && first_byte < 0) first_byte = r->t_ns[i];
     if (!strncmp(r->name[i], "last_byte", 9)) last_byte = r->t_ns[i];
     if (k == TRACE_MAX_NAMES) {

@@ -143,7 +143,8 @@ static json_t *side_json(trace_side *sd) {
   json_object_set_new(o, "steps_not_summarised", json_integer((json_int_t)sd->steps_other));
   json_object_set_new(o, "total_p50_ms", num(ms(trace_pct(&sd->total, 0.5))));
   json_object_set_new(o, "total_p99_ms", num(ms(trace_pct(&sd->total, 0.99))));
-  json_object_set_new(o, "bytes_p50", num(trace_pct(&sd->bytes, 0.5)));
+  double bytes = trace_pct(&sd->bytes, 0.5); /* an integer: 6 significant digits would round it */
+  json_object_set_new(o, "bytes_p50", isfinite(bytes) ? json_integer((json_int_t)bytes) : json_null());
   json_object_set_new(o, "bandwidth_p50_gbps", num(trace_pct(&sd->gbps, 0.5)));
   json_object_set_new(o, "bandwidth_records", json_integer((json_int_t)sd->gbps.seen));
   json_object_set_new(o, "sampled", json_boolean(sd->total.seen > sd->total.n));
