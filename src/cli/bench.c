@@ -1204,15 +1204,17 @@ static int bench_plot(const bench_opts *o) {
     return 1;
   }
   int rc = 1;
-  /* --quick: 64 MiB per engine case and requests up to 2048 tokens, a few
-   * seconds in all; otherwise 1 GiB per case and up to 8192 tokens. */
-  const uint64_t case_bytes = o->quick ? 64ull << 20 : 1ull << 30;
-  const size_t max_tokens = o->quick ? 2048 : 8192;
+  /* --quick: a 64 MiB engine pool, 64 MiB per engine case and requests of
+   * 256..1024 tokens, a few seconds in all (a smoke run: the pool is not
+   * the benchmarks' 256 MiB); otherwise 1 GiB per case and 512..8192 tokens. */
+  const uint64_t case_bytes = o->quick ? 64ull << 20 : 1ull << 30,
+                 rig_pool = o->quick ? 64ull << 20 : 256ull << 20;
+  const size_t min_tokens = o->quick ? 256 : 512, max_tokens = o->quick ? 1024 : 8192;
   double base = bench_tcp_baseline(case_bytes, 1 << 20); /* the faster plain stream: cache-hot buffers */
   double bx[PLOT_BLOCKS], by[PLOT_BLOCKS], bb[PLOT_BLOCKS], ex[PLOT_LENGTHS], ey[PLOT_LENGTHS], eb[PLOT_LENGTHS];
   size_t nb = 0, ne = 0;
   engine_rig g;
-  if (engine_rig_start(&g, 256ull << 20, 0)) goto out;
+  if (engine_rig_start(&g, rig_pool, 0)) goto out;
   for (uint64_t block = 4096; block <= (1u << 20); block *= 4) {
     int failed = 0;
     size_t per = (size_t)((8u << 20) / block); /* 8 MiB batches */
@@ -1234,8 +1236,8 @@ static int bench_plot(const bench_opts *o) {
   }
   int64_t room = 1;
   double p50, best;
-  int bad = e2e_case(&pp, 512, 1, &room, &p50, &best); /* warm-up */
-  for (size_t tokens = 512; !bad && tokens <= max_tokens; tokens *= 2) {
+  int bad = e2e_case(&pp, min_tokens, 1, &room, &p50, &best); /* warm-up */
+  for (size_t tokens = min_tokens; !bad && tokens <= max_tokens; tokens *= 2) {
     bad = e2e_case(&pp, tokens, o->quick ? 2 : 3, &room, &p50, &best);
     double gbps = bad || p50 <= 0 ? 0 : tokens / E2E_PAGE_TOKENS * E2E_PAGE_BYTES / p50 / 1e9;
     if (bad) break;
