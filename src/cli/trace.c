@@ -120,6 +120,9 @@ static const char *check_record(json_t *o, record *r) {
     const char *name = json_string_value(json_object_get(st, "name"));
     json_t *t = json_object_get(st, "t_ns");
     if (!name || !*name || !json_is_integer(t)) return "a step without a \"name\" or an integer \"t_ns\"";
+    /* t_ns counts from the side's first step: negative is malformed (and
+     * differences of non-negative values cannot overflow). */
+    if (json_integer_value(t) < 0) return "a step with a negative \"t_ns\"";
     /* Insertion in time order; equal times keep the file's order. */
     size_t at = r->nsteps;
     while (at > 0 && r->t_ns[at - 1] > json_integer_value(t)) {
@@ -255,7 +258,7 @@ static int add_record(trace_summary *s, const record *r) {
     char name[TRACE_NAME_LEN];
     keep_name(name, sizeof name, r->name[i]);
     size_t k = step_slot(sd, name);
-    if (!strncmp(r->name[i], "first_byte", 10) && first_byte < 0) first_byte = r->t_ns[i];
+    if (!strncmp(r->name[i], "first_byte", 10) && first_byte < 0) first_byte = r->t_ns[i]; /* t_ns >= 0 */
     if (!strncmp(r->name[i], "last_byte", 9)) last_byte = r->t_ns[i];
     if (k == TRACE_MAX_NAMES) {
       sd->steps_other++;

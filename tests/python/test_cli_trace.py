@@ -149,6 +149,8 @@ def test_bad_lines_counted_by_number_never_fatal(tmp_path):
              '{"v":1,"side":"decode","room":-4,"status":"Success","steps":[]}',
              '{"v":1,"side":"decode","room":1,"status":"Success","steps":[{"name":"x","t_ns":"5"}]}',
              '{"v":1,"side":"decode","room":1,"status":"Success","steps":{}}',
+             '{"v":1,"side":"decode","room":1,"status":"Success","steps":[{"name":"x","t_ns":-9000000000000000000},'
+             '{"name":"y","t_ns":9000000000000000000}]}',
              '{"v":1,"side":"decode","room":1,"status":7,"steps":[]}',
              '[1,2,3]', '"just a string"', "x" * 100_000]
     for i in range(300):
