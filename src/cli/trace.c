@@ -361,7 +361,7 @@ void trace_summary_free(trace_summary *s) {
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: kvferry trace FILE [--json] [--svg OUT.svg] [--top N]\n"
+          "usage: kvferry trace FILE [--json] [--svg OUT.svg] [--top N]     (FILE - reads stdin)\n"
           "  Summarises a trace file (KVFERRY_TRACE=FILE: one JSON line per finished room and side):\n"
           "  records by side and status, the top N failure reasons (default 5), per step the p50/p99\n"
           "  time since the previous step and since the first, the total per room, bytes and the\n"
