@@ -31,9 +31,11 @@
  * array with, per case, name and the case's figures: gbps, baseline_gbps,
  * ratio for engine; rooms_per_s, p50_us, p99_us for rooms); with all three,
  * one object {"engine": ..., "rooms": ..., "e2e": ...}.
- * --plot FILE.png (needs gnuplot) draws engine throughput against block size
- * and end-to-end throughput against request length. */
+ * --plot FILE.svg draws engine throughput against block size and end-to-end
+ * throughput against request length as an SVG that kvferry writes itself
+ * (svg.c; nothing to install). */
 #include <arpa/inet.h>
+#include <errno.h>
 #include <getopt.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -41,6 +43,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -52,6 +55,7 @@
 #include "cli.h"
 #include "kvferry.h"
 #include "pd.h"
+#include "svg.h"
 #include "base/wake.h"
 #include "testing/kvpool.h"
 #include "testing/peer.h"
@@ -66,7 +70,7 @@ typedef struct bench_opts {
   int rooms;             /* --rooms: requests in the custom rooms case */
   uint64_t bytes;        /* per case */
   int inflight;          /* batches in flight */
-  const char *plot;      /* --plot FILE.png */
+  const char *plot;      /* --plot FILE.svg */
   double layer_ms;       /* --layer-ms: layerwise compute per layer; < 0 = the measured transfer per layer */
   int idle_compute;      /* --idle-compute: layerwise "compute" sleeps instead of busy work */
   const char *transport; /* --transport (NULL: $KVFERRY_TRANSPORT or auto) */
@@ -1172,113 +1176,98 @@ out_peer:
   return rc;
 }
 
-/* Look for an executable `name` on PATH. */
-static int on_path(const char *name) {
-  const char *path = getenv("PATH");
-  char buf[4096];
-  while (path && *path) {
-    const char *colon = strchr(path, ':');
-    size_t len = colon ? (size_t)(colon - path) : strlen(path);
-    snprintf(buf, sizeof buf, "%.*s/%s", (int)len, path, name);
-    if (len && access(buf, X_OK) == 0) return 1;
-    path = colon ? colon + 1 : NULL;
-  }
-  return 0;
+/* Does `path` end in `ext` (case-insensitive)? */
+static int has_ext(const char *path, const char *ext) {
+  size_t n = strlen(path), e = strlen(ext);
+  return n >= e && !strcasecmp(path + n - e, ext);
 }
 
+#define PLOT_BLOCKS 5  /* engine blocks 4 KiB .. 1 MiB, x4 */
+#define PLOT_LENGTHS 5 /* e2e requests 512 .. 8192 tokens, x2 */
+
 /* --plot: engine throughput over block sizes and end-to-end throughput over
- * request lengths, each with the TCP baseline of the same run, drawn by
- * gnuplot from a data file and a script in a temporary directory. */
+ * request lengths, each with the TCP baseline of the same run, written as
+ * one SVG by kvferry itself (svg.c), so a plot needs nothing installed.
+ * Other formats are refused before anything runs: kvferry writes SVG only
+ * (a browser shows it; rsvg-convert or inkscape turn it into a PNG). */
 static int bench_plot(const bench_opts *o) {
-  if (!on_path("gnuplot")) {
-    fprintf(stderr, "bench: --plot needs gnuplot, which is not on PATH (Debian: apt-get install gnuplot-nox)\n");
+  if (!has_ext(o->plot, ".svg")) {
+    fprintf(stderr,
+            "bench: --plot writes SVG, which needs nothing installed: name the file FILE.svg (got '%s'; "
+            "for a PNG, convert the SVG, e.g. rsvg-convert -o out.png out.svg)\n",
+            o->plot);
     return 2;
   }
-  char dir[] = "/tmp/kvferry-plot-XXXXXX", file[64];
-  if (!mkdtemp(dir)) {
-    perror("bench: mkdtemp");
+  FILE *f = fopen(o->plot, "w");
+  if (!f) {
+    fprintf(stderr, "bench: cannot write %s: %s\n", o->plot, strerror(errno));
     return 1;
   }
   int rc = 1;
-  const uint64_t case_bytes = o->quick ? 256ull << 20 : 1ull << 30;
+  /* --quick: a 64 MiB engine pool, 64 MiB per engine case and requests of
+   * 256..1024 tokens, a few seconds in all (a smoke run: the pool is not
+   * the benchmarks' 256 MiB); otherwise 1 GiB per case and 512..8192 tokens. */
+  const uint64_t case_bytes = o->quick ? 64ull << 20 : 1ull << 30,
+                 rig_pool = o->quick ? 64ull << 20 : 256ull << 20;
+  const size_t min_tokens = o->quick ? 256 : 512, max_tokens = o->quick ? 1024 : 8192;
   double base = bench_tcp_baseline(case_bytes, 1 << 20); /* the faster plain stream: cache-hot buffers */
+  double bx[PLOT_BLOCKS], by[PLOT_BLOCKS], bb[PLOT_BLOCKS], ex[PLOT_LENGTHS], ey[PLOT_LENGTHS], eb[PLOT_LENGTHS];
+  size_t nb = 0, ne = 0;
   engine_rig g;
-  FILE *f = NULL;
-  if (engine_rig_start(&g, 256ull << 20, 0)) goto out;
-  snprintf(file, sizeof file, "%s/engine.dat", dir);
-  if (!(f = fopen(file, "w"))) goto out_rig;
-  fprintf(f, "# block_bytes gbps tcp_baseline_gbps\n");
+  if (engine_rig_start(&g, rig_pool, 0)) goto out;
   for (uint64_t block = 4096; block <= (1u << 20); block *= 4) {
     int failed = 0;
     size_t per = (size_t)((8u << 20) / block); /* 8 MiB batches */
     double gbps =
         bench_engine_case(g.e, &g.peer, g.pool, g.pool_bytes, block, per, o->inflight, case_bytes, &failed);
-    if (failed) goto out_rig;
-    fprintf(f, "%llu %.3f %.3f\n", (unsigned long long)block, gbps, base);
+    if (failed) {
+      engine_rig_stop(&g);
+      goto out;
+    }
+    bx[nb] = (double)block, by[nb] = gbps, bb[nb++] = base;
     fprintf(stderr, "  engine %7llu B blocks: %.2f GB/s\n", (unsigned long long)block, gbps);
   }
-  fclose(f);
-  f = NULL;
   engine_rig_stop(&g);
   pd_pair pp;
   char err[256];
-  if (pd_start(&pp, E2E_LAYERS, E2E_ITEM, 8192 / E2E_PAGE_TOKENS, err, sizeof err)) {
+  if (pd_start(&pp, E2E_LAYERS, E2E_ITEM, max_tokens / E2E_PAGE_TOKENS, err, sizeof err)) {
     fprintf(stderr, "bench e2e: %s\n", err);
     goto out;
   }
-  snprintf(file, sizeof file, "%s/e2e.dat", dir);
-  f = fopen(file, "w");
   int64_t room = 1;
   double p50, best;
-  int bad = !f || e2e_case(&pp, 512, 1, &room, &p50, &best);
-  if (f) fprintf(f, "# tokens gbps tcp_baseline_gbps\n");
-  for (size_t tokens = 512; !bad && tokens <= 8192; tokens *= 2) {
+  int bad = e2e_case(&pp, min_tokens, 1, &room, &p50, &best); /* warm-up */
+  for (size_t tokens = min_tokens; !bad && tokens <= max_tokens; tokens *= 2) {
     bad = e2e_case(&pp, tokens, o->quick ? 2 : 3, &room, &p50, &best);
     double gbps = bad || p50 <= 0 ? 0 : tokens / E2E_PAGE_TOKENS * E2E_PAGE_BYTES / p50 / 1e9;
-    if (!bad) fprintf(f, "%zu %.3f %.3f\n", tokens, gbps, base);
-    if (!bad) fprintf(stderr, "  e2e %5zu tokens: %.2f GB/s (p50 %.1f ms)\n", tokens, gbps, p50 * 1e3);
+    if (bad) break;
+    ex[ne] = (double)tokens, ey[ne] = gbps, eb[ne++] = base;
+    fprintf(stderr, "  e2e %5zu tokens: %.2f GB/s (p50 %.1f ms)\n", tokens, gbps, p50 * 1e3);
   }
   pd_stop(&pp);
   if (bad) goto out;
-  fclose(f);
-  f = NULL;
-  snprintf(file, sizeof file, "%s/plot.gp", dir);
-  if (!(f = fopen(file, "w"))) goto out;
-  fprintf(f,
-          "set terminal pngcairo size 1200,500 noenhanced\n"
-          "set output '%s'\n"
-          "set multiplot layout 1,2 title 'kvferry throughput (TCP loopback baseline measured in the same run)'\n"
-          "set grid\nset logscale x 2\nset yrange [0:*]\nset ylabel 'GB/s'\nset key bottom right\n"
-          "set xlabel 'engine block size (KiB; 8 MiB batches at random offsets)'\n"
-          "plot '%s/engine.dat' using ($1/1024):2 with linespoints lw 2 title 'kvferry engine', "
-          "'' using ($1/1024):3 with lines dt 2 lw 2 title 'plain TCP stream'\n"
-          "set xlabel 'request length (tokens, llama-3.1-8b: 128 KiB per token)'\n"
-          "plot '%s/e2e.dat' using 1:2 with linespoints lw 2 title 'kvferry end to end (M2 -> Success)', "
-          "'' using 1:3 with lines dt 2 lw 2 title 'plain TCP stream'\n"
-          "unset multiplot\n",
-          o->plot, dir, dir);
-  fclose(f);
-  f = NULL;
-  char cmd[1400];
-  snprintf(cmd, sizeof cmd, "gnuplot '%s'", file);
-  int st = system(cmd);
-  if (st != 0) {
-    /* pngcairo is in gnuplot-nox and gnuplot-qt; fall back to the libgd png terminal. */
-    snprintf(cmd, sizeof cmd, "sed -i 's/^set terminal pngcairo/set terminal png/' '%s' && gnuplot '%s'", file,
-             file);
-    st = system(cmd);
-  }
-  if (st != 0) {
-    fprintf(stderr, "bench: gnuplot failed; the data and script are in %s\n", dir);
+  const svg_series engine[] = {{"kvferry engine", bx, by, nb, 0}, {"plain TCP stream (same run)", bx, bb, nb, 1}};
+  const svg_series e2e[] = {{"kvferry end to end (M2 -> Success)", ex, ey, ne, 0},
+                            {"plain TCP stream (same run)", ex, eb, ne, 1}};
+  const svg_line_chart charts[] = {{"transfer engine", "block size (8 MiB batches at random offsets)", "GB/s",
+                                    SVG_TICK_BYTES, engine, 2, 0, 30, 600, 470},
+                                   {"end to end", "request length (tokens, llama-3.1-8b: 128 KiB per token)",
+                                    "GB/s", SVG_TICK_NUMBER, e2e, 2, 600, 30, 600, 470}};
+  svg_begin(f, 1200, 500, "kvferry throughput (TCP loopback baseline measured in the same run)");
+  for (size_t i = 0; i < 2; i++) svg_draw_line_chart(f, &charts[i]);
+  svg_end(f);
+  if (fflush(f) || ferror(f)) {
+    fprintf(stderr, "bench: writing %s failed: %s\n", o->plot, strerror(errno));
     goto out;
   }
-  printf("plot written to %s (data in %s)\n", o->plot, dir);
+  printf("plot written to %s\n", o->plot);
   rc = 0;
-  goto out;
-out_rig:
-  engine_rig_stop(&g);
 out:
-  if (f) fclose(f);
+  if (fclose(f) && !rc) {
+    fprintf(stderr, "bench: writing %s failed: %s\n", o->plot, strerror(errno));
+    rc = 1;
+  }
+  if (rc) remove(o->plot);
   return rc;
 }
 
@@ -1293,7 +1282,8 @@ static void usage(void) {
          "                     [--idle-compute]  layerwise: the compute sleeps (a GPU's) instead of busy work\n"
          "                     [--transport tcp|ucx|auto]  engine transport (default $KVFERRY_TRANSPORT or auto)\n"
          "                     [--verify]     e2e: also in verify mode (XXH3 digests), the overhead ratio\n"
-         "       kvferry bench --plot FILE.png [--quick]        (needs gnuplot)\n");
+         "       kvferry bench --plot FILE.svg [--quick]   engine and end-to-end throughput against the\n"
+         "                     same-run TCP stream, drawn as SVG by kvferry (nothing to install; SVG only)\n");
 }
 
 int cli_bench(int argc, char **argv) {

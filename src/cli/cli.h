@@ -10,6 +10,7 @@
 int cli_demo(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 int cli_bootstrap(int argc, char **argv);
+int cli_trace(int argc, char **argv);
 
 /* Shared helpers: testing/util.h. */
 #endif

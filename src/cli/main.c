@@ -15,6 +15,7 @@ static const struct command commands[] = {
     {"bootstrap", cli_bootstrap, "run the bootstrap HTTP rendezvous server (--port 8998)"},
     {"demo", cli_demo, "prefill and decode processes move model-shaped KV for N requests; every byte verified"},
     {"bench", cli_bench, "benchmarks with same-run baselines (engine, rooms, e2e; all by default); --json"},
+    {"trace", cli_trace, "summarise a KVFERRY_TRACE file: steps p50/p99, failures, both sides; --json, --svg"},
 };
 
 static void usage(FILE *f) {
