@@ -37,8 +37,6 @@ int kvf__regions_add(region_table *t, uint64_t base, uint64_t len);
 /* Take the region out of the table, then wait until no receiver holds a pin
  * on it (about one receive tick at most). */
 int kvf__regions_remove(region_table *t, uint64_t base);
-/* With the read lock held by the caller: is [addr, addr+len) inside one region? */
-int kvf__regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len);
 /* Is every piece of a (possibly strided) block inside registered memory?
  * `dst` selects the destination side of the block. Caller holds the read lock. */
 int kvf__regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
