@@ -68,13 +68,24 @@ KVF_API const char *kvf_strerror(int err);
 KVF_API const char *kvf_err_name(int err);
 
 /* Named integer constants of the API (error codes, KVF_POLL_*, KVF_ROLE_*,
- * KVF_SEND_*, KVF_LOG_*, KVF_MAX_CANDIDATES, KVF_VERSION_*, and the sizes
+ * KVF_SEND_*, KVF_LOG_*, KVF_MAX_CANDIDATES, KVF_ADDR_MAX, KVF_ADDR_HOST_MAX,
+ * KVF_VERSION_*, and the sizes
  * KVF_SIZEOF_{ENGINE,MANAGER,BOOTSTRAP_SERVER}_CONFIG and
  * KVF_SIZEOF_SEND_PARAMS), for bindings that cannot read these headers.
  * kvf_const: 0 and *out set, or KVF_ENOTFOUND. kvf_const_at: the i-th name
  * (static) and *out, or NULL past the end, to list them all. Any thread. */
 KVF_API int kvf_const(const char *name, int64_t *out);
 KVF_API const char *kvf_const_at(size_t i, int64_t *out);
+
+/* Addresses ("host:port"): every call that takes one (bootstrap addresses,
+ * engine sessions) accepts a host name or IPv4 literal, or an IPv6 literal in
+ * brackets ("[::1]:8998"), with a port in 1..65535; every address the library
+ * writes (session ids, peer names in logs and failure reasons) has that form.
+ * KVF_ADDR_HOST_MAX: bytes of a host, without brackets. KVF_ADDR_MAX: bytes
+ * of the longest address, "[" host "]:65535", without the terminating NUL
+ * (a buffer of KVF_ADDR_MAX + 1 holds any of them). */
+#define KVF_ADDR_HOST_MAX 255
+#define KVF_ADDR_MAX (KVF_ADDR_HOST_MAX + 8)
 
 /* Log levels for kvf_set_log_level(). The default comes from KVFERRY_LOG_LEVEL
  * (error, warn, info, debug) and is warn when unset. Any thread. */

@@ -706,11 +706,11 @@ static int bench_rooms(const bench_opts *o) {
   char *argv[] = {(char *)exe, "kv-peer", "--layers", layers, "--item", item, "--pages", pages, NULL};
   proc peer;
   if (proc_start(&peer, argv)) return 1;
-  char line[400], baddr[300];
+  char line[400], baddr[KVF_ADDR_MAX + 1];
   kvpool pool;
   kvf_manager *m = NULL, *m3only = NULL;
   int rc = 1;
-  if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready %299s", baddr) != 1) {
+  if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
     fprintf(stderr, "bench rooms: the prefill peer did not start\n");
     proc_stop(&peer, 1000);
     return 1;
@@ -1098,11 +1098,11 @@ static int bench_layerwise(const bench_opts *o) {
   char *argv[] = {(char *)exe, "kv-peer", "--layers", layers_s, "--item", item_s, "--pages", pages_s, NULL};
   proc peer;
   if (proc_start(&peer, argv)) return 1;
-  char line[400], baddr[300];
+  char line[400], baddr[KVF_ADDR_MAX + 1];
   kvpool pool;
   kvf_manager *m = NULL;
   int rc = 1;
-  if (proc_read_line(&peer, line, sizeof line, 60000) || sscanf(line, "ready %299s", baddr) != 1) {
+  if (proc_read_line(&peer, line, sizeof line, 60000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
     fprintf(stderr, "bench layerwise: the prefill peer did not start\n");
     proc_stop(&peer, 1000);
     return 1;

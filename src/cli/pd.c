@@ -44,7 +44,7 @@ int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
   }
   pp->up = 1;
   if (proc_read_line(&pp->boot, line, sizeof line, 10000) ||
-      sscanf(line, "kvferry bootstrap listening on %299s", pp->baddr) != 1) {
+      sscanf(line, "kvferry bootstrap listening on " CLI_ADDR_SCAN, pp->baddr) != 1) {
     snprintf(err, cap, "the bootstrap server did not start");
     goto err;
   }

@@ -10,11 +10,12 @@
 #include <stdint.h>
 
 #include "testing/proc.h"
+#include "testing/util.h"
 
 typedef struct pd_pair {
   proc boot, prefill, decode;
   int up; /* bit 0 boot, 1 prefill, 2 decode: which to stop */
-  char baddr[300];
+  char baddr[KVF_ADDR_MAX + 1];
 } pd_pair;
 
 /* One request. The caller sets room..corrupt; pd_collect fills the rest. */

@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "base/addr.h"
 #include "base/map.h"
 #include "kvferry/engine.h"
 
@@ -190,10 +191,10 @@ typedef struct engine_span {
 
 typedef struct kvf_engine {
   kvf_engine_config cfg;
-  char host[256];
+  char host[KVF_ADDR_HOST_LEN];
   char auth_token[256];
   uint16_t port;
-  char session_id[300];
+  char session_id[KVF_ADDR_LEN];
   region_table regions;
   engine_fences fences;
   engine_counters stats;

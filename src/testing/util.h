@@ -7,6 +7,13 @@
 
 #include <stdint.h>
 
+#include "kvferry/common.h"
+
+/* The sscanf conversion that reads an address (at most KVF_ADDR_MAX bytes)
+ * into a buffer of KVF_ADDR_MAX + 1, as peers print them ("ready ADDR"). */
+#define CLI_ADDR_SCAN "%263s"
+_Static_assert(KVF_ADDR_MAX == 263, "CLI_ADDR_SCAN reads KVF_ADDR_MAX bytes");
+
 int cli_parse_size(const char *s, unsigned long long *out);
 int cli_is_tty(void);
 /* CLOCK_MONOTONIC in seconds, milliseconds, nanoseconds. */

@@ -51,6 +51,7 @@
 #include "testing/testpeer/testpeer.h"
 #include "kvferry.h"
 #include "testing/kvpool.h"
+#include "base/addr.h"
 #include "base/wake.h"
 
 #define PEER_MAX_REQS 4096
@@ -312,9 +313,9 @@ int cli_kv_peer(int argc, char **argv) {
     fprintf(stderr, "kv-peer: cannot start the bootstrap server\n");
     goto out;
   }
-  char baddr[300];
+  char baddr[KVF_ADDR_LEN];
   if (o.bootstrap) snprintf(baddr, sizeof baddr, "%s", o.bootstrap);
-  else snprintf(baddr, sizeof baddr, "%s:%u", o.host, (unsigned)kvf_bootstrap_server_port(srv));
+  else kvf__addr_format(baddr, sizeof baddr, o.host, kvf_bootstrap_server_port(srv));
   for (int r = 0; r < o.world; r++) {
     int use_pool = 0, erc = cli_rank_engine(o.host, &engines[r], &use_pool);
     if (erc) {
