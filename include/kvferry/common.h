@@ -92,6 +92,14 @@ KVF_API const char *kvf_const_at(size_t i, int64_t *out);
 enum { KVF_LOG_ERROR = 0, KVF_LOG_WARN = 1, KVF_LOG_INFO = 2, KVF_LOG_DEBUG = 3 };
 KVF_API void kvf_set_log_level(int level);
 
+/* Wake-ups of the library's threads in this process so far: each time one of
+ * them returns from a blocking wait (condition variable, poll, a socket read
+ * with a tick) with work in hand, for every engine, manager and bootstrap
+ * server together (libzmq's own I/O threads are not counted). What idle
+ * rooms cost in thread hand-offs: `kvferry bench rooms` reports it per room.
+ * A relaxed counter, not a synchronisation point. Any thread. */
+KVF_API uint64_t kvf_wakeups(void);
+
 /* The loaded library's version, e.g. "0.1.0". Static string. Any thread. */
 KVF_API const char *kvf_version(void);
 /* 1 when the loaded library can serve a program built against headers of

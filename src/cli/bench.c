@@ -52,7 +52,6 @@
 #include "cli.h"
 #include "kvferry.h"
 #include "pd.h"
-#include "base/wake.h"
 #include "testing/kvpool.h"
 #include "testing/peer.h"
 
@@ -449,7 +448,7 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
   for (int i = 0; i < c->inflight; i++)
     if (!(slots[i].pages = malloc(c->pages * sizeof(int64_t)))) goto out;
   long long wake_peer0 = peer_wakeups(peer);
-  uint64_t wake_here0 = kvf__wake_total();
+  uint64_t wake_here0 = kvf_wakeups();
   double t0 = cli_now_s(), limit = t0 + 120;
   while ((finished < c->rooms || reported < c->rooms) && cli_now_s() < limit) {
     int progress = 0;
@@ -498,7 +497,7 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
     if (!progress) usleep(c->inflight > 1 ? 100 : 20);
   }
   double dt = cli_now_s() - t0;
-  uint64_t wake_here = kvf__wake_total() - wake_here0;
+  uint64_t wake_here = kvf_wakeups() - wake_here0;
   long long wake_peer1 = peer_wakeups(peer);
   c->wakeups_per_room = wake_peer0 >= 0 && wake_peer1 >= wake_peer0
                             ? (double)(wake_here + (uint64_t)(wake_peer1 - wake_peer0)) / c->rooms
