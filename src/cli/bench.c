@@ -52,8 +52,8 @@
 #include "cli.h"
 #include "kvferry.h"
 #include "pd.h"
-#include "testing/kvpool.h"
-#include "testing/peer.h"
+#include "tools/kvpool.h"
+#include "tools/peer.h"
 
 typedef struct bench_opts {
   int json;

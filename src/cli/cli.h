@@ -5,7 +5,7 @@
 
 #include <stdint.h>
 
-#include "testing/util.h"
+#include "tools/util.h"
 
 int cli_demo(int argc, char **argv);
 int cli_bench(int argc, char **argv);

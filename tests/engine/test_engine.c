@@ -17,8 +17,8 @@
 #include <cmocka.h>
 
 #include "base/addr.h"
-#include "testing/pattern.h"
-#include "testing/peer.h"
+#include "tools/pattern.h"
+#include "tools/peer.h"
 #include "engine/async.h"
 #include "engine/engine_internal.h"
 #include "kvferry.h"

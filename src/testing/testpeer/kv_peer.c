@@ -50,7 +50,7 @@
 
 #include "testing/testpeer/testpeer.h"
 #include "kvferry.h"
-#include "testing/kvpool.h"
+#include "tools/kvpool.h"
 #include "base/addr.h"
 
 #define PEER_MAX_REQS 4096

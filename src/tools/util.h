@@ -1,9 +1,9 @@
 /* Helpers shared by the kvferry command, the test peer and the tests:
  * clocks, a seeded generator, size parsing, the transport option and the
- * stats line (util.c). Part of the testing library (src/testing/), which is
- * static and never installed. */
-#ifndef KVF_TESTING_UTIL_H
-#define KVF_TESTING_UTIL_H
+ * stats line (util.c). Part of the tools library (src/tools/): static, public
+ * API only, no test hook. */
+#ifndef KVF_TOOLS_UTIL_H
+#define KVF_TOOLS_UTIL_H
 
 #include <stdint.h>
 
