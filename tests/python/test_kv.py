@@ -323,21 +323,7 @@ def test_verify_asked_by_the_decode_only(closing):
     assert ds["verify_unverified"] == 0 and ds["verify_failures"] == 0 and ps["verify_failures"] == 0
 
 
-CORRUPT = r"""
-import time
-import numpy as np
-from kvferry import BootstrapServer, KVManager, KVReceiver, KVSender, TransferPoll
-
-FINAL = (TransferPoll.Success, TransferPoll.Failed)
-
-def wait_final(h, limit=15):
-    deadline = time.monotonic() + limit
-    st = h.poll()
-    while st not in FINAL and time.monotonic() < deadline:
-        time.sleep(0.005)
-        st = h.poll()
-    return st
-
+CORRUPT = COMMON + r"""
 rng = np.random.default_rng(32)
 src = [rng.integers(0, 256, size=(16, 4096), dtype=np.uint8) for _ in range(2)]
 dst = [np.zeros((16, 4096), dtype=np.uint8) for _ in range(2)]
@@ -349,7 +335,7 @@ s = KVSender(pm, 32)
 assert r.poll() == TransferPoll.Bootstrapped
 r.prefill([4, 5], aux_index=0)
 s.send([6, 7], is_last=True, aux_index=0, bootstrap_token=5)
-print("RESULT", wait_final(r).name, dm.get_stats()["verify_failures"], "|", r.failure_reason(), flush=True)
+print("RESULT", TransferPoll(wait(r, TransferPoll.Success)).name, dm.get_stats()["verify_failures"], "|", r.failure_reason(), flush=True)
 for h in (r, s, dm, pm, srv):
     h.close()
 """
