@@ -68,7 +68,8 @@ KVF_API const char *kvf_strerror(int err);
 KVF_API const char *kvf_err_name(int err);
 
 /* Named integer constants of the API (error codes, KVF_POLL_*, KVF_ROLE_*,
- * KVF_SEND_*, KVF_LOG_*, KVF_MAX_CANDIDATES, KVF_VERSION_*, and the sizes
+ * KVF_SEND_*, KVF_LOG_*, KVF_MAX_CANDIDATES, KVF_ADDR_MAX, KVF_ADDR_HOST_MAX,
+ * KVF_VERSION_*, and the sizes
  * KVF_SIZEOF_{ENGINE,MANAGER,BOOTSTRAP_SERVER}_CONFIG and
  * KVF_SIZEOF_SEND_PARAMS), for bindings that cannot read these headers.
  * kvf_const: 0 and *out set, or KVF_ENOTFOUND. kvf_const_at: the i-th name
@@ -76,10 +77,28 @@ KVF_API const char *kvf_err_name(int err);
 KVF_API int kvf_const(const char *name, int64_t *out);
 KVF_API const char *kvf_const_at(size_t i, int64_t *out);
 
+/* Addresses ("host:port"): every call that takes one (bootstrap addresses,
+ * engine sessions) accepts a host name or IPv4 literal, or an IPv6 literal in
+ * brackets ("[::1]:8998"), with a port in 1..65535; every address the library
+ * writes (session ids, peer names in logs and failure reasons) has that form.
+ * KVF_ADDR_HOST_MAX: bytes of a host, without brackets. KVF_ADDR_MAX: bytes
+ * of the longest address, "[" host "]:65535", without the terminating NUL
+ * (a buffer of KVF_ADDR_MAX + 1 holds any of them). */
+#define KVF_ADDR_HOST_MAX 255
+#define KVF_ADDR_MAX (KVF_ADDR_HOST_MAX + 8)
+
 /* Log levels for kvf_set_log_level(). The default comes from KVFERRY_LOG_LEVEL
  * (error, warn, info, debug) and is warn when unset. Any thread. */
 enum { KVF_LOG_ERROR = 0, KVF_LOG_WARN = 1, KVF_LOG_INFO = 2, KVF_LOG_DEBUG = 3 };
 KVF_API void kvf_set_log_level(int level);
+
+/* Wake-ups of the library's threads in this process so far: each time one of
+ * them returns from a blocking wait (condition variable, poll, a socket read
+ * with a tick) with work in hand, for every engine, manager and bootstrap
+ * server together (libzmq's own I/O threads are not counted). What idle
+ * rooms cost in thread hand-offs: `kvferry bench rooms` reports it per room.
+ * A relaxed counter, not a synchronisation point. Any thread. */
+KVF_API uint64_t kvf_wakeups(void);
 
 /* The loaded library's version, e.g. "0.1.0". Static string. Any thread. */
 KVF_API const char *kvf_version(void);

@@ -227,8 +227,9 @@ KVF_API size_t kvf_manager_metrics(kvf_manager *m, char *buf, size_t cap);
  * (cached), M1 registration once per target set. BLOCKS on a cache miss:
  * HTTP lookups, each bounded by http_timeout_ms, and a ZMQ send per target
  * (see Threads above). Never fails because of the peer: a lookup failure
- * leaves the receiver Failed with a reason. KVF_EEXIST if the room is already
- * live on this manager. The caller owns *out (kvf_receiver_destroy). Any
+ * leaves the receiver Failed with a reason. KVF_EINVAL for an empty address
+ * or one longer than KVF_ADDR_MAX; KVF_EEXIST if the room is already live on
+ * this manager. The caller owns *out (kvf_receiver_destroy). Any
  * thread. */
 KVF_API int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out);
 /* Send M2: destination pages (after the decode prefix), request-pool slot,

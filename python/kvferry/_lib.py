@@ -154,6 +154,7 @@ _PROTOTYPES = {
     "kvf_set_log_level": (None, [_int]),
     "kvf_version": (_cp, []),
     "kvf_version_compatible": (_int, [_int, _int]),
+    "kvf_wakeups": (ctypes.c_uint64, []),
     # bootstrap.h
     "kvf_bootstrap_server_config_init": (None, [_vp]),
     "kvf_bootstrap_server_config_set": (_int, [_vp, _cp, _cp]),

@@ -1,10 +1,12 @@
 /* The one "host:port" parser and formatter (rules in addr.h). */
 #include "base/addr.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <string.h>
-
-#include "kvferry/common.h"
+#include <sys/socket.h>
 
 static int fail(const char **why, const char *text) {
   if (why) *why = text;
@@ -14,6 +16,15 @@ static int fail(const char **why, const char *text) {
 static int name_char(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
          c == '-';
+}
+
+static int host_char(char c) { return name_char(c) || c == ':' || c == '%'; }
+
+int kvf__addr_host_valid(const char *h, size_t len) {
+  if (!h || len == 0 || len > KVF_ADDR_HOST_MAX) return 0;
+  for (size_t i = 0; i < len; i++)
+    if (!host_char(h[i])) return 0;
+  return 1;
 }
 
 int kvf__addr_parse(const char *s, size_t len, char *host, size_t host_cap, uint16_t *port, const char **why) {
@@ -29,7 +40,7 @@ int kvf__addr_parse(const char *s, size_t len, char *host, size_t host_cap, uint
     h++, hlen -= 2;
     if (!memchr(h, ':', hlen)) return fail(why, "has brackets around a host that is not IPv6");
     for (size_t i = 0; i < hlen; i++)
-      if (!name_char(h[i]) && h[i] != ':' && h[i] != '%') return fail(why, "has a bad character in the host");
+      if (!host_char(h[i])) return fail(why, "has a bad character in the host");
   } else {
     if (hlen == 0) return fail(why, "has an empty host");
     for (size_t i = 0; i < hlen; i++) {
@@ -67,5 +78,37 @@ int kvf__addr_format(char *out, size_t cap, const char *host, uint16_t port) {
     out[0] = '\0';
     return KVF_EINVAL;
   }
+  return 0;
+}
+
+kvf__addr_text kvf__addr_str(const char *host, uint16_t port) {
+  kvf__addr_text t;
+  if (kvf__addr_format(t.s, sizeof t.s, host, port)) snprintf(t.s, sizeof t.s, "?");
+  return t;
+}
+
+int kvf__addr_from_sockaddr(char *out, size_t cap, const struct sockaddr *sa) {
+  char host[KVF_ADDR_HOST_LEN];
+  int rc = KVF_EINVAL;
+  if (sa && (sa->sa_family == AF_INET || sa->sa_family == AF_INET6)) {
+    int v6 = sa->sa_family == AF_INET6;
+    socklen_t len = v6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+    uint16_t port =
+        ntohs(v6 ? ((const struct sockaddr_in6 *)sa)->sin6_port : ((const struct sockaddr_in *)sa)->sin_port);
+    if (!getnameinfo(sa, len, host, sizeof host, NULL, 0, NI_NUMERICHOST))
+      rc = kvf__addr_format(out, cap, host, port);
+  }
+  if (rc && out && cap) snprintf(out, cap, "?");
+  return rc;
+}
+
+int kvf__addr_host(const char *s, char *out, size_t cap) {
+  if (!out || cap == 0) return KVF_EINVAL;
+  out[0] = '\0';
+  if (!s) return KVF_EINVAL;
+  size_t len = strlen(s);
+  if (!kvf__addr_parse(s, len, out, cap, NULL, NULL)) return 0;
+  if (len >= cap) return KVF_EINVAL;
+  memcpy(out, s, len + 1);
   return 0;
 }

@@ -17,10 +17,11 @@ static const kvf_const_entry consts[] = {
         KVF_CONST_(KVF_POLL_BOOTSTRAPPED) KVF_CONST_(KVF_POLL_WAITING_FOR_INPUT) KVF_CONST_(KVF_POLL_TRANSFERRING)
             KVF_CONST_(KVF_POLL_SUCCESS) KVF_CONST_(KVF_ROLE_PREFILL) KVF_CONST_(KVF_ROLE_DECODE)
                 KVF_CONST_(KVF_SEND_LAST) KVF_CONST_(KVF_SEND_TOKEN_LATER) KVF_CONST_(KVF_SEND_LAYERS)
-                    KVF_CONST_(KVF_MAX_CANDIDATES) KVF_CONST_(KVF_LOG_ERROR) KVF_CONST_(KVF_LOG_WARN)
-                        KVF_CONST_(KVF_LOG_INFO) KVF_CONST_(KVF_LOG_DEBUG) KVF_CONST_(KVF_VERSION_MAJOR)
-                            KVF_CONST_(KVF_VERSION_MINOR) KVF_CONST_(
-                                KVF_VERSION_PATCH){"KVF_SIZEOF_ENGINE_CONFIG", (int64_t)sizeof(kvf_engine_config)},
+                    KVF_CONST_(KVF_MAX_CANDIDATES) KVF_CONST_(KVF_ADDR_MAX) KVF_CONST_(KVF_ADDR_HOST_MAX)
+                        KVF_CONST_(KVF_LOG_ERROR) KVF_CONST_(KVF_LOG_WARN) KVF_CONST_(KVF_LOG_INFO)
+                            KVF_CONST_(KVF_LOG_DEBUG) KVF_CONST_(KVF_VERSION_MAJOR) KVF_CONST_(KVF_VERSION_MINOR)
+                                KVF_CONST_(KVF_VERSION_PATCH){"KVF_SIZEOF_ENGINE_CONFIG",
+                                                              (int64_t)sizeof(kvf_engine_config)},
     {"KVF_SIZEOF_MANAGER_CONFIG", (int64_t)sizeof(kvf_manager_config)},
     {"KVF_SIZEOF_BOOTSTRAP_SERVER_CONFIG", (int64_t)sizeof(kvf_bootstrap_server_config)},
     {"KVF_SIZEOF_SEND_PARAMS", (int64_t)sizeof(kvf_send_params)},

@@ -1,6 +1,7 @@
 /* Levelled logging to stderr. The level comes from KVFERRY_LOG_LEVEL once,
  * then kvf_set_log_level may change it at any time. */
 #include "base/log.h"
+#include "base/addr.h"
 #include "base/hash.h"
 
 #include <pthread.h>
@@ -70,11 +71,8 @@ int kvf__log_first_time(uint64_t key) {
 }
 
 int kvf__log_first_time_for_host(const char *peer, const char *kind) {
-  char key[160];
-  const char *colon = peer ? strrchr(peer, ':') : NULL;
-  /* A bare IPv6 address has colons but no port: keep it whole. */
-  int port = colon && (peer[0] == '[' ? colon > peer && colon[-1] == ']' : strchr(peer, ':') == colon);
-  int hostlen = port ? (int)(colon - peer) : (int)strlen(peer ? peer : "");
-  snprintf(key, sizeof key, "%.*s/%s", hostlen, peer ? peer : "", kind ? kind : "");
+  char host[KVF_ADDR_HOST_LEN], key[KVF_ADDR_HOST_LEN + 64];
+  if (kvf__addr_host(peer ? peer : "", host, sizeof host)) snprintf(host, sizeof host, "%.*s", 255, peer);
+  snprintf(key, sizeof key, "%s/%.63s", host, kind ? kind : "");
   return kvf__log_first_time(kvf__hash_str(key, 0x5eedULL));
 }

@@ -26,6 +26,7 @@
 #include <strings.h>
 #include <sys/socket.h>
 
+#include "base/addr.h"
 #include "base/config.h"
 #include "base/clock.h"
 #include "base/hash.h"
@@ -82,7 +83,7 @@ typedef struct conn_track {
 typedef struct rank_entry {
   int set;
   int port;
-  char ip[ROUTE_IP_MAX + 1];
+  char ip[KVF_ADDR_HOST_LEN];
 } rank_entry;
 
 struct kvf_bootstrap_server {
@@ -141,13 +142,7 @@ void kvf_bootstrap_server_config_init(kvf_bootstrap_server_config *cfg) {
 
 static void peer_name(struct MHD_Connection *conn, char *out, size_t outlen) {
   const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
-  snprintf(out, outlen, "?");
-  if (!ci || !ci->client_addr) return;
-  const struct sockaddr *sa = ci->client_addr;
-  socklen_t salen = sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
-  char host[INET6_ADDRSTRLEN], serv[8];
-  if (getnameinfo(sa, salen, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) == 0)
-    snprintf(out, outlen, sa->sa_family == AF_INET6 ? "[%s]:%s" : "%s:%s", host, serv);
+  kvf__addr_from_sockaddr(out, outlen, ci ? ci->client_addr : NULL);
 }
 
 static enum MHD_Result send_reply(struct MHD_Connection *conn, unsigned status, const char *ctype,
@@ -248,8 +243,8 @@ static enum MHD_Result handle_put(kvf_bootstrap_server *srv, struct MHD_Connecti
     e->set = 1;
     e->port = (int)reg.rank_port;
     memcpy(e->ip, reg.rank_ip, sizeof e->ip);
-    LOG_INFO(COMP, "registered prefill rank %lld (dp group %lld, tp rank %lld) at %s:%d",
-             (long long)reg.engine_rank, (long long)g, (long long)t, e->ip, e->port);
+    LOG_INFO(COMP, "registered prefill rank %lld (dp group %lld, tp rank %lld) at %s", (long long)reg.engine_rank,
+             (long long)g, (long long)t, kvf__addr_str(e->ip, (uint16_t)e->port).s);
   }
   pthread_mutex_unlock(&srv->lock);
   kvf__route_reg_free(&reg);
@@ -731,13 +726,15 @@ int kvf_bootstrap_server_create(const kvf_bootstrap_server_config *cfg_in, kvf_b
                               MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv, MHD_OPTION_NOTIFY_CONNECTION,
                               on_connection, srv, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, srv, MHD_OPTION_END);
   if (!srv->mhd) {
-    LOG_ERROR(COMP, "cannot listen on %s:%u (port in use or address not local?)", cfg.host, (unsigned)cfg.port);
+    LOG_ERROR(COMP, "cannot listen on %s (port in use or address not local?)",
+              kvf__addr_str(cfg.host, cfg.port).s);
     rc = KVF_EIO;
     goto err_stop_guard;
   }
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(srv->mhd, MHD_DAEMON_INFO_BIND_PORT);
   srv->port = di && di->port ? di->port : cfg.port;
-  LOG_INFO(COMP, "listening on %s:%u%s", cfg.host, (unsigned)srv->port, srv->token ? " (PUT needs a token)" : "");
+  LOG_INFO(COMP, "listening on %s%s", kvf__addr_str(cfg.host, srv->port).s,
+           srv->token ? " (PUT needs a token)" : "");
   *out = srv;
   return 0;
 

@@ -56,9 +56,8 @@
 #include "kvferry.h"
 #include "pd.h"
 #include "svg.h"
-#include "base/wake.h"
-#include "testing/kvpool.h"
-#include "testing/peer.h"
+#include "tools/kvpool.h"
+#include "tools/peer.h"
 
 typedef struct bench_opts {
   int json;
@@ -453,7 +452,7 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
   for (int i = 0; i < c->inflight; i++)
     if (!(slots[i].pages = malloc(c->pages * sizeof(int64_t)))) goto out;
   long long wake_peer0 = peer_wakeups(peer);
-  uint64_t wake_here0 = kvf__wake_total();
+  uint64_t wake_here0 = kvf_wakeups();
   double t0 = cli_now_s(), limit = t0 + 120;
   while ((finished < c->rooms || reported < c->rooms) && cli_now_s() < limit) {
     int progress = 0;
@@ -502,7 +501,7 @@ static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char
     if (!progress) usleep(c->inflight > 1 ? 100 : 20);
   }
   double dt = cli_now_s() - t0;
-  uint64_t wake_here = kvf__wake_total() - wake_here0;
+  uint64_t wake_here = kvf_wakeups() - wake_here0;
   long long wake_peer1 = peer_wakeups(peer);
   c->wakeups_per_room = wake_peer0 >= 0 && wake_peer1 >= wake_peer0
                             ? (double)(wake_here + (uint64_t)(wake_peer1 - wake_peer0)) / c->rooms
@@ -710,11 +709,11 @@ static int bench_rooms(const bench_opts *o) {
   char *argv[] = {(char *)exe, "kv-peer", "--layers", layers, "--item", item, "--pages", pages, NULL};
   proc peer;
   if (proc_start(&peer, argv)) return 1;
-  char line[400], baddr[300];
+  char line[400], baddr[KVF_ADDR_MAX + 1];
   kvpool pool;
   kvf_manager *m = NULL, *m3only = NULL;
   int rc = 1;
-  if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready %299s", baddr) != 1) {
+  if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
     fprintf(stderr, "bench rooms: the prefill peer did not start\n");
     proc_stop(&peer, 1000);
     return 1;
@@ -1102,11 +1101,11 @@ static int bench_layerwise(const bench_opts *o) {
   char *argv[] = {(char *)exe, "kv-peer", "--layers", layers_s, "--item", item_s, "--pages", pages_s, NULL};
   proc peer;
   if (proc_start(&peer, argv)) return 1;
-  char line[400], baddr[300];
+  char line[400], baddr[KVF_ADDR_MAX + 1];
   kvpool pool;
   kvf_manager *m = NULL;
   int rc = 1;
-  if (proc_read_line(&peer, line, sizeof line, 60000) || sscanf(line, "ready %299s", baddr) != 1) {
+  if (proc_read_line(&peer, line, sizeof line, 60000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
     fprintf(stderr, "bench layerwise: the prefill peer did not start\n");
     proc_stop(&peer, 1000);
     return 1;

@@ -72,12 +72,12 @@ int cli_bootstrap(int argc, char **argv) {
 
   kvf_bootstrap_server *srv = NULL;
   int rc = kvf_bootstrap_server_create(&cfg, &srv);
+  int v6 = strchr(cfg.host, ':') != NULL; /* IPv6 in brackets, as the library writes addresses */
   if (rc) {
-    fprintf(stderr, "kvferry bootstrap: cannot start on %s:%u: %s\n", cfg.host, (unsigned)cfg.port,
-            kvf_strerror(rc));
+    fprintf(stderr, "kvferry bootstrap: cannot start on %s%s%s:%u: %s\n", v6 ? "[" : "", cfg.host, v6 ? "]" : "",
+            (unsigned)cfg.port, kvf_strerror(rc));
     return 1;
   }
-  int v6 = strchr(cfg.host, ':') != NULL;
   printf("kvferry bootstrap listening on %s%s%s:%u\n", v6 ? "[" : "", cfg.host, v6 ? "]" : "",
          (unsigned)kvf_bootstrap_server_port(srv));
   fflush(stdout);

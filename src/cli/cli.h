@@ -5,12 +5,12 @@
 
 #include <stdint.h>
 
-#include "testing/util.h"
+#include "tools/util.h"
 
 int cli_demo(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 int cli_bootstrap(int argc, char **argv);
 int cli_trace(int argc, char **argv);
 
-/* Shared helpers: testing/util.h. */
+/* Shared helpers: tools/util.h. */
 #endif

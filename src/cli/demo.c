@@ -11,9 +11,11 @@
  * page on the decode side to show that the ordinary check catches it.
  * --verify turns on the library's verify mode (KVFERRY_VERIFY=1 in both
  * processes): with --corrupt the byte is then flipped inside the decode's
- * library right after landing and before its digest check (the
- * KVFERRY_TEST_CORRUPT_ROOM hook), so the library itself fails the room
- * naming the buffer and page. --reuse-early has the prefill overwrite a
+ * library right after landing and before its digest check, so the library
+ * itself fails the room naming the buffer and page. The flip is done by the
+ * decode process (kvferry-testpeer kv-decode, `corrupt-landed`) through the
+ * testing library's hook: the kvferry command and libkvferry.so carry no
+ * test hook. --reuse-early has the prefill overwrite a
  * source page right after its send call (a page reused before its transfer
  * completed); with --verify the library fails the room naming the page.
  * --prefill-tp P / --decode-tp D run P prefill ranks (in the kv-peer) and D
@@ -75,7 +77,8 @@ static void usage(FILE *f) {
              "  --short    a few small requests (CI): 6 requests, up to 1024 tokens, 0.25 GiB pools\n"
              "  --corrupt  flip one byte of one landed page before the check: the demo must catch it\n"
              "             and exit 1 (with --verify: flipped after landing, before the library's check,\n"
-             "             which fails the request naming the buffer and page)\n"
+             "             which fails the request naming the buffer and page; the decode test peer\n"
+             "             does it through its testing library, libkvferry has no such hook)\n"
              "  --reuse-early  the prefill overwrites a source page of one request right after sending\n"
              "             it; with --verify the library fails that request naming the page\n"
              "  --verify   the library's verify mode (XXH3 digests of every page, checked on landing)\n"
@@ -230,16 +233,11 @@ int cli_demo(int argc, char **argv) {
                        .token = 1000 + i,
                        .seed = seed,
                        .npages = (t + (size_t)md->page_tokens - 1) / (size_t)md->page_tokens,
-                       .corrupt = corrupt && !verify && i == requests / 2,
+                       .corrupt = corrupt && i == requests / 2 ? (verify ? 2 : 1) : 0,
                        .reuse_early = reuse_early && i == requests / 2};
   }
-  /* Both processes inherit these: the library's verify mode, and with
-   * --corrupt its test hook that flips a landed byte of that one room just
-   * before the digest check. */
-  char corrupt_room[32];
-  snprintf(corrupt_room, sizeof corrupt_room, "%lld", (long long)(room_base + requests / 2));
+  /* Both processes inherit the library's verify mode. */
   if (verify) setenv("KVFERRY_VERIFY", "1", 1);
-  if (verify && corrupt) setenv("KVFERRY_TEST_CORRUPT_ROOM", corrupt_room, 1);
 
   if (md->mla)
     printf("kvferry demo: %s, %d layers x MLA latent of %d values (kv_lora_rank 512 + rope 64), bf16, %d-token "

@@ -44,7 +44,7 @@ int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
   }
   pp->up = 1;
   if (proc_read_line(&pp->boot, line, sizeof line, 10000) ||
-      sscanf(line, "kvferry bootstrap listening on %299s", pp->baddr) != 1) {
+      sscanf(line, "kvferry bootstrap listening on " CLI_ADDR_SCAN, pp->baddr) != 1) {
     snprintf(err, cap, "the bootstrap server did not start");
     goto err;
   }
@@ -101,7 +101,10 @@ void pd_stop(pd_pair *pp) {
 
 int pd_issue(pd_pair *pp, const pd_req *r) {
   if (fprintf(pp->decode.in, "recv %lld %zu %llu %lld%s\n", (long long)r->room, r->npages,
-              (unsigned long long)r->seed, (long long)r->token, r->corrupt ? " corrupt" : "") < 0 ||
+              (unsigned long long)r->seed, (long long)r->token,
+              r->corrupt == 2 ? " corrupt-landed"
+              : r->corrupt    ? " corrupt"
+                              : "") < 0 ||
       fflush(pp->decode.in))
     return -1;
   if (fprintf(pp->prefill.in, "send %lld %zu %llu %lld %zu 0 %d %d\n", (long long)r->room, r->npages,

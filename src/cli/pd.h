@@ -9,12 +9,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "testing/proc.h"
+#include "tools/proc.h"
+#include "tools/util.h"
 
 typedef struct pd_pair {
   proc boot, prefill, decode;
   int up; /* bit 0 boot, 1 prefill, 2 decode: which to stop */
-  char baddr[300];
+  char baddr[KVF_ADDR_MAX + 1];
 } pd_pair;
 
 /* One request. The caller sets room..corrupt; pd_collect fills the rest. */
@@ -22,7 +23,9 @@ typedef struct pd_req {
   int64_t room, token;
   size_t npages;
   uint64_t seed;   /* 0: no pattern fill or check (benchmarks) */
-  int corrupt;     /* kv-decode flips one landed byte before its check */
+  int corrupt;     /* kv-decode flips one landed byte before its own check (1), or has the
+                      library's test hook flip it before verify mode's check (2; the test peer's
+                      testing library arms it, the kvferry command has no such hook) */
   int reuse_early; /* kv-peer overwrites a source page right after its send call */
   size_t chunk;    /* pages per send call (0: the whole request in one) */
   int wait_m2;     /* kv-peer sends once the decode's M2 is there (benchmarks) */

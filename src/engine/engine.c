@@ -98,7 +98,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
               kvf_engine_transports());
     return KVF_EINVAL;
   }
-  if (strlen(cfg.host) >= 256) return KVF_EINVAL;
+  if (strlen(cfg.host) > KVF_ADDR_HOST_MAX) return KVF_EINVAL;
   cfg.transport = want_ucx ? "ucx" : is_auto ? "auto" : "tcp"; /* not the caller's or getenv's string */
 
   kvf_engine *e = calloc(1, sizeof *e);
@@ -522,7 +522,7 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
     return KVF_EINVAL;
   if (opts_in && kvf__config_copy(&opts, sizeof opts, opts_in, KVF_BATCH_OPTS_SIZE_V1)) return KVF_EINVAL;
   if (opts.tag && !opts.epoch) return KVF_EINVAL;
-  char host[256];
+  char host[KVF_ADDR_HOST_LEN];
   uint16_t port;
   if (kvf__addr_parse(session, strlen(session), host, sizeof host, &port, NULL)) {
     LOG_WARN("engine", "malformed session id '%.64s' (want host:port)", session);

@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "base/addr.h"
 #include "base/map.h"
 #include "kvferry/engine.h"
 
@@ -37,8 +38,6 @@ int kvf__regions_add(region_table *t, uint64_t base, uint64_t len);
 /* Take the region out of the table, then wait until no receiver holds a pin
  * on it (about one receive tick at most). */
 int kvf__regions_remove(region_table *t, uint64_t base);
-/* With the read lock held by the caller: is [addr, addr+len) inside one region? */
-int kvf__regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len);
 /* Is every piece of a (possibly strided) block inside registered memory?
  * `dst` selects the destination side of the block. Caller holds the read lock. */
 int kvf__regions_block_ok_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
@@ -192,10 +191,10 @@ typedef struct engine_span {
 
 typedef struct kvf_engine {
   kvf_engine_config cfg;
-  char host[256];
+  char host[KVF_ADDR_HOST_LEN];
   char auth_token[256];
   uint16_t port;
-  char session_id[300];
+  char session_id[KVF_ADDR_LEN];
   region_table regions;
   engine_fences fences;
   engine_counters stats;

@@ -121,10 +121,6 @@ region *kvf__regions_find_locked(const region_table *t, uint64_t addr, uint64_t 
   return addr >= r->base && addr + len <= r->base + r->len ? r : NULL;
 }
 
-int kvf__regions_contains_locked(const region_table *t, uint64_t addr, uint64_t len) {
-  return kvf__regions_find_locked(t, addr, len) != NULL;
-}
-
 region *kvf__regions_find_block_locked(const region_table *t, uint64_t addr, uint64_t len, uint64_t count,
                                        uint64_t stride) {
   if (count <= 1) return kvf__regions_find_locked(t, addr, len);

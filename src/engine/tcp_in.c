@@ -42,7 +42,7 @@ typedef struct tcp_inbound {
   int nack;
   unsigned hello_flags; /* tcp_hello.flags, for a UCX rendezvous */
   pthread_t thread;
-  char peer[64];
+  char peer[KVF_ADDR_LEN]; /* "ip:port", "[ipv6]:port" */
 } tcp_inbound;
 
 /* The regions one chunk writes into, pinned while its payload arrives. */
@@ -52,13 +52,6 @@ typedef struct in_pins {
   unsigned gen;        /* the table's revocation count when they were pinned */
   engine_fence *fence; /* a tagged chunk's fence (fence.c): cut = stop like a revocation */
 } in_pins;
-
-static void peer_name(const struct sockaddr_storage *ss, char *out, size_t cap) {
-  char host[INET6_ADDRSTRLEN] = "?", port[8] = "?";
-  getnameinfo((const struct sockaddr *)ss, sizeof *ss, host, sizeof host, port, sizeof port,
-              NI_NUMERICHOST | NI_NUMERICSERV);
-  snprintf(out, cap, "%s:%s", host, port);
-}
 
 /* Report a misbehaving peer once per (peer address, kind). */
 static void log_peer_once(const char *peer, const char *kind, const char *detail) {
@@ -211,10 +204,8 @@ static int inbound_trailer(tcp_inbound *in, kvf_engine *e, int landed, int64_t *
     return KVF_EPROTO;
   }
   if ((rc = in_recv(in, buf, t.len, deadline, 0))) return rc;
-  char ip[64];
-  const char *colon = strrchr(in->peer, ':');
-  snprintf(ip, sizeof ip, "%.*s", colon ? (int)(colon - in->peer) : (int)strlen(in->peer), in->peer);
-  if (landed) kvf__engine_deliver_trailer(e, buf, t.len, ip);
+  char ip[KVF_ADDR_HOST_LEN];
+  if (landed && !kvf__addr_host(in->peer, ip, sizeof ip)) kvf__engine_deliver_trailer(e, buf, t.len, ip);
   return 0;
 }
 
@@ -515,8 +506,8 @@ void *kvf__tcp_accept_main(void *arg) {
     }
     int64_t now = clock_now_ns();
     kvf__tcp_inbound_reap(t, 0);
-    char peer[64];
-    peer_name(&ss, peer, sizeof peer);
+    char peer[KVF_ADDR_LEN];
+    kvf__addr_from_sockaddr(peer, sizeof peer, (const struct sockaddr *)&ss);
     tcp_inbound *in = inbound_admit(t) ? calloc(1, sizeof *in) : NULL;
     if (!in) {
       atomic_fetch_add(&e->stats.conns_refused, 1);
@@ -569,7 +560,7 @@ int kvf__tcp_listen_on(kvf_engine *e, int *fd_out, uint16_t *port_out) {
   if (fd < 0) goto out;
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (bind(fd, res->ai_addr, res->ai_addrlen) || listen(fd, 128)) {
-    LOG_ERROR("tcp", "cannot listen on %s:%u: %s", e->host, (unsigned)e->cfg.port, strerror(errno));
+    LOG_ERROR("tcp", "cannot listen on %s: %s", kvf__addr_str(e->host, e->cfg.port).s, strerror(errno));
     close(fd);
     goto out;
   }

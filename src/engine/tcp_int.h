@@ -63,7 +63,7 @@ typedef struct tcp_conn {
   atomic_int refs;
   int fd;
   atomic_int dead; /* 0, or the error that killed it */
-  char peer[300];
+  char peer[KVF_ADDR_LEN];
   int timeout_ms;
   pthread_mutex_t send_lock; /* serialises bytes on the socket */
   pthread_mutex_t q_lock;    /* guards the two lists below */
@@ -76,8 +76,8 @@ typedef struct tcp_conn {
 
 typedef struct tcp_session {
   pthread_mutex_t lock;
-  char id[300];
-  char host[256];
+  char id[KVF_ADDR_LEN];
+  char host[KVF_ADDR_HOST_LEN];
   uint16_t port;
   tcp_conn *conns[16];
   unsigned rr;

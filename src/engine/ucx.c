@@ -117,11 +117,6 @@ int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns) {
   return 0;
 }
 
-void kvf__ucx_peer_ip(const char *peer, char *out, size_t cap) {
-  const char *colon = strrchr(peer, ':');
-  snprintf(out, cap, "%.*s", colon ? (int)(colon - peer) : (int)strlen(peer), peer);
-}
-
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
   /* One answer per notice, at once: sending the answers of notices read
    * ahead together made `kvferry bench rooms --room-pages 256 --inflight 64`
@@ -400,9 +395,8 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
       if (kvf__ucx_ctl_recv(c, t, r.reserved, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
       /* The writer flushed the bytes first. The callback gets the IP
        * address, as from the TCP transport. */
-      char ip[64];
-      kvf__ucx_peer_ip(peer, ip, sizeof ip);
-      kvf__engine_deliver_trailer(e, t, r.reserved, ip);
+      char ip[KVF_ADDR_HOST_LEN];
+      if (!kvf__addr_host(peer, ip, sizeof ip)) kvf__engine_deliver_trailer(e, t, r.reserved, ip);
       ucx_req ack = {UCX_TRAILER_ACK_MAGIC, 0, 0};
       pthread_mutex_lock(&c->send_mu);
       rc = kvf__ucx_send_all(fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));

@@ -194,8 +194,8 @@ typedef enum { ROUTE_UNKNOWN = 0, ROUTE_UCX, ROUTE_TCP } ucx_route;
 
 typedef struct ucx_peer {
   struct ucx_state *u;
-  char id[300];
-  char host[256];
+  char id[KVF_ADDR_LEN];
+  char host[KVF_ADDR_HOST_LEN];
   uint16_t port;
   pthread_mutex_t conn_mu; /* one (re)connection at a time */
   pthread_rwlock_t rw;     /* ep, regs: read to write into the peer, write to change */
@@ -277,7 +277,7 @@ typedef struct ucx_ctl {
   pthread_mutex_t send_mu;
   uint64_t acked;       /* generation the writer has applied (under ctl_mu) */
   uint64_t fence_acked; /* highest fence seq the writer confirmed (under ctl_mu) */
-  char peer[64];
+  char peer[KVF_ADDR_LEN];
   int read_mode;
   /* Set before this engine shuts the connection down: a read under way then
    * does not count (the writer may take the shutdown for "reads over"). */
@@ -366,8 +366,6 @@ int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns);
 /* The serving thread of c: answer a notice (read done). */
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id);
-/* The IP address of a "host:port" peer name (the form trailer callbacks get). */
-void kvf__ucx_peer_ip(const char *peer, char *out, size_t cap);
 
 /* ucx_peer.c: peers, the rendezvous client, routing */
 /* Read the rest of an info message whose magic was read, bounded in size

@@ -682,9 +682,8 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
     if (n.tlen) {
       /* Handed over before the fence is left, as over tcp: once a fence
        * close returned, no trailer of that epoch arrives. */
-      char ip[64];
-      kvf__ucx_peer_ip(c->peer, ip, sizeof ip);
-      kvf__engine_deliver_trailer(e, trailer, n.tlen, ip);
+      char ip[KVF_ADDR_HOST_LEN];
+      if (!kvf__addr_host(c->peer, ip, sizeof ip)) kvf__engine_deliver_trailer(e, trailer, n.tlen, ip);
     }
   }
   for (size_t i = 0; i < r.npins; i++) kvf__region_unpin(&e->regions, c->pins[i]);

@@ -81,14 +81,11 @@ static int ip_bytes(const char *s, unsigned char out[16]) {
 int kvf__manager_peer_is(const kvf_manager *m, const char *peer, const char *ip) {
   static const unsigned char any6[16], any4[16] = {[10] = 0xff, [11] = 0xff};
   unsigned char a[16], b[16];
-  char head[64];
+  char host[KVF_ADDR_HOST_LEN];
   if (!m->check_peer_ip || !ip) return 1;
-  /* "ip:x" names the host before the first ':' (PROTOCOL §3: where M3 goes) */
-  const char *colon = strchr(ip, ':');
-  if (ip_bytes(ip, b) && colon && !strchr(colon + 1, ':') && (size_t)(colon - ip) < sizeof head) {
-    snprintf(head, sizeof head, "%.*s", (int)(colon - ip), ip);
-    ip = head;
-  }
+  /* "ip:port" names ip (PROTOCOL §3: where M3 goes); a bare IP literal or
+   * host name is itself */
+  if (!kvf__addr_host(ip, host, sizeof host)) ip = host;
   /* A host name, or the unspecified address: not checkable here. */
   if (ip_bytes(ip, b) || !memcmp(b, any6, 16) || !memcmp(b, any4, 16)) return 1;
   return peer && !ip_bytes(peer, a) && !memcmp(a, b, sizeof a);
@@ -189,7 +186,7 @@ static int push_key(char *key, size_t cap, const char *host, uint16_t port) {
 }
 
 int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
-  char key[300];
+  char key[KVF_ADDR_LEN];
   if (!host || !*host || !port || push_key(key, sizeof key, host, port)) return KVF_EINVAL;
   pthread_mutex_lock(&m->push_lock);
   manager_push *p = kvf__smap_get(&m->pushes, key);
@@ -201,8 +198,8 @@ int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, cons
     }
     pthread_mutex_init(&p->lock, NULL);
     p->sock = zmq_socket(m->zctx, ZMQ_PUSH);
-    int linger = 200, hwm = 1000, sndtimeo = 1000, ipv6 = strchr(host, ':') != NULL;
-    char ep[320];
+    int linger = 200, hwm = 1000, sndtimeo = 1000, ipv6 = kvf__addr_is_ipv6(host);
+    char ep[sizeof "tcp://" + KVF_ADDR_LEN];
     snprintf(ep, sizeof ep, "tcp://%s", key);
     if (!p->sock || zmq_setsockopt(p->sock, ZMQ_LINGER, &linger, sizeof linger) ||
         zmq_setsockopt(p->sock, ZMQ_SNDHWM, &hwm, sizeof hwm) ||
@@ -234,7 +231,7 @@ int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, cons
 }
 
 void kvf__manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {
-  char key[300];
+  char key[KVF_ADDR_LEN];
   if (push_key(key, sizeof key, host, port)) return;
   void *v = NULL;
   pthread_mutex_lock(&m->push_lock);
@@ -319,7 +316,7 @@ void *kvf__control_listener_main(void *arg) {
       continue;
     }
     size_t n = 1, extra = 0;
-    char peer[64] = "?";
+    char peer[KVF_ADDR_HOST_LEN] = "?"; /* libzmq's Peer-Address: the IP, no port */
     const char *pa = zmq_msg_gets(&parts[0], "Peer-Address");
     if (pa) snprintf(peer, sizeof peer, "%s", pa);
     /* The rest of a multipart message is already here (ZeroMQ delivers
@@ -357,18 +354,18 @@ int kvf__control_bind_pull(kvf_manager *m) {
   m->pull = zmq_socket(m->zctx, ZMQ_PULL);
   if (!m->pull) return KVF_EIO;
   int64_t maxmsg = MANAGER_MAX_FRAME_BYTES;
-  int linger = 0, ipv6 = strchr(m->host, ':') != NULL, hwm = 10000;
+  int linger = 0, ipv6 = kvf__addr_is_ipv6(m->host), hwm = 10000;
   zmq_setsockopt(m->pull, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
   zmq_setsockopt(m->pull, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(m->pull, ZMQ_IPV6, &ipv6, sizeof ipv6);
   zmq_setsockopt(m->pull, ZMQ_RCVHWM, &hwm, sizeof hwm);
-  char ep[300];
+  char ep[sizeof "tcp://" + KVF_ADDR_LEN];
   snprintf(ep, sizeof ep, ipv6 ? "tcp://[%s]:*" : "tcp://%s:*", m->host);
   if (zmq_bind(m->pull, ep)) {
     LOG_ERROR("kv", "cannot bind the control socket on %s: %s", ep, zmq_strerror(zmq_errno()));
     return KVF_EIO;
   }
-  char last[300];
+  char last[sizeof "tcp://" + KVF_ADDR_LEN];
   size_t len = sizeof last;
   if (zmq_getsockopt(m->pull, ZMQ_LAST_ENDPOINT, last, &len)) return KVF_EIO;
   const char *hp = strncmp(last, "tcp://", 6) ? last : last + 6;

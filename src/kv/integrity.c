@@ -6,7 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/env.h"
 #include "base/hash.h"
 #include "base/log.h"
 #include "engine/async.h"
@@ -25,11 +24,9 @@ typedef struct integ_state {
   pthread_mutex_t lock;
   map rooms;        /* room (as u64) -> integ_room */
   spare_list spare; /* integ_room records for the next rooms */
-  /* Test hook (KVFERRY_TEST_CORRUPT_ROOM=<room>): flip one landed byte of
-   * that room before its first digest is checked, to show the check. */
-  int corrupt_armed;
-  int64_t corrupt_room;
 } integ_state;
+
+_Atomic(kvf__integ_tamper_fn) kvf__integ_tamper;
 
 int kvf__integ_start(kvf_manager *m) {
   integ_state *s = calloc(1, sizeof *s);
@@ -39,12 +36,6 @@ int kvf__integ_start(kvf_manager *m) {
     pthread_mutex_destroy(&s->lock);
     free(s);
     return KVF_ENOMEM;
-  }
-  const char *c = getenv("KVFERRY_TEST_CORRUPT_ROOM");
-  int64_t room;
-  if (c && *c && kvf__env_parse_i64(c, &room) == 0) {
-    s->corrupt_armed = 1;
-    s->corrupt_room = room;
   }
   m->integ = s;
   return 0;
@@ -173,8 +164,6 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
   integ_room *x = kvf__map_get(&s->rooms, (uint64_t)dg.room);
   int known = x && x->epoch == dg.epoch, verify = known && x->verify;
   if (known) x->ranks[dg.prefill_rank / 8] |= (uint8_t)(1u << (dg.prefill_rank % 8));
-  int corrupt = verify && s->corrupt_armed && s->corrupt_room == dg.room && dg.entries.count;
-  if (corrupt) s->corrupt_armed = 0;
   pthread_mutex_unlock(&s->lock);
   if (!known) {
     atomic_fetch_add(&m->stats.messages_unknown_room, 1);
@@ -186,6 +175,7 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
   if (kvf__rooms_get_status(m->rooms, dg.room, &status) || status == ROOM_FAILED) return;
   kvf_engine_sync(m->engine); /* the bytes the prefill wrote, before reading them */
   const manager_buffers *b = &m->bufs;
+  kvf__integ_tamper_fn tamper = atomic_load(&kvf__integ_tamper);
   for (size_t i = 0; i < dg.entries.count; i++) {
     wire_digest d = wire_digest_at(dg.entries, i);
     int st = 0;
@@ -198,7 +188,7 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
                ", outside this decode's buffers",
                dg.prefill_rank, d.dst, d.len);
     } else {
-      if (corrupt && i == 0) *(volatile unsigned char *)(uintptr_t)d.dst ^= 0x5a; /* test hook, see integ_state */
+      if (tamper && i == 0) tamper(dg.room, (unsigned char *)(uintptr_t)d.dst);
       if (kvf__hash_block(d.dst, d.len, d.count, d.stride) == d.hash) continue;
       uint64_t off = d.dst - (st ? b->state_ptrs[idx] : b->kv_ptrs[idx]);
       snprintf(reason, sizeof reason,

@@ -16,6 +16,15 @@
 
 #include "kv/manager.h"
 
+/* Test seam, NULL in every shipped program: only the testing library
+ * (src/testing/tamper.c), linked into the test peer and a test build of the
+ * shared library, sets it; nothing in the library or the environment can.
+ * Called on the listener thread with the first landed block of each
+ * verified digests message, before that block is checked, so a test can
+ * change a landed byte and see verify mode catch it. */
+typedef void (*kvf__integ_tamper_fn)(int64_t room, unsigned char *landed);
+extern _Atomic(kvf__integ_tamper_fn) kvf__integ_tamper;
+
 /* Bound on one room's entry: prefill ranks tracked for digests. */
 #define INTEG_MAX_RANKS ROOMS_MAX_RANKS
 

@@ -288,6 +288,11 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   resolve_config(&m->cfg);
   kvf_manager_config *c = &m->cfg;
   int rc = KVF_EINVAL;
+  if ((c->host && strlen(c->host) > KVF_ADDR_HOST_MAX) ||
+      (c->bootstrap_addr && strlen(c->bootstrap_addr) > KVF_ADDR_MAX)) {
+    LOG_ERROR("kv", "the host or the bootstrap address is longer than an address can be");
+    goto err_free;
+  }
   snprintf(m->host, sizeof m->host, "%s", c->host && *c->host ? c->host : "127.0.0.1");
   c->host = m->host;
   snprintf(m->bootstrap_addr, sizeof m->bootstrap_addr, "%s", c->bootstrap_addr ? c->bootstrap_addr : "");

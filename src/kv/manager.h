@@ -12,6 +12,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "base/addr.h"
 #include "base/map.h"
 #include "kv/plan.h"
 #include "kv/rooms.h"
@@ -84,8 +85,8 @@ void kvf__prefill_on_message(kvf_manager *m, const wire_frame *frames, size_t n,
 
 struct kvf_manager {
   kvf_manager_config cfg; /* resolved: defaults and env applied; strings point into the fields below */
-  char host[256];
-  char bootstrap_addr[300];
+  char host[KVF_ADDR_HOST_LEN];
+  char bootstrap_addr[KVF_ADDR_LEN];
   char bootstrap_token[256];
   int tp_size, tp_rank, dp_rank; /* tp_rank = attn_tp_rank = engine_rank % tp */
   manager_buffers bufs;

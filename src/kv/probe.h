@@ -11,7 +11,7 @@
 #include "wire/route_json.h"
 
 typedef struct kvf__probe_target {
-  char ip[ROUTE_IP_MAX + 1];
+  char ip[KVF_ADDR_HOST_LEN];
   uint16_t port;
   int rank;   /* for the caller's messages */
   int result; /* out: 0 alive (ZMTP greeting seen), KVF_ECLOSED refused/closed,

@@ -31,17 +31,6 @@ int kvf__route_parse_int(const char *s, size_t len, int64_t *out) {
   return kvf__parse_i64(s, len, KVF_INT_LENIENT, out) == KVF_INT_OK ? 0 : KVF_EINVAL;
 }
 
-int kvf__route_ip_valid(const char *ip, size_t len) {
-  if (!ip || len == 0 || len > ROUTE_IP_MAX) return 0;
-  for (size_t i = 0; i < len; i++) {
-    char c = ip[i];
-    int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == ':' ||
-             c == '%' || c == '_' || c == '-';
-    if (!ok) return 0;
-  }
-  return 1;
-}
-
 /* Python truthiness of a JSON value, which is what the reference stores for
  * enable_mla_l1_5_cache. */
 static int json_truthy(const json_t *v) {
@@ -176,7 +165,7 @@ int kvf__route_json_parse_put(const char *body, size_t len, route_reg *out, char
     rc = KVF_EINVAL;
     goto err_free_json;
   }
-  if (!json_is_string(ip) || !kvf__route_ip_valid(json_string_value(ip), json_string_length(ip)) ||
+  if (!json_is_string(ip) || !kvf__addr_host_valid(json_string_value(ip), json_string_length(ip)) ||
       strlen(json_string_value(ip)) != json_string_length(ip)) {
     set_why(why, whylen, "'rank_ip' is not an address");
     rc = KVF_EINVAL;
@@ -351,7 +340,7 @@ int kvf__route_json_parse_rank(const char *body, size_t len, char *ip, size_t ip
   json_t *jport = json_object_get(root, "rank_port");
   if (!json_is_string(jip) || !json_is_integer(jport)) goto out_free_json;
   size_t n = json_string_length(jip);
-  if (!kvf__route_ip_valid(json_string_value(jip), n) || strlen(json_string_value(jip)) != n || n >= iplen)
+  if (!kvf__addr_host_valid(json_string_value(jip), n) || strlen(json_string_value(jip)) != n || n >= iplen)
     goto out_free_json;
   json_int_t p = json_integer_value(jport);
   if (p < 1 || p > 65535) goto out_free_json;

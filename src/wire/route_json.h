@@ -12,10 +12,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/addr.h"
+
 /* Bounds on values a registration may carry. */
 #define ROUTE_MAX_RANKS 4096 /* world_size (every rank of every DP group) */
 #define ROUTE_MAX_LIST 4096  /* entries in one of the *_lens lists */
-#define ROUTE_IP_MAX 255     /* rank_ip: an IPv4/IPv6 literal or a host name */
 #define ROUTE_ROLE_MAX 63
 
 /* The four optional per-buffer length lists, in the order they are sent,
@@ -46,12 +47,12 @@ typedef struct route_lens {
 
 /* PUT /route body (PROTOCOL §4.2). */
 typedef struct route_reg {
-  char role[ROUTE_ROLE_MAX + 1]; /* "Prefill" for a prefill rank */
-  int64_t world_size;            /* 1..ROUTE_MAX_RANKS */
-  int64_t dp_size;               /* 1..world_size, divides world_size */
-  char rank_ip[ROUTE_IP_MAX + 1];
-  int64_t rank_port;   /* 1..65535 */
-  int64_t engine_rank; /* global rank, 0..world_size-1 */
+  char role[ROUTE_ROLE_MAX + 1];   /* "Prefill" for a prefill rank */
+  int64_t world_size;              /* 1..ROUTE_MAX_RANKS */
+  int64_t dp_size;                 /* 1..world_size, divides world_size */
+  char rank_ip[KVF_ADDR_HOST_LEN]; /* an IPv4/IPv6 literal or a host name (kvf__addr_host_valid) */
+  int64_t rank_port;               /* 1..65535 */
+  int64_t engine_rank;             /* global rank, 0..world_size-1 */
   int enable_mla_l1_5_cache;
   route_lens lists[ROUTE_NLISTS];
 } route_reg;
@@ -101,9 +102,5 @@ int kvf__route_json_parse_rank(const char *body, size_t len, char *ip, size_t ip
  * optional surrounding ASCII whitespace, optional sign, digits, no overflow.
  * Returns 0 and sets *out, or KVF_EINVAL. */
 int kvf__route_parse_int(const char *s, size_t len, int64_t *out);
-
-/* 1 when `ip` is a plausible rank address: non-empty, at most ROUTE_IP_MAX
- * chars of [A-Za-z0-9.:%_-] (so it is safe to log and to put in a URL). */
-int kvf__route_ip_valid(const char *ip, size_t len);
 
 #endif

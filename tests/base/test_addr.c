@@ -1,6 +1,7 @@
 /* The one host:port parser and formatter (src/base/addr.c): accepted and
- * refused forms, the reasons, the length bound, and format/parse round
- * trips. The engine, bootstrap, kv and wire layers all use these, so these
+ * refused forms, the reasons, the length bound (the longest address), socket
+ * peer names (IPv6 in brackets), the host a string names, and format/parse
+ * round trips. The engine, bootstrap, kv and wire layers all use these, so these
  * rules are the rules of every address the library takes. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -9,6 +10,10 @@
 #include <stdio.h>
 #include <string.h>
 #include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include "base/addr.h"
 #include "bootstrap/bootstrap.h"
@@ -102,6 +107,96 @@ static void length_bound(void **state) {
   assert_int_equal(kvf__addr_format(out, sizeof out, "", 1), KVF_EINVAL);
 }
 
+/* The longest address the parser takes is KVF_ADDR_MAX bytes: a bracketed
+ * IPv6 host of KVF_ADDR_HOST_MAX bytes and a five-digit port; it formats
+ * back the same into a buffer of KVF_ADDR_LEN and not into a smaller one. */
+static void longest_address(void **state) {
+  (void)state;
+  char s[KVF_ADDR_MAX + 2], host[KVF_ADDR_HOST_LEN];
+  s[0] = '[';
+  memcpy(s + 1, "fe80::1%", 8);
+  memset(s + 9, 'z', KVF_ADDR_HOST_MAX - 8);
+  memcpy(s + 1 + KVF_ADDR_HOST_MAX, "]:65535", 8);
+  assert_int_equal(strlen(s), KVF_ADDR_MAX);
+  uint16_t port = 0;
+  assert_int_equal(parse(s, host, &port), 0);
+  assert_int_equal(strlen(host), KVF_ADDR_HOST_MAX);
+  assert_int_equal(port, 65535);
+  char out[KVF_ADDR_LEN];
+  assert_int_equal(kvf__addr_format(out, sizeof out, host, port), 0);
+  assert_string_equal(out, s);
+  assert_int_equal(kvf__addr_format(out, sizeof out - 1, host, port), KVF_EINVAL);
+  assert_string_equal(kvf__addr_str(host, port).s, s);
+  /* one byte more in the host, or in the whole address, is refused */
+  memcpy(s + 1 + KVF_ADDR_HOST_MAX, "]:655350", 9);
+  assert_int_equal(kvf__addr_parse(s, strlen(s), NULL, 0, NULL, NULL), KVF_EINVAL);
+  assert_string_equal(kvf__addr_str("", 80).s, "?");
+}
+
+/* Peer names of sockets: IPv4 as "ip:port", IPv6 always in brackets (a
+ * link-local one with its zone), and they parse back to the same host and
+ * port. Other families are refused with "?". */
+static void socket_peer_names(void **state) {
+  (void)state;
+  char out[KVF_ADDR_LEN], host[KVF_ADDR_HOST_LEN];
+  uint16_t port = 0;
+  struct sockaddr_in a4 = {.sin_family = AF_INET, .sin_port = htons(5000)};
+  inet_pton(AF_INET, "10.1.2.3", &a4.sin_addr);
+  assert_int_equal(kvf__addr_from_sockaddr(out, sizeof out, (struct sockaddr *)&a4), 0);
+  assert_string_equal(out, "10.1.2.3:5000");
+  struct sockaddr_in6 a6 = {.sin6_family = AF_INET6, .sin6_port = htons(65535)};
+  inet_pton(AF_INET6, "::1", &a6.sin6_addr);
+  assert_int_equal(kvf__addr_from_sockaddr(out, sizeof out, (struct sockaddr *)&a6), 0);
+  assert_string_equal(out, "[::1]:65535");
+  assert_int_equal(parse(out, host, &port), 0);
+  assert_string_equal(host, "::1");
+  assert_int_equal(port, 65535);
+  inet_pton(AF_INET6, "::ffff:10.0.0.1", &a6.sin6_addr);
+  assert_int_equal(kvf__addr_from_sockaddr(out, sizeof out, (struct sockaddr *)&a6), 0);
+  assert_string_equal(out, "[::ffff:10.0.0.1]:65535");
+  inet_pton(AF_INET6, "fe80::1", &a6.sin6_addr);
+  a6.sin6_scope_id = 1; /* lo */
+  assert_int_equal(kvf__addr_from_sockaddr(out, sizeof out, (struct sockaddr *)&a6), 0);
+  assert_int_equal(strncmp(out, "[fe80::1%", 9), 0);
+  assert_int_equal(parse(out, host, &port), 0);
+  struct sockaddr un = {.sa_family = AF_UNIX};
+  assert_int_equal(kvf__addr_from_sockaddr(out, sizeof out, &un), KVF_EINVAL);
+  assert_string_equal(out, "?");
+  assert_int_equal(kvf__addr_from_sockaddr(out, 8, (struct sockaddr *)&a4), KVF_EINVAL); /* does not fit */
+  assert_string_equal(out, "?");
+}
+
+/* The host a string names: that of an address, else the whole string (a
+ * bare IP literal or host name, as libzmq's Peer-Address or an M1
+ * endpoint); a bare IPv6 literal keeps its colons. */
+static void host_of(void **state) {
+  (void)state;
+  static const struct {
+    const char *in, *host;
+  } cases[] = {
+      {"10.0.0.1:80", "10.0.0.1"},  {"[::1]:80", "::1"},      {"[fe80::1%eth0]:9", "fe80::1%eth0"}, {"::1", "::1"},
+      {"fe80::1:80", "fe80::1:80"}, {"10.0.0.1", "10.0.0.1"}, {"prefill-0:8998", "prefill-0"},      {"", ""},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char out[KVF_ADDR_HOST_LEN];
+    assert_int_equal(kvf__addr_host(cases[i].in, out, sizeof out), 0);
+    assert_string_equal(out, cases[i].host);
+  }
+  char small[4];
+  assert_int_equal(kvf__addr_host("abcdef", small, sizeof small), KVF_EINVAL);
+  assert_string_equal(small, "");
+  /* the rank_ip rule of bootstrap registrations: the host characters, no brackets */
+  assert_true(kvf__addr_host_valid("fe80::1%eth0", 12));
+  assert_true(kvf__addr_host_valid("prefill-0.svc", 13));
+  assert_false(kvf__addr_host_valid("[::1]", 5));
+  assert_false(kvf__addr_host_valid("a b", 3));
+  assert_false(kvf__addr_host_valid("", 0));
+  char big[KVF_ADDR_HOST_MAX + 1];
+  memset(big, 'a', sizeof big);
+  assert_true(kvf__addr_host_valid(big, KVF_ADDR_HOST_MAX));
+  assert_false(kvf__addr_host_valid(big, KVF_ADDR_HOST_MAX + 1));
+}
+
 /* The layers that take addresses agree with the parser: IPv6 in brackets
  * everywhere, bare IPv6 nowhere. */
 static void layers_agree(void **state) {
@@ -124,9 +219,8 @@ static void layers_agree(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(accepted),
-      cmocka_unit_test(refused),
-      cmocka_unit_test(length_bound),
+      cmocka_unit_test(accepted),        cmocka_unit_test(refused),           cmocka_unit_test(length_bound),
+      cmocka_unit_test(longest_address), cmocka_unit_test(socket_peer_names), cmocka_unit_test(host_of),
       cmocka_unit_test(layers_agree),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

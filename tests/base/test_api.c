@@ -167,9 +167,11 @@ static void config_first_version_accepted(void **state) {
   assert_int_equal(kvf_engine_register(e, src, sizeof src), 0);
   assert_int_equal(kvf_engine_register(e, dst, sizeof dst), 0);
   kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)dst, .len = sizeof src};
+  uint64_t wakeups = kvf_wakeups();
   assert_int_equal(kvf_engine_write_ex(e, kvf_engine_session_id(e), &w, 1, &bo.c), 0);
   kvf_engine_sync(e);
   assert_memory_equal(src, dst, sizeof src);
+  assert_true(kvf_wakeups() > wakeups); /* the target's reader woke with the chunk */
   bo.c.size = KVF_BATCH_OPTS_SIZE_V1 - 1;
   assert_int_equal(kvf_engine_write_ex(e, kvf_engine_session_id(e), &w, 1, &bo.c), KVF_EINVAL);
 

@@ -13,7 +13,7 @@
 #include <cmocka.h>
 
 #include "bootstrap/bootstrap.h"
-#include "testing/peer.h"
+#include "tools/peer.h"
 #include "kvferry.h"
 
 static long put_route(const char *addr, const char *token) {

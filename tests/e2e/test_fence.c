@@ -28,8 +28,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "testing/kvpool.h"
-#include "testing/proc.h"
+#include "tools/kvpool.h"
+#include "tools/proc.h"
 #include "kvferry.h"
 
 #define LAYERS 2

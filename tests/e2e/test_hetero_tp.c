@@ -17,9 +17,9 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "testing/kvpool.h"
-#include "testing/pattern.h"
-#include "testing/proc.h"
+#include "tools/kvpool.h"
+#include "tools/pattern.h"
+#include "tools/proc.h"
 #include "kvferry.h"
 
 #define LAYERS 2

@@ -16,8 +16,8 @@
 #include <cmocka.h>
 
 #include "bootstrap/bootstrap.h"
-#include "testing/kvpool.h"
-#include "testing/proc.h"
+#include "tools/kvpool.h"
+#include "tools/proc.h"
 #include "kv/manager.h"
 #include "kvferry.h"
 

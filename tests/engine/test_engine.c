@@ -17,8 +17,8 @@
 #include <cmocka.h>
 
 #include "base/addr.h"
-#include "testing/pattern.h"
-#include "testing/peer.h"
+#include "tools/pattern.h"
+#include "tools/peer.h"
 #include "engine/async.h"
 #include "engine/engine_internal.h"
 #include "kvferry.h"
@@ -594,6 +594,93 @@ static void on_refused(void *arg, uint64_t tag, uint64_t epoch, int err, const c
   atomic_fetch_add(&r->n, 1);
 }
 
+/* An IPv6 peer is named in brackets wherever the engine hands its name on:
+ * the session id is "[::1]:port", a refusal callback (whose text goes into
+ * the decode's failure reason and logs) gets "[::1]:port", and a trailer
+ * callback gets the bare IP "::1" (as it gets "127.0.0.1"). */
+typedef struct v6_seen {
+  pthread_mutex_t mu;
+  char refused_by[KVF_ADDR_LEN], trailer_from[KVF_ADDR_LEN];
+} v6_seen;
+
+static void on_v6_refused(void *arg, uint64_t tag, uint64_t epoch, int err, const char *peer) {
+  (void)tag, (void)epoch, (void)err;
+  v6_seen *v = arg;
+  pthread_mutex_lock(&v->mu);
+  snprintf(v->refused_by, sizeof v->refused_by, "%s", peer);
+  pthread_mutex_unlock(&v->mu);
+}
+
+static void on_v6_trailer(void *arg, const unsigned char *data, size_t len, const char *peer) {
+  (void)data, (void)len;
+  v6_seen *v = arg;
+  pthread_mutex_lock(&v->mu);
+  snprintf(v->trailer_from, sizeof v->trailer_from, "%s", peer);
+  pthread_mutex_unlock(&v->mu);
+}
+
+static void ipv6_peer_names_are_bracketed(void **state) {
+  (void)state;
+  if (ucx_write_mode()) {
+    print_message("refusals come from the target over tcp and UCX read mode only; skipped in write mode\n");
+    skip();
+  }
+  kvf_engine_config c;
+  kvf_engine_config_init(&c);
+  c.auth_token = "";
+  c.host = "::1";
+  kvf_engine *t = NULL, *w = NULL;
+  if (kvf_engine_create(&c, &t)) {
+    print_message("no IPv6 loopback here; skipped\n");
+    skip();
+  }
+  assert_int_equal(kvf_engine_create(&c, &w), 0);
+  char want[KVF_ADDR_LEN];
+  snprintf(want, sizeof want, "[::1]:%u", (unsigned)kvf_engine_port(t));
+  assert_string_equal(kvf_engine_session_id(t), want);
+  enum { N = 64 << 10 };
+  unsigned char *src = calloc(1, N), *dst = calloc(1, N);
+  assert_int_equal(kvf_engine_register(w, src, N), 0);
+  assert_int_equal(kvf_engine_register(t, dst, N), 0);
+  v6_seen v = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  assert_int_equal(kvf__engine_on_refusal(t, on_v6_refused, &v), 0);
+  assert_int_equal(kvf__engine_on_trailer(t, on_v6_trailer, &v), 0);
+  kvf_write wr = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst, 4096, 1, 0, 0};
+  assert_int_equal(kvf__engine_write_trailer(w, kvf_engine_session_id(t), &wr, 1, NULL, "done", 4), 0);
+  for (int i = 0; i < 5000; i++) {
+    pthread_mutex_lock(&v.mu);
+    int got = v.trailer_from[0] != 0;
+    pthread_mutex_unlock(&v.mu);
+    if (got) break;
+    usleep(1000);
+  }
+  assert_string_equal(v.trailer_from, "::1");
+  uint64_t epoch = 0, half[2] = {(uint64_t)(uintptr_t)dst, N / 2};
+  assert_int_equal(kvf_engine_fence_open(t, 9, &epoch), 0);
+  assert_int_equal(kvf__engine_fence_bound(t, 9, epoch, half, 1), 0);
+  kvf_batch_opts o;
+  kvf_batch_opts_init(&o);
+  o.tag = 9;
+  o.epoch = epoch;
+  wr.len = N;
+  assert_int_equal(kvf_engine_write_ex(w, kvf_engine_session_id(t), &wr, 1, &o), KVF_ERANGE);
+  pthread_mutex_lock(&v.mu);
+  char host[KVF_ADDR_HOST_LEN];
+  uint16_t port = 0;
+  assert_int_equal(kvf__addr_parse(v.refused_by, strlen(v.refused_by), host, sizeof host, &port, NULL), 0);
+  pthread_mutex_unlock(&v.mu);
+  assert_string_equal(host, "::1");
+  assert_int_equal(strncmp(v.refused_by, "[::1]:", 6), 0);
+  assert_true(port != 0);
+  kvf__engine_off_refusal(t, &v);
+  kvf__engine_off_trailer(t, &v);
+  assert_int_equal(kvf_engine_fence_close(t, 9, epoch, 1000), 0);
+  kvf_engine_destroy(w);
+  kvf_engine_destroy(t);
+  free(src);
+  free(dst);
+}
+
 static void tagged_batches_land_only_while_their_fence_is_open(void **state) {
   if (ucx_write_mode()) {
     /* Target-side fences need the target to see the write: UCX puts are
@@ -699,6 +786,7 @@ int main(void) {
       cmocka_unit_test(register_unregister_rules),
       cmocka_unit_test(chunking_covers_every_byte),
       cmocka_unit_test(tagged_batches_land_only_while_their_fence_is_open),
+      cmocka_unit_test(ipv6_peer_names_are_bracketed),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -20,8 +20,8 @@
 #include "bootstrap/bootstrap.h"
 #include "engine/async.h"
 
-#include "testing/pattern.h"
-#include "testing/peer.h"
+#include "tools/pattern.h"
+#include "tools/peer.h"
 #include "kvferry.h"
 #ifdef KVF_HAVE_UCX
 #include <ucp/api/ucp.h>

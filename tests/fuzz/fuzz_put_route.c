@@ -14,7 +14,7 @@ static void check_bounds(const route_reg *r) {
   if (r->dp_size < 1 || r->dp_size > r->world_size || r->world_size % r->dp_size) abort();
   if (r->engine_rank < 0 || r->engine_rank >= r->world_size) abort();
   if (r->rank_port < 1 || r->rank_port > 65535) abort();
-  if (!kvf__route_ip_valid(r->rank_ip, strlen(r->rank_ip))) abort();
+  if (!kvf__addr_host_valid(r->rank_ip, strlen(r->rank_ip))) abort();
   for (int i = 0; i < ROUTE_NLISTS; i++) {
     if (r->lists[i].n > ROUTE_MAX_LIST || (!r->lists[i].present && r->lists[i].n)) abort();
     for (size_t j = 0; j < r->lists[i].n; j++)
@@ -66,10 +66,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     kvf__route_parallel_info_free(&p);
   }
 
-  char ip[ROUTE_IP_MAX + 1];
+  char ip[KVF_ADDR_HOST_LEN];
   int port = 0;
   if (kvf__route_json_parse_rank(body, size, ip, sizeof ip, &port) == 0) {
-    if (port < 1 || port > 65535 || !kvf__route_ip_valid(ip, strlen(ip))) abort();
+    if (port < 1 || port > 65535 || !kvf__addr_host_valid(ip, strlen(ip))) abort();
   }
 
   int64_t v;

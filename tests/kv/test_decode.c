@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "base/addr.h"
 #include "base/clock.h"
 #include "bootstrap/bootstrap.h"
 #include "engine/async.h"
@@ -549,6 +550,35 @@ static void lookup_failures(void **state) {
   assert_int_equal(kvf_receiver_create(f->m, f->addr, -2, &r), 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
   kvf_receiver_destroy(r);
+  teardown(f);
+}
+
+/* The receiver takes every bootstrap address the library's parser takes, up
+ * to the longest ("[" 255-byte IPv6 host "]:65535", KVF_ADDR_MAX bytes),
+ * and names it whole in the failure reason; one byte more is a caller
+ * error. */
+static void longest_bootstrap_address(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  char addr[KVF_ADDR_MAX + 2];
+  memset(addr, 0, sizeof addr);
+  addr[0] = '[';
+  memcpy(addr + 1, "::1%", 4);
+  memset(addr + 5, 'a', KVF_ADDR_HOST_MAX - 4);
+  memcpy(addr + 1 + KVF_ADDR_HOST_MAX, "]:65535", 8);
+  assert_int_equal(strlen(addr), KVF_ADDR_MAX);
+  assert_int_equal(kvf__addr_parse(addr, strlen(addr), NULL, 0, NULL, NULL), 0);
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, addr, 60, &r), 0);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_FAILED); /* nothing listens there */
+  char reason[ROOMS_REASON_MAX];
+  kvf_receiver_failure(r, reason, sizeof reason);
+  assert_non_null(strstr(reason, addr));
+  kvf_receiver_destroy(r);
+  memcpy(addr + 1 + KVF_ADDR_HOST_MAX, "]:655350", 9); /* KVF_ADDR_MAX + 1 bytes */
+  r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, addr, 61, &r), KVF_EINVAL);
+  assert_null(r);
   teardown(f);
 }
 
@@ -1167,6 +1197,7 @@ int main(void) {
       cmocka_unit_test(malformed_and_unknown),
       cmocka_unit_test(waiting_timeout_fires),
       cmocka_unit_test(lookup_failures),
+      cmocka_unit_test(longest_bootstrap_address),
       cmocka_unit_test(heartbeat_node_failure),
       cmocka_unit_test(heartbeat_bootstrap_down_ranks_alive),
       cmocka_unit_test(forged_m3_from_third_party),

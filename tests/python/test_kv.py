@@ -44,9 +44,10 @@ FINAL = (TransferPoll.Success, TransferPoll.Failed)
 def spawn(tmp_path):
     procs = []
 
-    def _spawn(script, *args, name="proc"):
+    def _spawn(script, *args, name="proc", env_set=None):
         env = dict(os.environ)
         env["PYTHONPATH"] = PYDIR
+        env.update(env_set or {})
         if env.get("KVFERRY_LIB"):  # the children run in tmp_path
             env["KVFERRY_LIB"] = os.path.abspath(env["KVFERRY_LIB"])
         p = Proc(script, args, env, tmp_path, line_timeout=LINE_TIMEOUT_S, finish_timeout=15, name=f"{name}{len(procs)}")
@@ -322,20 +323,40 @@ def test_verify_asked_by_the_decode_only(closing):
     assert ds["verify_unverified"] == 0 and ds["verify_failures"] == 0 and ps["verify_failures"] == 0
 
 
-def test_verify_asked_by_the_decode_only_catches_a_landed_byte(closing, monkeypatch):
+CORRUPT = COMMON + r"""
+rng = np.random.default_rng(32)
+src = [rng.integers(0, 256, size=(16, 4096), dtype=np.uint8) for _ in range(2)]
+dst = [np.zeros((16, 4096), dtype=np.uint8) for _ in range(2)]
+srv = BootstrapServer("127.0.0.1", 0)
+pm = KVManager("prefill", src, layer_bufs=[[0, 1]], bootstrap_addr=srv.addr, verify=False)
+dm = KVManager("decode", dst, layer_bufs=[[0, 1]], verify=True)
+r = KVReceiver(dm, srv.addr, 32)
+s = KVSender(pm, 32)
+assert r.poll() == TransferPoll.Bootstrapped
+r.prefill([4, 5], aux_index=0)
+s.send([6, 7], is_last=True, aux_index=0, bootstrap_token=5)
+print("RESULT", TransferPoll(wait(r, TransferPoll.Success)).name, dm.get_stats()["verify_failures"], "|", r.failure_reason(), flush=True)
+for h in (r, s, dm, pm, srv):
+    h.close()
+"""
+
+
+def test_verify_asked_by_the_decode_only_catches_a_landed_byte(spawn):
     """Same one-sided mode: one landed byte flipped before the decode's check
-    (the library's test hook) fails the room on the decode, naming the KV
-    buffer and page, counted in verify_failures."""
-    monkeypatch.setenv("KVFERRY_TEST_CORRUPT_ROOM", "32")  # read at manager creation
-    src, dst, pm, dm, r, s = _verify_pair(closing, 32, decode_verify=True, prefill_verify=False)
-    monkeypatch.delenv("KVFERRY_TEST_CORRUPT_ROOM")
-    assert r.poll() == TransferPoll.Bootstrapped
-    r.prefill([4, 5], aux_index=0)
-    s.send([6, 7], is_last=True, aux_index=0, bootstrap_token=5)
-    assert wait_final(r) == TransferPoll.Failed
-    why = r.failure_reason()
+    fails the room on the decode, naming the KV buffer and page, counted in
+    verify_failures. The flip is the testing library's hook, which only the
+    test build of the library (libkvferry-testhook.so, $KVFERRY_TESTHOOK_LIB)
+    arms from $KVFERRY_TEST_CORRUPT_ROOM: the shipped libkvferry.so has no
+    such hook, so this runs in a child process loading the test build."""
+    lib = os.environ.get("KVFERRY_TESTHOOK_LIB")
+    if not lib:
+        pytest.skip("KVFERRY_TESTHOOK_LIB (the test build of the library) not set; ctest sets it")
+    env = {"KVFERRY_LIB": os.path.abspath(lib), "KVFERRY_TEST_CORRUPT_ROOM": "32"}
+    p = spawn(CORRUPT, name="corrupt", env_set=env)
+    head, _, why = p.line().partition(" | ")
+    assert head == "RESULT Failed 1", head
     assert "Integrity check failed: KV buffer " in why and " page " in why, why
-    assert dm.get_stats()["verify_failures"] == 1
+    p.finish()
 
 
 def test_verify_on_the_prefill_only_names_a_page_reused_too_early(closing):

@@ -63,7 +63,6 @@
 
 #define DECODE_MAX_ADDRS 1024        /* bootstrap addresses cached at once */
 #define DECODE_MAX_POOLS 65536       /* pool keys cached at once */
-#define DECODE_ADDR_MAX 256          /* bytes of a bootstrap address, NUL included */
 #define DECODE_KEY_MAX 8192          /* bytes of a pool key */
 #define DECODE_HB_CONNECT_MS 2000    /* the reference heartbeat's (2, 3) timeouts */
 #define DECODE_HB_TIMEOUT_MS 5000    /* ... each capped at the heartbeat interval */
@@ -74,7 +73,7 @@ typedef struct pool_target {
   int rank;
   int is_dummy;
   int required_dst_info_num;
-  char ip[ROUTE_IP_MAX + 1];
+  char ip[KVF_ADDR_HOST_LEN];
   uint16_t port;
   size_t frag_start, nfrags;
 } pool_target;
@@ -82,7 +81,7 @@ typedef struct pool_target {
 /* The targets of one pool key, shared by every receiver using it. */
 typedef struct pool_entry {
   atomic_int refs;
-  char addr[DECODE_ADDR_MAX];
+  char addr[KVF_ADDR_LEN];
   int64_t group; /* the target dp group, for the heartbeat's rank revalidation */
   int ntargets;
   pool_target *targets;
@@ -138,7 +137,7 @@ struct decode_state {
 struct kvf_receiver {
   kvf_manager *m;
   int64_t room;
-  char addr[DECODE_ADDR_MAX];
+  char addr[KVF_ADDR_LEN];
   /* Of the addr_entry the receiver was built from; 0 = none. Atomic: the
    * heartbeat's node-failure predicate reads it while create may set it. */
   _Atomic uint64_t epoch;

@@ -240,8 +240,8 @@ static int resolve_and_register(kvf_manager *m, bootstrap_client **client, pool_
   for (int i = 0; i < p->ntargets && !rc; i++) {
     rc = kvf__manager_push_send(m, p->targets[i].ip, p->targets[i].port, &msg);
     if (rc)
-      kvf__dec_set_reason(reason, rcap, "Could not register with prefill rank %s:%u (bootstrap_addr: %s): %s",
-                          p->targets[i].ip, (unsigned)p->targets[i].port, p->addr, kvf_strerror(rc));
+      kvf__dec_set_reason(reason, rcap, "Could not register with prefill rank %s (bootstrap_addr: %s): %s",
+                          kvf__addr_str(p->targets[i].ip, p->targets[i].port).s, p->addr, kvf_strerror(rc));
   }
   kvf__wire_msg_free(&msg);
   return rc;

@@ -71,7 +71,7 @@ typedef struct rank_seen {
   int rank;
   int64_t group;
   int ok; /* the lookup answered; otherwise the /health logic decides */
-  char ip[ROUTE_IP_MAX + 1];
+  char ip[KVF_ADDR_HOST_LEN];
   int port;
 } rank_seen;
 
@@ -133,13 +133,13 @@ static void revalidate_ranks(kvf_manager *m, bootstrap_client *c, const char *ad
     if (owned) kvf__dec_pool_unref(p); /* the map's reference; ours keeps the tag unique */
 
     char reason[ROOMS_REASON_MAX];
-    kvf__dec_set_reason(reason, sizeof reason, "Prefill rank %d of %s restarted (now %s:%d)",
-                        p->targets[changed].rank, addr, now->ip, now->port);
+    kvf__dec_set_reason(reason, sizeof reason, "Prefill rank %d of %s restarted (now %s)",
+                        p->targets[changed].rank, addr, kvf__addr_str(now->ip, (uint16_t)now->port).s);
     size_t nfailed = 0;
     kvf__rooms_fail_matching(m->rooms, match_pool, p, reason, &nfailed);
     atomic_fetch_add(&m->stats.node_failures, 1);
-    LOG_ERROR("kv", "%s (was %s:%u), affected %zu requests", reason, p->targets[changed].ip,
-              (unsigned)p->targets[changed].port, nfailed);
+    LOG_ERROR("kv", "%s (was %s), affected %zu requests", reason,
+              kvf__addr_str(p->targets[changed].ip, p->targets[changed].port).s, nfailed);
   }
 
   for (size_t i = 0; i < n; i++) {
@@ -209,8 +209,8 @@ static int probe_addr(kvf_manager *m, hb_peer *p, const char *addr, char *why, s
     for (size_t i = 0; i < n && ranks_ok; i++)
       if (t[i].result) {
         ranks_ok = 0;
-        kvf__dec_set_reason(why, cap, "prefill rank %d at %s:%u does not answer (%s)", t[i].rank, t[i].ip,
-                            (unsigned)t[i].port, kvf_strerror(t[i].result));
+        kvf__dec_set_reason(why, cap, "prefill rank %d at %s does not answer (%s)", t[i].rank,
+                            kvf__addr_str(t[i].ip, t[i].port).s, kvf_strerror(t[i].result));
       }
   }
   free(t);

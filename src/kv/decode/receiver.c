@@ -33,7 +33,7 @@ static void receiver_give(struct decode_state *ds, kvf_receiver *r) {
 
 int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out) {
   if (!m || !m->decode || !bootstrap_addr || !out) return KVF_EINVAL;
-  if (!*bootstrap_addr || strlen(bootstrap_addr) >= DECODE_ADDR_MAX) return KVF_EINVAL;
+  if (!*bootstrap_addr || strlen(bootstrap_addr) > KVF_ADDR_MAX) return KVF_EINVAL;
   kvf_receiver *r = receiver_take(m->decode);
   if (!r) return KVF_ENOMEM;
   r->m = m;
@@ -117,8 +117,8 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
     rc = kvf__manager_push_send(m, t->ip, t->port, &msg);
     kvf__wire_msg_free(&msg);
     if (rc)
-      kvf__dec_set_reason(reason, sizeof reason, "Could not send the transfer request to prefill rank %s:%u: %s",
-                          t->ip, (unsigned)t->port, kvf_strerror(rc));
+      kvf__dec_set_reason(reason, sizeof reason, "Could not send the transfer request to prefill rank %s: %s",
+                          kvf__addr_str(t->ip, t->port).s, kvf_strerror(rc));
   }
   if (rc) {
     kvf__dec_fail_room(m, r->room, reason);

@@ -353,8 +353,8 @@ int kvf__pf_xfer_failed(const pf_room *r, const wire_m2 *x, int rc, char *why, s
              x->room);
     return DEST_FAIL;
   }
-  snprintf(why, whycap, "Failed to send kv chunk of %" PRId64 " to %s:%u (%s)", r->room, x->endpoint,
-           (unsigned)x->dst_port, kvf_strerror(rc));
+  snprintf(why, whycap, "Failed to send kv chunk of %" PRId64 " to %s (%s)", r->room,
+           kvf__addr_str(x->endpoint, x->dst_port).s, kvf_strerror(rc));
   return DEST_XFER_FAIL;
 }
 

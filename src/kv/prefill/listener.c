@@ -179,9 +179,7 @@ static void on_fence(kvf_manager *m, prefill_state *ps, const wire_frame *frames
     kvf__manager_reject(m, peer, "fence", why);
     return;
   }
-  char host[WIRE_STR_MAX + 1];
-  snprintf(host, sizeof host, "%.*s", (int)(strrchr(f.session, ':') - f.session), f.session);
-  if (!kvf__manager_peer_is(m, peer, host)) {
+  if (!kvf__manager_peer_is(m, peer, f.session)) { /* the decode host the session names */
     kvf__manager_reject_forged(m, peer, "fence", "the sender is not the decode host the notice names");
     return;
   }

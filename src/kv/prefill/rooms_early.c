@@ -123,7 +123,7 @@ void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   if (kvf__wire_m3_encode(&m3, &msg, why)) {
-    LOG_WARN("kv", "cannot encode the status of room %" PRId64 " for %s:%u: %s", s->room, host, (unsigned)port,
+    LOG_WARN("kv", "cannot encode the status of room %" PRId64 " for %s: %s", s->room, kvf__addr_str(host, port).s,
              why);
     return;
   }

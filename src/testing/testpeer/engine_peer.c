@@ -19,7 +19,7 @@
 
 #include "testing/testpeer/testpeer.h"
 #include "kvferry.h"
-#include "testing/pattern.h"
+#include "tools/pattern.h"
 
 static int verify(unsigned char *buf, size_t len, char *args) {
   unsigned long long seed = 0, page_size = 0;

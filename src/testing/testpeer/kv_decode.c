@@ -9,7 +9,7 @@
  * It prints
  *   ready <engine-session>
  * and takes commands on stdin:
- *   recv <room> <npages> <seed> <token> [corrupt]
+ *   recv <room> <npages> <seed> <token> [corrupt|corrupt-landed]
  *       creates a receiver on every decode rank against the --bootstrap
  *       server, each takes npages scattered pages of its pool and sends its
  *       M2 (kvf_receiver_init); once the room is final on every rank it
@@ -17,7 +17,11 @@
  *       byte of every page (head-aware: every (token, head) unit) against the
  *       request's pattern. `corrupt` flips one byte of one landed page of the
  *       last rank before the check, to show that the
- *       check catches it. Seed 0 skips the byte check (benchmarks).
+ *       check catches it. `corrupt-landed` flips one byte of the room's first
+ *       page to land, inside the library right before verify mode checks it
+ *       against its digest (the testing library's hook, testing/tamper.h),
+ *       so the library fails the room naming the page. Seed 0 skips the
+ *       byte check (benchmarks).
  *   stats
  *       one line "stats <live-rooms> <received> <malformed> <unknown-room>"
  *       summed over the ranks (as kv-peer's)
@@ -36,10 +40,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "testing/tamper.h"
 #include "testing/testpeer/testpeer.h"
 #include "kvferry.h"
-#include "testing/kvpool.h"
-#include "testing/pattern.h"
+#include "tools/kvpool.h"
+#include "tools/pattern.h"
 
 #define DEC_MAX_REQS 1024
 #define DEC_MAX_RANKS 64
@@ -312,6 +317,7 @@ int cli_kv_decode(int argc, char **argv) {
                            .seed = seed,
                            .token = token,
                            .corrupt = !strcmp(extra, "corrupt")};
+            if (!strcmp(extra, "corrupt-landed")) testing_corrupt_room(room); /* armed before its M2 goes out */
             start(rk, nranks, baddr, r, &rng);
           }
         } else {

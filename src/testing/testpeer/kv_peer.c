@@ -28,7 +28,7 @@
  *       `lw <room> <compute-start-ns> <compute-end-ns>` once sent
  *   wakeups
  *       prints `wakeups <n>`: the library's thread wake-ups in this process
- *       so far (base/wake.h; benchmarks report them per room)
+ *       so far (kvf_wakeups; benchmarks report them per room)
  *   stats
  *       one line "stats <live-rooms> <received> <malformed> <unknown-room>"
  *       summed over the ranks' kvf_manager_stats (the fault suite checks
@@ -50,8 +50,8 @@
 
 #include "testing/testpeer/testpeer.h"
 #include "kvferry.h"
-#include "testing/kvpool.h"
-#include "base/wake.h"
+#include "tools/kvpool.h"
+#include "base/addr.h"
 
 #define PEER_MAX_REQS 4096
 #define PEER_STATE_SLOTS 64
@@ -312,9 +312,9 @@ int cli_kv_peer(int argc, char **argv) {
     fprintf(stderr, "kv-peer: cannot start the bootstrap server\n");
     goto out;
   }
-  char baddr[300];
+  char baddr[KVF_ADDR_LEN];
   if (o.bootstrap) snprintf(baddr, sizeof baddr, "%s", o.bootstrap);
-  else snprintf(baddr, sizeof baddr, "%s:%u", o.host, (unsigned)kvf_bootstrap_server_port(srv));
+  else kvf__addr_format(baddr, sizeof baddr, o.host, kvf_bootstrap_server_port(srv));
   for (int r = 0; r < o.world; r++) {
     int use_pool = 0, erc = cli_rank_engine(o.host, &engines[r], &use_pool);
     if (erc) {
@@ -368,7 +368,7 @@ int cli_kv_peer(int argc, char **argv) {
         int chunk = 0, state = 0, reuse = 0, wait_m2 = 0, per_layer, sleep = 0;
         if (!strcmp(line, "quit")) eof = 1;
         else if (!strcmp(line, "stats")) cli_print_stats(mgr, o.world);
-        else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf__wake_total());
+        else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf_wakeups());
         else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
                         &sleep) >= 5 &&
                  npages > 0 && layer_us >= 0 && o.world == 1) {

@@ -5,7 +5,7 @@
 #ifndef KVF_TESTING_TESTPEER_H
 #define KVF_TESTING_TESTPEER_H
 
-#include "testing/util.h"
+#include "tools/util.h"
 
 int cli_engine_peer(int argc, char **argv);
 int cli_kv_peer(int argc, char **argv);

@@ -28,7 +28,7 @@ int engine_peer_start_args(engine_peer *ep, uint64_t bytes, const char *token, c
   char line[512];
   unsigned long long base = 0, len = 0;
   if (proc_read_line(&ep->p, line, sizeof line, 10000) ||
-      sscanf(line, "ready %299s %llx %llu", ep->session, &base, &len) != 3) {
+      sscanf(line, "ready " CLI_ADDR_SCAN " %llx %llu", ep->session, &base, &len) != 3) {
     fprintf(stderr, "kvferry: engine peer did not start\n");
     proc_stop(&ep->p, 1000);
     return -1;

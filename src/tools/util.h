@@ -1,11 +1,18 @@
 /* Helpers shared by the kvferry command, the test peer and the tests:
  * clocks, a seeded generator, size parsing, the transport option and the
- * stats line (util.c). Part of the testing library (src/testing/), which is
- * static and never installed. */
-#ifndef KVF_TESTING_UTIL_H
-#define KVF_TESTING_UTIL_H
+ * stats line (util.c). Part of the tools library (src/tools/): static, public
+ * API only, no test hook. */
+#ifndef KVF_TOOLS_UTIL_H
+#define KVF_TOOLS_UTIL_H
 
 #include <stdint.h>
+
+#include "kvferry/common.h"
+
+/* The sscanf conversion that reads an address (at most KVF_ADDR_MAX bytes)
+ * into a buffer of KVF_ADDR_MAX + 1, as peers print them ("ready ADDR"). */
+#define CLI_ADDR_SCAN "%263s"
+_Static_assert(KVF_ADDR_MAX == 263, "CLI_ADDR_SCAN reads KVF_ADDR_MAX bytes");
 
 int cli_parse_size(const char *s, unsigned long long *out);
 int cli_is_tty(void);

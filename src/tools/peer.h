@@ -6,10 +6,11 @@
 #include <stdint.h>
 
 #include "proc.h"
+#include "util.h"
 
 typedef struct engine_peer {
   proc p;
-  char session[300];
+  char session[KVF_ADDR_MAX + 1];
   uint64_t base; /* address of the peer's registered buffer, in its process */
   uint64_t bytes;
 } engine_peer;
