@@ -143,6 +143,13 @@ typedef struct kvf_manager_config {
    * on. Host memory only: kvf_manager_create refuses it (KVF_EINVAL) when
    * a buffer is not readable host memory (device memory). */
   int verify;
+  /* Room traces (issue 25, include/kvferry/trace.h, docs/TRACE.md): the
+   * finished rooms kept in the manager's ring, allocated once at create;
+   * 0 = off (nothing recorded, no KVFERRY_TRACE lines, no histograms in
+   * kvf_manager_metrics). Default 1024; env KVFERRY_TRACE_ROOMS overrides.
+   * Added after KVF_MANAGER_CONFIG_SIZE_V1: a program built against older
+   * headers gets the default. */
+  size_t trace_rooms;
 } kvf_manager_config;
 /* The size of the first published kvf_manager_config (up to verify), the
  * smallest `size` accepted (see KVF_ENGINE_CONFIG_SIZE_V1). */
