@@ -285,11 +285,12 @@ __attribute__((format(printf, 2, 3))) static void put(out_buf *b, const char *fm
 
 static void put_str(out_buf *b, const char *s) {
   put(b, "\"");
-  for (; *s && !b->full; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') put(b, "\\%c", c);
-    else if (c < 0x20 || c == 0x7f) put(b, "\\u%04x", c);
-    else put(b, "%c", c);
+  while (*s && !b->full) {
+    size_t run = 0; /* plain characters go in one piece */
+    while (s[run] && s[run] != '"' && s[run] != '\\' && (unsigned char)s[run] >= 0x20 && s[run] != 0x7f) run++;
+    if (run) put(b, "%.*s", (int)run, s), s += run;
+    else if (*s == '"' || *s == '\\') put(b, "\\%c", *s++);
+    else put(b, "\\u%04x", (unsigned char)*s++);
   }
   put(b, "\"");
 }

@@ -29,6 +29,9 @@
  *   wakeups
  *       prints `wakeups <n>`: the library's thread wake-ups in this process
  *       so far (base/wake.h; benchmarks report them per room)
+ *   trace 0 | trace 1
+ *       room traces off / on for rooms created from now on
+ *       (kvf_manager_trace_enable; bench rooms' trace_overhead_ratio)
  *   stats
  *       one line "stats <live-rooms> <received> <malformed> <unknown-room>"
  *       summed over the ranks' kvf_manager_stats (the fault suite checks
@@ -369,6 +372,8 @@ int cli_kv_peer(int argc, char **argv) {
         if (!strcmp(line, "quit")) eof = 1;
         else if (!strcmp(line, "stats")) cli_print_stats(mgr, o.world);
         else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf__wake_total());
+        else if (!strcmp(line, "trace 0") || !strcmp(line, "trace 1")) /* room traces off / on (benchmarks) */
+          for (int r = 0; r < o.world; r++) kvf_manager_trace_enable(mgr[r], line[6] == '1');
         else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
                         &sleep) >= 5 &&
                  npages > 0 && layer_us >= 0 && o.world == 1) {
