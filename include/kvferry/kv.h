@@ -222,7 +222,9 @@ KVF_API void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
  * field: kvferry_manager_<field>{role="prefill",session="ip:port"} <value>
  * (no HELP/TYPE lines, so the lines of several managers can share a page,
  * e.g. a bootstrap server's GET /metrics through
- * kvf_bootstrap_server_add_metrics). Writes whole lines only, at most
+ * kvf_bootstrap_server_add_metrics), then, while room traces are on
+ * (trace_rooms > 0), the room histograms of docs/TRACE.md, each with its
+ * "# TYPE" line and the same labels. Writes whole lines only, at most
  * cap - 1 bytes, NUL-terminated when cap > 0; returns the bytes written.
  * Any thread. */
 KVF_API size_t kvf_manager_metrics(kvf_manager *m, char *buf, size_t cap);
