@@ -17,6 +17,8 @@ if PYDIR not in sys.path:
 
 from kvferry import BootstrapServer, KVManager, KVReceiver, KVSender, TransferPoll  # noqa: E402
 
+from subproc import poll_until  # noqa: E402  (tests/python/subproc.py)
+
 np = pytest.importorskip("numpy")
 parser = pytest.importorskip("prometheus_client.parser")
 
@@ -25,12 +27,7 @@ PAGES, ITEM = 32, 512
 
 
 def wait_final(handle, limit=15):
-    deadline = time.monotonic() + limit
-    st = handle.poll()
-    while st not in FINAL and time.monotonic() < deadline:
-        time.sleep(0.002)
-        st = handle.poll()
-    return st
+    return poll_until(handle.poll, FINAL, limit, 0.002)
 
 
 @pytest.fixture
