@@ -696,25 +696,35 @@ static double bench_zmq_rtt_us(int rounds) {
 /* One rooms case's traces: the decode's records of the case's rooms still in
  * its manager's ring, and the case's room ids (for the prefill's file). */
 typedef struct rooms_trace {
-  kvf_room_trace *t;
-  size_t n;
+  kvf_room_trace *t, *pf; /* decode, prefill */
+  size_t n, npf;
   int64_t lo, hi;
 } rooms_trace;
 
 #define ROOMS_TRACE_MAX 1024 /* the ring's default size */
 
-static void rooms_trace_take(rooms_trace *rt, kvf_manager *m, int64_t base, int rooms) {
+/* After a case: the decode's ring, and the prefill peer's (`traces`). */
+static void rooms_trace_take(rooms_trace *rt, kvf_manager *m, proc *peer, int64_t base, int rooms) {
   rt->lo = base, rt->hi = base + rooms;
-  if (!(rt->t = malloc(ROOMS_TRACE_MAX * sizeof *rt->t))) return;
+  rt->t = malloc(ROOMS_TRACE_MAX * sizeof *rt->t);
+  rt->pf = malloc(ROOMS_TRACE_MAX * sizeof *rt->pf);
+  if (!rt->t || !rt->pf) return;
   rt->n = kvf_manager_trace_copy(m, rt->t, ROOMS_TRACE_MAX);
+  fprintf(peer->in, "traces\n");
+  fflush(peer->in);
+  char line[8192];
+  while (!proc_read_line(peer, line, sizeof line, 5000) && strcmp(line, "traces end"))
+    if (!strncmp(line, "trace ", 6) && rt->npf < ROOMS_TRACE_MAX &&
+        !kvf_trace_parse_json(line + 6, &rt->pf[rt->npf]))
+      rt->npf++;
 }
 
 /* Both sides' breakdowns: a JSON member of the case's object, or tables. */
-static void rooms_trace_print(const rooms_trace *rt, const kvf_room_trace *pf, size_t npf, int json) {
+static void rooms_trace_print(const rooms_trace *rt, int json) {
   if (json) printf(",\"breakdown\":{\"decode\":");
   cli_breakdown_print(rt->t, rt->n, KVF_ROLE_DECODE, rt->lo, rt->hi, json, "  ");
   if (json) printf(",\"prefill\":");
-  cli_breakdown_print(pf, npf, KVF_ROLE_PREFILL, rt->lo, rt->hi, json, "  ");
+  cli_breakdown_print(rt->pf, rt->npf, KVF_ROLE_PREFILL, rt->lo, rt->hi, json, "  ");
   if (json) printf("}");
 }
 
@@ -730,26 +740,19 @@ static int bench_rooms(const bench_opts *o) {
   snprintf(item, sizeof item, "%d", ROOMS_ITEM);
   char *argv[] = {(char *)exe, "kv-peer", "--layers", layers, "--item", item, "--pages", pages, NULL};
   proc peer;
-  /* The prefill's room traces come back through its KVFERRY_TRACE file; the
-   * decode's from its manager's ring here. */
-  char tpath[64] = "";
-  if (cli_breakdown_tmpfile(tpath, sizeof tpath)) tpath[0] = '\0';
-  if (*tpath) setenv("KVFERRY_TRACE", tpath, 1);
-  int started = proc_start(&peer, argv);
-  unsetenv("KVFERRY_TRACE");
-  if (started) return 1;
+  if (proc_start(&peer, argv)) return 1;
   char line[400], baddr[300];
   kvpool pool;
   kvf_manager *m = NULL, *m3only = NULL;
   int rc = 1;
+  /* Room traces, both sides from their managers' rings (the default
+   * configuration, so what the overhead runs measure): the decode's here,
+   * the prefill's through the peer's `traces` command. */
   rooms_trace rt[8] = {{0}};
-  kvf_room_trace *pf = NULL; /* the prefill's records */
-  size_t npf = 0;
   double over_ratio = 0, over_off = 0, over_on = 0;
   if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready %299s", baddr) != 1) {
     fprintf(stderr, "bench rooms: the prefill peer did not start\n");
     proc_stop(&peer, 1000);
-    if (*tpath) unlink(tpath);
     return 1;
   }
   if (kvpool_init(&pool, ROOMS_LAYERS, ROOMS_POOL_PAGES, ROOMS_ITEM)) goto out_peer;
@@ -782,7 +785,7 @@ static int bench_rooms(const bench_opts *o) {
   for (size_t i = 0; i < nc; i++) {
     kvf_manager *cm = cases[i].m3_only ? m3only : m;
     if (bench_rooms_case(cm, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;
-    rooms_trace_take(&rt[i], cm, base, cases[i].rooms);
+    rooms_trace_take(&rt[i], cm, &peer, base, cases[i].rooms);
     base += cases[i].rooms;
   }
   /* Tracing's cost: the 1-page, 64-in-flight rate with room traces off on
@@ -807,7 +810,6 @@ static int bench_rooms(const bench_opts *o) {
                       {"fanout_4to1_mla", 4, 1, 0, 0, 0}};
   size_t nfo = o->room_pages ? 0 : sizeof fo / sizeof fo[0];
   if (nfo && bench_fanout(fo, nfo, o->quick ? 30 : 200)) goto out_mgr;
-  if (*tpath) cli_breakdown_read(tpath, &pf, &npf);
   if (o->json) {
     printf("{\"bench\":\"rooms\"");
     bench_path(m, 1);
@@ -823,7 +825,7 @@ static int bench_rooms(const bench_opts *o) {
              i ? "," : "", cases[i].name, cases[i].rooms, cases[i].rooms_per_s, cases[i].p50_us, cases[i].p99_us,
              rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room, ideal,
              ideal > 0 ? cases[i].p50_us / ideal : 0);
-      rooms_trace_print(&rt[i], pf, npf, 1);
+      rooms_trace_print(&rt[i], 1);
       printf("}");
     }
     printf("]");
@@ -863,10 +865,8 @@ static int bench_rooms(const bench_opts *o) {
              "(6 runs alternating)\n",
              over_ratio, over_off, over_on);
     for (size_t i = 0; i < nc; i++) {
-      printf("per-step breakdown, %s (the decode's rooms still in its ring; the prefill's from its "
-             "KVFERRY_TRACE file):\n",
-             cases[i].name);
-      rooms_trace_print(&rt[i], pf, npf, 0);
+      printf("per-step breakdown, %s (the rooms still in each side's ring):\n", cases[i].name);
+      rooms_trace_print(&rt[i], 0);
     }
     if (nfo) {
       printf("fan-out: MLA requests of %d pages in chunks of %d (%llu B per destination), prefill workers;\n"
@@ -888,9 +888,7 @@ out_pool:
   kvpool_free(&pool);
 out_peer:
   proc_stop(&peer, 5000);
-  for (size_t i = 0; i < sizeof rt / sizeof rt[0]; i++) free(rt[i].t);
-  free(pf);
-  if (*tpath) unlink(tpath);
+  for (size_t i = 0; i < sizeof rt / sizeof rt[0]; i++) free(rt[i].t), free(rt[i].pf);
   return rc;
 }
 

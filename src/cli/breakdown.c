@@ -19,6 +19,9 @@ static int cmp_i64(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* The nearest-rank percentile's index among k sorted values: ceil(pct% of k) - 1. */
+static size_t rank_of(size_t k, unsigned pct) { return (k * pct + 99) / 100 - 1; }
+
 int cli_breakdown_read(const char *path, kvf_room_trace **out, size_t *n) {
   FILE *f = fopen(path, "r");
   *out = NULL, *n = 0;
@@ -77,7 +80,7 @@ void cli_breakdown_print(const kvf_room_trace *t, size_t n, int side, int64_t lo
     size_t k = durations(t, n, side, lo, hi, s, d);
     if (!k) continue;
     qsort(d, k, sizeof *d, cmp_i64);
-    double p50 = d[k / 2] / 1e3, p99 = d[(size_t)((k - 1) * 0.99)] / 1e3;
+    double p50 = d[rank_of(k, 50)] / 1e3, p99 = d[rank_of(k, 99)] / 1e3;
     const char *name = s < KVF_TRACE_NSTEPS ? kvf_trace_step_name(s) : "total";
     if (json)
       printf("%s{\"step\":\"%s\",\"rooms\":%zu,\"p50_us\":%.1f,\"p99_us\":%.1f}", first ? "" : ",", name, k, p50,
