@@ -22,5 +22,6 @@
 #include "kvferry/bootstrap.h"
 #include "kvferry/engine.h"
 #include "kvferry/kv.h"
+#include "kvferry/trace.h"
 
 #endif

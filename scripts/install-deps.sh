@@ -8,7 +8,7 @@ PACKAGES=(
   build-essential cmake pkg-config clang libclang-rt-14-dev clang-format
   libzmq3-dev libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libcmocka-dev libsodium-dev libxxhash-dev
   libucx-dev ucx-utils
-  python3 python3-zmq python3-pytest python3-requests python3-numpy
+  python3 python3-zmq python3-pytest python3-requests python3-numpy python3-prometheus-client
   iproute2
 )
 

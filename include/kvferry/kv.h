@@ -143,6 +143,13 @@ typedef struct kvf_manager_config {
    * on. Host memory only: kvf_manager_create refuses it (KVF_EINVAL) when
    * a buffer is not readable host memory (device memory). */
   int verify;
+  /* Room traces (issue 25, include/kvferry/trace.h, docs/TRACE.md): the
+   * finished rooms kept in the manager's ring, allocated once at create;
+   * 0 = off (nothing recorded, no KVFERRY_TRACE lines, no histograms in
+   * kvf_manager_metrics). Default 1024; env KVFERRY_TRACE_ROOMS overrides.
+   * Added after KVF_MANAGER_CONFIG_SIZE_V1: a program built against older
+   * headers gets the default. */
+  size_t trace_rooms;
 } kvf_manager_config;
 /* The size of the first published kvf_manager_config (up to verify), the
  * smallest `size` accepted (see KVF_ENGINE_CONFIG_SIZE_V1). */
@@ -215,7 +222,9 @@ KVF_API void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
  * field: kvferry_manager_<field>{role="prefill",session="ip:port"} <value>
  * (no HELP/TYPE lines, so the lines of several managers can share a page,
  * e.g. a bootstrap server's GET /metrics through
- * kvf_bootstrap_server_add_metrics). Writes whole lines only, at most
+ * kvf_bootstrap_server_add_metrics), then, while room traces are on
+ * (trace_rooms > 0), the room histograms of docs/TRACE.md, each with its
+ * "# TYPE" line and the same labels. Writes whole lines only, at most
  * cap - 1 bytes, NUL-terminated when cap > 0; returns the bytes written.
  * Any thread. */
 KVF_API size_t kvf_manager_metrics(kvf_manager *m, char *buf, size_t cap);

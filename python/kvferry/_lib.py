@@ -127,8 +127,47 @@ class kvf_send_params(ctypes.Structure):
     ]
 
 
+KVF_TRACE_NSTEPS = 15
+KVF_TRACE_MAX_PEERS = 4
+KVF_TRACE_REASON_MAX = 160
+# kvf_trace_step values, in enum order (include/kvferry/trace.h).
+TRACE_STEPS = (
+    "created", "discovery_done", "m1_sent", "m2_sent", "first_byte", "last_byte", "completion_seen",
+    "m2_received", "sender_created", "first_chunk_submitted", "last_chunk_submitted", "first_byte_sent",
+    "last_byte_done", "completion_sent", "final",
+)
+
+
+class kvf_trace_peer(ctypes.Structure):
+    _fields_ = [("peer", ctypes.c_char * 64), ("transport", ctypes.c_char * 8), ("mode", ctypes.c_char * 8)]
+
+
+class kvf_room_trace(ctypes.Structure):
+    """One room as one side saw it (kvf_manager_trace_get / _copy)."""
+
+    _fields_ = [
+        ("room", ctypes.c_int64),
+        ("side", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("status", ctypes.c_int),
+        ("finished", ctypes.c_int),
+        ("t_ns", ctypes.c_int64 * KVF_TRACE_NSTEPS),
+        ("t0_unix_ns", ctypes.c_int64),
+        ("bytes", ctypes.c_uint64),
+        ("descs", ctypes.c_uint64),
+        ("chunks", ctypes.c_uint64),
+        ("retries", ctypes.c_uint64),
+        ("npeers", ctypes.c_uint32),
+        ("peers", kvf_trace_peer * KVF_TRACE_MAX_PEERS),
+        ("engine", ctypes.c_char * 64),
+        ("reason", ctypes.c_char * KVF_TRACE_REASON_MAX),
+    ]
+
+
 # Every struct the binding declares, for the layout test.
 STRUCTS = {
+    "kvf_trace_peer": kvf_trace_peer,
+    "kvf_room_trace": kvf_room_trace,
     "kvf_write": kvf_write,
     "kvf_engine_stats": kvf_engine_stats,
     "kvf_kv_buffers": kvf_kv_buffers,
@@ -211,6 +250,16 @@ _PROTOTYPES = {
     "kvf_sender_abort": (None, [_vp, _cp]),
     "kvf_sender_destroy": (None, [_vp]),
 }
+
+# Room traces (issue 25, trace.h).
+_PROTOTYPES.update({
+    "kvf_trace_step_name": (_cp, [_int]),
+    "kvf_manager_trace_get": (_int, [_vp, _i64, _P(kvf_room_trace)]),
+    "kvf_manager_trace_copy": (_sz, [_vp, _P(kvf_room_trace), _sz]),
+    "kvf_manager_trace_enable": (_int, [_vp, _int]),
+    "kvf_trace_format_json": (_sz, [_P(kvf_room_trace), ctypes.c_char_p, _sz]),
+    "kvf_trace_parse_json": (_int, [_cp, _P(kvf_room_trace)]),
+})
 
 # Transports (issue 10): capabilities, per-peer route, engine-allocated pools.
 _PROTOTYPES.update({

@@ -25,6 +25,7 @@ from ._lib import (
     KVF_SEND_LAST,
     KVF_SEND_LAYERS,
     KVF_SEND_TOKEN_LATER,
+    TRACE_STEPS,
     Config,
     KVFError,
     _Closing,
@@ -32,6 +33,7 @@ from ._lib import (
     check,
     kvf_kv_buffers,
     kvf_manager_stats,
+    kvf_room_trace,
     kvf_send_params,
     lib,
     to_bytes,
@@ -147,6 +149,27 @@ def _describe(kind, ptrs, lens, item_lens, unit_lens, keep):
             _u64_arr(unit_lens) if unit_lens is not None else None)
 
 
+def trace_dict(t):
+    """A kvf_room_trace as a dict: steps as {name: monotonic ns} (reached ones only)."""
+    return {
+        "room": t.room,
+        "side": "prefill" if t.side == KVF_ROLE_PREFILL else "decode",
+        "rank": t.rank,
+        "status": t.status,
+        "finished": bool(t.finished),
+        "steps": {name: t.t_ns[i] for i, name in enumerate(TRACE_STEPS) if t.t_ns[i]},
+        "t0_unix_ns": t.t0_unix_ns,
+        "bytes": t.bytes,
+        "descs": t.descs,
+        "chunks": t.chunks,
+        "retries": t.retries,
+        "peers": [{"peer": p.peer.decode(), "transport": p.transport.decode(), "mode": p.mode.decode()}
+                  for p in t.peers[:t.npeers]],
+        "engine": t.engine.decode(),
+        "reason": t.reason.decode(errors="replace"),
+    }
+
+
 class KVManager(_Closing):
     """One rank's KV manager (kvf_manager).
 
@@ -173,7 +196,7 @@ class KVManager(_Closing):
                  engine_port=0, auth_token=None, transfer_timeout_ms=0, conns_per_peer=0,
                  bootstrap_timeout_s=0, waiting_timeout_s=0, heartbeat_interval_s=0,
                  heartbeat_max_failures=0, failed_session_ttl_s=None, queue_size=0,
-                 http_timeout_ms=0, max_rooms=0, target_layer_num=0, verify=False):
+                 http_timeout_ms=0, max_rooms=0, target_layer_num=0, verify=False, trace_rooms=None):
         self._h = None
         self._handles = weakref.WeakSet()
         self._keep = []
@@ -251,6 +274,8 @@ class KVManager(_Closing):
             cfg.set("target_layer_num", int(target_layer_num))
         if verify:
             cfg.set("verify", 1)
+        if trace_rooms is not None:
+            cfg.set("trace_rooms", int(trace_rooms))
 
         h = ctypes.c_void_p()
         check(lib.kvf_manager_create(cfg.ptr, ctypes.byref(bufs), ctypes.byref(h)),
@@ -285,6 +310,37 @@ class KVManager(_Closing):
         st = kvf_manager_stats()
         lib.kvf_manager_get_stats(self._require(), ctypes.byref(st))
         return {name: getattr(st, name) for name, _ in kvf_manager_stats._fields_}
+
+    def metrics(self):
+        """kvf_manager_metrics: the counters and room histograms as Prometheus text."""
+        cap = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            n = lib.kvf_manager_metrics(self._require(), buf, cap)
+            if n + 4096 < cap:  # whole lines only: a full buffer may have cut some
+                return buf.raw[:n].decode()
+            cap *= 4
+
+    def trace(self, bootstrap_room):
+        """The room's trace as a dict (trace_dict), or None when not traced here:
+        the live room's so far, else the newest finished one in the ring."""
+        t = kvf_room_trace()
+        rc = lib.kvf_manager_trace_get(self._require(), int(bootstrap_room), ctypes.byref(t))
+        if rc == KVF_ENOTFOUND:
+            return None
+        check(rc, "kvf_manager_trace_get")
+        return trace_dict(t)
+
+    def traces(self, limit=None):
+        """The finished rooms kept in the ring (at most `limit`), oldest first, as dicts."""
+        cap = int(limit) if limit is not None else 1 << 16
+        arr = (kvf_room_trace * max(cap, 1))()
+        n = lib.kvf_manager_trace_copy(self._require(), arr, cap)
+        return [trace_dict(arr[i]) for i in range(n)]
+
+    def trace_enable(self, on=True):
+        """Record rooms created from now on (or not). KVFerryError without a ring."""
+        check(lib.kvf_manager_trace_enable(self._require(), int(bool(on))), "kvf_manager_trace_enable")
 
     def close(self):
         """Clear every live sender/receiver, then destroy the manager. Idempotent."""

@@ -696,6 +696,41 @@ static double bench_zmq_rtt_us(int rounds) {
   return med;
 }
 
+/* One rooms case's traces: the decode's records of the case's rooms still in
+ * its manager's ring, and the case's room ids (for the prefill's file). */
+typedef struct rooms_trace {
+  kvf_room_trace *t, *pf; /* decode, prefill */
+  size_t n, npf;
+  int64_t lo, hi;
+} rooms_trace;
+
+#define ROOMS_TRACE_MAX 1024 /* the ring's default size */
+
+/* After a case: the decode's ring, and the prefill peer's (`traces`). */
+static void rooms_trace_take(rooms_trace *rt, kvf_manager *m, proc *peer, int64_t base, int rooms) {
+  rt->lo = base, rt->hi = base + rooms;
+  rt->t = malloc(ROOMS_TRACE_MAX * sizeof *rt->t);
+  rt->pf = malloc(ROOMS_TRACE_MAX * sizeof *rt->pf);
+  if (!rt->t || !rt->pf) return;
+  rt->n = kvf_manager_trace_copy(m, rt->t, ROOMS_TRACE_MAX);
+  fprintf(peer->in, "traces\n");
+  fflush(peer->in);
+  char line[8192];
+  while (!proc_read_line(peer, line, sizeof line, 5000) && strcmp(line, "traces end"))
+    if (!strncmp(line, "trace ", 6) && rt->npf < ROOMS_TRACE_MAX &&
+        !kvf_trace_parse_json(line + 6, &rt->pf[rt->npf]))
+      rt->npf++;
+}
+
+/* Both sides' breakdowns: a JSON member of the case's object, or tables. */
+static void rooms_trace_print(const rooms_trace *rt, int json) {
+  if (json) printf(",\"breakdown\":{\"decode\":");
+  cli_breakdown_print(rt->t, rt->n, KVF_ROLE_DECODE, rt->lo, rt->hi, json, "  ");
+  if (json) printf(",\"prefill\":");
+  cli_breakdown_print(rt->pf, rt->npf, KVF_ROLE_PREFILL, rt->lo, rt->hi, json, "  ");
+  if (json) printf("}");
+}
+
 static int bench_rooms(const bench_opts *o) {
   double rtt_us = bench_zmq_rtt_us(2000);
   /* For the many-page cases: one cache-hot TCP stream's bandwidth, so
@@ -713,6 +748,11 @@ static int bench_rooms(const bench_opts *o) {
   kvpool pool;
   kvf_manager *m = NULL, *m3only = NULL;
   int rc = 1;
+  /* Room traces, both sides from their managers' rings (the default
+   * configuration, so what the overhead runs measure): the decode's here,
+   * the prefill's through the peer's `traces` command. */
+  rooms_trace rt[8] = {{0}};
+  double over_ratio = 0, over_off = 0, over_on = 0;
   if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
     fprintf(stderr, "bench rooms: the prefill peer did not start\n");
     proc_stop(&peer, 1000);
@@ -746,8 +786,27 @@ static int bench_rooms(const bench_opts *o) {
   if (bench_rooms_case(m3only, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   for (size_t i = 0; i < nc; i++) {
-    if (bench_rooms_case(cases[i].m3_only ? m3only : m, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;
+    kvf_manager *cm = cases[i].m3_only ? m3only : m;
+    if (bench_rooms_case(cm, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;
+    rooms_trace_take(&rt[i], cm, &peer, base, cases[i].rooms);
     base += cases[i].rooms;
+  }
+  /* Tracing's cost: the 1-page, 64-in-flight rate with room traces off on
+   * both sides against on, runs alternating so the machine's noise hits
+   * both (trace_overhead_ratio = rate off / rate on, 1.0 = free). */
+  if (!o->room_pages) {
+    double t_off = 0, t_on = 0, n_off = 0, n_on = 0;
+    for (int k = 0; k < 6; k++) {
+      int on = k % 2;
+      rooms_case oc = {on ? "overhead_on" : "overhead_off", 1, 64, o->quick ? 500 : 3000, 0, 0, 0, 0, 0};
+      fprintf(peer.in, "trace %d\n", on);
+      kvf_manager_trace_enable(m, on);
+      if (bench_rooms_case(m, &pool, &peer, baddr, &oc, base)) goto out_mgr;
+      base += oc.rooms;
+      *(on ? &t_on : &t_off) += oc.rooms / oc.rooms_per_s;
+      *(on ? &n_on : &n_off) += oc.rooms;
+    }
+    over_off = n_off / t_off, over_on = n_on / t_on, over_ratio = over_off / over_on;
   }
   fanout_case fo[] = {{"fanout_1to1_base", 1, 1, 0, 0, 0},
                       {"fanout_1to4_mla", 1, 4, 0, 0, 0},
@@ -765,12 +824,18 @@ static int bench_rooms(const bench_opts *o) {
       double ideal =
           hot_gbps > 0 ? cases[i].pages * ROOMS_ITEM * 2.0 * ROOMS_LAYERS / (hot_gbps * 1e3) + rtt_us : 0;
       printf("%s{\"name\":\"%s\",\"rooms\":%d,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
-             "\"p50_over_zmq_rtt\":%.2f,\"wakeups_per_room\":%.2f,\"ideal_us\":%.1f,\"p50_over_ideal\":%.2f}",
+             "\"p50_over_zmq_rtt\":%.2f,\"wakeups_per_room\":%.2f,\"ideal_us\":%.1f,\"p50_over_ideal\":%.2f",
              i ? "," : "", cases[i].name, cases[i].rooms, cases[i].rooms_per_s, cases[i].p50_us, cases[i].p99_us,
              rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room, ideal,
              ideal > 0 ? cases[i].p50_us / ideal : 0);
+      rooms_trace_print(&rt[i], 1);
+      printf("}");
     }
     printf("]");
+    if (over_ratio > 0)
+      printf(",\"trace_overhead_ratio\":%.3f,\"trace_overhead\":{\"case\":\"1 page, 64 in flight\","
+             "\"rooms_per_s_off\":%.0f,\"rooms_per_s_on\":%.0f,\"runs\":6}",
+             over_ratio, over_off, over_on);
     if (nfo) {
       printf(",\"fanout\":{\"baseline\":\"the same requests between TP 1 and TP 1\",\"layers\":%d,"
              "\"page_tokens\":%d,\"unit\":%d,\"pages\":%d,\"chunk_pages\":%d,\"bytes_per_dest\":%llu,\"cases\":[",
@@ -798,6 +863,14 @@ static int bench_rooms(const bench_opts *o) {
       printf("%-28s %8d %12.0f %10.1f %10.1f %12.2f %10.2f\n", cases[i].name, cases[i].rooms, cases[i].rooms_per_s,
              cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0,
              cases[i].wakeups_per_room);
+    if (over_ratio > 0)
+      printf("trace_overhead_ratio %.3f: 1 page, 64 in flight, %.0f rooms/s with room traces off, %.0f on "
+             "(6 runs alternating)\n",
+             over_ratio, over_off, over_on);
+    for (size_t i = 0; i < nc; i++) {
+      printf("per-step breakdown, %s (the rooms still in each side's ring):\n", cases[i].name);
+      rooms_trace_print(&rt[i], 0);
+    }
     if (nfo) {
       printf("fan-out: MLA requests of %d pages in chunks of %d (%llu B per destination), prefill workers;\n"
              "         baseline: the same requests between TP 1 and TP 1\n",
@@ -818,6 +891,7 @@ out_pool:
   kvpool_free(&pool);
 out_peer:
   proc_stop(&peer, 5000);
+  for (size_t i = 0; i < sizeof rt / sizeof rt[0]; i++) free(rt[i].t), free(rt[i].pf);
   return rc;
 }
 
@@ -915,9 +989,13 @@ static int bench_e2e(const bench_opts *o) {
   double base_pool = bench_tcp_baseline(2 * bytes, 256ull << 20), base = bench_tcp_baseline(2 * bytes, 1 << 20);
   double mc = bench_memcpy_gbps(2 * bytes);
   pd_pair pp;
-  char err[256];
-  if (pd_start(&pp, E2E_LAYERS, E2E_ITEM, pages, err, sizeof err)) {
+  char err[256], tpath[64]; /* the main pair's room traces, for the per-step breakdown */
+  cli_breakdown_env(tpath, sizeof tpath);
+  int started = pd_start(&pp, E2E_LAYERS, E2E_ITEM, pages, err, sizeof err);
+  unsetenv("KVFERRY_TRACE");
+  if (started) {
     fprintf(stderr, "bench e2e: %s\n", err);
+    if (*tpath) unlink(tpath);
     return 1;
   }
   int64_t room = 1;
@@ -953,7 +1031,10 @@ static int bench_e2e(const bench_opts *o) {
     else unsetenv("KVFERRY_CLI_MEMORY");
     free(prev);
   }
-  if (rc) return 1;
+  if (rc) {
+    if (*tpath) unlink(tpath);
+    return 1;
+  }
   double ideal = base > 0 ? bytes / (base * 1e9) : 0, gbps = p50 > 0 ? bytes / p50 / 1e9 : 0;
   if (o->json) {
     printf("{\"bench\":\"e2e\"");
@@ -973,6 +1054,7 @@ static int bench_e2e(const bench_opts *o) {
     if (o->verify) /* the verify pair's figures belong to the same object */
       printf(",\"verify\":{\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"overhead_ratio\":%.3f}", v50, vbest,
              p50 > 0 ? v50 / p50 : 0);
+    cli_breakdown_file(tpath, 2, 1); /* room 1 warmed up */
     printf("}\n");
   } else {
     bench_path(NULL, 0);
@@ -1009,6 +1091,7 @@ static int bench_e2e(const bench_opts *o) {
              "e2e_llama8b_4096tok_verify", v50 * 1e3, vbest * 1e3, v50 > 0 ? bytes / v50 / 1e9 : 0, "-", "-",
              v50 * 1e3, p50 * 1e3, ratio, (ratio - 1) * 100);
   }
+  cli_breakdown_file(tpath, 2, 0); /* text mode (the JSON object has it already); room 1 warmed up */
   return 0;
 }
 

@@ -277,8 +277,13 @@ int cli_demo(int argc, char **argv) {
                   .kv_heads = md->mla ? 0 : md->kv_heads,
                   .mla = md->mla,
                   .unit = unit};
-  if (pd_start_layout(&pp, &lo, err, sizeof err)) {
+  char tpath[64]; /* the room traces of both processes, for the breakdown at the end */
+  cli_breakdown_env(tpath, sizeof tpath);
+  int started = pd_start_layout(&pp, &lo, err, sizeof err);
+  unsetenv("KVFERRY_TRACE");
+  if (started) {
     fprintf(stderr, "demo: %s\n", err);
+    if (*tpath) unlink(tpath);
     goto out_free;
   }
   printf("  processes: bootstrap %s, prefill (TP %d) pid %d, decode (TP %d) pid %d\n", pp.baddr, prefill_tp,
@@ -372,6 +377,7 @@ out_stop:
   }
   fflush(stdout);
   pd_stop(&pp);
+  cli_breakdown_file(tpath, 0, 0);
   free(accounted);
 out_free:
   free(reqs);

@@ -86,4 +86,18 @@ int kvf__engine_fence_retire(kvf_engine *engine, uint64_t tag, uint64_t epoch, i
  * KVF_ENOTFOUND when the pair is not open. Any thread. */
 int kvf__engine_fence_bound(kvf_engine *engine, uint64_t tag, uint64_t epoch, const uint64_t *ranges, size_t n);
 
+/* What landed here for the open pair (tag, epoch) so far (room traces,
+ * issue 25): when the first chunk began landing and the last one landed
+ * (clock_now_ns; 0 = none), bytes and chunks, and how the last one came
+ * (KVF__FENCE_TCP: a TCP receive; KVF__FENCE_READ: this engine read it over
+ * UCX; 0: nothing seen, e.g. one-sided UCX writes). KVF_ENOTFOUND when the
+ * pair is not open. Any thread. */
+enum { KVF__FENCE_TCP = 1, KVF__FENCE_READ = 2 };
+typedef struct kvf__fence_stats {
+  int64_t first_ns, last_ns;
+  uint64_t bytes, chunks;
+  int how;
+} kvf__fence_stats;
+int kvf__engine_fence_stats(kvf_engine *engine, uint64_t tag, uint64_t epoch, kvf__fence_stats *out);
+
 #endif

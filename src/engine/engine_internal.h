@@ -67,6 +67,11 @@ typedef struct engine_fence {
    * by the caller until the pair is closed; read under the table's lock. */
   const uint64_t *bounds;
   size_t nbounds;
+  /* What landed for the pair (kvf__fence_landed; room traces, issue 25):
+   * atomics, written by receivers while they hold the pair (inflight). */
+  _Atomic int64_t first_ns, last_ns;
+  atomic_ullong bytes, chunks;
+  atomic_int how; /* KVF__FENCE_TCP or KVF__FENCE_READ: how the last chunk came */
 } engine_fence;
 
 typedef struct engine_fences {
@@ -82,6 +87,11 @@ void kvf__fence_destroy(engine_fences *f);
  * (counted in chunks_fenced) when the pair is not open. */
 engine_fence *kvf__fence_enter(struct kvf_engine *e, uint64_t tag, uint64_t epoch);
 void kvf__fence_leave(struct kvf_engine *e, engine_fence *x);
+/* A chunk of `bytes` for the pair began landing at t0 and landed at t1 (ns,
+ * clock_now_ns); `how` is KVF__FENCE_TCP or KVF__FENCE_READ (async.h). Called
+ * while the receiver still holds x, before the chunk's trailer is handed
+ * over, so whoever sees the room's completion sees these. No lock. */
+void kvf__fence_landed(engine_fence *x, int64_t t0, int64_t t1, uint64_t bytes, int how);
 /* A receiver of an admitted chunk checks its destinations against the
  * fence's bounds between _begin (which takes the table's lock; 1 = the pair
  * closed meanwhile: refuse) and _end (which lets it go); _ok says whether

@@ -214,6 +214,28 @@ int kvf__fence_bounds_ok(const engine_fence *x, uint64_t dst, uint64_t len, uint
   return 1;
 }
 
+void kvf__fence_landed(engine_fence *x, int64_t t0, int64_t t1, uint64_t bytes, int how) {
+  int64_t zero = 0, cur = atomic_load(&x->last_ns);
+  atomic_compare_exchange_strong(&x->first_ns, &zero, t0 ? t0 : 1);
+  while (cur < t1 && !atomic_compare_exchange_weak(&x->last_ns, &cur, t1)) {
+  }
+  atomic_fetch_add(&x->bytes, bytes);
+  atomic_fetch_add(&x->chunks, 1);
+  atomic_store(&x->how, how);
+}
+
+int kvf__engine_fence_stats(kvf_engine *e, uint64_t tag, uint64_t epoch, kvf__fence_stats *out) {
+  if (!e || !tag || !epoch || !out) return KVF_EINVAL;
+  pthread_mutex_lock(&e->fences.lock);
+  engine_fence *x = kvf__map_get(&e->fences.open, epoch);
+  int rc = x && x->tag == tag ? 0 : KVF_ENOTFOUND;
+  if (!rc)
+    *out = (kvf__fence_stats){atomic_load(&x->first_ns), atomic_load(&x->last_ns), atomic_load(&x->bytes),
+                              atomic_load(&x->chunks), atomic_load(&x->how)};
+  pthread_mutex_unlock(&e->fences.lock);
+  return rc;
+}
+
 void kvf__fence_leave(kvf_engine *e, engine_fence *x) {
   pthread_mutex_lock(&e->fences.lock);
   if (--x->inflight == 0 && x->closed) {

@@ -314,10 +314,12 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
   uint64_t left = h->total_bytes;
   if (!v && !fenced) {
     kvf_engine_sync(e); /* order after the owner's last local change */
+    int64_t t_land = pins.fence ? clock_now_ns() : 0;
     rc = in_recv_payload(in, descs, h->ndesc, h->total_bytes, &pins, deadline, &left);
     kvf_engine_sync(e); /* publish the bytes to the owner's next sync */
     for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
     int cut = rc == 2 && pins.fence && atomic_load(&pins.fence->cut);
+    if (!rc && pins.fence) kvf__fence_landed(pins.fence, t_land, clock_now_ns(), h->total_bytes, KVF__FENCE_TCP);
     /* A landed chunk's trailer is handed over before the fence is left: once
      * kvf_engine_fence_close has returned, no trailer of that epoch arrives
      * (a room id used again must not see the last use's completion). */

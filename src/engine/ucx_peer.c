@@ -704,8 +704,9 @@ int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap)
   if (p) {
     pthread_mutex_lock(&p->mu);
     if (p->route != ROUTE_UNKNOWN) {
-      snprintf(out, cap, "%s: %s%s", p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
-               p->mapped ? "; its pool is mapped here (plain stores)" : "");
+      snprintf(out, cap, "%s: %s%s%s", p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
+               p->mapped ? "; its pool is mapped here (plain stores)" : "",
+               p->route == ROUTE_UCX && p->read_mode ? "; read mode (the target reads)" : "");
       rc = 0;
     }
     pthread_mutex_unlock(&p->mu);

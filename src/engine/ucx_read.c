@@ -667,8 +667,10 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   }
   if (!status) status = notice_check(&r, w, n.ndesc);
   int checked = !status; /* a refusal from here on is this engine's (an unregister), not the writer's */
+  int64_t t_land = 0;
   if (!status) {
     kvf_engine_sync(e); /* order after the owner's last local change, as tcp_in.c does */
+    t_land = r.fence ? clock_now_ns() : 0;
     status = notice_copy(&r, w, n.ndesc, &bytes);
   }
   /* Done reading: it counts only if that was within the lease (by the
@@ -679,6 +681,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
     kvf_engine_sync(e); /* the bytes read, before the trailer's reader looks at them */
     atomic_fetch_add(&e->stats.batches_received, 1);
     atomic_fetch_add(&e->stats.bytes_received, bytes);
+    if (r.fence) kvf__fence_landed(r.fence, t_land, clock_now_ns(), bytes, KVF__FENCE_READ);
     if (n.tlen) {
       /* Handed over before the fence is left, as over tcp: once a fence
        * close returned, no trailer of that epoch arrives. */

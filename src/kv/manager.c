@@ -40,6 +40,7 @@ void kvf_manager_config_init(kvf_manager_config *cfg) {
   cfg->http_timeout_ms = 5000;
   cfg->max_rooms = 0;
   cfg->fast_completion = 1;
+  cfg->trace_rooms = 1024;
 }
 
 static const kvf__field manager_fields[] = {
@@ -64,6 +65,7 @@ static const kvf__field manager_fields[] = {
     KVF__FIELD(kvf_manager_config, control_token, KVF__FIELD_STR),
     KVF__FIELD(kvf_manager_config, fast_completion, KVF__FIELD_INT),
     KVF__FIELD(kvf_manager_config, verify, KVF__FIELD_INT),
+    KVF__FIELD(kvf_manager_config, trace_rooms, KVF__FIELD_SIZE),
 };
 
 int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value) {
@@ -109,6 +111,8 @@ static void resolve_config(kvf_manager_config *c) {
       (double)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_FAILED_SESSION_TTL", (int64_t)c->failed_session_ttl_s);
   c->queue_size = (int)kvf__env_get_int("TOKENSPEED_DISAGGREGATION_QUEUE_SIZE", c->queue_size);
   c->verify = kvf__env_get_int("KVFERRY_VERIFY", c->verify) != 0;
+  int64_t tr = kvf__env_get_int("KVFERRY_TRACE_ROOMS", (int64_t)c->trace_rooms);
+  c->trace_rooms = tr > 0 ? (size_t)tr : 0;
   /* The reference's floors: a heartbeat faster than 2 s or a threshold of 0
    * would declare healthy peers dead. KVFERRY_HEARTBEAT_MIN_S lets tests go
    * below 2 s; production keeps the floor. */
@@ -334,6 +338,7 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   c->state_layer_ids = NULL;
   if (c->verify && (rc = check_host_memory(&m->bufs))) goto err_bufs;
   if ((rc = kvf__rooms_table_new(c->max_rooms, &m->rooms))) goto err_bufs;
+  if ((rc = kvf__trace_ring_new(c->trace_rooms, &m->trace))) goto err_rooms;
 
   if (c->engine) {
     m->engine = c->engine;
@@ -387,6 +392,7 @@ err_engine:
   if (m->own_engine) kvf_engine_destroy(m->engine);
 err_rooms:
   kvf__rooms_table_free(m->rooms, NULL);
+  kvf__trace_ring_free(m->trace);
 err_bufs:
   free_buffers(&m->bufs);
 err_free:
@@ -409,6 +415,7 @@ void kvf_manager_destroy(kvf_manager *m) {
   unregister_buffers(m);
   if (m->own_engine) kvf_engine_destroy(m->engine);
   kvf__rooms_table_free(m->rooms, NULL);
+  kvf__trace_ring_free(m->trace);
   free_buffers(&m->bufs);
   sodium_memzero(m->ctl_key, sizeof m->ctl_key);
   if (m->wake_fd >= 0) close(m->wake_fd);
@@ -491,9 +498,9 @@ size_t kvf_manager_metrics(kvf_manager *m, char *buf, size_t cap) {
                      stat_fields[i].name, m->role->name, session, (unsigned long long)v);
     if (w < 0 || (size_t)w >= cap - n) { /* whole lines only */
       buf[n] = '\0';
-      break;
+      return n;
     }
     n += (size_t)w;
   }
-  return n;
+  return kvf__trace_metrics(m, buf, n, cap);
 }

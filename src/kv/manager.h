@@ -16,6 +16,7 @@
 #include "base/map.h"
 #include "kv/plan.h"
 #include "kv/rooms.h"
+#include "kv/trace.h"
 #include "kvferry/kv.h"
 #include "wire/messages.h"
 
@@ -69,6 +70,9 @@ typedef struct manager_role_ops {
    * MANAGER_TICK_MSGS messages: the role's timed work; returns the longest
    * the listener may wait before the next call, in ms (-1: no limit). */
   int (*tick)(kvf_manager *m);
+  /* The live trace record (kv/trace.h) of a live room's user pointer; runs
+   * under the room table's lock (kvf__rooms_with_user). */
+  const trace_live *(*trace_of)(void *user);
 } manager_role_ops;
 
 /* The two roles: decode/lifecycle.c, prefill/lifecycle.c. */
@@ -118,6 +122,7 @@ struct kvf_manager {
   struct decode_state *decode;
   struct prefill_state *prefill;
   struct integ_state *integ; /* verify mode and fences (integrity.c) */
+  trace_ring *trace;         /* finished rooms' traces and the histograms (trace.c) */
 };
 
 /* Send an encoded message to the PULL socket at host:port through the cached

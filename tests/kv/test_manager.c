@@ -338,7 +338,7 @@ static void stats_and_metrics(void **state) {
   size_t n = kvf_manager_metrics(m, buf, sizeof buf);
   assert_int_equal(n, strlen(buf));
   size_t lines = 0;
-  for (const char *p = buf; *p; p++) lines += *p == '\n';
+  for (const char *p = buf; *p; p = strchr(p, '\n') + 1) lines += !strncmp(p, "kvferry_manager_", 16);
   assert_int_equal(lines, sizeof(kvf_manager_stats) / sizeof(uint64_t));
   char want[256], line[256];
   snprintf(want, sizeof want, "kvferry_manager_messages_malformed{role=\"decode\",session=\"%s\"} 2",
@@ -349,7 +349,17 @@ static void stats_and_metrics(void **state) {
            kvf_manager_session_id(m));
   assert_non_null(find_line(buf, "kvferry_manager_live_rooms{", line, sizeof line));
   assert_string_equal(line, want);
-  for (const char *p = buf; *p; p = strchr(p, '\n') + 1) assert_int_equal(strncmp(p, "kvferry_manager_", 16), 0);
+  /* The counters, then the room-trace histograms (issue 25), each whole:
+   * its TYPE line, buckets up to +Inf, _sum and _count. */
+  int hist = 0;
+  for (const char *p = buf; *p; p = strchr(p, '\n') + 1) {
+    if (!strncmp(p, "# TYPE kvferry_room_", 20)) hist = 1;
+    else if (hist) assert_int_equal(strncmp(p, "kvferry_room_", 13), 0);
+    else assert_int_equal(strncmp(p, "kvferry_manager_", 16), 0);
+  }
+  assert_true(hist);
+  assert_non_null(strstr(buf, "kvferry_room_m2_to_success_seconds_bucket{role=\"decode\""));
+  assert_null(strstr(buf, "kvferry_room_queue_wait_seconds")); /* a prefill's only */
 
   /* A short buffer: whole lines only, NUL-terminated. */
   size_t first = (size_t)(strchr(buf, '\n') - buf) + 1;

@@ -85,3 +85,13 @@ def free_port():
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def poll_until(poll, done, limit, interval=0.005):
+    """Call poll() until its value is in `done` or `limit` seconds passed; the last value."""
+    deadline = time.monotonic() + limit
+    v = poll()
+    while v not in done and time.monotonic() < deadline:
+        time.sleep(interval)
+        v = poll()
+    return v

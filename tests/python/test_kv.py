@@ -28,7 +28,7 @@ from kvferry import (  # noqa: E402
     TransferPoll,
 )
 
-from subproc import Proc, free_port  # noqa: E402  (tests/python/subproc.py)
+from subproc import Proc, free_port, poll_until  # noqa: E402  (tests/python/subproc.py)
 
 np = pytest.importorskip("numpy")
 
@@ -74,12 +74,7 @@ def closing():
 
 
 def wait_final(handle, limit=POLL_LIMIT_S):
-    deadline = time.monotonic() + limit
-    st = handle.poll()
-    while st not in FINAL and time.monotonic() < deadline:
-        time.sleep(0.005)
-        st = handle.poll()
-    return st
+    return poll_until(handle.poll, FINAL, limit)
 
 
 # ---------------------------------------------------------------- two processes

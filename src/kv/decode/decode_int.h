@@ -168,6 +168,11 @@ struct kvf_receiver {
   size_t bounds_cap;
   int64_t *sorted; /* scratch: the room's pages, sorted */
   size_t sorted_cap;
+  /* The room's trace (kv/trace.h): steps from this thread, the listener
+   * (completion_seen, under the room table's lock) and the engine's fence
+   * (what landed, read at the first final poll). */
+  trace_live tr;
+  int final_seen; /* a poll returned Success or Failed */
 };
 
 /* room_bounds.c */
@@ -186,6 +191,8 @@ __attribute__((format(printf, 3, 4))) void kvf__dec_set_reason(char *buf, size_t
 void kvf__dec_fail_room(kvf_manager *m, int64_t room, const char *reason);
 void kvf__dec_fill_self(kvf_manager *m, char *endpoint, uint16_t *dst_port, char *session, uint16_t *session_port);
 int kvf__dec_resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_t rcap);
+/* The live trace of a receiver (the role's trace_of). */
+const trace_live *kvf__dec_trace_of(void *user);
 
 /* status_listener.c */
 void kvf__dec_on_trailer(void *arg, const unsigned char *data, size_t len, const char *peer);

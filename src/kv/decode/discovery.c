@@ -207,7 +207,7 @@ void kvf__dec_fill_self(kvf_manager *m, char *endpoint, uint16_t *dst_port, char
 
 /* Resolve every target's address and register with it (M1), §5.5. */
 static int resolve_and_register(kvf_manager *m, bootstrap_client **client, pool_entry *p, int64_t group,
-                                char *reason, size_t rcap) {
+                                trace_live *tl, char *reason, size_t rcap) {
   if (!*client) *client = lookup_client(m, p->addr);
   for (int i = 0; i < p->ntargets; i++) {
     pool_target *t = &p->targets[i];
@@ -223,6 +223,7 @@ static int resolve_and_register(kvf_manager *m, bootstrap_client **client, pool_
     }
     t->port = (uint16_t)port;
   }
+  kvf__trace_now(tl, KVF_TRACE_DISCOVERY_DONE);
   wire_m1 m1;
   memset(&m1, 0, sizeof m1);
   kvf__dec_fill_self(m, m1.endpoint, &m1.dst_port, m1.session, &m1.session_port);
@@ -237,6 +238,7 @@ static int resolve_and_register(kvf_manager *m, bootstrap_client **client, pool_
     kvf__dec_set_reason(reason, rcap, "Could not encode the registration for bootstrap_addr %s: %s", p->addr, why);
     return rc;
   }
+  kvf__trace_now(tl, KVF_TRACE_M1_SENT); /* handed to ZeroMQ from here on */
   for (int i = 0; i < p->ntargets && !rc; i++) {
     rc = kvf__manager_push_send(m, p->targets[i].ip, p->targets[i].port, &msg);
     if (rc)
@@ -306,6 +308,7 @@ int kvf__dec_resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, siz
     atomic_store(&r->pool_tag, (uintptr_t)p);
     atomic_store(&r->epoch, epoch);
     pthread_mutex_unlock(&ds->lock);
+    kvf__trace_now(&r->tr, KVF_TRACE_DISCOVERY_DONE); /* cached: no lookup, no M1 */
     goto cleanup;
   }
   np = pool_from_plan(a, r->addr);
@@ -321,7 +324,7 @@ int kvf__dec_resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, siz
   /* Lookups and M1 happen before the entry is published, so no other
    * receiver can send an M2 ahead of this M1. Two racing creators both send
    * M1, which the prefill simply overwrites. */
-  if ((rc = resolve_and_register(m, &client, np, group, reason, rcap))) goto cleanup;
+  if ((rc = resolve_and_register(m, &client, np, group, &r->tr, reason, rcap))) goto cleanup;
 
   pthread_mutex_lock(&ds->lock);
   a = kvf__smap_get(&ds->infos, r->addr);

@@ -80,4 +80,5 @@ const manager_role_ops kvf__decode_role = {
     .start = kvf__decode_start,
     .stop = kvf__decode_stop,
     .on_message = kvf__decode_on_message,
+    .trace_of = kvf__dec_trace_of,
 };

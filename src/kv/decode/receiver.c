@@ -31,6 +31,8 @@ static void receiver_give(struct decode_state *ds, kvf_receiver *r) {
   if (!keep) kvf__dec_receiver_free(r);
 }
 
+const trace_live *kvf__dec_trace_of(void *user) { return &((kvf_receiver *)user)->tr; }
+
 int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room, kvf_receiver **out) {
   if (!m || !m->decode || !bootstrap_addr || !out) return KVF_EINVAL;
   if (!*bootstrap_addr || strlen(bootstrap_addr) > KVF_ADDR_MAX) return KVF_EINVAL;
@@ -39,8 +41,11 @@ int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room
   r->m = m;
   r->room = room;
   snprintf(r->addr, sizeof r->addr, "%s", bootstrap_addr);
+  kvf__trace_begin(m, &r->tr); /* before the room is visible to the listener */
+  kvf__trace_now(&r->tr, KVF_TRACE_CREATED);
   int rc = kvf__rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
   if (rc) {
+    atomic_store(&r->tr.on, 0); /* not this receiver's room: nothing to record */
     receiver_give(m->decode, r);
     return rc;
   }
@@ -54,6 +59,48 @@ int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room
   }
   *out = r;
   return 0;
+}
+
+/* The room's peers (the plan's real target ranks) and the pages it asked
+ * for, in its trace; the receiver's thread, before the M2s go out. */
+static void trace_peers(kvf_receiver *r, size_t npages) {
+  trace_live *tl = &r->tr;
+  if (!kvf__trace_on(tl)) return;
+  atomic_store(&tl->n[TRACE_DESCS], npages);
+  tl->npeers = 0;
+  for (int i = 0; i < r->pool->ntargets && tl->npeers < KVF_TRACE_MAX_PEERS; i++) {
+    const pool_target *t = &r->pool->targets[i];
+    if (t->is_dummy) continue;
+    kvf_trace_peer *p = &tl->peers[tl->npeers++];
+    snprintf(p->peer, sizeof p->peer, "%.40s:%u", t->ip, (unsigned)t->port);
+    p->transport[0] = p->mode[0] = '\0'; /* known once something landed (trace_landed) */
+  }
+}
+
+/* What the engine saw land for the room (its fence), into its trace: the
+ * first and last byte, bytes, chunks and how they came. Over one-sided UCX
+ * writes this engine sees nothing: those steps stay unset. Before the fence
+ * is closed; the receiver's thread. */
+static void trace_landed(kvf_receiver *r, int status) {
+  trace_live *tl = &r->tr;
+  kvf__fence_stats fs = {0};
+  if (!kvf__trace_on(tl)) return;
+  if (r->fence_epoch && !kvf__engine_fence_stats(r->m->engine, manager_room_tag(r->room), r->fence_epoch, &fs) &&
+      fs.chunks) {
+    kvf__trace_at(tl, KVF_TRACE_FIRST_BYTE, fs.first_ns);
+    kvf__trace_at(tl, KVF_TRACE_LAST_BYTE, fs.last_ns);
+    atomic_store(&tl->n[TRACE_BYTES], fs.bytes);
+    atomic_store(&tl->n[TRACE_CHUNKS], fs.chunks);
+  }
+  const char *engine = kvf_engine_transport(r->m->engine);
+  const char *tr = fs.how == KVF__FENCE_TCP ? "tcp" : fs.how == KVF__FENCE_READ ? "ucx" : "";
+  const char *mode = fs.how == KVF__FENCE_TCP ? "tcp" : fs.how == KVF__FENCE_READ ? "read" : "";
+  if (!fs.how && status == ROOM_SUCCESS && !strcmp(engine, "ucx") && r->fence_epoch)
+    tr = "ucx", mode = "write"; /* landed without this engine's CPU: one-sided puts */
+  for (uint32_t i = 0; i < tl->npeers; i++) {
+    snprintf(tl->peers[i].transport, sizeof tl->peers[i].transport, "%s", tr);
+    snprintf(tl->peers[i].mode, sizeof tl->peers[i].mode, "%s", mode);
+  }
 }
 
 int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int64_t aux_index,
@@ -73,7 +120,9 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
   if (atomic_load(&r->m2_out)) { /* a repeated init: a new request in the same room */
     if (r->fence_epoch) kvf__integ_room_close(m, r->room, r->fence_epoch, 0, 1);
     kvf__rooms_reset_responses(m->rooms, r->room, ROOM_BOOTSTRAPPED);
+    kvf__trace_add(&r->tr, TRACE_RETRIES, 1);
   }
+  trace_peers(r, npages);
   kvf__integ_room_open(m, r->room, p->kvferry_peer, &room_flags, &r->fence_epoch);
   if (r->fence_epoch && kvf__dec_room_bound(m, r, pages, npages, state_slots, nstate))
     LOG_WARN("kv",
@@ -85,6 +134,7 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
    * such a room is completed by its M3. */
   atomic_store(&r->asked_fast, m->decode->fast && p->kvferry_peer && !(room_flags & WIRE_ROOM_VERIFY));
   atomic_store(&r->m2_out, 1);
+  if (kvf__trace_on(&r->tr)) kvf__trace_at_last(&r->tr, KVF_TRACE_M2_SENT, clock_now_ns()); /* the last init's */
   for (int i = 0; i < p->ntargets && !rc; i++) {
     const pool_target *t = &p->targets[i];
     wire_m2 m2;
@@ -148,6 +198,11 @@ static kvf_poll_status poll_room(kvf_receiver *r);
 
 kvf_poll_status kvf_receiver_poll(kvf_receiver *r) {
   kvf_poll_status st = poll_room(r);
+  if (r && !r->final_seen && (st == KVF_POLL_FAILED || st == KVF_POLL_SUCCESS)) {
+    r->final_seen = 1;
+    kvf__trace_now(&r->tr, KVF_TRACE_FINAL);
+    trace_landed(r, st); /* before a Failed room's fence is closed */
+  }
   if (st == KVF_POLL_FAILED && r) fence_failed(r);
   return st;
 }
@@ -197,13 +252,20 @@ void kvf_receiver_destroy(kvf_receiver *r) {
   if (!r) return;
   int st = ROOM_FAILED;
   kvf__rooms_get_status(r->m->rooms, r->room, &st);
+  if (!r->final_seen) trace_landed(r, st);
   if (st != ROOM_SUCCESS) { /* a late write must not land in pages the caller takes back now */
     if (st != ROOM_FAILED)
       kvf__rooms_fail(r->m->rooms, r->room, "The decode dropped the request (receiver destroyed)");
     fence_failed(r);
   }
+  char reason[KVF_TRACE_REASON_MAX] = "";
+  if (kvf__trace_on(&r->tr)) {
+    kvf__rooms_get_status(r->m->rooms, r->room, &st);
+    kvf__rooms_get_reason(r->m->rooms, r->room, reason, sizeof reason);
+  }
   kvf__integ_room_close(r->m, r->room, r->fence_epoch, 0, 1);
   kvf__rooms_clear(r->m->rooms, r->room, NULL);
+  kvf__trace_finish(r->m, &r->tr, r->room, st, reason); /* the listener can no longer reach it */
   kvf__dec_pool_unref(r->pool);
   receiver_give(r->m->decode, r);
 }

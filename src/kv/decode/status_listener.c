@@ -7,6 +7,7 @@ typedef struct m3_origin {
   kvf_manager *m;
   const char *peer;
   int64_t rank; /* the prefill rank the message names; -1: any */
+  int verdict;  /* an M3 Success or Failed: the room's completion_seen step (trace) */
 } m3_origin;
 
 /* Under the room table's lock: did the message come from a rank the room
@@ -17,13 +18,15 @@ typedef struct m3_origin {
  * nor a rank outside the plan. Nobody may answer before the room's M2s went
  * out (a late M3 of an earlier use of the room id). */
 static int from_planned_rank(void *user, void *arg) {
-  const kvf_receiver *r = user;
+  kvf_receiver *r = user;
   const m3_origin *o = arg;
   const pool_entry *p = r && atomic_load(&r->m2_out) ? (const pool_entry *)atomic_load(&r->pool_tag) : NULL;
   for (int i = 0; p && i < p->ntargets; i++) {
     const pool_target *t = &p->targets[i];
-    if (!t->is_dummy && (o->rank < 0 || t->rank == o->rank) && kvf__manager_peer_is(o->m, o->peer, t->ip))
+    if (!t->is_dummy && (o->rank < 0 || t->rank == o->rank) && kvf__manager_peer_is(o->m, o->peer, t->ip)) {
+      if (o->verdict) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SEEN); /* the first verdict */
       return 1;
+    }
   }
   return 0;
 }
@@ -62,7 +65,7 @@ void kvf__dec_on_trailer(void *arg, const unsigned char *data, size_t len, const
 
 /* The same check for a kvferry digests message. */
 static int from_planned(kvf_manager *m, int64_t room, const char *peer) {
-  m3_origin origin = {m, peer, -1};
+  m3_origin origin = {m, peer, -1, 0};
   return kvf__rooms_with_user(m->rooms, room, from_planned_rank, &origin) != 0;
 }
 
@@ -77,7 +80,8 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
     kvf__manager_reject(m, peer, "M3", why);
     return;
   }
-  m3_origin origin = {m, peer, m3.prefill_rank};
+  m3_origin origin = {m, peer, m3.prefill_rank,
+                      m3.status == WIRE_STATUS_SUCCESS || m3.status == WIRE_STATUS_FAILED};
   int rc = kvf__rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
   if (rc == 0) {
     kvf__manager_reject_forged(m, peer, "M3",

@@ -383,16 +383,45 @@ static size_t completion_trailer(prefill_state *ps, const pf_send *s, unsigned c
   return len;
 }
 
+/* The destination's engine session in the room's trace, with the transport
+ * and mode the engine chose for it (once per destination and room). Only
+ * the thread that sends the room's chunks calls this, one at a time. */
+static void trace_peer(prefill_state *ps, trace_live *tl, const char *session) {
+  if (!kvf__trace_on(tl)) return;
+  for (uint32_t i = 0; i < tl->npeers; i++)
+    if (!strcmp(tl->peers[i].peer, session)) return;
+  if (tl->npeers >= KVF_TRACE_MAX_PEERS) return;
+  kvf_trace_peer *p = &tl->peers[tl->npeers];
+  char how[256] = "";
+  snprintf(p->peer, sizeof p->peer, "%s", session);
+  p->transport[0] = p->mode[0] = '\0';
+  if (!kvf_engine_peer_transport(ps->m->engine, session, how, sizeof how)) { /* "ucx: why..." */
+    int ucx = !strncmp(how, "ucx", 3);
+    snprintf(p->transport, sizeof p->transport, "%s", ucx ? "ucx" : "tcp");
+    snprintf(p->mode, sizeof p->mode, "%s", !ucx ? "tcp" : strstr(how, "read mode") ? "read" : "write");
+  }
+  tl->npeers++;
+}
+
 /* See prefill_int.h. The engine copies the blocks at submit, so sc's arrays
  * serve the next destination at once. */
 int kvf__pf_send_dest(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why, size_t whycap) {
   const wire_m2 *x = s->info->m2;
+  trace_live *tl = &s->c->r->tr;
   s->batch = NULL, s->bytes = 0;
   int ret = kvf__pf_plan_dest(ps, sc, s->c, s->info, why, whycap);
   /* Nothing to write: done, except that a direct transfer still goes to the
    * engine, whose callback completes it. */
   if (ret != DEST_OK || (!sc->nw && !s->on_done)) return ret;
-  if (pf_verifies(s->c, x)) return kvf__pf_verify_send(ps, sc, s, why, whycap);
+  if (sc->nw && kvf__trace_on(tl)) {
+    kvf__trace_now(tl, KVF_TRACE_FIRST_BYTE_SENT); /* handed to the engine from here on */
+    kvf__trace_add(tl, TRACE_DESCS, sc->nw);
+  }
+  if (pf_verifies(s->c, x)) {
+    ret = kvf__pf_verify_send(ps, sc, s, why, whycap);
+    trace_peer(ps, tl, x->session);
+    return ret;
+  }
   unsigned char tb[KVF_ENGINE_MAX_TRAILER];
   size_t tlen = completion_trailer(ps, s, tb, sizeof tb);
   kvf_batch_opts opts;
@@ -403,5 +432,6 @@ int kvf__pf_send_dest(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why, 
                                                    tlen ? tb : NULL, tlen, &s->batch);
   if (rc) return kvf__pf_xfer_failed(s->c->r, x, rc, why, whycap);
   s->bytes = kvf__pf_writes_bytes(sc->w, sc->nw);
+  trace_peer(ps, tl, x->session);
   return DEST_OK;
 }

@@ -30,6 +30,7 @@ static void direct_finish(pf_direct *dj) {
   if (ok) { /* the counters move first, so whoever sees Success also sees them */
     atomic_fetch_add(&m->stats.chunks_sent, 1);
     atomic_fetch_add(&m->stats.bytes_sent, dj->bytes);
+    kvf__trace_add(&r->tr, TRACE_BYTES, dj->bytes);
   }
   int fin = ROOM_FAILED;
   pthread_mutex_lock(&ps->lock);
@@ -54,6 +55,9 @@ static void direct_finish(pf_direct *dj) {
     if (dup && kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, &msg)) continue;
     kvf__pf_send_m3(m, y->endpoint, y->dst_port, &msg);
   }
+  /* With the completion trailer the decode had it with the bytes; the M3
+   * (maybe deferred) only repeats it. Either way it has left this side. */
+  if (success) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SENT);
   pthread_mutex_lock(&ps->lock);
   r->busy--;
   for (size_t i = 0; i < dj->n; i++) kvf__pf_info_unref(ps, dj->d[i].info);
@@ -73,6 +77,8 @@ static void direct_release(pf_direct *dj) {
 static void direct_done(void *arg, int status) {
   pf_direct_dest *d = arg;
   pf_direct *dj = d->owner;
+  if (!status && kvf__trace_on(&dj->r->tr))
+    kvf__trace_at_last(&dj->r->tr, KVF_TRACE_LAST_BYTE_DONE, clock_now_ns());
   if (status) {
     char why[ROOMS_REASON_MAX];
     int res = kvf__pf_xfer_failed(dj->r, d->info->m2, status, why, sizeof why);

@@ -235,4 +235,5 @@ const manager_role_ops kvf__prefill_role = {
     .stop = kvf__prefill_stop,
     .on_message = kvf__prefill_on_message,
     .tick = kvf__pf_m3_tick,
+    .trace_of = kvf__pf_trace_of,
 };

@@ -121,14 +121,19 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     r->room = x->room;
     r->refs = 1;
     kvf__pf_early_append(ps, r, reg);
-  } else if (r->early_owner) {
-    pf_reg *owner = r->early_owner; /* a repeat: most recently used now */
-    kvf__pf_early_unlink(ps, r);
-    kvf__pf_early_append(ps, r, owner);
+    kvf__trace_at(&r->tr, KVF_TRACE_M2_RECEIVED, now);
+  } else {
+    kvf__trace_at(&r->tr, KVF_TRACE_M2_RECEIVED, now); /* the room's first M2 wins */
+    if (r->early_owner) {
+      pf_reg *owner = r->early_owner; /* a repeat: most recently used now */
+      kvf__pf_early_unlink(ps, r);
+      kvf__pf_early_append(ps, r, owner);
+    }
   }
   size_t k = 0;
   while (k < r->ninfos && strcmp(r->infos[k]->m2->session, x->session)) k++;
   if (k < r->ninfos) {
+    kvf__trace_add(&r->tr, TRACE_RETRIES, 1);
     kvf__pf_info_unref(ps, r->infos[k]); /* a repeat from the same session replaces it in place */
     r->infos[k] = info;
   } else {

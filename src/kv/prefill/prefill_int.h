@@ -291,6 +291,14 @@ typedef struct pf_room {
   size_t npark;
   int64_t landed_ns;
   struct pf_room *next_spare; /* on ps->room_spare once unreferenced */
+  /* The room's trace (kv/trace.h), finished when its last reference goes
+   * (kvf__pf_room_unref), so a worker's last steps are in it. final_seen:
+   * the sender's thread; tr_status/tr_reason: captured under ps->lock when
+   * the sender is destroyed (tr_status -1: not captured, nothing recorded). */
+  trace_live tr;
+  int final_seen;
+  int tr_status;
+  char tr_reason[KVF_TRACE_REASON_MAX];
 } pf_room;
 
 /* A chunk whose writes a worker submitted and has not waited for yet (the
@@ -414,6 +422,8 @@ static inline int pf_verifies(const pf_chunk *c, const wire_m2 *x) {
 }
 
 /* rooms_early.c */
+/* The live trace of a pf_room (the role's trace_of). */
+const trace_live *kvf__pf_trace_of(void *user);
 /* A zeroed chunk (a spare one or a new one), or NULL. Any thread. */
 pf_chunk *kvf__pf_chunk_new(prefill_state *ps);
 /* Free a chunk's arrays and keep it for kvf__pf_chunk_new. Any thread. */

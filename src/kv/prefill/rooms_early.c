@@ -69,15 +69,24 @@ pf_room *kvf__pf_room_find(prefill_state *ps, int64_t room) {
  * array kept), so rooms cost no allocation once warm. NULL without memory. */
 pf_room *kvf__pf_room_new(prefill_state *ps) {
   pf_room *r = ps->room_spare;
-  if (!r) return calloc(1, sizeof *r);
-  ps->room_spare = r->next_spare;
-  ps->nroom_spare--;
-  pf_info **infos = r->infos;
-  size_t cap = r->cap;
-  memset(r, 0, sizeof *r);
-  r->infos = infos, r->cap = cap;
+  if (!r) {
+    r = calloc(1, sizeof *r);
+  } else {
+    ps->room_spare = r->next_spare;
+    ps->nroom_spare--;
+    pf_info **infos = r->infos;
+    size_t cap = r->cap;
+    memset(r, 0, sizeof *r);
+    r->infos = infos, r->cap = cap;
+  }
+  if (r) {
+    r->tr_status = -1;
+    kvf__trace_begin(ps->m, &r->tr);
+  }
   return r;
 }
+
+const trace_live *kvf__pf_trace_of(void *user) { return &((pf_room *)user)->tr; }
 
 /* ps->lock held: a room nothing refers to any more (its contents released),
  * kept as a spare (PF_SPARE_ROOMS) or freed; NULL ok. */
@@ -96,6 +105,10 @@ void kvf__pf_room_drop(prefill_state *ps, pf_room *r) {
 /* ps->lock held. */
 void kvf__pf_room_unref(prefill_state *ps, pf_room *r) {
   if (--r->refs > 0) return;
+  /* Every thread that stepped the room has let it go: its record is whole.
+   * A room that never had a sender (an early room dropped) is not one. */
+  if (r->has_sender && r->tr_status >= 0) kvf__trace_finish(ps->m, &r->tr, r->room, r->tr_status, r->tr_reason);
+  else atomic_store(&r->tr.on, 0);
   for (size_t i = 0; i < r->ninfos; i++) kvf__pf_info_unref(ps, r->infos[i]);
   free(r->park);
   for (pf_chunk *c = r->pend_head, *n; c; c = n) {

@@ -45,6 +45,7 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
   }
   r->has_sender = 1;
   r->create_ns = clock_now_ns();
+  kvf__trace_at(&r->tr, KVF_TRACE_SENDER_CREATED, r->create_ns);
   if (r->bootstrapped) kvf__rooms_update(m->rooms, room, ROOM_BOOTSTRAPPED, NULL);
   pthread_mutex_unlock(&ps->lock);
   s->m = m;
@@ -81,6 +82,13 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
   prefill_state *ps = s->m->prefill;
   int is_last = in->is_last;
   size_t npages = in->npages, nstate = in->nstate, ncand = in->ncand;
+  trace_live *tl = &s->r->tr;
+  if (kvf__trace_on(tl)) {
+    int64_t now = clock_now_ns();
+    kvf__trace_at(tl, KVF_TRACE_FIRST_CHUNK_SUBMITTED, now);
+    if (is_last) kvf__trace_at(tl, KVF_TRACE_LAST_CHUNK_SUBMITTED, now);
+    kvf__trace_add(tl, TRACE_CHUNKS, 1);
+  }
   if (is_last) { /* a room's only chunk, small enough: straight to the engine */
     pthread_mutex_lock(&ps->lock);
     pf_direct *dj = kvf__pf_direct_take_locked(ps, s->r, in, 0);
@@ -239,11 +247,23 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
                    .cands = cands,
                    .ncand = ncand};
   for (size_t k = 0; k < nd; k++) kvf__pf_send_m3(s->m, d[k].host, d[k].port, &msg);
+  if (nd && st == ROOM_SUCCESS) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SENT);
   free(d);
   return rc;
 }
 
+static kvf_poll_status poll_room(kvf_sender *s);
+
 kvf_poll_status kvf_sender_poll(kvf_sender *s) {
+  kvf_poll_status st = poll_room(s);
+  if (s && !s->r->final_seen && (st == KVF_POLL_SUCCESS || st == KVF_POLL_FAILED)) {
+    s->r->final_seen = 1;
+    kvf__trace_now(&s->r->tr, KVF_TRACE_FINAL);
+  }
+  return st;
+}
+
+static kvf_poll_status poll_room(kvf_sender *s) {
   if (!s) return KVF_POLL_FAILED;
   prefill_state *ps = s->m->prefill;
   pf_dest *d = NULL;
@@ -336,6 +356,11 @@ void kvf_sender_destroy(kvf_sender *s) {
   prefill_state *ps = s->m->prefill;
   pf_room *r = s->r;
   pthread_mutex_lock(&ps->lock);
+  if (kvf__trace_on(&r->tr)) { /* the record is finished with the room's last reference */
+    r->tr_status = ROOM_FAILED;
+    kvf__rooms_get_status(s->m->rooms, s->room, &r->tr_status);
+    kvf__rooms_get_reason(s->m->rooms, s->room, r->tr_reason, sizeof r->tr_reason);
+  }
   kvf__rooms_clear(s->m->rooms, s->room, NULL); /* the table held r: nothing else names it by id now */
   r->dead = 1;
   pf_chunk *c = r->pend_head;

@@ -60,6 +60,14 @@ static void recheck_after_m3(prefill_state *ps, pf_room *r, const pf_chunk *c) {
              r->room, why);
 }
 
+/* A destination's write of the room confirmed: the room's last byte done
+ * so far, and its bytes (trace). */
+static void trace_done(pf_room *r, uint64_t bytes) {
+  if (!bytes || !kvf__trace_on(&r->tr)) return;
+  kvf__trace_at_last(&r->tr, KVF_TRACE_LAST_BYTE_DONE, clock_now_ns());
+  kvf__trace_add(&r->tr, TRACE_BYTES, bytes);
+}
+
 /* Wait for the oldest chunk in the worker's window: the first failed write
  * fails the room and tells its destination (§6.11 step 5); then the chunk
  * is counted (when every write landed) and released. */
@@ -85,6 +93,7 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
       ok = 0;
     } else if (ok) {
       bytes += f->dw.dbytes[i];
+      trace_done(c->r, f->dw.dbytes[i]);
     }
     kvf_batch_destroy(f->dw.batches[i]); /* waits for writes past a failure */
     f->dw.batches[i] = NULL;
@@ -203,6 +212,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
       break;
     }
     bytes += sc->dw.dbytes[i];
+    trace_done(r, sc->dw.dbytes[i]);
     if (!c->is_last) continue;
     done[ndone++] = i;
     if ((int64_t)ndone != x->required_dst_info_num) continue;
@@ -258,6 +268,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
       const wire_m2 *y = infos[done[k]]->m2;
       kvf__pf_send_m3(m, y->endpoint, y->dst_port, &msg);
     }
+    if (msg.status == ROOM_SUCCESS) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SENT);
     if (late && fin == ROOM_SUCCESS) recheck_after_m3(ps, r, c);
   }
   for (size_t i = 0; i < nsub; i++) { /* waits for the writes not taken above */

@@ -29,6 +29,12 @@
  *   wakeups
  *       prints `wakeups <n>`: the library's thread wake-ups in this process
  *       so far (kvf_wakeups; benchmarks report them per room)
+ *   trace 0 | trace 1
+ *       room traces off / on for rooms created from now on
+ *       (kvf_manager_trace_enable; bench rooms' trace_overhead_ratio)
+ *   traces
+ *       every rank's ring of finished room traces, one line
+ *       "trace <KVFERRY_TRACE JSON>" each, then "traces end"
  *   stats
  *       one line "stats <live-rooms> <received> <malformed> <unknown-room>"
  *       summed over the ranks' kvf_manager_stats (the fault suite checks
@@ -86,6 +92,21 @@ __attribute__((noinline)) static void reuse_page_early(const kvf_kv_buffers *b, 
 
 /* A bootstrap /metrics source: one prefill rank's manager counters. */
 static size_t manager_metrics(void *m, char *buf, size_t cap) { return kvf_manager_metrics(m, buf, cap); }
+
+/* The `traces` command: the ranks' rings as KVFERRY_TRACE lines. */
+static void print_traces(kvf_manager **mgr, int world) {
+  enum { MAX = 1024 };
+  kvf_room_trace *t = malloc(MAX * sizeof *t);
+  char line[4096];
+  for (int r = 0; t && r < world; r++) {
+    size_t n = kvf_manager_trace_copy(mgr[r], t, MAX);
+    for (size_t i = 0; i < n; i++)
+      if (kvf_trace_format_json(&t[i], line, sizeof line)) printf("trace %s", line);
+  }
+  free(t);
+  printf("traces end\n");
+  fflush(stdout);
+}
 
 static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned long long seed, long long token,
                          int chunk, int reuse, int wait_m2, uint64_t *rng) {
@@ -369,6 +390,9 @@ int cli_kv_peer(int argc, char **argv) {
         if (!strcmp(line, "quit")) eof = 1;
         else if (!strcmp(line, "stats")) cli_print_stats(mgr, o.world);
         else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf_wakeups());
+        else if (!strcmp(line, "trace 0") || !strcmp(line, "trace 1")) /* room traces off / on (benchmarks) */
+          for (int r = 0; r < o.world; r++) kvf_manager_trace_enable(mgr[r], line[6] == '1');
+        else if (!strcmp(line, "traces")) print_traces(mgr, o.world);
         else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
                         &sleep) >= 5 &&
                  npages > 0 && layer_us >= 0 && o.world == 1) {
