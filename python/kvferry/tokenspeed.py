@@ -381,7 +381,8 @@ class MooncakeKVManagerPrefill(_Base):
         host = _local_ip()
         if args.dist_init_addr:
             host = socket.gethostbyname(str(args.dist_init_addr).rsplit(":", 1)[0].strip("[]"))
-        self.bootstrap_addr = f"{host}:{int(args.bootstrap_port)}"
+        # IPv6 hosts in brackets, as kvf_addr parses them ([::1]:8998).
+        self.bootstrap_addr = f"[{host}]:{int(args.bootstrap_port)}" if ":" in host else f"{host}:{int(args.bootstrap_port)}"
         super().__init__(args, kv_args, "prefill", bootstrap_addr=self.bootstrap_addr)
         self.transfer_infos = _TransferInfos(self)
         kv_ids = list(getattr(kv_args, "kv_layer_ids", None) or range(self.n_kv_layers))

@@ -271,18 +271,17 @@ static void mla_legacy_tp2_to_tp1_and_tp1_to_tp2(void **state) {
 /* Fan-out (issue 12): one prefill rank serves four decode ranks the same
  * latent pages, chunk after chunk, each chunk submitted to the four at once
  * and waited for once; every decode rank checks every byte. */
-static void mla_legacy_tp1_to_tp4_chunked_fanout(void **state) {
-  hcase c = {.tp_p = 1,
-             .tp_d = 4,
-             .page_size = 16,
-             .heads_p = 1,
-             .heads_d = 1,
-             .kv_heads = 1,
-             .mla = 1,
-             .npages = 11,
-             .chunk = 3};
-  run_case(&c);
-}
+static const hcase fanout_1to4 = {.tp_p = 1,
+                                  .tp_d = 4,
+                                  .page_size = 16,
+                                  .heads_p = 1,
+                                  .heads_d = 1,
+                                  .kv_heads = 1,
+                                  .mla = 1,
+                                  .npages = 11,
+                                  .chunk = 3};
+
+static void mla_legacy_tp1_to_tp4_chunked_fanout(void **state) { run_case(&fanout_1to4); }
 
 /* State buffers (replicated across TP, like a per-request recurrent state
  * here) next to sharded KV heads: only the planned source rank writes the
@@ -325,17 +324,9 @@ static void tp4_to_tp2_page16_gqa(void **state) {
  * hear at once that the room can no longer succeed (M3 Failed with the
  * reason), instead of waiting out their 30 s waiting timeout. */
 static void dead_decode_rank_fails_the_other_ranks_at_once(void **state) {
-  hcase c = {.tp_p = 1,
-             .tp_d = 4,
-             .page_size = 16,
-             .heads_p = 1,
-             .heads_d = 1,
-             .kv_heads = 1,
-             .mla = 1,
-             .npages = 11,
-             .chunk = 3,
-             .crash = 3,
-             .fail_with = "failed the room with another decode rank"};
+  hcase c = fanout_1to4;
+  c.crash = 3;
+  c.fail_with = "failed the room with another decode rank";
   run_case(&c);
 }
 
