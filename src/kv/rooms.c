@@ -464,31 +464,23 @@ int kvf__rooms_get_metadata(rooms *t, int64_t room, int64_t *token, int32_t *can
   return rc;
 }
 
-int kvf__rooms_set_user(rooms *t, int64_t room, void *user) {
-  int rc = KVF_ENOTFOUND;
+/* Run fn on the room's entry (any: early ones too) under the lock; 0, or
+ * KVF_ENOTFOUND without running it. */
+static int with_entry(rooms *t, int64_t room, int any, void (*fn)(room_entry *e, void *arg), void *arg) {
   pthread_mutex_lock(&t->mu);
-  room_entry *e = find_any(t, room);
-  if (e) {
-    e->user = user;
-    rc = 0;
-  }
+  room_entry *e = any ? find_any(t, room) : find(t, room);
+  if (e) fn(e, arg);
   pthread_mutex_unlock(&t->mu);
-  return rc;
+  return e ? 0 : KVF_ENOTFOUND;
 }
 
-int kvf__rooms_get_user(rooms *t, int64_t room, void **user) {
-  int rc = KVF_ENOTFOUND;
-  void *u = NULL;
-  pthread_mutex_lock(&t->mu);
-  room_entry *e = find_any(t, room);
-  if (e) {
-    u = e->user;
-    rc = 0;
-  }
-  pthread_mutex_unlock(&t->mu);
-  if (rc == 0) *user = u;
-  return rc;
-}
+static void put_user(room_entry *e, void *arg) { e->user = arg; }
+static void take_user(room_entry *e, void *arg) { *(void **)arg = e->user; }
+static void put_init_time(room_entry *e, void *arg) { e->init_time_ns = *(const int64_t *)arg; }
+
+int kvf__rooms_set_user(rooms *t, int64_t room, void *user) { return with_entry(t, room, 1, put_user, user); }
+
+int kvf__rooms_get_user(rooms *t, int64_t room, void **user) { return with_entry(t, room, 1, take_user, user); }
 
 int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg) {
   int rc = KVF_ENOTFOUND;
@@ -500,15 +492,7 @@ int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *a
 }
 
 int kvf__rooms_set_init_time(rooms *t, int64_t room, int64_t ns) {
-  int rc = KVF_ENOTFOUND;
-  pthread_mutex_lock(&t->mu);
-  room_entry *e = find(t, room);
-  if (e) {
-    e->init_time_ns = ns;
-    rc = 0;
-  }
-  pthread_mutex_unlock(&t->mu);
-  return rc;
+  return with_entry(t, room, 0, put_init_time, &ns);
 }
 
 int kvf__rooms_clear(rooms *t, int64_t room, void **user) {
