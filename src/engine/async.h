@@ -44,31 +44,41 @@ typedef void (*kvf__refusal_fn)(void *arg, uint64_t tag, uint64_t epoch, int err
 int kvf__engine_on_refusal(kvf_engine *engine, kvf__refusal_fn cb, void *arg);
 void kvf__engine_off_refusal(kvf_engine *engine, void *arg);
 
-/* kvf_engine_submit_ex with a trailer (NULL/0 = none; at most
- * KVF_ENGINE_MAX_TRAILER bytes): the blocks and the trailer are copied, the
- * caller owns *out (kvf_batch_wait, kvf_batch_destroy). Never blocks on the
- * network. Any thread. */
-int kvf__engine_submit_trailer(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
-                               const kvf_batch_opts *opts, const void *trailer, size_t tlen, kvf_batch **out);
+/* kvf_engine_submit_ex's arguments and what only the library adds to them
+ * (a trailer, a completion callback), for kvf__engine_submit_req. */
+typedef struct kvf__submit {
+  const char *session;
+  const kvf_write *writes;
+  size_t n;
+  const kvf_batch_opts *opts; /* NULL = defaults */
+  /* A trailer (NULL/0 = none; at most KVF_ENGINE_MAX_TRAILER bytes): copied,
+   * delivered to the target's trailer callback with the batch's last byte
+   * when the batch is one transport chunk. */
+  const void *trailer;
+  size_t tlen;
+  /* Set: no batch handle; the engine calls on_done(arg, status) exactly
+   * once, when every block is confirmed (0) or one failed (a KVF_E*
+   * error), on a transport thread, or on the calling thread before the call
+   * returns (nothing to move, or a quick peer). The source memory must stay
+   * valid until then. on_done must not block for long (it runs on the
+   * thread that reads acknowledgements). On error on_done is never called
+   * and nothing was sent. With a trailer, *carried (may be NULL) is set to 1
+   * before on_done can run when the trailer goes with the batch, so
+   * on_done(0) means the target's trailer callback has had it; 0 when it was
+   * dropped. */
+  void (*on_done)(void *arg, int status);
+  void *arg;
+  atomic_int *carried;
+} kvf__submit;
 
-/* kvf_engine_write_ex with a trailer (NULL/0 = none; at most
- * KVF_ENGINE_MAX_TRAILER bytes). Blocks as kvf_engine_write. Any thread. */
-int kvf__engine_write_trailer(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
-                              const kvf_batch_opts *opts, const void *trailer, size_t tlen);
+/* Submit s: with s->on_done, out is unused (NULL); without, the caller owns
+ * *out (kvf_batch_wait, kvf_batch_destroy). The blocks and the trailer are
+ * copied. Never blocks on the network. Any thread. */
+int kvf__engine_submit_req(kvf_engine *engine, const kvf__submit *s, kvf_batch **out);
 
-/* Like kvf_engine_submit_ex (opts NULL = defaults), but no batch handle: the engine calls
- * on_done(arg, status) exactly once, when every block is confirmed (0) or
- * one failed (a KVF_E* error), on a transport thread, or on the calling
- * thread before this call returns (nothing to move, or a quick peer). The
- * source memory must stay valid until then. on_done must not block for long
- * (it runs on the thread that reads acknowledgements). On error on_done is
- * never called and nothing was sent. With a trailer, *carried (may be NULL)
- * is set to 1 before on_done can run when the trailer goes with the batch
- * (a batch of one transport chunk), so on_done(0) means the target's
- * trailer callback has had it; 0 when it was dropped. Any thread. */
-int kvf__engine_submit_cb(kvf_engine *engine, const char *session, const kvf_write *writes, size_t n,
-                          const kvf_batch_opts *opts, const void *trailer, size_t tlen,
-                          void (*on_done)(void *arg, int status), void *arg, atomic_int *carried);
+/* kvf__engine_submit_req without on_done, then wait: blocks as
+ * kvf_engine_write. Any thread. */
+int kvf__engine_write_req(kvf_engine *engine, const kvf__submit *s);
 
 /* kvf_engine_fence_close for a pair whose writes all completed (the room
  * ended Success: its writers flushed before they said so): the same over

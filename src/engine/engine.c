@@ -510,11 +510,15 @@ void kvf_batch_opts_init(kvf_batch_opts *o) {
   o->size = sizeof *o;
 }
 
-/* kvf_engine_submit_ex, or with on_done (out unused) kvf__engine_submit_cb;
- * a trailer (async.h) with either. */
-static int engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                         const kvf_batch_opts *opts_in, const void *trailer, size_t tlen,
-                         void (*on_done)(void *, int), void *arg, kvf_batch **out, atomic_int *carried) {
+/* kvf_engine_submit_ex, and kvf__engine_submit_req (async.h). */
+static int engine_submit(kvf_engine *e, const kvf__submit *s, kvf_batch **out) {
+  const char *session = s->session;
+  const kvf_write *writes = s->writes;
+  size_t n = s->n, tlen = s->tlen;
+  const void *trailer = s->trailer;
+  void (*on_done)(void *, int) = s->on_done;
+  void *arg = s->arg;
+  const kvf_batch_opts *opts_in = s->opts;
   kvf_batch_opts opts;
   kvf_batch_opts_init(&opts);
   if (!e || !session || (!out && !on_done) || (n && !writes) || (tlen && !trailer) ||
@@ -556,7 +560,7 @@ static int engine_submit(kvf_engine *e, const char *session, const kvf_write *wr
     memcpy(chunks[0]->trailer, trailer, tlen);
     chunks[0]->tlen = (uint32_t)tlen;
   }
-  if (carried) atomic_store(carried, tlen && nchunks == 1);
+  if (s->carried) atomic_store(s->carried, tlen && nchunks == 1);
   if (nchunks == 0) { /* nothing to move: done at once, as Mooncake does */
     if (chunks != few) free(chunks);
     if (on_done) {
@@ -585,31 +589,25 @@ err_batch:
 }
 
 int kvf_engine_submit(kvf_engine *e, const char *session, const kvf_write *writes, size_t n, kvf_batch **out) {
-  return engine_submit(e, session, writes, n, NULL, NULL, 0, NULL, NULL, out, NULL);
+  if (!out) return KVF_EINVAL;
+  return engine_submit(e, &(kvf__submit){.session = session, .writes = writes, .n = n}, out);
 }
 
 int kvf_engine_submit_ex(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
                          const kvf_batch_opts *opts, kvf_batch **out) {
-  return engine_submit(e, session, writes, n, opts, NULL, 0, NULL, NULL, out, NULL);
-}
-
-int kvf__engine_submit_cb(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                          const kvf_batch_opts *opts, const void *trailer, size_t tlen,
-                          void (*on_done)(void *arg, int status), void *arg, atomic_int *carried) {
-  if (!on_done) return KVF_EINVAL;
-  return engine_submit(e, session, writes, n, opts, trailer, tlen, on_done, arg, NULL, carried);
-}
-
-int kvf__engine_submit_trailer(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                               const kvf_batch_opts *opts, const void *trailer, size_t tlen, kvf_batch **out) {
   if (!out) return KVF_EINVAL;
-  return engine_submit(e, session, writes, n, opts, trailer, tlen, NULL, NULL, out, NULL);
+  return engine_submit(e, &(kvf__submit){.session = session, .writes = writes, .n = n, .opts = opts}, out);
 }
 
-int kvf__engine_write_trailer(kvf_engine *e, const char *session, const kvf_write *writes, size_t n,
-                              const kvf_batch_opts *opts, const void *trailer, size_t tlen) {
+int kvf__engine_submit_req(kvf_engine *e, const kvf__submit *s, kvf_batch **out) {
+  if (!s || (!s->on_done && !out)) return KVF_EINVAL;
+  return engine_submit(e, s, s->on_done ? NULL : out);
+}
+
+int kvf__engine_write_req(kvf_engine *e, const kvf__submit *s) {
+  if (!s || s->on_done) return KVF_EINVAL;
   kvf_batch *b = NULL;
-  int rc = kvf__engine_submit_trailer(e, session, writes, n, opts, trailer, tlen, &b);
+  int rc = engine_submit(e, s, &b);
   if (rc) return rc;
   rc = kvf_batch_wait(b, -1);
   kvf_batch_destroy(b);

@@ -484,23 +484,42 @@ static void trailer_after_bytes(void **state) {
   assert_int_equal(kvf__engine_on_trailer(b, on_trailer, &t), 0);
   assert_int_equal(kvf__engine_on_trailer(b, on_trailer, NULL), KVF_EEXIST);
   kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)dst, .len = LEN};
-  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, "room 7 done", 11), 0);
+  assert_int_equal(kvf__engine_write_req(a, &(kvf__submit){.session = kvf_engine_session_id(b),
+                                                           .writes = &w,
+                                                           .n = 1,
+                                                           .trailer = "room 7 done",
+                                                           .tlen = 11}),
+                   0);
   assert_int_equal(trailer_calls(&t, 1), 1);
   assert_true(t.bytes_in_place);
   assert_string_equal(t.data, "room 7 done");
   assert_string_equal(t.peer, "127.0.0.1");
   w.len = BIG; /* split over connections: no trailer */
-  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, "late", 4), 0);
+  assert_int_equal(kvf__engine_write_req(a, &(kvf__submit){.session = kvf_engine_session_id(b),
+                                                           .writes = &w,
+                                                           .n = 1,
+                                                           .trailer = "late",
+                                                           .tlen = 4}),
+                   0);
   usleep(20000);
   assert_int_equal(trailer_calls(&t, 1), 1);
   assert_memory_equal(dst, src, BIG);
   kvf__engine_off_trailer(b, &t);
   w.len = LEN;
-  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, "after off", 9), 0);
+  assert_int_equal(kvf__engine_write_req(a, &(kvf__submit){.session = kvf_engine_session_id(b),
+                                                           .writes = &w,
+                                                           .n = 1,
+                                                           .trailer = "after off",
+                                                           .tlen = 9}),
+                   0);
   usleep(20000);
   assert_int_equal(trailer_calls(&t, 1), 1);
   unsigned char big[KVF_ENGINE_MAX_TRAILER + 1] = {0};
-  assert_int_equal(kvf__engine_write_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, big, sizeof big),
+  assert_int_equal(kvf__engine_write_req(a, &(kvf__submit){.session = kvf_engine_session_id(b),
+                                                           .writes = &w,
+                                                           .n = 1,
+                                                           .trailer = big,
+                                                           .tlen = sizeof big}),
                    KVF_EINVAL);
   kvf_engine_destroy(a);
   kvf_engine_destroy(b);
@@ -559,7 +578,13 @@ static void small_batches_in_a_burst_keep_their_trailers(void **state) {
     kvf_write w = {.src = (uint64_t)(uintptr_t)(src + off[k]),
                    .dst = (uint64_t)(uintptr_t)(dst + off[k]),
                    .len = len[k]};
-    assert_int_equal(kvf__engine_submit_trailer(a, kvf_engine_session_id(b), &w, 1, NULL, &k, sizeof k, &bt[k]),
+    assert_int_equal(kvf__engine_submit_req(a,
+                                            &(kvf__submit){.session = kvf_engine_session_id(b),
+                                                           .writes = &w,
+                                                           .n = 1,
+                                                           .trailer = &k,
+                                                           .tlen = sizeof k},
+                                            &bt[k]),
                      0);
   }
   for (int k = 0; k < N; k++) {
@@ -646,7 +671,12 @@ static void ipv6_peer_names_are_bracketed(void **state) {
   assert_int_equal(kvf__engine_on_refusal(t, on_v6_refused, &v), 0);
   assert_int_equal(kvf__engine_on_trailer(t, on_v6_trailer, &v), 0);
   kvf_write wr = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst, 4096, 1, 0, 0};
-  assert_int_equal(kvf__engine_write_trailer(w, kvf_engine_session_id(t), &wr, 1, NULL, "done", 4), 0);
+  assert_int_equal(kvf__engine_write_req(w, &(kvf__submit){.session = kvf_engine_session_id(t),
+                                                           .writes = &wr,
+                                                           .n = 1,
+                                                           .trailer = "done",
+                                                           .tlen = 4}),
+                   0);
   for (int i = 0; i < 5000; i++) {
     pthread_mutex_lock(&v.mu);
     int got = v.trailer_from[0] != 0;

@@ -437,8 +437,15 @@ static int tr_submit(trailer_run *r, uint32_t id, size_t page) {
   unsigned char tr[64] = {0};
   memcpy(tr, &id, sizeof id);
   atomic_fetch_add(&r->pending, 1);
-  int rc =
-      kvf__engine_submit_cb(r->w, kvf_engine_session_id(r->t), &w, 1, NULL, tr, sizeof tr, tr_on_done, c, NULL);
+  int rc = kvf__engine_submit_req(r->w,
+                                  &(kvf__submit){.session = kvf_engine_session_id(r->t),
+                                                 .writes = &w,
+                                                 .n = 1,
+                                                 .trailer = tr,
+                                                 .tlen = sizeof tr,
+                                                 .on_done = tr_on_done,
+                                                 .arg = c},
+                                  NULL);
   if (rc) {
     atomic_fetch_sub(&r->pending, 1);
     free(c);
@@ -515,7 +522,11 @@ static void unregister_prompt_after_the_writer_gave_up(void **state) {
   assert_int_equal(kvf_engine_register(r->t, extra, 1 << 20), 0);
   kvf_write w = {.src = (uint64_t)(uintptr_t)r->wpool, .dst = (uint64_t)(uintptr_t)r->tpool, .len = PAGE};
   char tr[8] = "x";
-  assert_int_equal(kvf__engine_write_trailer(r->w, kvf_engine_session_id(r->t), &w, 1, NULL, tr, sizeof tr),
+  assert_int_equal(kvf__engine_write_req(r->w, &(kvf__submit){.session = kvf_engine_session_id(r->t),
+                                                              .writes = &w,
+                                                              .n = 1,
+                                                              .trailer = tr,
+                                                              .tlen = sizeof tr}),
                    KVF_ETIMEDOUT);
   usleep(1000000); /* the target's callback returns; the writer has reaped the peer */
   int64_t t0 = clock_now_ns();

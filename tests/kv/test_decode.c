@@ -269,7 +269,11 @@ static int write_with_completion(fixture *f, kvf_engine *eng, const uint8_t *src
   kvf__wire_msg_free(&msg);
   assert_true(tlen > 0);
   if (garble) tb[0] = 0xff; /* a frame count past the bytes */
-  return kvf__engine_write_trailer(eng, kvf_manager_session_id(f->m), &w, 1, NULL, tb, tlen);
+  return kvf__engine_write_req(eng, &(kvf__submit){.session = kvf_manager_session_id(f->m),
+                                                   .writes = &w,
+                                                   .n = 1,
+                                                   .trailer = tb,
+                                                   .tlen = tlen});
 }
 
 /* ---------------------------------------------------------------- tests */

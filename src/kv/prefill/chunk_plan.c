@@ -426,10 +426,16 @@ int kvf__pf_send_dest(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why, 
   size_t tlen = completion_trailer(ps, s, tb, sizeof tb);
   kvf_batch_opts opts;
   kvf__pf_fence_opts(x, &opts);
-  int rc = s->on_done ? kvf__engine_submit_cb(ps->m->engine, x->session, sc->w, sc->nw, &opts, tlen ? tb : NULL,
-                                              tlen, s->on_done, s->arg, tlen ? s->carried : NULL)
-                      : kvf__engine_submit_trailer(ps->m->engine, x->session, sc->w, sc->nw, &opts,
-                                                   tlen ? tb : NULL, tlen, &s->batch);
+  kvf__submit req = {.session = x->session,
+                     .writes = sc->w,
+                     .n = sc->nw,
+                     .opts = &opts,
+                     .trailer = tlen ? tb : NULL,
+                     .tlen = tlen,
+                     .on_done = s->on_done,
+                     .arg = s->arg,
+                     .carried = tlen ? s->carried : NULL};
+  int rc = kvf__engine_submit_req(ps->m->engine, &req, &s->batch);
   if (rc) return kvf__pf_xfer_failed(s->c->r, x, rc, why, whycap);
   s->bytes = kvf__pf_writes_bytes(sc->w, sc->nw);
   trace_peer(ps, tl, x->session);
