@@ -60,7 +60,7 @@ typedef enum kvf_trace_step {
 #define KVF_TRACE_REASON_MAX 160 /* bytes of the failure reason kept, NUL included */
 
 typedef struct kvf_trace_peer {
-  char peer[64];     /* decode: the prefill rank's control address; prefill: the decode's engine session */
+  char peer[KVF_ADDR_MAX + 1]; /* decode: the prefill rank's control address; prefill: the decode's engine session */
   char transport[8]; /* "tcp", "ucx", or "" when not known */
   char mode[8];      /* "tcp", "read" (the decode pulls over UCX), "write" (one-sided UCX puts), or "" */
 } kvf_trace_peer;
@@ -80,7 +80,7 @@ typedef struct kvf_room_trace {
   uint64_t retries; /* decode: repeated kvf_receiver_init; prefill: repeated M2s from one session */
   uint32_t npeers;
   kvf_trace_peer peers[KVF_TRACE_MAX_PEERS];
-  char engine[64];                   /* this manager's engine session "host:port" */
+  char engine[KVF_ADDR_MAX + 1];     /* this manager's engine session "host:port" */
   char reason[KVF_TRACE_REASON_MAX]; /* the failure reason, "" if none */
 } kvf_room_trace;
 

@@ -128,6 +128,7 @@ class kvf_send_params(ctypes.Structure):
 
 
 KVF_TRACE_NSTEPS = 15
+_ADDR_LEN = 264  # KVF_ADDR_MAX + 1, the trace records' address fields (checked against the library below)
 KVF_TRACE_MAX_PEERS = 4
 KVF_TRACE_REASON_MAX = 160
 # kvf_trace_step values, in enum order (include/kvferry/trace.h).
@@ -139,7 +140,7 @@ TRACE_STEPS = (
 
 
 class kvf_trace_peer(ctypes.Structure):
-    _fields_ = [("peer", ctypes.c_char * 64), ("transport", ctypes.c_char * 8), ("mode", ctypes.c_char * 8)]
+    _fields_ = [("peer", ctypes.c_char * _ADDR_LEN), ("transport", ctypes.c_char * 8), ("mode", ctypes.c_char * 8)]
 
 
 class kvf_room_trace(ctypes.Structure):
@@ -159,7 +160,7 @@ class kvf_room_trace(ctypes.Structure):
         ("retries", ctypes.c_uint64),
         ("npeers", ctypes.c_uint32),
         ("peers", kvf_trace_peer * KVF_TRACE_MAX_PEERS),
-        ("engine", ctypes.c_char * 64),
+        ("engine", ctypes.c_char * _ADDR_LEN),
         ("reason", ctypes.c_char * KVF_TRACE_REASON_MAX),
     ]
 
@@ -369,6 +370,8 @@ def _constants(api):
 
 CONSTS = _constants(lib)
 globals().update(CONSTS)  # KVF_EINVAL, KVF_POLL_SUCCESS, KVF_MAX_CANDIDATES, ... as module attributes
+if CONSTS.get("KVF_ADDR_MAX", _ADDR_LEN - 1) != _ADDR_LEN - 1:
+    raise ImportError(f"{LIB_PATH}: KVF_ADDR_MAX {CONSTS['KVF_ADDR_MAX']} != {_ADDR_LEN - 1}: a binding of another version")
 
 
 def strerror(code):

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "base/log.h"
 #include "kv/manager.h"
 
@@ -89,15 +90,69 @@ struct trace_ring {
   size_t cap;
   uint64_t n; /* records ever stored; the newest is slots[(n - 1) % cap] */
   atomic_int enabled;
-  int fd; /* KVFERRY_TRACE file, -1: none */
   hist h[H_N];
+  /* KVFERRY_TRACE: the writer thread appends the ring's records from
+   * `written` on, off every room's path (trace_writer_main). */
+  int fd; /* -1: none */
+  pthread_t writer;
+  pthread_cond_t cv; /* the writer waits here: a backlog, or stop */
+  int stop;
+  uint64_t written; /* records handed to the file (or dropped) */
+  uint64_t dropped; /* overwritten in the ring before the writer took them */
 };
+
+/* Records the writer takes per write(): at most this many lines at once,
+ * each in TRACE_LINE_MAX bytes (a record with every text field escaped at
+ * its longest fits). */
+#define TRACE_WRITE_BATCH 16
+#define TRACE_LINE_MAX 16384
+/* The writer looks for finished records at least this often. */
+#define TRACE_WRITE_TICK_MS 50
 
 static void hist_observe(hist *h, const hist_def *d, double v) {
   size_t i = 0;
   while (i < d->nbounds && v > d->bounds[i]) i++;
   atomic_fetch_add_explicit(&h->bucket[i], 1, memory_order_relaxed);
   atomic_fetch_add_explicit(&h->sum, (unsigned long long)(v * d->scale + 0.5), memory_order_relaxed);
+}
+
+/* KVFERRY_TRACE's thread: copies the records finished since the last
+ * turn out of the ring (its lock held only for the copy), formats them and
+ * appends them with one write() per batch of whole lines. A room's own
+ * path only stores its record; a writer that falls a whole ring behind
+ * loses the oldest records, counted and logged once. */
+static void *trace_writer_main(void *arg) {
+  trace_ring *r = arg;
+  kvf_room_trace *batch = malloc(TRACE_WRITE_BATCH * sizeof *batch);
+  char *buf = malloc((size_t)TRACE_WRITE_BATCH * TRACE_LINE_MAX);
+  int warned = 0;
+  pthread_mutex_lock(&r->mu);
+  while (batch && buf) {
+    if (r->written == r->n) {
+      if (r->stop) break;
+      struct timespec ts = clock_ts_from_ns(clock_deadline_ms(TRACE_WRITE_TICK_MS));
+      pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+      continue;
+    }
+    if (r->n - r->written > r->cap) {
+      r->dropped += r->n - r->written - r->cap;
+      r->written = r->n - r->cap;
+      if (!warned++)
+        LOG_WARN("kv", "KVFERRY_TRACE: the file fell a whole ring behind; the oldest records are lost");
+    }
+    size_t k = 0;
+    for (; k < TRACE_WRITE_BATCH && r->written < r->n; k++, r->written++) batch[k] = r->slots[r->written % r->cap];
+    pthread_mutex_unlock(&r->mu);
+    size_t len = 0;
+    for (size_t i = 0; i < k; i++) len += kvf_trace_format_json(&batch[i], buf + len, TRACE_LINE_MAX);
+    if (len && write(r->fd, buf, len) != (ssize_t)len)
+      LOG_WARN("kv", "KVFERRY_TRACE: trace lines could not be written whole");
+    pthread_mutex_lock(&r->mu);
+  }
+  pthread_mutex_unlock(&r->mu);
+  free(batch);
+  free(buf);
+  return NULL;
 }
 
 int kvf__trace_ring_new(size_t cap, trace_ring **out) {
@@ -112,9 +167,15 @@ int kvf__trace_ring_new(size_t cap, trace_ring **out) {
   atomic_init(&r->enabled, cap > 0);
   pthread_mutex_init(&r->mu, NULL);
   const char *file = getenv("KVFERRY_TRACE");
+  clock_cond_init(&r->cv);
   if (cap && file && *file) {
     r->fd = open(file, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
     if (r->fd < 0) LOG_WARN("kv", "KVFERRY_TRACE=%s: cannot open it for appending; no trace lines", file);
+    if (r->fd >= 0 && pthread_create(&r->writer, NULL, trace_writer_main, r)) {
+      LOG_WARN("kv", "KVFERRY_TRACE=%s: no thread to write it; no trace lines", file);
+      close(r->fd);
+      r->fd = -1;
+    }
   }
   *out = r;
   return 0;
@@ -122,7 +183,15 @@ int kvf__trace_ring_new(size_t cap, trace_ring **out) {
 
 void kvf__trace_ring_free(trace_ring *r) {
   if (!r) return;
-  if (r->fd >= 0) close(r->fd);
+  if (r->fd >= 0) { /* the writer appends what is left, then ends */
+    pthread_mutex_lock(&r->mu);
+    r->stop = 1;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    pthread_join(r->writer, NULL);
+    close(r->fd);
+  }
+  pthread_cond_destroy(&r->cv);
   pthread_mutex_destroy(&r->mu);
   free(r->slots);
   free(r);
@@ -203,14 +272,11 @@ void kvf__trace_finish(kvf_manager *m, trace_live *tl, int64_t room, int status,
   pthread_mutex_lock(&r->mu);
   r->slots[r->n % r->cap] = t;
   r->n++;
+  /* The file's writer wakes by itself every tick; told only when half the
+   * ring waits, so a room pays no syscall for it. */
+  if (r->fd >= 0 && r->n - r->written == r->cap / 2 + 1) pthread_cond_signal(&r->cv);
   pthread_mutex_unlock(&r->mu);
   observe(r, &t);
-  if (r->fd >= 0) {
-    char line[4096];
-    size_t len = kvf_trace_format_json(&t, line, sizeof line);
-    if (len && write(r->fd, line, len) != (ssize_t)len)
-      LOG_WARN("kv", "KVFERRY_TRACE: a trace line could not be written whole");
-  }
 }
 
 typedef struct live_get {
