@@ -60,7 +60,8 @@ typedef enum kvf_trace_step {
 #define KVF_TRACE_REASON_MAX 160 /* bytes of the failure reason kept, NUL included */
 
 typedef struct kvf_trace_peer {
-  char peer[KVF_ADDR_MAX + 1]; /* decode: the prefill rank's control address; prefill: the decode's engine session */
+  char peer[KVF_ADDR_MAX +
+            1];      /* decode: the prefill rank's control address; prefill: the decode's engine session */
   char transport[8]; /* "tcp", "ucx", or "" when not known */
   char mode[8];      /* "tcp", "read" (the decode pulls over UCX), "write" (one-sided UCX puts), or "" */
 } kvf_trace_peer;
