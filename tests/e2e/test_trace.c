@@ -183,6 +183,10 @@ static void check_success_pair(rig *g, int64_t room, int chunks, size_t per, int
   kvf_room_trace d, p;
   get_finished(g->dm, room, &d);
   get_finished(g->pm, room, &p);
+  /* The bracket closes once both records are finished: the prefill's last
+   * steps (a worker's completion_sent) may follow the sender's Success,
+   * hence its destroy. */
+  t1 = now_ns();
   check_common(&d, KVF_ROLE_DECODE, t0, t1);
   check_common(&p, KVF_ROLE_PREFILL, t0, t1);
   assert_int_equal(d.status, KVF_POLL_SUCCESS);
@@ -265,6 +269,7 @@ static void failed_room_records_the_reason_on_both_sides(void **state) {
   kvf_room_trace d, p;
   get_finished(g.dm, 200, &d);
   get_finished(g.pm, 200, &p);
+  t1 = now_ns(); /* as in check_success_pair */
   check_common(&d, KVF_ROLE_DECODE, t0, t1);
   check_common(&p, KVF_ROLE_PREFILL, t0, t1);
   assert_int_equal(d.status, KVF_POLL_FAILED);
