@@ -9,14 +9,7 @@
 #include <stdlib.h>
 
 #include "engine/tcp_frame.h"
-
-#define FUZZ_CHECK(cond)                                                          \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      fprintf(stderr, "oracle failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-      abort();                                                                    \
-    }                                                                             \
-  } while (0)
+#include "fuzz_check.h"
 
 static region_table *table(void) {
   static region_table t;

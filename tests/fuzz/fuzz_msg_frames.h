@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "wire/messages.h"
+#include "fuzz_check.h"
 
 enum { FUZZ_MAX_FRAMES = 16 };
 
@@ -45,14 +46,6 @@ static inline void fuzz_split(const uint8_t *data, size_t size, fuzz_frames *out
 static inline void fuzz_release(fuzz_frames *ff) {
   for (size_t i = 0; i < ff->n; i++) free(ff->buf[i]);
 }
-
-#define FUZZ_CHECK(cond)                                                          \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      fprintf(stderr, "oracle failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-      abort();                                                                    \
-    }                                                                             \
-  } while (0)
 
 static inline int fuzz_array_eq(wire_array a, wire_array b, size_t elem) {
   return a.count == b.count && (a.count == 0 || !memcmp(a.data, b.data, a.count * elem));

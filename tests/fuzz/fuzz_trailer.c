@@ -15,14 +15,7 @@
 
 #include "kv/manager.h"
 #include "wire/messages.h"
-
-#define FUZZ_CHECK(cond)                                                          \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      fprintf(stderr, "oracle failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-      abort();                                                                    \
-    }                                                                             \
-  } while (0)
+#include "fuzz_check.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   static kvf_manager plain; /* no control token: pack adds no MAC frame */

@@ -55,6 +55,16 @@ static void decode_config(kvf_manager_config *c) {
   c->heartbeat_interval_s = 60;
 }
 
+/* A decode manager with default settings over d's buffers. */
+static kvf_manager *decode_manager(bufs_desc *d) {
+  bufs_init(d);
+  kvf_manager_config c;
+  decode_config(&c);
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&c, &d->b, &m), 0);
+  return m;
+}
+
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -80,11 +90,7 @@ static int none_registered(kvf_engine *e) {
 static void decode_with_own_engine(void **state) {
   (void)state;
   bufs_desc d;
-  bufs_init(&d);
-  kvf_manager_config c;
-  decode_config(&c);
-  kvf_manager *m = NULL;
-  assert_int_equal(kvf_manager_create(&c, &d.b, &m), 0);
+  kvf_manager *m = decode_manager(&d);
   kvf_engine *own = kvf_manager_engine(m);
   assert_non_null(own);
   assert_string_equal(kvf_manager_session_id(m), kvf_engine_session_id(own));
@@ -314,11 +320,7 @@ static const char *find_line(const char *text, const char *prefix, char *line, s
 static void stats_and_metrics(void **state) {
   (void)state;
   bufs_desc d;
-  bufs_init(&d);
-  kvf_manager_config c;
-  decode_config(&c);
-  kvf_manager *m = NULL;
-  assert_int_equal(kvf_manager_create(&c, &d.b, &m), 0);
+  kvf_manager *m = decode_manager(&d);
   kvf__manager_reject(m, "10.0.0.9", "M3", "test: malformed");
   kvf__manager_reject(m, "10.0.0.9", "M3", "test: malformed again");
   kvf__manager_reject_forged(m, "10.0.0.8", "M3", "test: forged");
