@@ -80,6 +80,12 @@ int kvf__engine_submit_req(kvf_engine *engine, const kvf__submit *s, kvf_batch *
  * kvf_engine_write. Any thread. */
 int kvf__engine_write_req(kvf_engine *engine, const kvf__submit *s);
 
+/* The path the engine chose for the peer `session`, as static strings:
+ * *transport "tcp" or "ucx", *mode "tcp", "read" (the target reads each
+ * chunk) or "write" (one-sided puts). KVF_ENOTFOUND before the first
+ * transfer to it chose one. Any thread. */
+int kvf__engine_peer_path(kvf_engine *engine, const char *session, const char **transport, const char **mode);
+
 /* kvf_engine_fence_close for a pair whose writes all completed (the room
  * ended Success: its writers flushed before they said so): the same over
  * tcp, but one-sided writers (UCX) are not asked to confirm, which saves a

@@ -243,6 +243,13 @@ int kvf_engine_peer_transport(kvf_engine *e, const char *session, char *out, siz
   return 0;
 }
 
+int kvf__engine_peer_path(kvf_engine *e, const char *session, const char **transport, const char **mode) {
+  if (!e || !session || !transport || !mode) return KVF_EINVAL;
+  if (e->ops->path) return e->ops->path(e, session, transport, mode);
+  *transport = *mode = "tcp";
+  return 0;
+}
+
 int kvf_engine_peer_routes(kvf_engine *e, char *out, size_t cap) {
   if (!e || !out || !cap) return KVF_EINVAL;
   out[0] = 0;

@@ -166,6 +166,8 @@ typedef struct transport_ops {
   void (*dereg)(struct kvf_engine *e, void *addr);
   void (*serve)(struct kvf_engine *e, int fd, const char *peer, unsigned hello_flags);
   int (*describe)(struct kvf_engine *e, const char *session, char *out, size_t cap);
+  /* Optional: kvf__engine_peer_path (without it: "tcp", "tcp"). */
+  int (*path)(struct kvf_engine *e, const char *session, const char **transport, const char **mode);
   int (*alloc_pool)(struct kvf_engine *e, size_t len, void **out);
   int (*free_pool)(struct kvf_engine *e, void *addr);
   /* Optional: a one-sided transport's part of kvf_engine_fence_close (the

@@ -756,6 +756,7 @@ const transport_ops kvf__ucx_transport_ops = {
     .dereg = ucx_dereg_hook,
     .serve = ucx_serve,
     .describe = kvf__ucx_describe,
+    .path = kvf__ucx_path,
     .alloc_pool = ucx_alloc_pool,
     .free_pool = ucx_free_pool,
     .fence_close = ucx_fence_close,

@@ -385,6 +385,7 @@ void kvf__ucx_rregions_free(ucx_rregion *regs, size_t n);
 /* The region of regs (sorted) holding [addr, addr+len), or NULL. */
 const ucx_rregion *kvf__ucx_rregion_find(const ucx_rregion *regs, size_t n, uint64_t addr, uint64_t len);
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap);
+int kvf__ucx_path(kvf_engine *e, const char *session, const char **transport, const char **mode);
 int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap);
 /* Progress thread: a peer's rendezvous socket is readable or closed. */
 void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events);

@@ -704,9 +704,27 @@ int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap)
   if (p) {
     pthread_mutex_lock(&p->mu);
     if (p->route != ROUTE_UNKNOWN) {
-      snprintf(out, cap, "%s: %s%s%s", p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
-               p->mapped ? "; its pool is mapped here (plain stores)" : "",
-               p->route == ROUTE_UCX && p->read_mode ? "; read mode (the target reads)" : "");
+      snprintf(out, cap, "%s: %s%s", p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
+               p->mapped ? "; its pool is mapped here (plain stores)" : ""); /* why names the mode */
+      rc = 0;
+    }
+    pthread_mutex_unlock(&p->mu);
+  }
+  pthread_mutex_unlock(&u->peers_mu);
+  return rc;
+}
+
+int kvf__ucx_path(kvf_engine *e, const char *session, const char **transport, const char **mode) {
+  ucx_state *u = e->ucx;
+  pthread_mutex_lock(&u->peers_mu);
+  ucx_peer *p = kvf__smap_get(&u->peers, session);
+  int rc = KVF_ENOTFOUND;
+  if (p) {
+    pthread_mutex_lock(&p->mu);
+    if (p->route != ROUTE_UNKNOWN) {
+      int ucx = p->route == ROUTE_UCX;
+      *transport = ucx ? "ucx" : "tcp";
+      *mode = !ucx ? "tcp" : p->read_mode ? "read" : "write";
       rc = 0;
     }
     pthread_mutex_unlock(&p->mu);

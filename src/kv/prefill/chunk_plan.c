@@ -392,14 +392,11 @@ static void trace_peer(prefill_state *ps, trace_live *tl, const char *session) {
     if (!strcmp(tl->peers[i].peer, session)) return;
   if (tl->npeers >= KVF_TRACE_MAX_PEERS) return;
   kvf_trace_peer *p = &tl->peers[tl->npeers];
-  char how[256] = "";
+  const char *transport = "", *mode = "";
+  kvf__engine_peer_path(ps->m->engine, session, &transport, &mode); /* unknown yet: left empty */
   snprintf(p->peer, sizeof p->peer, "%s", session);
-  p->transport[0] = p->mode[0] = '\0';
-  if (!kvf_engine_peer_transport(ps->m->engine, session, how, sizeof how)) { /* "ucx: why..." */
-    int ucx = !strncmp(how, "ucx", 3);
-    snprintf(p->transport, sizeof p->transport, "%s", ucx ? "ucx" : "tcp");
-    snprintf(p->mode, sizeof p->mode, "%s", !ucx ? "tcp" : strstr(how, "read mode") ? "read" : "write");
-  }
+  snprintf(p->transport, sizeof p->transport, "%s", transport);
+  snprintf(p->mode, sizeof p->mode, "%s", mode);
   tl->npeers++;
 }
 
