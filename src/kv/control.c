@@ -48,6 +48,8 @@ typedef struct manager_push {
   void *sock;
 } manager_push;
 
+int kvf__control_socket_limit(void) { return MANAGER_MAX_PUSHES + 1; }
+
 static void reject_log(kvf_manager *m, const char *peer, const char *kind, const char *reason) {
   char key[128];
   snprintf(key, sizeof key, "%s/%s/%p", peer ? peer : "?", kind, (void *)m);

@@ -358,9 +358,15 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   pthread_mutex_init(&m->push_lock, NULL);
   if ((rc = smap_init(&m->pushes))) goto err_lock;
   m->zctx = zmq_ctx_new();
+  /* ZeroMQ's default of 1023 sockets per context would refuse PUSH sockets
+   * long before the cache's bound (kvf__control_push_limit). */
   if (!m->zctx) {
     rc = KVF_EIO;
     goto err_pushes;
+  }
+  if (zmq_ctx_set(m->zctx, ZMQ_MAX_SOCKETS, kvf__control_socket_limit())) {
+    rc = KVF_EIO;
+    goto err_zmq;
   }
   if ((rc = kvf__control_bind_pull(m))) goto err_zmq;
   if ((rc = kvf__integ_start(m))) goto err_zmq;

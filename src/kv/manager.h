@@ -165,6 +165,11 @@ void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsig
  * kernel-chosen port (m->rank_port), the listener thread's body, and closing
  * every cached PUSH socket (after the listener stopped). */
 int kvf__control_bind_pull(kvf_manager *m);
+/* Sockets one manager's ZeroMQ context may hold: its PULL socket and up to
+ * MANAGER_MAX_PUSHES cached PUSH sockets (one per peer address), for
+ * ZMQ_MAX_SOCKETS. Each takes descriptors too (a connection and a mailbox):
+ * a process that talks to thousands of peers needs RLIMIT_NOFILE to match. */
+int kvf__control_socket_limit(void);
 /* Wake the listener from its wait, so that it runs the role's timed work
  * (tick) now: for work queued by another thread that is due before the
  * listener's current wait ends. Any thread. */

@@ -7,6 +7,7 @@
  * unpack byte-exact and malformed ones are refused; the peer-address check
  * compares what it can. */
 #include <pthread.h>
+#include <sys/resource.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -282,6 +283,54 @@ static void push_cache_keeps_order_per_endpoint(void **state) {
   kvf_manager_destroy(m);
 }
 
+/* More peers than ZeroMQ's default of 1023 sockets per context: the cache
+ * opens a PUSH socket for each of 1100 addresses (distinct hosts of
+ * 127.0.0.0/8, all reaching one PULL socket) and every message arrives. */
+#define MANY_PEERS 1100
+static void push_cache_holds_more_peers_than_zeromq_default(void **state) {
+  (void)state;
+  /* ~3 descriptors per peer (the PUSH socket's connection and mailbox, the
+   * PULL side's connection). */
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < 4 * MANY_PEERS) {
+    rl.rlim_cur = rl.rlim_max < 4 * MANY_PEERS ? rl.rlim_max : 4 * MANY_PEERS;
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  if (getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur < 4 * MANY_PEERS) {
+    skip(); /* the descriptor limit, not the library, would refuse */
+    return;
+  }
+  kvf_manager *m = make_manager(NULL);
+  void *zctx = zmq_ctx_new();
+  void *pull = zmq_socket(zctx, ZMQ_PULL);
+  int tmo = (int)(DEADLINE_S * 1000);
+  zmq_setsockopt(pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+  assert_int_equal(zmq_bind(pull, "tcp://0.0.0.0:*"), 0);
+  char ep[128];
+  size_t len = sizeof ep;
+  assert_int_equal(zmq_getsockopt(pull, ZMQ_LAST_ENDPOINT, ep, &len), 0);
+  uint16_t port = (uint16_t)atoi(strrchr(ep, ':') + 1);
+  for (int i = 0; i < MANY_PEERS; i++) {
+    char host[32];
+    snprintf(host, sizeof host, "127.0.%d.%d", i / 250, i % 250 + 1);
+    wire_msg msg;
+    m3_for(i, &msg);
+    assert_int_equal(kvf__manager_push_send(m, host, port, &msg), 0);
+    kvf__wire_msg_free(&msg);
+  }
+  char *seen = calloc(MANY_PEERS, 1);
+  assert_non_null(seen);
+  for (int i = 0; i < MANY_PEERS; i++) {
+    int64_t room = recv_room(pull);
+    assert_true(room >= 0 && room < MANY_PEERS && !seen[room]);
+    seen[room] = 1;
+  }
+  free(seen);
+  zmq_close(pull);
+  zmq_ctx_term(zctx);
+  kvf_manager_destroy(m);
+}
+
 /* Engine trailers: pack then unpack gives the message's frames back (and a
  * MAC frame with a token); a cut, an extra byte, no frames or a length past
  * the end is refused; a buffer too small packs nothing; frames past the
@@ -368,6 +417,7 @@ int main(void) {
       cmocka_unit_test(frames_past_any_message_are_ignored),
       cmocka_unit_test(control_token_admits_only_good_macs),
       cmocka_unit_test(push_cache_keeps_order_per_endpoint),
+      cmocka_unit_test(push_cache_holds_more_peers_than_zeromq_default),
       cmocka_unit_test(trailers_round_trip_and_refuse_malformed),
       cmocka_unit_test(peer_address_check),
   };
