@@ -78,7 +78,7 @@ static void peer_prefill_start(prefill_proc *pp, int world, int dp) { peer_prefi
 /* Children that would outlive a failed test: `kvferry bootstrap` stops only
  * on a signal, and a SIGSTOPped kv-peer never reads its stdin's EOF. The
  * teardown kills whatever is still listed. */
-#define MAX_STRAYS 4
+#define MAX_STRAYS 16
 static pid_t g_strays[MAX_STRAYS];
 
 static void stray_add(pid_t pid) {
@@ -435,6 +435,53 @@ static void stopped_prefill_detected_within_bound(void **state) {
   unsetenv("KVFERRY_HEARTBEAT_MIN_S");
 }
 
+/* Scale-out: many prefill instances stop at once (SIGSTOP, each with its
+ * ranks and bootstrap server). Each heartbeat probe of a stopped one waits
+ * its timeout; probed one after another they would stretch a round to
+ * STOPPED_PREFILLS x that timeout and every detection with it (~12 s here).
+ * Probed in parallel, every stopped prefill's room fails within the bound
+ * one alone has. */
+#define STOPPED_PREFILLS 12
+static void many_stopped_prefills_are_detected_in_parallel(void **state) {
+  setenv("KVFERRY_HEARTBEAT_MIN_S", "0.2", 1);
+  prefill_proc pp[STOPPED_PREFILLS];
+  for (int i = 0; i < STOPPED_PREFILLS; i++) peer_prefill_start(&pp[i], 1, 1);
+  decode_side d;
+  decode_start_side(&d, HB_S, 60);
+  uint64_t rng = 24;
+  request ok, w[STOPPED_PREFILLS];
+  for (int i = 0; i < STOPPED_PREFILLS; i++) {
+    begin(&d, &pp[i], &ok, 40 + 2 * i, 4, &rng, 0);
+    finish(&d, &ok, 1);
+    begin_waiting(&d, &pp[i], &w[i], 41 + 2 * i, 2, &rng);
+  }
+  for (int i = 0; i < STOPPED_PREFILLS; i++) {
+    stray_add(pp[i].p.pid);
+    kill(pp[i].p.pid, SIGSTOP);
+  }
+  double t0 = now_s(), last = 0;
+  int failed[STOPPED_PREFILLS] = {0}, nfailed = 0;
+  while (nfailed < STOPPED_PREFILLS && now_s() - t0 < 30) {
+    for (int i = 0; i < STOPPED_PREFILLS; i++)
+      if (!failed[i] && kvf_receiver_poll(w[i].rx) == KVF_POLL_FAILED)
+        failed[i] = 1, nfailed++, last = now_s() - t0;
+    usleep(2000);
+  }
+  double bound = DETECT_BOUND_S + (strcmp(kvf_engine_transport(kvf_manager_engine(d.m)), "ucx") ? 0 : 2);
+  fprintf(stderr, "%d of %d stopped prefills detected, the last in %.2f s (bound %.1f s)\n", nfailed,
+          STOPPED_PREFILLS, last, bound);
+  assert_int_equal(nfailed, STOPPED_PREFILLS);
+  assert_true(last < bound + LOAD_SLACK_S);
+  for (int i = 0; i < STOPPED_PREFILLS; i++) finish(&d, &w[i], 0);
+  for (int i = 0; i < STOPPED_PREFILLS; i++) {
+    kill(pp[i].p.pid, SIGCONT);
+    proc_stop(&pp[i].p, 5000);
+    stray_del(pp[i].p.pid);
+  }
+  decode_stop_side(&d);
+  unsetenv("KVFERRY_HEARTBEAT_MIN_S");
+}
+
 /* The value of the first /metrics line of `family` (any labels) served at
  * addr, or -1. */
 static long long peer_metric(const char *addr, const char *family) {
@@ -695,6 +742,7 @@ int main(void) {
       cmocka_unit_test_teardown(dead_prefill_detected_while_bootstrap_lives, kill_strays),
       cmocka_unit_test_teardown(silent_bootstrap_condemns_no_live_prefill, kill_strays),
       cmocka_unit_test_teardown(stopped_prefill_detected_within_bound, kill_strays),
+      cmocka_unit_test_teardown(many_stopped_prefills_are_detected_in_parallel, kill_strays),
       cmocka_unit_test(early_request_flood_is_bounded_per_session),
       cmocka_unit_test(control_token_between_kvferry_peers),
       cmocka_unit_test(malformed_control_messages_do_no_harm),

@@ -67,6 +67,7 @@
 #define DECODE_HB_CONNECT_MS 2000    /* the reference heartbeat's (2, 3) timeouts */
 #define DECODE_HB_TIMEOUT_MS 5000    /* ... each capped at the heartbeat interval */
 #define DECODE_PROBE_TIMEOUT_MS 1000 /* a rank's ZMTP greeting (also capped at the interval) */
+#define DECODE_HB_PARALLEL 16        /* threads probing prefill instances at once in one heartbeat round */
 
 /* One resolved target prefill rank. */
 typedef struct pool_target {

@@ -248,48 +248,90 @@ void kvf__dec_hb_peer_free(hb_peer *p) {
   free(p);
 }
 
+/* One round's probes, spread over up to DECODE_HB_PARALLEL threads: a
+ * prefill whose ranks or bootstrap server hang until their timeouts delays
+ * no other address's probe. Each address is probed by one thread; the
+ * verdicts are acted on afterwards by the heartbeat thread alone. */
+typedef struct hb_round {
+  kvf_manager *m;
+  char **addrs;
+  hb_peer **peers;
+  int *rcs;
+  char (*whys)[ROOMS_REASON_MAX / 2];
+  size_t n;
+  atomic_size_t next;
+} hb_round;
+
+static int hb_stopping(struct decode_state *ds) {
+  pthread_mutex_lock(&ds->hb_lock);
+  int stop = ds->hb_stop;
+  pthread_mutex_unlock(&ds->hb_lock);
+  return stop;
+}
+
+static void *hb_round_worker(void *arg) {
+  hb_round *r = arg;
+  for (size_t i; (i = atomic_fetch_add(&r->next, 1)) < r->n;)
+    r->rcs[i] =
+        hb_stopping(r->m->decode) ? 0 : probe_addr(r->m, r->peers[i], r->addrs[i], r->whys[i], sizeof r->whys[i]);
+  return NULL;
+}
+
+static void hb_round_probe(hb_round *r) {
+  pthread_t th[DECODE_HB_PARALLEL - 1];
+  size_t nth = 0, want = r->n < DECODE_HB_PARALLEL ? r->n : DECODE_HB_PARALLEL;
+  while (nth + 1 < want && !pthread_create(&th[nth], NULL, hb_round_worker, r)) nth++;
+  hb_round_worker(r); /* this thread too: the round completes without any helper */
+  for (size_t i = 0; i < nth; i++) pthread_join(th[i], NULL);
+}
+
 static void heartbeat_round(kvf_manager *m) {
   struct decode_state *ds = m->decode;
-  char **addrs = NULL;
-  size_t naddrs = 0;
+  hb_round r = {.m = m};
   pthread_mutex_lock(&ds->lock);
   size_t cap = smap_size(&ds->infos);
-  addrs = calloc(cap ? cap : 1, sizeof *addrs);
+  r.addrs = calloc(cap ? cap : 1, sizeof *r.addrs);
   map_iter it;
   kvf__map_iter_init(&it);
   const char *key;
-  while (addrs && naddrs < cap && kvf__smap_next(&ds->infos, &it, &key, NULL))
-    if ((addrs[naddrs] = strdup(key))) naddrs++;
+  while (r.addrs && r.n < cap && kvf__smap_next(&ds->infos, &it, &key, NULL))
+    if ((r.addrs[r.n] = strdup(key))) r.n++;
   pthread_mutex_unlock(&ds->lock);
-  if (!addrs) return;
+  r.peers = calloc(r.n ? r.n : 1, sizeof *r.peers);
+  r.rcs = calloc(r.n ? r.n : 1, sizeof *r.rcs);
+  r.whys = calloc(r.n ? r.n : 1, sizeof *r.whys);
+  if (!r.addrs || !r.peers || !r.rcs || !r.whys) goto out;
 
-  kvf__map_iter_init(&it);
   void *v;
+  kvf__map_iter_init(&it);
   while (kvf__smap_next(&ds->hb_peers, &it, NULL, &v)) ((hb_peer *)v)->seen = 0;
-  for (size_t i = 0; i < naddrs; i++) {
-    pthread_mutex_lock(&ds->hb_lock);
-    int stop = ds->hb_stop;
-    pthread_mutex_unlock(&ds->hb_lock);
-    if (stop) break;
-    hb_peer *p = kvf__smap_get(&ds->hb_peers, addrs[i]);
+  size_t kept = 0; /* addresses with a peer record, in r.addrs[0..kept) */
+  for (size_t i = 0; i < r.n; i++) {
+    hb_peer *p = kvf__smap_get(&ds->hb_peers, r.addrs[i]);
+    if (!p && (p = calloc(1, sizeof *p)) && kvf__smap_put(&ds->hb_peers, r.addrs[i], p, NULL)) {
+      free(p);
+      p = NULL;
+    }
     if (!p) {
-      if (!(p = calloc(1, sizeof *p))) continue;
-      if (kvf__smap_put(&ds->hb_peers, addrs[i], p, NULL)) {
-        free(p);
-        continue;
-      }
+      free(r.addrs[i]);
+      continue;
     }
     p->seen = 1;
-    char why[ROOMS_REASON_MAX / 2] = "";
-    int rc = probe_addr(m, p, addrs[i], why, sizeof why);
-    if (!rc) {
+    r.addrs[kept] = r.addrs[i];
+    r.peers[kept++] = p;
+  }
+  r.n = kept;
+  hb_round_probe(&r);
+  for (size_t i = 0; i < r.n && !hb_stopping(ds); i++) {
+    hb_peer *p = r.peers[i];
+    if (!r.rcs[i]) {
       p->failures = 0;
       continue;
     }
-    LOG_INFO("kv", "Attempting to reconnect to %s (%s)...", addrs[i], why);
+    LOG_INFO("kv", "Attempting to reconnect to %s (%s)...", r.addrs[i], r.whys[i]);
     p->failures++;
     if (p->failures >= m->cfg.heartbeat_max_failures) {
-      node_failure(m, addrs[i], why);
+      node_failure(m, r.addrs[i], r.whys[i]);
       p->failures = 0; /* §8.10: a later single miss must not re-trigger */
     }
   }
@@ -301,8 +343,12 @@ static void heartbeat_round(kvf_manager *m) {
     kvf__smap_del(&ds->hb_peers, key, NULL);
     kvf__dec_hb_peer_free(p);
   }
-  for (size_t i = 0; i < naddrs; i++) free(addrs[i]);
-  free(addrs);
+out:
+  for (size_t i = 0; r.addrs && i < r.n; i++) free(r.addrs[i]);
+  free(r.addrs);
+  free(r.peers);
+  free(r.rcs);
+  free(r.whys);
 }
 
 void *kvf__dec_heartbeat_main(void *arg) {
