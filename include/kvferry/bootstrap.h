@@ -82,7 +82,12 @@ KVF_API int kvf_bootstrap_server_add_engine(kvf_bootstrap_server *srv, kvf_engin
 /* More lines for this server's GET /metrics, from the process that runs it
  * (e.g. its KV managers' counters, kvf_manager_metrics): on every request
  * fn(arg, buf, cap) writes Prometheus text lines into buf (at most cap - 1
- * bytes, NUL-terminated) and returns the bytes written. It runs on a
+ * bytes, NUL-terminated; whole lines only) and returns the bytes written;
+ * when that comes within 1 KiB of cap it is called again with twice the
+ * room, up to 1 MiB, so it may run several times per request. The sources'
+ * lines are regrouped by metric family (each family once, with its first
+ * HELP and TYPE line), so several managers may write the same families; the
+ * whole page is bounded at 4 MiB, cut at a line. It runs on a
  * request thread under the server's lock: quick, no call into the server.
  * arg must stay valid until the server is destroyed. KVF_EINVAL for a NULL
  * srv or fn, KVF_ENOMEM past KVF_BOOTSTRAP_MAX_SOURCES. Any thread. */

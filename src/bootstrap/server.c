@@ -33,6 +33,7 @@
 #include "base/log.h"
 #include "base/parse.h"
 #include "bootstrap/bootstrap.h"
+#include "bootstrap/metrics_text.h"
 #include "kvferry/bootstrap.h"
 #include "kvferry/engine.h"
 #include "wire/route_json.h"
@@ -304,66 +305,80 @@ static enum MHD_Result handle_get_route(kvf_bootstrap_server *srv, struct MHD_Co
   return reply_json(conn, json);
 }
 
-/* A fixed buffer that drops what does not fit, for the /metrics page (about
- * 1.5 KiB, plus a line per engine peer; the buffer is sized well past it). */
-typedef struct textbuf {
-  char buf[32768];
-  size_t n;
-} textbuf;
+/* Bounds of a GET /metrics page: the whole page, and what one source
+ * (kvf_bootstrap_server_add_metrics) or one engine's peer routes may write.
+ * A manager writes ~15 KiB; routes take ~120 bytes a peer. */
+#define METRICS_PAGE_MAX (4u << 20)
+#define METRICS_PART_MAX (1u << 20)
+#define METRICS_PART_FIRST 16384
 
-static void appendf(textbuf *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void appendf(textbuf *t, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  int w = vsnprintf(t->buf + t->n, sizeof t->buf - t->n, fmt, ap);
-  va_end(ap);
-  if (w > 0) t->n = (size_t)w < sizeof t->buf - t->n ? t->n + (size_t)w : sizeof t->buf - 1;
-}
-
-static void counter(textbuf *t, const char *name, const char *help, atomic_uint_fast64_t *v) {
-  appendf(t, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,
-          (unsigned long long)atomic_load(v));
+static void counter(mtext *t, const char *name, const char *help, atomic_uint_fast64_t *v) {
+  kvf__mtext_appendf(t, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,
+                     (unsigned long long)atomic_load(v));
 }
 
 /* A label value: quotes, backslashes and newlines escaped. */
-static void append_label(textbuf *t, const char *v, size_t len) {
+static void append_label(mtext *t, const char *v, size_t len) {
   for (size_t i = 0; i < len; i++) {
     char c = v[i];
-    if (c == '"' || c == '\\') appendf(t, "\\%c", c);
-    else if (c == '\n') appendf(t, "\\n");
-    else appendf(t, "%c", c);
+    if (c == '"' || c == '\\') kvf__mtext_appendf(t, "\\%c", c);
+    else if (c == '\n') kvf__mtext_append(t, "\\n", 2);
+    else kvf__mtext_append(t, &c, 1);
   }
 }
 
+/* Call fill(arg, buf, cap) with a buffer that grows (doubling from
+ * METRICS_PART_FIRST to METRICS_PART_MAX) while what it wrote comes within a
+ * line of the end: fill functions write whole lines and drop what does not
+ * fit. The caller frees the result; NULL without memory. */
+static char *fill_grown(size_t (*fill)(void *arg, char *buf, size_t cap), void *arg, size_t *len) {
+  enum { LINE_MAX_GUESS = 1024 };
+  char *buf = NULL;
+  for (size_t cap = METRICS_PART_FIRST; cap <= METRICS_PART_MAX; cap *= 2) {
+    char *b = realloc(buf, cap);
+    if (!b) break;
+    buf = b;
+    buf[0] = '\0';
+    size_t n = fill(arg, buf, cap);
+    *len = n < cap ? n : cap - 1;
+    if (*len + LINE_MAX_GUESS < cap || cap == METRICS_PART_MAX) return buf;
+  }
+  free(buf);
+  return NULL;
+}
+
+static size_t routes_fill(void *engine, char *buf, size_t cap) {
+  int lines = kvf_engine_peer_routes(engine, buf, cap);
+  return lines > 0 ? strlen(buf) : 0;
+}
+
 /* kvferry_engine_peer_route{engine,peer,transport,why} 1 per engine peer. */
-static void engine_routes(kvf_bootstrap_server *srv, textbuf *t) {
-  enum { LINES = 16384 };
-  char *lines = malloc(LINES);
-  if (!lines) return;
-  appendf(t, "# HELP kvferry_engine_peer_route The transport each engine chose for a peer, and why.\n"
-             "# TYPE kvferry_engine_peer_route gauge\n");
+static void engine_routes(kvf_bootstrap_server *srv, mtext *t) {
+  kvf__mtext_appendf(t, "# HELP kvferry_engine_peer_route The transport each engine chose for a peer, and why.\n"
+                        "# TYPE kvferry_engine_peer_route gauge\n");
   pthread_mutex_lock(&srv->lock);
   for (int i = 0; i < srv->nengines; i++) {
-    if (kvf_engine_peer_routes(srv->engines[i], lines, LINES) <= 0) continue;
+    size_t len = 0;
+    char *lines = fill_grown(routes_fill, srv->engines[i], &len);
     const char *self = kvf_engine_session_id(srv->engines[i]);
-    for (char *l = lines, *nl; *l; l = nl + 1) {
+    for (char *l = lines, *nl; l && *l; l = nl + 1) {
       if (!(nl = strchr(l, '\n'))) break;
       char *sp1 = memchr(l, ' ', (size_t)(nl - l)),
            *sp2 = sp1 ? memchr(sp1 + 1, ' ', (size_t)(nl - sp1 - 1)) : NULL;
       if (!sp2) continue;
-      appendf(t, "kvferry_engine_peer_route{engine=\"");
+      kvf__mtext_appendf(t, "kvferry_engine_peer_route{engine=\"");
       append_label(t, self, strlen(self));
-      appendf(t, "\",peer=\"");
+      kvf__mtext_appendf(t, "\",peer=\"");
       append_label(t, l, (size_t)(sp1 - l));
-      appendf(t, "\",transport=\"");
+      kvf__mtext_appendf(t, "\",transport=\"");
       append_label(t, sp1 + 1, (size_t)(sp2 - sp1 - 1));
-      appendf(t, "\",why=\"");
+      kvf__mtext_appendf(t, "\",why=\"");
       append_label(t, sp2 + 1, (size_t)(nl - sp2 - 1));
-      appendf(t, "\"} 1\n");
+      kvf__mtext_appendf(t, "\"} 1\n");
     }
+    free(lines);
   }
   pthread_mutex_unlock(&srv->lock);
-  free(lines);
 }
 
 int kvf_bootstrap_server_add_engine(kvf_bootstrap_server *srv, kvf_engine *engine) {
@@ -390,45 +405,69 @@ int kvf_bootstrap_server_add_metrics(kvf_bootstrap_server *srv, kvf_metrics_fn f
   return rc;
 }
 
-/* The lines of kvf_bootstrap_server_add_metrics' sources, each writing into
- * what is left of the page (what does not fit is dropped). */
-static void source_lines(kvf_bootstrap_server *srv, textbuf *t) {
+/* A source and its argument, for fill_grown. */
+typedef struct source_call {
+  kvf_metrics_fn fn;
+  void *arg;
+} source_call;
+
+static size_t source_fill(void *call, char *buf, size_t cap) {
+  const source_call *c = call;
+  return c->fn(c->arg, buf, cap);
+}
+
+/* The lines of kvf_bootstrap_server_add_metrics' sources, grouped by family
+ * (several managers write the same families: each must appear once). */
+static void source_lines(kvf_bootstrap_server *srv, mtext *t) {
+  mtext all;
+  kvf__mtext_init(&all, METRICS_PAGE_MAX);
   pthread_mutex_lock(&srv->lock);
   for (int i = 0; i < srv->nsources; i++) {
-    size_t room = sizeof t->buf - t->n, w = srv->sources[i](srv->source_args[i], t->buf + t->n, room);
-    t->n += w < room ? w : room - 1;
+    source_call c = {srv->sources[i], srv->source_args[i]};
+    size_t len = 0;
+    char *lines = fill_grown(source_fill, &c, &len);
+    if (lines) kvf__mtext_append(&all, lines, len);
+    free(lines);
   }
   pthread_mutex_unlock(&srv->lock);
+  kvf__mtext_finish(&all);
+  kvf__metrics_group(all.buf, all.n, t);
+  kvf__mtext_free(&all);
 }
 
 static enum MHD_Result handle_metrics(kvf_bootstrap_server *srv, struct MHD_Connection *conn) {
-  textbuf *tp = calloc(1, sizeof *tp);
-  if (!tp) return send_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory");
+  mtext page;
+  kvf__mtext_init(&page, METRICS_PAGE_MAX);
   pthread_mutex_lock(&srv->lock);
   long long ranks = (long long)srv->ranks_set, world = (long long)srv->world_size;
   pthread_mutex_unlock(&srv->lock);
-  counter(tp, "kvferry_bootstrap_registrations_total", "Accepted PUT /route registrations.", &srv->registrations);
-  counter(tp, "kvferry_bootstrap_lookups_total", "Answered rank lookups.", &srv->lookups);
-  counter(tp, "kvferry_bootstrap_parallel_info_total", "Answered parallel-info requests.", &srv->parallel_infos);
-  counter(tp, "kvferry_bootstrap_health_checks_total", "Answered /health probes.", &srv->health_checks);
-  appendf(tp, "# HELP kvferry_bootstrap_errors_total Rejected requests by kind.\n"
-              "# TYPE kvferry_bootstrap_errors_total counter\n");
+  counter(&page, "kvferry_bootstrap_registrations_total", "Accepted PUT /route registrations.",
+          &srv->registrations);
+  counter(&page, "kvferry_bootstrap_lookups_total", "Answered rank lookups.", &srv->lookups);
+  counter(&page, "kvferry_bootstrap_parallel_info_total", "Answered parallel-info requests.",
+          &srv->parallel_infos);
+  counter(&page, "kvferry_bootstrap_health_checks_total", "Answered /health probes.", &srv->health_checks);
+  kvf__mtext_appendf(&page, "# HELP kvferry_bootstrap_errors_total Rejected requests by kind.\n"
+                            "# TYPE kvferry_bootstrap_errors_total counter\n");
   for (int k = 0; k < ERR_NKINDS; k++)
-    appendf(tp, "kvferry_bootstrap_errors_total{kind=\"%s\"} %llu\n", err_names[k],
-            (unsigned long long)atomic_load(&srv->errors[k]));
-  appendf(tp,
-          "# HELP kvferry_bootstrap_registered_ranks Prefill ranks in the routing table.\n"
-          "# TYPE kvferry_bootstrap_registered_ranks gauge\n"
-          "kvferry_bootstrap_registered_ranks %lld\n"
-          "# HELP kvferry_bootstrap_world_size Prefill world size from the first registration (-1 before).\n"
-          "# TYPE kvferry_bootstrap_world_size gauge\n"
-          "kvferry_bootstrap_world_size %lld\n",
-          ranks, world);
-  engine_routes(srv, tp);
-  source_lines(srv, tp);
+    kvf__mtext_appendf(&page, "kvferry_bootstrap_errors_total{kind=\"%s\"} %llu\n", err_names[k],
+                       (unsigned long long)atomic_load(&srv->errors[k]));
+  kvf__mtext_appendf(&page,
+                     "# HELP kvferry_bootstrap_registered_ranks Prefill ranks in the routing table.\n"
+                     "# TYPE kvferry_bootstrap_registered_ranks gauge\n"
+                     "kvferry_bootstrap_registered_ranks %lld\n"
+                     "# HELP kvferry_bootstrap_world_size Prefill world size from the first registration (-1 "
+                     "before).\n"
+                     "# TYPE kvferry_bootstrap_world_size gauge\n"
+                     "kvferry_bootstrap_world_size %lld\n",
+                     ranks, world);
+  engine_routes(srv, &page);
+  source_lines(srv, &page);
+  kvf__mtext_finish(&page);
+  if (!page.buf) return send_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory");
   enum MHD_Result r =
-      send_reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", tp->buf, tp->n, NULL, NULL);
-  free(tp);
+      send_reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", page.buf, page.n, NULL, NULL);
+  kvf__mtext_free(&page);
   return r;
 }
 

@@ -20,6 +20,7 @@
 
 #include "base/clock.h"
 #include "bootstrap/bootstrap.h"
+#include "bootstrap/metrics_text.h"
 #include "kvferry.h"
 #include "wire/route_json.h"
 
@@ -457,8 +458,46 @@ static size_t one_line_source(void *arg, char *buf, size_t cap) {
   return w > 0 && (size_t)w < cap ? (size_t)w : 0;
 }
 
+/* GET path over a plain socket with HTTP/1.0, the whole reply (headers and
+ * body) as a string: for pages past the project client's reply bound. */
+static char *http10_get(uint16_t port, const char *path, size_t *len) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a = {.sin_family = AF_INET,
+                          .sin_port = htons(port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+  char req[256];
+  int w = snprintf(req, sizeof req, "GET %s HTTP/1.0\r\n\r\n", path);
+  assert_int_equal(send(fd, req, (size_t)w, 0), w);
+  size_t cap = 1 << 20, n = 0;
+  char *buf = malloc(cap + 1);
+  assert_non_null(buf);
+  for (ssize_t r; (r = recv(fd, buf + n, cap - n, 0)) > 0;) {
+    n += (size_t)r;
+    if (n == cap) {
+      buf = realloc(buf, 2 * cap + 1);
+      assert_non_null(buf);
+      cap *= 2;
+    }
+  }
+  close(fd);
+  buf[n] = '\0';
+  *len = n;
+  return buf;
+}
+
+static int count_lines(const char *text, const char *line) {
+  int k = 0;
+  size_t n = strlen(line);
+  for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) k += !strncmp(p, line, n);
+  return k;
+}
+
 /* kvf_bootstrap_server_add_metrics: each source's lines join the page after
- * the server's own; one that fills the page cuts only what is past it. */
+ * the server's own; a source is given room to grow (a manager with a
+ * thousand peers' lines is not cut at a fixed size), and only a page past its
+ * bound (4 MiB) cuts what comes after it, at a line. */
 static void metrics_sources_add_lines(void **state) {
   kvf_bootstrap_server *srv = start_server(NULL, 0, 0);
   assert_int_equal(kvf_bootstrap_server_add_metrics(NULL, one_line_source, "a"), KVF_EINVAL);
@@ -472,19 +511,96 @@ static void metrics_sources_add_lines(void **state) {
   assert_int_equal(metric(m, "kvferry_test_source{id=\"b\"}"), 42);
   assert_int_equal(metric(m, "kvferry_bootstrap_registered_ranks"), 0);
   free(m);
-  m = NULL;
-  assert_int_equal(kvf_bootstrap_server_add_metrics(srv, repeat_source, "kvferry_test_fill 1\n"), 0);
-  for (int i = 4; i <= KVF_BOOTSTRAP_MAX_SOURCES; i++)
+  /* Sources that fill whatever they are given: each gets up to 1 MiB, the
+   * fifth is past the page's bound. */
+  for (int i = 0; i < 5; i++)
+    assert_int_equal(kvf_bootstrap_server_add_metrics(srv, repeat_source, "kvferry_test_fill 1\n"), 0);
+  for (int i = 8; i <= KVF_BOOTSTRAP_MAX_SOURCES; i++)
     assert_int_equal(kvf_bootstrap_server_add_metrics(srv, one_line_source, "late"), 0);
   assert_int_equal(kvf_bootstrap_server_add_metrics(srv, one_line_source, "over"), KVF_ENOMEM);
-  assert_int_equal(raw(c, "GET", "/metrics", NULL, &m), 200);
-  assert_int_equal(metric(m, "kvferry_test_source{id=\"a\"}"), 42);
-  assert_int_equal(metric(m, "kvferry_test_fill"), 1);
-  assert_null(strstr(m, "id=\"late\""));    /* no room left on the page */
-  assert_int_equal(m[strlen(m) - 1], '\n'); /* whole lines only */
+  size_t len = 0;
+  m = http10_get(kvf_bootstrap_server_port(srv), "/metrics", &len);
+  assert_non_null(strstr(m, "200 OK"));
+  char *body = strstr(m, "\r\n\r\n");
+  assert_non_null(body);
+  body += 4;
+  size_t blen = len - (size_t)(body - m);
+  assert_true(blen > (3u << 20) && blen < (4u << 20));
+  assert_int_equal(metric(body, "kvferry_test_source{id=\"a\"}"), 42);
+  assert_int_equal(metric(body, "kvferry_test_fill"), 1);
+  assert_null(strstr(body, "id=\"late\"")); /* past the page's bound */
+  assert_int_equal(body[blen - 1], '\n');   /* whole lines only */
   free(m);
   kvf__bootstrap_client_destroy(c);
   kvf_bootstrap_server_destroy(srv);
+}
+
+/* Two managers' lines as kvf_manager_metrics writes them: the same counter
+ * families and histograms (each with its TYPE line) from each. */
+static size_t manager_like_source(void *arg, char *buf, size_t cap) {
+  const char *id = arg;
+  int w = snprintf(buf, cap,
+                   "kvferry_manager_rooms{session=\"%s\"} 3\n"
+                   "# TYPE kvferry_room_seconds histogram\n"
+                   "kvferry_room_seconds_bucket{session=\"%s\",le=\"1\"} 1\n"
+                   "kvferry_room_seconds_bucket{session=\"%s\",le=\"+Inf\"} 2\n"
+                   "kvferry_room_seconds_sum{session=\"%s\"} 1.5\n"
+                   "kvferry_room_seconds_count{session=\"%s\"} 2\n"
+                   "kvferry_manager_bytes{session=\"%s\"} 9\n",
+                   id, id, id, id, id, id);
+  return w > 0 && (size_t)w < cap ? (size_t)w : 0;
+}
+
+/* Several sources' lines are regrouped: each family once, as one block,
+ * one TYPE line (strict scrapers refuse a second TYPE line or a family
+ * split in two). */
+static void metrics_families_appear_once(void **state) {
+  kvf_bootstrap_server *srv = start_server(NULL, 0, 0);
+  assert_int_equal(kvf_bootstrap_server_add_metrics(srv, manager_like_source, "m1"), 0);
+  assert_int_equal(kvf_bootstrap_server_add_metrics(srv, manager_like_source, "m2"), 0);
+  bootstrap_client *c = client_for(srv);
+  char *m = NULL;
+  assert_int_equal(raw(c, "GET", "/metrics", NULL, &m), 200);
+  assert_int_equal(count_lines(m, "# TYPE kvferry_room_seconds histogram"), 1);
+  /* every family's lines contiguous: the name changes family at most once per family */
+  const char *fams[] = {"kvferry_manager_rooms{", "kvferry_room_seconds", "kvferry_manager_bytes{"};
+  for (size_t f = 0; f < sizeof fams / sizeof fams[0]; f++) {
+    int runs = 0, in = 0;
+    for (const char *p = m; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+      int here =
+          !strncmp(p, fams[f], strlen(fams[f])) || (f == 1 && !strncmp(p, "# TYPE kvferry_room_seconds", 27));
+      runs += here && !in;
+      in = here;
+    }
+    assert_int_equal(runs, 1);
+  }
+  assert_int_equal(metric(m, "kvferry_manager_rooms{session=\"m2\"}"), 3);
+  assert_int_equal(metric(m, "kvferry_room_seconds_count{session=\"m1\"}"), 2);
+  free(m);
+  kvf__bootstrap_client_destroy(c);
+  kvf_bootstrap_server_destroy(srv);
+}
+
+/* The regrouping itself: first HELP/TYPE kept, the rest dropped; a
+ * _bucket of an undeclared family is its own family; a last line without its
+ * newline (a source cut short) is dropped. */
+static void metrics_group_rules(void **state) {
+  (void)state;
+  const char *in = "# HELP a Help one.\n# TYPE a counter\na{x=\"1\"} 1\nb_bucket{le=\"1\"} 0\n"
+                   "# HELP a Help two.\n# TYPE a counter\n# a comment\n\na{x=\"2\"} 2\nb_bucket{le=\"2\"} 0\nc 3";
+  mtext out;
+  kvf__mtext_init(&out, 1 << 20);
+  kvf__metrics_group(in, strlen(in), &out);
+  kvf__mtext_finish(&out);
+  assert_string_equal(out.buf, "# HELP a Help one.\n# TYPE a counter\na{x=\"1\"} 1\na{x=\"2\"} 2\n"
+                               "b_bucket{le=\"1\"} 0\nb_bucket{le=\"2\"} 0\n");
+  kvf__mtext_free(&out);
+  /* a bound cuts at a whole line */
+  kvf__mtext_init(&out, 40);
+  kvf__metrics_group(in, strlen(in), &out);
+  kvf__mtext_finish(&out);
+  assert_string_equal(out.buf, "# HELP a Help one.\n# TYPE a counter\n");
+  kvf__mtext_free(&out);
 }
 
 static void oversized_bodies_get_413(void **state) {
@@ -873,6 +989,8 @@ int main(void) {
       cmocka_unit_test(put_body_round_trips),
       cmocka_unit_test(reply_parsers_are_strict),
       cmocka_unit_test(metrics_sources_add_lines),
+      cmocka_unit_test(metrics_families_appear_once),
+      cmocka_unit_test(metrics_group_rules),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
