@@ -561,7 +561,7 @@ int kvf__tcp_listen_on(kvf_engine *e, int *fd_out, uint16_t *port_out) {
   int rc = KVF_EIO;
   if (fd < 0) goto out;
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (bind(fd, res->ai_addr, res->ai_addrlen) || listen(fd, 128)) {
+  if (bind(fd, res->ai_addr, res->ai_addrlen) || listen(fd, SOMAXCONN)) {
     LOG_ERROR("tcp", "cannot listen on %s: %s", kvf__addr_str(e->host, e->cfg.port).s, strerror(errno));
     close(fd);
     goto out;

@@ -361,6 +361,12 @@ int kvf__control_bind_pull(kvf_manager *m) {
   zmq_setsockopt(m->pull, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(m->pull, ZMQ_IPV6, &ipv6, sizeof ipv6);
   zmq_setsockopt(m->pull, ZMQ_RCVHWM, &hwm, sizeof hwm);
+  /* Many decode ranks probe this port at once each heartbeat round (a new
+   * connection per probe): ZeroMQ's backlog of 100 dropped SYNs past that,
+   * and a dropped SYN waits 1 s — the probe's whole timeout. The kernel
+   * caps it at net.core.somaxconn. */
+  int backlog = MANAGER_MAX_PUSHES;
+  zmq_setsockopt(m->pull, ZMQ_BACKLOG, &backlog, sizeof backlog);
   char ep[sizeof "tcp://" + KVF_ADDR_LEN];
   snprintf(ep, sizeof ep, ipv6 ? "tcp://[%s]:*" : "tcp://%s:*", m->host);
   if (zmq_bind(m->pull, ep)) {

@@ -4,6 +4,8 @@
  * restarted elsewhere. */
 #include "kv/decode/decode_int.h"
 
+#include "base/hash.h"
+
 typedef struct dead_addr {
   const char *addr;
   uint64_t epoch;
@@ -359,7 +361,15 @@ void *kvf__dec_heartbeat_main(void *arg) {
    * Rounds start at a fixed rate, so a round that waited on its probe
    * timeouts does not push the next one back (detection stays within
    * interval x max_failures plus one probe timeout). */
-  int64_t wake = clock_now_ns();
+  /* The first round comes after half to one whole interval, at random: many
+   * decode ranks started together would otherwise probe every prefill rank
+   * at the same instant each round, a burst of connections per round. */
+  int64_t now = clock_now_ns();
+  struct {
+    int64_t t;
+    const void *m;
+  } seed = {now, m};
+  int64_t wake = now - (int64_t)(kvf__hash64(&seed, sizeof seed) % (uint64_t)(period_ns / 2 + 1));
   for (;;) {
     wake += period_ns;
     if (wake < clock_now_ns()) wake = clock_now_ns(); /* overran a whole period: probe at once */
