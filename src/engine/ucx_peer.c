@@ -393,6 +393,15 @@ static int decide(ucx_state *u, ucx_peer *p, ucx_route *route, char *why, size_t
   } else if (explicit_ucx && user_tls) {
     *route = ROUTE_UCX;
     snprintf(why, cap, "transport ucx with UCX_TLS=%s set by the user", tls);
+    /* Seen with UCX 1.13 over UCX_TLS=tcp (software RMA) in the fault run
+     * across network namespaces (tests/faults/test_random_hosts.py): a
+     * process serving a peer's reads aborts inside UCX when that peer dies
+     * mid-read. auto never takes this path (kvferry's TCP instead). */
+    LOG_WARN("ucx",
+             "peer %s: UCX without shared memory or RDMA (UCX_TLS=%s): UCX's software RMA may abort this "
+             "process when the peer dies mid-transfer (seen with UCX 1.13); transport auto uses kvferry's TCP "
+             "here",
+             p->id, tls);
   } else if (explicit_ucx) {
     LOG_ERROR("ucx",
               "transport ucx: no UCX shared-memory or RDMA path to %s (%s); kvferry does not "
