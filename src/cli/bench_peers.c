@@ -25,7 +25,7 @@
 #include "tools/kvpool.h"
 #include "tools/proc.h"
 
-#define PEERS_MAX 512
+#define PEERS_MAX 1024
 #define PEERS_STEPS 8
 #define PEERS_PER_CHILD 64 /* kv-idle instances per child process */
 #define PEERS_CHILDREN (PEERS_MAX / PEERS_PER_CHILD + PEERS_STEPS)
@@ -34,6 +34,7 @@
 #define PEERS_PREFILL_PAGES 512 /* small: the warm-up touches all of it before the baseline */
 #define PEERS_DECODE_PAGES 4096
 #define PEERS_NAMES 48
+#define PEERS_IDLE_S 1.0 /* the idle window: CPU time and wake-ups with no room live */
 
 /* The targets, printed beside the figures. */
 #define TARGET_THREADS_PER_PEER 1.0
@@ -51,6 +52,7 @@ typedef struct name_counts {
 typedef struct peers_step {
   int peers, connected;
   proc_usage u;
+  double idle_cpu_pct, idle_wakeups_per_s; /* the prefill over PEERS_IDLE_S with no room live */
   double rooms_per_s, p50_us, p99_us;
   char error[160];
 } peers_step;
@@ -59,6 +61,7 @@ typedef struct peers_run {
   const char *transport;
   int max_inbound;
   proc_usage start, base;
+  double base_cpu_pct, base_wakeups_per_s;  /* the idle window after the warm-up */
   double mgr_rss_kib, mgr_threads, mgr_fds; /* one idle decode instance, as kv-idle saw it */
   int nsteps;
   peers_step steps[PEERS_STEPS];
@@ -119,6 +122,49 @@ static void peers_census(pid_t pid, name_counts *thr, name_counts *fds) {
     counts_add(fds, buf);
   }
   if (d) closedir(d);
+}
+
+/* CPU time (utime + stime, in clock ticks) of process pid, and the
+ * voluntary context switches of all its threads: a thread that sleeps and
+ * wakes (a timed wait, a poll tick) counts one per wake-up. -1 if gone. */
+static int peers_cpu(pid_t pid, double *ticks, double *switches) {
+  char path[96], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  char *p = strrchr(buf, ')'); /* the name may hold spaces */
+  unsigned long long ut = 0, st = 0;
+  if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2) return -1;
+  *ticks = (double)(ut + st);
+  *switches = 0;
+  snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(path);
+  for (struct dirent *e; d && (e = readdir(d));) {
+    if (e->d_name[0] == '.') continue;
+    snprintf(path, sizeof path, "/proc/%d/task/%.20s/status", (int)pid, e->d_name);
+    if (!(f = fopen(path, "r"))) continue;
+    while (fgets(buf, sizeof buf, f))
+      if (!strncmp(buf, "voluntary_ctxt_switches:", 24)) *switches += strtod(buf + 24, NULL);
+    fclose(f);
+  }
+  if (d) closedir(d);
+  return 0;
+}
+
+/* The prefill's CPU share (percent of one core) and wake-ups per second
+ * while nothing but the peers' background (heartbeats, ticks) runs. */
+static void peers_idle(pid_t pid, double *cpu_pct, double *wakeups) {
+  double t0, w0, t1, w1, s0 = cli_now_s();
+  *cpu_pct = *wakeups = -1;
+  if (peers_cpu(pid, &t0, &w0)) return;
+  usleep((useconds_t)(PEERS_IDLE_S * 1e6));
+  double dt = cli_now_s() - s0;
+  if (peers_cpu(pid, &t1, &w1)) return;
+  *cpu_pct = (t1 - t0) * 100.0 / (double)sysconf(_SC_CLK_TCK) / dt;
+  *wakeups = (w1 - w0) / dt; /* threads that exited in between are missed: rare when idle */
 }
 
 /* Add idle peers (kv-idle children of at most PEERS_PER_CHILD instances)
@@ -220,6 +266,7 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   if (cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   usleep(300000);
+  peers_idle(peer.pid, &run->base_cpu_pct, &run->base_wakeups_per_s);
   if (proc_usage_get(peer.pid, &run->base)) goto out_mgr;
   peers_census(peer.pid, &run->thr0, &run->fd0);
   int64_t idle_room = 1000000000; /* the idle peers' rooms, apart from the measured ones */
@@ -231,6 +278,7 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
     s->connected = have;
     if (!bad) {
       usleep(300000); /* the connections' threads settle */
+      peers_idle(peer.pid, &s->idle_cpu_pct, &s->idle_wakeups_per_s);
       if (proc_usage_get(peer.pid, &s->u)) snprintf(s->error, sizeof s->error, "the prefill is gone");
     }
     if (bad || s->error[0]) {
@@ -314,9 +362,11 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
       printf(",\"prefill_max_inbound_conns\":%d,"
              "\"idle_decode_instance\":{\"rss_kib\":%.0f,\"threads\":%.2f,\"fds\":%.2f},"
              "\"prefill_start\":{\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld},"
-             "\"prefill_base\":{\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld},\"cases\":[",
+             "\"prefill_base\":{\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"idle_cpu_pct\":%.1f,"
+             "\"idle_wakeups_per_s\":%.0f},\"cases\":[",
              run->max_inbound, run->mgr_rss_kib, run->mgr_threads, run->mgr_fds, run->start.threads,
-             run->start.fds, run->start.rss_kb, run->base.threads, run->base.fds, run->base.rss_kb);
+             run->start.fds, run->start.rss_kb, run->base.threads, run->base.fds, run->base.rss_kb,
+             run->base_cpu_pct, run->base_wakeups_per_s);
       double rate1 = run->nsteps ? run->steps[0].rooms_per_s : 0;
       for (int i = 0; i < run->nsteps; i++) {
         const peers_step *s = &run->steps[i];
@@ -327,10 +377,12 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
         }
         printf("\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"threads_per_peer\":%.2f,\"fds_per_peer\":%.2f,"
                "\"rss_kib_per_peer\":%.1f,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
-               "\"rate_over_1peer\":%.3f,\"error\":null}",
+               "\"rate_over_1peer\":%.3f,\"idle_cpu_pct\":%.1f,\"idle_wakeups_per_s\":%.0f,"
+               "\"idle_wakeups_per_s_per_peer\":%.2f,\"error\":null}",
                s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
                per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
-               s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0);
+               s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
+               s->idle_wakeups_per_s, (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers);
       }
       printf("]");
       if (run->census) {
@@ -353,10 +405,13 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
            "%ld KiB\n",
            run->start.threads, run->start.fds, run->start.rss_kb, run->base.threads, run->base.fds,
            run->base.rss_kb);
+    printf("prefill idle (no room live, %.0f s) at base: %.1f%% of a core, %.0f wake-ups/s\n", PEERS_IDLE_S,
+           run->base_cpu_pct, run->base_wakeups_per_s);
     printf("one idle decode instance costs its process %.0f KiB, %.2f threads, %.2f fds\n", run->mgr_rss_kib,
            run->mgr_threads, run->mgr_fds);
-    printf("%6s %8s %6s %10s %10s %8s %12s %10s %10s %10s %10s\n", "peers", "threads", "fds", "rss KiB",
-           "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "p50 us", "p99 us", "rate/1peer");
+    printf("%6s %8s %6s %9s %8s %7s %8s %9s %8s %9s %10s %8s %9s\n", "peers", "threads", "fds", "rss KiB",
+           "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "p50 us", "p99 us", "rate/1peer", "idle cpu",
+           "wakeups/s");
     double rate1 = run->nsteps ? run->steps[0].rooms_per_s : 0;
     for (int i = 0; i < run->nsteps; i++) {
       const peers_step *s = &run->steps[i];
@@ -364,10 +419,11 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
         printf("%6d  FAILED (%d connected): %s\n", s->peers, s->connected, s->error);
         continue;
       }
-      printf("%6d %8ld %6ld %10ld %10.2f %8.2f %12.1f %10.0f %10.1f %10.1f %10.3f\n", s->peers, s->u.threads,
-             s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
+      printf("%6d %8ld %6ld %9ld %8.2f %7.2f %8.1f %9.0f %8.1f %9.1f %10.3f %7.1f%% %9.0f\n", s->peers,
+             s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
              per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
-             s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0);
+             s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
+             s->idle_wakeups_per_s);
     }
     if (!run->census) continue;
     printf("threads grown (by name) from base to the last step: ");

@@ -16,7 +16,8 @@ CLI = os.environ.get("KVFERRY_CLI", "")
 pytestmark = pytest.mark.skipif(not CLI or not os.path.exists(CLI), reason="KVFERRY_CLI not set")
 
 CASE_KEYS = {"peers", "connected", "threads", "fds", "rss_kib", "threads_per_peer", "fds_per_peer",
-             "rss_kib_per_peer", "rooms_per_s", "p50_us", "p99_us", "rate_over_1peer", "error"}
+             "rss_kib_per_peer", "rooms_per_s", "p50_us", "p99_us", "rate_over_1peer", "idle_cpu_pct",
+             "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "error"}
 
 
 def run(*args):
@@ -46,8 +47,9 @@ def test_quick_json_shape():
         for c in r["cases"]:
             assert set(c) == CASE_KEYS, c
             assert c["error"] is None and c["connected"] == c["peers"]
-            for k in CASE_KEYS - {"error", "peers", "connected"}:
+            for k in CASE_KEYS - {"error", "peers", "connected", "idle_wakeups_per_s_per_peer"}:
                 assert math.isfinite(c[k]) and c[k] >= 0, (k, c)
+            assert math.isfinite(c["idle_wakeups_per_s_per_peer"])  # a difference: may dip below 0
             assert c["rooms_per_s"] > 0 and c["p50_us"] > 0
             assert c["threads"] >= r["prefill_start"]["threads"]
         assert r["cases"][0]["rate_over_1peer"] == 1.0
