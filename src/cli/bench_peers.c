@@ -1,5 +1,8 @@
 /* `kvferry bench peers` (issue 24): what each connected peer costs one
- * prefill rank, and whether many idle peers slow the rooms of an active one.
+ * prefill rank, and whether many idle peers slow the rooms of an active one;
+ * then the reverse view, a decode rank (this process) with N idle prefill
+ * peers (kv-idle --role prefill, each with its own bootstrap server, which
+ * this decode heartbeats).
  * The measured process is a prefill instance of one rank (`kvferry-testpeer
  * kv-peer`, which also hosts the bootstrap server, as rank 0 of a deployment
  * does). N idle peers are N decode instances of one rank each, 64 to a
@@ -59,6 +62,7 @@ typedef struct peers_step {
 
 typedef struct peers_run {
   const char *transport;
+  int reverse; /* the measured process is a decode rank (this one) with N idle prefill peers */
   int max_inbound;
   proc_usage start, base;
   double base_cpu_pct, base_wakeups_per_s;  /* the idle window after the warm-up */
@@ -171,9 +175,12 @@ static void peers_idle(pid_t pid, double *cpu_pct, double *wakeups) {
  * until *have reach want; each completes one room with the prefill. 0, or
  * -1 with the reason in err. */
 static int peers_add(peers_run *run, proc *children, int *nchildren, int *have, int want, proc *peer,
-                     const char *baddr, int64_t *room, char *err, size_t cap) {
+                     const char *baddr, kvf_manager *m, kvpool *pool, int64_t *room, char *err, size_t cap) {
   const char *exe = proc_testpeer_exe();
   char line[400];
+  kvf_receiver *rx[PEERS_PER_CHILD];
+  int64_t pg[PEERS_PER_CHILD];
+  uint64_t rng = 0x9e3779b97f4a7c15ULL;
   while (*have < want) {
     int k = want - *have > PEERS_PER_CHILD ? PEERS_PER_CHILD : want - *have;
     if (*nchildren == PEERS_CHILDREN) return snprintf(err, cap, "too many child processes"), -1;
@@ -183,35 +190,80 @@ static int peers_add(peers_run *run, proc *children, int *nchildren, int *have, 
     snprintf(item, sizeof item, "%d", PEERS_ITEM);
     char *argv[] = {(char *)exe, "kv-idle", "--bootstrap", (char *)baddr, "--count", count,
                     "--layers",  layers,    "--item",      item,          NULL};
+    char *argv_pf[] = {(char *)exe, "kv-idle", "--role", "prefill", "--count", count,
+                       "--layers",  layers,    "--item", item,      NULL};
     proc *c = &children[*nchildren];
-    if (proc_start(c, argv)) return snprintf(err, cap, "cannot start kv-idle"), -1;
+    if (proc_start(c, run->reverse ? argv_pf : argv)) return snprintf(err, cap, "cannot start kv-idle"), -1;
     ++*nchildren;
     int n = 0;
     long rss = 0, thr = 0, fds = 0;
     if (proc_read_line(c, line, sizeof line, 60000) ||
         sscanf(line, "ready %d %ld %ld %ld", &n, &rss, &thr, &fds) != 4 || n != k)
-      return snprintf(err, cap, "kv-idle with %d decode instances did not start", k), -1;
+      return snprintf(err, cap, "kv-idle with %d instances did not start", k), -1;
     /* One instance's cost, weighted over every child of the run. */
     double w = (double)*have / (*have + k);
     run->mgr_rss_kib = run->mgr_rss_kib * w + (double)rss / (*have + k);
     run->mgr_threads = run->mgr_threads * w + (double)thr / (*have + k);
     run->mgr_fds = run->mgr_fds * w + (double)fds / (*have + k);
-    fprintf(c->in, "connect %lld\n", (long long)*room);
-    fflush(c->in);
-    for (int i = 0; i < k; i++) fprintf(peer->in, "send %lld 1 0 7\n", (long long)(*room + i));
-    fflush(peer->in);
     int ok = 0, failed = 0;
     char why[300] = "";
-    if (proc_read_line(c, line, sizeof line, 90000) ||
-        sscanf(line, "connected %d %d %299s", &ok, &failed, why) != 3)
-      return snprintf(err, cap, "kv-idle: no answer to connect"), -1;
-    /* The prefill's `done` lines of these rooms (bounded; the rooms case
-     * skips any that come later). */
-    for (int done = 0; done < k && !proc_read_line(peer, line, sizeof line, 10000);)
-      done += !strncmp(line, "done ", 5);
+    if (run->reverse) {
+      /* This decode asks each idle prefill instance for one room. */
+      int nrx = 0, bad = 0;
+      for (int i = 0; i < k && !bad; i++) {
+        char addr[KVF_ADDR_MAX + 1];
+        int idx;
+        if (proc_read_line(c, line, sizeof line, 10000) || sscanf(line, "addr %d " CLI_ADDR_SCAN, &idx, addr) != 2)
+          bad = snprintf(err, cap, "kv-idle: no address of prefill instance %d", i);
+        else if (kvpool_take(pool, 1, &rng, &pg[i])) bad = snprintf(err, cap, "no free page");
+        else if (kvf_receiver_create(m, addr, *room + i, &rx[i]) ||
+                 (nrx++, kvf_receiver_init(rx[i], &pg[i], 1, 0, 0, NULL, 0)))
+          bad = snprintf(err, cap, "cannot create the receiver for idle prefill %d (%s)", i, addr);
+        if (bad && nrx == i) kvpool_give(pool, &pg[i], 1); /* taken but no receiver holds it */
+      }
+      if (!bad) {
+        fprintf(c->in, "send %lld\n", (long long)*room);
+        fflush(c->in);
+        if (proc_read_line(c, line, sizeof line, 90000) ||
+            sscanf(line, "connected %d %d %299s", &ok, &failed, why) != 3)
+          bad = snprintf(err, cap, "kv-idle: no answer to send");
+      }
+      /* This side's view of the rooms decides (at most 30 s more). */
+      ok = failed = 0;
+      for (long long until = cli_now_ms() + 30000; !bad && ok + failed < nrx && cli_now_ms() < until;) {
+        ok = failed = 0;
+        for (int i = 0; i < nrx; i++) {
+          int st = kvf_receiver_poll(rx[i]);
+          ok += st == KVF_POLL_SUCCESS, failed += st == KVF_POLL_FAILED;
+          if (st == KVF_POLL_FAILED && !*why) kvf_receiver_failure(rx[i], why, sizeof why);
+        }
+        if (ok + failed < nrx) usleep(1000);
+      }
+      for (int i = 0; i < nrx; i++) {
+        kvf_receiver_destroy(rx[i]);
+        kvpool_give(pool, &pg[i], 1);
+      }
+      if (bad) return -1;
+      failed = k - ok;
+      for (char *p = why; *p; p++)
+        if (*p == '\n') *p = ' ';
+    } else {
+      fprintf(c->in, "connect %lld\n", (long long)*room);
+      fflush(c->in);
+      for (int i = 0; i < k; i++) fprintf(peer->in, "send %lld 1 0 7\n", (long long)(*room + i));
+      fflush(peer->in);
+      if (proc_read_line(c, line, sizeof line, 90000) ||
+          sscanf(line, "connected %d %d %299s", &ok, &failed, why) != 3)
+        return snprintf(err, cap, "kv-idle: no answer to connect"), -1;
+      /* The prefill's `done` lines of these rooms (bounded; the rooms case
+       * skips any that come later). */
+      for (int done = 0; done < k && !proc_read_line(peer, line, sizeof line, 10000);)
+        done += !strncmp(line, "done ", 5);
+    }
     *room += k;
     *have += ok;
-    if (failed) return snprintf(err, cap, "%d of %d idle peers failed their room: %s", failed, k, why), -1;
+    if (failed)
+      return snprintf(err, cap, "%d of %d idle peers failed their room: %s", failed, k, *why ? why : "-"), -1;
   }
   return 0;
 }
@@ -237,8 +289,12 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   proc *children = calloc(PEERS_CHILDREN, sizeof *children);
   if (!children) return 1;
   setenv("KVFERRY_TRANSPORT", run->transport, 1);
-  /* UCX: every decode's rendezvous connection is an accepted one (and holds
-   * a thread): the default bound of 256 would refuse the 256th idle peer. */
+  /* The measured process's engine bound on accepted connections: a decode
+   * accepts two TCP connections (conns_per_peer) or one UCX rendezvous
+   * connection from each prefill, each holding a thread; the default 256
+   * would evict idle ones from 128 TCP prefill peers on. A prefill accepts
+   * none here (it writes over TCP and connects to the decode's rendezvous
+   * over UCX), the bound is raised there too for a deployment that does. */
   run->max_inbound = want[nwant - 1] * 2 + 64 > 256 ? want[nwant - 1] * 2 + 64 : 256;
   snprintf(pages, sizeof pages, "%d", PEERS_PREFILL_PAGES);
   snprintf(layers, sizeof layers, "%d", PEERS_LAYERS);
@@ -249,43 +305,50 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   proc peer;
   kvpool pool;
   kvf_manager *m = NULL;
+  pid_t mp = getpid(); /* the measured process: this one (reverse) or the prefill */
   if (proc_start(&peer, argv)) goto out_children;
   if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
     fprintf(stderr, "bench peers: the prefill peer did not start\n");
     goto out_peer;
   }
+  if (!run->reverse) mp = peer.pid;
   usleep(200000);
-  if (proc_usage_get(peer.pid, &run->start)) goto out_peer;
+  if (proc_usage_get(mp, &run->start)) goto out_peer;
   if (kvpool_init(&pool, PEERS_LAYERS, PEERS_DECODE_PAGES, PEERS_ITEM)) goto out_peer;
   kvf_manager_config mc;
   kvf_manager_config_init(&mc);
   mc.role = KVF_ROLE_DECODE;
+  kvf_engine_config ec; /* measured (reverse): each idle prefill's connections are accepted ones */
+  kvf_engine_config_init(&ec);
+  ec.max_inbound_conns = run->max_inbound;
+  mc.engine_cfg = &ec;
   if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
   int64_t base = 1;
   rooms_case warm = {"warmup", 1, 8, quick ? 1000 : 3000, 0, 0, 0, 0, 0};
   if (cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   usleep(300000);
-  peers_idle(peer.pid, &run->base_cpu_pct, &run->base_wakeups_per_s);
-  if (proc_usage_get(peer.pid, &run->base)) goto out_mgr;
-  peers_census(peer.pid, &run->thr0, &run->fd0);
+  peers_idle(mp, &run->base_cpu_pct, &run->base_wakeups_per_s);
+  if (proc_usage_get(mp, &run->base)) goto out_mgr;
+  peers_census(mp, &run->thr0, &run->fd0);
   int64_t idle_room = 1000000000; /* the idle peers' rooms, apart from the measured ones */
   for (int i = 0; i < nwant; i++) {
     peers_step *s = &run->steps[run->nsteps++];
     s->peers = want[i];
-    int bad =
-        peers_add(run, children, &nchildren, &have, want[i], &peer, baddr, &idle_room, s->error, sizeof s->error);
+    int bad = peers_add(run, children, &nchildren, &have, want[i], &peer, baddr, m, &pool, &idle_room, s->error,
+                        sizeof s->error);
     s->connected = have;
     if (!bad) {
       usleep(300000); /* the connections' threads settle */
-      peers_idle(peer.pid, &s->idle_cpu_pct, &s->idle_wakeups_per_s);
-      if (proc_usage_get(peer.pid, &s->u)) snprintf(s->error, sizeof s->error, "the prefill is gone");
+      peers_idle(mp, &s->idle_cpu_pct, &s->idle_wakeups_per_s);
+      if (proc_usage_get(mp, &s->u)) snprintf(s->error, sizeof s->error, "the measured process is gone");
     }
     if (bad || s->error[0]) {
-      fprintf(stderr, "bench peers: %s, %d idle peers: %s\n", run->transport, want[i], s->error);
+      fprintf(stderr, "bench peers: %s%s, %d idle peers: %s\n", run->transport, run->reverse ? " (reverse)" : "",
+              want[i], s->error);
       break;
     }
-    peers_census(peer.pid, &run->thr1, &run->fd1);
+    peers_census(mp, &run->thr1, &run->fd1);
     run->census = 1;
     rooms_case rate = {"rate", 1, 64, quick ? 1000 : 10000, 0, 0, 0, 0, 0};
     rooms_case lat = {"p50", 1, 1, quick ? 200 : 2000, 0, 0, 0, 0, 0};
@@ -359,14 +422,15 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
       printf("%s{", r ? "," : "");
       if (*run->path) printf("%s", run->path + 1); /* its members without the leading comma */
       else printf("\"transport\":\"%s\"", run->transport);
-      printf(",\"prefill_max_inbound_conns\":%d,"
-             "\"idle_decode_instance\":{\"rss_kib\":%.0f,\"threads\":%.2f,\"fds\":%.2f},"
-             "\"prefill_start\":{\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld},"
-             "\"prefill_base\":{\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"idle_cpu_pct\":%.1f,"
+      printf(",\"view\":\"%s\",\"measured_max_inbound_conns\":%d,"
+             "\"idle_instance\":{\"rss_kib\":%.0f,\"threads\":%.2f,\"fds\":%.2f},"
+             "\"measured_start\":{\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld},"
+             "\"measured_base\":{\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"idle_cpu_pct\":%.1f,"
              "\"idle_wakeups_per_s\":%.0f},\"cases\":[",
-             run->max_inbound, run->mgr_rss_kib, run->mgr_threads, run->mgr_fds, run->start.threads,
-             run->start.fds, run->start.rss_kb, run->base.threads, run->base.fds, run->base.rss_kb,
-             run->base_cpu_pct, run->base_wakeups_per_s);
+             run->reverse ? "decode_with_idle_prefills" : "prefill_with_idle_decodes", run->max_inbound,
+             run->mgr_rss_kib, run->mgr_threads, run->mgr_fds, run->start.threads, run->start.fds,
+             run->start.rss_kb, run->base.threads, run->base.fds, run->base.rss_kb, run->base_cpu_pct,
+             run->base_wakeups_per_s);
       double rate1 = run->nsteps ? run->steps[0].rooms_per_s : 0;
       for (int i = 0; i < run->nsteps; i++) {
         const peers_step *s = &run->steps[i];
@@ -394,20 +458,25 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
     printf("]}\n");
     return;
   }
-  printf("one prefill rank (kv-peer, hosting the bootstrap server) with N idle decode peers (TP 1 each,\n"
-         "one room done, still connected) and one active decode; `auto` picks %s here\n"
+  printf("one prefill rank (kv-peer, hosting the bootstrap server) with N idle decode peers, and the reverse:\n"
+         "one decode rank with N idle prefill peers (TP 1 each, one room done, still connected), and one active\n"
+         "pair measured beside them; `auto` picks %s here\n"
          "targets (issue 24, not asserted): threads/peer <= %.0f, RSS/peer <= %.0f KiB, rate_over_1peer >= %.1f\n",
          auto_picks, TARGET_THREADS_PER_PEER, TARGET_RSS_KIB_PER_PEER, TARGET_RATE_RATIO);
   for (int r = 0; r < nruns; r++) {
     const peers_run *run = &runs[r];
-    printf("\n== %s ==  (prefill max_inbound_conns %d)\n", run->transport, run->max_inbound);
-    printf("prefill at start: %ld threads, %ld fds, %ld KiB; after the active decode's warm-up (base): %ld, %ld, "
+    printf("\n== %s: %s ==  (its max_inbound_conns %d)\n", run->transport,
+           run->reverse ? "a decode rank (this process) with N idle prefill peers"
+                        : "a prefill rank (kv-peer) with N idle decode peers",
+           run->max_inbound);
+    printf("measured process at start: %ld threads, %ld fds, %ld KiB; after the active decode's warm-up (base): "
+           "%ld, %ld, "
            "%ld KiB\n",
            run->start.threads, run->start.fds, run->start.rss_kb, run->base.threads, run->base.fds,
            run->base.rss_kb);
-    printf("prefill idle (no room live, %.0f s) at base: %.1f%% of a core, %.0f wake-ups/s\n", PEERS_IDLE_S,
-           run->base_cpu_pct, run->base_wakeups_per_s);
-    printf("one idle decode instance costs its process %.0f KiB, %.2f threads, %.2f fds\n", run->mgr_rss_kib,
+    printf("measured process idle (no room live, %.0f s) at base: %.1f%% of a core, %.0f wake-ups/s\n",
+           PEERS_IDLE_S, run->base_cpu_pct, run->base_wakeups_per_s);
+    printf("one idle peer instance costs its kv-idle process %.0f KiB, %.2f threads, %.2f fds\n", run->mgr_rss_kib,
            run->mgr_threads, run->mgr_fds);
     printf("%6s %8s %6s %9s %8s %7s %8s %9s %8s %9s %10s %8s %9s\n", "peers", "threads", "fds", "rss KiB",
            "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "p50 us", "p99 us", "rate/1peer", "idle cpu",
@@ -454,11 +523,15 @@ int cli_bench_peers(const peers_opts *o) {
     list[nruns++] = "tcp";
     if (!strcmp(auto_picks, "ucx")) list[nruns++] = "ucx";
   }
-  peers_run *runs = calloc((size_t)nruns, sizeof *runs);
+  peers_run *runs = calloc((size_t)nruns * 2, sizeof *runs);
   if (!runs) return 1;
+  for (int r = nruns - 1; r >= 0; r--) { /* each transport: the prefill's view, then the decode's */
+    runs[2 * r].transport = runs[2 * r + 1].transport = list[r];
+    runs[2 * r + 1].reverse = 1;
+  }
+  nruns *= 2;
   int rc = 0;
   for (int r = 0; r < nruns; r++) {
-    runs[r].transport = list[r];
     rc |= peers_run_one(&runs[r], want, nwant, o->quick);
     for (int i = 0; i < runs[r].nsteps; i++) rc |= runs[r].steps[i].error[0] != 0;
   }

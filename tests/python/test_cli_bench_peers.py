@@ -1,5 +1,6 @@
 """`kvferry bench peers --quick --json` (issue 24): one prefill rank with 1 and
-8 idle decode peers, on every transport this build has. Checks the JSON's
+8 idle decode peers, and one decode rank with 1 and 8 idle prefill peers, on
+every transport this build has. Checks the JSON's
 shape and that every idle peer really connected (its room succeeded), never
 a speed: the per-peer figures and the rates are only required to be there
 and sane (non-negative, finite)."""
@@ -34,15 +35,16 @@ def test_quick_json_shape():
     assert out["bench"] == "peers"
     assert out["auto_picks"] in ("tcp", "ucx")
     assert set(out["targets"]) == {"threads_per_peer_max", "rss_kib_per_peer_max", "rate_over_1peer_min"}
-    transports = [r["transport"] for r in out["runs"]]
-    assert transports[0] == "tcp"
-    assert transports == (["tcp", "ucx"] if out["auto_picks"] == "ucx" else ["tcp"])
+    transports = ["tcp", "ucx"] if out["auto_picks"] == "ucx" else ["tcp"]
+    views = ["prefill_with_idle_decodes", "decode_with_idle_prefills"]
+    assert [(r["transport"], r["view"]) for r in out["runs"]] == [(t, v) for t in transports for v in views]
     for r in out["runs"]:
         assert r["engine"] == r["transport"]
         assert r["mode"] in ("tcp", "read", "write or tcp")
-        for k in ("prefill_start", "prefill_base"):
+        for k in ("measured_start", "measured_base"):
             assert r[k]["threads"] > 0 and r[k]["fds"] > 0 and r[k]["rss_kib"] > 0
-        assert r["idle_decode_instance"]["threads"] > 0
+        assert r["measured_max_inbound_conns"] >= 256
+        assert r["idle_instance"]["threads"] > 0
         assert [c["peers"] for c in r["cases"]] == [1, 8]
         for c in r["cases"]:
             assert set(c) == CASE_KEYS, c
@@ -51,14 +53,15 @@ def test_quick_json_shape():
                 assert math.isfinite(c[k]) and c[k] >= 0, (k, c)
             assert math.isfinite(c["idle_wakeups_per_s_per_peer"])  # a difference: may dip below 0
             assert c["rooms_per_s"] > 0 and c["p50_us"] > 0
-            assert c["threads"] >= r["prefill_start"]["threads"]
+            assert c["threads"] >= r["measured_start"]["threads"]
         assert r["cases"][0]["rate_over_1peer"] == 1.0
         assert isinstance(r["thread_growth"], dict) and isinstance(r["fd_growth"], dict)
 
 
 def test_one_transport_and_bad_counts():
     out = run("--transport", "tcp", "--peers", "2")
-    assert [r["transport"] for r in out["runs"]] == ["tcp"]
-    assert [c["peers"] for c in out["runs"][0]["cases"]] == [2]
+    assert [r["transport"] for r in out["runs"]] == ["tcp", "tcp"]
+    for r in out["runs"]:
+        assert [c["peers"] for c in r["cases"]] == [2] and r["cases"][0]["connected"] == 2
     p = subprocess.run([CLI, "bench", "peers", "--peers", "8,1"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "ascending" in p.stderr
