@@ -55,7 +55,8 @@ typedef struct name_counts {
 typedef struct peers_step {
   int peers, connected;
   proc_usage u;
-  double idle_cpu_pct, idle_wakeups_per_s; /* the prefill over PEERS_IDLE_S with no room live */
+  double idle_cpu_pct, idle_wakeups_per_s; /* the measured process over PEERS_IDLE_S with no room live */
+  double peers_cpu_pct;                    /* all the kv-idle children over the same window */
   double rooms_per_s, p50_us, p99_us;
   char error[160];
 } peers_step;
@@ -158,17 +159,43 @@ static int peers_cpu(pid_t pid, double *ticks, double *switches) {
   return 0;
 }
 
-/* The prefill's CPU share (percent of one core) and wake-ups per second
- * while nothing but the peers' background (heartbeats, ticks) runs. */
-static void peers_idle(pid_t pid, double *cpu_pct, double *wakeups) {
-  double t0, w0, t1, w1, s0 = cli_now_s();
+/* The CPU time of the n children, in clock ticks (their wake-ups are not
+ * counted: thousands of threads to read). */
+static double peers_children_ticks(const proc *c, int n) {
+  double sum = 0;
+  for (int i = 0; i < n; i++) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)c[i].pid);
+    FILE *f = fopen(path, "r");
+    char buf[1024];
+    size_t k = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[k] = 0;
+    char *p = strrchr(buf, ')');
+    unsigned long long ut = 0, st = 0;
+    if (p && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) == 2)
+      sum += (double)(ut + st);
+  }
+  return sum;
+}
+
+/* The measured process's CPU share (percent of one core) and wake-ups per
+ * second while nothing but the peers' background (heartbeats, ticks) runs,
+ * and the idle peers' processes' CPU share over the same window: what they
+ * take from the two cores the active pair shares with them. */
+static void peers_idle(pid_t pid, const proc *children, int nchildren, double *cpu_pct, double *wakeups,
+                       double *peers_pct) {
+  double t0, w0, t1, w1, s0 = cli_now_s(), c0 = peers_children_ticks(children, nchildren);
+  double hz = (double)sysconf(_SC_CLK_TCK);
   *cpu_pct = *wakeups = -1;
+  if (peers_pct) *peers_pct = -1;
   if (peers_cpu(pid, &t0, &w0)) return;
   usleep((useconds_t)(PEERS_IDLE_S * 1e6));
   double dt = cli_now_s() - s0;
   if (peers_cpu(pid, &t1, &w1)) return;
-  *cpu_pct = (t1 - t0) * 100.0 / (double)sysconf(_SC_CLK_TCK) / dt;
+  *cpu_pct = (t1 - t0) * 100.0 / hz / dt;
   *wakeups = (w1 - w0) / dt; /* threads that exited in between are missed: rare when idle */
+  if (peers_pct) *peers_pct = (peers_children_ticks(children, nchildren) - c0) * 100.0 / hz / dt;
 }
 
 /* Add idle peers (kv-idle children of at most PEERS_PER_CHILD instances)
@@ -328,7 +355,7 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   if (cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   usleep(300000);
-  peers_idle(mp, &run->base_cpu_pct, &run->base_wakeups_per_s);
+  peers_idle(mp, children, 0, &run->base_cpu_pct, &run->base_wakeups_per_s, NULL);
   if (proc_usage_get(mp, &run->base)) goto out_mgr;
   peers_census(mp, &run->thr0, &run->fd0);
   int64_t idle_room = 1000000000; /* the idle peers' rooms, apart from the measured ones */
@@ -340,7 +367,7 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
     s->connected = have;
     if (!bad) {
       usleep(300000); /* the connections' threads settle */
-      peers_idle(mp, &s->idle_cpu_pct, &s->idle_wakeups_per_s);
+      peers_idle(mp, children, nchildren, &s->idle_cpu_pct, &s->idle_wakeups_per_s, &s->peers_cpu_pct);
       if (proc_usage_get(mp, &s->u)) snprintf(s->error, sizeof s->error, "the measured process is gone");
     }
     if (bad || s->error[0]) {
@@ -442,11 +469,12 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
         printf("\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"threads_per_peer\":%.2f,\"fds_per_peer\":%.2f,"
                "\"rss_kib_per_peer\":%.1f,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
                "\"rate_over_1peer\":%.3f,\"idle_cpu_pct\":%.1f,\"idle_wakeups_per_s\":%.0f,"
-               "\"idle_wakeups_per_s_per_peer\":%.2f,\"error\":null}",
+               "\"idle_wakeups_per_s_per_peer\":%.2f,\"idle_peers_cpu_pct\":%.1f,\"error\":null}",
                s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
                per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
                s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
-               s->idle_wakeups_per_s, (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers);
+               s->idle_wakeups_per_s, (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers,
+               s->peers_cpu_pct);
       }
       printf("]");
       if (run->census) {
@@ -478,9 +506,9 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
            PEERS_IDLE_S, run->base_cpu_pct, run->base_wakeups_per_s);
     printf("one idle peer instance costs its kv-idle process %.0f KiB, %.2f threads, %.2f fds\n", run->mgr_rss_kib,
            run->mgr_threads, run->mgr_fds);
-    printf("%6s %8s %6s %9s %8s %7s %8s %9s %8s %9s %10s %8s %9s\n", "peers", "threads", "fds", "rss KiB",
-           "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "p50 us", "p99 us", "rate/1peer", "idle cpu",
-           "wakeups/s");
+    printf("%6s %8s %6s %9s %8s %7s %8s %9s %8s %9s %10s %8s %9s %9s\n", "peers", "threads", "fds", "rss KiB",
+           "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "p50 us", "p99 us", "rate/1peer", "idle cpu", "wakeups/s",
+           "peers cpu");
     double rate1 = run->nsteps ? run->steps[0].rooms_per_s : 0;
     for (int i = 0; i < run->nsteps; i++) {
       const peers_step *s = &run->steps[i];
@@ -488,11 +516,11 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
         printf("%6d  FAILED (%d connected): %s\n", s->peers, s->connected, s->error);
         continue;
       }
-      printf("%6d %8ld %6ld %9ld %8.2f %7.2f %8.1f %9.0f %8.1f %9.1f %10.3f %7.1f%% %9.0f\n", s->peers,
+      printf("%6d %8ld %6ld %9ld %8.2f %7.2f %8.1f %9.0f %8.1f %9.1f %10.3f %7.1f%% %9.0f %8.1f%%\n", s->peers,
              s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
              per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
              s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
-             s->idle_wakeups_per_s);
+             s->idle_wakeups_per_s, s->peers_cpu_pct);
     }
     if (!run->census) continue;
     printf("threads grown (by name) from base to the last step: ");

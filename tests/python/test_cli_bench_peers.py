@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not CLI or not os.path.exists(CLI), reason="KVFE
 
 CASE_KEYS = {"peers", "connected", "threads", "fds", "rss_kib", "threads_per_peer", "fds_per_peer",
              "rss_kib_per_peer", "rooms_per_s", "p50_us", "p99_us", "rate_over_1peer", "idle_cpu_pct",
-             "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "error"}
+             "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "idle_peers_cpu_pct", "error"}
 
 
 def run(*args):
