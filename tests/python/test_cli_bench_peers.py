@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not CLI or not os.path.exists(CLI), reason="KVFE
 
 CASE_KEYS = {"peers", "connected", "threads", "fds", "rss_kib", "threads_per_peer", "fds_per_peer",
              "rss_kib_per_peer", "rooms_per_s", "p50_us", "p99_us", "rate_over_1peer", "idle_cpu_pct",
-             "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "idle_peers_cpu_pct", "error"}
+             "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "idle_peers_cpu_pct", "rooms_per_s_runs", "error"}
 
 
 def run(*args):
@@ -49,7 +49,8 @@ def test_quick_json_shape():
         for c in r["cases"]:
             assert set(c) == CASE_KEYS, c
             assert c["error"] is None and c["connected"] == c["peers"]
-            for k in CASE_KEYS - {"error", "peers", "connected", "idle_wakeups_per_s_per_peer"}:
+            assert len(c["rooms_per_s_runs"]) == 1 and c["rooms_per_s_runs"][0] == c["rooms_per_s"]  # --quick
+            for k in CASE_KEYS - {"error", "peers", "connected", "idle_wakeups_per_s_per_peer", "rooms_per_s_runs"}:
                 assert math.isfinite(c[k]) and c[k] >= 0, (k, c)
             assert math.isfinite(c["idle_wakeups_per_s_per_peer"])  # a difference: may dip below 0
             assert c["rooms_per_s"] > 0 and c["p50_us"] > 0
