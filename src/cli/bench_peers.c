@@ -246,10 +246,10 @@ static int peers_add(peers_run *run, proc *children, int *nchildren, int *have, 
         if (proc_read_line(c, line, sizeof line, 10000) || sscanf(line, "addr %d " CLI_ADDR_SCAN, &idx, addr) != 2)
           bad = snprintf(err, cap, "kv-idle: no address of prefill instance %d", i);
         else if (kvpool_take(pool, 1, &rng, &pg[i])) bad = snprintf(err, cap, "no free page");
-        else if (kvf_receiver_create(m, addr, *room + i, &rx[i]) ||
-                 (nrx++, kvf_receiver_init(rx[i], &pg[i], 1, 0, 0, NULL, 0)))
+        else if (kvf_receiver_create(m, addr, *room + i, &rx[i]) && (kvpool_give(pool, &pg[i], 1), 1))
           bad = snprintf(err, cap, "cannot create the receiver for idle prefill %d (%s)", i, addr);
-        if (bad && nrx == i) kvpool_give(pool, &pg[i], 1); /* taken but no receiver holds it */
+        else if (nrx++, kvf_receiver_init(rx[i], &pg[i], 1, 0, 0, NULL, 0)) /* destroyed below */
+          bad = snprintf(err, cap, "cannot ask idle prefill %d (%s) for its room", i, addr);
       }
       if (!bad) {
         fprintf(c->in, "send %lld\n", (long long)*room);

@@ -88,8 +88,9 @@ static void idle_connect(idle_inst *in, int n, const char *baddr, long long room
   char why[256] = "";
   uint64_t rng = 0x9E3779B97F4A7C15ULL;
   for (int i = 0; i < n; i++) {
-    if (kvpool_take(&in[i].pool, 1, &rng, &in[i].page) ||
-        kvf_receiver_create(in[i].m, baddr, room0 + i, &in[i].rx)) {
+    int took = !kvpool_take(&in[i].pool, 1, &rng, &in[i].page);
+    if (!took || kvf_receiver_create(in[i].m, baddr, room0 + i, &in[i].rx)) {
+      if (took) kvpool_give(&in[i].pool, &in[i].page, 1);
       in[i].rx = NULL;
       failed++;
       if (!*why) snprintf(why, sizeof why, "cannot-create-receiver");
@@ -97,6 +98,7 @@ static void idle_connect(idle_inst *in, int n, const char *baddr, long long room
     }
     if (kvf_receiver_init(in[i].rx, &in[i].page, 1, 0, 0, NULL, 0)) {
       kvf_receiver_destroy(in[i].rx);
+      kvpool_give(&in[i].pool, &in[i].page, 1);
       in[i].rx = NULL;
       failed++;
       if (!*why) snprintf(why, sizeof why, "cannot-init");
@@ -144,9 +146,10 @@ static void idle_send(idle_inst *in, int n, long long room0) {
     kvf_send_params_init(&p);
     p.pages = &in[i].page, p.npages = 1;
     p.flags = KVF_SEND_LAST, p.aux_index = 0, p.bootstrap_token = 7;
-    if (kvpool_take(&in[i].pool, 1, &rng, &in[i].page) || kvf_sender_create(in[i].m, room0 + i, &in[i].tx) ||
-        kvf_sender_send(in[i].tx, &p)) {
+    int took = !kvpool_take(&in[i].pool, 1, &rng, &in[i].page);
+    if (!took || kvf_sender_create(in[i].m, room0 + i, &in[i].tx) || kvf_sender_send(in[i].tx, &p)) {
       if (in[i].tx) kvf_sender_destroy(in[i].tx);
+      if (took) kvpool_give(&in[i].pool, &in[i].page, 1);
       in[i].tx = NULL;
       if (failed++, !*why) snprintf(why, sizeof why, "cannot-send");
     }
