@@ -51,6 +51,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "bench.h"
 #include "bench_ucx.h"
 #include "cli.h"
 #include "kvferry.h"
@@ -67,6 +68,7 @@ typedef struct bench_opts {
   int room_pages;        /* --room-pages: one custom rooms case (with --inflight) */
   uint64_t pool_bytes;   /* --pool: engine cases' pool per side (and the baseline's) */
   int rooms;             /* --rooms: requests in the custom rooms case */
+  const char *peers;     /* --peers: bench peers' idle-peer counts */
   uint64_t bytes;        /* per case */
   int inflight;          /* batches in flight */
   const char *plot;      /* --plot FILE.svg */
@@ -378,7 +380,7 @@ out:
  * ($KVFERRY_TRANSPORT or auto, $KVFERRY_UCX_MODE or read) and, with the
  * decode's manager in this process, what its engine runs and whether a
  * prefill connected in read mode. As JSON members, or as one text line. */
-static void bench_path(kvf_manager *m, int json) {
+void cli_bench_path(FILE *out, kvf_manager *m, int json) {
   const char *asked = getenv("KVFERRY_TRANSPORT"), *mode = getenv("KVFERRY_UCX_MODE");
   if (!asked || !*asked) asked = "auto";
   if (!mode || !*mode) mode = "read";
@@ -393,27 +395,17 @@ static void bench_path(kvf_manager *m, int json) {
                                  : "none yet";
   }
   if (json)
-    printf(",\"transport\":\"%s\",\"ucx_mode\":\"%s\",\"engine\":\"%s\",\"mode\":\"%s\"", asked, mode, engine,
-           used);
+    fprintf(out, ",\"transport\":\"%s\",\"ucx_mode\":\"%s\",\"engine\":\"%s\",\"mode\":\"%s\"", asked, mode,
+            engine, used);
   else
-    printf("path: transport %s, ucx_mode %s%s%s%s%s\n", asked, mode, m ? "; decode engine " : "", engine,
-           m ? ", mode used " : "", used);
+    fprintf(out, "path: transport %s, ucx_mode %s%s%s%s%s\n", asked, mode, m ? "; decode engine " : "", engine,
+            m ? ", mode used " : "", used);
 }
 
 static int cmp_dbl(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
 }
-
-typedef struct rooms_case {
-  const char *name;
-  size_t pages;
-  int inflight;
-  int rooms;
-  int m3_only; /* through a decode that completes rooms by M3 only, as against a tokenspeed prefill */
-  double rooms_per_s, p50_us, p99_us;
-  double wakeups_per_room; /* library thread wake-ups, both processes, per room */
-} rooms_case;
 
 typedef struct rooms_slot {
   kvf_receiver *rx;
@@ -440,8 +432,8 @@ static long long peer_wakeups(proc *peer) {
 }
 
 /* One case: `rooms` requests of `pages` pages, `inflight` at a time. */
-static int bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *baddr, rooms_case *c,
-                            int64_t base_room) {
+int cli_bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *baddr, rooms_case *c,
+                         int64_t base_room) {
   rooms_slot *slots = calloc((size_t)c->inflight, sizeof *slots);
   double *t_success = calloc((size_t)c->rooms, sizeof *t_success);
   double *t_send = calloc((size_t)c->rooms, sizeof *t_send);
@@ -778,16 +770,16 @@ static int bench_rooms(const bench_opts *o) {
   }
   int64_t base = 1;
   rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0, 0};
-  if (bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
+  if (cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   mc.fast_completion = 0;
   if (kvf_manager_create(&mc, &pool.bufs, &m3only)) goto out_mgr;
   warm.m3_only = 1;
-  if (bench_rooms_case(m3only, &pool, &peer, baddr, &warm, base)) goto out_mgr;
+  if (cli_bench_rooms_case(m3only, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   for (size_t i = 0; i < nc; i++) {
     kvf_manager *cm = cases[i].m3_only ? m3only : m;
-    if (bench_rooms_case(cm, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;
+    if (cli_bench_rooms_case(cm, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;
     rooms_trace_take(&rt[i], cm, &peer, base, cases[i].rooms);
     base += cases[i].rooms;
   }
@@ -801,7 +793,7 @@ static int bench_rooms(const bench_opts *o) {
       rooms_case oc = {on ? "overhead_on" : "overhead_off", 1, 64, o->quick ? 500 : 3000, 0, 0, 0, 0, 0};
       fprintf(peer.in, "trace %d\n", on);
       kvf_manager_trace_enable(m, on);
-      if (bench_rooms_case(m, &pool, &peer, baddr, &oc, base)) goto out_mgr;
+      if (cli_bench_rooms_case(m, &pool, &peer, baddr, &oc, base)) goto out_mgr;
       base += oc.rooms;
       *(on ? &t_on : &t_off) += oc.rooms / oc.rooms_per_s;
       *(on ? &n_on : &n_off) += oc.rooms;
@@ -815,7 +807,7 @@ static int bench_rooms(const bench_opts *o) {
   if (nfo && bench_fanout(fo, nfo, o->quick ? 30 : 200)) goto out_mgr;
   if (o->json) {
     printf("{\"bench\":\"rooms\"");
-    bench_path(m, 1);
+    cli_bench_path(stdout, m, 1);
     printf(",\"model\":{\"layers\":%d,\"page_bytes_per_buffer\":%d,\"buffers\":%d},"
            "\"baseline\":\"ZeroMQ PUSH/PULL round trip between two processes\",\"baseline_rtt_us\":%.1f,"
            "\"baseline_hot_tcp_gbps\":%.3f,\"cases\":[",
@@ -853,7 +845,7 @@ static int bench_rooms(const bench_opts *o) {
   } else {
     printf("rooms through the KV managers (prefill in a child process, %d layers, %d B pages x %d buffers)\n",
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS);
-    bench_path(m, 0);
+    cli_bench_path(stdout, m, 0);
     printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us; one cache-hot TCP stream\n"
            "          %.2f GB/s (ideal = room bytes / that + one round trip)\n",
            rtt_us, hot_gbps);
@@ -1038,7 +1030,7 @@ static int bench_e2e(const bench_opts *o) {
   double ideal = base > 0 ? bytes / (base * 1e9) : 0, gbps = p50 > 0 ? bytes / p50 / 1e9 : 0;
   if (o->json) {
     printf("{\"bench\":\"e2e\"");
-    bench_path(NULL, 1);
+    cli_bench_path(stdout, NULL, 1);
     printf(",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"bytes\":%llu,\"runs\":%d,"
            "\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"gbps\":%.3f,"
            "\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes, cache-hot buffers\","
@@ -1057,7 +1049,7 @@ static int bench_e2e(const bench_opts *o) {
     cli_breakdown_file(tpath, 2, 1); /* room 1 warmed up */
     printf("}\n");
   } else {
-    bench_path(NULL, 0);
+    cli_bench_path(stdout, NULL, 0);
     printf("end to end: one llama-3.1-8b request of %zu tokens (%llu pages x %d buffers x %u KiB = %llu MiB),\n"
            "bootstrap, prefill and decode in separate processes; transfer = decode M2 -> decode Success; %d "
            "runs\n",
@@ -1221,7 +1213,7 @@ static int bench_layerwise(const bench_opts *o) {
   double layer_xfer_ms = transfer_s * 1e3 / E2E_LAYERS;
   if (o->json) {
     printf("{\"bench\":\"layerwise\"");
-    bench_path(m, 1);
+    cli_bench_path(stdout, m, 1);
     printf(",\"model\":\"llama-3.1-8b\",\"tokens\":%zu,\"layers\":%d,\"bytes\":%llu,"
            "\"runs\":%d,"
            "\"layer_ms\":%.3f,\"compute_ms\":%.2f,\"transfer_alone_ms\":%.2f,\"transfer_per_layer_ms\":%.3f,"
@@ -1233,7 +1225,7 @@ static int bench_layerwise(const bench_opts *o) {
            layer_xfer_ms, whole_after * 1e3, whole_ttft * 1e3, lw_after * 1e3, lw_ttft * 1e3, hidden, rtt_us,
            o->idle_compute ? "sleep" : "busy", lw_after * 1e3 / (layer_xfer_ms + rtt_us / 1e3));
   } else {
-    bench_path(m, 0);
+    cli_bench_path(stdout, m, 0);
     printf("layerwise: one llama-3.1-8b request of %zu tokens (%d layers, %llu MiB), prefill computing each "
            "layer\n"
            "for %.3f ms (%s; default: the transfer time per layer measured below); median of %d runs\n",
@@ -1354,18 +1346,21 @@ out:
 }
 
 static void usage(void) {
-  printf("usage: kvferry bench [engine|rooms|e2e|layerwise] [--json] [--quick] [--bytes 2G] [--inflight 4]\n"
-         "                     (no benchmark named: all three; --json then prints one object)\n"
-         "                     [--block SIZE --per-batch N]   (one custom engine case)\n"
-         "                     [--room-pages N --inflight M [--rooms R]]  (one custom rooms case)\n"
-         "                     [--pool SIZE]  engine: pool per side, also the baseline's (default 256M)\n"
-         "                     [--layer-ms MS]  layerwise: compute per layer (default: the measured transfer\n"
-         "                                      time per layer); layerwise is not part of the default three\n"
-         "                     [--idle-compute]  layerwise: the compute sleeps (a GPU's) instead of busy work\n"
-         "                     [--transport tcp|ucx|auto]  engine transport (default $KVFERRY_TRANSPORT or auto)\n"
-         "                     [--verify]     e2e: also in verify mode (XXH3 digests), the overhead ratio\n"
-         "       kvferry bench --plot FILE.svg [--quick]   engine and end-to-end throughput against the\n"
-         "                     same-run TCP stream, drawn as SVG by kvferry (nothing to install; SVG only)\n");
+  printf(
+      "usage: kvferry bench [engine|rooms|e2e|layerwise|peers] [--json] [--quick] [--bytes 2G] [--inflight 4]\n"
+      "                     (no benchmark named: all three; --json then prints one object)\n"
+      "                     [--block SIZE --per-batch N]   (one custom engine case)\n"
+      "                     [--room-pages N --inflight M [--rooms R]]  (one custom rooms case)\n"
+      "                     [--pool SIZE]  engine: pool per side, also the baseline's (default 256M)\n"
+      "                     [--layer-ms MS]  layerwise: compute per layer (default: the measured transfer\n"
+      "                                      time per layer); layerwise is not part of the default three\n"
+      "                     [--idle-compute]  layerwise: the compute sleeps (a GPU's) instead of busy work\n"
+      "                     [--transport tcp|ucx|auto]  engine transport (default $KVFERRY_TRANSPORT or auto)\n"
+      "                     [--verify]     e2e: also in verify mode (XXH3 digests), the overhead ratio\n"
+      "                     [--peers 1,8,64,256]  peers: idle decode peers of one prefill rank (--quick: 1,8);\n"
+      "                                   without --transport both tcp and ucx run\n"
+      "       kvferry bench --plot FILE.svg [--quick]   engine and end-to-end throughput against the\n"
+      "                     same-run TCP stream, drawn as SVG by kvferry (nothing to install; SVG only)\n");
 }
 
 int cli_bench(int argc, char **argv) {
@@ -1390,11 +1385,12 @@ int cli_bench(int argc, char **argv) {
                                        {"idle-compute", no_argument, 0, 'I'},
                                        {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
                                        {"verify", no_argument, 0, 'V'},
+                                       {"peers", required_argument, 0, 'e'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
   unsigned long long v;
-  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:M:N:L:IVh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "jb:i:B:P:qR:p:M:N:L:IVe:h", opts, NULL)) != -1) {
     switch (c) {
       case 'N':
         o.rooms = atoi(optarg);
@@ -1415,6 +1411,7 @@ int cli_bench(int argc, char **argv) {
         if (!(o.layer_ms >= 0 && o.layer_ms <= 10000)) return usage(), 2;
         break;
       case 'V': o.verify = 1; break;
+      case 'e': o.peers = optarg; break;
       case 'p': o.plot = optarg; break;
       case 'B':
         if (cli_parse_size(optarg, &v) || v == 0 || v > (64u << 20)) return usage(), 2;
@@ -1462,6 +1459,10 @@ int cli_bench(int argc, char **argv) {
   if (!strcmp(which, "rooms")) return bench_rooms(&o);
   if (!strcmp(which, "e2e")) return bench_e2e(&o);
   if (!strcmp(which, "layerwise")) return bench_layerwise(&o);
-  fprintf(stderr, "bench: unknown benchmark '%s' (available: engine, rooms, e2e, layerwise)\n", which);
+  if (!strcmp(which, "peers")) {
+    peers_opts po = {.json = o.json, .quick = o.quick, .peers = o.peers, .transport = o.transport};
+    return cli_bench_peers(&po);
+  }
+  fprintf(stderr, "bench: unknown benchmark '%s' (available: engine, rooms, e2e, layerwise, peers)\n", which);
   return 2;
 }

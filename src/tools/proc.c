@@ -3,6 +3,7 @@
 
 #include "util.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -127,4 +128,29 @@ const char *proc_testpeer_exe(void) {
   if (testpeer_beside(proc_self_exe(), path, sizeof path) == 0) return path;
   if (testpeer_beside(getenv("KVFERRY_CLI"), path, sizeof path) == 0) return path;
   return "kvferry-testpeer"; /* execv fails: the caller reports that the peer did not start */
+}
+
+int proc_usage_get(pid_t pid, proc_usage *u) {
+  char path[64], line[256];
+  proc_usage v = {-1, 0, -1};
+  if (pid) snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  else snprintf(path, sizeof path, "/proc/self/status");
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  while (fgets(line, sizeof line, f)) {
+    if (!strncmp(line, "Threads:", 8)) v.threads = strtol(line + 8, NULL, 10);
+    else if (!strncmp(line, "VmRSS:", 6)) v.rss_kb = strtol(line + 6, NULL, 10);
+  }
+  fclose(f);
+  if (pid) snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+  else snprintf(path, sizeof path, "/proc/self/fd");
+  DIR *d = opendir(path);
+  if (!d) return -1;
+  for (struct dirent *e; (e = readdir(d));)
+    if (e->d_name[0] != '.') v.fds++;
+  closedir(d);
+  if (!pid) v.fds--; /* the one opendir holds */
+  if (v.threads < 0 || v.rss_kb < 0) return -1;
+  *u = v;
+  return 0;
 }

@@ -33,4 +33,12 @@ const char *proc_self_exe(void);
  * reentrant with itself (a static buffer); any thread otherwise. */
 const char *proc_testpeer_exe(void);
 
+/* What a process holds, from /proc/<pid>: threads (status Threads), open
+ * descriptors (entries of fd/) and resident memory (status VmRSS, KiB). */
+typedef struct proc_usage {
+  long threads, fds, rss_kb;
+} proc_usage;
+/* pid 0 = this process. 0 or -1 (the process is gone or /proc unreadable). */
+int proc_usage_get(pid_t pid, proc_usage *u);
+
 #endif

@@ -80,6 +80,7 @@ typedef struct peer_opts {
   const char *host;
   const char *bootstrap; /* external bootstrap server; NULL = start one here */
   int bootstrap_port;    /* port of the one started here; 0 = any free port */
+  int max_inbound;       /* engines' max_inbound_conns; 0 = the library's default */
 } peer_opts;
 
 /* --reuse-early: the scheduler's bug, the page goes to another request at
@@ -247,11 +248,12 @@ int cli_kv_peer(int argc, char **argv) {
                                        {"state", required_argument, 0, 'S'},
                                        {"state-item", required_argument, 0, 'T'},
                                        {"mla", no_argument, 0, 'M'},
+                                       {"max-inbound-conns", required_argument, 0, 'C'},
                                        {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:B:P:E:K:U:S:T:Mh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:B:P:E:K:U:S:T:MC:h", opts, NULL)) != -1) {
     switch (c) {
       case 'w': o.world = atoi(optarg); break;
       case 'd': o.dp = atoi(optarg); break;
@@ -276,6 +278,7 @@ int cli_kv_peer(int argc, char **argv) {
         if (cli_parse_size(optarg, &o.state_item)) return 2;
         break;
       case 'M': o.mla = 1; break;
+      case 'C': o.max_inbound = atoi(optarg); break;
       case CLI_OPT_TRANSPORT:
         if (cli_set_transport("kv-peer", optarg)) return 2;
         break;
@@ -286,6 +289,7 @@ int cli_kv_peer(int argc, char **argv) {
                "                       [--heads H --unit 256 --page-size 1 --kv-heads H*tp] [--state N "
                "--state-item 4096]\n"
                "                       [--mla --unit 1152 --page-size 16] [--transport tcp|ucx|auto]\n"
+               "                       [--max-inbound-conns N (each rank's engine; default the library's)]\n"
                "  --mla  MLA pools: one latent buffer per layer, the same on every rank (--heads ignored)\n");
         return 0;
       default: return 2;
@@ -337,7 +341,17 @@ int cli_kv_peer(int argc, char **argv) {
   if (o.bootstrap) snprintf(baddr, sizeof baddr, "%s", o.bootstrap);
   else kvf__addr_format(baddr, sizeof baddr, o.host, kvf_bootstrap_server_port(srv));
   for (int r = 0; r < o.world; r++) {
-    int use_pool = 0, erc = cli_rank_engine(o.host, &engines[r], &use_pool);
+    int use_pool = 0, erc;
+    if (o.max_inbound > 0) { /* bench peers: more decode peers than the default bound */
+      kvf_engine_config ec;
+      kvf_engine_config_init(&ec);
+      ec.host = o.host;
+      ec.max_inbound_conns = o.max_inbound;
+      erc = kvf_engine_create(&ec, &engines[r]);
+      use_pool = !erc && !strcmp(cli_memory_kind(kvf_engine_transport(engines[r])), "pool");
+    } else {
+      erc = cli_rank_engine(o.host, &engines[r], &use_pool);
+    }
     if (erc) {
       fprintf(stderr, "kv-peer: prefill rank %d: engine: %s\n", r, kvf_strerror(erc));
       goto out;

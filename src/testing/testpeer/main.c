@@ -17,6 +17,7 @@ struct command {
 static const struct command commands[] = {
     {"kv-peer", cli_kv_peer, "run a prefill instance (bootstrap server + ranks) driven over stdin"},
     {"kv-decode", cli_kv_decode, "run a decode instance (model-shaped pools) driven over stdin"},
+    {"kv-idle", cli_kv_idle, "run many idle decode instances (TP 1 each) for bench peers"},
     {"engine-peer", cli_engine_peer, "run a transfer engine target with a registered buffer"},
 };
 

@@ -10,5 +10,6 @@
 int cli_engine_peer(int argc, char **argv);
 int cli_kv_peer(int argc, char **argv);
 int cli_kv_decode(int argc, char **argv);
+int cli_kv_idle(int argc, char **argv);
 
 #endif

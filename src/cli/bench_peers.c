@@ -1,0 +1,592 @@
+/* `kvferry bench peers` (issue 24): what each connected peer costs one
+ * prefill rank, and whether many idle peers slow the rooms of an active one;
+ * then the reverse view, a decode rank (this process) with N idle prefill
+ * peers (kv-idle --role prefill, each with its own bootstrap server, which
+ * this decode heartbeats).
+ * The measured process is a prefill instance of one rank (`kvferry-testpeer
+ * kv-peer`, which also hosts the bootstrap server, as rank 0 of a deployment
+ * does). N idle peers are N decode instances of one rank each, 64 to a
+ * `kvferry-testpeer kv-idle` child; each completes one 1-page room with the
+ * prefill, so every connection (ZeroMQ PUSH both ways, engine connections,
+ * UCX rendezvous) exists, then stays connected and heartbeating. The active
+ * decode is a manager in this process. At N = 1, 8, 64, 256 (cumulative:
+ * peers are added, never removed) it reads the prefill's threads, open
+ * descriptors and VmRSS from /proc and runs 1-page rooms with 64 in flight
+ * (rooms/s) and 1 in flight (p50). Per-peer figures are the growth over the
+ * prefill after the active decode's warm-up, divided by N; rate_over_1peer
+ * is the rate at N over the rate at N = 1 of the same run. The issue's
+ * targets are printed beside the figures, never asserted. */
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "cli.h"
+#include "kvferry.h"
+#include "tools/kvpool.h"
+#include "tools/proc.h"
+
+#define PEERS_MAX 1024
+#define PEERS_STEPS 8
+#define PEERS_PER_CHILD 64 /* kv-idle instances per child process */
+#define PEERS_CHILDREN (PEERS_MAX / PEERS_PER_CHILD + PEERS_STEPS)
+#define PEERS_LAYERS 2
+#define PEERS_ITEM 4096
+#define PEERS_PREFILL_PAGES 512 /* small: the warm-up touches all of it before the baseline */
+#define PEERS_DECODE_PAGES 4096
+#define PEERS_NAMES 48
+#define PEERS_REPS 3     /* rounds of the rooms cases at each N (--quick: 1) */
+#define PEERS_IDLE_S 1.0 /* the idle window: CPU time and wake-ups with no room live */
+
+/* The issue's targets, printed beside the figures. */
+#define TARGET_THREADS_PER_PEER 1.0
+#define TARGET_RSS_KIB_PER_PEER 64.0
+#define TARGET_RATE_RATIO 0.9
+
+/* Counts by name: threads by /proc/pid/task/<tid>/comm, descriptors by
+ * what fd/<n> links to (socket, eventfd, ...). */
+typedef struct name_counts {
+  int n;
+  char name[PEERS_NAMES][24];
+  long count[PEERS_NAMES];
+} name_counts;
+
+typedef struct peers_step {
+  int peers, connected;
+  proc_usage u;
+  double idle_cpu_pct, idle_wakeups_per_s; /* the measured process over PEERS_IDLE_S with no room live */
+  double peers_cpu_pct;                    /* all the kv-idle children over the same window */
+  double rate_runs[PEERS_REPS];            /* each round's rate; rooms_per_s is the best */
+  int nruns;
+  double rooms_per_s, p50_us, p99_us;
+  char error[160];
+} peers_step;
+
+typedef struct peers_run {
+  const char *transport;
+  int reverse; /* the measured process is a decode rank (this one) with N idle prefill peers */
+  int max_inbound;
+  proc_usage start, base;
+  double base_cpu_pct, base_wakeups_per_s;  /* the idle window after the warm-up */
+  double mgr_rss_kib, mgr_threads, mgr_fds; /* one idle decode instance, as kv-idle saw it */
+  int nsteps;
+  peers_step steps[PEERS_STEPS];
+  name_counts thr0, thr1, fd0, fd1; /* at the baseline and at the last step measured */
+  int census;                       /* thr1 and fd1 were taken */
+  char path[256];                   /* cli_bench_path's JSON members */
+} peers_run;
+
+static void counts_add(name_counts *c, const char *name) {
+  for (int i = 0; i < c->n; i++)
+    if (!strcmp(c->name[i], name)) {
+      c->count[i]++;
+      return;
+    }
+  if (c->n == PEERS_NAMES) return;
+  snprintf(c->name[c->n], sizeof c->name[0], "%s", name);
+  c->count[c->n++] = 1;
+}
+
+static long counts_of(const name_counts *c, const char *name) {
+  for (int i = 0; i < c->n; i++)
+    if (!strcmp(c->name[i], name)) return c->count[i];
+  return 0;
+}
+
+/* The threads by name and the descriptors by kind of process pid. */
+static void peers_census(pid_t pid, name_counts *thr, name_counts *fds) {
+  char path[96], buf[256];
+  memset(thr, 0, sizeof *thr);
+  memset(fds, 0, sizeof *fds);
+  snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(path);
+  for (struct dirent *e; d && (e = readdir(d));) {
+    if (e->d_name[0] == '.') continue;
+    snprintf(path, sizeof path, "/proc/%d/task/%.20s/comm", (int)pid, e->d_name);
+    FILE *f = fopen(path, "r");
+    if (!f) continue;
+    if (fgets(buf, sizeof buf, f)) {
+      buf[strcspn(buf, "\n")] = 0;
+      /* "kvf-tcp-in-12" and "kvf-tcp-in-13" are one kind: drop a numeric tail */
+      size_t n = strlen(buf);
+      while (n && buf[n - 1] >= '0' && buf[n - 1] <= '9') buf[--n] = 0;
+      counts_add(thr, buf);
+    }
+    fclose(f);
+  }
+  if (d) closedir(d);
+  snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+  d = opendir(path);
+  for (struct dirent *e; d && (e = readdir(d));) {
+    if (e->d_name[0] == '.') continue;
+    snprintf(path, sizeof path, "/proc/%d/fd/%.20s", (int)pid, e->d_name);
+    ssize_t n = readlink(path, buf, sizeof buf - 1);
+    if (n <= 0) continue;
+    buf[n] = 0;
+    if (!strncmp(buf, "socket:", 7) || !strncmp(buf, "pipe:", 5)) buf[strcspn(buf, ":")] = 0;
+    else if (buf[0] == '/') snprintf(buf, sizeof buf, "file");
+    counts_add(fds, buf);
+  }
+  if (d) closedir(d);
+}
+
+/* CPU time (utime + stime, in clock ticks) of process pid, and the
+ * voluntary context switches of all its threads: a thread that sleeps and
+ * wakes (a timed wait, a poll tick) counts one per wake-up. -1 if gone. */
+static int peers_cpu(pid_t pid, double *ticks, double *switches) {
+  char path[96], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  char *p = strrchr(buf, ')'); /* the name may hold spaces */
+  unsigned long long ut = 0, st = 0;
+  if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2) return -1;
+  *ticks = (double)(ut + st);
+  *switches = 0;
+  snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(path);
+  for (struct dirent *e; d && (e = readdir(d));) {
+    if (e->d_name[0] == '.') continue;
+    snprintf(path, sizeof path, "/proc/%d/task/%.20s/status", (int)pid, e->d_name);
+    if (!(f = fopen(path, "r"))) continue;
+    while (fgets(buf, sizeof buf, f))
+      if (!strncmp(buf, "voluntary_ctxt_switches:", 24)) *switches += strtod(buf + 24, NULL);
+    fclose(f);
+  }
+  if (d) closedir(d);
+  return 0;
+}
+
+/* The CPU time of the n children, in clock ticks (their wake-ups are not
+ * counted: thousands of threads to read). */
+static double peers_children_ticks(const proc *c, int n) {
+  double sum = 0;
+  for (int i = 0; i < n; i++) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)c[i].pid);
+    FILE *f = fopen(path, "r");
+    char buf[1024];
+    size_t k = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[k] = 0;
+    char *p = strrchr(buf, ')');
+    unsigned long long ut = 0, st = 0;
+    if (p && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) == 2)
+      sum += (double)(ut + st);
+  }
+  return sum;
+}
+
+/* The measured process's CPU share (percent of one core) and wake-ups per
+ * second while nothing but the peers' background (heartbeats, ticks) runs,
+ * and the idle peers' processes' CPU share over the same window: what they
+ * take from the two cores the active pair shares with them. */
+static void peers_idle(pid_t pid, const proc *children, int nchildren, double *cpu_pct, double *wakeups,
+                       double *peers_pct) {
+  double t0, w0, t1, w1, s0 = cli_now_s(), c0 = peers_children_ticks(children, nchildren);
+  double hz = (double)sysconf(_SC_CLK_TCK);
+  *cpu_pct = *wakeups = -1;
+  if (peers_pct) *peers_pct = -1;
+  if (peers_cpu(pid, &t0, &w0)) return;
+  usleep((useconds_t)(PEERS_IDLE_S * 1e6));
+  double dt = cli_now_s() - s0;
+  if (peers_cpu(pid, &t1, &w1)) return;
+  *cpu_pct = (t1 - t0) * 100.0 / hz / dt;
+  *wakeups = (w1 - w0) / dt; /* threads that exited in between are missed: rare when idle */
+  if (peers_pct) *peers_pct = (peers_children_ticks(children, nchildren) - c0) * 100.0 / hz / dt;
+}
+
+/* Add idle peers (kv-idle children of at most PEERS_PER_CHILD instances)
+ * until *have reach want; each completes one room with the prefill. 0, or
+ * -1 with the reason in err. */
+static int peers_add(peers_run *run, proc *children, int *nchildren, int *have, int want, proc *peer,
+                     const char *baddr, kvf_manager *m, kvpool *pool, int64_t *room, char *err, size_t cap) {
+  const char *exe = proc_testpeer_exe();
+  char line[400];
+  kvf_receiver *rx[PEERS_PER_CHILD];
+  int64_t pg[PEERS_PER_CHILD];
+  uint64_t rng = 0x9e3779b97f4a7c15ULL;
+  while (*have < want) {
+    int k = want - *have > PEERS_PER_CHILD ? PEERS_PER_CHILD : want - *have;
+    if (*nchildren == PEERS_CHILDREN) return snprintf(err, cap, "too many child processes"), -1;
+    char count[16], layers[16], item[16];
+    snprintf(count, sizeof count, "%d", k);
+    snprintf(layers, sizeof layers, "%d", PEERS_LAYERS);
+    snprintf(item, sizeof item, "%d", PEERS_ITEM);
+    char *argv[] = {(char *)exe, "kv-idle", "--bootstrap", (char *)baddr, "--count", count,
+                    "--layers",  layers,    "--item",      item,          NULL};
+    char *argv_pf[] = {(char *)exe, "kv-idle", "--role", "prefill", "--count", count,
+                       "--layers",  layers,    "--item", item,      NULL};
+    proc *c = &children[*nchildren];
+    if (proc_start(c, run->reverse ? argv_pf : argv)) return snprintf(err, cap, "cannot start kv-idle"), -1;
+    ++*nchildren;
+    int n = 0;
+    long rss = 0, thr = 0, fds = 0;
+    if (proc_read_line(c, line, sizeof line, 60000) ||
+        sscanf(line, "ready %d %ld %ld %ld", &n, &rss, &thr, &fds) != 4 || n != k)
+      return snprintf(err, cap, "kv-idle with %d instances did not start", k), -1;
+    /* One instance's cost, weighted over every child of the run. */
+    double w = (double)*have / (*have + k);
+    run->mgr_rss_kib = run->mgr_rss_kib * w + (double)rss / (*have + k);
+    run->mgr_threads = run->mgr_threads * w + (double)thr / (*have + k);
+    run->mgr_fds = run->mgr_fds * w + (double)fds / (*have + k);
+    int ok = 0, failed = 0;
+    char why[300] = "";
+    if (run->reverse) {
+      /* This decode asks each idle prefill instance for one room. */
+      int nrx = 0, bad = 0;
+      for (int i = 0; i < k && !bad; i++) {
+        char addr[KVF_ADDR_MAX + 1];
+        int idx;
+        if (proc_read_line(c, line, sizeof line, 10000) || sscanf(line, "addr %d " CLI_ADDR_SCAN, &idx, addr) != 2)
+          bad = snprintf(err, cap, "kv-idle: no address of prefill instance %d", i);
+        else if (kvpool_take(pool, 1, &rng, &pg[i])) bad = snprintf(err, cap, "no free page");
+        else if (kvf_receiver_create(m, addr, *room + i, &rx[i]) && (kvpool_give(pool, &pg[i], 1), 1))
+          bad = snprintf(err, cap, "cannot create the receiver for idle prefill %d (%s)", i, addr);
+        else if (nrx++, kvf_receiver_init(rx[i], &pg[i], 1, 0, 0, NULL, 0)) /* destroyed below */
+          bad = snprintf(err, cap, "cannot ask idle prefill %d (%s) for its room", i, addr);
+      }
+      if (!bad) {
+        fprintf(c->in, "send %lld\n", (long long)*room);
+        fflush(c->in);
+        if (proc_read_line(c, line, sizeof line, 90000) ||
+            sscanf(line, "connected %d %d %299s", &ok, &failed, why) != 3)
+          bad = snprintf(err, cap, "kv-idle: no answer to send");
+      }
+      /* This side's view of the rooms decides (at most 30 s more). */
+      ok = failed = 0;
+      for (long long until = cli_now_ms() + 30000; !bad && ok + failed < nrx && cli_now_ms() < until;) {
+        ok = failed = 0;
+        for (int i = 0; i < nrx; i++) {
+          int st = kvf_receiver_poll(rx[i]);
+          ok += st == KVF_POLL_SUCCESS, failed += st == KVF_POLL_FAILED;
+          if (st == KVF_POLL_FAILED && !*why) kvf_receiver_failure(rx[i], why, sizeof why);
+        }
+        if (ok + failed < nrx) usleep(1000);
+      }
+      for (int i = 0; i < nrx; i++) {
+        kvf_receiver_destroy(rx[i]);
+        kvpool_give(pool, &pg[i], 1);
+      }
+      if (bad) return -1;
+      failed = k - ok;
+      for (char *p = why; *p; p++)
+        if (*p == '\n') *p = ' ';
+    } else {
+      fprintf(c->in, "connect %lld\n", (long long)*room);
+      fflush(c->in);
+      for (int i = 0; i < k; i++) fprintf(peer->in, "send %lld 1 0 7\n", (long long)(*room + i));
+      fflush(peer->in);
+      if (proc_read_line(c, line, sizeof line, 90000) ||
+          sscanf(line, "connected %d %d %299s", &ok, &failed, why) != 3)
+        return snprintf(err, cap, "kv-idle: no answer to connect"), -1;
+      /* The prefill's `done` lines of these rooms (bounded; the rooms case
+       * skips any that come later). */
+      for (int done = 0; done < k && !proc_read_line(peer, line, sizeof line, 10000);)
+        done += !strncmp(line, "done ", 5);
+    }
+    *room += k;
+    *have += ok;
+    if (failed)
+      return snprintf(err, cap, "%d of %d idle peers failed their room: %s", failed, k, *why ? why : "-"), -1;
+  }
+  return 0;
+}
+
+static int peers_cmp(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static int peers_parse(const char *s, int *out, int max) {
+  int n = 0;
+  for (const char *p = s; *p;) {
+    char *end;
+    long v = strtol(p, &end, 10);
+    if (end == p || v < 1 || v > PEERS_MAX || n == max || (n && v <= out[n - 1])) return -1;
+    out[n++] = (int)v;
+    p = *end == ',' ? end + 1 : end;
+    if (*end && *end != ',') return -1;
+  }
+  return n;
+}
+
+/* One transport: the prefill, the active decode here, then the steps. */
+static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) {
+  char pages[16], layers[16], item[16], maxin[16], line[400], baddr[KVF_ADDR_MAX + 1];
+  const char *exe = proc_testpeer_exe();
+  int rc = 1, nchildren = 0, have = 0;
+  proc *children = calloc(PEERS_CHILDREN, sizeof *children);
+  if (!children) return 1;
+  setenv("KVFERRY_TRANSPORT", run->transport, 1);
+  /* The measured process's engine bound on accepted connections: a decode
+   * accepts two TCP connections (conns_per_peer) or one UCX rendezvous
+   * connection from each prefill, each holding a thread; the default 256
+   * would evict idle ones from 128 TCP prefill peers on. A prefill accepts
+   * none here (it writes over TCP and connects to the decode's rendezvous
+   * over UCX), the bound is raised there too for a deployment that does. */
+  run->max_inbound = want[nwant - 1] * 2 + 64 > 256 ? want[nwant - 1] * 2 + 64 : 256;
+  snprintf(pages, sizeof pages, "%d", PEERS_PREFILL_PAGES);
+  snprintf(layers, sizeof layers, "%d", PEERS_LAYERS);
+  snprintf(item, sizeof item, "%d", PEERS_ITEM);
+  snprintf(maxin, sizeof maxin, "%d", run->max_inbound);
+  char *argv[] = {(char *)exe,           "kv-peer", "--layers", layers, "--item", item, "--pages", pages,
+                  "--max-inbound-conns", maxin,     NULL};
+  proc peer;
+  kvpool pool;
+  kvf_manager *m = NULL;
+  pid_t mp = getpid(); /* the measured process: this one (reverse) or the prefill */
+  if (proc_start(&peer, argv)) goto out_children;
+  if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
+    fprintf(stderr, "bench peers: the prefill peer did not start\n");
+    goto out_peer;
+  }
+  if (!run->reverse) mp = peer.pid;
+  usleep(200000);
+  if (proc_usage_get(mp, &run->start)) goto out_peer;
+  if (kvpool_init(&pool, PEERS_LAYERS, PEERS_DECODE_PAGES, PEERS_ITEM)) goto out_peer;
+  kvf_manager_config mc;
+  kvf_manager_config_init(&mc);
+  mc.role = KVF_ROLE_DECODE;
+  kvf_engine_config ec; /* measured (reverse): each idle prefill's connections are accepted ones */
+  kvf_engine_config_init(&ec);
+  ec.max_inbound_conns = run->max_inbound;
+  mc.engine_cfg = &ec;
+  if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
+  int64_t base = 1;
+  rooms_case warm = {"warmup", 1, 8, quick ? 1000 : 3000, 0, 0, 0, 0, 0};
+  if (cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
+  base += warm.rooms;
+  usleep(300000);
+  peers_idle(mp, children, 0, &run->base_cpu_pct, &run->base_wakeups_per_s, NULL);
+  if (proc_usage_get(mp, &run->base)) goto out_mgr;
+  peers_census(mp, &run->thr0, &run->fd0);
+  int64_t idle_room = 1000000000; /* the idle peers' rooms, apart from the measured ones */
+  for (int i = 0; i < nwant; i++) {
+    peers_step *s = &run->steps[run->nsteps++];
+    s->peers = want[i];
+    int bad = peers_add(run, children, &nchildren, &have, want[i], &peer, baddr, m, &pool, &idle_room, s->error,
+                        sizeof s->error);
+    s->connected = have;
+    if (!bad) {
+      usleep(300000); /* the connections' threads settle */
+      peers_idle(mp, children, nchildren, &s->idle_cpu_pct, &s->idle_wakeups_per_s, &s->peers_cpu_pct);
+      if (proc_usage_get(mp, &s->u)) snprintf(s->error, sizeof s->error, "the measured process is gone");
+    }
+    if (bad || s->error[0]) {
+      fprintf(stderr, "bench peers: %s%s, %d idle peers: %s\n", run->transport, run->reverse ? " (reverse)" : "",
+              want[i], s->error);
+      break;
+    }
+    peers_census(mp, &run->thr1, &run->fd1);
+    run->census = 1;
+    /* PEERS_REPS rounds of both cases: the best rate (other tenants only
+     * ever slow a round down) and the median round's latencies. */
+    double p50[PEERS_REPS], p99[PEERS_REPS];
+    int reps = quick ? 1 : PEERS_REPS;
+    for (int k = 0; k < reps && !s->error[0]; k++) {
+      rooms_case rate = {"rate", 1, 64, quick ? 1000 : 10000, 0, 0, 0, 0, 0};
+      rooms_case lat = {"p50", 1, 1, quick ? 200 : 2000, 0, 0, 0, 0, 0};
+      if (cli_bench_rooms_case(m, &pool, &peer, baddr, &rate, base)) {
+        snprintf(s->error, sizeof s->error, "rooms failed at 64 in flight");
+        break;
+      }
+      base += rate.rooms;
+      if (cli_bench_rooms_case(m, &pool, &peer, baddr, &lat, base)) {
+        snprintf(s->error, sizeof s->error, "rooms failed at 1 in flight");
+        break;
+      }
+      base += lat.rooms;
+      s->rate_runs[s->nruns++] = rate.rooms_per_s;
+      if (rate.rooms_per_s > s->rooms_per_s) s->rooms_per_s = rate.rooms_per_s;
+      p50[k] = lat.p50_us, p99[k] = lat.p99_us;
+    }
+    if (s->error[0]) break;
+    qsort(p50, (size_t)reps, sizeof p50[0], peers_cmp);
+    qsort(p99, (size_t)reps, sizeof p99[0], peers_cmp);
+    s->p50_us = p50[reps / 2], s->p99_us = p99[reps / 2];
+  }
+  rc = 0;
+  /* The path as JSON members, captured for the report printed later. */
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *mem = open_memstream(&buf, &len);
+  if (mem) {
+    cli_bench_path(mem, m, 1);
+    fclose(mem);
+    snprintf(run->path, sizeof run->path, "%s", buf ? buf : "");
+    free(buf);
+  }
+out_mgr:
+  kvf_manager_destroy(m);
+out_pool:
+  kvpool_free(&pool);
+out_peer:
+  for (int i = 0; i < nchildren; i++) proc_stop(&children[i], 10000);
+  nchildren = 0;
+  proc_stop(&peer, 10000);
+out_children:
+  for (int i = 0; i < nchildren; i++) proc_stop(&children[i], 10000);
+  free(children);
+  return rc;
+}
+
+static double per_peer(long v, long base, int n) { return n ? (double)(v - base) / n : 0; }
+
+static void peers_print_growth(const name_counts *a, const name_counts *b, int json, const char *key) {
+  int first = 1;
+  if (json) printf(",\"%s\":{", key);
+  for (int i = 0; i < b->n; i++) {
+    long d = b->count[i] - counts_of(a, b->name[i]);
+    if (!d) continue;
+    if (json) printf("%s\"%s\":%ld", first ? "" : ",", b->name[i], d);
+    else printf("%s%s %+ld", first ? "" : ", ", b->name[i], d);
+    first = 0;
+  }
+  for (int i = 0; i < a->n; i++)
+    if (!counts_of(b, a->name[i])) {
+      if (json) printf("%s\"%s\":%ld", first ? "" : ",", a->name[i], -a->count[i]);
+      else printf("%s%s %+ld", first ? "" : ", ", a->name[i], -a->count[i]);
+      first = 0;
+    }
+  if (json) printf("}");
+  else printf("%s\n", first ? "(none)" : "");
+}
+
+static void peers_print(const peers_run *runs, int nruns, const char *auto_picks, int json) {
+  if (json) {
+    printf("{\"bench\":\"peers\",\"auto_picks\":\"%s\",\"targets\":{\"threads_per_peer_max\":%.0f,"
+           "\"rss_kib_per_peer_max\":%.0f,\"rate_over_1peer_min\":%.1f},\"runs\":[",
+           auto_picks, TARGET_THREADS_PER_PEER, TARGET_RSS_KIB_PER_PEER, TARGET_RATE_RATIO);
+    for (int r = 0; r < nruns; r++) {
+      const peers_run *run = &runs[r];
+      printf("%s{", r ? "," : "");
+      if (*run->path) printf("%s", run->path + 1); /* its members without the leading comma */
+      else printf("\"transport\":\"%s\"", run->transport);
+      printf(",\"view\":\"%s\",\"measured_max_inbound_conns\":%d,"
+             "\"idle_instance\":{\"rss_kib\":%.0f,\"threads\":%.2f,\"fds\":%.2f},"
+             "\"measured_start\":{\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld},"
+             "\"measured_base\":{\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"idle_cpu_pct\":%.1f,"
+             "\"idle_wakeups_per_s\":%.0f},\"cases\":[",
+             run->reverse ? "decode_with_idle_prefills" : "prefill_with_idle_decodes", run->max_inbound,
+             run->mgr_rss_kib, run->mgr_threads, run->mgr_fds, run->start.threads, run->start.fds,
+             run->start.rss_kb, run->base.threads, run->base.fds, run->base.rss_kb, run->base_cpu_pct,
+             run->base_wakeups_per_s);
+      double rate1 = run->nsteps ? run->steps[0].rooms_per_s : 0;
+      for (int i = 0; i < run->nsteps; i++) {
+        const peers_step *s = &run->steps[i];
+        printf("%s{\"peers\":%d,\"connected\":%d,", i ? "," : "", s->peers, s->connected);
+        if (s->error[0]) {
+          printf("\"error\":\"%s\"}", s->error);
+          continue;
+        }
+        printf("\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"threads_per_peer\":%.2f,\"fds_per_peer\":%.2f,"
+               "\"rss_kib_per_peer\":%.1f,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
+               "\"rate_over_1peer\":%.3f,\"idle_cpu_pct\":%.1f,\"idle_wakeups_per_s\":%.0f,"
+               "\"idle_wakeups_per_s_per_peer\":%.2f,\"idle_peers_cpu_pct\":%.1f,\"rooms_per_s_runs\":[",
+               s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
+               per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
+               s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
+               s->idle_wakeups_per_s, (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers,
+               s->peers_cpu_pct);
+        for (int k = 0; k < s->nruns; k++) printf("%s%.0f", k ? "," : "", s->rate_runs[k]);
+        printf("],\"error\":null}");
+      }
+      printf("]");
+      if (run->census) {
+        peers_print_growth(&run->thr0, &run->thr1, 1, "thread_growth");
+        peers_print_growth(&run->fd0, &run->fd1, 1, "fd_growth");
+      }
+      printf("}");
+    }
+    printf("]}\n");
+    return;
+  }
+  printf("one prefill rank (kv-peer, hosting the bootstrap server) with N idle decode peers, and the reverse:\n"
+         "one decode rank with N idle prefill peers (TP 1 each, one room done, still connected), and one active\n"
+         "pair measured beside them; `auto` picks %s here\n"
+         "targets (issue 24, not asserted): threads/peer <= %.0f, RSS/peer <= %.0f KiB, rate_over_1peer >= %.1f\n",
+         auto_picks, TARGET_THREADS_PER_PEER, TARGET_RSS_KIB_PER_PEER, TARGET_RATE_RATIO);
+  for (int r = 0; r < nruns; r++) {
+    const peers_run *run = &runs[r];
+    printf("\n== %s: %s ==  (its max_inbound_conns %d)\n", run->transport,
+           run->reverse ? "a decode rank (this process) with N idle prefill peers"
+                        : "a prefill rank (kv-peer) with N idle decode peers",
+           run->max_inbound);
+    printf("measured process at start: %ld threads, %ld fds, %ld KiB; after the active decode's warm-up (base): "
+           "%ld, %ld, "
+           "%ld KiB\n",
+           run->start.threads, run->start.fds, run->start.rss_kb, run->base.threads, run->base.fds,
+           run->base.rss_kb);
+    printf("measured process idle (no room live, %.0f s) at base: %.1f%% of a core, %.0f wake-ups/s\n",
+           PEERS_IDLE_S, run->base_cpu_pct, run->base_wakeups_per_s);
+    printf("one idle peer instance costs its kv-idle process %.0f KiB, %.2f threads, %.2f fds\n", run->mgr_rss_kib,
+           run->mgr_threads, run->mgr_fds);
+    printf("%6s %8s %6s %9s %8s %7s %8s %9s %8s %9s %10s %8s %9s %9s\n", "peers", "threads", "fds", "rss KiB",
+           "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "p50 us", "p99 us", "rate/1peer", "idle cpu", "wakeups/s",
+           "peers cpu");
+    double rate1 = run->nsteps ? run->steps[0].rooms_per_s : 0;
+    for (int i = 0; i < run->nsteps; i++) {
+      const peers_step *s = &run->steps[i];
+      if (s->error[0]) {
+        printf("%6d  FAILED (%d connected): %s\n", s->peers, s->connected, s->error);
+        continue;
+      }
+      printf("%6d %8ld %6ld %9ld %8.2f %7.2f %8.1f %9.0f %8.1f %9.1f %10.3f %7.1f%% %9.0f %8.1f%%\n", s->peers,
+             s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
+             per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
+             s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
+             s->idle_wakeups_per_s, s->peers_cpu_pct);
+    }
+    if (!run->census) continue;
+    printf("threads grown (by name) from base to the last step: ");
+    peers_print_growth(&run->thr0, &run->thr1, 0, NULL);
+    printf("descriptors grown (by kind): ");
+    peers_print_growth(&run->fd0, &run->fd1, 0, NULL);
+  }
+}
+
+int cli_bench_peers(const peers_opts *o) {
+  int want[PEERS_STEPS];
+  int nwant = peers_parse(o->peers ? o->peers : o->quick ? "1,8" : "1,8,64,256", want, PEERS_STEPS);
+  if (nwant < 1) {
+    fprintf(stderr, "bench peers: --peers wants ascending counts 1..%d, comma-separated, at most %d\n", PEERS_MAX,
+            PEERS_STEPS);
+    return 2;
+  }
+  const char *saved = getenv("KVFERRY_TRANSPORT");
+  char saved_buf[16] = "";
+  if (saved) snprintf(saved_buf, sizeof saved_buf, "%s", saved);
+  /* What `auto` resolves to: the engine an auto configuration builds. */
+  const char *auto_picks = strstr(kvf_engine_transports(), "ucx") ? "ucx" : "tcp";
+  const char *list[2];
+  int nruns = 0;
+  if (o->transport && strcmp(o->transport, "auto")) list[nruns++] = o->transport;
+  else if (o->transport) list[nruns++] = auto_picks;
+  else {
+    list[nruns++] = "tcp";
+    if (!strcmp(auto_picks, "ucx")) list[nruns++] = "ucx";
+  }
+  peers_run *runs = calloc((size_t)nruns * 2, sizeof *runs);
+  if (!runs) return 1;
+  for (int r = nruns - 1; r >= 0; r--) { /* each transport: the prefill's view, then the decode's */
+    runs[2 * r].transport = runs[2 * r + 1].transport = list[r];
+    runs[2 * r + 1].reverse = 1;
+  }
+  nruns *= 2;
+  int rc = 0;
+  for (int r = 0; r < nruns; r++) {
+    rc |= peers_run_one(&runs[r], want, nwant, o->quick);
+    for (int i = 0; i < runs[r].nsteps; i++) rc |= runs[r].steps[i].error[0] != 0;
+  }
+  if (*saved_buf) setenv("KVFERRY_TRANSPORT", saved_buf, 1);
+  else unsetenv("KVFERRY_TRANSPORT");
+  peers_print(runs, nruns, auto_picks, o->json);
+  free(runs);
+  return rc ? 1 : 0;
+}

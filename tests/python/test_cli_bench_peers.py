@@ -1,0 +1,68 @@
+"""`kvferry bench peers --quick --json` (issue 24): one prefill rank with 1 and
+8 idle decode peers, and one decode rank with 1 and 8 idle prefill peers, on
+every transport this build has. Checks the JSON's
+shape and that every idle peer really connected (its room succeeded), never
+a speed: the per-peer figures and the rates are only required to be there
+and sane (non-negative, finite)."""
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+CLI = os.environ.get("KVFERRY_CLI", "")
+
+pytestmark = pytest.mark.skipif(not CLI or not os.path.exists(CLI), reason="KVFERRY_CLI not set")
+
+CASE_KEYS = {"peers", "connected", "threads", "fds", "rss_kib", "threads_per_peer", "fds_per_peer",
+             "rss_kib_per_peer", "rooms_per_s", "p50_us", "p99_us", "rate_over_1peer", "idle_cpu_pct",
+             "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "idle_peers_cpu_pct", "rooms_per_s_runs", "error"}
+
+
+def run(*args):
+    env = dict(os.environ)
+    env.pop("KVFERRY_TRANSPORT", None)  # the bench picks each transport itself
+    p = subprocess.run([CLI, "bench", "peers", "--quick", "--json", *args], capture_output=True, text=True,
+                       timeout=240, env=env)
+    assert p.returncode == 0, f"stdout={p.stdout[-2000:]!r} stderr={p.stderr[-3000:]!r}"
+    return json.loads(p.stdout)
+
+
+def test_quick_json_shape():
+    out = run()
+    assert out["bench"] == "peers"
+    assert out["auto_picks"] in ("tcp", "ucx")
+    assert set(out["targets"]) == {"threads_per_peer_max", "rss_kib_per_peer_max", "rate_over_1peer_min"}
+    transports = ["tcp", "ucx"] if out["auto_picks"] == "ucx" else ["tcp"]
+    views = ["prefill_with_idle_decodes", "decode_with_idle_prefills"]
+    assert [(r["transport"], r["view"]) for r in out["runs"]] == [(t, v) for t in transports for v in views]
+    for r in out["runs"]:
+        assert r["engine"] == r["transport"]
+        assert r["mode"] in ("tcp", "read", "write or tcp")
+        for k in ("measured_start", "measured_base"):
+            assert r[k]["threads"] > 0 and r[k]["fds"] > 0 and r[k]["rss_kib"] > 0
+        assert r["measured_max_inbound_conns"] >= 256
+        assert r["idle_instance"]["threads"] > 0
+        assert [c["peers"] for c in r["cases"]] == [1, 8]
+        for c in r["cases"]:
+            assert set(c) == CASE_KEYS, c
+            assert c["error"] is None and c["connected"] == c["peers"]
+            assert len(c["rooms_per_s_runs"]) == 1 and c["rooms_per_s_runs"][0] == c["rooms_per_s"]  # --quick
+            for k in CASE_KEYS - {"error", "peers", "connected", "idle_wakeups_per_s_per_peer", "rooms_per_s_runs"}:
+                assert math.isfinite(c[k]) and c[k] >= 0, (k, c)
+            assert math.isfinite(c["idle_wakeups_per_s_per_peer"])  # a difference: may dip below 0
+            assert c["rooms_per_s"] > 0 and c["p50_us"] > 0
+            assert c["threads"] >= r["measured_start"]["threads"]
+        assert r["cases"][0]["rate_over_1peer"] == 1.0
+        assert isinstance(r["thread_growth"], dict) and isinstance(r["fd_growth"], dict)
+
+
+def test_one_transport_and_bad_counts():
+    out = run("--transport", "tcp", "--peers", "2")
+    assert [r["transport"] for r in out["runs"]] == ["tcp", "tcp"]
+    for r in out["runs"]:
+        assert [c["peers"] for c in r["cases"]] == [2] and r["cases"][0]["connected"] == 2
+    p = subprocess.run([CLI, "bench", "peers", "--peers", "8,1"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "ascending" in p.stderr
