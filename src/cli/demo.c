@@ -42,20 +42,6 @@
 #include "kvferry.h"
 #include "pd.h"
 
-typedef struct model {
-  const char *name;
-  int layers, kv_heads, head_dim, dtype_bytes, page_tokens, mla;
-} model;
-
-/* KV shapes from the models' configs (bf16, 16-token pages as a serving
- * engine allocates them). MLA: one "head" of head_dim latent values per
- * token and layer, in one buffer per layer. */
-static const model models[] = {
-    {"llama-3.1-8b", 32, 8, 128, 2, 16, 0},
-    {"qwen3-32b", 64, 8, 128, 2, 16, 0},
-    {"deepseek-v3", 61, 1, 576, 2, 16, 1},
-};
-
 static int cmp_dbl(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -82,7 +68,9 @@ static void usage(FILE *f) {
              "  --reuse-early  the prefill overwrites a source page of one request right after sending\n"
              "             it; with --verify the library fails that request naming the page\n"
              "  --verify   the library's verify mode (XXH3 digests of every page, checked on landing)\n"
-             "Exit status: 0 all verified, 1 a failure or mismatch (the reason is printed), 2 usage.\n");
+             "Exit status: 0 all verified, 1 a failure or mismatch (the reason is printed), 2 usage.\n"
+             "\n");
+  cli_demo_cluster_usage(f);
 }
 
 static void progress(int done, int total, double bytes, double t0) {
@@ -97,6 +85,9 @@ static void progress(int done, int total, double bytes, double t0) {
 }
 
 int cli_demo(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (!strncmp(argv[i], "--cluster", 9) && (!argv[i][9] || argv[i][9] == '='))
+      return cli_demo_cluster(argc, argv);
   const char *model_name = "llama-3.1-8b", *transport = NULL;
   int requests = 32, inflight = 2, prefill_tp = 1, decode_tp = 1, corrupt = 0, is_short = 0, verify = 0,
       reuse_early = 0;
@@ -158,11 +149,9 @@ int cli_demo(int argc, char **argv) {
     if (!set_max) max_tokens = 1024;
     if (!set_pool) pool_gib = 0.25;
   }
-  const model *md = NULL;
-  for (size_t i = 0; i < sizeof models / sizeof models[0]; i++)
-    if (!strcmp(models[i].name, model_name)) md = &models[i];
+  const pd_model *md = pd_model_find(model_name);
   if (!md) {
-    fprintf(stderr, "demo: unknown model '%s' (llama-3.1-8b, qwen3-32b, deepseek-v3)\n", model_name);
+    fprintf(stderr, "demo: unknown model '%s' (%s)\n", model_name, pd_model_names);
     return 2;
   }
   if (md->mla && (prefill_tp < 1 || decode_tp < 1 || prefill_tp > 8 || decode_tp > 8)) {
