@@ -249,7 +249,7 @@ int cli_demo_cluster(int argc, char **argv) {
          npairs, seconds, getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto",
          use_netns ? "" : " (all on 127.0.0.1)");
   if (use_netns)
-    printf("  network namespaces %s-0..%d (10.214.x.y, veth to bridge %s); UCX sees each namespace as another "
+    printf("  network namespaces %.9s0..%d (10.214.x.y, veth to bridge %s); UCX sees each namespace as another "
            "host: no shared memory between instances\n",
            ns->ns[0], P + D - 1, ns->bridge_name);
   printf("  starting the processes (faulting in the pools)...\n");

@@ -6,19 +6,35 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+/* The `ip` program: children are started with execv, which takes a path. */
+static char ip_path[256];
+
+static int find_ip(void) {
+  const char *path = getenv("PATH");
+  char dirs[1024];
+  snprintf(dirs, sizeof dirs, "%s:/usr/sbin:/sbin:/usr/bin:/bin", path ? path : "");
+  for (char *save = NULL, *d = strtok_r(dirs, ":", &save); d; d = strtok_r(NULL, ":", &save)) {
+    snprintf(ip_path, sizeof ip_path, "%s/ip", d);
+    if (*d && access(ip_path, X_OK) == 0) return 0;
+  }
+  *ip_path = 0;
+  return -1;
+}
 
 /* Run `ip ARGS` (built from fmt; only names made here, no shell quoting
  * needed); its output (stderr too) goes into out. The exit status. */
 static int ip(char *out, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int ip(char *out, size_t cap, const char *fmt, ...) {
-  char cmd[512], args[400];
+  char cmd[1024], args[400];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(args, sizeof args, fmt, ap);
   va_end(ap);
-  snprintf(cmd, sizeof cmd, "ip %s 2>&1", args);
+  snprintf(cmd, sizeof cmd, "%s %s 2>&1", ip_path, args);
   if (out && cap) *out = 0;
   FILE *f = popen(cmd, "r");
   if (!f) return -1;
@@ -35,8 +51,8 @@ static int ip(char *out, size_t cap, const char *fmt, ...) {
 }
 
 void cl_netns_prefix(const cl_netns *c, int i, char *pre[5]) {
-  static char ipname[] = "ip", netns[] = "netns", exec[] = "exec";
-  pre[0] = ipname, pre[1] = netns, pre[2] = exec, pre[3] = (char *)c->ns[i], pre[4] = NULL;
+  static char netns[] = "netns", exec[] = "exec";
+  pre[0] = ip_path, pre[1] = netns, pre[2] = exec, pre[3] = (char *)c->ns[i], pre[4] = NULL;
 }
 
 int cl_netns_up(cl_netns *c, int n, char *err, size_t cap) {
@@ -48,6 +64,10 @@ int cl_netns_up(cl_netns *c, int n, char *err, size_t cap) {
   }
   if (geteuid() != 0) {
     snprintf(err, cap, "--netns needs root (network namespaces, veth links and a bridge are made with `ip`)");
+    return 1;
+  }
+  if (find_ip()) {
+    snprintf(err, cap, "--netns needs iproute2 (`ip` not found in $PATH, /usr/sbin or /sbin)");
     return 1;
   }
   c->tag = (unsigned)getpid() & 0xfffffu;
