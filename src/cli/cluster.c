@@ -266,6 +266,7 @@ int cli_demo_cluster(int argc, char **argv) {
                   .mla = md->mla,
                   .unit = unit};
   int np = 0;
+  const double t_start = cli_now_s();
   for (int i = 0; i < P + D; i++) {
     cl_inst *in = &inst[i];
     char *pre[5] = {NULL};
@@ -306,7 +307,7 @@ int cli_demo_cluster(int argc, char **argv) {
       fatal = fatal_buf;
       goto out_stop;
     }
-  printf("  all %d processes up\n", nprocs);
+  printf("  all %d processes up in %.1f s\n", nprocs, cli_now_s() - t_start);
   fflush(stdout);
 
   uint64_t rng = seed * 0x9e3779b97f4a7c15ULL + 1;
