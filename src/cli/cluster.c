@@ -51,11 +51,6 @@ typedef struct cl_inst {
 static volatile sig_atomic_t cl_interrupted;
 static void on_signal(int sig) { cl_interrupted = sig; }
 
-static int cmp_dbl(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 void cli_demo_cluster_usage(FILE *f) {
   fprintf(f, "usage: kvferry demo --cluster PxD [--tp 1] [--seconds 20] [--inflight 2] [--model M]\n"
              "                    [--max-tokens 1024] [--pool-gib G] [--transport tcp|ucx|auto] [--seed S]\n"
@@ -99,29 +94,19 @@ static int parse_cluster(const char *s, int *p, int *d) {
   return sscanf(s, "%d%c%d", p, &x, d) == 3 && (x == 'x' || x == 'X') && *p >= 1 && *d >= 1 ? 0 : -1;
 }
 
-/* A prompt length, log-uniform over 128..max. */
-static size_t draw_tokens(uint64_t *rng, uint64_t max) {
-  double u = (cli_rng_next(rng) >> 11) * (1.0 / 9007199254740992.0);
-  size_t t = (size_t)exp(log(128.0) + u * (log((double)max) - log(128.0)));
-  return t < 128 ? 128 : t > max ? (size_t)max : t;
-}
-
 static const char *kind_name(int k) { return k == 0 ? "bootstrap" : k == 1 ? "prefill" : "decode"; }
 
 int cli_demo_cluster(int argc, char **argv) {
-  const char *model_name = "llama-3.1-8b", *transport = NULL, *cluster = "2x2";
-  int tp = 1, inflight = 2, use_netns = 0, is_short = 0, set_cluster = 0, set_seconds = 0, set_pool = 0;
-  double seconds = 20, pool_gib = 0;
-  unsigned long long seed = 1, max_tokens = 1024;
-  static const struct option opts[] = {{"cluster", required_argument, 0, 'C'},
+  const char *cluster = "2x2";
+  /* pool_gib 0: room for two requests of --max-tokens per instance */
+  pd_demo_opts o = {.model = "llama-3.1-8b", .seed = 1, .max_tokens = 1024};
+  int tp = 1, inflight = 2, use_netns = 0, is_short = 0, set_cluster = 0, set_seconds = 0;
+  double seconds = 20;
+  static const struct option opts[] = {PD_DEMO_LONG_OPTS,
+                                       {"cluster", required_argument, 0, 'C'},
                                        {"tp", required_argument, 0, 'p'},
                                        {"seconds", required_argument, 0, 'd'},
                                        {"inflight", required_argument, 0, 'k'},
-                                       {"model", required_argument, 0, 'm'},
-                                       {"max-tokens", required_argument, 0, 'T'},
-                                       {"pool-gib", required_argument, 0, 'g'},
-                                       {"transport", required_argument, 0, 't'},
-                                       {"seed", required_argument, 0, 'S'},
                                        {"netns", no_argument, 0, 'N'},
                                        {"short", no_argument, 0, 's'},
                                        {"help", no_argument, 0, 'h'},
@@ -129,7 +114,8 @@ int cli_demo_cluster(int argc, char **argv) {
   int c;
   char *end;
   optind = 1;
-  while ((c = getopt_long(argc, argv, "C:p:d:k:m:T:g:t:S:Nsh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, PD_DEMO_SHORT_OPTS "C:p:d:k:Nsh", opts, NULL)) != -1) {
+    if (pd_demo_opt(&o, c, optarg)) continue;
     switch (c) {
       case 'C': cluster = optarg, set_cluster = 1; break;
       case 'p': tp = atoi(optarg); break;
@@ -139,19 +125,6 @@ int cli_demo_cluster(int argc, char **argv) {
         set_seconds = 1;
         break;
       case 'k': inflight = atoi(optarg); break;
-      case 'm': model_name = optarg; break;
-      case 'T':
-        if (cli_parse_size(optarg, &max_tokens)) max_tokens = 0;
-        break;
-      case 'g':
-        pool_gib = strtod(optarg, &end);
-        if (*end || !(pool_gib > 0)) pool_gib = -1;
-        set_pool = 1;
-        break;
-      case 't': transport = optarg; break;
-      case 'S':
-        if (cli_parse_size(optarg, &seed)) seed = 0;
-        break;
       case 'N': use_netns = 1; break;
       case 's': is_short = 1; break;
       case 'h': cli_demo_cluster_usage(stdout); return 0;
@@ -165,33 +138,33 @@ int cli_demo_cluster(int argc, char **argv) {
   if (is_short) { /* explicit options still win */
     if (!set_cluster) cluster = "2x2";
     if (!set_seconds) seconds = 5;
-    if (!set_pool) pool_gib = 0.25;
+    if (!o.set_pool) o.pool_gib = 0.25;
   }
+  unsigned long long seed = o.seed, max_tokens = o.max_tokens;
+  double pool_gib = o.pool_gib;
   int P = 0, D = 0;
   if (parse_cluster(cluster, &P, &D) || P + D > CL_MAX_INSTANCES) {
     fprintf(stderr, "demo: --cluster wants PxD (e.g. 2x2, 8x8), at most %d instances in all\n", CL_MAX_INSTANCES);
     return 2;
   }
-  const pd_model *md = pd_model_find(model_name);
+  const pd_model *md = pd_model_find(o.model);
   if (!md) {
-    fprintf(stderr, "demo: unknown model '%s' (%s)\n", model_name, pd_model_names);
+    fprintf(stderr, "demo: unknown model '%s' (%s)\n", o.model, pd_model_names);
     return 2;
   }
   if (tp < 1 || tp > 8 || (!md->mla && md->kv_heads % tp)) {
     fprintf(stderr, "demo: --tp must be 1..8%s\n", md->mla ? "" : " and divide the 8 KV heads (1, 2, 4 or 8)");
     return 2;
   }
-  if (transport && cli_set_transport("demo", transport)) return 2;
+  if (o.transport && cli_set_transport("demo", o.transport)) return 2;
   if (seconds <= 0 || seconds > 86400 || inflight < 1 || inflight > 64 || max_tokens < 128 ||
       max_tokens > (1u << 20) || pool_gib < 0 || pool_gib > 1024 || !seed) {
     fprintf(stderr, "demo: bad value (need seconds > 0, inflight 1..64, max-tokens 128..1M, pool-gib > 0, "
                     "seed > 0)\n");
     return 2;
   }
-  const uint64_t unit = (uint64_t)md->head_dim * md->dtype_bytes;
-  const uint64_t item = (uint64_t)md->page_tokens * md->kv_heads * unit;
-  const int nbuf = md->mla ? md->layers : 2 * md->layers;
-  const uint64_t page_bytes = item * (uint64_t)nbuf; /* one page of the instance, over its ranks */
+  pd_layout lo;
+  const uint64_t page_bytes = pd_model_layout(md, tp, tp, &lo); /* one page of the instance, over its ranks */
   const uint64_t page_moved = page_bytes * (uint64_t)(md->mla ? tp : 1);
   const uint64_t max_pages = (max_tokens + md->page_tokens - 1) / md->page_tokens;
   if (pool_gib == 0) pool_gib = (double)(2 * max_pages * page_bytes) / (1ull << 30);
@@ -256,15 +229,7 @@ int cli_demo_cluster(int argc, char **argv) {
   fflush(stdout);
 
   /* Bootstrap servers first: the prefill ranks register with them. */
-  pd_layout lo = {.layers = md->layers,
-                  .item = item,
-                  .pages = pool_pages,
-                  .prefill_tp = tp,
-                  .decode_tp = tp,
-                  .page_size = md->page_tokens,
-                  .kv_heads = md->mla ? 0 : md->kv_heads,
-                  .mla = md->mla,
-                  .unit = unit};
+  lo.pages = pool_pages;
   int np = 0;
   const double t_start = cli_now_s();
   for (int i = 0; i < P + D; i++) {
@@ -314,7 +279,7 @@ int cli_demo_cluster(int argc, char **argv) {
   const int64_t room_base = (int64_t)(seed % 1000000) * 1000000 + 1;
   const int tty = isatty(STDERR_FILENO);
   int cursor = 0, loading = 1;
-  size_t next_tokens = draw_tokens(&rng, max_tokens);
+  size_t next_tokens = pd_draw_tokens(&rng, max_tokens);
   double moved = 0, t0 = cli_now_s(), t_end = t0 + seconds, last_done = t0, last_sample = 0, wall = 0;
   while (loading || nlive) {
     if (cl_interrupted) {
@@ -363,7 +328,7 @@ int cli_demo_cluster(int argc, char **argv) {
       pair_reqs[pair]++;
       pair_of[issued] = pair;
       live[nlive++] = issued++;
-      next_tokens = draw_tokens(&rng, max_tokens);
+      next_tokens = pd_draw_tokens(&rng, max_tokens);
     }
     /* Wait for reports from any rank process. */
     int n = 0;
@@ -419,7 +384,7 @@ int cli_demo_cluster(int argc, char **argv) {
   }
   if (tty) fputc('\n', stderr);
   int ok = completed - failures, pmin = completed, pmax = 0;
-  qsort(lat, (size_t)ok, sizeof *lat, cmp_dbl);
+  qsort(lat, (size_t)ok, sizeof *lat, pd_cmp_dbl);
   for (int k = 0; k < npairs; k++) {
     if (pair_reqs[k] < pmin) pmin = pair_reqs[k];
     if (pair_reqs[k] > pmax) pmax = pair_reqs[k];

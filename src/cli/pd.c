@@ -1,6 +1,7 @@
 /* A prefill/decode pair of processes and its requests (see pd.h). */
 #include "pd.h"
 
+#include <math.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -37,6 +38,54 @@ const pd_model *pd_model_find(const char *name) {
   for (size_t i = 0; i < sizeof models / sizeof models[0]; i++)
     if (!strcmp(models[i].name, name)) return &models[i];
   return NULL;
+}
+
+int pd_demo_opt(pd_demo_opts *o, int c, const char *arg) {
+  char *end;
+  switch (c) {
+    case 'm': o->model = arg; return 1;
+    case 't': o->transport = arg; return 1;
+    case 'S':
+      if (cli_parse_size(arg, &o->seed)) o->seed = 0;
+      return 1;
+    case 'T':
+      if (cli_parse_size(arg, &o->max_tokens)) o->max_tokens = 0;
+      o->set_max = 1;
+      return 1;
+    case 'g':
+      o->pool_gib = strtod(arg, &end);
+      if (*end || !(o->pool_gib > 0)) o->pool_gib = -1;
+      o->set_pool = 1;
+      return 1;
+    default: return 0;
+  }
+}
+
+uint64_t pd_model_layout(const pd_model *md, int prefill_tp, int decode_tp, pd_layout *lo) {
+  /* One head of one token; each rank's pages hold its heads, token-major.
+   * MLA: the whole latent of one token, one buffer per layer. */
+  const uint64_t unit = (uint64_t)md->head_dim * md->dtype_bytes;
+  const uint64_t item = (uint64_t)md->page_tokens * md->kv_heads * unit;
+  *lo = (pd_layout){.layers = md->layers,
+                    .item = item,
+                    .prefill_tp = prefill_tp,
+                    .decode_tp = decode_tp,
+                    .page_size = md->page_tokens,
+                    .kv_heads = md->mla ? 0 : md->kv_heads,
+                    .mla = md->mla,
+                    .unit = unit};
+  return item * (uint64_t)(md->mla ? md->layers : 2 * md->layers);
+}
+
+size_t pd_draw_tokens(uint64_t *rng, uint64_t max) {
+  double u = (cli_rng_next(rng) >> 11) * (1.0 / 9007199254740992.0);
+  size_t t = (size_t)exp(log(128.0) + u * (log((double)max) - log(128.0)));
+  return t < 128 ? 128 : t > max ? (size_t)max : t;
+}
+
+int pd_cmp_dbl(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
 }
 
 void pd_argv_init(pd_argv *a, char *const *pre) {

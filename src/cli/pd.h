@@ -69,6 +69,31 @@ typedef struct pd_model {
 const pd_model *pd_model_find(const char *name);
 extern const char pd_model_names[];
 
+/* The options `kvferry demo` and `kvferry demo --cluster` share, with their
+ * getopt codes (PD_DEMO_LONG_OPTS, PD_DEMO_SHORT_OPTS). */
+typedef struct pd_demo_opts {
+  const char *model, *transport;
+  unsigned long long seed, max_tokens; /* 0: a bad value */
+  double pool_gib;                     /* 0: the command's default, -1: a bad value */
+  int set_max, set_pool;               /* given on the command line */
+} pd_demo_opts;
+#define PD_DEMO_LONG_OPTS                                                                  \
+  {"model", required_argument, 0, 'm'}, {"max-tokens", required_argument, 0, 'T'},         \
+      {"pool-gib", required_argument, 0, 'g'}, {"transport", required_argument, 0, 't'}, { \
+    "seed", required_argument, 0, 'S'                                                      \
+  }
+#define PD_DEMO_SHORT_OPTS "m:T:g:t:S:"
+/* Take getopt's code c if it is a shared option: 1, else 0. */
+int pd_demo_opt(pd_demo_opts *o, int c, const char *arg);
+/* The pools' layout for md with these TP sizes (pages left 0); returns the
+ * bytes of one page of an instance, over all its ranks and buffers. */
+uint64_t pd_model_layout(const pd_model *md, int prefill_tp, int decode_tp, pd_layout *lo);
+/* A prompt length, log-uniform over 128..max (chat and RAG traffic spreads
+ * over orders of magnitude). */
+size_t pd_draw_tokens(uint64_t *rng, uint64_t max);
+/* qsort order of doubles. */
+int pd_cmp_dbl(const void *a, const void *b);
+
 /* A command line built piece by piece (the strings live in it). */
 typedef struct pd_argv {
   char *v[64]; /* NULL-terminated */
