@@ -37,6 +37,7 @@ typedef struct cl_proc {
   proc p;
   int up, inst, rank, kind; /* kind: 0 bootstrap, 1 prefill rank, 2 decode rank */
   long thr, fds, rss_kb;    /* at the end of the load */
+  double cpu0, cpu;         /* CPU seconds used at the start and at the end of the load */
   long max_thr, max_fds, max_rss_kb;
 } cl_proc;
 
@@ -69,6 +70,21 @@ void cli_demo_cluster_usage(FILE *f) {
              "  --short    the CI form: 2x2, TP 1, 5 s, 0.25 GiB pools\n");
 }
 
+/* CPU seconds (user + system) a process has used, from /proc/PID/stat; 0 if gone. */
+static double cpu_s(pid_t pid) {
+  char path[64], buf[1024];
+  unsigned long ut = 0, st = 0;
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+  if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2) return 0;
+  return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
 /* Threads and RSS from /proc/PID/status, descriptors from /proc/PID/fd. */
 static void sample(cl_proc *c, int keep) {
   char path[64], line[256];
@@ -83,7 +99,7 @@ static void sample(cl_proc *c, int keep) {
   DIR *d = opendir(path);
   for (struct dirent *e; d && (e = readdir(d));) fds += e->d_name[0] != '.';
   if (d) closedir(d);
-  if (keep) c->thr = thr, c->fds = fds, c->rss_kb = rss;
+  if (keep) c->thr = thr, c->fds = fds, c->rss_kb = rss, c->cpu = cpu_s(c->p.pid);
   if (thr > c->max_thr) c->max_thr = thr;
   if (fds > c->max_fds) c->max_fds = fds;
   if (rss > c->max_rss_kb) c->max_rss_kb = rss;
@@ -280,7 +296,10 @@ int cli_demo_cluster(int argc, char **argv) {
   const int tty = isatty(STDERR_FILENO);
   int cursor = 0, loading = 1;
   size_t next_tokens = pd_draw_tokens(&rng, max_tokens);
+  for (int i = 0; i < nprocs; i++) procs[i].cpu0 = cpu_s(procs[i].p.pid);
+  const double self_cpu0 = cpu_s(getpid());
   double moved = 0, t0 = cli_now_s(), t_end = t0 + seconds, last_done = t0, last_sample = 0, wall = 0;
+  double self_cpu = 0, load_s = seconds;
   while (loading || nlive) {
     if (cl_interrupted) {
       fatal = "interrupted";
@@ -290,6 +309,8 @@ int cli_demo_cluster(int argc, char **argv) {
     if (loading && (now >= t_end || issued == CL_MAX_REQS)) {
       loading = 0;
       for (int i = 0; i < nprocs; i++) sample(&procs[i], 1); /* the end of the load, requests in flight */
+      self_cpu = cpu_s(getpid()) - self_cpu0;
+      load_s = now - t0;
     } else if (now - last_sample >= 1) {
       for (int i = 0; i < nprocs; i++) sample(&procs[i], 0);
       last_sample = now;
@@ -400,18 +421,27 @@ int cli_demo_cluster(int argc, char **argv) {
   printf("  (transfer: from the later of the decode's M2 and the prefill's last send to the decode's Success,\n"
          "   over every rank; %.1f s of load and drain, every page's pattern filled and checked)\n",
          wall);
-  printf("\n  %-9s %4s %4s %8s  %-22s  %-22s\n", "process", "inst", "rank", "pid", "end: threads fds RSS",
-         "max: threads fds RSS");
+  printf("\n  %-28s  %-27s  %s\n", "", "at the end of the load", "most over the run");
+  printf("  %-9s %4s %4s %8s  %5s %7s %5s %7s  %7s %5s %7s\n", "process", "inst", "rank", "pid", "CPU%", "threads",
+         "fds", "RSS", "threads", "fds", "RSS");
   long tot_thr = 0, tot_fds = 0, tot_rss = 0;
+  double tot_cpu = 0;
   for (int i = 0; i < nprocs; i++) {
     cl_proc *q = &procs[i];
     char rank[12] = "-";
     if (q->kind) snprintf(rank, sizeof rank, "%d", q->rank);
-    printf("  %-9s %4d %4s %8d  %7ld %5ld %6.0fM   %7ld %5ld %6.0fM\n", kind_name(q->kind), q->inst, rank,
-           (int)q->p.pid, q->thr, q->fds, q->rss_kb / 1024.0, q->max_thr, q->max_fds, q->max_rss_kb / 1024.0);
-    tot_thr += q->thr, tot_fds += q->fds, tot_rss += q->rss_kb;
+    double pct = q->cpu > q->cpu0 && load_s > 0 ? (q->cpu - q->cpu0) / load_s * 100 : 0;
+    printf("  %-9s %4d %4s %8d  %5.0f %7ld %5ld %6.0fM  %7ld %5ld %6.0fM\n", kind_name(q->kind), q->inst, rank,
+           (int)q->p.pid, pct, q->thr, q->fds, q->rss_kb / 1024.0, q->max_thr, q->max_fds, q->max_rss_kb / 1024.0);
+    tot_thr += q->thr, tot_fds += q->fds, tot_rss += q->rss_kb, tot_cpu += pct;
   }
-  printf("  %-9s %4s %4s %8s  %7ld %5ld %6.0fM\n", "all", "", "", "", tot_thr, tot_fds, tot_rss / 1024.0);
+  printf("  %-9s %4s %4s %8d  %5.0f\n", "demo", "", "", (int)getpid(), load_s > 0 ? self_cpu / load_s * 100 : 0.0);
+  printf("  %-9s %4s %4s %8s  %5.0f %7ld %5ld %6.0fM\n", "all", "", "", "", tot_cpu + self_cpu / load_s * 100,
+         tot_thr, tot_fds, tot_rss / 1024.0);
+  printf("  (CPU%%: over the load, 100 = one core of the %ld here. RSS: the process's own pool and, over UCX\n"
+         "   shared memory, the pages of the peers' pools it has mapped and touched: the sum counts those "
+         "twice)\n",
+         sysconf(_SC_NPROCESSORS_ONLN));
   if (failures)
     printf("demo FAILED: %d of %d requests failed or did not verify; the reasons are above\n", failures,
            completed);
