@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -361,8 +362,14 @@ int cli_demo_cluster(int argc, char **argv) {
       if (!procs[i].kind) continue;
       got += pd_drain(&procs[i].p, procs[i].kind == 2, reqs, (size_t)issued, room_base);
       if ((pf[j].revents & (POLLHUP | POLLERR)) && !(pf[j].revents & POLLIN)) {
-        snprintf(fatal_buf, sizeof fatal_buf, "%s instance %d rank %d (pid %d) died", kind_name(procs[i].kind),
-                 procs[i].inst, procs[i].rank, (int)procs[i].p.pid);
+        int st = proc_stop(&procs[i].p, 2000); /* how it ended */
+        procs[i].up = 0;
+        snprintf(fatal_buf, sizeof fatal_buf, "%s instance %d rank %d (pid %d) died (%s %d)",
+                 kind_name(procs[i].kind), procs[i].inst, procs[i].rank, (int)procs[i].p.pid,
+                 st >= 0 && WIFSIGNALED(st) ? "signal" : "exit status",
+                 st < 0            ? -1
+                 : WIFSIGNALED(st) ? WTERMSIG(st)
+                                   : WEXITSTATUS(st));
         fatal = cl_interrupted ? "interrupted" : fatal_buf; /* ctrl-C reaches the children too */
         goto out_stop;
       }

@@ -77,11 +77,12 @@ typedef struct pd_demo_opts {
   double pool_gib;                     /* 0: the command's default, -1: a bad value */
   int set_max, set_pool;               /* given on the command line */
 } pd_demo_opts;
-#define PD_DEMO_LONG_OPTS                                                                  \
-  {"model", required_argument, 0, 'm'}, {"max-tokens", required_argument, 0, 'T'},         \
-      {"pool-gib", required_argument, 0, 'g'}, {"transport", required_argument, 0, 't'}, { \
-    "seed", required_argument, 0, 'S'                                                      \
-  }
+/* clang-format off */
+#define PD_DEMO_LONG_OPTS                                                                       \
+  {"model", required_argument, 0, 'm'}, {"max-tokens", required_argument, 0, 'T'},              \
+  {"pool-gib", required_argument, 0, 'g'}, {"transport", required_argument, 0, 't'},            \
+  {"seed", required_argument, 0, 'S'}
+/* clang-format on */
 #define PD_DEMO_SHORT_OPTS "m:T:g:t:S:"
 /* Take getopt's code c if it is a shared option: 1, else 0. */
 int pd_demo_opt(pd_demo_opts *o, int c, const char *arg);

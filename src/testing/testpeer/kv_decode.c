@@ -11,9 +11,9 @@
  * and takes commands on stdin:
  *   recv <room> <npages> <seed> <token> [corrupt|corrupt-landed|-] [bootstrap]
  *       creates a receiver on every decode rank against the --bootstrap
- *       server (or the one the line names: one decode instance serving
- *       several prefill instances, `kvferry demo --cluster`), each takes npages scattered pages of its pool and sends its
- *       M2 (kvf_receiver_init); once the room is final on every rank it
+ *       server (or the one the line names: a decode instance serving several
+ *       prefill instances, `kvferry demo --cluster`), each takes npages
+ *       scattered pages of its pool and sends its M2 (kvf_receiver_init); once the room is final on every rank it
  *       checks each rank's token, candidates (token+1, token+2) and every
  *       byte of every page (head-aware: every (token, head) unit) against the
  *       request's pattern. `corrupt` flips one byte of one landed page of the
