@@ -62,7 +62,7 @@ void cli_demo_cluster_usage(FILE *f) {
              "instance is a process; requests (128..--max-tokens tokens, log-uniform) go round-robin\n"
              "over the P x D pairs, at most --inflight in flight per pair; every byte is checked.\n"
              "Ends with a table (GB/s, p50/p99 per-request transfer time, failures) and, per process,\n"
-             "threads, open descriptors and RSS at the end of the load and the most over the run.\n"
+             "CPU share, threads, open descriptors and RSS at the end of the load, the most over the run.\n"
              "  --pool-gib G  KV pool per instance (split over its ranks); default: room for two\n"
              "             requests of --max-tokens\n"
              "  --netns    each instance in its own network namespace (10.214.x.y, veth links to a\n"
