@@ -43,7 +43,7 @@ typedef struct cl_proc {
 } cl_proc;
 
 typedef struct cl_inst {
-  int proc0; /* its rank processes: procs[proc0 .. proc0 + tp - 1] */
+  int proc0; /* its rank processes: procs[proc0 .. proc0 + its side's TP - 1] */
   int boot;  /* prefill: its bootstrap server's process, else -1 */
   char baddr[KVF_ADDR_MAX + 1];
   const char *host;
@@ -54,7 +54,8 @@ static volatile sig_atomic_t cl_interrupted;
 static void on_signal(int sig) { cl_interrupted = sig; }
 
 void cli_demo_cluster_usage(FILE *f) {
-  fprintf(f, "usage: kvferry demo --cluster PxD [--tp 1] [--seconds 20] [--inflight 2] [--model M]\n"
+  fprintf(f, "usage: kvferry demo --cluster PxD [--tp 1 | --prefill-tp N --decode-tp M] [--seconds 20]\n"
+             "                    [--inflight 2] [--model M]\n"
              "                    [--max-tokens 1024] [--pool-gib G] [--transport tcp|ucx|auto] [--seed S]\n"
              "                    [--netns] [--short]\n"
              "P prefill and D decode instances (e.g. 2x2, 4x4, 8x8) under --seconds of sustained load:\n"
@@ -63,6 +64,7 @@ void cli_demo_cluster_usage(FILE *f) {
              "over the P x D pairs, at most --inflight in flight per pair; every byte is checked.\n"
              "Ends with a table (GB/s, p50/p99 per-request transfer time, failures) and, per process,\n"
              "CPU share, threads, open descriptors and RSS at the end of the load, the most over the run.\n"
+             "  --prefill-tp N, --decode-tp M  heterogeneous TP (each divides the 8 KV heads)\n"
              "  --pool-gib G  KV pool per instance (split over its ranks); default: room for two\n"
              "             requests of --max-tokens\n"
              "  --netns    each instance in its own network namespace (10.214.x.y, veth links to a\n"
@@ -117,11 +119,13 @@ int cli_demo_cluster(int argc, char **argv) {
   const char *cluster = "2x2";
   /* pool_gib 0: room for two requests of --max-tokens per instance */
   pd_demo_opts o = {.model = "llama-3.1-8b", .seed = 1, .max_tokens = 1024};
-  int tp = 1, inflight = 2, use_netns = 0, is_short = 0, set_cluster = 0, set_seconds = 0;
+  int tp = 1, ptp = 0, dtp = 0, inflight = 2, use_netns = 0, is_short = 0, set_cluster = 0, set_seconds = 0;
   double seconds = 20;
   static const struct option opts[] = {PD_DEMO_LONG_OPTS,
                                        {"cluster", required_argument, 0, 'C'},
                                        {"tp", required_argument, 0, 'p'},
+                                       {"prefill-tp", required_argument, 0, 'P'},
+                                       {"decode-tp", required_argument, 0, 'D'},
                                        {"seconds", required_argument, 0, 'd'},
                                        {"inflight", required_argument, 0, 'k'},
                                        {"netns", no_argument, 0, 'N'},
@@ -131,11 +135,13 @@ int cli_demo_cluster(int argc, char **argv) {
   int c;
   char *end;
   optind = 1;
-  while ((c = getopt_long(argc, argv, PD_DEMO_SHORT_OPTS "C:p:d:k:Nsh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, PD_DEMO_SHORT_OPTS "C:p:P:D:d:k:Nsh", opts, NULL)) != -1) {
     if (pd_demo_opt(&o, c, optarg)) continue;
     switch (c) {
       case 'C': cluster = optarg, set_cluster = 1; break;
       case 'p': tp = atoi(optarg); break;
+      case 'P': ptp = atoi(optarg); break;
+      case 'D': dtp = atoi(optarg); break;
       case 'd':
         seconds = strtod(optarg, &end);
         if (*end || !(seconds > 0)) seconds = -1;
@@ -169,8 +175,12 @@ int cli_demo_cluster(int argc, char **argv) {
     fprintf(stderr, "demo: unknown model '%s' (%s)\n", o.model, pd_model_names);
     return 2;
   }
-  if (tp < 1 || tp > 8 || (!md->mla && md->kv_heads % tp)) {
-    fprintf(stderr, "demo: --tp must be 1..8%s\n", md->mla ? "" : " and divide the 8 KV heads (1, 2, 4 or 8)");
+  /* --tp for both sides; --prefill-tp / --decode-tp (heterogeneous TP) win. */
+  if (!ptp) ptp = tp;
+  if (!dtp) dtp = tp;
+  if (ptp < 1 || ptp > 8 || dtp < 1 || dtp > 8 || (!md->mla && (md->kv_heads % ptp || md->kv_heads % dtp))) {
+    fprintf(stderr, "demo: --tp, --prefill-tp, --decode-tp must be 1..8%s\n",
+            md->mla ? "" : " and divide the 8 KV heads (1, 2, 4 or 8)");
     return 2;
   }
   if (o.transport && cli_set_transport("demo", o.transport)) return 2;
@@ -181,8 +191,8 @@ int cli_demo_cluster(int argc, char **argv) {
     return 2;
   }
   pd_layout lo;
-  const uint64_t page_bytes = pd_model_layout(md, tp, tp, &lo); /* one page of the instance, over its ranks */
-  const uint64_t page_moved = page_bytes * (uint64_t)(md->mla ? tp : 1);
+  const uint64_t page_bytes = pd_model_layout(md, ptp, dtp, &lo); /* one page of the instance, over its ranks */
+  const uint64_t page_moved = page_bytes * (uint64_t)(md->mla ? dtp : 1);
   const uint64_t max_pages = (max_tokens + md->page_tokens - 1) / md->page_tokens;
   if (pool_gib == 0) pool_gib = (double)(2 * max_pages * page_bytes) / (1ull << 30);
   const uint64_t pool_pages = (uint64_t)(pool_gib * (1ull << 30)) / page_bytes;
@@ -192,7 +202,7 @@ int cli_demo_cluster(int argc, char **argv) {
     return 2;
   }
 
-  const int nprocs = P * (1 + tp) + D * tp, npairs = P * D;
+  const int nprocs = P * (1 + ptp) + D * dtp, npairs = P * D;
   cl_proc *procs = calloc((size_t)nprocs, sizeof *procs);
   cl_inst *inst = calloc((size_t)(P + D), sizeof *inst);
   pd_req *reqs = calloc(CL_MAX_REQS, sizeof *reqs);
@@ -228,11 +238,11 @@ int cli_demo_cluster(int argc, char **argv) {
     }
   }
 
-  printf("kvferry demo --cluster %dx%d: %s, %d-token pages (%.0f KiB of KV per token), TP %d per instance\n", P, D,
-         md->name, md->page_tokens, page_bytes / md->page_tokens / 1024.0, tp);
+  printf("kvferry demo --cluster %dx%d: %s, %d-token pages (%.0f KiB of KV per token), TP %d prefill, %d decode\n",
+         P, D, md->name, md->page_tokens, page_bytes / md->page_tokens / 1024.0, ptp, dtp);
   printf("  %d prefill instances (each a bootstrap server + %d rank process%s), %d decode instances (%d rank "
          "process%s each): %d processes\n",
-         P, tp, tp > 1 ? "es" : "", D, tp, tp > 1 ? "es" : "", nprocs);
+         P, ptp, ptp > 1 ? "es" : "", D, dtp, dtp > 1 ? "es" : "", nprocs);
   printf("  pools: %llu pages (%.2f GiB) per instance; requests 128..%llu tokens; up to %d in flight per pair, "
          "%d pairs; %.0f s of load; transport %s%s\n",
          (unsigned long long)pool_pages, pool_pages * page_bytes / (double)(1ull << 30), max_tokens, inflight,
@@ -267,7 +277,7 @@ int cli_demo_cluster(int argc, char **argv) {
       procs[np++].up = 1;
     }
     in->proc0 = np;
-    for (int r = 0; r < tp; r++, np++) {
+    for (int r = 0; r < (i < P ? ptp : dtp); r++, np++) {
       pd_argv a;
       pd_peer_argv(&a, use_netns ? pre : NULL, &lo, i >= P, i < P ? in->baddr : NULL);
       pd_argv_add(&a, "--rank"), pd_argv_add(&a, "%d", r);
@@ -332,14 +342,14 @@ int cli_demo_cluster(int argc, char **argv) {
                     .token = 1000 + issued % 100000,
                     .seed = seed,
                     .npages = npg,
-                    .prefill_procs = tp,
-                    .decode_procs = tp};
-      for (int k = 0; k < tp; k++)
+                    .prefill_procs = ptp,
+                    .decode_procs = dtp};
+      for (int k = 0; k < dtp; k++)
         if (pd_issue_decode(&procs[din->proc0 + k].p, r, pin->baddr)) {
           fatal = "cannot talk to a decode process";
           goto out_stop;
         }
-      for (int k = 0; k < tp; k++)
+      for (int k = 0; k < ptp; k++)
         if (pd_issue_prefill(&procs[pin->proc0 + k].p, r)) {
           fatal = "cannot talk to a prefill process";
           goto out_stop;
@@ -417,8 +427,9 @@ int cli_demo_cluster(int argc, char **argv) {
     if (pair_reqs[k] < pmin) pmin = pair_reqs[k];
     if (pair_reqs[k] > pmax) pmax = pair_reqs[k];
   }
-  printf("\n  %-36s %d prefill x %d decode, TP %d\n", "instances", P, D, tp);
-  printf("  %-36s %d (%d bootstrap, %d prefill ranks, %d decode ranks)\n", "processes", nprocs, P, P * tp, D * tp);
+  printf("\n  %-36s %d prefill (TP %d) x %d decode (TP %d)\n", "instances", P, ptp, D, dtp);
+  printf("  %-36s %d (%d bootstrap, %d prefill ranks, %d decode ranks)\n", "processes", nprocs, P, P * ptp,
+         D * dtp);
   printf("  %-36s %d (%d..%d per pair)\n", "requests", completed, pmin, pmax);
   printf("  %-36s %.2f\n", "GiB moved and verified", moved / (1ull << 30));
   printf("  %-36s %.2f\n", "GB/s in all", wall > 0 ? moved / wall / 1e9 : 0.0);
