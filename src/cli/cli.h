@@ -4,11 +4,15 @@
 #define KVF_CLI_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 #include "kvferry.h"
 #include "tools/util.h"
 
 int cli_demo(int argc, char **argv);
+/* cluster.c: `kvferry demo --cluster PxD` (issue 24). */
+int cli_demo_cluster(int argc, char **argv);
+void cli_demo_cluster_usage(FILE *f);
 int cli_bench(int argc, char **argv);
 int cli_bootstrap(int argc, char **argv);
 int cli_trace(int argc, char **argv);

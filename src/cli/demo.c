@@ -42,25 +42,6 @@
 #include "kvferry.h"
 #include "pd.h"
 
-typedef struct model {
-  const char *name;
-  int layers, kv_heads, head_dim, dtype_bytes, page_tokens, mla;
-} model;
-
-/* KV shapes from the models' configs (bf16, 16-token pages as a serving
- * engine allocates them). MLA: one "head" of head_dim latent values per
- * token and layer, in one buffer per layer. */
-static const model models[] = {
-    {"llama-3.1-8b", 32, 8, 128, 2, 16, 0},
-    {"qwen3-32b", 64, 8, 128, 2, 16, 0},
-    {"deepseek-v3", 61, 1, 576, 2, 16, 1},
-};
-
-static int cmp_dbl(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 static void usage(FILE *f) {
   fprintf(f, "usage: kvferry demo [--model llama-3.1-8b|qwen3-32b|deepseek-v3] [--requests 32] [--inflight 2]\n"
              "                    [--max-tokens 8192] [--pool-gib G] [--prefill-tp 1] [--decode-tp 1]\n"
@@ -82,7 +63,9 @@ static void usage(FILE *f) {
              "  --reuse-early  the prefill overwrites a source page of one request right after sending\n"
              "             it; with --verify the library fails that request naming the page\n"
              "  --verify   the library's verify mode (XXH3 digests of every page, checked on landing)\n"
-             "Exit status: 0 all verified, 1 a failure or mismatch (the reason is printed), 2 usage.\n");
+             "Exit status: 0 all verified, 1 a failure or mismatch (the reason is printed), 2 usage.\n"
+             "\n");
+  cli_demo_cluster_usage(f);
 }
 
 static void progress(int done, int total, double bytes, double t0) {
@@ -97,21 +80,19 @@ static void progress(int done, int total, double bytes, double t0) {
 }
 
 int cli_demo(int argc, char **argv) {
-  const char *model_name = "llama-3.1-8b", *transport = NULL;
+  for (int i = 1; i < argc; i++)
+    if (!strncmp(argv[i], "--cluster", 9) && (!argv[i][9] || argv[i][9] == '='))
+      return cli_demo_cluster(argc, argv);
+  /* pool_gib 0: room for one request of --max-tokens */
+  pd_demo_opts o = {.model = "llama-3.1-8b", .seed = 1, .max_tokens = 8192};
   int requests = 32, inflight = 2, prefill_tp = 1, decode_tp = 1, corrupt = 0, is_short = 0, verify = 0,
       reuse_early = 0;
-  int set_requests = 0, set_inflight = 0, set_max = 0, set_pool = 0;
-  unsigned long long seed = 1, max_tokens = 8192;
-  double pool_gib = 0; /* 0: room for one request of --max-tokens */
-  static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+  int set_requests = 0, set_inflight = 0;
+  static const struct option opts[] = {PD_DEMO_LONG_OPTS,
                                        {"requests", required_argument, 0, 'n'},
                                        {"inflight", required_argument, 0, 'k'},
-                                       {"max-tokens", required_argument, 0, 'T'},
-                                       {"pool-gib", required_argument, 0, 'g'},
                                        {"prefill-tp", required_argument, 0, 'P'},
                                        {"decode-tp", required_argument, 0, 'D'},
-                                       {"transport", required_argument, 0, 't'},
-                                       {"seed", required_argument, 0, 'S'},
                                        {"corrupt", no_argument, 0, 'c'},
                                        {"verify", no_argument, 0, 'V'},
                                        {"reuse-early", no_argument, 0, 'R'},
@@ -119,27 +100,13 @@ int cli_demo(int argc, char **argv) {
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
-  char *end;
-  while ((c = getopt_long(argc, argv, "m:n:k:T:g:P:D:t:S:csVRh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, PD_DEMO_SHORT_OPTS "n:k:P:D:csVRh", opts, NULL)) != -1) {
+    if (pd_demo_opt(&o, c, optarg)) continue;
     switch (c) {
-      case 'm': model_name = optarg; break;
       case 'n': requests = atoi(optarg), set_requests = 1; break;
       case 'k': inflight = atoi(optarg), set_inflight = 1; break;
-      case 'T':
-        if (cli_parse_size(optarg, &max_tokens)) max_tokens = 0;
-        set_max = 1;
-        break;
-      case 'g':
-        pool_gib = strtod(optarg, &end);
-        if (*end || !(pool_gib > 0)) pool_gib = -1;
-        set_pool = 1;
-        break;
       case 'P': prefill_tp = atoi(optarg); break;
       case 'D': decode_tp = atoi(optarg); break;
-      case 't': transport = optarg; break;
-      case 'S':
-        if (cli_parse_size(optarg, &seed)) seed = 0;
-        break;
       case 'c': corrupt = 1; break;
       case 'V': verify = 1; break;
       case 'R': reuse_early = 1; break;
@@ -155,14 +122,14 @@ int cli_demo(int argc, char **argv) {
   if (is_short) { /* explicit options still win */
     if (!set_requests) requests = 6;
     if (!set_inflight) inflight = 2;
-    if (!set_max) max_tokens = 1024;
-    if (!set_pool) pool_gib = 0.25;
+    if (!o.set_max) o.max_tokens = 1024;
+    if (!o.set_pool) o.pool_gib = 0.25;
   }
-  const model *md = NULL;
-  for (size_t i = 0; i < sizeof models / sizeof models[0]; i++)
-    if (!strcmp(models[i].name, model_name)) md = &models[i];
+  unsigned long long seed = o.seed, max_tokens = o.max_tokens;
+  double pool_gib = o.pool_gib;
+  const pd_model *md = pd_model_find(o.model);
   if (!md) {
-    fprintf(stderr, "demo: unknown model '%s' (llama-3.1-8b, qwen3-32b, deepseek-v3)\n", model_name);
+    fprintf(stderr, "demo: unknown model '%s' (%s)\n", o.model, pd_model_names);
     return 2;
   }
   if (md->mla && (prefill_tp < 1 || decode_tp < 1 || prefill_tp > 8 || decode_tp > 8)) {
@@ -174,7 +141,7 @@ int cli_demo(int argc, char **argv) {
             md->kv_heads, md->name);
     return 2;
   }
-  if (transport && cli_set_transport("demo", transport)) return 2;
+  if (o.transport && cli_set_transport("demo", o.transport)) return 2;
   if (requests < 1 || requests > 100000 || inflight < 1 || inflight > 512 || max_tokens < 128 ||
       max_tokens > (1u << 20) || pool_gib < 0 || pool_gib > 1024 || !seed) {
     fprintf(stderr, "demo: bad value (need requests >= 1, inflight 1..512, max-tokens 128..1M, pool-gib > 0, "
@@ -182,12 +149,9 @@ int cli_demo(int argc, char **argv) {
     return 2;
   }
 
-  /* One head of one token; each rank's pages hold its heads, token-major.
-   * MLA: the whole latent of one token, one buffer per layer. */
-  const uint64_t unit = (uint64_t)md->head_dim * md->dtype_bytes;
-  const uint64_t item = (uint64_t)md->page_tokens * md->kv_heads * unit;
+  pd_layout lo;
+  const uint64_t page_bytes = pd_model_layout(md, prefill_tp, decode_tp, &lo); /* one page across every buffer */
   const int nbuf = md->mla ? md->layers : 2 * md->layers;
-  const uint64_t page_bytes = item * (uint64_t)nbuf; /* one page across every buffer */
   /* Bytes landed per page: the MLA latent goes whole to every decode rank. */
   const uint64_t page_moved = page_bytes * (uint64_t)(md->mla ? decode_tp : 1);
   /* --inflight defaults to 2: on a 2-core machine more requests in flight
@@ -224,11 +188,7 @@ int cli_demo(int argc, char **argv) {
   uint64_t rng = seed * 0x9e3779b97f4a7c15ULL + 1;
   const int64_t room_base = (int64_t)(seed % 1000000) * 1000000 + 1;
   for (int i = 0; i < requests; i++) {
-    double u = (cli_rng_next(&rng) >> 11) * (1.0 / 9007199254740992.0);
-    size_t t = (size_t)exp(log(128.0) + u * (log((double)max_tokens) - log(128.0)));
-    if (t < 128) t = 128;
-    if (t > max_tokens) t = (size_t)max_tokens;
-    tokens[i] = t;
+    size_t t = tokens[i] = pd_draw_tokens(&rng, max_tokens);
     reqs[i] = (pd_req){.room = room_base + i,
                        .token = 1000 + i,
                        .seed = seed,
@@ -268,15 +228,7 @@ int cli_demo(int argc, char **argv) {
   if (verify) printf("  verify mode: every page hashed (XXH3) when sent and checked on landing by the library\n");
   printf("  starting the bootstrap server, the prefill and the decode process (faulting in the pools)...\n");
   fflush(stdout);
-  pd_layout lo = {.layers = md->layers,
-                  .item = item,
-                  .pages = pool_pages,
-                  .prefill_tp = prefill_tp,
-                  .decode_tp = decode_tp,
-                  .page_size = md->page_tokens,
-                  .kv_heads = md->mla ? 0 : md->kv_heads,
-                  .mla = md->mla,
-                  .unit = unit};
+  lo.pages = pool_pages;
   char tpath[64]; /* the room traces of both processes, for the breakdown at the end */
   cli_breakdown_env(tpath, sizeof tpath);
   int started = pd_start_layout(&pp, &lo, err, sizeof err);
@@ -349,8 +301,8 @@ int cli_demo(int argc, char **argv) {
   double wall = cli_now_s() - t0;
   if (tty) fputc('\n', stderr);
   int ok = completed - failures;
-  qsort(lat, (size_t)ok, sizeof *lat, cmp_dbl);
-  qsort(rate, (size_t)ok, sizeof *rate, cmp_dbl);
+  qsort(lat, (size_t)ok, sizeof *lat, pd_cmp_dbl);
+  qsort(rate, (size_t)ok, sizeof *rate, pd_cmp_dbl);
   unsigned long long ntok = 0;
   for (int i = 0; i < requests; i++) ntok += tokens[i];
   printf("\n  %-34s %d\n", "requests", requests);

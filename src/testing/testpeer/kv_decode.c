@@ -9,10 +9,11 @@
  * It prints
  *   ready <engine-session>
  * and takes commands on stdin:
- *   recv <room> <npages> <seed> <token> [corrupt|corrupt-landed]
+ *   recv <room> <npages> <seed> <token> [corrupt|corrupt-landed|-] [bootstrap]
  *       creates a receiver on every decode rank against the --bootstrap
- *       server, each takes npages scattered pages of its pool and sends its
- *       M2 (kvf_receiver_init); once the room is final on every rank it
+ *       server (or the one the line names: a decode instance serving several
+ *       prefill instances, `kvferry demo --cluster`), each takes npages
+ *       scattered pages of its pool and sends its M2 (kvf_receiver_init); once the room is final on every rank it
  *       checks each rank's token, candidates (token+1, token+2) and every
  *       byte of every page (head-aware: every (token, head) unit) against the
  *       request's pattern. `corrupt` flips one byte of one landed page of the
@@ -31,7 +32,8 @@
  * with CLOCK_MONOTONIC times (comparable across processes on one host) of
  * the last rank's init call and of the poll that first saw every rank final
  * (Failed as soon as one rank is). bad-pages counts (rank, page, buffer)
- * triples that differ. It exits on EOF of stdin. */
+ * triples that differ. It exits on EOF of stdin. With --rank r the process
+ * hosts only rank r of the --world ranks (one process per GPU). */
 #include <getopt.h>
 #include <poll.h>
 #include <stdio.h>
@@ -54,12 +56,14 @@ typedef struct dec_rank {
   kvf_manager *m;
   kvpool pool;
   kvf_engine *e; /* shared by the manager; the pool may come from it (cli_rank_engine) */
+  int rank;      /* its rank in the decode instance */
 } dec_rank;
 
 typedef struct dec_req {
   int active, corrupt;
   int64_t room, token;
   uint64_t seed;
+  char baddr[KVF_ADDR_MAX + 1];    /* the prefill's bootstrap server; "" = --bootstrap */
   kvf_receiver *rx[DEC_MAX_RANKS]; /* one per decode rank */
   int64_t *pages[DEC_MAX_RANKS];
   size_t npages;
@@ -130,9 +134,10 @@ static void finish(dec_rank *rk, int nranks, dec_req *r, int st, long long t_fin
         size_t b = pool->nbuf - 1, k = r->npages / 2;
         ((unsigned char *)pool->ptrs[b])[r->pages[d][k] * pool->item_len + pool->item_len / 2] ^= 0x40;
       }
-      if (r->seed) bad += check_pages(pool, d, r->pages[d], r, why + strlen(why), sizeof why - strlen(why));
+      if (r->seed)
+        bad += check_pages(pool, rk[d].rank, r->pages[d], r, why + strlen(why), sizeof why - strlen(why));
       if (!*why && (tok != r->token || nc != 2 || cands[0] != r->token + 1 || cands[1] != r->token + 2))
-        snprintf(why, sizeof why, "metadata-mismatch:rank-%d,token-%lld-want-%lld,candidates-%zu", d,
+        snprintf(why, sizeof why, "metadata-mismatch:rank-%d,token-%lld-want-%lld,candidates-%zu", rk[d].rank,
                  (long long)tok, (long long)r->token, nc);
     }
   } else {
@@ -149,6 +154,8 @@ static void finish(dec_rank *rk, int nranks, dec_req *r, int st, long long t_fin
 /* A receiver on every decode rank for the room, each with its own pages. */
 static void start(dec_rank *rk, int nranks, const char *baddr, dec_req *r, uint64_t *rng) {
   const char *why = NULL;
+  if (*r->baddr) baddr = r->baddr;
+  if (!baddr) why = "no-bootstrap-address";
   for (int d = 0; d < nranks && !why; d++) {
     r->pages[d] = malloc((r->npages ? r->npages : 1) * sizeof *r->pages[d]);
     if (!r->pages[d] || kvpool_take(&rk[d].pool, r->npages, rng, r->pages[d])) {
@@ -176,7 +183,7 @@ static void start(dec_rank *rk, int nranks, const char *baddr, dec_req *r, uint6
 }
 
 int cli_kv_decode(int argc, char **argv) {
-  int layers = 2, world = 1, page_size = 1, heads = 0, mla = 0;
+  int layers = 2, world = 1, page_size = 1, heads = 0, mla = 0, rank = -1;
   unsigned long long item = 4096, pages = 4096, unit = 256;
   const char *host = "127.0.0.1", *baddr = NULL;
   static const struct option opts[] = {{"layers", required_argument, 0, 'l'},
@@ -190,11 +197,12 @@ int cli_kv_decode(int argc, char **argv) {
                                        {"unit", required_argument, 0, 'U'},
                                        {"mla", no_argument, 0, 'M'},
                                        {"mla-legacy", no_argument, 0, 'L'},
+                                       {"rank", required_argument, 0, 'r'},
                                        {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "l:i:p:H:b:w:P:E:U:MLh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "l:i:p:H:b:w:P:E:U:MLr:h", opts, NULL)) != -1) {
     switch (c) {
       case 'l': layers = atoi(optarg); break;
       case 'i':
@@ -213,15 +221,18 @@ int cli_kv_decode(int argc, char **argv) {
         break;
       case 'M': mla = 1; break;
       case 'L': mla = 2; break;
+      case 'r': rank = atoi(optarg); break;
       case CLI_OPT_TRANSPORT:
         if (cli_set_transport("kv-decode", optarg)) return 2;
         break;
       case 'h':
         printf(
-            "usage: kvferry-testpeer kv-decode --bootstrap HOST:PORT [--layers 2] [--item 4096] [--pages 4096]\n"
-            "                         [--host 127.0.0.1] [--world 1] [--transport tcp|ucx|auto]\n"
+            "usage: kvferry-testpeer kv-decode [--bootstrap HOST:PORT] [--layers 2] [--item 4096] [--pages 4096]\n"
+            "                         [--host 127.0.0.1] [--world 1] [--rank R] [--transport tcp|ucx|auto]\n"
             "                         [--heads H --unit 256 --page-size 1] [--mla|--mla-legacy]\n"
+            "  --bootstrap  the prefill's bootstrap server (else each recv line names one)\n"
             "  --world D  D decode ranks in this process (TP D), each a manager with its own pool\n"
+            "  --rank R   only rank R of the D ranks in this process (one process per rank)\n"
             "  --heads H  head-aware pools: rank d holds global KV heads d*H .. d*H+H-1, page-size\n"
             "             tokens a page\n"
             "  --mla      MLA pools: one latent buffer per layer, page-size tokens of --unit bytes a\n"
@@ -232,26 +243,29 @@ int cli_kv_decode(int argc, char **argv) {
       default: return 2;
     }
   }
-  if (!baddr || layers < 1 || !item || !pages || world < 1 || world > DEC_MAX_RANKS || page_size < 1 ||
-      heads < 0 || ((heads || mla) && !unit)) {
-    fprintf(stderr, "kv-decode: --bootstrap HOST:PORT and a non-empty layout are required\n");
+  if (layers < 1 || !item || !pages || world < 1 || world > DEC_MAX_RANKS || page_size < 1 || heads < 0 ||
+      ((heads || mla) && !unit) || rank >= world) {
+    fprintf(stderr, "kv-decode: a non-empty layout (and --rank below --world) is required\n");
     return 2;
   }
+  /* The ranks hosted here: first .. first + nlocal - 1. */
+  const int first = rank >= 0 ? rank : 0, nlocal = rank >= 0 ? 1 : world;
   int rc = 1, nranks = 0;
-  dec_rank *rk = calloc((size_t)world, sizeof *rk);
+  dec_rank *rk = calloc((size_t)nlocal, sizeof *rk);
   dec_req *reqs = calloc(DEC_MAX_REQS, sizeof *reqs);
   if (!reqs || !rk) goto out;
-  for (int d = 0; d < world; d++) {
+  for (int d = 0; d < nlocal; d++) {
     kvpool *pool = &rk[d].pool;
+    rk[d].rank = first + d;
     int use_pool = 0, erc = cli_rank_engine(host, &rk[d].e, &use_pool);
     if (erc) {
-      fprintf(stderr, "kv-decode: decode rank %d: engine: %s\n", d, kvf_strerror(erc));
+      fprintf(stderr, "kv-decode: decode rank %d: engine: %s\n", rk[d].rank, kvf_strerror(erc));
       goto out;
     }
     kvpool_use_engine(use_pool ? rk[d].e : NULL);
     int prc = mla     ? kvpool_init_mla(pool, (size_t)layers, pages, (size_t)page_size, unit)
               : heads ? kvpool_init_heads(pool, (size_t)layers, pages, (size_t)page_size, (size_t)heads,
-                                          (size_t)d * (size_t)heads, unit)
+                                          (size_t)rk[d].rank * (size_t)heads, unit)
                       : kvpool_init(pool, (size_t)layers, pages, item);
     kvpool_use_engine(NULL);
     if (prc) {
@@ -267,14 +281,14 @@ int cli_kv_decode(int argc, char **argv) {
     kvf_manager_config_init(&mc);
     mc.role = KVF_ROLE_DECODE;
     mc.host = host;
-    mc.engine_rank = d;
+    mc.engine_rank = rk[d].rank;
     mc.world_size = world;
     mc.page_size = page_size;
     mc.is_mla = mla == 2;
     mc.engine = rk[d].e;
     int err = kvf_manager_create(&mc, &pool->bufs, &rk[d].m);
     if (err) {
-      fprintf(stderr, "kv-decode: decode rank %d: %s\n", d, kvf_strerror(err));
+      fprintf(stderr, "kv-decode: decode rank %d: %s\n", rk[d].rank, kvf_strerror(err));
       goto out;
     }
   }
@@ -297,14 +311,15 @@ int cli_kv_decode(int argc, char **argv) {
         *nl = 0;
         long long room, np, token;
         unsigned long long seed;
-        char extra[16] = "";
+        char extra[16] = "", via[KVF_ADDR_MAX + 1] = "";
         if (!strcmp(line, "quit")) {
           eof = 1;
         } else if (!strcmp(line, "stats")) {
           kvf_manager *ms[DEC_MAX_RANKS];
           for (int d = 0; d < nranks; d++) ms[d] = rk[d].m;
           cli_print_stats(ms, nranks);
-        } else if (sscanf(line, "recv %lld %lld %llu %lld %15s", &room, &np, &seed, &token, extra) >= 4 &&
+        } else if (sscanf(line, "recv %lld %lld %llu %lld %15s " CLI_ADDR_SCAN, &room, &np, &seed, &token, extra,
+                          via) >= 4 &&
                    np >= 0) {
           dec_req *r = NULL;
           for (int i = 0; i < DEC_MAX_REQS && !r; i++)
@@ -317,6 +332,7 @@ int cli_kv_decode(int argc, char **argv) {
                            .seed = seed,
                            .token = token,
                            .corrupt = !strcmp(extra, "corrupt")};
+            snprintf(r->baddr, sizeof r->baddr, "%s", via);
             if (!strcmp(extra, "corrupt-landed")) testing_corrupt_room(room); /* armed before its M2 goes out */
             start(rk, nranks, baddr, r, &rng);
           }
@@ -363,8 +379,8 @@ out:
         free(reqs[i].pages[d]);
       }
   for (int d = 0; d < nranks; d++) kvf_manager_destroy(rk[d].m);
-  for (int d = 0; rk && d < world; d++) kvpool_free(&rk[d].pool);
-  for (int d = 0; rk && d < world; d++) kvf_engine_destroy(rk[d].e);
+  for (int d = 0; rk && d < nlocal; d++) kvpool_free(&rk[d].pool);
+  for (int d = 0; rk && d < nlocal; d++) kvf_engine_destroy(rk[d].e);
   free(rk);
   free(reqs);
   return rc;

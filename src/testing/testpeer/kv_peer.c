@@ -19,6 +19,8 @@
  * (GQA with fewer KV heads than ranks; MLA: --kv-heads = --heads).
  * With --mla the pools are MLA pools (kvpool_init_mla): one latent buffer per
  * layer, page_size tokens of `unit` bytes a page, the same on every rank.
+ * With --rank r (and --bootstrap) the process hosts only rank r of the
+ * --world ranks, as one process per GPU does (`kvferry demo --cluster`).
  *   layerwise <room> <npages> <layer-us> <per-layer 0|1> <token> [sleep 0|1]
  *       (benchmarks, one TP rank) a request whose prefill "computes" each
  *       KV layer for layer-us of busy work; per-layer 1 sends each layer's
@@ -81,6 +83,7 @@ typedef struct peer_opts {
   const char *bootstrap; /* external bootstrap server; NULL = start one here */
   int bootstrap_port;    /* port of the one started here; 0 = any free port */
   int max_inbound;       /* engines' max_inbound_conns; 0 = the library's default */
+  int rank;              /* the one rank hosted here (needs --bootstrap); -1 = all of them */
 } peer_opts;
 
 /* --reuse-early: the scheduler's bug, the page goes to another request at
@@ -232,7 +235,8 @@ int cli_kv_peer(int argc, char **argv) {
                  .host = "127.0.0.1",
                  .page_size = 1,
                  .unit = 256,
-                 .state_item = 4096};
+                 .state_item = 4096,
+                 .rank = -1};
   static const struct option opts[] = {{"world", required_argument, 0, 'w'},
                                        {"dp", required_argument, 0, 'd'},
                                        {"layers", required_argument, 0, 'l'},
@@ -249,11 +253,12 @@ int cli_kv_peer(int argc, char **argv) {
                                        {"state-item", required_argument, 0, 'T'},
                                        {"mla", no_argument, 0, 'M'},
                                        {"max-inbound-conns", required_argument, 0, 'C'},
+                                       {"rank", required_argument, 0, 'r'},
                                        {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:B:P:E:K:U:S:T:MC:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "w:d:l:i:p:H:b:B:P:E:K:U:S:T:MC:r:h", opts, NULL)) != -1) {
     switch (c) {
       case 'w': o.world = atoi(optarg); break;
       case 'd': o.dp = atoi(optarg); break;
@@ -279,6 +284,7 @@ int cli_kv_peer(int argc, char **argv) {
         break;
       case 'M': o.mla = 1; break;
       case 'C': o.max_inbound = atoi(optarg); break;
+      case 'r': o.rank = atoi(optarg); break;
       case CLI_OPT_TRANSPORT:
         if (cli_set_transport("kv-peer", optarg)) return 2;
         break;
@@ -290,6 +296,7 @@ int cli_kv_peer(int argc, char **argv) {
                "--state-item 4096]\n"
                "                       [--mla --unit 1152 --page-size 16] [--transport tcp|ucx|auto]\n"
                "                       [--max-inbound-conns N (each rank's engine; default the library's)]\n"
+               "                       [--rank R (only rank R of --world, with --bootstrap)]\n"
                "  --mla  MLA pools: one latent buffer per layer, the same on every rank (--heads ignored)\n");
         return 0;
       default: return 2;
@@ -303,6 +310,12 @@ int cli_kv_peer(int argc, char **argv) {
     fprintf(stderr, "kv-peer: bad layout\n");
     return 2;
   }
+  if (o.rank >= 0 && (o.rank >= o.world || o.dp != 1 || !o.bootstrap)) {
+    fprintf(stderr, "kv-peer: --rank needs 0 <= rank < --world, --dp 1 and --bootstrap\n");
+    return 2;
+  }
+  /* The ranks hosted here: first .. first + nlocal - 1 (index r - first). */
+  const int first = o.rank >= 0 ? o.rank : 0, nlocal = o.rank >= 0 ? 1 : o.world;
   int tp = o.world / o.dp, rc = 1;
   int replica = 1;
   if (o.mla) {
@@ -329,9 +342,9 @@ int cli_kv_peer(int argc, char **argv) {
   bc.port = (uint16_t)o.bootstrap_port;
   bc.auth_token = NULL; /* $KVFERRY_BOOTSTRAP_TOKEN, which the prefill ranks below send too */
   kvf_bootstrap_server *srv = NULL;
-  kvf_manager **mgr = calloc((size_t)o.world, sizeof *mgr);
-  kvpool *pools = calloc((size_t)o.world, sizeof *pools);
-  kvf_engine **engines = calloc((size_t)o.world, sizeof *engines);
+  kvf_manager **mgr = calloc((size_t)nlocal, sizeof *mgr);
+  kvpool *pools = calloc((size_t)nlocal, sizeof *pools);
+  kvf_engine **engines = calloc((size_t)nlocal, sizeof *engines);
   peer_req *reqs = calloc(PEER_MAX_REQS, sizeof *reqs);
   if (!mgr || !pools || !engines || !reqs || (!o.bootstrap && kvf_bootstrap_server_create(&bc, &srv))) {
     fprintf(stderr, "kv-peer: cannot start the bootstrap server\n");
@@ -340,7 +353,8 @@ int cli_kv_peer(int argc, char **argv) {
   char baddr[KVF_ADDR_LEN];
   if (o.bootstrap) snprintf(baddr, sizeof baddr, "%s", o.bootstrap);
   else kvf__addr_format(baddr, sizeof baddr, o.host, kvf_bootstrap_server_port(srv));
-  for (int r = 0; r < o.world; r++) {
+  for (int r = 0; r < nlocal; r++) {
+    const int g = first + r; /* its rank in the instance */
     int use_pool = 0, erc;
     if (o.max_inbound > 0) { /* bench peers: more decode peers than the default bound */
       kvf_engine_config ec;
@@ -353,14 +367,14 @@ int cli_kv_peer(int argc, char **argv) {
       erc = cli_rank_engine(o.host, &engines[r], &use_pool);
     }
     if (erc) {
-      fprintf(stderr, "kv-peer: prefill rank %d: engine: %s\n", r, kvf_strerror(erc));
+      fprintf(stderr, "kv-peer: prefill rank %d: engine: %s\n", g, kvf_strerror(erc));
       goto out;
     }
     kvpool_use_engine(use_pool ? engines[r] : NULL);
     if (srv) kvf_bootstrap_server_add_engine(srv, engines[r]); /* its routes in /metrics */
     int prc = o.mla     ? kvpool_init_mla(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size, o.unit)
               : o.heads ? kvpool_init_heads(&pools[r], (size_t)o.layers, o.pages, (size_t)o.page_size,
-                                            (size_t)o.heads, (size_t)((r % tp) / replica * o.heads), o.unit)
+                                            (size_t)o.heads, (size_t)((g % tp) / replica * o.heads), o.unit)
                         : kvpool_init(&pools[r], (size_t)o.layers, o.pages, o.item);
     kvpool_use_engine(NULL);
     if (prc || (o.nstate && kvpool_add_state(&pools[r], (size_t)o.nstate, PEER_STATE_SLOTS, o.state_item)))
@@ -369,7 +383,7 @@ int cli_kv_peer(int argc, char **argv) {
     kvf_manager_config_init(&mc);
     mc.role = KVF_ROLE_PREFILL;
     mc.host = o.host;
-    mc.engine_rank = r;
+    mc.engine_rank = g;
     mc.world_size = o.world;
     mc.dp_size = o.dp;
     mc.bootstrap_addr = baddr;
@@ -377,7 +391,7 @@ int cli_kv_peer(int argc, char **argv) {
     mc.engine = engines[r];
     int err = kvf_manager_create(&mc, &pools[r].bufs, &mgr[r]);
     if (err) {
-      fprintf(stderr, "kv-peer: prefill rank %d: %s\n", r, kvf_strerror(err));
+      fprintf(stderr, "kv-peer: prefill rank %d: %s\n", g, kvf_strerror(err));
       goto out;
     }
     if (srv) kvf_bootstrap_server_add_metrics(srv, manager_metrics, mgr[r]); /* its counters in /metrics */
@@ -402,11 +416,11 @@ int cli_kv_peer(int argc, char **argv) {
         unsigned long long seed;
         int chunk = 0, state = 0, reuse = 0, wait_m2 = 0, per_layer, sleep = 0;
         if (!strcmp(line, "quit")) eof = 1;
-        else if (!strcmp(line, "stats")) cli_print_stats(mgr, o.world);
+        else if (!strcmp(line, "stats")) cli_print_stats(mgr, nlocal);
         else if (!strcmp(line, "wakeups")) printf("wakeups %llu\n", (unsigned long long)kvf_wakeups());
         else if (!strcmp(line, "trace 0") || !strcmp(line, "trace 1")) /* room traces off / on (benchmarks) */
-          for (int r = 0; r < o.world; r++) kvf_manager_trace_enable(mgr[r], line[6] == '1');
-        else if (!strcmp(line, "traces")) print_traces(mgr, o.world);
+          for (int r = 0; r < nlocal; r++) kvf_manager_trace_enable(mgr[r], line[6] == '1');
+        else if (!strcmp(line, "traces")) print_traces(mgr, nlocal);
         else if (sscanf(line, "layerwise %lld %lld %lld %d %lld %d", &room, &npages, &layer_us, &per_layer, &token,
                         &sleep) >= 5 &&
                  npages > 0 && layer_us >= 0 && o.world == 1) {
@@ -430,8 +444,8 @@ int cli_kv_peer(int argc, char **argv) {
           } else {
             r->room = room;
             r->npages = (size_t)npages;
-            r->rank0 = (int)(((room % o.dp) + o.dp) % o.dp) * tp;
-            r->nranks = tp;
+            r->rank0 = o.rank >= 0 ? 0 : (int)(((room % o.dp) + o.dp) % o.dp) * tp;
+            r->nranks = o.rank >= 0 ? 1 : tp;
             r->state_slot = state && o.nstate ? (int64_t)((size_t)(r - reqs) % PEER_STATE_SLOTS) : -1;
             if (start_senders(r, mgr, pools, seed, token, chunk, reuse, wait_m2, &rng))
               finish_req(r, pools, 0, "cannot-start");
@@ -472,9 +486,9 @@ out:
     if (reqs[i].nranks) finish_req(&reqs[i], pools, 0, "shutdown");
   fflush(stdout);
   kvf_bootstrap_server_destroy(srv); /* before the managers and engines it shows */
-  for (int r = 0; mgr && r < o.world; r++) kvf_manager_destroy(mgr[r]);
-  for (int r = 0; pools && r < o.world; r++) kvpool_free(&pools[r]);
-  for (int r = 0; engines && r < o.world; r++) kvf_engine_destroy(engines[r]);
+  for (int r = 0; mgr && r < nlocal; r++) kvf_manager_destroy(mgr[r]);
+  for (int r = 0; pools && r < nlocal; r++) kvpool_free(&pools[r]);
+  for (int r = 0; engines && r < nlocal; r++) kvf_engine_destroy(engines[r]);
   free(engines);
   free(mgr);
   free(pools);
