@@ -41,6 +41,7 @@ typedef struct tcp_inbound {
   tcp_ack acks[TCP_ACK_BATCH];
   int nack;
   unsigned hello_flags; /* tcp_hello.flags, for a UCX rendezvous */
+  atomic_int handed;    /* the socket went to the UCX rendezvous server (ucx.c), which closes it */
   pthread_t thread;
   char peer[KVF_ADDR_LEN]; /* "ip:port", "[ipv6]:port" */
 } tcp_inbound;
@@ -248,8 +249,8 @@ static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
   }
   atomic_store(&in->idle_since_ns, clock_now_ns());
   int expect = IN_HELLO;
-  /* A UCX rendezvous connection stays open for the engine's life (ucx.c
-   * serves it): busy, so never evicted as idle. It is authenticated. */
+  /* A UCX rendezvous connection goes to ucx.c, which lets its slot go:
+   * busy until then, so never evicted as idle. It is authenticated. */
   if (!atomic_compare_exchange_strong(&in->phase, &expect, ucx ? IN_BUSY : IN_IDLE)) return KVF_ECLOSED;
   return ucx ? (rep.status ? KVF_ESTATE : 1) : 0;
 }
@@ -362,7 +363,11 @@ static void *inbound_main(void *arg) {
   region **pins = NULL;
   size_t cap = 0;
   int hs = inbound_handshake(in, e);
-  if (hs == 1) e->ops->serve(e, in->fd, in->peer, in->hello_flags);
+  if (hs == 1 && e->ops->serve(e, in->fd, in->peer, in->hello_flags)) {
+    atomic_store(&in->handed, 1); /* its thread and slot are let go now */
+    atomic_store(&in->finished, 1);
+    return NULL;
+  }
   if (hs) goto out;
   in->stage = malloc(TCP_IN_STAGE_BYTES); /* without it, every read goes to the socket */
   for (;;) {
@@ -462,14 +467,14 @@ void kvf__tcp_inbound_reap(tcp_state *t, int all) {
   tcp_inbound **pp = &t->inbound;
   while (*pp) {
     tcp_inbound *in = *pp;
-    if (all) shutdown(in->fd, SHUT_RDWR);
+    if (all && !atomic_load(&in->handed)) shutdown(in->fd, SHUT_RDWR);
     if (all || atomic_load(&in->finished)) {
       *pp = in->next;
       t->n_inbound--;
       if (atomic_load(&in->phase) == IN_EVICTED) t->n_evicted--;
       pthread_mutex_unlock(&t->in_lock);
       pthread_join(in->thread, NULL);
-      close(in->fd);
+      if (!atomic_load(&in->handed)) close(in->fd);
       free(in);
       pthread_mutex_lock(&t->in_lock);
     } else {

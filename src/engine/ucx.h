@@ -90,6 +90,13 @@
 #define UCX_TICK_MS 50
 #define UCX_IDLE_TICK_MS 200 /* ... and while none is, at least this often */
 #define UCX_MAX_COPIERS 15
+/* Rendezvous connections this engine serves at most (its own bound: they do
+ * not take the TCP transport's max_inbound_conns slots once authenticated). */
+#define UCX_MAX_RENDEZVOUS 4096
+/* Rendezvous workers kept while idle; more are started while connections
+ * have messages to handle, and retire after UCX_CTL_RETIRE_MS idle. */
+#define UCX_CTL_CORE_WORKERS 2
+#define UCX_CTL_RETIRE_MS 2000
 
 /* ucx_info_hdr.flags */
 #define UCX_INFO_READ 0x1u   /* target -> writer: this connection runs in read mode */
@@ -265,14 +272,19 @@ typedef struct ucx_job {
   void *arg;
 } ucx_job;
 
-/* A writer connected to this engine's rendezvous (ucx.c serves it). In
- * read mode this engine reads the writer's chunks itself: the fields from
- * read_mode down belong to the serving thread (ucx_read.c), except
- * `closing`. */
+/* A writer connected to this engine's rendezvous (ucx.c serves it). An
+ * idle connection costs no thread: it waits in the rendezvous event
+ * thread's epoll (one-shot), and once bytes arrive one worker of a pool
+ * takes it, handles the messages that arrived (each whole within
+ * UCX_CTL_TIMEOUT_MS) and hands it back. The worker that holds it is its
+ * "serving thread". In read mode this engine reads the writer's chunks
+ * itself: the fields from read_mode down belong to the serving thread
+ * (ucx_read.c), except `closing`. */
 #define UCX_CTL_RBUF (64u * 1024u)
 
 typedef struct ucx_ctl {
   struct ucx_ctl *next;
+  struct ucx_ctl *qnext; /* on the workers' queue (under ucx_state.pool_mu) */
   int fd;
   pthread_mutex_t send_mu;
   uint64_t acked;       /* generation the writer has applied (under ctl_mu) */
@@ -302,8 +314,8 @@ typedef struct ucx_ctl {
   unsigned nreq;
   struct ucx_load *loads; /* a notice's slices from a mapped pool, copied after the checks */
   size_t loads_cap;
-  /* The serving thread's read-ahead (UCX_CTL_RBUF bytes; rb_off..rb_len
-   * received, not yet taken). */
+  /* The serving thread's read-ahead (UCX_CTL_RBUF bytes, read mode, held
+   * only while bytes wait in it; rb_off..rb_len received, not yet taken). */
   unsigned char *rb;
   size_t rb_off, rb_len;
 } ucx_ctl;
@@ -334,7 +346,20 @@ typedef struct ucx_state {
   pthread_mutex_t ctl_mu;
   pthread_cond_t ctl_cv; /* an ack arrived or a connection ended */
   ucx_ctl *ctls;
+  int nctls;          /* on ctls (at most UCX_MAX_RENDEZVOUS) */
   uint64_t fence_seq; /* fence messages sent (under ctl_mu) */
+  /* The rendezvous event thread (idle connections in ctl_epfd) and its
+   * workers, which take connections from the queue; under pool_mu. */
+  int ctl_epfd, ctl_wake_fd;
+  pthread_t ctl_thread;
+  int ctl_started;
+  pthread_mutex_t pool_mu;
+  pthread_cond_t pool_cv;   /* a connection was queued, or stop */
+  pthread_cond_t pool_done; /* a worker ended */
+  ucx_ctl *cq_head, *cq_tail;
+  struct ucx_ctl_worker *workers; /* running or ended, not joined yet */
+  int nworkers, nidle;
+  atomic_int ctl_stopping;
   /* peers, by session id */
   pthread_mutex_t peers_mu;
   smap peers;
