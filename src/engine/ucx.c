@@ -12,6 +12,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <poll.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -400,8 +401,21 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
   return rc ? rc : KVF_ECLOSED; /* stopping */
 }
 
+static int ctl_turn_cb(void *arg, evpool_item *it) {
+  ucx_ctl *c = (ucx_ctl *)(void *)((char *)it - offsetof(ucx_ctl, item));
+  int rc = ctl_turn(arg, c);
+  if (!rc && c->rb && c->rb_off == c->rb_len) { /* an idle connection holds no read-ahead */
+    free(c->rb);
+    c->rb = NULL;
+    c->rb_off = c->rb_len = 0;
+  }
+  return rc;
+}
+
 /* The connection is over (its worker, or the stop once no worker runs). */
-static void ctl_end(ucx_state *u, ucx_ctl *c) {
+static void ctl_end_cb(void *arg, evpool_item *it) {
+  ucx_state *u = arg;
+  ucx_ctl *c = (ucx_ctl *)(void *)((char *)it - offsetof(ucx_ctl, item));
   pthread_mutex_lock(&u->ctl_mu);
   for (ucx_ctl **pp = &u->ctls; *pp; pp = &(*pp)->next)
     if (*pp == c) {
@@ -412,7 +426,6 @@ static void ctl_end(ucx_state *u, ucx_ctl *c) {
   pthread_cond_broadcast(&u->ctl_cv);
   pthread_mutex_unlock(&u->ctl_mu);
   kvf__ucx_ctl_reader_free(u, c); /* every read of this connection is over */
-  epoll_ctl(u->ctl_epfd, EPOLL_CTL_DEL, c->fd, NULL);
   shutdown(c->fd, SHUT_RDWR);
   close(c->fd);
   free(c->rb);
@@ -420,166 +433,25 @@ static void ctl_end(ucx_state *u, ucx_ctl *c) {
   free(c);
 }
 
-/* Hand the connection back to the event thread until its next bytes.
- * Under pool_mu, so what this worker did to c happens before the next
- * worker that takes it (through the queue) looks at it. */
-static int ctl_rearm(ucx_state *u, ucx_ctl *c) {
-  if (c->rb && c->rb_off == c->rb_len) { /* nothing read ahead: an idle connection holds no buffer */
-    free(c->rb);
-    c->rb = NULL;
-    c->rb_off = c->rb_len = 0;
-  }
-  struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT, .data.ptr = c};
-  pthread_mutex_lock(&u->pool_mu);
-  int rc = epoll_ctl(u->ctl_epfd, EPOLL_CTL_MOD, c->fd, &ev);
-  pthread_mutex_unlock(&u->pool_mu);
-  return rc ? KVF_EIO : 0;
-}
-
-typedef struct ucx_ctl_worker {
-  struct ucx_ctl_worker *next;
-  ucx_state *u;
-  pthread_t thread;
-  int ended; /* under pool_mu */
-} ucx_ctl_worker;
-
-/* A rendezvous worker: takes queued connections; beyond the core, one idle
- * for UCX_CTL_RETIRE_MS ends. */
-static void *ctl_worker_main(void *arg) {
-  ucx_ctl_worker *w = arg;
-  ucx_state *u = w->u;
-  pthread_mutex_lock(&u->pool_mu);
-  for (;;) {
-    ucx_ctl *c = u->cq_head;
-    if (!c) {
-      if (atomic_load(&u->ctl_stopping)) break;
-      u->nidle++;
-      struct timespec ts = clock_ts_from_ns(clock_deadline_ms(UCX_CTL_RETIRE_MS));
-      int to = pthread_cond_timedwait(&u->pool_cv, &u->pool_mu, &ts) == ETIMEDOUT;
-      u->nidle--;
-      if (to && !u->cq_head && u->nworkers > UCX_CTL_CORE_WORKERS) break;
-      continue;
-    }
-    u->cq_head = c->qnext;
-    if (!u->cq_head) u->cq_tail = NULL;
-    pthread_mutex_unlock(&u->pool_mu);
-    if (ctl_turn(u, c) || ctl_rearm(u, c)) ctl_end(u, c);
-    pthread_mutex_lock(&u->pool_mu);
-  }
-  u->nworkers--;
-  w->ended = 1;
-  pthread_cond_broadcast(&u->pool_done);
-  pthread_mutex_unlock(&u->pool_mu);
-  return NULL;
-}
-
-/* Under pool_mu: join the workers that ended. */
-static void ctl_workers_join_locked(ucx_state *u) {
-  for (ucx_ctl_worker **pp = &u->workers; *pp;) {
-    ucx_ctl_worker *w = *pp;
-    if (!w->ended) {
-      pp = &w->next;
-      continue;
-    }
-    *pp = w->next;
-    pthread_join(w->thread, NULL); /* it only returns from here on */
-    free(w);
-  }
-}
-
-/* Under pool_mu: queue a connection whose bytes arrived; start a worker
- * when none is idle (one per connection with work, at most). */
-static void ctl_queue_locked(ucx_state *u, ucx_ctl *c) {
-  c->qnext = NULL;
-  if (u->cq_tail) u->cq_tail->qnext = c;
-  else u->cq_head = c;
-  u->cq_tail = c;
-  int queued = 0;
-  for (ucx_ctl *q = u->cq_head; q; q = q->qnext) queued++;
-  if (u->nidle >= queued) {
-    pthread_cond_signal(&u->pool_cv);
-    return;
-  }
-  ucx_ctl_worker *w = calloc(1, sizeof *w);
-  if (w) {
-    w->u = u;
-    if (pthread_create(&w->thread, NULL, ctl_worker_main, w)) {
-      free(w);
-      w = NULL;
-    }
-  }
-  if (w) {
-    w->next = u->workers;
-    u->workers = w;
-    u->nworkers++;
-  } else {
-    LOG_WARN("ucx", "cannot start a rendezvous worker; the running ones take the connection");
-  }
-  pthread_cond_signal(&u->pool_cv);
-}
-
-/* The rendezvous event thread: idle connections wait here (one-shot); a
- * connection with bytes goes to a worker. Never reads a socket itself. */
-static void *ctl_main(void *arg) {
-  ucx_state *u = arg;
-  struct epoll_event ev[64];
-  while (!atomic_load(&u->ctl_stopping)) {
-    int n = epoll_wait(u->ctl_epfd, ev, 64, UCX_CTL_RETIRE_MS);
-    pthread_mutex_lock(&u->pool_mu);
-    for (int i = 0; i < n; i++) {
-      if (ev[i].data.ptr == u) {
-        uint64_t v;
-        ssize_t r = read(u->ctl_wake_fd, &v, sizeof v);
-        (void)r;
-      } else if (!atomic_load(&u->ctl_stopping)) {
-        ctl_queue_locked(u, ev[i].data.ptr);
-      }
-    }
-    ctl_workers_join_locked(u);
-    pthread_mutex_unlock(&u->pool_mu);
-  }
-  return NULL;
-}
-
-static int ctl_start(ucx_state *u) {
-  u->ctl_epfd = epoll_create1(EPOLL_CLOEXEC);
-  u->ctl_wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  struct epoll_event wev = {.events = EPOLLIN, .data.ptr = u};
-  if (u->ctl_epfd < 0 || u->ctl_wake_fd < 0 || epoll_ctl(u->ctl_epfd, EPOLL_CTL_ADD, u->ctl_wake_fd, &wev)) {
-    LOG_ERROR("ucx", "rendezvous epoll setup: %s", strerror(errno));
-    return KVF_EIO;
-  }
-  if (pthread_create(&u->ctl_thread, NULL, ctl_main, u)) return KVF_ENOMEM;
-  u->ctl_started = 1;
-  return 0;
-}
+static const evpool_ops ctl_pool_ops = {.turn = ctl_turn_cb, .end = ctl_end_cb};
 
 /* After the listener stopped (no new connection comes): cut every
- * connection, let the workers finish theirs, then end the idle ones. */
+ * connection, let the workers finish theirs, then end the parked ones. */
 static void ctl_stop(ucx_state *u) {
-  if (!u->ctl_started) return;
-  atomic_store(&u->ctl_stopping, 1);
-  uint64_t one = 1;
-  ssize_t wr = write(u->ctl_wake_fd, &one, sizeof one);
-  (void)wr;
-  pthread_join(u->ctl_thread, NULL);
+  if (!u->ctl_pool) return;
   pthread_mutex_lock(&u->ctl_mu);
+  u->ctl_stopping = 1;
   for (ucx_ctl *c = u->ctls; c; c = c->next) ctl_cut(c);
   pthread_mutex_unlock(&u->ctl_mu);
-  pthread_mutex_lock(&u->pool_mu);
-  pthread_cond_broadcast(&u->pool_cv);
-  while (u->nworkers) pthread_cond_wait(&u->pool_done, &u->pool_mu);
-  ctl_workers_join_locked(u);
-  u->cq_head = u->cq_tail = NULL; /* left only when no worker could start: still on ctls */
-  pthread_mutex_unlock(&u->pool_mu);
-  for (;;) { /* the idle ones, and any that no worker took */
+  kvf__evpool_stop(u->ctl_pool);
+  u->ctl_pool = NULL;
+  for (;;) {
     pthread_mutex_lock(&u->ctl_mu);
     ucx_ctl *c = u->ctls;
     pthread_mutex_unlock(&u->ctl_mu);
     if (!c) break;
-    ctl_end(u, c);
+    ctl_end_cb(u, &c->item);
   }
-  u->ctl_started = 0;
 }
 
 /* On the TCP inbound thread of a rendezvous connection, after the token
@@ -595,25 +467,22 @@ static int ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fla
   c->read_mode = e->ucx_read && (hello_flags & TCP_HELLO_CAN_READ);
   pthread_mutex_init(&c->send_mu, NULL);
   /* The writer applies the first info before it writes: it counts as acked. */
+  c->item.fd = fd;
   int read_mode = c->read_mode;
   pthread_mutex_lock(&u->ctl_mu);
-  int full = u->nctls >= UCX_MAX_RENDEZVOUS || atomic_load(&u->ctl_stopping);
-  int rc = full ? KVF_EBUSY : ctl_send_info(u, c, &c->acked);
+  int full = u->nctls >= UCX_MAX_RENDEZVOUS && !u->ctl_stopping;
+  int rc = full || u->ctl_stopping ? KVF_EBUSY : ctl_send_info(u, c, &c->acked);
   if (!rc) {
     c->fence_acked = u->fence_seq; /* its snapshot shows every fence closed so far */
-    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT, .data.ptr = c};
-    /* Listed first: a worker may take it at once (through pool_mu, after
-     * everything set here). */
+    /* Listed first: a worker may take it at once (the pool hands it over
+     * under its lock, after everything set here). */
     c->next = u->ctls;
     u->ctls = c;
     u->nctls++;
-    pthread_mutex_lock(&u->pool_mu);
-    if (epoll_ctl(u->ctl_epfd, EPOLL_CTL_ADD, fd, &ev)) {
+    if ((rc = kvf__evpool_add(u->ctl_pool, &c->item))) {
       u->ctls = c->next;
       u->nctls--;
-      rc = KVF_EIO;
     }
-    pthread_mutex_unlock(&u->pool_mu);
   }
   pthread_mutex_unlock(&u->ctl_mu);
   if (rc) {
@@ -852,8 +721,6 @@ static void ucx_teardown(ucx_state *u) {
   if (u->ctx) ucp_cleanup(u->ctx);
   if (u->epfd >= 0) close(u->epfd);
   if (u->wake_fd >= 0) close(u->wake_fd);
-  if (u->ctl_epfd >= 0) close(u->ctl_epfd);
-  if (u->ctl_wake_fd >= 0) close(u->ctl_wake_fd);
   free(u->regs);
   kvf__smap_free(&u->peers);
   pthread_mutex_destroy(&u->wmu);
@@ -863,9 +730,6 @@ static void ucx_teardown(ucx_state *u) {
   pthread_mutex_destroy(&u->peers_mu);
   pthread_mutex_destroy(&u->q_mu);
   pthread_cond_destroy(&u->q_cv);
-  pthread_mutex_destroy(&u->pool_mu);
-  pthread_cond_destroy(&u->pool_cv);
-  pthread_cond_destroy(&u->pool_done);
   free(u);
 }
 
@@ -916,7 +780,7 @@ static int ucx_start(kvf_engine *e) {
   ucx_state *u = calloc(1, sizeof *u);
   if (!u) return KVF_ENOMEM;
   u->e = e;
-  u->epfd = u->wake_fd = u->ctl_epfd = u->ctl_wake_fd = -1;
+  u->epfd = u->wake_fd = -1;
   pthread_mutex_init(&u->wmu, NULL);
   pthread_mutex_init(&u->reg_mu, NULL);
   pthread_mutex_init(&u->ctl_mu, NULL);
@@ -924,12 +788,11 @@ static int ucx_start(kvf_engine *e) {
   pthread_mutex_init(&u->peers_mu, NULL);
   pthread_mutex_init(&u->q_mu, NULL);
   pthread_cond_init(&u->q_cv, NULL);
-  pthread_mutex_init(&u->pool_mu, NULL);
-  clock_cond_init(&u->pool_cv);
-  pthread_cond_init(&u->pool_done, NULL);
   int rc = smap_init(&u->peers);
   if (!rc) rc = ucx_init(u);
-  if (!rc) rc = ctl_start(u);
+  if (!rc)
+    rc = kvf__evpool_start(&ctl_pool_ops, u, UCX_CTL_CORE_WORKERS, UCX_CTL_RETIRE_MS, UCX_CTL_RETIRE_MS,
+                           &u->ctl_pool);
   if (rc) goto err;
   host_identity(u->host_id, sizeof u->host_id);
   u->rdma = has_rdma_device();

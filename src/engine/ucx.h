@@ -28,6 +28,7 @@
 #include <ucp/api/ucp.h>
 
 #include "engine/engine_internal.h"
+#include "engine/evpool.h"
 
 #define UCX_INFO_MAGIC 0x4b564649u
 #define UCX_REQ_MAGIC 0x4b564652u
@@ -273,18 +274,17 @@ typedef struct ucx_job {
 } ucx_job;
 
 /* A writer connected to this engine's rendezvous (ucx.c serves it). An
- * idle connection costs no thread: it waits in the rendezvous event
- * thread's epoll (one-shot), and once bytes arrive one worker of a pool
- * takes it, handles the messages that arrived (each whole within
- * UCX_CTL_TIMEOUT_MS) and hands it back. The worker that holds it is its
- * "serving thread". In read mode this engine reads the writer's chunks
+ * idle connection costs no thread: it waits in an evpool (evpool.h), and
+ * once bytes arrive one of the pool's workers takes it, handles the
+ * messages that arrived (each whole within UCX_CTL_TIMEOUT_MS) and parks it
+ * again. The worker that holds it is its "serving thread". In read mode this engine reads the writer's chunks
  * itself: the fields from read_mode down belong to the serving thread
  * (ucx_read.c), except `closing`. */
 #define UCX_CTL_RBUF (64u * 1024u)
 
 typedef struct ucx_ctl {
   struct ucx_ctl *next;
-  struct ucx_ctl *qnext; /* on the workers' queue (under ucx_state.pool_mu) */
+  evpool_item item; /* its socket (fd below) in the rendezvous pool */
   int fd;
   pthread_mutex_t send_mu;
   uint64_t acked;       /* generation the writer has applied (under ctl_mu) */
@@ -348,18 +348,8 @@ typedef struct ucx_state {
   ucx_ctl *ctls;
   int nctls;          /* on ctls (at most UCX_MAX_RENDEZVOUS) */
   uint64_t fence_seq; /* fence messages sent (under ctl_mu) */
-  /* The rendezvous event thread (idle connections in ctl_epfd) and its
-   * workers, which take connections from the queue; under pool_mu. */
-  int ctl_epfd, ctl_wake_fd;
-  pthread_t ctl_thread;
-  int ctl_started;
-  pthread_mutex_t pool_mu;
-  pthread_cond_t pool_cv;   /* a connection was queued, or stop */
-  pthread_cond_t pool_done; /* a worker ended */
-  ucx_ctl *cq_head, *cq_tail;
-  struct ucx_ctl_worker *workers; /* running or ended, not joined yet */
-  int nworkers, nidle;
-  atomic_int ctl_stopping;
+  evpool *ctl_pool;   /* serves the connections on ctls (evpool.h) */
+  int ctl_stopping;   /* under ctl_mu: no connection is added any more */
   /* peers, by session id */
   pthread_mutex_t peers_mu;
   smap peers;
