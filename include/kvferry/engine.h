@@ -42,7 +42,7 @@ typedef struct kvf_engine_config {
   const char *auth_token; /* shared secret peers must present; NULL = $KVFERRY_AUTH_TOKEN, "" = none */
   int timeout_ms;         /* batch deadline; default 30000, env KVFERRY_TIMEOUT_MS */
   int conns_per_peer;     /* parallel TCP connections per remote session; default 2, env KVFERRY_CONNS_PER_PEER */
-  int max_inbound_conns;  /* bound on accepted connections; default 256 */
+  int max_inbound_conns;  /* bound on accepted TCP connections; default 256 (UCX rendezvous: README) */
   /* UCX between two kvferry engines: "read" (default) = the target reads
    * each chunk the writer announces (decode-initiated reads: fencing, bounds
    * and completion stay with the side whose memory receives the bytes);

@@ -158,13 +158,15 @@ typedef struct transport_ops {
    * through kvf__batch_chunk_done. On error nothing was queued. */
   int (*submit)(struct kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
   /* Optional hooks (NULL in tcp). reg/dereg follow a region into and out of
-   * the table; serve answers a TCP_UCX_HELLO_MAGIC connection on the
-   * listener after its token was accepted (it owns the connection until it
-   * returns); describe writes which transport `session` uses and why;
+   * the table; serve takes a TCP_UCX_HELLO_MAGIC connection on the
+   * listener after its token was accepted: 1 when it keeps the socket (it
+   * closes it later; the listener's thread and slot are let go), 0 when it
+   * refused it (the listener closes it); describe writes which transport
+   * `session` uses and why;
    * alloc_pool/free_pool place a pool in memory peers can map. */
   int (*reg)(struct kvf_engine *e, void *addr, size_t len);
   void (*dereg)(struct kvf_engine *e, void *addr);
-  void (*serve)(struct kvf_engine *e, int fd, const char *peer, unsigned hello_flags);
+  int (*serve)(struct kvf_engine *e, int fd, const char *peer, unsigned hello_flags);
   int (*describe)(struct kvf_engine *e, const char *session, char *out, size_t cap);
   /* Optional: kvf__engine_peer_path (without it: "tcp", "tcp"). */
   int (*path)(struct kvf_engine *e, const char *session, const char **transport, const char **mode);

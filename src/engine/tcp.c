@@ -157,13 +157,18 @@ static int tcp_start(kvf_engine *e) {
   if (rc) goto err_map;
   pthread_mutex_init(&t->in_lock, NULL);
   pthread_mutex_init(&t->sess_lock, NULL);
+  rc = kvf__evpool_start(&kvf__tcp_inbound_ops, t, TCP_IN_CORE_WORKERS, TCP_IN_RETIRE_MS, TCP_READER_TICK_MS,
+                         &t->in_pool);
+  if (rc) goto err_listen;
   if (pthread_create(&t->accept_thread, NULL, kvf__tcp_accept_main, t)) {
     rc = KVF_ENOMEM;
-    goto err_listen;
+    goto err_pool;
   }
   e->transport = t;
   return 0;
 
+err_pool:
+  kvf__evpool_stop(t->in_pool);
 err_listen:
   close(t->listen_fd);
   pthread_mutex_destroy(&t->in_lock);
@@ -182,6 +187,9 @@ static void tcp_stop(kvf_engine *e) {
   shutdown(t->listen_fd, SHUT_RDWR);
   pthread_join(t->accept_thread, NULL);
   close(t->listen_fd);
+  /* Held connections end at once, then the parked ones are freed. */
+  kvf__tcp_inbound_cut_all(t);
+  kvf__evpool_stop(t->in_pool);
   kvf__tcp_inbound_reap(t, 1);
   map_iter it;
   kvf__map_iter_init(&it);

@@ -1,4 +1,6 @@
-/* The TCP transport's target side: an accept thread and one thread per inbound connection. A
+/* The TCP transport's target side: an accept thread, and inbound
+ * connections parked in an evpool (evpool.h) while idle: a worker of the
+ * pool takes one only while its hello or chunks arrive. A
  * chunk's framing is checked (tcp_frame.c) and its destination regions are
  * pinned before any payload byte is read; the payload is then received
  * directly into its destination (no staging copy) without the regions lock,
@@ -15,12 +17,13 @@
 #include "engine/tcp_int.h"
 
 /* Where an inbound connection stands, for eviction when every slot is taken.
- * The connection's thread moves HELLO → IDLE → BUSY → IDLE ...; the accept
+ * The worker holding the connection moves HELLO → IDLE → BUSY → IDLE ...; the accept
  * thread may move HELLO or IDLE to EVICTED (and shut the socket down), never
  * BUSY, so a chunk in progress is never cut to make room. */
 enum { IN_HELLO, IN_IDLE, IN_BUSY, IN_EVICTED };
 
 typedef struct tcp_inbound {
+  evpool_item item; /* its socket (fd below) in the transport's pool */
   struct tcp_inbound *next;
   tcp_state *t;
   int fd;
@@ -35,13 +38,18 @@ typedef struct tcp_inbound {
    * stage are received but not yet taken. This connection's thread only. */
   unsigned char *stage;
   size_t st_off, st_len;
+  /* A chunk's descriptors and the regions they pin (cap of each); held
+   * while the connection has chunks to read, freed when it parks. */
+  tcp_desc *descs;
+  region **pins;
+  size_t cap;
   /* Acknowledgements not yet sent: they go out together before this thread
    * next reads from the socket, so chunks found whole in the stage are
    * answered by one send. */
   tcp_ack acks[TCP_ACK_BATCH];
   int nack;
-  unsigned hello_flags; /* tcp_hello.flags, for a UCX rendezvous */
-  pthread_t thread;
+  unsigned hello_flags;    /* tcp_hello.flags, for a UCX rendezvous */
+  atomic_int handed;       /* the socket went to the UCX rendezvous server (ucx.c), which closes it */
   char peer[KVF_ADDR_LEN]; /* "ip:port", "[ipv6]:port" */
 } tcp_inbound;
 
@@ -227,6 +235,8 @@ static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
     }
     rc = in_recv(in, token, h.token_len, &deadline, 0);
   }
+  /* Closed at the deadline: the pool's tick shut it down (inbound_tick). */
+  if (rc == KVF_ECLOSED && clock_now_ns() > deadline) rc = KVF_ETIMEDOUT;
   if (rc) {
     if (rc == KVF_ETIMEDOUT) in_timed_out(in, e, "no complete hello within the hello deadline; dropped");
     return rc;
@@ -248,8 +258,8 @@ static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
   }
   atomic_store(&in->idle_since_ns, clock_now_ns());
   int expect = IN_HELLO;
-  /* A UCX rendezvous connection stays open for the engine's life (ucx.c
-   * serves it): busy, so never evicted as idle. It is authenticated. */
+  /* A UCX rendezvous connection goes to ucx.c, which lets its slot go:
+   * busy until then, so never evicted as idle. It is authenticated. */
   if (!atomic_compare_exchange_strong(&in->phase, &expect, ucx ? IN_BUSY : IN_IDLE)) return KVF_ECLOSED;
   return ucx ? (rep.status ? KVF_ESTATE : 1) : 0;
 }
@@ -355,24 +365,57 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
   return 0;
 }
 
-static void *inbound_main(void *arg) {
-  tcp_inbound *in = arg;
-  kvf_engine *e = in->t->e;
-  tcp_desc *descs = NULL;
-  region **pins = NULL;
-  size_t cap = 0;
-  int hs = inbound_handshake(in, e);
-  if (hs == 1) e->ops->serve(e, in->fd, in->peer, in->hello_flags);
-  if (hs) goto out;
-  in->stage = malloc(TCP_IN_STAGE_BYTES); /* without it, every read goes to the socket */
+static void inbound_park_free(tcp_inbound *in) {
+  free(in->descs);
+  free(in->pins);
+  free(in->stage);
+  in->descs = NULL;
+  in->pins = NULL;
+  in->stage = NULL;
+  in->cap = 0;
+  in->st_off = in->st_len = 0;
+}
+
+/* A worker holds the connection (bytes arrived, or it was shut down): the
+ * hello, then every chunk that has arrived, each within its deadline. 0
+ * parks it again (nothing more to read now), anything else ends it. */
+static int inbound_turn(void *arg, evpool_item *it) {
+  tcp_state *t = arg;
+  tcp_inbound *in = (tcp_inbound *)(void *)((char *)it - offsetof(tcp_inbound, item));
+  kvf_engine *e = t->e;
+  int ph = atomic_load(&in->phase);
+  if (ph == IN_EVICTED) return KVF_ECLOSED;
+  if (ph == IN_HELLO) {
+    int hs = inbound_handshake(in, e);
+    if (hs == 1 && e->ops->serve(e, in->fd, in->peer, in->hello_flags)) {
+      atomic_store(&in->handed, 1); /* the socket is the rendezvous server's; this slot is let go */
+      return 1;
+    }
+    if (hs) return hs;
+  }
+  /* Without a stage, every read goes to the socket. */
+  if (!in->stage) in->stage = malloc(TCP_IN_STAGE_BYTES);
   for (;;) {
-    /* Idle between chunks is fine (a tick with nothing read); from its first
-     * byte a chunk (header, descriptors, payload) has the engine timeout in
-     * all, however its bytes trickle in. */
+    if (atomic_load(&t->stopping)) return KVF_ECLOSED;
+    if (in->st_off == in->st_len) {
+      /* Nothing staged: answer what landed, and park unless bytes wait. */
+      if (acks_flush(in)) return KVF_ECLOSED;
+      char b;
+      ssize_t r = recv(in->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (r == 0) return KVF_ECLOSED;
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return KVF_ECLOSED;
+        inbound_park_free(in);
+        return 0;
+      }
+    }
+    /* From its first byte a chunk (header, descriptors, payload) has the
+     * engine timeout in all, however its bytes trickle in. */
     tcp_chunk_hdr h;
     int64_t deadline = 0;
     int rc = in_recv(in, &h, sizeof h, &deadline, e->cfg.timeout_ms);
-    if (atomic_load(&in->t->stopping)) break;
+    if (atomic_load(&t->stopping)) return KVF_ECLOSED;
     if (rc == 1) continue;
     int expect = IN_IDLE;
     if (rc || !atomic_compare_exchange_strong(&in->phase, &expect, IN_BUSY)) goto out_err;
@@ -384,39 +427,58 @@ static void *inbound_main(void *arg) {
     int v = kvf__tcp_frame_chunk_hdr(&h);
     if (v) {
       in_frame_error(in, e, v);
-      break;
+      return KVF_EPROTO;
     }
     tcp_chunk_tag tag = {0, 0};
     if (h.magic == TCP_CHUNK_TAGGED_MAGIC && (rc = in_recv(in, &tag, sizeof tag, &deadline, 0))) goto out_err;
-    if (in_grow(&descs, &pins, &cap, h.ndesc)) break;
+    if (in_grow(&in->descs, &in->pins, &in->cap, h.ndesc)) return KVF_ENOMEM;
     int status = 0, trailer_read = 0;
-    rc = inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, has_trailer, descs, pins,
-                       &deadline, &status, &trailer_read);
+    rc = inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, has_trailer, in->descs,
+                       in->pins, &deadline, &status, &trailer_read);
     if (!rc && has_trailer && !trailer_read) rc = inbound_trailer(in, e, 0, &deadline); /* read, not delivered */
     if (rc) goto out_err;
     in->acks[in->nack++] = (tcp_ack){h.seq, status, TCP_ACK_MAGIC};
     /* Held back only while more staged chunks follow (one send answers
      * them all); otherwise answered before the connection counts as idle,
      * where it may be evicted. */
-    if ((in->nack == TCP_ACK_BATCH || in->st_off == in->st_len) && acks_flush(in)) break;
+    if ((in->nack == TCP_ACK_BATCH || in->st_off == in->st_len) && acks_flush(in)) return KVF_ECLOSED;
     atomic_fetch_add(&in->chunks, 1);
     atomic_store(&in->idle_since_ns, clock_now_ns());
     atomic_store(&in->phase, IN_IDLE);
     continue;
 out_err:
     if (rc == KVF_ETIMEDOUT) in_timed_out(in, e, "chunk not complete within the engine timeout; dropped");
-    break;
+    return rc ? rc : KVF_ECLOSED;
   }
-out:
-  acks_flush(in); /* chunks that landed before an error are still answered */
-  free(descs);
-  free(pins);
-  free(in->stage);
-  in->stage = NULL;
-  shutdown(in->fd, SHUT_RDWR);
-  atomic_store(&in->finished, 1);
-  return NULL;
 }
+
+/* The pool is done with the connection: the reaper frees it. */
+static void inbound_end(void *arg, evpool_item *it) {
+  tcp_inbound *in = (tcp_inbound *)(void *)((char *)it - offsetof(tcp_inbound, item));
+  (void)arg;
+  if (!atomic_load(&in->handed)) {
+    acks_flush(in); /* chunks that landed before an error are still answered */
+    shutdown(in->fd, SHUT_RDWR);
+  }
+  inbound_park_free(in);
+  atomic_store(&in->finished, 1);
+}
+
+/* The event thread, every tick: a connection still in its hello past the
+ * hello deadline is shut down, which hands it to a worker that reports it
+ * (a silent one never wakes by itself). */
+static void inbound_tick(void *arg) {
+  tcp_state *t = arg;
+  int64_t now = clock_now_ns();
+  pthread_mutex_lock(&t->in_lock);
+  for (tcp_inbound *in = t->inbound; in; in = in->next)
+    if (atomic_load(&in->phase) == IN_HELLO && !atomic_load(&in->finished) &&
+        now > in->accepted_ns + (int64_t)TCP_HELLO_DEADLINE_MS * 1000000)
+      shutdown(in->fd, SHUT_RDWR);
+  pthread_mutex_unlock(&t->in_lock);
+}
+
+const evpool_ops kvf__tcp_inbound_ops = {.turn = inbound_turn, .end = inbound_end, .tick = inbound_tick};
 
 /* Every slot is taken: close the connection that holds one for the least
  * reason, so neither silent nor trickling peers can keep a legitimate one
@@ -457,21 +519,25 @@ static int evict_one_locked(tcp_state *t) {
   return 1;
 }
 
+void kvf__tcp_inbound_cut_all(tcp_state *t) {
+  pthread_mutex_lock(&t->in_lock);
+  for (tcp_inbound *in = t->inbound; in; in = in->next)
+    if (!atomic_load(&in->finished)) shutdown(in->fd, SHUT_RDWR);
+  pthread_mutex_unlock(&t->in_lock);
+}
+
 void kvf__tcp_inbound_reap(tcp_state *t, int all) {
   pthread_mutex_lock(&t->in_lock);
   tcp_inbound **pp = &t->inbound;
   while (*pp) {
     tcp_inbound *in = *pp;
-    if (all) shutdown(in->fd, SHUT_RDWR);
     if (all || atomic_load(&in->finished)) {
       *pp = in->next;
       t->n_inbound--;
       if (atomic_load(&in->phase) == IN_EVICTED) t->n_evicted--;
-      pthread_mutex_unlock(&t->in_lock);
-      pthread_join(in->thread, NULL);
-      close(in->fd);
+      if (!atomic_load(&in->handed)) close(in->fd);
+      inbound_park_free(in);
       free(in);
-      pthread_mutex_lock(&t->in_lock);
     } else {
       pp = &in->next;
     }
@@ -480,8 +546,8 @@ void kvf__tcp_inbound_reap(tcp_state *t, int all) {
 }
 
 /* Is there a slot for one more connection, evicting one if need be? Evicted
- * connections hold their thread until it notices, so the live count is kept
- * under the limit and the total under twice it. */
+ * connections hold their slot until a worker notices, so the live count is
+ * kept under the limit and the total under twice it. */
 static int inbound_admit(tcp_state *t) {
   int max = t->e->cfg.max_inbound_conns, ok;
   pthread_mutex_lock(&t->in_lock);
@@ -525,15 +591,16 @@ void *kvf__tcp_accept_main(void *arg) {
     kvf__tcp_set_timeout(fd, SO_SNDTIMEO, e->cfg.timeout_ms);
     in->t = t;
     in->fd = fd;
+    in->item.fd = fd;
     in->accepted_ns = now;
     atomic_init(&in->phase, IN_HELLO);
     snprintf(in->peer, sizeof in->peer, "%s", peer);
-    /* Listed before its thread starts, so eviction sees every connection. */
+    /* Listed before it is parked, so eviction sees every connection. */
     pthread_mutex_lock(&t->in_lock);
     in->next = t->inbound;
     t->inbound = in;
     t->n_inbound++;
-    if (pthread_create(&in->thread, NULL, inbound_main, in)) {
+    if (kvf__evpool_add(t->in_pool, &in->item)) {
       t->inbound = in->next;
       t->n_inbound--;
       close(fd);

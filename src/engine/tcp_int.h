@@ -25,6 +25,7 @@
 #include "base/log.h"
 #include "base/wake.h"
 #include "engine/engine_internal.h"
+#include "engine/evpool.h"
 #include "engine/tcp_frame.h"
 #include "engine/tcp_proto.h"
 
@@ -91,7 +92,8 @@ struct tcp_state {
   pthread_mutex_t in_lock;
   struct tcp_inbound *inbound; /* guarded by in_lock, as are the two counts */
   int n_inbound;
-  int n_evicted; /* evicted, thread not yet joined */
+  int n_evicted;   /* evicted, not yet reaped */
+  evpool *in_pool; /* the inbound connections while idle (tcp_in.c) */
   pthread_mutex_t sess_lock;
   smap sessions;
 };
@@ -111,7 +113,15 @@ void kvf__tcp_conn_put(tcp_conn *c);
 int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
 
 /* tcp_in.c */
+/* Free the finished inbound connections (all: every one, once the pool
+ * is stopped). */
 void kvf__tcp_inbound_reap(tcp_state *t, int all);
+/* Shut every inbound connection's socket down (stop). */
+void kvf__tcp_inbound_cut_all(tcp_state *t);
+extern const evpool_ops kvf__tcp_inbound_ops;
+/* Inbound workers kept while idle, and how long others stay idle. */
+#define TCP_IN_CORE_WORKERS 2
+#define TCP_IN_RETIRE_MS 2000
 void *kvf__tcp_accept_main(void *arg);
 int kvf__tcp_listen_on(kvf_engine *e, int *fd_out, uint16_t *port_out);
 

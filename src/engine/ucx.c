@@ -12,6 +12,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <poll.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -334,41 +335,28 @@ static void log_malformed(kvf_engine *e, const char *peer) {
              peer);
 }
 
-/* Runs on the TCP inbound thread of a rendezvous connection, after the
- * token was accepted; returns when the peer closes or the engine stops.
- * Read mode when this engine's ucx_mode and the writer's hello allow it. */
-static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_flags) {
-  ucx_state *u = e->ucx;
-  ucx_ctl *c = calloc(1, sizeof *c);
-  if (!c) return;
-  c->fd = fd;
-  snprintf(c->peer, sizeof c->peer, "%s", peer);
-  c->read_mode = e->ucx_read && (hello_flags & TCP_HELLO_CAN_READ);
-  pthread_mutex_init(&c->send_mu, NULL);
-  if (c->read_mode) {
-    atomic_fetch_add(&e->stats.peers_read, 1);
-    LOG_INFO("ucx", "writer %s: read mode (this engine reads its chunks)", peer);
-  }
-  /* The writer applies the first info before it writes: it counts as acked. */
-  pthread_mutex_lock(&u->ctl_mu);
-  int rc = ctl_send_info(u, c, &c->acked);
-  c->fence_acked = u->fence_seq; /* its snapshot shows every fence closed so far */
-  c->next = u->ctls;
-  u->ctls = c;
-  pthread_mutex_unlock(&u->ctl_mu);
-  c->rb = c->read_mode ? malloc(UCX_CTL_RBUF) : NULL; /* read mode: notices come back to back */
+/* The messages of a connection a worker took (some bytes arrived): each
+ * whole within UCX_CTL_TIMEOUT_MS of its first byte, for as long as more
+ * have arrived. 0: nothing more now, the connection goes back to the event
+ * thread; otherwise the connection ends. */
+static int ctl_turn(ucx_state *u, ucx_ctl *c) {
+  kvf_engine *e = u->e;
+  /* Read mode: notices come back to back, read ahead in one buffer. */
+  if (c->read_mode && !c->rb && !(c->rb = malloc(UCX_CTL_RBUF))) return KVF_ENOMEM;
+  int rc = 0;
   while (!rc && !atomic_load(&u->stopping)) {
-    /* Idle until the writer asks again or goes (tcp_stop shuts the socket). */
     if (c->rb_len == c->rb_off) {
-      struct pollfd pf = {.fd = fd, .events = POLLIN};
-      if (poll(&pf, 1, -1) < 0) {
+      char b;
+      ssize_t r = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (r == 0) return KVF_ECLOSED;
+      if (r < 0) {
         if (errno == EINTR) continue;
-        break;
+        return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : KVF_ECLOSED;
       }
     }
     ucx_req r;
     int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-    if (kvf__ucx_ctl_recv(c, &r.magic, sizeof r.magic, until)) break;
+    if ((rc = kvf__ucx_ctl_recv(c, &r.magic, sizeof r.magic, until))) break;
     if (c->read_mode && r.magic == UCX_INFO_MAGIC) {
       rc = kvf__ucx_serve_writer_info(u, c);
       continue;
@@ -381,7 +369,7 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
       rc = kvf__ucx_serve_clock(u, c);
       continue;
     }
-    if (kvf__ucx_ctl_recv(c, (char *)&r + sizeof r.magic, sizeof r - sizeof r.magic, until)) break;
+    if ((rc = kvf__ucx_ctl_recv(c, (char *)&r + sizeof r.magic, sizeof r - sizeof r.magic, until))) break;
     if (r.magic == UCX_ACK_MAGIC || r.magic == UCX_FENCE_ACK_MAGIC) {
       pthread_mutex_lock(&u->ctl_mu);
       uint64_t *acked = r.magic == UCX_ACK_MAGIC ? &c->acked : &c->fence_acked;
@@ -392,36 +380,126 @@ static void ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fl
     }
     if (!c->read_mode && r.magic == UCX_TRAILER_MAGIC && r.reserved <= KVF_ENGINE_MAX_TRAILER) {
       unsigned char t[KVF_ENGINE_MAX_TRAILER];
-      if (kvf__ucx_ctl_recv(c, t, r.reserved, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) break;
+      if ((rc = kvf__ucx_ctl_recv(c, t, r.reserved, until))) break;
       /* The writer flushed the bytes first. The callback gets the IP
        * address, as from the TCP transport. */
       char ip[KVF_ADDR_HOST_LEN];
-      if (!kvf__addr_host(peer, ip, sizeof ip)) kvf__engine_deliver_trailer(e, t, r.reserved, ip);
+      if (!kvf__addr_host(c->peer, ip, sizeof ip)) kvf__engine_deliver_trailer(e, t, r.reserved, ip);
       ucx_req ack = {UCX_TRAILER_ACK_MAGIC, 0, 0};
       pthread_mutex_lock(&c->send_mu);
-      rc = kvf__ucx_send_all(fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+      rc = kvf__ucx_send_all(c->fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
       pthread_mutex_unlock(&c->send_mu);
       continue;
     }
     if (r.magic != UCX_REQ_MAGIC) {
-      log_malformed(e, peer);
-      break;
+      log_malformed(e, c->peer);
+      return KVF_ECLOSED;
     }
     rc = ctl_send_info(u, c, NULL);
   }
-  if (rc == KVF_EPROTO) log_malformed(e, peer);
+  if (rc == KVF_EPROTO) log_malformed(e, c->peer);
+  return rc ? rc : KVF_ECLOSED; /* stopping */
+}
+
+static int ctl_turn_cb(void *arg, evpool_item *it) {
+  ucx_ctl *c = (ucx_ctl *)(void *)((char *)it - offsetof(ucx_ctl, item));
+  int rc = ctl_turn(arg, c);
+  if (!rc && c->rb && c->rb_off == c->rb_len) { /* an idle connection holds no read-ahead */
+    free(c->rb);
+    c->rb = NULL;
+    c->rb_off = c->rb_len = 0;
+  }
+  return rc;
+}
+
+/* The connection is over (its worker, or the stop once no worker runs). */
+static void ctl_end_cb(void *arg, evpool_item *it) {
+  ucx_state *u = arg;
+  ucx_ctl *c = (ucx_ctl *)(void *)((char *)it - offsetof(ucx_ctl, item));
   pthread_mutex_lock(&u->ctl_mu);
   for (ucx_ctl **pp = &u->ctls; *pp; pp = &(*pp)->next)
     if (*pp == c) {
       *pp = c->next;
+      u->nctls--;
       break;
     }
   pthread_cond_broadcast(&u->ctl_cv);
   pthread_mutex_unlock(&u->ctl_mu);
-  kvf__ucx_ctl_reader_free(u, c); /* every read of this connection is over: the caller closes it */
+  kvf__ucx_ctl_reader_free(u, c); /* every read of this connection is over */
+  shutdown(c->fd, SHUT_RDWR);
+  close(c->fd);
   free(c->rb);
   pthread_mutex_destroy(&c->send_mu);
   free(c);
+}
+
+static const evpool_ops ctl_pool_ops = {.turn = ctl_turn_cb, .end = ctl_end_cb};
+
+/* After the listener stopped (no new connection comes): cut every
+ * connection, let the workers finish theirs, then end the parked ones. */
+static void ctl_stop(ucx_state *u) {
+  if (!u->ctl_pool) return;
+  pthread_mutex_lock(&u->ctl_mu);
+  u->ctl_stopping = 1;
+  for (ucx_ctl *c = u->ctls; c; c = c->next) ctl_cut(c);
+  pthread_mutex_unlock(&u->ctl_mu);
+  kvf__evpool_stop(u->ctl_pool);
+  u->ctl_pool = NULL;
+  for (;;) {
+    pthread_mutex_lock(&u->ctl_mu);
+    ucx_ctl *c = u->ctls;
+    pthread_mutex_unlock(&u->ctl_mu);
+    if (!c) break;
+    ctl_end_cb(u, &c->item);
+  }
+}
+
+/* On the TCP inbound thread of a rendezvous connection, after the token
+ * was accepted: send the first info, then park the connection with the
+ * event thread (this thread and the inbound slot are let go). Read mode
+ * when this engine's ucx_mode and the writer's hello allow it. */
+static int ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_flags) {
+  ucx_state *u = e->ucx;
+  ucx_ctl *c = calloc(1, sizeof *c);
+  if (!c) return 0;
+  c->fd = fd;
+  snprintf(c->peer, sizeof c->peer, "%s", peer);
+  c->read_mode = e->ucx_read && (hello_flags & TCP_HELLO_CAN_READ);
+  pthread_mutex_init(&c->send_mu, NULL);
+  /* The writer applies the first info before it writes: it counts as acked. */
+  c->item.fd = fd;
+  int read_mode = c->read_mode;
+  pthread_mutex_lock(&u->ctl_mu);
+  int full = u->nctls >= UCX_MAX_RENDEZVOUS && !u->ctl_stopping;
+  int rc = full || u->ctl_stopping ? KVF_EBUSY : ctl_send_info(u, c, &c->acked);
+  if (!rc) {
+    c->fence_acked = u->fence_seq; /* its snapshot shows every fence closed so far */
+    /* Listed first: a worker may take it at once (the pool hands it over
+     * under its lock, after everything set here). */
+    c->next = u->ctls;
+    u->ctls = c;
+    u->nctls++;
+    if ((rc = kvf__evpool_add(u->ctl_pool, &c->item))) {
+      u->ctls = c->next;
+      u->nctls--;
+    }
+  }
+  pthread_mutex_unlock(&u->ctl_mu);
+  if (rc) {
+    if (full) {
+      atomic_fetch_add(&e->stats.conns_refused, 1);
+      if (kvf__log_first_time_for_host(peer, "ucx-limit"))
+        LOG_WARN("ucx", "writer %s: %d rendezvous connections already; refused", peer, UCX_MAX_RENDEZVOUS);
+    }
+    pthread_mutex_destroy(&c->send_mu);
+    free(c);
+    return 0;
+  }
+  if (read_mode) { /* c may be gone already: a worker took it */
+    atomic_fetch_add(&e->stats.peers_read, 1);
+    LOG_INFO("ucx", "writer %s: read mode (this engine reads its chunks)", peer);
+  }
+  return 1;
 }
 
 /* ------------------------------------------------------------ registration */
@@ -712,6 +790,9 @@ static int ucx_start(kvf_engine *e) {
   pthread_cond_init(&u->q_cv, NULL);
   int rc = smap_init(&u->peers);
   if (!rc) rc = ucx_init(u);
+  if (!rc)
+    rc = kvf__evpool_start(&ctl_pool_ops, u, UCX_CTL_CORE_WORKERS, UCX_CTL_RETIRE_MS, UCX_CTL_RETIRE_MS,
+                           &u->ctl_pool);
   if (rc) goto err;
   host_identity(u->host_id, sizeof u->host_id);
   u->rdma = has_rdma_device();
@@ -726,6 +807,7 @@ static int ucx_start(kvf_engine *e) {
   kvf__ucx_copier_start(u);
   return 0;
 err:
+  ctl_stop(u);
   e->ucx = NULL;
   ucx_teardown(u);
   return rc;
@@ -734,9 +816,11 @@ err:
 static void ucx_stop(kvf_engine *e) {
   ucx_state *u = e->ucx;
   if (!u) return;
-  /* The listener first: rendezvous servers run on its inbound threads. */
+  /* The listener first (it hands rendezvous connections over), then the
+   * rendezvous server. */
   atomic_store(&u->stopping, 1);
   kvf__tcp_transport_ops.stop(e);
+  ctl_stop(u);
   kvf__ucx_wake(u);
   pthread_join(u->progress, NULL);
   pthread_mutex_lock(&u->q_mu);

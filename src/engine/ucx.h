@@ -28,6 +28,7 @@
 #include <ucp/api/ucp.h>
 
 #include "engine/engine_internal.h"
+#include "engine/evpool.h"
 
 #define UCX_INFO_MAGIC 0x4b564649u
 #define UCX_REQ_MAGIC 0x4b564652u
@@ -90,6 +91,13 @@
 #define UCX_TICK_MS 50
 #define UCX_IDLE_TICK_MS 200 /* ... and while none is, at least this often */
 #define UCX_MAX_COPIERS 15
+/* Rendezvous connections this engine serves at most (its own bound: they do
+ * not take the TCP transport's max_inbound_conns slots once authenticated). */
+#define UCX_MAX_RENDEZVOUS 4096
+/* Rendezvous workers kept while idle; more are started while connections
+ * have messages to handle, and retire after UCX_CTL_RETIRE_MS idle. */
+#define UCX_CTL_CORE_WORKERS 2
+#define UCX_CTL_RETIRE_MS 2000
 
 /* ucx_info_hdr.flags */
 #define UCX_INFO_READ 0x1u   /* target -> writer: this connection runs in read mode */
@@ -265,14 +273,18 @@ typedef struct ucx_job {
   void *arg;
 } ucx_job;
 
-/* A writer connected to this engine's rendezvous (ucx.c serves it). In
- * read mode this engine reads the writer's chunks itself: the fields from
- * read_mode down belong to the serving thread (ucx_read.c), except
- * `closing`. */
+/* A writer connected to this engine's rendezvous (ucx.c serves it). An
+ * idle connection costs no thread: it waits in an evpool (evpool.h), and
+ * once bytes arrive one of the pool's workers takes it, handles the
+ * messages that arrived (each whole within UCX_CTL_TIMEOUT_MS) and parks it
+ * again. The worker that holds it is its "serving thread". In read mode this engine reads the writer's chunks
+ * itself: the fields from read_mode down belong to the serving thread
+ * (ucx_read.c), except `closing`. */
 #define UCX_CTL_RBUF (64u * 1024u)
 
 typedef struct ucx_ctl {
   struct ucx_ctl *next;
+  evpool_item item; /* its socket (fd below) in the rendezvous pool */
   int fd;
   pthread_mutex_t send_mu;
   uint64_t acked;       /* generation the writer has applied (under ctl_mu) */
@@ -302,8 +314,8 @@ typedef struct ucx_ctl {
   unsigned nreq;
   struct ucx_load *loads; /* a notice's slices from a mapped pool, copied after the checks */
   size_t loads_cap;
-  /* The serving thread's read-ahead (UCX_CTL_RBUF bytes; rb_off..rb_len
-   * received, not yet taken). */
+  /* The serving thread's read-ahead (UCX_CTL_RBUF bytes, read mode, held
+   * only while bytes wait in it; rb_off..rb_len received, not yet taken). */
   unsigned char *rb;
   size_t rb_off, rb_len;
 } ucx_ctl;
@@ -334,7 +346,10 @@ typedef struct ucx_state {
   pthread_mutex_t ctl_mu;
   pthread_cond_t ctl_cv; /* an ack arrived or a connection ended */
   ucx_ctl *ctls;
+  int nctls;          /* on ctls (at most UCX_MAX_RENDEZVOUS) */
   uint64_t fence_seq; /* fence messages sent (under ctl_mu) */
+  evpool *ctl_pool;   /* serves the connections on ctls (evpool.h) */
+  int ctl_stopping;   /* under ctl_mu: no connection is added any more */
   /* peers, by session id */
   pthread_mutex_t peers_mu;
   smap peers;

@@ -3,6 +3,7 @@
  * after one, or trickle a payload, while legitimate writers and the owner's
  * register/unregister must go on. Every case is bounded by the engine's named
  * deadlines (5 s hello, the engine timeout for a chunk). */
+#include <dirent.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -213,6 +214,52 @@ static void idle_connections_evicted_for_writers(void **state) {
   free(buf);
 }
 
+/* ---- idle connections cost no thread ---- */
+
+static int count_threads(void) {
+  int n = 0;
+  DIR *d = opendir("/proc/self/task");
+  assert_non_null(d);
+  for (struct dirent *de; (de = readdir(d));) n += de->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+/* 64 connections that finished their hello and stay idle add at most 2
+ * threads to the target (its pool's core workers) once the workers that
+ * took their hellos retired, and a writer still gets through. */
+static void idle_connections_hold_no_thread(void **state) {
+  (void)state;
+  enum { N = 64 };
+  kvf_engine *target = make_engine(CHUNK_TIMEOUT_MS, NULL);
+  unsigned char *buf = calloc(1, 4096);
+  assert_int_equal(kvf_engine_register(target, buf, 4096), 0);
+  int before = count_threads();
+  static const tcp_hello hello = {TCP_HELLO_MAGIC, TCP_PROTO_VERSION, 0, 0, 0};
+  int fds[N];
+  for (int i = 0; i < N; i++) {
+    fds[i] = raw_connect(kvf_engine_port(target));
+    assert_true(fds[i] >= 0);
+    assert_int_equal(send(fds[i], &hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
+  }
+  for (int i = 0; i < N; i++) { /* each one's hello was answered */
+    tcp_reply rep;
+    struct pollfd pf = {.fd = fds[i], .events = POLLIN};
+    assert_int_equal(poll(&pf, 1, 10000), 1);
+    assert_int_equal(recv(fds[i], &rep, sizeof rep, MSG_WAITALL), (ssize_t)sizeof rep);
+    assert_int_equal(rep.status, 0);
+  }
+  int after = count_threads();
+  for (double t0 = now_s(); after > before + 2 && now_s() - t0 < 6; after = count_threads()) usleep(100000);
+  printf("threads: %d before, %d with %d idle connections\n", before, after, N);
+  assert_true(after <= before + 2);
+  assert_int_equal(legit_write(target, buf, 7, NULL), 0);
+  for (int i = 0; i < N; i++) assert_false(peer_closed(fds[i])); /* none was cut: slots were free */
+  for (int i = 0; i < N; i++) close(fds[i]);
+  kvf_engine_destroy(target);
+  free(buf);
+}
+
 /* ---- one peer that trickles a chunk's payload ---- */
 
 typedef struct trickler {
@@ -393,7 +440,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(trickled_hellos_cannot_hold_slots), cmocka_unit_test(idle_connections_evicted_for_writers),
       cmocka_unit_test(slow_payload_stalls_nobody),        cmocka_unit_test(unregister_cuts_a_slow_write),
-      cmocka_unit_test(paced_payload_cut_at_deadline),
+      cmocka_unit_test(paced_payload_cut_at_deadline),     cmocka_unit_test(idle_connections_hold_no_thread),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,6 +2,7 @@
  * UCX_TLS the ctest entry sets (unset: UCX picks shared memory; posix,cma;
  * tcp), plus two engines in one process where that is enough. Skipped with
  * a message when the library was built without UCX. */
+#include <dirent.h>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -724,6 +725,64 @@ static void hostile_ready_notices_refused(void **state) {
 #endif
 }
 
+static int count_threads(void) {
+  int n = 0;
+  DIR *d = opendir("/proc/self/task");
+  assert_non_null(d);
+  for (struct dirent *de; (de = readdir(d));) n += de->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+/* Idle writers cost the target no thread: 32 writers connected (each wrote
+ * one page, so its rendezvous connection is open) add at most 4 threads to
+ * the process once the workers that served them retired: the core workers
+ * (2 each) of the listener's pool and of the rendezvous pool, started on
+ * demand. The writers are engines in this process too; a UCX writer adds no
+ * thread per peer. */
+static void idle_writers_hold_no_thread(void **state) {
+  SKIP_WITHOUT_UCX();
+  enum { N = 32 };
+  kvf_engine *t = make_engine("ucx", 10000);
+  unsigned char *dst = mmap(NULL, N * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  assert_int_equal(kvf_engine_register(t, dst, N * PAGE), 0);
+  kvf_engine *w[N];
+  static unsigned char src[N][PAGE];
+  for (int i = 0; i < N; i++) {
+    w[i] = make_engine("ucx", 10000);
+    memset(src[i], i + 1, PAGE);
+    assert_int_equal(kvf_engine_register(w[i], src[i], PAGE), 0);
+  }
+  int before = count_threads();
+  for (int i = 0; i < N; i++) {
+    kvf_write wr = {.src = (uint64_t)(uintptr_t)src[i], .dst = (uint64_t)(uintptr_t)(dst + i * PAGE), .len = PAGE};
+    assert_int_equal(kvf_engine_write(w[i], kvf_engine_session_id(t), &wr, 1), 0);
+  }
+  for (int i = 0; i < N; i++) assert_int_equal(dst[i * PAGE + PAGE - 1], i + 1);
+  int after = count_threads();
+  /* Extra workers retire after UCX_CTL_RETIRE_MS (2 s) idle. */
+  for (int64_t until = clock_deadline_ms(6000); after > before + 4 && clock_now_ns() < until;) {
+    usleep(100 * 1000);
+    after = count_threads();
+  }
+  printf("threads: %d before the writers connected, %d with %d idle writers\n", before, after, N);
+  kvf_engine_stats st;
+  kvf_engine_get_stats(t, &st);
+  assert_int_equal(st.conns_refused, 0);
+  assert_true(after <= before + 4);
+  /* And they still write (each connection back from the event thread). */
+  for (int i = 0; i < N; i++) {
+    memset(src[i], 0x80 + i, PAGE);
+    kvf_write wr = {.src = (uint64_t)(uintptr_t)src[i], .dst = (uint64_t)(uintptr_t)(dst + i * PAGE), .len = PAGE};
+    assert_int_equal(kvf_engine_write(w[i], kvf_engine_session_id(t), &wr, 1), 0);
+    assert_int_equal(dst[i * PAGE], 0x80 + i);
+  }
+  for (int i = 0; i < N; i++) kvf_engine_destroy(w[i]);
+  kvf_engine_unregister(t, dst);
+  kvf_engine_destroy(t);
+  munmap(dst, N * PAGE);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(stopped_target_past_its_lease_counts_nothing),
@@ -739,6 +798,7 @@ int main(void) {
       cmocka_unit_test(trailer_acks_match_their_batches),
       cmocka_unit_test(destroy_fails_batches_waiting_for_a_trailer_ack),
       cmocka_unit_test(unregister_prompt_after_the_writer_gave_up),
+      cmocka_unit_test(idle_writers_hold_no_thread),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
