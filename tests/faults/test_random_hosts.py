@@ -40,8 +40,8 @@ import time
 
 import pytest
 
-from harness import (BOOTSTRAP_TIMEOUT_S, CLI, ENGINE_TIMEOUT_MS, SCHED_SLACK_S, WAITING_TIMEOUT_S, Cluster,
-                     assert_no_leaks, reap_all, transfers_again)
+from harness import (BOOTSTRAP_TIMEOUT_S, CLI, ENGINE_TIMEOUT_MS, HEALTHY_ROOM_S, SCHED_SLACK_S, WAITING_TIMEOUT_S,
+                     Cluster, Decode, assert_no_leaks, reap_all, transfers_again)
 from test_random import HUNG_AFTER_S, INFLIGHT, STOP_MAX_S, GAP_MAX_S, GAP_MIN_S, Run, knob
 
 FAULTS_N_CI = 12                 # faults in CI, each transport
@@ -206,3 +206,27 @@ def test_random_faults_hosts(tmp_path, request, hosts, transport):
         report_file(report, transport)
         run.close()
         reap_all()
+
+
+
+def test_late_write_check_catches_a_write(tmp_path):
+    """The check's own control: a byte flipped in a Failed room's poisoned page
+    right after the poison (kv-decode's `poke-late`) is found, reported and
+    counted once its quarantine ends; the room beside it passes."""
+    quarantine_s = 0.5
+    # No bootstrap server there: both rooms fail.
+    dec = Decode(tmp_path, "127.0.0.1:1", args=["--quarantine-ms", str(int(quarantine_s * 1000))])
+    dec.send("recv 1 8 7 9 poke-late")
+    dec.send("recv 2 8 7 9")
+    lines, deadline = [], time.monotonic() + HEALTHY_ROOM_S + quarantine_s
+    while time.monotonic() < deadline and not (sum(ln.startswith("done ") for ln in lines) == 2 and
+                                                 any(ln.startswith("late-write ") for ln in lines)):
+        lines += dec.ready_lines(0.2)
+    done = {int(ln.split()[1]): int(ln.split()[2]) for ln in lines if ln.startswith("done ")}
+    assert done == {1: 0, 2: 0}, lines
+    late = [ln.split() for ln in lines if ln.startswith("late-write ")]
+    assert [(f[1], f[2]) for f in late] == [("1", "1")], lines
+    deadline = time.monotonic() + quarantine_s + SCHED_SLACK_S
+    while dec.quarantine()[0] and time.monotonic() < deadline:  # room 2 goes back once its time is up
+        time.sleep(0.1)
+    assert dec.quarantine() == [0, 16, 1]  # pages held, checked, changed

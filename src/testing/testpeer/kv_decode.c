@@ -9,7 +9,7 @@
  * It prints
  *   ready <engine-session>
  * and takes commands on stdin:
- *   recv <room> <npages> <seed> <token> [corrupt|corrupt-landed]
+ *   recv <room> <npages> <seed> <token> [corrupt|corrupt-landed|poke-late]
  *       creates a receiver on every decode rank against the --bootstrap
  *       server, each takes npages scattered pages of its pool and sends its
  *       M2 (kvf_receiver_init); once the room is final on every rank it
@@ -40,7 +40,9 @@
  * pages are overwritten with a poison byte at once and kept out of reuse for
  * MS; before they go back to the pool every byte must still be poison. A
  * page that changed was written after its room failed: it is counted and
- * reported as "late-write <room> <pages> <where>". */
+ * reported as "late-write <room> <pages> <where>". `poke-late` on a recv
+ * flips one byte of one page of that room right after the poison, as a late
+ * write would, to show that the check catches it. */
 #include <getopt.h>
 #include <poll.h>
 #include <stdio.h>
@@ -68,7 +70,7 @@ typedef struct dec_rank {
 } dec_rank;
 
 typedef struct dec_req {
-  int active, corrupt;
+  int active, corrupt, late_poke;
   int64_t room, token;
   uint64_t seed;
   kvf_receiver *rx[DEC_MAX_RANKS]; /* one per decode rank */
@@ -210,6 +212,8 @@ static void quarantine_room(dec_quarantine *qz, dec_rank *rk, int nranks, dec_re
     for (size_t b = 0; b < pool->nbuf; b++)
       for (size_t k = 0; k < e->npages; k++)
         memset((char *)pool->ptrs[b] + e->pages[d][k] * pool->item_len, DEC_POISON, pool->item_len);
+    if (r->late_poke && e->npages)
+      ((unsigned char *)pool->ptrs[0])[e->pages[d][e->npages / 2] * pool->item_len + pool->item_len / 3] ^= 0x5A;
     qz->held += e->npages;
   }
 }
@@ -439,7 +443,8 @@ int cli_kv_decode(int argc, char **argv) {
                            .npages = (size_t)np,
                            .seed = seed,
                            .token = token,
-                           .corrupt = !strcmp(extra, "corrupt")};
+                           .corrupt = !strcmp(extra, "corrupt"),
+                           .late_poke = !strcmp(extra, "poke-late")};
             if (!strcmp(extra, "corrupt-landed")) testing_corrupt_room(room); /* armed before its M2 goes out */
             start(qz, rk, nranks, baddr, r, &rng);
           }
