@@ -146,7 +146,8 @@ def figures(run, transport, seed, t0, late=None, **more):
             "ended_with_a_killed_decode": c["lost"], "still_open": len(t.open_rooms()), "hung": len(run.hung),
             "wrong_bytes": len(t.wrong_bytes()), "late_written_pages": (late or {}).get("changed"),
             "quarantined_pages_checked": (late or {}).get("checked"), "late_write_lines": len(t.late),
-            "routes": routes(run.tmp), "ucx_lanes": ucx_lanes(run.tmp), **more, "seconds": round(time.monotonic() - t0, 1)}
+            "routes": routes(run.tmp), "ucx_lanes": ucx_lanes(run.tmp), **more,
+            "seconds": round(time.monotonic() - t0, 1)}
 
 
 def report_file(report, transport):
