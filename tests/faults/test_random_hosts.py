@@ -26,6 +26,7 @@ be killed, and the last one, are asked to check the pages they still hold.
     make faults                                          # CI: N = FAULTS_N_CI each transport
     KVFERRY_FAULTS_N=1000 python3 -m pytest -s tests/faults/test_random_hosts.py -k tcp
     python3 -m pytest -s tests/faults/test_random_hosts.py --n 1000 --seed 7 -k ucx
+    KVFERRY_FAULTS_SECONDS=3600 ...   # stop injecting after an hour (then the end checks as usual)
 
 Skipped with a message without root or network namespaces (and the UCX
 run where kvferry was built without UCX)."""
@@ -199,6 +200,7 @@ def test_random_faults_hosts(tmp_path, request, hosts, transport):
         pytest.skip("this kvferry was built without UCX")
     n = knob(request.config, "--n", "KVFERRY_FAULTS_N", FAULTS_N_CI)
     seed = knob(request.config, "--seed", "KVFERRY_FAULTS_SEED", SEED_DEFAULT)
+    seconds = float(os.environ.get("KVFERRY_FAULTS_SECONDS") or "inf")  # a long run's time box
     rng = random.Random(seed)
     env = dict(TRANSPORTS[transport])
     if transport == "ucx":
@@ -208,6 +210,9 @@ def test_random_faults_hosts(tmp_path, request, hosts, transport):
     report = None
     try:
         for i in range(n):
+            if time.monotonic() - t0 > seconds:
+                print(f"random fault run across hosts: time box of {seconds:.0f}s reached after {i} faults", flush=True)
+                break
             run.c.t.keep_busy(rng.uniform(GAP_MIN_S, GAP_MAX_S), INFLIGHT)
             run.inject()
             run.check_hung()
