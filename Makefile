@@ -6,7 +6,8 @@
 #   make test-all  every test, the `slow` ones too (faults, floods, UCX reruns)
 #   make test-slow only the `slow` ones (CI runs `make test` then this: every test once)
 #   make faults the fault suite (tests/faults: kills, stops, a partition, hostile
-#               peers, a seeded random fault run; FAULTS_ARGS="--n 1000" for more faults)
+#               peers, seeded random fault runs on one host and across namespaces;
+#               FAULTS_ARGS="--n 1000" for more faults)
 #   make asan   the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make tsan   the threaded tests under ThreadSanitizer
 #   make fuzz   build the libFuzzer targets and run each briefly

@@ -22,6 +22,27 @@ def reap():
     harness.reap_all()
 
 
+@pytest.fixture
+def hosts():
+    """make(*names): simulated hosts (harness.Hosts), one network namespace a
+    name; skips without root or netns. Every process is reaped and the
+    namespaces and bridge removed when the test ends."""
+    made = []
+
+    def make(*names):
+        try:
+            h = harness.Hosts(names)
+        except harness.HostsUnavailable as e:
+            pytest.skip(f"simulated hosts: {e}")
+        made.append(h)
+        return h
+
+    yield make
+    harness.reap_all()  # no process may keep a namespace alive
+    left = [ns for h in made for ns in h.close()]
+    assert not left, f"namespaces left behind: {left}"
+
+
 def pytest_configure(config):
     if not os.path.exists(harness.CLI):
         raise pytest.UsageError(f"kvferry CLI not found at {harness.CLI}: build first (make build) or set KVFERRY_CLI")

@@ -11,6 +11,7 @@ import os
 import random
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,8 +177,9 @@ class Exe(Proc):
 
 
 class Bootstrap(Exe):
-    def __init__(self, tmp_path, name="bootstrap", args=(), prefix=(), host="127.0.0.1", port=0):
-        super().__init__(["bootstrap", "--host", host, "--port", str(port), *args], tmp_path, name, prefix=prefix)
+    def __init__(self, tmp_path, name="bootstrap", args=(), prefix=(), host="127.0.0.1", port=0, env=None):
+        super().__init__(["bootstrap", "--host", host, "--port", str(port), *args], tmp_path, name, prefix=prefix,
+                         env=env)
         m = re.match(r"kvferry bootstrap listening on (\S+)$", self.line())
         assert m, f"bad bootstrap ready line; stderr:\n{self.stderr_text()}"
         self.addr = m.group(1)
@@ -190,6 +192,7 @@ class KvProc(Exe):
     def __init__(self, args, tmp_path, name, role, prefix=(), env=None):
         super().__init__(args, tmp_path, name, prefix=prefix, env=env)
         self.others = []
+        self.host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
         ln = self.line()
         assert ln.startswith("ready "), ln
         self.ready_addr = ln.split()[1]
@@ -217,11 +220,15 @@ class Prefill(KvProc):
 
 
 class Decode(KvProc):
-    def __init__(self, tmp_path, bootstrap, name="decode", host="127.0.0.1", prefix=()):
+    def __init__(self, tmp_path, bootstrap, name="decode", host="127.0.0.1", prefix=(), args=(), env=None):
         super().__init__(["kv-decode", "--item", ITEM, "--pages", str(POOL_PAGES), "--host", host,
-                          "--bootstrap", bootstrap], tmp_path, name, "decode", prefix=prefix)
+                          "--bootstrap", bootstrap, *args], tmp_path, name, "decode", prefix=prefix, env=env)
         self.session = self.ready_addr
         self.host, self.engine_port = self.session.rsplit(":", 1)[0], int(self.session.rsplit(":", 1)[1])
+
+    def quarantine(self):
+        """The late-write check (--quarantine-ms): [pages held, pages checked, pages changed]."""
+        return [int(x) for x in self.ask("quarantine", "quarantine ").split()[1:]]
 
 
 class Room:
@@ -249,6 +256,7 @@ class Traffic:
         self.pre = self.dec = None
         self.closed = {"rooms": 0, "success": 0, "failed": 0, "lost": 0}  # rooms dropped by compact()
         self.closed_wrong = []
+        self.late = []  # the decode's "late-write" lines (pages of a Failed room written after its failure)
 
     def attach(self, pre, dec):
         self.pre, self.dec = pre, dec
@@ -282,6 +290,8 @@ class Traffic:
             lines += proc.ready_lines(timeout)
             for ln in lines:
                 f = ln.split()
+                if len(f) >= 3 and f[0] == "late-write":
+                    self.late.append(ln)
                 if len(f) < 2 or f[0] != "done":
                     continue
                 r = self.rooms.get(int(f[1]))
@@ -361,17 +371,38 @@ class Traffic:
 
 class Cluster:
     """A bootstrap server (mode "separate") or none ("inproc": the prefill's),
-    a prefill, a decode and the traffic between them."""
+    a prefill, a decode and the traffic between them. With `hosts` (a Hosts
+    with roles "prefill", "decode" and maybe "bootstrap") each runs in its
+    role's namespace (the bootstrap server in the prefill's without one);
+    `env` goes to every process, `decode_args` to every decode."""
 
-    def __init__(self, tmp_path, mode, rng=None):
+    def __init__(self, tmp_path, mode, rng=None, hosts=None, env=None, decode_args=()):
         self.tmp, self.mode = tmp_path, mode
-        self.boot = Bootstrap(tmp_path) if mode == "separate" else None
-        self.pre = Prefill(tmp_path, bootstrap=self.boot.addr if self.boot else None)
+        self.hosts, self.env, self.decode_args = hosts, dict(env or {}), tuple(decode_args)
+        self.boot = self._bootstrap("bootstrap", 0) if mode == "separate" else None
+        self.pre = self._prefill("prefill", bootstrap=self.boot.addr if self.boot else None)
         self.addr = self.pre.bootstrap_addr
-        self.dec = Decode(tmp_path, self.addr)
+        self.dec = self._decode("decode")
         self.t = Traffic(rng)
         self.t.attach(self.pre, self.dec)
         self.gen = 0
+
+    def place(self, role):
+        """Where `role` runs: {"prefix": ..., "host": ...} (127.0.0.1 without hosts)."""
+        if not self.hosts:
+            return {}
+        if role == "bootstrap" and role not in self.hosts.addr:
+            role = "prefill"
+        return {"prefix": self.hosts.prefix(role), "host": self.hosts.addr[role]}
+
+    def _bootstrap(self, name, port):
+        return Bootstrap(self.tmp, name=name, port=port, env=self.env, **self.place("bootstrap"))
+
+    def _prefill(self, name, bootstrap=None, args=()):
+        return Prefill(self.tmp, name=name, bootstrap=bootstrap, args=args, env=self.env, **self.place("prefill"))
+
+    def _decode(self, name):
+        return Decode(self.tmp, self.addr, name=name, args=self.decode_args, env=self.env, **self.place("decode"))
 
     def target(self, name):
         return {"prefill": self.pre, "decode": self.dec, "bootstrap": self.boot}[name]
@@ -381,21 +412,106 @@ class Cluster:
         self.gen += 1
         port = self.addr.rsplit(":", 1)[1]
         if name == "decode":
-            self.dec = Decode(self.tmp, self.addr, name=f"decode{self.gen}")
+            self.dec = self._decode(f"decode{self.gen}")
         elif name == "prefill" and self.mode == "inproc":
-            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", args=["--bootstrap-port", port])
+            self.pre = self._prefill(f"prefill{self.gen}", args=["--bootstrap-port", port])
         elif name == "prefill":
-            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", bootstrap=self.addr)
+            self.pre = self._prefill(f"prefill{self.gen}", bootstrap=self.addr)
         else:  # a new bootstrap server knows no ranks: the prefill registers again by restarting
-            self.boot = Bootstrap(self.tmp, name=f"bootstrap{self.gen}", port=int(port))
+            self.boot = self._bootstrap(f"bootstrap{self.gen}", int(port))
             self.pre.finish()
             self.pre.kill()  # closes its pipes and files (long runs restart hundreds of processes)
             self.t.forget(self.pre)
-            self.pre = Prefill(self.tmp, name=f"prefill{self.gen}", bootstrap=self.addr)
+            self.pre = self._prefill(f"prefill{self.gen}", bootstrap=self.addr)
         self.t.attach(self.pre, self.dec)
 
     def survivors(self):
         return [p for p in (self.boot, self.pre, self.dec) if p is not None]
+
+
+# ---------------------------------------------------------------- simulated hosts
+
+IP = shutil.which("ip") or "/usr/sbin/ip"
+NET = "10.214.{}.{}"             # addresses only on the bridge and in the namespaces Hosts makes
+IP_TIMEOUT_S = 60                # one `ip` command (the kernel frees a deleted namespace lazily; a new one waits)
+
+
+def ip(*args, check=True):
+    return subprocess.run([IP, *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=check)
+
+
+class HostsUnavailable(Exception):
+    """This machine cannot make network namespaces (no root, no iproute2, no netns or veth)."""
+
+
+class Hosts:
+    """Simulated hosts: a network namespace per name, each joined by a veth
+    pair to a bridge in the root namespace, which holds address .254 on it
+    (hostile peers in the root namespace reach every host as another machine
+    would). cut(name) takes the host's end of its link down: it is cut off
+    from every other host and from the root namespace until restore(name).
+    close() removes the namespaces and the bridge; no process may be left in
+    them (the caller reaps first)."""
+
+    _made = [0]
+
+    def __init__(self, names):
+        if os.geteuid() != 0 or not os.path.exists(IP):
+            raise HostsUnavailable("needs root and iproute2 (`ip`) to make network namespaces")
+        Hosts._made[0] += 1
+        tag = f"{os.getpid() % 10000}{Hosts._made[0]}"
+        used = ip("-4", "addr", "show", check=False).stdout
+        subnet = next((n for n in ((os.getpid() + Hosts._made[0] + k) % 250 + 1 for k in range(250))
+                       if NET.format(n, "") not in used), None)
+        if subnet is None:
+            raise HostsUnavailable("no free 10.214.x.0/24 subnet")
+        self.names, self.ns, self.dev, self.addr, self.made = list(names), {}, {}, {}, []
+        self.bridge = f"kvfbr{tag}"
+        try:
+            r = ip("link", "add", self.bridge, "type", "bridge", check=False)
+            if r.returncode:
+                raise HostsUnavailable(f"cannot make a bridge: {r.stderr.strip()}")
+            self.made.append(("bridge", self.bridge))
+            ip("addr", "add", NET.format(subnet, 254) + "/24", "dev", self.bridge)
+            ip("link", "set", self.bridge, "up")
+            for i, name in enumerate(self.names):
+                ns, dev, peer = f"kvf{name[:3]}{tag}", f"kvf{i}{tag}v", f"kvf{i}{tag}r"
+                r = ip("netns", "add", ns, check=False)
+                if r.returncode:
+                    raise HostsUnavailable(f"cannot make a network namespace: {r.stderr.strip()}")
+                self.made.append(("netns", ns))
+                ip("link", "add", dev, "type", "veth", "peer", "name", peer)
+                ip("link", "set", dev, "netns", ns)
+                ip("link", "set", peer, "master", self.bridge)
+                ip("link", "set", peer, "up")
+                self.ns[name], self.dev[name], self.addr[name] = ns, dev, NET.format(subnet, i + 1)
+                ip("-n", ns, "addr", "add", f"{self.addr[name]}/24", "dev", dev)
+                ip("-n", ns, "link", "set", "lo", "up")
+                ip("-n", ns, "link", "set", dev, "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def prefix(self, name):
+        return ("ip", "netns", "exec", self.ns[name])
+
+    def cut(self, name):
+        ip("-n", self.ns[name], "link", "set", self.dev[name], "down")
+
+    def restore(self, name):
+        ip("-n", self.ns[name], "link", "set", self.dev[name], "up")
+
+    def close(self):
+        """Remove what was made; returns the namespaces that are still listed."""
+        for kind, what in reversed(self.made):
+            if kind == "netns":
+                ip("netns", "del", what, check=False)
+            else:
+                ip("link", "del", what, check=False)
+        listed = ip("netns", "list", check=False).stdout
+        left = [ns for kind, ns in self.made if kind == "netns" and ns in listed]
+        self.made = []
+        return left
 
 
 def describe(rooms, limit=8):

@@ -84,9 +84,9 @@ MALFORMED_PREFILL = [
 ]
 
 
-def connect(host, port, timeout=SOCK_TIMEOUT_S):
-    """A hostile TCP connection (from HOSTILE_SRC)."""
-    s = socket.create_connection((host, port), timeout=timeout, source_address=HOSTILE_SRC)
+def connect(host, port, timeout=SOCK_TIMEOUT_S, src=HOSTILE_SRC):
+    """A hostile TCP connection (from HOSTILE_SRC, or `src`: None lets the kernel choose)."""
+    s = socket.create_connection((host, port), timeout=timeout, source_address=src)
     s.settimeout(timeout)
     return s
 

@@ -48,9 +48,12 @@ def knob(config, opt, env, default):
 
 
 class Run:
-    def __init__(self, tmp_path, rng):
-        self.tmp, self.rng = tmp_path, rng
-        self.c = Cluster(tmp_path, "separate", rng)
+    """The random run on a cluster (by default all on 127.0.0.1); hostile peers
+    connect from `src` (None: the address the kernel picks)."""
+
+    def __init__(self, tmp_path, rng, cluster=None, src=HOSTILE_SRC):
+        self.tmp, self.rng, self.src = tmp_path, rng, src
+        self.c = cluster or Cluster(tmp_path, "separate", rng)
         self.ctx = zmq.Context()
         self.faults = {}
         self.hung = set()
@@ -80,11 +83,12 @@ class Run:
 
     # ---------------------------------------------------------------- hostile peers
 
-    def zmq_burst(self, port, msgs):
+    def zmq_burst(self, proc, msgs):
         s = self.ctx.socket(zmq.PUSH)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDTIMEO, ZMQ_SEND_TIMEOUT_MS)
-        s.connect(f"tcp://{HOSTILE_SRC[0]}:0;127.0.0.1:{port}")  # from the hostile peers' own address
+        src = f"{self.src[0]}:0;" if self.src else ""  # from the hostile peers' own address
+        s.connect(f"tcp://{src}{proc.host}:{proc.control_port}")
         try:
             for _ in range(BURST):
                 s.send_multipart(self.rng.choice(msgs))
@@ -103,7 +107,7 @@ class Run:
         for _ in range(BURST):
             self.c.t.pump(0)
             try:
-                with connect(host, int(port), HTTP_TIMEOUT_S) as s:
+                with connect(host, int(port), HTTP_TIMEOUT_S, src=self.src) as s:
                     s.sendall(self.rng.choice(junk))
                     s.shutdown(socket.SHUT_WR)
                     s.recv(4096)
@@ -120,7 +124,7 @@ class Run:
         for _ in range(self.rng.randrange(1, 6)):
             self.c.t.pump(0)
             try:
-                s = connect(d.host, d.engine_port)
+                s = connect(d.host, d.engine_port, src=self.src)
                 if handshake(s) == 0:
                     s.sendall(self.rng.choice(bad))
                     closed_by_peer(s, 0.2)
@@ -129,7 +133,7 @@ class Run:
                 pass
         for _ in range(20):
             try:
-                s = connect(d.host, d.engine_port)
+                s = connect(d.host, d.engine_port, src=self.src)
                 s.sendall(hello()[: self.rng.randrange(16)])
                 s.close()
             except OSError:
@@ -141,32 +145,42 @@ class Run:
         forged = [m3(r.id, token=str(r.token).encode(), cands=i32(r.token + 1, r.token + 2))
                   for r in c.t.open_rooms()]
         if forged:
-            self.zmq_burst(c.dec.control_port, forged)
+            self.zmq_burst(c.dec, forged)
 
     def early_m2(self):
         """Transfer requests for rooms no sender will have (issue 13 item 6)."""
-        self.zmq_burst(self.c.pre.control_port, [m1()] + [m2(30_000_000 + self.rng.randrange(1 << 30))
+        self.zmq_burst(self.c.pre, [m1()] + [m2(30_000_000 + self.rng.randrange(1 << 30))
                                                           for _ in range(BURST)])
 
     # ---------------------------------------------------------------- the run
 
+    KINDS = ["kill-prefill", "kill-decode", "kill-bootstrap", "stop-prefill", "stop-decode", "stop-bootstrap",
+             "zmq-decode", "zmq-prefill", "zmq-unknown-room", "zmq-forged-m3", "zmq-early-m2", "http", "engine"]
+
+    def kinds(self):
+        return self.KINDS
+
+    def other_fault(self, action, target):
+        """A fault kind a subclass adds; returns whether it was one."""
+        return False
+
     def inject(self):
         c = self.c
-        kinds = ["kill-prefill", "kill-decode", "kill-bootstrap", "stop-prefill", "stop-decode", "stop-bootstrap",
-                 "zmq-decode", "zmq-prefill", "zmq-unknown-room", "zmq-forged-m3", "zmq-early-m2", "http", "engine"]
-        kind = self.rng.choice(kinds)
+        kind = self.rng.choice(self.kinds())
         at = round(time.monotonic() - self.t0, 1)
         action, _, target = kind.partition("-")
-        if action == "kill":
+        if self.other_fault(action, target):
+            pass
+        elif action == "kill":
             self.kill(target)
         elif action == "stop":
             self.stop(target)
         elif kind == "zmq-decode":
-            self.zmq_burst(c.dec.control_port, MALFORMED_M3)
+            self.zmq_burst(c.dec, MALFORMED_M3)
         elif kind == "zmq-prefill":
-            self.zmq_burst(c.pre.control_port, MALFORMED_PREFILL)
+            self.zmq_burst(c.pre, MALFORMED_PREFILL)
         elif kind == "zmq-unknown-room":
-            self.zmq_burst(c.dec.control_port, [m3(40_000_000 + self.rng.randrange(1 << 20), status=s)
+            self.zmq_burst(c.dec, [m3(40_000_000 + self.rng.randrange(1 << 20), status=s)
                                                 for s in (0, SUCCESS)])
         elif kind == "http":
             self.http_burst()

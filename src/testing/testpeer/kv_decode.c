@@ -9,7 +9,7 @@
  * It prints
  *   ready <engine-session>
  * and takes commands on stdin:
- *   recv <room> <npages> <seed> <token> [corrupt|corrupt-landed|-] [bootstrap]
+ *   recv <room> <npages> <seed> <token> [corrupt|corrupt-landed|poke-late|-] [bootstrap]
  *       creates a receiver on every decode rank against the --bootstrap
  *       server (or the one the line names: a decode instance serving several
  *       prefill instances, `kvferry demo --cluster`), each takes npages
@@ -26,6 +26,9 @@
  *   stats
  *       one line "stats <live-rooms> <received> <malformed> <unknown-room>"
  *       summed over the ranks (as kv-peer's)
+ *   quarantine
+ *       with --quarantine-ms: checks every page in quarantine now and answers
+ *       "quarantine <pages-held> <pages-checked> <pages-changed>" (see below)
  *   quit
  * and reports each request once it is final and checked:
  *   done <room> <poll-status> <bad-pages> <t-init-ns> <t-final-ns> <reason or ->
@@ -33,7 +36,15 @@
  * the last rank's init call and of the poll that first saw every rank final
  * (Failed as soon as one rank is). bad-pages counts (rank, page, buffer)
  * triples that differ. It exits on EOF of stdin. With --rank r the process
- * hosts only rank r of the --world ranks (one process per GPU). */
+ * hosts only rank r of the --world ranks (one process per GPU).
+ *
+ * --quarantine-ms MS is the late-write check: when a room ends Failed, its
+ * pages are overwritten with a poison byte at once and kept out of reuse for
+ * MS; before they go back to the pool every byte must still be poison. A
+ * page that changed was written after its room failed: it is counted and
+ * reported as "late-write <room> <pages> <where>". `poke-late` on a recv
+ * flips one byte of one page of that room right after the poison, as a late
+ * write would, to show that the check catches it. */
 #include <getopt.h>
 #include <poll.h>
 #include <stdio.h>
@@ -50,6 +61,8 @@
 
 #define DEC_MAX_REQS 1024
 #define DEC_MAX_RANKS 64
+#define DEC_QUAR_MAX 4096 /* quarantined rooms; the oldest is checked early when full */
+#define DEC_POISON 0xA5
 
 /* One decode rank: its manager and its pool. */
 typedef struct dec_rank {
@@ -60,7 +73,7 @@ typedef struct dec_rank {
 } dec_rank;
 
 typedef struct dec_req {
-  int active, corrupt;
+  int active, corrupt, late_poke;
   int64_t room, token;
   uint64_t seed;
   char baddr[KVF_ADDR_MAX + 1];    /* the prefill's bootstrap server; "" = --bootstrap */
@@ -69,6 +82,25 @@ typedef struct dec_req {
   size_t npages;
   long long t_init_ns;
 } dec_req;
+
+/* The pages of one Failed room, poisoned and out of reuse until `until_ns`. */
+typedef struct dec_quar {
+  int64_t room;
+  int64_t *pages[DEC_MAX_RANKS];
+  size_t npages;
+  long long until_ns;
+} dec_quar;
+
+typedef struct dec_quarantine {
+  long long ms; /* 0: no late-write check */
+  dec_quar q[DEC_QUAR_MAX];
+  size_t head, n;                            /* a ring, oldest first */
+  unsigned long long held, checked, changed; /* pages */
+} dec_quarantine;
+
+/* Poison the pages of a Failed room and move them (taken from `r`) into
+ * quarantine. */
+static void quarantine_room(dec_quarantine *qz, dec_rank *rk, int nranks, dec_req *r);
 
 /* Count the (rank, page, buffer) triples that do not hold their pattern
  * (for a head-aware pool: any unit (token, head) of it); describe the first
@@ -105,6 +137,91 @@ static size_t check_pages(kvpool *pool, int rank, const int64_t *pages, dec_req 
   return bad;
 }
 
+/* Check one quarantined room's pages are all still poison; with `give`,
+ * count them checked and hand them back to the pools. Returns the pages
+ * that changed (then counted and given back whatever `give` says). */
+static size_t quarantine_check(dec_quarantine *qz, dec_rank *rk, int nranks, dec_quar *e, int give) {
+  size_t changed = 0;
+  char where[160] = "";
+  for (int d = 0; d < nranks; d++) {
+    kvpool *pool = &rk[d].pool;
+    if (!e->pages[d]) continue;
+    kvf_engine_sync(kvf_manager_engine(rk[d].m));
+    for (size_t k = 0; k < e->npages; k++) {
+      int page_changed = 0;
+      for (size_t b = 0; b < pool->nbuf && !page_changed; b++) {
+        const unsigned char *p = (const unsigned char *)pool->ptrs[b] + e->pages[d][k] * pool->item_len;
+        for (uint64_t i = 0; i < pool->item_len; i++)
+          if (p[i] != DEC_POISON) {
+            if (!changed)
+              snprintf(where, sizeof where, "rank-%d,request-page-%zu(pool-page-%lld),buffer-%zu,byte-%llu", d, k,
+                       (long long)e->pages[d][k], b, (unsigned long long)i);
+            page_changed = 1;
+            break;
+          }
+      }
+      changed += (size_t)page_changed;
+    }
+  }
+  if (changed) {
+    printf("late-write %lld %zu %s\n", (long long)e->room, changed, where);
+    fflush(stdout);
+    qz->changed += changed;
+    give = 1;
+  }
+  if (give) {
+    for (int d = 0; d < nranks; d++) {
+      if (!e->pages[d]) continue;
+      qz->checked += e->npages;
+      qz->held -= e->npages;
+      kvpool_give(&rk[d].pool, e->pages[d], e->npages);
+      free(e->pages[d]);
+      e->pages[d] = NULL;
+    }
+    e->npages = 0;
+  }
+  return changed;
+}
+
+/* Release the quarantined rooms whose time is up (all with `now` < 0). */
+static void quarantine_expire(dec_quarantine *qz, dec_rank *rk, int nranks, long long now) {
+  while (qz->n && (now < 0 || qz->q[qz->head].until_ns <= now)) {
+    quarantine_check(qz, rk, nranks, &qz->q[qz->head], 1);
+    qz->head = (qz->head + 1) % DEC_QUAR_MAX;
+    qz->n--;
+  }
+}
+
+/* The `quarantine` command: check every held page now, keep the unchanged. */
+static void quarantine_report(dec_quarantine *qz, dec_rank *rk, int nranks) {
+  for (size_t i = 0; i < qz->n; i++) {
+    dec_quar *e = &qz->q[(qz->head + i) % DEC_QUAR_MAX];
+    if (e->npages) quarantine_check(qz, rk, nranks, e, 0);
+  }
+  printf("quarantine %llu %llu %llu\n", qz->held, qz->checked, qz->changed);
+  fflush(stdout);
+}
+
+static void quarantine_room(dec_quarantine *qz, dec_rank *rk, int nranks, dec_req *r) {
+  if (qz->n == DEC_QUAR_MAX) quarantine_expire(qz, rk, nranks, qz->q[qz->head].until_ns);
+  dec_quar *e = &qz->q[(qz->head + qz->n++) % DEC_QUAR_MAX];
+  *e = (dec_quar){.room = r->room, .npages = r->npages, .until_ns = cli_now_ns() + qz->ms * 1000000LL};
+  for (int d = 0; d < nranks; d++) {
+    kvpool *pool = &rk[d].pool;
+    e->pages[d] = r->pages[d];
+    r->pages[d] = NULL;
+    if (!e->pages[d]) continue;
+    /* Order the bytes landed so far before the poison: what lands later is late. */
+    kvf_engine_sync(kvf_manager_engine(rk[d].m));
+    for (size_t b = 0; b < pool->nbuf; b++)
+      for (size_t k = 0; k < e->npages; k++)
+        memset((char *)pool->ptrs[b] + e->pages[d][k] * pool->item_len, DEC_POISON, pool->item_len);
+    if (r->late_poke && e->npages)
+      ((unsigned char *)pool->ptrs[0])[e->pages[d][e->npages / 2] * pool->item_len + pool->item_len / 3] ^= 0x5A;
+    qz->held += e->npages;
+  }
+}
+
 /* Destroy the room's receivers, give its pages back, clear the slot. */
 static void release(dec_rank *rk, int nranks, dec_req *r) {
   for (int d = 0; d < nranks; d++) {
@@ -115,8 +232,9 @@ static void release(dec_rank *rk, int nranks, dec_req *r) {
   memset(r, 0, sizeof *r);
 }
 
-static void finish(dec_rank *rk, int nranks, dec_req *r, int st, long long t_final) {
+static void finish(dec_quarantine *qz, dec_rank *rk, int nranks, dec_req *r, int st, long long t_final) {
   char why[256] = "";
+  if (st == KVF_POLL_FAILED && qz->ms) quarantine_room(qz, rk, nranks, r); /* poisoned before anything else */
   size_t bad = 0;
   if (st == KVF_POLL_SUCCESS) {
     for (int d = 0; d < nranks; d++) {
@@ -152,7 +270,7 @@ static void finish(dec_rank *rk, int nranks, dec_req *r, int st, long long t_fin
 }
 
 /* A receiver on every decode rank for the room, each with its own pages. */
-static void start(dec_rank *rk, int nranks, const char *baddr, dec_req *r, uint64_t *rng) {
+static void start(dec_quarantine *qz, dec_rank *rk, int nranks, const char *baddr, dec_req *r, uint64_t *rng) {
   const char *why = NULL;
   if (*r->baddr) baddr = r->baddr;
   if (!baddr) why = "no-bootstrap-address";
@@ -174,7 +292,7 @@ static void start(dec_rank *rk, int nranks, const char *baddr, dec_req *r, uint6
       if (kvf_receiver_init(r->rx[d], r->pages[d], r->npages, 0, 0, NULL, 0)) why = "cannot-init";
     }
     if (!why) return;
-    finish(rk, nranks, r, KVF_POLL_FAILED, cli_now_ns());
+    finish(qz, rk, nranks, r, KVF_POLL_FAILED, cli_now_ns());
     return;
   }
   printf("done %lld 0 0 0 0 %s\n", (long long)r->room, why);
@@ -184,6 +302,7 @@ static void start(dec_rank *rk, int nranks, const char *baddr, dec_req *r, uint6
 
 int cli_kv_decode(int argc, char **argv) {
   int layers = 2, world = 1, page_size = 1, heads = 0, mla = 0, rank = -1;
+  long long quarantine_ms = 0;
   unsigned long long item = 4096, pages = 4096, unit = 256;
   const char *host = "127.0.0.1", *baddr = NULL;
   static const struct option opts[] = {{"layers", required_argument, 0, 'l'},
@@ -199,10 +318,11 @@ int cli_kv_decode(int argc, char **argv) {
                                        {"mla-legacy", no_argument, 0, 'L'},
                                        {"rank", required_argument, 0, 'r'},
                                        {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
+                                       {"quarantine-ms", required_argument, 0, 'Q'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   int c;
-  while ((c = getopt_long(argc, argv, "l:i:p:H:b:w:P:E:U:MLr:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "l:i:p:H:b:w:P:E:U:MLr:Q:h", opts, NULL)) != -1) {
     switch (c) {
       case 'l': layers = atoi(optarg); break;
       case 'i':
@@ -222,6 +342,7 @@ int cli_kv_decode(int argc, char **argv) {
       case 'M': mla = 1; break;
       case 'L': mla = 2; break;
       case 'r': rank = atoi(optarg); break;
+      case 'Q': quarantine_ms = atoll(optarg); break;
       case CLI_OPT_TRANSPORT:
         if (cli_set_transport("kv-decode", optarg)) return 2;
         break;
@@ -238,13 +359,15 @@ int cli_kv_decode(int argc, char **argv) {
             "  --mla      MLA pools: one latent buffer per layer, page-size tokens of --unit bytes a\n"
             "             page, the same on every rank (--heads ignored); the generic planner\n"
             "             treats the latent as replicated when the TP sizes differ\n"
-            "  --mla-legacy  MLA pools with the legacy MLA routing (is_mla)\n");
+            "  --mla-legacy  MLA pools with the legacy MLA routing (is_mla)\n"
+            "  --quarantine-ms MS  late-write check: a Failed room's pages are poisoned, kept out\n"
+            "             of reuse for MS and checked before reuse (command `quarantine`)\n");
         return 0;
       default: return 2;
     }
   }
   if (layers < 1 || !item || !pages || world < 1 || world > DEC_MAX_RANKS || page_size < 1 || heads < 0 ||
-      ((heads || mla) && !unit) || rank >= world) {
+      ((heads || mla) && !unit) || rank >= world || quarantine_ms < 0) {
     fprintf(stderr, "kv-decode: a non-empty layout (and --rank below --world) is required\n");
     return 2;
   }
@@ -253,7 +376,9 @@ int cli_kv_decode(int argc, char **argv) {
   int rc = 1, nranks = 0;
   dec_rank *rk = calloc((size_t)nlocal, sizeof *rk);
   dec_req *reqs = calloc(DEC_MAX_REQS, sizeof *reqs);
-  if (!reqs || !rk) goto out;
+  dec_quarantine *qz = calloc(1, sizeof *qz);
+  if (!reqs || !rk || !qz) goto out;
+  qz->ms = quarantine_ms;
   for (int d = 0; d < nlocal; d++) {
     kvpool *pool = &rk[d].pool;
     rk[d].rank = first + d;
@@ -318,6 +443,8 @@ int cli_kv_decode(int argc, char **argv) {
           kvf_manager *ms[DEC_MAX_RANKS];
           for (int d = 0; d < nranks; d++) ms[d] = rk[d].m;
           cli_print_stats(ms, nranks);
+        } else if (!strcmp(line, "quarantine")) {
+          quarantine_report(qz, rk, nranks);
         } else if (sscanf(line, "recv %lld %lld %llu %lld %15s " CLI_ADDR_SCAN, &room, &np, &seed, &token, extra,
                           via) >= 4 &&
                    np >= 0) {
@@ -331,10 +458,11 @@ int cli_kv_decode(int argc, char **argv) {
                            .npages = (size_t)np,
                            .seed = seed,
                            .token = token,
-                           .corrupt = !strcmp(extra, "corrupt")};
+                           .corrupt = !strcmp(extra, "corrupt"),
+                           .late_poke = !strcmp(extra, "poke-late")};
             snprintf(r->baddr, sizeof r->baddr, "%s", via);
             if (!strcmp(extra, "corrupt-landed")) testing_corrupt_room(room); /* armed before its M2 goes out */
-            start(rk, nranks, baddr, r, &rng);
+            start(qz, rk, nranks, baddr, r, &rng);
           }
         } else {
           printf("error bad command\n");
@@ -365,9 +493,10 @@ int cli_kv_decode(int argc, char **argv) {
     long long t = cli_now_ns();
     for (int i = 0; i < DEC_MAX_REQS; i++)
       if (st[i] == KVF_POLL_SUCCESS || st[i] == KVF_POLL_FAILED) {
-        finish(rk, nranks, &reqs[i], st[i], t);
+        finish(qz, rk, nranks, &reqs[i], st[i], t);
         nactive--;
       }
+    if (qz->n) quarantine_expire(qz, rk, nranks, t);
     if (nactive) usleep(50);
   }
   rc = 0;
@@ -378,10 +507,12 @@ out:
         kvf_receiver_destroy(reqs[i].rx[d]);
         free(reqs[i].pages[d]);
       }
+  if (qz) quarantine_expire(qz, rk, nranks, -1);
   for (int d = 0; d < nranks; d++) kvf_manager_destroy(rk[d].m);
   for (int d = 0; rk && d < nlocal; d++) kvpool_free(&rk[d].pool);
   for (int d = 0; rk && d < nlocal; d++) kvf_engine_destroy(rk[d].e);
   free(rk);
   free(reqs);
+  free(qz);
   return rc;
 }
