@@ -44,7 +44,7 @@
  *   quit
  * and reports each request when its senders are final:
  *   done <room> <poll-status> <last-send-ns> <reason or ->
- * where last-send-ns is CLOCK_MONOTONIC at the return of the last send call
+ * where last-send-ns is CLOCK_MONOTONIC when the last send call began
  * (comparable across processes on one host, for latency measurements).
  * It exits on EOF of stdin, so a test that dies takes its peer with it. */
 #include <getopt.h>
@@ -150,6 +150,9 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
         p.cands = cands, p.ncand = 2;
         if (r->state_slot >= 0) p.state_slots = &r->state_slot, p.nstate = 1;
       }
+      /* The KV is ready when the last send call begins: latencies count from
+       * here (its return may come after the decode's Success). */
+      if (last) r->last_send_ns = cli_now_ns();
       if (kvf_sender_send(r->tx[i], &p)) return -1;
       if (last) break;
     }
@@ -158,7 +161,6 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
       kvf_engine_sync(kvf_manager_engine(mgr[rank]));
     }
   }
-  r->last_send_ns = cli_now_ns();
   return 0;
 }
 
