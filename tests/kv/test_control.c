@@ -7,7 +7,6 @@
  * unpack byte-exact and malformed ones are refused; the peer-address check
  * compares what it can. */
 #include <pthread.h>
-#include <sys/resource.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -23,6 +22,7 @@
 #include "kv/manager.h"
 #include "kv/probe.h"
 #include "kvferry.h"
+#include "procfs.h"
 #include "wire/messages.h"
 
 #define PEERS 32        /* PUSH sockets sending to one manager at once */
@@ -292,12 +292,7 @@ static void push_cache_holds_more_peers_than_zeromq_default(void **state) {
   (void)state;
   /* ~3 descriptors per peer (the PUSH socket's connection and mailbox, the
    * PULL side's connection). */
-  struct rlimit rl;
-  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < 4 * MANY_PEERS) {
-    rl.rlim_cur = rl.rlim_max < 4 * MANY_PEERS ? rl.rlim_max : 4 * MANY_PEERS;
-    setrlimit(RLIMIT_NOFILE, &rl);
-  }
-  if (getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur < 4 * MANY_PEERS) {
+  if (kvf_test_raise_fd_limit(4 * MANY_PEERS)) {
     skip(); /* the descriptor limit, not the library, would refuse */
     return;
   }
@@ -341,12 +336,7 @@ static void push_cache_holds_more_peers_than_zeromq_default(void **state) {
 #define BURST_PROBES 1000
 static void a_burst_of_probes_is_answered(void **state) {
   (void)state;
-  struct rlimit rl;
-  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < 4 * BURST_PROBES) {
-    rl.rlim_cur = rl.rlim_max < 4 * BURST_PROBES ? rl.rlim_max : 4 * BURST_PROBES;
-    setrlimit(RLIMIT_NOFILE, &rl);
-  }
-  if (getrlimit(RLIMIT_NOFILE, &rl) || rl.rlim_cur < 4 * BURST_PROBES) {
+  if (kvf_test_raise_fd_limit(4 * BURST_PROBES)) {
     skip();
     return;
   }

@@ -1,0 +1,14 @@
+/* What the tests read about their own process: threads, and a descriptor
+ * limit raised for tests that open thousands of sockets. Linked into every
+ * test program (tests/CMakeLists.txt, kvf_test_case). */
+#ifndef KVF_TESTS_LIB_PROCFS_H
+#define KVF_TESTS_LIB_PROCFS_H
+
+/* Threads of this process (/proc/self/task), or -1. */
+int kvf_test_count_threads(void);
+/* Raise RLIMIT_NOFILE's soft limit to at least `need` (within the hard
+ * limit): 0 when the process may now open `need` descriptors, else -1 (the
+ * test should skip: the limit, not the library, would refuse). */
+int kvf_test_raise_fd_limit(unsigned long need);
+
+#endif
