@@ -8,7 +8,8 @@
 #   make faults the fault suite (tests/faults: kills, stops, a partition, hostile
 #               peers, seeded random fault runs on one host and across namespaces;
 #               FAULTS_ARGS="--n 1000" for more faults)
-#   make asan   the test suite under AddressSanitizer + UndefinedBehaviorSanitizer
+#   make asan   the test suite under AddressSanitizer + UndefinedBehaviorSanitizer (not the
+#               reruns over UCX's tcp, label software_rma: make test-slow runs them)
 #   make tsan   the threaded tests under ThreadSanitizer
 #   make fuzz   build the libFuzzer targets and run each briefly
 #   make bench  run the benchmarks
@@ -53,7 +54,7 @@ asan: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang -DKVF_SANITIZE=address
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+	  ctest --output-on-failure -j $(JOBS) -LE software_rma $(CTEST_ARGS)
 
 tsan: deps
 	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang -DKVF_SANITIZE=thread
