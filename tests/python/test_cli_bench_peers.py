@@ -50,11 +50,15 @@ def test_quick_json_shape():
             assert set(c) == CASE_KEYS, c
             assert c["error"] is None and c["connected"] == c["peers"]
             assert len(c["rooms_per_s_runs"]) == 1 and c["rooms_per_s_runs"][0] == c["rooms_per_s"]  # --quick
-            for k in CASE_KEYS - {"error", "peers", "connected", "idle_wakeups_per_s_per_peer", "rooms_per_s_runs"}:
+            # Growth over the base (per peer) is a difference: pool workers that
+            # retired, or a wake-up count, may dip below it.
+            deltas = {"idle_wakeups_per_s_per_peer", "threads_per_peer", "fds_per_peer", "rss_kib_per_peer"}
+            for k in CASE_KEYS - {"error", "peers", "connected", "rooms_per_s_runs"} - deltas:
                 assert math.isfinite(c[k]) and c[k] >= 0, (k, c)
-            assert math.isfinite(c["idle_wakeups_per_s_per_peer"])  # a difference: may dip below 0
+            for k in deltas & CASE_KEYS:
+                assert math.isfinite(c[k]), (k, c)
             assert c["rooms_per_s"] > 0 and c["p50_us"] > 0
-            assert c["threads"] >= r["measured_start"]["threads"]
+            assert c["threads"] > 0 and c["fds"] > 0
         assert r["cases"][0]["rate_over_1peer"] == 1.0
         assert isinstance(r["thread_growth"], dict) and isinstance(r["fd_growth"], dict)
 
