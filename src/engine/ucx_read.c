@@ -174,16 +174,28 @@ static void reader_ep_cancel_locked(ucx_state *u, ucx_ctl *c, void *req) {
 }
 
 /* With wmu held: the endpoint to the writer and its regions, from the
- * writer's last info (kept in waddr: header, then body). */
-static int reader_ep_make_locked(ucx_state *u, ucx_ctl *c) {
+ * writer's last info (kept in waddr: header, then body). UCX parses the
+ * body's keys only behind UCX_RKEY_PARSE_PAD zeroed bytes: `padded` is the
+ * body as received (kvf__ucx_info_read_rest pads it), or NULL to pad a
+ * copy of the kept one here. The kept copy has no pad: 64 KiB of zeros per
+ * writer, held for the connection's life, were most of what an idle peer
+ * cost (issue 24). */
+static int reader_ep_make_locked(ucx_state *u, ucx_ctl *c, const char *padded) {
   if (c->ep && !atomic_load(&c->ep_failed)) return 0;
   if (c->ep) reader_ep_cancel_locked(u, c, NULL);
   atomic_store(&c->ep_failed, 0);
   const ucx_info_hdr *h = c->waddr;
-  const char *body = (const char *)c->waddr + sizeof *h;
-  int rc = kvf__ucx_ep_create(u, body, c->same_host, reader_ep_error, c, c->peer, &c->ep);
+  char *copy = NULL;
+  if (!padded) {
+    if (!(copy = malloc((size_t)h->body_len + UCX_RKEY_PARSE_PAD))) return KVF_ENOMEM;
+    memcpy(copy, (const char *)c->waddr + sizeof *h, h->body_len);
+    memset(copy + h->body_len, 0, UCX_RKEY_PARSE_PAD);
+    padded = copy;
+  }
+  int rc = kvf__ucx_ep_create(u, padded, c->same_host, reader_ep_error, c, c->peer, &c->ep);
   size_t off = h->addr_len;
-  if (!rc) rc = kvf__ucx_regions_unpack(c->ep, h, body, &off, c->same_host, c->peer, &c->wregs, &c->nwregs);
+  if (!rc) rc = kvf__ucx_regions_unpack(c->ep, h, padded, &off, c->same_host, c->peer, &c->wregs, &c->nwregs);
+  free(copy);
   return rc;
 }
 
@@ -222,24 +234,24 @@ int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
     free(body);
     return KVF_EPROTO;
   }
-  /* Kept whole (header, body, the zeroed pad info_read_rest put behind it)
-   * to make the endpoint again after a cancel. */
-  char *keep = malloc(sizeof h + h.body_len + UCX_RKEY_PARSE_PAD);
+  /* Kept (header, body; not the pad) to make the endpoint again after a
+   * cancel. */
+  char *keep = malloc(sizeof h + h.body_len);
   if (!keep) {
     free(body);
     return KVF_ENOMEM;
   }
   memcpy(keep, &h, sizeof h);
-  memcpy(keep + sizeof h, body, (size_t)h.body_len + UCX_RKEY_PARSE_PAD);
-  free(body);
+  memcpy(keep + sizeof h, body, h.body_len);
   pthread_mutex_lock(&u->wmu);
   if (c->ep) reader_ep_cancel_locked(u, c, NULL); /* new regions: keys on a fresh endpoint */
   free(c->waddr);
   c->waddr = keep;
   c->waddr_len = sizeof h + h.body_len;
   c->same_host = !strcmp(h.host_id, u->host_id);
-  rc = reader_ep_make_locked(u, c);
+  rc = reader_ep_make_locked(u, c, body);
   pthread_mutex_unlock(&u->wmu);
+  free(body);
   if (!rc) populate(c);
   /* The answer to this engine's first info bounds the writer's clock. */
   if (!rc && c->info_ns && h.echo_ns == c->info_ns && h.clock_ns >= c->info_ns - (int64_t)1e15) {
@@ -661,7 +673,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   if (n.tag && !(r.fence = kvf__fence_enter(e, n.tag, n.epoch))) status = KVF_ESTATE;
   if (!status && (!c->ep || atomic_load(&c->ep_failed))) { /* again after a cancel: the regions come with it */
     pthread_mutex_lock(&u->wmu);
-    status = reader_ep_make_locked(u, c);
+    status = reader_ep_make_locked(u, c, NULL);
     pthread_mutex_unlock(&u->wmu);
     if (!status) populate(c);
   }
