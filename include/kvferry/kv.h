@@ -150,6 +150,14 @@ typedef struct kvf_manager_config {
    * Added after KVF_MANAGER_CONFIG_SIZE_V1: a program built against older
    * headers gets the default. */
   size_t trace_rooms;
+  /* Both roles: a control (ZeroMQ PUSH) socket to a peer that carried no
+   * message for this long is closed, and the peer's end of the connection
+   * with it; the next message to that peer connects again (a TCP and ZMTP
+   * handshake). An open pair costs about 54 KiB over both processes, most
+   * of what an idle peer costs. Default 30 s (0 picks it); negative = never
+   * close; env KVFERRY_CONTROL_IDLE_S (seconds, 0 = never) overrides.
+   * Added after trace_rooms, like it. */
+  double control_idle_s;
 } kvf_manager_config;
 /* The size of the first published kvf_manager_config (up to verify), the
  * smallest `size` accepted (see KVF_ENGINE_CONFIG_SIZE_V1). */

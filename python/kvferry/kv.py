@@ -196,7 +196,8 @@ class KVManager(_Closing):
                  engine_port=0, auth_token=None, transfer_timeout_ms=0, conns_per_peer=0,
                  bootstrap_timeout_s=0, waiting_timeout_s=0, heartbeat_interval_s=0,
                  heartbeat_max_failures=0, failed_session_ttl_s=None, queue_size=0,
-                 http_timeout_ms=0, max_rooms=0, target_layer_num=0, verify=False, trace_rooms=None):
+                 http_timeout_ms=0, max_rooms=0, target_layer_num=0, verify=False, trace_rooms=None,
+                 control_idle_s=None):
         self._h = None
         self._handles = weakref.WeakSet()
         self._keep = []
@@ -276,6 +277,8 @@ class KVManager(_Closing):
             cfg.set("verify", 1)
         if trace_rooms is not None:
             cfg.set("trace_rooms", int(trace_rooms))
+        if control_idle_s is not None:
+            cfg.set("control_idle_s", float(control_idle_s))
 
         h = ctypes.c_void_p()
         check(lib.kvf_manager_create(cfg.ptr, ctypes.byref(bufs), ctypes.byref(h)),

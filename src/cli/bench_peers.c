@@ -73,6 +73,12 @@ typedef struct peers_run {
   double mgr_rss_kib, mgr_threads, mgr_fds; /* one idle decode instance, as kv-idle saw it */
   int nsteps;
   peers_step steps[PEERS_STEPS];
+  /* After the last step, once every peer has been idle past the control
+   * sockets' idle close ($KVFERRY_CONTROL_IDLE_S): the measured process
+   * then, the peers it holds, how long it waited. */
+  proc_usage closed, closed_base; /* the latter: the base, past the idle close too */
+  int closed_peers;
+  double closed_wait_s;
   name_counts thr0, thr1, fd0, fd1; /* at the baseline and at the last step measured */
   int census;                       /* thr1 and fd1 were taken */
   char path[256];                   /* cli_bench_path's JSON members */
@@ -298,6 +304,16 @@ static int peers_add(peers_run *run, proc *children, int *nchildren, int *have, 
   return 0;
 }
 
+/* The managers' idle close of control sockets, as they resolve it
+ * (kvf_manager_config.control_idle_s, $KVFERRY_CONTROL_IDLE_S); 0: none. */
+static double peers_idle_close_s(void) {
+  kvf_manager_config dc;
+  kvf_manager_config_init(&dc);
+  const char *env = getenv("KVFERRY_CONTROL_IDLE_S");
+  double s = env && *env ? atof(env) : dc.control_idle_s;
+  return s > 0 ? s : 0;
+}
+
 static int peers_cmp(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -365,6 +381,15 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   usleep(300000);
   peers_idle(mp, children, 0, &run->base_cpu_pct, &run->base_wakeups_per_s, NULL);
   if (proc_usage_get(mp, &run->base)) goto out_mgr;
+  /* The same base once the idle close has run (the active pair's sockets,
+   * and the heap trimmed after them), for the figures after it. */
+  double idle_s = peers_idle_close_s();
+  if (idle_s > 0) {
+    run->closed_wait_s = idle_s + 2.5; /* the sweep runs once a second */
+    usleep((useconds_t)(run->closed_wait_s * 1e6));
+    if (proc_usage_get(mp, &run->closed_base)) goto out_mgr;
+    run->base = run->closed_base; /* the steps' figures count from it too (the heap was trimmed in between) */
+  }
   peers_census(mp, &run->thr0, &run->fd0);
   int64_t idle_room = 1000000000; /* the idle peers' rooms, apart from the measured ones */
   for (int i = 0; i < nwant; i++) {
@@ -410,6 +435,12 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
     qsort(p50, (size_t)reps, sizeof p50[0], peers_cmp);
     qsort(p99, (size_t)reps, sizeof p99[0], peers_cmp);
     s->p50_us = p50[reps / 2], s->p99_us = p99[reps / 2];
+  }
+  /* Long idle: the idle close of the control sockets (both ends of every
+   * pair, this decode's with the prefill too) has run everywhere. */
+  if (run->nsteps && !run->steps[run->nsteps - 1].error[0] && idle_s > 0) {
+    usleep((useconds_t)(run->closed_wait_s * 1e6));
+    if (!proc_usage_get(mp, &run->closed)) run->closed_peers = run->steps[run->nsteps - 1].connected;
   }
   rc = 0;
   /* The path as JSON members, captured for the report printed later. */
@@ -488,16 +519,31 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
         printf("\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"threads_per_peer\":%.2f,\"fds_per_peer\":%.2f,"
                "\"rss_kib_per_peer\":%.1f,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
                "\"rate_over_1peer\":%.3f,\"idle_cpu_pct\":%.1f,\"idle_wakeups_per_s\":%.0f,"
-               "\"idle_wakeups_per_s_per_peer\":%.2f,\"idle_peers_cpu_pct\":%.1f,\"rooms_per_s_runs\":[",
+               "\"idle_wakeups_per_s_per_peer\":%.2f,\"idle_peers_cpu_pct\":%.1f,"
+               "\"rss_split_kib_per_peer\":{\"anon\":%.1f,\"shmem\":%.1f,\"file\":%.1f},\"rooms_per_s_runs\":[",
                s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
                per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
                s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
                s->idle_wakeups_per_s, (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers,
-               s->peers_cpu_pct);
+               s->peers_cpu_pct, per_peer(s->u.rss_anon_kb, run->base.rss_anon_kb, s->peers),
+               per_peer(s->u.rss_shmem_kb, run->base.rss_shmem_kb, s->peers),
+               per_peer(s->u.rss_file_kb, run->base.rss_file_kb, s->peers));
         for (int k = 0; k < s->nruns; k++) printf("%s%.0f", k ? "," : "", s->rate_runs[k]);
         printf("],\"error\":null}");
       }
       printf("]");
+      if (run->closed_peers) {
+        const proc_usage *c = &run->closed, *b = &run->closed_base;
+        int n = run->closed_peers;
+        printf(",\"after_idle_close\":{\"peers\":%d,\"waited_s\":%.1f,\"base_fds\":%ld,\"base_rss_kib\":%ld,"
+               "\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,"
+               "\"fds_per_peer\":%.2f,\"rss_kib_per_peer\":%.1f,"
+               "\"rss_split_kib_per_peer\":{\"anon\":%.1f,\"shmem\":%.1f,\"file\":%.1f}}",
+               n, run->closed_wait_s, b->fds, b->rss_kb, c->threads, c->fds, c->rss_kb,
+               per_peer(c->fds, b->fds, n), per_peer(c->rss_kb, b->rss_kb, n),
+               per_peer(c->rss_anon_kb, b->rss_anon_kb, n), per_peer(c->rss_shmem_kb, b->rss_shmem_kb, n),
+               per_peer(c->rss_file_kb, b->rss_file_kb, n));
+      }
       if (run->census) {
         peers_print_growth(&run->thr0, &run->thr1, 1, "thread_growth");
         peers_print_growth(&run->fd0, &run->fd1, 1, "fd_growth");
@@ -542,6 +588,24 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
              per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
              s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
              s->idle_wakeups_per_s, s->peers_cpu_pct);
+    }
+    for (int i = 0; i < run->nsteps; i++) {
+      const peers_step *s = &run->steps[i];
+      if (s->error[0]) continue;
+      printf("%s%d peers: %.1f private (RssAnon) + %.1f shared memory (RssShmem) + %.1f files",
+             i ? "; " : "KiB/peer split: ", s->peers, per_peer(s->u.rss_anon_kb, run->base.rss_anon_kb, s->peers),
+             per_peer(s->u.rss_shmem_kb, run->base.rss_shmem_kb, s->peers),
+             per_peer(s->u.rss_file_kb, run->base.rss_file_kb, s->peers));
+    }
+    printf("\n");
+    if (run->closed_peers) {
+      const proc_usage *c = &run->closed, *b = &run->closed_base;
+      int n = run->closed_peers;
+      printf("after %.1f s idle (control sockets closed, KVFERRY_CONTROL_IDLE_S), %d peers: %ld fds, %ld KiB: "
+             "%.2f fd/peer, %.1f KiB/peer = %.1f private + %.1f shared memory + %.1f files\n",
+             run->closed_wait_s, n, c->fds, c->rss_kb, per_peer(c->fds, b->fds, n),
+             per_peer(c->rss_kb, b->rss_kb, n), per_peer(c->rss_anon_kb, b->rss_anon_kb, n),
+             per_peer(c->rss_shmem_kb, b->rss_shmem_kb, n), per_peer(c->rss_file_kb, b->rss_file_kb, n));
     }
     if (!run->census) continue;
     printf("threads grown (by name) from base to the last step: ");

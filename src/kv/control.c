@@ -16,6 +16,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <malloc.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <sodium.h>
@@ -43,9 +44,12 @@
 #define MANAGER_TICK_MSGS 64     /* messages between two role ticks when the listener is never idle */
 _Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
 
+#define MANAGER_SWEEP_NS 1000000000ll /* how often the listener looks for idle PUSH sockets */
+
 typedef struct manager_push {
   pthread_mutex_t lock;
   void *sock;
+  _Atomic int64_t used_ns; /* the last send's start */
 } manager_push;
 
 int kvf__control_socket_limit(void) { return MANAGER_MAX_PUSHES + 1; }
@@ -221,6 +225,7 @@ int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, cons
   if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
   pthread_mutex_lock(&p->lock);
   pthread_mutex_unlock(&m->push_lock);
+  atomic_store(&p->used_ns, clock_now_ns());
   for (size_t i = 0; i < nsend && !rc; i++) {
     int flags = i + 1 < nsend ? ZMQ_SNDMORE : 0;
     const void *data = i < msg->nframes ? msg->frames[i].data : mac;
@@ -248,6 +253,48 @@ void kvf__manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {
     pthread_mutex_destroy(&p->lock);
     free(p);
   }
+}
+
+/* Idle PUSH sockets. A connected PUSH socket costs about 27 KiB at each end
+ * (libzmq's pipes and stream buffers), two per peer pair, which was most of
+ * what an idle peer cost (issue 24): closed after push_idle_ns without a
+ * message, its TCP connection ends and the peer's PULL side frees its
+ * share too. Only a socket no sender holds is closed; one taken meanwhile
+ * is kept for the next sweep. The next message reconnects (a TCP and ZMTP
+ * handshake, well under a millisecond on a LAN). */
+size_t kvf__control_close_idle_pushes(kvf_manager *m, int64_t now_ns) {
+  enum { SWEEP_MAX = 256 }; /* per sweep; the rest go in the next one */
+  manager_push *gone[SWEEP_MAX];
+  size_t n = 0;
+  if (m->push_idle_ns <= 0) return 0;
+  pthread_mutex_lock(&m->push_lock);
+  map_iter it;
+  kvf__map_iter_init(&it);
+  const char *k;
+  void *v;
+  while (n < SWEEP_MAX && kvf__smap_next(&m->pushes, &it, &k, &v)) {
+    manager_push *p = v;
+    /* Senders take p->lock under push_lock: one that holds it is sending,
+     * and none can be between finding p and locking it. */
+    if (now_ns - atomic_load(&p->used_ns) < m->push_idle_ns || pthread_mutex_trylock(&p->lock)) continue;
+    kvf__smap_del(&m->pushes, k, NULL); /* the iterator tolerates it */
+    gone[n++] = p;
+  }
+  pthread_mutex_unlock(&m->push_lock);
+  for (size_t i = 0; i < n; i++) { /* out of the map: no sender can find them */
+    zmq_close(gone[i]->sock);
+    pthread_mutex_unlock(&gone[i]->lock);
+    pthread_mutex_destroy(&gone[i]->lock);
+    free(gone[i]);
+  }
+  if (n) LOG_DEBUG("kv", "closed %zu PUSH socket(s) idle for %.0f s", n, (double)m->push_idle_ns / 1e9);
+  /* libzmq frees a closed socket's buffers on its reaper thread within the
+   * linger time: one sweep later, hand the freed pages back to the kernel
+   * (glibc keeps them otherwise, and a process that served a burst of peers
+   * would hold their memory for good). */
+  if (m->push_trim_due) malloc_trim(0);
+  m->push_trim_due = n > 0;
+  return n;
 }
 
 void kvf__control_close_pushes(kvf_manager *m) {
@@ -315,6 +362,11 @@ void *kvf__control_listener_main(void *arg) {
      * burst, and the first receive that finds nothing leads to the wait. */
     if (zmq_msg_recv(&parts[0], m->pull, ZMQ_DONTWAIT) < 0) {
       listener_wait(m, fd); /* EAGAIN; any other error waits too, rather than spin */
+      int64_t now = clock_now_ns();
+      if (now - m->push_swept_ns >= MANAGER_SWEEP_NS) {
+        m->push_swept_ns = now;
+        kvf__control_close_idle_pushes(m, now);
+      }
       continue;
     }
     size_t n = 1, extra = 0;

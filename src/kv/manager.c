@@ -41,6 +41,7 @@ void kvf_manager_config_init(kvf_manager_config *cfg) {
   cfg->max_rooms = 0;
   cfg->fast_completion = 1;
   cfg->trace_rooms = 1024;
+  cfg->control_idle_s = MANAGER_PUSH_IDLE_S;
 }
 
 static const kvf__field manager_fields[] = {
@@ -66,6 +67,7 @@ static const kvf__field manager_fields[] = {
     KVF__FIELD(kvf_manager_config, fast_completion, KVF__FIELD_INT),
     KVF__FIELD(kvf_manager_config, verify, KVF__FIELD_INT),
     KVF__FIELD(kvf_manager_config, trace_rooms, KVF__FIELD_SIZE),
+    KVF__FIELD(kvf_manager_config, control_idle_s, KVF__FIELD_DOUBLE),
 };
 
 int kvf_manager_config_set(kvf_manager_config *cfg, const char *name, const char *value) {
@@ -113,6 +115,9 @@ static void resolve_config(kvf_manager_config *c) {
   c->verify = kvf__env_get_int("KVFERRY_VERIFY", c->verify) != 0;
   int64_t tr = kvf__env_get_int("KVFERRY_TRACE_ROOMS", (int64_t)c->trace_rooms);
   c->trace_rooms = tr > 0 ? (size_t)tr : 0;
+  if (c->control_idle_s == 0) c->control_idle_s = d.control_idle_s;
+  double idle = kvf__env_get_double("KVFERRY_CONTROL_IDLE_S", c->control_idle_s); /* 0 or less: never */
+  c->control_idle_s = idle > 0 ? idle : -1;
   /* The reference's floors: a heartbeat faster than 2 s or a threshold of 0
    * would declare healthy peers dead. KVFERRY_HEARTBEAT_MIN_S lets tests go
    * below 2 s; production keeps the floor. */
@@ -317,6 +322,7 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
     goto err_free;
   }
   m->check_peer_ip = kvf__env_get_int("KVFERRY_CHECK_PEER_IP", 1) != 0;
+  m->push_idle_ns = c->control_idle_s > 0 ? (int64_t)(c->control_idle_s * 1e9) : 0;
   if (c->world_size % c->dp_size || c->engine_rank < 0 || c->engine_rank >= c->world_size) {
     LOG_ERROR("kv", "bad parallel layout: rank %d of world %d with dp %d", c->engine_rank, c->world_size,
               c->dp_size);

@@ -117,6 +117,9 @@ struct kvf_manager {
 
   pthread_mutex_t push_lock; /* guards `pushes` (the map, not the sockets) */
   smap pushes;               /* "host:port" -> manager_push */
+  int64_t push_idle_ns;      /* a PUSH socket unused this long is closed ($KVFERRY_CONTROL_IDLE_S); 0: never */
+  int64_t push_swept_ns;     /* the listener's last look for idle ones (its thread only) */
+  int push_trim_due;         /* that look closed some: trim the heap at the next (its thread only) */
 
   const manager_role_ops *role; /* set once, before the role starts */
   struct decode_state *decode;
@@ -159,6 +162,9 @@ int kvf__manager_peer_is(const kvf_manager *m, const char *peer, const char *ip)
 /* The MAC frame (see control.c) of frames f[0..n) under m's control token:
  * MANAGER_MAC_LEN bytes into out. Any thread. */
 #define MANAGER_MAC_LEN 40 /* 8 bytes of clock + HMAC-SHA256 */
+/* Seconds a PUSH socket may go unused before it is closed (the default of
+ * $KVFERRY_CONTROL_IDLE_S; kvf__control_close_idle_pushes). */
+#define MANAGER_PUSH_IDLE_S 30
 void kvf__control_mac(const kvf_manager *m, const wire_frame *f, size_t n, unsigned char out[MANAGER_MAC_LEN]);
 
 /* control.c, for kvf_manager_create / destroy: bind the PULL socket to a
@@ -176,5 +182,9 @@ int kvf__control_socket_limit(void);
 void kvf__control_wake(kvf_manager *m);
 void *kvf__control_listener_main(void *arg);
 void kvf__control_close_pushes(kvf_manager *m);
+/* Close the PUSH sockets unused for m->push_idle_ns (the listener calls it
+ * about once a second); a later message to that peer opens a new one.
+ * Returns how many it closed. */
+size_t kvf__control_close_idle_pushes(kvf_manager *m, int64_t now_ns);
 
 #endif

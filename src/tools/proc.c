@@ -132,7 +132,7 @@ const char *proc_testpeer_exe(void) {
 
 int proc_usage_get(pid_t pid, proc_usage *u) {
   char path[64], line[256];
-  proc_usage v = {-1, 0, -1};
+  proc_usage v = {.threads = -1, .rss_kb = -1};
   if (pid) snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
   else snprintf(path, sizeof path, "/proc/self/status");
   FILE *f = fopen(path, "r");
@@ -140,6 +140,9 @@ int proc_usage_get(pid_t pid, proc_usage *u) {
   while (fgets(line, sizeof line, f)) {
     if (!strncmp(line, "Threads:", 8)) v.threads = strtol(line + 8, NULL, 10);
     else if (!strncmp(line, "VmRSS:", 6)) v.rss_kb = strtol(line + 6, NULL, 10);
+    else if (!strncmp(line, "RssAnon:", 8)) v.rss_anon_kb = strtol(line + 8, NULL, 10);
+    else if (!strncmp(line, "RssShmem:", 9)) v.rss_shmem_kb = strtol(line + 9, NULL, 10);
+    else if (!strncmp(line, "RssFile:", 8)) v.rss_file_kb = strtol(line + 8, NULL, 10);
   }
   fclose(f);
   if (pid) snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);

@@ -34,9 +34,13 @@ const char *proc_self_exe(void);
 const char *proc_testpeer_exe(void);
 
 /* What a process holds, from /proc/<pid>: threads (status Threads), open
- * descriptors (entries of fd/) and resident memory (status VmRSS, KiB). */
+ * descriptors (entries of fd/) and resident memory (status VmRSS, KiB),
+ * split as status has it: private memory (RssAnon), pages of shared memory
+ * mapped in (RssShmem: another process's pool the engine reads, counted in
+ * both) and of files (RssFile: libraries). */
 typedef struct proc_usage {
   long threads, fds, rss_kb;
+  long rss_anon_kb, rss_shmem_kb, rss_file_kb;
 } proc_usage;
 /* pid 0 = this process. 0 or -1 (the process is gone or /proc unreadable). */
 int proc_usage_get(pid_t pid, proc_usage *u);

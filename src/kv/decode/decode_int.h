@@ -38,7 +38,7 @@
  * - an M3 counts only when it comes from the address of a rank the room was
  *   planned with (§8 lets any ZMQ peer end any room; issue 13 defect 5);
  * - HTTP calls never run under the cache lock; scheduler threads use a
- *   short-lived client on cache misses, the heartbeat its own clients.
+ *   short-lived client on cache misses, the heartbeat one per probe.
  *
  * Which rooms belong to an address is found through the room table's user
  * pointer (the receiver) rather than a separate addr->rooms set, so there is
@@ -107,7 +107,6 @@ typedef struct addr_entry {
 
 /* Heartbeat bookkeeping of one address; heartbeat thread only. */
 typedef struct hb_peer {
-  bootstrap_client *client;
   int failures;
   int seen; /* still in the probe set this round */
 } hb_peer;

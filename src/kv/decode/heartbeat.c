@@ -201,7 +201,7 @@ static int ms_capped(int ms, double cap_s) {
  * heartbeat_failures). /health then serves only the restart revalidation.
  * With no cached rank (no receiver got that far), /health alone decides, as
  * in the reference. Returns 0 for a good round; else fills `why`. */
-static int probe_addr(kvf_manager *m, hb_peer *p, const char *addr, char *why, size_t cap) {
+static int probe_addr(kvf_manager *m, const char *addr, char *why, size_t cap) {
   double interval = m->cfg.heartbeat_interval_s;
   size_t n = 0;
   kvf__probe_target *t = collect_ranks(m, addr, &n);
@@ -220,22 +220,21 @@ static int probe_addr(kvf_manager *m, hb_peer *p, const char *addr, char *why, s
     atomic_fetch_add(&m->stats.heartbeat_failures, 1);
     return KVF_ECLOSED;
   }
-  if (!p->client) {
-    int tmo = ms_capped(DECODE_HB_TIMEOUT_MS, interval);
-    bootstrap_client_opts o = {.token = "",
-                               .connect_timeout_ms = ms_capped(DECODE_HB_CONNECT_MS, interval),
-                               .timeout_ms = tmo};
-    kvf__bootstrap_client_create(addr, &o, &p->client);
-  }
-  int rc = p->client ? kvf__bootstrap_client_health(p->client) : KVF_EIO;
-  if (!rc) {
-    revalidate_ranks(m, p->client, addr);
-    return 0;
-  }
+  /* A client (and a connection) per probe, closed after it: one kept per
+   * prefill address held a keep-alive connection, an HTTP session on the
+   * bootstrap server and libcurl's socket pair, three descriptors and about
+   * 25 KiB over the two processes per idle peer (issue 24), to save one
+   * TCP handshake every heartbeat_interval. */
+  bootstrap_client *c = NULL;
+  bootstrap_client_opts o = {.token = "",
+                             .connect_timeout_ms = ms_capped(DECODE_HB_CONNECT_MS, interval),
+                             .timeout_ms = ms_capped(DECODE_HB_TIMEOUT_MS, interval)};
+  kvf__bootstrap_client_create(addr, &o, &c);
+  int rc = c ? kvf__bootstrap_client_health(c) : KVF_EIO;
+  if (!rc) revalidate_ranks(m, c, addr);
+  kvf__bootstrap_client_destroy(c);
+  if (!rc) return 0;
   atomic_fetch_add(&m->stats.heartbeat_failures, 1);
-  /* A fresh connection next time, as the reference drops its session. */
-  kvf__bootstrap_client_destroy(p->client);
-  p->client = NULL;
   kvf__dec_set_reason(why, cap, "its bootstrap server does not answer /health (%s)", kvf_strerror(rc));
   if (n) {
     LOG_INFO("kv", "%s: %s; its %zu rank(s) answer, so it is not declared dead", addr, why, n);
@@ -244,11 +243,7 @@ static int probe_addr(kvf_manager *m, hb_peer *p, const char *addr, char *why, s
   return rc;
 }
 
-void kvf__dec_hb_peer_free(hb_peer *p) {
-  if (!p) return;
-  kvf__bootstrap_client_destroy(p->client);
-  free(p);
-}
+void kvf__dec_hb_peer_free(hb_peer *p) { free(p); }
 
 /* One round's probes, spread over up to DECODE_HB_PARALLEL threads: a
  * prefill whose ranks or bootstrap server hang until their timeouts delays
@@ -274,8 +269,7 @@ static int hb_stopping(struct decode_state *ds) {
 static void *hb_round_worker(void *arg) {
   hb_round *r = arg;
   for (size_t i; (i = atomic_fetch_add(&r->next, 1)) < r->n;)
-    r->rcs[i] =
-        hb_stopping(r->m->decode) ? 0 : probe_addr(r->m, r->peers[i], r->addrs[i], r->whys[i], sizeof r->whys[i]);
+    r->rcs[i] = hb_stopping(r->m->decode) ? 0 : probe_addr(r->m, r->addrs[i], r->whys[i], sizeof r->whys[i]);
   return NULL;
 }
 
