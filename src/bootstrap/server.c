@@ -47,7 +47,7 @@
  * connection opened or its previous reply; idle_timeout_s lowers it. */
 #define REQUEST_DEADLINE_S 10
 /* How often the guard thread looks for connections past their deadline. */
-#define GUARD_TICK_MS 200
+#define GUARD_SLACK_MS 1 /* the guard wakes this long after the earliest deadline */
 /* A connection this young that has not sent its headers yet is a client
  * about to: it is evicted only when no request has been running longer. */
 #define EVICT_GRACE_MS 2000
@@ -112,6 +112,7 @@ struct kvf_bootstrap_server {
   /* Connection tracking (see the top of the file). */
   pthread_mutex_t conns_lock;
   pthread_cond_t guard_cv;
+  int guard_sleeping; /* the guard waits for a connection to track (conns_lock) */
   conn_track conns;                       /* list head; scans are O(open connections), at most max_conns */
   unsigned nconns, max_conns, free_slots; /* free_slots: see MIN_FREE_SLOTS */
   int64_t deadline_ns;
@@ -512,6 +513,7 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
       srv->conns.next = c;
       srv->nconns++;
       *socket_context = c;
+      if (srv->guard_sleeping) pthread_cond_signal(&srv->guard_cv); /* its deadline is watched from now */
     }
     if (srv->nconns + srv->free_slots > srv->max_conns) {
       /* The oldest still waiting for headers (or idle between requests);
@@ -549,19 +551,27 @@ static void track_request_started(kvf_bootstrap_server *srv, struct MHD_Connecti
   pthread_mutex_unlock(&srv->conns_lock);
 }
 
+/* The guard cuts connections past their deadline. It sleeps until the
+ * earliest deadline of a tracked connection, or, with none, until one is
+ * tracked (on_connection signals it): an idle server costs no wake-ups. */
 static void *guard_main(void *arg) {
   kvf_bootstrap_server *srv = arg;
   pthread_mutex_lock(&srv->conns_lock);
   while (!srv->stopping) {
-    int64_t now = clock_now_ns();
-    for (conn_track *c = srv->conns.next; c != &srv->conns; c = c->next)
+    int64_t now = clock_now_ns(), next = INT64_MAX;
+    for (conn_track *c = srv->conns.next; c != &srv->conns; c = c->next) {
+      if (c->cut) continue;
       if (now - c->since_ns > srv->deadline_ns) cut_locked(srv, c, c->served && !c->in_request ? -1 : ERR_SLOW);
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_nsec += GUARD_TICK_MS * 1000000L;
-    ts.tv_sec += ts.tv_nsec / 1000000000L;
-    ts.tv_nsec %= 1000000000L;
-    pthread_cond_timedwait(&srv->guard_cv, &srv->conns_lock, &ts);
+      else if (c->since_ns + srv->deadline_ns < next) next = c->since_ns + srv->deadline_ns;
+    }
+    if (next == INT64_MAX) {
+      srv->guard_sleeping = 1;
+      pthread_cond_wait(&srv->guard_cv, &srv->conns_lock);
+      srv->guard_sleeping = 0;
+    } else {
+      struct timespec ts = clock_ts_from_ns(next + GUARD_SLACK_MS * 1000000LL);
+      pthread_cond_timedwait(&srv->guard_cv, &srv->conns_lock, &ts);
+    }
   }
   pthread_mutex_unlock(&srv->conns_lock);
   return NULL;

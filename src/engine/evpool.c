@@ -27,6 +27,7 @@ struct evpool {
   int epfd, wake_fd;
   pthread_t thread;
   atomic_int stopping;
+  atomic_int tick_on; /* the tick is wanted (an item was added, or the last tick asked again) */
   pthread_mutex_t mu;
   pthread_cond_t cv;   /* an item was queued, or stop */
   pthread_cond_t done; /* a worker ended */
@@ -42,6 +43,12 @@ static int arm_locked(evpool *p, evpool_item *it) {
   return epoll_ctl(p->epfd, EPOLL_CTL_ADD, it->fd, &ev) ? KVF_EIO : 0;
 }
 
+static void wake(evpool *p) {
+  uint64_t one = 1;
+  ssize_t r = write(p->wake_fd, &one, sizeof one); /* fails only when a wake is pending already */
+  (void)r;
+}
+
 static void *worker_main(void *arg) {
   evpool_worker *w = arg;
   evpool *p = w->p;
@@ -51,8 +58,13 @@ static void *worker_main(void *arg) {
     if (!it) {
       if (atomic_load(&p->stopping)) break;
       p->nidle++;
-      struct timespec ts = clock_ts_from_ns(clock_deadline_ms(p->retire_ms));
-      int to = pthread_cond_timedwait(&p->cv, &p->mu, &ts) == ETIMEDOUT;
+      int to = 0;
+      if (p->nworkers > p->core) { /* one past the core retires when idle */
+        struct timespec ts = clock_ts_from_ns(clock_deadline_ms(p->retire_ms));
+        to = pthread_cond_timedwait(&p->cv, &p->mu, &ts) == ETIMEDOUT;
+      } else {
+        pthread_cond_wait(&p->cv, &p->mu);
+      }
       p->nidle--;
       if (to && !p->q_head && p->nworkers > p->core) break;
       continue;
@@ -75,6 +87,7 @@ static void *worker_main(void *arg) {
   w->ended = 1;
   pthread_cond_broadcast(&p->done);
   pthread_mutex_unlock(&p->mu);
+  wake(p); /* the event thread joins it */
   return NULL;
 }
 
@@ -125,8 +138,9 @@ static void *event_main(void *arg) {
   struct epoll_event ev[64];
   int64_t next_tick = clock_now_ns();
   while (!atomic_load(&p->stopping)) {
+    int ticking = p->ops.tick && atomic_load(&p->tick_on);
     int64_t left = (next_tick - clock_now_ns()) / 1000000;
-    int n = epoll_wait(p->epfd, ev, 64, left < 0 ? 0 : (int)left + 1);
+    int n = epoll_wait(p->epfd, ev, 64, !ticking ? -1 : left < 0 ? 0 : (int)left + 1);
     pthread_mutex_lock(&p->mu);
     for (int i = 0; i < n; i++) {
       if (ev[i].data.ptr == p) {
@@ -139,8 +153,10 @@ static void *event_main(void *arg) {
     }
     join_ended_locked(p);
     pthread_mutex_unlock(&p->mu);
-    if (clock_now_ns() >= next_tick) {
-      if (p->ops.tick) p->ops.tick(p->arg);
+    if (ticking && clock_now_ns() >= next_tick) {
+      /* Cleared first: an add during the tick sets it again. */
+      atomic_store(&p->tick_on, 0);
+      if (p->ops.tick(p->arg)) atomic_store(&p->tick_on, 1);
       next_tick = clock_deadline_ms(p->tick_ms);
     }
   }
@@ -184,6 +200,7 @@ int kvf__evpool_add(evpool *p, evpool_item *it) {
   pthread_mutex_lock(&p->mu);
   int rc = atomic_load(&p->stopping) ? KVF_ESTATE : arm_locked(p, it);
   pthread_mutex_unlock(&p->mu);
+  if (!rc && p->ops.tick && !atomic_exchange(&p->tick_on, 1)) wake(p); /* its deadline is watched from now */
   return rc;
 }
 
@@ -193,9 +210,7 @@ void kvf__evpool_stop(evpool *p) {
   atomic_store(&p->stopping, 1);
   pthread_cond_broadcast(&p->cv);
   pthread_mutex_unlock(&p->mu);
-  uint64_t one = 1;
-  ssize_t r = write(p->wake_fd, &one, sizeof one);
-  (void)r;
+  wake(p);
   pthread_join(p->thread, NULL);
   pthread_mutex_lock(&p->mu);
   /* Queued items no worker will take (none could start): the caller's. */

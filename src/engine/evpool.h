@@ -28,9 +28,12 @@ typedef struct evpool_ops {
   int (*turn)(void *arg, evpool_item *it);
   /* The pool is done with the item (a turn ended it, or parking failed). */
   void (*end)(void *arg, evpool_item *it);
-  /* Optional, on the event thread every tick_ms at least: deadlines of
-   * parked items (shutting one's socket down wakes it to a worker). */
-  void (*tick)(void *arg);
+  /* Optional, on the event thread every tick_ms at least while it returns
+   * nonzero (an item still has a deadline to watch), and again after each
+   * kvf__evpool_add: deadlines of parked items (shutting one's socket down
+   * wakes it to a worker). With nothing to watch the pool sleeps until
+   * bytes arrive: an idle pool costs no wake-ups. */
+  int (*tick)(void *arg);
 } evpool_ops;
 
 typedef struct evpool evpool;

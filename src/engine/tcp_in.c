@@ -466,16 +466,20 @@ static void inbound_end(void *arg, evpool_item *it) {
 
 /* The event thread, every tick: a connection still in its hello past the
  * hello deadline is shut down, which hands it to a worker that reports it
- * (a silent one never wakes by itself). */
-static void inbound_tick(void *arg) {
+ * (a silent one never wakes by itself). Nonzero while one is still in its
+ * hello within the deadline (the next tick watches it). */
+static int inbound_tick(void *arg) {
   tcp_state *t = arg;
   int64_t now = clock_now_ns();
+  int watching = 0;
   pthread_mutex_lock(&t->in_lock);
-  for (tcp_inbound *in = t->inbound; in; in = in->next)
-    if (atomic_load(&in->phase) == IN_HELLO && !atomic_load(&in->finished) &&
-        now > in->accepted_ns + (int64_t)TCP_HELLO_DEADLINE_MS * 1000000)
-      shutdown(in->fd, SHUT_RDWR);
+  for (tcp_inbound *in = t->inbound; in; in = in->next) {
+    if (atomic_load(&in->phase) != IN_HELLO || atomic_load(&in->finished)) continue;
+    if (now > in->accepted_ns + (int64_t)TCP_HELLO_DEADLINE_MS * 1000000) shutdown(in->fd, SHUT_RDWR);
+    else watching = 1;
+  }
   pthread_mutex_unlock(&t->in_lock);
+  return watching;
 }
 
 const evpool_ops kvf__tcp_inbound_ops = {.turn = inbound_turn, .end = inbound_end, .tick = inbound_tick};

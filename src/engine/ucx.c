@@ -670,9 +670,8 @@ static void *progress_main(void *arg) {
     /* Sleep only when the worker is armed and no flushed chunk waits to send
      * its trailer (the progress above may have completed one); with batches
      * in flight wake at least every tick to check their deadlines, and idle
-     * at least every UCX_IDLE_TICK_MS (a notice sent meanwhile does not wake
-     * this thread: its lease is checked at the next tick, which only makes
-     * the writer keep its sources a little longer). */
+     * at least every UCX_IDLE_TICK_MS (the first op linked while this thread
+     * sleeps wakes it: kvf__ucx_op_link). */
     int n = epoll_wait(u->epfd, ev, 16,
                        st == UCS_ERR_BUSY || trailers ? 0
                        : busy                         ? UCX_TICK_MS

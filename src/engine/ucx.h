@@ -89,7 +89,7 @@
 #define UCX_REFRESH_ROUNDS 3 /* region refreshes before a write outside them is refused (ucx_write.c) */
 /* The progress thread's tick while batches are in flight (deadline checks). */
 #define UCX_TICK_MS 50
-#define UCX_IDLE_TICK_MS 200 /* ... and while none is, at least this often */
+#define UCX_IDLE_TICK_MS 2000 /* ... and while none is, at least this often (the first op wakes it) */
 #define UCX_MAX_COPIERS 15
 /* Rendezvous connections this engine serves at most (its own bound: they do
  * not take the TCP transport's max_inbound_conns slots once authenticated). */

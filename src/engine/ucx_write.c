@@ -44,6 +44,9 @@ void kvf__ucx_op_unlink(ucx_op *op) {
 
 void kvf__ucx_op_link(ucx_op *op) {
   ucx_op **head = op_list(op);
+  /* The first op in flight: the progress thread, perhaps in its idle wait
+   * (UCX_IDLE_TICK_MS), ticks from now on to watch its deadline. */
+  if (!*head && head == &op->u->ops) kvf__ucx_wake(op->u);
   op->next = *head;
   if (*head) (*head)->prev = op;
   *head = op;

@@ -40,7 +40,12 @@
 #define MANAGER_MAX_PUSHES 4096
 #define MANAGER_MAC_LABEL "kvferry-control-mac-v1"
 #define MANAGER_MAC_WINDOW_S 300 /* clock skew and delivery delay accepted, seconds */
-#define MANAGER_WAIT_MS 100      /* the listener checks `stopping` at least this often */
+/* The listener's longest wait with nothing due: the stop and work queued by
+ * other threads wake it (kvf__control_wake), so it needs no poll tick; it
+ * wakes this often only for the idle sweep (kvf__control_close_idle_pushes).
+ * Without a wake descriptor it checks `stopping` every MANAGER_WAIT_NOWAKE_MS. */
+#define MANAGER_WAIT_MS 1000
+#define MANAGER_WAIT_NOWAKE_MS 100
 #define MANAGER_TICK_MSGS 64     /* messages between two role ticks when the listener is never idle */
 _Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
 
@@ -321,8 +326,8 @@ void kvf__control_close_pushes(kvf_manager *m) {
  * socket's events once more before and after the wait, two more system calls
  * each. */
 static void listener_wait(kvf_manager *m, int fd) {
-  int ms = m->role->tick ? m->role->tick(m) : -1;
-  if (ms < 0 || ms > MANAGER_WAIT_MS) ms = MANAGER_WAIT_MS;
+  int ms = m->role->tick ? m->role->tick(m) : -1, most = m->wake_fd >= 0 ? MANAGER_WAIT_MS : MANAGER_WAIT_NOWAKE_MS;
+  if (ms < 0 || ms > most) ms = most;
   int woken = 0;
   if (fd < 0) {
     zmq_pollitem_t pi[2] = {{.socket = m->pull, .events = ZMQ_POLLIN}, {.fd = m->wake_fd, .events = ZMQ_POLLIN}};

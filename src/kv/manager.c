@@ -292,7 +292,7 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   kvf_manager *m = calloc(1, sizeof *m);
   if (!m) return KVF_ENOMEM;
   m->wake_fd =
-      eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC); /* -1: the listener wakes on its own within MANAGER_WAIT_MS */
+      eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC); /* -1: the listener wakes on its own within MANAGER_WAIT_NOWAKE_MS */
   m->cfg = cfg;
   resolve_config(&m->cfg);
   kvf_manager_config *c = &m->cfg;

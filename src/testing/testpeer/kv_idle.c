@@ -247,7 +247,7 @@ int cli_kv_idle(int argc, char **argv) {
   size_t llen = 0;
   for (int eof = 0; !eof;) {
     struct pollfd pf = {.fd = STDIN_FILENO, .events = POLLIN};
-    if (poll(&pf, 1, 200) <= 0) continue;
+    if (poll(&pf, 1, -1) <= 0) continue; /* no tick: an idle harness wakes nobody */
     ssize_t k = read(STDIN_FILENO, line + llen, sizeof line - 1 - llen);
     if (k <= 0) break;
     llen += (size_t)k;
