@@ -112,7 +112,7 @@ struct kvf_bootstrap_server {
   /* Connection tracking (see the top of the file). */
   pthread_mutex_t conns_lock;
   pthread_cond_t guard_cv;
-  int guard_sleeping; /* the guard waits for a connection to track (conns_lock) */
+  int guard_sleeping;                     /* the guard waits for a connection to track (conns_lock) */
   conn_track conns;                       /* list head; scans are O(open connections), at most max_conns */
   unsigned nconns, max_conns, free_slots; /* free_slots: see MIN_FREE_SLOTS */
   int64_t deadline_ns;

@@ -46,7 +46,7 @@
  * Without a wake descriptor it checks `stopping` every MANAGER_WAIT_NOWAKE_MS. */
 #define MANAGER_WAIT_MS 1000
 #define MANAGER_WAIT_NOWAKE_MS 100
-#define MANAGER_TICK_MSGS 64     /* messages between two role ticks when the listener is never idle */
+#define MANAGER_TICK_MSGS 64 /* messages between two role ticks when the listener is never idle */
 _Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
 
 #define MANAGER_SWEEP_NS 1000000000ll /* how often the listener looks for idle PUSH sockets */
@@ -326,7 +326,8 @@ void kvf__control_close_pushes(kvf_manager *m) {
  * socket's events once more before and after the wait, two more system calls
  * each. */
 static void listener_wait(kvf_manager *m, int fd) {
-  int ms = m->role->tick ? m->role->tick(m) : -1, most = m->wake_fd >= 0 ? MANAGER_WAIT_MS : MANAGER_WAIT_NOWAKE_MS;
+  int ms = m->role->tick ? m->role->tick(m) : -1,
+      most = m->wake_fd >= 0 ? MANAGER_WAIT_MS : MANAGER_WAIT_NOWAKE_MS;
   if (ms < 0 || ms > most) ms = most;
   int woken = 0;
   if (fd < 0) {
