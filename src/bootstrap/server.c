@@ -37,6 +37,7 @@
 #include "kvferry/bootstrap.h"
 #include "kvferry/engine.h"
 #include "wire/route_json.h"
+#include "base/thread.h"
 
 #define COMP "bootstrap"
 #define DEFAULT_PORT 8998
@@ -555,6 +556,7 @@ static void track_request_started(kvf_bootstrap_server *srv, struct MHD_Connecti
  * earliest deadline of a tracked connection, or, with none, until one is
  * tracked (on_connection signals it): an idle server costs no wake-ups. */
 static void *guard_main(void *arg) {
+  kvf__thread_name("kvf-bs-guard");
   kvf_bootstrap_server *srv = arg;
   pthread_mutex_lock(&srv->conns_lock);
   while (!srv->stopping) {

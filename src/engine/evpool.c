@@ -12,6 +12,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "kvferry/common.h"
+#include "base/thread.h"
 
 typedef struct evpool_worker {
   struct evpool_worker *next;
@@ -50,6 +51,7 @@ static void wake(evpool *p) {
 }
 
 static void *worker_main(void *arg) {
+  kvf__thread_name("kvf-pool-work");
   evpool_worker *w = arg;
   evpool *p = w->p;
   pthread_mutex_lock(&p->mu);
@@ -134,6 +136,7 @@ static void queue_locked(evpool *p, evpool_item *it) {
 }
 
 static void *event_main(void *arg) {
+  kvf__thread_name("kvf-pool-ev");
   evpool *p = arg;
   struct epoll_event ev[64];
   int64_t next_tick = clock_now_ns();

@@ -15,6 +15,7 @@
  * and cut at the next receive tick when the fence closes meanwhile, as a
  * pinned region's unregistering cuts it. */
 #include "engine/tcp_int.h"
+#include "base/thread.h"
 
 /* Where an inbound connection stands, for eviction when every slot is taken.
  * The worker holding the connection moves HELLO → IDLE → BUSY → IDLE ...; the accept
@@ -561,6 +562,7 @@ static int inbound_admit(tcp_state *t) {
 }
 
 void *kvf__tcp_accept_main(void *arg) {
+  kvf__thread_name("kvf-tcp-accept");
   tcp_state *t = arg;
   kvf_engine *e = t->e;
   while (!atomic_load(&t->stopping)) {

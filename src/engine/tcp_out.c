@@ -5,6 +5,7 @@
  * and fails them at their deadline. Small chunks are sent by the submitting
  * thread itself when the connection is idle, which saves two thread wake-ups. */
 #include "engine/tcp_int.h"
+#include "base/thread.h"
 
 static void list_push(chunk **head, chunk **tail, chunk *c) {
   c->next = NULL;
@@ -95,6 +96,7 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
 }
 
 static void *conn_writer_main(void *arg) {
+  kvf__thread_name("kvf-tcp-write");
   tcp_conn *c = arg;
   for (;;) {
     pthread_mutex_lock(&c->q_lock);
@@ -115,6 +117,7 @@ static void *conn_writer_main(void *arg) {
 }
 
 static void *conn_reader_main(void *arg) {
+  kvf__thread_name("kvf-tcp-ack");
   tcp_conn *c = arg;
   tcp_ack acks[TCP_ACK_BATCH];
   size_t got = 0; /* bytes in acks: whole acks, then the start of the next */

@@ -24,6 +24,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "engine/tcp_proto.h"
+#include "base/thread.h"
 
 int kvf__ucx_status(ucs_status_t st) {
   switch (st) {
@@ -653,6 +654,7 @@ static int ucx_free_pool(kvf_engine *e, void *addr) {
 /* ------------------------------------------------------------ progress */
 
 static void *progress_main(void *arg) {
+  kvf__thread_name("kvf-ucx-prog");
   ucx_state *u = arg;
   struct epoll_event ev[16];
   while (!atomic_load(&u->stopping)) {

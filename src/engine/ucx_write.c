@@ -10,6 +10,7 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "engine/ucx.h"
+#include "base/thread.h"
 
 /* ------------------------------------------------------------ writes */
 
@@ -338,6 +339,7 @@ out:
 }
 
 static void *copier_main(void *arg) {
+  kvf__thread_name("kvf-ucx-copy");
   ucx_state *u = arg;
   for (;;) {
     pthread_mutex_lock(&u->q_mu);

@@ -35,6 +35,7 @@
 #include "base/parse.h"
 #include "base/wake.h"
 #include "kv/integrity.h"
+#include "base/thread.h"
 
 #define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
 #define MANAGER_MAX_PUSHES 4096
@@ -353,6 +354,7 @@ void kvf__control_wake(kvf_manager *m) {
 }
 
 void *kvf__control_listener_main(void *arg) {
+  kvf__thread_name("kvf-listen");
   kvf_manager *m = arg;
   zmq_msg_t parts[MANAGER_MAX_RECV_FRAMES];
   for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_init(&parts[i]);

@@ -18,6 +18,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "kv/manager.h"
+#include "base/thread.h"
 
 static const char *const step_names[KVF_TRACE_NSTEPS] = {
     "created",
@@ -122,6 +123,7 @@ static void hist_observe(hist *h, const hist_def *d, double v) {
  * path only stores its record; a writer that falls a whole ring behind
  * loses the oldest records, counted and logged once. */
 static void *trace_writer_main(void *arg) {
+  kvf__thread_name("kvf-trace");
   trace_ring *r = arg;
   kvf_room_trace *batch = malloc(TRACE_WRITE_BATCH * sizeof *batch);
   char *buf = malloc((size_t)TRACE_WRITE_BATCH * TRACE_LINE_MAX);

@@ -507,6 +507,29 @@ static void idle_push_sockets_close_and_reconnect(void **state) {
   zmq_ctx_term(zctx);
 }
 
+/* An idle manager's threads sleep (issue 24): with no room and no message,
+ * the library's threads of a decode manager and its engine (listener,
+ * connection pools, UCX progress) wake at most a few times a second in all
+ * (the listener's idle sweep, UCX's idle tick): hundreds of idle peers must
+ * not keep a core busy. It counted ~60 a second when every thread ticked
+ * every 100-200 ms; the bound leaves 4x room over what it counts now, and
+ * load can only make a sleeping thread wake later, never more often. */
+#define IDLE_WINDOW_S 3
+#define IDLE_SLEEPS_PER_S_MAX 12
+static void an_idle_manager_sleeps(void **state) {
+  (void)state;
+  kvf_manager *m = make_manager(NULL);
+  sleep(1); /* start-up settles */
+  int nthreads = 0;
+  long before = kvf_test_thread_sleeps("kvf-", &nthreads);
+  assert_true(before >= 0 && nthreads >= 2);
+  sleep(IDLE_WINDOW_S);
+  long woke = kvf_test_thread_sleeps("kvf-", NULL) - before;
+  printf("idle manager: %d library threads woke %ld times in %d s\n", nthreads, woke, IDLE_WINDOW_S);
+  assert_true(woke <= IDLE_SLEEPS_PER_S_MAX * IDLE_WINDOW_S);
+  kvf_manager_destroy(m);
+}
+
 /* The sender check compares IP literals (IPv4-mapped IPv6 as IPv4, "ip:x"
  * by its host), and lets through what it cannot check (a host name, the
  * unspecified address). */
@@ -540,6 +563,7 @@ int main(void) {
       cmocka_unit_test(trailers_round_trip_and_refuse_malformed),
       cmocka_unit_test(peer_address_check),
       cmocka_unit_test(idle_push_sockets_close_and_reconnect),
+      cmocka_unit_test(an_idle_manager_sleeps),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

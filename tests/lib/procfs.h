@@ -1,4 +1,5 @@
-/* What the tests read about their own process: threads, and a descriptor
+/* What the tests read about their own process: threads (and how often
+ * they sleep), and a descriptor
  * limit raised for tests that open thousands of sockets. Linked into every
  * test program (tests/CMakeLists.txt, kvf_test_case). */
 #ifndef KVF_TESTS_LIB_PROCFS_H
@@ -10,5 +11,10 @@ int kvf_test_count_threads(void);
  * limit): 0 when the process may now open `need` descriptors, else -1 (the
  * test should skip: the limit, not the library, would refuse). */
 int kvf_test_raise_fd_limit(unsigned long need);
+/* The voluntary context switches (each sleep that ended counts one) of
+ * this process's threads whose name starts with `prefix` (the library's
+ * are "kvf-", src/base/thread.h), summed; how many such threads in
+ * *nthreads. -1 when /proc cannot be read. */
+long kvf_test_thread_sleeps(const char *prefix, int *nthreads);
 
 #endif

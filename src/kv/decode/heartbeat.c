@@ -5,6 +5,7 @@
 #include "kv/decode/decode_int.h"
 
 #include "base/hash.h"
+#include "base/thread.h"
 
 typedef struct dead_addr {
   const char *addr;
@@ -267,6 +268,7 @@ static int hb_stopping(struct decode_state *ds) {
 }
 
 static void *hb_round_worker(void *arg) {
+  kvf__thread_name("kvf-hb-probe");
   hb_round *r = arg;
   for (size_t i; (i = atomic_fetch_add(&r->next, 1)) < r->n;)
     r->rcs[i] = hb_stopping(r->m->decode) ? 0 : probe_addr(r->m, r->addrs[i], r->whys[i], sizeof r->whys[i]);
@@ -348,6 +350,7 @@ out:
 }
 
 void *kvf__dec_heartbeat_main(void *arg) {
+  kvf__thread_name("kvf-hb");
   kvf_manager *m = arg;
   struct decode_state *ds = m->decode;
   int64_t period_ns = (int64_t)(m->cfg.heartbeat_interval_s * 1e9);

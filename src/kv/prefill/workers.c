@@ -13,6 +13,7 @@
  * when its FIFO is empty. A room failed by a chunk in the window is
  * reported once; the chunks behind it are waited for or skipped. */
 #include "kv/prefill/prefill_int.h"
+#include "base/thread.h"
 
 /* Fail the room (if it is still this room) and tell its destinations: the
  * one whose transfer failed, and (when this failed the room) the others. */
@@ -292,6 +293,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
 }
 
 void *kvf__pf_worker_main(void *arg) {
+  kvf__thread_name("kvf-xfer");
   pf_queue *q = arg;
   prefill_state *ps = q->ps;
   for (;;) {
