@@ -393,14 +393,23 @@ static int decide(ucx_state *u, ucx_peer *p, ucx_route *route, char *why, size_t
   } else if (explicit_ucx && user_tls) {
     *route = ROUTE_UCX;
     snprintf(why, cap, "transport ucx with UCX_TLS=%s set by the user", tls);
-    /* Seen with UCX 1.13 over UCX_TLS=tcp (software RMA) in the fault run
-     * across network namespaces (tests/faults/test_random_hosts.py): a
-     * process serving a peer's reads aborts inside UCX when that peer dies
-     * mid-read. auto never takes this path (kvferry's TCP instead). */
+    /* UCX 1.13 over UCX_TLS=tcp runs software RMA: gets and puts are active
+     * messages that the other worker answers (a get's reply from
+     * ucp_get_req_handler, a put's completion from ucp_put_handler). When
+     * the process that sent them dies, the answer meets the reset socket:
+     * UCX's tcp fails the endpoint (running its error callback, ep_error_cb
+     * here) and returns the failure, and ucp_request_try_send() aborts on
+     * it ("unexpected error: Endpoint timeout"). Nothing here can stop it:
+     * the abort follows the callback in the same call, and requests that
+     * arrive after an endpoint failed are dropped (its id is released), so
+     * it strikes only when an answer is the first to find the peer dead.
+     * Read mode exposes this engine (it answers the target's gets), write
+     * mode the target (it answers this engine's puts). auto never takes
+     * this path (kvferry's TCP instead). */
     LOG_WARN("ucx",
-             "peer %s: UCX without shared memory or RDMA (UCX_TLS=%s): UCX's software RMA may abort this "
-             "process when the peer dies mid-transfer (seen with UCX 1.13); transport auto uses kvferry's TCP "
-             "here",
+             "peer %s: UCX without shared memory or RDMA (UCX_TLS=%s): UCX's software RMA can abort the process "
+             "answering a peer's gets or puts when that peer dies mid-transfer (UCX 1.13; in read mode this "
+             "process, in write mode the target); transport auto uses kvferry's TCP here",
              p->id, tls);
   } else if (explicit_ucx) {
     LOG_ERROR("ucx",

@@ -59,11 +59,15 @@ CUT_MAX_S = CUT_MIN_S + ENGINE_TIMEOUT_MS / 1000
 QUARANTINE_S = CUT_MAX_S + STOP_MAX_S + ENGINE_TIMEOUT_MS / 1000 + SCHED_SLACK_S
 DECODE_PAGES = 4096              # room for the quarantined pages of the rooms a long cut fails
 PROGRESS_EVERY = 50              # a progress line (and report file) every this many faults
-# Known defect (issue 24's report): over UCX 1.13's software RMA (UCX_TLS=tcp)
-# a prefill serving the reads of a decode that dies mid-read aborts inside
-# UCX (ucp_get_req_handler -> ucp_request_send: the reply on the failed
-# endpoint is "unexpected"). Reproduced on one host by
-# KVFERRY_TRANSPORT=ucx UCX_TLS=tcp on test_kill_stop.py -k kill-decode.
+# Known defect, in UCX (issue 24's report): over UCX 1.13's software RMA
+# (UCX_TLS=tcp) a prefill serving the reads of a decode that dies mid-read
+# aborts inside UCX: ucp_get_req_handler -> ucp_request_send, whose reply
+# meets the reset socket; UCX's tcp fails the endpoint (its error callback
+# runs) and returns UCS_ERR_ENDPOINT_TIMEOUT, which ucp_request_try_send()
+# turns into ucs_fatal. Write mode moves it to the decode (ucp_put_handler's
+# completion, when the prefill dies mid-write). Reproduced on one host by
+# KVFERRY_TRANSPORT=ucx UCX_TLS=tcp on test_kill_stop.py -k kill-decode
+# (KVFERRY_UCX_MODE=write: -k kill-prefill).
 UCX_SW_RMA_ABORT = "Fatal: unexpected error: Endpoint timeout"
 UCX_SW_RMA_DEFECT = ("UCX 1.13 software RMA (UCX_TLS=tcp): the prefill aborts in ucp_get_req_handler when the decode "
                      "reading from it dies")
