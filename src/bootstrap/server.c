@@ -32,12 +32,12 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/parse.h"
+#include "base/thread.h"
 #include "bootstrap/bootstrap.h"
 #include "bootstrap/metrics_text.h"
 #include "kvferry/bootstrap.h"
 #include "kvferry/engine.h"
 #include "wire/route_json.h"
-#include "base/thread.h"
 
 #define COMP "bootstrap"
 #define DEFAULT_PORT 8998

@@ -11,8 +11,8 @@
 
 #include "base/clock.h"
 #include "base/log.h"
-#include "kvferry/common.h"
 #include "base/thread.h"
+#include "kvferry/common.h"
 
 typedef struct evpool_worker {
   struct evpool_worker *next;

@@ -23,8 +23,8 @@
 
 #include "base/clock.h"
 #include "base/log.h"
-#include "engine/tcp_proto.h"
 #include "base/thread.h"
+#include "engine/tcp_proto.h"
 
 int kvf__ucx_status(ucs_status_t st) {
   switch (st) {

@@ -9,8 +9,8 @@
 #include "base/clock.h"
 #include "base/hash.h"
 #include "base/log.h"
-#include "engine/ucx.h"
 #include "base/thread.h"
+#include "engine/ucx.h"
 
 /* ------------------------------------------------------------ writes */
 

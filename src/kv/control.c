@@ -16,8 +16,8 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
-#include <malloc.h>
 #include <inttypes.h>
+#include <malloc.h>
 #include <poll.h>
 #include <sodium.h>
 #include <stdio.h>
@@ -33,9 +33,9 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/parse.h"
+#include "base/thread.h"
 #include "base/wake.h"
 #include "kv/integrity.h"
-#include "base/thread.h"
 
 #define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
 #define MANAGER_MAX_PUSHES 4096
@@ -267,7 +267,10 @@ void kvf__manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {
  * message, its TCP connection ends and the peer's PULL side frees its
  * share too. Only a socket no sender holds is closed; one taken meanwhile
  * is kept for the next sweep. The next message reconnects (a TCP and ZMTP
- * handshake, well under a millisecond on a LAN). */
+ * handshake, well under a millisecond on a LAN). A message still queued
+ * for an unreachable peer after push_idle_ns is dropped with the socket
+ * (200 ms linger): by then the heartbeat (decode) or the room timeouts
+ * (both roles) have failed the rooms it was about. */
 size_t kvf__control_close_idle_pushes(kvf_manager *m, int64_t now_ns) {
   enum { SWEEP_MAX = 256 }; /* per sweep; the rest go in the next one */
   manager_push *gone[SWEEP_MAX];

@@ -17,8 +17,8 @@
 
 #include "base/clock.h"
 #include "base/log.h"
-#include "kv/manager.h"
 #include "base/thread.h"
+#include "kv/manager.h"
 
 static const char *const step_names[KVF_TRACE_NSTEPS] = {
     "created",
