@@ -482,6 +482,9 @@ class Hosts:
                     raise HostsUnavailable(f"cannot make a network namespace: {r.stderr.strip()}")
                 self.made.append(("netns", ns))
                 ip("link", "add", dev, "type", "veth", "peer", "name", peer)
+                # Gone with the namespace once dev is in it; else (a step below
+                # failed) the pair stays in the root namespace unless deleted.
+                self.made.append(("link", peer))
                 ip("link", "set", dev, "netns", ns)
                 ip("link", "set", peer, "master", self.bridge)
                 ip("link", "set", peer, "up")
