@@ -47,14 +47,16 @@ void kvf__mtext_append(mtext *t, const char *s, size_t len) {
     return;
   }
   /* Just became full: keep what fits (kvf__mtext_finish cuts it back to a
-   * whole line); nothing is written after that. */
+   * whole line); nothing is written after that. Full for want of memory
+   * rather than room, all of s may fit: never copy more than len. */
   if (was_full || t->n + 1 >= t->max) return;
   char *b = t->cap < t->max ? realloc(t->buf, t->max) : t->buf;
   if (!b) return;
   t->buf = b;
   t->cap = t->max;
-  memcpy(t->buf + t->n, s, t->max - t->n - 1);
-  t->n = t->max - 1;
+  size_t take = t->max - t->n - 1 < len ? t->max - t->n - 1 : len;
+  memcpy(t->buf + t->n, s, take);
+  t->n += take;
   t->buf[t->n] = '\0';
 }
 

@@ -32,6 +32,8 @@
 #define CL_MAX_INSTANCES 64
 #define CL_MAX_REQS (1 << 17)
 #define CL_SHOW_FAILURES 10
+#define CL_READY_MS 120000    /* a rank's start, its pool faulted in */
+#define CL_READY_SLICE_MS 250 /* how soon a signal ends the wait for it */
 
 /* One process: what it is and what /proc says about it. */
 typedef struct cl_proc {
@@ -106,6 +108,21 @@ static void sample(cl_proc *c, int keep) {
   if (thr > c->max_thr) c->max_thr = thr;
   if (fds > c->max_fds) c->max_fds = fds;
   if (rss > c->max_rss_kb) c->max_rss_kb = rss;
+}
+
+/* A rank process's first line, `ready ...` (as pd_wait_ready), waited for
+ * in slices so that a signal (cl_interrupted) ends the wait at once:
+ * proc_read_line itself waits through EINTR until its deadline. 0 or -1. */
+static int wait_ready(proc *p) {
+  char line[400];
+  const double until = cli_now_s() + CL_READY_MS / 1e3;
+  while (!cl_interrupted) {
+    if (!proc_read_line(p, line, sizeof line, CL_READY_SLICE_MS)) return strncmp(line, "ready ", 6) ? -1 : 0;
+    /* No whole line yet: waiting on makes sense unless the process is gone. */
+    struct pollfd pf = {.fd = p->out_fd, .events = POLLIN};
+    if ((poll(&pf, 1, 0) > 0 && !(pf.revents & POLLIN)) || cli_now_s() >= until) return -1;
+  }
+  return -1;
 }
 
 static int parse_cluster(const char *s, int *p, int *d) {
@@ -293,10 +310,10 @@ int cli_demo_cluster(int argc, char **argv) {
     }
   }
   for (int i = 0; i < nprocs; i++)
-    if (procs[i].kind && pd_wait_ready(&procs[i].p, 120000)) {
+    if (procs[i].kind && wait_ready(&procs[i].p)) {
       snprintf(fatal_buf, sizeof fatal_buf, "%s instance %d rank %d did not start (pool of %llu pages)",
                kind_name(procs[i].kind), procs[i].inst, procs[i].rank, (unsigned long long)pool_pages);
-      fatal = fatal_buf;
+      fatal = cl_interrupted ? "interrupted" : fatal_buf;
       goto out_stop;
     }
   printf("  all %d processes up in %.1f s\n", nprocs, cli_now_s() - t_start);

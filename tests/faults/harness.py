@@ -7,6 +7,7 @@ driver that keeps rooms in flight between them and records how each ends.
 Every bound of the suite is a named constant here, derived from the
 configuration the processes are given (ENV below)."""
 
+import json
 import os
 import random
 import re
@@ -481,6 +482,9 @@ class Hosts:
                     raise HostsUnavailable(f"cannot make a network namespace: {r.stderr.strip()}")
                 self.made.append(("netns", ns))
                 ip("link", "add", dev, "type", "veth", "peer", "name", peer)
+                # Gone with the namespace once dev is in it; else (a step below
+                # failed) the pair stays in the root namespace unless deleted.
+                self.made.append(("link", peer))
                 ip("link", "set", dev, "netns", ns)
                 ip("link", "set", peer, "master", self.bridge)
                 ip("link", "set", peer, "up")
@@ -547,3 +551,32 @@ def assert_no_leaks(procs):
             time.sleep(0.2)
             live = p.stats()[0]
         assert live == 0, f"{p.name}: {live} rooms left in its tables"
+
+
+def end_of_run(run, hung_after_s):
+    """The end of a random fault run (test_random.py's Run and its subclasses):
+    every room settles or counts as hung, the processes that must survive are
+    checked, transfers work again and neither side keeps a room in its tables.
+    Returns (all settled, names of dead processes, rooms left in the tables)."""
+    t = run.c.t
+    settled = t.settle(list(t.rooms.values()), hung_after_s)
+    run.check_hung()
+    dead = [p.name for p in run.c.survivors() if not p.alive()]
+    transfers_again(t)
+    assert_no_leaks([run.c.pre, run.c.dec])
+    leaked = sum(p.stats()[0] for p in (run.c.pre, run.c.dec))
+    return settled, dead, leaked
+
+
+def write_report(report, suffix=""):
+    """A fault run's figures, as JSON, to $KVFERRY_FAULTS_REPORT (+ suffix) when that is set."""
+    path = os.environ.get("KVFERRY_FAULTS_REPORT")
+    if path:
+        with open(path + suffix, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def report_run(what, report, suffix=""):
+    """The end of a random fault run: its figures printed as `<what>: <json>` and written (write_report)."""
+    print(f"{what}: {json.dumps(report)}", flush=True)
+    write_report(report, suffix)

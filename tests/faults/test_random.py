@@ -21,8 +21,7 @@ import time
 
 import zmq
 
-from harness import (ROOM_HANG_BOUND_S, SUCCESS, Cluster, assert_no_leaks, describe, reap_all,
-                     transfers_again)
+from harness import ROOM_HANG_BOUND_S, SUCCESS, Cluster, describe, end_of_run, reap_all, report_run
 from hostile import (HOSTILE_SRC, MALFORMED_M3, MALFORMED_PREFILL, D, chunk, closed_by_peer, connect, handshake, hello, i32, m1,
                      m2, m3)
 
@@ -233,23 +232,15 @@ def test_random_faults(tmp_path, request):
             if (i + 1) % PROGRESS_EVERY == 0:
                 print(f"random fault run, progress: {json.dumps(figures(run, seed, t0))}", flush=True)
         t = run.c.t
-        settled = t.settle(list(t.rooms.values()), HUNG_AFTER_S)
-        run.check_hung()
-        dead = [p.name for p in run.c.survivors() if not p.alive()]
-        transfers_again(t)
-        assert_no_leaks([run.c.pre, run.c.dec])
-        leaked = [p.stats()[0] for p in (run.c.pre, run.c.dec)]
-        report = figures(run, seed, t0, sum(leaked), dead)
+        settled, dead, leaked = end_of_run(run, HUNG_AFTER_S)
+        report = figures(run, seed, t0, leaked, dead)
         assert settled and not run.hung, f"rooms hung: {sorted(run.hung)[:20]}"
         assert not t.wrong_bytes(), f"Success with wrong bytes: {describe(t.wrong_bytes())}"
         assert not dead, f"processes died: {dead}"
-        assert sum(leaked) == 0
+        assert leaked == 0
         assert t.counts()["success"] > 0
     finally:
         report = report or dict(figures(run, seed, t0), aborted=True)
-        print("random fault run: " + json.dumps(report), flush=True)
-        if os.environ.get("KVFERRY_FAULTS_REPORT"):
-            with open(os.environ["KVFERRY_FAULTS_REPORT"], "w") as f:
-                json.dump(report, f, indent=1)
+        report_run("random fault run", report)
         run.close()
         reap_all()

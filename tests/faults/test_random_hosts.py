@@ -42,7 +42,7 @@ import time
 import pytest
 
 from harness import (BOOTSTRAP_TIMEOUT_S, CLI, ENGINE_TIMEOUT_MS, HEALTHY_ROOM_S, SCHED_SLACK_S, WAITING_TIMEOUT_S,
-                     Cluster, Decode, assert_no_leaks, reap_all, transfers_again)
+                     Cluster, Decode, end_of_run, reap_all, report_run, write_report)
 from test_random import HUNG_AFTER_S, INFLIGHT, STOP_MAX_S, GAP_MAX_S, GAP_MIN_S, Run, knob
 
 FAULTS_N_CI = 12                 # faults in CI, each transport
@@ -192,12 +192,6 @@ def figures(run, transport, seed, t0, late=None, **more):
             "seconds": round(time.monotonic() - t0, 1)}
 
 
-def report_file(report, transport):
-    if os.environ.get("KVFERRY_FAULTS_REPORT"):
-        with open(f"{os.environ['KVFERRY_FAULTS_REPORT']}.{transport}", "w") as f:
-            json.dump(report, f, indent=1)
-
-
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 def test_random_faults_hosts(tmp_path, request, hosts, transport):
     if transport == "ucx" and b"ucx" not in built_transports():
@@ -224,14 +218,9 @@ def test_random_faults_hosts(tmp_path, request, hosts, transport):
             if (i + 1) % PROGRESS_EVERY == 0:
                 progress = figures(run, transport, seed, t0, run.late())
                 print(f"random fault run across hosts, progress: {json.dumps(progress)}", flush=True)
-                report_file(dict(progress, partial=True), transport)
+                write_report(dict(progress, partial=True), f".{transport}")
         t = run.c.t
-        settled = t.settle(list(t.rooms.values()), HUNG_AFTER_S)
-        run.check_hung()
-        dead = [p.name for p in run.c.survivors() if not p.alive()]
-        transfers_again(t)
-        assert_no_leaks([run.c.pre, run.c.dec])
-        leaked = sum(p.stats()[0] for p in (run.c.pre, run.c.dec))
+        settled, dead, leaked = end_of_run(run, HUNG_AFTER_S)
         late = run.late()
         report = figures(run, transport, seed, t0, late, leaked_rooms=leaked, dead_processes=dead)
         assert settled and not run.hung, f"rooms hung: {sorted(run.hung)[:20]}"
@@ -253,8 +242,7 @@ def test_random_faults_hosts(tmp_path, request, hosts, transport):
             pytest.xfail(f"known defect: {UCX_SW_RMA_DEFECT} ({len(run.crashes)} crashes)")
     finally:
         report = report or dict(figures(run, transport, seed, t0), aborted=True)
-        print(f"random fault run across hosts: {json.dumps(report)}", flush=True)
-        report_file(report, transport)
+        report_run("random fault run across hosts", report, f".{transport}")
         run.close()
         reap_all()
 

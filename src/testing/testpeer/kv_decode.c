@@ -66,10 +66,8 @@
 
 /* One decode rank: its manager and its pool. */
 typedef struct dec_rank {
-  kvf_manager *m;
-  kvpool pool;
-  kvf_engine *e; /* shared by the manager; the pool may come from it (cli_rank_engine) */
-  int rank;      /* its rank in the decode instance */
+  tp_rank r;
+  int rank; /* its rank in the decode instance */
 } dec_rank;
 
 typedef struct dec_req {
@@ -144,9 +142,9 @@ static size_t quarantine_check(dec_quarantine *qz, dec_rank *rk, int nranks, dec
   size_t changed = 0;
   char where[160] = "";
   for (int d = 0; d < nranks; d++) {
-    kvpool *pool = &rk[d].pool;
+    kvpool *pool = &rk[d].r.pool;
     if (!e->pages[d]) continue;
-    kvf_engine_sync(kvf_manager_engine(rk[d].m));
+    kvf_engine_sync(kvf_manager_engine(rk[d].r.m));
     for (size_t k = 0; k < e->npages; k++) {
       int page_changed = 0;
       for (size_t b = 0; b < pool->nbuf && !page_changed; b++) {
@@ -174,7 +172,7 @@ static size_t quarantine_check(dec_quarantine *qz, dec_rank *rk, int nranks, dec
       if (!e->pages[d]) continue;
       qz->checked += e->npages;
       qz->held -= e->npages;
-      kvpool_give(&rk[d].pool, e->pages[d], e->npages);
+      kvpool_give(&rk[d].r.pool, e->pages[d], e->npages);
       free(e->pages[d]);
       e->pages[d] = NULL;
     }
@@ -207,12 +205,12 @@ static void quarantine_room(dec_quarantine *qz, dec_rank *rk, int nranks, dec_re
   dec_quar *e = &qz->q[(qz->head + qz->n++) % DEC_QUAR_MAX];
   *e = (dec_quar){.room = r->room, .npages = r->npages, .until_ns = cli_now_ns() + qz->ms * 1000000LL};
   for (int d = 0; d < nranks; d++) {
-    kvpool *pool = &rk[d].pool;
+    kvpool *pool = &rk[d].r.pool;
     e->pages[d] = r->pages[d];
     r->pages[d] = NULL;
     if (!e->pages[d]) continue;
     /* Order the bytes landed so far before the poison: what lands later is late. */
-    kvf_engine_sync(kvf_manager_engine(rk[d].m));
+    kvf_engine_sync(kvf_manager_engine(rk[d].r.m));
     for (size_t b = 0; b < pool->nbuf; b++)
       for (size_t k = 0; k < e->npages; k++)
         memset((char *)pool->ptrs[b] + e->pages[d][k] * pool->item_len, DEC_POISON, pool->item_len);
@@ -226,7 +224,7 @@ static void quarantine_room(dec_quarantine *qz, dec_rank *rk, int nranks, dec_re
 static void release(dec_rank *rk, int nranks, dec_req *r) {
   for (int d = 0; d < nranks; d++) {
     kvf_receiver_destroy(r->rx[d]);
-    if (r->pages[d]) kvpool_give(&rk[d].pool, r->pages[d], r->npages);
+    if (r->pages[d]) kvpool_give(&rk[d].r.pool, r->pages[d], r->npages);
     free(r->pages[d]);
   }
   memset(r, 0, sizeof *r);
@@ -241,10 +239,10 @@ static void finish(dec_quarantine *qz, dec_rank *rk, int nranks, dec_req *r, int
       int64_t tok = -1;
       int32_t cands[8];
       size_t nc = 0;
-      kvpool *pool = &rk[d].pool;
+      kvpool *pool = &rk[d].r.pool;
       kvf_receiver_pop_metadata(r->rx[d], &tok, cands, 8, &nc);
       /* Bytes landed from the engine's threads: order them before reading. */
-      kvf_engine_sync(kvf_manager_engine(rk[d].m));
+      kvf_engine_sync(kvf_manager_engine(rk[d].r.m));
       if (r->corrupt && r->npages && d == nranks - 1) {
         /* One byte in the middle of one page of the last buffer of the last
          * rank, as a torn or misdirected write would leave it; the normal
@@ -276,11 +274,11 @@ static void start(dec_quarantine *qz, dec_rank *rk, int nranks, const char *badd
   if (!baddr) why = "no-bootstrap-address";
   for (int d = 0; d < nranks && !why; d++) {
     r->pages[d] = malloc((r->npages ? r->npages : 1) * sizeof *r->pages[d]);
-    if (!r->pages[d] || kvpool_take(&rk[d].pool, r->npages, rng, r->pages[d])) {
+    if (!r->pages[d] || kvpool_take(&rk[d].r.pool, r->npages, rng, r->pages[d])) {
       free(r->pages[d]);
       r->pages[d] = NULL;
       why = "no-free-pages";
-    } else if (kvf_receiver_create(rk[d].m, baddr, r->room, &r->rx[d])) {
+    } else if (kvf_receiver_create(rk[d].r.m, baddr, r->room, &r->rx[d])) {
       r->rx[d] = NULL;
       why = "cannot-create-receiver";
     }
@@ -379,29 +377,17 @@ int cli_kv_decode(int argc, char **argv) {
   dec_quarantine *qz = calloc(1, sizeof *qz);
   if (!reqs || !rk || !qz) goto out;
   qz->ms = quarantine_ms;
+  const tp_pool_shape shape = {.layers = layers,
+                               .page_size = page_size,
+                               .heads = heads,
+                               .mla = mla != 0,
+                               .pages = pages,
+                               .item = item,
+                               .unit = unit};
   for (int d = 0; d < nlocal; d++) {
-    kvpool *pool = &rk[d].pool;
     rk[d].rank = first + d;
-    int use_pool = 0, erc = cli_rank_engine(host, &rk[d].e, &use_pool);
-    if (erc) {
-      fprintf(stderr, "kv-decode: decode rank %d: engine: %s\n", rk[d].rank, kvf_strerror(erc));
-      goto out;
-    }
-    kvpool_use_engine(use_pool ? rk[d].e : NULL);
-    int prc = mla     ? kvpool_init_mla(pool, (size_t)layers, pages, (size_t)page_size, unit)
-              : heads ? kvpool_init_heads(pool, (size_t)layers, pages, (size_t)page_size, (size_t)heads,
-                                          (size_t)rk[d].rank * (size_t)heads, unit)
-                      : kvpool_init(pool, (size_t)layers, pages, item);
-    kvpool_use_engine(NULL);
-    if (prc) {
-      fprintf(stderr, "kv-decode: cannot allocate a pool of %llu pages x %d buffers x %llu B\n", pages,
-              mla ? layers : 2 * layers,
-              mla     ? (unsigned long long)page_size * unit
-              : heads ? (unsigned long long)page_size * (unsigned long long)heads * unit
-                      : item);
-      goto out;
-    }
-    nranks = d + 1;
+    tp_pool_shape s = shape;
+    s.head0 = (size_t)rk[d].rank * (size_t)heads; /* head-aware pools: this rank's heads */
     kvf_manager_config mc;
     kvf_manager_config_init(&mc);
     mc.role = KVF_ROLE_DECODE;
@@ -410,14 +396,12 @@ int cli_kv_decode(int argc, char **argv) {
     mc.world_size = world;
     mc.page_size = page_size;
     mc.is_mla = mla == 2;
-    mc.engine = rk[d].e;
-    int err = kvf_manager_create(&mc, &pool->bufs, &rk[d].m);
-    if (err) {
-      fprintf(stderr, "kv-decode: decode rank %d: %s\n", rk[d].rank, kvf_strerror(err));
-      goto out;
-    }
+    char who[48];
+    snprintf(who, sizeof who, "kv-decode: decode rank %d", rk[d].rank);
+    if (tp_rank_open(who, &s, &mc, &rk[d].r)) goto out;
+    nranks = d + 1;
   }
-  printf("ready %s\n", kvf_manager_session_id(rk[0].m));
+  printf("ready %s\n", kvf_manager_session_id(rk[0].r.m));
   fflush(stdout);
   uint64_t rng = 0x9E3779B97F4A7C15ULL;
   char line[512];
@@ -441,7 +425,7 @@ int cli_kv_decode(int argc, char **argv) {
           eof = 1;
         } else if (!strcmp(line, "stats")) {
           kvf_manager *ms[DEC_MAX_RANKS];
-          for (int d = 0; d < nranks; d++) ms[d] = rk[d].m;
+          for (int d = 0; d < nranks; d++) ms[d] = rk[d].r.m;
           cli_print_stats(ms, nranks);
         } else if (!strcmp(line, "quarantine")) {
           quarantine_report(qz, rk, nranks);
@@ -508,9 +492,7 @@ out:
         free(reqs[i].pages[d]);
       }
   if (qz) quarantine_expire(qz, rk, nranks, -1);
-  for (int d = 0; d < nranks; d++) kvf_manager_destroy(rk[d].m);
-  for (int d = 0; rk && d < nlocal; d++) kvpool_free(&rk[d].pool);
-  for (int d = 0; rk && d < nlocal; d++) kvf_engine_destroy(rk[d].e);
+  for (int d = 0; d < nranks; d++) tp_rank_close(&rk[d].r);
   free(rk);
   free(reqs);
   free(qz);

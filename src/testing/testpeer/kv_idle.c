@@ -29,17 +29,13 @@
 #include <unistd.h>
 
 #include "testing/testpeer/testpeer.h"
-#include "kvferry.h"
-#include "tools/kvpool.h"
 #include "tools/proc.h"
 
 #define IDLE_MAX 256
 #define IDLE_CONNECT_S 30
 
 typedef struct idle_inst {
-  kvf_engine *e;
-  kvpool pool;
-  kvf_manager *m;
+  tp_rank r;
   kvf_receiver *rx;
   kvf_sender *tx;               /* --role prefill */
   kvf_bootstrap_server *srv;    /* --role prefill: this instance's own */
@@ -60,74 +56,52 @@ static int idle_create(idle_inst *in, int prefill, const char *host, int layers,
     }
     snprintf(in->baddr, sizeof in->baddr, "%s:%u", host, (unsigned)kvf_bootstrap_server_port(in->srv));
   }
-  int use_pool = 0, rc = cli_rank_engine(host, &in->e, &use_pool);
-  if (rc) {
-    fprintf(stderr, "kv-idle: engine: %s\n", kvf_strerror(rc));
-    return -1;
-  }
-  kvpool_use_engine(use_pool ? in->e : NULL);
-  rc = kvpool_init(&in->pool, (size_t)layers, pages, item);
-  kvpool_use_engine(NULL);
-  if (rc) return -1;
+  const tp_pool_shape shape = {.layers = layers, .pages = pages, .item = item};
   kvf_manager_config mc;
   kvf_manager_config_init(&mc);
   mc.role = prefill ? KVF_ROLE_PREFILL : KVF_ROLE_DECODE;
   mc.host = host;
-  mc.engine = in->e;
   if (prefill) mc.bootstrap_addr = in->baddr;
-  if ((rc = kvf_manager_create(&mc, &in->pool.bufs, &in->m))) {
-    fprintf(stderr, "kv-idle: manager: %s\n", kvf_strerror(rc));
-    return -1;
-  }
-  return 0;
+  return tp_rank_open("kv-idle", &shape, &mc, &in->r);
 }
 
-/* Every instance's room, until all are final or the deadline passes. */
-static void idle_connect(idle_inst *in, int n, const char *baddr, long long room0) {
-  int ok = 0, failed = 0;
-  char why[256] = "";
-  uint64_t rng = 0x9E3779B97F4A7C15ULL;
-  for (int i = 0; i < n; i++) {
-    int took = !kvpool_take(&in[i].pool, 1, &rng, &in[i].page);
-    if (!took || kvf_receiver_create(in[i].m, baddr, room0 + i, &in[i].rx)) {
-      if (took) kvpool_give(&in[i].pool, &in[i].page, 1);
-      in[i].rx = NULL;
-      failed++;
-      if (!*why) snprintf(why, sizeof why, "cannot-create-receiver");
-      continue;
-    }
-    if (kvf_receiver_init(in[i].rx, &in[i].page, 1, 0, 0, NULL, 0)) {
-      kvf_receiver_destroy(in[i].rx);
-      kvpool_give(&in[i].pool, &in[i].page, 1);
-      in[i].rx = NULL;
-      failed++;
-      if (!*why) snprintf(why, sizeof why, "cannot-init");
-    }
-  }
+/* Let an instance's receiver or sender go, and its page back to its pool. */
+static void idle_release(idle_inst *in) {
+  if (in->rx) kvf_receiver_destroy(in->rx);
+  if (in->tx) kvf_sender_destroy(in->tx);
+  in->rx = NULL, in->tx = NULL;
+  kvpool_give(&in->r.pool, &in->page, 1);
+}
+
+/* Poll every instance's receiver (or, sending, its sender) until all are
+ * final or IDLE_CONNECT_S pass, let each go, then answer
+ * `connected <ok> <failed> <first reason or ->`. failed and why: those that
+ * could not even start. */
+static void idle_settle(idle_inst *in, int n, int sending, int failed, char *why, size_t cap) {
+  int ok = 0;
   long long until = cli_now_ms() + IDLE_CONNECT_S * 1000LL;
   for (int live = n - failed; live > 0 && cli_now_ms() < until;) {
     live = 0;
     for (int i = 0; i < n; i++) {
-      if (!in[i].rx) continue;
-      int st = kvf_receiver_poll(in[i].rx);
+      if (sending ? !in[i].tx : !in[i].rx) continue;
+      int st = sending ? kvf_sender_poll(in[i].tx) : kvf_receiver_poll(in[i].rx);
       if (st != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED) {
         live++;
         continue;
       }
       if (st == KVF_POLL_SUCCESS) ok++;
-      else if (failed++, !*why) kvf_receiver_failure(in[i].rx, why, sizeof why);
-      kvf_receiver_destroy(in[i].rx);
-      kvpool_give(&in[i].pool, &in[i].page, 1);
-      in[i].rx = NULL;
+      else if (failed++, !*why) {
+        if (sending) kvf_sender_failure(in[i].tx, why, cap);
+        else kvf_receiver_failure(in[i].rx, why, cap);
+      }
+      idle_release(&in[i]);
     }
     if (live) usleep(1000);
   }
   for (int i = 0; i < n; i++)
-    if (in[i].rx) {
-      kvf_receiver_destroy(in[i].rx);
-      kvpool_give(&in[i].pool, &in[i].page, 1);
-      in[i].rx = NULL;
-      if (failed++, !*why) snprintf(why, sizeof why, "no-final-status-within-%ds", IDLE_CONNECT_S);
+    if (in[i].rx || in[i].tx) {
+      idle_release(&in[i]);
+      if (failed++, !*why) snprintf(why, cap, "no-final-status-within-%ds", IDLE_CONNECT_S);
     }
   for (char *p = why; *p; p++)
     if (*p == '\n' || *p == ' ') *p = '_';
@@ -135,10 +109,33 @@ static void idle_connect(idle_inst *in, int n, const char *baddr, long long room
   fflush(stdout);
 }
 
+/* Every instance's room, until all are final or the deadline passes. */
+static void idle_connect(idle_inst *in, int n, const char *baddr, long long room0) {
+  int failed = 0;
+  char why[256] = "";
+  uint64_t rng = 0x9E3779B97F4A7C15ULL;
+  for (int i = 0; i < n; i++) {
+    int took = !kvpool_take(&in[i].r.pool, 1, &rng, &in[i].page);
+    if (!took || kvf_receiver_create(in[i].r.m, baddr, room0 + i, &in[i].rx)) {
+      if (took) kvpool_give(&in[i].r.pool, &in[i].page, 1);
+      in[i].rx = NULL;
+      failed++;
+      if (!*why) snprintf(why, sizeof why, "cannot-create-receiver");
+      continue;
+    }
+    if (kvf_receiver_init(in[i].rx, &in[i].page, 1, 0, 0, NULL, 0)) {
+      idle_release(&in[i]);
+      failed++;
+      if (!*why) snprintf(why, sizeof why, "cannot-init");
+    }
+  }
+  idle_settle(in, n, 0, failed, why, sizeof why);
+}
+
 /* --role prefill: every instance sends its room's one page, then waits as
  * idle_connect does. */
 static void idle_send(idle_inst *in, int n, long long room0) {
-  int ok = 0, failed = 0;
+  int failed = 0;
   char why[256] = "";
   uint64_t rng = 0x2545F4914F6CDD1DULL;
   for (int i = 0; i < n; i++) {
@@ -146,43 +143,15 @@ static void idle_send(idle_inst *in, int n, long long room0) {
     kvf_send_params_init(&p);
     p.pages = &in[i].page, p.npages = 1;
     p.flags = KVF_SEND_LAST, p.aux_index = 0, p.bootstrap_token = 7;
-    int took = !kvpool_take(&in[i].pool, 1, &rng, &in[i].page);
-    if (!took || kvf_sender_create(in[i].m, room0 + i, &in[i].tx) || kvf_sender_send(in[i].tx, &p)) {
+    int took = !kvpool_take(&in[i].r.pool, 1, &rng, &in[i].page);
+    if (!took || kvf_sender_create(in[i].r.m, room0 + i, &in[i].tx) || kvf_sender_send(in[i].tx, &p)) {
       if (in[i].tx) kvf_sender_destroy(in[i].tx);
-      if (took) kvpool_give(&in[i].pool, &in[i].page, 1);
+      if (took) kvpool_give(&in[i].r.pool, &in[i].page, 1);
       in[i].tx = NULL;
       if (failed++, !*why) snprintf(why, sizeof why, "cannot-send");
     }
   }
-  long long until = cli_now_ms() + IDLE_CONNECT_S * 1000LL;
-  for (int live = n - failed; live > 0 && cli_now_ms() < until;) {
-    live = 0;
-    for (int i = 0; i < n; i++) {
-      if (!in[i].tx) continue;
-      int st = kvf_sender_poll(in[i].tx);
-      if (st != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED) {
-        live++;
-        continue;
-      }
-      if (st == KVF_POLL_SUCCESS) ok++;
-      else if (failed++, !*why) kvf_sender_failure(in[i].tx, why, sizeof why);
-      kvf_sender_destroy(in[i].tx);
-      kvpool_give(&in[i].pool, &in[i].page, 1);
-      in[i].tx = NULL;
-    }
-    if (live) usleep(1000);
-  }
-  for (int i = 0; i < n; i++)
-    if (in[i].tx) {
-      kvf_sender_destroy(in[i].tx);
-      kvpool_give(&in[i].pool, &in[i].page, 1);
-      in[i].tx = NULL;
-      if (failed++, !*why) snprintf(why, sizeof why, "no-final-status-within-%ds", IDLE_CONNECT_S);
-    }
-  for (char *p = why; *p; p++)
-    if (*p == '\n' || *p == ' ') *p = '_';
-  printf("connected %d %d %s\n", ok, failed, *why ? why : "-");
-  fflush(stdout);
+  idle_settle(in, n, 1, failed, why, sizeof why);
 }
 
 int cli_kv_idle(int argc, char **argv) {
@@ -272,9 +241,7 @@ out:
     if (in[i].rx) kvf_receiver_destroy(in[i].rx);
     if (in[i].tx) kvf_sender_destroy(in[i].tx);
     kvf_bootstrap_server_destroy(in[i].srv); /* before the manager it shows */
-    if (in[i].m) kvf_manager_destroy(in[i].m);
-    kvpool_free(&in[i].pool);
-    if (in[i].e) kvf_engine_destroy(in[i].e);
+    tp_rank_close(&in[i].r);
   }
   free(in);
   return rc;
