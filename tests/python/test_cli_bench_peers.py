@@ -3,7 +3,9 @@
 every transport this build has. Checks the JSON's
 shape and that every idle peer really connected (its room succeeded), never
 a speed: the per-peer figures and the rates are only required to be there
-and sane (non-negative, finite)."""
+and sane (non-negative, finite). With the managers' idle close of control
+sockets shortened to IDLE_S (KVFERRY_CONTROL_IDLE_S), the figures after it
+must show fewer descriptors per peer than while the peers were fresh."""
 
 import json
 import math
@@ -18,12 +20,16 @@ pytestmark = pytest.mark.skipif(not CLI or not os.path.exists(CLI), reason="KVFE
 
 CASE_KEYS = {"peers", "connected", "threads", "fds", "rss_kib", "threads_per_peer", "fds_per_peer",
              "rss_kib_per_peer", "rooms_per_s", "p50_us", "p99_us", "rate_over_1peer", "idle_cpu_pct",
-             "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "idle_peers_cpu_pct", "rooms_per_s_runs", "error"}
+             "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "idle_peers_cpu_pct", "rooms_per_s_runs", "error",
+             "rss_split_kib_per_peer"}
+SPLIT_KEYS = {"anon", "shmem", "file"}
+IDLE_S = 2  # the idle close, seconds: the bench waits it out twice per view
 
 
 def run(*args):
     env = dict(os.environ)
     env.pop("KVFERRY_TRANSPORT", None)  # the bench picks each transport itself
+    env["KVFERRY_CONTROL_IDLE_S"] = str(IDLE_S)
     p = subprocess.run([CLI, "bench", "peers", "--quick", "--json", *args], capture_output=True, text=True,
                        timeout=240, env=env)
     assert p.returncode == 0, f"stdout={p.stdout[-2000:]!r} stderr={p.stderr[-3000:]!r}"
@@ -53,13 +59,22 @@ def test_quick_json_shape():
             # Growth over the base (per peer) is a difference: pool workers that
             # retired, or a wake-up count, may dip below it.
             deltas = {"idle_wakeups_per_s_per_peer", "threads_per_peer", "fds_per_peer", "rss_kib_per_peer"}
-            for k in CASE_KEYS - {"error", "peers", "connected", "rooms_per_s_runs"} - deltas:
+            assert set(c["rss_split_kib_per_peer"]) == SPLIT_KEYS
+            assert all(math.isfinite(v) for v in c["rss_split_kib_per_peer"].values()), c
+            for k in CASE_KEYS - {"error", "peers", "connected", "rooms_per_s_runs", "rss_split_kib_per_peer"} - deltas:
                 assert math.isfinite(c[k]) and c[k] >= 0, (k, c)
             for k in deltas & CASE_KEYS:
                 assert math.isfinite(c[k]), (k, c)
             assert c["rooms_per_s"] > 0 and c["p50_us"] > 0
             assert c["threads"] > 0 and c["fds"] > 0
         assert r["cases"][0]["rate_over_1peer"] == 1.0
+        # Idle past the close: each peer's ZeroMQ sockets (a connection and a
+        # mailbox each way) are gone.
+        after = r["after_idle_close"]
+        assert after["peers"] == 8 and after["waited_s"] >= IDLE_S
+        assert set(after["rss_split_kib_per_peer"]) == SPLIT_KEYS
+        assert math.isfinite(after["rss_kib_per_peer"])
+        assert after["fds_per_peer"] < r["cases"][-1]["fds_per_peer"], (after, r["cases"][-1])
         assert isinstance(r["thread_growth"], dict) and isinstance(r["fd_growth"], dict)
 
 
