@@ -14,6 +14,8 @@
 #include "base/thread.h"
 #include "kvferry/common.h"
 
+#define EVPOOL_RETRY_MS 100 /* a failed worker start is tried again this often while items wait */
+
 typedef struct evpool_worker {
   struct evpool_worker *next;
   evpool *p;
@@ -36,6 +38,8 @@ struct evpool {
   int nqueued;
   evpool_worker *workers; /* running or ended, not joined yet */
   int nworkers, nidle;
+  int start_failed; /* the last worker start failed (under mu) */
+  int starved;      /* items queued, no worker (event thread only) */
 };
 
 /* Under mu: wait for the item's next bytes (or close). */
@@ -107,6 +111,30 @@ static void join_ended_locked(evpool *p) {
   }
 }
 
+/* Under mu: start one more worker; 0, or -1 (logged once in a row). */
+static int start_worker_locked(evpool *p) {
+  evpool_worker *w = calloc(1, sizeof *w);
+  if (w) {
+    w->p = p;
+    if (pthread_create(&w->thread, NULL, worker_main, w)) {
+      free(w);
+      w = NULL;
+    }
+  }
+  if (!w) {
+    if (!p->start_failed)
+      LOG_WARN("engine", "cannot start a connection worker; %s",
+               p->nworkers ? "the running ones take the connection" : "trying again every 100 ms");
+    p->start_failed = 1;
+    return -1;
+  }
+  p->start_failed = 0;
+  w->next = p->workers;
+  p->workers = w;
+  p->nworkers++;
+  return 0;
+}
+
 /* Under mu: queue an item with work; start a worker when every idle one
  * already has a queued item to take. */
 static void queue_locked(evpool *p, evpool_item *it) {
@@ -115,23 +143,7 @@ static void queue_locked(evpool *p, evpool_item *it) {
   else p->q_head = it;
   p->q_tail = it;
   p->nqueued++;
-  if (p->nidle < p->nqueued) {
-    evpool_worker *w = calloc(1, sizeof *w);
-    if (w) {
-      w->p = p;
-      if (pthread_create(&w->thread, NULL, worker_main, w)) {
-        free(w);
-        w = NULL;
-      }
-    }
-    if (w) {
-      w->next = p->workers;
-      p->workers = w;
-      p->nworkers++;
-    } else {
-      LOG_WARN("engine", "cannot start a connection worker; the running ones take the connection");
-    }
-  }
+  if (p->nidle < p->nqueued) start_worker_locked(p);
   pthread_cond_signal(&p->cv);
 }
 
@@ -143,7 +155,11 @@ static void *event_main(void *arg) {
   while (!atomic_load(&p->stopping)) {
     int ticking = p->ops.tick && atomic_load(&p->tick_on);
     int64_t left = (next_tick - clock_now_ns()) / 1000000;
-    int n = epoll_wait(p->epfd, ev, 64, !ticking ? -1 : left < 0 ? 0 : (int)left + 1);
+    int wait_ms = !ticking ? -1 : left < 0 ? 0 : (int)left + 1;
+    /* Items queued and no worker to take them (starting one failed): try
+     * again soon rather than wait for bytes that already came. */
+    if (p->starved && (wait_ms < 0 || wait_ms > EVPOOL_RETRY_MS)) wait_ms = EVPOOL_RETRY_MS;
+    int n = epoll_wait(p->epfd, ev, 64, wait_ms);
     pthread_mutex_lock(&p->mu);
     for (int i = 0; i < n; i++) {
       if (ev[i].data.ptr == p) {
@@ -155,6 +171,8 @@ static void *event_main(void *arg) {
       }
     }
     join_ended_locked(p);
+    if (p->nqueued && !p->nworkers) start_worker_locked(p);
+    p->starved = p->nqueued && !p->nworkers;
     pthread_mutex_unlock(&p->mu);
     if (ticking && clock_now_ns() >= next_tick) {
       /* Cleared first: an add during the tick sets it again. */
