@@ -41,6 +41,10 @@
 /* Every blocking receive ends within a tick, so overall deadlines (a batch's,
  * a hello's, an inbound chunk's) and unregisters are noticed in time. */
 #define TCP_READER_TICK_MS 100
+/* An outgoing connection's sender and acknowledgement reader end after this
+ * long with nothing to do, and start again with the next chunk: an idle
+ * peer holds no thread (issue 24). */
+#define TCP_CONN_IDLE_MS 2000
 /* Attempts to evict a connection that keeps changing state under us. */
 #define TCP_EVICT_TRIES 8
 
@@ -72,7 +76,12 @@ typedef struct tcp_conn {
   chunk *q_head, *q_tail; /* waiting to be sent */
   chunk *f_head, *f_tail; /* sent, waiting for their ack, in wire order */
   uint64_t next_seq;
+  /* The threads run only while there is work (TCP_CONN_IDLE_MS): *_on says
+   * one runs (q_lock), *_joinable that `writer`/`reader` holds a thread
+   * not joined yet (the one that starts the next, or the last put, joins
+   * it; q_lock). */
   pthread_t writer, reader;
+  int writer_on, reader_on, writer_joinable, reader_joinable;
 } tcp_conn;
 
 typedef struct tcp_session {

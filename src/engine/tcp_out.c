@@ -3,7 +3,12 @@
  * (header, descriptors, then the payload straight from the source memory with
  * sendmsg) and a reader thread that matches in-order acks to in-flight chunks
  * and fails them at their deadline. Small chunks are sent by the submitting
- * thread itself when the connection is idle, which saves two thread wake-ups. */
+ * thread itself when the connection is idle, which saves two thread wake-ups.
+ * Both threads run only while the connection has work: each ends after
+ * TCP_CONN_IDLE_MS idle, and the next chunk queued (writer) or sent
+ * (reader) starts it again, so an idle peer costs no thread. While no
+ * reader runs, a submit first checks that the peer has not closed the
+ * idle connection (conn_closed_while_idle) and connects again if it has. */
 #include "engine/tcp_int.h"
 #include "base/thread.h"
 
@@ -50,6 +55,23 @@ static void conn_fail(tcp_conn *c, int err) {
   }
 }
 
+static void *conn_writer_main(void *arg);
+static void *conn_reader_main(void *arg);
+
+/* Under q_lock: make sure the connection's writer (or reader) runs: start
+ * one, joining the one that ended idle first (it released q_lock before
+ * returning, so the join does not wait on us). 0 or KVF_ENOMEM. */
+static int thread_need_locked(tcp_conn *c, int reader) {
+  int *on = reader ? &c->reader_on : &c->writer_on, *joinable = reader ? &c->reader_joinable : &c->writer_joinable;
+  pthread_t *t = reader ? &c->reader : &c->writer;
+  if (*on) return 0;
+  if (*joinable) pthread_join(*t, NULL);
+  *joinable = 0;
+  if (pthread_create(t, NULL, reader ? conn_reader_main : conn_writer_main, c)) return KVF_ENOMEM;
+  *joinable = *on = 1;
+  return 0;
+}
+
 /* Put the chunk on the wire. The caller holds send_lock, so the in-flight
  * list order is the wire order, which is the ack order. */
 static void conn_send_locked(tcp_conn *c, chunk *ch) {
@@ -64,9 +86,15 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
     atomic_fetch_add(&ch->refs, 1);
     list_push(&c->f_head, &c->f_tail, ch);
   }
+  int no_reader = !dead && thread_need_locked(c, 1);
   pthread_mutex_unlock(&c->q_lock);
   if (dead) {
     kvf__chunk_finish(ch, dead);
+    return;
+  }
+  if (no_reader) { /* nobody would read its ack or watch its deadline */
+    conn_fail(c, KVF_ENOMEM);
+    kvf__chunk_release(ch);
     return;
   }
   tcp_desc descs_small[64], *descs = descs_small;
@@ -100,8 +128,13 @@ static void *conn_writer_main(void *arg) {
   tcp_conn *c = arg;
   for (;;) {
     pthread_mutex_lock(&c->q_lock);
-    while (!c->q_head && !atomic_load(&c->dead)) pthread_cond_wait(&c->q_cv, &c->q_lock);
-    chunk *ch = atomic_load(&c->dead) ? NULL : list_pop(&c->q_head, &c->q_tail);
+    int idle = 0;
+    while (!c->q_head && !atomic_load(&c->dead) && !idle) {
+      struct timespec ts = clock_ts_from_ns(clock_deadline_ms(TCP_CONN_IDLE_MS));
+      idle = pthread_cond_timedwait(&c->q_cv, &c->q_lock, &ts) == ETIMEDOUT && !c->q_head;
+    }
+    chunk *ch = atomic_load(&c->dead) || idle ? NULL : list_pop(&c->q_head, &c->q_tail);
+    if (!ch) c->writer_on = 0; /* the next queued chunk starts another */
     pthread_mutex_unlock(&c->q_lock);
     if (!ch) break;
     kvf__wake_count();
@@ -121,6 +154,7 @@ static void *conn_reader_main(void *arg) {
   tcp_conn *c = arg;
   tcp_ack acks[TCP_ACK_BATCH];
   size_t got = 0; /* bytes in acks: whole acks, then the start of the next */
+  int idle_ticks = 0;
   while (!atomic_load(&c->dead)) {
     /* The socket's receive timeout is the idle tick (TCP_READER_TICK_MS). */
     int r =
@@ -128,16 +162,23 @@ static void *conn_reader_main(void *arg) {
     if (r == 1) {
       /* Idle tick: a chunk whose deadline passed means the peer stopped
        * answering (SIGSTOP, a hung host): fail the connection, and with it
-       * everything it carries, rather than wait on TCP's own timers. */
+       * everything it carries, rather than wait on TCP's own timers. With
+       * nothing in flight for TCP_CONN_IDLE_MS this thread ends (the next
+       * chunk sent starts another). */
       pthread_mutex_lock(&c->q_lock);
       int late = c->f_head && clock_now_ns() > c->f_head->batch->deadline_ns;
+      idle_ticks = c->f_head || got ? 0 : idle_ticks + 1;
+      int retire = idle_ticks * TCP_READER_TICK_MS >= TCP_CONN_IDLE_MS;
+      if (retire) c->reader_on = 0;
       pthread_mutex_unlock(&c->q_lock);
+      if (retire) return NULL;
       if (late) {
         LOG_WARN("tcp", "peer %s did not confirm a batch before its deadline (%d ms)", c->peer, c->timeout_ms);
         conn_fail(c, KVF_ETIMEDOUT);
       }
       continue;
     }
+    idle_ticks = 0;
     if (r) {
       conn_fail(c, KVF_ECLOSED);
       break;
@@ -167,8 +208,9 @@ static void *conn_reader_main(void *arg) {
 void kvf__tcp_conn_put(tcp_conn *c) {
   if (!c || atomic_fetch_sub(&c->refs, 1) != 1) return;
   conn_fail(c, KVF_ECLOSED);
-  pthread_join(c->writer, NULL);
-  pthread_join(c->reader, NULL);
+  /* The last reference: no submit can start a thread any more. */
+  if (c->writer_joinable) pthread_join(c->writer, NULL);
+  if (c->reader_joinable) pthread_join(c->reader, NULL);
   close(c->fd);
   pthread_mutex_destroy(&c->send_lock);
   pthread_mutex_destroy(&c->q_lock);
@@ -255,22 +297,10 @@ static int conn_open(kvf_engine *e, tcp_session *s, int64_t deadline_ns, tcp_con
   snprintf(c->peer, sizeof c->peer, "%s", s->id);
   pthread_mutex_init(&c->send_lock, NULL);
   pthread_mutex_init(&c->q_lock, NULL);
-  pthread_cond_init(&c->q_cv, NULL);
-  if (pthread_create(&c->writer, NULL, conn_writer_main, c)) goto err_free_conn;
-  if (pthread_create(&c->reader, NULL, conn_reader_main, c)) {
-    conn_fail(c, KVF_ENOMEM);
-    pthread_join(c->writer, NULL);
-    goto err_free_conn;
-  }
-  *out = c;
+  clock_cond_init(&c->q_cv);
+  *out = c; /* its threads start with its first chunk */
   return 0;
 
-err_free_conn:
-  pthread_mutex_destroy(&c->send_lock);
-  pthread_mutex_destroy(&c->q_lock);
-  pthread_cond_destroy(&c->q_cv);
-  free(c);
-  rc = KVF_ENOMEM;
 err_close:
   close(fd);
   return rc;
@@ -303,6 +333,21 @@ static int session_get(tcp_state *t, const char *id, tcp_session **out) {
 out:
   pthread_mutex_unlock(&t->sess_lock);
   return rc;
+}
+
+/* A connection with no reader running (idle): has the peer closed it (an
+ * end of stream or an error waiting), or sent bytes no chunk asked for?
+ * Then it is failed here, so that the caller connects again instead of
+ * losing a chunk to it. */
+static void conn_check_idle(tcp_conn *c) {
+  pthread_mutex_lock(&c->q_lock);
+  int idle = !c->reader_on && !atomic_load(&c->dead);
+  pthread_mutex_unlock(&c->q_lock);
+  if (!idle) return;
+  char b;
+  ssize_t r = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) conn_fail(c, KVF_ECLOSED);
+  else if (r > 0) conn_fail(c, KVF_EPROTO);
 }
 
 /* An idle connection and a small chunk: send it from this thread (1), or
@@ -340,6 +385,7 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
   for (size_t k = 0; k < use; k++) {
     int slot = (int)((start + k) % (unsigned)nconn);
     tcp_conn *c = s->conns[slot];
+    if (c) conn_check_idle(c);
     if (c && atomic_load(&c->dead)) { /* reconnect after a failure */
       s->conns[slot] = NULL;
       kvf__tcp_conn_put(c);
@@ -364,13 +410,15 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
     for (size_t k = 1; small && !sent && k < use; k++) sent = send_inline(picked[k], ch);
     if (sent) continue;
     pthread_mutex_lock(&c->q_lock);
-    int dead = atomic_load(&c->dead);
+    int dead = atomic_load(&c->dead), no_writer = 0;
     if (!dead) {
       list_push(&c->q_head, &c->q_tail, ch);
       pthread_cond_signal(&c->q_cv);
+      no_writer = thread_need_locked(c, 0);
     }
     pthread_mutex_unlock(&c->q_lock);
     if (dead) kvf__chunk_finish(ch, dead);
+    if (no_writer) conn_fail(c, KVF_ENOMEM); /* fails what it queued, this chunk too */
   }
 out_put:
   for (size_t k = 0; k < use; k++) kvf__tcp_conn_put(picked[k]);

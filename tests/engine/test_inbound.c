@@ -24,6 +24,7 @@
 #include "procfs.h"
 
 #include "engine/engine_internal.h"
+#include "engine/tcp_int.h"
 #include "engine/tcp_proto.h"
 #include "kvferry.h"
 
@@ -259,6 +260,94 @@ static void idle_connections_hold_no_thread(void **state) {
   free(buf);
 }
 
+/* An outgoing connection's threads (kvf-tcp-write, kvf-tcp-ack) end once
+ * it has been idle TCP_CONN_IDLE_MS and start again with the next chunk, so
+ * idle peers hold no thread on the writer either; a connection the peer
+ * closed meanwhile (evicted to make room for another writer) is found at
+ * the next submit, which connects again rather than failing the chunk. */
+static int tcp_out_threads(void) {
+  int nw = 0, na = 0;
+  kvf_test_thread_sleeps("kvf-tcp-write", &nw);
+  kvf_test_thread_sleeps("kvf-tcp-ack", &na);
+  return nw + na;
+}
+
+static int wait_tcp_out_threads_gone(void) {
+  int n = tcp_out_threads();
+  for (double t0 = now_s(); n && now_s() - t0 < TCP_CONN_IDLE_MS / 1000.0 + 10; n = tcp_out_threads())
+    usleep(100000);
+  return n;
+}
+
+static void idle_outgoing_connections_hold_no_thread(void **state) {
+  (void)state;
+  enum { N = 8, BIG = 2 << 20 }; /* BIG: past the inline size, so the writer thread sends it */
+  kvf_engine *w = make_engine(CHUNK_TIMEOUT_MS, NULL);
+  unsigned char *src = malloc(BIG);
+  assert_non_null(src);
+  assert_int_equal(kvf_engine_register(w, src, BIG), 0);
+  kvf_engine *t[N];
+  unsigned char *dst[N];
+  for (int i = 0; i < N; i++) {
+    t[i] = make_engine(CHUNK_TIMEOUT_MS, NULL);
+    assert_non_null(dst[i] = calloc(1, BIG));
+    assert_int_equal(kvf_engine_register(t[i], dst[i], BIG), 0);
+  }
+  for (int round = 1; round <= 2; round++) { /* the second after every thread ended */
+    memset(src, 0x40 + round, BIG);
+    for (int i = 0; i < N; i++) {
+      kvf_write wr = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)dst[i], .len = BIG};
+      assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t[i]), &wr, 1), 0);
+      kvf_engine_sync(t[i]);
+      assert_int_equal(dst[i][0], 0x40 + round);
+      assert_int_equal(dst[i][BIG - 1], 0x40 + round);
+    }
+    int left = wait_tcp_out_threads_gone();
+    printf("round %d: outgoing connection threads left after idle: %d\n", round, left);
+    assert_int_equal(left, 0);
+  }
+  for (int i = 0; i < N; i++) kvf_engine_destroy(t[i]), free(dst[i]);
+
+  /* Closed by the peer while idle: a target with two slots (a writer's
+   * conns_per_peer) evicts the idle connections for newcomers; the writer's
+   * next chunk goes on a new connection. */
+  kvf_engine_config tc;
+  kvf_engine_config_init(&tc);
+  tc.timeout_ms = CHUNK_TIMEOUT_MS;
+  tc.max_inbound_conns = 2;
+  kvf_engine *one = NULL;
+  assert_int_equal(kvf_engine_create(&tc, &one), 0);
+  unsigned char *buf = calloc(1, 4096);
+  assert_int_equal(kvf_engine_register(one, buf, 4096), 0);
+  kvf_write small = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)buf, .len = 64};
+  assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(one), &small, 1), 0);
+  assert_int_equal(wait_tcp_out_threads_gone(), 0);
+  kvf_engine_stats st;
+  kvf_engine_get_stats(one, &st);
+  uint64_t evicted = st.conns_evicted;
+  /* Two newcomers that finish their hello take the slots: ours are cut. */
+  static const tcp_hello hello = {TCP_HELLO_MAGIC, TCP_PROTO_VERSION, 0, 0, 0};
+  int raw[2];
+  for (int i = 0; i < 2; i++) {
+    assert_true((raw[i] = raw_connect(kvf_engine_port(one))) >= 0);
+    assert_int_equal(send(raw[i], &hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
+  }
+  for (double t0 = now_s(); now_s() - t0 < 10; usleep(20000)) {
+    kvf_engine_get_stats(one, &st);
+    if (st.conns_evicted >= evicted + 2) break;
+  }
+  assert_true(st.conns_evicted >= evicted + 2);
+  memset(src, 0x77, 64);
+  assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(one), &small, 1), 0);
+  kvf_engine_sync(one);
+  assert_int_equal(buf[0], 0x77);
+  for (int i = 0; i < 2; i++) close(raw[i]);
+  kvf_engine_destroy(one);
+  kvf_engine_destroy(w);
+  free(buf);
+  free(src);
+}
+
 /* ---- one peer that trickles a chunk's payload ---- */
 
 typedef struct trickler {
@@ -437,9 +526,13 @@ static void unregister_cuts_a_slow_write(void **state) {
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(trickled_hellos_cannot_hold_slots), cmocka_unit_test(idle_connections_evicted_for_writers),
-      cmocka_unit_test(slow_payload_stalls_nobody),        cmocka_unit_test(unregister_cuts_a_slow_write),
-      cmocka_unit_test(paced_payload_cut_at_deadline),     cmocka_unit_test(idle_connections_hold_no_thread),
+      cmocka_unit_test(trickled_hellos_cannot_hold_slots),
+      cmocka_unit_test(idle_connections_evicted_for_writers),
+      cmocka_unit_test(slow_payload_stalls_nobody),
+      cmocka_unit_test(unregister_cuts_a_slow_write),
+      cmocka_unit_test(paced_payload_cut_at_deadline),
+      cmocka_unit_test(idle_connections_hold_no_thread),
+      cmocka_unit_test(idle_outgoing_connections_hold_no_thread),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
