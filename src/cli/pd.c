@@ -91,18 +91,26 @@ int pd_cmp_dbl(const void *a, const void *b) {
 void pd_argv_init(pd_argv *a, char *const *pre) {
   a->n = 0;
   a->used = 0;
+  a->overflow = 0;
   a->v[0] = NULL;
   for (int i = 0; pre && pre[i]; i++) pd_argv_add(a, "%s", pre[i]);
 }
 
 void pd_argv_add(pd_argv *a, const char *fmt, ...) {
   size_t room = sizeof a->store - a->used;
-  if (a->n + 1 >= (int)(sizeof a->v / sizeof a->v[0]) || room < 2) return; /* too long: fails to start */
+  if (a->overflow) return;
   va_list ap;
   va_start(ap, fmt);
-  int k = vsnprintf(a->store + a->used, room, fmt, ap);
+  int k = a->n + 1 >= (int)(sizeof a->v / sizeof a->v[0]) || room < 2
+              ? -1
+              : vsnprintf(a->store + a->used, room, fmt, ap);
   va_end(ap);
-  if (k < 0 || (size_t)k >= room) return;
+  if (k < 0 || (size_t)k >= room) { /* too long: the command fails to start */
+    a->overflow = 1;
+    a->n = 0;
+    a->v[0] = NULL;
+    return;
+  }
   a->v[a->n++] = a->store + a->used;
   a->v[a->n] = NULL;
   a->used += (size_t)k + 1;

@@ -101,8 +101,11 @@ typedef struct pd_argv {
   int n;
   char store[2048];
   size_t used;
+  int overflow; /* an argument did not fit: v is empty (proc_start refuses it) */
 } pd_argv;
-/* Append one argument, printf-style. */
+/* Append one argument, printf-style. One that does not fit empties the
+ * whole command line, so it fails to start rather than run with an argument
+ * missing. */
 void pd_argv_add(pd_argv *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Start with `pre` (e.g. {"ip", "netns", "exec", NS, NULL}; NULL: none). */
 void pd_argv_init(pd_argv *a, char *const *pre);

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 int proc_start(proc *p, char *const argv[]) {
+  if (!argv || !argv[0]) return -1; /* a command line that did not fit (pd_argv) */
   int in[2], out[2];
   if (pipe2(in, O_CLOEXEC)) return -1;
   if (pipe2(out, O_CLOEXEC)) {
