@@ -51,8 +51,10 @@ typedef struct kvf_engine_config {
   const char *ucx_mode;
   /* Read mode, writer side: how long a target may take to read an announced
    * chunk (capped by the batch deadline); the sources stay as they are that
-   * long at least, and a read finished later does not count. Default 10000,
-   * env KVFERRY_READ_LEASE_MS. */
+   * long at least, and a read finished later does not count. <= 0 (default)
+   * = timeout_ms, the batch deadline, as long as a write over TCP may take
+   * (10 s before: an overloaded decode failed rooms that TCP would have
+   * finished); env KVFERRY_READ_LEASE_MS. */
   int read_lease_ms;
 } kvf_engine_config;
 /* The size of the first published kvf_engine_config (every field up to

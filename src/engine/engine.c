@@ -35,7 +35,7 @@ void kvf_engine_config_init(kvf_engine_config *cfg) {
   cfg->conns_per_peer = 2;
   cfg->max_inbound_conns = 256;
   cfg->ucx_mode = NULL; /* $KVFERRY_UCX_MODE, else "read" */
-  cfg->read_lease_ms = 10000;
+  cfg->read_lease_ms = 0; /* the batch deadline (timeout_ms) */
 }
 
 static const kvf__field engine_fields[] = {
@@ -77,7 +77,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   int ucx_read = !strcmp(cfg.ucx_mode, "read");
   cfg.ucx_mode = ucx_read ? "read" : "write"; /* not the caller's or getenv's string */
   cfg.read_lease_ms = (int)kvf__env_get_int("KVFERRY_READ_LEASE_MS", cfg.read_lease_ms);
-  if (cfg.read_lease_ms <= 0) cfg.read_lease_ms = 10000;
+  if (cfg.read_lease_ms <= 0) cfg.read_lease_ms = cfg.timeout_ms; /* as long as a write over TCP may take */
   if (cfg.read_lease_ms > ENGINE_MAX_LEASE_MS) cfg.read_lease_ms = ENGINE_MAX_LEASE_MS;
 
   const transport_ops *ops = NULL;
