@@ -34,7 +34,7 @@ void kvf_engine_config_init(kvf_engine_config *cfg) {
   cfg->timeout_ms = 30000;
   cfg->conns_per_peer = 2;
   cfg->max_inbound_conns = 256;
-  cfg->ucx_mode = NULL; /* $KVFERRY_UCX_MODE, else "read" */
+  cfg->ucx_mode = NULL;   /* $KVFERRY_UCX_MODE, else "read" */
   cfg->read_lease_ms = 0; /* the batch deadline (timeout_ms) */
 }
 
