@@ -8,7 +8,7 @@
  * TCP_CONN_IDLE_MS idle, and the next chunk queued (writer) or sent
  * (reader) starts it again, so an idle peer costs no thread. While no
  * reader runs, a submit first checks that the peer has not closed the
- * idle connection (conn_closed_while_idle) and connects again if it has. */
+ * idle connection (conn_check_idle) and connects again if it has. */
 #include "engine/tcp_int.h"
 #include "base/thread.h"
 
