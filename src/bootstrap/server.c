@@ -47,8 +47,8 @@
 /* A request (headers and body) must be complete this soon after the
  * connection opened or its previous reply; idle_timeout_s lowers it. */
 #define REQUEST_DEADLINE_S 10
-/* How often the guard thread looks for connections past their deadline. */
-#define GUARD_SLACK_MS 1 /* the guard wakes this long after the earliest deadline */
+/* The guard thread wakes this long after the earliest connection deadline. */
+#define GUARD_SLACK_MS 1
 /* A connection this young that has not sent its headers yet is a client
  * about to: it is evicted only when no request has been running longer. */
 #define EVICT_GRACE_MS 2000

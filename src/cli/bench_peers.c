@@ -76,7 +76,7 @@ typedef struct peers_run {
   /* After the last step, once every peer has been idle past the control
    * sockets' idle close ($KVFERRY_CONTROL_IDLE_S): the measured process
    * then, the peers it holds, how long it waited. */
-  proc_usage closed, closed_base; /* the latter: the base, past the idle close too */
+  proc_usage closed; /* against `base`, itself taken past the idle close then */
   int closed_peers;
   double closed_wait_s;
   name_counts thr0, thr1, fd0, fd1; /* at the baseline and at the last step measured */
@@ -387,8 +387,7 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   if (idle_s > 0) {
     run->closed_wait_s = idle_s + 2.5; /* the sweep runs once a second */
     usleep((useconds_t)(run->closed_wait_s * 1e6));
-    if (proc_usage_get(mp, &run->closed_base)) goto out_mgr;
-    run->base = run->closed_base; /* the steps' figures count from it too (the heap was trimmed in between) */
+    if (proc_usage_get(mp, &run->base)) goto out_mgr; /* the heap was trimmed in between */
   }
   peers_census(mp, &run->thr0, &run->fd0);
   int64_t idle_room = 1000000000; /* the idle peers' rooms, apart from the measured ones */
@@ -469,6 +468,17 @@ out_children:
 
 static double per_peer(long v, long base, int n) { return n ? (double)(v - base) / n : 0; }
 
+/* RSS per peer as /proc/PID/status splits it: private, shared memory, files. */
+typedef struct rss_split {
+  double anon, shmem, file;
+} rss_split;
+
+static rss_split split_per_peer(const proc_usage *u, const proc_usage *base, int n) {
+  return (rss_split){per_peer(u->rss_anon_kb, base->rss_anon_kb, n),
+                     per_peer(u->rss_shmem_kb, base->rss_shmem_kb, n),
+                     per_peer(u->rss_file_kb, base->rss_file_kb, n)};
+}
+
 static void peers_print_growth(const name_counts *a, const name_counts *b, int json, const char *key) {
   int first = 1;
   if (json) printf(",\"%s\":{", key);
@@ -516,6 +526,7 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
           printf("\"error\":\"%s\"}", s->error);
           continue;
         }
+        rss_split sp = split_per_peer(&s->u, &run->base, s->peers);
         printf("\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"threads_per_peer\":%.2f,\"fds_per_peer\":%.2f,"
                "\"rss_kib_per_peer\":%.1f,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
                "\"rate_over_1peer\":%.3f,\"idle_cpu_pct\":%.1f,\"idle_wakeups_per_s\":%.0f,"
@@ -525,24 +536,21 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
                per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
                s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
                s->idle_wakeups_per_s, (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers,
-               s->peers_cpu_pct, per_peer(s->u.rss_anon_kb, run->base.rss_anon_kb, s->peers),
-               per_peer(s->u.rss_shmem_kb, run->base.rss_shmem_kb, s->peers),
-               per_peer(s->u.rss_file_kb, run->base.rss_file_kb, s->peers));
+               s->peers_cpu_pct, sp.anon, sp.shmem, sp.file);
         for (int k = 0; k < s->nruns; k++) printf("%s%.0f", k ? "," : "", s->rate_runs[k]);
         printf("],\"error\":null}");
       }
       printf("]");
       if (run->closed_peers) {
-        const proc_usage *c = &run->closed, *b = &run->closed_base;
+        const proc_usage *c = &run->closed, *b = &run->base;
         int n = run->closed_peers;
+        rss_split sp = split_per_peer(c, b, n);
         printf(",\"after_idle_close\":{\"peers\":%d,\"waited_s\":%.1f,\"base_fds\":%ld,\"base_rss_kib\":%ld,"
                "\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,"
                "\"fds_per_peer\":%.2f,\"rss_kib_per_peer\":%.1f,"
                "\"rss_split_kib_per_peer\":{\"anon\":%.1f,\"shmem\":%.1f,\"file\":%.1f}}",
                n, run->closed_wait_s, b->fds, b->rss_kb, c->threads, c->fds, c->rss_kb,
-               per_peer(c->fds, b->fds, n), per_peer(c->rss_kb, b->rss_kb, n),
-               per_peer(c->rss_anon_kb, b->rss_anon_kb, n), per_peer(c->rss_shmem_kb, b->rss_shmem_kb, n),
-               per_peer(c->rss_file_kb, b->rss_file_kb, n));
+               per_peer(c->fds, b->fds, n), per_peer(c->rss_kb, b->rss_kb, n), sp.anon, sp.shmem, sp.file);
       }
       if (run->census) {
         peers_print_growth(&run->thr0, &run->thr1, 1, "thread_growth");
@@ -592,20 +600,19 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
     for (int i = 0; i < run->nsteps; i++) {
       const peers_step *s = &run->steps[i];
       if (s->error[0]) continue;
+      rss_split sp = split_per_peer(&s->u, &run->base, s->peers);
       printf("%s%d peers: %.1f private (RssAnon) + %.1f shared memory (RssShmem) + %.1f files",
-             i ? "; " : "KiB/peer split: ", s->peers, per_peer(s->u.rss_anon_kb, run->base.rss_anon_kb, s->peers),
-             per_peer(s->u.rss_shmem_kb, run->base.rss_shmem_kb, s->peers),
-             per_peer(s->u.rss_file_kb, run->base.rss_file_kb, s->peers));
+             i ? "; " : "KiB/peer split: ", s->peers, sp.anon, sp.shmem, sp.file);
     }
     printf("\n");
     if (run->closed_peers) {
-      const proc_usage *c = &run->closed, *b = &run->closed_base;
+      const proc_usage *c = &run->closed, *b = &run->base;
       int n = run->closed_peers;
+      rss_split sp = split_per_peer(c, b, n);
       printf("after %.1f s idle (control sockets closed, KVFERRY_CONTROL_IDLE_S), %d peers: %ld fds, %ld KiB: "
              "%.2f fd/peer, %.1f KiB/peer = %.1f private + %.1f shared memory + %.1f files\n",
              run->closed_wait_s, n, c->fds, c->rss_kb, per_peer(c->fds, b->fds, n),
-             per_peer(c->rss_kb, b->rss_kb, n), per_peer(c->rss_anon_kb, b->rss_anon_kb, n),
-             per_peer(c->rss_shmem_kb, b->rss_shmem_kb, n), per_peer(c->rss_file_kb, b->rss_file_kb, n));
+             per_peer(c->rss_kb, b->rss_kb, n), sp.anon, sp.shmem, sp.file);
     }
     if (!run->census) continue;
     printf("threads grown (by name) from base to the last step: ");

@@ -123,8 +123,8 @@ static int start_worker_locked(evpool *p) {
   }
   if (!w) {
     if (!p->start_failed)
-      LOG_WARN("engine", "cannot start a connection worker; %s",
-               p->nworkers ? "the running ones take the connection" : "trying again every 100 ms");
+      LOG_WARN("engine", "cannot start a connection worker; %s (every %d ms while none runs)",
+               p->nworkers ? "the running ones take the connection" : "trying again", EVPOOL_RETRY_MS);
     p->start_failed = 1;
     return -1;
   }
