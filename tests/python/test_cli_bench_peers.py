@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not CLI or not os.path.exists(CLI), reason="KVFE
 CASE_KEYS = {"peers", "connected", "threads", "fds", "rss_kib", "threads_per_peer", "fds_per_peer",
              "rss_kib_per_peer", "rooms_per_s", "p50_us", "p99_us", "rate_over_1peer", "idle_cpu_pct",
              "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "idle_peers_cpu_pct", "rooms_per_s_runs", "error",
-             "rss_split_kib_per_peer"}
+             "rss_split_kib_per_peer", "warmup_rooms_per_s"}
 SPLIT_KEYS = {"anon", "shmem", "file"}
 IDLE_S = 2  # the idle close, seconds: the bench waits it out twice per view
 
@@ -50,6 +50,10 @@ def test_quick_json_shape():
         for k in ("measured_start", "measured_base"):
             assert r[k]["threads"] > 0 and r[k]["fds"] > 0 and r[k]["rss_kib"] > 0
         assert r["measured_max_inbound_conns"] >= 256
+        # An idle measured process sleeps: the library's threads and the
+        # harness wait on their events, no tick (about 1000/s when kv-peer
+        # polled stdin every millisecond).
+        assert r["measured_base"]["idle_wakeups_per_s"] < 200, r["measured_base"]
         assert r["idle_instance"]["threads"] > 0
         assert [c["peers"] for c in r["cases"]] == [1, 8]
         for c in r["cases"]:

@@ -406,8 +406,13 @@ int cli_kv_peer(int argc, char **argv) {
   size_t llen = 0;
   int eof = 0;
   while (!eof) {
+    /* Requests take the lowest free slot: only the first nused can be live.
+     * With none live, wait for the next command without a tick: an idle
+     * peer woke ~1000 times a second, which bench peers counted as the
+     * measured prefill's own. */
+    while (nused > 0 && !reqs[nused - 1].nranks) nused--;
     struct pollfd pf = {.fd = STDIN_FILENO, .events = POLLIN};
-    if (poll(&pf, 1, 1) > 0) {
+    if (poll(&pf, 1, nused ? 1 : -1) > 0) {
       ssize_t k = read(STDIN_FILENO, line + llen, sizeof line - 1 - llen);
       if (k <= 0) eof = 1;
       else llen += (size_t)k;
@@ -461,8 +466,6 @@ int cli_kv_peer(int argc, char **argv) {
       }
       if (llen == sizeof line - 1) llen = 0; /* an overlong line is dropped */
     }
-    /* Requests take the lowest free slot: only the first nused can be live. */
-    while (nused > 0 && !reqs[nused - 1].nranks) nused--;
     for (int i = 0; i < nused; i++) {
       peer_req *r = &reqs[i];
       if (!r->nranks) continue;
