@@ -93,30 +93,54 @@ int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns) {
   return 0;
 }
 
-int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns) {
+int kvf__ucx_rbuf_fill(int fd, ucx_rbuf *r) {
+  for (;;) {
+    ssize_t n = recv(fd, r->b, r->cap, MSG_DONTWAIT);
+    if (n > 0) {
+      r->off = 0;
+      r->len = (size_t)n;
+      return 1;
+    }
+    if (n == 0) return KVF_ECLOSED;
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    return errno == ECONNRESET ? KVF_ECLOSED : KVF_EIO;
+  }
+}
+
+int kvf__ucx_rbuf_recv(int fd, ucx_rbuf *r, void *buf, size_t len, int64_t deadline_ns) {
   char *p = buf;
   while (len) {
-    if (c->rb_len > c->rb_off) {
-      size_t k = c->rb_len - c->rb_off < len ? c->rb_len - c->rb_off : len;
-      memcpy(p, c->rb + c->rb_off, k);
-      c->rb_off += k, p += k, len -= k;
+    if (r && r->len > r->off) {
+      size_t k = r->len - r->off < len ? r->len - r->off : len;
+      memcpy(p, r->b + r->off, k);
+      r->off += k, p += k, len -= k;
       continue;
     }
-    if (!c->rb || len >= UCX_CTL_RBUF / 2) return kvf__ucx_recv_all(c->fd, p, len, deadline_ns);
-    ssize_t r = recv(c->fd, c->rb, UCX_CTL_RBUF, MSG_DONTWAIT);
-    if (r > 0) {
-      c->rb_off = 0;
-      c->rb_len = (size_t)r;
-    } else if (r == 0) {
-      return KVF_ECLOSED;
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      int rc = wait_fd(c->fd, POLLIN, deadline_ns);
-      if (rc) return rc;
-    } else if (errno != EINTR) {
-      return KVF_ECLOSED;
-    }
+    if (!r || !r->b || len >= r->cap / 2) return kvf__ucx_recv_all(fd, p, len, deadline_ns);
+    int rc = kvf__ucx_rbuf_fill(fd, r);
+    if (rc < 0) return KVF_ECLOSED;
+    if (!rc && (rc = wait_fd(fd, POLLIN, deadline_ns))) return rc;
   }
   return 0;
+}
+
+int kvf__ucx_rbuf_hold(ucx_rbuf *r, size_t cap) {
+  if (r->b) return 0;
+  if (!(r->b = malloc(cap))) return KVF_ENOMEM;
+  r->cap = cap;
+  r->off = r->len = 0;
+  return 0;
+}
+
+void kvf__ucx_rbuf_release_empty(ucx_rbuf *r) {
+  if (!r->b || r->len > r->off) return;
+  free(r->b);
+  *r = (ucx_rbuf){0};
+}
+
+int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns) {
+  return kvf__ucx_rbuf_recv(c->fd, &c->rb, buf, len, deadline_ns);
 }
 
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
@@ -343,10 +367,13 @@ static void log_malformed(kvf_engine *e, const char *peer) {
 static int ctl_turn(ucx_state *u, ucx_ctl *c) {
   kvf_engine *e = u->e;
   /* Read mode: notices come back to back, read ahead in one buffer. */
-  if (c->read_mode && !c->rb && !(c->rb = malloc(UCX_CTL_RBUF))) return KVF_ENOMEM;
+  if (c->read_mode && kvf__ucx_rbuf_hold(&c->rb, UCX_CTL_RBUF)) return KVF_ENOMEM;
   int rc = 0;
   while (!rc && !atomic_load(&u->stopping)) {
-    if (c->rb_len == c->rb_off) {
+    if (c->rb.b && !kvf__ucx_rbuf_waiting(&c->rb)) { /* one recv: whatever arrived, or nothing more now */
+      int got = kvf__ucx_rbuf_fill(c->fd, &c->rb);
+      if (got <= 0) return got;
+    } else if (!c->rb.b) {
       char b;
       ssize_t r = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
       if (r == 0) return KVF_ECLOSED;
@@ -405,11 +432,7 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
 static int ctl_turn_cb(void *arg, evpool_item *it) {
   ucx_ctl *c = (ucx_ctl *)(void *)((char *)it - offsetof(ucx_ctl, item));
   int rc = ctl_turn(arg, c);
-  if (!rc && c->rb && c->rb_off == c->rb_len) { /* an idle connection holds no read-ahead */
-    free(c->rb);
-    c->rb = NULL;
-    c->rb_off = c->rb_len = 0;
-  }
+  if (!rc) kvf__ucx_rbuf_release_empty(&c->rb); /* an idle connection holds no read-ahead */
   return rc;
 }
 
@@ -429,7 +452,7 @@ static void ctl_end_cb(void *arg, evpool_item *it) {
   kvf__ucx_ctl_reader_free(u, c); /* every read of this connection is over */
   shutdown(c->fd, SHUT_RDWR);
   close(c->fd);
-  free(c->rb);
+  free(c->rb.b);
   pthread_mutex_destroy(&c->send_mu);
   free(c);
 }

@@ -80,6 +80,9 @@ static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
     close(p->fd);
     p->fd = -1;
   }
+  free(p->rb.b); /* what the old connection had sent and nobody read */
+  p->rb = (ucx_rbuf){0};
+  atomic_store(&p->rb_held, 0);
   pthread_mutex_lock(&u->wmu);
   kvf__ucx_regs_free_locked(p);
   kvf__ucx_ep_close_locked(u, p);
@@ -149,9 +152,8 @@ static const char *const RDMA_TLS[] = {"ib",   "rc",      "rc_v", "rc_x", "rc_ml
 static const char *const PEER_ERR_TLS[] = {"tcp",  "ib",   "rc",      "rc_v", "rc_x", "rc_mlx5", "ud",
                                            "ud_v", "ud_x", "ud_mlx5", "dc",   "dc_x", "dc_mlx5", NULL};
 
-int kvf__ucx_info_read_rest(int fd, ucx_ctl *c, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
-  int rc = c ? kvf__ucx_ctl_recv(c, (char *)h + sizeof h->magic, sizeof *h - sizeof h->magic, deadline_ns)
-             : kvf__ucx_recv_all(fd, (char *)h + sizeof h->magic, sizeof *h - sizeof h->magic, deadline_ns);
+int kvf__ucx_info_read_rest(int fd, ucx_rbuf *rb, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
+  int rc = kvf__ucx_rbuf_recv(fd, rb, (char *)h + sizeof h->magic, sizeof *h - sizeof h->magic, deadline_ns);
   if (rc) return rc;
   if (h->magic != UCX_INFO_MAGIC || h->addr_len == 0 || h->addr_len > UCX_MAX_ADDR_LEN ||
       h->nregions > UCX_MAX_REGIONS || h->body_len > UCX_MAX_INFO_BODY || h->body_len < h->addr_len ||
@@ -164,8 +166,7 @@ int kvf__ucx_info_read_rest(int fd, ucx_ctl *c, int64_t deadline_ns, ucx_info_hd
   *body = malloc((size_t)h->body_len + UCX_RKEY_PARSE_PAD);
   if (!*body) return KVF_ENOMEM;
   memset(*body + h->body_len, 0, UCX_RKEY_PARSE_PAD);
-  rc = c ? kvf__ucx_ctl_recv(c, *body, h->body_len, deadline_ns)
-         : kvf__ucx_recv_all(fd, *body, h->body_len, deadline_ns);
+  rc = kvf__ucx_rbuf_recv(fd, rb, *body, h->body_len, deadline_ns);
   if (rc) {
     free(*body);
     *body = NULL;
@@ -184,7 +185,7 @@ int kvf__ucx_fence_refused(const ucx_peer *p, uint64_t epoch) {
 }
 
 int kvf__ucx_ctl_pending(const ucx_peer *p) {
-  if (p->fd < 0 || atomic_load(&p->fence_wait)) return 1;
+  if (p->fd < 0 || atomic_load(&p->fence_wait) || atomic_load(&p->rb_held)) return 1;
   char c;
   ssize_t r = recv(p->fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
   return r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
@@ -573,8 +574,18 @@ out_unlock:
   return rc;
 }
 
-/* Progress thread: the rendezvous socket of `p` has news. */
-void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
+/* With p->rw held (the progress thread): whether bytes of the target still
+ * wait in p->rb, that is, another message to take at once; the buffer goes
+ * when none do (an idle peer holds none). */
+static int rb_more_locked(ucx_peer *p) {
+  int more = kvf__ucx_rbuf_waiting(&p->rb);
+  if (!more) kvf__ucx_rbuf_release_empty(&p->rb);
+  atomic_store(&p->rb_held, more);
+  return more;
+}
+
+/* One message of the target: 1 when more wait in the read-ahead. */
+static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
   ucx_info_hdr h;
   ucx_fence_msg f;
   char *body = NULL;
@@ -582,23 +593,24 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
   pthread_rwlock_rdlock(&p->rw);
   int fd = p->fd;
   if (fd >= 0 && (events & EPOLLIN)) {
-    char c;
-    ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
     int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-    rc = r > 0                                            ? kvf__ucx_recv_all(fd, &h.magic, sizeof h.magic, until)
-         : (r < 0 && (errno == EAGAIN || errno == EINTR)) ? 1
-                                                          : KVF_ECLOSED;
+    int got = 1; /* bytes wait in p->rb, or one recv takes what arrived */
+    if (!kvf__ucx_rbuf_waiting(&p->rb))
+      got = kvf__ucx_rbuf_hold(&p->rb, UCX_PEER_RBUF) ? KVF_ENOMEM : kvf__ucx_rbuf_fill(fd, &p->rb);
+    rc = got > 0 ? kvf__ucx_rbuf_recv(fd, &p->rb, &h.magic, sizeof h.magic, until) : got == 0 ? 1 : got;
     /* The target closed the connection (or its process is gone): it reads
      * nothing more for this connection's notices (ucx_read.c). */
-    if (r == 0 || (r < 0 && errno == ECONNRESET)) kvf__ucx_reads_closed(u, p, p->conn_id);
+    if (got == KVF_ECLOSED) kvf__ucx_reads_closed(u, p, p->conn_id);
     if (!rc && (h.magic == UCX_READ_DONE_MAGIC || h.magic == UCX_CLOCK_MAGIC)) {
       ucx_req rest;
-      rc = kvf__ucx_recv_all(fd, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic, until);
+      rc = kvf__ucx_rbuf_recv(fd, &p->rb, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic,
+                              until);
       if (!rc && h.magic == UCX_READ_DONE_MAGIC) {
         uint64_t conn = p->conn_id;
+        int more = rb_more_locked(p);
         pthread_rwlock_unlock(&p->rw);
         kvf__ucx_read_done(u, p, conn, rest.gen, (int)(int32_t)rest.reserved);
-        return;
+        return more;
       }
       if (!rc) { /* a clock question: answered at once, it bounds the clocks' difference */
         ucx_clock_ans a = {UCX_CLOCK_ANS_MAGIC, 0, (int64_t)rest.gen, clock_now_ns()};
@@ -606,27 +618,30 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
         rc = kvf__ucx_send_all(fd, &a, sizeof a, until);
         pthread_mutex_unlock(&p->mu);
         if (!rc) {
+          int more = rb_more_locked(p);
           pthread_rwlock_unlock(&p->rw);
-          return;
+          return more;
         }
       }
     } else if (!rc && h.magic == UCX_TRAILER_ACK_MAGIC) {
       ucx_req rest;
-      rc = kvf__ucx_recv_all(fd, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic, until);
+      rc = kvf__ucx_rbuf_recv(fd, &p->rb, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic,
+                              until);
       if (!rc) {
+        int more = rb_more_locked(p);
         pthread_rwlock_unlock(&p->rw);
         kvf__ucx_trailer_acked(u, p);
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv); /* writers waiting for it to be read (fence_gate) */
         pthread_mutex_unlock(&p->mu);
-        return;
+        return more;
       }
     } else if (!rc && h.magic == UCX_FENCE_MAGIC) {
       f.magic = h.magic;
-      rc = kvf__ucx_recv_all(fd, (char *)&f + sizeof f.magic, sizeof f - sizeof f.magic, until);
+      rc = kvf__ucx_rbuf_recv(fd, &p->rb, (char *)&f + sizeof f.magic, sizeof f - sizeof f.magic, until);
       fence = 1;
     } else if (!rc) {
-      rc = kvf__ucx_info_read_rest(fd, NULL, until, &h, &body);
+      rc = kvf__ucx_info_read_rest(fd, &p->rb, until, &h, &body);
     }
   }
   if (fd >= 0 && rc < 0) {
@@ -634,6 +649,7 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
     epoll_ctl(u->epfd, EPOLL_CTL_DEL, fd, NULL);
     kvf__ucx_peer_mark_dead(u, p, KVF_ECLOSED);
   }
+  int more = !rc && rb_more_locked(p);
   pthread_rwlock_unlock(&p->rw);
   if (!rc && fence) {
     rc = fence_msg_apply(u, p, fd, &f);
@@ -641,9 +657,9 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
     pthread_mutex_lock(&p->mu);
     pthread_cond_broadcast(&p->cv); /* writers waiting for it to be read (do_chunk) */
     pthread_mutex_unlock(&p->mu);
-    return;
+    return !rc && more;
   }
-  if (rc || !body) return;
+  if (rc || !body) return 0;
   pthread_rwlock_wrlock(&p->rw);
   if (p->fd == fd) {
     /* Applied under the write lock: no write into the old regions is under
@@ -664,6 +680,14 @@ void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
   p->infos++;
   pthread_cond_broadcast(&p->cv);
   pthread_mutex_unlock(&p->mu);
+  return !rc && more;
+}
+
+/* Progress thread: the rendezvous socket of `p` has news. Every message that
+ * arrived is taken before epoll hears of the socket again (the read-ahead
+ * holds them; the socket may be empty). */
+void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events) {
+  while (peer_event_one(u, p, events) > 0) events = EPOLLIN;
 }
 
 /* Ask the peer for its current regions and wait until they are applied. */

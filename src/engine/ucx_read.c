@@ -222,7 +222,7 @@ static void populate(const ucx_ctl *c) {
 int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   ucx_info_hdr h = {.magic = UCX_INFO_MAGIC};
   char *body = NULL;
-  int rc = kvf__ucx_info_read_rest(c->fd, c, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body);
+  int rc = kvf__ucx_info_read_rest(c->fd, &c->rb, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), &h, &body);
   if (rc) return rc;
   /* UCX parses a worker address with assertions, not checks (a malformed one
    * aborts the process): at least its header byte (object version and
