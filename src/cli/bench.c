@@ -76,6 +76,7 @@ typedef struct bench_opts {
   int idle_compute;      /* --idle-compute: layerwise "compute" sleeps instead of busy work */
   const char *transport; /* --transport (NULL: $KVFERRY_TRANSPORT or auto) */
   int verify;            /* e2e --verify: also a pair in verify mode, requests alternating */
+  int fanout_only;       /* rooms --fanout-only: only the fan-out cases */
 } bench_opts;
 
 /* Baseline: one blocking TCP stream over loopback, 1 MiB writes, to a child
@@ -523,8 +524,8 @@ out:
 }
 
 /* Fan-out: one chunk that several decode ranks need (replicated MLA latent
- * cache, prefill TP 1 to decode TP 4), and the other way (prefill TP 4 to
- * decode TP 1: one real sender, three dummies). Each case is a
+ * cache, prefill TP 1 to decode TP 2, 4 and 8), and the other way (prefill
+ * TP 4 to decode TP 1: one real sender, three dummies). Each case is a
  * bootstrap + kv-peer + kv-decode trio (pd.c); requests of FANOUT_PAGES pages
  * in chunks of FANOUT_CHUNK_PAGES, so every chunk goes through the prefill's
  * transfer workers, sent once the M2s are there. Baseline: the same requests
@@ -567,12 +568,13 @@ static int fanout_request(pd_pair *pp, int64_t room, double *us, double *req_us)
 }
 
 /* Runs the cases (cases[0] is the baseline), `runs` requests each. */
+#define FANOUT_MAX_CASES 6
 static int bench_fanout(fanout_case *cases, size_t nc, int runs) {
-  pd_pair pp[3];
+  pd_pair pp[FANOUT_MAX_CASES];
   size_t up = 0;
   double *t = calloc(2 * nc * (size_t)runs, sizeof *t), w, wr;
   int rc = -1;
-  if (!t || nc > 3) goto out;
+  if (!t || nc > FANOUT_MAX_CASES) goto out;
   for (; up < nc; up++) {
     pd_layout lo = {.layers = FANOUT_LAYERS,
                     .item = (uint64_t)FANOUT_PAGE_TOKENS * FANOUT_UNIT,
@@ -724,10 +726,11 @@ static void rooms_trace_print(const rooms_trace *rt, int json) {
 }
 
 static int bench_rooms(const bench_opts *o) {
-  double rtt_us = bench_zmq_rtt_us(2000);
+  /* --fanout-only: no rooms case, so none of their baselines either. */
+  double rtt_us = o->fanout_only ? 0 : bench_zmq_rtt_us(2000);
   /* For the many-page cases: one cache-hot TCP stream's bandwidth, so
    * ideal_us = room bytes / that + one ZeroMQ round trip. */
-  double hot_gbps = bench_tcp_baseline(o->quick ? 64ull << 20 : 256ull << 20, 1 << 20);
+  double hot_gbps = o->fanout_only ? 0 : bench_tcp_baseline(o->quick ? 64ull << 20 : 256ull << 20, 1 << 20);
   const char *exe = proc_testpeer_exe();
   char pages[32], layers[16], item[16];
   snprintf(pages, sizeof pages, "%d", ROOMS_POOL_PAGES);
@@ -768,14 +771,15 @@ static int bench_rooms(const bench_opts *o) {
     cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0, 0, 0};
     nc = 1;
   }
+  if (o->fanout_only) nc = 0;
   int64_t base = 1;
   rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0, 0};
-  if (cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
+  if (nc && cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   mc.fast_completion = 0;
-  if (kvf_manager_create(&mc, &pool.bufs, &m3only)) goto out_mgr;
+  if (nc && kvf_manager_create(&mc, &pool.bufs, &m3only)) goto out_mgr;
   warm.m3_only = 1;
-  if (cli_bench_rooms_case(m3only, &pool, &peer, baddr, &warm, base)) goto out_mgr;
+  if (nc && cli_bench_rooms_case(m3only, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   for (size_t i = 0; i < nc; i++) {
     kvf_manager *cm = cases[i].m3_only ? m3only : m;
@@ -786,7 +790,7 @@ static int bench_rooms(const bench_opts *o) {
   /* Tracing's cost: the 1-page, 64-in-flight rate with room traces off on
    * both sides against on, runs alternating so the machine's noise hits
    * both (trace_overhead_ratio = rate off / rate on, 1.0 = free). */
-  if (!o->room_pages) {
+  if (!o->room_pages && !o->fanout_only) {
     double t_off = 0, t_on = 0, n_off = 0, n_on = 0;
     for (int k = 0; k < 6; k++) {
       int on = k % 2;
@@ -801,7 +805,9 @@ static int bench_rooms(const bench_opts *o) {
     over_off = n_off / t_off, over_on = n_on / t_on, over_ratio = over_off / over_on;
   }
   fanout_case fo[] = {{"fanout_1to1_base", 1, 1, 0, 0, 0},
+                      {"fanout_1to2_mla", 1, 2, 0, 0, 0},
                       {"fanout_1to4_mla", 1, 4, 0, 0, 0},
+                      {"fanout_1to8_mla", 1, 8, 0, 0, 0},
                       {"fanout_4to1_mla", 4, 1, 0, 0, 0}};
   size_t nfo = o->room_pages ? 0 : sizeof fo / sizeof fo[0];
   if (nfo && bench_fanout(fo, nfo, o->quick ? 30 : 200)) goto out_mgr;
@@ -846,11 +852,13 @@ static int bench_rooms(const bench_opts *o) {
     printf("rooms through the KV managers (prefill in a child process, %d layers, %d B pages x %d buffers)\n",
            ROOMS_LAYERS, ROOMS_ITEM, 2 * ROOMS_LAYERS);
     cli_bench_path(stdout, m, 0);
-    printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us; one cache-hot TCP stream\n"
-           "          %.2f GB/s (ideal = room bytes / that + one round trip)\n",
-           rtt_us, hot_gbps);
-    printf("%-28s %8s %12s %10s %10s %12s %10s\n", "case", "rooms", "rooms/s", "p50 us", "p99 us", "p50/zmq rtt",
-           "wakeups/room");
+    if (nc) {
+      printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us; one cache-hot TCP stream\n"
+             "          %.2f GB/s (ideal = room bytes / that + one round trip)\n",
+             rtt_us, hot_gbps);
+      printf("%-28s %8s %12s %10s %10s %12s %10s\n", "case", "rooms", "rooms/s", "p50 us", "p99 us", "p50/zmq rtt",
+             "wakeups/room");
+    }
     for (size_t i = 0; i < nc; i++)
       printf("%-28s %8d %12.0f %10.1f %10.1f %12.2f %10.2f\n", cases[i].name, cases[i].rooms, cases[i].rooms_per_s,
              cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0,
@@ -1351,6 +1359,7 @@ static void usage(void) {
       "                     (no benchmark named: all three; --json then prints one object)\n"
       "                     [--block SIZE --per-batch N]   (one custom engine case)\n"
       "                     [--room-pages N --inflight M [--rooms R]]  (one custom rooms case)\n"
+      "                     [--fanout-only]  rooms: only the fan-out cases (MLA TP 1 to 1, 2, 4, 8 and 4 to 1)\n"
       "                     [--pool SIZE]  engine: pool per side, also the baseline's (default 256M)\n"
       "                     [--layer-ms MS]  layerwise: compute per layer (default: the measured transfer\n"
       "                                      time per layer); layerwise is not part of the default three\n"
@@ -1385,6 +1394,7 @@ int cli_bench(int argc, char **argv) {
                                        {"idle-compute", no_argument, 0, 'I'},
                                        {"transport", required_argument, 0, CLI_OPT_TRANSPORT},
                                        {"verify", no_argument, 0, 'V'},
+                                       {"fanout-only", no_argument, 0, 'F'},
                                        {"peers", required_argument, 0, 'e'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
@@ -1411,6 +1421,7 @@ int cli_bench(int argc, char **argv) {
         if (!(o.layer_ms >= 0 && o.layer_ms <= 10000)) return usage(), 2;
         break;
       case 'V': o.verify = 1; break;
+      case 'F': o.fanout_only = 1; break;
       case 'e': o.peers = optarg; break;
       case 'p': o.plot = optarg; break;
       case 'B':

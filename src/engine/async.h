@@ -5,8 +5,10 @@
 #ifndef KVF_ENGINE_ASYNC_H
 #define KVF_ENGINE_ASYNC_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "kvferry/engine.h"
 
@@ -44,6 +46,29 @@ typedef void (*kvf__refusal_fn)(void *arg, uint64_t tag, uint64_t epoch, int err
 int kvf__engine_on_refusal(kvf_engine *engine, kvf__refusal_fn cb, void *arg);
 void kvf__engine_off_refusal(kvf_engine *engine, void *arg);
 
+/* Batches whose ends one thread waits for together (a fan-out chunk's
+ * writes to its destinations): a single wake-up when the last one ends, or
+ * at the first that fails, instead of one per batch waited for in turn. The
+ * owner keeps its batch handles (kvf_batch_wait and kvf_batch_destroy work
+ * as usual) and may reuse the group once every batch in it was destroyed. */
+typedef struct kvf__batch_group {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int pending;         /* batches of the group not ended */
+  int failed;          /* one ended with an error */
+  int64_t deadline_ns; /* the latest of their deadlines */
+} kvf__batch_group;
+/* 0 or KVF_ENOMEM. */
+int kvf__batch_group_init(kvf__batch_group *g);
+void kvf__batch_group_destroy(kvf__batch_group *g);
+/* Empty it for the next batches (none of its earlier ones still alive). */
+void kvf__batch_group_reset(kvf__batch_group *g);
+/* Block until every batch submitted into the group ended, one failed, or
+ * a second past their latest deadline (the transports fail them by then).
+ * The caller then takes each batch's outcome with kvf_batch_wait, which no
+ * longer sleeps unless a failure woke it early. Any one thread. */
+void kvf__batch_group_wait(kvf__batch_group *g);
+
 /* kvf_engine_submit_ex's arguments and what only the library adds to them
  * (a trailer, a completion callback), for kvf__engine_submit_req. */
 typedef struct kvf__submit {
@@ -69,6 +94,8 @@ typedef struct kvf__submit {
   void (*on_done)(void *arg, int status);
   void *arg;
   atomic_int *carried;
+  /* Without on_done: the batch joins this group (NULL: none) until it ends. */
+  kvf__batch_group *group;
 } kvf__submit;
 
 /* Submit s: with s->on_done, out is unused (NULL); without, the caller owns

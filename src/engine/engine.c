@@ -484,6 +484,53 @@ static void batch_free(kvf_batch *b) {
   pthread_mutex_unlock(&e->spare_mu);
 }
 
+int kvf__batch_group_init(kvf__batch_group *g) {
+  memset(g, 0, sizeof *g);
+  if (pthread_mutex_init(&g->mu, NULL)) return KVF_ENOMEM;
+  if (clock_cond_init(&g->cv)) {
+    pthread_mutex_destroy(&g->mu);
+    return KVF_ENOMEM;
+  }
+  return 0;
+}
+
+void kvf__batch_group_destroy(kvf__batch_group *g) {
+  pthread_cond_destroy(&g->cv);
+  pthread_mutex_destroy(&g->mu);
+}
+
+void kvf__batch_group_reset(kvf__batch_group *g) {
+  pthread_mutex_lock(&g->mu);
+  g->pending = g->failed = 0;
+  g->deadline_ns = 0;
+  pthread_mutex_unlock(&g->mu);
+}
+
+void kvf__batch_group_wait(kvf__batch_group *g) {
+  pthread_mutex_lock(&g->mu);
+  if (g->pending && !g->failed) kvf__wake_count(); /* this thread sleeps until the transport wakes it */
+  while (g->pending && !g->failed) {
+    struct timespec ts = clock_ts_from_ns(g->deadline_ns + 1000000000LL);
+    if (pthread_cond_timedwait(&g->cv, &g->mu, &ts) == ETIMEDOUT) break;
+  }
+  pthread_mutex_unlock(&g->mu);
+}
+
+static void group_join(kvf__batch_group *g, int64_t deadline_ns) {
+  pthread_mutex_lock(&g->mu);
+  g->pending++;
+  if (deadline_ns > g->deadline_ns) g->deadline_ns = deadline_ns;
+  pthread_mutex_unlock(&g->mu);
+}
+
+static void group_end(kvf__batch_group *g, int status) {
+  pthread_mutex_lock(&g->mu);
+  g->pending--;
+  if (status) g->failed = 1;
+  if (!g->pending || status) pthread_cond_broadcast(&g->cv);
+  pthread_mutex_unlock(&g->mu);
+}
+
 void kvf__batch_chunk_done(kvf_batch *b, int status) {
   void (*cb)(void *, int) = NULL;
   void *cb_arg = NULL;
@@ -503,6 +550,9 @@ void kvf__batch_chunk_done(kvf_batch *b, int status) {
     }
     if (b->on_done) cb = b->on_done, cb_arg = b->on_done_arg, cb_status = b->status;
     else pthread_cond_broadcast(&b->cv);
+    /* Under b->mu: whoever sees the batch ended (and may destroy it, then
+     * reuse the group) sees the group told. */
+    if (b->group) group_end(b->group, b->status);
   }
   pthread_mutex_unlock(&b->mu);
   if (cb) { /* nobody holds a handle: the batch goes, then its owner hears */
@@ -556,6 +606,7 @@ static int engine_submit(kvf_engine *e, const kvf__submit *s, kvf_batch **out) {
   b->deadline_ns = clock_deadline_ms(e->cfg.timeout_ms);
   b->on_done = on_done;
   b->on_done_arg = arg;
+  b->group = NULL; /* joins below, once it has chunks in flight */
 
   chunk *few[ENGINE_FEW_CHUNKS], **chunks = NULL;
   size_t nchunks = 0;
@@ -579,8 +630,12 @@ static int engine_submit(kvf_engine *e, const kvf__submit *s, kvf_batch **out) {
     return 0;
   }
   b->pending = (int)nchunks;
+  /* Before the chunks go: one may end at once. */
+  kvf__batch_group *group = on_done ? NULL : s->group;
+  if (group) group_join(group, b->deadline_ns), b->group = group;
   rc = e->ops->submit(e, session, chunks, nchunks);
   if (rc) {
+    if (group) group_end(group, 0); /* nothing was sent: it never ends otherwise */
     for (size_t i = 0; i < nchunks; i++) kvf__chunk_free(chunks[i]);
     if (chunks != few) free(chunks);
     atomic_fetch_add(&e->stats.batches_failed, 1);

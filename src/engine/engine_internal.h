@@ -120,6 +120,7 @@ typedef struct kvf_batch {
    * batch is freed (no handle was given out) */
   void (*on_done)(void *arg, int status);
   void *on_done_arg;
+  struct kvf__batch_group *group; /* told when the batch ends (async.h), or NULL */
 } kvf_batch;
 
 /* Descriptors a chunk holds without an allocation of their own (a short

@@ -602,6 +602,69 @@ static void small_batches_in_a_burst_keep_their_trailers(void **state) {
   free(dst);
 }
 
+/* Fan-out: one source, three targets, a batch to each in one group. The
+ * group's wait returns once every batch ended, each batch's own outcome is
+ * then there without waiting; a batch refused by its target (outside its
+ * registered memory) ends the wait too and keeps its error; the group is
+ * reused after a reset. */
+static void a_group_waits_for_every_batch_once(void **state) {
+  (void)state;
+  enum { T = 3, LEN = 256 << 10 };
+  kvf_engine *a = NULL, *t[T] = {NULL};
+  kvf_engine_config c;
+  kvf_engine_config_init(&c);
+  c.auth_token = "";
+  assert_int_equal(kvf_engine_create(&c, &a), 0);
+  uint8_t *src = malloc(LEN), *dst[T];
+  assert_non_null(src);
+  for (size_t i = 0; i < LEN; i++) src[i] = (uint8_t)(i * 11 + 3);
+  assert_int_equal(kvf_engine_register(a, src, LEN), 0);
+  for (int k = 0; k < T; k++) {
+    assert_int_equal(kvf_engine_create(&c, &t[k]), 0);
+    dst[k] = calloc(1, LEN);
+    assert_non_null(dst[k]);
+    assert_int_equal(kvf_engine_register(t[k], dst[k], LEN), 0);
+  }
+  kvf__batch_group g;
+  assert_int_equal(kvf__batch_group_init(&g), 0);
+  for (int round = 0; round < 2; round++) {
+    kvf__batch_group_reset(&g);
+    kvf_batch *b[T];
+    for (int k = 0; k < T; k++) {
+      /* the second round's last target is asked to take a block past its memory */
+      int outside = round == 1 && k == T - 1;
+      kvf_write w = {.src = (uint64_t)(uintptr_t)src,
+                     .dst = (uint64_t)(uintptr_t)dst[k] + (outside ? LEN / 2 : 0),
+                     .len = LEN};
+      assert_int_equal(kvf__engine_submit_req(a,
+                                              &(kvf__submit){.session = kvf_engine_session_id(t[k]),
+                                                             .writes = &w,
+                                                             .n = 1,
+                                                             .group = &g},
+                                              &b[k]),
+                       0);
+    }
+    kvf__batch_group_wait(&g);
+    for (int k = 0; k < T; k++) {
+      int outside = round == 1 && k == T - 1;
+      assert_int_equal(kvf_batch_wait(b[k], -1), outside ? KVF_ERANGE : 0);
+      kvf_batch_destroy(b[k]);
+      if (!outside) assert_memory_equal(dst[k], src, LEN);
+    }
+    if (round == 0) { /* every batch ended: nothing left pending in the group */
+      pthread_mutex_lock(&g.mu);
+      assert_int_equal(g.pending, 0);
+      assert_int_equal(g.failed, 0);
+      pthread_mutex_unlock(&g.mu);
+    }
+    for (int k = 0; k < T; k++) memset(dst[k], 0, LEN);
+  }
+  kvf__batch_group_destroy(&g);
+  kvf_engine_destroy(a);
+  for (int k = 0; k < T; k++) kvf_engine_destroy(t[k]), free(dst[k]);
+  free(src);
+}
+
 /* Fences: a tagged batch lands only while its (tag, epoch) is open on the
  * target; a wrong epoch, a closed pair or a pair never opened is refused
  * before any byte is written (KVF_ESTATE, counted); untagged batches are
@@ -803,6 +866,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(scattered_pages_land_byte_exact, setup, teardown),
       cmocka_unit_test(trailer_after_bytes),
       cmocka_unit_test(small_batches_in_a_burst_keep_their_trailers),
+      cmocka_unit_test(a_group_waits_for_every_batch_once),
       cmocka_unit_test_setup_teardown(large_block_split_across_connections, setup, teardown),
       cmocka_unit_test_setup_teardown(outside_registered_memory_refused_untouched, setup, teardown),
       cmocka_unit_test_setup_teardown(unregistered_source_rejected_locally, setup, teardown),

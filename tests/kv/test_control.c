@@ -321,7 +321,9 @@ static void push_cache_holds_more_peers_than_zeromq_default(void **state) {
   assert_non_null(seen);
   for (int i = 0; i < MANY_PEERS; i++) {
     int64_t room = recv_room(pull);
-    assert_true(room >= 0 && room < MANY_PEERS && !seen[room]);
+    assert_true(room >= 0 && room < MANY_PEERS);
+    if (room < 0 || room >= MANY_PEERS) break; /* gcc -O3 cannot see that assert_true does not return */
+    assert_false(seen[room]);
     seen[room] = 1;
   }
   free(seen);

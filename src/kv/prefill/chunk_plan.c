@@ -126,6 +126,8 @@ int kvf__pf_scratch_grow(void **p, size_t *cap, size_t need, size_t elem) {
 
 void kvf__pf_dest_writes_free(pf_dest_writes *dw) {
   free(dw->infos), free(dw->batches), free(dw->dbytes);
+  if (dw->group) kvf__batch_group_destroy(dw->group);
+  free(dw->group);
   memset(dw, 0, sizeof *dw);
 }
 
@@ -431,7 +433,8 @@ int kvf__pf_send_dest(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why, 
                      .tlen = tlen,
                      .on_done = s->on_done,
                      .arg = s->arg,
-                     .carried = tlen ? s->carried : NULL};
+                     .carried = tlen ? s->carried : NULL,
+                     .group = s->group};
   int rc = kvf__engine_submit_req(ps->m->engine, &req, &s->batch);
   if (rc) return kvf__pf_xfer_failed(s->c->r, x, rc, why, whycap);
   s->bytes = kvf__pf_writes_bytes(sc->w, sc->nw);

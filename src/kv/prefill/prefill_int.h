@@ -161,13 +161,16 @@ typedef struct pf_info { /* one M2, shared with workers */
 
 /* Per destination of a chunk (fan-out), grow-only: its transfer info
  * (referenced while the chunk is written), its engine write in flight or
- * NULL, and the write's bytes. A worker's window slot takes these over from
- * the scratch (pf_flight). */
+ * NULL, and the write's bytes; and the group those writes join, so that
+ * the worker wakes once when the last of them ends (NULL: none, each is
+ * waited for in turn). A worker's window slot takes these over from the
+ * scratch (pf_flight). */
 typedef struct pf_dest_writes {
   struct pf_info **infos;
   kvf_batch **batches;
   uint64_t *dbytes;
   size_t cap_infos, cap_batches, cap_dbytes;
+  kvf__batch_group *group;
 } pf_dest_writes;
 
 /* Verify mode cuts a destination's KV pages (and, when the decode asked
@@ -410,6 +413,7 @@ typedef struct pf_send {
   void (*on_done)(void *arg, int status);
   void *arg;
   atomic_int *carried;
+  kvf__batch_group *group; /* worker path: the batch joins it (NULL: none) */
   /* set by kvf__pf_send_dest when it returns DEST_OK */
   kvf_batch *batch; /* the write still in flight (worker path), or NULL: done or nothing to write */
   uint64_t bytes;   /* the bytes it writes (or wrote) */

@@ -9,8 +9,10 @@
  * submits the next ones, up to PF_WORKER_WINDOW, so the connections never
  * idle between two chunks waiting for the previous one's acknowledgements.
  * Before a last chunk (whose completion must follow every earlier byte of
- * its room) the worker waits for its whole window; it also waits for it
- * when its FIFO is empty. A room failed by a chunk in the window is
+ * its room) the worker waits for its whole window, or, for a fan-out
+ * (last_passes_window), submits the chunk first and waits for the window
+ * right after, before any of the chunk's outcomes; it also waits for the
+ * window when its FIFO is empty. A room failed by a chunk in the window is
  * reported once; the chunks behind it are waited for or skipped. */
 #include "kv/prefill/prefill_int.h"
 #include "base/thread.h"
@@ -85,6 +87,7 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
   pthread_mutex_lock(&ps->lock);
   int ok = !c->r->dead && !kvf__rooms_get_status(ps->m->rooms, c->r->room, &st) && st != ROOM_FAILED;
   pthread_mutex_unlock(&ps->lock);
+  if (ok && f->dw.group) kvf__batch_group_wait(f->dw.group); /* one wake-up for all its destinations */
   for (size_t i = 0; i < f->n; i++) {
     if (!f->dw.batches[i]) continue;
     int err = ok ? kvf_batch_wait(f->dw.batches[i], -1) : 0;
@@ -115,6 +118,22 @@ static void flight_drain(prefill_state *ps, pf_queue *q) {
   while (q->fl_n) flight_finish_oldest(ps, q);
 }
 
+/* The group the scratch's writes join, made the first time (NULL without
+ * memory: each write is then waited for in turn), and emptied: every batch
+ * that was in it has been destroyed. */
+static kvf__batch_group *dw_group(pf_dest_writes *dw) {
+  if (!dw->group) {
+    kvf__batch_group *g = malloc(sizeof *g);
+    if (!g || kvf__batch_group_init(g)) {
+      free(g);
+      return NULL;
+    }
+    dw->group = g;
+  }
+  kvf__batch_group_reset(dw->group);
+  return dw->group;
+}
+
 /* The chunk's writes, all submitted without a failure, go into the window:
  * the next slot takes over the scratch's per-destination arrays. */
 static void flight_add(pf_queue *q, pf_chunk *c, size_t n) {
@@ -125,6 +144,33 @@ static void flight_add(pf_queue *q, pf_chunk *c, size_t n) {
   f->dw = q->sc.dw, q->sc.dw = spare;
 }
 
+/* May last chunk c be submitted while the worker's window still holds
+ * earlier chunks, which are then waited for before its own outcomes (and
+ * so before any Success or M3)? Only for a fan-out: with two real
+ * destinations or more no completion trailer rides the chunk (a trailer is
+ * the decode's Success, which must follow every earlier byte, and earlier
+ * chunks may travel on other connections), none verifies (verify mode
+ * checks part by part after each write), and every one is fenced, so that
+ * should an earlier chunk fail the room, the decodes, told of it, refuse
+ * the bytes of this one that arrive after (no late write after Failed, as
+ * for the window's own chunks). Saves a fan-out room one round trip of all
+ * its destinations' acknowledgements. */
+static int last_passes_window(prefill_state *ps, const pf_queue *q, const pf_chunk *c) {
+  const pf_room *r = c->r;
+  size_t nreal = 0;
+  int ok = q->fl_n > 0 && !c->digests;
+  pthread_mutex_lock(&ps->lock);
+  for (size_t i = 0; ok && !r->dead && i < r->ninfos; i++) {
+    const wire_m2 *x = r->infos[i]->m2;
+    if (x->is_dummy) continue;
+    nreal++;
+    ok = !pf_verifies(c, x) && x->fence_epoch && manager_room_tag(x->room);
+  }
+  ok = ok && !r->dead && nreal >= 2;
+  pthread_mutex_unlock(&ps->lock);
+  return ok;
+}
+
 /* Write chunk c; 1 when it went into the worker's window (released when
  * its writes are waited for), 0 when it is done here. */
 static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
@@ -132,7 +178,11 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
   kvf_manager *m = ps->m;
   pf_room *r = c->r;
   int st = ROOM_FAILED;
-  if (c->is_last) flight_drain(ps, q); /* its completion follows every earlier byte; a failure stops it */
+  /* A last chunk's completion follows every earlier byte, and a failure
+   * stops it: the window is waited for first, or (a fan-out) right after
+   * the chunk is submitted. */
+  int pass = c->is_last && last_passes_window(ps, q, c);
+  if (c->is_last && !pass) flight_drain(ps, q);
   pthread_mutex_lock(&ps->lock);
   if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) {
     pthread_mutex_unlock(&ps->lock);
@@ -181,12 +231,13 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
   size_t nsub = n; /* destinations [0, nsub) have an outcome */
   int refused = 0; /* a submission failed */
   for (size_t i = 0; i < n; i++) sc->dw.batches[i] = NULL, sc->dw.dbytes[i] = 0, sc->res[i] = DEST_OK;
+  kvf__batch_group *g = dw_group(&sc->dw);
   for (size_t i = 0; i < n; i++) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
     /* In verify mode the write is also confirmed and checked here (its
      * batch comes back NULL). */
-    pf_send snd = {.c = c, .info = infos[i], .nreal = nreal_all};
+    pf_send snd = {.c = c, .info = infos[i], .nreal = nreal_all, .group = g};
     sc->res[i] = kvf__pf_send_dest(ps, sc, &snd, why, sizeof why);
     sc->dw.batches[i] = snd.batch, sc->dw.dbytes[i] = snd.bytes;
     if (sc->res[i] != DEST_OK) { /* `why` keeps its reason */
@@ -198,6 +249,15 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     flight_add(q, c, n);
     return 1;
   }
+  if (pass) { /* the earlier chunks: one that failed has failed the room and told its destinations */
+    flight_drain(ps, q);
+    pthread_mutex_lock(&ps->lock);
+    if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) ok = 0;
+    pthread_mutex_unlock(&ps->lock);
+  }
+  /* Completions are reaped together: one wake-up when the last write ends
+   * (or one fails), then the outcomes in destination order. */
+  if (ok && g) kvf__batch_group_wait(g);
   for (size_t i = 0; i < nsub && ok; i++) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
