@@ -325,8 +325,7 @@ static void push_cache_holds_more_peers_than_zeromq_default(void **state) {
      * checked in an if that it can see (-Wstringop-overflow otherwise). */
     if (room < 0 || room >= MANY_PEERS || seen[room])
       fail_msg("room %lld out of range or seen twice", (long long)room);
-    else
-      seen[room] = 1;
+    else seen[room] = 1;
   }
   free(seen);
   zmq_close(pull);
