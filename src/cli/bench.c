@@ -954,13 +954,15 @@ out:
  * KVFERRY_VERIFY=1 (both of its processes hash, send and check digests);
  * requests alternate between the pairs so the machine's noise hits both. */
 static int e2e_verify_pair(pd_pair *pp, size_t tokens, int runs, int64_t *room, double *p50, double *best,
-                           double *v50, double *vbest) {
+                           double *v50, double *vbest, char *vtrace, size_t vcap) {
   pd_pair pv;
   char err[256];
   const uint64_t pages = tokens / E2E_PAGE_TOKENS;
   setenv("KVFERRY_VERIFY", "1", 1);
+  cli_breakdown_env(vtrace, vcap); /* the verify pair's own room traces: where verify's time goes */
   int rc = pd_start(&pv, E2E_LAYERS, E2E_ITEM, pages, err, sizeof err);
   unsetenv("KVFERRY_VERIFY");
+  unsetenv("KVFERRY_TRACE");
   if (rc) {
     fprintf(stderr, "bench e2e: %s\n", err);
     return -1;
@@ -989,7 +991,7 @@ static int bench_e2e(const bench_opts *o) {
   double base_pool = bench_tcp_baseline(2 * bytes, 256ull << 20), base = bench_tcp_baseline(2 * bytes, 1 << 20);
   double mc = bench_memcpy_gbps(2 * bytes);
   pd_pair pp;
-  char err[256], tpath[64]; /* the main pair's room traces, for the per-step breakdown */
+  char err[256], tpath[64], vpath[64] = ""; /* the pairs' room traces, for the per-step breakdowns */
   cli_breakdown_env(tpath, sizeof tpath);
   int started = pd_start(&pp, E2E_LAYERS, E2E_ITEM, pages, err, sizeof err);
   unsetenv("KVFERRY_TRACE");
@@ -1005,7 +1007,7 @@ static int bench_e2e(const bench_opts *o) {
   int rc = e2e_case(&pp, tokens, 1, &room, &w50, &wmin);
   double v50 = 0, vbest = 0;
   if (!rc && o->verify) {
-    rc = e2e_verify_pair(&pp, tokens, runs, &room, &p50, &best, &v50, &vbest);
+    rc = e2e_verify_pair(&pp, tokens, runs, &room, &p50, &best, &v50, &vbest, vpath, sizeof vpath);
   } else if (!rc) {
     rc = e2e_case(&pp, tokens, runs, &room, &p50, &best);
   }
@@ -1033,6 +1035,7 @@ static int bench_e2e(const bench_opts *o) {
   }
   if (rc) {
     if (*tpath) unlink(tpath);
+    if (*vpath) unlink(vpath);
     return 1;
   }
   double ideal = base > 0 ? bytes / (base * 1e9) : 0, gbps = p50 > 0 ? bytes / p50 / 1e9 : 0;
@@ -1091,7 +1094,12 @@ static int bench_e2e(const bench_opts *o) {
              "e2e_llama8b_4096tok_verify", v50 * 1e3, vbest * 1e3, v50 > 0 ? bytes / v50 / 1e9 : 0, "-", "-",
              v50 * 1e3, p50 * 1e3, ratio, (ratio - 1) * 100);
   }
-  cli_breakdown_file(tpath, 2, 0); /* text mode (the JSON object has it already); room 1 warmed up */
+  cli_breakdown_file(tpath, 2, 0);      /* text mode (the JSON object has it already); room 1 warmed up */
+  if (*vpath && o->json) unlink(vpath); /* text mode only */
+  else if (*vpath) {
+    printf("verify pair (KVFERRY_VERIFY=1):\n");
+    cli_breakdown_file(vpath, 3, 0); /* room 2 warmed it up */
+  }
   return 0;
 }
 

@@ -69,6 +69,20 @@ void kvf__batch_group_reset(kvf__batch_group *g);
  * longer sleeps unless a failure woke it early. Any one thread. */
 void kvf__batch_group_wait(kvf__batch_group *g);
 
+/* Target side: bytes [dst, dst + len) of a tagged chunk for the open pair
+ * (tag, epoch) are in place, called on the thread that put them there
+ * right after it did (so they are still in its cache), before the chunk is
+ * acknowledged. Verify mode hashes them here instead of reading them back
+ * later (integrity.c). Only where this engine's CPU lands the bytes: TCP
+ * receives and UCX read-mode loads from a mapped pool; not for ucp_get or a
+ * writer's put. Runs on transport threads, several at once: must not
+ * block. */
+typedef void (*kvf__landed_fn)(void *arg, uint64_t tag, uint64_t epoch, void *dst, size_t len);
+
+/* Set / unset the engine's one landed callback, as the trailer callback. */
+int kvf__engine_on_landed(kvf_engine *engine, kvf__landed_fn cb, void *arg);
+void kvf__engine_off_landed(kvf_engine *engine, void *arg);
+
 /* kvf_engine_submit_ex's arguments and what only the library adds to them
  * (a trailer, a completion callback), for kvf__engine_submit_req. */
 typedef struct kvf__submit {

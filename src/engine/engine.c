@@ -720,6 +720,30 @@ void kvf__engine_deliver_refusal(kvf_engine *e, uint64_t tag, uint64_t epoch, in
   pthread_rwlock_unlock(&e->trailer_lock);
 }
 
+int kvf__engine_on_landed(kvf_engine *e, kvf__landed_fn cb, void *arg) {
+  if (!e || !cb) return KVF_EINVAL;
+  pthread_rwlock_wrlock(&e->trailer_lock);
+  int rc = e->landed_cb ? KVF_EEXIST : 0;
+  if (!rc) e->landed_cb = cb, e->landed_arg = arg, atomic_store(&e->landed_on, 1);
+  pthread_rwlock_unlock(&e->trailer_lock);
+  return rc;
+}
+
+void kvf__engine_off_landed(kvf_engine *e, void *arg) {
+  if (!e) return;
+  pthread_rwlock_wrlock(&e->trailer_lock);
+  if (e->landed_cb && e->landed_arg == arg)
+    e->landed_cb = NULL, e->landed_arg = NULL, atomic_store(&e->landed_on, 0);
+  pthread_rwlock_unlock(&e->trailer_lock);
+}
+
+void kvf__engine_deliver_landed(kvf_engine *e, uint64_t tag, uint64_t epoch, void *dst, size_t len) {
+  if (!atomic_load_explicit(&e->landed_on, memory_order_relaxed)) return;
+  pthread_rwlock_rdlock(&e->trailer_lock);
+  if (e->landed_cb) e->landed_cb(e->landed_arg, tag, epoch, dst, len);
+  pthread_rwlock_unlock(&e->trailer_lock);
+}
+
 int kvf_batch_poll(kvf_batch *b) {
   if (!b) return KVF_EINVAL;
   pthread_mutex_lock(&b->mu);

@@ -226,6 +226,9 @@ typedef struct kvf_engine {
   void *trailer_arg;
   kvf__refusal_fn refusal_cb; /* under trailer_lock as well */
   void *refusal_arg;
+  kvf__landed_fn landed_cb; /* under trailer_lock as well; landed_on says it is set */
+  void *landed_arg;
+  atomic_int landed_on;
   /* Pools the engine allocated, and registrations that lie inside one (a
    * manager registering memory it was given from a pool): those are counted
    * here, the pool's region already covers them. Under pools_mu. */
@@ -244,6 +247,8 @@ void kvf__engine_deliver_trailer(kvf_engine *e, const unsigned char *data, size_
 /* Target side: report a refused tagged chunk to the refusal callback
  * (async.h); `peer` is "ip:port" or an IP address. */
 void kvf__engine_deliver_refusal(kvf_engine *e, uint64_t tag, uint64_t epoch, int err, const char *peer);
+/* The landed callback (async.h), if one is set: one relaxed load otherwise. */
+void kvf__engine_deliver_landed(kvf_engine *e, uint64_t tag, uint64_t epoch, void *dst, size_t len);
 
 /* A blocking TCP connection to host:port made within the deadline, with
  * TCP_NODELAY (tcp_out.c). 0 or KVF_ECONNREFUSED / KVF_ETIMEDOUT. */

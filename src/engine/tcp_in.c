@@ -182,6 +182,8 @@ static int in_recv_payload(tcp_inbound *in, const tcp_desc *d, uint32_t n, uint6
     int rc = in_recvv(in, iov, k, deadline_ns, 0, pins);
     if (rc == 2) *left = total - (in->rx_bytes - start);
     if (rc) return rc;
+    for (int i = 0; pins->fence && i < k; i++) /* while the pieces are in this thread's cache */
+      kvf__engine_deliver_landed(in->t->e, pins->fence->tag, pins->fence->epoch, iov[i].iov_base, iov[i].iov_len);
   }
 }
 

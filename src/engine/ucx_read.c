@@ -480,6 +480,7 @@ static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size
     int rc = read_stop(r);
     if (rc) return rc;
     memcpy(l[i].dst, l[i].src, l[i].len);
+    if (r->fence) kvf__engine_deliver_landed(r->u->e, r->n->tag, r->n->epoch, l[i].dst, l[i].len); /* cache-hot */
   }
   return 0;
 }

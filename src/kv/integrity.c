@@ -20,11 +20,42 @@ typedef struct integ_room {
   uint8_t ranks[INTEG_MAX_RANKS / 8]; /* prefill ranks that sent digests */
 } integ_room;
 
+/* What landed in one KV page (kvf__integ_on_landed): its digest, and the
+ * fence epoch of the chunk that brought it (0: nothing yet). Written by
+ * landing threads, read by the listener after the prefill's digests
+ * message, which follows the chunk's acknowledgement; a pair torn by two
+ * landings at once can only send the page to the full check. */
+typedef struct integ_landed {
+  _Atomic uint64_t hash, epoch;
+} integ_landed;
+
 typedef struct integ_state {
   pthread_mutex_t lock;
   map rooms;        /* room (as u64) -> integ_room */
   spare_list spare; /* integ_room records for the next rooms */
+  /* verify mode: landed[landed_off[b] + page] for KV buffer b; NULL when
+   * verify mode is off or the buffers are too large (INTEG_LANDED_MAX) */
+  integ_landed *landed;
+  size_t *landed_off;
 } integ_state;
+
+/* Verify mode, a decode: the landed table, one entry per whole KV page. */
+static void landed_init(kvf_manager *m, integ_state *s) {
+  const manager_buffers *b = &m->bufs;
+  if (!m->cfg.verify || m->cfg.role != KVF_ROLE_DECODE ||
+      !(s->landed_off = malloc((b->n_kv + 1) * sizeof *s->landed_off)))
+    return;
+  size_t n = 0;
+  for (size_t k = 0; k < b->n_kv; k++) {
+    s->landed_off[k] = n;
+    n += b->kv_item_lens[k] ? b->kv_lens[k] / b->kv_item_lens[k] : 0;
+    if (n > INTEG_LANDED_MAX) break;
+  }
+  s->landed_off[b->n_kv] = n;
+  if (n && n <= INTEG_LANDED_MAX && (s->landed = calloc(n, sizeof *s->landed))) return;
+  free(s->landed_off);
+  s->landed_off = NULL;
+}
 
 _Atomic(kvf__integ_tamper_fn) kvf__integ_tamper;
 
@@ -37,6 +68,7 @@ int kvf__integ_start(kvf_manager *m) {
     free(s);
     return KVF_ENOMEM;
   }
+  landed_init(m, s); /* none: every page is read back when checked, as before */
   m->integ = s;
   return 0;
 }
@@ -50,6 +82,7 @@ void kvf__integ_stop(kvf_manager *m) {
   while (kvf__map_next(&s->rooms, &it, NULL, &v)) free(v);
   kvf__map_free(&s->rooms);
   kvf__spare_free(&s->spare);
+  free(s->landed), free(s->landed_off);
   pthread_mutex_destroy(&s->lock);
   free(s);
   m->integ = NULL;
@@ -143,6 +176,46 @@ static int locate(const manager_buffers *b, const wire_digest *d, int *state, si
   return KVF_ERANGE;
 }
 
+int kvf__integ_hashes_landing(const kvf_manager *m) {
+  const integ_state *s = m->integ;
+  return s && s->landed;
+}
+
+void kvf__integ_on_landed(void *arg, uint64_t tag, uint64_t epoch, void *dst, size_t len) {
+  kvf_manager *m = arg;
+  integ_state *s = m->integ;
+  const manager_buffers *b = &m->bufs;
+  uint64_t a = (uint64_t)(uintptr_t)dst;
+  if (!s || !s->landed || !epoch) return;
+  for (size_t k = 0; k < b->n_kv; k++) {
+    uint64_t base = b->kv_ptrs[k], blen = b->kv_lens[k], item = b->kv_item_lens[k];
+    if (a < base || a - base >= blen || !item) continue;
+    uint64_t off = a - base, end = len < blen - off ? off + len : blen; /* offsets in the buffer */
+    uint64_t p = (off + item - 1) / item;                               /* the first whole page */
+    kvf__integ_tamper_fn tamper = atomic_load(&kvf__integ_tamper);
+    if (tamper && (p + 1) * item <= end)
+      tamper((int64_t)(tag ^ manager_room_tag(0)), (unsigned char *)(uintptr_t)(base + p * item));
+    for (; (p + 1) * item <= end; p++) {
+      integ_landed *x = &s->landed[s->landed_off[k] + p];
+      atomic_store_explicit(&x->hash, kvf__hash64((const void *)(uintptr_t)(base + p * item), (size_t)item),
+                            memory_order_relaxed);
+      atomic_store_explicit(&x->epoch, epoch, memory_order_release);
+    }
+    return;
+  }
+}
+
+/* Did whole KV page `d` of buffer idx land, in the chunk of this epoch,
+ * with the digest the prefill sent? (No: the page itself is checked.) */
+static int landed_matches(const integ_state *s, const manager_buffers *b, size_t idx, const wire_digest *d,
+                          uint64_t epoch) {
+  uint64_t item = b->kv_item_lens[idx], off = d->dst - b->kv_ptrs[idx];
+  if (!s->landed || d->count > 1 || d->len != item || !item || off % item) return 0;
+  const integ_landed *x = &s->landed[s->landed_off[idx] + off / item];
+  return atomic_load_explicit(&x->epoch, memory_order_acquire) == epoch &&
+         atomic_load_explicit(&x->hash, memory_order_relaxed) == d->hash;
+}
+
 void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer,
                            int (*from_planned)(kvf_manager *m, int64_t room, const char *peer)) {
   integ_state *s = m->integ;
@@ -189,6 +262,7 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
                dg.prefill_rank, d.dst, d.len);
     } else {
       if (tamper && i == 0) tamper(dg.room, (unsigned char *)(uintptr_t)d.dst);
+      if (!st && landed_matches(s, b, idx, &d, dg.epoch)) continue; /* hashed as it landed */
       if (kvf__hash_block(d.dst, d.len, d.count, d.stride) == d.hash) continue;
       uint64_t off = d.dst - (st ? b->state_ptrs[idx] : b->kv_ptrs[idx]);
       snprintf(reason, sizeof reason,

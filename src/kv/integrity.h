@@ -19,14 +19,18 @@
 /* Test seam, NULL in every shipped program: only the testing library
  * (src/testing/tamper.c), linked into the test peer and a test build of the
  * shared library, sets it; nothing in the library or the environment can.
- * Called on the listener thread with the first landed block of each
- * verified digests message, before that block is checked, so a test can
- * change a landed byte and see verify mode catch it. */
+ * Called with a landed block before it is hashed, so a test can change a
+ * landed byte and see verify mode catch it: on the landing thread with the
+ * first whole page of each landed piece (kvf__integ_on_landed), and on the
+ * listener thread with the first block of each verified digests message. */
 typedef void (*kvf__integ_tamper_fn)(int64_t room, unsigned char *landed);
 extern _Atomic(kvf__integ_tamper_fn) kvf__integ_tamper;
 
 /* Bound on one room's entry: prefill ranks tracked for digests. */
 #define INTEG_MAX_RANKS ROOMS_MAX_RANKS
+/* Bound on the landed table (16 bytes a page; calloc'd, so only the pages
+ * that landed are touched): 2^24 pages, 512 GiB of 32 KiB pages. */
+#define INTEG_LANDED_MAX (1u << 24)
 
 int kvf__integ_start(kvf_manager *m);
 void kvf__integ_stop(kvf_manager *m);
@@ -57,6 +61,18 @@ void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank);
  * the room's open fence came outside its bounds or the decode's memory, so
  * its prefill cannot be trusted with the room: it fails with a reason. */
 void kvf__integ_on_refused(void *arg, uint64_t tag, uint64_t epoch, int err, const char *peer);
+/* Verify mode keeps a table of what landed (one digest and epoch per KV
+ * page of this decode's buffers, sized once at start; none when the
+ * buffers hold more than INTEG_LANDED_MAX pages): 1 when it does. */
+int kvf__integ_hashes_landing(const kvf_manager *m);
+/* Engine landed callback (engine/async.h; arg: the manager): every whole
+ * KV page of the piece is hashed now, on the landing thread while its bytes
+ * are in cache, and its digest recorded with the fence epoch, so that the
+ * digests message of that page finds it and does not read the page back
+ * (a digest that does not match what landed is still checked against the
+ * page itself before the room fails). Partial pages, state slots and bytes
+ * a writer put (UCX write mode, ucp_get) are checked as before. */
+void kvf__integ_on_landed(void *arg, uint64_t tag, uint64_t epoch, void *dst, size_t len);
 
 /* ---- prefill ---- */
 

@@ -270,6 +270,60 @@ static void closed_fence_refuses_late_writes(void **state) {
   for (size_t j = 4 * ITEM; j < 5 * ITEM; j++) f->kv[0][j] = (unsigned char)(j * 7);
 }
 
+/* The landing thread's path (kvf__integ_on_landed, the engine's landed
+ * callback): pages hashed as they land. A byte that landed wrong is caught
+ * and named as when the page is read back; a landed digest that does not
+ * match sends the page to the full check, which passes a page that is right
+ * after all; the landed digest stands for the page only in the digests of
+ * its own epoch (a page kept from an earlier room is read back). The test
+ * runs the callback itself, as a landing thread would: no engine traffic. */
+static void pages_hashed_as_they_land_still_catch_corruption(void **state) {
+  fixture *f = *state;
+  kvf_manager_stats before, after;
+  char reason[ROOMS_REASON_MAX];
+  assert_true(kvf__integ_hashes_landing(f->m));
+  /* A corrupted landing: caught, the page named. */
+  uint64_t e1 = open_room(f, 31);
+  wire_digest d3 = page_digest(f->kv[0], 3);
+  f->kv[0][3 * ITEM + 40] ^= 0x10;                                                     /* landed wrong */
+  kvf__integ_on_landed(f->m, manager_room_tag(31), e1, f->kv[0] + 2 * ITEM, 2 * ITEM); /* pages 2 and 3 */
+  kvf_manager_get_stats(f->m, &before);
+  deliver(f, 31, e1, &d3, 1, planned);
+  kvf_manager_get_stats(f->m, &after);
+  assert_int_equal(room_status(f, 31), ROOM_FAILED);
+  room_reason(f, 31, reason, sizeof reason);
+  assert_non_null(strstr(reason, "Integrity check failed: KV buffer 0 page 3 (offset 0, 256 bytes"));
+  assert_int_equal(after.verify_failures, before.verify_failures + 1);
+  f->kv[0][3 * ITEM + 40] ^= 0x10;
+  close_room(f, 31, e1);
+
+  /* A landed digest that differs while the page is right: the full check
+   * decides, and the room stands. Then a clean landing, a later change to
+   * the page (by no writer of this room) is not what the check looks at. */
+  uint64_t e2 = open_room(f, 32);
+  wire_digest d5 = page_digest(f->kv[1], 5), d6 = page_digest(f->kv[1], 6);
+  f->kv[1][5 * ITEM] ^= 0x01;
+  kvf__integ_on_landed(f->m, manager_room_tag(32), e2, f->kv[1] + 5 * ITEM, ITEM);
+  f->kv[1][5 * ITEM] ^= 0x01;
+  kvf__integ_on_landed(f->m, manager_room_tag(32), e2, f->kv[1] + 6 * ITEM, ITEM);
+  f->kv[1][6 * ITEM + 1] ^= 0x02;
+  wire_digest d56[2] = {d5, d6};
+  deliver(f, 32, e2, d56, 2, planned);
+  assert_int_equal(room_status(f, 32), ROOM_TRANSFERRING); /* page 6 passed on its landed digest */
+  close_room(f, 32, e2);
+
+  /* The next room's digests for page 6 do not take that landing's digest:
+   * the page is read back, and it differs. */
+  uint64_t e3 = open_room(f, 33);
+  assert_true(e3 != e2);
+  deliver(f, 33, e3, &d6, 1, planned);
+  assert_int_equal(room_status(f, 33), ROOM_FAILED);
+  room_reason(f, 33, reason, sizeof reason);
+  assert_non_null(strstr(reason, "KV buffer 1 page 6"));
+  f->kv[1][6 * ITEM + 1] ^= 0x02;
+  close_room(f, 33, e3);
+}
+
 /* Prefill helpers: a page's digest is the hash of exactly that page, pages
  * outside the buffer are refused; the MHA layout's one layer holds both
  * buffers. */
@@ -308,6 +362,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(wrong_sender_or_epoch_changes_nothing, setup, teardown),
       cmocka_unit_test_setup_teardown(closed_fence_refuses_late_writes, setup, teardown),
       cmocka_unit_test_setup_teardown(prefill_page_digest_and_layer_bufs, setup, teardown),
+      cmocka_unit_test_setup_teardown(pages_hashed_as_they_land_still_catch_corruption, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -120,6 +120,7 @@ struct decode_state {
   smap pools; /* pool key -> pool_entry (one reference held by the map) */
   uint64_t next_epoch;
   int refusals; /* this manager has the engine's refusal callback (integrity.c) */
+  int landed;   /* and its landed callback (verify mode: pages hashed as they land) */
 
   /* Planner inputs that never change, converted once (the layout by the
    * manager: m->bufs.kv_layout). */

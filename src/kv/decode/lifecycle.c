@@ -46,9 +46,11 @@ int kvf__decode_start(kvf_manager *m) {
   /* A shared engine has one trailer callback: the first decode manager gets it. */
   ds->fast = m->cfg.fast_completion && !kvf__engine_on_trailer(m->engine, kvf__dec_on_trailer, m);
   ds->refusals = !kvf__engine_on_refusal(m->engine, kvf__integ_on_refused, m);
+  ds->landed = kvf__integ_hashes_landing(m) && !kvf__engine_on_landed(m->engine, kvf__integ_on_landed, m);
   if (pthread_create(&ds->hb, NULL, kvf__dec_heartbeat_main, m)) {
     if (ds->fast) kvf__engine_off_trailer(m->engine, m);
     if (ds->refusals) kvf__engine_off_refusal(m->engine, m);
+    if (ds->landed) kvf__engine_off_landed(m->engine, m);
     m->decode = NULL;
     goto fail;
   }
@@ -64,6 +66,7 @@ void kvf__decode_stop(kvf_manager *m) {
   if (!ds) return;
   if (ds->fast) kvf__engine_off_trailer(m->engine, m); /* returns once no trailer is being handled */
   if (ds->refusals) kvf__engine_off_refusal(m->engine, m);
+  if (ds->landed) kvf__engine_off_landed(m->engine, m); /* returns once no landing is being hashed */
   if (ds->hb_started) {
     pthread_mutex_lock(&ds->hb_lock);
     ds->hb_stop = 1;

@@ -127,6 +127,8 @@ static void free_state(prefill_state *ps) {
   kvf__pf_scratch_free(&ps->direct_sc);
   pthread_cond_destroy(&ps->direct_cv);
   pthread_mutex_destroy(&ps->direct_lock);
+  pthread_cond_destroy(&ps->hash_cv);
+  pthread_mutex_destroy(&ps->hash_mu);
   pthread_mutex_destroy(&ps->lock);
   free(ps->queues);
   free(ps);
@@ -167,6 +169,8 @@ int kvf__prefill_start(kvf_manager *m) {
   pthread_mutex_init(&ps->direct_lock, NULL);
   clock_cond_init(&ps->direct_cv);
   pthread_mutex_init(&ps->spare_mu, NULL);
+  pthread_mutex_init(&ps->hash_mu, NULL);
+  pthread_cond_init(&ps->hash_cv, NULL);
   int rc = kvf__pf_m3_init(ps);
   if (!rc) rc = smap_init(&ps->regs);
   if (!rc) rc = build_layouts(ps);

@@ -234,10 +234,17 @@ typedef struct pf_chunk {
   size_t nstate;
   /* Verify mode: the digest of every (page, KV buffer of the chunk's
    * layers) taken in kvf_sender_send, digests[k * ndig + j] for pages[k]
-   * and buffer dig_bufs[j]; NULL when verify mode is off. */
+   * and buffer dig_bufs[j]; NULL when verify mode is off. The sending
+   * thread hashes them after it queued the chunk, so the first bytes move
+   * while it hashes: digests of pages [0, hashed) are final (the worker
+   * waits for more with kvf__pf_wait_hashed). While it hashes it holds the
+   * chunk (hold PF_HOLD_HASHING): a kvf__pf_chunk_free meanwhile leaves the
+   * free to it (PF_HOLD_FREED). */
   uint64_t *digests;
   size_t *dig_bufs;
   size_t ndig;
+  _Atomic size_t hashed;
+  atomic_int hold;
   /* Verify mode, set by the worker: every destination asked for digests
    * and gets the send-time page digests (whole-page plans), so it checks
    * its landed bytes against what kvf_sender_send hashed; the recheck of the
@@ -394,6 +401,10 @@ typedef struct prefill_state {
    * unreferenced transfer infos with their M2 blocks */
   pthread_mutex_t spare_mu;
   spare_list chunk_spare;
+  /* verify mode: a chunk's send-time hashing progressed (pf_chunk.hashed);
+   * hash_mu is a leaf lock */
+  pthread_mutex_t hash_mu;
+  pthread_cond_t hash_cv;
   pf_info *info_spare;
   size_t ninfo_spare;
 } prefill_state;
@@ -432,6 +443,12 @@ const trace_live *kvf__pf_trace_of(void *user);
 pf_chunk *kvf__pf_chunk_new(prefill_state *ps);
 /* Free a chunk's arrays and keep it for kvf__pf_chunk_new. Any thread. */
 void kvf__pf_chunk_free(prefill_state *ps, pf_chunk *c);
+/* Verify mode, hold values of a chunk (pf_chunk.hold). */
+enum { PF_HOLD_NONE = 0, PF_HOLD_HASHING = 1, PF_HOLD_FREED = 2 };
+/* Verify mode: wait until the send-time digests of the chunk's pages
+ * [0, upto) are taken (the sending thread is hashing them; it never fails
+ * once the chunk is queued). Any thread holding the chunk. */
+void kvf__pf_wait_hashed(prefill_state *ps, const pf_chunk *c, size_t upto);
 /* A zeroed transfer info holding one reference, the caller's (a spare one
  * keeps its M2 block for reuse), or NULL. Any thread. */
 pf_info *kvf__pf_info_new(prefill_state *ps);

@@ -13,6 +13,8 @@ pf_chunk *kvf__pf_chunk_new(prefill_state *ps) {
 
 void kvf__pf_chunk_free(prefill_state *ps, pf_chunk *c) {
   if (!c) return;
+  /* still being hashed by its sending thread, which frees it when done */
+  if (atomic_exchange(&c->hold, PF_HOLD_FREED) == PF_HOLD_HASHING) return;
   if (c->pages != c->pages_inline) free(c->pages);
   if (c->cands != c->cands_inline) free(c->cands);
   if (c->state_slots != c->state_inline) free(c->state_slots);
@@ -273,4 +275,11 @@ void kvf__pf_expire_early(prefill_state *ps, int64_t now) {
     r->dead = 1;
     kvf__pf_room_unref(ps, r);
   }
+}
+
+void kvf__pf_wait_hashed(prefill_state *ps, const pf_chunk *c, size_t upto) {
+  if (atomic_load(&c->hashed) >= upto) return;
+  pthread_mutex_lock(&ps->hash_mu);
+  while (atomic_load(&c->hashed) < upto) pthread_cond_wait(&ps->hash_cv, &ps->hash_mu);
+  pthread_mutex_unlock(&ps->hash_mu);
 }

@@ -60,18 +60,47 @@ err_unlock:
   return rc;
 }
 
-/* Verify mode: digest every (page, buffer) the chunk will send, now, while
- * the caller still guarantees the pages hold the request's KV. A page
- * outside the pool is KVF_ERANGE. */
-static int hash_pages(kvf_manager *m, pf_chunk *c) {
+/* Verify mode, hashing published every this many pages (the worker's
+ * parts are at least one page; a lock and a broadcast per step). */
+#define PF_HASH_STEP 4
+
+/* Verify mode, before the chunk is queued: its digest array, and every
+ * (page, buffer) it will send checked to lie in the pool (KVF_ERANGE), so
+ * that the hashing after the queueing (hash_pages) cannot fail. */
+static int hash_prepare(kvf_manager *m, pf_chunk *c) {
   int rc = kvf__integ_layer_bufs(m, c->layer_begin, c->layer_end, &c->dig_bufs, &c->ndig);
   if (rc) return rc;
+  const manager_buffers *b = &m->bufs;
+  for (size_t j = 0; j < c->ndig; j++) {
+    uint64_t item = b->kv_item_lens[c->dig_bufs[j]], len = b->kv_lens[c->dig_bufs[j]], end;
+    for (size_t k = 0; k < c->npages; k++)
+      if (c->pages[k] < 0 || __builtin_mul_overflow((uint64_t)c->pages[k] + 1, item, &end) || end > len)
+        return KVF_ERANGE;
+  }
   size_t nd = c->npages * c->ndig;
   if (!(c->digests = malloc((nd ? nd : 1) * sizeof *c->digests))) return KVF_ENOMEM;
-  for (size_t k = 0; k < c->npages; k++)
-    for (size_t j = 0; j < c->ndig; j++)
-      if ((rc = kvf__integ_page_digest(m, c->dig_bufs[j], c->pages[k], &c->digests[k * c->ndig + j]))) return rc;
   return 0;
+}
+
+/* Verify mode: digest every (page, buffer) the chunk sends, in page order,
+ * on the sending thread and before kvf_sender_send returns, so while the
+ * caller still guarantees the pages hold the request's KV; but after the
+ * chunk was queued, so its first parts are on the wire meanwhile and the
+ * worker waits only for the pages of the part it finishes
+ * (kvf__pf_wait_hashed). Then the chunk's hold ends (freed here when
+ * someone released it meanwhile). */
+static void hash_pages(prefill_state *ps, pf_chunk *c) {
+  for (size_t k = 0; k < c->npages;) {
+    size_t e = c->npages - k < PF_HASH_STEP ? c->npages : k + PF_HASH_STEP;
+    for (; k < e; k++)
+      for (size_t j = 0; j < c->ndig; j++)
+        kvf__integ_page_digest(ps->m, c->dig_bufs[j], c->pages[k], &c->digests[k * c->ndig + j]); /* checked */
+    atomic_store(&c->hashed, k);
+    pthread_mutex_lock(&ps->hash_mu);
+    pthread_cond_broadcast(&ps->hash_cv);
+    pthread_mutex_unlock(&ps->hash_mu);
+  }
+  if (atomic_exchange(&c->hold, PF_HOLD_NONE) == PF_HOLD_FREED) kvf__pf_chunk_free(ps, c);
 }
 
 /* Both send calls: copy and queue (or park) one chunk, given as a view of
@@ -125,7 +154,7 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
   if (c->cands) memcpy(c->cands, in->cands, ncand * sizeof *in->cands), c->ncand = ncand;
   if (c->state_slots)
     memcpy(c->state_slots, in->state_slots, nstate * sizeof *in->state_slots), c->nstate = nstate;
-  int rc = s->m->cfg.verify ? hash_pages(s->m, c) : 0;
+  int rc = s->m->cfg.verify ? hash_prepare(s->m, c) : 0, hashing = 0;
   if (rc) {
     kvf__pf_chunk_free(ps, c);
     return rc;
@@ -146,8 +175,12 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
   c->r = r;
   r->refs++;
   r->nchunks++;
+  /* From the push on, another thread may release the chunk: hash_pages
+   * holds it until its digests are taken. */
+  if (c->digests) atomic_store(&c->hold, PF_HOLD_HASHING), hashing = 1;
   if (r->bootstrapped) {
     if (kvf__pf_queue_push(&ps->queues[r->shard], c)) {
+      atomic_store(&c->hold, PF_HOLD_NONE), hashing = 0;
       kvf__pf_chunk_release_locked(ps, c);
       rc = KVF_ETOOBIG;
       goto out;
@@ -161,6 +194,7 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
   }
 out:
   pthread_mutex_unlock(&ps->lock);
+  if (hashing) hash_pages(ps, c);
   if (!rc) {
     if (s->curr < in->pos + (int64_t)npages) s->curr = in->pos + (int64_t)npages;
     if (is_last) s->last_sent = 1;

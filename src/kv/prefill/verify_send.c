@@ -21,37 +21,48 @@ static int part_plain(const pf_part *p, const pf_info *info) {
   return !p->state && !info->m2->nfrags && info->tokens == 1;
 }
 
+/* Do part p's digest entries come from the send-time page digests? */
+static int part_from_pages(const pf_send *s, const pf_part *p) { return part_plain(p, s->info) && s->c->digests; }
+
 /* The digest entries of what part p writes, for a decode that asked: from
- * the page digests when the plan moves whole pages (no second pass), else
- * by hashing each block's source pieces now, just before the write. */
-static int part_digests(prefill_state *ps, pf_scratch *sc, const pf_send *s, pf_part *p) {
-  const manager_buffers *b = &ps->m->bufs;
+ * the page digests when the plan moves whole pages (no second pass; filled
+ * by part_fill once the part landed, as the sending thread may still be
+ * taking them), else by hashing each block's source pieces now, just
+ * before the write. */
+static int part_digests(pf_scratch *sc, const pf_send *s, pf_part *p) {
   const pf_chunk *c = s->c;
-  const uint64_t *pdig = part_pdig(sc, c, p->a);
-  int plain = part_plain(p, s->info) && pdig;
+  int plain = part_from_pages(s, p);
   size_t cnt = plain ? p->n * c->ndig : p->nw;
   if (kvf__pf_scratch_grow((void **)&sc->dg, &sc->cap_dg, p->d0 + (cnt ? cnt : 1), sizeof *sc->dg))
     return KVF_ENOMEM;
   wire_digest *d = sc->dg + p->d0;
-  if (plain) {
-    for (size_t i = 0; i < p->n; i++) {
-      int64_t dst = wire_i64_at(s->info->m2->kv_indices, (size_t)sc->dstart + p->a + i);
-      for (size_t j = 0; j < c->ndig; j++) {
-        size_t bi = c->dig_bufs[j];
-        uint64_t item = b->kv_item_lens[bi];
-        d[i * c->ndig + j] = (wire_digest){sc->dptr[bi] + (uint64_t)dst * item, item, 1, 0, pdig[i * c->ndig + j]};
-      }
-    }
-  } else {
-    for (size_t i = 0; i < p->nw; i++) {
-      const kvf_write *w = &sc->w[p->w0 + i];
-      uint64_t count = w->count > 1 ? w->count : 1;
-      d[i] = (wire_digest){w->dst, w->len, count, w->dst_stride,
-                           kvf__hash_block(w->src, w->len, count, w->src_stride)};
+  p->nd = cnt;
+  if (plain) return 0;
+  for (size_t i = 0; i < p->nw; i++) {
+    const kvf_write *w = &sc->w[p->w0 + i];
+    uint64_t count = w->count > 1 ? w->count : 1;
+    d[i] =
+        (wire_digest){w->dst, w->len, count, w->dst_stride, kvf__hash_block(w->src, w->len, count, w->src_stride)};
+  }
+  return 0;
+}
+
+/* A whole-page part's digest entries, from the send-time page digests of
+ * its pages (waited for). */
+static void part_fill(prefill_state *ps, pf_scratch *sc, const pf_send *s, pf_part *p) {
+  const manager_buffers *b = &ps->m->bufs;
+  const pf_chunk *c = s->c;
+  kvf__pf_wait_hashed(ps, c, sc->skip + p->a + p->n);
+  const uint64_t *pdig = part_pdig(sc, c, p->a);
+  wire_digest *d = sc->dg + p->d0;
+  for (size_t i = 0; i < p->n; i++) {
+    int64_t dst = wire_i64_at(s->info->m2->kv_indices, (size_t)sc->dstart + p->a + i);
+    for (size_t j = 0; j < c->ndig; j++) {
+      size_t bi = c->dig_bufs[j];
+      uint64_t item = b->kv_item_lens[bi];
+      d[i * c->ndig + j] = (wire_digest){sc->dptr[bi] + (uint64_t)dst * item, item, 1, 0, pdig[i * c->ndig + j]};
     }
   }
-  p->nd = cnt;
-  return 0;
 }
 
 /* After the write: the chunk's source pages [first, first + n) still hold
@@ -59,6 +70,7 @@ static int part_digests(prefill_state *ps, pf_scratch *sc, const pf_send *s, pf_
  * changed. */
 static int recheck_sources(prefill_state *ps, const pf_chunk *c, size_t first, size_t n, char *why,
                            size_t whycap) {
+  kvf__pf_wait_hashed(ps, c, first + n);
   const int64_t *src = c->pages + first;
   const uint64_t *pdig = c->digests + first * c->ndig;
   for (size_t i = 0; i < n; i++)
@@ -91,7 +103,7 @@ int kvf__pf_verify_send(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why
     pf_part *p = &sc->parts[g];
     p->batch = NULL, p->d0 = nd, p->nd = 0;
     if (!p->nw) continue;
-    if (ask && (rc = part_digests(ps, sc, s, p))) {
+    if (ask && (rc = part_digests(sc, s, p))) {
       snprintf(why, whycap, "Out of memory");
       ret = DEST_FAIL;
       break;
@@ -116,6 +128,7 @@ int kvf__pf_verify_send(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why
       ret = DEST_FAIL;
       break;
     }
+    if (ask && part_from_pages(s, p)) part_fill(ps, sc, s, p);
     if (ask) kvf__integ_send_digests(m, x->endpoint, x->dst_port, x->room, x->fence_epoch, sc->dg + p->d0, p->nd);
     s->bytes += kvf__pf_writes_bytes(sc->w + p->w0, p->nw);
   }
