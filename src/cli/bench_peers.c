@@ -140,10 +140,20 @@ static void peers_census(pid_t pid, name_counts *thr, name_counts *fds) {
   if (d) closedir(d);
 }
 
-/* CPU time (utime + stime, in clock ticks) of process pid, and the
- * voluntary context switches of all its threads: a thread that sleeps and
- * wakes (a timed wait, a poll tick) counts one per wake-up. -1 if gone. */
-static int peers_cpu(pid_t pid, double *ticks, double *switches) {
+#define PEERS_MAX_TASKS 1024 /* threads of the measured process whose wake-ups are told apart */
+
+/* The voluntary context switches of one thread of the measured process: a
+ * thread that sleeps and wakes (a timed wait, a poll tick) counts one per
+ * wake-up. */
+typedef struct peers_task {
+  long tid;
+  double switches;
+} peers_task;
+
+/* CPU time (utime + stime, in clock ticks) of process pid, and each of its
+ * threads' voluntary context switches (at most PEERS_MAX_TASKS of them, in
+ * t[0..*nt)). -1 if gone. */
+static int peers_cpu(pid_t pid, double *ticks, peers_task *t, int *nt) {
   char path[96], buf[1024];
   snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
   FILE *f = fopen(path, "r");
@@ -155,19 +165,35 @@ static int peers_cpu(pid_t pid, double *ticks, double *switches) {
   unsigned long long ut = 0, st = 0;
   if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2) return -1;
   *ticks = (double)(ut + st);
-  *switches = 0;
+  *nt = 0;
   snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
   DIR *d = opendir(path);
-  for (struct dirent *e; d && (e = readdir(d));) {
+  for (struct dirent *e; d && *nt < PEERS_MAX_TASKS && (e = readdir(d));) {
     if (e->d_name[0] == '.') continue;
     snprintf(path, sizeof path, "/proc/%d/task/%.20s/status", (int)pid, e->d_name);
     if (!(f = fopen(path, "r"))) continue;
     while (fgets(buf, sizeof buf, f))
-      if (!strncmp(buf, "voluntary_ctxt_switches:", 24)) *switches += strtod(buf + 24, NULL);
+      if (!strncmp(buf, "voluntary_ctxt_switches:", 24))
+        t[(*nt)++] = (peers_task){strtol(e->d_name, NULL, 10), strtod(buf + 24, NULL)};
     fclose(f);
   }
   if (d) closedir(d);
   return 0;
+}
+
+/* Wake-ups between two samples, thread by thread: a thread that began in
+ * between counts whole, one that ended in between is missed (a lower bound;
+ * summed over the process, its exit made the total go backwards, as when
+ * idle TCP connections' threads end). */
+static double peers_switches_between(const peers_task *a, int na, const peers_task *b, int nb) {
+  double sum = 0;
+  for (int i = 0; i < nb; i++) {
+    double before = 0;
+    for (int k = 0; k < na; k++)
+      if (a[k].tid == b[i].tid) before = a[k].switches;
+    if (b[i].switches > before) sum += b[i].switches - before;
+  }
+  return sum;
 }
 
 /* The CPU time of the n children, in clock ticks (their wake-ups are not
@@ -196,16 +222,18 @@ static double peers_children_ticks(const proc *c, int n) {
  * take from the two cores the active pair shares with them. */
 static void peers_idle(pid_t pid, const proc *children, int nchildren, double *cpu_pct, double *wakeups,
                        double *peers_pct) {
-  double t0, w0, t1, w1, s0 = cli_now_s(), c0 = peers_children_ticks(children, nchildren);
+  double t0, t1, s0 = cli_now_s(), c0 = peers_children_ticks(children, nchildren);
   double hz = (double)sysconf(_SC_CLK_TCK);
+  static peers_task w0[PEERS_MAX_TASKS], w1[PEERS_MAX_TASKS]; /* the bench's one thread */
+  int n0 = 0, n1 = 0;
   *cpu_pct = *wakeups = -1;
   if (peers_pct) *peers_pct = -1;
-  if (peers_cpu(pid, &t0, &w0)) return;
+  if (peers_cpu(pid, &t0, w0, &n0)) return;
   usleep((useconds_t)(PEERS_IDLE_S * 1e6));
   double dt = cli_now_s() - s0;
-  if (peers_cpu(pid, &t1, &w1)) return;
+  if (peers_cpu(pid, &t1, w1, &n1)) return;
   *cpu_pct = (t1 - t0) * 100.0 / hz / dt;
-  *wakeups = (w1 - w0) / dt; /* threads that exited in between are missed: rare when idle */
+  *wakeups = peers_switches_between(w0, n0, w1, n1) / dt;
   if (peers_pct) *peers_pct = (peers_children_ticks(children, nchildren) - c0) * 100.0 / hz / dt;
 }
 
