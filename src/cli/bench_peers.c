@@ -14,8 +14,19 @@
  * descriptors and VmRSS from /proc and runs 1-page rooms with 64 in flight
  * (rooms/s) and 1 in flight (p50). Per-peer figures are the growth over the
  * prefill after the active decode's warm-up, divided by N; rate_over_1peer
- * is the rate at N over the rate at N = 1 of the same run. The issue's
- * targets are printed beside the figures, never asserted. */
+ * is the rate at N over the rate at N = 1 of the same run.
+ * A control pair runs beside the measured one all along: a second prefill
+ * kv-peer with only the active decode (prefill view), or a second decode
+ * manager in this process with only the active prefill (decode view); no
+ * idle peer connects to it. Each step alternates rounds of the two pairs, so
+ * rate_over_control (the median of each measured round over the control
+ * round next to it) sees the same machine as its control: on a shared VM
+ * whose speed drifts by 2x over tens of seconds, and with the idle peers'
+ * own processes on the same two cores, the measured rate alone moves more
+ * between steps than any per-peer cost does. rate_over_1peer_controlled is
+ * rate_over_control at N over that at N = 1: what the idle peers' state in
+ * the measured process costs its rooms. The issue's targets are printed
+ * beside the figures, never asserted. */
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,7 +48,7 @@
 #define PEERS_PREFILL_PAGES 512 /* small: the warm-up touches all of it before the baseline */
 #define PEERS_DECODE_PAGES 4096
 #define PEERS_NAMES 48
-#define PEERS_REPS 3           /* rounds of the rooms cases at each N (--quick: 1) */
+#define PEERS_REPS 5           /* rounds of the rooms cases at each N (--quick: 1), each pair */
 #define PEERS_WARM_ROOMS 20000 /* the round not counted before each N's rounds */
 #define PEERS_IDLE_S 1.0       /* the idle window: CPU time and wake-ups with no room live */
 
@@ -60,9 +71,11 @@ typedef struct peers_step {
   double idle_cpu_pct, idle_wakeups_per_s; /* the measured process over PEERS_IDLE_S with no room live */
   double peers_cpu_pct;                    /* all the kv-idle children over the same window */
   double rate_runs[PEERS_REPS];            /* each round's rate; rooms_per_s is the best */
+  double ctl_runs[PEERS_REPS];             /* the control pair's round beside each */
   double warm_rate;                        /* the warm-up round's, not counted */
   int nruns;
   double rooms_per_s, p50_us, p99_us;
+  double ctl_rooms_per_s, rate_over_ctl; /* the control's best; median of rate_runs[k] / ctl_runs[k] */
   char error[160];
 } peers_step;
 
@@ -362,6 +375,51 @@ static int peers_parse(const char *s, int *out, int max) {
   return n;
 }
 
+/* One pair of a rooms case: the decode manager here, its pool, the
+ * kv-peer prefill and its bootstrap address. */
+typedef struct peers_pair {
+  kvf_manager *m;
+  kvpool *pool;
+  proc *peer;
+  const char *baddr;
+} peers_pair;
+
+static int peers_case(const peers_pair *p, rooms_case *c, int64_t *base) {
+  if (cli_bench_rooms_case(p->m, p->pool, p->peer, p->baddr, c, *base)) return -1;
+  *base += c->rooms;
+  return 0;
+}
+
+/* One step's counted rounds: the measured and the control pair's 64-in-flight
+ * rounds alternate (which goes first alternates too), the measured pair's
+ * 1-in-flight round after each. */
+static int peers_rounds(peers_step *s, const peers_pair *meas, const peers_pair *ctl, int quick, int64_t *base) {
+  double p50[PEERS_REPS], p99[PEERS_REPS], ratio[PEERS_REPS];
+  int reps = quick ? 1 : PEERS_REPS;
+  for (int k = 0; k < reps; k++) {
+    rooms_case rate = {"rate", 1, 64, quick ? 1000 : 10000, 0, 0, 0, 0, 0};
+    rooms_case crate = rate;
+    rooms_case lat = {"p50", 1, 1, quick ? 200 : 2000, 0, 0, 0, 0, 0};
+    if (k % 2 && peers_case(ctl, &crate, base))
+      return snprintf(s->error, sizeof s->error, "control rooms failed at 64 in flight"), -1;
+    if (peers_case(meas, &rate, base)) return snprintf(s->error, sizeof s->error, "rooms failed at 64 in flight"), -1;
+    if (!(k % 2) && peers_case(ctl, &crate, base))
+      return snprintf(s->error, sizeof s->error, "control rooms failed at 64 in flight"), -1;
+    if (peers_case(meas, &lat, base)) return snprintf(s->error, sizeof s->error, "rooms failed at 1 in flight"), -1;
+    s->rate_runs[s->nruns] = rate.rooms_per_s;
+    s->ctl_runs[s->nruns++] = crate.rooms_per_s;
+    if (rate.rooms_per_s > s->rooms_per_s) s->rooms_per_s = rate.rooms_per_s;
+    if (crate.rooms_per_s > s->ctl_rooms_per_s) s->ctl_rooms_per_s = crate.rooms_per_s;
+    ratio[k] = crate.rooms_per_s > 0 ? rate.rooms_per_s / crate.rooms_per_s : 0;
+    p50[k] = lat.p50_us, p99[k] = lat.p99_us;
+  }
+  qsort(p50, (size_t)reps, sizeof p50[0], peers_cmp);
+  qsort(p99, (size_t)reps, sizeof p99[0], peers_cmp);
+  qsort(ratio, (size_t)reps, sizeof ratio[0], peers_cmp);
+  s->p50_us = p50[reps / 2], s->p99_us = p99[reps / 2], s->rate_over_ctl = ratio[reps / 2];
+  return 0;
+}
+
 /* One transport: the prefill, the active decode here, then the steps. */
 static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) {
   char pages[16], layers[16], item[16], maxin[16], line[400], baddr[KVF_ADDR_MAX + 1];
@@ -383,9 +441,10 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   snprintf(maxin, sizeof maxin, "%d", run->max_inbound);
   char *argv[] = {(char *)exe,           "kv-peer", "--layers", layers, "--item", item, "--pages", pages,
                   "--max-inbound-conns", maxin,     NULL};
-  proc peer;
-  kvpool pool;
-  kvf_manager *m = NULL;
+  proc peer, cpeer;
+  kvpool pool, cpool;
+  kvf_manager *m = NULL, *cm = NULL;
+  char cbaddr[KVF_ADDR_MAX + 1];
   pid_t mp = getpid(); /* the measured process: this one (reverse) or the prefill */
   if (proc_start(&peer, argv)) goto out_children;
   if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
@@ -393,9 +452,17 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
     goto out_peer;
   }
   if (!run->reverse) mp = peer.pid;
+  /* The control pair's prefill (prefill view); the decode view's control
+   * is a second manager here, with the same prefill. */
+  if (!run->reverse && proc_start(&cpeer, argv)) goto out_peer;
+  if (!run->reverse &&
+      (proc_read_line(&cpeer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, cbaddr) != 1)) {
+    fprintf(stderr, "bench peers: the control prefill peer did not start\n");
+    goto out_cpeer;
+  }
   usleep(200000);
-  if (proc_usage_get(mp, &run->start)) goto out_peer;
-  if (kvpool_init(&pool, PEERS_LAYERS, PEERS_DECODE_PAGES, PEERS_ITEM)) goto out_peer;
+  if (proc_usage_get(mp, &run->start)) goto out_cpeer;
+  if (kvpool_init(&pool, PEERS_LAYERS, PEERS_DECODE_PAGES, PEERS_ITEM)) goto out_cpeer;
   kvf_manager_config mc;
   kvf_manager_config_init(&mc);
   mc.role = KVF_ROLE_DECODE;
@@ -404,20 +471,24 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   ec.max_inbound_conns = run->max_inbound;
   mc.engine_cfg = &ec;
   if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
+  if (run->reverse && kvpool_init(&cpool, PEERS_LAYERS, PEERS_DECODE_PAGES, PEERS_ITEM)) goto out_mgr;
+  if (run->reverse && kvf_manager_create(&mc, &cpool.bufs, &cm)) goto out_cpool;
+  peers_pair meas = {m, &pool, &peer, baddr};
+  peers_pair ctl = run->reverse ? (peers_pair){cm, &cpool, &peer, baddr} : (peers_pair){m, &pool, &cpeer, cbaddr};
   int64_t base = 1;
   rooms_case warm = {"warmup", 1, 8, quick ? 1000 : 3000, 0, 0, 0, 0, 0};
-  if (cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
-  base += warm.rooms;
+  rooms_case cwarm = warm;
+  if (peers_case(&meas, &warm, &base) || peers_case(&ctl, &cwarm, &base)) goto out_cmgr;
   usleep(300000);
   peers_idle(mp, children, 0, &run->base_cpu_pct, &run->base_wakeups_per_s, NULL);
-  if (proc_usage_get(mp, &run->base)) goto out_mgr;
+  if (proc_usage_get(mp, &run->base)) goto out_cmgr;
   /* The same base once the idle close has run (the active pair's sockets,
    * and the heap trimmed after them), for the figures after it. */
   double idle_s = peers_idle_close_s();
   if (idle_s > 0) {
     run->closed_wait_s = idle_s + 2.5; /* the sweep runs once a second */
     usleep((useconds_t)(run->closed_wait_s * 1e6));
-    if (proc_usage_get(mp, &run->base)) goto out_mgr; /* the heap was trimmed in between */
+    if (proc_usage_get(mp, &run->base)) goto out_cmgr; /* the heap was trimmed in between */
   }
   peers_census(mp, &run->thr0, &run->fd0);
   int64_t idle_room = 1000000000; /* the idle peers' rooms, apart from the measured ones */
@@ -439,42 +510,21 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
     }
     peers_census(mp, &run->thr1, &run->fd1);
     run->census = 1;
-    /* PEERS_REPS rounds of both cases: the best rate (other tenants only
-     * ever slow a round down) and the median round's latencies. */
-    double p50[PEERS_REPS], p99[PEERS_REPS];
-    int reps = quick ? 1 : PEERS_REPS;
-    /* A round not counted first: the first one after the idle window runs
-     * at a third of the rate for a second or two on both transports and
-     * at any N (issue 22), and how many of the counted rounds it took with
-     * it decided the ratio more than the idle peers did. */
+    /* A round of each pair not counted first: the first one after the idle
+     * window runs at a third of the rate for a second or two on both
+     * transports and at any N (issue 22), and how many of the counted rounds
+     * it took with it decided the ratio more than the idle peers did. Then
+     * PEERS_REPS rounds of each pair: the best rates (other tenants only ever
+     * slow a round down), the median ratio to the control and the median
+     * round's latencies. */
     rooms_case warm_up = {"warmup", 1, 64, quick ? 300 : PEERS_WARM_ROOMS, 0, 0, 0, 0, 0};
-    if (cli_bench_rooms_case(m, &pool, &peer, baddr, &warm_up, base)) {
+    rooms_case cwarm_up = warm_up;
+    if (peers_case(&meas, &warm_up, &base) || peers_case(&ctl, &cwarm_up, &base)) {
       snprintf(s->error, sizeof s->error, "rooms failed at 64 in flight (warm-up)");
       break;
     }
-    base += warm_up.rooms;
     s->warm_rate = warm_up.rooms_per_s;
-    for (int k = 0; k < reps && !s->error[0]; k++) {
-      rooms_case rate = {"rate", 1, 64, quick ? 1000 : 10000, 0, 0, 0, 0, 0};
-      rooms_case lat = {"p50", 1, 1, quick ? 200 : 2000, 0, 0, 0, 0, 0};
-      if (cli_bench_rooms_case(m, &pool, &peer, baddr, &rate, base)) {
-        snprintf(s->error, sizeof s->error, "rooms failed at 64 in flight");
-        break;
-      }
-      base += rate.rooms;
-      if (cli_bench_rooms_case(m, &pool, &peer, baddr, &lat, base)) {
-        snprintf(s->error, sizeof s->error, "rooms failed at 1 in flight");
-        break;
-      }
-      base += lat.rooms;
-      s->rate_runs[s->nruns++] = rate.rooms_per_s;
-      if (rate.rooms_per_s > s->rooms_per_s) s->rooms_per_s = rate.rooms_per_s;
-      p50[k] = lat.p50_us, p99[k] = lat.p99_us;
-    }
-    if (s->error[0]) break;
-    qsort(p50, (size_t)reps, sizeof p50[0], peers_cmp);
-    qsort(p99, (size_t)reps, sizeof p99[0], peers_cmp);
-    s->p50_us = p50[reps / 2], s->p99_us = p99[reps / 2];
+    if (peers_rounds(s, &meas, &ctl, quick, &base)) break;
   }
   /* Long idle: the idle close of the control sockets (both ends of every
    * pair, this decode's with the prefill too) has run everywhere. */
@@ -493,10 +543,18 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
     snprintf(run->path, sizeof run->path, "%s", buf ? buf : "");
     free(buf);
   }
+out_cmgr:
+  kvf_manager_destroy(cm);
+out_cpool:
+  if (run->reverse) kvpool_free(&cpool);
 out_mgr:
   kvf_manager_destroy(m);
 out_pool:
   kvpool_free(&pool);
+out_cpeer:
+  for (int i = 0; i < nchildren; i++) proc_stop(&children[i], 10000);
+  nchildren = 0;
+  if (!run->reverse) proc_stop(&cpeer, 10000);
 out_peer:
   for (int i = 0; i < nchildren; i++) proc_stop(&children[i], 10000);
   nchildren = 0;
@@ -543,8 +601,9 @@ static void peers_print_growth(const name_counts *a, const name_counts *b, int j
 static void peers_print(const peers_run *runs, int nruns, const char *auto_picks, int json) {
   if (json) {
     printf("{\"bench\":\"peers\",\"auto_picks\":\"%s\",\"targets\":{\"threads_per_peer_max\":%.0f,"
-           "\"rss_kib_per_peer_max\":%.0f,\"rate_over_1peer_min\":%.1f},\"runs\":[",
-           auto_picks, TARGET_THREADS_PER_PEER, TARGET_RSS_KIB_PER_PEER, TARGET_RATE_RATIO);
+           "\"rss_kib_per_peer_max\":%.0f,\"rate_over_1peer_min\":%.1f,\"rate_over_1peer_controlled_min\":%.1f},"
+           "\"runs\":[",
+           auto_picks, TARGET_THREADS_PER_PEER, TARGET_RSS_KIB_PER_PEER, TARGET_RATE_RATIO, TARGET_RATE_RATIO);
     for (int r = 0; r < nruns; r++) {
       const peers_run *run = &runs[r];
       printf("%s{", r ? "," : "");
@@ -560,6 +619,7 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
              run->start.rss_kb, run->base.threads, run->base.fds, run->base.rss_kb, run->base_cpu_pct,
              run->base_wakeups_per_s);
       double rate1 = run->nsteps ? run->steps[0].rooms_per_s : 0;
+      double ctl1 = run->nsteps ? run->steps[0].rate_over_ctl : 0;
       for (int i = 0; i < run->nsteps; i++) {
         const peers_step *s = &run->steps[i];
         printf("%s{\"peers\":%d,\"connected\":%d,", i ? "," : "", s->peers, s->connected);
@@ -570,15 +630,19 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
         rss_split sp = split_per_peer(&s->u, &run->base, s->peers);
         printf("\"threads\":%ld,\"fds\":%ld,\"rss_kib\":%ld,\"threads_per_peer\":%.2f,\"fds_per_peer\":%.2f,"
                "\"rss_kib_per_peer\":%.1f,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
-               "\"rate_over_1peer\":%.3f,\"idle_cpu_pct\":%.1f,\"idle_wakeups_per_s\":%.0f,"
+               "\"rate_over_1peer\":%.3f,\"control_rooms_per_s\":%.0f,\"rate_over_control\":%.3f,"
+               "\"rate_over_1peer_controlled\":%.3f,\"idle_cpu_pct\":%.1f,\"idle_wakeups_per_s\":%.0f,"
                "\"idle_wakeups_per_s_per_peer\":%.2f,\"idle_peers_cpu_pct\":%.1f,"
                "\"rss_split_kib_per_peer\":{\"anon\":%.1f,\"shmem\":%.1f,\"file\":%.1f},\"rooms_per_s_runs\":[",
                s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
                per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
-               s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
-               s->idle_wakeups_per_s, (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers,
+               s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->ctl_rooms_per_s,
+               s->rate_over_ctl, ctl1 > 0 ? s->rate_over_ctl / ctl1 : 0, s->idle_cpu_pct, s->idle_wakeups_per_s,
+               (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers,
                s->peers_cpu_pct, sp.anon, sp.shmem, sp.file);
         for (int k = 0; k < s->nruns; k++) printf("%s%.0f", k ? "," : "", s->rate_runs[k]);
+        printf("],\"control_rooms_per_s_runs\":[");
+        for (int k = 0; k < s->nruns; k++) printf("%s%.0f", k ? "," : "", s->ctl_runs[k]);
         printf("],\"warmup_rooms_per_s\":%.0f,\"error\":null}", s->warm_rate);
       }
       printf("]");
@@ -604,7 +668,9 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
   }
   printf("one prefill rank (kv-peer, hosting the bootstrap server) with N idle decode peers, and the reverse:\n"
          "one decode rank with N idle prefill peers (TP 1 each, one room done, still connected), and one active\n"
-         "pair measured beside them; `auto` picks %s here\n"
+         "pair measured beside them, with a control pair (no idle peer) whose rounds alternate with theirs;\n"
+         "rate/1peer: rooms/s at N over rooms/s at 1; ctl: the measured round over the control round beside it\n"
+         "(median); ctl/1peer: that at N over that at 1. `auto` picks %s here\n"
          "targets (issue 24, not asserted): threads/peer <= %.0f, RSS/peer <= %.0f KiB, rate_over_1peer >= %.1f\n",
          auto_picks, TARGET_THREADS_PER_PEER, TARGET_RSS_KIB_PER_PEER, TARGET_RATE_RATIO);
   for (int r = 0; r < nruns; r++) {
@@ -622,21 +688,23 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
            PEERS_IDLE_S, run->base_cpu_pct, run->base_wakeups_per_s);
     printf("one idle peer instance costs its kv-idle process %.0f KiB, %.2f threads, %.2f fds\n", run->mgr_rss_kib,
            run->mgr_threads, run->mgr_fds);
-    printf("%6s %8s %6s %9s %8s %7s %8s %9s %8s %9s %10s %8s %9s %9s\n", "peers", "threads", "fds", "rss KiB",
-           "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "p50 us", "p99 us", "rate/1peer", "idle cpu", "wakeups/s",
-           "peers cpu");
+    printf("%6s %8s %6s %9s %8s %7s %8s %9s %9s %8s %9s %10s %6s %9s %8s %9s %9s\n", "peers", "threads", "fds",
+           "rss KiB", "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "ctl r/s", "p50 us", "p99 us", "rate/1peer", "ctl",
+           "ctl/1peer", "idle cpu", "wakeups/s", "peers cpu");
     double rate1 = run->nsteps ? run->steps[0].rooms_per_s : 0;
+    double ctl1 = run->nsteps ? run->steps[0].rate_over_ctl : 0;
     for (int i = 0; i < run->nsteps; i++) {
       const peers_step *s = &run->steps[i];
       if (s->error[0]) {
         printf("%6d  FAILED (%d connected): %s\n", s->peers, s->connected, s->error);
         continue;
       }
-      printf("%6d %8ld %6ld %9ld %8.2f %7.2f %8.1f %9.0f %8.1f %9.1f %10.3f %7.1f%% %9.0f %8.1f%%\n", s->peers,
-             s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
+      printf("%6d %8ld %6ld %9ld %8.2f %7.2f %8.1f %9.0f %9.0f %8.1f %9.1f %10.3f %6.3f %9.3f %7.1f%% %9.0f %8.1f%%\n",
+             s->peers, s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
              per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
-             s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->idle_cpu_pct,
-             s->idle_wakeups_per_s, s->peers_cpu_pct);
+             s->rooms_per_s, s->ctl_rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0,
+             s->rate_over_ctl, ctl1 > 0 ? s->rate_over_ctl / ctl1 : 0, s->idle_cpu_pct, s->idle_wakeups_per_s,
+             s->peers_cpu_pct);
     }
     for (int i = 0; i < run->nsteps; i++) {
       const peers_step *s = &run->steps[i];

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not CLI or not os.path.exists(CLI), reason="KVFE
 CASE_KEYS = {"peers", "connected", "threads", "fds", "rss_kib", "threads_per_peer", "fds_per_peer",
              "rss_kib_per_peer", "rooms_per_s", "p50_us", "p99_us", "rate_over_1peer", "idle_cpu_pct",
              "idle_wakeups_per_s", "idle_wakeups_per_s_per_peer", "idle_peers_cpu_pct", "rooms_per_s_runs", "error",
-             "rss_split_kib_per_peer", "warmup_rooms_per_s"}
+             "rss_split_kib_per_peer", "warmup_rooms_per_s", "control_rooms_per_s", "rate_over_control",
+             "rate_over_1peer_controlled", "control_rooms_per_s_runs"}
 SPLIT_KEYS = {"anon", "shmem", "file"}
 IDLE_S = 2  # the idle close, seconds: the bench waits it out twice per view
 
@@ -40,7 +41,8 @@ def test_quick_json_shape():
     out = run()
     assert out["bench"] == "peers"
     assert out["auto_picks"] in ("tcp", "ucx")
-    assert set(out["targets"]) == {"threads_per_peer_max", "rss_kib_per_peer_max", "rate_over_1peer_min"}
+    assert set(out["targets"]) == {"threads_per_peer_max", "rss_kib_per_peer_max", "rate_over_1peer_min",
+                                   "rate_over_1peer_controlled_min"}
     transports = ["tcp", "ucx"] if out["auto_picks"] == "ucx" else ["tcp"]
     views = ["prefill_with_idle_decodes", "decode_with_idle_prefills"]
     assert [(r["transport"], r["view"]) for r in out["runs"]] == [(t, v) for t in transports for v in views]
@@ -60,18 +62,23 @@ def test_quick_json_shape():
             assert set(c) == CASE_KEYS, c
             assert c["error"] is None and c["connected"] == c["peers"]
             assert len(c["rooms_per_s_runs"]) == 1 and c["rooms_per_s_runs"][0] == c["rooms_per_s"]  # --quick
+            # The control pair (no idle peer) ran a round beside the measured one.
+            assert c["control_rooms_per_s_runs"] == [c["control_rooms_per_s"]] and c["control_rooms_per_s"] > 0
+            assert c["rate_over_control"] == pytest.approx(c["rooms_per_s"] / c["control_rooms_per_s"], rel=0.01)
             # Growth over the base (per peer) is a difference: pool workers that
             # retired, or a wake-up count, may dip below it.
             deltas = {"idle_wakeups_per_s_per_peer", "threads_per_peer", "fds_per_peer", "rss_kib_per_peer"}
             assert set(c["rss_split_kib_per_peer"]) == SPLIT_KEYS
             assert all(math.isfinite(v) for v in c["rss_split_kib_per_peer"].values()), c
-            for k in CASE_KEYS - {"error", "peers", "connected", "rooms_per_s_runs", "rss_split_kib_per_peer"} - deltas:
+            lists = {"rooms_per_s_runs", "control_rooms_per_s_runs"}
+            for k in CASE_KEYS - {"error", "peers", "connected", "rss_split_kib_per_peer"} - lists - deltas:
                 assert math.isfinite(c[k]) and c[k] >= 0, (k, c)
             for k in deltas & CASE_KEYS:
                 assert math.isfinite(c[k]), (k, c)
             assert c["rooms_per_s"] > 0 and c["p50_us"] > 0
             assert c["threads"] > 0 and c["fds"] > 0
         assert r["cases"][0]["rate_over_1peer"] == 1.0
+        assert r["cases"][0]["rate_over_1peer_controlled"] == 1.0
         # Idle past the close: each peer's ZeroMQ sockets (a connection and a
         # mailbox each way) are gone.
         after = r["after_idle_close"]
