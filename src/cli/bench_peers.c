@@ -402,10 +402,12 @@ static int peers_rounds(peers_step *s, const peers_pair *meas, const peers_pair 
     rooms_case lat = {"p50", 1, 1, quick ? 200 : 2000, 0, 0, 0, 0, 0};
     if (k % 2 && peers_case(ctl, &crate, base))
       return snprintf(s->error, sizeof s->error, "control rooms failed at 64 in flight"), -1;
-    if (peers_case(meas, &rate, base)) return snprintf(s->error, sizeof s->error, "rooms failed at 64 in flight"), -1;
+    if (peers_case(meas, &rate, base))
+      return snprintf(s->error, sizeof s->error, "rooms failed at 64 in flight"), -1;
     if (!(k % 2) && peers_case(ctl, &crate, base))
       return snprintf(s->error, sizeof s->error, "control rooms failed at 64 in flight"), -1;
-    if (peers_case(meas, &lat, base)) return snprintf(s->error, sizeof s->error, "rooms failed at 1 in flight"), -1;
+    if (peers_case(meas, &lat, base))
+      return snprintf(s->error, sizeof s->error, "rooms failed at 1 in flight"), -1;
     s->rate_runs[s->nruns] = rate.rooms_per_s;
     s->ctl_runs[s->nruns++] = crate.rooms_per_s;
     if (rate.rooms_per_s > s->rooms_per_s) s->rooms_per_s = rate.rooms_per_s;
@@ -638,8 +640,8 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
                per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
                s->rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0, s->ctl_rooms_per_s,
                s->rate_over_ctl, ctl1 > 0 ? s->rate_over_ctl / ctl1 : 0, s->idle_cpu_pct, s->idle_wakeups_per_s,
-               (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers,
-               s->peers_cpu_pct, sp.anon, sp.shmem, sp.file);
+               (s->idle_wakeups_per_s - run->base_wakeups_per_s) / s->peers, s->peers_cpu_pct, sp.anon, sp.shmem,
+               sp.file);
         for (int k = 0; k < s->nruns; k++) printf("%s%.0f", k ? "," : "", s->rate_runs[k]);
         printf("],\"control_rooms_per_s_runs\":[");
         for (int k = 0; k < s->nruns; k++) printf("%s%.0f", k ? "," : "", s->ctl_runs[k]);
@@ -689,8 +691,8 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
     printf("one idle peer instance costs its kv-idle process %.0f KiB, %.2f threads, %.2f fds\n", run->mgr_rss_kib,
            run->mgr_threads, run->mgr_fds);
     printf("%6s %8s %6s %9s %8s %7s %8s %9s %9s %8s %9s %10s %6s %9s %8s %9s %9s\n", "peers", "threads", "fds",
-           "rss KiB", "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "ctl r/s", "p50 us", "p99 us", "rate/1peer", "ctl",
-           "ctl/1peer", "idle cpu", "wakeups/s", "peers cpu");
+           "rss KiB", "thr/peer", "fd/peer", "KiB/peer", "rooms/s", "ctl r/s", "p50 us", "p99 us", "rate/1peer",
+           "ctl", "ctl/1peer", "idle cpu", "wakeups/s", "peers cpu");
     double rate1 = run->nsteps ? run->steps[0].rooms_per_s : 0;
     double ctl1 = run->nsteps ? run->steps[0].rate_over_ctl : 0;
     for (int i = 0; i < run->nsteps; i++) {
@@ -699,7 +701,8 @@ static void peers_print(const peers_run *runs, int nruns, const char *auto_picks
         printf("%6d  FAILED (%d connected): %s\n", s->peers, s->connected, s->error);
         continue;
       }
-      printf("%6d %8ld %6ld %9ld %8.2f %7.2f %8.1f %9.0f %9.0f %8.1f %9.1f %10.3f %6.3f %9.3f %7.1f%% %9.0f %8.1f%%\n",
+      printf("%6d %8ld %6ld %9ld %8.2f %7.2f %8.1f %9.0f %9.0f %8.1f %9.1f %10.3f %6.3f %9.3f %7.1f%% %9.0f "
+             "%8.1f%%\n",
              s->peers, s->u.threads, s->u.fds, s->u.rss_kb, per_peer(s->u.threads, run->base.threads, s->peers),
              per_peer(s->u.fds, run->base.fds, s->peers), per_peer(s->u.rss_kb, run->base.rss_kb, s->peers),
              s->rooms_per_s, s->ctl_rooms_per_s, s->p50_us, s->p99_us, rate1 > 0 ? s->rooms_per_s / rate1 : 0,
