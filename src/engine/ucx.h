@@ -84,6 +84,11 @@
 #define UCX_MAX_RKEY_LEN (64u * 1024u)
 #define UCX_RKEY_PARSE_PAD (64u * 1024u) /* zeroed bytes behind a received info body (ucx_peer.c) */
 #define UCX_MAX_INFO_BODY (16u << 20)
+/* A reader maps at most this much of one writer's pools ahead, at connect
+ * (ucx_read.c populate): each mapped GiB costs the reader ~2 MiB of page
+ * tables and ~0.1-0.3 s here, per writer; what lies past it faults in on its
+ * first read. Same-host writers only (a host holds a few ranks, not hundreds). */
+#define UCX_POPULATE_MAX (1ull << 30)
 /* A rendezvous message must arrive whole within this once it has started. */
 #define UCX_CTL_TIMEOUT_MS 5000
 #define UCX_REFRESH_ROUNDS 3 /* region refreshes before a write outside them is refused (ucx_write.c) */

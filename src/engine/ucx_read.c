@@ -199,17 +199,27 @@ static int reader_ep_make_locked(ucx_state *u, ucx_ctl *c, const char *padded) {
   return rc;
 }
 
-/* Map every page of the writer's pools that UCX mapped here up front: a
+/* Map the pages of the writer's pools that UCX mapped here up front: a
  * load that first touches a page faults (tens of microseconds each on a
  * virtual machine, seen as most of a small room's time), one populate call
- * per region at connect costs a fraction of that per page. Best effort. */
+ * per region at connect costs a fraction of that per page. At most
+ * UCX_POPULATE_MAX per writer, an even share of it from each region's
+ * start: a reader beside writers with large host pools would otherwise hold
+ * page tables for all of them and spend seconds at each connect. Best
+ * effort. */
 static void populate(const ucx_ctl *c) {
 #ifdef MADV_POPULATE_READ
   long pg = sysconf(_SC_PAGESIZE);
-  for (size_t i = 0; i < c->nwregs; i++) {
-    if (!c->wregs[i].ptr || pg <= 0) continue;
+  size_t mapped = 0;
+  for (size_t i = 0; i < c->nwregs; i++) mapped += c->wregs[i].ptr != NULL;
+  /* An even share of the budget per region (KV pages of one index sit in
+   * every layer's buffer), whole OS pages. */
+  uint64_t share = mapped && pg > 0 ? UCX_POPULATE_MAX / mapped / (uint64_t)pg * (uint64_t)pg : 0;
+  for (size_t i = 0; i < c->nwregs && share; i++) {
+    if (!c->wregs[i].ptr) continue;
     uintptr_t a = (uintptr_t)c->wregs[i].ptr & ~(uintptr_t)(pg - 1);
     size_t len = (size_t)((uintptr_t)c->wregs[i].ptr + c->wregs[i].len - a);
+    if (len > share) len = (size_t)share;
     if (madvise((void *)a, len, MADV_POPULATE_READ) && kvf__log_first_time_for_host(c->peer, "ucx-populate"))
       LOG_INFO("ucx", "writer %s: could not map its pool ahead (%s); first reads fault it in", c->peer,
                strerror(errno));
