@@ -62,6 +62,7 @@ static int g_nstate = 0;        /* state buffers; state buffer j belongs to KV l
 static int g_verify = 0;        /* the prefill runs in verify mode (hashes pages at send) */
 static uint64_t g_room_flags;   /* the M2s' WIRE_ROOM_* flags (WIRE_ROOM_VERIFY: digests asked) */
 static uint64_t g_fence_epoch;  /* the next M2's fence epoch (0: unfenced) */
+static int64_t g_required = 1;  /* the M2s' required_dst_info_num (decode ranks per room) */
 static const char *g_transport; /* both engines' transport; NULL: the default */
 
 static void sleep_ms(int ms) {
@@ -110,7 +111,9 @@ static void fx_manager(fixture *f, const char *bootstrap_addr) {
   assert_int_equal(kvf_manager_create(&cfg, &bufs, &f->m), 0);
 }
 
-static void fx_decode(fixture *f) {
+/* A decode rank's own parts: its engine with registered buffers and its
+ * PULL socket for M3 (in f->zctx). */
+static void fx_rank_open(fixture *f) {
   kvf_engine_config ec;
   kvf_engine_config_init(&ec);
   ec.timeout_ms = 5000;
@@ -128,17 +131,30 @@ static void fx_decode(fixture *f) {
     assert_int_equal(kvf_engine_register(f->eng, f->dstate[j], STATE_SLOTS * STATE_ITEM), 0);
   }
   kvf_engine_sync(f->eng);
-  f->zctx = zmq_ctx_new();
   f->pull = zmq_socket(f->zctx, ZMQ_PULL);
-  f->push = zmq_socket(f->zctx, ZMQ_PUSH);
   int linger = 0;
   zmq_setsockopt(f->pull, ZMQ_LINGER, &linger, sizeof linger);
-  zmq_setsockopt(f->push, ZMQ_LINGER, &linger, sizeof linger);
   assert_int_equal(zmq_bind(f->pull, "tcp://127.0.0.1:*"), 0);
   char ep[128];
   size_t len = sizeof ep;
   assert_int_equal(zmq_getsockopt(f->pull, ZMQ_LAST_ENDPOINT, ep, &len), 0);
   f->pull_port = (uint16_t)atoi(strrchr(ep, ':') + 1);
+}
+
+static void fx_rank_close(fixture *f) {
+  zmq_close(f->pull);
+  kvf_engine_destroy(f->eng);
+  for (int b = 0; b < NKV; b++) free(f->dbuf[b]);
+  for (int j = 0; j < g_nstate; j++) free(f->dstate[j]);
+}
+
+static void fx_decode(fixture *f) {
+  f->zctx = zmq_ctx_new();
+  fx_rank_open(f);
+  f->push = zmq_socket(f->zctx, ZMQ_PUSH);
+  int linger = 0;
+  zmq_setsockopt(f->push, ZMQ_LINGER, &linger, sizeof linger);
+  char ep[128];
   snprintf(ep, sizeof ep, "tcp://127.0.0.1:%u", (unsigned)f->m->rank_port);
   assert_int_equal(zmq_connect(f->push, ep), 0);
 }
@@ -151,12 +167,11 @@ static void fx_setup(fixture *f, const char *bootstrap_addr) {
 
 static void fx_teardown(fixture *f) {
   kvf_manager_destroy(f->m);
-  zmq_close(f->pull);
   zmq_close(f->push);
+  fx_rank_close(f);
   zmq_ctx_term(f->zctx);
-  kvf_engine_destroy(f->eng);
-  for (int b = 0; b < NKV; b++) free(f->pbuf[b]), free(f->dbuf[b]);
-  for (int j = 0; j < g_nstate; j++) free(f->pstate[j]), free(f->dstate[j]);
+  for (int b = 0; b < NKV; b++) free(f->pbuf[b]);
+  for (int j = 0; j < g_nstate; j++) free(f->pstate[j]);
 }
 
 static void send_frames(fixture *f, const wire_frame *fr, size_t n) {
@@ -219,7 +234,7 @@ static void send_m2_full(fixture *f, int64_t room, const int64_t *dst, size_t n,
   snprintf(m2.endpoint, sizeof m2.endpoint, "%s", g_endpoint);
   m2.dst_port = f->pull_port;
   snprintf(m2.session, sizeof m2.session, "%s", f->session);
-  m2.required_dst_info_num = 1;
+  m2.required_dst_info_num = g_required;
   m2.kv_indices = wire_array_of(dst, n);
   m2.dst_aux_index = 0;
   m2.decode_prefix_len = prefix;
