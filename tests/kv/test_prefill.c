@@ -10,8 +10,10 @@
  * layerwise sends whose state buffers go with their layer group, and a
  * write refused by the decode's room fence, which fails that room only;
  * the last two in verify mode too (pages hashed at send, digests asked by
- * the decode and checked here against the landed bytes). Every wait is
- * bounded in time. */
+ * the decode and checked here against the landed bytes), and a fan-out room
+ * (two decode ranks) whose last chunk goes out before an earlier chunk still
+ * in flight fails (one M3 Failed to each rank, no byte after its fence
+ * closes). Every wait is bounded in time. */
 #include <inttypes.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -157,6 +159,20 @@ static void fx_decode(fixture *f) {
   char ep[128];
   snprintf(ep, sizeof ep, "tcp://127.0.0.1:%u", (unsigned)f->m->rank_port);
   assert_int_equal(zmq_connect(f->push, ep), 0);
+}
+
+/* A second rank of the fake decode (a decode TP rank that receives the same
+ * KV, as with MLA): its own engine session, buffers and M3 socket, since the
+ * prefill keys a room's destinations by session and sends each its own M3.
+ * Shares f's prefill manager and buffers and its PUSH socket; closed with
+ * fx_rank_close after the manager is destroyed and before fx_teardown(f). */
+static void fx_second_rank(fixture *g, const fixture *f) {
+  memset(g, 0, sizeof *g);
+  g->m = f->m;
+  memcpy(g->pbuf, f->pbuf, sizeof g->pbuf);
+  g->zctx = f->zctx;
+  g->push = f->push;
+  fx_rank_open(g);
 }
 
 static void fx_setup(fixture *f, const char *bootstrap_addr) {
@@ -993,6 +1009,122 @@ static void fence_refusal_fails_only_that_room_verify(void **state) {
   fence_refusal(1);
 }
 
+/* Fan-out rooms (two decode ranks, as with MLA), every destination fenced:
+ * the worker submits a room's last chunk while its window still holds the
+ * earlier ones, and waits for them only after (workers.c,
+ * last_passes_window). An earlier chunk fails there, with the last one
+ * already out:
+ *  - room 91: rank B's fence is closed before the room starts, so B refuses
+ *    every chunk; the session is not marked failed (the decode gave up one
+ *    room), so room 92 to both ranks, through the same path, succeeds;
+ *  - room 93: B's second page is outside its buffer, so its engine refuses
+ *    the second chunk, while the last chunk's writes to both ranks go
+ *    through; here the last chunk's own outcomes are all good, and must not
+ *    make a Success. (B's session is then marked failed, §7.4.)
+ * Each failed room ends Failed with that chunk's reason and each rank gets
+ * exactly one M3, Failed, and none after; once a rank has that M3 and closes
+ * its fence, as a decode does, no byte of the room lands on it any more (the
+ * last chunk's may have landed before). Over tcp, where a fenced chunk is
+ * refused before any of its bytes lands. */
+static void fanout_last_chunk_with_failed_window(void **state) {
+  (void)state;
+  g_transport = "tcp";
+  fixture f, g;
+  fx_setup(&f, "");
+  fx_second_rank(&g, &f);
+  fixture *rk[2] = {&f, &g}; /* ranks A and B, in the room's destination order */
+  send_m1(&f);
+  send_m1(&g);
+  wait_received(&f, 2);
+  g_required = 2;
+  enum { FENCED, OK, OUTSIDE };
+  const struct {
+    int64_t room;
+    int how;
+    int64_t dst[2][4]; /* [rank]: one page a chunk */
+  } rm[] = {{91, FENCED, {{0, 1, 2, 3}, {4, 5, 6, 7}}},
+            {92, OK, {{8, 9, 10, 11}, {12, 13, 14, 15}}},
+            {93, OUTSIDE, {{16, 17, 18, 19}, {20, NPAGES + 100, 22, 23}}}};
+  int64_t src[] = {1, 3, 5, 7};
+  for (int k = 0; k < 3; k++) {
+    int64_t room = rm[k].room;
+    uint64_t tag = manager_room_tag(room), epoch[2];
+    for (int i = 0; i < 2; i++) assert_int_equal(kvf_engine_fence_open(rk[i]->eng, tag, &epoch[i]), 0);
+    kvf_sender *s = new_sender(&f, room);
+    g_fence_epoch = epoch[0];
+    send_m2(&f, room, rm[k].dst[0], 4);
+    wait_received(&f, 3 + 2 * (uint64_t)k);
+    /* Queued together when B's M2 makes the room Bootstrapped, the chunks
+     * reach the worker back to back: the three first stay in flight (the
+     * window) and the last one is submitted before they are waited for. */
+    for (int c = 0; c < 4; c++)
+      assert_int_equal(send_chunk(s, src + c, 1, c == 3, c == 3 ? 0 : -1, c == 3 ? 7 : -1, NULL, 0, NULL, 0), 0);
+    if (rm[k].how == FENCED) assert_int_equal(kvf_engine_fence_close(g.eng, tag, epoch[1], 5000), 0);
+    g_fence_epoch = epoch[1];
+    send_m2(&g, room, rm[k].dst[1], 4);
+    g_fence_epoch = 0;
+    wait_received(&f, 4 + 2 * (uint64_t)k);
+    if (rm[k].how == OK) {
+      assert_int_equal(wait_final(s, 8000), KVF_POLL_SUCCESS);
+      for (int i = 0; i < 2; i++) {
+        expect_success_m3(rk[i], room, 7, NULL, 0);
+        check_pages(rk[i], src, rm[k].dst[i], 4);
+        assert_int_equal(kvf_engine_fence_close(rk[i]->eng, tag, epoch[i], 5000), 0);
+      }
+      expect_no_m3(&f, 50);
+      expect_no_m3(&g, 50);
+      kvf_sender_destroy(s);
+      continue;
+    }
+    /* Each rank, told of the failure, fences the room: from then on its
+     * pages keep what they have. */
+    uint8_t *snap[2][NKV_MAX];
+    for (int i = 0; i < 2; i++) {
+      wire_m3 m3;
+      int32_t c[KVF_MAX_CANDIDATES];
+      size_t nc;
+      recv_m3(rk[i], &m3, c, &nc);
+      assert_int_equal(m3.room, room);
+      assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+      if (i == 0 || rm[k].how != FENCED)
+        assert_int_equal(kvf_engine_fence_close(rk[i]->eng, tag, epoch[i], 5000), 0);
+      kvf_engine_sync(rk[i]->eng);
+      for (int b = 0; b < NKV; b++) {
+        snap[i][b] = malloc(NPAGES * ITEM);
+        assert_non_null(snap[i][b]);
+        memcpy(snap[i][b], rk[i]->dbuf[b], NPAGES * ITEM);
+      }
+    }
+    assert_int_equal(wait_final(s, 8000), KVF_POLL_FAILED);
+    char why[256], want[128];
+    kvf_sender_failure(s, why, sizeof why);
+    if (rm[k].how == FENCED) snprintf(want, sizeof want, "The decode fenced room %" PRId64, room);
+    else snprintf(want, sizeof want, "Failed to send kv chunk of %" PRId64 " to 127.0.0.1:%u", room, g.pull_port);
+    assert_non_null(strstr(why, want));
+    expect_no_m3(&f, 300); /* one M3 each, no Success after it */
+    expect_no_m3(&g, 50);
+    assert_int_equal(kvf_sender_poll(s), KVF_POLL_FAILED);
+    for (int i = 0; i < 2; i++) {
+      kvf_engine_sync(rk[i]->eng);
+      for (int b = 0; b < NKV; b++) {
+        assert_memory_equal(rk[i]->dbuf[b], snap[i][b], NPAGES * ITEM);
+        free(snap[i][b]);
+      }
+    }
+    if (rm[k].how == FENCED) check_layer_zero(&g, 0, rm[k].dst[1], 4); /* B refused every chunk whole */
+    kvf_sender_destroy(s);
+  }
+  kvf_engine_stats es;
+  kvf_engine_get_stats(g.eng, &es);
+  assert_true(es.chunks_fenced >= 1 && es.batches_refused >= 1);
+  g_required = 1;
+  kvf_manager_destroy(f.m);
+  f.m = NULL;
+  fx_rank_close(&g);
+  fx_teardown(&f);
+  g_transport = NULL;
+}
+
 static void abort_tells_decode(void **state) {
   (void)state;
   fixture f;
@@ -1417,6 +1549,7 @@ int main(void) {
       cmocka_unit_test(layerwise_state_with_layer_group_verify),
       cmocka_unit_test(fence_refusal_fails_only_that_room),
       cmocka_unit_test(fence_refusal_fails_only_that_room_verify),
+      cmocka_unit_test(fanout_last_chunk_with_failed_window),
       cmocka_unit_test(token_after_landing),
       cmocka_unit_test(token_before_landing),
       cmocka_unit_test(token_never_published),
