@@ -1086,7 +1086,7 @@ static void fanout_last_chunk_with_failed_window(void **state) {
       recv_m3(rk[i], &m3, c, &nc);
       assert_int_equal(m3.room, room);
       assert_int_equal(m3.status, WIRE_STATUS_FAILED);
-      if (i == 0 || rm[k].how != FENCED)
+      if (i == 0 || rm[k].how != FENCED) /* room 91: B's is closed already */
         assert_int_equal(kvf_engine_fence_close(rk[i]->eng, tag, epoch[i], 5000), 0);
       kvf_engine_sync(rk[i]->eng);
       for (int b = 0; b < NKV; b++) {
@@ -1099,7 +1099,9 @@ static void fanout_last_chunk_with_failed_window(void **state) {
     char why[256], want[128];
     kvf_sender_failure(s, why, sizeof why);
     if (rm[k].how == FENCED) snprintf(want, sizeof want, "The decode fenced room %" PRId64, room);
-    else snprintf(want, sizeof want, "Failed to send kv chunk of %" PRId64 " to 127.0.0.1:%u", room, g.pull_port);
+    else
+      snprintf(want, sizeof want, "Failed to send kv chunk of %" PRId64 " to 127.0.0.1:%u", room,
+               (unsigned)g.pull_port);
     assert_non_null(strstr(why, want));
     expect_no_m3(&f, 300); /* one M3 each, no Success after it */
     expect_no_m3(&g, 50);
