@@ -56,6 +56,14 @@ typedef struct kvf_engine_config {
    * (10 s before: an overloaded decode failed rooms that TCP would have
    * finished); env KVFERRY_READ_LEASE_MS. */
   int read_lease_ms;
+  /* kvf_engine_alloc_pool locks each pool in memory (mlock), as an RDMA
+   * registration pins it: the kernel then never reclaims its pages, which a
+   * same-host peer maps, and no load of them faults again (on a guest whose
+   * kernel reclaims proactively, unlocked pools made the default path 7x
+   * slower at 4 prefill x 4 decode instances; bench/README.md). 1 (default)
+   * = lock, best effort (a refusal, e.g. by RLIMIT_MEMLOCK, is logged once
+   * and the pool works unlocked); 0 = do not; env KVFERRY_LOCK_POOLS. */
+  int lock_pools;
 } kvf_engine_config;
 /* The size of the first published kvf_engine_config (every field up to
  * max_inbound_conns): the smallest `size` the library accepts, so a program
@@ -259,7 +267,8 @@ KVF_API int kvf_engine_peer_routes(kvf_engine *engine, char *out, size_t cap);
 
 /* Allocate a `len`-byte pool and register it. With UCX it lives in shared
  * memory that a same-host peer maps directly (ucp_rkey_ptr), so writes into
- * it are plain stores; otherwise it is shared anonymous memory. The engine
+ * it are plain stores; otherwise it is shared anonymous memory. It is
+ * locked in memory unless the config's lock_pools is 0 (best effort). The engine
  * owns the memory: free it with kvf_engine_free_pool (which unregisters it)
  * before destroying the engine. Any thread. */
 KVF_API int kvf_engine_alloc_pool(kvf_engine *engine, size_t len, void **out);

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 
 #include "base/addr.h"
 #include "base/clock.h"
@@ -36,6 +37,7 @@ void kvf_engine_config_init(kvf_engine_config *cfg) {
   cfg->max_inbound_conns = 256;
   cfg->ucx_mode = NULL;   /* $KVFERRY_UCX_MODE, else "read" */
   cfg->read_lease_ms = 0; /* the batch deadline (timeout_ms) */
+  cfg->lock_pools = 1;
 }
 
 static const kvf__field engine_fields[] = {
@@ -48,6 +50,7 @@ static const kvf__field engine_fields[] = {
     KVF__FIELD(kvf_engine_config, max_inbound_conns, KVF__FIELD_INT),
     KVF__FIELD(kvf_engine_config, ucx_mode, KVF__FIELD_STR),
     KVF__FIELD(kvf_engine_config, read_lease_ms, KVF__FIELD_INT),
+    KVF__FIELD(kvf_engine_config, lock_pools, KVF__FIELD_INT),
 };
 
 int kvf_engine_config_set(kvf_engine_config *cfg, const char *name, const char *value) {
@@ -77,6 +80,7 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   int ucx_read = !strcmp(cfg.ucx_mode, "read");
   cfg.ucx_mode = ucx_read ? "read" : "write"; /* not the caller's or getenv's string */
   cfg.read_lease_ms = (int)kvf__env_get_int("KVFERRY_READ_LEASE_MS", cfg.read_lease_ms);
+  cfg.lock_pools = kvf__env_get_int("KVFERRY_LOCK_POOLS", cfg.lock_pools) != 0;
   if (cfg.read_lease_ms <= 0) cfg.read_lease_ms = cfg.timeout_ms; /* as long as a write over TCP may take */
   if (cfg.read_lease_ms > ENGINE_MAX_LEASE_MS) cfg.read_lease_ms = ENGINE_MAX_LEASE_MS;
 
@@ -266,6 +270,20 @@ static uint64_t region_len_at(kvf_engine *e, uint64_t addr) {
   return len;
 }
 
+/* kvf_engine_config.lock_pools: pin the pool's pages (best effort; the
+ * first refusal is logged with the limit that refused it). */
+static void pool_lock(kvf_engine *e, void *p, size_t len) {
+  if (!e->cfg.lock_pools || !mlock(p, len)) return;
+  int err = errno;
+  struct rlimit rl = {0, 0};
+  getrlimit(RLIMIT_MEMLOCK, &rl);
+  if (!atomic_exchange(&e->lock_refused, 1))
+    LOG_WARN("engine",
+             "could not lock a %zu-byte pool in memory (%s; RLIMIT_MEMLOCK %llu bytes): its pages may be "
+             "reclaimed and fault again on the next load (lock_pools, KVFERRY_LOCK_POOLS=0 to not try)",
+             len, strerror(err), (unsigned long long)rl.rlim_cur);
+}
+
 int kvf_engine_alloc_pool(kvf_engine *e, size_t len, void **out) {
   if (!e || !len || !out) return KVF_EINVAL;
   void *p = NULL;
@@ -289,6 +307,7 @@ int kvf_engine_alloc_pool(kvf_engine *e, size_t len, void **out) {
     else munmap(p, len);
     return rc;
   }
+  pool_lock(e, p, len);
   *out = p;
   return 0;
 }

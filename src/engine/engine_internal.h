@@ -235,6 +235,7 @@ typedef struct kvf_engine {
   pthread_mutex_t pools_mu;
   engine_span *pools, *nested;
   size_t npools, cap_pools, nnested, cap_nested;
+  atomic_int lock_refused; /* a pool's mlock was refused (logged once; lock_pools) */
   /* Finished batches and chunks kept for the next transfers (no allocation
    * per transfer once warm). Under spare_mu. */
   pthread_mutex_t spare_mu;

@@ -387,6 +387,60 @@ static void register_unregister_rules(void **state) {
   free(src);
 }
 
+/* Locked memory of this process (VmLck), KiB; -1 when unreadable. */
+static long vm_locked_kib(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  long kib = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "VmLck: %ld kB", &kib) == 1) break;
+  if (f) fclose(f);
+  return kib;
+}
+
+/* kvf_engine_alloc_pool pins its pools (lock_pools, default on): a kernel
+ * that reclaims proactively cannot take their pages from under a peer that
+ * maps them. Off by the config field or KVFERRY_LOCK_POOLS=0; a pool is
+ * unlocked when freed. Skipped where this process may not lock 1 MiB. */
+static void alloc_pool_locks_its_pages(void **state) {
+  (void)state;
+  const size_t len = 1u << 20;
+  kvf_engine *e = make_engine(2000, NULL);
+  long base = vm_locked_kib();
+  void *p = NULL;
+  assert_int_equal(kvf_engine_alloc_pool(e, len, &p), 0);
+  long locked = vm_locked_kib();
+  if (base < 0 || locked - base < (long)(len >> 10)) {
+    kvf_engine_free_pool(e, p);
+    kvf_engine_destroy(e);
+    print_message("VmLck %ld -> %ld KiB: this process may not lock 1 MiB here (RLIMIT_MEMLOCK)\n", base, locked);
+    skip();
+  }
+  memset(p, 0x5a, len); /* a locked pool is an ordinary one otherwise */
+  assert_int_equal(kvf_engine_free_pool(e, p), 0);
+  assert_int_equal(vm_locked_kib(), base);
+  kvf_engine_destroy(e);
+
+  kvf_engine_config cfg;
+  kvf_engine_config_init(&cfg);
+  assert_int_equal(cfg.lock_pools, 1);
+  assert_int_equal(kvf_engine_config_set(&cfg, "lock_pools", "0"), 0);
+  assert_int_equal(cfg.lock_pools, 0);
+  assert_int_equal(kvf_engine_create(&cfg, &e), 0);
+  assert_int_equal(kvf_engine_alloc_pool(e, len, &p), 0);
+  assert_int_equal(vm_locked_kib(), base);
+  assert_int_equal(kvf_engine_free_pool(e, p), 0);
+  kvf_engine_destroy(e);
+
+  setenv("KVFERRY_LOCK_POOLS", "0", 1);
+  e = make_engine(2000, NULL);
+  unsetenv("KVFERRY_LOCK_POOLS");
+  assert_int_equal(kvf_engine_alloc_pool(e, len, &p), 0);
+  assert_int_equal(vm_locked_kib(), base);
+  assert_int_equal(kvf_engine_free_pool(e, p), 0);
+  kvf_engine_destroy(e);
+}
+
 /* Chunking keeps every byte exactly once and in order. */
 static void chunking_covers_every_byte(void **state) {
   kvf_batch b = {0};
@@ -878,6 +932,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(stopped_peer_fails_at_deadline, setup, teardown),
       cmocka_unit_test(auth_token_required),
       cmocka_unit_test(register_unregister_rules),
+      cmocka_unit_test(alloc_pool_locks_its_pages),
       cmocka_unit_test(chunking_covers_every_byte),
       cmocka_unit_test(tagged_batches_land_only_while_their_fence_is_open),
       cmocka_unit_test(ipv6_peer_names_are_bracketed),
