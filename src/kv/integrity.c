@@ -328,11 +328,16 @@ int kvf__integ_layer_bufs(const kvf_manager *m, size_t l0, size_t l1, size_t **b
   return 0;
 }
 
+int kvf__integ_page_in_buffer(const kvf_manager *m, size_t b, int64_t page) {
+  uint64_t end;
+  return page >= 0 && !__builtin_mul_overflow((uint64_t)page + 1, m->bufs.kv_item_lens[b], &end) &&
+         end <= m->bufs.kv_lens[b];
+}
+
 int kvf__integ_page_digest(const kvf_manager *m, size_t b, int64_t page, uint64_t *out) {
   const manager_buffers *mb = &m->bufs;
-  uint64_t item = mb->kv_item_lens[b], end;
-  if (page < 0 || __builtin_mul_overflow((uint64_t)page + 1, item, &end) || end > mb->kv_lens[b])
-    return KVF_ERANGE;
+  uint64_t item = mb->kv_item_lens[b];
+  if (!kvf__integ_page_in_buffer(m, b, page)) return KVF_ERANGE;
   *out = kvf__hash64((const void *)(uintptr_t)(mb->kv_ptrs[b] + (uint64_t)page * item), (size_t)item);
   return 0;
 }

@@ -79,6 +79,8 @@ void kvf__integ_on_landed(void *arg, uint64_t tag, uint64_t epoch, void *dst, si
 /* The KV buffer indices of layers [l0, l1), in layout order: *nb of them in
  * a malloc'd array (caller frees). */
 int kvf__integ_layer_bufs(const kvf_manager *m, size_t l0, size_t l1, size_t **bufs, size_t *nb);
+/* Does page `page` lie whole inside KV buffer b? */
+int kvf__integ_page_in_buffer(const kvf_manager *m, size_t b, int64_t page);
 /* Digest of page `page` of KV buffer b (bounds-checked: KVF_ERANGE). */
 int kvf__integ_page_digest(const kvf_manager *m, size_t b, int64_t page, uint64_t *out);
 /* Send `n` digest entries for `room` to a decode's PULL socket (split into

@@ -70,13 +70,9 @@ err_unlock:
 static int hash_prepare(kvf_manager *m, pf_chunk *c) {
   int rc = kvf__integ_layer_bufs(m, c->layer_begin, c->layer_end, &c->dig_bufs, &c->ndig);
   if (rc) return rc;
-  const manager_buffers *b = &m->bufs;
-  for (size_t j = 0; j < c->ndig; j++) {
-    uint64_t item = b->kv_item_lens[c->dig_bufs[j]], len = b->kv_lens[c->dig_bufs[j]], end;
+  for (size_t j = 0; j < c->ndig; j++)
     for (size_t k = 0; k < c->npages; k++)
-      if (c->pages[k] < 0 || __builtin_mul_overflow((uint64_t)c->pages[k] + 1, item, &end) || end > len)
-        return KVF_ERANGE;
-  }
+      if (!kvf__integ_page_in_buffer(m, c->dig_bufs[j], c->pages[k])) return KVF_ERANGE;
   size_t nd = c->npages * c->ndig;
   if (!(c->digests = malloc((nd ? nd : 1) * sizeof *c->digests))) return KVF_ENOMEM;
   return 0;
