@@ -422,9 +422,19 @@ static int peers_rounds(peers_step *s, const peers_pair *meas, const peers_pair 
   return 0;
 }
 
+/* Start a kv-peer prefill (argv) and read its bootstrap address into baddr;
+ * 0, or -1 having said so (the process, if started, is left to stop). */
+static int peers_start_prefill(proc *p, char **argv, char *baddr, const char *what) {
+  char line[400];
+  if (proc_start(p, argv)) return -1;
+  if (!proc_read_line(p, line, sizeof line, 20000) && sscanf(line, "ready " CLI_ADDR_SCAN, baddr) == 1) return 0;
+  fprintf(stderr, "bench peers: the %s peer did not start\n", what);
+  return 1;
+}
+
 /* One transport: the prefill, the active decode here, then the steps. */
 static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) {
-  char pages[16], layers[16], item[16], maxin[16], line[400], baddr[KVF_ADDR_MAX + 1];
+  char pages[16], layers[16], item[16], maxin[16], baddr[KVF_ADDR_MAX + 1];
   const char *exe = proc_testpeer_exe();
   int rc = 1, nchildren = 0, have = 0;
   proc *children = calloc(PEERS_CHILDREN, sizeof *children);
@@ -448,20 +458,14 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   kvf_manager *m = NULL, *cm = NULL;
   char cbaddr[KVF_ADDR_MAX + 1];
   pid_t mp = getpid(); /* the measured process: this one (reverse) or the prefill */
-  if (proc_start(&peer, argv)) goto out_children;
-  if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
-    fprintf(stderr, "bench peers: the prefill peer did not start\n");
-    goto out_peer;
-  }
+  int st = peers_start_prefill(&peer, argv, baddr, "prefill");
+  if (st < 0) goto out_children;
+  if (st) goto out_peer;
   if (!run->reverse) mp = peer.pid;
   /* The control pair's prefill (prefill view); the decode view's control
    * is a second manager here, with the same prefill. */
-  if (!run->reverse && proc_start(&cpeer, argv)) goto out_peer;
-  if (!run->reverse &&
-      (proc_read_line(&cpeer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, cbaddr) != 1)) {
-    fprintf(stderr, "bench peers: the control prefill peer did not start\n");
-    goto out_cpeer;
-  }
+  if (!run->reverse && (st = peers_start_prefill(&cpeer, argv, cbaddr, "control prefill")) < 0) goto out_peer;
+  if (st) goto out_cpeer;
   usleep(200000);
   if (proc_usage_get(mp, &run->start)) goto out_cpeer;
   if (kvpool_init(&pool, PEERS_LAYERS, PEERS_DECODE_PAGES, PEERS_ITEM)) goto out_cpeer;
@@ -554,12 +558,10 @@ out_mgr:
 out_pool:
   kvpool_free(&pool);
 out_cpeer:
-  for (int i = 0; i < nchildren; i++) proc_stop(&children[i], 10000);
+  for (int i = 0; i < nchildren; i++) proc_stop(&children[i], 10000); /* none start before both prefills */
   nchildren = 0;
   if (!run->reverse) proc_stop(&cpeer, 10000);
 out_peer:
-  for (int i = 0; i < nchildren; i++) proc_stop(&children[i], 10000);
-  nchildren = 0;
   proc_stop(&peer, 10000);
 out_children:
   for (int i = 0; i < nchildren; i++) proc_stop(&children[i], 10000);
