@@ -72,6 +72,7 @@ typedef struct peer_req {
   size_t npages;
   int64_t state_slot; /* -1 = none */
   long long last_send_ns;
+  int aborted; /* a rank failed: the others were aborted, their polls awaited */
 } peer_req;
 
 typedef struct peer_opts {
@@ -477,7 +478,18 @@ int cli_kv_peer(int argc, char **argv) {
         if (s == KVF_POLL_FAILED && !*reason) kvf_sender_failure(r->tx[k], reason, sizeof reason);
         if (s < st) st = s;
       }
-      if (final || st == KVF_POLL_FAILED) {
+      /* One rank failed: the request fails on every rank (as a scheduler's
+       * all-reduce of the polls decides), but a rank's pages go back only
+       * once its own sender is final, since until then its transfer may
+       * still read them (kvf_sender_poll): the others are aborted first. */
+      if (!final && st == KVF_POLL_FAILED && !r->aborted) {
+        for (int k = 0; k < r->nranks; k++) {
+          int s = kvf_sender_poll(r->tx[k]);
+          if (s != KVF_POLL_SUCCESS && s != KVF_POLL_FAILED) kvf_sender_abort(r->tx[k], reason);
+        }
+        r->aborted = 1;
+      }
+      if (final) {
         for (char *p = reason; *p; p++)
           if (*p == '\n') *p = ' ';
         finish_req(r, pools, st, reason);
