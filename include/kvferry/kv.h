@@ -236,6 +236,21 @@ KVF_API void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *out);
  * cap - 1 bytes, NUL-terminated when cap > 0; returns the bytes written.
  * Any thread. */
 KVF_API size_t kvf_manager_metrics(kvf_manager *m, char *buf, size_t cap);
+/* A file descriptor that becomes readable when one of this manager's rooms
+ * may have changed state: a receiver or sender room reached Success or
+ * Failed, or changed status on the way, or a failed sender room's last
+ * transfer ended (what kvf_sender_poll waits for). A scheduler sleeps on it
+ * (poll, epoll, an asyncio reader, beside its other descriptors) instead of
+ * spinning on the polls, and wakes at once when there is news. It stays
+ * readable until kvf_manager_event_clear. Use: clear, poll the rooms, then
+ * wait on the fd (with a timeout: the waiting and bootstrap timeouts are
+ * applied by the polls, not by events); a change after the clear leaves
+ * the fd readable, so none is missed. Made on the first call (until then
+ * changes cost nothing more); owned by the manager, closed with it. The fd,
+ * or KVF_ENOMEM / KVF_EINVAL. Any thread. */
+KVF_API int kvf_manager_event_fd(kvf_manager *m);
+/* Make the event fd unreadable until the next change. Any thread. */
+KVF_API void kvf_manager_event_clear(kvf_manager *m);
 
 /* ---- decode side ---- */
 

@@ -234,6 +234,8 @@ _PROTOTYPES = {
     "kvf_manager_engine": (_vp, [_vp]),
     "kvf_manager_get_stats": (None, [_vp, _P(kvf_manager_stats)]),
     "kvf_manager_metrics": (_sz, [_vp, _cp, _sz]),
+    "kvf_manager_event_fd": (_int, [_vp]),
+    "kvf_manager_event_clear": (None, [_vp]),
     "kvf_receiver_create": (_int, [_vp, _cp, _i64, _P(_vp)]),
     "kvf_receiver_init": (_int, [_vp, c_i64p, _sz, _i64, _i64, c_i64p, _sz]),
     "kvf_receiver_poll": (_int, [_vp]),

@@ -314,6 +314,19 @@ class KVManager(_Closing):
         lib.kvf_manager_get_stats(self._require(), ctypes.byref(st))
         return {name: getattr(st, name) for name, _ in kvf_manager_stats._fields_}
 
+    def event_fd(self):
+        """kvf_manager_event_fd: a file descriptor that becomes readable when one of
+        the manager's rooms may have changed state, for select/poll or an asyncio
+        reader (loop.add_reader). Clear (event_clear), poll the rooms, then wait on
+        it with a timeout. Owned by the manager: do not close it."""
+        fd = lib.kvf_manager_event_fd(self._require())
+        check(fd if fd < 0 else 0, "kvf_manager_event_fd")
+        return fd
+
+    def event_clear(self):
+        """kvf_manager_event_clear: the event fd is not readable until the next change."""
+        lib.kvf_manager_event_clear(self._require())
+
     def metrics(self):
         """kvf_manager_metrics: the counters and room histograms as Prometheus text."""
         cap = 1 << 16

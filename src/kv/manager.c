@@ -437,6 +437,12 @@ void kvf_manager_destroy(kvf_manager *m) {
 const char *kvf_manager_session_id(const kvf_manager *m) { return kvf_engine_session_id(m->engine); }
 kvf_engine *kvf_manager_engine(kvf_manager *m) { return m->engine; }
 
+int kvf_manager_event_fd(kvf_manager *m) { return m ? kvf__rooms_event_fd(m->rooms) : KVF_EINVAL; }
+
+void kvf_manager_event_clear(kvf_manager *m) {
+  if (m) kvf__rooms_event_clear(m->rooms);
+}
+
 void kvf_manager_get_stats(kvf_manager *m, kvf_manager_stats *o) {
   memset(o, 0, sizeof *o);
   o->messages_received = atomic_load(&m->stats.messages_received);

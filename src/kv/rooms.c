@@ -9,8 +9,11 @@
 #include "kv/rooms.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "base/map.h"
 
@@ -50,7 +53,19 @@ struct rooms {
   rooms_stats st;
   room_entry *spare;
   size_t nspare;
+  atomic_int efd; /* kvf__rooms_event_fd's eventfd; -1 until asked for */
+  int signaled;   /* efd written since the last kvf__rooms_event_clear */
 };
+
+/* Under t->mu: a room changed; wake whoever sleeps on the event fd (one
+ * write per clear). */
+static void changed_locked(rooms *t) {
+  int fd = atomic_load_explicit(&t->efd, memory_order_relaxed);
+  if (fd < 0 || t->signaled) return;
+  t->signaled = 1;
+  uint64_t one = 1;
+  if (write(fd, &one, sizeof one) < 0) t->signaled = 0; /* cannot fail short of a bug: next change retries */
+}
 
 static int status_valid(int s) { return s >= ROOM_FAILED && s <= ROOM_STATUS_MAX; }
 
@@ -72,6 +87,7 @@ int kvf__rooms_table_new(size_t max_rooms, rooms **out) {
   if (!t) goto err;
   if (kvf__map_init(&t->m) != 0) goto err_free_table;
   if (pthread_mutex_init(&t->mu, NULL) != 0) goto err_free_map;
+  atomic_init(&t->efd, -1);
   t->max_rooms = max_rooms ? max_rooms : ROOMS_DEFAULT_MAX;
   *out = t;
   return 0;
@@ -100,6 +116,7 @@ void kvf__rooms_table_free(rooms *t, void (*free_user)(void *)) {
   }
   kvf__map_free(&t->m);
   pthread_mutex_destroy(&t->mu);
+  if (atomic_load(&t->efd) >= 0) close(atomic_load(&t->efd));
   free(t);
 }
 
@@ -182,7 +199,9 @@ int kvf__rooms_update(rooms *t, int64_t room, int status, int *new_status) {
     t->st.dropped_unknown++;
     rc = KVF_ENOTFOUND;
   } else {
-    now = e->status = merge_status(e->status, status);
+    now = merge_status(e->status, status);
+    if (now != e->status) changed_locked(t);
+    e->status = now;
   }
   pthread_mutex_unlock(&t->mu);
   if (rc == 0 && new_status) *new_status = now;
@@ -262,6 +281,7 @@ static int fail_room(rooms *t, int64_t room, const char *reason, int spare_succe
   } else if (!spare_success || e->status != ROOM_SUCCESS) {
     /* Without memory for the text the room still fails: the status is what
      * stops a hang; the reason is a courtesy. */
+    if (e->status != ROOM_FAILED) changed_locked(t);
     fail_entry(e, r);
     r = NULL;
     did = 1;
@@ -291,7 +311,10 @@ int kvf__rooms_reset_responses(rooms *t, int64_t room, int status) {
     if (e->resp_hi) memset(e->resp_hi, 0, HI_WORDS * sizeof *e->resp_hi);
     e->pending_token = e->final_token = -1;
     e->npending_cands = e->nfinal_cands = 0;
-    if (e->status != ROOM_FAILED) e->status = status;
+    if (e->status != ROOM_FAILED && e->status != status) {
+      e->status = status;
+      changed_locked(t);
+    }
   }
   pthread_mutex_unlock(&t->mu);
   return rc;
@@ -394,6 +417,7 @@ int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t
   int before = e->status;
   e->status = merge_status(e->status, ROOM_SUCCESS);
   became = before != ROOM_SUCCESS && e->status == ROOM_SUCCESS;
+  if (became) changed_locked(t);
 out_unlock:
   pthread_mutex_unlock(&t->mu);
   if (rc == 0 && became_success) *became_success = became;
@@ -568,4 +592,34 @@ int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, voi
   pthread_mutex_unlock(&t->mu);
   if (nfailed) *nfailed = n;
   return 0;
+}
+
+int kvf__rooms_event_fd(rooms *t) {
+  pthread_mutex_lock(&t->mu);
+  int fd = atomic_load(&t->efd);
+  if (fd < 0) {
+    fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (fd >= 0) atomic_store(&t->efd, fd);
+  }
+  pthread_mutex_unlock(&t->mu);
+  return fd >= 0 ? fd : KVF_ENOMEM;
+}
+
+void kvf__rooms_event_clear(rooms *t) {
+  pthread_mutex_lock(&t->mu);
+  int fd = atomic_load(&t->efd);
+  if (fd >= 0 && t->signaled) {
+    uint64_t v;
+    if (read(fd, &v, sizeof v) < 0) { /* EAGAIN: nothing was pending */
+    }
+    t->signaled = 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+}
+
+void kvf__rooms_notify(rooms *t) {
+  if (atomic_load_explicit(&t->efd, memory_order_relaxed) < 0) return; /* nobody listens: no lock */
+  pthread_mutex_lock(&t->mu);
+  changed_locked(t);
+  pthread_mutex_unlock(&t->mu);
 }

@@ -194,6 +194,18 @@ void kvf__rooms_clear_all(rooms *t, void (*release)(void *user, void *arg), void
 /* The counters, live and early counts included. */
 void kvf__rooms_get_stats(rooms *t, rooms_stats *out);
 
+/* Change events (kvf_manager_event_fd). The table's eventfd, made on the
+ * first call (a negative KVF_* error if it cannot be): from then on a room
+ * whose status changes (a status, Success by the last response, a failure)
+ * or a kvf__rooms_notify makes it readable, with one write until the next
+ * kvf__rooms_event_clear. Without the fd a change costs nothing more. */
+int kvf__rooms_event_fd(rooms *t);
+/* Drain the eventfd: not readable until the next change. */
+void kvf__rooms_event_clear(rooms *t);
+/* A change the table cannot see (the prefill: a room's last transfer
+ * ended, which its sender's poll waits for). */
+void kvf__rooms_notify(rooms *t);
+
 /* For the heartbeat's node-failure handling (§7.2): every live room that is
  * not Success and for which pred(room, user, arg) is non-zero gets `reason`
  * and Failed. pred runs under the table lock. *nfailed (may be NULL) gets the

@@ -24,6 +24,11 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <time.h>
 #include <zmq.h>
 
@@ -555,6 +560,80 @@ static void one_chunk(void **state) {
   kvf_sender_destroy(s);
   kvf_manager_get_stats(f.m, &st);
   assert_int_equal(st.live_rooms, 0);
+  fx_teardown(&f);
+}
+
+/* A scheduler that sleeps on kvf_manager_event_fd between its polls: clear,
+ * poll, wait. The final state must be seen right after a wake-up by the fd
+ * (poll returned 1), never by the wait running out, which is how a missed
+ * event would show (the budget is long enough to pass the test anyway). */
+static int wait_final_on_events(kvf_manager *m, kvf_sender *s, int ms) {
+  int fd = kvf_manager_event_fd(m);
+  assert_true(fd >= 0);
+  int64_t end = clock_now_ns() + (int64_t)ms * 1000000;
+  int woke = 1; /* the first poll needs no event */
+  for (;;) {
+    kvf_manager_event_clear(m);
+    int st = kvf_sender_poll(s);
+    if (st == KVF_POLL_SUCCESS || st == KVF_POLL_FAILED) {
+      assert_true(woke);
+      return st;
+    }
+    int64_t left = (end - clock_now_ns()) / 1000000;
+    assert_true(left > 0);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    woke = poll(&p, 1, (int)left) == 1;
+  }
+}
+
+/* kvf_manager_event_fd wakes a sleeping scheduler when its room succeeds,
+ * and when a failed room's last transfer ends (the sender's poll reports
+ * Failed only then: that end is an event too, not only the failure). */
+static void event_fd_wakes_the_scheduler(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = new_sender(&f, 21);
+  int64_t src[] = {0, 1, 2}, dst[] = {3, 4, 5};
+  register_and_request(&f, 21, dst, 3);
+  assert_int_equal(send_chunk(s, src, 3, 1, 0, 9, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final_on_events(f.m, s, 8000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 21, 9, NULL, 0);
+  kvf_sender_destroy(s);
+  /* A refused write: the room fails; Failed once its chunks ended. */
+  kvf_sender *s2 = new_sender(&f, 22);
+  int64_t bad[] = {NPAGES - 1, NPAGES + 100};
+  send_m2(&f, 22, bad, 2);
+  assert_int_equal(send_chunk(s2, src, 2, 1, 0, 3, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final_on_events(f.m, s2, 8000), KVF_POLL_FAILED);
+  kvf_sender_destroy(s2);
+  /* Aborted while its chunk is in flight to a decode engine that never
+   * answers (a socket that accepts and stays silent, so the chunk ends at
+   * the engine's timeout, 5 s): Failed waits for that end, and only the
+   * end's own event can wake the wait in time. */
+  int silent = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t sl = sizeof sa;
+  assert_int_equal(bind(silent, (struct sockaddr *)&sa, sizeof sa), 0);
+  assert_int_equal(listen(silent, 4), 0);
+  assert_int_equal(getsockname(silent, (struct sockaddr *)&sa, &sl), 0);
+  char real[sizeof f.session];
+  snprintf(real, sizeof real, "%s", f.session);
+  snprintf(f.session, sizeof f.session, "127.0.0.1:%u", (unsigned)ntohs(sa.sin_port));
+  kvf_sender *s3 = new_sender(&f, 23);
+  register_and_request(&f, 23, dst, 3); /* the silent socket as the decode's engine session */
+  snprintf(f.session, sizeof f.session, "%s", real);
+  assert_int_equal(send_chunk(s3, src, 3, 1, 0, 4, NULL, 0, NULL, 0), 0);
+  sleep_ms(200); /* the chunk is in flight */
+  kvf_sender_abort(s3, "aborted by the test");
+  assert_int_equal(kvf_sender_poll(s3), KVF_POLL_TRANSFERRING); /* its chunk may still read the sources */
+  assert_int_equal(wait_final_on_events(f.m, s3, 15000), KVF_POLL_FAILED);
+  kvf_sender_destroy(s3);
+  close(silent);
+  /* Made once, closed with the manager (fx_teardown). */
+  assert_int_equal(kvf_manager_event_fd(f.m), kvf_manager_event_fd(f.m));
+  assert_int_equal(kvf_manager_event_fd(NULL), KVF_EINVAL);
+  kvf_manager_event_clear(NULL);
   fx_teardown(&f);
 }
 
@@ -1529,6 +1608,7 @@ static void registers_with_bootstrap(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(one_chunk),
+      cmocka_unit_test(event_fd_wakes_the_scheduler),
       cmocka_unit_test(token_major_slices),
       cmocka_unit_test(candidate_limit),
       cmocka_unit_test(send_params_checked),

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 
@@ -550,6 +551,59 @@ static void concurrent_updates_and_clears(void **state) {
   kvf__rooms_table_free(t, NULL);
 }
 
+/* Is the event fd readable now? */
+static int readable(int fd) {
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  return poll(&p, 1, 0) == 1;
+}
+
+/* kvf_manager_event_fd's table side: a change of a room's state makes the
+ * fd readable until cleared; what changes nothing (the same status again,
+ * a response short of Success, a second failure) does not; notify does. */
+static void change_events(void **state) {
+  (void)state;
+  rooms *t;
+  assert_int_equal(kvf__rooms_table_new(0, &t), 0);
+  assert_int_equal(kvf__rooms_create(t, 1, ROOM_BOOTSTRAPPING), 0); /* before the fd: costs nothing, no event */
+  int fd = kvf__rooms_event_fd(t);
+  assert_true(fd >= 0);
+  assert_int_equal(kvf__rooms_event_fd(t), fd); /* one per table */
+  assert_false(readable(fd));
+  assert_int_equal(kvf__rooms_update(t, 1, ROOM_BOOTSTRAPPING, NULL), 0);
+  assert_false(readable(fd));
+  assert_int_equal(kvf__rooms_update(t, 1, ROOM_WAITING_FOR_INPUT, NULL), 0);
+  assert_true(readable(fd));
+  assert_int_equal(kvf__rooms_update(t, 1, ROOM_TRANSFERRING, NULL), 0); /* coalesced: still one event */
+  kvf__rooms_event_clear(t);
+  assert_false(readable(fd));
+  kvf__rooms_event_clear(t); /* nothing pending: harmless */
+  assert_false(readable(fd));
+  /* Success by the last of two responses, not by the first. */
+  assert_int_equal(kvf__rooms_set_required(t, 1, 2), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 5, NULL, 0, NULL), 0);
+  assert_false(readable(fd));
+  int became = 0;
+  assert_int_equal(kvf__rooms_record_response(t, 1, 1, 5, NULL, 0, &became), 0);
+  assert_true(became);
+  assert_true(readable(fd));
+  kvf__rooms_event_clear(t);
+  /* A failure, once; a second one changes nothing. */
+  assert_int_equal(kvf__rooms_create(t, 2, ROOM_WAITING_FOR_INPUT), 0);
+  assert_false(readable(fd));
+  assert_int_equal(kvf__rooms_fail(t, 2, "first"), 0);
+  assert_true(readable(fd));
+  kvf__rooms_event_clear(t);
+  assert_int_equal(kvf__rooms_fail(t, 2, "second"), 0);
+  assert_false(readable(fd));
+  int failed = 1;
+  assert_int_equal(kvf__rooms_fail_unless_success(t, 1, "late", &failed), 0); /* Success stands */
+  assert_false(failed);
+  assert_false(readable(fd));
+  kvf__rooms_notify(t);
+  assert_true(readable(fd));
+  kvf__rooms_table_free(t, NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(update_rule_table),
@@ -565,6 +619,7 @@ int main(void) {
       cmocka_unit_test(fail_matching),
       cmocka_unit_test(token_visible_when_success_seen),
       cmocka_unit_test(concurrent_updates_and_clears),
+      cmocka_unit_test(change_events),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

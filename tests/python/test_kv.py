@@ -496,6 +496,38 @@ def test_receiver_against_nothing_listening(closing):
     assert r.poll() == TransferPoll.Failed
 
 
+def test_event_fd_wakes_a_select_loop(closing):
+    """KVManager.event_fd: a scheduler's select() wakes when its room ends,
+    with the event cleared before each round of polls."""
+    import select
+    pages, item = 8, 64
+    src, _, dst, _ = kv_arrays(5, pages, item)
+    srv = closing(BootstrapServer("127.0.0.1", 0))
+    pm = closing(KVManager("prefill", src, bootstrap_addr=srv.addr))
+    dm = closing(KVManager("decode", dst))
+    fds = {dm.event_fd(): dm, pm.event_fd(): pm}
+    assert dm.event_fd() in fds  # the same fd on every call
+    r = closing(KVReceiver(dm, srv.addr, 31))
+    s = closing(KVSender(pm, 31))
+    r.prefill([1, 2], aux_index=0)
+    s.send([5, 6], is_last=True, aux_index=0, bootstrap_token=3)
+    deadline = time.monotonic() + 20
+    woke = True
+    while True:
+        for m in fds.values():
+            m.event_clear()
+        states = (r.poll(), s.poll())
+        if all(st in (TransferPoll.Success, TransferPoll.Failed) for st in states):
+            break
+        left = deadline - time.monotonic()
+        assert left > 0, states
+        woke = bool(select.select(list(fds), [], [], left)[0])
+    assert woke, "the final states were seen only when the wait ran out"
+    assert states == (TransferPoll.Success, TransferPoll.Success), r.failure_reason()
+    dm.sync()
+    assert (dst[0][[1, 2]] == src[0][[5, 6]]).all()
+
+
 def test_sender_abort_and_room_reuse(closing):
     srv = closing(BootstrapServer("127.0.0.1", 0))
     pm = closing(KVManager("prefill", [np.zeros((4, 16), np.uint8)], bootstrap_addr=srv.addr))

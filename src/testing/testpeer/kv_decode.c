@@ -407,11 +407,21 @@ int cli_kv_decode(int argc, char **argv) {
   char line[512];
   size_t llen = 0;
   int eof = 0, nactive = 0;
+  /* Sleep on stdin and on the ranks' event fds (kvf_manager_event_fd), as
+   * a scheduler would: no spinning to steal the cores the transfers use. */
+  struct pollfd pfs[1 + DEC_MAX_RANKS];
+  pfs[0] = (struct pollfd){.fd = STDIN_FILENO, .events = POLLIN};
+  for (int d = 0; d < nranks; d++) {
+    pfs[1 + d] = (struct pollfd){.fd = kvf_manager_event_fd(rk[d].r.m), .events = POLLIN};
+    if (pfs[1 + d].fd < 0) goto out;
+  }
   while (!eof) {
-    /* Spin briefly while rooms are live (waking costs ~30 us here), sleep
-     * on stdin otherwise. */
-    struct pollfd pf = {.fd = STDIN_FILENO, .events = POLLIN};
-    if (poll(&pf, 1, nactive ? 0 : 50) > 0) {
+    /* Bounded: the waiting timeouts are applied by the polls below. */
+    pfs[0].revents = 0;
+    poll(pfs, 1 + (nfds_t)nranks, nactive ? 10 : 50);
+    for (int d = 0; d < nranks; d++)
+      kvf_manager_event_clear(rk[d].r.m); /* before the polls: a later change wakes the next wait */
+    if (pfs[0].revents) {
       ssize_t k = read(STDIN_FILENO, line + llen, sizeof line - 1 - llen);
       if (k <= 0) eof = 1;
       else llen += (size_t)k;
@@ -481,7 +491,6 @@ int cli_kv_decode(int argc, char **argv) {
         nactive--;
       }
     if (qz->n) quarantine_expire(qz, rk, nranks, t);
-    if (nactive) usleep(50);
   }
   rc = 0;
 out:

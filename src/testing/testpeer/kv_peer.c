@@ -320,6 +320,7 @@ int cli_kv_peer(int argc, char **argv) {
   /* The ranks hosted here: first .. first + nlocal - 1 (index r - first). */
   const int first = o.rank >= 0 ? o.rank : 0, nlocal = o.rank >= 0 ? 1 : o.world;
   int tp = o.world / o.dp, rc = 1;
+  struct pollfd *pfs = NULL; /* the main loop's: stdin and the ranks' event fds */
   int replica = 1;
   if (o.mla) {
     if (o.page_size < 1 || !o.unit) {
@@ -406,14 +407,26 @@ int cli_kv_peer(int argc, char **argv) {
   char line[512];
   size_t llen = 0;
   int eof = 0;
+  /* Sleep on stdin and on the ranks' event fds (kvf_manager_event_fd), as
+   * a scheduler would: woken by a command or a room's news, not by a tick. */
+  pfs = calloc(1 + (size_t)nlocal, sizeof *pfs);
+  if (!pfs) goto out;
+  pfs[0] = (struct pollfd){.fd = STDIN_FILENO, .events = POLLIN};
+  for (int r = 0; r < nlocal; r++) {
+    pfs[1 + r] = (struct pollfd){.fd = kvf_manager_event_fd(mgr[r]), .events = POLLIN};
+    if (pfs[1 + r].fd < 0) goto out;
+  }
   while (!eof) {
     /* Requests take the lowest free slot: only the first nused can be live.
-     * With none live, wait for the next command without a tick: an idle
-     * peer woke ~1000 times a second, which bench peers counted as the
-     * measured prefill's own. */
+     * With none live, wait for the next command alone: an idle peer that
+     * ticked woke ~1000 times a second, which bench peers counted as the
+     * measured prefill's own. With some live, the wait is bounded, as the
+     * bootstrap and token timeouts are applied by the polls. */
     while (nused > 0 && !reqs[nused - 1].nranks) nused--;
-    struct pollfd pf = {.fd = STDIN_FILENO, .events = POLLIN};
-    if (poll(&pf, 1, nused ? 1 : -1) > 0) {
+    pfs[0].revents = 0;
+    poll(pfs, nused ? 1 + (nfds_t)nlocal : 1, nused ? 10 : -1);
+    for (int r = 0; nused && r < nlocal; r++) kvf_manager_event_clear(mgr[r]); /* before the polls below */
+    if (pfs[0].revents) {
       ssize_t k = read(STDIN_FILENO, line + llen, sizeof line - 1 - llen);
       if (k <= 0) eof = 1;
       else llen += (size_t)k;
@@ -510,5 +523,6 @@ out:
   free(mgr);
   free(pools);
   free(reqs);
+  free(pfs);
   return rc;
 }
