@@ -57,6 +57,7 @@ class kvf_engine_stats(ctypes.Structure):
             "peers_read",
             "reads_refused",
             "reads_late",
+            "bytes_read_direct",
         )
     ]
 

@@ -18,7 +18,9 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/clock.h"
@@ -199,6 +201,18 @@ static int has_rdma_device(void) {
   return found;
 }
 
+/* A random value for this engine's CMA probe (ucx_cma_probe): what proves
+ * to a same-host target that the pid it was given is this process. */
+static uint64_t cma_probe_value(void) {
+  uint64_t v = 0;
+  if (getrandom(&v, sizeof v, GRND_NONBLOCK) != (ssize_t)sizeof v) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    v = ((uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_sec;
+  }
+  return v | 1; /* never 0, which an unread probe would hold */
+}
+
 /* ucx_reg.pool: a plain registration (its own ucp_mem_map), a registration
  * of a pool (reuses the pool's handle), or a pool itself (not advertised
  * until registered). */
@@ -213,8 +227,9 @@ int kvf__ucx_build_info(ucx_state *u, uint32_t flags, int64_t echo_ns, char **ou
   if (kvf__fence_snapshot(u->e, &snap.next, &open, &nopen)) return KVF_ENOMEM;
   snap.nopen = (uint32_t)nopen;
   int regions = !(flags & UCX_INFO_READ);
+  int cma = (flags & UCX_INFO_WRITER) && u->cma_value; /* offer direct reads of this process (ucx_read.c) */
   pthread_mutex_lock(&u->reg_mu);
-  size_t body = u->addr_len + sizeof snap + nopen * sizeof *open, nadv = 0;
+  size_t body = u->addr_len + sizeof snap + nopen * sizeof *open + (cma ? sizeof(ucx_cma_probe) : 0), nadv = 0;
   for (size_t i = 0; regions && i < u->nregs; i++)
     if (u->regs[i].pool != REG_POOL) {
       body += sizeof(ucx_region_desc) + u->regs[i].rkey_len;
@@ -231,7 +246,7 @@ int kvf__ucx_build_info(ucx_state *u, uint32_t flags, int64_t echo_ns, char **ou
                     .gen = u->gen,
                     .addr_len = (uint32_t)u->addr_len,
                     .body_len = (uint32_t)body,
-                    .flags = flags,
+                    .flags = flags | (cma ? UCX_INFO_CMA : 0),
                     .clock_ns = clock_now_ns(),
                     .echo_ns = echo_ns};
   memcpy(h.host_id, u->host_id, sizeof h.host_id);
@@ -250,6 +265,10 @@ int kvf__ucx_build_info(ucx_state *u, uint32_t flags, int64_t echo_ns, char **ou
   pthread_mutex_unlock(&u->reg_mu);
   memcpy(p, &snap, sizeof snap);
   if (nopen) memcpy(p + sizeof snap, open, nopen * sizeof *open);
+  if (cma) {
+    ucx_cma_probe pr = {UCX_CMA_MAGIC, (uint32_t)getpid(), (uint64_t)(uintptr_t)u->cma_value, *u->cma_value};
+    memcpy(p + sizeof snap + nopen * sizeof *open, &pr, sizeof pr);
+  }
   free(open);
   *out = m;
   *out_len = sizeof h + body;
@@ -746,6 +765,7 @@ static void ucx_teardown(ucx_state *u) {
   if (u->epfd >= 0) close(u->epfd);
   if (u->wake_fd >= 0) close(u->wake_fd);
   free(u->regs);
+  free(u->cma_value);
   kvf__smap_free(&u->peers);
   pthread_mutex_destroy(&u->wmu);
   pthread_mutex_destroy(&u->reg_mu);
@@ -819,6 +839,9 @@ static int ucx_start(kvf_engine *e) {
                            &u->ctl_pool);
   if (rc) goto err;
   host_identity(u->host_id, sizeof u->host_id);
+  const char *cma_env = getenv("KVFERRY_UCX_CMA");
+  u->cma_off = cma_env && !strcmp(cma_env, "0");
+  if (!u->cma_off && (u->cma_value = malloc(sizeof *u->cma_value))) *u->cma_value = cma_probe_value();
   u->rdma = has_rdma_device();
   e->ucx = u;
   rc = kvf__tcp_transport_ops.start(e);

@@ -107,6 +107,20 @@
 /* ucx_info_hdr.flags */
 #define UCX_INFO_READ 0x1u   /* target -> writer: this connection runs in read mode */
 #define UCX_INFO_WRITER 0x2u /* writer -> target: the writer's own memory, for reads */
+#define UCX_INFO_CMA 0x4u    /* writer -> target: the body ends with a ucx_cma_probe */
+
+/* Reads of a writer's private memory on one host with process_vm_readv
+ * (ucx_read.c, docs/WIRE-EXTENSIONS.md "Reads"): the writer's pid, and a
+ * value at an address of its own memory that the target reads back first,
+ * so a pid from another PID namespace, or a process the target may not
+ * read, is never read from. At the end of a writer info's body. */
+#define UCX_CMA_MAGIC 0x4b56434du
+typedef struct ucx_cma_probe {
+  uint32_t magic;
+  uint32_t pid;
+  uint64_t addr;  /* of `value` in the writer's memory */
+  uint64_t value; /* random, per engine */
+} ucx_cma_probe;
 
 typedef struct ucx_info_hdr {
   uint32_t magic;
@@ -321,6 +335,7 @@ typedef struct ucx_ctl {
   void *waddr;          /* the writer's worker address (its info), to make ep again */
   size_t waddr_len;
   int same_host;
+  int cma_pid;        /* the writer's pid where its probe read back (process_vm_readv works); 0 otherwise */
   ucx_rregion *wregs; /* the writer's regions (sorted), their rkeys on ep */
   size_t nwregs;
   int have_skew; /* skew_ns bounds (writer's clock - this clock) from above */
@@ -348,7 +363,9 @@ typedef struct ucx_state {
   void *addr;
   size_t addr_len;
   char host_id[UCX_HOST_ID_LEN];
-  int rdma; /* this host has an RDMA device (/sys/class/infiniband) */
+  uint64_t *cma_value; /* this engine's probe value (ucx_cma_probe), read by same-host targets */
+  int cma_off;         /* KVFERRY_UCX_CMA=0: neither offer nor use direct reads */
+  int rdma;            /* this host has an RDMA device (/sys/class/infiniband) */
   int epfd, wake_fd;
   pthread_t progress;
   atomic_int stopping;

@@ -229,6 +229,26 @@ static void populate(const ucx_ctl *c) {
 #endif
 }
 
+/* The writer's pid if its info offers direct reads (UCX_INFO_CMA) and its
+ * probe value reads back through process_vm_readv: then it is this host's
+ * process of that pid, in this PID namespace, and this one may read it.
+ * 0 otherwise (its private memory is read through UCX), said once. */
+static int cma_check(ucx_state *u, const ucx_ctl *c, const ucx_info_hdr *h, const char *body) {
+  ucx_cma_probe pr;
+  if (u->cma_off || !c->same_host || !(h->flags & UCX_INFO_CMA) || h->body_len < (uint64_t)h->addr_len + sizeof pr)
+    return 0;
+  memcpy(&pr, body + h->body_len - sizeof pr, sizeof pr);
+  if (pr.magic != UCX_CMA_MAGIC || pr.pid == 0 || pr.pid > INT32_MAX) return 0;
+  uint64_t v = 0;
+  struct iovec local = {&v, sizeof v}, remote = {(void *)(uintptr_t)pr.addr, sizeof v};
+  ssize_t n = process_vm_readv((pid_t)pr.pid, &local, 1, &remote, 1, 0);
+  if (n == (ssize_t)sizeof v && v == pr.value) return (int)pr.pid;
+  if (kvf__log_first_time_for_host(c->peer, "ucx-cma"))
+    LOG_INFO("ucx", "writer %s: no direct reads of its private memory (process_vm_readv: %s); through UCX instead",
+             c->peer, n < 0 ? strerror(errno) : "another process has that pid here");
+  return 0;
+}
+
 int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   ucx_info_hdr h = {.magic = UCX_INFO_MAGIC};
   char *body = NULL;
@@ -259,6 +279,7 @@ int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   c->waddr = keep;
   c->waddr_len = sizeof h + h.body_len;
   c->same_host = !strcmp(h.host_id, u->host_id);
+  c->cma_pid = cma_check(u, c, &h, body);
   rc = reader_ep_make_locked(u, c, body);
   pthread_mutex_unlock(&u->wmu);
   free(body);
@@ -477,19 +498,35 @@ static int bounce_drain(notice_read *r, bounce_slice *pend, unsigned *np, uint32
   return rc;
 }
 
-/* A slice to load from a pool mapped here. */
+/* A slice to load from a pool mapped here, or with `remote`, to read from
+ * the writer's private memory with process_vm_readv (ucx_ctl.cma_pid). */
 typedef struct ucx_load {
   void *dst;
   const void *src;
   size_t len;
+  int remote;
 } ucx_load;
+
+/* One slice of a writer's private memory, straight into place. */
+static int cma_read(int pid, void *dst, const void *src, size_t len) {
+  struct iovec local = {dst, len}, remote = {(void *)(uintptr_t)src, len};
+  ssize_t n = process_vm_readv((pid_t)pid, &local, 1, &remote, 1, 0);
+  if (n == (ssize_t)len) return 0;
+  if (n < 0 && errno == ESRCH) return KVF_ECLOSED; /* the writer is gone */
+  return KVF_ERANGE; /* not mapped there (any more), or no longer readable: nothing counts */
+}
 
 /* Copy loads [from, to), the fence checked before each slice. */
 static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size_t to) {
   for (size_t i = from; i < to; i++) {
     int rc = read_stop(r);
     if (rc) return rc;
-    memcpy(l[i].dst, l[i].src, l[i].len);
+    if (l[i].remote) {
+      if ((rc = cma_read(r->c->cma_pid, l[i].dst, l[i].src, l[i].len))) return rc;
+      atomic_fetch_add_explicit(&r->u->e->stats.bytes_read_direct, l[i].len, memory_order_relaxed);
+    } else {
+      memcpy(l[i].dst, l[i].src, l[i].len);
+    }
     if (r->fence) kvf__engine_deliver_landed(r->u->e, r->n->tag, r->n->epoch, l[i].dst, l[i].len); /* cache-hot */
   }
   return 0;
@@ -573,7 +610,7 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
           break;
         }
         *bytes += len;
-        if (src->ptr) { /* copied below, once every slice is known */
+        if (src->ptr || c->cma_pid) { /* copied below, once every slice is known */
           if (nload == c->loads_cap) {
             size_t cap = c->loads_cap ? 2 * c->loads_cap : 64;
             ucx_load *v = realloc(c->loads, cap * sizeof *v);
@@ -584,7 +621,9 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
             c->loads = v;
             c->loads_cap = cap;
           }
-          c->loads[nload++] = (ucx_load){(void *)(uintptr_t)(d + off), src->ptr + (s + off - src->base), len};
+          c->loads[nload++] =
+              src->ptr ? (ucx_load){(void *)(uintptr_t)(d + off), src->ptr + (s + off - src->base), len, 0}
+                       : (ucx_load){(void *)(uintptr_t)(d + off), (const void *)(uintptr_t)(s + off), len, 1};
           load_bytes += len;
           continue;
         }

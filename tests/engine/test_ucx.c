@@ -118,6 +118,42 @@ static void plain_and_strided_land_exact(void **state) {
   engine_peer_stop(&peer);
 }
 
+/* Read mode, same host, memory not from kvf_engine_alloc_pool: the target
+ * reads the writer's private memory straight into place with
+ * process_vm_readv (every byte counted in bytes_read_direct), or, with
+ * KVFERRY_UCX_CMA=0 in the target, through UCX; the same bytes land. */
+static void private_memory_read_directly(void **state) {
+  SKIP_WITHOUT_UCX();
+  for (int direct = 1; direct >= 0; direct--) {
+    if (!direct) setenv("KVFERRY_UCX_CMA", "0", 1); /* inherited by the target's process */
+    engine_peer peer;
+    const char *args[] = {"--transport", "ucx", NULL};
+    int started = engine_peer_start_args(&peer, PEER_BYTES, NULL, args);
+    unsetenv("KVFERRY_UCX_CMA");
+    assert_int_equal(started, 0);
+    kvf_engine *e = make_engine("ucx", 5000);
+    size_t bytes = 8u << 20;
+    unsigned char *pool = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    assert_int_equal(kvf_engine_register(e, pool, bytes), 0);
+    write_and_verify(e, &peer, pool, 21 + (uint64_t)direct);
+    kvf_engine_stats st;
+    kvf_engine_get_stats(e, &st);
+    char reply[128];
+    unsigned long long got = 0, late = 0, refused = 0, cma = 0;
+    assert_int_equal(proc_ask(&peer.p, "reads", reply, sizeof reply, 5000), 0);
+    assert_int_equal(sscanf(reply, "reads %llu %llu %llu %llu", &got, &late, &refused, &cma), 4);
+    printf("direct %d: %s (peers_read %llu)\n", direct, reply, (unsigned long long)st.peers_read);
+    const char *mode = getenv("KVFERRY_UCX_MODE"); /* read unless the write-mode rerun */
+    int read_mode = !mode || strcmp(mode, "write");
+    assert_int_equal(st.peers_read > 0, read_mode);
+    assert_int_equal(cma, read_mode && direct ? (200 + 16) * PAGE : 0);
+    kvf_engine_unregister(e, pool);
+    kvf_engine_destroy(e);
+    munmap(pool, bytes);
+    engine_peer_stop(&peer);
+  }
+}
+
 /* Pools allocated by the engines: same bytes; with shared memory allowed the
  * peer's pool is mapped here and written with plain stores. */
 static void allocated_pools_land_exact(void **state) {
@@ -787,6 +823,7 @@ int main(void) {
       cmocka_unit_test(stopped_target_past_its_lease_counts_nothing),
       cmocka_unit_test(hostile_ready_notices_refused),
       cmocka_unit_test(plain_and_strided_land_exact),
+      cmocka_unit_test(private_memory_read_directly),
       cmocka_unit_test(allocated_pools_land_exact),
       cmocka_unit_test(explicit_ucx_never_falls_back),
       cmocka_unit_test(other_host_without_rdma),

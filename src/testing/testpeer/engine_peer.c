@@ -8,7 +8,7 @@
  *   fill <byte>                                → "ok" after memset
  *   stats                                      → "stats <received> <refused> <auth_refused>"
  *   errors                                     → "errors <protocol_errors> <conns_refused>"
- *   reads                                      → "reads <received> <reads_late> <reads_refused>"
+ *   reads                                      → "reads <received> <reads_late> <reads_refused> <bytes_read_direct>"
  *   quit
  * It exits on EOF of stdin, so a test that dies takes its peer with it. */
 #include <getopt.h>
@@ -130,8 +130,9 @@ int cli_engine_peer(int argc, char **argv) {
     } else if (!strcmp(line, "reads")) {
       kvf_engine_stats st;
       kvf_engine_get_stats(e, &st);
-      printf("reads %llu %llu %llu\n", (unsigned long long)st.batches_received, (unsigned long long)st.reads_late,
-             (unsigned long long)st.reads_refused);
+      printf("reads %llu %llu %llu %llu\n", (unsigned long long)st.batches_received,
+             (unsigned long long)st.reads_late, (unsigned long long)st.reads_refused,
+             (unsigned long long)st.bytes_read_direct);
     } else if (!strcmp(line, "quit")) {
       break;
     } else {
