@@ -259,7 +259,8 @@ static char *reason_dup(const char *reason) {
 /* Caller holds the lock; takes ownership of r. Failed is final and its
  * first reason stays: a later one (the prefill's failed M3 for a room the
  * decode already failed and fenced) is a consequence, not the cause. */
-static void fail_entry(room_entry *e, char *r) {
+static void fail_entry(rooms *t, room_entry *e, char *r) {
+  if (e->status != ROOM_FAILED) changed_locked(t);
   if (e->status == ROOM_FAILED && e->reason && *e->reason) {
     free(r);
     return;
@@ -281,8 +282,7 @@ static int fail_room(rooms *t, int64_t room, const char *reason, int spare_succe
   } else if (!spare_success || e->status != ROOM_SUCCESS) {
     /* Without memory for the text the room still fails: the status is what
      * stops a hang; the reason is a courtesy. */
-    if (e->status != ROOM_FAILED) changed_locked(t);
-    fail_entry(e, r);
+    fail_entry(t, e, r);
     r = NULL;
     did = 1;
   }
@@ -586,7 +586,7 @@ int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, voi
     if (e->early || e->status == ROOM_SUCCESS || !pred((int64_t)key, e->user, arg)) continue;
     /* One copy per room, because each room owns its reason; a failed copy
      * still fails the room (see kvf__rooms_fail). */
-    fail_entry(e, reason_dup(reason));
+    fail_entry(t, e, reason_dup(reason));
     n++;
   }
   pthread_mutex_unlock(&t->mu);

@@ -551,6 +551,15 @@ static void concurrent_updates_and_clears(void **state) {
   kvf__rooms_table_free(t, NULL);
 }
 
+static int match_none(int64_t room, void *user, void *arg) {
+  (void)room, (void)user, (void)arg;
+  return 0;
+}
+static int match_room3(int64_t room, void *user, void *arg) {
+  (void)user, (void)arg;
+  return room == 3;
+}
+
 /* Is the event fd readable now? */
 static int readable(int fd) {
   struct pollfd p = {.fd = fd, .events = POLLIN};
@@ -600,6 +609,17 @@ static void change_events(void **state) {
   assert_false(failed);
   assert_false(readable(fd));
   kvf__rooms_notify(t);
+  assert_true(readable(fd));
+  kvf__rooms_event_clear(t);
+  /* Rooms failed together (a prefill found dead): an event; none when
+   * nothing matched. */
+  assert_int_equal(kvf__rooms_create(t, 3, ROOM_TRANSFERRING), 0);
+  size_t nf = 9;
+  assert_int_equal(kvf__rooms_fail_matching(t, match_none, NULL, "dead", &nf), 0);
+  assert_int_equal(nf, 0);
+  assert_false(readable(fd));
+  assert_int_equal(kvf__rooms_fail_matching(t, match_room3, NULL, "dead", &nf), 0);
+  assert_int_equal(nf, 1);
   assert_true(readable(fd));
   kvf__rooms_table_free(t, NULL);
 }
