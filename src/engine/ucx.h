@@ -404,6 +404,8 @@ typedef struct ucx_state {
 
 /* ucx.c */
 int kvf__ucx_status(ucs_status_t st);
+/* ucx_peer.c: does UCX_TLS (unset: yes) let UCX use shared memory or CMA? */
+int kvf__ucx_tls_allow_shm(void);
 /* This engine's info message (regions, worker address, fences) for a
  * connection: `flags` (UCX_INFO_*), `echo_ns` as in ucx_info_hdr; with
  * UCX_INFO_READ the regions are left out (a reading target takes no

@@ -225,6 +225,8 @@ static int cmp_rregion(const void *a, const void *b) {
   return x->base < y->base ? -1 : x->base > y->base;
 }
 
+int kvf__ucx_tls_allow_shm(void) { return tls_allows(getenv("UCX_TLS"), SHM_TLS); }
+
 /* UCX's peer-failure mode restricts it to transports that support it,
  * which on one host means tcp instead of shared memory and CMA. A same-host
  * peer reached over shared memory gets no UCX failure mode: its death is

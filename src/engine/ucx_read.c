@@ -232,10 +232,15 @@ static void populate(const ucx_ctl *c) {
 /* The writer's pid if its info offers direct reads (UCX_INFO_CMA) and its
  * probe value reads back through process_vm_readv: then it is this host's
  * process of that pid, in this PID namespace, and this one may read it.
- * 0 otherwise (its private memory is read through UCX), said once. */
+ * 0 otherwise (its private memory is read through UCX), said once. Not
+ * where UCX_TLS keeps UCX off shared memory (its tcp on one host, asked for
+ * explicitly): there the reader's endpoint would go unused, and UCX 1.13's
+ * tcp was seen to abort the process tearing such an endpoint down
+ * (ucp_worker_destroy purging a wireup REP, engine_test_*_ucx_tcp). */
 static int cma_check(ucx_state *u, const ucx_ctl *c, const ucx_info_hdr *h, const char *body) {
   ucx_cma_probe pr;
-  if (u->cma_off || !c->same_host || !(h->flags & UCX_INFO_CMA) || h->body_len < (uint64_t)h->addr_len + sizeof pr)
+  if (u->cma_off || !c->same_host || !(h->flags & UCX_INFO_CMA) ||
+      h->body_len < (uint64_t)h->addr_len + sizeof pr || !kvf__ucx_tls_allow_shm())
     return 0;
   memcpy(&pr, body + h->body_len - sizeof pr, sizeof pr);
   if (pr.magic != UCX_CMA_MAGIC || pr.pid == 0 || pr.pid > INT32_MAX) return 0;
