@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "base/env.h"
 #include "base/log.h"
 #include "base/thread.h"
 #include "engine/tcp_proto.h"
@@ -839,8 +840,7 @@ static int ucx_start(kvf_engine *e) {
                            &u->ctl_pool);
   if (rc) goto err;
   host_identity(u->host_id, sizeof u->host_id);
-  const char *cma_env = getenv("KVFERRY_UCX_CMA");
-  u->cma_off = cma_env && !strcmp(cma_env, "0");
+  u->cma_off = kvf__env_get_int("KVFERRY_UCX_CMA", 1) == 0;
   if (!u->cma_off && (u->cma_value = malloc(sizeof *u->cma_value))) *u->cma_value = cma_probe_value();
   u->rdma = has_rdma_device();
   e->ucx = u;

@@ -59,7 +59,7 @@ static void direct_finish(pf_direct *dj) {
    * (maybe deferred) only repeats it. Either way it has left this side. */
   if (success) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SENT);
   pthread_mutex_lock(&ps->lock);
-  if (--r->busy == 0) kvf__rooms_notify(ps->m->rooms); /* a Failed room's poll waits for it */
+  kvf__pf_room_busy_done_locked(ps, r);
   for (size_t i = 0; i < dj->n; i++) kvf__pf_info_unref(ps, dj->d[i].info);
   kvf__pf_room_unref(ps, r);
   dj->r = NULL;

@@ -459,6 +459,9 @@ pf_room *kvf__pf_room_find(prefill_state *ps, int64_t room);
 pf_room *kvf__pf_room_new(prefill_state *ps);
 void kvf__pf_room_drop(prefill_state *ps, pf_room *r);
 void kvf__pf_room_unref(prefill_state *ps, pf_room *r);
+/* ps->lock held: one of the room's submitted chunks ended (r->busy). The
+ * last one's end is a change event: a Failed room's poll waits for it. */
+void kvf__pf_room_busy_done_locked(prefill_state *ps, pf_room *r);
 void kvf__pf_chunk_release_locked(prefill_state *ps, pf_chunk *c);
 /* Send an M3 (§6.11) to the decode's PULL socket at host:port. Any thread
  * without ps->lock. */

@@ -104,6 +104,10 @@ void kvf__pf_room_drop(prefill_state *ps, pf_room *r) {
   free(r);
 }
 
+void kvf__pf_room_busy_done_locked(prefill_state *ps, pf_room *r) {
+  if (--r->busy == 0) kvf__rooms_notify(ps->m->rooms);
+}
+
 /* ps->lock held. */
 void kvf__pf_room_unref(prefill_state *ps, pf_room *r) {
   if (--r->refs > 0) return;

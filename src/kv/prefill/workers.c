@@ -107,7 +107,7 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
     atomic_fetch_add(&ps->m->stats.bytes_sent, bytes);
   }
   pthread_mutex_lock(&ps->lock);
-  if (--c->r->busy == 0) kvf__rooms_notify(ps->m->rooms); /* a Failed room's poll waits for it */
+  kvf__pf_room_busy_done_locked(ps, c->r);
   for (size_t i = 0; i < f->n; i++) kvf__pf_info_unref(ps, f->dw.infos[i]);
   kvf__pf_chunk_release_locked(ps, c);
   pthread_mutex_unlock(&ps->lock);
@@ -346,7 +346,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     pthread_mutex_unlock(&ps->lock);
   }
   pthread_mutex_lock(&ps->lock);
-  if (--r->busy == 0) kvf__rooms_notify(m->rooms); /* a Failed room's poll waits for it */
+  kvf__pf_room_busy_done_locked(ps, r);
   for (size_t i = 0; i < n; i++) kvf__pf_info_unref(ps, infos[i]);
   pthread_mutex_unlock(&ps->lock);
   return 0;
