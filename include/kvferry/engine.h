@@ -17,7 +17,12 @@
  *   kvf_engine_unregister      until a write in progress into the region lets go (~100 ms)
  *   kvf_engine_create          binding and starting threads (no network wait)
  *   kvf_engine_destroy         until in-flight batches fail or finish (timeout_ms)
- * Every other call returns without waiting on the network.
+ * Every other call returns without waiting on the network. In particular
+ * kvf_engine_submit never connects: a batch to a peer not connected yet (or
+ * whose connection failed) is queued to a thread that connects to that peer
+ * within the batch's deadline and then sends the peer's queued batches in
+ * order, so a peer that never answers delays only its own batches. Past 128
+ * peers connecting at once, a further one connects on the submitting thread.
  */
 #ifndef KVFERRY_ENGINE_H
 #define KVFERRY_ENGINE_H

@@ -9,6 +9,7 @@
  *   kvf-tcp-accept engine/tcp.c     the TCP engine's listener
  *   kvf-tcp-write  engine/tcp_out.c an outgoing TCP connection's sender
  *   kvf-tcp-ack    engine/tcp_out.c an outgoing TCP connection's acknowledgement reader
+ *   kvf-connect    engine/connector.c  connects a session for submits queued on it (ends when done)
  *   kvf-pool-ev    engine/evpool.c  a connection pool's event thread (kvf-pool-work: its workers)
  *   kvf-ucx-prog   engine/ucx.c     the UCX engine's progress thread
  *   kvf-ucx-copy   engine/ucx_write.c  a copier of stores into a mapped pool

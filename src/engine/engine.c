@@ -113,6 +113,8 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   pthread_rwlock_init(&e->trailer_lock, NULL);
   pthread_mutex_init(&e->pools_mu, NULL);
   pthread_mutex_init(&e->spare_mu, NULL);
+  pthread_mutex_init(&e->conn_mu, NULL);
+  clock_cond_init(&e->conn_cv);
   snprintf(e->host, sizeof e->host, "%s", cfg.host);
   const char *tok = cfg.auth_token ? cfg.auth_token : getenv("KVFERRY_AUTH_TOKEN");
   if (tok && strlen(tok) >= sizeof e->auth_token) {
@@ -141,6 +143,8 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   return 0;
 
 err_regions:
+  pthread_mutex_destroy(&e->conn_mu);
+  pthread_cond_destroy(&e->conn_cv);
   pthread_mutex_destroy(&e->spare_mu);
   pthread_mutex_destroy(&e->pools_mu);
   pthread_rwlock_destroy(&e->trailer_lock);
@@ -153,12 +157,15 @@ err_free:
 
 void kvf_engine_destroy(kvf_engine *e) {
   if (!e) return;
+  kvf__engine_connectors_stop(e); /* none submits once the transport stops */
   e->ops->stop(e);
   free(e->pools);
   free(e->nested);
   kvf__spare_free(&e->spare_batches); /* the transport is stopped: every batch and chunk came back */
   kvf__spare_free(&e->spare_chunks);
   pthread_mutex_destroy(&e->spare_mu);
+  pthread_mutex_destroy(&e->conn_mu);
+  pthread_cond_destroy(&e->conn_cv);
   pthread_mutex_destroy(&e->pools_mu);
   pthread_rwlock_destroy(&e->trailer_lock);
   kvf__fence_destroy(&e->fences);
@@ -653,7 +660,7 @@ static int engine_submit(kvf_engine *e, const kvf__submit *s, kvf_batch **out) {
   /* Before the chunks go: one may end at once. */
   kvf__batch_group *group = on_done ? NULL : s->group;
   if (group) group_join(group, b->deadline_ns), b->group = group;
-  rc = e->ops->submit(e, session, chunks, nchunks);
+  rc = kvf__engine_dispatch(e, session, chunks, nchunks);
   if (rc) {
     if (group) group_end(group, 0); /* nothing was sent: it never ends otherwise */
     for (size_t i = 0; i < nchunks; i++) kvf__chunk_free(chunks[i]);

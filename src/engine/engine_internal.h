@@ -55,6 +55,10 @@ void kvf__region_unpin(region_table *t, region *r);
  * engine config's read_lease_ms is capped at it). */
 #define ENGINE_MAX_LEASE_MS (3600 * 1000)
 
+/* How often a connect or handshake on a connector thread looks whether the
+ * engine is stopping (kvf__fd_wait). */
+#define KVF__CONNECT_SLICE_MS 50
+
 /* ---- fences (fence.c) ---- */
 typedef struct engine_fence {
   uint64_t tag, epoch;
@@ -179,6 +183,11 @@ typedef struct transport_ops {
   int (*fence_close)(struct kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t until_ns);
   /* Optional: kvf_engine_peer_routes. */
   int (*routes)(struct kvf_engine *e, char *out, size_t cap);
+  /* Optional: 1 when a submit to `session` would find its connections made
+   * (it blocks on no network), 0 when it would have to connect first: such
+   * a submit runs on a connector thread (connector.c). Never blocks on the
+   * network itself. Without it every submit runs on the caller's thread. */
+  int (*ready)(struct kvf_engine *e, const char *session);
 } transport_ops;
 
 extern const transport_ops kvf__tcp_transport_ops;
@@ -240,7 +249,40 @@ typedef struct kvf_engine {
    * per transfer once warm). Under spare_mu. */
   pthread_mutex_t spare_mu;
   spare_list spare_batches, spare_chunks;
+  /* Submits that must connect first, one connector thread per session being
+   * connected (connector.c). Under conn_mu; connect_stop ends them. */
+  pthread_mutex_t conn_mu;
+  pthread_cond_t conn_cv;
+  struct engine_connector *connectors;
+  int nconnectors;
+  atomic_int connect_stop;
 } kvf_engine;
+
+/* Hand the chunks of one batch to the transport (connector.c): on the
+ * caller's thread when the transport is ready for `session`, else queued to
+ * the session's connector thread, behind the batches already waiting there,
+ * so one thread's batches to a session keep their order. 0, or the
+ * transport's error (nothing was queued then). */
+int kvf__engine_dispatch(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
+/* A transport's submit returns this, having touched no chunk, where it
+ * would have to wait on the network (connect, or ask the peer for its
+ * regions) on a thread that may not (kvf__engine_may_block() is 0):
+ * kvf__engine_dispatch then hands the batch to the session's connector. */
+#define KVF__SUBMIT_WOULD_BLOCK 1
+int kvf__engine_may_block(void);
+/* Stop the connector threads: a connect in progress gives up within a
+ * slice (KVF__CONNECT_SLICE_MS), queued batches fail with KVF_ECLOSED.
+ * Returns once none runs. Before the transport stops. */
+void kvf__engine_connectors_stop(kvf_engine *e);
+
+/* Wait until fd is ready for `ev` (POLLIN, POLLOUT) or the deadline passes
+ * (KVF_ETIMEDOUT). On a connector thread it also gives up once the engine
+ * stops its connectors (KVF_ECLOSED), looking every KVF__CONNECT_SLICE_MS. */
+int kvf__fd_wait(int fd, short ev, int64_t deadline_ns);
+/* Send `len` bytes / receive exactly `len` bytes before the deadline, on a
+ * blocking or non-blocking socket (kvf__fd_wait between the tries). */
+int kvf__fd_send_all(int fd, const void *buf, size_t len, int64_t deadline_ns);
+int kvf__fd_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 
 /* Target side: hand a chunk's trailer to the callback, if one is set (a
  * transport thread, after the chunk's bytes landed). */
@@ -252,8 +294,12 @@ void kvf__engine_deliver_refusal(kvf_engine *e, uint64_t tag, uint64_t epoch, in
 void kvf__engine_deliver_landed(kvf_engine *e, uint64_t tag, uint64_t epoch, void *dst, size_t len);
 
 /* A blocking TCP connection to host:port made within the deadline, with
- * TCP_NODELAY (tcp_out.c). 0 or KVF_ECONNREFUSED / KVF_ETIMEDOUT. */
+ * TCP_NODELAY (tcp_out.c). 0 or KVF_ECONNREFUSED / KVF_ETIMEDOUT (or
+ * KVF_ECLOSED: a connector thread told to stop, kvf__fd_wait). */
 int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out);
+/* The TCP transport's transport_ops.ready (tcp_out.c); UCX asks it for the
+ * peers it routes to TCP. */
+int kvf__tcp_ready(struct kvf_engine *e, const char *session);
 
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
  * each with at most `max_desc` descriptors; a single large block may be cut

@@ -212,4 +212,5 @@ const transport_ops kvf__tcp_transport_ops = {
     .start = tcp_start,
     .stop = tcp_stop,
     .submit = kvf__tcp_submit,
+    .ready = kvf__tcp_ready,
 };

@@ -91,6 +91,7 @@ typedef struct tcp_session {
   uint16_t port;
   tcp_conn *conns[16];
   unsigned rr;
+  atomic_int connecting; /* a submit holds `lock` while it connects (kvf__tcp_ready) */
 } tcp_session;
 
 struct tcp_state {

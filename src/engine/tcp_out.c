@@ -231,13 +231,12 @@ static int connect_deadline(const char *host, uint16_t port, int64_t deadline_ns
     if (fd < 0) continue;
     int r = connect(fd, ai->ai_addr, ai->ai_addrlen);
     if (r < 0 && errno == EINPROGRESS) {
-      int64_t left = (deadline_ns - clock_now_ns()) / 1000000;
-      struct pollfd p = {.fd = fd, .events = POLLOUT};
-      r = left > 0 && poll(&p, 1, (int)left) == 1 ? 0 : -1;
+      int w = kvf__fd_wait(fd, POLLOUT, deadline_ns);
+      r = w ? -1 : 0;
       int err = 0;
       socklen_t el = sizeof err;
       if (r == 0 && (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) || err)) r = -1;
-      if (left <= 0) rc = KVF_ETIMEDOUT;
+      if (w) rc = w; /* timed out, or a stopping engine */
     }
     if (r == 0) {
       fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
@@ -265,15 +264,12 @@ static int conn_open(kvf_engine *e, tcp_session *s, int64_t deadline_ns, tcp_con
     return rc;
   }
   /* Handshake: the hello and our token, then the peer's verdict. */
-  int64_t left = (deadline_ns - clock_now_ns()) / 1000000;
-  kvf__tcp_set_timeout(fd, SO_RCVTIMEO, left > 1 ? (int)left : 1);
-  kvf__tcp_set_timeout(fd, SO_SNDTIMEO, left > 1 ? (int)left : 1);
   size_t tl = strlen(e->auth_token);
   tcp_hello h = {TCP_HELLO_MAGIC, TCP_PROTO_VERSION, 0, (uint32_t)tl, 0};
   tcp_reply rep;
-  rc = kvf__tcp_send_all(fd, &h, sizeof h);
-  if (!rc && tl) rc = kvf__tcp_send_all(fd, e->auth_token, tl);
-  if (!rc) rc = kvf__tcp_recv_all(fd, &rep, sizeof rep);
+  rc = kvf__fd_send_all(fd, &h, sizeof h, deadline_ns);
+  if (!rc && tl) rc = kvf__fd_send_all(fd, e->auth_token, tl, deadline_ns);
+  if (!rc) rc = kvf__fd_recv_all(fd, &rep, sizeof rep, deadline_ns);
   if (!rc && (rep.magic != TCP_HELLO_MAGIC || rep.status > 0)) rc = KVF_EPROTO;
   if (!rc && rep.status) rc = rep.status == KVF_EACCES ? KVF_EACCES : KVF_ECONNREFUSED;
   if (rc) {
@@ -379,7 +375,12 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
   tcp_conn *picked[16] = {0};
   int64_t deadline = chunks[0]->batch->deadline_ns;
 
-  pthread_mutex_lock(&s->lock);
+  if (kvf__engine_may_block()) {
+    pthread_mutex_lock(&s->lock);
+  } else if (pthread_mutex_trylock(&s->lock)) { /* held long only by a connect */
+    if (atomic_load(&s->connecting)) return KVF__SUBMIT_WOULD_BLOCK;
+    pthread_mutex_lock(&s->lock);
+  }
   unsigned start = small ? 0 : s->rr;
   if (!small) s->rr += (unsigned)use;
   for (size_t k = 0; k < use; k++) {
@@ -392,7 +393,13 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
       c = NULL;
     }
     if (!c) {
-      rc = conn_open(e, s, deadline, &c);
+      if (!kvf__engine_may_block()) { /* the session's connector connects */
+        rc = KVF__SUBMIT_WOULD_BLOCK;
+      } else {
+        atomic_store(&s->connecting, 1);
+        rc = conn_open(e, s, deadline, &c);
+        atomic_store(&s->connecting, 0);
+      }
       if (rc && small && k > 0) rc = 0, use = k; /* a small chunk makes do with the connections it has */
       if (rc || use == k) break;
       s->conns[slot] = c;
@@ -423,4 +430,24 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
 out_put:
   for (size_t k = 0; k < use; k++) kvf__tcp_conn_put(picked[k]);
   return rc;
+}
+
+/* transport_ops.ready: are all of the session's connections made and
+ * alive? A session whose lock is held by a submit that is connecting is
+ * not ready; one held only briefly (another submit picking connections) is
+ * waited for. */
+int kvf__tcp_ready(kvf_engine *e, const char *session) {
+  tcp_state *t = e->transport;
+  pthread_mutex_lock(&t->sess_lock);
+  tcp_session *s = kvf__smap_get(&t->sessions, session);
+  pthread_mutex_unlock(&t->sess_lock);
+  if (!s) return 0;
+  if (pthread_mutex_trylock(&s->lock)) {
+    if (atomic_load(&s->connecting)) return 0;
+    pthread_mutex_lock(&s->lock);
+  }
+  int ready = !atomic_load(&s->connecting);
+  for (int k = 0; ready && k < e->cfg.conns_per_peer; k++) ready = s->conns[k] && !atomic_load(&s->conns[k]->dead);
+  pthread_mutex_unlock(&s->lock);
+  return ready;
 }

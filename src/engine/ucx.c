@@ -49,53 +49,6 @@ void kvf__ucx_wake(ucx_state *u) {
   (void)r; /* a full counter already means "wake up" */
 }
 
-static int wait_fd(int fd, short ev, int64_t deadline_ns) {
-  for (;;) {
-    int64_t left = (deadline_ns - clock_now_ns()) / 1000000;
-    if (left <= 0) return KVF_ETIMEDOUT;
-    struct pollfd pf = {.fd = fd, .events = ev};
-    int r = poll(&pf, 1, (int)left);
-    if (r > 0) return 0;
-    if (r < 0 && errno != EINTR) return KVF_EIO;
-  }
-}
-
-int kvf__ucx_send_all(int fd, const void *buf, size_t len, int64_t deadline_ns) {
-  const char *p = buf;
-  while (len) {
-    ssize_t r = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (r > 0) {
-      p += r;
-      len -= (size_t)r;
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      int rc = wait_fd(fd, POLLOUT, deadline_ns);
-      if (rc) return rc;
-    } else if (errno != EINTR) {
-      return KVF_ECLOSED;
-    }
-  }
-  return 0;
-}
-
-int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns) {
-  char *p = buf;
-  while (len) {
-    ssize_t r = recv(fd, p, len, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r;
-      len -= (size_t)r;
-    } else if (r == 0) {
-      return KVF_ECLOSED;
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      int rc = wait_fd(fd, POLLIN, deadline_ns);
-      if (rc) return rc;
-    } else if (errno != EINTR) {
-      return KVF_ECLOSED;
-    }
-  }
-  return 0;
-}
-
 int kvf__ucx_rbuf_fill(int fd, ucx_rbuf *r) {
   for (;;) {
     ssize_t n = recv(fd, r->b, r->cap, MSG_DONTWAIT);
@@ -120,10 +73,10 @@ int kvf__ucx_rbuf_recv(int fd, ucx_rbuf *r, void *buf, size_t len, int64_t deadl
       r->off += k, p += k, len -= k;
       continue;
     }
-    if (!r || !r->b || len >= r->cap / 2) return kvf__ucx_recv_all(fd, p, len, deadline_ns);
+    if (!r || !r->b || len >= r->cap / 2) return kvf__fd_recv_all(fd, p, len, deadline_ns);
     int rc = kvf__ucx_rbuf_fill(fd, r);
     if (rc < 0) return KVF_ECLOSED;
-    if (!rc && (rc = wait_fd(fd, POLLIN, deadline_ns))) return rc;
+    if (!rc && (rc = kvf__fd_wait(fd, POLLIN, deadline_ns))) return rc;
   }
   return 0;
 }
@@ -153,7 +106,7 @@ int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
    * transfer pending (not understood yet). */
   ucx_req done = {UCX_READ_DONE_MAGIC, (uint32_t)status, id};
   pthread_mutex_lock(&c->send_mu);
-  int rc = kvf__ucx_send_all(c->fd, &done, sizeof done, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  int rc = kvf__fd_send_all(c->fd, &done, sizeof done, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
   pthread_mutex_unlock(&c->send_mu);
   return rc;
 }
@@ -294,7 +247,7 @@ static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out) {
     const ucx_info_hdr *h = (const ucx_info_hdr *)(const void *)m;
     if (gen_out) *gen_out = h->gen;
     if (!c->info_ns) c->info_ns = h->clock_ns;
-    rc = kvf__ucx_send_all(c->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+    rc = kvf__fd_send_all(c->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
     free(m);
   }
   pthread_mutex_unlock(&c->send_mu);
@@ -348,7 +301,7 @@ static int ucx_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t 
   for (ucx_ctl *c = u->ctls; c; c = c->next) {
     if (c->read_mode) continue;
     pthread_mutex_lock(&c->send_mu);
-    if (kvf__ucx_send_all(c->fd, &m, sizeof m, until)) ctl_cut(c);
+    if (kvf__fd_send_all(c->fd, &m, sizeof m, until)) ctl_cut(c);
     pthread_mutex_unlock(&c->send_mu);
   }
   for (;;) {
@@ -435,7 +388,7 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
       if (!kvf__addr_host(c->peer, ip, sizeof ip)) kvf__engine_deliver_trailer(e, t, r.reserved, ip);
       ucx_req ack = {UCX_TRAILER_ACK_MAGIC, 0, 0};
       pthread_mutex_lock(&c->send_mu);
-      rc = kvf__ucx_send_all(c->fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+      rc = kvf__fd_send_all(c->fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
       pthread_mutex_unlock(&c->send_mu);
       continue;
     }
@@ -892,4 +845,5 @@ const transport_ops kvf__ucx_transport_ops = {
     .free_pool = ucx_free_pool,
     .fence_close = ucx_fence_close,
     .routes = kvf__ucx_routes,
+    .ready = kvf__ucx_ready,
 };

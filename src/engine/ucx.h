@@ -239,6 +239,7 @@ typedef struct ucx_peer {
   char host[KVF_ADDR_HOST_LEN];
   uint16_t port;
   pthread_mutex_t conn_mu; /* one (re)connection at a time */
+  atomic_int connecting;   /* a submit holds conn_mu while it connects (kvf__ucx_ready) */
   pthread_rwlock_t rw;     /* ep, regs: read to write into the peer, write to change */
   ucp_ep_h ep;
   int fd;             /* rendezvous connection, -1 when none */
@@ -412,9 +413,6 @@ int kvf__ucx_tls_allow_shm(void);
  * writes). Caller frees *out. */
 int kvf__ucx_build_info(ucx_state *u, uint32_t flags, int64_t echo_ns, char **out, size_t *out_len);
 void kvf__ucx_wake(ucx_state *u);
-/* Send `len` bytes / receive exactly `len` bytes before the deadline. */
-int kvf__ucx_send_all(int fd, const void *buf, size_t len, int64_t deadline_ns);
-int kvf__ucx_recv_all(int fd, void *buf, size_t len, int64_t deadline_ns);
 /* Receive exactly `len` bytes from fd through the read-ahead r (its buffer
  * allocated, or NULL: straight from fd) before the deadline. */
 int kvf__ucx_rbuf_recv(int fd, ucx_rbuf *r, void *buf, size_t len, int64_t deadline_ns);
@@ -451,6 +449,7 @@ void kvf__ucx_rregions_free(ucx_rregion *regs, size_t n);
 const ucx_rregion *kvf__ucx_rregion_find(const ucx_rregion *regs, size_t n, uint64_t addr, uint64_t len);
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap);
 int kvf__ucx_path(kvf_engine *e, const char *session, const char **transport, const char **mode);
+int kvf__ucx_ready(kvf_engine *e, const char *session);
 int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap);
 /* Progress thread: a peer's rendezvous socket is readable or closed. */
 void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events);

@@ -175,7 +175,7 @@ int kvf__ucx_info_read_rest(int fd, ucx_rbuf *rb, int64_t deadline_ns, ucx_info_
 }
 
 static int info_read(int fd, int64_t deadline_ns, ucx_info_hdr *h, char **body) {
-  int rc = kvf__ucx_recv_all(fd, &h->magic, sizeof h->magic, deadline_ns);
+  int rc = kvf__fd_recv_all(fd, &h->magic, sizeof h->magic, deadline_ns);
   return rc ? rc : kvf__ucx_info_read_rest(fd, NULL, deadline_ns, h, body);
 }
 
@@ -367,9 +367,9 @@ static int ctl_open(kvf_engine *e, ucx_peer *p, int64_t deadline_ns, int *fd_out
   tcp_hello hello = {TCP_UCX_HELLO_MAGIC, TCP_UCX_PROTO_VERSION, e->ucx_read ? TCP_HELLO_CAN_READ : 0,
                      (uint32_t)tl, 0};
   tcp_reply rep;
-  rc = kvf__ucx_send_all(fd, &hello, sizeof hello, deadline_ns);
-  if (!rc && tl) rc = kvf__ucx_send_all(fd, e->auth_token, tl, deadline_ns);
-  if (!rc) rc = kvf__ucx_recv_all(fd, &rep, sizeof rep, deadline_ns);
+  rc = kvf__fd_send_all(fd, &hello, sizeof hello, deadline_ns);
+  if (!rc && tl) rc = kvf__fd_send_all(fd, e->auth_token, tl, deadline_ns);
+  if (!rc) rc = kvf__fd_recv_all(fd, &rep, sizeof rep, deadline_ns);
   if (!rc && (rep.magic != TCP_HELLO_MAGIC || rep.status > 0)) rc = KVF_EPROTO;
   if (!rc && rep.status) rc = rep.status == KVF_EACCES || rep.status == KVF_ESTATE ? rep.status : KVF_EPROTO;
   if (!rc) rc = info_read(fd, deadline_ns, h, body);
@@ -456,7 +456,7 @@ static int writer_info_send_locked(ucx_state *u, ucx_peer *p) {
   int rc = kvf__ucx_build_info(u, UCX_INFO_WRITER, p->target_clock_ns, &m, &len);
   if (!rc) {
     p->info_sent_gen = ((const ucx_info_hdr *)(const void *)m)->gen;
-    rc = p->fd < 0 ? KVF_ECLOSED : kvf__ucx_send_all(p->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+    rc = p->fd < 0 ? KVF_ECLOSED : kvf__fd_send_all(p->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
     free(m);
   }
   pthread_mutex_unlock(&p->mu);
@@ -477,18 +477,29 @@ int kvf__ucx_writer_info_refresh(ucx_state *u, ucx_peer *p) {
  * per peer by conn_mu. */
 int kvf__ucx_peer_ensure(ucx_state *u, ucx_peer *p, int64_t deadline_ns, ucx_route *route_out) {
   int rc = 0;
-  pthread_mutex_lock(&p->conn_mu);
+  if (kvf__engine_may_block()) {
+    pthread_mutex_lock(&p->conn_mu);
+  } else if (pthread_mutex_trylock(&p->conn_mu)) { /* held long only by a connect */
+    if (atomic_load(&p->connecting)) return KVF__SUBMIT_WOULD_BLOCK;
+    pthread_mutex_lock(&p->conn_mu);
+  }
   pthread_rwlock_rdlock(&p->rw);
   int live = p->ep && !atomic_load(&p->dead);
   pthread_rwlock_unlock(&p->rw);
   if (p->route == ROUTE_TCP || (p->route == ROUTE_UCX && live)) goto out;
+  if (!kvf__engine_may_block()) { /* the session's connector makes the rendezvous */
+    rc = KVF__SUBMIT_WOULD_BLOCK;
+    goto out;
+  }
   pthread_rwlock_wrlock(&p->rw);
   peer_reset_locked(u, p);
   pthread_rwlock_unlock(&p->rw);
   int fd = -1;
   ucx_info_hdr h;
   char *body = NULL;
+  atomic_store(&p->connecting, 1);
   rc = ctl_open(u->e, p, deadline_ns, &fd, &h, &body);
+  atomic_store(&p->connecting, 0);
   if (rc == KVF_ESTATE || rc == KVF_EPROTO) { /* the peer has no UCX transport (or predates it) */
     if (u->e->ucx_explicit) {
       LOG_ERROR("ucx", "transport ucx: peer %s does not offer UCX (%s)", p->id,
@@ -568,8 +579,8 @@ out_unlock:
   pthread_rwlock_rdlock(&p->rw);
   pthread_mutex_lock(&p->mu);
   if (p->fd == fd) {
-    rc = kvf__ucx_send_all(fd, &ack, sizeof ack, until);
-    if (!rc && ask) rc = kvf__ucx_send_all(fd, &req, sizeof req, until);
+    rc = kvf__fd_send_all(fd, &ack, sizeof ack, until);
+    if (!rc && ask) rc = kvf__fd_send_all(fd, &req, sizeof req, until);
   }
   pthread_mutex_unlock(&p->mu);
   pthread_rwlock_unlock(&p->rw);
@@ -617,7 +628,7 @@ static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
       if (!rc) { /* a clock question: answered at once, it bounds the clocks' difference */
         ucx_clock_ans a = {UCX_CLOCK_ANS_MAGIC, 0, (int64_t)rest.gen, clock_now_ns()};
         pthread_mutex_lock(&p->mu);
-        rc = kvf__ucx_send_all(fd, &a, sizeof a, until);
+        rc = kvf__fd_send_all(fd, &a, sizeof a, until);
         pthread_mutex_unlock(&p->mu);
         if (!rc) {
           int more = rb_more_locked(p);
@@ -672,7 +683,7 @@ static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
     if (p->ep && !atomic_load(&p->dead)) rc = info_apply(u, p, &h, body, 0);
     ucx_req ack = {UCX_ACK_MAGIC, 0, h.gen};
     pthread_mutex_lock(&p->mu);
-    if (!rc) rc = kvf__ucx_send_all(fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+    if (!rc) rc = kvf__fd_send_all(fd, &ack, sizeof ack, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
     pthread_mutex_unlock(&p->mu);
   }
   pthread_rwlock_unlock(&p->rw);
@@ -702,7 +713,7 @@ void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
   ucx_req req = {UCX_REQ_MAGIC, 0, 0};
   pthread_rwlock_rdlock(&p->rw);
   pthread_mutex_lock(&p->mu);
-  int rc = p->fd >= 0 ? kvf__ucx_send_all(p->fd, &req, sizeof req, until) : KVF_ECLOSED;
+  int rc = p->fd >= 0 ? kvf__fd_send_all(p->fd, &req, sizeof req, until) : KVF_ECLOSED;
   pthread_mutex_unlock(&p->mu);
   pthread_rwlock_unlock(&p->rw);
   if (rc) return;
@@ -756,6 +767,26 @@ int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap)
   }
   pthread_mutex_unlock(&u->peers_mu);
   return rc;
+}
+
+/* transport_ops.ready: a peer routed to UCX with a live endpoint, or routed
+ * to TCP with its connections made (kvf__tcp_ready). A peer not decided
+ * yet, or whose rendezvous is being made, is not ready. */
+int kvf__ucx_ready(kvf_engine *e, const char *session) {
+  ucx_state *u = e->ucx;
+  pthread_mutex_lock(&u->peers_mu);
+  ucx_peer *p = kvf__smap_get(&u->peers, session);
+  pthread_mutex_unlock(&u->peers_mu);
+  if (!p || atomic_load(&p->connecting)) return 0;
+  pthread_mutex_lock(&p->mu);
+  ucx_route route = p->route;
+  pthread_mutex_unlock(&p->mu);
+  if (route == ROUTE_TCP) return kvf__tcp_ready(e, session);
+  if (route != ROUTE_UCX) return 0;
+  pthread_rwlock_rdlock(&p->rw);
+  int live = p->ep && !atomic_load(&p->dead);
+  pthread_rwlock_unlock(&p->rw);
+  return live;
 }
 
 int kvf__ucx_path(kvf_engine *e, const char *session, const char **transport, const char **mode) {

@@ -53,7 +53,7 @@ static int sendv_all(int fd, struct iovec *iov, int cnt, int64_t deadline_ns) {
       if (errno != EAGAIN && errno != EWOULDBLOCK) return KVF_ECLOSED;
       /* Full: the rest goes through the waiting sender, piece by piece. */
       for (int i = 0; i < cnt; i++) {
-        int rc = kvf__ucx_send_all(fd, iov[i].iov_base, iov[i].iov_len, deadline_ns);
+        int rc = kvf__fd_send_all(fd, iov[i].iov_base, iov[i].iov_len, deadline_ns);
         if (rc) return rc;
       }
       return 0;
@@ -327,7 +327,7 @@ static void clock_ask(ucx_ctl *c, int64_t now) {
   if (c->ping_ns && now - c->ping_ns < (int64_t)UCX_CTL_TIMEOUT_MS * 1000000) return;
   ucx_req q = {UCX_CLOCK_MAGIC, 0, (uint64_t)now};
   pthread_mutex_lock(&c->send_mu);
-  if (!kvf__ucx_send_all(c->fd, &q, sizeof q, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) c->ping_ns = now;
+  if (!kvf__fd_send_all(c->fd, &q, sizeof q, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) c->ping_ns = now;
   pthread_mutex_unlock(&c->send_mu);
 }
 

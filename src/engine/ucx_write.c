@@ -78,8 +78,8 @@ static int trailer_send(ucx_peer *p, const chunk *c) {
   ucx_req h = {UCX_TRAILER_MAGIC, c->tlen, 0};
   int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
   pthread_mutex_lock(&p->mu);
-  int rc = p->fd < 0 ? KVF_ECLOSED : kvf__ucx_send_all(p->fd, &h, sizeof h, until);
-  if (!rc) rc = kvf__ucx_send_all(p->fd, c->trailer, c->tlen, until);
+  int rc = p->fd < 0 ? KVF_ECLOSED : kvf__fd_send_all(p->fd, &h, sizeof h, until);
+  if (!rc) rc = kvf__fd_send_all(p->fd, c->trailer, c->tlen, until);
   pthread_mutex_unlock(&p->mu);
   return rc;
 }
@@ -404,6 +404,7 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
    * its way (the answer to an earlier request, or a push from before this
    * request reached the target); the target answers requests in order, so a
    * few rounds reach the current regions. */
+  if (!ok && !kvf__engine_may_block()) return KVF__SUBMIT_WOULD_BLOCK; /* the connector asks */
   for (int round = 0; !ok && round < UCX_REFRESH_ROUNDS && clock_now_ns() < deadline; round++) {
     kvf__ucx_peer_refresh(u, p, deadline);
     pthread_rwlock_rdlock(&p->rw);

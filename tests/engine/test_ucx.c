@@ -681,8 +681,8 @@ static void send_notice(kvf_engine *w, const char *session, const ucx_notice *n,
   assert_int_equal(kvf__ucx_peer_get(u, session, &p), 0);
   pthread_mutex_lock(&p->mu);
   assert_true(p->fd >= 0);
-  assert_int_equal(kvf__ucx_send_all(p->fd, n, sizeof *n, clock_deadline_ms(2000)), 0);
-  if (n->ndesc) assert_int_equal(kvf__ucx_send_all(p->fd, d, n->ndesc * sizeof *d, clock_deadline_ms(2000)), 0);
+  assert_int_equal(kvf__fd_send_all(p->fd, n, sizeof *n, clock_deadline_ms(2000)), 0);
+  if (n->ndesc) assert_int_equal(kvf__fd_send_all(p->fd, d, n->ndesc * sizeof *d, clock_deadline_ms(2000)), 0);
   pthread_mutex_unlock(&p->mu);
 }
 
