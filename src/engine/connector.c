@@ -137,7 +137,7 @@ static void *connector_main(void *arg) {
       if (!k->head) k->tail = NULL;
     } else {
       connector_unlink_locked(e, k);
-      e->nconnectors--;
+      atomic_fetch_sub(&e->nconnectors, 1);
       pthread_cond_broadcast(&e->conn_cv);
     }
     pthread_mutex_unlock(&e->conn_mu);
@@ -164,7 +164,7 @@ static connect_job *job_new(chunk **chunks, size_t n) {
 static int connector_queue(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks) {
   pthread_mutex_lock(&e->conn_mu);
   engine_connector *k = connector_find_locked(e, session);
-  if (!k && e->nconnectors >= ENGINE_MAX_CONNECTORS) {
+  if (!k && atomic_load(&e->nconnectors) >= ENGINE_MAX_CONNECTORS) {
     pthread_mutex_unlock(&e->conn_mu);
     return 1;
   }
@@ -200,7 +200,7 @@ static int connector_queue(kvf_engine *e, const char *session, chunk **chunks, s
   }
   k->next = e->connectors; /* the thread waits for conn_mu before it looks */
   e->connectors = k;
-  e->nconnectors++;
+  atomic_fetch_add(&e->nconnectors, 1);
   pthread_mutex_unlock(&e->conn_mu);
   return 0;
 }
@@ -210,9 +210,12 @@ int kvf__engine_dispatch(kvf_engine *e, const char *session, chunk **chunks, siz
    * it holds); without one, the transport says whether it would connect. A
    * batch of this thread's that went to a connector is still found there,
    * so this thread's batches keep their order. */
-  pthread_mutex_lock(&e->conn_mu);
-  int queue = connector_find_locked(e, session) != NULL;
-  pthread_mutex_unlock(&e->conn_mu);
+  int queue = 0;
+  if (atomic_load(&e->nconnectors)) {
+    pthread_mutex_lock(&e->conn_mu);
+    queue = connector_find_locked(e, session) != NULL;
+    pthread_mutex_unlock(&e->conn_mu);
+  }
   if (atomic_load(&e->connect_stop)) queue = 0;
   else if (!queue && e->ops->ready) queue = !e->ops->ready(e, session);
   if (!queue) {
@@ -235,6 +238,6 @@ int kvf__engine_may_block(void) { return may_block; }
 void kvf__engine_connectors_stop(kvf_engine *e) {
   atomic_store(&e->connect_stop, 1);
   pthread_mutex_lock(&e->conn_mu);
-  while (e->nconnectors > 0) pthread_cond_wait(&e->conn_cv, &e->conn_mu);
+  while (atomic_load(&e->nconnectors) > 0) pthread_cond_wait(&e->conn_cv, &e->conn_mu);
   pthread_mutex_unlock(&e->conn_mu);
 }

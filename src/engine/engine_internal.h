@@ -254,7 +254,7 @@ typedef struct kvf_engine {
   pthread_mutex_t conn_mu;
   pthread_cond_t conn_cv;
   struct engine_connector *connectors;
-  int nconnectors;
+  atomic_int nconnectors; /* changed under conn_mu; read without it: none runs, nothing to look up */
   atomic_int connect_stop;
 } kvf_engine;
 
