@@ -586,6 +586,54 @@ static int wait_final_on_events(kvf_manager *m, kvf_sender *s, int ms) {
   }
 }
 
+/* A sender for `room` whose decode names as its engine session a socket
+ * that listens and never accepts (a stopped decode: the connect completes
+ * in the kernel, the handshake never gets an answer); the room is
+ * requested (M2). Returns the listening socket. */
+static int silent_request(fixture *f, int64_t room, const int64_t *dst, size_t n, kvf_sender **out) {
+  int silent = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t sl = sizeof sa;
+  assert_int_equal(bind(silent, (struct sockaddr *)&sa, sizeof sa), 0);
+  assert_int_equal(listen(silent, 4), 0);
+  assert_int_equal(getsockname(silent, (struct sockaddr *)&sa, &sl), 0);
+  char real[sizeof f->session];
+  snprintf(real, sizeof real, "%s", f->session);
+  snprintf(f->session, sizeof f->session, "127.0.0.1:%u", (unsigned)ntohs(sa.sin_port));
+  *out = new_sender(f, room);
+  register_and_request(f, room, dst, n);
+  snprintf(f->session, sizeof f->session, "%s", real);
+  return silent;
+}
+
+/* A decode that never answers the engine's handshake holds only its own
+ * room: kvf_sender_send returns at once (the connect runs on the engine's
+ * connector), and the next room, to a live decode, reaches Success while
+ * the first still waits for its connection (the engine's timeout is 5 s).
+ * Closing the silent socket resets the half-made connection and the first
+ * room fails. */
+static void silent_decode_holds_only_its_room(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  int64_t src[] = {0, 1, 2}, dst[] = {3, 4, 5};
+  kvf_sender *stuck = NULL;
+  int silent = silent_request(&f, 31, dst, 3, &stuck);
+  kvf_sender *live = new_sender(&f, 32);
+  register_and_request(&f, 32, dst, 3);
+  assert_int_equal(send_chunk(stuck, src, 3, 1, 0, 4, NULL, 0, NULL, 0), 0);
+  assert_int_equal(send_chunk(live, src, 3, 1, 0, 5, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(live, 4000), KVF_POLL_SUCCESS);
+  assert_int_equal(kvf_sender_poll(stuck), KVF_POLL_BOOTSTRAPPED); /* not final: its chunk waits for the connect */
+  expect_success_m3(&f, 32, 5, NULL, 0);
+  check_pages(&f, src, dst, 3);
+  close(silent);
+  assert_int_equal(wait_final(stuck, 4000), KVF_POLL_FAILED);
+  kvf_sender_destroy(stuck);
+  kvf_sender_destroy(live);
+  fx_teardown(&f);
+}
+
 /* kvf_manager_event_fd wakes a sleeping scheduler when its room succeeds,
  * and when a failed room's last transfer ends (the sender's poll reports
  * Failed only then: that end is an event too, not only the failure). */
@@ -611,18 +659,8 @@ static void event_fd_wakes_the_scheduler(void **state) {
    * answers (a socket that accepts and stays silent, so the chunk ends at
    * the engine's timeout, 5 s): Failed waits for that end, and only the
    * end's own event can wake the wait in time. */
-  int silent = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t sl = sizeof sa;
-  assert_int_equal(bind(silent, (struct sockaddr *)&sa, sizeof sa), 0);
-  assert_int_equal(listen(silent, 4), 0);
-  assert_int_equal(getsockname(silent, (struct sockaddr *)&sa, &sl), 0);
-  char real[sizeof f.session];
-  snprintf(real, sizeof real, "%s", f.session);
-  snprintf(f.session, sizeof f.session, "127.0.0.1:%u", (unsigned)ntohs(sa.sin_port));
-  kvf_sender *s3 = new_sender(&f, 23);
-  register_and_request(&f, 23, dst, 3); /* the silent socket as the decode's engine session */
-  snprintf(f.session, sizeof f.session, "%s", real);
+  kvf_sender *s3 = NULL;
+  int silent = silent_request(&f, 23, dst, 3, &s3);
   assert_int_equal(send_chunk(s3, src, 3, 1, 0, 4, NULL, 0, NULL, 0), 0);
   /* The engine connecting to the silent socket: the chunk is in flight (the
    * room counts it before its submit), whenever its M2 got through. */
@@ -1615,6 +1653,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(one_chunk),
       cmocka_unit_test(event_fd_wakes_the_scheduler),
+      cmocka_unit_test(silent_decode_holds_only_its_room),
       cmocka_unit_test(token_major_slices),
       cmocka_unit_test(candidate_limit),
       cmocka_unit_test(send_params_checked),
