@@ -11,15 +11,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/mman.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 #include <cmocka.h>
 
 #include "base/addr.h"
+#include "sockets.h"
 #include "tools/pattern.h"
 #include "tools/peer.h"
 #include "engine/async.h"
@@ -330,19 +328,6 @@ static void stopped_peer_fails_at_deadline(void **state) {
   kvf_engine_destroy(fresh);
 }
 
-/* A socket that listens and never accepts: a connect to it completes in the
- * kernel, its handshake never gets an answer. */
-static int silent_listener(char *session, size_t cap) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t sl = sizeof sa;
-  assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-  assert_int_equal(listen(fd, 4), 0);
-  assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
-  snprintf(session, cap, "127.0.0.1:%u", (unsigned)ntohs(sa.sin_port));
-  return fd;
-}
-
 /* kvf_engine_submit never blocks on the network: a batch to a peer whose
  * handshake never comes back (a stopped process, a host that drops packets)
  * connects on a thread of its own, so the same thread's next batch, to a
@@ -354,7 +339,8 @@ static void submit_never_waits_for_a_connect(void **state) {
   kvf_engine *e = make_engine(20000, NULL);
   assert_int_equal(kvf_engine_register(e, f->pool, f->pool_bytes), 0);
   char silent[KVF_ADDR_LEN];
-  int lfd = silent_listener(silent, sizeof silent);
+  int lfd = kvf_test_silent_listener(silent, sizeof silent);
+  assert_true(lfd >= 0);
   kvf_write w = {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base, .len = PAGE};
   kvf_batch *stuck = NULL, *live = NULL;
   assert_int_equal(kvf_engine_submit(e, silent, &w, 1, &stuck), 0);

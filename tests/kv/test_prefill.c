@@ -24,8 +24,6 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -38,6 +36,7 @@
 #include "kv/manager.h"
 #include "kvferry/bootstrap.h"
 #include "kvferry/kv.h"
+#include "sockets.h"
 #include "wire/messages.h"
 
 #define NKV_MAX 4 /* up to two MHA layers: K0 K1 V0 V1 */
@@ -591,15 +590,10 @@ static int wait_final_on_events(kvf_manager *m, kvf_sender *s, int ms) {
  * in the kernel, the handshake never gets an answer); the room is
  * requested (M2). Returns the listening socket. */
 static int silent_request(fixture *f, int64_t room, const int64_t *dst, size_t n, kvf_sender **out) {
-  int silent = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t sl = sizeof sa;
-  assert_int_equal(bind(silent, (struct sockaddr *)&sa, sizeof sa), 0);
-  assert_int_equal(listen(silent, 4), 0);
-  assert_int_equal(getsockname(silent, (struct sockaddr *)&sa, &sl), 0);
   char real[sizeof f->session];
   snprintf(real, sizeof real, "%s", f->session);
-  snprintf(f->session, sizeof f->session, "127.0.0.1:%u", (unsigned)ntohs(sa.sin_port));
+  int silent = kvf_test_silent_listener(f->session, sizeof f->session);
+  assert_true(silent >= 0);
   *out = new_sender(f, room);
   register_and_request(f, room, dst, n);
   snprintf(f->session, sizeof f->session, "%s", real);
