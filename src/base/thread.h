@@ -3,7 +3,8 @@
  * TID/comm and `kvferry bench peers` show which part of kvferry it is.
  * The names, by file:
  *   kvf-listen     kv/control.c     a manager's control listener (ZeroMQ PULL)
- *   kvf-xfer       kv/prefill       a prefill's transfer worker
+ *   kvf-xfer       kv/prefill       a prefill's transfer worker (kvf-xfer-more: an extra one
+ *                                   while the others wait on slow destinations, workers.c)
  *   kvf-hb         kv/decode        a decode's heartbeat (kvf-hb-probe: a round's probes)
  *   kvf-trace      kv/trace.c       the KVFERRY_TRACE file writer
  *   kvf-tcp-accept engine/tcp.c     the TCP engine's listener

@@ -628,6 +628,43 @@ static void silent_decode_holds_only_its_room(void **state) {
   fx_teardown(&f);
 }
 
+/* Decodes that stop answering hold only their own rooms on the worker path
+ * too: rooms of two chunks each (the first stays in the worker's window, the
+ * last waits for both) to three silent decodes, then to a live one. Each
+ * queue's thread that waits on a silent decode gets another thread for the
+ * other rooms (up to PF_QUEUE_THREADS per queue, more than the three that
+ * can wait), so every live room succeeds while the silent ones still wait
+ * (the engine's timeout is 20 s); before, a live room behind a silent one
+ * on its queue waited for that timeout. */
+static void silent_decodes_hold_only_their_rooms_on_workers(void **state) {
+  (void)state;
+  enum { NSTUCK = 3, NLIVE = 8 };
+  fixture f;
+  fx_setup(&f, "");
+  int64_t src[] = {0, 1, 2, 3}, dst[] = {3, 4, 5, 6};
+  kvf_sender *stuck[NSTUCK], *live[NLIVE];
+  int silent[NSTUCK];
+  for (int i = 0; i < NSTUCK; i++) {
+    silent[i] = silent_request(&f, 100 + i, dst, 4, &stuck[i]);
+    assert_int_equal(send_chunk(stuck[i], src, 2, 0, 0, 4, NULL, 0, NULL, 0), 0);
+    assert_int_equal(send_chunk(stuck[i], src + 2, 2, 1, 0, 4, NULL, 0, NULL, 0), 0);
+  }
+  for (int i = 0; i < NLIVE; i++) {
+    live[i] = new_sender(&f, 200 + i);
+    register_and_request(&f, 200 + i, dst, 4);
+    assert_int_equal(send_chunk(live[i], src, 2, 0, 0, 5, NULL, 0, NULL, 0), 0);
+    assert_int_equal(send_chunk(live[i], src + 2, 2, 1, 0, 5, NULL, 0, NULL, 0), 0);
+  }
+  for (int i = 0; i < NLIVE; i++) assert_int_equal(wait_final(live[i], 15000), KVF_POLL_SUCCESS);
+  for (int i = 0; i < NSTUCK; i++) assert_int_equal(kvf_sender_poll(stuck[i]), KVF_POLL_BOOTSTRAPPED);
+  check_pages(&f, src, dst, 4);
+  for (int i = 0; i < NSTUCK; i++) close(silent[i]); /* resets the half-made connections */
+  for (int i = 0; i < NSTUCK; i++) assert_int_equal(wait_final(stuck[i], 15000), KVF_POLL_FAILED);
+  for (int i = 0; i < NSTUCK; i++) kvf_sender_destroy(stuck[i]);
+  for (int i = 0; i < NLIVE; i++) kvf_sender_destroy(live[i]);
+  fx_teardown(&f);
+}
+
 /* kvf_manager_event_fd wakes a sleeping scheduler when its room succeeds,
  * and when a failed room's last transfer ends (the sender's poll reports
  * Failed only then: that end is an event too, not only the failure). */
@@ -1648,6 +1685,7 @@ int main(void) {
       cmocka_unit_test(one_chunk),
       cmocka_unit_test(event_fd_wakes_the_scheduler),
       cmocka_unit_test(silent_decode_holds_only_its_room),
+      cmocka_unit_test(silent_decodes_hold_only_their_rooms_on_workers),
       cmocka_unit_test(token_major_slices),
       cmocka_unit_test(candidate_limit),
       cmocka_unit_test(send_params_checked),

@@ -134,6 +134,8 @@ static void free_state(prefill_state *ps) {
   free(ps);
 }
 
+/* Stop every queue's threads (each finishes what it has in flight) and wait
+ * until the last has ended; chunks never taken are dropped. */
 static void stop_workers(prefill_state *ps) {
   for (int i = 0; i < ps->nqueues; i++) {
     pf_queue *q = &ps->queues[i];
@@ -144,7 +146,9 @@ static void stop_workers(prefill_state *ps) {
   }
   for (int i = 0; i < ps->nqueues; i++) {
     pf_queue *q = &ps->queues[i];
-    if (q->started) pthread_join(q->thread, NULL);
+    pthread_mutex_lock(&q->lock);
+    while (q->nthreads > 0) pthread_cond_wait(&q->cond, &q->lock);
+    pthread_mutex_unlock(&q->lock);
     /* chunks never processed: drop them with their room references */
     pthread_mutex_lock(&ps->lock);
     for (pf_chunk *c = q->head, *n; c; c = n) {
@@ -155,9 +159,6 @@ static void stop_workers(prefill_state *ps) {
     pthread_mutex_unlock(&ps->lock);
     pthread_cond_destroy(&q->cond);
     pthread_mutex_destroy(&q->lock);
-    kvf__pf_scratch_free(&q->sc);
-    for (int k = 0; k < PF_WORKER_WINDOW; k++) /* the worker drained its window before it ended */
-      kvf__pf_dest_writes_free(&q->fl[k].dw);
   }
 }
 
@@ -183,20 +184,15 @@ int kvf__prefill_start(kvf_manager *m) {
     pf_queue *q = &ps->queues[i];
     q->ps = ps;
     pthread_mutex_init(&q->lock, NULL);
-    pthread_cond_init(&q->cond, NULL);
+    clock_cond_init(&q->cond); /* monotonic: a helper's idle wait (workers.c) */
   }
-  for (int i = 0; i < ps->nqueues; i++)
-    if (kvf__pf_scratch_init(&ps->queues[i].sc, &m->bufs)) {
-      rc = KVF_ENOMEM;
-      goto err_workers;
-    }
-  for (int i = 0; i < ps->nqueues; i++) {
-    if (pthread_create(&ps->queues[i].thread, NULL, kvf__pf_worker_main, &ps->queues[i])) {
-      rc = KVF_ENOMEM;
-      goto err_workers;
-    }
-    ps->queues[i].started = 1;
+  for (int i = 0; i < ps->nqueues && !rc; i++) {
+    pf_queue *q = &ps->queues[i];
+    pthread_mutex_lock(&q->lock);
+    rc = kvf__pf_worker_start_locked(q, 0);
+    pthread_mutex_unlock(&q->lock);
   }
+  if (rc) goto err_workers;
   m->prefill = ps;
   return 0;
 

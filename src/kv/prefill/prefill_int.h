@@ -137,6 +137,8 @@
 #define PF_CHUNK_INLINE_PAGES 16        /* pages a chunk holds without an allocation */
 #define PF_CHUNK_INLINE_STATE 4         /* state slots a chunk holds without an allocation */
 #define PF_WORKER_WINDOW 4              /* chunks a worker keeps in flight before waiting (workers.c) */
+#define PF_QUEUE_THREADS 4              /* threads that may serve one queue, the first included (workers.c) */
+#define PF_HELPER_IDLE_MS 2000          /* a queue's extra thread ends after this long with nothing to do */
 #define PF_M3_BATCH 32                  /* deferred M3s held at most; a full queue goes out at once */
 #define PF_M3_DEFER_MS 2                /* a deferred M3 goes out within about this long (m3_outbox.c) */
 
@@ -214,6 +216,7 @@ typedef struct pf_scratch {
   size_t *done;
   int *res;
   size_t cap_done, cap_res;
+  struct pf_worker *worker; /* the worker thread whose scratch this is (NULL: the direct path's) */
 } pf_scratch;
 
 typedef struct pf_chunk {
@@ -288,6 +291,12 @@ typedef struct pf_room {
   int has_sender;
   int bootstrapped;
   int shard;
+  /* Under its queue's lock: the worker thread that holds the room (one of
+   * its chunks is being processed or in that worker's window: `held` of
+   * them); only that thread takes its next chunk, so a room's chunks still
+   * run in order on one thread (workers.c). */
+  struct pf_worker *owner;
+  int held;
   int64_t create_ns;             /* sender creation, for the bootstrap timeout */
   pf_reg *early_owner;           /* early room: the session it is charged to; NULL otherwise */
   struct pf_room *eprev, *enext; /* the early LRU list */
@@ -319,6 +328,22 @@ typedef struct pf_flight {
   pf_dest_writes dw;
 } pf_flight;
 
+/* A thread serving a queue (workers.c). Its scratch and window are its
+ * own (this thread only). */
+typedef struct pf_worker {
+  struct pf_queue *q;
+  int helper;  /* started while the queue's other threads waited on the network */
+  int waiting; /* waits on the network now (q->lock) */
+  pf_scratch sc;
+  /* the window: fl[(fl_head + k) % PF_WORKER_WINDOW], k < fl_n, oldest first */
+  pf_flight fl[PF_WORKER_WINDOW];
+  unsigned fl_head, fl_n;
+} pf_worker;
+
+/* One FIFO of chunks. Its first thread serves it; while every thread of it
+ * waits on the network (a destination that is slow to confirm, or stopped)
+ * and chunks of other rooms are queued, another thread starts, up to
+ * PF_QUEUE_THREADS, so one stuck decode never holds the rooms of others. */
 typedef struct pf_queue {
   struct prefill_state *ps;
   pthread_mutex_t lock;
@@ -326,13 +351,7 @@ typedef struct pf_queue {
   pf_chunk *head, *tail;
   size_t count;
   int stop;
-  pthread_t thread;
-  int started;
-  pf_scratch sc; /* the worker's */
-  /* the worker's window: fl[(fl_head + k) % PF_WORKER_WINDOW], k < fl_n,
-   * oldest first (this worker's thread only) */
-  pf_flight fl[PF_WORKER_WINDOW];
-  unsigned fl_head, fl_n;
+  int nthreads, nidle, nwaiting; /* its threads: all, idle on cond, waiting on the network */
 } pf_queue;
 
 struct kvf_sender {
@@ -474,6 +493,19 @@ void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n,
 void kvf__pf_tell_others_failed(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *why);
 int kvf__pf_room_shard(prefill_state *ps, pf_room *r);
 int kvf__pf_queue_push(pf_queue *q, pf_chunk *c);
+/* q->lock held: a chunk of a room no thread holds is queued: wake an idle
+ * thread of q, or, when every one waits on the network, start another (up
+ * to PF_QUEUE_THREADS). */
+void kvf__pf_more_hands_locked(pf_queue *q);
+/* Start a thread serving q (the first, or a helper). q->lock held; 0 or
+ * KVF_ENOMEM. */
+int kvf__pf_worker_start_locked(pf_queue *q, int helper);
+/* A worker thread is about to wait on the network (a batch, a group of
+ * them) and when done waiting: while it waits, queued chunks of rooms it
+ * does not hold go to another thread of its queue. No-ops for the direct
+ * path's scratch (sc->worker NULL). */
+void kvf__pf_wait_begin(pf_scratch *sc);
+void kvf__pf_wait_end(pf_scratch *sc);
 void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct);
 void kvf__pf_early_unlink(prefill_state *ps, pf_room *r);
 void kvf__pf_early_append(prefill_state *ps, pf_room *r, pf_reg *owner);
@@ -521,7 +553,6 @@ int kvf__pf_recheck_chunk(prefill_state *ps, const pf_chunk *c, char *why, size_
 
 /* workers.c */
 void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const char *why, int mark);
-void *kvf__pf_worker_main(void *arg);
 
 /* direct.c */
 pf_direct *kvf__pf_direct_take_locked(prefill_state *ps, pf_room *r, const pf_chunk *c, size_t prior);

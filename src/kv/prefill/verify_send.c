@@ -114,6 +114,7 @@ int kvf__pf_verify_send(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why
       break;
     }
   }
+  kvf__pf_wait_begin(sc);
   for (size_t g = 0; ret == DEST_OK && g < sc->nparts; g++) {
     pf_part *p = &sc->parts[g];
     if (!p->batch) continue;
@@ -136,5 +137,6 @@ int kvf__pf_verify_send(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why
     kvf_batch_destroy(sc->parts[g].batch);
     sc->parts[g].batch = NULL;
   }
+  kvf__pf_wait_end(sc);
   return ret;
 }

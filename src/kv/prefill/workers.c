@@ -71,13 +71,15 @@ static void trace_done(pf_room *r, uint64_t bytes) {
   kvf__trace_add(&r->tr, TRACE_BYTES, bytes);
 }
 
+static void room_unhold(pf_queue *q, pf_room *r);
+
 /* Wait for the oldest chunk in the worker's window: the first failed write
  * fails the room and tells its destination (§6.11 step 5); then the chunk
  * is counted (when every write landed) and released. */
-static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
-  pf_flight *f = &q->fl[q->fl_head];
-  q->fl_head = (q->fl_head + 1) % PF_WORKER_WINDOW;
-  q->fl_n--;
+static void flight_finish_oldest(prefill_state *ps, pf_worker *w) {
+  pf_flight *f = &w->fl[w->fl_head];
+  w->fl_head = (w->fl_head + 1) % PF_WORKER_WINDOW;
+  w->fl_n--;
   pf_chunk *c = f->c;
   uint64_t bytes = 0;
   char why[ROOMS_REASON_MAX];
@@ -87,6 +89,7 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
   pthread_mutex_lock(&ps->lock);
   int ok = !c->r->dead && !kvf__rooms_get_status(ps->m->rooms, c->r->room, &st) && st != ROOM_FAILED;
   pthread_mutex_unlock(&ps->lock);
+  kvf__pf_wait_begin(&w->sc);
   if (ok && f->dw.group) kvf__batch_group_wait(f->dw.group); /* one wake-up for all its destinations */
   for (size_t i = 0; i < f->n; i++) {
     if (!f->dw.batches[i]) continue;
@@ -102,10 +105,12 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
     kvf_batch_destroy(f->dw.batches[i]); /* waits for writes past a failure */
     f->dw.batches[i] = NULL;
   }
+  kvf__pf_wait_end(&w->sc);
   if (ok) {
     atomic_fetch_add(&ps->m->stats.chunks_sent, 1);
     atomic_fetch_add(&ps->m->stats.bytes_sent, bytes);
   }
+  room_unhold(w->q, c->r);
   pthread_mutex_lock(&ps->lock);
   kvf__pf_room_busy_done_locked(ps, c->r);
   for (size_t i = 0; i < f->n; i++) kvf__pf_info_unref(ps, f->dw.infos[i]);
@@ -114,8 +119,8 @@ static void flight_finish_oldest(prefill_state *ps, pf_queue *q) {
   f->c = NULL;
 }
 
-static void flight_drain(prefill_state *ps, pf_queue *q) {
-  while (q->fl_n) flight_finish_oldest(ps, q);
+static void flight_drain(prefill_state *ps, pf_worker *w) {
+  while (w->fl_n) flight_finish_oldest(ps, w);
 }
 
 /* The group the scratch's writes join, made the first time (NULL without
@@ -136,12 +141,12 @@ static kvf__batch_group *dw_group(pf_dest_writes *dw) {
 
 /* The chunk's writes, all submitted without a failure, go into the window:
  * the next slot takes over the scratch's per-destination arrays. */
-static void flight_add(pf_queue *q, pf_chunk *c, size_t n) {
-  pf_flight *f = &q->fl[(q->fl_head + q->fl_n) % PF_WORKER_WINDOW];
-  q->fl_n++;
+static void flight_add(pf_worker *w, pf_chunk *c, size_t n) {
+  pf_flight *f = &w->fl[(w->fl_head + w->fl_n) % PF_WORKER_WINDOW];
+  w->fl_n++;
   f->c = c, f->n = n;
   pf_dest_writes spare = f->dw;
-  f->dw = q->sc.dw, q->sc.dw = spare;
+  f->dw = w->sc.dw, w->sc.dw = spare;
 }
 
 /* May last chunk c be submitted while the worker's window still holds
@@ -155,10 +160,10 @@ static void flight_add(pf_queue *q, pf_chunk *c, size_t n) {
  * the bytes of this one that arrive after (no late write after Failed, as
  * for the window's own chunks). Saves a fan-out room one round trip of all
  * its destinations' acknowledgements. */
-static int last_passes_window(prefill_state *ps, const pf_queue *q, const pf_chunk *c) {
+static int last_passes_window(prefill_state *ps, const pf_worker *w, const pf_chunk *c) {
   const pf_room *r = c->r;
   size_t nreal = 0;
-  int ok = q->fl_n > 0 && !c->digests;
+  int ok = w->fl_n > 0 && !c->digests;
   pthread_mutex_lock(&ps->lock);
   for (size_t i = 0; ok && !r->dead && i < r->ninfos; i++) {
     const wire_m2 *x = r->infos[i]->m2;
@@ -173,16 +178,16 @@ static int last_passes_window(prefill_state *ps, const pf_queue *q, const pf_chu
 
 /* Write chunk c; 1 when it went into the worker's window (released when
  * its writes are waited for), 0 when it is done here. */
-static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
-  pf_scratch *sc = &q->sc;
+static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
+  pf_scratch *sc = &w->sc;
   kvf_manager *m = ps->m;
   pf_room *r = c->r;
   int st = ROOM_FAILED;
   /* A last chunk's completion follows every earlier byte, and a failure
    * stops it: the window is waited for first, or (a fan-out) right after
    * the chunk is submitted. */
-  int pass = c->is_last && last_passes_window(ps, q, c);
-  if (c->is_last && !pass) flight_drain(ps, q);
+  int pass = c->is_last && last_passes_window(ps, w, c);
+  if (c->is_last && !pass) flight_drain(ps, w);
   pthread_mutex_lock(&ps->lock);
   if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) {
     pthread_mutex_unlock(&ps->lock);
@@ -246,17 +251,18 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     }
   }
   if (flies && !refused) {
-    flight_add(q, c, n);
+    flight_add(w, c, n);
     return 1;
   }
   if (pass) { /* the earlier chunks: one that failed has failed the room and told its destinations */
-    flight_drain(ps, q);
+    flight_drain(ps, w);
     pthread_mutex_lock(&ps->lock);
     if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) ok = 0;
     pthread_mutex_unlock(&ps->lock);
   }
   /* Completions are reaped together: one wake-up when the last write ends
    * (or one fails), then the outcomes in destination order. */
+  kvf__pf_wait_begin(sc);
   if (ok && g) kvf__batch_group_wait(g);
   for (size_t i = 0; i < nsub && ok; i++) {
     const wire_m2 *x = infos[i]->m2;
@@ -264,7 +270,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     nreal++;
     int rc = sc->res[i];
     if (rc == DEST_OK && sc->dw.batches[i]) {
-      int err = kvf_batch_wait(sc->dw.batches[i], -1);
+      int err = kvf_batch_wait(sc->dw.batches[i], -1); /* sleeps only past a failure (the group woke early) */
       if (err) rc = kvf__pf_xfer_failed(r, x, err, why, sizeof why);
     }
     if (rc != DEST_OK) {
@@ -336,6 +342,7 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
     kvf_batch_destroy(sc->dw.batches[i]);
     sc->dw.batches[i] = NULL;
   }
+  kvf__pf_wait_end(sc);
   if (ok && !counted) {
     atomic_fetch_add(&m->stats.chunks_sent, 1);
     atomic_fetch_add(&m->stats.bytes_sent, bytes);
@@ -352,34 +359,152 @@ static int process_chunk(prefill_state *ps, pf_queue *q, pf_chunk *c) {
   return 0;
 }
 
-void *kvf__pf_worker_main(void *arg) {
-  kvf__thread_name("kvf-xfer");
-  pf_queue *q = arg;
-  prefill_state *ps = q->ps;
-  for (;;) {
-    pthread_mutex_lock(&q->lock);
-    while (!q->head && !q->stop && q->fl_n) { /* nothing new: wait for the window, oldest first */
-      pthread_mutex_unlock(&q->lock);
-      flight_finish_oldest(ps, q);
-      pthread_mutex_lock(&q->lock);
-    }
-    while (!q->head && !q->stop) pthread_cond_wait(&q->cond, &q->lock);
-    if (q->stop) {
-      pthread_mutex_unlock(&q->lock);
-      flight_drain(ps, q);
-      break;
-    }
-    kvf__wake_count();
-    pf_chunk *c = q->head;
-    q->head = c->next;
-    if (!q->head) q->tail = NULL;
+/* q->lock held: the first queued chunk this worker may take (its room held
+ * by no thread, or by this one), taken off the FIFO, its room held. */
+static pf_chunk *pop_locked(pf_queue *q, pf_worker *w) {
+  pf_chunk **pp = &q->head, *prev = NULL;
+  for (pf_chunk *c = q->head; c; prev = c, pp = &c->next, c = c->next) {
+    if (c->r->owner && c->r->owner != w) continue;
+    *pp = c->next;
+    if (q->tail == c) q->tail = prev;
+    c->next = NULL;
     q->count--;
-    pthread_mutex_unlock(&q->lock);
-    if (q->fl_n == PF_WORKER_WINDOW) flight_finish_oldest(ps, q);
-    if (process_chunk(ps, q, c)) continue;
-    pthread_mutex_lock(&ps->lock);
-    kvf__pf_chunk_release_locked(ps, c);
-    pthread_mutex_unlock(&ps->lock);
+    c->r->owner = w;
+    c->r->held++;
+    return c;
   }
   return NULL;
+}
+
+/* q->lock held: is a chunk of a room that no thread holds queued? */
+static int free_work_locked(const pf_queue *q) {
+  for (const pf_chunk *c = q->head; c; c = c->next)
+    if (!c->r->owner) return 1;
+  return 0;
+}
+
+void kvf__pf_more_hands_locked(pf_queue *q) {
+  if (q->stop || !free_work_locked(q)) return;
+  if (q->nidle) {
+    pthread_cond_signal(&q->cond);
+  } else if (q->nwaiting == q->nthreads && q->nthreads < PF_QUEUE_THREADS &&
+             kvf__pf_worker_start_locked(q, 1) == 0 && kvf__log_first_time(0x70667768u)) {
+    LOG_INFO("kv", "a transfer queue's threads all wait on slow destinations: an extra thread takes the other "
+                   "rooms (at most %d per queue)",
+             PF_QUEUE_THREADS);
+  }
+}
+
+void kvf__pf_wait_begin(pf_scratch *sc) {
+  pf_worker *w = sc->worker;
+  if (!w) return;
+  pthread_mutex_lock(&w->q->lock);
+  w->waiting = 1;
+  w->q->nwaiting++;
+  kvf__pf_more_hands_locked(w->q);
+  pthread_mutex_unlock(&w->q->lock);
+}
+
+void kvf__pf_wait_end(pf_scratch *sc) {
+  pf_worker *w = sc->worker;
+  if (!w) return;
+  pthread_mutex_lock(&w->q->lock);
+  w->waiting = 0;
+  w->q->nwaiting--;
+  pthread_mutex_unlock(&w->q->lock);
+}
+
+/* A chunk of r is done on its worker (or left its window): the last lets the
+ * room go to any thread of the queue. */
+static void room_unhold(pf_queue *q, pf_room *r) {
+  pthread_mutex_lock(&q->lock);
+  if (--r->held == 0) {
+    r->owner = NULL;
+    if (q->head) pthread_cond_broadcast(&q->cond); /* its next chunk may wait for a thread */
+  }
+  pthread_mutex_unlock(&q->lock);
+}
+
+/* q->lock held: wait for a chunk to take (NULL: the queue stops, or a
+ * helper idle for PF_HELPER_IDLE_MS ends). With nothing to take, the
+ * worker's own window is finished first, oldest first. */
+static pf_chunk *next_chunk_locked(prefill_state *ps, pf_queue *q, pf_worker *w) {
+  for (;;) {
+    if (q->stop) return NULL;
+    pf_chunk *c = pop_locked(q, w);
+    if (c) return c;
+    if (w->fl_n) { /* nothing new: wait for the window */
+      pthread_mutex_unlock(&q->lock);
+      flight_finish_oldest(ps, w);
+      pthread_mutex_lock(&q->lock);
+      continue;
+    }
+    q->nidle++;
+    int idle_out = 0;
+    if (w->helper) {
+      struct timespec ts = clock_ts_from_ns(clock_deadline_ms(PF_HELPER_IDLE_MS));
+      idle_out = pthread_cond_timedwait(&q->cond, &q->lock, &ts) == ETIMEDOUT;
+    } else {
+      pthread_cond_wait(&q->cond, &q->lock);
+    }
+    q->nidle--;
+    if (idle_out && !q->stop && !(c = pop_locked(q, w))) return NULL;
+    if (c) return c;
+  }
+}
+
+static void *worker_main(void *arg) {
+  pf_worker *w = arg;
+  pf_queue *q = w->q;
+  prefill_state *ps = q->ps;
+  kvf__thread_name(w->helper ? "kvf-xfer-more" : "kvf-xfer");
+  pthread_mutex_lock(&q->lock);
+  for (;;) {
+    pf_chunk *c = next_chunk_locked(ps, q, w);
+    pthread_mutex_unlock(&q->lock);
+    if (!c) break;
+    kvf__wake_count();
+    if (w->fl_n == PF_WORKER_WINDOW) flight_finish_oldest(ps, w);
+    if (!process_chunk(ps, w, c)) { /* else it went into the window, its room still held */
+      room_unhold(q, c->r);
+      pthread_mutex_lock(&ps->lock);
+      kvf__pf_chunk_release_locked(ps, c);
+      pthread_mutex_unlock(&ps->lock);
+    }
+    pthread_mutex_lock(&q->lock);
+  }
+  flight_drain(ps, w); /* stopping: what it has in flight ends first */
+  kvf__pf_scratch_free(&w->sc);
+  for (int k = 0; k < PF_WORKER_WINDOW; k++) kvf__pf_dest_writes_free(&w->fl[k].dw);
+  pthread_mutex_lock(&q->lock);
+  q->nthreads--;
+  pthread_cond_broadcast(&q->cond); /* kvf__prefill_stop waits for the last */
+  pthread_mutex_unlock(&q->lock);
+  free(w);
+  return NULL;
+}
+
+int kvf__pf_worker_start_locked(pf_queue *q, int helper) {
+  pf_worker *w = calloc(1, sizeof *w);
+  if (!w) return KVF_ENOMEM;
+  w->q = q;
+  w->helper = helper;
+  if (kvf__pf_scratch_init(&w->sc, &q->ps->m->bufs)) {
+    free(w);
+    return KVF_ENOMEM;
+  }
+  w->sc.worker = w;
+  pthread_attr_t at;
+  pthread_t t;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  int rc = pthread_create(&t, &at, worker_main, w);
+  pthread_attr_destroy(&at);
+  if (rc) {
+    kvf__pf_scratch_free(&w->sc);
+    free(w);
+    return KVF_ENOMEM;
+  }
+  q->nthreads++;
+  return 0;
 }
