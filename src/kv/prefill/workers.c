@@ -389,8 +389,9 @@ void kvf__pf_more_hands_locked(pf_queue *q) {
     pthread_cond_signal(&q->cond);
   } else if (q->nwaiting == q->nthreads && q->nthreads < PF_QUEUE_THREADS &&
              kvf__pf_worker_start_locked(q, 1) == 0 && kvf__log_first_time(0x70667768u)) {
-    LOG_INFO("kv", "a transfer queue's threads all wait on slow destinations: an extra thread takes the other "
-                   "rooms (at most %d per queue)",
+    LOG_INFO("kv",
+             "a transfer queue's threads all wait on slow destinations: an extra thread takes the other "
+             "rooms (at most %d per queue)",
              PF_QUEUE_THREADS);
   }
 }
