@@ -53,7 +53,8 @@
  * queued, in order, when the room becomes Bootstrapped; the sender's poll
  * fails the room after bootstrap_timeout_s in Bootstrapping (which the
  * reference never does, §8 item 2). The queue shard is fixed when the room
- * becomes Bootstrapped, so every chunk of a room runs on one worker in order.
+ * becomes Bootstrapped, so every chunk of a room runs on one queue, in order
+ * (on the thread that holds the room: workers.c).
  *
  * decode_prefix_len (§6.8): kvf_sender_send's pages are the request's full
  * page list, chunk after chunk; the worker skips the first

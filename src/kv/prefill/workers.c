@@ -1,8 +1,8 @@
-/* The transfer workers: each drains one FIFO of chunks (a room's chunks all
- * run on one worker, in order), writes a chunk to every destination of its
- * room at once (fan-out: submitted together, waited for once), and on the
- * last chunk makes the room Success (or parks it for a later first token)
- * and sends the M3s (§6.11).
+/* The transfer workers: a queue's thread drains its FIFO of chunks (a
+ * room's chunks all go to one queue and run in order), writes a chunk to
+ * every destination of its room at once (fan-out: submitted together,
+ * waited for once), and on the last chunk makes the room Success (or parks
+ * it for a later first token) and sends the M3s (§6.11).
  *
  * The window: a chunk that is not its room's last (a layer of a layerwise
  * send, a part of a chunked prefill) stays in flight while the worker
@@ -13,7 +13,17 @@
  * (last_passes_window), submits the chunk first and waits for the window
  * right after, before any of the chunk's outcomes; it also waits for the
  * window when its FIFO is empty. A room failed by a chunk in the window is
- * reported once; the chunks behind it are waited for or skipped. */
+ * reported once; the chunks behind it are waited for or skipped.
+ *
+ * Threads per queue: one, and more while it waits. A thread that waits on
+ * the network (a chunk's confirmations: kvf__pf_wait_begin) while chunks of
+ * rooms no thread holds are queued, with every other thread of the queue
+ * waiting too, starts another (up to PF_QUEUE_THREADS), so a decode that
+ * stopped answering holds its own rooms and not those behind them. A room is
+ * held by the thread that processes one of its chunks or keeps one in its
+ * window (pf_room.owner, under the queue's lock): only that thread takes the
+ * room's next chunk, which keeps a room's chunks in order and its earlier
+ * chunks in the window of the thread that sends its last. */
 #include "kv/prefill/prefill_int.h"
 #include "base/thread.h"
 
