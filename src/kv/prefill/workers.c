@@ -23,7 +23,10 @@
  * held by the thread that processes one of its chunks or keeps one in its
  * window (pf_room.owner, under the queue's lock): only that thread takes the
  * room's next chunk, which keeps a room's chunks in order and its earlier
- * chunks in the window of the thread that sends its last. */
+ * chunks in the window of the thread that sends its last. The bound: with
+ * PF_QUEUE_THREADS rooms of one queue waiting on stopped decodes, the rooms
+ * behind them wait until the engine's timeout fails those; only completions
+ * that hold no thread (as the direct path's, direct.c) would lift it. */
 #include "kv/prefill/prefill_int.h"
 #include "base/thread.h"
 
