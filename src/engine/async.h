@@ -68,6 +68,9 @@ void kvf__batch_group_reset(kvf__batch_group *g);
  * The caller then takes each batch's outcome with kvf_batch_wait, which no
  * longer sleeps unless a failure woke it early. Any one thread. */
 void kvf__batch_group_wait(kvf__batch_group *g);
+/* The same wait, given up at until_ns: 1 when it ended as above, 0 when
+ * until_ns came first (the batches go on). */
+int kvf__batch_group_wait_until(kvf__batch_group *g, int64_t until_ns);
 
 /* Target side: bytes [dst, dst + len) of a tagged chunk for the open pair
  * (tag, epoch) are in place, called on the thread that put them there

@@ -533,15 +533,20 @@ void kvf__batch_group_reset(kvf__batch_group *g) {
   pthread_mutex_unlock(&g->mu);
 }
 
-void kvf__batch_group_wait(kvf__batch_group *g) {
+int kvf__batch_group_wait_until(kvf__batch_group *g, int64_t until_ns) {
   pthread_mutex_lock(&g->mu);
   if (g->pending && !g->failed) kvf__wake_count(); /* this thread sleeps until the transport wakes it */
-  while (g->pending && !g->failed) {
-    struct timespec ts = clock_ts_from_ns(g->deadline_ns + 1000000000LL);
-    if (pthread_cond_timedwait(&g->cv, &g->mu, &ts) == ETIMEDOUT) break;
+  int over = 0;
+  while (g->pending && !g->failed && !over) {
+    int64_t bound = g->deadline_ns + 1000000000LL, t = until_ns < bound ? until_ns : bound;
+    struct timespec ts = clock_ts_from_ns(t);
+    if (pthread_cond_timedwait(&g->cv, &g->mu, &ts) == ETIMEDOUT) over = t == bound ? 1 : 2;
   }
   pthread_mutex_unlock(&g->mu);
+  return over != 2;
 }
+
+void kvf__batch_group_wait(kvf__batch_group *g) { kvf__batch_group_wait_until(g, INT64_MAX); }
 
 static void group_join(kvf__batch_group *g, int64_t deadline_ns) {
   pthread_mutex_lock(&g->mu);

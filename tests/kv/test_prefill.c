@@ -631,9 +631,9 @@ static void silent_decode_holds_only_its_room(void **state) {
 /* Decodes that stop answering hold only their own rooms on the worker path
  * too: rooms of two chunks each (the first stays in the worker's window, the
  * last waits for both) to three silent decodes, then to a live one. Each
- * queue's thread that waits on a silent decode gets another thread for the
- * other rooms (up to PF_QUEUE_THREADS per queue, more than the three that
- * can wait), so every live room succeeds while the silent ones still wait
+ * queue's thread that has waited PF_SLOW_WAIT_MS on a silent decode gets
+ * another thread for the other rooms (up to PF_QUEUE_THREADS per queue, more
+ * than the three that can wait), so every live room succeeds while the silent ones still wait
  * (the engine's timeout is 20 s); before, a live room behind a silent one
  * on its queue waited for that timeout. */
 static void silent_decodes_hold_only_their_rooms_on_workers(void **state) {

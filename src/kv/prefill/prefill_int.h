@@ -140,6 +140,7 @@
 #define PF_WORKER_WINDOW 4              /* chunks a worker keeps in flight before waiting (workers.c) */
 #define PF_QUEUE_THREADS 4              /* threads that may serve one queue, the first included (workers.c) */
 #define PF_HELPER_IDLE_MS 2000          /* a queue's extra thread ends after this long with nothing to do */
+#define PF_SLOW_WAIT_MS 200             /* a worker waiting this long may get another thread (workers.c) */
 #define PF_M3_BATCH 32                  /* deferred M3s held at most; a full queue goes out at once */
 #define PF_M3_DEFER_MS 2                /* a deferred M3 goes out within about this long (m3_outbox.c) */
 
@@ -494,17 +495,20 @@ void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n,
 void kvf__pf_tell_others_failed(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *why);
 int kvf__pf_room_shard(prefill_state *ps, pf_room *r);
 int kvf__pf_queue_push(pf_queue *q, pf_chunk *c);
-/* q->lock held: a chunk of a room no thread holds is queued: wake an idle
- * thread of q, or, when every one waits on the network, start another (up
- * to PF_QUEUE_THREADS). */
+/* q->lock held: if a chunk of a room no thread holds is queued, wake an
+ * idle thread of q, or, when every one waits on the network, start another
+ * (up to PF_QUEUE_THREADS). */
 void kvf__pf_more_hands_locked(pf_queue *q);
+/* kvf_batch_wait(b, -1) on a worker's scratch, in slices of
+ * PF_SLOW_WAIT_MS: a long wait lets the queue's other rooms get a thread. */
+int kvf__pf_batch_wait(pf_scratch *sc, kvf_batch *b);
 /* Start a thread serving q (the first, or a helper). q->lock held; 0 or
  * KVF_ENOMEM. */
 int kvf__pf_worker_start_locked(pf_queue *q, int helper);
 /* A worker thread is about to wait on the network (a batch, a group of
- * them) and when done waiting: while it waits, queued chunks of rooms it
- * does not hold go to another thread of its queue. No-ops for the direct
- * path's scratch (sc->worker NULL). */
+ * them) and when done waiting: while it waits (and waited long), queued
+ * chunks of rooms it does not hold may go to another thread of its queue.
+ * No-ops for the direct path's scratch (sc->worker NULL). */
 void kvf__pf_wait_begin(pf_scratch *sc);
 void kvf__pf_wait_end(pf_scratch *sc);
 void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct);

@@ -216,7 +216,7 @@ int kvf__pf_queue_push(pf_queue *q, pf_chunk *c) {
   else q->head = c;
   q->tail = c;
   q->count++;
-  kvf__pf_more_hands_locked(q);
+  pthread_cond_signal(&q->cond); /* an idle thread takes it (workers.c) */
   pthread_mutex_unlock(&q->lock);
   return 0;
 }

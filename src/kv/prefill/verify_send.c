@@ -118,7 +118,7 @@ int kvf__pf_verify_send(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why
   for (size_t g = 0; ret == DEST_OK && g < sc->nparts; g++) {
     pf_part *p = &sc->parts[g];
     if (!p->batch) continue;
-    if ((rc = kvf_batch_wait(p->batch, -1))) {
+    if ((rc = kvf__pf_batch_wait(sc, p->batch))) {
       ret = kvf__pf_xfer_failed(c->r, x, rc, why, whycap);
       break;
     }

@@ -15,9 +15,9 @@
  * window when its FIFO is empty. A room failed by a chunk in the window is
  * reported once; the chunks behind it are waited for or skipped.
  *
- * Threads per queue: one, and more while it waits. A thread that waits on
- * the network (a chunk's confirmations: kvf__pf_wait_begin) while chunks of
- * rooms no thread holds are queued, with every other thread of the queue
+ * Threads per queue: one, and more while it waits. A thread that has waited
+ * on the network for PF_SLOW_WAIT_MS (a chunk's confirmations) while chunks
+ * of rooms no thread holds are queued, with every other thread of the queue
  * waiting too, starts another (up to PF_QUEUE_THREADS), so a decode that
  * stopped answering holds its own rooms and not those behind them. A room is
  * held by the thread that processes one of its chunks or keeps one in its
@@ -85,6 +85,7 @@ static void trace_done(pf_room *r, uint64_t bytes) {
 }
 
 static void room_unhold(pf_queue *q, pf_room *r);
+static void group_wait(pf_scratch *sc, kvf__batch_group *g);
 
 /* Wait for the oldest chunk in the worker's window: the first failed write
  * fails the room and tells its destination (§6.11 step 5); then the chunk
@@ -103,7 +104,7 @@ static void flight_finish_oldest(prefill_state *ps, pf_worker *w) {
   int ok = !c->r->dead && !kvf__rooms_get_status(ps->m->rooms, c->r->room, &st) && st != ROOM_FAILED;
   pthread_mutex_unlock(&ps->lock);
   kvf__pf_wait_begin(&w->sc);
-  if (ok && f->dw.group) kvf__batch_group_wait(f->dw.group); /* one wake-up for all its destinations */
+  if (ok && f->dw.group) group_wait(&w->sc, f->dw.group); /* one wake-up for all its destinations */
   for (size_t i = 0; i < f->n; i++) {
     if (!f->dw.batches[i]) continue;
     int err = ok ? kvf_batch_wait(f->dw.batches[i], -1) : 0;
@@ -276,7 +277,7 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
   /* Completions are reaped together: one wake-up when the last write ends
    * (or one fails), then the outcomes in destination order. */
   kvf__pf_wait_begin(sc);
-  if (ok && g) kvf__batch_group_wait(g);
+  if (ok && g) group_wait(sc, g);
   for (size_t i = 0; i < nsub && ok; i++) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
@@ -415,8 +416,30 @@ void kvf__pf_wait_begin(pf_scratch *sc) {
   pthread_mutex_lock(&w->q->lock);
   w->waiting = 1;
   w->q->nwaiting++;
+  pthread_mutex_unlock(&w->q->lock);
+}
+
+/* Between two slices of a wait (PF_SLOW_WAIT_MS): this thread has waited
+ * long; if every thread of its queue waits, the rooms behind get another. */
+static void wait_slow(pf_scratch *sc) {
+  pf_worker *w = sc->worker;
+  if (!w) return;
+  pthread_mutex_lock(&w->q->lock);
   kvf__pf_more_hands_locked(w->q);
   pthread_mutex_unlock(&w->q->lock);
+}
+
+int kvf__pf_batch_wait(pf_scratch *sc, kvf_batch *b) {
+  for (;;) {
+    int st = kvf_batch_wait(b, PF_SLOW_WAIT_MS);
+    if (st != KVF_ETIMEDOUT || kvf_batch_poll(b) != KVF_EAGAIN) return st; /* ended (maybe timed out itself) */
+    wait_slow(sc);
+  }
+}
+
+/* kvf__batch_group_wait in slices (wait_slow between them). */
+static void group_wait(pf_scratch *sc, kvf__batch_group *g) {
+  while (!kvf__batch_group_wait_until(g, clock_now_ns() + (int64_t)PF_SLOW_WAIT_MS * 1000000)) wait_slow(sc);
 }
 
 void kvf__pf_wait_end(pf_scratch *sc) {
