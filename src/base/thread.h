@@ -20,6 +20,8 @@
 
 #include <pthread.h>
 
+#include "kvferry/common.h"
+
 /* Name the calling thread (longer names are cut to 15 characters). */
 static inline void kvf__thread_name(const char *name) {
   char n[16];
@@ -27,6 +29,18 @@ static inline void kvf__thread_name(const char *name) {
   for (; name[i] && i < sizeof n - 1; i++) n[i] = name[i];
   n[i] = 0;
   pthread_setname_np(pthread_self(), n);
+}
+
+/* Start fn(arg) on a detached thread (it ends on its own; whoever waits for
+ * it counts it). 0 or KVF_ENOMEM. */
+static inline int kvf__thread_start_detached(void *(*fn)(void *), void *arg) {
+  pthread_attr_t at;
+  pthread_t t;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  int rc = pthread_create(&t, &at, fn, arg);
+  pthread_attr_destroy(&at);
+  return rc ? KVF_ENOMEM : 0;
 }
 
 #endif

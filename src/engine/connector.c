@@ -185,12 +185,7 @@ static int connector_queue(kvf_engine *e, const char *session, chunk **chunks, s
     k->e = e;
     snprintf(k->session, sizeof k->session, "%s", session);
     k->head = k->tail = j;
-    pthread_attr_t at;
-    pthread_t t;
-    pthread_attr_init(&at);
-    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-    started = pthread_create(&t, &at, connector_main, k) == 0;
-    pthread_attr_destroy(&at);
+    started = kvf__thread_start_detached(connector_main, k) == 0;
   }
   if (!started) {
     pthread_mutex_unlock(&e->conn_mu);
@@ -207,20 +202,19 @@ static int connector_queue(kvf_engine *e, const char *session, chunk **chunks, s
 
 int kvf__engine_dispatch(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks) {
   /* A connector running for the session takes the batch (behind the ones
-   * it holds); without one, the transport says whether it would connect. A
-   * batch of this thread's that went to a connector is still found there,
-   * so this thread's batches keep their order. */
-  int queue = 0;
+   * it holds): a batch of this thread's that went to it is still there, so
+   * this thread's batches keep their order. Otherwise the transport takes
+   * it here unless it would have to wait on the network. */
+  int behind = 0;
   if (atomic_load(&e->nconnectors)) {
     pthread_mutex_lock(&e->conn_mu);
-    queue = connector_find_locked(e, session) != NULL;
+    behind = connector_find_locked(e, session) != NULL;
     pthread_mutex_unlock(&e->conn_mu);
   }
-  if (atomic_load(&e->connect_stop)) queue = 0;
-  else if (!queue && e->ops->ready) queue = !e->ops->ready(e, session);
-  if (!queue) {
+  if (!behind) {
     int rc = e->ops->submit(e, session, chunks, nchunks);
     if (rc != KVF__SUBMIT_WOULD_BLOCK) return rc;
+    if (atomic_load(&e->connect_stop)) return KVF_ECLOSED; /* the engine is being destroyed */
   }
   int rc = connector_queue(e, session, chunks, nchunks);
   if (rc != 1) return rc;
@@ -231,6 +225,17 @@ int kvf__engine_dispatch(kvf_engine *e, const char *session, chunk **chunks, siz
   rc = e->ops->submit(e, session, chunks, nchunks);
   may_block = 0;
   return rc;
+}
+
+int kvf__engine_submit_lock(pthread_mutex_t *mu, const atomic_int *connecting) {
+  if (may_block) {
+    pthread_mutex_lock(mu);
+    return 0;
+  }
+  if (!pthread_mutex_trylock(mu)) return 0;
+  if (atomic_load(connecting)) return KVF__SUBMIT_WOULD_BLOCK; /* held long only by a connect */
+  pthread_mutex_lock(mu);
+  return 0;
 }
 
 int kvf__engine_may_block(void) { return may_block; }

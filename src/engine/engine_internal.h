@@ -183,11 +183,6 @@ typedef struct transport_ops {
   int (*fence_close)(struct kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t until_ns);
   /* Optional: kvf_engine_peer_routes. */
   int (*routes)(struct kvf_engine *e, char *out, size_t cap);
-  /* Optional: 1 when a submit to `session` would find its connections made
-   * (it blocks on no network), 0 when it would have to connect first: such
-   * a submit runs on a connector thread (connector.c). Never blocks on the
-   * network itself. Without it every submit runs on the caller's thread. */
-  int (*ready)(struct kvf_engine *e, const char *session);
 } transport_ops;
 
 extern const transport_ops kvf__tcp_transport_ops;
@@ -259,10 +254,11 @@ typedef struct kvf_engine {
 } kvf_engine;
 
 /* Hand the chunks of one batch to the transport (connector.c): on the
- * caller's thread when the transport is ready for `session`, else queued to
- * the session's connector thread, behind the batches already waiting there,
- * so one thread's batches to a session keep their order. 0, or the
- * transport's error (nothing was queued then). */
+ * caller's thread unless the transport's submit would have to wait on the
+ * network (KVF__SUBMIT_WOULD_BLOCK) or the session's connector thread holds
+ * earlier batches; then queued to that connector, behind them, so one
+ * thread's batches to a session keep their order. 0, or the transport's
+ * error (nothing was queued then). */
 int kvf__engine_dispatch(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks);
 /* A transport's submit returns this, having touched no chunk, where it
  * would have to wait on the network (connect, or ask the peer for its
@@ -270,6 +266,11 @@ int kvf__engine_dispatch(kvf_engine *e, const char *session, chunk **chunks, siz
  * kvf__engine_dispatch then hands the batch to the session's connector. */
 #define KVF__SUBMIT_WOULD_BLOCK 1
 int kvf__engine_may_block(void);
+/* Take a transport's per-session lock for a submit. The lock is held long
+ * only by a submit that connects (`connecting` set meanwhile): a thread that
+ * may not wait on the network gets KVF__SUBMIT_WOULD_BLOCK instead of
+ * waiting behind it (0: locked). */
+int kvf__engine_submit_lock(pthread_mutex_t *mu, const atomic_int *connecting);
 /* Stop the connector threads: a connect in progress gives up within a
  * slice (KVF__CONNECT_SLICE_MS), queued batches fail with KVF_ECLOSED.
  * Returns once none runs. Before the transport stops. */
@@ -297,9 +298,6 @@ void kvf__engine_deliver_landed(kvf_engine *e, uint64_t tag, uint64_t epoch, voi
  * TCP_NODELAY (tcp_out.c). 0 or KVF_ECONNREFUSED / KVF_ETIMEDOUT (or
  * KVF_ECLOSED: a connector thread told to stop, kvf__fd_wait). */
 int kvf__tcp_connect(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out);
-/* The TCP transport's transport_ops.ready (tcp_out.c); UCX asks it for the
- * peers it routes to TCP. */
-int kvf__tcp_ready(struct kvf_engine *e, const char *session);
 
 /* Split [writes, n) into at most `max_chunks` chunks of roughly equal bytes,
  * each with at most `max_desc` descriptors; a single large block may be cut

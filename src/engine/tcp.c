@@ -8,23 +8,6 @@ void kvf__tcp_set_timeout(int fd, int opt, int ms) {
   setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv);
 }
 
-/* Read exactly len bytes; KVF_ECLOSED on EOF, KVF_ETIMEDOUT on SO_RCVTIMEO. */
-int kvf__tcp_recv_all(int fd, void *buf, size_t len) {
-  char *p = buf;
-  while (len) {
-    ssize_t r = recv(fd, p, len, MSG_WAITALL);
-    if (r > 0) {
-      p += r;
-      len -= (size_t)r;
-    } else if (r == 0) {
-      return KVF_ECLOSED;
-    } else if (errno != EINTR) {
-      return (errno == EAGAIN || errno == EWOULDBLOCK) ? KVF_ETIMEDOUT : KVF_ECLOSED;
-    }
-  }
-  return 0;
-}
-
 int kvf__tcp_send_all(int fd, const void *buf, size_t len) {
   const char *p = buf;
   while (len) {
@@ -212,5 +195,4 @@ const transport_ops kvf__tcp_transport_ops = {
     .start = tcp_start,
     .stop = tcp_stop,
     .submit = kvf__tcp_submit,
-    .ready = kvf__tcp_ready,
 };

@@ -91,7 +91,7 @@ typedef struct tcp_session {
   uint16_t port;
   tcp_conn *conns[16];
   unsigned rr;
-  atomic_int connecting; /* a submit holds `lock` while it connects (kvf__tcp_ready) */
+  atomic_int connecting; /* a submit holds `lock` while it connects (kvf__engine_submit_lock) */
 } tcp_session;
 
 struct tcp_state {
@@ -110,7 +110,6 @@ struct tcp_state {
 
 /* tcp.c */
 void kvf__tcp_set_timeout(int fd, int opt, int ms);
-int kvf__tcp_recv_all(int fd, void *buf, size_t len);
 int kvf__tcp_send_all(int fd, const void *buf, size_t len);
 int kvf__tcp_recv_msg_or_idle(int fd, void *buf, size_t len, size_t cap, size_t *got, int tick_ms, int rest_ms);
 void kvf__tcp_iov_advance(struct iovec **iov, int *cnt, size_t n);

@@ -375,12 +375,7 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
   tcp_conn *picked[16] = {0};
   int64_t deadline = chunks[0]->batch->deadline_ns;
 
-  if (kvf__engine_may_block()) {
-    pthread_mutex_lock(&s->lock);
-  } else if (pthread_mutex_trylock(&s->lock)) { /* held long only by a connect */
-    if (atomic_load(&s->connecting)) return KVF__SUBMIT_WOULD_BLOCK;
-    pthread_mutex_lock(&s->lock);
-  }
+  if (kvf__engine_submit_lock(&s->lock, &s->connecting)) return KVF__SUBMIT_WOULD_BLOCK;
   unsigned start = small ? 0 : s->rr;
   if (!small) s->rr += (unsigned)use;
   for (size_t k = 0; k < use; k++) {
@@ -400,7 +395,10 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
         rc = conn_open(e, s, deadline, &c);
         atomic_store(&s->connecting, 0);
       }
-      if (rc && small && k > 0) rc = 0, use = k; /* a small chunk makes do with the connections it has */
+      /* A small chunk makes do with the connections it has when another
+       * fails to open (one that may not be opened here sends the batch to
+       * the connector, which opens it) */
+      if (rc && rc != KVF__SUBMIT_WOULD_BLOCK && small && k > 0) rc = 0, use = k;
       if (rc || use == k) break;
       s->conns[slot] = c;
     }
@@ -430,24 +428,4 @@ int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
 out_put:
   for (size_t k = 0; k < use; k++) kvf__tcp_conn_put(picked[k]);
   return rc;
-}
-
-/* transport_ops.ready: are all of the session's connections made and
- * alive? A session whose lock is held by a submit that is connecting is
- * not ready; one held only briefly (another submit picking connections) is
- * waited for. */
-int kvf__tcp_ready(kvf_engine *e, const char *session) {
-  tcp_state *t = e->transport;
-  pthread_mutex_lock(&t->sess_lock);
-  tcp_session *s = kvf__smap_get(&t->sessions, session);
-  pthread_mutex_unlock(&t->sess_lock);
-  if (!s) return 0;
-  if (pthread_mutex_trylock(&s->lock)) {
-    if (atomic_load(&s->connecting)) return 0;
-    pthread_mutex_lock(&s->lock);
-  }
-  int ready = !atomic_load(&s->connecting);
-  for (int k = 0; ready && k < e->cfg.conns_per_peer; k++) ready = s->conns[k] && !atomic_load(&s->conns[k]->dead);
-  pthread_mutex_unlock(&s->lock);
-  return ready;
 }

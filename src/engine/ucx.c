@@ -845,5 +845,4 @@ const transport_ops kvf__ucx_transport_ops = {
     .free_pool = ucx_free_pool,
     .fence_close = ucx_fence_close,
     .routes = kvf__ucx_routes,
-    .ready = kvf__ucx_ready,
 };

@@ -239,7 +239,7 @@ typedef struct ucx_peer {
   char host[KVF_ADDR_HOST_LEN];
   uint16_t port;
   pthread_mutex_t conn_mu; /* one (re)connection at a time */
-  atomic_int connecting;   /* a submit holds conn_mu while it connects (kvf__ucx_ready) */
+  atomic_int connecting;   /* a submit holds conn_mu while it connects (kvf__engine_submit_lock) */
   pthread_rwlock_t rw;     /* ep, regs: read to write into the peer, write to change */
   ucp_ep_h ep;
   int fd;             /* rendezvous connection, -1 when none */
@@ -449,7 +449,6 @@ void kvf__ucx_rregions_free(ucx_rregion *regs, size_t n);
 const ucx_rregion *kvf__ucx_rregion_find(const ucx_rregion *regs, size_t n, uint64_t addr, uint64_t len);
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap);
 int kvf__ucx_path(kvf_engine *e, const char *session, const char **transport, const char **mode);
-int kvf__ucx_ready(kvf_engine *e, const char *session);
 int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap);
 /* Progress thread: a peer's rendezvous socket is readable or closed. */
 void kvf__ucx_peer_event(ucx_state *u, ucx_peer *p, uint32_t events);

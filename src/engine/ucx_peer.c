@@ -477,12 +477,7 @@ int kvf__ucx_writer_info_refresh(ucx_state *u, ucx_peer *p) {
  * per peer by conn_mu. */
 int kvf__ucx_peer_ensure(ucx_state *u, ucx_peer *p, int64_t deadline_ns, ucx_route *route_out) {
   int rc = 0;
-  if (kvf__engine_may_block()) {
-    pthread_mutex_lock(&p->conn_mu);
-  } else if (pthread_mutex_trylock(&p->conn_mu)) { /* held long only by a connect */
-    if (atomic_load(&p->connecting)) return KVF__SUBMIT_WOULD_BLOCK;
-    pthread_mutex_lock(&p->conn_mu);
-  }
+  if (kvf__engine_submit_lock(&p->conn_mu, &p->connecting)) return KVF__SUBMIT_WOULD_BLOCK;
   pthread_rwlock_rdlock(&p->rw);
   int live = p->ep && !atomic_load(&p->dead);
   pthread_rwlock_unlock(&p->rw);
@@ -767,26 +762,6 @@ int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap)
   }
   pthread_mutex_unlock(&u->peers_mu);
   return rc;
-}
-
-/* transport_ops.ready: a peer routed to UCX with a live endpoint, or routed
- * to TCP with its connections made (kvf__tcp_ready). A peer not decided
- * yet, or whose rendezvous is being made, is not ready. */
-int kvf__ucx_ready(kvf_engine *e, const char *session) {
-  ucx_state *u = e->ucx;
-  pthread_mutex_lock(&u->peers_mu);
-  ucx_peer *p = kvf__smap_get(&u->peers, session);
-  pthread_mutex_unlock(&u->peers_mu);
-  if (!p || atomic_load(&p->connecting)) return 0;
-  pthread_mutex_lock(&p->mu);
-  ucx_route route = p->route;
-  pthread_mutex_unlock(&p->mu);
-  if (route == ROUTE_TCP) return kvf__tcp_ready(e, session);
-  if (route != ROUTE_UCX) return 0;
-  pthread_rwlock_rdlock(&p->rw);
-  int live = p->ep && !atomic_load(&p->dead);
-  pthread_rwlock_unlock(&p->rw);
-  return live;
 }
 
 int kvf__ucx_path(kvf_engine *e, const char *session, const char **transport, const char **mode) {

@@ -334,8 +334,7 @@ typedef struct pf_flight {
  * own (this thread only). */
 typedef struct pf_worker {
   struct pf_queue *q;
-  int helper;  /* started while the queue's other threads waited on the network */
-  int waiting; /* waits on the network now (q->lock) */
+  int helper; /* started while the queue's other threads waited on the network */
   pf_scratch sc;
   /* the window: fl[(fl_head + k) % PF_WORKER_WINDOW], k < fl_n, oldest first */
   pf_flight fl[PF_WORKER_WINDOW];

@@ -414,7 +414,6 @@ void kvf__pf_wait_begin(pf_scratch *sc) {
   pf_worker *w = sc->worker;
   if (!w) return;
   pthread_mutex_lock(&w->q->lock);
-  w->waiting = 1;
   w->q->nwaiting++;
   pthread_mutex_unlock(&w->q->lock);
 }
@@ -446,7 +445,6 @@ void kvf__pf_wait_end(pf_scratch *sc) {
   pf_worker *w = sc->worker;
   if (!w) return;
   pthread_mutex_lock(&w->q->lock);
-  w->waiting = 0;
   w->q->nwaiting--;
   pthread_mutex_unlock(&w->q->lock);
 }
@@ -485,8 +483,7 @@ static pf_chunk *next_chunk_locked(prefill_state *ps, pf_queue *q, pf_worker *w)
       pthread_cond_wait(&q->cond, &q->lock);
     }
     q->nidle--;
-    if (idle_out && !q->stop && !(c = pop_locked(q, w))) return NULL;
-    if (c) return c;
+    if (idle_out) return q->stop ? NULL : pop_locked(q, w); /* nothing for it: the helper ends */
   }
 }
 
@@ -531,13 +528,7 @@ int kvf__pf_worker_start_locked(pf_queue *q, int helper) {
     return KVF_ENOMEM;
   }
   w->sc.worker = w;
-  pthread_attr_t at;
-  pthread_t t;
-  pthread_attr_init(&at);
-  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-  int rc = pthread_create(&t, &at, worker_main, w);
-  pthread_attr_destroy(&at);
-  if (rc) {
+  if (kvf__thread_start_detached(worker_main, w)) {
     kvf__pf_scratch_free(&w->sc);
     free(w);
     return KVF_ENOMEM;
