@@ -264,7 +264,9 @@ int pd_drain(proc *p, int is_decode, pd_req *reqs, size_t n, int64_t room_base) 
       set_reason(r, "decode", why);
     } else {
       r->prefill_status = r->prefill_reports && r->prefill_status < st ? r->prefill_status : st;
-      r->t_send_ns = max_ll(r->t_send_ns, a);
+      /* The earliest report: the KV is ready on every rank once one has it
+       * (kv_peer.c, start_senders). */
+      r->t_send_ns = r->prefill_reports && r->t_send_ns < a ? r->t_send_ns : a;
       r->prefill_done = ++r->prefill_reports >= (r->prefill_procs > 0 ? r->prefill_procs : 1);
       set_reason(r, "prefill", why);
     }

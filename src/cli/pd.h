@@ -144,7 +144,8 @@ int pd_collect(pd_pair *pp, pd_req *reqs, size_t n, int64_t room_base, int timeo
 /* 1 if a complete request failed in any way (status, bytes, metadata). */
 int pd_failed(const pd_req *r);
 /* Transfer time in seconds: from the later of the decode's init and the
- * prefill's last send call (its KV is then ready) to the decode's Success. */
+ * prefill's last send call (its KV is then ready; with several prefill
+ * ranks, the first rank's) to the decode's Success. */
 double pd_transfer_s(const pd_req *r);
 
 #endif

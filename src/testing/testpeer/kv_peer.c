@@ -151,9 +151,11 @@ static int start_senders(peer_req *r, kvf_manager **mgr, kvpool *pools, unsigned
         p.cands = cands, p.ncand = 2;
         if (r->state_slot >= 0) p.state_slots = &r->state_slot, p.nstate = 1;
       }
-      /* The KV is ready when the last send call begins: latencies count from
-       * here (its return may come after the decode's Success). */
-      if (last) r->last_send_ns = cli_now_ns();
+      /* The KV is ready when the first rank's last send call begins (a real
+       * server's TP ranks reach it together; here they take turns, and a
+       * later rank's call may begin after the decode's Success): latencies
+       * count from here. */
+      if (last && !r->last_send_ns) r->last_send_ns = cli_now_ns();
       if (kvf_sender_send(r->tx[i], &p)) return -1;
       if (last) break;
     }
