@@ -58,6 +58,7 @@ static void landed_init(kvf_manager *m, integ_state *s) {
 }
 
 _Atomic(kvf__integ_tamper_fn) kvf__integ_tamper;
+_Atomic(kvf__integ_source_fn) kvf__integ_source_tamper;
 
 int kvf__integ_start(kvf_manager *m) {
   integ_state *s = calloc(1, sizeof *s);
@@ -340,6 +341,12 @@ int kvf__integ_page_digest(const kvf_manager *m, size_t b, int64_t page, uint64_
   if (!kvf__integ_page_in_buffer(m, b, page)) return KVF_ERANGE;
   *out = kvf__hash64((const void *)(uintptr_t)(mb->kv_ptrs[b] + (uint64_t)page * item), (size_t)item);
   return 0;
+}
+
+void kvf__integ_source_hashed(const kvf_manager *m, int64_t room, size_t b, int64_t page) {
+  kvf__integ_source_fn fn = atomic_load(&kvf__integ_source_tamper);
+  uint64_t item = m->bufs.kv_item_lens[b];
+  if (fn) fn(room, (unsigned char *)(uintptr_t)(m->bufs.kv_ptrs[b] + (uint64_t)page * item), (size_t)item);
 }
 
 int kvf__integ_send_digests(kvf_manager *m, const char *host, uint16_t port, int64_t room, uint64_t epoch,

@@ -25,6 +25,13 @@
  * listener thread with the first block of each verified digests message. */
 typedef void (*kvf__integ_tamper_fn)(int64_t room, unsigned char *landed);
 extern _Atomic(kvf__integ_tamper_fn) kvf__integ_tamper;
+/* Test seam of the same kind on the prefill: called on the sending thread
+ * with the first (page, buffer) source of a verify-mode chunk (`len` bytes)
+ * right after its digest was taken and before any worker may read it, so a
+ * test can reuse a source page too early at a point the transfer cannot have
+ * passed yet (kvferry demo --verify --reuse-early). */
+typedef void (*kvf__integ_source_fn)(int64_t room, unsigned char *src, size_t len);
+extern _Atomic(kvf__integ_source_fn) kvf__integ_source_tamper;
 
 /* Bound on one room's entry: prefill ranks tracked for digests. */
 #define INTEG_MAX_RANKS ROOMS_MAX_RANKS
@@ -83,6 +90,9 @@ int kvf__integ_layer_bufs(const kvf_manager *m, size_t l0, size_t l1, size_t **b
 int kvf__integ_page_in_buffer(const kvf_manager *m, size_t b, int64_t page);
 /* Digest of page `page` of KV buffer b (bounds-checked: KVF_ERANGE). */
 int kvf__integ_page_digest(const kvf_manager *m, size_t b, int64_t page, uint64_t *out);
+/* Hand page `page` of KV buffer b (in bounds: hash_prepare checked it) of
+ * `room` to kvf__integ_source_tamper when a test set it. */
+void kvf__integ_source_hashed(const kvf_manager *m, int64_t room, size_t b, int64_t page);
 /* Send `n` digest entries for `room` to a decode's PULL socket (split into
  * messages of at most WIRE_MAX_DIGESTS; one empty message when n == 0). */
 int kvf__integ_send_digests(kvf_manager *m, const char *host, uint16_t port, int64_t room, uint64_t epoch,

@@ -17,4 +17,11 @@
  * call replaces an earlier one that has not fired yet. */
 void testing_corrupt_room(int64_t room);
 
+/* The prefill's side (verify mode): flip the last byte of the first source
+ * page of `room` that this process hashes, right after its digest was taken
+ * and before the transfer may read it, as a scheduler that reuses a page
+ * too early would (kvf__integ_source_tamper; the test peer's `send ...
+ * reuse`). Once; any thread; a later call replaces an earlier one. */
+void testing_reuse_source_early(int64_t room);
+
 #endif

@@ -18,6 +18,30 @@
 #include <sys/wait.h>
 #include <cmocka.h>
 
+/* The last run's arguments and output: printed whole only when a check on
+ * it fails (a passing run prints one line), so a failing case stands out in
+ * a CI log that keeps only its head and tail. */
+static const char *g_args = "", *g_out = "";
+
+static void demo_dump(void) { fprintf(stderr, "---- kvferry demo %s: its whole output ----\n%s", g_args, g_out); }
+
+#define demo_int_equal(a, b)   \
+  do {                         \
+    long a_ = (a), b_ = (b);   \
+    if (a_ != b_) demo_dump(); \
+    assert_int_equal(a_, b_);  \
+  } while (0)
+#define demo_has(out, s)                  \
+  do {                                    \
+    if (!strstr((out), (s))) demo_dump(); \
+    assert_non_null(strstr((out), (s)));  \
+  } while (0)
+#define demo_lacks(out, s)               \
+  do {                                   \
+    if (strstr((out), (s))) demo_dump(); \
+    assert_null(strstr((out), (s)));     \
+  } while (0)
+
 /* Run the CLI with args, stdout and stderr together; the exit status. */
 static int run_demo(const char *args, char *out, size_t cap) {
   const char *exe = getenv("KVFERRY_CLI");
@@ -28,9 +52,10 @@ static int run_demo(const char *args, char *out, size_t cap) {
   assert_non_null(f);
   size_t n = fread(out, 1, cap - 1, f);
   out[n] = 0;
-  int st = pclose(f);
-  fprintf(stderr, "---- kvferry demo %s ----\n%s", args, out);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  int st = pclose(f), rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  g_args = args, g_out = out;
+  fprintf(stderr, "---- kvferry demo %s: exit %d ----\n", args, rc);
+  return rc;
 }
 
 /* The value printed after a summary row's label, e.g. "failures   0". */
@@ -45,22 +70,22 @@ static long summary_value(const char *out, const char *label) {
 static void short_demo_verifies_every_request(void **state) {
   (void)state;
   static char out[65536];
-  assert_int_equal(run_demo("--short", out, sizeof out), 0);
-  assert_int_equal(summary_value(out, "requests"), 6);
-  assert_int_equal(summary_value(out, "failures"), 0);
-  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+  demo_int_equal(run_demo("--short", out, sizeof out), 0);
+  demo_int_equal(summary_value(out, "requests"), 6);
+  demo_int_equal(summary_value(out, "failures"), 0);
+  demo_has(out, "demo OK: 6 requests, every byte");
 }
 
 static void corrupted_page_is_caught_and_named(void **state) {
   (void)state;
   static char out[65536];
   int rc = run_demo("--short --corrupt", out, sizeof out);
-  assert_int_equal(rc, 1);
-  assert_int_equal(summary_value(out, "requests"), 6);
-  assert_int_equal(summary_value(out, "failures"), 1);
-  assert_non_null(strstr(out, "MISMATCH"));
-  assert_non_null(strstr(out, "byte-mismatch"));
-  assert_non_null(strstr(out, "demo FAILED"));
+  demo_int_equal(rc, 1);
+  demo_int_equal(summary_value(out, "requests"), 6);
+  demo_int_equal(summary_value(out, "failures"), 1);
+  demo_has(out, "MISMATCH");
+  demo_has(out, "byte-mismatch");
+  demo_has(out, "demo FAILED");
 }
 
 /* Verify mode (issue 16): the byte is flipped inside the decode's library
@@ -69,11 +94,11 @@ static void corrupted_page_is_caught_and_named(void **state) {
  * heterogeneous-TP plan (per-token strided blocks, hashed as written). */
 static void demo_fails_a_corrupted_page_naming_it(const char *args) {
   static char out[65536];
-  assert_int_equal(run_demo(args, out, sizeof out), 1);
-  assert_int_equal(summary_value(out, "failures"), 1);
-  assert_non_null(strstr(out, "FAILED: decode: Integrity check failed: KV buffer "));
-  assert_non_null(strstr(out, " page "));
-  assert_null(strstr(out, "MISMATCH")); /* the demo's own checker never saw it */
+  demo_int_equal(run_demo(args, out, sizeof out), 1);
+  demo_int_equal(summary_value(out, "failures"), 1);
+  demo_has(out, "FAILED: decode: Integrity check failed: KV buffer ");
+  demo_has(out, " page ");
+  demo_lacks(out, "MISMATCH"); /* the demo's own checker never saw it */
 }
 
 static void verify_mode_fails_a_corrupted_page_naming_it(void **state) {
@@ -93,20 +118,20 @@ static void verify_mode_fails_a_corrupted_page_prefill_tp2(void **state) {
 static void verify_mode_names_a_source_page_reused_too_early(void **state) {
   (void)state;
   static char out[65536];
-  assert_int_equal(run_demo("--short --verify --reuse-early", out, sizeof out), 1);
-  assert_int_equal(summary_value(out, "failures"), 1);
-  assert_non_null(strstr(out, "Integrity check failed"));
-  assert_non_null(strstr(out, "page"));
-  assert_null(strstr(out, "MISMATCH"));
-  assert_non_null(strstr(out, "demo FAILED"));
+  demo_int_equal(run_demo("--short --verify --reuse-early", out, sizeof out), 1);
+  demo_int_equal(summary_value(out, "failures"), 1);
+  demo_has(out, "Integrity check failed");
+  demo_has(out, "page");
+  demo_lacks(out, "MISMATCH");
+  demo_has(out, "demo FAILED");
 }
 
 static void verify_mode_passes_clean_runs(void **state) {
   (void)state;
   static char out[65536];
-  assert_int_equal(run_demo("--short --verify --prefill-tp 1 --decode-tp 2", out, sizeof out), 0);
-  assert_non_null(strstr(out, "verify mode: every page hashed"));
-  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+  demo_int_equal(run_demo("--short --verify --prefill-tp 1 --decode-tp 2", out, sizeof out), 0);
+  demo_has(out, "verify mode: every page hashed");
+  demo_has(out, "demo OK: 6 requests, every byte");
 }
 
 /* Heterogeneous TP: the prefill's ranks and the decode's ranks hold
@@ -115,21 +140,21 @@ static void verify_mode_passes_clean_runs(void **state) {
 static void short_demo_prefill_tp2_decode_tp1(void **state) {
   (void)state;
   static char out[65536];
-  assert_int_equal(run_demo("--short --prefill-tp 2 --decode-tp 1", out, sizeof out), 0);
-  assert_int_equal(summary_value(out, "requests"), 6);
-  assert_int_equal(summary_value(out, "failures"), 0);
-  assert_non_null(strstr(out, "prefill (TP 2)"));
-  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+  demo_int_equal(run_demo("--short --prefill-tp 2 --decode-tp 1", out, sizeof out), 0);
+  demo_int_equal(summary_value(out, "requests"), 6);
+  demo_int_equal(summary_value(out, "failures"), 0);
+  demo_has(out, "prefill (TP 2)");
+  demo_has(out, "demo OK: 6 requests, every byte");
 }
 
 static void short_demo_prefill_tp1_decode_tp2(void **state) {
   (void)state;
   static char out[65536];
-  assert_int_equal(run_demo("--short --prefill-tp 1 --decode-tp 2", out, sizeof out), 0);
-  assert_int_equal(summary_value(out, "requests"), 6);
-  assert_int_equal(summary_value(out, "failures"), 0);
-  assert_non_null(strstr(out, "decode (TP 2)"));
-  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+  demo_int_equal(run_demo("--short --prefill-tp 1 --decode-tp 2", out, sizeof out), 0);
+  demo_int_equal(summary_value(out, "requests"), 6);
+  demo_int_equal(summary_value(out, "failures"), 0);
+  demo_has(out, "decode (TP 2)");
+  demo_has(out, "demo OK: 6 requests, every byte");
 }
 
 /* MLA: 61 latent buffers (one per layer), every prefill rank holding the
@@ -137,11 +162,11 @@ static void short_demo_prefill_tp1_decode_tp2(void **state) {
 static void short_demo_deepseek_v3_mla(void **state) {
   (void)state;
   static char out[65536];
-  assert_int_equal(run_demo("--short --model deepseek-v3", out, sizeof out), 0);
-  assert_int_equal(summary_value(out, "requests"), 6);
-  assert_int_equal(summary_value(out, "failures"), 0);
-  assert_non_null(strstr(out, "61 layers x MLA latent"));
-  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+  demo_int_equal(run_demo("--short --model deepseek-v3", out, sizeof out), 0);
+  demo_int_equal(summary_value(out, "requests"), 6);
+  demo_int_equal(summary_value(out, "failures"), 0);
+  demo_has(out, "61 layers x MLA latent");
+  demo_has(out, "demo OK: 6 requests, every byte");
 }
 
 /* MLA with prefill TP 2 -> decode TP 1: the generic planner takes the
@@ -149,21 +174,21 @@ static void short_demo_deepseek_v3_mla(void **state) {
 static void short_demo_deepseek_v3_prefill_tp2_decode_tp1(void **state) {
   (void)state;
   static char out[65536];
-  assert_int_equal(run_demo("--short --model deepseek-v3 --prefill-tp 2 --decode-tp 1", out, sizeof out), 0);
-  assert_int_equal(summary_value(out, "requests"), 6);
-  assert_int_equal(summary_value(out, "failures"), 0);
-  assert_non_null(strstr(out, "prefill (TP 2)"));
-  assert_non_null(strstr(out, "(replicated)"));
-  assert_non_null(strstr(out, "demo OK: 6 requests, every byte"));
+  demo_int_equal(run_demo("--short --model deepseek-v3 --prefill-tp 2 --decode-tp 1", out, sizeof out), 0);
+  demo_int_equal(summary_value(out, "requests"), 6);
+  demo_int_equal(summary_value(out, "failures"), 0);
+  demo_has(out, "prefill (TP 2)");
+  demo_has(out, "(replicated)");
+  demo_has(out, "demo OK: 6 requests, every byte");
 }
 
 static void unsupported_options_say_why(void **state) {
   (void)state;
   static char out[4096];
-  assert_int_equal(run_demo("--model deepseek-v3 --prefill-tp 9", out, sizeof out), 2);
-  assert_non_null(strstr(out, "must be 1..8 for deepseek-v3"));
-  assert_int_equal(run_demo("--prefill-tp 3", out, sizeof out), 2);
-  assert_non_null(strstr(out, "must divide the 8 KV heads"));
+  demo_int_equal(run_demo("--model deepseek-v3 --prefill-tp 9", out, sizeof out), 2);
+  demo_has(out, "must be 1..8 for deepseek-v3");
+  demo_int_equal(run_demo("--prefill-tp 3", out, sizeof out), 2);
+  demo_has(out, "must divide the 8 KV heads");
 }
 
 int main(void) {

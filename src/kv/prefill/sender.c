@@ -88,9 +88,11 @@ static int hash_prepare(kvf_manager *m, pf_chunk *c) {
 static void hash_pages(prefill_state *ps, pf_chunk *c) {
   for (size_t k = 0; k < c->npages;) {
     size_t e = c->npages - k < PF_HASH_STEP ? c->npages : k + PF_HASH_STEP;
+    int first = k == 0;
     for (; k < e; k++)
       for (size_t j = 0; j < c->ndig; j++)
         kvf__integ_page_digest(ps->m, c->dig_bufs[j], c->pages[k], &c->digests[k * c->ndig + j]); /* checked */
+    if (first && c->ndig) kvf__integ_source_hashed(ps->m, c->r->room, c->dig_bufs[0], c->pages[0]);
     atomic_store(&c->hashed, k);
     pthread_mutex_lock(&ps->hash_mu);
     pthread_cond_broadcast(&ps->hash_cv);

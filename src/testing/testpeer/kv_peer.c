@@ -11,7 +11,10 @@
  *       seed 0 sends the pages as they are (benchmarks: no pattern cost);
  *       state 1 also fills a state slot and sends it with the last chunk;
  *       reuse 1 overwrites the first byte of each rank's first page right
- *       after the send calls (a page reused too early: verify mode names it)
+ *       after the send calls (a page reused too early: verify mode names it);
+ *       as that may come after the transfer read the page, verify mode also
+ *       has the last byte of the first rank's first page changed right after
+ *       its digest is taken (testing_reuse_source_early), which it must name
  * With --heads the pools are head-aware (kvpool_init_heads): each rank holds
  * `heads` KV heads of `unit` bytes per token, page_size tokens per page,
  * token-major; of --kv-heads global heads (default heads x tp) rank t holds
@@ -59,6 +62,7 @@
 #include "testing/testpeer/testpeer.h"
 #include "kvferry.h"
 #include "tools/kvpool.h"
+#include "testing/tamper.h"
 #include "base/addr.h"
 
 #define PEER_MAX_REQS 4096
@@ -470,6 +474,7 @@ int cli_kv_peer(int argc, char **argv) {
             r->rank0 = o.rank >= 0 ? 0 : (int)(((room % o.dp) + o.dp) % o.dp) * tp;
             r->nranks = o.rank >= 0 ? 1 : tp;
             r->state_slot = state && o.nstate ? (int64_t)((size_t)(r - reqs) % PEER_STATE_SLOTS) : -1;
+            if (reuse) testing_reuse_source_early(room); /* verify mode: before the transfer, always */
             if (start_senders(r, mgr, pools, seed, token, chunk, reuse, wait_m2, &rng))
               finish_req(r, pools, 0, "cannot-start");
           }
