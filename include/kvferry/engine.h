@@ -274,7 +274,9 @@ KVF_API int kvf_engine_peer_routes(kvf_engine *engine, char *out, size_t cap);
 
 /* Allocate a `len`-byte pool and register it. With UCX it lives in shared
  * memory that a same-host peer maps directly (ucp_rkey_ptr), so writes into
- * it are plain stores; otherwise it is shared anonymous memory. It is
+ * it are plain stores; otherwise (transport tcp) it is private anonymous
+ * memory on 2 MiB boundaries, advised to use transparent huge pages (a
+ * child of fork gets a copy-on-write copy, as of malloc'd memory). It is
  * locked in memory unless the config's lock_pools is 0 (best effort). The engine
  * owns the memory: free it with kvf_engine_free_pool (which unregisters it)
  * before destroying the engine. Any thread. */

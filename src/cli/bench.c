@@ -79,12 +79,24 @@ typedef struct bench_opts {
   int fanout_only;       /* rooms --fanout-only: only the fan-out cases */
 } bench_opts;
 
+/* A baseline's buffer: private memory, on transparent huge pages when
+ * `huge` (as kvf_engine_alloc_pool gives a TCP engine), NULL on failure;
+ * freed with munmap. */
+static void *bench_buf(uint64_t len, int huge) {
+  void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return NULL;
+  if (huge) madvise(p, len, MADV_HUGEPAGE);
+  return p;
+}
+
 /* Baseline: one blocking TCP stream over loopback, 1 MiB writes, to a child
  * process that receives into a buffer; timed until the child confirms it has
  * every byte. With pool_bytes > 1 MiB both ends walk a pool of that size, as
  * the engine cases do (a page pool is not cache-resident); with 1 MiB both
- * ends reuse one cache-hot buffer. */
-static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
+ * ends reuse one cache-hot buffer. `huge`: the buffers on huge pages, as the
+ * pool cases' (on VMs with shadow paging the kernel's first copy through
+ * each ordinary 4 KiB page is slow: bench/README.md, "Memory"). */
+static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes, int huge) {
   int ls = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t al = sizeof a;
@@ -95,7 +107,7 @@ static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
   pid_t pid = fork();
   if (pid == 0) {
     int fd = accept(ls, NULL, NULL);
-    char *buf = malloc(pool_bytes);
+    char *buf = bench_buf(pool_bytes, huge);
     if (!buf) _exit(1);
     memset(buf, 0, pool_bytes);
     /* Ready only now: faulting in the pool (about 2 s per GiB on these
@@ -114,7 +126,7 @@ static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
   }
   close(ls);
   int fd = socket(AF_INET, SOCK_STREAM, 0);
-  char *buf = malloc(pool_bytes);
+  char *buf = bench_buf(pool_bytes, huge);
   double gbps = 0;
   if (fd >= 0 && buf && connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
     memset(buf, 7, pool_bytes);
@@ -132,7 +144,7 @@ static double bench_tcp_baseline(uint64_t total, uint64_t pool_bytes) {
   }
 done:
   if (fd >= 0) close(fd);
-  free(buf);
+  if (buf) munmap(buf, pool_bytes);
   kill(pid, SIGKILL);
   waitpid(pid, NULL, 0);
   return gbps;
@@ -268,8 +280,10 @@ static void bench_ucx_mode(const char *mode, char *saved, size_t cap) {
 static int bench_engine(const bench_opts *o) {
   const uint64_t pool_bytes = o->pool_bytes;
   int ucx = bench_uses_ucx();
-  double base = bench_tcp_baseline(o->bytes, pool_bytes);
-  double base_hot = bench_tcp_baseline(o->bytes, 1 << 20);
+  double base = bench_tcp_baseline(o->bytes, pool_bytes, 0);
+  /* The pool cases over TCP walk pools on huge pages: so does their baseline. */
+  double base_huge = ucx ? 0 : bench_tcp_baseline(o->bytes, pool_bytes, 1);
+  double base_hot = bench_tcp_baseline(o->bytes, 1 << 20, 0);
   int rc = 1, failed = 0;
   /* Over UCX every case runs in read mode and in write mode, the read case
    * first with its write twin's figure beside it. */
@@ -277,11 +291,11 @@ static int bench_engine(const bench_opts *o) {
                           {"engine_256x32KiB_scattered", 32 << 10, 256, 0, 0, 0, 0, NULL, 0},
                           {"engine_1MiB_blocks_pool", 1 << 20, 16, 1, 0, 0, 0, NULL, 0},
                           {"engine_256x32KiB_scattered_pool", 32 << 10, 256, 1, 0, 0, 0, NULL, 0}};
-  size_t nc = ucx ? 4 : 2;
+  size_t nc = 4;
   if (o->block) { /* a single custom case (and its pool twin) replaces the standard ones */
     cases[0] = (engine_case){"engine_custom", o->block, (size_t)o->per_batch, 0, 0, 0, 0, NULL, 0};
     cases[1] = (engine_case){"engine_custom_pool", o->block, (size_t)o->per_batch, 1, 0, 0, 0, NULL, 0};
-    nc = ucx ? 2 : 1;
+    nc = 2;
   }
   if (ucx) {
     for (size_t i = nc; i-- > 0;) {
@@ -333,10 +347,11 @@ static int bench_engine(const bench_opts *o) {
            transport, tls ? tls : "", (unsigned long long)o->bytes, o->inflight);
     for (size_t i = 0; i < nc; i++) {
       engine_case *c = &cases[i];
+      double b = c->alloc && base_huge > 0 ? base_huge : base;
       printf("%s{\"name\":\"%s%s%s\",\"gbps\":%.3f,\"baseline_gbps\":%.3f,\"ratio\":%.3f,\"memcpy2_gbps\":%.3f,"
              "\"memcpy_ratio\":%.3f",
-             i ? "," : "", c->name, c->mode ? "_" : "", c->mode ? c->mode : "", c->gbps, base,
-             base > 0 ? c->gbps / base : 0, c->memcpy2, c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
+             i ? "," : "", c->name, c->mode ? "_" : "", c->mode ? c->mode : "", c->gbps, b,
+             b > 0 ? c->gbps / b : 0, c->memcpy2, c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
       if (ucx)
         printf(",\"mode\":\"%s\",\"ucx_raw_gbps\":%.3f,\"ucx_ratio\":%.3f", c->mode, c->ucx_raw,
                c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
@@ -346,8 +361,9 @@ static int bench_engine(const bench_opts *o) {
     printf("],\"pool_bytes\":%llu,\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes through a pool of "
            "pool_bytes at both ends\",\"memcpy2\":\"2-thread memcpy of the same blocks between two pools of "
            "pool_bytes\",\"ucx_raw\":\"raw UCP put loop of the same blocks into a child process, same "
-           "UCX_TLS\",\"baseline_hot_gbps\":%.3f}\n",
-           (unsigned long long)pool_bytes, base_hot);
+           "UCX_TLS\",\"baseline_hot_gbps\":%.3f,\"baseline_huge_gbps\":%.3f,\"baseline_huge\":\"the same "
+           "stream through pools on transparent huge pages: the baseline of the _pool cases over TCP\"}\n",
+           (unsigned long long)pool_bytes, base_hot, base_huge);
   } else {
     printf("transport %s%s%s\n", transport, tls ? ", UCX_TLS=" : "", tls ? tls : "");
     printf("baseline: plain TCP loopback, one stream, 1 MiB writes through a %llu MiB pool at both ends\n"
@@ -358,14 +374,17 @@ static int bench_engine(const bench_opts *o) {
            ucx ? "ucx raw:  a raw UCP put loop of the same blocks into a child process, same UCX_TLS\n"
                  "mode:     read = the target reads each chunk (the default), write = the writer puts\n"
                : "");
+    if (base_huge > 0)
+      printf("          (same through pools on huge pages, the _pool cases' baseline: %.2f GB/s)\n", base_huge);
     printf("%-38s %8s %8s %6s %8s %6s", "case", "GB/s", "tcp", "ratio", "memcpy2", "ratio");
     if (ucx) printf(" %8s %6s %6s", "ucx raw", "ratio", "r/w");
     printf("\n");
     for (size_t i = 0; i < nc; i++) {
       engine_case *c = &cases[i];
       char name[64];
+      double b = c->alloc && base_huge > 0 ? base_huge : base;
       snprintf(name, sizeof name, "%s%s%s", c->name, c->mode ? "_" : "", c->mode ? c->mode : "");
-      printf("%-38s %8.2f %8.2f %6.2f %8.2f %6.2f", name, c->gbps, base, base > 0 ? c->gbps / base : 0, c->memcpy2,
+      printf("%-38s %8.2f %8.2f %6.2f %8.2f %6.2f", name, c->gbps, b, b > 0 ? c->gbps / b : 0, c->memcpy2,
              c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
       if (ucx) printf(" %8.2f %6.2f", c->ucx_raw, c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
       if (ucx && c->write_gbps > 0) printf(" %6.2f", c->gbps / c->write_gbps);
@@ -418,6 +437,20 @@ typedef struct rooms_slot {
 #define ROOMS_LAYERS 2
 #define ROOMS_ITEM 4096
 #define ROOMS_POOL_PAGES 20000
+
+/* The in-process decode of `bench rooms` and `bench layerwise`: its engine
+ * and its KV pool, as a decode rank of kv-decode has them (cli_rank_engine:
+ * the pool from kvf_engine_alloc_pool unless KVFERRY_CLI_MEMORY=plain).
+ * 0, or -1 with nothing left to free. */
+static int bench_decode_pool(kvpool *pool, size_t layers, size_t pages, uint64_t item, kvf_engine **e) {
+  int use_pool = 0;
+  if (cli_rank_engine(NULL, e, &use_pool)) return -1;
+  kvpool_use_engine(use_pool ? *e : NULL);
+  int rc = kvpool_init(pool, layers, pages, item);
+  kvpool_use_engine(NULL);
+  if (rc) kvf_engine_destroy(*e);
+  return rc ? -1 : 0;
+}
 
 /* The prefill peer's wake-up counter (its `wakeups` command); -1 on failure. */
 static long long peer_wakeups(proc *peer) {
@@ -730,7 +763,7 @@ static int bench_rooms(const bench_opts *o) {
   double rtt_us = o->fanout_only ? 0 : bench_zmq_rtt_us(2000);
   /* For the many-page cases: one cache-hot TCP stream's bandwidth, so
    * ideal_us = room bytes / that + one ZeroMQ round trip. */
-  double hot_gbps = o->fanout_only ? 0 : bench_tcp_baseline(o->quick ? 64ull << 20 : 256ull << 20, 1 << 20);
+  double hot_gbps = o->fanout_only ? 0 : bench_tcp_baseline(o->quick ? 64ull << 20 : 256ull << 20, 1 << 20, 0);
   const char *exe = proc_testpeer_exe();
   char pages[32], layers[16], item[16];
   snprintf(pages, sizeof pages, "%d", ROOMS_POOL_PAGES);
@@ -741,6 +774,7 @@ static int bench_rooms(const bench_opts *o) {
   if (proc_start(&peer, argv)) return 1;
   char line[400], baddr[KVF_ADDR_MAX + 1];
   kvpool pool;
+  kvf_engine *eng = NULL;
   kvf_manager *m = NULL, *m3only = NULL;
   int rc = 1;
   /* Room traces, both sides from their managers' rings (the default
@@ -753,10 +787,11 @@ static int bench_rooms(const bench_opts *o) {
     proc_stop(&peer, 1000);
     return 1;
   }
-  if (kvpool_init(&pool, ROOMS_LAYERS, ROOMS_POOL_PAGES, ROOMS_ITEM)) goto out_peer;
+  if (bench_decode_pool(&pool, ROOMS_LAYERS, ROOMS_POOL_PAGES, ROOMS_ITEM, &eng)) goto out_peer;
   kvf_manager_config mc;
   kvf_manager_config_init(&mc);
   mc.role = KVF_ROLE_DECODE;
+  mc.engine = eng;
   if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
   rooms_case cases[] = {
       {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0, 0, 0},
@@ -777,6 +812,7 @@ static int bench_rooms(const bench_opts *o) {
   if (nc && cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   mc.fast_completion = 0;
+  mc.engine = NULL; /* its own engine: the buffers are registered in the shared one */
   if (nc && kvf_manager_create(&mc, &pool.bufs, &m3only)) goto out_mgr;
   warm.m3_only = 1;
   if (nc && cli_bench_rooms_case(m3only, &pool, &peer, baddr, &warm, base)) goto out_mgr;
@@ -889,6 +925,7 @@ out_mgr:
   kvf_manager_destroy(m);
 out_pool:
   kvpool_free(&pool);
+  kvf_engine_destroy(eng);
 out_peer:
   proc_stop(&peer, 5000);
   for (size_t i = 0; i < sizeof rt / sizeof rt[0]; i++) free(rt[i].t), free(rt[i].pf);
@@ -988,7 +1025,8 @@ static int bench_e2e(const bench_opts *o) {
   const int runs = o->quick ? 3 : 7;
   /* The baseline is the faster of the two plain streams (cache-hot
    * buffers), so the ideal time is the least a plain socket needs here. */
-  double base_pool = bench_tcp_baseline(2 * bytes, 256ull << 20), base = bench_tcp_baseline(2 * bytes, 1 << 20);
+  double base_pool = bench_tcp_baseline(2 * bytes, 256ull << 20, 0),
+         base = bench_tcp_baseline(2 * bytes, 1 << 20, 0);
   double mc = bench_memcpy_gbps(2 * bytes);
   pd_pair pp;
   char err[256], tpath[64], vpath[64] = ""; /* the pairs' room traces, for the per-step breakdowns */
@@ -1012,10 +1050,11 @@ static int bench_e2e(const bench_opts *o) {
     rc = e2e_case(&pp, tokens, runs, &room, &p50, &best);
   }
   pd_stop(&pp);
-  /* Over UCX the processes' KV pools come from kvf_engine_alloc_pool (the
-   * peer maps them, rkey_ptr); the same request again with private memory
-   * (UCX reaches it through CMA). */
-  const char *mem = cli_memory_kind(cli_ucx_route() ? "ucx" : "tcp");
+  /* The processes' KV pools come from kvf_engine_alloc_pool (over UCX the
+   * peer maps them, rkey_ptr; over TCP they are on huge pages); the same
+   * request again with private memory of ordinary pages (UCX reaches it
+   * through CMA). */
+  const char *mem = cli_memory_kind();
   double plain50 = 0, plainbest = 0;
   int plain_case = !rc && !o->verify && !strcmp(mem, "pool");
   if (plain_case) {
@@ -1080,8 +1119,8 @@ static int bench_e2e(const bench_opts *o) {
              plainbest * 1e3, plain50 > 0 ? bytes / plain50 / 1e9 : 0, ideal * 1e3,
              plain50 > 0 ? ideal / plain50 : 0);
     printf("memory: %s\n", plain_case
-                               ? "the first row in pools from kvf_engine_alloc_pool (UCX maps them, rkey_ptr); "
-                                 "_plain in private memory (UCX: CMA)"
+                               ? "the first row in pools from kvf_engine_alloc_pool (UCX maps them, rkey_ptr; "
+                                 "TCP: huge pages); _plain in private memory of ordinary pages (UCX: CMA)"
                                : mem);
   }
   if (o->verify) {
@@ -1194,6 +1233,7 @@ static int bench_layerwise(const bench_opts *o) {
   if (proc_start(&peer, argv)) return 1;
   char line[400], baddr[KVF_ADDR_MAX + 1];
   kvpool pool;
+  kvf_engine *eng = NULL;
   kvf_manager *m = NULL;
   int rc = 1;
   if (proc_read_line(&peer, line, sizeof line, 60000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
@@ -1201,10 +1241,11 @@ static int bench_layerwise(const bench_opts *o) {
     proc_stop(&peer, 1000);
     return 1;
   }
-  if (kvpool_init(&pool, E2E_LAYERS, npages, E2E_ITEM)) goto out_peer;
+  if (bench_decode_pool(&pool, E2E_LAYERS, npages, E2E_ITEM, &eng)) goto out_peer;
   kvf_manager_config mc;
   kvf_manager_config_init(&mc);
   mc.role = KVF_ROLE_DECODE;
+  mc.engine = eng;
   if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
   int64_t room = 1;
   lw_run warm, alone, whole, lw;
@@ -1261,6 +1302,7 @@ out_mgr:
   kvf_manager_destroy(m);
 out_pool:
   kvpool_free(&pool);
+  kvf_engine_destroy(eng);
 out_peer:
   proc_stop(&peer, 5000);
   return rc;
@@ -1300,7 +1342,7 @@ static int bench_plot(const bench_opts *o) {
   const uint64_t case_bytes = o->quick ? 64ull << 20 : 1ull << 30,
                  rig_pool = o->quick ? 64ull << 20 : 256ull << 20;
   const size_t min_tokens = o->quick ? 256 : 512, max_tokens = o->quick ? 1024 : 8192;
-  double base = bench_tcp_baseline(case_bytes, 1 << 20); /* the faster plain stream: cache-hot buffers */
+  double base = bench_tcp_baseline(case_bytes, 1 << 20, 0); /* the faster plain stream: cache-hot buffers */
   double bx[PLOT_BLOCKS], by[PLOT_BLOCKS], bb[PLOT_BLOCKS], ex[PLOT_LENGTHS], ey[PLOT_LENGTHS], eb[PLOT_LENGTHS];
   size_t nb = 0, ne = 0;
   engine_rig g;

@@ -213,8 +213,9 @@ int cli_demo(int argc, char **argv) {
          pool_pages * page_bytes / (double)(1ull << 30), md->mla ? "rank" : "side", inflight,
          getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto");
   int ucx_route = cli_ucx_route();
-  printf("  memory: %s\n", !strcmp(cli_memory_kind(ucx_route ? "ucx" : "tcp"), "pool")
-                               ? "pools from kvf_engine_alloc_pool (UCX maps them: plain stores, rkey_ptr)"
+  int pool_mem = !strcmp(cli_memory_kind(), "pool");
+  printf("  memory: %s\n", pool_mem && ucx_route ? "pools from kvf_engine_alloc_pool (UCX maps them: rkey_ptr)"
+                           : pool_mem  ? "pools from kvf_engine_alloc_pool (private, on transparent huge pages)"
                            : ucx_route ? "private memory registered with the engine (UCX reaches it through CMA)"
                                        : "private memory registered with the engine");
   if (md->mla)

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include "base/addr.h"
 #include "base/clock.h"
@@ -291,15 +292,37 @@ static void pool_lock(kvf_engine *e, void *p, size_t len) {
              len, strerror(err), (unsigned long long)rl.rlim_cur);
 }
 
+/* A pool for an engine whose transport maps none itself (TCP): private
+ * anonymous memory aligned to 2 MiB and marked for transparent huge pages
+ * (MADV_HUGEPAGE, taken where the kernel's THP setting is `madvise` or
+ * `always`), so the kernel's copies in and out of it (every TCP send and
+ * receive) walk one page-table entry per 2 MiB. On VMs with shadow paging
+ * the kernel's first touch of each 4 KiB page of a pool was the cost of a
+ * TCP transfer through it: 8x slower than the same bytes through huge
+ * pages (bench/README.md, "Memory"). NULL when out of memory. */
+#define POOL_HUGE_ALIGN (2u << 20)
+static void *plain_pool_map(size_t len) {
+  size_t page = (size_t)sysconf(_SC_PAGESIZE), mapped, span;
+  if (__builtin_add_overflow(len, (size_t)page - 1, &mapped)) return NULL;
+  mapped &= ~(page - 1);
+  if (__builtin_add_overflow(mapped, (size_t)POOL_HUGE_ALIGN, &span)) return NULL;
+  char *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return NULL;
+  char *p = (char *)(((uintptr_t)raw + POOL_HUGE_ALIGN - 1) & ~(uintptr_t)(POOL_HUGE_ALIGN - 1));
+  if (p > raw) munmap(raw, (size_t)(p - raw));
+  if (raw + span > p + mapped) munmap(p + mapped, (size_t)(raw + span - (p + mapped)));
+  madvise(p, mapped, MADV_HUGEPAGE); /* advice: a kernel without THP keeps 4 KiB pages */
+  return p;
+}
+
 int kvf_engine_alloc_pool(kvf_engine *e, size_t len, void **out) {
   if (!e || !len || !out) return KVF_EINVAL;
   void *p = NULL;
   int rc = 0;
   if (e->ops->alloc_pool) {
     rc = e->ops->alloc_pool(e, len, &p);
-  } else { /* no transport can map it: shared anonymous memory, registered */
-    p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) rc = KVF_ENOMEM;
+  } else if (!(p = plain_pool_map(len))) { /* no transport maps it */
+    rc = KVF_ENOMEM;
   }
   if (rc) return rc;
   rc = kvf_engine_register(e, p, len);

@@ -85,10 +85,10 @@ void cli_print_stats(kvf_manager **m, int n) {
   fflush(stdout);
 }
 
-const char *cli_memory_kind(const char *transport) {
+const char *cli_memory_kind(void) {
   const char *m = getenv("KVFERRY_CLI_MEMORY");
-  if (m && (!strcmp(m, "pool") || !strcmp(m, "plain"))) return m;
-  return transport && !strcmp(transport, "ucx") ? "pool" : "plain";
+  /* every transport: UCX maps such pools, TCP copies through their huge pages */
+  return m && !strcmp(m, "plain") ? "plain" : "pool";
 }
 
 int cli_rank_engine(const char *host, kvf_engine **out, int *pool) {
@@ -96,7 +96,7 @@ int cli_rank_engine(const char *host, kvf_engine **out, int *pool) {
   kvf_engine_config_init(&c);
   if (host) c.host = host;
   int rc = kvf_engine_create(&c, out);
-  if (!rc) *pool = !strcmp(cli_memory_kind(kvf_engine_transport(*out)), "pool");
+  if (!rc) *pool = !strcmp(cli_memory_kind(), "pool");
   return rc;
 }
 

@@ -35,14 +35,15 @@ void cli_print_stats(struct kvf_manager **m, int n);
 
 /* The engine a CLI rank's KV manager shares (kvf_manager_config.engine),
  * listening on `host`, and whether its KV pool should come from that engine
- * (kvf_engine_alloc_pool: shared memory that a same-host UCX peer maps and
- * writes with plain stores): $KVFERRY_CLI_MEMORY "pool", or "auto"/unset
- * when the engine's transport is ucx; "plain": private memory (UCX reaches
- * it through CMA). 0 or a KVF_E* error. */
+ * (kvf_engine_alloc_pool: with UCX shared memory that a same-host peer maps
+ * and reads or writes with plain loads and stores, with TCP private memory
+ * on transparent huge pages): yes unless $KVFERRY_CLI_MEMORY is "plain"
+ * (private memory of ordinary pages, as most callers' allocators give; UCX
+ * reaches it through CMA). 0 or a KVF_E* error. */
 struct kvf_engine;
 int cli_rank_engine(const char *host, struct kvf_engine **out, int *pool);
-/* "pool" or "plain": what cli_rank_engine chooses for a transport. */
-const char *cli_memory_kind(const char *transport);
+/* "pool" or "plain": what cli_rank_engine chooses ($KVFERRY_CLI_MEMORY). */
+const char *cli_memory_kind(void);
 /* Do two same-host CLI processes reach each other over UCX ($KVFERRY_TRANSPORT
  * ucx, or auto in a build with UCX)? */
 int cli_ucx_route(void);

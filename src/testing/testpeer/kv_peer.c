@@ -372,7 +372,7 @@ int cli_kv_peer(int argc, char **argv) {
       ec.host = o.host;
       ec.max_inbound_conns = o.max_inbound;
       erc = kvf_engine_create(&ec, &engines[r]);
-      use_pool = !erc && !strcmp(cli_memory_kind(kvf_engine_transport(engines[r])), "pool");
+      use_pool = !erc && !strcmp(cli_memory_kind(), "pool");
     } else {
       erc = cli_rank_engine(o.host, &engines[r], &use_pool);
     }
