@@ -439,12 +439,17 @@ typedef struct rooms_slot {
 #define ROOMS_POOL_PAGES 20000
 
 /* The in-process decode of `bench rooms` and `bench layerwise`: its engine
- * and its KV pool, as a decode rank of kv-decode has them (cli_rank_engine:
- * the pool from kvf_engine_alloc_pool unless KVFERRY_CLI_MEMORY=plain).
- * 0, or -1 with nothing left to free. */
+ * and its KV pool. Over TCP the pool comes from kvf_engine_alloc_pool
+ * (cli_rank_engine; KVFERRY_CLI_MEMORY=plain for ordinary pages): the
+ * kernel copies every byte into it, through huge pages. Over UCX it stays
+ * ordinary private memory, as a caller's tensor would be: in read mode this
+ * decode copies into it itself, and a UCX pool as the destination measured
+ * slower here (256-page rooms, bench/README.md "Memory"). 0, or -1 with
+ * nothing left to free. */
 static int bench_decode_pool(kvpool *pool, size_t layers, size_t pages, uint64_t item, kvf_engine **e) {
   int use_pool = 0;
   if (cli_rank_engine(NULL, e, &use_pool)) return -1;
+  if (strcmp(kvf_engine_transport(*e), "tcp")) use_pool = 0;
   kvpool_use_engine(use_pool ? *e : NULL);
   int rc = kvpool_init(pool, layers, pages, item);
   kvpool_use_engine(NULL);
