@@ -1303,6 +1303,38 @@ static void abort_tells_decode(void **state) {
   fx_teardown(&f);
 }
 
+/* A sender destroyed before its last chunk tells its decode Failed, with
+ * the reason, instead of leaving it to its own timeout; one destroyed after
+ * Success sends nothing more. */
+static void destroy_before_last_chunk_tells_decode(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  kvf_sender *s = new_sender(&f, 23);
+  int64_t src[] = {0, 1}, dst[] = {4, 5};
+  register_and_request(&f, 23, dst, 2);
+  assert_int_equal(send_chunk(s, src, 1, 0, 0, -1, NULL, 0, NULL, 0), 0); /* not the last */
+  wait_chunks(&f, 1);
+  kvf_sender_destroy(s);
+  wire_m3 m3;
+  int32_t c[KVF_MAX_CANDIDATES];
+  size_t nc;
+  recv_m3(&f, &m3, c, &nc);
+  assert_int_equal(m3.room, 23);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  assert_true(m3.reason_len > 0);
+
+  s = new_sender(&f, 24);
+  register_and_request(&f, 24, dst, 2);
+  int32_t cands[] = {5};
+  assert_int_equal(send_chunk(s, src, 2, 1, 0, 9, cands, 1, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 24, 9, cands, 1);
+  kvf_sender_destroy(s);
+  expect_no_m3(&f, 200);
+  fx_teardown(&f);
+}
+
 /* Senders created and destroyed, some with chunks pending or queued. */
 static void many_senders(void **state) {
   (void)state;
@@ -1613,11 +1645,14 @@ static void token_wait_ends(void **state) {
   }
   wait_chunks(&f, 3);
   expect_no_m3(&f, 100);
-  kvf_sender_destroy(s[0]); /* destroyed while waiting */
-  kvf_sender_abort(s[1], "gave up");
+  kvf_sender_destroy(s[0]); /* destroyed while waiting: its decode hears Failed */
   wire_m3 m3;
   int32_t c[KVF_MAX_CANDIDATES];
   size_t nc;
+  recv_m3(&f, &m3, c, &nc);
+  assert_int_equal(m3.room, 64);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  kvf_sender_abort(s[1], "gave up");
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.room, 65);
   assert_int_equal(m3.status, WIRE_STATUS_FAILED);
@@ -1699,6 +1734,7 @@ int main(void) {
       cmocka_unit_test(refused_write_fails_room),
       cmocka_unit_test(refused_write_in_window_fails_room),
       cmocka_unit_test(abort_tells_decode),
+      cmocka_unit_test(destroy_before_last_chunk_tells_decode),
       cmocka_unit_test(many_senders),
       cmocka_unit_test(layerwise_appendix_a),
       cmocka_unit_test(layerwise_windows),

@@ -387,7 +387,18 @@ void kvf_sender_destroy(kvf_sender *s) {
   if (!s) return;
   prefill_state *ps = s->m->prefill;
   pf_room *r = s->r;
+  pf_dest *d = NULL;
+  size_t nd = 0;
+  int st = ROOM_FAILED;
   pthread_mutex_lock(&ps->lock);
+  /* Its last chunk never sent, or its KV landed and the token never
+   * published: its decodes cannot get Success any more (a worker sends no
+   * completion for a destroyed room) and would wait for their own timeout,
+   * so they hear Failed now, as from an abort. A last chunk already sent
+   * may still complete through its trailer: not contradicted here. */
+  if (!kvf__rooms_get_status(s->m->rooms, s->room, &st) && st != ROOM_SUCCESS && st != ROOM_FAILED &&
+      (!s->last_sent || r->park))
+    d = kvf__pf_collect_dests(r, NULL, &nd);
   if (kvf__trace_on(&r->tr)) { /* the record is finished with the room's last reference */
     r->tr_status = ROOM_FAILED;
     kvf__rooms_get_status(s->m->rooms, s->room, &r->tr_status);
@@ -404,6 +415,11 @@ void kvf_sender_destroy(kvf_sender *s) {
     c = n;
   }
   kvf__pf_room_unref(ps, r); /* the table's reference; queued chunks keep theirs */
+  int64_t room = s->room;
+  kvf_manager *m = s->m;
   sender_drop_locked(ps, s);
   pthread_mutex_unlock(&ps->lock);
+  if (d)
+    kvf__pf_send_failed_all(m, room, d, nd,
+                            "the prefill dropped the request (its sender was destroyed) before it was complete");
 }
