@@ -370,6 +370,19 @@ static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
   }
 }
 
+/* The next M3 (digests skipped) is a Failed one for `room`; it is returned
+ * (its reason and candidates point nowhere any more; reason_len stays). */
+static wire_m3 expect_failed_m3(fixture *f, int64_t room) {
+  wire_m3 m3;
+  int32_t c[KVF_MAX_CANDIDATES];
+  size_t nc;
+  recv_m3(f, &m3, c, &nc);
+  assert_int_equal(m3.room, room);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  m3.reason = NULL;
+  return m3;
+}
+
 static int wait_final(kvf_sender *s, int ms) {
   int64_t end = clock_now_ns() + (int64_t)ms * 1000000;
   int st = kvf_sender_poll(s);
@@ -1293,12 +1306,7 @@ static void abort_tells_decode(void **state) {
   char why[128];
   kvf_sender_failure(s, why, sizeof why);
   assert_string_equal(why, "scheduler gave up");
-  wire_m3 m3;
-  int32_t c[KVF_MAX_CANDIDATES];
-  size_t nc;
-  recv_m3(&f, &m3, c, &nc);
-  assert_int_equal(m3.room, 21);
-  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  expect_failed_m3(&f, 21);
   kvf_sender_destroy(s);
   fx_teardown(&f);
 }
@@ -1316,13 +1324,7 @@ static void destroy_before_last_chunk_tells_decode(void **state) {
   assert_int_equal(send_chunk(s, src, 1, 0, 0, -1, NULL, 0, NULL, 0), 0); /* not the last */
   wait_chunks(&f, 1);
   kvf_sender_destroy(s);
-  wire_m3 m3;
-  int32_t c[KVF_MAX_CANDIDATES];
-  size_t nc;
-  recv_m3(&f, &m3, c, &nc);
-  assert_int_equal(m3.room, 23);
-  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
-  assert_true(m3.reason_len > 0);
+  assert_true(expect_failed_m3(&f, 23).reason_len > 0);
 
   s = new_sender(&f, 24);
   register_and_request(&f, 24, dst, 2);
@@ -1612,13 +1614,7 @@ static void token_never_published(void **state) {
   char why[256];
   kvf_sender_failure(s, why, sizeof why);
   assert_string_equal(why, "Request 63: first token not published within 1.0s after its KV landed");
-  wire_m3 m3;
-  int32_t c[KVF_MAX_CANDIDATES];
-  size_t nc;
-  recv_m3(&f, &m3, c, &nc);
-  assert_int_equal(m3.room, 63);
-  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
-  assert_int_equal(m3.bootstrap_token, -1);
+  assert_int_equal(expect_failed_m3(&f, 63).bootstrap_token, -1);
   /* a late publication changes nothing and sends nothing */
   assert_int_equal(kvf_sender_set_metadata(s, 5, NULL, 0), 0);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_FAILED);
@@ -1646,16 +1642,9 @@ static void token_wait_ends(void **state) {
   wait_chunks(&f, 3);
   expect_no_m3(&f, 100);
   kvf_sender_destroy(s[0]); /* destroyed while waiting: its decode hears Failed */
-  wire_m3 m3;
-  int32_t c[KVF_MAX_CANDIDATES];
-  size_t nc;
-  recv_m3(&f, &m3, c, &nc);
-  assert_int_equal(m3.room, 64);
-  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  expect_failed_m3(&f, 64);
   kvf_sender_abort(s[1], "gave up");
-  recv_m3(&f, &m3, c, &nc);
-  assert_int_equal(m3.room, 65);
-  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  expect_failed_m3(&f, 65);
   assert_int_equal(kvf_sender_poll(s[1]), KVF_POLL_FAILED);
   assert_int_equal(kvf_sender_set_metadata(s[1], 3, NULL, 0), 0);
   expect_no_m3(&f, 100);

@@ -352,7 +352,8 @@ typedef struct pf_queue {
   pf_chunk *head, *tail;
   size_t count;
   int stop;
-  int nthreads, nidle, nwaiting; /* its threads: all, idle on cond, waiting on the network */
+  int nthreads, nidle; /* its threads: all, idle on cond (under lock) */
+  atomic_int nwaiting; /* of them, waiting on the network: a hint read under lock, changed without it */
 } pf_queue;
 
 struct kvf_sender {
@@ -494,10 +495,6 @@ void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n,
 void kvf__pf_tell_others_failed(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *why);
 int kvf__pf_room_shard(prefill_state *ps, pf_room *r);
 int kvf__pf_queue_push(pf_queue *q, pf_chunk *c);
-/* q->lock held: if a chunk of a room no thread holds is queued, wake an
- * idle thread of q, or, when every one waits on the network, start another
- * (up to PF_QUEUE_THREADS). */
-void kvf__pf_more_hands_locked(pf_queue *q);
 /* kvf_batch_wait(b, -1) on a worker's scratch, in slices of
  * PF_SLOW_WAIT_MS: a long wait lets the queue's other rooms get a thread. */
 int kvf__pf_batch_wait(pf_scratch *sc, kvf_batch *b);

@@ -397,11 +397,14 @@ static int free_work_locked(const pf_queue *q) {
   return 0;
 }
 
-void kvf__pf_more_hands_locked(pf_queue *q) {
+/* q->lock held: if a chunk of a room no thread holds is queued, wake an
+ * idle thread of q, or, when every one waits on the network, start another
+ * (up to PF_QUEUE_THREADS). */
+static void more_hands_locked(pf_queue *q) {
   if (q->stop || !free_work_locked(q)) return;
   if (q->nidle) {
     pthread_cond_signal(&q->cond);
-  } else if (q->nwaiting == q->nthreads && q->nthreads < PF_QUEUE_THREADS &&
+  } else if (atomic_load(&q->nwaiting) == q->nthreads && q->nthreads < PF_QUEUE_THREADS &&
              kvf__pf_worker_start_locked(q, 1) == 0 && kvf__log_first_time(0x70667768u)) {
     LOG_INFO("kv",
              "a transfer queue's threads all wait on slow destinations: an extra thread takes the other "
@@ -411,11 +414,7 @@ void kvf__pf_more_hands_locked(pf_queue *q) {
 }
 
 void kvf__pf_wait_begin(pf_scratch *sc) {
-  pf_worker *w = sc->worker;
-  if (!w) return;
-  pthread_mutex_lock(&w->q->lock);
-  w->q->nwaiting++;
-  pthread_mutex_unlock(&w->q->lock);
+  if (sc->worker) atomic_fetch_add(&sc->worker->q->nwaiting, 1);
 }
 
 /* Between two slices of a wait (PF_SLOW_WAIT_MS): this thread has waited
@@ -424,7 +423,7 @@ static void wait_slow(pf_scratch *sc) {
   pf_worker *w = sc->worker;
   if (!w) return;
   pthread_mutex_lock(&w->q->lock);
-  kvf__pf_more_hands_locked(w->q);
+  more_hands_locked(w->q);
   pthread_mutex_unlock(&w->q->lock);
 }
 
@@ -442,11 +441,7 @@ static void group_wait(pf_scratch *sc, kvf__batch_group *g) {
 }
 
 void kvf__pf_wait_end(pf_scratch *sc) {
-  pf_worker *w = sc->worker;
-  if (!w) return;
-  pthread_mutex_lock(&w->q->lock);
-  w->q->nwaiting--;
-  pthread_mutex_unlock(&w->q->lock);
+  if (sc->worker) atomic_fetch_sub(&sc->worker->q->nwaiting, 1);
 }
 
 /* A chunk of r is done on its worker (or left its window): the last lets the
