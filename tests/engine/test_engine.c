@@ -137,6 +137,16 @@ static int ucx_write_mode(void) {
   return t && !strcmp(t, "ucx") && m && !strcmp(m, "write");
 }
 
+/* Over UCX's software RMA (explicit ucx, UCX_TLS without shared memory):
+ * UCX 1.13 aborts the process that answers a peer's gets or puts when that
+ * peer dies mid-transfer (README, Tests: the UCX defect; auto never routes
+ * there). */
+static int ucx_software_rma(void) {
+  const char *t = getenv("KVFERRY_TRANSPORT"), *tls = getenv("UCX_TLS");
+  return t && !strcmp(t, "ucx") && tls && !strstr(tls, "posix") && !strstr(tls, "sysv") && !strstr(tls, "sm") &&
+         !strstr(tls, "cma");
+}
+
 static int target_counts(void) {
   const char *t = getenv("KVFERRY_TRANSPORT");
   return t && (!strcmp(t, "tcp") || !ucx_write_mode());
@@ -267,6 +277,12 @@ static void four_threads_write_concurrently(void **state) {
 
 static void killed_peer_fails_batch_quickly(void **state) {
   fixture *f = *state;
+  if (ucx_software_rma()) { /* this process answers the dying peer's gets: UCX may abort it */
+    print_message("skipped over UCX_TLS=%s: UCX 1.13's software RMA can abort this process when the peer "
+                  "dies mid-transfer (the known UCX defect, README)\n",
+                  getenv("UCX_TLS"));
+    skip();
+  }
   /* A writer with a 10 s deadline: a failure noticed from the closed
    * connection comes well before it, even on a loaded machine. */
   kvf_engine *e = make_engine(10000, NULL);
