@@ -512,27 +512,48 @@ typedef struct ucx_load {
   int remote;
 } ucx_load;
 
-/* One slice of a writer's private memory, straight into place. */
-static int cma_read(int pid, void *dst, const void *src, size_t len) {
-  struct iovec local = {dst, len}, remote = {(void *)(uintptr_t)src, len};
-  ssize_t n = process_vm_readv((pid_t)pid, &local, 1, &remote, 1, 0);
-  if (n == (ssize_t)len) return 0;
+/* Slices of a writer's private memory go to the kernel this many at a time,
+ * in one process_vm_readv: one call per slice spent half the bandwidth on
+ * the calls for 32 KiB pages (3.4 against 7.9 GB/s on one thread here,
+ * 512 MiB of scattered pages). Bounded in bytes so that the fence and the
+ * revocations are still checked often and the landing hash finds the bytes
+ * in cache. */
+#define UCX_CMA_BATCH_SLICES 32u
+#define UCX_CMA_BATCH_BYTES (512u * 1024u)
+
+/* Slices [from, to) of a writer's private memory, all remote, straight into
+ * place with one call. */
+static int cma_read(int pid, const ucx_load *l, size_t from, size_t to, uint64_t bytes) {
+  struct iovec local[UCX_CMA_BATCH_SLICES], remote[UCX_CMA_BATCH_SLICES];
+  for (size_t i = from; i < to; i++) {
+    local[i - from] = (struct iovec){l[i].dst, l[i].len};
+    remote[i - from] = (struct iovec){(void *)(uintptr_t)l[i].src, l[i].len};
+  }
+  ssize_t n = process_vm_readv((pid_t)pid, local, to - from, remote, to - from, 0);
+  if (n >= 0 && (uint64_t)n == bytes) return 0;
   if (n < 0 && errno == ESRCH) return KVF_ECLOSED; /* the writer is gone */
   return KVF_ERANGE; /* not mapped there (any more), or no longer readable: nothing counts */
 }
 
-/* Copy loads [from, to), the fence checked before each slice. */
+/* Copy loads [from, to), the fence checked before each slice, or before
+ * each run of remote slices read with one call (at most
+ * UCX_CMA_BATCH_SLICES slices, UCX_CMA_BATCH_BYTES bytes). */
 static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size_t to) {
-  for (size_t i = from; i < to; i++) {
+  for (size_t i = from, j; i < to; i = j) {
     int rc = read_stop(r);
     if (rc) return rc;
+    j = i + 1;
     if (l[i].remote) {
-      if ((rc = cma_read(r->c->cma_pid, l[i].dst, l[i].src, l[i].len))) return rc;
-      atomic_fetch_add_explicit(&r->u->e->stats.bytes_read_direct, l[i].len, memory_order_relaxed);
+      uint64_t bytes = l[i].len;
+      for (; j < to && l[j].remote && j - i < UCX_CMA_BATCH_SLICES && bytes + l[j].len <= UCX_CMA_BATCH_BYTES; j++)
+        bytes += l[j].len;
+      if ((rc = cma_read(r->c->cma_pid, l, i, j, bytes))) return rc;
+      atomic_fetch_add_explicit(&r->u->e->stats.bytes_read_direct, bytes, memory_order_relaxed);
     } else {
       memcpy(l[i].dst, l[i].src, l[i].len);
     }
-    if (r->fence) kvf__engine_deliver_landed(r->u->e, r->n->tag, r->n->epoch, l[i].dst, l[i].len); /* cache-hot */
+    for (size_t k = i; r->fence && k < j; k++) /* cache-hot */
+      kvf__engine_deliver_landed(r->u->e, r->n->tag, r->n->epoch, l[k].dst, l[k].len);
   }
   return 0;
 }
