@@ -579,9 +579,15 @@ static void load_share_run(void *arg) {
   pthread_mutex_unlock(&s->mu);
 }
 
-/* Below this a notice's loads stay on the serving thread (a hand-off costs
- * a wake-up). */
-#define UCX_LOADS_SPLIT_BYTES (1u << 20)
+/* Below this a notice's loads stay on the serving thread: a hand-off costs
+ * a wake-up, and a batch is already cut in one notice per connection
+ * (conns_per_peer), which other workers serve at the same time. At 1 MiB a
+ * layerwise send's 4 MiB layers (two 2 MiB notices) each paid two hand-offs
+ * and fell behind a compute as long as their transfer: 0.35 ms layers,
+ * llama-3.1-8b 1024 tokens, the last Success 6.0-10.8 ms (median 10.3)
+ * after the compute against 3.3-7.2 ms (median 6.1) at 4 MiB, five
+ * alternating runs; e2e and 256-page rooms unchanged within noise. */
+#define UCX_LOADS_SPLIT_BYTES (4u << 20)
 
 /* Copy the loads, a share of them on a copier thread when there is enough
  * to share: the writer's copiers split a large write the same way. */
