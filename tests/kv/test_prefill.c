@@ -1337,6 +1337,77 @@ static void destroy_before_last_chunk_tells_decode(void **state) {
   fx_teardown(&f);
 }
 
+/* A sender destroyed while its last chunk is still being written: that
+ * write still ends the room for its decodes, which would otherwise wait for
+ * their own timeout (an M3-only decode, as tokenspeed's, gets no trailer).
+ * Here the decode never accepts the connection: nothing comes while the
+ * write may still land, and closing the socket fails the write, which tells
+ * the decode Failed; one chunk (the direct path once the M2 is in) and two
+ * (the worker path). */
+static void destroy_with_last_chunk_in_flight_tells_decode(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  int64_t src[] = {0, 1, 2, 3}, dst[] = {3, 4, 5, 6};
+  for (int chunks = 1; chunks <= 2; chunks++) {
+    int64_t room = 40 + chunks;
+    kvf_sender *s = NULL;
+    int silent = silent_request(&f, room, dst, 4, &s);
+    size_t first = chunks == 2 ? 2 : 0;
+    if (first) assert_int_equal(send_chunk(s, src, first, 0, 0, -1, NULL, 0, NULL, 0), 0);
+    assert_int_equal(send_chunk(s, src + first, 4 - first, 1, 0, 4, NULL, 0, NULL, 0), 0);
+    sleep_ms(50); /* the chunk reaches its write, which waits for the connection */
+    kvf_sender_destroy(s);
+    expect_no_m3(&f, 100);
+    close(silent);
+    assert_true(expect_failed_m3(&f, room).reason_len > 0);
+  }
+  fx_teardown(&f);
+}
+
+/* Senders destroyed right after their last chunk, against a live decode:
+ * whichever point the chunk had reached, the decode hears exactly one M3,
+ * Success with the token when the write had begun (it lands), Failed with
+ * the reason when the worker had not taken the chunk yet. Before, a
+ * destroy that came before the write's end left the decode to its timeout. */
+static void destroy_right_after_last_chunk_ends_room(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  int64_t src[] = {0, 1, 2, 3}, dst[] = {3, 4, 5, 6};
+  int32_t cands[] = {8};
+  int success = 0, failed = 0;
+  for (int i = 0; i < 20; i++) {
+    int64_t room = 60 + i;
+    kvf_sender *s = new_sender(&f, room);
+    uint64_t got = stat_received(&f);
+    send_m1(&f);
+    send_m2(&f, room, dst, 4);
+    if (i % 2) wait_received(&f, got + 2); /* else the chunks may still wait for the M2 (pending) */
+    assert_int_equal(send_chunk(s, src, 2, 0, 0, -1, NULL, 0, NULL, 0), 0);
+    assert_int_equal(send_chunk(s, src + 2, 2, 1, 0, 7, cands, 1, NULL, 0), 0);
+    wait_received(&f, got + 2); /* the decode told of the room ... */
+    kvf_sender_destroy(s);      /* ... then the sender goes */
+    wire_m3 m3;
+    int32_t gc[KVF_MAX_CANDIDATES];
+    size_t ng = 0;
+    recv_m3(&f, &m3, gc, &ng);
+    assert_int_equal(m3.room, room);
+    if (m3.status == WIRE_STATUS_SUCCESS) {
+      assert_int_equal(m3.bootstrap_token, 7);
+      assert_int_equal(ng, 1);
+      success++;
+    } else {
+      assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+      assert_true(m3.reason_len > 0);
+      failed++;
+    }
+  }
+  expect_no_m3(&f, 200);
+  printf("destroyed right after the last chunk: %d Success, %d Failed\n", success, failed);
+  fx_teardown(&f);
+}
+
 /* Senders created and destroyed, some with chunks pending or queued. */
 static void many_senders(void **state) {
   (void)state;
@@ -1724,6 +1795,8 @@ int main(void) {
       cmocka_unit_test(refused_write_in_window_fails_room),
       cmocka_unit_test(abort_tells_decode),
       cmocka_unit_test(destroy_before_last_chunk_tells_decode),
+      cmocka_unit_test(destroy_with_last_chunk_in_flight_tells_decode),
+      cmocka_unit_test(destroy_right_after_last_chunk_ends_room),
       cmocka_unit_test(many_senders),
       cmocka_unit_test(layerwise_appendix_a),
       cmocka_unit_test(layerwise_windows),

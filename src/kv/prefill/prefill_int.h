@@ -290,6 +290,7 @@ typedef struct pf_room {
   size_t nchunks; /* chunks accepted from the sender */
   int busy;       /* chunks submitted to the engine and not finished: their reads of the sources may go on */
   int dead;       /* destroyed: chunks still holding it are dropped */
+  int dead_told;  /* destroyed, and its decodes told Failed since (once: kvf__pf_dead_room_failed) */
   int has_sender;
   int bootstrapped;
   int shard;
@@ -491,6 +492,13 @@ void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m
  * reason is not NULL. */
 void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, int64_t room, const char *reason);
 pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n);
+/* ps->lock held. A destroyed room (kvf_sender_destroy after its last chunk
+ * was sent) that cannot end in Success any more: its decodes are told
+ * Failed, once, so none waits for its own timeout. The destinations to tell
+ * (send them with kvf__pf_send_failed_all and PF_DESTROYED_REASON), or NULL
+ * when they were told already or the room is not destroyed. */
+pf_dest *kvf__pf_dead_room_failed_locked(pf_room *r, size_t *n);
+#define PF_DESTROYED_REASON "the prefill dropped the request (its sender was destroyed) before it was complete"
 void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *reason);
 void kvf__pf_tell_others_failed(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *why);
 int kvf__pf_room_shard(prefill_state *ps, pf_room *r);

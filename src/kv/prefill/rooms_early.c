@@ -170,6 +170,13 @@ pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n) {
   return d;
 }
 
+pf_dest *kvf__pf_dead_room_failed_locked(pf_room *r, size_t *n) {
+  *n = 0;
+  if (!r->dead || r->dead_told) return NULL;
+  r->dead_told = 1;
+  return kvf__pf_collect_dests(r, NULL, n);
+}
+
 void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *reason) {
   for (size_t i = 0; i < n; i++) kvf__pf_send_m3_failed(m, d[i].host, d[i].port, room, reason);
   free(d);

@@ -391,14 +391,16 @@ void kvf_sender_destroy(kvf_sender *s) {
   size_t nd = 0;
   int st = ROOM_FAILED;
   pthread_mutex_lock(&ps->lock);
-  /* Its last chunk never sent, or its KV landed and the token never
-   * published: its decodes cannot get Success any more (a worker sends no
-   * completion for a destroyed room) and would wait for their own timeout,
-   * so they hear Failed now, as from an abort. A last chunk already sent
-   * may still complete through its trailer: not contradicted here. */
-  if (!kvf__rooms_get_status(s->m->rooms, s->room, &st) && st != ROOM_SUCCESS && st != ROOM_FAILED &&
-      (!s->last_sent || r->park))
-    d = kvf__pf_collect_dests(r, NULL, &nd);
+  /* Its last chunk never sent, or still pending (dropped below), or its
+   * KV landed and the token never published: its decodes cannot get
+   * Success any more and would wait for their own timeout, so they hear
+   * Failed now, as from an abort (those whose M2 is here). A last
+   * chunk already sent still ends the room on its worker or its direct
+   * write: Success (the trailer, the M3s) when it lands with its token
+   * known, else Failed (kvf__pf_dead_room_failed_locked). */
+  int told = !kvf__rooms_get_status(s->m->rooms, s->room, &st) && st != ROOM_SUCCESS && st != ROOM_FAILED &&
+             (!s->last_sent || r->park || r->pend_head);
+  if (told) d = kvf__pf_collect_dests(r, NULL, &nd);
   if (kvf__trace_on(&r->tr)) { /* the record is finished with the room's last reference */
     r->tr_status = ROOM_FAILED;
     kvf__rooms_get_status(s->m->rooms, s->room, &r->tr_status);
@@ -406,6 +408,7 @@ void kvf_sender_destroy(kvf_sender *s) {
   }
   kvf__rooms_clear(s->m->rooms, s->room, NULL); /* the table held r: nothing else names it by id now */
   r->dead = 1;
+  r->dead_told = told;
   pf_chunk *c = r->pend_head;
   r->pend_head = r->pend_tail = NULL;
   r->npending = 0;
@@ -419,7 +422,5 @@ void kvf_sender_destroy(kvf_sender *s) {
   kvf_manager *m = s->m;
   sender_drop_locked(ps, s);
   pthread_mutex_unlock(&ps->lock);
-  if (d)
-    kvf__pf_send_failed_all(m, room, d, nd,
-                            "the prefill dropped the request (its sender was destroyed) before it was complete");
+  if (d) kvf__pf_send_failed_all(m, room, d, nd, PF_DESTROYED_REASON);
 }

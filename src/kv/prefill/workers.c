@@ -47,9 +47,14 @@ void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const ch
     int first = !kvf__rooms_get_status(m->rooms, r->room, &st) && st != ROOM_FAILED;
     kvf__rooms_fail(m->rooms, r->room, why);
     if (first) d = kvf__pf_collect_dests(r, x->session, &nd);
+  } else { /* destroyed with its last chunk in flight: every decode hears it, once */
+    d = kvf__pf_dead_room_failed_locked(r, &nd);
   }
   pthread_mutex_unlock(&ps->lock);
-  if (!live) return;
+  if (!live) {
+    if (d) kvf__pf_send_failed_all(m, r->room, d, nd, why);
+    return;
+  }
   LOG_WARN("kv", "room %" PRId64 ": %s", r->room, why);
   kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, r->room, NULL);
   if (d) kvf__pf_tell_others_failed(m, r->room, d, nd, why);
@@ -204,7 +209,12 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
   if (c->is_last && !pass) flight_drain(ps, w);
   pthread_mutex_lock(&ps->lock);
   if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) {
+    /* A destroyed room's last chunk, dropped: nothing else would tell its
+     * decodes (a failed room's were told when it failed). */
+    size_t nd = 0;
+    pf_dest *d = c->is_last ? kvf__pf_dead_room_failed_locked(r, &nd) : NULL;
     pthread_mutex_unlock(&ps->lock);
+    if (d) kvf__pf_send_failed_all(m, r->room, d, nd, PF_DESTROYED_REASON);
     return 0;
   }
   size_t n = r->ninfos;
@@ -270,9 +280,13 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
   }
   if (pass) { /* the earlier chunks: one that failed has failed the room and told its destinations */
     flight_drain(ps, w);
+    size_t nd = 0;
+    pf_dest *d = NULL;
     pthread_mutex_lock(&ps->lock);
     if (r->dead || kvf__rooms_get_status(m->rooms, r->room, &st) || st == ROOM_FAILED) ok = 0;
+    if (r->dead) d = kvf__pf_dead_room_failed_locked(r, &nd); /* its earlier chunks' outcomes are unknown */
     pthread_mutex_unlock(&ps->lock);
+    if (d) kvf__pf_send_failed_all(m, r->room, d, nd, PF_DESTROYED_REASON);
   }
   /* Completions are reaped together: one wake-up when the last write ends
    * (or one fails), then the outcomes in destination order. */
@@ -337,9 +351,21 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
       kvf__rooms_get_status(m->rooms, r->room, &fin);
       if (late && fin != ROOM_FAILED) fin = ROOM_SUCCESS;
     }
-    int dead = r->dead;
+    /* Destroyed while its last chunk was in flight: it landed, so its
+     * decodes get the M3s it would have had (the trailer already told a
+     * kvferry decode), Success with the token; without a token (published
+     * later, never now) they hear Failed. */
+    pf_dest *dead_d = NULL;
+    size_t dead_n = 0;
+    if (r->dead) {
+      late = 0;
+      if (c->token != PF_TOKEN_LATER && !r->dead_told) fin = ROOM_SUCCESS, r->dead_told = 1;
+      else dead_d = kvf__pf_dead_room_failed_locked(r, &dead_n), fin = ROOM_FAILED;
+    }
+    int silent = r->dead && fin != ROOM_SUCCESS;
     pthread_mutex_unlock(&ps->lock);
-    if (dead || parked) break; /* parked: kvf_sender_set_metadata or the poll sends the M3s */
+    if (dead_d) kvf__pf_send_failed_all(m, r->room, dead_d, dead_n, PF_DESTROYED_REASON);
+    if (silent || parked) break; /* parked: kvf_sender_set_metadata or the poll sends the M3s */
     pf_m3_msg msg = {.room = r->room,
                      .status = fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
                      .token = tok,
