@@ -28,6 +28,7 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "procfs.h"
 #include "tools/kvpool.h"
 #include "tools/proc.h"
 #include "kvferry.h"
@@ -157,6 +158,7 @@ static void late_writes_never_land_after_the_room_failed(void **state) {
    * engine chunks. */
   assert_true(watch_first_bytes(&pool, pages, np, OLD, 60));
   assert_int_equal(kill(peer.pid, SIGSTOP), 0);
+  assert_int_equal(kvf_test_wait_stopped(peer.pid, 10000), 0);
   pthread_t resumer;
   if (one_sided) assert_int_equal(pthread_create(&resumer, NULL, resume_later, &ra), 0);
   kvf_engine_stats es;

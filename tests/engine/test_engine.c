@@ -17,6 +17,7 @@
 #include <cmocka.h>
 
 #include "base/addr.h"
+#include "procfs.h"
 #include "sockets.h"
 #include "tools/pattern.h"
 #include "tools/peer.h"
@@ -320,6 +321,7 @@ static void stopped_peer_fails_at_deadline(void **state) {
   kvf_write w = {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base, .len = 4u << 20};
   assert_int_equal(kvf_engine_write(f->e, f->peer.session, &w, 1), 0); /* connections up */
   kill(f->peer.p.pid, SIGSTOP);
+  assert_int_equal(kvf_test_wait_stopped(f->peer.p.pid, 10000), 0);
   double t0 = now_s();
   kvf_write big = {.src = (uint64_t)(uintptr_t)f->pool, .dst = f->peer.base, .len = 16u << 20};
   int rc = kvf_engine_write(f->e, f->peer.session, &big, 1);
@@ -331,6 +333,9 @@ static void stopped_peer_fails_at_deadline(void **state) {
   assert_true(dt >= 1.8 && dt < 2.0 + LOAD_SLACK_S); /* deadline is 2 s */
   /* A fresh connection to a stopped peer also ends at the deadline. */
   kill(f->peer.p.pid, SIGSTOP);
+  /* Without this wait a peer thread not stopped yet could answer the fresh
+   * connection on a loaded machine (seen in CI: the write succeeded). */
+  assert_int_equal(kvf_test_wait_stopped(f->peer.p.pid, 10000), 0);
   kvf_engine *fresh = make_engine(1000, NULL);
   unsigned char *src = f->pool;
   assert_int_equal(kvf_engine_register(fresh, src, PAGE), 0);

@@ -602,22 +602,6 @@ static void peer_reads(engine_peer *peer, unsigned long long *got, unsigned long
  * reuses its sources with a new pattern, the target resumes: it does not
  * count the chunk (no read of reused sources passes as done), and nothing
  * of it lands in its memory; the next batch works. */
-/* kill(SIGSTOP) returns before the process stops: wait until it has. */
-static void wait_stopped(pid_t pid) {
-  char path[64], buf[256];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  for (int i = 0; i < 5000; i++) {
-    FILE *f = fopen(path, "r");
-    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
-    if (f) fclose(f);
-    buf[n] = 0;
-    const char *rp = strrchr(buf, ')');
-    if (rp && (rp[2] == 'T' || rp[2] == 't')) return;
-    usleep(1000);
-  }
-  fail_msg("process %d did not stop", (int)pid);
-}
-
 static void stopped_target_past_its_lease_counts_nothing(void **state) {
   (void)state;
   SKIP_WITHOUT_UCX();
@@ -643,7 +627,7 @@ static void stopped_target_past_its_lease_counts_nothing(void **state) {
   memset(src, 0x11, N * PAGE);
   kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base + PAGE, .len = N * PAGE - PAGE};
   assert_int_equal(kill(peer.p.pid, SIGSTOP), 0);
-  wait_stopped(peer.p.pid);
+  assert_int_equal(kvf_test_wait_stopped(peer.p.pid, 5000), 0);
   kvf_batch *b = NULL;
   int64_t t0 = clock_now_ns();
   assert_int_equal(kvf_engine_submit(e, peer.session, &w, 1, &b), 0);

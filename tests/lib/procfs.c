@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 int kvf_test_count_threads(void) {
   DIR *d = opendir("/proc/self/task");
@@ -49,4 +50,48 @@ long kvf_test_thread_sleeps(const char *prefix, int *nthreads) {
   closedir(d);
   if (nthreads) *nthreads = n;
   return total;
+}
+
+/* The state letter of one /proc stat line: the field after the command,
+ * which is in parentheses and may itself hold ") ". */
+static char stat_state(const char *path) {
+  char buf[512];
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char *rp = strrchr(buf, ')');
+  return rp && rp[1] == ' ' ? rp[2] : 0;
+}
+
+/* 1 when every thread of pid is stopped, 0 when one is not, -1 when the
+ * process cannot be read. */
+static int all_threads_stopped(int pid) {
+  char dir[64];
+  snprintf(dir, sizeof dir, "/proc/%d/task", pid);
+  DIR *d = opendir(dir);
+  if (!d) return -1;
+  int all = 1, seen = 0;
+  for (struct dirent *de; all && (de = readdir(d));) {
+    if (de->d_name[0] == '.') continue;
+    char path[128];
+    snprintf(path, sizeof path, "%s/%.40s/stat", dir, de->d_name);
+    char st = stat_state(path);
+    if (!st) continue; /* the thread ended meanwhile */
+    seen++;
+    all = st == 'T' || st == 't';
+  }
+  closedir(d);
+  return seen ? all : -1;
+}
+
+int kvf_test_wait_stopped(int pid, int timeout_ms) {
+  for (int waited = 0; waited <= timeout_ms; waited++) {
+    int r = all_threads_stopped(pid);
+    if (r < 0) return -1;
+    if (r) return 0;
+    usleep(1000);
+  }
+  return -1;
 }

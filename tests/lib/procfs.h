@@ -16,5 +16,11 @@ int kvf_test_raise_fd_limit(unsigned long need);
  * are "kvf-", src/base/thread.h), summed; how many such threads in
  * *nthreads. -1 when /proc cannot be read. */
 long kvf_test_thread_sleeps(const char *prefix, int *nthreads);
+/* kill(pid, SIGSTOP) returns before the process has stopped: the stop is
+ * taken by one of its threads when it next runs, which then stops the
+ * others, and on a loaded machine another thread may meanwhile answer a
+ * peer. Wait (up to timeout_ms) until every thread of `pid` is stopped
+ * (/proc/<pid>/task/<tid>/stat state T or t): 0 then, -1 at the timeout. */
+int kvf_test_wait_stopped(int pid, int timeout_ms);
 
 #endif
