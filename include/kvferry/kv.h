@@ -426,17 +426,21 @@ KVF_API kvf_poll_status kvf_sender_poll(kvf_sender *s);
 /* Copy the failure reason (empty if none) into buf (cap bytes, always
  * terminated). The sender's thread. */
 KVF_API void kvf_sender_failure(kvf_sender *s, char *buf, size_t cap);
-/* Fail the room with `reason` and tell every known decode destination.
- * The sender's thread. */
+/* Fail the room with `reason` and tell every known decode destination; a
+ * decode whose M2 comes later is told Failed when it comes (the reason
+ * too), also after kvf_sender_destroy (below). The sender's thread. */
 KVF_API void kvf_sender_abort(kvf_sender *s, const char *reason);
 /* Clear the room and free the handle; chunks not yet written are dropped
  * (one being written finishes on its worker, still reading its source
  * pages). A room not final whose last chunk was never sent, or still waited
  * for the room's M2s, or whose token was never published, is reported
  * Failed to its decodes (M3, as by kvf_sender_abort), which would otherwise
- * wait for their own timeout. A last chunk already being written still
- * ends the room for its decodes: M3 Success with its token when the write
- * lands, Failed when it fails or was dropped before it began.
+ * wait for their own timeout; so is a decode whose M2 comes after the
+ * destroy (the prefill keeps the last 4096 such room ids for the waiting
+ * timeout; a new sender for the same id takes its id off). A last chunk
+ * already being written still ends the room for its decodes: M3 Success
+ * with its token when the write lands, Failed when it fails or was dropped
+ * before it began.
  * So reuse the pages of a sender destroyed before it was final only
  * once that write can have ended (the engine's timeout_ms); or abort it
  * (kvf_sender_abort) and poll until Failed first, as when another TP rank's

@@ -1311,6 +1311,42 @@ static void abort_tells_decode(void **state) {
   fx_teardown(&f);
 }
 
+/* A decode that asks only after the prefill ended its room hears Failed at
+ * once, not at its own timeout: the room's sender destroyed before any M2
+ * came (a request dropped early), or aborted while its sender lives, and a
+ * repeat after that destroy. A sender created again for the same room id
+ * serves it as any other. */
+static void late_m2_for_an_ended_room_fails_at_once(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  int64_t src[] = {0, 1}, dst[] = {4, 5};
+  send_m1(&f);
+  wait_received(&f, 1);
+  kvf_sender *s = new_sender(&f, 31);
+  kvf_sender_destroy(s);
+  send_m2(&f, 31, dst, 2);
+  assert_true(expect_failed_m3(&f, 31).reason_len > 0);
+
+  s = new_sender(&f, 32);
+  kvf_sender_abort(s, "scheduler gave up");
+  send_m2(&f, 32, dst, 2);
+  assert_true(expect_failed_m3(&f, 32).reason_len > 0);
+  kvf_sender_destroy(s);
+  send_m2(&f, 32, dst, 2);
+  expect_failed_m3(&f, 32);
+
+  s = new_sender(&f, 31);
+  send_m2(&f, 31, dst, 2);
+  int32_t cands[] = {5};
+  assert_int_equal(send_chunk(s, src, 2, 1, 0, 9, cands, 1, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 31, 9, cands, 1);
+  kvf_sender_destroy(s);
+  expect_no_m3(&f, 200);
+  fx_teardown(&f);
+}
+
 /* A sender destroyed before its last chunk tells its decode Failed, with
  * the reason, instead of leaving it to its own timeout; one destroyed after
  * Success sends nothing more. */
@@ -1794,6 +1830,7 @@ int main(void) {
       cmocka_unit_test(refused_write_fails_room),
       cmocka_unit_test(refused_write_in_window_fails_room),
       cmocka_unit_test(abort_tells_decode),
+      cmocka_unit_test(late_m2_for_an_ended_room_fails_at_once),
       cmocka_unit_test(destroy_before_last_chunk_tells_decode),
       cmocka_unit_test(destroy_with_last_chunk_in_flight_tells_decode),
       cmocka_unit_test(destroy_right_after_last_chunk_ends_room),

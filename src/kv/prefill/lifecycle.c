@@ -101,6 +101,10 @@ static void free_state(prefill_state *ps) {
     free(reg);
   }
   kvf__smap_free(&ps->regs);
+  if (ps->ended_ring) {
+    kvf__map_free(&ps->ended);
+    free(ps->ended_ring);
+  }
   kvf__rooms_clear_all(ps->m->rooms, release_room, ps);
   free(ps->st_start), free(ps->st_bufs);
   free(ps->stl_start), free(ps->stl_bufs);

@@ -97,6 +97,15 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   int64_t now = clock_now_ns();
   kvf__pf_expire_early(ps, now);
   pf_room *r = kvf__pf_room_find(ps, x->room);
+  if (!r && kvf__pf_ended_has_locked(ps, x->room, now)) {
+    /* Its sender was destroyed before it could succeed: none will come. */
+    pthread_mutex_unlock(&ps->lock);
+    snprintf(why, sizeof why, "prefill rank %d: %s", m->cfg.engine_rank, PF_DESTROYED_REASON);
+    if (!x->is_dummy) kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
+    kvf__pf_info_unref(ps, info);
+    atomic_fetch_add(&m->stats.messages_received, 1);
+    return;
+  }
   if (!r) {
     const char *full = reg->nearly >= PF_MAX_EARLY_PER_SESSION ? "from this decode session"
                        : ps->nearly >= PF_MAX_EARLY            ? "from all decode sessions"
@@ -157,6 +166,15 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
              reg->m1->kv_ptrs.count, m->bufs.n_kv);
     kvf__rooms_fail(m->rooms, r->room, why);
   }
+  /* A room that failed before this decode asked (an abort, a timeout, another
+   * decode's failure) told only the decodes it knew then: tell this one. */
+  int st = ROOM_FAILED, tell_failed = 0;
+  if (r->has_sender && !r->dead && !x->is_dummy && !kvf__rooms_get_status(m->rooms, r->room, &st) &&
+      st == ROOM_FAILED) {
+    tell_failed = 1;
+    if (kvf__rooms_get_reason(m->rooms, r->room, why, sizeof why) || !*why)
+      snprintf(why, sizeof why, "the prefill failed the request");
+  }
   pf_direct *dj = NULL;
   pf_chunk *direct = NULL;
   if (!r->bootstrapped && (int64_t)r->ninfos == x->required_dst_info_num) {
@@ -166,6 +184,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     kvf__pf_flush_pending(ps, r, &dj, &direct);
   }
   pthread_mutex_unlock(&ps->lock);
+  if (tell_failed) kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
   if (direct) { /* the room's only chunk waited for this M2: send it from here */
     kvf__pf_direct_run(ps, dj, direct);
     pthread_mutex_lock(&ps->lock);

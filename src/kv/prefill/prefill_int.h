@@ -126,6 +126,7 @@
 #define PF_MAX_INFOS 4096               /* transfer infos (decode sessions) per room */
 #define PF_MAX_EARLY 65536              /* rooms with M2s but no sender yet, all sessions together */
 #define PF_EXPIRE_PER_MSG 4             /* idle early rooms dropped per M2 at most */
+#define PF_MAX_ENDED 4096               /* rooms remembered as ended by kvf_sender_destroy */
 #define PF_MAX_PENDING 65536            /* chunks waiting on one room for its M2s */
 #define PF_QUEUE_MAX 65536              /* chunks in one worker FIFO */
 #define PF_DIRECT_MAX_BYTES (16u << 20) /* a room's only chunk up to this size skips the worker */
@@ -406,6 +407,12 @@ typedef struct prefill_state {
   smap regs; /* session -> pf_reg */
   size_t nearly;
   pf_room *early_head, *early_tail; /* least recently used first */
+  /* rooms whose sender was destroyed before they could succeed (rooms_early.c,
+   * "Ended rooms"): ended maps room -> ring slot + 1; the ring (allocated at
+   * the first) holds the last PF_MAX_ENDED, oldest at ended_first */
+  map ended;
+  struct pf_ended *ended_ring;
+  size_t ended_first, nended;
   int nqueues;
   pf_queue *queues;
   /* plan layouts, converted once from the manager's buffers */
@@ -519,6 +526,13 @@ void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chu
 void kvf__pf_early_unlink(prefill_state *ps, pf_room *r);
 void kvf__pf_early_append(prefill_state *ps, pf_room *r, pf_reg *owner);
 void kvf__pf_expire_early(prefill_state *ps, int64_t now);
+/* Ended rooms, ps->lock held: remember that room's sender was destroyed
+ * before the room could succeed (now: clock_now_ns()); has: was it (within
+ * the waiting timeout, the oldest forgotten past PF_MAX_ENDED)?; forget: a
+ * new sender for the same room id. */
+void kvf__pf_ended_add_locked(prefill_state *ps, int64_t room, int64_t now);
+int kvf__pf_ended_has_locked(prefill_state *ps, int64_t room, int64_t now);
+void kvf__pf_ended_forget_locked(prefill_state *ps, int64_t room);
 
 /* chunk_plan.c */
 uint64_t kvf__pf_writes_bytes(const kvf_write *w, size_t n);

@@ -288,6 +288,60 @@ void kvf__pf_expire_early(prefill_state *ps, int64_t now) {
   }
 }
 
+/* Ended rooms. A decode's M2 that comes after the prefill destroyed the
+ * room's sender (the request was aborted or dropped before this decode
+ * asked) would otherwise become an early room that no sender ever takes:
+ * its decode would wait for its own timeout. The room ids of senders
+ * destroyed before Success are kept, the last PF_MAX_ENDED for the waiting
+ * timeout, so such an M2 is answered M3 Failed at once (listener.c). A
+ * sender created again for the same id takes it off. */
+typedef struct pf_ended {
+  int64_t room;
+  int64_t at_ns;
+} pf_ended;
+
+/* Drop the oldest entry from the ring (and from the map, unless the room
+ * was ended again since, in a newer slot). */
+static void ended_pop_oldest(prefill_state *ps) {
+  size_t slot = ps->ended_first;
+  int64_t room = ps->ended_ring[slot].room;
+  if ((uintptr_t)kvf__map_get(&ps->ended, (uint64_t)room) == slot + 1)
+    kvf__map_del(&ps->ended, (uint64_t)room, NULL);
+  ps->ended_first = (slot + 1) % PF_MAX_ENDED;
+  ps->nended--;
+}
+
+static void ended_expire(prefill_state *ps, int64_t now) {
+  int64_t max_ns = (int64_t)(ps->m->cfg.waiting_timeout_s * 1e9);
+  while (ps->nended && now - ps->ended_ring[ps->ended_first].at_ns >= max_ns) ended_pop_oldest(ps);
+}
+
+void kvf__pf_ended_add_locked(prefill_state *ps, int64_t room, int64_t now) {
+  if (!ps->ended_ring) {
+    if (kvf__map_init(&ps->ended)) return;
+    if (!(ps->ended_ring = calloc(PF_MAX_ENDED, sizeof *ps->ended_ring))) {
+      kvf__map_free(&ps->ended);
+      return; /* best effort: such a decode then waits for its timeout, as before */
+    }
+  }
+  ended_expire(ps, now);
+  if (ps->nended == PF_MAX_ENDED) ended_pop_oldest(ps);
+  size_t slot = (ps->ended_first + ps->nended) % PF_MAX_ENDED;
+  if (kvf__map_put(&ps->ended, (uint64_t)room, (void *)(uintptr_t)(slot + 1), NULL)) return;
+  ps->ended_ring[slot] = (pf_ended){room, now};
+  ps->nended++;
+}
+
+int kvf__pf_ended_has_locked(prefill_state *ps, int64_t room, int64_t now) {
+  if (!ps->ended_ring) return 0;
+  ended_expire(ps, now);
+  return kvf__map_has(&ps->ended, (uint64_t)room);
+}
+
+void kvf__pf_ended_forget_locked(prefill_state *ps, int64_t room) {
+  if (ps->ended_ring) kvf__map_del(&ps->ended, (uint64_t)room, NULL);
+}
+
 void kvf__pf_wait_hashed(prefill_state *ps, const pf_chunk *c, size_t upto) {
   if (atomic_load(&c->hashed) >= upto) return;
   pthread_mutex_lock(&ps->hash_mu);

@@ -43,6 +43,7 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
   } else {
     kvf__pf_early_unlink(ps, r); /* the M2s came first */
   }
+  kvf__pf_ended_forget_locked(ps, room); /* the same id again: its M2s are served */
   r->has_sender = 1;
   r->create_ns = clock_now_ns();
   kvf__trace_at(&r->tr, KVF_TRACE_SENDER_CREATED, r->create_ns);
@@ -398,9 +399,11 @@ void kvf_sender_destroy(kvf_sender *s) {
    * chunk already sent still ends the room on its worker or its direct
    * write: Success (the trailer, the M3s) when it lands with its token
    * known, else Failed (kvf__pf_dead_room_failed_locked). */
-  int told = !kvf__rooms_get_status(s->m->rooms, s->room, &st) && st != ROOM_SUCCESS && st != ROOM_FAILED &&
-             (!s->last_sent || r->park || r->pend_head);
+  int known = !kvf__rooms_get_status(s->m->rooms, s->room, &st);
+  int told = known && st != ROOM_SUCCESS && st != ROOM_FAILED && (!s->last_sent || r->park || r->pend_head);
   if (told) d = kvf__pf_collect_dests(r, NULL, &nd);
+  /* A decode whose M2 comes only now hears Failed too (listener.c). */
+  if (told || (known && st == ROOM_FAILED)) kvf__pf_ended_add_locked(ps, s->room, clock_now_ns());
   if (kvf__trace_on(&r->tr)) { /* the record is finished with the room's last reference */
     r->tr_status = ROOM_FAILED;
     kvf__rooms_get_status(s->m->rooms, s->room, &r->tr_status);
