@@ -253,17 +253,21 @@ static int inbound_handshake(tcp_inbound *in, kvf_engine *e) {
     ok = diff == 0;
   }
   tcp_reply rep = {TCP_HELLO_MAGIC, ok ? (ucx && !e->ops->serve ? KVF_ESTATE : 0) : KVF_EACCES};
-  kvf__tcp_send_all(in->fd, &rep, sizeof rep);
   if (!ok) {
+    kvf__tcp_send_all(in->fd, &rep, sizeof rep);
     atomic_fetch_add(&e->stats.auth_refused, 1);
     log_peer_once(in->peer, "auth", h.token_len ? "wrong auth token; refused" : "no auth token; refused");
     return KVF_EACCES;
   }
+  /* Out of its hello before the writer hears so: answered while still in
+   * it, the connection could be evicted as a hello (the oldest first) by
+   * the next one the writer opens, and its first chunk would fail. A UCX
+   * rendezvous connection goes to ucx.c, which lets its slot go: busy until
+   * then, so never evicted as idle. It is authenticated. */
   atomic_store(&in->idle_since_ns, clock_now_ns());
   int expect = IN_HELLO;
-  /* A UCX rendezvous connection goes to ucx.c, which lets its slot go:
-   * busy until then, so never evicted as idle. It is authenticated. */
   if (!atomic_compare_exchange_strong(&in->phase, &expect, ucx ? IN_BUSY : IN_IDLE)) return KVF_ECLOSED;
+  kvf__tcp_send_all(in->fd, &rep, sizeof rep);
   return ucx ? (rep.status ? KVF_ESTATE : 1) : 0;
 }
 
@@ -489,18 +493,19 @@ const evpool_ops kvf__tcp_inbound_ops = {.turn = inbound_turn, .end = inbound_en
 
 /* Every slot is taken: close the connection that holds one for the least
  * reason, so neither silent nor trickling peers can keep a legitimate one
- * out. Order: the oldest still in its hello, then the oldest idle one that
- * never sent a chunk, then the one idle longest. A connection inside a chunk
- * is never chosen. Caller holds in_lock; 1 if one was evicted. */
+ * out. Order: the oldest still in its hello past TCP_HELLO_GRACE_MS, then
+ * the oldest idle one that never sent a chunk, then the oldest in its
+ * hello within the grace, then the one idle longest. A connection inside a
+ * chunk is never chosen. Caller holds in_lock; 1 if one was evicted. */
 static tcp_inbound *pick_victim_locked(tcp_state *t, int *phase_out) {
   tcp_inbound *victim = NULL;
   int vrank = 0;
-  int64_t vkey = 0;
+  int64_t vkey = 0, young = clock_now_ns() - (int64_t)TCP_HELLO_GRACE_MS * 1000000;
   for (tcp_inbound *in = t->inbound; in; in = in->next) {
     int ph = atomic_load(&in->phase), rank;
     int64_t key;
-    if (ph == IN_HELLO) rank = 0, key = in->accepted_ns;
-    else if (ph == IN_IDLE) rank = atomic_load(&in->chunks) ? 2 : 1, key = atomic_load(&in->idle_since_ns);
+    if (ph == IN_HELLO) rank = in->accepted_ns > young ? 2 : 0, key = in->accepted_ns;
+    else if (ph == IN_IDLE) rank = atomic_load(&in->chunks) ? 3 : 1, key = atomic_load(&in->idle_since_ns);
     else continue;
     if (!victim || rank < vrank || (rank == vrank && key < vkey))
       victim = in, vrank = rank, vkey = key, *phase_out = ph;

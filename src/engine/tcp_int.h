@@ -47,6 +47,11 @@
 #define TCP_CONN_IDLE_MS 2000
 /* Attempts to evict a connection that keeps changing state under us. */
 #define TCP_EVICT_TRIES 8
+/* When every inbound slot is taken, a connection still in its hello for
+ * less than this is evicted only after the idle ones that never sent a
+ * chunk: a writer's fresh connection (its hello in flight, or not yet read
+ * on a loaded target) is not what a flood of silent connections displaces. */
+#define TCP_HELLO_GRACE_MS 200
 
 typedef struct tcp_state tcp_state;
 
