@@ -227,15 +227,18 @@ static void wait_malformed(fixture *f, uint64_t want) {
 /* The decode host M1 and M2 name (frame 1, `endpoint`). */
 static const char *g_endpoint = "127.0.0.1";
 
-static void send_m1(fixture *f) {
+/* An M1 for `session` (the fixture's own, or another decode process's)
+ * naming the fixture's host and PULL port, with its first `nkv` KV
+ * buffers. */
+static void send_m1_as(fixture *f, const char *session, int nkv) {
   uint64_t ptrs[NKV_MAX];
   for (int b = 0; b < NKV; b++) ptrs[b] = (uint64_t)(uintptr_t)f->dbuf[b];
   wire_m1 m1;
   memset(&m1, 0, sizeof m1);
   snprintf(m1.endpoint, sizeof m1.endpoint, "%s", g_endpoint);
   m1.dst_port = f->pull_port;
-  snprintf(m1.session, sizeof m1.session, "%s", f->session);
-  m1.kv_ptrs = wire_array_of(ptrs, (size_t)NKV);
+  snprintf(m1.session, sizeof m1.session, "%s", session);
+  m1.kv_ptrs = wire_array_of(ptrs, (size_t)nkv);
   uint64_t sptrs[NSTATE_MAX];
   for (int j = 0; j < g_nstate; j++) sptrs[j] = (uint64_t)(uintptr_t)f->dstate[j];
   m1.state_ptrs = wire_array_of(sptrs, (size_t)g_nstate);
@@ -245,6 +248,8 @@ static void send_m1(fixture *f) {
   send_msg(f, &msg);
   kvf__wire_msg_free(&msg);
 }
+
+static void send_m1(fixture *f) { send_m1_as(f, f->session, NKV); }
 
 static void send_m2_full(fixture *f, int64_t room, const int64_t *dst, size_t n, int64_t prefix,
                          const int64_t *mamba, size_t nmamba) {
@@ -261,6 +266,24 @@ static void send_m2_full(fixture *f, int64_t room, const int64_t *dst, size_t n,
   m2.mamba_indices = wire_array_of(mamba, nmamba);
   m2.room_flags = g_room_flags;
   m2.fence_epoch = g_fence_epoch;
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(kvf__wire_m2_encode(&m2, &msg, why), 0);
+  send_msg(f, &msg);
+  kvf__wire_msg_free(&msg);
+}
+
+/* A dummy M2 (§3.4: this decode rank takes nothing from this prefill
+ * rank). */
+static void send_m2_dummy(fixture *f, int64_t room) {
+  wire_m2 m2;
+  memset(&m2, 0, sizeof m2);
+  m2.room = room;
+  snprintf(m2.endpoint, sizeof m2.endpoint, "%s", g_endpoint);
+  m2.dst_port = f->pull_port;
+  snprintf(m2.session, sizeof m2.session, "%s", f->session);
+  m2.required_dst_info_num = g_required;
+  m2.is_dummy = 1;
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   assert_int_equal(kvf__wire_m2_encode(&m2, &msg, why), 0);
@@ -1347,6 +1370,66 @@ static void late_m2_for_an_ended_room_fails_at_once(void **state) {
   fx_teardown(&f);
 }
 
+/* Teardown of a fixture with a second decode rank g (fx_second_rank). */
+static void fx_teardown_two(fixture *f, fixture *g) {
+  kvf_manager_destroy(f->m);
+  f->m = NULL;
+  fx_rank_close(g);
+  zmq_close(f->push);
+  fx_rank_close(f);
+  zmq_ctx_term(f->zctx);
+  for (int b = 0; b < NKV; b++) free(f->pbuf[b]);
+}
+
+/* Transfer requests that can never complete (§6.11 step 6 counts real
+ * destinations against required_dst_info_num): one real decode and one
+ * dummy, both counting 2. The room used to stay Bootstrapped for ever, its
+ * real decode untold; it fails at once, and that decode hears it. */
+static void dummy_counted_as_destination_fails_at_once(void **state) {
+  (void)state;
+  fixture f, g;
+  fx_setup(&f, "");
+  fx_second_rank(&g, &f);
+  g_required = 2;
+  kvf_sender *s = new_sender(&f, 35);
+  int64_t dst[] = {1};
+  send_m1(&f);
+  send_m1(&g);
+  send_m2(&f, 35, dst, 1);
+  send_m2_dummy(&g, 35);
+  wait_received(&f, 4);
+  g_required = 1;
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_FAILED);
+  assert_true(expect_failed_m3(&f, 35).reason_len > 0);
+  kvf_sender_destroy(s);
+  fx_teardown_two(&f, &g);
+}
+
+/* A decode rank registered with another KV buffer count asks for a room
+ * another rank already asked for: the room fails, and both hear it (the
+ * first used to wait for its own timeout). */
+static void mismatched_decode_fails_the_room_for_all(void **state) {
+  (void)state;
+  fixture f, g;
+  fx_setup(&f, "");
+  fx_second_rank(&g, &f);
+  g_required = 2;
+  kvf_sender *s = new_sender(&f, 36);
+  int64_t dst[] = {1};
+  send_m1(&f);
+  send_m1_as(&g, g.session, NKV - 1);
+  send_m2(&f, 36, dst, 1);
+  wait_received(&f, 3);
+  send_m2(&g, 36, dst, 1);
+  wait_received(&f, 4);
+  g_required = 1;
+  assert_int_equal(wait_final(s, 3000), KVF_POLL_FAILED);
+  assert_true(expect_failed_m3(&g, 36).reason_len > 0);
+  assert_true(expect_failed_m3(&f, 36).reason_len > 0);
+  kvf_sender_destroy(s);
+  fx_teardown_two(&f, &g);
+}
+
 /* A sender destroyed before its last chunk tells its decode Failed, with
  * the reason, instead of leaving it to its own timeout; one destroyed after
  * Success sends nothing more. */
@@ -1831,6 +1914,8 @@ int main(void) {
       cmocka_unit_test(refused_write_in_window_fails_room),
       cmocka_unit_test(abort_tells_decode),
       cmocka_unit_test(late_m2_for_an_ended_room_fails_at_once),
+      cmocka_unit_test(dummy_counted_as_destination_fails_at_once),
+      cmocka_unit_test(mismatched_decode_fails_the_room_for_all),
       cmocka_unit_test(destroy_before_last_chunk_tells_decode),
       cmocka_unit_test(destroy_with_last_chunk_in_flight_tells_decode),
       cmocka_unit_test(destroy_right_after_last_chunk_ends_room),

@@ -161,10 +161,19 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     r->infos[r->ninfos++] = info;
   }
   r->last_m2_ns = now;
+  /* Failures this M2 shows: the other decodes are told here, this one below
+   * (tell_failed). */
+  pf_dest *fd = NULL;
+  size_t nfd = 0;
   if (mismatch && r->has_sender && !r->dead) {
     snprintf(why, sizeof why, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", x->session,
              reg->m1->kv_ptrs.count, m->bufs.n_kv);
-    kvf__rooms_fail(m->rooms, r->room, why);
+    fd = kvf__pf_fail_room_locked(ps, r, why, x->session, &nfd);
+  }
+  int bootstraps = !r->bootstrapped && (int64_t)r->ninfos == x->required_dst_info_num;
+  if (bootstraps && !fd && r->has_sender && !r->dead && kvf__pf_dests_check_locked(r, why, sizeof why)) {
+    LOG_WARN("kv", "room %" PRId64 ": %s", r->room, why);
+    fd = kvf__pf_fail_room_locked(ps, r, why, x->session, &nfd);
   }
   /* A room that failed before this decode asked (an abort, a timeout, another
    * decode's failure) told only the decodes it knew then: tell this one. */
@@ -177,13 +186,20 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   }
   pf_direct *dj = NULL;
   pf_chunk *direct = NULL;
-  if (!r->bootstrapped && (int64_t)r->ninfos == x->required_dst_info_num) {
+  pf_dest *qd = NULL; /* a full queue failed the room */
+  size_t nqd = 0;
+  char qwhy[ROOMS_REASON_MAX] = "";
+  if (bootstraps) {
     r->bootstrapped = 1;
     r->shard = kvf__pf_room_shard(ps, r);
     if (r->has_sender) kvf__rooms_update(m->rooms, r->room, ROOM_BOOTSTRAPPED, NULL);
-    kvf__pf_flush_pending(ps, r, &dj, &direct);
+    kvf__pf_flush_pending(ps, r, &dj, &direct, &qd, &nqd);
+    if (qd) kvf__rooms_get_reason(m->rooms, r->room, qwhy, sizeof qwhy);
   }
+  int64_t room = r->room;
   pthread_mutex_unlock(&ps->lock);
+  if (fd) kvf__pf_tell_others_failed(m, room, fd, nfd, why);
+  if (qd) kvf__pf_send_failed_all(m, room, qd, nqd, qwhy);
   if (tell_failed) kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
   if (direct) { /* the room's only chunk waited for this M2: send it from here */
     kvf__pf_direct_run(ps, dj, direct);

@@ -499,6 +499,18 @@ void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m
  * reason is not NULL. */
 void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, int64_t room, const char *reason);
 pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n);
+/* ps->lock held: fail room r (live, with its sender) with `why`. When this
+ * is what failed it, its destinations but `except`'s (NULL: none), to tell
+ * once ps->lock is let go (kvf__pf_send_failed_all); NULL when it had
+ * failed already (they were told then), or there is no one to tell. */
+pf_dest *kvf__pf_fail_room_locked(prefill_state *ps, pf_room *r, const char *why, const char *except, size_t *n);
+/* ps->lock held: can room r's transfer infos ever complete (§6.11 step 6:
+ * Success when as many real destinations as each one's
+ * required_dst_info_num have the data)? 0 when they can (or every one is a
+ * dummy, step 1); else KVF_EPROTO with the reason in why: decodes that
+ * disagree on their number, or dummies counted as destinations, would leave
+ * the room Bootstrapped for ever. */
+int kvf__pf_dests_check_locked(const pf_room *r, char *why, size_t cap);
 /* ps->lock held. A destroyed room (kvf_sender_destroy after its last chunk
  * was sent) that cannot end in Success any more: its decodes are told
  * Failed, once, so none waits for its own timeout. The destinations to tell
@@ -522,7 +534,12 @@ int kvf__pf_worker_start_locked(pf_queue *q, int helper);
  * No-ops for the direct path's scratch (sc->worker NULL). */
 void kvf__pf_wait_begin(pf_scratch *sc);
 void kvf__pf_wait_end(pf_scratch *sc);
-void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct);
+/* Hand the chunks that waited for the room's M2s over: to a worker's
+ * queue, or the room's only chunk in *direct (*dj its slot) to be sent by
+ * the caller. A full queue fails the room: *fail_d (with *fail_n) are then
+ * the destinations to tell, as kvf__pf_fail_room_locked. */
+void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct, pf_dest **fail_d,
+                           size_t *fail_n);
 void kvf__pf_early_unlink(prefill_state *ps, pf_room *r);
 void kvf__pf_early_append(prefill_state *ps, pf_room *r, pf_reg *owner);
 void kvf__pf_expire_early(prefill_state *ps, int64_t now);

@@ -170,6 +170,34 @@ pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n) {
   return d;
 }
 
+pf_dest *kvf__pf_fail_room_locked(prefill_state *ps, pf_room *r, const char *why, const char *except, size_t *n) {
+  int st = ROOM_FAILED;
+  *n = 0;
+  int first = !kvf__rooms_get_status(ps->m->rooms, r->room, &st) && st != ROOM_FAILED;
+  kvf__rooms_fail(ps->m->rooms, r->room, why);
+  pf_dest *d = first ? kvf__pf_collect_dests(r, except, n) : NULL;
+  if (d && !*n) {
+    free(d);
+    d = NULL;
+  }
+  return d;
+}
+
+int kvf__pf_dests_check_locked(const pf_room *r, char *why, size_t cap) {
+  int64_t nreal = 0, ndummy = 0;
+  for (size_t i = 0; i < r->ninfos; i++) r->infos[i]->m2->is_dummy ? ndummy++ : nreal++;
+  for (size_t i = 0; nreal && i < r->ninfos; i++) {
+    const wire_m2 *x = r->infos[i]->m2;
+    if (x->is_dummy || x->required_dst_info_num == nreal) continue;
+    snprintf(why, cap,
+             "the decodes' transfer requests cannot complete: decode session %.200s counts %" PRId64
+             " destinations of this prefill rank, %" PRId64 " take data from it (%" PRId64 " dummies)",
+             x->session, x->required_dst_info_num, nreal, ndummy);
+    return KVF_EPROTO;
+  }
+  return 0;
+}
+
 pf_dest *kvf__pf_dead_room_failed_locked(pf_room *r, size_t *n) {
   *n = 0;
   if (!r->dead || r->dead_told) return NULL;
@@ -232,7 +260,8 @@ int kvf__pf_queue_push(pf_queue *q, pf_chunk *c) {
  * order. A full queue fails the room (the chunk cannot wait forever). A
  * room's only chunk, small enough, is instead returned in *direct (with its
  * record in *dj) for this thread to send once it dropped the lock. */
-void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct) {
+void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chunk **direct, pf_dest **fail_d,
+                           size_t *fail_n) {
   pf_chunk *c = r->pend_head;
   if (c && !c->next && (*dj = kvf__pf_direct_take_locked(ps, r, c, 1))) {
     r->pend_head = r->pend_tail = NULL;
@@ -245,7 +274,8 @@ void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chu
   while (c) {
     pf_chunk *n = c->next;
     if (kvf__pf_queue_push(&ps->queues[r->shard], c)) {
-      if (r->has_sender && !r->dead) kvf__rooms_fail(ps->m->rooms, r->room, "Prefill transfer queue is full");
+      if (r->has_sender && !r->dead && !*fail_d)
+        *fail_d = kvf__pf_fail_room_locked(ps, r, "Prefill transfer queue is full", NULL, fail_n);
       kvf__pf_chunk_release_locked(ps, c);
     }
     c = n;

@@ -48,7 +48,16 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
   r->create_ns = clock_now_ns();
   kvf__trace_at(&r->tr, KVF_TRACE_SENDER_CREATED, r->create_ns);
   if (r->bootstrapped) kvf__rooms_update(m->rooms, room, ROOM_BOOTSTRAPPED, NULL);
+  char why[ROOMS_REASON_MAX];
+  pf_dest *d = NULL; /* the M2s came first and cannot complete: Failed now */
+  size_t nd = 0;
+  if (r->bootstrapped && kvf__pf_dests_check_locked(r, why, sizeof why))
+    d = kvf__pf_fail_room_locked(ps, r, why, NULL, &nd);
   pthread_mutex_unlock(&ps->lock);
+  if (d) {
+    LOG_WARN("kv", "room %" PRId64 ": %s", room, why);
+    kvf__pf_send_failed_all(m, room, d, nd, why);
+  }
   s->m = m;
   s->r = r;
   s->room = room;

@@ -43,10 +43,7 @@ void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const ch
   }
   int live = !r->dead;
   if (live) {
-    int st = ROOM_FAILED;
-    int first = !kvf__rooms_get_status(m->rooms, r->room, &st) && st != ROOM_FAILED;
-    kvf__rooms_fail(m->rooms, r->room, why);
-    if (first) d = kvf__pf_collect_dests(r, x->session, &nd);
+    d = kvf__pf_fail_room_locked(ps, r, why, x->session, &nd);
   } else { /* destroyed with its last chunk in flight: every decode hears it, once */
     d = kvf__pf_dead_room_failed_locked(r, &nd);
   }
@@ -223,8 +220,11 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
       kvf__pf_scratch_grow((void **)&sc->dw.batches, &sc->dw.cap_batches, n ? n : 1, sizeof *sc->dw.batches) ||
       kvf__pf_scratch_grow((void **)&sc->dw.dbytes, &sc->dw.cap_dbytes, n ? n : 1, sizeof *sc->dw.dbytes) ||
       kvf__pf_scratch_grow((void **)&sc->res, &sc->cap_res, n ? n : 1, sizeof *sc->res)) {
-    kvf__rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
+    const char *oom = "Out of memory in the transfer worker";
+    size_t nd = 0;
+    pf_dest *d = kvf__pf_fail_room_locked(ps, r, oom, NULL, &nd);
     pthread_mutex_unlock(&ps->lock);
+    if (d) kvf__pf_send_failed_all(m, r->room, d, nd, oom);
     return 0;
   }
   pf_info **infos = sc->dw.infos;
