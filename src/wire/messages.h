@@ -227,6 +227,12 @@ typedef struct wire_m3 {
   size_t reason_len;
 } wire_m3;
 
+/* The M3 Failed reason (frame 5) a kvferry prefill gives a decode whose
+ * session it has no registration for (no M1, or dropped from its full
+ * table): a kvferry decode that reads it forgets its cached registration
+ * with that prefill, so its next request registers again (M1). */
+#define WIRE_REASON_UNREGISTERED "decode session not registered with this prefill rank; register again"
+
 /* Decodes 3 or more frames (§3.5); as kvf__wire_m1_decode. */
 int kvf__wire_m3_decode(const wire_frame *frames, size_t nframes, wire_m3 *out, char *reason);
 

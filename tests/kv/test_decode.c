@@ -455,6 +455,56 @@ static void failed_m3(void **state) {
   teardown(f);
 }
 
+/* Is a message waiting on sock within ms? */
+static int readable_within(void *sock, long ms) {
+  zmq_pollitem_t pi = {.socket = sock, .events = ZMQ_POLLIN};
+  return zmq_poll(&pi, 1, ms) == 1;
+}
+
+/* A prefill that has no registration of this decode (its full table dropped
+ * it) answers the M2 Failed with WIRE_REASON_UNREGISTERED: the room fails,
+ * and the next request to that prefill registers again, its M1 before its
+ * M2. Before, the decode kept its cached registration and every later room
+ * to that prefill failed the same way. */
+static void unregistered_answer_registers_again(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  kvf_receiver *r = NULL;
+  raw_msg rm;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 30, &r), 0);
+  assert_true(readable_within(f->pull, 5000));
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(kvf__wire_classify(rm.frames, rm.n), WIRE_MSG_M1);
+  raw_free(&rm);
+  init_one(r);
+  assert_true(readable_within(f->pull, 5000));
+  assert_int_equal(recv_raw(f->pull, &rm), 0); /* its M2 */
+  raw_free(&rm);
+  const char *said = "prefill rank 0: " WIRE_REASON_UNREGISTERED;
+  wire_m3 m3 = {.room = 30,
+                .status = WIRE_STATUS_FAILED,
+                .bootstrap_token = -1,
+                .reason = said,
+                .reason_len = strlen(said)};
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, why), 0);
+  for (size_t i = 0; i < msg.nframes; i++)
+    assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes ? ZMQ_SNDMORE : 0) >=
+                0);
+  kvf__wire_msg_free(&msg);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_FAILED);
+  kvf_receiver_destroy(r);
+
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 31, &r), 0);
+  assert_true(readable_within(f->pull, 5000));
+  assert_int_equal(recv_raw(f->pull, &rm), 0);
+  assert_int_equal(kvf__wire_classify(rm.frames, rm.n), WIRE_MSG_M1); /* registers again */
+  raw_free(&rm);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
 static void malformed_and_unknown(void **state) {
   (void)state;
   fixture *f = setup_default();
@@ -1198,6 +1248,7 @@ int main(void) {
       cmocka_unit_test(happy_path),
       cmocka_unit_test(completion_trailer_rules),
       cmocka_unit_test(failed_m3),
+      cmocka_unit_test(unregistered_answer_registers_again),
       cmocka_unit_test(malformed_and_unknown),
       cmocka_unit_test(waiting_timeout_fires),
       cmocka_unit_test(lookup_failures),

@@ -363,6 +363,8 @@ static void check_digests(fixture *f, const wire_frame *fr, size_t n) {
 
 /* Receive one M3 within 5 s (digest messages before it are checked and
  * counted); copies candidates into cands (cap KVF_MAX_CANDIDATES). */
+static char g_last_reason[WIRE_REASON_LEN]; /* the last M3's reason (frame 5), "" without one */
+
 static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
   for (;;) {
     zmq_msg_t parts[8];
@@ -384,6 +386,7 @@ static void recv_m3(fixture *f, wire_m3 *out, int32_t *cands, size_t *ncand) {
     } else {
       char why[WIRE_REASON_LEN];
       assert_int_equal(kvf__wire_m3_decode(fr, n, out, why), 0);
+      snprintf(g_last_reason, sizeof g_last_reason, "%.*s", (int)out->reason_len, out->reason ? out->reason : "");
       *ncand = out->candidates.count < KVF_MAX_CANDIDATES ? out->candidates.count : KVF_MAX_CANDIDATES;
       for (size_t i = 0; i < *ncand; i++) cands[i] = wire_i32_at(out->candidates, i);
       out->candidates = wire_array_of(NULL, 0);
@@ -960,13 +963,16 @@ static void malformed_and_unregistered(void **state) {
   wire_frame bad3[] = {{(const uint8_t *)"junk", 4}};
   send_frames(&f, bad3, 1);
   wait_malformed(&f, 3);
-  /* M2 from a session that never sent M1: rejected, room stays Bootstrapping */
+  /* M2 from a session that never sent M1: rejected, room stays
+   * Bootstrapping; its decode is told why (it would wait for its timeout) */
   kvf_sender *s = new_sender(&f, 1);
   int64_t dst[] = {0};
   send_m2(&f, 1, dst, 1);
   wait_malformed(&f, 4);
   assert_int_equal(stat_received(&f), 0);
   assert_int_equal(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+  expect_failed_m3(&f, 1);
+  assert_non_null(strstr(g_last_reason, WIRE_REASON_UNREGISTERED));
   /* the listener still works */
   send_m1(&f);
   send_m2(&f, 1, dst, 1);
@@ -1428,6 +1434,39 @@ static void mismatched_decode_fails_the_room_for_all(void **state) {
   assert_true(expect_failed_m3(&f, 36).reason_len > 0);
   kvf_sender_destroy(s);
   fx_teardown_two(&f, &g);
+}
+
+/* The registration table is bounded (PF_MAX_SESSIONS) and every decode
+ * process that ever registered has a session (a restart, a new one): full,
+ * it drops the one unused the longest for a new decode, instead of locking
+ * new decodes out for good. A decode whose registration was dropped (or
+ * never came) is answered Failed, in words a kvferry decode acts on. */
+static void full_registration_table_drops_the_oldest(void **state) {
+  (void)state;
+  fixture f;
+  fx_setup(&f, "");
+  send_m1(&f); /* the oldest: dropped below */
+  wait_received(&f, 1);
+  char sess[64];
+  for (int i = 1; i < 4096; i++) { /* decode processes that came and went */
+    snprintf(sess, sizeof sess, "127.0.0.1:%d", i);
+    send_m1_as(&f, sess, NKV);
+  }
+  wait_received(&f, 4096);
+  send_m1_as(&f, "127.0.0.1:5000", NKV); /* a new decode: the table is full */
+  wait_received(&f, 4097);
+  int64_t src[] = {2}, dst[] = {1};
+  send_m2(&f, 37, dst, 1); /* the fixture's session was dropped */
+  expect_failed_m3(&f, 37);
+  assert_non_null(strstr(g_last_reason, WIRE_REASON_UNREGISTERED));
+  kvf_sender *s = new_sender(&f, 38);
+  send_m1(&f); /* it registers again */
+  send_m2(&f, 38, dst, 1);
+  assert_int_equal(send_chunk(s, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 38, -1, NULL, 0);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
 }
 
 /* A sender destroyed before its last chunk tells its decode Failed, with
@@ -1914,6 +1953,7 @@ int main(void) {
       cmocka_unit_test(refused_write_in_window_fails_room),
       cmocka_unit_test(abort_tells_decode),
       cmocka_unit_test(late_m2_for_an_ended_room_fails_at_once),
+      cmocka_unit_test(full_registration_table_drops_the_oldest),
       cmocka_unit_test(dummy_counted_as_destination_fails_at_once),
       cmocka_unit_test(mismatched_decode_fails_the_room_for_all),
       cmocka_unit_test(destroy_before_last_chunk_tells_decode),

@@ -192,6 +192,10 @@ __attribute__((format(printf, 3, 4))) void kvf__dec_set_reason(char *buf, size_t
 void kvf__dec_fail_room(kvf_manager *m, int64_t room, const char *reason);
 void kvf__dec_fill_self(kvf_manager *m, char *endpoint, uint16_t *dst_port, char *session, uint16_t *session_port);
 int kvf__dec_resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, size_t rcap);
+/* A prefill rank of room's plan has no registration of this decode
+ * (WIRE_REASON_UNREGISTERED: its table dropped it): forget the room's cached
+ * pool entry, so the next receiver for that prefill registers again (M1). */
+void kvf__dec_forget_registration(kvf_manager *m, int64_t room);
 /* The live trace of a receiver (the role's trace_of). */
 const trace_live *kvf__dec_trace_of(void *user);
 

@@ -357,3 +357,28 @@ cleanup:
   kvf__bootstrap_client_destroy(client);
   return rc;
 }
+
+static int room_pool_tag(void *user, void *arg) {
+  const kvf_receiver *r = user;
+  *(uintptr_t *)arg = r ? atomic_load(&r->pool_tag) : 0;
+  return 1;
+}
+
+void kvf__dec_forget_registration(kvf_manager *m, int64_t room) {
+  struct decode_state *ds = m->decode;
+  uintptr_t tag = 0;
+  if (kvf__rooms_with_user(m->rooms, room, room_pool_tag, &tag) != 1 || !tag) return;
+  pool_entry *gone = NULL;
+  map_iter it;
+  const char *key;
+  void *v;
+  pthread_mutex_lock(&ds->lock);
+  kvf__map_iter_init(&it);
+  while (!gone && kvf__smap_next(&ds->pools, &it, &key, &v))
+    if ((uintptr_t)v == tag && kvf__smap_del(&ds->pools, key, NULL)) gone = v;
+  pthread_mutex_unlock(&ds->lock);
+  if (!gone) return; /* forgotten already, or never cached */
+  LOG_INFO("kv", "prefill %s dropped this decode's registration: the next request to it registers again",
+           gone->addr);
+  kvf__dec_pool_unref(gone); /* the map's reference; receivers keep theirs */
+}

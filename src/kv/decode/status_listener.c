@@ -111,6 +111,7 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
     said[m3.reason_len] = 0;
     kvf__dec_set_reason(reason, sizeof reason, "Failed to get kvcache from prefill rank %" PRId64 " (%s): %s",
                         m3.prefill_rank, peer, said);
+    if (strstr(said, WIRE_REASON_UNREGISTERED)) kvf__dec_forget_registration(m, m3.room);
     rc = kvf__rooms_fail(m->rooms, m3.room, reason);
   } else if (m3.status == WIRE_STATUS_FAILED) {
     rc = kvf__rooms_fail(m->rooms, m3.room, "Failed to get kvcache from prefill instance, it might be dead");

@@ -11,6 +11,37 @@ static int from_named_decode(kvf_manager *m, const char *peer, const char *endpo
   return kvf__manager_peer_is(m, peer, endpoint) && kvf__manager_peer_is(m, peer, session);
 }
 
+/* ps->lock held: the registration table is full (PF_MAX_SESSIONS; every
+ * decode process that ever registered has a session, a restarted one a new
+ * one): drop the registration used least recently that no early room is
+ * charged to, so a new decode is not locked out by ones long gone. A
+ * decode whose registration was dropped is answered Failed with
+ * WIRE_REASON_UNREGISTERED at its next M2 (a kvferry decode then registers
+ * again). KVF_ENOMEM when every one has early rooms. */
+static int regs_drop_oldest_locked(prefill_state *ps, const char *peer) {
+  map_iter it;
+  const char *key, *vkey = NULL;
+  void *v;
+  pf_reg *victim = NULL;
+  kvf__map_iter_init(&it);
+  while (kvf__smap_next(&ps->regs, &it, &key, &v)) {
+    pf_reg *g = v;
+    if (!g->nearly && (!victim || g->used_ns < victim->used_ns)) victim = g, vkey = key;
+  }
+  if (!victim) return KVF_ENOMEM;
+  char session[WIRE_STR_MAX + 1];
+  snprintf(session, sizeof session, "%s", vkey);
+  kvf__smap_del(&ps->regs, session, NULL);
+  free(victim->m1);
+  free(victim);
+  if (kvf__log_first_time(kvf__hash_str("prefill-regs-full", (uint64_t)(uintptr_t)ps)))
+    LOG_INFO("kv",
+             "registration table full (%d decode sessions): dropped %s, unused the longest, for a new one from %s "
+             "(further drops are not logged)",
+             PF_MAX_SESSIONS, session, peer ? peer : "?");
+  return 0;
+}
+
 static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
   wire_m1 d;
   wire_m1 *copy = NULL;
@@ -30,8 +61,8 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   pthread_mutex_lock(&ps->lock);
   pf_reg *reg = kvf__smap_get(&ps->regs, d.session);
   if (!reg) {
-    if (smap_size(&ps->regs) >= PF_MAX_SESSIONS || !(reg = calloc(1, sizeof *reg)) ||
-        kvf__smap_put(&ps->regs, d.session, reg, NULL)) {
+    if ((smap_size(&ps->regs) >= PF_MAX_SESSIONS && regs_drop_oldest_locked(ps, peer)) ||
+        !(reg = calloc(1, sizeof *reg)) || kvf__smap_put(&ps->regs, d.session, reg, NULL)) {
       pthread_mutex_unlock(&ps->lock);
       free(reg);
       free(copy);
@@ -42,6 +73,7 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     free(reg->m1);
   }
   reg->m1 = copy;
+  reg->used_ns = clock_now_ns();
   reg->failed_ns = 0; /* a new registration clears the failed mark (§3.3, §7.4) */
   pthread_mutex_unlock(&ps->lock);
   if (d.kv_ptrs.count != m->bufs.n_kv)
@@ -89,10 +121,17 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   if (!reg) {
     pthread_mutex_unlock(&ps->lock);
     snprintf(why, sizeof why, "decode session %s never registered (no M1)", x->session);
-    kvf__pf_info_unref(ps, info);
     kvf__manager_reject(m, peer, "M2", why);
+    /* Its decode would wait for its timeout: tell it, in words a kvferry
+     * decode acts on (it registers again). */
+    if (!x->is_dummy) {
+      snprintf(why, sizeof why, "prefill rank %d: %s", m->cfg.engine_rank, WIRE_REASON_UNREGISTERED);
+      kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
+    }
+    kvf__pf_info_unref(ps, info);
     return;
   }
+  reg->used_ns = clock_now_ns();
   int mismatch = !x->is_dummy && reg->m1->kv_ptrs.count != m->bufs.n_kv;
   int64_t now = clock_now_ns();
   kvf__pf_expire_early(ps, now);

@@ -149,6 +149,7 @@ typedef struct pf_reg { /* one decode registration (M1) */
   wire_m1 *m1;          /* heap copy (kvf__wire_m1_dup) */
   int64_t failed_ns;    /* monotonic time of the last transfer error; 0 = not failed (§7.4) */
   size_t nearly;        /* early rooms charged to this session */
+  int64_t used_ns;      /* its last M1 or M2: the table, when full, drops the oldest */
 } pf_reg;
 
 typedef struct pf_info { /* one M2, shared with workers */
