@@ -233,11 +233,29 @@ void kvf__prefill_stop(kvf_manager *m) {
   m->prefill = NULL;
 }
 
+/* The listener's timed work: the deferred M3s, and about once a second the
+ * early rooms idle past the waiting timeout, which an M2 drops a few at a
+ * time but nothing else would while no M2 comes. */
+static int prefill_tick(kvf_manager *m) {
+  prefill_state *ps = m->prefill;
+  int64_t now = clock_now_ns();
+  if (ps && now - ps->early_swept_ns >= PF_EARLY_SWEEP_MS * 1000000LL) {
+    ps->early_swept_ns = now; /* the listener's own */
+    pthread_mutex_lock(&ps->lock);
+    for (size_t before = ps->nearly + 1, i = 0; ps->nearly < before && i < PF_EARLY_SWEEP_ROUNDS; i++) {
+      before = ps->nearly;
+      kvf__pf_expire_early(ps, now);
+    }
+    pthread_mutex_unlock(&ps->lock);
+  }
+  return kvf__pf_m3_tick(m);
+}
+
 const manager_role_ops kvf__prefill_role = {
     .name = "prefill",
     .start = kvf__prefill_start,
     .stop = kvf__prefill_stop,
     .on_message = kvf__prefill_on_message,
-    .tick = kvf__pf_m3_tick,
+    .tick = prefill_tick,
     .trace_of = kvf__pf_trace_of,
 };

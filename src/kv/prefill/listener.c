@@ -145,27 +145,46 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     atomic_fetch_add(&m->stats.messages_received, 1);
     return;
   }
-  if (!r) {
-    const char *full = reg->nearly >= PF_MAX_EARLY_PER_SESSION ? "from this decode session"
-                       : ps->nearly >= PF_MAX_EARLY            ? "from all decode sessions"
-                                                               : NULL;
-    if (full || !(r = kvf__pf_room_new(ps)) || kvf__rooms_add_early(m->rooms, x->room, r)) {
-      kvf__pf_room_drop(ps, r);
-      pthread_mutex_unlock(&ps->lock);
-      atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+  /* An early room (no sender yet) is bounded in count and in the bytes of
+   * the M2 copies it holds, charged to the session whose M2 created it. */
+  size_t cost = info->m2_cap;
+  pf_reg *payer = r ? r->early_owner : reg;
+  const char *full = NULL;
+  int by_bytes = 0;
+  if (!r)
+    full = reg->nearly >= PF_MAX_EARLY_PER_SESSION ? "from this decode session"
+           : ps->nearly >= PF_MAX_EARLY            ? "from all decode sessions"
+                                                   : NULL;
+  if (!full && payer) {
+    if (payer->early_bytes + cost > PF_MAX_EARLY_BYTES_PER_SESSION) full = "from this decode session";
+    else if (ps->early_bytes + cost > PF_MAX_EARLY_BYTES) full = "from all decode sessions";
+    by_bytes = full != NULL;
+  }
+  int fresh = !r;
+  if (full || (fresh && (!(r = kvf__pf_room_new(ps)) || kvf__rooms_add_early(m->rooms, x->room, r)))) {
+    if (fresh) kvf__pf_room_drop(ps, r);
+    pthread_mutex_unlock(&ps->lock);
+    atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+    if (by_bytes)
+      snprintf(why, sizeof why,
+               "prefill rank %d refused the transfer request: requests %s waiting for their sender hold too "
+               "many bytes (limit %u MiB per session, %u MiB in all)",
+               m->cfg.engine_rank, full, PF_MAX_EARLY_BYTES_PER_SESSION >> 20, PF_MAX_EARLY_BYTES >> 20);
+    else
       snprintf(why, sizeof why,
                "prefill rank %d refused the transfer request: %s requests %s wait for their sender "
                "(limit %d per session, %d in all)",
                m->cfg.engine_rank, full ? "too many" : "out of memory:", full ? full : "no room for more",
                PF_MAX_EARLY_PER_SESSION, PF_MAX_EARLY);
-      if (kvf__log_first_time(kvf__hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
-        LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
-                 peer ? peer : "?", why);
-      /* Tell the decode now: otherwise it waits for its timeout. */
-      kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
-      kvf__pf_info_unref(ps, info);
-      return;
-    }
+    if (kvf__log_first_time(kvf__hash_str("prefill-early-full", (uint64_t)(uintptr_t)m)))
+      LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
+               peer ? peer : "?", why);
+    /* Tell the decode now: otherwise it waits for its timeout. */
+    kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
+    kvf__pf_info_unref(ps, info);
+    return;
+  }
+  if (fresh) {
     r->room = x->room;
     r->refs = 1;
     kvf__pf_early_append(ps, r, reg);
@@ -182,6 +201,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   while (k < r->ninfos && strcmp(r->infos[k]->m2->session, x->session)) k++;
   if (k < r->ninfos) {
     kvf__trace_add(&r->tr, TRACE_RETRIES, 1);
+    kvf__pf_early_charge(ps, r, cost, r->infos[k]->m2_cap);
     kvf__pf_info_unref(ps, r->infos[k]); /* a repeat from the same session replaces it in place */
     r->infos[k] = info;
   } else {
@@ -198,6 +218,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
       r->cap = nc;
     }
     r->infos[r->ninfos++] = info;
+    kvf__pf_early_charge(ps, r, cost, 0);
   }
   r->last_m2_ns = now;
   /* Failures this M2 shows: the other decodes are told here, this one below

@@ -22,11 +22,14 @@
  * stored in a pf_room without a sender, in the table's early state (not
  * live; issue 13 defect 6). Each early room is charged to the decode session
  * whose M2 created it; a session holds at most PF_MAX_EARLY_PER_SESSION of
- * them and all sessions together at most PF_MAX_EARLY, so one flooding
- * decode cannot starve the others. Early rooms sit on one LRU list (a repeat
+ * them and all sessions together at most PF_MAX_EARLY, and the copies of
+ * their M2s (up to 8 MiB of indices each) at most
+ * PF_MAX_EARLY_BYTES_PER_SESSION and PF_MAX_EARLY_BYTES bytes, so one
+ * flooding decode can neither starve the others nor exhaust memory. Early rooms sit on one LRU list (a repeat
  * M2 moves its room to the tail); each M2 drops at most PF_EXPIRE_PER_MSG
  * rooms idle past the waiting timeout from the head (the decode has given
- * up on them by then), so every M2 costs O(1). An M2 that would need an
+ * up on them by then), so every M2 costs O(1); the listener's tick drops
+ * them too when no M2 comes. An M2 that would need an
  * early room past a bound is refused: its decode gets M3 Failed with the
  * reason (kvferry frame 5) at once instead of waiting. kvf_sender_create
  * makes an early room live (it keeps its pf_room); only live rooms count in
@@ -121,34 +124,39 @@
 #include "kv/plan.h"
 #include "kv/rooms.h"
 
-#define PF_TOKEN_LATER (-2)             /* a chunk's token: "comes through kvf_sender_set_metadata" */
-#define PF_MAX_SESSIONS 4096            /* registered decode sessions */
-#define PF_MAX_INFOS 4096               /* transfer infos (decode sessions) per room */
-#define PF_MAX_EARLY 65536              /* rooms with M2s but no sender yet, all sessions together */
-#define PF_EXPIRE_PER_MSG 4             /* idle early rooms dropped per M2 at most */
-#define PF_MAX_ENDED 4096               /* rooms remembered as ended by kvf_sender_destroy */
-#define PF_MAX_PENDING 65536            /* chunks waiting on one room for its M2s */
-#define PF_QUEUE_MAX 65536              /* chunks in one worker FIFO */
-#define PF_DIRECT_MAX_BYTES (16u << 20) /* a room's only chunk up to this size skips the worker */
-#define PF_DIRECT_MAX_DESTS 8           /* ... when it has at most this many destinations */
-#define PF_DIRECT_SLOTS 256             /* direct chunks in flight per prefill rank */
-#define PF_SPARE_ROOMS 4096             /* unreferenced room records kept for reuse */
-#define PF_DIRECT_DRAIN_MS 120000       /* stop: wait this long for direct chunks' engine callbacks */
-#define PF_SPARE_INFOS 4096             /* unreferenced transfer infos kept for reuse */
-#define PF_SPARE_M2_BYTES (16u << 10)   /* ... each keeping its M2 copy's block only up to this size */
-#define PF_CHUNK_INLINE_PAGES 16        /* pages a chunk holds without an allocation */
-#define PF_CHUNK_INLINE_STATE 4         /* state slots a chunk holds without an allocation */
-#define PF_WORKER_WINDOW 4              /* chunks a worker keeps in flight before waiting (workers.c) */
-#define PF_QUEUE_THREADS 4              /* threads that may serve one queue, the first included (workers.c) */
-#define PF_HELPER_IDLE_MS 2000          /* a queue's extra thread ends after this long with nothing to do */
-#define PF_SLOW_WAIT_MS 200             /* a worker waiting this long may get another thread (workers.c) */
-#define PF_M3_BATCH 32                  /* deferred M3s held at most; a full queue goes out at once */
-#define PF_M3_DEFER_MS 2                /* a deferred M3 goes out within about this long (m3_outbox.c) */
+#define PF_TOKEN_LATER (-2)                         /* a chunk's token: "comes through kvf_sender_set_metadata" */
+#define PF_MAX_SESSIONS 4096                        /* registered decode sessions */
+#define PF_MAX_INFOS 4096                           /* transfer infos (decode sessions) per room */
+#define PF_MAX_EARLY 65536                          /* rooms with M2s but no sender yet, all sessions together */
+#define PF_MAX_EARLY_BYTES (1024u << 20)            /* bytes of M2 copies in early rooms, all sessions together */
+#define PF_MAX_EARLY_BYTES_PER_SESSION (256u << 20) /* ... charged to one decode session */
+#define PF_EXPIRE_PER_MSG 4                         /* idle early rooms dropped per M2 at most */
+#define PF_EARLY_SWEEP_MS 1000                      /* the listener's tick drops idle early rooms this often */
+#define PF_EARLY_SWEEP_ROUNDS 64                    /* ... PF_EXPIRE_PER_MSG at a time, at most this many times */
+#define PF_MAX_ENDED 4096                           /* rooms remembered as ended by kvf_sender_destroy */
+#define PF_MAX_PENDING 65536                        /* chunks waiting on one room for its M2s */
+#define PF_QUEUE_MAX 65536                          /* chunks in one worker FIFO */
+#define PF_DIRECT_MAX_BYTES (16u << 20)             /* a room's only chunk up to this size skips the worker */
+#define PF_DIRECT_MAX_DESTS 8                       /* ... when it has at most this many destinations */
+#define PF_DIRECT_SLOTS 256                         /* direct chunks in flight per prefill rank */
+#define PF_SPARE_ROOMS 4096                         /* unreferenced room records kept for reuse */
+#define PF_DIRECT_DRAIN_MS 120000                   /* stop: wait this long for direct chunks' engine callbacks */
+#define PF_SPARE_INFOS 4096                         /* unreferenced transfer infos kept for reuse */
+#define PF_SPARE_M2_BYTES (16u << 10)               /* ... each keeping its M2 copy's block only up to this size */
+#define PF_CHUNK_INLINE_PAGES 16                    /* pages a chunk holds without an allocation */
+#define PF_CHUNK_INLINE_STATE 4                     /* state slots a chunk holds without an allocation */
+#define PF_WORKER_WINDOW 4     /* chunks a worker keeps in flight before waiting (workers.c) */
+#define PF_QUEUE_THREADS 4     /* threads that may serve one queue, the first included (workers.c) */
+#define PF_HELPER_IDLE_MS 2000 /* a queue's extra thread ends after this long with nothing to do */
+#define PF_SLOW_WAIT_MS 200    /* a worker waiting this long may get another thread (workers.c) */
+#define PF_M3_BATCH 32         /* deferred M3s held at most; a full queue goes out at once */
+#define PF_M3_DEFER_MS 2       /* a deferred M3 goes out within about this long (m3_outbox.c) */
 
 typedef struct pf_reg { /* one decode registration (M1) */
   wire_m1 *m1;          /* heap copy (kvf__wire_m1_dup) */
   int64_t failed_ns;    /* monotonic time of the last transfer error; 0 = not failed (§7.4) */
   size_t nearly;        /* early rooms charged to this session */
+  size_t early_bytes;   /* their M2 copies' bytes */
   int64_t used_ns;      /* its last M1 or M2: the table, when full, drops the oldest */
 } pf_reg;
 
@@ -304,6 +312,7 @@ typedef struct pf_room {
   int held;
   int64_t create_ns;             /* sender creation, for the bootstrap timeout */
   pf_reg *early_owner;           /* early room: the session it is charged to; NULL otherwise */
+  size_t early_bytes;            /* early room: its M2 copies' bytes, charged to early_owner */
   struct pf_room *eprev, *enext; /* the early LRU list */
   int64_t last_m2_ns;
   pf_info **infos; /* arrival order */
@@ -405,8 +414,9 @@ typedef struct prefill_state {
   size_t nroom_spare;
   kvf_sender *sender_spare; /* destroyed senders' records, under lock */
   size_t nsender_spare;
-  smap regs; /* session -> pf_reg */
-  size_t nearly;
+  smap regs;                        /* session -> pf_reg */
+  size_t nearly, early_bytes;       /* early rooms, and their M2 copies' bytes */
+  int64_t early_swept_ns;           /* the listener's last sweep of idle early rooms (prefill_tick) */
   pf_room *early_head, *early_tail; /* least recently used first */
   /* rooms whose sender was destroyed before they could succeed (rooms_early.c,
    * "Ended rooms"): ended maps room -> ring slot + 1; the ring (allocated at
@@ -544,6 +554,9 @@ void kvf__pf_flush_pending(prefill_state *ps, pf_room *r, pf_direct **dj, pf_chu
 void kvf__pf_early_unlink(prefill_state *ps, pf_room *r);
 void kvf__pf_early_append(prefill_state *ps, pf_room *r, pf_reg *owner);
 void kvf__pf_expire_early(prefill_state *ps, int64_t now);
+/* ps->lock held: an early room's M2 copies grew by `add` bytes and shrank by
+ * `sub` (a repeat replaced one): charged to its session and the total. */
+void kvf__pf_early_charge(prefill_state *ps, pf_room *r, size_t add, size_t sub);
 /* Ended rooms, ps->lock held: remember that room's sender was destroyed
  * before the room could succeed (now: clock_now_ns()); has: was it (within
  * the waiting timeout, the oldest forgotten past PF_MAX_ENDED)?; forget: a

@@ -291,8 +291,10 @@ void kvf__pf_early_unlink(prefill_state *ps, pf_room *r) {
   else ps->early_tail = r->eprev;
   r->eprev = r->enext = NULL;
   r->early_owner->nearly--;
+  r->early_owner->early_bytes -= r->early_bytes;
   r->early_owner = NULL;
   ps->nearly--;
+  ps->early_bytes -= r->early_bytes;
 }
 
 void kvf__pf_early_append(prefill_state *ps, pf_room *r, pf_reg *owner) {
@@ -303,7 +305,16 @@ void kvf__pf_early_append(prefill_state *ps, pf_room *r, pf_reg *owner) {
   else ps->early_head = r;
   ps->early_tail = r;
   owner->nearly++;
+  owner->early_bytes += r->early_bytes;
   ps->nearly++;
+  ps->early_bytes += r->early_bytes;
+}
+
+void kvf__pf_early_charge(prefill_state *ps, pf_room *r, size_t add, size_t sub) {
+  if (!r->early_owner) return;
+  r->early_bytes = r->early_bytes + add - sub;
+  r->early_owner->early_bytes = r->early_owner->early_bytes + add - sub;
+  ps->early_bytes = ps->early_bytes + add - sub;
 }
 
 /* ps->lock held: drop a few early rooms idle past the waiting timeout. */
