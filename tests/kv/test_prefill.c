@@ -1404,7 +1404,8 @@ static void abort_tells_decode(void **state) {
  * once, not at its own timeout: the room's sender destroyed before any M2
  * came (a request dropped early), or aborted while its sender lives, and a
  * repeat after that destroy. A sender created again for the same room id
- * serves it as any other. */
+ * serves it as any other; asked again after its Success, it answers Failed
+ * to that request alone. */
 static void late_m2_for_an_ended_room_fails_at_once(void **state) {
   (void)state;
   fixture f;
@@ -1431,6 +1432,9 @@ static void late_m2_for_an_ended_room_fails_at_once(void **state) {
   assert_int_equal(send_chunk(s, src, 2, 1, 0, 9, cands, 1, NULL, 0), 0);
   assert_int_equal(wait_final(s, 5000), KVF_POLL_SUCCESS);
   expect_success_m3(&f, 31, 9, cands, 1);
+  send_m2(&f, 31, dst, 2); /* asked again after Success: nothing will serve it */
+  assert_true(expect_failed_m3(&f, 31).reason_len > 0);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_SUCCESS); /* the sender's own outcome stands */
   kvf_sender_destroy(s);
   expect_no_m3(&f, 200);
   fx_teardown(&f);

@@ -236,12 +236,17 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     fd = kvf__pf_fail_room_locked(ps, r, why, x->session, &nfd);
   }
   /* A room that failed before this decode asked (an abort, a timeout, another
-   * decode's failure) told only the decodes it knew then: tell this one. */
+   * decode's failure) told only the decodes it knew then: tell this one. One
+   * that succeeded had every M2 it needed: this one (a decode that asked
+   * again) is served by nothing. */
   int st = ROOM_FAILED, tell_failed = 0;
   if (r->has_sender && !r->dead && !x->is_dummy && !kvf__rooms_get_status(m->rooms, r->room, &st) &&
-      st == ROOM_FAILED) {
+      (st == ROOM_FAILED || st == ROOM_SUCCESS)) {
     tell_failed = 1;
-    if (kvf__rooms_get_reason(m->rooms, r->room, why, sizeof why) || !*why)
+    if (st == ROOM_SUCCESS)
+      snprintf(why, sizeof why, "prefill rank %d: the room had completed before this transfer request came",
+               m->cfg.engine_rank);
+    else if (kvf__rooms_get_reason(m->rooms, r->room, why, sizeof why) || !*why)
       snprintf(why, sizeof why, "the prefill failed the request");
   }
   pf_direct *dj = NULL;
