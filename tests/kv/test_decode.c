@@ -205,6 +205,17 @@ static void send_frames(void *sock, const char *const *frames, const size_t *len
   for (size_t i = 0; i < n; i++) assert_true(zmq_send(sock, frames[i], lens[i], i + 1 < n ? ZMQ_SNDMORE : 0) >= 0);
 }
 
+/* Play one M3 (any fields, the reason frame too) to the decode. */
+static void send_m3_msg(fixture *f, const wire_m3 *m3) {
+  wire_msg msg;
+  char why[WIRE_REASON_LEN];
+  assert_int_equal(kvf__wire_m3_encode(m3, &msg, why), 0);
+  for (size_t i = 0; i < msg.nframes; i++)
+    assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes ? ZMQ_SNDMORE : 0) >=
+                0);
+  kvf__wire_msg_free(&msg);
+}
+
 static void send_m3(fixture *f, int64_t room, int status, int rank, int64_t token, const int32_t *cands,
                     size_t ncand) {
   wire_m3 m3 = {.room = room,
@@ -212,13 +223,7 @@ static void send_m3(fixture *f, int64_t room, int status, int rank, int64_t toke
                 .prefill_rank = rank,
                 .bootstrap_token = token,
                 .candidates = wire_array_of(cands, ncand)};
-  wire_msg msg;
-  char why[WIRE_REASON_LEN];
-  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, why), 0);
-  for (size_t i = 0; i < msg.nframes; i++)
-    assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes ? ZMQ_SNDMORE : 0) >=
-                0);
-  kvf__wire_msg_free(&msg);
+  send_m3_msg(f, &m3);
 }
 
 /* Poll until a final status or `limit_s` seconds. */
@@ -486,13 +491,7 @@ static void unregistered_answer_registers_again(void **state) {
                 .bootstrap_token = -1,
                 .reason = said,
                 .reason_len = strlen(said)};
-  wire_msg msg;
-  char why[WIRE_REASON_LEN];
-  assert_int_equal(kvf__wire_m3_encode(&m3, &msg, why), 0);
-  for (size_t i = 0; i < msg.nframes; i++)
-    assert_true(zmq_send(f->push, msg.frames[i].data, msg.frames[i].len, i + 1 < msg.nframes ? ZMQ_SNDMORE : 0) >=
-                0);
-  kvf__wire_msg_free(&msg);
+  send_m3_msg(f, &m3);
   assert_int_equal(poll_final(r, 5), KVF_POLL_FAILED);
   kvf_receiver_destroy(r);
 
