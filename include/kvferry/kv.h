@@ -267,7 +267,11 @@ KVF_API int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int6
 /* Send M2: destination pages (after the decode prefix), request-pool slot,
  * decode_prefix_len in tokens, optional state slots (arrays only read during
  * the call). Starts the waiting timeout. A send failure fails the room (with
- * a reason) and still returns 0. The receiver's thread. */
+ * a reason) and still returns 0. Called again, a new request in the same
+ * room: a kvferry prefill's answers to the earlier one no longer count, and
+ * one whose writes for the room had begun fails it. With a tokenspeed
+ * prefill nothing tells the two apart: reuse a room id only once its
+ * earlier request's status can no longer arrive. The receiver's thread. */
 KVF_API int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int64_t aux_index,
                               int64_t decode_prefix_len, const int64_t *state_slots, size_t nstate);
 /* The room's current state; Success and Failed are final. Fails the room

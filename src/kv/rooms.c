@@ -510,7 +510,7 @@ int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *a
   int rc = KVF_ENOTFOUND;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
-  if (e) rc = pred(e->user, arg) ? 1 : 0;
+  if (e) rc = pred(e->user, arg);
   pthread_mutex_unlock(&t->mu);
   return rc;
 }

@@ -176,7 +176,8 @@ int kvf__rooms_set_user(rooms *t, int64_t room, void *user);
 int kvf__rooms_get_user(rooms *t, int64_t room, void **user);
 /* pred(user, arg) on a live room's user pointer, under the table lock (so
  * the pointer cannot be cleared meanwhile; pred must not call into the
- * table). Returns 1 or 0 as pred answers, KVF_ENOTFOUND if not live. */
+ * table). Returns pred's answer (pred returns 0 or more), KVF_ENOTFOUND if
+ * not live. */
 int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg);
 /* Time (any clock the caller chooses, e.g. clock_now_ns) the last transfer
  * request was sent, for the waiting timeout. */

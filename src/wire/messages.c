@@ -36,8 +36,13 @@ static const char *const m2_names[] = {"room",
                                        "fragments",
                                        "kvferry_page_layout",
                                        "kvferry_room_options"};
-static const char *const m3_names[] =
-    {"room", "status", "prefill_rank", "bootstrap_token", "spec_candidate_ids", "kvferry_reason"};
+static const char *const m3_names[] = {"room",
+                                       "status",
+                                       "prefill_rank",
+                                       "bootstrap_token",
+                                       "spec_candidate_ids",
+                                       "kvferry_reason",
+                                       "kvferry_fence_epoch"};
 
 static const char *const kind_names[] = {"target_k", "target_v", "draft_k", "draft_v", "mamba_state"};
 
@@ -583,6 +588,7 @@ int kvf__wire_m3_decode(const wire_frame *f, size_t n, wire_m3 *out, char *reaso
     m.reason = (const char *)f[5].data;
     m.reason_len = f[5].len < WIRE_REASON_LEN - 1 ? f[5].len : WIRE_REASON_LEN - 1;
   }
+  if (n >= 7 && f[6].len == 8) memcpy(&m.fence_epoch, f[6].data, 8);
   *out = m;
   return 0;
 }
@@ -806,9 +812,14 @@ int kvf__wire_m3_encode(const wire_m3 *m, wire_msg *out, char *reason) {
   put_int(out, m->prefill_rank);
   put_int(out, m->bootstrap_token);
   put_array(out, m->candidates, 4);
-  if (m->reason && m->reason_len) {
-    size_t len = m->reason_len < WIRE_REASON_LEN - 1 ? m->reason_len : WIRE_REASON_LEN - 1;
-    out->frames[out->nframes++] = (wire_frame){(const uint8_t *)m->reason, len};
+  if ((m->reason && m->reason_len) || m->fence_epoch) {
+    size_t len = !m->reason ? 0 : m->reason_len < WIRE_REASON_LEN - 1 ? m->reason_len : WIRE_REASON_LEN - 1;
+    out->frames[out->nframes++] = (wire_frame){(const uint8_t *)(len ? m->reason : ""), len};
+  }
+  if (m->fence_epoch) {
+    memcpy(out->text + out->text_len, &m->fence_epoch, 8);
+    out->frames[out->nframes++] = (wire_frame){(const uint8_t *)out->text + out->text_len, 8};
+    out->text_len += 8;
   }
   return 0;
 }

@@ -225,6 +225,13 @@ typedef struct wire_m3 {
    * up to WIRE_REASON_LEN - 1 bytes (the rest is cut). Points into the frame. */
   const char *reason;
   size_t reason_len;
+  /* kvferry frame 6: the fence epoch of the M2 this M3 answers (its frame
+   * 15), 8 bytes little-endian; sent by a kvferry prefill only to a decode
+   * that sent one, so the decode can tell an M3 of an earlier use of the
+   * room id from one for its current request. 0 = absent (a frame 6 of
+   * another length reads as absent). Frame 5 goes out empty when there is
+   * an epoch and no reason. */
+  uint64_t fence_epoch;
 } wire_m3;
 
 /* The M3 Failed reason (frame 5) a kvferry prefill gives a decode whose

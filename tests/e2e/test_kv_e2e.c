@@ -731,6 +731,117 @@ static void malformed_control_messages_do_no_harm(void **state) {
   decode_stop_side(&d);
 }
 
+/* A room completes by its trailer; the prefill holds the duplicate M3 for
+ * up to ~2 ms (m3_outbox.c). The decode uses the same room id again at once
+ * (a) with a new receiver, or (b) by a repeated init of the same one, on new
+ * pages for which the prefill sends nothing. The held M3 names the fence
+ * epoch of the M2 it answers (frame 6), so it does not complete the new use
+ * (it did in 17 of 20 tries before). */
+static void late_m3_of_an_earlier_use_does_not_complete_the_next(void **state) {
+  (void)state;
+  prefill_proc pp;
+  peer_prefill_start(&pp, 1, 1);
+  decode_side d;
+  decode_start_side(&d, 5, 60);
+  uint64_t rng = 51;
+  int hits[2] = {0, 0};
+  enum { N = 10 };
+  for (int v = 0; v < 2; v++)
+    for (int i = 0; i < N; i++) {
+      request r;
+      int64_t room = 7000 + v * 100 + i;
+      begin(&d, &pp, &r, room, 2, &rng, 0);
+      int st;
+      double until = now_s() + 30;
+      while ((st = kvf_receiver_poll(r.rx)) != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED && now_s() < until) {
+      }
+      assert_int_equal(st, KVF_POLL_SUCCESS);
+      kvf_receiver *rx = r.rx;
+      int64_t p2[2];
+      assert_int_equal(kvpool_take(&d.pool, 2, &rng, p2), 0);
+      if (v == 0) {
+        kvf_receiver_destroy(r.rx);
+        assert_int_equal(kvf_receiver_create(d.m, pp.addr, room, &rx), 0);
+      }
+      assert_int_equal(kvf_receiver_init(rx, p2, 2, 0, 0, NULL, 0), 0);
+      double t0 = now_s();
+      while ((st = kvf_receiver_poll(rx)) != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED && now_s() - t0 < 0.1)
+        usleep(200);
+      if (st == KVF_POLL_SUCCESS) hits[v]++;
+      kvf_receiver_destroy(rx);
+      kvpool_give(&d.pool, p2, 2);
+      kvpool_give(&d.pool, r.pages, r.n);
+    }
+  fprintf(stderr, "new use of a room reported Success with no transfer: recreated %d/%d, reinit %d/%d\n", hits[0],
+          N, hits[1], N);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&d);
+  assert_int_equal(hits[0] + hits[1], 0);
+}
+
+/* Layerwise prefill: layer 0 lands in pages P1, then the decode re-inits
+ * the room with pages P2. The prefill used to replace the room's transfer
+ * info in place and write layer 1 into P2 with its completion: Success
+ * while P2 had no layer 0. A repeated M2 once the room's writes began
+ * fails the room instead. */
+static void reinit_mid_transfer_never_succeeds_on_partial_pages(void **state) {
+  (void)state;
+  prefill_proc pp;
+  peer_prefill_start(&pp, 1, 1);
+  decode_side d;
+  decode_start_side(&d, 5, 60);
+  uint64_t rng = 61;
+  enum { NP = 4 };
+  int64_t p1[NP], p2[NP];
+  assert_int_equal(kvpool_take(&d.pool, NP, &rng, p1), 0);
+  assert_int_equal(kvpool_take(&d.pool, NP, &rng, p2), 0);
+  for (size_t b = 0; b < d.pool.nbuf; b++)
+    for (int k = 0; k < NP; k++) {
+      memset((char *)d.pool.ptrs[b] + p1[k] * ITEM, 0xEE, ITEM);
+      memset((char *)d.pool.ptrs[b] + p2[k] * ITEM, 0xEE, ITEM);
+    }
+  kvf_engine_sync(kvf_manager_engine(d.m));
+  int64_t room = 7300;
+  kvf_receiver *rx;
+  assert_int_equal(kvf_receiver_create(d.m, pp.addr, room, &rx), 0);
+  assert_int_equal(kvf_receiver_init(rx, p1, NP, 0, 0, NULL, 0), 0);
+  fprintf(pp.p.in, "layerwise %lld %d 400000 1 4242 1\n", (long long)room, NP);
+  fflush(pp.p.in);
+  /* wait for layer 0 in P1 (the prefill pool is zeros) */
+  double until = now_s() + 10;
+  int landed = 0;
+  while (!landed && now_s() < until) {
+    kvf_engine_sync(kvf_manager_engine(d.m));
+    for (size_t b = 0; b < d.pool.nbuf && !landed; b++)
+      landed = ((unsigned char *)d.pool.ptrs[b])[p1[0] * ITEM] != 0xEE;
+    if (!landed) usleep(500);
+  }
+  assert_true(landed);
+  assert_int_equal(kvf_receiver_poll(rx), KVF_POLL_BOOTSTRAPPED);
+  assert_int_equal(kvf_receiver_init(rx, p2, NP, 0, 0, NULL, 0), 0); /* mid-transfer re-init */
+  int st;
+  until = now_s() + 10;
+  while ((st = kvf_receiver_poll(rx)) != KVF_POLL_SUCCESS && st != KVF_POLL_FAILED && now_s() < until) usleep(500);
+  kvf_engine_sync(kvf_manager_engine(d.m));
+  size_t unwritten = 0, written = 0;
+  for (size_t b = 0; b < d.pool.nbuf; b++)
+    for (int k = 0; k < NP; k++) {
+      const unsigned char *pg = (const unsigned char *)d.pool.ptrs[b] + p2[k] * ITEM;
+      if (pg[0] == 0xEE && pg[ITEM - 1] == 0xEE) unwritten++;
+      else written++;
+    }
+  char why[256];
+  kvf_receiver_failure(rx, why, sizeof why);
+  fprintf(stderr, "status %d (%s); P2 pages written %zu, unwritten %zu (of %zu)\n", st, why, written, unwritten,
+          (size_t)NP * d.pool.nbuf);
+  kvf_receiver_destroy(rx);
+  kvpool_give(&d.pool, p1, NP);
+  kvpool_give(&d.pool, p2, NP);
+  proc_stop(&pp.p, 5000);
+  decode_stop_side(&d);
+  assert_false(st == KVF_POLL_SUCCESS && unwritten > 0); /* Success must mean every page holds the KV */
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
@@ -746,6 +857,8 @@ int main(void) {
       cmocka_unit_test(early_request_flood_is_bounded_per_session),
       cmocka_unit_test(control_token_between_kvferry_peers),
       cmocka_unit_test(malformed_control_messages_do_no_harm),
+      cmocka_unit_test(late_m3_of_an_earlier_use_does_not_complete_the_next),
+      cmocka_unit_test(reinit_mid_transfer_never_succeeds_on_partial_pages),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -497,7 +497,7 @@ static void m2_fragments_golden(void **state) {
 static const wire_frame a6_frames[5] = {FR("7215963401"), FR("5"), FR("0"), FR("1734"), {a6_cand_bytes, 12}};
 
 static void m3_golden(void **state) {
-  wire_m3 m = {7215963401, WIRE_STATUS_SUCCESS, 0, 1734, wire_array_of(a6_cands, 3), NULL, 0};
+  wire_m3 m = {7215963401, WIRE_STATUS_SUCCESS, 0, 1734, wire_array_of(a6_cands, 3), NULL, 0, 0};
   wire_msg msg;
   char reason[WIRE_REASON_LEN] = "";
   assert_int_equal(kvf__wire_m3_encode(&m, &msg, reason), 0);
@@ -518,7 +518,7 @@ static void m3_golden(void **state) {
 static void m3_reason_frame(void **state) {
   (void)state;
   const char *why = "too many requests wait";
-  wire_m3 m = {9, WIRE_STATUS_FAILED, 1, -1, {NULL, 0}, why, strlen(why)};
+  wire_m3 m = {9, WIRE_STATUS_FAILED, 1, -1, {NULL, 0}, why, strlen(why), 0};
   wire_msg msg;
   char reason[WIRE_REASON_LEN];
   assert_int_equal(kvf__wire_m3_encode(&m, &msg, reason), 0);
@@ -539,9 +539,36 @@ static void m3_reason_frame(void **state) {
   kvf__wire_msg_free(&msg);
 }
 
+/* kvferry's M3 frame 6: the fence epoch of the M2 answered, 8 bytes; frame
+ * 5 goes out empty without a reason. A frame 6 of another length, or none,
+ * reads as 0 (absent). */
+static void m3_fence_epoch_frame(void **state) {
+  (void)state;
+  wire_m3 m = {9, WIRE_STATUS_SUCCESS, 1, 7, {NULL, 0}, NULL, 0, 0x1122334455667788ULL};
+  wire_msg msg;
+  char reason[WIRE_REASON_LEN];
+  assert_int_equal(kvf__wire_m3_encode(&m, &msg, reason), 0);
+  assert_int_equal(msg.nframes, 7);
+  assert_int_equal(msg.frames[5].len, 0);
+  assert_int_equal(msg.frames[6].len, 8);
+  wire_m3 d;
+  assert_int_equal(kvf__wire_m3_decode(msg.frames, msg.nframes, &d, reason), 0);
+  assert_true(d.fence_epoch == 0x1122334455667788ULL);
+  assert_int_equal(d.reason_len, 0);
+  assert_int_equal(d.bootstrap_token, 7);
+  assert_int_equal(kvf__wire_m3_decode(msg.frames, 6, &d, reason), 0);
+  assert_true(d.fence_epoch == 0);
+  wire_frame f[7];
+  memcpy(f, msg.frames, sizeof f);
+  f[6] = (wire_frame){(const uint8_t *)"1234567", 7};
+  assert_int_equal(kvf__wire_m3_decode(f, 7, &d, reason), 0);
+  assert_true(d.fence_epoch == 0);
+  kvf__wire_msg_free(&msg);
+}
+
 static void m3_failed_golden(void **state) {
   static const wire_frame want[5] = {FR("7215963401"), FR("0"), FR("0"), FR("-1"), EMPTY};
-  wire_m3 m = {7215963401, WIRE_STATUS_FAILED, 0, -1, {NULL, 0}, NULL, 0};
+  wire_m3 m = {7215963401, WIRE_STATUS_FAILED, 0, -1, {NULL, 0}, NULL, 0, 0};
   wire_msg msg;
   char reason[WIRE_REASON_LEN];
   assert_int_equal(kvf__wire_m3_encode(&m, &msg, reason), 0);
@@ -1125,7 +1152,7 @@ static void encoder_rejections(void **state) {
   assert_frames_equal(&msg, a7_frames, 12);
   kvf__wire_msg_free(&msg);
 
-  wire_m3 m3 = {1, 6, 0, -1, {NULL, 0}, NULL, 0};
+  wire_m3 m3 = {1, 6, 0, -1, {NULL, 0}, NULL, 0, 0};
   assert_int_equal(kvf__wire_m3_encode(&m3, &msg, reason), KVF_EINVAL);
   assert_string_equal(reason, "M3 frame 1 (status): 6 is outside 0..5");
   m3.status = 5;
@@ -1265,6 +1292,7 @@ int main(void) {
       cmocka_unit_test(frag_parse_order_and_spacing),
       cmocka_unit_test(m3_golden),
       cmocka_unit_test(m3_failed_golden),
+      cmocka_unit_test(m3_fence_epoch_frame),
       cmocka_unit_test(m3_reason_frame),
       cmocka_unit_test(m3_frame_count_forms),
       cmocka_unit_test(classify_kinds),

@@ -156,6 +156,10 @@ struct kvf_receiver {
    * has been asked, so no M3 or trailer may count for the room (a late one
    * from an earlier use of the same room id included). */
   atomic_int m2_out;
+  /* The fence epoch the last init's M2s carried (0: none), for the status
+   * listener: a kvferry prefill's M3 names the epoch it answers (frame 6),
+   * and one that names another answers an earlier use of the room id. */
+  _Atomic uint64_t m2_epoch;
   struct kvf_receiver *next_spare; /* on ds->spare once destroyed */
   /* Fencing (integrity.c): the room's engine fence epoch, 0 = unfenced;
    * `fenced` once it was closed on Failed. The receiver's thread only. */

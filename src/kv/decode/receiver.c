@@ -133,6 +133,7 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
    * mode checks digests before Success, which come by the control plane, so
    * such a room is completed by its M3. */
   atomic_store(&r->asked_fast, m->decode->fast && p->kvferry_peer && !(room_flags & WIRE_ROOM_VERIFY));
+  atomic_store(&r->m2_epoch, r->fence_epoch);
   atomic_store(&r->m2_out, 1);
   if (kvf__trace_on(&r->tr)) kvf__trace_at_last(&r->tr, KVF_TRACE_M2_SENT, clock_now_ns()); /* the last init's */
   for (int i = 0; i < p->ntargets && !rc; i++) {

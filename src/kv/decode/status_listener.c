@@ -2,13 +2,19 @@
  * the room was planned with, issue 13 defect 5) and completions that ride
  * an engine trailer (docs/WIRE-EXTENSIONS.md). */
 #include "kv/decode/decode_int.h"
+#include "base/hash.h"
 
 typedef struct m3_origin {
   kvf_manager *m;
   const char *peer;
-  int64_t rank; /* the prefill rank the message names; -1: any */
-  int verdict;  /* an M3 Success or Failed: the room's completion_seen step (trace) */
+  int64_t rank;   /* the prefill rank the message names; -1: any */
+  int verdict;    /* an M3 Success or Failed: the room's completion_seen step (trace) */
+  uint64_t epoch; /* the fence epoch the M3 answers (frame 6); 0: not said */
 } m3_origin;
+
+/* from_planned_rank's verdict for an M3 that answers an earlier use of the
+ * room id (its fence epoch is not the one the room's last M2s carried). */
+#define M3_STALE 2
 
 /* Under the room table's lock: did the message come from a rank the room
  * was planned with? (Issue 13 defect 5: PROTOCOL §8 lets any ZMQ peer end
@@ -24,6 +30,7 @@ static int from_planned_rank(void *user, void *arg) {
   for (int i = 0; p && i < p->ntargets; i++) {
     const pool_target *t = &p->targets[i];
     if (!t->is_dummy && (o->rank < 0 || t->rank == o->rank) && kvf__manager_peer_is(o->m, o->peer, t->ip)) {
+      if (o->epoch && o->epoch != atomic_load(&r->m2_epoch)) return M3_STALE;
       if (o->verdict) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SEEN); /* the first verdict */
       return 1;
     }
@@ -65,7 +72,7 @@ void kvf__dec_on_trailer(void *arg, const unsigned char *data, size_t len, const
 
 /* The same check for a kvferry digests message. */
 static int from_planned(kvf_manager *m, int64_t room, const char *peer) {
-  m3_origin origin = {m, peer, -1, 0};
+  m3_origin origin = {m, peer, -1, 0, 0};
   return kvf__rooms_with_user(m->rooms, room, from_planned_rank, &origin) != 0;
 }
 
@@ -81,8 +88,17 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
     return;
   }
   m3_origin origin = {m, peer, m3.prefill_rank,
-                      m3.status == WIRE_STATUS_SUCCESS || m3.status == WIRE_STATUS_FAILED};
+                      m3.status == WIRE_STATUS_SUCCESS || m3.status == WIRE_STATUS_FAILED, m3.fence_epoch};
   int rc = kvf__rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
+  if (rc == M3_STALE) { /* e.g. a deferred duplicate M3 Success arriving after a re-init */
+    atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+    if (kvf__log_first_time(kvf__hash_str("decode-stale-m3", (uint64_t)(uintptr_t)m)))
+      LOG_INFO("kv",
+               "room %" PRId64 ": M3 from %s answers an earlier use of the room id (fence epoch); dropped "
+               "(further ones are counted, not logged)",
+               m3.room, peer);
+    return;
+  }
   if (rc == 0) {
     kvf__manager_reject_forged(m, peer, "M3",
                                "the sender is not the prefill rank it names, "

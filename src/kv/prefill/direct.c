@@ -57,8 +57,8 @@ static void direct_finish(pf_direct *dj) {
   for (size_t i = 0; success && i < upto; i++) {
     const wire_m2 *y = dj->d[i].info->m2;
     if (y->is_dummy) continue;
-    if (dup && kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, &msg)) continue;
-    kvf__pf_send_m3(m, y->endpoint, y->dst_port, &msg);
+    if (dup && kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, y->fence_epoch, &msg)) continue;
+    kvf__pf_send_m3(m, y->endpoint, y->dst_port, y->fence_epoch, &msg);
   }
   /* With the completion trailer the decode had it with the bytes; the M3
    * (maybe deferred) only repeats it. Either way it has left this side. */

@@ -126,7 +126,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
      * decode acts on (it registers again). */
     if (!x->is_dummy) {
       snprintf(why, sizeof why, "prefill rank %d: %s", m->cfg.engine_rank, WIRE_REASON_UNREGISTERED);
-      kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
+      kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->fence_epoch, x->room, why);
     }
     kvf__pf_info_unref(ps, info);
     return;
@@ -140,7 +140,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     /* Its sender was destroyed before it could succeed: none will come. */
     pthread_mutex_unlock(&ps->lock);
     snprintf(why, sizeof why, "prefill rank %d: %s", m->cfg.engine_rank, PF_DESTROYED_REASON);
-    if (!x->is_dummy) kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
+    if (!x->is_dummy) kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->fence_epoch, x->room, why);
     kvf__pf_info_unref(ps, info);
     atomic_fetch_add(&m->stats.messages_received, 1);
     return;
@@ -180,7 +180,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
       LOG_WARN("kv", "room %" PRId64 " from %s: %s (further ones are counted, not logged)", x->room,
                peer ? peer : "?", why);
     /* Tell the decode now: otherwise it waits for its timeout. */
-    kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
+    kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->fence_epoch, x->room, why);
     kvf__pf_info_unref(ps, info);
     return;
   }
@@ -199,6 +199,14 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   }
   size_t k = 0;
   while (k < r->ninfos && strcmp(r->infos[k]->m2->session, x->session)) k++;
+  /* A repeat once the room's chunks went to their writes: the pages the
+   * first request named may already hold some of the KV and the new ones
+   * would get only the rest, so the room fails rather than end Success on
+   * partly written pages (the reference replaces the request in place). */
+  int st0 = ROOM_FAILED; /* final rooms are only told (tell_failed, below) */
+  int open = r->has_sender && !r->dead && !kvf__rooms_get_status(m->rooms, r->room, &st0) && st0 != ROOM_SUCCESS &&
+             st0 != ROOM_FAILED;
+  int moved = open && k < r->ninfos && r->bootstrapped && r->nchunks > 0;
   if (k < r->ninfos) {
     kvf__trace_add(&r->tr, TRACE_RETRIES, 1);
     kvf__pf_early_charge(ps, r, cost, r->infos[k]->m2_cap);
@@ -225,7 +233,11 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
    * (tell_failed). */
   pf_dest *fd = NULL;
   size_t nfd = 0;
-  if (mismatch && r->has_sender && !r->dead) {
+  if (moved) {
+    snprintf(why, sizeof why, "decode session %s asked again for the room after its transfer began", x->session);
+    fd = kvf__pf_fail_room_locked(ps, r, why, x->session, &nfd);
+  }
+  if (mismatch && !fd && open) {
     snprintf(why, sizeof why, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", x->session,
              reg->m1->kv_ptrs.count, m->bufs.n_kv);
     fd = kvf__pf_fail_room_locked(ps, r, why, x->session, &nfd);
@@ -265,7 +277,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   pthread_mutex_unlock(&ps->lock);
   if (fd) kvf__pf_tell_others_failed(m, room, fd, nfd, why);
   if (qd) kvf__pf_send_failed_all(m, room, qd, nqd, qwhy);
-  if (tell_failed) kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->room, why);
+  if (tell_failed) kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->fence_epoch, x->room, why);
   if (direct) { /* the room's only chunk waited for this M2: send it from here */
     kvf__pf_direct_run(ps, dj, direct);
     pthread_mutex_lock(&ps->lock);

@@ -55,12 +55,12 @@ void kvf__pf_m3_flush(prefill_state *ps, int all) {
                      .token = x->token,
                      .cands = x->cands,
                      .ncand = x->ncand};
-    kvf__pf_send_m3(ps->m, x->d.host, x->d.port, &msg);
+    kvf__pf_send_m3(ps->m, x->d.host, x->d.port, x->d.epoch, &msg);
   }
   pthread_mutex_unlock(&ps->m3_send_lock);
 }
 
-int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, const pf_m3_msg *msg) {
+int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, uint64_t epoch, const pf_m3_msg *msg) {
   if (msg->status != ROOM_SUCCESS || msg->ncand > KVF_MAX_CANDIDATES || strlen(host) >= sizeof ps->m3q[0].d.host)
     return 0;
   pthread_mutex_lock(&ps->m3_lock);
@@ -72,6 +72,7 @@ int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, const p
   pf_m3 *x = &ps->m3q[k];
   snprintf(x->d.host, sizeof x->d.host, "%s", host);
   x->d.port = port;
+  x->d.epoch = epoch;
   x->room = msg->room;
   x->token = msg->token;
   x->ncand = msg->cands ? msg->ncand : 0;

@@ -275,6 +275,7 @@ typedef struct pf_chunk {
 typedef struct pf_dest { /* where an M3 goes */
   char host[WIRE_STR_MAX + 1];
   uint16_t port;
+  uint64_t epoch; /* the fence epoch of that decode's M2 (0: none), sent back in M3 frame 6 */
 } pf_dest;
 
 /* An M3's contents (kvf__pf_send_m3). */
@@ -505,10 +506,11 @@ void kvf__pf_room_busy_done_locked(prefill_state *ps, pf_room *r);
 void kvf__pf_chunk_release_locked(prefill_state *ps, pf_chunk *c);
 /* Send an M3 (§6.11) to the decode's PULL socket at host:port. Any thread
  * without ps->lock. */
-void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m3_msg *msg);
+void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, uint64_t epoch, const pf_m3_msg *msg);
 /* M3 Failed (token -1, no candidates), with kvferry's reason frame when
  * reason is not NULL. */
-void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, int64_t room, const char *reason);
+void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, uint64_t epoch, int64_t room,
+                            const char *reason);
 pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n);
 /* ps->lock held: fail room r (live, with its sender) with `why`. When this
  * is what failed it, its destinations but `except`'s (NULL: none), to tell
@@ -619,7 +621,7 @@ void kvf__pf_m3_free(prefill_state *ps);
  * from the engine trailer: 1 when queued (it goes out within about
  * PF_M3_DEFER_MS), 0 when the caller must send it now. Any thread without
  * ps->lock. */
-int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, const pf_m3_msg *msg);
+int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, uint64_t epoch, const pf_m3_msg *msg);
 /* Send the queued M3s: all of them, or (all 0) if full or due. Any thread
  * without ps->lock. */
 void kvf__pf_m3_flush(prefill_state *ps, int all);

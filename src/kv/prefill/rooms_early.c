@@ -131,14 +131,15 @@ void kvf__pf_chunk_release_locked(prefill_state *ps, pf_chunk *c) {
   if (r) kvf__pf_room_unref(ps, r);
 }
 
-void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m3_msg *s) {
+void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, uint64_t epoch, const pf_m3_msg *s) {
   wire_m3 m3 = {.room = s->room,
                 .status = s->status,
                 .prefill_rank = m->tp_rank,
                 .bootstrap_token = s->token,
                 .candidates = wire_array_of(s->cands, s->cands ? s->ncand : 0),
                 .reason = s->reason,
-                .reason_len = s->reason ? strlen(s->reason) : 0};
+                .reason_len = s->reason ? strlen(s->reason) : 0,
+                .fence_epoch = epoch};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   if (kvf__wire_m3_encode(&m3, &msg, why)) {
@@ -150,8 +151,10 @@ void kvf__pf_send_m3(kvf_manager *m, const char *host, uint16_t port, const pf_m
   kvf__wire_msg_free(&msg);
 }
 
-void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, int64_t room, const char *reason) {
-  kvf__pf_send_m3(m, host, port, &(pf_m3_msg){.room = room, .status = ROOM_FAILED, .token = -1, .reason = reason});
+void kvf__pf_send_m3_failed(kvf_manager *m, const char *host, uint16_t port, uint64_t epoch, int64_t room,
+                            const char *reason) {
+  kvf__pf_send_m3(m, host, port, epoch,
+                  &(pf_m3_msg){.room = room, .status = ROOM_FAILED, .token = -1, .reason = reason});
 }
 
 /* ps->lock held: the non-dummy destinations of r, for M3 Failed, but the
@@ -165,6 +168,7 @@ pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n) {
     if (x->is_dummy || (except && !strcmp(x->session, except))) continue;
     snprintf(d[*n].host, sizeof d[*n].host, "%s", x->endpoint);
     d[*n].port = x->dst_port;
+    d[*n].epoch = x->fence_epoch;
     (*n)++;
   }
   return d;
@@ -206,7 +210,7 @@ pf_dest *kvf__pf_dead_room_failed_locked(pf_room *r, size_t *n) {
 }
 
 void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *reason) {
-  for (size_t i = 0; i < n; i++) kvf__pf_send_m3_failed(m, d[i].host, d[i].port, room, reason);
+  for (size_t i = 0; i < n; i++) kvf__pf_send_m3_failed(m, d[i].host, d[i].port, d[i].epoch, room, reason);
   free(d);
 }
 

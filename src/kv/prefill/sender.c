@@ -288,7 +288,7 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
                    .token = bootstrap_token,
                    .cands = cands,
                    .ncand = ncand};
-  for (size_t k = 0; k < nd; k++) kvf__pf_send_m3(s->m, d[k].host, d[k].port, &msg);
+  for (size_t k = 0; k < nd; k++) kvf__pf_send_m3(s->m, d[k].host, d[k].port, d[k].epoch, &msg);
   if (nd && st == ROOM_SUCCESS) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SENT);
   free(d);
   return rc;

@@ -53,7 +53,7 @@ void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const ch
     return;
   }
   LOG_WARN("kv", "room %" PRId64 ": %s", r->room, why);
-  kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, r->room, NULL);
+  kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->fence_epoch, r->room, NULL);
   if (d) kvf__pf_tell_others_failed(m, r->room, d, nd, why);
 }
 
@@ -335,6 +335,7 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
               const wire_m2 *y = infos[done[k]]->m2;
               snprintf(d[k].host, sizeof d[k].host, "%s", y->endpoint);
               d[k].port = y->dst_port;
+              d[k].epoch = y->fence_epoch;
             }
             free(r->park); /* a later, larger completed list replaces it */
             r->park = d, r->npark = ndone, r->landed_ns = clock_now_ns();
@@ -373,7 +374,7 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
                      .ncand = ncd};
     for (size_t k = 0; k < ndone; k++) {
       const wire_m2 *y = infos[done[k]]->m2;
-      kvf__pf_send_m3(m, y->endpoint, y->dst_port, &msg);
+      kvf__pf_send_m3(m, y->endpoint, y->dst_port, y->fence_epoch, &msg);
     }
     if (msg.status == ROOM_SUCCESS) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SENT);
     if (late && fin == ROOM_SUCCESS) recheck_after_m3(ps, r, c);
