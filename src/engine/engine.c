@@ -403,6 +403,12 @@ static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *t
       break;
     }
     if (w[i].len == 0) continue;
+    if (kvf__write_overlaps(&w[i])) {
+      LOG_WARN("engine", "write %zu: %llu pieces of %llu bytes overlap at the destination (stride %llu)", i,
+               (unsigned long long)count, (unsigned long long)w[i].len, (unsigned long long)w[i].dst_stride);
+      rc = KVF_EINVAL;
+      break;
+    }
     if (!kvf__regions_block_ok_locked(&e->regions, w[i].src, w[i].len, count, w[i].src_stride)) {
       LOG_WARN("engine", "write %zu: source 0x%llx+%llu is not in registered memory", i,
                (unsigned long long)w[i].src, (unsigned long long)bytes);

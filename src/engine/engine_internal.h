@@ -317,4 +317,13 @@ void kvf__chunk_finish(chunk *c, int status);
  * sendmsg call that carried the last byte has returned). */
 void kvf__chunk_release(chunk *c);
 
+/* A strided block whose destination pieces overlap (count > 1 and
+ * dst_stride < len: each piece overwrites the last) is refused on both
+ * sides: by the writer's submit (KVF_EINVAL) and by a UCX target reading a
+ * notice (KVF_EPROTO), so the bytes a block moves never exceed the
+ * destination memory it spans, whatever count a peer sends. */
+static inline int kvf__write_overlaps(const kvf_write *w) {
+  return w->count > 1 && w->len && w->dst_stride < w->len;
+}
+
 #endif

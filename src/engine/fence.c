@@ -189,8 +189,9 @@ int kvf__fence_bounds_begin(kvf_engine *e, engine_fence *x) {
 
 void kvf__fence_bounds_end(kvf_engine *e) { pthread_mutex_unlock(&e->fences.lock); }
 
-/* Is [a, a+len) inside one of the sorted bounds? */
-static int in_bounds(const engine_fence *x, uint64_t a, uint64_t len) {
+/* Is [a, a+len) inside one of the sorted bounds? Then *end (may be NULL)
+ * is that bound's end. */
+static int in_bounds(const engine_fence *x, uint64_t a, uint64_t len, uint64_t *end) {
   size_t lo = 0, hi = x->nbounds;
   while (lo < hi) { /* the last bound starting at or below a */
     size_t mid = (lo + hi) / 2;
@@ -199,17 +200,26 @@ static int in_bounds(const engine_fence *x, uint64_t a, uint64_t len) {
   }
   if (lo == 0) return 0;
   uint64_t base = x->bounds[2 * (lo - 1)], blen = x->bounds[2 * (lo - 1) + 1];
+  if (end) *end = base + blen;
   return a - base <= blen && len <= blen - (a - base);
 }
 
+/* Called with the fence table's lock held, on counts the peer chose: the
+ * cost is one search per bound the pieces cross, never one per piece (a
+ * descriptor of 2^62 pieces would otherwise hold the lock for good). */
 int kvf__fence_bounds_ok(const engine_fence *x, uint64_t dst, uint64_t len, uint64_t count, uint64_t stride) {
-  if (!x->bounds) return 1;
-  if (count <= 1) return in_bounds(x, dst, len);
-  for (uint64_t i = 0; i < count; i++) {
-    uint64_t off;
-    if (__builtin_mul_overflow(i, stride, &off) || __builtin_add_overflow(dst, off, &off) ||
-        !in_bounds(x, off, len))
-      return 0;
+  if (!x->bounds || !len) return 1; /* no bounds, or nothing written */
+  if (count <= 1 || !stride) return in_bounds(x, dst, len, NULL);
+  uint64_t last;
+  if (__builtin_mul_overflow(count - 1, stride, &last) || __builtin_add_overflow(dst, last, &last) ||
+      __builtin_add_overflow(last, len, &last))
+    return 0;
+  for (uint64_t i = 0; i < count;) {
+    uint64_t a = dst + i * stride, end = 0; /* no overflow: a <= the last piece's start */
+    if (!in_bounds(x, a, len, &end)) return 0;
+    uint64_t more = (end - len - a) / stride; /* further pieces inside the same bound */
+    if (more >= count - 1 - i) return 1;
+    i += more + 1;
   }
   return 1;
 }

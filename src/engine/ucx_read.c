@@ -378,7 +378,7 @@ static int notice_check(notice_read *r, const kvf_write *w, uint32_t ndesc) {
   r->gen = atomic_load(&e->regions.revocations);
   for (uint32_t i = 0; !rc && i < ndesc; i++) {
     uint64_t count = w[i].count > 1 ? w[i].count : 1, sspan, dspan;
-    if (!w[i].len || !block_span(w[i].len, count, w[i].src_stride, &sspan) ||
+    if (!w[i].len || kvf__write_overlaps(&w[i]) || !block_span(w[i].len, count, w[i].src_stride, &sspan) ||
         !block_span(w[i].len, count, w[i].dst_stride, &dspan)) {
       rc = KVF_EPROTO;
       break;
@@ -589,6 +589,11 @@ static void load_share_run(void *arg) {
  * alternating runs; e2e and 256-page rooms unchanged within noise. */
 #define UCX_LOADS_SPLIT_BYTES (4u << 20)
 
+/* A notice's loads are copied once this many slices are listed (and at its
+ * end): the list costs 24 bytes a slice, and a writer chooses the counts (a
+ * 48-byte descriptor of 2^22 one-byte pieces listed 96 MiB before). */
+#define UCX_LOADS_WINDOW 8192u
+
 /* Copy the loads, a share of them on a copier thread when there is enough
  * to share: the writer's copiers split a large write the same way. */
 static int loads_run(const notice_read *r, const ucx_load *l, size_t n, uint64_t total) {
@@ -657,6 +662,10 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
               src->ptr ? (ucx_load){(void *)(uintptr_t)(d + off), src->ptr + (s + off - src->base), len, 0}
                        : (ucx_load){(void *)(uintptr_t)(d + off), (const void *)(uintptr_t)(s + off), len, 1};
           load_bytes += len;
+          if (nload == UCX_LOADS_WINDOW) { /* the list stays bounded whatever counts the writer sends */
+            rc = loads_run(r, c->loads, nload, load_bytes);
+            nload = 0, load_bytes = 0;
+          }
           continue;
         }
         if (np == UCX_BOUNCE_PIECES || used + len > UCX_BOUNCE_BYTES) {

@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -523,6 +524,66 @@ static void unregister_cuts_a_slow_write(void **state) {
   free(c);
 }
 
+/* ---- peer-chosen piece counts ---- */
+
+typedef struct fence_closer {
+  kvf_engine *e;
+  uint64_t tag, epoch;
+  atomic_int done;
+  int rc;
+} fence_closer;
+
+static void *fence_closer_main(void *p) {
+  fence_closer *c = p;
+  c->rc = kvf_engine_fence_close(c->e, c->tag, c->epoch, 1000);
+  atomic_store(&c->done, 1);
+  return NULL;
+}
+
+static void send_all_or_fail(int fd, const void *p, size_t n) {
+  assert_int_equal(send(fd, p, n, MSG_NOSIGNAL), (ssize_t)n);
+}
+
+/* A tagged chunk for an open, bounded fence whose one descriptor has length
+ * 0 and 2^64-1 pieces of stride 0 (it adds up: total_bytes 0). The target
+ * checks the pieces against the fence's bounds one by one under the fence
+ * table's mutex: kvf_engine_fence_close (any room's) must still return
+ * within its own timeout. */
+static void tagged_piece_count_cannot_stall_fences(void **state) {
+  (void)state;
+  kvf_engine *e = make_engine(CHUNK_TIMEOUT_MS, NULL);
+  static unsigned char mem[1 << 16];
+  assert_int_equal(kvf_engine_register(e, mem, sizeof mem), 0);
+  uint64_t epoch = 0;
+  assert_int_equal(kvf_engine_fence_open(e, 5, &epoch), 0);
+  static uint64_t bounds[2];
+  bounds[0] = (uint64_t)(uintptr_t)mem;
+  bounds[1] = 4096;
+  assert_int_equal(kvf__engine_fence_bound(e, 5, epoch, bounds, 1), 0);
+  int fd = raw_connect(kvf_engine_port(e));
+  assert_true(fd >= 0);
+  tcp_hello h = {TCP_HELLO_MAGIC, TCP_PROTO_VERSION, 0, 0, 0};
+  tcp_chunk_hdr ch = {TCP_CHUNK_TAGGED_MAGIC, 1, 0, 0};
+  tcp_chunk_tag tg = {5, epoch};
+  tcp_desc d = {(uint64_t)(uintptr_t)mem, 0, UINT64_MAX, 0};
+  send_all_or_fail(fd, &h, sizeof h);
+  send_all_or_fail(fd, &ch, sizeof ch);
+  send_all_or_fail(fd, &tg, sizeof tg);
+  send_all_or_fail(fd, &d, sizeof d);
+  usleep(300000); /* the target has the chunk */
+  fence_closer c = {.e = e, .tag = 5, .epoch = epoch};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, fence_closer_main, &c), 0);
+  double t0 = now_s();
+  while (!atomic_load(&c.done) && now_s() - t0 < 3.0) usleep(10000);
+  if (!atomic_load(&c.done))
+    fail_msg("kvf_engine_fence_close(timeout 1000 ms) still blocked after 3 s: one peer's descriptor count "
+             "holds the fence table's lock");
+  pthread_join(th, NULL);
+  close(fd);
+  kvf_engine_destroy(e);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
@@ -533,6 +594,7 @@ int main(void) {
       cmocka_unit_test(paced_payload_cut_at_deadline),
       cmocka_unit_test(idle_connections_hold_no_thread),
       cmocka_unit_test(idle_outgoing_connections_hold_no_thread),
+      cmocka_unit_test(tagged_piece_count_cannot_stall_fences),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -808,6 +808,111 @@ static void idle_writers_hold_no_thread(void **state) {
   munmap(dst, N * PAGE);
 }
 
+#ifdef KVF_HAVE_UCX
+typedef struct ucx_closer {
+  kvf_engine *e;
+  uint64_t tag, epoch;
+  atomic_int done;
+  int rc;
+} ucx_closer;
+
+static void *ucx_closer_main(void *p) {
+  ucx_closer *c = p;
+  c->rc = kvf_engine_fence_close(c->e, c->tag, c->epoch, 1000);
+  atomic_store(&c->done, 1);
+  return NULL;
+}
+#endif
+
+/* Read mode: a notice for an open, bounded fence whose one descriptor has
+ * 2^62 pieces of one byte at stride 0 (its spans stay inside both
+ * regions): refused (its pieces overlap), and kvf_engine_fence_close
+ * returns within its timeout (the bounds were once checked piece by piece
+ * under the fence table's lock). */
+static void notice_piece_count_cannot_stall_fences(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+#ifdef KVF_HAVE_UCX
+  if (!read_mode()) skip();
+  kvf_engine *t = make_engine("ucx", 5000), *w = make_engine("ucx", 5000);
+  enum { N = 1 << 20 };
+  unsigned char *src = malloc(N), *dst = calloc(1, N);
+  assert_true(src && dst);
+  memset(src, 0x77, N);
+  assert_int_equal(kvf_engine_register(w, src, N), 0);
+  assert_int_equal(kvf_engine_register(t, dst, N), 0);
+  const char *session = kvf_engine_session_id(t);
+  kvf_write ok = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst, PAGE, 1, 0, 0};
+  assert_int_equal(kvf_engine_write(w, session, &ok, 1), 0); /* connection and read mode set up */
+  uint64_t epoch = 0;
+  assert_int_equal(kvf_engine_fence_open(t, 9, &epoch), 0);
+  static uint64_t bounds[2];
+  bounds[0] = (uint64_t)(uintptr_t)dst;
+  bounds[1] = PAGE;
+  assert_int_equal(kvf__engine_fence_bound(t, 9, epoch, bounds, 1), 0);
+  ucx_notice n = {UCX_NOTICE_MAGIC, 1, 2000001, 9, epoch, clock_now_ns(), 2000000000ll, 0, 0};
+  kvf_write d = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst, 1, 1ull << 62, 0, 0};
+  send_notice(w, session, &n, &d);
+  usleep(300000);
+  ucx_closer c = {.e = t, .tag = 9, .epoch = epoch};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, ucx_closer_main, &c), 0);
+  double t0 = clock_now_ns() / 1e9;
+  while (!atomic_load(&c.done) && clock_now_ns() / 1e9 - t0 < 3.0) usleep(10000);
+  if (!atomic_load(&c.done))
+    fail_msg("kvf_engine_fence_close(timeout 1000 ms) still blocked after 3 s: one notice's piece count holds "
+             "the fence table's lock (and the regions' read lock)");
+  pthread_join(th, NULL);
+  kvf_engine_destroy(w);
+  kvf_engine_destroy(t);
+  free(src);
+  free(dst);
+#endif
+}
+
+/* Read mode, same host: an untagged notice of one 1-byte piece repeated
+ * 2^22 times at stride 0 (4 MiB of claimed bytes in a 48-byte descriptor;
+ * refused now, its pieces overlap). The target's slice list stays bounded
+ * whatever the descriptor's count (it once listed 96 MiB). */
+static void notice_piece_count_allocation_bounded(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+#ifdef KVF_HAVE_UCX
+  if (!read_mode()) skip();
+  kvf_engine *t = make_engine("ucx", 5000), *w = make_engine("ucx", 5000);
+  enum { N = 1 << 20 };
+  unsigned char *src = malloc(N), *dst = calloc(1, N);
+  assert_true(src && dst);
+  memset(src, 0x77, N);
+  assert_int_equal(kvf_engine_register(w, src, N), 0);
+  assert_int_equal(kvf_engine_register(t, dst, N), 0);
+  const char *session = kvf_engine_session_id(t);
+  kvf_write ok = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst, PAGE, 1, 0, 0};
+  assert_int_equal(kvf_engine_write(w, session, &ok, 1), 0);
+  kvf_engine_stats st0;
+  kvf_engine_get_stats(t, &st0);
+  ucx_notice n = {UCX_NOTICE_MAGIC, 1, 3000001, 0, 0, clock_now_ns(), 4000000000ll, 0, 0};
+  kvf_write d = {(uint64_t)(uintptr_t)src, (uint64_t)(uintptr_t)dst, 1, 1ull << 22, 0, 0};
+  send_notice(w, session, &n, &d);
+  uint64_t rx = wait_stat(t, offsetof(kvf_engine_stats, batches_received), st0.batches_received);
+  uint64_t rf = wait_stat(t, offsetof(kvf_engine_stats, reads_refused), st0.reads_refused);
+  ucx_state *u = t->ucx;
+  size_t cap = 0;
+  pthread_mutex_lock(&u->ctl_mu);
+  for (ucx_ctl *c = u->ctls; c; c = c->next)
+    if (c->loads_cap > cap) cap = c->loads_cap;
+  pthread_mutex_unlock(&u->ctl_mu);
+  printf("notice handled (received %llu -> %llu, refused %llu -> %llu); slice list: %zu entries, %zu bytes\n",
+         (unsigned long long)st0.batches_received, (unsigned long long)rx, (unsigned long long)st0.reads_refused,
+         (unsigned long long)rf, cap, cap * 24);
+  kvf_engine_destroy(w);
+  kvf_engine_destroy(t);
+  free(src);
+  free(dst);
+  assert_true(cap <= 65536);
+#endif
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(stopped_target_past_its_lease_counts_nothing),
@@ -825,6 +930,8 @@ int main(void) {
       cmocka_unit_test(destroy_fails_batches_waiting_for_a_trailer_ack),
       cmocka_unit_test(unregister_prompt_after_the_writer_gave_up),
       cmocka_unit_test(idle_writers_hold_no_thread),
+      cmocka_unit_test(notice_piece_count_cannot_stall_fences),
+      cmocka_unit_test(notice_piece_count_allocation_bounded),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
