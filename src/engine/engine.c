@@ -437,13 +437,18 @@ void kvf__chunk_free(chunk *c) {
 void kvf__chunk_release(chunk *c) {
   if (!c || atomic_fetch_sub(&c->refs, 1) != 1) return;
   kvf_batch *b = c->batch;
-  int status = c->status;
+  int status = atomic_load(&c->status);
   kvf__chunk_free(c);
   kvf__batch_chunk_done(b, status);
 }
 
+void kvf__chunk_fail(chunk *c, int err) {
+  int expected = 0;
+  if (err) atomic_compare_exchange_strong(&c->status, &expected, err);
+}
+
 void kvf__chunk_finish(chunk *c, int status) {
-  c->status = status;
+  kvf__chunk_fail(c, status);
   kvf__chunk_release(c);
 }
 

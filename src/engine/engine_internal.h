@@ -136,8 +136,8 @@ typedef struct kvf_batch {
  * lists (kvf_engine.spare_*). */
 typedef struct chunk {
   struct chunk *next;
-  atomic_int refs; /* the transport may hold one while it sends */
-  int status;      /* set once by kvf__chunk_finish */
+  atomic_int refs;   /* the transport may hold one while it sends */
+  atomic_int status; /* its first error (kvf__chunk_finish, kvf__chunk_fail), or 0 */
   kvf_batch *batch;
   kvf_write *writes; /* inline_writes, or allocated when more are needed */
   size_t n;
@@ -311,6 +311,10 @@ void kvf__chunk_free(chunk *c);
 /* The chunk's outcome is known (an ack, a failure): record it and drop the
  * owner's reference. Called exactly once per submitted chunk. */
 void kvf__chunk_finish(chunk *c, int status);
+/* Record err as the chunk's outcome unless it already has an error (a
+ * success never overwrites one): its sender's failure after the target
+ * acknowledged it too early still fails it. */
+void kvf__chunk_fail(chunk *c, int err);
 /* Drop a reference taken while sending. Whoever drops the last one reports
  * the outcome to the batch, so the batch completes only after the sending
  * thread is done reading the source memory (an ack can arrive before the

@@ -80,6 +80,11 @@ typedef struct tcp_conn {
   pthread_cond_t q_cv;
   chunk *q_head, *q_tail; /* waiting to be sent */
   chunk *f_head, *f_tail; /* sent, waiting for their ack, in wire order */
+  /* The deadline of the chunk whose bytes are being sent (0: none): the
+   * reader watches it too, as an ack may come before the payload has gone
+   * (a broken or hostile target), which takes the chunk off f_head while
+   * the sender may still block in sendmsg (q_lock). */
+  int64_t sending_deadline_ns;
   uint64_t next_seq;
   /* The threads run only while there is work (TCP_CONN_IDLE_MS): *_on says
    * one runs (q_lock), *_joinable that `writer`/`reader` holds a thread

@@ -85,6 +85,7 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
      * send call returns. */
     atomic_fetch_add(&ch->refs, 1);
     list_push(&c->f_head, &c->f_tail, ch);
+    c->sending_deadline_ns = ch->batch->deadline_ns;
   }
   int no_reader = !dead && thread_need_locked(c, 1);
   pthread_mutex_unlock(&c->q_lock);
@@ -118,6 +119,10 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
   tcp_trailer t = {TCP_TRAILER_MAGIC, ch->tlen};
   struct iovec tail[2] = {{&t, sizeof t}, {ch->trailer, ch->tlen}};
   int rc = kvf__tcp_xfer_pieces(c->fd, &src, 1, head, 3, tail, ch->trailer ? 2 : 0);
+  pthread_mutex_lock(&c->q_lock);
+  c->sending_deadline_ns = 0;
+  pthread_mutex_unlock(&c->q_lock);
+  if (rc) kvf__chunk_fail(ch, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED); /* acknowledged before it went */
   kvf__chunk_release(ch);
   if (descs != descs_small) free(descs);
   if (rc) conn_fail(c, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED);
@@ -166,8 +171,10 @@ static void *conn_reader_main(void *arg) {
        * nothing in flight for TCP_CONN_IDLE_MS this thread ends (the next
        * chunk sent starts another). */
       pthread_mutex_lock(&c->q_lock);
-      int late = c->f_head && clock_now_ns() > c->f_head->batch->deadline_ns;
-      idle_ticks = c->f_head || got ? 0 : idle_ticks + 1;
+      int64_t now = clock_now_ns();
+      int late = (c->f_head && now > c->f_head->batch->deadline_ns) ||
+                 (c->sending_deadline_ns && now > c->sending_deadline_ns);
+      idle_ticks = c->f_head || c->sending_deadline_ns || got ? 0 : idle_ticks + 1;
       int retire = idle_ticks * TCP_READER_TICK_MS >= TCP_CONN_IDLE_MS;
       if (retire) c->reader_on = 0;
       pthread_mutex_unlock(&c->q_lock);

@@ -584,6 +584,97 @@ static void tagged_piece_count_cannot_stall_fences(void **state) {
   kvf_engine_destroy(e);
 }
 
+/* A fake target that answers the hello, reads one chunk header and
+ * acknowledges it at once, without reading the payload. */
+typedef struct early_acker {
+  int lfd;
+  atomic_int stop;
+} early_acker;
+
+static void *early_acker_main(void *p) {
+  early_acker *a = p;
+  int fd = accept(a->lfd, NULL, NULL);
+  if (fd < 0) return NULL;
+  tcp_hello h;
+  if (recv(fd, &h, sizeof h, MSG_WAITALL) != (ssize_t)sizeof h) goto out;
+  tcp_reply rep = {TCP_HELLO_MAGIC, 0};
+  send(fd, &rep, sizeof rep, MSG_NOSIGNAL);
+  tcp_chunk_hdr ch;
+  if (recv(fd, &ch, sizeof ch, MSG_WAITALL) != (ssize_t)sizeof ch) goto out;
+  tcp_ack ack = {ch.seq, 0, TCP_ACK_MAGIC};
+  send(fd, &ack, sizeof ack, MSG_NOSIGNAL);
+  while (!atomic_load(&a->stop)) usleep(10000); /* never read the payload */
+out:
+  close(fd);
+  return NULL;
+}
+
+/* A batch acknowledged by its target before the payload was sent (a
+ * hostile or broken target that then stops reading) must still end by its
+ * deadline: kvf_engine_write with timeout_ms 2000 returns within a few
+ * seconds, and not with success. */
+typedef struct bg_write {
+  kvf_engine *w;
+  const char *session;
+  kvf_write wr;
+  atomic_int done;
+  int rc;
+} bg_write;
+
+static void *bg_write_main(void *p) {
+  bg_write *b = p;
+  b->rc = kvf_engine_write(b->w, b->session, &b->wr, 1);
+  atomic_store(&b->done, 1);
+  return NULL;
+}
+
+static void ack_before_payload_is_not_success(void **state) {
+  (void)state;
+  int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001)};
+  int small = 4096;
+  setsockopt(lfd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+  assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(lfd, 4), 0);
+  socklen_t al = sizeof a;
+  getsockname(lfd, (struct sockaddr *)&a, &al);
+  early_acker ea = {.lfd = lfd};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, early_acker_main, &ea), 0);
+  kvf_engine_config cfg;
+  kvf_engine_config_init(&cfg);
+  cfg.timeout_ms = 2000;
+  cfg.conns_per_peer = 1;
+  cfg.auth_token = "";
+  kvf_engine *w = NULL;
+  assert_int_equal(kvf_engine_create(&cfg, &w), 0);
+  size_t n = 64u << 20;
+  unsigned char *src = malloc(n);
+  assert_non_null(src);
+  memset(src, 1, n);
+  assert_int_equal(kvf_engine_register(w, src, n), 0);
+  char session[64];
+  snprintf(session, sizeof session, "127.0.0.1:%u", (unsigned)ntohs(a.sin_port));
+  static bg_write b;
+  b.w = w, b.session = session;
+  b.wr = (kvf_write){.src = (uint64_t)(uintptr_t)src, .dst = 0x100000, .len = n};
+  pthread_t wt;
+  assert_int_equal(pthread_create(&wt, NULL, bg_write_main, &b), 0);
+  double t0 = now_s();
+  while (!atomic_load(&b.done) && now_s() - t0 < 8.0) usleep(10000);
+  if (!atomic_load(&b.done))
+    fail_msg("kvf_engine_write (engine timeout 2000 ms) has not returned after 8 s: the target acknowledged the "
+             "chunk before reading its payload, then stopped reading");
+  printf("kvf_engine_write -> %d (%s) after %.2f s\n", b.rc, kvf_strerror(b.rc), now_s() - t0);
+  pthread_join(wt, NULL);
+  atomic_store(&ea.stop, 1);
+  kvf_engine_destroy(w);
+  pthread_join(th, NULL);
+  close(lfd);
+  free(src);
+  assert_int_not_equal(b.rc, 0);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
@@ -595,6 +686,7 @@ int main(void) {
       cmocka_unit_test(idle_connections_hold_no_thread),
       cmocka_unit_test(idle_outgoing_connections_hold_no_thread),
       cmocka_unit_test(tagged_piece_count_cannot_stall_fences),
+      cmocka_unit_test(ack_before_payload_is_not_success),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
