@@ -41,6 +41,13 @@
 #include "base/log.h"
 #include "engine/ucx.h"
 
+/* The writer's clock values this engine takes (chosen by the peer, so
+ * bounded before any arithmetic on them): a clock more than this far from
+ * ours (about 11.6 days) gives no bound, and a notice's sent time past the
+ * second limit is refused, so lease ends never overflow. */
+#define UCX_CLOCK_SKEW_MAX_NS ((int64_t)1000000000000000)
+#define UCX_CLOCK_SENT_MAX_NS ((int64_t)4000000000000000000)
+
 /* ------------------------------------------------------------ writer */
 
 /* Send the iovecs whole before the deadline (a partial send resumes). */
@@ -290,7 +297,8 @@ int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   free(body);
   if (!rc) populate(c);
   /* The answer to this engine's first info bounds the writer's clock. */
-  if (!rc && c->info_ns && h.echo_ns == c->info_ns && h.clock_ns >= c->info_ns - (int64_t)1e15) {
+  if (!rc && c->info_ns && h.echo_ns == c->info_ns && h.clock_ns >= c->info_ns - UCX_CLOCK_SKEW_MAX_NS &&
+      h.clock_ns <= c->info_ns + UCX_CLOCK_SKEW_MAX_NS) {
     int64_t skew = h.clock_ns - c->info_ns;
     if (!c->have_skew || skew < c->skew_ns) c->skew_ns = skew, c->skew_at_ns = c->info_ns;
     c->have_skew = 1;
@@ -304,7 +312,8 @@ int kvf__ucx_serve_clock(ucx_state *u, ucx_ctl *c) {
   int rc = kvf__ucx_ctl_recv(c, (char *)&a + sizeof a.magic, sizeof a - sizeof a.magic,
                              clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
   if (rc) return rc;
-  if (c->ping_ns && a.echo_ns == c->ping_ns) { /* a later bound replaces the older one: clocks drift */
+  if (c->ping_ns && a.echo_ns == c->ping_ns && a.clock_ns >= a.echo_ns - UCX_CLOCK_SKEW_MAX_NS &&
+      a.clock_ns <= a.echo_ns + UCX_CLOCK_SKEW_MAX_NS) { /* a later bound replaces the older one: clocks drift */
     c->skew_ns = a.clock_ns - a.echo_ns;
     c->skew_at_ns = a.echo_ns;
     c->have_skew = 1;
@@ -740,7 +749,8 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   int rc = kvf__ucx_ctl_recv(c, (char *)&n + sizeof n.magic, sizeof n - sizeof n.magic, until);
   if (rc) return rc;
   if (!c->waddr || n.ndesc == 0 || n.ndesc > UCX_MAX_NOTICE_DESC || n.tlen > KVF_ENGINE_MAX_TRAILER ||
-      n.lease_ns <= 0 || n.lease_ns > (int64_t)UCX_MAX_LEASE_MS * 1000000 || (n.tag && !n.epoch))
+      n.lease_ns <= 0 || n.lease_ns > (int64_t)UCX_MAX_LEASE_MS * 1000000 || (n.tag && !n.epoch) ||
+      n.sent_ns < -UCX_CLOCK_SENT_MAX_NS || n.sent_ns > UCX_CLOCK_SENT_MAX_NS)
     return KVF_EPROTO;
   size_t need = (size_t)n.ndesc * sizeof(kvf_write) + n.tlen;
   if (c->cap < need) {
