@@ -122,8 +122,9 @@ static int in_recvv(tcp_inbound *in, struct iovec *iov, int cnt, int64_t *deadli
     ssize_t r;
     if (in->st_off < in->st_len) {
       r = (ssize_t)stage_take(in, &iov, &cnt, need);
-    } else if (in->nack && acks_flush(in)) { /* before this thread may wait: answer what landed */
-      return KVF_ECLOSED;
+    } else if (in->nack) { /* before this thread may wait: answer what landed */
+      if (acks_flush(in)) return KVF_ECLOSED;
+      continue; /* the flush may have waited on a peer slow to read: the deadline and the pins again */
     } else if (in->stage && need < TCP_IN_STAGE_BYTES) {
       r = recv(in->fd, in->stage, TCP_IN_STAGE_BYTES, 0);
       if (r > 0) {
