@@ -57,6 +57,7 @@ typedef struct kvf__batch_group {
   int pending;         /* batches of the group not ended */
   int failed;          /* one ended with an error */
   int64_t deadline_ns; /* the latest of their deadlines */
+  int poked;           /* kvf__batch_group_poke since the last poke-aware wait returned */
 } kvf__batch_group;
 /* 0 or KVF_ENOMEM. */
 int kvf__batch_group_init(kvf__batch_group *g);
@@ -71,6 +72,14 @@ void kvf__batch_group_wait(kvf__batch_group *g);
 /* The same wait, given up at until_ns: 1 when it ended as above, 0 when
  * until_ns came first (the batches go on). */
 int kvf__batch_group_wait_until(kvf__batch_group *g, int64_t until_ns);
+/* The same wait, also ended by kvf__batch_group_poke (from another thread,
+ * before or during it): KVF__GROUP_ENDED as above, KVF__GROUP_POKED when a
+ * poke came first (the poke is taken), 0 when until_ns came first. A
+ * thread that waits for its writes and for new work at once (a transfer
+ * worker's window, prefill/workers.c) is poked when work comes. */
+enum { KVF__GROUP_ENDED = 1, KVF__GROUP_POKED = 2 };
+int kvf__batch_group_wait_pokeable(kvf__batch_group *g, int64_t until_ns);
+void kvf__batch_group_poke(kvf__batch_group *g);
 
 /* Target side: bytes [dst, dst + len) of a tagged chunk for the open pair
  * (tag, epoch) are in place, called on the thread that put them there

@@ -563,25 +563,44 @@ void kvf__batch_group_destroy(kvf__batch_group *g) {
 
 void kvf__batch_group_reset(kvf__batch_group *g) {
   pthread_mutex_lock(&g->mu);
-  g->pending = g->failed = 0;
+  g->pending = g->failed = g->poked = 0;
   g->deadline_ns = 0;
   pthread_mutex_unlock(&g->mu);
 }
 
-int kvf__batch_group_wait_until(kvf__batch_group *g, int64_t until_ns) {
+static int group_wait(kvf__batch_group *g, int64_t until_ns, int pokeable) {
   pthread_mutex_lock(&g->mu);
-  if (g->pending && !g->failed) kvf__wake_count(); /* this thread sleeps until the transport wakes it */
-  int gave_up = 0;
+  int ended = !g->pending || g->failed;
+  if (!ended && !(pokeable && g->poked)) kvf__wake_count(); /* this thread sleeps until the transport wakes it */
+  int res = KVF__GROUP_ENDED;
   while (g->pending && !g->failed) {
+    if (pokeable && g->poked) {
+      res = KVF__GROUP_POKED;
+      break;
+    }
     int64_t bound = g->deadline_ns + 1000000000LL, t = until_ns < bound ? until_ns : bound;
     struct timespec ts = clock_ts_from_ns(t);
     if (pthread_cond_timedwait(&g->cv, &g->mu, &ts) == ETIMEDOUT) {
-      gave_up = t < bound; /* until_ns came first; else the batches' own deadline passed */
+      if (t < bound) res = 0; /* until_ns came first; else the batches' own deadline passed */
       break;
     }
   }
+  if (pokeable) g->poked = 0;
   pthread_mutex_unlock(&g->mu);
-  return !gave_up;
+  return res;
+}
+
+int kvf__batch_group_wait_until(kvf__batch_group *g, int64_t until_ns) {
+  return group_wait(g, until_ns, 0) == KVF__GROUP_ENDED;
+}
+
+int kvf__batch_group_wait_pokeable(kvf__batch_group *g, int64_t until_ns) { return group_wait(g, until_ns, 1); }
+
+void kvf__batch_group_poke(kvf__batch_group *g) {
+  pthread_mutex_lock(&g->mu);
+  g->poked = 1;
+  pthread_cond_broadcast(&g->cv);
+  pthread_mutex_unlock(&g->mu);
 }
 
 void kvf__batch_group_wait(kvf__batch_group *g) { kvf__batch_group_wait_until(g, INT64_MAX); }
@@ -638,6 +657,21 @@ void kvf_batch_opts_init(kvf_batch_opts *o) {
 }
 
 /* kvf_engine_submit_ex, and kvf__engine_submit_req (async.h). */
+/* How many chunks a batch of `total` bytes to `session` aims for: one per
+ * connection (conns_per_peer), so the connections and their threads copy in
+ * parallel; one where the peer reads (UCX read mode): its notices are served
+ * in order on one connection, and the reader splits a large one across its
+ * own copier threads, so more chunks only add notices, acknowledgements and
+ * copier hand-offs (a layerwise send's 16 MiB layers in two notices each
+ * fell behind a compute as long as their transfer, issue 22). One chunk
+ * also lets a completion trailer ride a large batch. */
+static size_t batch_cut(kvf_engine *e, const char *session, uint64_t total) {
+  const char *transport, *mode;
+  if (total < ENGINE_SPLIT_MIN_BYTES || e->cfg.conns_per_peer <= 1) return 1;
+  if (e->ops->path && !e->ops->path(e, session, &transport, &mode) && !strcmp(mode, "read")) return 1;
+  return (size_t)e->cfg.conns_per_peer;
+}
+
 static int engine_submit(kvf_engine *e, const kvf__submit *s, kvf_batch **out) {
   const char *session = s->session;
   const kvf_write *writes = s->writes;
@@ -680,7 +714,7 @@ static int engine_submit(kvf_engine *e, const kvf__submit *s, kvf_batch **out) {
 
   chunk *few[ENGINE_FEW_CHUNKS], **chunks = NULL;
   size_t nchunks = 0;
-  rc = kvf__engine_make_chunks(b, writes, n, (size_t)e->cfg.conns_per_peer, ENGINE_MAX_DESC_PER_CHUNK, few,
+  rc = kvf__engine_make_chunks(b, writes, n, batch_cut(e, session, total), ENGINE_MAX_DESC_PER_CHUNK, few,
                                ENGINE_FEW_CHUNKS, &chunks, &nchunks);
   if (rc) goto err_batch;
   if (tlen && nchunks == 1) { /* a trailer rides only on a batch of one chunk (async.h) */

@@ -186,6 +186,39 @@ static void allocated_pools_land_exact(void **state) {
   engine_peer_stop(&peer);
 }
 
+/* A batch large enough to be cut across connections (conns_per_peer 2) goes
+ * to a reading target as one notice: its notices are served in order on one
+ * connection, and the target splits a large one over its own copiers, so a
+ * second notice only adds an answer and a hand-off. (A writing peer still
+ * gets one chunk per connection.) The first batch cuts as before: the
+ * route is not known until it connects. */
+static void large_batch_is_one_notice_in_read_mode(void **state) {
+  SKIP_WITHOUT_UCX();
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  kvf_engine *e = make_engine("ucx", 5000);
+  size_t bytes = 8u << 20;
+  unsigned char *pool = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  assert_int_equal(kvf_engine_register(e, pool, bytes), 0);
+  write_and_verify(e, &peer, pool, 31); /* connects; 864 KiB */
+  const char *path_t = NULL, *path_m = NULL;
+  assert_int_equal(kvf__engine_peer_path(e, peer.session, &path_t, &path_m), 0);
+  char reply[128];
+  unsigned long long got0 = 0, got1 = 0, x1, x2, x3;
+  assert_int_equal(proc_ask(&peer.p, "reads", reply, sizeof reply, 5000), 0);
+  assert_int_equal(sscanf(reply, "reads %llu %llu %llu %llu", &got0, &x1, &x2, &x3), 4);
+  write_and_verify(e, &peer, pool, 32);
+  assert_int_equal(proc_ask(&peer.p, "reads", reply, sizeof reply, 5000), 0);
+  assert_int_equal(sscanf(reply, "reads %llu %llu %llu %llu", &got1, &x1, &x2, &x3), 4);
+  printf("path %s/%s: second batch arrived as %llu message(s)\n", path_t, path_m, got1 - got0);
+  if (!strcmp(path_m, "read")) assert_int_equal(got1 - got0, 1); /* what a writing target counts differs */
+  kvf_engine_unregister(e, pool);
+  kvf_engine_destroy(e);
+  munmap(pool, bytes);
+  engine_peer_stop(&peer);
+}
+
 /* A manager registers the memory it is given: a range inside an allocated
  * pool (or the whole pool) is counted, not refused as overlapping, and its
  * unregister leaves the pool registered; a range crossing the pool's end
@@ -920,6 +953,7 @@ int main(void) {
       cmocka_unit_test(plain_and_strided_land_exact),
       cmocka_unit_test(private_memory_read_directly),
       cmocka_unit_test(allocated_pools_land_exact),
+      cmocka_unit_test(large_batch_is_one_notice_in_read_mode),
       cmocka_unit_test(explicit_ucx_never_falls_back),
       cmocka_unit_test(other_host_without_rdma),
       cmocka_unit_test(registering_inside_a_pool_is_counted),

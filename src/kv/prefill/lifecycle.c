@@ -146,6 +146,7 @@ static void stop_workers(prefill_state *ps) {
     pthread_mutex_lock(&q->lock);
     q->stop = 1;
     pthread_cond_broadcast(&q->cond);
+    kvf__pf_queue_poke_locked(q);
     pthread_mutex_unlock(&q->lock);
   }
   for (int i = 0; i < ps->nqueues; i++) {

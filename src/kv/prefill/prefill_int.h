@@ -352,6 +352,11 @@ typedef struct pf_worker {
   /* the window: fl[(fl_head + k) % PF_WORKER_WINDOW], k < fl_n, oldest first */
   pf_flight fl[PF_WORKER_WINDOW];
   unsigned fl_head, fl_n;
+  /* While it waits for its window's oldest chunk with nothing to take, it
+   * is on its queue's window_waiters (under the queue's lock) and a chunk
+   * queued, a room let go or a stop pokes that chunk's group (workers.c). */
+  kvf__batch_group *window_group;
+  struct pf_worker *next_window_waiter;
 } pf_worker;
 
 /* One FIFO of chunks. Its first thread serves it; while every thread of it
@@ -365,8 +370,9 @@ typedef struct pf_queue {
   pf_chunk *head, *tail;
   size_t count;
   int stop;
-  int nthreads, nidle; /* its threads: all, idle on cond (under lock) */
-  atomic_int nwaiting; /* of them, waiting on the network: a hint read under lock, changed without it */
+  int nthreads, nidle;       /* its threads: all, idle on cond (under lock) */
+  atomic_int nwaiting;       /* of them, waiting on the network: a hint read under lock, changed without it */
+  pf_worker *window_waiters; /* threads waiting for their window with nothing to take (under lock) */
 } pf_queue;
 
 struct kvf_sender {
@@ -535,6 +541,10 @@ void kvf__pf_send_failed_all(kvf_manager *m, int64_t room, pf_dest *d, size_t n,
 void kvf__pf_tell_others_failed(kvf_manager *m, int64_t room, pf_dest *d, size_t n, const char *why);
 int kvf__pf_room_shard(prefill_state *ps, pf_room *r);
 int kvf__pf_queue_push(pf_queue *q, pf_chunk *c);
+/* q->lock held: something for a thread of q to take may have come (a chunk
+ * queued, a room let go, a stop): wake the threads that wait for their
+ * window with nothing to take. */
+void kvf__pf_queue_poke_locked(pf_queue *q);
 /* kvf_batch_wait(b, -1) on a worker's scratch, in slices of
  * PF_SLOW_WAIT_MS: a long wait lets the queue's other rooms get a thread. */
 int kvf__pf_batch_wait(pf_scratch *sc, kvf_batch *b);

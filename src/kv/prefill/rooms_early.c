@@ -256,6 +256,7 @@ int kvf__pf_queue_push(pf_queue *q, pf_chunk *c) {
   q->tail = c;
   q->count++;
   pthread_cond_signal(&q->cond); /* an idle thread takes it (workers.c) */
+  kvf__pf_queue_poke_locked(q);  /* or one waiting for its window */
   pthread_mutex_unlock(&q->lock);
   return 0;
 }
