@@ -17,6 +17,7 @@
 #include <cmocka.h>
 
 #include "base/addr.h"
+#include "base/clock.h"
 #include "procfs.h"
 #include "sockets.h"
 #include "tools/pattern.h"
@@ -781,6 +782,69 @@ static void a_group_waits_for_every_batch_once(void **state) {
   free(src);
 }
 
+/* A pokeable group wait (a transfer worker waiting for its window and for
+ * new chunks at once) ends on a poke, before or during it, and takes it; a
+ * plain wait ignores pokes and leaves them for the next pokeable wait; a
+ * group that ended reports that first. The batch in flight is simulated
+ * (pending set by hand, as group_join does). */
+typedef struct poke_waiter {
+  kvf__batch_group *g;
+  atomic_int started;
+  int res;
+} poke_waiter;
+
+static void *poke_waiter_main(void *arg) {
+  poke_waiter *w = arg;
+  atomic_store(&w->started, 1);
+  w->res = kvf__batch_group_wait_pokeable(w->g, INT64_MAX);
+  return NULL;
+}
+
+static void set_pending(kvf__batch_group *g, int pending) {
+  pthread_mutex_lock(&g->mu);
+  g->pending = pending;
+  g->deadline_ns = clock_now_ns() + 60 * 1000000000LL;
+  pthread_cond_broadcast(&g->cv);
+  pthread_mutex_unlock(&g->mu);
+}
+
+static void a_poke_ends_a_pokeable_wait_only(void **state) {
+  (void)state;
+  kvf__batch_group g;
+  assert_int_equal(kvf__batch_group_init(&g), 0);
+  set_pending(&g, 1);
+  const int64_t soon_ns = 20 * 1000000LL;
+  /* nothing came: the wait runs to its end */
+  assert_int_equal(kvf__batch_group_wait_pokeable(&g, clock_now_ns() + soon_ns), 0);
+  /* a poke before the wait ends it at once, and is taken */
+  kvf__batch_group_poke(&g);
+  assert_int_equal(kvf__batch_group_wait_pokeable(&g, INT64_MAX), KVF__GROUP_POKED);
+  assert_int_equal(kvf__batch_group_wait_pokeable(&g, clock_now_ns() + soon_ns), 0);
+  /* a plain wait ignores it and leaves it for the next pokeable one */
+  kvf__batch_group_poke(&g);
+  assert_int_equal(kvf__batch_group_wait_until(&g, clock_now_ns() + soon_ns), 0);
+  assert_int_equal(kvf__batch_group_wait_pokeable(&g, INT64_MAX), KVF__GROUP_POKED);
+  /* a poke during the wait (from another thread) ends it */
+  poke_waiter w = {.g = &g};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, poke_waiter_main, &w), 0);
+  while (!atomic_load(&w.started)) usleep(1000);
+  usleep(10000); /* most likely asleep in the wait by now; either way the poke ends it */
+  kvf__batch_group_poke(&g);
+  assert_int_equal(pthread_join(th, NULL), 0);
+  assert_int_equal(w.res, KVF__GROUP_POKED);
+  /* the batches ended: that is reported, poked or not, and a reset clears
+   * the poke for the group's next batches */
+  kvf__batch_group_poke(&g);
+  set_pending(&g, 0);
+  assert_int_equal(kvf__batch_group_wait_pokeable(&g, INT64_MAX), KVF__GROUP_ENDED);
+  kvf__batch_group_poke(&g);
+  kvf__batch_group_reset(&g);
+  set_pending(&g, 1);
+  assert_int_equal(kvf__batch_group_wait_pokeable(&g, clock_now_ns() + soon_ns), 0);
+  kvf__batch_group_destroy(&g);
+}
+
 /* Fences: a tagged batch lands only while its (tag, epoch) is open on the
  * target; a wrong epoch, a closed pair or a pair never opened is refused
  * before any byte is written (KVF_ESTATE, counted); untagged batches are
@@ -983,6 +1047,7 @@ int main(void) {
       cmocka_unit_test(trailer_after_bytes),
       cmocka_unit_test(small_batches_in_a_burst_keep_their_trailers),
       cmocka_unit_test(a_group_waits_for_every_batch_once),
+      cmocka_unit_test(a_poke_ends_a_pokeable_wait_only),
       cmocka_unit_test_setup_teardown(large_block_split_across_connections, setup, teardown),
       cmocka_unit_test_setup_teardown(outside_registered_memory_refused_untouched, setup, teardown),
       cmocka_unit_test_setup_teardown(unregistered_source_rejected_locally, setup, teardown),
