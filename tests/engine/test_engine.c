@@ -611,7 +611,11 @@ static void trailer_after_bytes(void **state) {
   assert_true(t.bytes_in_place);
   assert_string_equal(t.data, "room 7 done");
   assert_string_equal(t.peer, "127.0.0.1");
-  w.len = BIG; /* split over connections: no trailer */
+  /* Split over connections: no trailer; but a target that reads (UCX read
+   * mode) takes the batch as one notice, and the trailer rides it. */
+  const char *path_t = NULL, *path_m = NULL;
+  int reads = !kvf__engine_peer_path(a, kvf_engine_session_id(b), &path_t, &path_m) && !strcmp(path_m, "read");
+  w.len = BIG;
   assert_int_equal(kvf__engine_write_req(a, &(kvf__submit){.session = kvf_engine_session_id(b),
                                                            .writes = &w,
                                                            .n = 1,
@@ -619,7 +623,7 @@ static void trailer_after_bytes(void **state) {
                                                            .tlen = 4}),
                    0);
   usleep(20000);
-  assert_int_equal(trailer_calls(&t, 1), 1);
+  assert_int_equal(trailer_calls(&t, 1 + reads), 1 + reads);
   assert_memory_equal(dst, src, BIG);
   kvf__engine_off_trailer(b, &t);
   w.len = LEN;
@@ -630,7 +634,7 @@ static void trailer_after_bytes(void **state) {
                                                            .tlen = 9}),
                    0);
   usleep(20000);
-  assert_int_equal(trailer_calls(&t, 1), 1);
+  assert_int_equal(trailer_calls(&t, 1 + reads), 1 + reads);
   unsigned char big[KVF_ENGINE_MAX_TRAILER + 1] = {0};
   assert_int_equal(kvf__engine_write_req(a, &(kvf__submit){.session = kvf_engine_session_id(b),
                                                            .writes = &w,
