@@ -25,6 +25,7 @@
 
 #include "base/clock.h"
 #include "base/env.h"
+#include "base/hostmem.h"
 #include "base/log.h"
 #include "base/thread.h"
 #include "engine/tcp_proto.h"
@@ -461,7 +462,7 @@ static int ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fla
   if (!c) return 0;
   c->fd = fd;
   snprintf(c->peer, sizeof c->peer, "%s", peer);
-  c->read_mode = e->ucx_read && (hello_flags & TCP_HELLO_CAN_READ);
+  c->read_mode = e->ucx_read && (hello_flags & TCP_HELLO_CAN_READ) && !atomic_load(&u->device_regs);
   pthread_mutex_init(&c->send_mu, NULL);
   /* The writer applies the first info before it writes: it counts as acked. */
   c->item.fd = fd;
@@ -525,6 +526,25 @@ static void del_reg(ucx_state *u, ucx_reg *r) {
   u->nregs--;
 }
 
+/* The first registration that is not readable host memory (device memory):
+ * read mode copies with the reader's CPU, which cannot touch it, so the
+ * connections that read (writers this engine reads from, peers that read
+ * from this engine) are cut; they connect again in write mode, where UCX
+ * moves device memory. What they had in flight fails, as when a peer dies. */
+static void device_memory_came(ucx_state *u, const void *addr, size_t len) {
+  int cut = 0;
+  pthread_mutex_lock(&u->ctl_mu);
+  for (ucx_ctl *c = u->ctls; c; c = c->next)
+    if (c->read_mode) ctl_cut(c), cut++;
+  pthread_mutex_unlock(&u->ctl_mu);
+  cut += kvf__ucx_peers_drop_reading(u);
+  if (kvf__log_first_time(0x64657669u))
+    LOG_INFO("ucx",
+             "%p+%zu is not readable host memory (device memory?): peers are written to and write here (UCX write "
+             "mode), not read, while it is registered; %d reading connection(s) cut",
+             addr, len, cut);
+}
+
 static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   ucx_state *u = e->ucx;
   uint64_t base = (uint64_t)(uintptr_t)addr;
@@ -537,6 +557,9 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   if (advertised >= UCX_MAX_REGIONS) return KVF_ENOMEM;
   int rc = 0;
   int owned = !memh;
+  /* A pool this engine allocated is host memory; other memory when it is a
+   * readable mapping here (device memory is not; cannot tell: host). */
+  int host = !owned || kvf__host_readable(base, len) != 0;
   void *rkey = NULL;
   size_t rkey_len = 0;
   pthread_mutex_lock(&u->wmu);
@@ -562,7 +585,7 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   pthread_mutex_unlock(&u->wmu);
   if (rc) return rc;
   pthread_mutex_lock(&u->reg_mu);
-  rc = add_reg(u, (ucx_reg){base, len, memh, rkey, rkey_len, owned ? REG_PLAIN : REG_IN_POOL});
+  rc = add_reg(u, (ucx_reg){base, len, memh, rkey, rkey_len, owned ? REG_PLAIN : REG_IN_POOL, host});
   uint64_t gen = rc ? 0 : ++u->gen;
   pthread_mutex_unlock(&u->reg_mu);
   if (rc) {
@@ -572,6 +595,7 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
     pthread_mutex_unlock(&u->wmu);
     return rc;
   }
+  if (!host && atomic_fetch_add(&u->device_regs, 1) == 0) device_memory_came(u, addr, len);
   push_info(u, gen, 0); /* a writer that misses it asks (peer_refresh) */
   return 0;
 }
@@ -591,6 +615,7 @@ static void ucx_dereg_hook(kvf_engine *e, void *addr) {
   }
   pthread_mutex_unlock(&u->reg_mu);
   if (!r) return;
+  if (!gone.host) atomic_fetch_sub(&u->device_regs, 1);
   /* Writers apply the new generation first (after their writes into the
    * old one that are under way); a put already posted may still complete
    * (one-sided: the target cannot wait for it), which is why the memory must
@@ -621,7 +646,7 @@ static int ucx_alloc_pool(kvf_engine *e, size_t len, void **out) {
     return KVF_ENOMEM;
   }
   pthread_mutex_lock(&u->reg_mu);
-  int rc = add_reg(u, (ucx_reg){(uint64_t)(uintptr_t)attr.address, len, memh, NULL, 0, REG_POOL});
+  int rc = add_reg(u, (ucx_reg){(uint64_t)(uintptr_t)attr.address, len, memh, NULL, 0, REG_POOL, 1});
   pthread_mutex_unlock(&u->reg_mu);
   if (rc) {
     pthread_mutex_lock(&u->wmu);

@@ -207,6 +207,7 @@ typedef struct ucx_reg {
   void *rkey_buf;
   size_t rkey_len;
   int pool; /* allocated by ucp_mem_map (kvf_engine_alloc_pool) */
+  int host; /* readable host memory here; 0: device memory (counted in ucx_state.device_regs) */
 } ucx_reg;
 
 /* A region a peer advertised. ptr: where it is mapped here (ucp_rkey_ptr),
@@ -380,6 +381,11 @@ typedef struct ucx_state {
   ucx_reg *regs;
   size_t nregs, cap;
   uint64_t gen;
+  /* Registrations that are not readable host memory (device memory). While
+   * there are any, this engine neither reads nor is read (read mode copies
+   * with the reader's CPU, which cannot touch device memory): it connects
+   * and serves writers in write mode, where UCX moves device memory. */
+  atomic_int device_regs;
   /* rendezvous connections this engine serves, under ctl_mu */
   pthread_mutex_t ctl_mu;
   pthread_cond_t ctl_cv; /* an ack arrived or a connection ended */
@@ -405,6 +411,9 @@ typedef struct ucx_state {
 
 /* ucx.c */
 int kvf__ucx_status(ucs_status_t st);
+/* ucx_peer.c: mark every peer that reads from this engine (read mode) dead,
+ * so it connects again (ucx_state.device_regs); how many. */
+int kvf__ucx_peers_drop_reading(ucx_state *u);
 /* ucx_peer.c: does UCX_TLS (unset: yes) let UCX use shared memory or CMA? */
 int kvf__ucx_tls_allow_shm(void);
 /* This engine's info message (regions, worker address, fences) for a

@@ -364,8 +364,12 @@ static int ctl_open(kvf_engine *e, ucx_peer *p, int64_t deadline_ns, int *fd_out
   int rc = kvf__tcp_connect(p->host, p->port, deadline_ns, &fd);
   if (rc) return rc;
   size_t tl = strlen(e->auth_token);
-  tcp_hello hello = {TCP_UCX_HELLO_MAGIC, TCP_UCX_PROTO_VERSION, e->ucx_read ? TCP_HELLO_CAN_READ : 0,
-                     (uint32_t)tl, 0};
+  /* With device memory registered here the target is asked to take writes
+   * (ucx_state.device_regs). */
+  const ucx_state *u = e->ucx;
+  int can_read = e->ucx_read && !atomic_load(&u->device_regs);
+  tcp_hello hello = {TCP_UCX_HELLO_MAGIC, TCP_UCX_PROTO_VERSION, can_read ? TCP_HELLO_CAN_READ : 0, (uint32_t)tl,
+                     0};
   tcp_reply rep;
   rc = kvf__fd_send_all(fd, &hello, sizeof hello, deadline_ns);
   if (!rc && tl) rc = kvf__fd_send_all(fd, e->auth_token, tl, deadline_ns);
@@ -718,6 +722,23 @@ void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
     if (pthread_cond_timedwait(&p->cv, &p->mu, &ts) == ETIMEDOUT) break;
   }
   pthread_mutex_unlock(&p->mu);
+}
+
+int kvf__ucx_peers_drop_reading(ucx_state *u) {
+  int n = 0;
+  pthread_mutex_lock(&u->peers_mu);
+  map_iter it;
+  kvf__map_iter_init(&it);
+  void *v;
+  while (kvf__smap_next(&u->peers, &it, NULL, &v)) {
+    ucx_peer *p = v;
+    pthread_rwlock_rdlock(&p->rw);
+    int reads = p->ep && p->read_mode;
+    pthread_rwlock_unlock(&p->rw);
+    if (reads) kvf__ucx_peer_mark_dead(u, p, KVF_ECLOSED), n++;
+  }
+  pthread_mutex_unlock(&u->peers_mu);
+  return n;
 }
 
 int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap) {

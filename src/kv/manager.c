@@ -18,6 +18,7 @@
 #include "base/config.h"
 #include "base/clock.h"
 #include "base/env.h"
+#include "base/hostmem.h"
 #include "base/log.h"
 #include "base/wake.h"
 #include "kv/integrity.h"
@@ -246,20 +247,6 @@ static int register_buffers(kvf_manager *m) {
   return 0;
 }
 
-/* Is [a, a+len) covered by readable mappings of this process? */
-static int readable(FILE *maps, uint64_t a, uint64_t len) {
-  uint64_t lo, hi, want = a;
-  char perms[8];
-  rewind(maps);
-  while (want < a + len && fscanf(maps, "%" SCNx64 "-%" SCNx64 " %7s%*[^\n]", &lo, &hi, perms) == 3) {
-    if (lo <= want && want < hi) {
-      if (perms[0] != 'r') return 0;
-      want = hi;
-    }
-  }
-  return want >= a + len;
-}
-
 /* Verify mode hashes buffers on the CPU, so they must be host memory. A
  * device buffer (cudaMalloc) is not a readable mapping of the process. The
  * plan for device memory (a GPU hashing kernel, or hashing a host staging
@@ -272,7 +259,7 @@ static int check_host_memory(const manager_buffers *b) {
     int st = i >= b->n_kv;
     size_t k = st ? i - b->n_kv : i;
     uint64_t p = st ? b->state_ptrs[k] : b->kv_ptrs[k], len = st ? b->state_lens[k] : b->kv_lens[k];
-    if (len && !readable(maps, p, len)) {
+    if (len && !kvf__maps_readable(maps, p, len)) {
       LOG_ERROR("kv",
                 "verify mode needs host memory: %s buffer %zu at 0x%" PRIx64 " (+%" PRIu64
                 " bytes) is not readable host memory (device memory cannot be hashed on the CPU yet)",

@@ -219,6 +219,53 @@ static void large_batch_is_one_notice_in_read_mode(void **state) {
   engine_peer_stop(&peer);
 }
 
+/* A registration that is not readable host memory (device memory; here a
+ * PROT_NONE mapping stands for it) turns read mode off, since a reader
+ * copies with its CPU: registered on the target before the writer
+ * connects, or on the writer, the connection runs in write mode; registered
+ * on the target once a reading connection is up, that connection is cut
+ * and the next one writes. The bytes land each time. */
+static void device_memory_turns_read_mode_off(void **state) {
+  SKIP_WITHOUT_UCX();
+  const char *mode = getenv("KVFERRY_UCX_MODE");
+  int reads = !mode || strcmp(mode, "write");
+  enum { LEN = 256 << 10, DEV = 64 << 10 };
+  for (int when = 0; when < 3; when++) { /* 0: target, before; 1: target, after; 2: writer, before */
+    kvf_engine *t = make_engine("ucx", 5000), *w = make_engine("ucx", 5000);
+    unsigned char *src = malloc(LEN), *dst = calloc(1, LEN);
+    void *dev = mmap(NULL, DEV, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    assert_true(src && dst && dev != MAP_FAILED);
+    for (size_t i = 0; i < LEN; i++) src[i] = (unsigned char)(i * 13 + (size_t)when);
+    assert_int_equal(kvf_engine_register(w, src, LEN), 0);
+    assert_int_equal(kvf_engine_register(t, dst, LEN), 0);
+    if (when != 1) assert_int_equal(kvf_engine_register(when == 0 ? t : w, dev, DEV), 0);
+    kvf_write wr = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)dst, .len = LEN};
+    assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t), &wr, 1), 0);
+    const char *pt = NULL, *pm = NULL;
+    assert_int_equal(kvf__engine_peer_path(w, kvf_engine_session_id(t), &pt, &pm), 0);
+    printf("device memory registered %s: path %s/%s\n", when == 1 ? "after the first write" : "before", pt, pm);
+    if (when == 1) {
+      assert_string_equal(pm, reads ? "read" : "write");
+      assert_int_equal(kvf_engine_register(t, dev, DEV), 0);
+      memset(dst, 0, LEN);
+      int rc = KVF_ECLOSED;
+      for (int k = 0; k < 20 && rc; k++) { /* the reading connection was cut: the next one writes */
+        rc = kvf_engine_write(w, kvf_engine_session_id(t), &wr, 1);
+        if (rc) usleep(50000);
+      }
+      assert_int_equal(rc, 0);
+      assert_int_equal(kvf__engine_peer_path(w, kvf_engine_session_id(t), &pt, &pm), 0);
+    }
+    assert_string_equal(pm, "write");
+    assert_memory_equal(dst, src, LEN);
+    kvf_engine_destroy(w);
+    kvf_engine_destroy(t);
+    munmap(dev, DEV);
+    free(src);
+    free(dst);
+  }
+}
+
 /* A manager registers the memory it is given: a range inside an allocated
  * pool (or the whole pool) is counted, not refused as overlapping, and its
  * unregister leaves the pool registered; a range crossing the pool's end
@@ -954,6 +1001,7 @@ int main(void) {
       cmocka_unit_test(private_memory_read_directly),
       cmocka_unit_test(allocated_pools_land_exact),
       cmocka_unit_test(large_batch_is_one_notice_in_read_mode),
+      cmocka_unit_test(device_memory_turns_read_mode_off),
       cmocka_unit_test(explicit_ucx_never_falls_back),
       cmocka_unit_test(other_host_without_rdma),
       cmocka_unit_test(registering_inside_a_pool_is_counted),
