@@ -94,15 +94,24 @@ static void write_and_verify(kvf_engine *e, engine_peer *peer, unsigned char *po
 
 /* Plain and strided blocks land byte-exact over UCX, from ordinary memory
  * into ordinary memory, and the route is recorded with its reason. */
+/* A target process over UCX and a writer engine here with `bytes` of
+ * ordinary memory registered (*pool). */
+static kvf_engine *ucx_writer_with_peer(engine_peer *peer, size_t bytes, unsigned char **pool) {
+  const char *args[] = {"--transport", "ucx", NULL};
+  assert_int_equal(engine_peer_start_args(peer, PEER_BYTES, NULL, args), 0);
+  kvf_engine *e = make_engine("ucx", 5000);
+  *pool = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  assert_true(*pool != MAP_FAILED);
+  assert_int_equal(kvf_engine_register(e, *pool, bytes), 0);
+  return e;
+}
+
 static void plain_and_strided_land_exact(void **state) {
   SKIP_WITHOUT_UCX();
   engine_peer peer;
-  const char *args[] = {"--transport", "ucx", NULL};
-  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
-  kvf_engine *e = make_engine("ucx", 5000);
   size_t bytes = 8u << 20;
-  unsigned char *pool = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  assert_int_equal(kvf_engine_register(e, pool, bytes), 0);
+  unsigned char *pool;
+  kvf_engine *e = ucx_writer_with_peer(&peer, bytes, &pool);
   write_and_verify(e, &peer, pool, 11);
   char why[256];
   assert_int_equal(kvf_engine_peer_transport(e, peer.session, why, sizeof why), 0);
@@ -195,12 +204,9 @@ static void allocated_pools_land_exact(void **state) {
 static void large_batch_is_one_notice_in_read_mode(void **state) {
   SKIP_WITHOUT_UCX();
   engine_peer peer;
-  const char *args[] = {"--transport", "ucx", NULL};
-  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
-  kvf_engine *e = make_engine("ucx", 5000);
   size_t bytes = 8u << 20;
-  unsigned char *pool = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  assert_int_equal(kvf_engine_register(e, pool, bytes), 0);
+  unsigned char *pool;
+  kvf_engine *e = ucx_writer_with_peer(&peer, bytes, &pool);
   write_and_verify(e, &peer, pool, 31); /* connects; 864 KiB */
   const char *path_t = NULL, *path_m = NULL;
   assert_int_equal(kvf__engine_peer_path(e, peer.session, &path_t, &path_m), 0);
