@@ -100,6 +100,8 @@ int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns) {
   return kvf__ucx_rbuf_recv(c->fd, &c->rb, buf, len, deadline_ns);
 }
 
+_Atomic(kvf__ucx_done_cut_fn) kvf__ucx_done_cut;
+
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
   /* One answer per notice, at once: sending the answers of notices read
    * ahead together made `kvferry bench rooms --room-pages 256 --inflight 64`
@@ -688,7 +690,7 @@ static void *progress_main(void *arg) {
     }
     kvf_engine_sync(u->e);
     ucs_status_t st = ucp_worker_arm(u->w);
-    int busy = u->ops != NULL, trailers = u->tq != NULL;
+    int busy = u->ops != NULL || atomic_load(&u->npartial), trailers = u->tq != NULL;
     pthread_mutex_unlock(&u->wmu);
     /* Sleep only when the worker is armed and no flushed chunk waits to send
      * its trailer (the progress above may have completed one); with batches
@@ -710,6 +712,7 @@ static void *progress_main(void *arg) {
       }
     }
     kvf__ucx_reap(u);
+    kvf__ucx_partials_check(u);
     kvf__ucx_trailers_send(u);
   }
   return NULL;

@@ -246,6 +246,12 @@ typedef struct ucx_peer {
   int fd;             /* rendezvous connection, -1 when none */
   ucx_rbuf rb;        /* on fd, the progress thread's (reset with fd, under rw for writing) */
   atomic_int rb_held; /* bytes wait in rb: a message there is not read yet (kvf__ucx_ctl_pending) */
+  /* Progress thread (p->rw held): when the first byte of a message that is
+   * not whole yet arrived (0: none). The rest is waited for without
+   * blocking; past UCX_CTL_TIMEOUT_MS the connection is dropped
+   * (kvf__ucx_partials_check), so a target that stops mid-message holds
+   * no thread and delays no other peer. */
+  int64_t partial_ns;
   ucx_rregion *regs;
   size_t nregs;
   uint64_t gen;
@@ -386,6 +392,7 @@ typedef struct ucx_state {
    * with the reader's CPU, which cannot touch device memory): it connects
    * and serves writers in write mode, where UCX moves device memory. */
   atomic_int device_regs;
+  atomic_int npartial; /* peers with a partial_ns set */
   /* rendezvous connections this engine serves, under ctl_mu */
   pthread_mutex_t ctl_mu;
   pthread_cond_t ctl_cv; /* an ack arrived or a connection ended */
@@ -411,6 +418,9 @@ typedef struct ucx_state {
 
 /* ucx.c */
 int kvf__ucx_status(ucs_status_t st);
+/* ucx_peer.c, progress thread: drop the connections whose message stayed
+ * partial past UCX_CTL_TIMEOUT_MS (ucx_peer.partial_ns). */
+void kvf__ucx_partials_check(ucx_state *u);
 /* ucx_peer.c: mark every peer that reads from this engine (read mode) dead,
  * so it connects again (ucx_state.device_regs); how many. */
 int kvf__ucx_peers_drop_reading(ucx_state *u);
@@ -438,6 +448,12 @@ static inline int kvf__ucx_rbuf_waiting(const ucx_rbuf *r) { return r->len > r->
 int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns);
 /* The serving thread of c: answer a notice (read done). */
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id);
+/* Test seam (tests/engine/test_ucx.c; NULL in every shipped program): set,
+ * and returning n > 0 for this engine, a reading target sends only the
+ * first n bytes of its next read-done answer, as a target that stops
+ * mid-message would. */
+typedef size_t (*kvf__ucx_done_cut_fn)(const kvf_engine *e);
+extern _Atomic(kvf__ucx_done_cut_fn) kvf__ucx_done_cut;
 
 /* ucx_peer.c: peers, the rendezvous client, routing */
 /* Read the rest of an info message whose magic was read, bounded in size

@@ -72,6 +72,13 @@ void kvf__ucx_ep_close_locked(ucx_state *u, ucx_peer *p) {
   p->ep = NULL;
 }
 
+/* No message of p is partial any more (p->rw held). */
+static void partial_clear(ucx_state *u, ucx_peer *p) {
+  if (!p->partial_ns) return;
+  p->partial_ns = 0;
+  atomic_fetch_sub(&u->npartial, 1);
+}
+
 /* With p->rw held for writing: drop the endpoint, the rkeys and the
  * rendezvous connection. Flushes still pending fail (UCS_ERR_CANCELED). */
 static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
@@ -83,6 +90,7 @@ static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
   free(p->rb.b); /* what the old connection had sent and nobody read */
   p->rb = (ucx_rbuf){0};
   atomic_store(&p->rb_held, 0);
+  partial_clear(u, p);
   pthread_mutex_lock(&u->wmu);
   kvf__ucx_regs_free_locked(p);
   kvf__ucx_ep_close_locked(u, p);
@@ -596,6 +604,87 @@ static int rb_more_locked(ucx_peer *p) {
   return more;
 }
 
+/* Progress thread, p->rw held: is the target's next message whole in
+ * p->rb? Takes what has arrived without waiting: 1 (whole: reading it does
+ * not block), 0 (nothing, or part of one: wait for the socket again), or
+ * the connection's error. The buffer grows to the message's size (an info
+ * is at most UCX_MAX_INFO_BODY past its header). */
+static int rb_whole_message(ucx_state *u, ucx_peer *p, int fd) {
+  ucx_rbuf *r = &p->rb;
+  for (;;) {
+    size_t have = r->len - r->off, need = sizeof(uint32_t);
+    if (have >= need) {
+      uint32_t magic;
+      memcpy(&magic, r->b + r->off, sizeof magic);
+      if (magic == UCX_FENCE_MAGIC) {
+        need = sizeof(ucx_fence_msg);
+      } else if (magic == UCX_INFO_MAGIC) {
+        need = sizeof(ucx_info_hdr);
+        if (have >= need) {
+          ucx_info_hdr h;
+          memcpy(&h, r->b + r->off, sizeof h);
+          if (h.body_len > UCX_MAX_INFO_BODY) return KVF_EPROTO;
+          need += h.body_len;
+        }
+      } else if (magic == UCX_READ_DONE_MAGIC || magic == UCX_CLOCK_MAGIC || magic == UCX_TRAILER_ACK_MAGIC) {
+        need = sizeof(ucx_req);
+      } else {
+        return 1; /* its reader refuses it */
+      }
+    }
+    if (have >= need) {
+      partial_clear(u, p);
+      return 1;
+    }
+    if (r->cap - r->off < need) { /* room for the whole message from the buffer's start */
+      if (r->off) memmove(r->b, r->b + r->off, have);
+      r->off = 0, r->len = have;
+      if (r->cap < need) {
+        unsigned char *b = realloc(r->b, need);
+        if (!b) return KVF_ENOMEM;
+        r->b = b, r->cap = need;
+      }
+    }
+    ssize_t n = recv(fd, r->b + r->len, r->cap - r->len, MSG_DONTWAIT);
+    if (n > 0) {
+      r->len += (size_t)n;
+      continue;
+    }
+    if (n == 0) return KVF_ECLOSED;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return errno == ECONNRESET ? KVF_ECLOSED : KVF_EIO;
+    if (have && !p->partial_ns) {
+      p->partial_ns = clock_now_ns();
+      atomic_fetch_add(&u->npartial, 1);
+    }
+    atomic_store(&p->rb_held, have > 0);
+    return 0;
+  }
+}
+
+void kvf__ucx_partials_check(ucx_state *u) {
+  if (!atomic_load(&u->npartial)) return;
+  int64_t now = clock_now_ns();
+  pthread_mutex_lock(&u->peers_mu);
+  map_iter it;
+  kvf__map_iter_init(&it);
+  void *v;
+  while (kvf__smap_next(&u->peers, &it, NULL, &v)) {
+    ucx_peer *p = v;
+    pthread_rwlock_rdlock(&p->rw);
+    if (p->partial_ns && now - p->partial_ns > (int64_t)UCX_CTL_TIMEOUT_MS * 1000000) {
+      if (kvf__log_first_time_for_host(p->id, "ucx-partial"))
+        LOG_WARN("ucx", "peer %s sent part of a message and stopped for %d ms; its connection is dropped", p->id,
+                 UCX_CTL_TIMEOUT_MS);
+      if (p->fd >= 0) epoll_ctl(u->epfd, EPOLL_CTL_DEL, p->fd, NULL);
+      partial_clear(u, p);
+      kvf__ucx_peer_mark_dead(u, p, KVF_ETIMEDOUT);
+    }
+    pthread_rwlock_unlock(&p->rw);
+  }
+  pthread_mutex_unlock(&u->peers_mu);
+}
+
 /* One message of the target: 1 when more wait in the read-ahead. */
 static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
   ucx_info_hdr h;
@@ -606,9 +695,9 @@ static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
   int fd = p->fd;
   if (fd >= 0 && (events & EPOLLIN)) {
     int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-    int got = 1; /* bytes wait in p->rb, or one recv takes what arrived */
-    if (!kvf__ucx_rbuf_waiting(&p->rb))
-      got = kvf__ucx_rbuf_hold(&p->rb, UCX_PEER_RBUF) ? KVF_ENOMEM : kvf__ucx_rbuf_fill(fd, &p->rb);
+    /* A whole message in p->rb (what arrived is taken without waiting), or
+     * nothing to do now: the reads below never wait on the target. */
+    int got = kvf__ucx_rbuf_hold(&p->rb, UCX_PEER_RBUF) ? KVF_ENOMEM : rb_whole_message(u, p, fd);
     rc = got > 0 ? kvf__ucx_rbuf_recv(fd, &p->rb, &h.magic, sizeof h.magic, until) : got == 0 ? 1 : got;
     /* The target closed the connection (or its process is gone): it reads
      * nothing more for this connection's notices (ucx_read.c). */
@@ -652,8 +741,10 @@ static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
       f.magic = h.magic;
       rc = kvf__ucx_rbuf_recv(fd, &p->rb, (char *)&f + sizeof f.magic, sizeof f - sizeof f.magic, until);
       fence = 1;
-    } else if (!rc) {
+    } else if (!rc && h.magic == UCX_INFO_MAGIC) {
       rc = kvf__ucx_info_read_rest(fd, &p->rb, until, &h, &body);
+    } else if (!rc) {
+      rc = KVF_EPROTO;
     }
   }
   if (fd >= 0 && rc < 0) {

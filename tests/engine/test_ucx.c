@@ -272,6 +272,81 @@ static void device_memory_turns_read_mode_off(void **state) {
   }
 }
 
+#ifdef KVF_HAVE_UCX
+static const kvf_engine *g_cut_engine; /* its next read-done answer stops after 5 bytes */
+static size_t cut_answer_of(const kvf_engine *e) { return e == g_cut_engine ? 5 : 0; }
+#endif
+
+/* A reading target that sends part of an answer and stops holds none of the
+ * writer's threads: the writer's progress thread takes a target's message
+ * only once it is whole, so another target's writes go on meanwhile (the
+ * partial read used to wait up to UCX_CTL_TIMEOUT_MS, 5 s, on the thread
+ * every peer's answers need); the stalled connection is dropped at that
+ * deadline and its batch fails. */
+static void target_stopping_mid_answer_delays_no_other_peer(void **state) {
+  SKIP_WITHOUT_UCX();
+#ifdef KVF_HAVE_UCX
+  const char *mode = getenv("KVFERRY_UCX_MODE");
+  if (mode && !strcmp(mode, "write")) {
+    printf("SKIP: write mode has no read-done answers\n");
+    skip();
+  }
+  enum { LEN = 64 << 10 };
+  /* The writer's timeout (8 s) ends the stalled batch: the target may
+   * still read its sources until then (the read lease). */
+  kvf_engine *w = make_engine("ucx", 8000), *t1 = make_engine("ucx", 8000), *t2 = make_engine("ucx", 8000);
+  unsigned char *src = malloc(LEN), *d1 = calloc(1, LEN), *d2 = calloc(1, LEN);
+  assert_true(src && d1 && d2);
+  for (size_t i = 0; i < LEN; i++) src[i] = (unsigned char)(i * 7 + 3);
+  assert_int_equal(kvf_engine_register(w, src, LEN), 0);
+  assert_int_equal(kvf_engine_register(t1, d1, LEN), 0);
+  assert_int_equal(kvf_engine_register(t2, d2, LEN), 0);
+  kvf_write w1 = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)d1, .len = LEN};
+  kvf_write w2 = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)d2, .len = LEN};
+  assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t1), &w1, 1), 0); /* both connected */
+  assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t2), &w2, 1), 0);
+  const char *pt = NULL, *pm = NULL;
+  assert_int_equal(kvf__engine_peer_path(w, kvf_engine_session_id(t1), &pt, &pm), 0);
+  if (strcmp(pm, "read")) {
+    printf("SKIP: the path is %s/%s, not read mode\n", pt, pm);
+    skip();
+  }
+  kvf_engine_stats st;
+  kvf_engine_get_stats(t1, &st);
+  uint64_t read0 = st.batches_received;
+  g_cut_engine = t1;
+  atomic_store(&kvf__ucx_done_cut, cut_answer_of);
+  kvf_batch *b1 = NULL;
+  assert_int_equal(kvf_engine_submit(w, kvf_engine_session_id(t1), &w1, 1, &b1), 0);
+  for (int i = 0; i < 500; i++) { /* t1 read it and sent its 5 bytes */
+    kvf_engine_get_stats(t1, &st);
+    if (st.batches_received > read0) break;
+    usleep(10000);
+  }
+  assert_true(st.batches_received > read0);
+  usleep(20000); /* the 5 bytes are at the writer */
+  memset(d2, 0, LEN);
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t2), &w2, 1), 0);
+  double took_s = (clock_now_ns() - t0) / 1e9;
+  printf("write to the other target while one stopped mid-answer: %.3f s\n", took_s);
+  assert_true(took_s < 2.5); /* held up, it took the 5 s of the partial read */
+  assert_memory_equal(d2, src, LEN);
+  int rc = kvf_batch_wait(b1, -1); /* the connection was dropped at 5 s; the batch ends with its lease */
+  printf("the stalled target's batch: %s\n", kvf_strerror(rc));
+  assert_int_not_equal(rc, 0);
+  kvf_batch_destroy(b1);
+  atomic_store(&kvf__ucx_done_cut, NULL);
+  g_cut_engine = NULL;
+  kvf_engine_destroy(w);
+  kvf_engine_destroy(t1);
+  kvf_engine_destroy(t2);
+  free(src);
+  free(d1);
+  free(d2);
+#endif
+}
+
 /* A manager registers the memory it is given: a range inside an allocated
  * pool (or the whole pool) is counted, not refused as overlapping, and its
  * unregister leaves the pool registered; a range crossing the pool's end
@@ -1008,6 +1083,7 @@ int main(void) {
       cmocka_unit_test(allocated_pools_land_exact),
       cmocka_unit_test(large_batch_is_one_notice_in_read_mode),
       cmocka_unit_test(device_memory_turns_read_mode_off),
+      cmocka_unit_test(target_stopping_mid_answer_delays_no_other_peer),
       cmocka_unit_test(explicit_ucx_never_falls_back),
       cmocka_unit_test(other_host_without_rdma),
       cmocka_unit_test(registering_inside_a_pool_is_counted),
