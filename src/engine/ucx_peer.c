@@ -662,9 +662,10 @@ static int rb_whole_message(ucx_state *u, ucx_peer *p, int fd) {
   }
 }
 
-void kvf__ucx_partials_check(ucx_state *u) {
-  if (!atomic_load(&u->npartial)) return;
-  int64_t now = clock_now_ns();
+/* Mark dead, with err, every peer that doom(u, p, now) names (it runs with
+ * peers_mu and p->rw held for reading). How many. */
+static int peers_doom(ucx_state *u, int (*doom)(ucx_state *, ucx_peer *, int64_t), int64_t now, int err) {
+  int n = 0;
   pthread_mutex_lock(&u->peers_mu);
   map_iter it;
   kvf__map_iter_init(&it);
@@ -672,18 +673,36 @@ void kvf__ucx_partials_check(ucx_state *u) {
   while (kvf__smap_next(&u->peers, &it, NULL, &v)) {
     ucx_peer *p = v;
     pthread_rwlock_rdlock(&p->rw);
-    if (p->partial_ns && now - p->partial_ns > (int64_t)UCX_CTL_TIMEOUT_MS * 1000000) {
-      if (kvf__log_first_time_for_host(p->id, "ucx-partial"))
-        LOG_WARN("ucx", "peer %s sent part of a message and stopped for %d ms; its connection is dropped", p->id,
-                 UCX_CTL_TIMEOUT_MS);
-      if (p->fd >= 0) epoll_ctl(u->epfd, EPOLL_CTL_DEL, p->fd, NULL);
-      partial_clear(u, p);
-      kvf__ucx_peer_mark_dead(u, p, KVF_ETIMEDOUT);
-    }
+    int doomed = doom(u, p, now);
     pthread_rwlock_unlock(&p->rw);
+    if (doomed) kvf__ucx_peer_mark_dead(u, p, err), n++;
   }
   pthread_mutex_unlock(&u->peers_mu);
+  return n;
 }
+
+/* A message of p stayed partial past its deadline: its socket leaves the
+ * epoll set now (progress thread). */
+static int partial_expired(ucx_state *u, ucx_peer *p, int64_t now) {
+  if (!p->partial_ns || now - p->partial_ns <= (int64_t)UCX_CTL_TIMEOUT_MS * 1000000) return 0;
+  if (kvf__log_first_time_for_host(p->id, "ucx-partial"))
+    LOG_WARN("ucx", "peer %s sent part of a message and stopped for %d ms; its connection is dropped", p->id,
+             UCX_CTL_TIMEOUT_MS);
+  if (p->fd >= 0) epoll_ctl(u->epfd, EPOLL_CTL_DEL, p->fd, NULL);
+  partial_clear(u, p);
+  return 1;
+}
+
+void kvf__ucx_partials_check(ucx_state *u) {
+  if (atomic_load(&u->npartial)) peers_doom(u, partial_expired, clock_now_ns(), KVF_ETIMEDOUT);
+}
+
+static int reads_here(ucx_state *u, ucx_peer *p, int64_t now) {
+  (void)u, (void)now;
+  return p->ep && p->read_mode;
+}
+
+int kvf__ucx_peers_drop_reading(ucx_state *u) { return peers_doom(u, reads_here, 0, KVF_ECLOSED); }
 
 /* One message of the target: 1 when more wait in the read-ahead. */
 static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
@@ -813,23 +832,6 @@ void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
     if (pthread_cond_timedwait(&p->cv, &p->mu, &ts) == ETIMEDOUT) break;
   }
   pthread_mutex_unlock(&p->mu);
-}
-
-int kvf__ucx_peers_drop_reading(ucx_state *u) {
-  int n = 0;
-  pthread_mutex_lock(&u->peers_mu);
-  map_iter it;
-  kvf__map_iter_init(&it);
-  void *v;
-  while (kvf__smap_next(&u->peers, &it, NULL, &v)) {
-    ucx_peer *p = v;
-    pthread_rwlock_rdlock(&p->rw);
-    int reads = p->ep && p->read_mode;
-    pthread_rwlock_unlock(&p->rw);
-    if (reads) kvf__ucx_peer_mark_dead(u, p, KVF_ECLOSED), n++;
-  }
-  pthread_mutex_unlock(&u->peers_mu);
-  return n;
 }
 
 int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap) {
