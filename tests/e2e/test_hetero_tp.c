@@ -17,6 +17,7 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "kv/manager.h"
 #include "tools/kvpool.h"
 #include "tools/pattern.h"
 #include "tools/proc.h"
@@ -40,6 +41,7 @@ typedef struct hcase {
   int prefix;            /* pages the decode already holds (decode_prefix_len / page_size) */
   const char *fail_with; /* expected failure reason substring on the decode, NULL = success */
   int crash;             /* decode rank crash-1 dies after its M2 went out, before the send (0 = none) */
+  int trailer;           /* each decode rank takes its Success from the completion trailer behind its own bytes */
 } hcase;
 
 static double now_s(void) {
@@ -148,6 +150,12 @@ static int decode_rank(const hcase *c, int d, const char *addr, int64_t room) {
     fprintf(stderr, "decode rank %d: %zu bad units, %zu bad state buffers, token %lld, %zu candidates\n", d, bad,
             sbad, (long long)tok, nc);
     code = 22;
+    goto out_rx;
+  }
+  unsigned long long fast = atomic_load(&m->stats.completions_fast);
+  if (c->trailer && fast != 1) {
+    fprintf(stderr, "decode rank %d: %llu completions from the trailer, not 1\n", d, fast);
+    code = 23;
     goto out_rx;
   }
   code = 0;
@@ -270,7 +278,9 @@ static void mla_legacy_tp2_to_tp1_and_tp1_to_tp2(void **state) {
 
 /* Fan-out (issue 12): one prefill rank serves four decode ranks the same
  * latent pages, chunk after chunk, each chunk submitted to the four at once
- * and waited for once; every decode rank checks every byte. */
+ * and waited for once; every decode rank checks every byte. Each takes its
+ * Success from the completion trailer behind its own last bytes (issue 22),
+ * not from the M3 that waits for all four. */
 static const hcase fanout_1to4 = {.tp_p = 1,
                                   .tp_d = 4,
                                   .page_size = 16,
@@ -279,7 +289,8 @@ static const hcase fanout_1to4 = {.tp_p = 1,
                                   .kv_heads = 1,
                                   .mla = 1,
                                   .npages = 11,
-                                  .chunk = 3};
+                                  .chunk = 3,
+                                  .trailer = 1};
 
 static void mla_legacy_tp1_to_tp4_chunked_fanout(void **state) { run_case(&fanout_1to4); }
 

@@ -134,7 +134,7 @@ void kvf__pf_dest_writes_free(pf_dest_writes *dw) {
 void kvf__pf_scratch_free(pf_scratch *sc) {
   free(sc->dptr), free(sc->sptr), free(sc->src), free(sc->dst), free(sc->runs), free(sc->w);
   kvf__pf_dest_writes_free(&sc->dw);
-  free(sc->done), free(sc->res), free(sc->dg);
+  free(sc->done), free(sc->res), free(sc->carried), free(sc->dg);
   memset(sc, 0, sizeof *sc);
 }
 
@@ -360,18 +360,16 @@ int kvf__pf_xfer_failed(const pf_room *r, const wire_m2 *x, int rc, char *why, s
   return DEST_XFER_FAIL;
 }
 
-/* A room's completion as an engine trailer to s's destination (docs/WIRE-
- * EXTENSIONS.md, "completion rides the data"), when it may ride: the chunk
- * is the last, the destination asked for it (M2 frame 15), is the room's
- * only real destination and needs no other, and the first token is known.
- * Its length, or 0: the M3, which goes out either way, then completes the
- * room alone. */
+/* A room's completion as an engine trailer to s's destination, when it
+ * may ride (pf_trails). With several real destinations (a fan-out) each one gets
+ * its own behind its own last bytes: what this rank sends it is then in
+ * place, whatever the other destinations' writes do (a room failed by
+ * another one still tells it Failed, which overrides). Its length, or 0:
+ * the M3, which goes out either way, then completes the room alone. */
 static size_t completion_trailer(prefill_state *ps, const pf_send *s, unsigned char *out, size_t cap) {
   const pf_chunk *c = s->c;
   const wire_m2 *x = s->info->m2;
-  if (!c->is_last || !(x->room_flags & WIRE_ROOM_FAST_COMPLETION) || s->nreal != 1 ||
-      x->required_dst_info_num != 1 || c->token == PF_TOKEN_LATER)
-    return 0;
+  if (!pf_trails(c, x)) return 0;
   wire_m3 m3 = {.room = c->r->room,
                 .status = ROOM_SUCCESS,
                 .prefill_rank = ps->m->tp_rank,

@@ -45,10 +45,10 @@ static void direct_finish(pf_direct *dj) {
     fin = ROOM_SUCCESS, success = 1;
   }
   pthread_mutex_unlock(&ps->lock);
-  /* The trailer went to the room's only real destination, whose decode
-   * therefore has its Success: that M3 is a duplicate and may wait for
-   * others to share the trip (m3_outbox.c). */
-  int dup = fin == ROOM_SUCCESS && atomic_load(&dj->carried);
+  /* A destination whose trailer went with its bytes has its Success: its
+   * M3 is a duplicate and may wait for others to share the trip
+   * (m3_outbox.c). */
+  int dup = fin == ROOM_SUCCESS;
   pf_m3_msg msg = {.room = r->room,
                    .status = fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
                    .token = dj->token,
@@ -57,7 +57,9 @@ static void direct_finish(pf_direct *dj) {
   for (size_t i = 0; success && i < upto; i++) {
     const wire_m2 *y = dj->d[i].info->m2;
     if (y->is_dummy) continue;
-    if (dup && kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, y->fence_epoch, &msg)) continue;
+    if (dup && atomic_load(&dj->d[i].carried) &&
+        kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, y->fence_epoch, &msg))
+      continue;
     kvf__pf_send_m3(m, y->endpoint, y->dst_port, y->fence_epoch, &msg);
   }
   /* With the completion trailer the decode had it with the bytes; the M3
@@ -114,7 +116,8 @@ pf_direct *kvf__pf_direct_take_locked(prefill_state *ps, pf_room *r, const pf_ch
   r->busy++; /* until direct_finish: every destination's write ended */
   dj->n = r->ninfos;
   for (size_t i = 0; i < dj->n; i++) {
-    dj->d[i] = (pf_direct_dest){.owner = dj, .info = r->infos[i]};
+    dj->d[i].owner = dj, dj->d[i].info = r->infos[i];
+    atomic_store(&dj->d[i].carried, 0);
     r->infos[i]->refs++;
   }
   return dj;
@@ -130,19 +133,15 @@ void kvf__pf_direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
   if (c->ncand) memcpy(dj->cands, c->cands, c->ncand * sizeof *c->cands);
   dj->bytes = 0;
   atomic_store(&dj->failed, 0);
-  atomic_store(&dj->carried, 0);
   atomic_store(&dj->left, 1); /* this thread's guard: no finish while submitting */
-  size_t nreal = 0;
-  for (size_t i = 0; i < dj->n; i++) nreal += !dj->d[i].info->m2->is_dummy;
   for (size_t i = 0; i < dj->n; i++) {
     const wire_m2 *x = dj->d[i].info->m2;
     if (x->is_dummy) continue;
     pf_send snd = {.c = c,
                    .info = dj->d[i].info,
-                   .nreal = nreal,
                    .on_done = direct_done,
                    .arg = &dj->d[i],
-                   .carried = &dj->carried};
+                   .carried = &dj->d[i].carried};
     atomic_fetch_add(&dj->left, 1); /* before the submit: its callback may run at once */
     int res = kvf__pf_send_dest(ps, sc, &snd, why, sizeof why);
     if (res != DEST_OK) { /* the callback will not run */

@@ -224,10 +224,12 @@ typedef struct pf_scratch {
   wire_digest *dg; /* verify mode: the digest entries of every part */
   size_t cap_dg;
   pf_dest_writes dw;
-  /* per destination of the chunk: done (last chunk), its DEST_* outcome */
+  /* per destination of the chunk: done (last chunk), its DEST_* outcome,
+   * whether the engine took its completion trailer */
   size_t *done;
   int *res;
-  size_t cap_done, cap_res;
+  atomic_int *carried;
+  size_t cap_done, cap_res, cap_carried;
   struct pf_worker *worker; /* the worker thread whose scratch this is (NULL: the direct path's) */
 } pf_scratch;
 
@@ -387,7 +389,8 @@ struct kvf_sender {
 /* One destination of a direct chunk: the engine callback's argument. */
 typedef struct pf_direct_dest {
   struct pf_direct *owner;
-  pf_info *info; /* referenced */
+  pf_info *info;      /* referenced */
+  atomic_int carried; /* the engine took this destination's completion trailer */
 } pf_direct_dest;
 
 /* A direct chunk in flight (see "direct transfers"): from a pool sized once. */
@@ -399,7 +402,6 @@ typedef struct pf_direct {
   int32_t cands[KVF_MAX_CANDIDATES];
   size_t ncand;
   uint64_t bytes;
-  atomic_int carried; /* the engine took the completion trailer (to the room's one real destination) */
   size_t n;           /* the room's infos, dummies included */
   atomic_size_t left; /* engine writes outstanding + the submitter's guard */
   atomic_int failed;
@@ -465,12 +467,11 @@ enum { DEST_OK = 0, DEST_FAIL = 1, DEST_XFER_FAIL = 2 };
 typedef struct pf_send {
   const pf_chunk *c;
   const pf_info *info;
-  size_t nreal; /* the room's real destinations: a completion trailer rides only with one */
   /* direct transfers: the engine reports the write's end here instead of
    * through a batch (kvf__engine_submit_cb); NULL on the worker path */
   void (*on_done)(void *arg, int status);
   void *arg;
-  atomic_int *carried;
+  atomic_int *carried;     /* set to 1 when the engine took the destination's completion trailer (may be NULL) */
   kvf__batch_group *group; /* worker path: the batch joins it (NULL: none) */
   /* set by kvf__pf_send_dest when it returns DEST_OK */
   kvf_batch *batch; /* the write still in flight (worker path), or NULL: done or nothing to write */
@@ -481,6 +482,14 @@ typedef struct pf_send {
  * (the prefill's verify mode), or the decode asked for digests. */
 static inline int pf_verifies(const pf_chunk *c, const wire_m2 *x) {
   return c->digests || (x->room_flags & WIRE_ROOM_VERIFY);
+}
+
+/* Does chunk c carry its completion to destination x as an engine trailer
+ * (docs/WIRE-EXTENSIONS.md, "completion rides the data")? When it is the
+ * room's last, x asked for it (M2 frame 15) and the first token is known;
+ * verify mode sends its digests first (kvf__pf_send_dest) and never does. */
+static inline int pf_trails(const pf_chunk *c, const wire_m2 *x) {
+  return c->is_last && (x->room_flags & WIRE_ROOM_FAST_COMPLETION) && c->token != PF_TOKEN_LATER;
 }
 
 /* rooms_early.c */

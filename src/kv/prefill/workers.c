@@ -167,11 +167,11 @@ static void flight_add(pf_worker *w, pf_chunk *c, size_t n) {
 
 /* May last chunk c be submitted while the worker's window still holds
  * earlier chunks, which are then waited for before its own outcomes (and
- * so before any Success or M3)? Only for a fan-out: with two real
- * destinations or more no completion trailer rides the chunk (a trailer is
- * the decode's Success, which must follow every earlier byte, and earlier
- * chunks may travel on other connections), none verifies (verify mode
- * checks part by part after each write), and every one is fenced, so that
+ * so before any Success or M3)? Only for a fan-out whose destinations take
+ * no completion trailer (a trailer is the decode's Success, which must
+ * follow every earlier byte, and earlier chunks may travel on other
+ * connections), none verifies (verify mode checks part by part after each
+ * write), and every one is fenced, so that
  * should an earlier chunk fail the room, the decodes, told of it, refuse
  * the bytes of this one that arrive after (no late write after Failed, as
  * for the window's own chunks). Saves a fan-out room one round trip of all
@@ -185,7 +185,7 @@ static int last_passes_window(prefill_state *ps, const pf_worker *w, const pf_ch
     const wire_m2 *x = r->infos[i]->m2;
     if (x->is_dummy) continue;
     nreal++;
-    ok = !pf_verifies(c, x) && x->fence_epoch && manager_room_tag(x->room);
+    ok = !pf_verifies(c, x) && !pf_trails(c, x) && x->fence_epoch && manager_room_tag(x->room);
   }
   ok = ok && !r->dead && nreal >= 2;
   pthread_mutex_unlock(&ps->lock);
@@ -219,7 +219,8 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
       kvf__pf_scratch_grow((void **)&sc->done, &sc->cap_done, n ? n : 1, sizeof *sc->done) ||
       kvf__pf_scratch_grow((void **)&sc->dw.batches, &sc->dw.cap_batches, n ? n : 1, sizeof *sc->dw.batches) ||
       kvf__pf_scratch_grow((void **)&sc->dw.dbytes, &sc->dw.cap_dbytes, n ? n : 1, sizeof *sc->dw.dbytes) ||
-      kvf__pf_scratch_grow((void **)&sc->res, &sc->cap_res, n ? n : 1, sizeof *sc->res)) {
+      kvf__pf_scratch_grow((void **)&sc->res, &sc->cap_res, n ? n : 1, sizeof *sc->res) ||
+      kvf__pf_scratch_grow((void **)&sc->carried, &sc->cap_carried, n ? n : 1, sizeof *sc->carried)) {
     const char *oom = "Out of memory in the transfer worker";
     size_t nd = 0;
     pf_dest *d = kvf__pf_fail_room_locked(ps, r, oom, NULL, &nd);
@@ -259,14 +260,17 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
   for (size_t i = 0; i < n && flies; i++) flies = !pf_verifies(c, infos[i]->m2);
   size_t nsub = n; /* destinations [0, nsub) have an outcome */
   int refused = 0; /* a submission failed */
-  for (size_t i = 0; i < n; i++) sc->dw.batches[i] = NULL, sc->dw.dbytes[i] = 0, sc->res[i] = DEST_OK;
+  for (size_t i = 0; i < n; i++) {
+    sc->dw.batches[i] = NULL, sc->dw.dbytes[i] = 0, sc->res[i] = DEST_OK;
+    atomic_store_explicit(&sc->carried[i], 0, memory_order_relaxed);
+  }
   kvf__batch_group *g = dw_group(&sc->dw);
   for (size_t i = 0; i < n; i++) {
     const wire_m2 *x = infos[i]->m2;
     if (x->is_dummy) continue;
     /* In verify mode the write is also confirmed and checked here (its
      * batch comes back NULL). */
-    pf_send snd = {.c = c, .info = infos[i], .nreal = nreal_all, .group = g};
+    pf_send snd = {.c = c, .info = infos[i], .carried = &sc->carried[i], .group = g};
     sc->res[i] = kvf__pf_send_dest(ps, sc, &snd, why, sizeof why);
     sc->dw.batches[i] = snd.batch, sc->dw.dbytes[i] = snd.bytes;
     if (sc->res[i] != DEST_OK) { /* `why` keeps its reason */
@@ -374,6 +378,11 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
                      .ncand = ncd};
     for (size_t k = 0; k < ndone; k++) {
       const wire_m2 *y = infos[done[k]]->m2;
+      /* A destination whose trailer went with its bytes has its Success:
+       * the M3 only repeats it, and may share a trip (m3_outbox.c). */
+      if (msg.status == ROOM_SUCCESS && !r->dead && atomic_load(&sc->carried[done[k]]) &&
+          kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, y->fence_epoch, &msg))
+        continue;
       kvf__pf_send_m3(m, y->endpoint, y->dst_port, y->fence_epoch, &msg);
     }
     if (msg.status == ROOM_SUCCESS) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SENT);
