@@ -336,10 +336,30 @@ static void log_malformed(kvf_engine *e, const char *peer) {
              peer);
 }
 
+/* Read mode: once a connection's notices are served, its worker waits this
+ * long for the next before the connection goes back to the event thread.
+ * A notice that comes meanwhile (a room's next chunk, the next room) is
+ * served at once, without the event thread's wake-up, its hand-off to a
+ * worker and the two epoll changes (about 40 µs of two cores here per
+ * notice); the wait sleeps in poll, and a worker held by it is one of the
+ * pool's, which starts more while other connections have bytes. */
+#define UCX_CTL_LINGER_MS 2
+
+/* Read mode, nothing left to read: 1 when bytes (or the close) arrive
+ * within UCX_CTL_LINGER_MS, 0 when not. */
+static int ctl_linger(ucx_ctl *c) {
+  struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
+  int n;
+  do n = poll(&pfd, 1, UCX_CTL_LINGER_MS);
+  while (n < 0 && errno == EINTR);
+  return n > 0;
+}
+
 /* The messages of a connection a worker took (some bytes arrived): each
  * whole within UCX_CTL_TIMEOUT_MS of its first byte, for as long as more
- * have arrived. 0: nothing more now, the connection goes back to the event
- * thread; otherwise the connection ends. */
+ * have arrived (in read mode, or arrive within UCX_CTL_LINGER_MS). 0:
+ * nothing more now, the connection goes back to the event thread;
+ * otherwise the connection ends. */
 static int ctl_turn(ucx_state *u, ucx_ctl *c) {
   kvf_engine *e = u->e;
   /* Read mode: notices come back to back, read ahead in one buffer. */
@@ -348,6 +368,7 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
   while (!rc && !atomic_load(&u->stopping)) {
     if (c->rb.b && !kvf__ucx_rbuf_waiting(&c->rb)) { /* one recv: whatever arrived, or nothing more now */
       int got = kvf__ucx_rbuf_fill(c->fd, &c->rb);
+      if (!got && ctl_linger(c)) continue;
       if (got <= 0) return got;
     } else if (!c->rb.b) {
       char b;
