@@ -380,7 +380,7 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
       const wire_m2 *y = infos[done[k]]->m2;
       /* A destination whose trailer went with its bytes has its Success:
        * the M3 only repeats it, and may share a trip (m3_outbox.c). */
-      if (msg.status == ROOM_SUCCESS && !r->dead && atomic_load(&sc->carried[done[k]]) &&
+      if (msg.status == ROOM_SUCCESS && atomic_load(&sc->carried[done[k]]) &&
           kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, y->fence_epoch, &msg))
         continue;
       kvf__pf_send_m3(m, y->endpoint, y->dst_port, y->fence_epoch, &msg);
