@@ -17,6 +17,7 @@
 #include <inttypes.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,6 +34,7 @@
 #include "base/clock.h"
 #include "base/hash.h"
 #include "bootstrap/bootstrap.h"
+#include "engine/async.h"
 #include "kv/manager.h"
 #include "kvferry/bootstrap.h"
 #include "kvferry/kv.h"
@@ -1383,6 +1385,65 @@ static void fanout_last_chunk_with_failed_window(void **state) {
   g_transport = NULL;
 }
 
+/* Trailers a fake decode rank's engine received (the decode side's
+ * completion-trailer callback, engine/async.h). */
+static atomic_int g_trailers[2];
+
+static void count_trailer(void *arg, const unsigned char *data, size_t len, const char *peer) {
+  (void)data, (void)len, (void)peer;
+  atomic_fetch_add((atomic_int *)arg, 1);
+}
+
+/* A completion trailer is the decode's Success, so it goes only to a
+ * destination that had every chunk of the room: each one of a fan-out gets
+ * its own (issue 22), but a decode session whose M2 came once the room's
+ * chunks were being written (a restarted decode under a new session, a
+ * stray rank) missed the earlier ones and gets none, though the last chunk
+ * still goes to it. Rank A asks first; B only after A's first chunk landed. */
+static void late_destination_gets_no_trailer(void **state) {
+  (void)state;
+  g_transport = "tcp";
+  fixture f, g;
+  fx_setup(&f, "");
+  fx_second_rank(&g, &f);
+  fixture *rk[2] = {&f, &g};
+  for (int i = 0; i < 2; i++) {
+    atomic_store(&g_trailers[i], 0);
+    assert_int_equal(kvf__engine_on_trailer(rk[i]->eng, count_trailer, &g_trailers[i]), 0);
+  }
+  send_m1(&f);
+  send_m1(&g);
+  wait_received(&f, 2);
+  g_room_flags = WIRE_ROOM_FAST_COMPLETION;
+  int64_t src[] = {1, 3, 5, 7}, dst[2][4] = {{0, 1, 2, 3}, {4, 5, 6, 7}};
+  kvf_sender *s = new_sender(&f, 95);
+  send_m2(&f, 95, dst[0], 4);
+  wait_received(&f, 3);
+  assert_int_equal(send_chunk(s, src, 2, 0, 0, -1, NULL, 0, NULL, 0), 0);
+  kvf_engine_stats es = {0};
+  for (int64_t until = clock_deadline_ms(5000); es.batches_received < 1 && clock_now_ns() < until; sleep_ms(1))
+    kvf_engine_get_stats(f.eng, &es);
+  assert_true(es.batches_received >= 1); /* A's first chunk landed: the room's chunks are being written */
+  send_m2(&g, 95, dst[1], 4);
+  wait_received(&f, 4);
+  assert_int_equal(send_chunk(s, src + 2, 2, 1, 0, 7, NULL, 0, NULL, 0), 0);
+  assert_int_equal(wait_final(s, 8000), KVF_POLL_SUCCESS);
+  expect_success_m3(&f, 95, 7, NULL, 0);
+  check_pages(&f, src, dst[0], 4);
+  kvf_engine_get_stats(g.eng, &es);
+  assert_true(es.batches_received >= 1); /* B had the last chunk, and no trailer with it */
+  assert_int_equal(atomic_load(&g_trailers[0]), 1);
+  assert_int_equal(atomic_load(&g_trailers[1]), 0);
+  kvf_sender_destroy(s);
+  g_room_flags = 0;
+  for (int i = 0; i < 2; i++) kvf__engine_off_trailer(rk[i]->eng, &g_trailers[i]);
+  kvf_manager_destroy(f.m);
+  f.m = NULL;
+  fx_rank_close(&g);
+  fx_teardown(&f);
+  g_transport = NULL;
+}
+
 static void abort_tells_decode(void **state) {
   (void)state;
   fixture f;
@@ -2035,6 +2096,7 @@ int main(void) {
       cmocka_unit_test(fence_refusal_fails_only_that_room),
       cmocka_unit_test(fence_refusal_fails_only_that_room_verify),
       cmocka_unit_test(fanout_last_chunk_with_failed_window),
+      cmocka_unit_test(late_destination_gets_no_trailer),
       cmocka_unit_test(token_after_landing),
       cmocka_unit_test(token_before_landing),
       cmocka_unit_test(token_never_published),

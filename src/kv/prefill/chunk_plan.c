@@ -368,8 +368,7 @@ int kvf__pf_xfer_failed(const pf_room *r, const wire_m2 *x, int rc, char *why, s
  * the M3, which goes out either way, then completes the room alone. */
 static size_t completion_trailer(prefill_state *ps, const pf_send *s, unsigned char *out, size_t cap) {
   const pf_chunk *c = s->c;
-  const wire_m2 *x = s->info->m2;
-  if (!pf_trails(c, x)) return 0;
+  if (!pf_trails(c, s->info)) return 0;
   wire_m3 m3 = {.room = c->r->room,
                 .status = ROOM_SUCCESS,
                 .prefill_rank = ps->m->tp_rank,

@@ -115,6 +115,7 @@ pf_direct *kvf__pf_direct_take_locked(prefill_state *ps, pf_room *r, const pf_ch
   r->refs++;
   r->busy++; /* until direct_finish: every destination's write ended */
   dj->n = r->ninfos;
+  r->written = 1; /* a destination that comes from here on misses this chunk */
   for (size_t i = 0; i < dj->n; i++) {
     dj->d[i].owner = dj, dj->d[i].info = r->infos[i];
     atomic_store(&dj->d[i].carried, 0);

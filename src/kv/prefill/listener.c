@@ -207,6 +207,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   int open = r->has_sender && !r->dead && !kvf__rooms_get_status(m->rooms, r->room, &st0) && st0 != ROOM_SUCCESS &&
              st0 != ROOM_FAILED;
   int moved = open && k < r->ninfos && r->bootstrapped && r->nchunks > 0;
+  info->late = r->written;
   if (k < r->ninfos) {
     kvf__trace_add(&r->tr, TRACE_RETRIES, 1);
     kvf__pf_early_charge(ps, r, cost, r->infos[k]->m2_cap);

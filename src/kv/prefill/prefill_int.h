@@ -171,6 +171,9 @@ typedef struct pf_info { /* one M2, shared with workers */
   wire_fragment *frags_cut; /* owned; NULL unless tokens > 1 */
   int64_t tokens;           /* tokens per page the runs scale by; 0 = plan refused (plan_why) */
   char plan_why[200];
+  /* It came once the room's chunks were being written (pf_room.written):
+   * the earlier ones did not go to it, so no completion trailer does. */
+  int late;
 } pf_info;
 
 /* Per destination of a chunk (fan-out), grow-only: its transfer info
@@ -306,6 +309,7 @@ typedef struct pf_room {
   int dead_told;  /* destroyed, and its decodes told Failed since (once: kvf__pf_dead_room_failed) */
   int has_sender;
   int bootstrapped;
+  int written; /* a chunk of it was taken to be written, to the destinations known then (ps->lock) */
   int shard;
   /* Under its queue's lock: the worker thread that holds the room (one of
    * its chunks is being processed or in that worker's window: `held` of
@@ -484,12 +488,14 @@ static inline int pf_verifies(const pf_chunk *c, const wire_m2 *x) {
   return c->digests || (x->room_flags & WIRE_ROOM_VERIFY);
 }
 
-/* Does chunk c carry its completion to destination x as an engine trailer
+/* Does chunk c carry its completion to destination i as an engine trailer
  * (docs/WIRE-EXTENSIONS.md, "completion rides the data")? When it is the
- * room's last, x asked for it (M2 frame 15) and the first token is known;
- * verify mode sends its digests first (kvf__pf_send_dest) and never does. */
-static inline int pf_trails(const pf_chunk *c, const wire_m2 *x) {
-  return c->is_last && (x->room_flags & WIRE_ROOM_FAST_COMPLETION) && c->token != PF_TOKEN_LATER;
+ * room's last, i asked for it (M2 frame 15), had every earlier chunk (it
+ * came before the room's chunks were written) and the first token is
+ * known; verify mode sends its digests first (kvf__pf_send_dest) and never
+ * does. */
+static inline int pf_trails(const pf_chunk *c, const pf_info *i) {
+  return c->is_last && !i->late && (i->m2->room_flags & WIRE_ROOM_FAST_COMPLETION) && c->token != PF_TOKEN_LATER;
 }
 
 /* rooms_early.c */

@@ -185,7 +185,7 @@ static int last_passes_window(prefill_state *ps, const pf_worker *w, const pf_ch
     const wire_m2 *x = r->infos[i]->m2;
     if (x->is_dummy) continue;
     nreal++;
-    ok = !pf_verifies(c, x) && !pf_trails(c, x) && x->fence_epoch && manager_room_tag(x->room);
+    ok = !pf_verifies(c, x) && !pf_trails(c, r->infos[i]) && x->fence_epoch && manager_room_tag(x->room);
   }
   ok = ok && !r->dead && nreal >= 2;
   pthread_mutex_unlock(&ps->lock);
@@ -231,7 +231,8 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
   pf_info **infos = sc->dw.infos;
   size_t *done = sc->done;
   for (size_t i = 0; i < n; i++) (infos[i] = r->infos[i])->refs++;
-  r->busy++; /* until its batches are destroyed (here or in flight_finish_oldest) */
+  r->written = 1; /* a destination that comes from here on misses this chunk */
+  r->busy++;      /* until its batches are destroyed (here or in flight_finish_oldest) */
   pthread_mutex_unlock(&ps->lock);
 
   uint64_t bytes = 0;
