@@ -102,16 +102,32 @@ int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns) {
 
 _Atomic(kvf__ucx_done_cut_fn) kvf__ucx_done_cut;
 
-int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
-  /* One answer per notice, at once: sending the answers of notices read
-   * ahead together made `kvferry bench rooms --room-pages 256 --inflight 64`
-   * leave rooms unfinished at both ends in about half the runs, with no
-   * transfer pending (not understood yet). */
-  ucx_req done = {UCX_READ_DONE_MAGIC, (uint32_t)status, id};
+/* Does the next message in c's read-ahead look like a notice that arrived
+ * whole? Then serving it reads nothing more from the socket. (A malformed
+ * one is refused when served, after the flush that precedes any refusal
+ * that ends the connection.) */
+static int notice_waits_whole(const ucx_ctl *c) {
+  const ucx_rbuf *r = &c->rb;
+  ucx_notice n;
+  if (!r->b || r->len - r->off < sizeof n) return 0;
+  memcpy(&n, r->b + r->off, sizeof n);
+  if (n.magic != UCX_NOTICE_MAGIC || n.ndesc > UCX_MAX_NOTICE_DESC || n.tlen > KVF_ENGINE_MAX_TRAILER) return 0;
+  return r->len - r->off - sizeof n >= (size_t)n.ndesc * sizeof(kvf_write) + n.tlen;
+}
+
+int kvf__ucx_ctl_flush(ucx_ctl *c) {
+  if (!c->nheld) return 0;
   pthread_mutex_lock(&c->send_mu);
-  int rc = kvf__fd_send_all(c->fd, &done, sizeof done, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  int rc = kvf__fd_send_all(c->fd, c->held, c->nheld * sizeof *c->held, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
   pthread_mutex_unlock(&c->send_mu);
+  c->nheld = 0;
   return rc;
+}
+
+int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
+  c->held[c->nheld++] = (ucx_req){UCX_READ_DONE_MAGIC, (uint32_t)status, id};
+  if (c->nheld < UCX_DONE_BATCH && notice_waits_whole(c)) return 0;
+  return kvf__ucx_ctl_flush(c);
 }
 
 /* ------------------------------------------------------------ host identity */
@@ -367,6 +383,7 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
   int rc = 0;
   while (!rc && !atomic_load(&u->stopping)) {
     if (c->rb.b && !kvf__ucx_rbuf_waiting(&c->rb)) { /* one recv: whatever arrived, or nothing more now */
+      if ((rc = kvf__ucx_ctl_flush(c))) break;
       int got = kvf__ucx_rbuf_fill(c->fd, &c->rb);
       if (!got && ctl_linger(c)) continue;
       if (got <= 0) return got;
@@ -381,6 +398,8 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
     }
     ucx_req r;
     int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
+    /* Answers are held only while a whole notice comes next (kvf__ucx_ctl_done). */
+    if (!notice_waits_whole(c) && (rc = kvf__ucx_ctl_flush(c))) break;
     if ((rc = kvf__ucx_ctl_recv(c, &r.magic, sizeof r.magic, until))) break;
     if (c->read_mode && r.magic == UCX_INFO_MAGIC) {
       rc = kvf__ucx_serve_writer_info(u, c);
@@ -422,6 +441,7 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
     }
     rc = ctl_send_info(u, c, NULL);
   }
+  kvf__ucx_ctl_flush(c); /* reads that were done are still answered */
   if (rc == KVF_EPROTO) log_malformed(e, c->peer);
   return rc ? rc : KVF_ECLOSED; /* stopping */
 }

@@ -324,6 +324,8 @@ typedef struct ucx_job {
  * itself: the fields from read_mode down belong to the serving thread
  * (ucx_read.c), except `closing`. */
 #define UCX_CTL_RBUF (64u * 1024u)
+/* At most this many read-done answers go out in one send (ucx_ctl.held). */
+#define UCX_DONE_BATCH 32u
 
 typedef struct ucx_ctl {
   struct ucx_ctl *next;
@@ -361,6 +363,11 @@ typedef struct ucx_ctl {
   /* The serving thread's read-ahead (UCX_CTL_RBUF bytes, read mode, held
    * only while bytes wait in it). */
   ucx_rbuf rb;
+  /* Read-done answers held back while the next notice already waits whole
+   * in the read-ahead (kvf__ucx_ctl_done), sent with one call before the
+   * serving thread could wait on anything (kvf__ucx_ctl_flush). */
+  ucx_req held[UCX_DONE_BATCH];
+  unsigned nheld;
 } ucx_ctl;
 
 typedef struct ucx_state {
@@ -446,8 +453,14 @@ static inline int kvf__ucx_rbuf_waiting(const ucx_rbuf *r) { return r->len > r->
 /* The serving thread of c: receive exactly `len` bytes through its
  * read-ahead before the deadline. */
 int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns);
-/* The serving thread of c: answer a notice (read done). */
+/* The serving thread of c: answer a notice (read done). The answer is held
+ * back while the next notice already waits whole in the read-ahead (serving
+ * it waits on nothing the writer has still to send), at most
+ * UCX_DONE_BATCH of them, and goes out with the others in one send. */
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id);
+/* Send the answers held back, if any (the serving thread, before anything
+ * that may wait). */
+int kvf__ucx_ctl_flush(ucx_ctl *c);
 /* Test seam (tests/engine/test_ucx.c; NULL in every shipped program): set,
  * and returning n > 0 for this engine, a reading target sends only the
  * first n bytes of its next read-done answer, as a target that stops

@@ -813,6 +813,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   kvf__ucx_done_cut_fn cut = atomic_load(&kvf__ucx_done_cut);
   size_t part = cut ? cut(e) : 0;
   if (part > 0 && part < sizeof(ucx_req)) { /* the test seam: part of the answer, and nothing more */
+    if ((rc = kvf__ucx_ctl_flush(c))) return rc;
     ucx_req d = {UCX_READ_DONE_MAGIC, (uint32_t)status, n.id};
     pthread_mutex_lock(&c->send_mu);
     int sent = kvf__fd_send_all(c->fd, &d, part, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
