@@ -43,7 +43,13 @@ extern "C" {
 
 /* A room's state: the spec's TransferPoll values (docs/PROTOCOL.md §2.1), also
  * the status numbers on the wire. Not an error code: FAILED is 0. Success
- * and Failed are final. */
+ * and Failed are final, with one exception on a decode: when one kvferry
+ * prefill rank writes to several decode ranks (a fan-out, e.g. MLA), each
+ * rank reaches Success as soon as its own bytes are in place, and a rank
+ * that has Success still turns Failed when another rank's write fails the
+ * room (Failed overrides, as in the reference, §2.2). Its own pages are
+ * then whole; combine the ranks' polls (tokenspeed takes their minimum) to
+ * decide about the request. */
 typedef enum kvf_poll_status {
   KVF_POLL_FAILED = 0,
   KVF_POLL_BOOTSTRAPPING = 1,
