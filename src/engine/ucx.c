@@ -103,16 +103,27 @@ int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns) {
 _Atomic(kvf__ucx_done_cut_fn) kvf__ucx_done_cut;
 
 /* Does the next message in c's read-ahead look like a notice that arrived
- * whole? Then serving it reads nothing more from the socket. (A malformed
- * one is refused when served, after the flush that precedes any refusal
- * that ends the connection.) */
-static int notice_waits_whole(const ucx_ctl *c) {
+ * whole and reads at most UCX_DONE_HOLD_BYTES? Then serving it reads
+ * nothing more from the socket and soon ends, so answers may wait for it.
+ * (A malformed one is refused when served, after the flush that precedes
+ * any refusal that ends the connection.) */
+static int small_notice_waits(const ucx_ctl *c) {
   const ucx_rbuf *r = &c->rb;
   ucx_notice n;
   if (!r->b || r->len - r->off < sizeof n) return 0;
   memcpy(&n, r->b + r->off, sizeof n);
-  if (n.magic != UCX_NOTICE_MAGIC || n.ndesc > UCX_MAX_NOTICE_DESC || n.tlen > KVF_ENGINE_MAX_TRAILER) return 0;
-  return r->len - r->off - sizeof n >= (size_t)n.ndesc * sizeof(kvf_write) + n.tlen;
+  if (n.magic != UCX_NOTICE_MAGIC || n.ndesc > UCX_MAX_NOTICE_DESC || n.tlen > KVF_ENGINE_MAX_TRAILER ||
+      r->len - r->off - sizeof n < (size_t)n.ndesc * sizeof(kvf_write) + n.tlen)
+    return 0;
+  uint64_t bytes = 0;
+  for (uint32_t i = 0; i < n.ndesc; i++) {
+    kvf_write w;
+    memcpy(&w, r->b + r->off + sizeof n + (size_t)i * sizeof w, sizeof w);
+    uint64_t count = w.count > 1 ? w.count : 1;
+    if (w.len > UCX_DONE_HOLD_BYTES || count > UCX_DONE_HOLD_BYTES) return 0;
+    if ((bytes += w.len * count) > UCX_DONE_HOLD_BYTES) return 0;
+  }
+  return 1;
 }
 
 int kvf__ucx_ctl_flush(ucx_ctl *c) {
@@ -126,7 +137,7 @@ int kvf__ucx_ctl_flush(ucx_ctl *c) {
 
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
   c->held[c->nheld++] = (ucx_req){UCX_READ_DONE_MAGIC, (uint32_t)status, id};
-  if (c->nheld < UCX_DONE_BATCH && notice_waits_whole(c)) return 0;
+  if (c->nheld < UCX_DONE_BATCH && small_notice_waits(c)) return 0;
   return kvf__ucx_ctl_flush(c);
 }
 
@@ -398,8 +409,8 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
     }
     ucx_req r;
     int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-    /* Answers are held only while a whole notice comes next (kvf__ucx_ctl_done). */
-    if (!notice_waits_whole(c) && (rc = kvf__ucx_ctl_flush(c))) break;
+    /* Answers are held only while a small whole notice comes next (kvf__ucx_ctl_done). */
+    if (!small_notice_waits(c) && (rc = kvf__ucx_ctl_flush(c))) break;
     if ((rc = kvf__ucx_ctl_recv(c, &r.magic, sizeof r.magic, until))) break;
     if (c->read_mode && r.magic == UCX_INFO_MAGIC) {
       rc = kvf__ucx_serve_writer_info(u, c);

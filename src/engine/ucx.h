@@ -324,8 +324,11 @@ typedef struct ucx_job {
  * itself: the fields from read_mode down belong to the serving thread
  * (ucx_read.c), except `closing`. */
 #define UCX_CTL_RBUF (64u * 1024u)
-/* At most this many read-done answers go out in one send (ucx_ctl.held). */
+/* At most this many read-done answers go out in one send (ucx_ctl.held),
+ * held only while the next notice reads at most UCX_DONE_HOLD_BYTES (so an
+ * answer waits for a few small copies, never for a layer's). */
 #define UCX_DONE_BATCH 32u
+#define UCX_DONE_HOLD_BYTES (256u * 1024u)
 
 typedef struct ucx_ctl {
   struct ucx_ctl *next;
@@ -454,9 +457,10 @@ static inline int kvf__ucx_rbuf_waiting(const ucx_rbuf *r) { return r->len > r->
  * read-ahead before the deadline. */
 int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns);
 /* The serving thread of c: answer a notice (read done). The answer is held
- * back while the next notice already waits whole in the read-ahead (serving
- * it waits on nothing the writer has still to send), at most
- * UCX_DONE_BATCH of them, and goes out with the others in one send. */
+ * back while the next notice already waits whole in the read-ahead and is
+ * small (serving it waits on nothing the writer has still to send, and
+ * soon ends), at most UCX_DONE_BATCH of them, and goes out with the others
+ * in one send. */
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id);
 /* Send the answers held back, if any (the serving thread, before anything
  * that may wait). */
