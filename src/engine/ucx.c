@@ -137,8 +137,7 @@ int kvf__ucx_ctl_flush(ucx_ctl *c) {
 
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id) {
   c->held[c->nheld++] = (ucx_req){UCX_READ_DONE_MAGIC, (uint32_t)status, id};
-  if (c->nheld < UCX_DONE_BATCH && small_notice_waits(c)) return 0;
-  return kvf__ucx_ctl_flush(c);
+  return c->nheld < UCX_DONE_BATCH ? 0 : kvf__ucx_ctl_flush(c);
 }
 
 /* ------------------------------------------------------------ host identity */
@@ -409,7 +408,8 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
     }
     ucx_req r;
     int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-    /* Answers are held only while a small whole notice comes next (kvf__ucx_ctl_done). */
+    /* Answers held (kvf__ucx_ctl_done) wait only for a small notice that
+     * arrived whole; anything else may wait, so they go out first. */
     if (!small_notice_waits(c) && (rc = kvf__ucx_ctl_flush(c))) break;
     if ((rc = kvf__ucx_ctl_recv(c, &r.magic, sizeof r.magic, until))) break;
     if (c->read_mode && r.magic == UCX_INFO_MAGIC) {

@@ -457,10 +457,10 @@ static inline int kvf__ucx_rbuf_waiting(const ucx_rbuf *r) { return r->len > r->
  * read-ahead before the deadline. */
 int kvf__ucx_ctl_recv(ucx_ctl *c, void *buf, size_t len, int64_t deadline_ns);
 /* The serving thread of c: answer a notice (read done). The answer is held
- * back while the next notice already waits whole in the read-ahead and is
- * small (serving it waits on nothing the writer has still to send, and
- * soon ends), at most UCX_DONE_BATCH of them, and goes out with the others
- * in one send. */
+ * (sent at once when UCX_DONE_BATCH are held); the serving loop (ucx.c,
+ * ctl_turn) sends what is held before it reads anything but a small notice
+ * that already waits whole in the read-ahead (serving that waits on nothing
+ * the writer has still to send, and soon ends), and before it leaves. */
 int kvf__ucx_ctl_done(ucx_ctl *c, int status, uint64_t id);
 /* Send the answers held back, if any (the serving thread, before anything
  * that may wait). */
