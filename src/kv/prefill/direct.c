@@ -45,10 +45,6 @@ static void direct_finish(pf_direct *dj) {
     fin = ROOM_SUCCESS, success = 1;
   }
   pthread_mutex_unlock(&ps->lock);
-  /* A destination whose trailer went with its bytes has its Success: its
-   * M3 is a duplicate and may wait for others to share the trip
-   * (m3_outbox.c). */
-  int dup = fin == ROOM_SUCCESS;
   pf_m3_msg msg = {.room = r->room,
                    .status = fin == ROOM_SUCCESS ? ROOM_SUCCESS : ROOM_FAILED,
                    .token = dj->token,
@@ -57,10 +53,7 @@ static void direct_finish(pf_direct *dj) {
   for (size_t i = 0; success && i < upto; i++) {
     const wire_m2 *y = dj->d[i].info->m2;
     if (y->is_dummy) continue;
-    if (dup && atomic_load(&dj->d[i].carried) &&
-        kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, y->fence_epoch, &msg))
-      continue;
-    kvf__pf_send_m3(m, y->endpoint, y->dst_port, y->fence_epoch, &msg);
+    kvf__pf_m3_to(ps, y, atomic_load(&dj->d[i].carried), &msg);
   }
   /* With the completion trailer the decode had it with the bytes; the M3
    * (maybe deferred) only repeats it. Either way it has left this side. */

@@ -60,7 +60,9 @@ void kvf__pf_m3_flush(prefill_state *ps, int all) {
   pthread_mutex_unlock(&ps->m3_send_lock);
 }
 
-int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, uint64_t epoch, const pf_m3_msg *msg) {
+/* Queue an M3 Success: 1 when queued (it goes out within about
+ * PF_M3_DEFER_MS), 0 when the caller must send it now. */
+static int m3_defer(prefill_state *ps, const char *host, uint16_t port, uint64_t epoch, const pf_m3_msg *msg) {
   if (msg->status != ROOM_SUCCESS || msg->ncand > KVF_MAX_CANDIDATES || strlen(host) >= sizeof ps->m3q[0].d.host)
     return 0;
   pthread_mutex_lock(&ps->m3_lock);
@@ -99,4 +101,9 @@ int kvf__pf_m3_tick(kvf_manager *m) {
     return -1;
   }
   return (int)((left + 999999) / 1000000); /* wake when it is due */
+}
+
+void kvf__pf_m3_to(prefill_state *ps, const wire_m2 *y, int carried, const pf_m3_msg *msg) {
+  if (carried && m3_defer(ps, y->endpoint, y->dst_port, y->fence_epoch, msg)) return;
+  kvf__pf_send_m3(ps->m, y->endpoint, y->dst_port, y->fence_epoch, msg);
 }

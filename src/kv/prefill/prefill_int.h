@@ -642,11 +642,11 @@ void kvf__pf_direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c);
 /* m3_outbox.c */
 int kvf__pf_m3_init(prefill_state *ps);
 void kvf__pf_m3_free(prefill_state *ps);
-/* Queue an M3 Success that duplicates a completion the decode already took
- * from the engine trailer: 1 when queued (it goes out within about
- * PF_M3_DEFER_MS), 0 when the caller must send it now. Any thread without
- * ps->lock. */
-int kvf__pf_m3_defer(prefill_state *ps, const char *host, uint16_t port, uint64_t epoch, const pf_m3_msg *msg);
+/* The M3 msg to destination y, now; but an M3 Success for a destination
+ * whose completion trailer the engine took (`carried`) only repeats what
+ * the decode had with its bytes, and waits in the outbox to share a trip
+ * (at most about PF_M3_DEFER_MS). Any thread without ps->lock. */
+void kvf__pf_m3_to(prefill_state *ps, const wire_m2 *y, int carried, const pf_m3_msg *msg);
 /* Send the queued M3s: all of them, or (all 0) if full or due. Any thread
  * without ps->lock. */
 void kvf__pf_m3_flush(prefill_state *ps, int all);

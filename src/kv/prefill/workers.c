@@ -377,15 +377,8 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
                      .token = tok,
                      .cands = cd,
                      .ncand = ncd};
-    for (size_t k = 0; k < ndone; k++) {
-      const wire_m2 *y = infos[done[k]]->m2;
-      /* A destination whose trailer went with its bytes has its Success:
-       * the M3 only repeats it, and may share a trip (m3_outbox.c). */
-      if (msg.status == ROOM_SUCCESS && atomic_load(&sc->carried[done[k]]) &&
-          kvf__pf_m3_defer(ps, y->endpoint, y->dst_port, y->fence_epoch, &msg))
-        continue;
-      kvf__pf_send_m3(m, y->endpoint, y->dst_port, y->fence_epoch, &msg);
-    }
+    for (size_t k = 0; k < ndone; k++)
+      kvf__pf_m3_to(ps, infos[done[k]]->m2, atomic_load(&sc->carried[done[k]]), &msg);
     if (msg.status == ROOM_SUCCESS) kvf__trace_now(&r->tr, KVF_TRACE_COMPLETION_SENT);
     if (late && fin == ROOM_SUCCESS) recheck_after_m3(ps, r, c);
   }
