@@ -122,10 +122,15 @@ static void conn_send_locked(tcp_conn *c, chunk *ch) {
   pthread_mutex_lock(&c->q_lock);
   c->sending_deadline_ns = 0;
   pthread_mutex_unlock(&c->q_lock);
-  if (rc) kvf__chunk_fail(ch, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED); /* acknowledged before it went */
+  /* A send cut short by another thread's conn_fail (the reader's deadline
+   * watch shuts the socket down, so the send sees EPIPE) reports that
+   * failure, set before the shutdown, not the broken pipe it caused. */
+  int err = rc ? atomic_load(&c->dead) : 0;
+  if (rc && !err) err = rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED;
+  if (err) kvf__chunk_fail(ch, err); /* acknowledged before it went */
   kvf__chunk_release(ch);
   if (descs != descs_small) free(descs);
-  if (rc) conn_fail(c, rc == KVF_ETIMEDOUT ? KVF_ETIMEDOUT : KVF_ECLOSED);
+  if (err) conn_fail(c, err);
 }
 
 static void *conn_writer_main(void *arg) {
