@@ -38,6 +38,7 @@ typedef struct room_entry {
   char *reason;
   void *user;
   int64_t init_time_ns;
+  uint64_t use; /* this use of the room id (rooms.h, "Uses") */
   struct room_entry *next_spare;
 } room_entry;
 
@@ -55,6 +56,7 @@ struct rooms {
   size_t nspare;
   atomic_int efd; /* kvf__rooms_event_fd's eventfd; -1 until asked for */
   int signaled;   /* efd written since the last kvf__rooms_event_clear */
+  uint64_t uses;  /* the last use stamp given */
 };
 
 /* Under t->mu: a room changed; wake whoever sleeps on the event fd (one
@@ -126,6 +128,12 @@ static room_entry *find(rooms *t, int64_t room) {
   room_entry *e = find_any(t, room);
   return e && !e->early ? e : NULL;
 }
+/* The live room in its use `use` (any use when 0): another use reads as
+ * absent. */
+static room_entry *find_use(rooms *t, int64_t room, uint64_t use) {
+  room_entry *e = find(t, room);
+  return e && (!use || e->use == use) ? e : NULL;
+}
 
 static size_t nlive(rooms *t) { return kvf__map_size(&t->m) - t->nearly; }
 
@@ -148,6 +156,7 @@ static int insert(rooms *t, int64_t room, int status, int early, void *user) {
   e->pending_token = -1;
   e->final_token = -1;
   e->init_time_ns = -1;
+  e->use = ++t->uses;
   e->user = user;
   int rc = kvf__map_put(&t->m, (uint64_t)room, e, NULL);
   if (rc != 0) {
@@ -174,6 +183,7 @@ int kvf__rooms_create(rooms *t, int64_t room, int status) {
   } else { /* the early room becomes live, with its user pointer */
     e->early = 0;
     e->status = status;
+    e->use = ++t->uses;
     t->nearly--;
     t->st.created++;
   }
@@ -271,11 +281,11 @@ static void fail_entry(rooms *t, room_entry *e, char *r) {
 }
 
 /* kvf__rooms_fail and kvf__rooms_fail_unless_success. */
-static int fail_room(rooms *t, int64_t room, const char *reason, int spare_success, int *failed) {
+static int fail_room(rooms *t, int64_t room, uint64_t use, const char *reason, int spare_success, int *failed) {
   char *r = reason_dup(reason);
   int rc = 0, did = 0;
   pthread_mutex_lock(&t->mu);
-  room_entry *e = find(t, room);
+  room_entry *e = find_use(t, room, use);
   if (!e) {
     t->st.dropped_unknown++;
     rc = KVF_ENOTFOUND;
@@ -292,10 +302,14 @@ static int fail_room(rooms *t, int64_t room, const char *reason, int spare_succe
   return rc;
 }
 
-int kvf__rooms_fail(rooms *t, int64_t room, const char *reason) { return fail_room(t, room, reason, 0, NULL); }
+int kvf__rooms_fail(rooms *t, int64_t room, const char *reason) { return fail_room(t, room, 0, reason, 0, NULL); }
+
+int kvf__rooms_fail_use(rooms *t, int64_t room, uint64_t use, const char *reason) {
+  return fail_room(t, room, use, reason, 0, NULL);
+}
 
 int kvf__rooms_fail_unless_success(rooms *t, int64_t room, const char *reason, int *failed) {
-  return fail_room(t, room, reason, 1, failed);
+  return fail_room(t, room, 0, reason, 1, failed);
 }
 
 int kvf__rooms_reset_responses(rooms *t, int64_t room, int status) {
@@ -311,6 +325,7 @@ int kvf__rooms_reset_responses(rooms *t, int64_t room, int status) {
     if (e->resp_hi) memset(e->resp_hi, 0, HI_WORDS * sizeof *e->resp_hi);
     e->pending_token = e->final_token = -1;
     e->npending_cands = e->nfinal_cands = 0;
+    e->use = ++t->uses;
     if (e->status != ROOM_FAILED && e->status != status) {
       e->status = status;
       changed_locked(t);
@@ -369,8 +384,8 @@ static int add_responder(room_entry *e, int rank) {
   return 1;
 }
 
-int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token, const int32_t *cands,
-                               size_t ncand, int *became_success) {
+int kvf__rooms_record_response(rooms *t, int64_t room, uint64_t use, int prefill_rank, int64_t token,
+                               const int32_t *cands, size_t ncand, int *became_success) {
   int rc = 0, became = 0;
   if (ncand > ROOMS_MAX_CANDS || prefill_rank < 0 || prefill_rank >= ROOMS_MAX_RANKS || (ncand && !cands)) {
     pthread_mutex_lock(&t->mu);
@@ -379,7 +394,7 @@ int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t
     return ncand > ROOMS_MAX_CANDS ? KVF_ETOOBIG : KVF_EINVAL;
   }
   pthread_mutex_lock(&t->mu);
-  room_entry *e = find(t, room);
+  room_entry *e = find_use(t, room, use);
   if (!e) {
     t->st.dropped_unknown++;
     rc = KVF_ENOTFOUND;
@@ -506,13 +521,21 @@ int kvf__rooms_set_user(rooms *t, int64_t room, void *user) { return with_entry(
 
 int kvf__rooms_get_user(rooms *t, int64_t room, void **user) { return with_entry(t, room, 1, take_user, user); }
 
-int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg) {
+int kvf__rooms_with_user_use(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg,
+                             uint64_t *use) {
   int rc = KVF_ENOTFOUND;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
-  if (e) rc = pred(e->user, arg);
+  if (e) {
+    rc = pred(e->user, arg);
+    if (use) *use = e->use;
+  }
   pthread_mutex_unlock(&t->mu);
   return rc;
+}
+
+int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg) {
+  return kvf__rooms_with_user_use(t, room, pred, arg, NULL);
 }
 
 int kvf__rooms_set_init_time(rooms *t, int64_t room, int64_t ns) {

@@ -32,6 +32,15 @@
  * The decode's receiver is owned by its caller; the status listener reads
  * it only through kvf__rooms_with_user's predicate.
  *
+ * Uses. A room id may be used again: created anew after a clear, or reset
+ * by kvf__rooms_reset_responses (the decode's repeated init). Each use gets
+ * a stamp, unique in the table. A message checked against one use (a
+ * predicate of kvf__rooms_with_user_use) acts on that use only
+ * (kvf__rooms_record_response, kvf__rooms_fail_use): between the check and
+ * the act the caller's thread may lose the CPU while the id's owner ends the
+ * use and starts the next, which an answer to the earlier use must not
+ * complete or fail.
+ *
  * Functions return 0 or a negative KVF_E* code and set output parameters
  * only on success. Nothing here logs: callers know the peer and log once. */
 #ifndef KVF_KV_ROOMS_H
@@ -120,6 +129,9 @@ int kvf__rooms_get_info(rooms *t, int64_t room, rooms_info *out);
  * an earlier one) and mark the room Failed, overriding even Success. Unknown
  * room: KVF_ENOTFOUND, counted in dropped_unknown, nothing stored. */
 int kvf__rooms_fail(rooms *t, int64_t room, const char *reason);
+/* kvf__rooms_fail, only while the room is in use `use` (see "Uses";
+ * another use: KVF_ENOTFOUND, counted in dropped_unknown). */
+int kvf__rooms_fail_use(rooms *t, int64_t room, uint64_t use, const char *reason);
 /* kvf__rooms_fail unless the room is Success already (checked and set under
  * one lock: a Success that wins the race stands). *failed (may be NULL):
  * whether this call failed it. */
@@ -147,11 +159,12 @@ int kvf__rooms_set_required(rooms *t, int64_t room, int required);
  * Success, so a poller that sees Success can pop them. `cands` may be NULL
  * when ncand is 0; ncand 0 means "no candidates" (an empty wire frame).
  * *became_success (may be NULL) is 1 iff this call moved the room to Success.
- * Unknown room: KVF_ENOTFOUND, counted, nothing created. Rank outside
+ * `use` != 0: only while the room is in that use ("Uses"). Unknown room (or
+ * another use): KVF_ENOTFOUND, counted, nothing created. Rank outside
  * [0, ROOMS_MAX_RANKS): KVF_EINVAL; ncand > ROOMS_MAX_CANDS: KVF_ETOOBIG
  * (both counted in rejected_invalid, room untouched). */
-int kvf__rooms_record_response(rooms *t, int64_t room, int prefill_rank, int64_t token, const int32_t *cands,
-                               size_t ncand, int *became_success);
+int kvf__rooms_record_response(rooms *t, int64_t room, uint64_t use, int prefill_rank, int64_t token,
+                               const int32_t *cands, size_t ncand, int *became_success);
 
 /* Take the published token (-1 if none) and candidates out of a live room.
  * Candidates are copied into cands (capacity cap; ROOMS_MAX_CANDS always
@@ -179,6 +192,8 @@ int kvf__rooms_get_user(rooms *t, int64_t room, void **user);
  * table). Returns pred's answer (pred returns 0 or more), KVF_ENOTFOUND if
  * not live. */
 int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg);
+/* The same, and *use (may be NULL) gets the stamp of the use pred saw. */
+int kvf__rooms_with_user_use(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg, uint64_t *use);
 /* Time (any clock the caller chooses, e.g. clock_now_ns) the last transfer
  * request was sent, for the waiting timeout. */
 int kvf__rooms_set_init_time(rooms *t, int64_t room, int64_t ns);

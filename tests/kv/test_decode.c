@@ -7,6 +7,7 @@
  * Every wait is bounded in time. */
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -24,6 +25,7 @@
 #include "base/clock.h"
 #include "bootstrap/bootstrap.h"
 #include "engine/async.h"
+#include "kv/decode/decode_int.h"
 #include "kv/manager.h"
 #include "kvferry.h"
 #include "wire/messages.h"
@@ -259,13 +261,18 @@ static uint64_t wait_counter(fixture *f, size_t offset, uint64_t want, double li
 
 /* The fake prefill's engine writes `len` bytes of `src` to the decode's K
  * buffer at page `page`, with an M3 for `room` behind them as a completion
- * trailer (packed as a kvferry prefill packs it; `garble` breaks it). */
+ * trailer (packed as a kvferry prefill packs it, naming fence epoch `epoch`,
+ * 0: none; `garble` breaks it). */
 static int write_with_completion(fixture *f, kvf_engine *eng, const uint8_t *src, int64_t page, int64_t room,
-                                 int64_t token, int garble) {
+                                 int64_t token, uint64_t epoch, int garble) {
   kvf_write w = {.src = (uint64_t)(uintptr_t)src,
                  .dst = (uint64_t)(uintptr_t)(f->kbuf + page * ITEM),
                  .len = ITEM};
-  wire_m3 m3 = {.room = room, .status = WIRE_STATUS_SUCCESS, .prefill_rank = 0, .bootstrap_token = token};
+  wire_m3 m3 = {.room = room,
+                .status = WIRE_STATUS_SUCCESS,
+                .prefill_rank = 0,
+                .bootstrap_token = token,
+                .fence_epoch = epoch};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   unsigned char tb[KVF_ENGINE_MAX_TRAILER];
@@ -311,7 +318,7 @@ static void completion_trailer_rules(void **state) {
 
   /* Early: the bytes land (the decode's memory is registered), the
    * completion does not count. */
-  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 5, 0), 0);
+  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 5, 0, 0), 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
   stats(f, &s);
   assert_int_equal(s.messages_forged, s0.messages_forged + 1);
@@ -324,22 +331,32 @@ static void completion_trailer_rules(void **state) {
   char why[WIRE_REASON_LEN];
   assert_int_equal(kvf__wire_m2_decode(rm.frames, rm.n, &m2, why), 0);
   assert_true(m2.room_flags & WIRE_ROOM_FAST_COMPLETION);
+  uint64_t epoch = m2.fence_epoch;
+  assert_true(epoch != 0);
   kvf__wire_m2_free(&m2);
   raw_free(&rm);
   int waiting = kvf_receiver_poll(r);
   assert_true(waiting != KVF_POLL_SUCCESS && waiting != KVF_POLL_FAILED);
 
   /* Malformed: rejected, no Success. */
-  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 5, 1), 0);
+  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 5, 0, 1), 0);
   assert_int_equal(kvf_receiver_poll(r), waiting);
   stats(f, &s);
   assert_int_equal(s.messages_malformed, s0.messages_malformed + 1);
   /* For another room: not live, nothing happens to this one. */
-  assert_int_equal(write_with_completion(f, eng, src, 2, 31, 5, 0), 0);
+  assert_int_equal(write_with_completion(f, eng, src, 2, 31, 5, 0, 0), 0);
   assert_int_equal(kvf_receiver_poll(r), waiting);
 
+  /* For an earlier use of the room id (another fence epoch; its M3 came
+   * first and the room was used again): dropped as stale, no Success. */
+  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 5, epoch + 1, 0), 0);
+  assert_int_equal(kvf_receiver_poll(r), waiting);
+  stats(f, &s);
+  assert_int_equal(s.messages_unknown_room, s0.messages_unknown_room + 1);
+  assert_int_equal(f->m->stats.completions_fast, 0);
+
   /* Good: Success with no M3, once the bytes are in place. */
-  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 77, 0), 0);
+  assert_int_equal(write_with_completion(f, eng, src, 2, 30, 77, epoch, 0), 0);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
   assert_int_equal(f->m->stats.completions_fast, 1);
   assert_memory_equal(f->kbuf + 2 * ITEM, src, ITEM);
@@ -1241,6 +1258,60 @@ static void reinit_forgets_earlier_responses(void **state) {
   teardown(f);
 }
 
+/* The seam below holds the listener's thread after it checked an M3 for
+ * room 93, until the test lets it go (bounded). */
+static atomic_int g_m3_held, g_m3_go;
+
+static void hold_m3_of_93(int64_t room) {
+  if (room != 93) return;
+  atomic_store(&g_m3_held, 1);
+  for (int i = 0; i < 5000 && !atomic_load(&g_m3_go); i++) usleep(1000);
+}
+
+/* An M3 checked against one use of a room id acts on that use only: one
+ * that passed its checks for the first init, then lost the CPU while the
+ * caller initialised the room again, does not complete the new request
+ * (rooms.h, "Uses"; seen once under TSan as a new use ending Success with
+ * no transfer). */
+static void m3_checked_before_a_reinit_does_not_complete_it(void **state) {
+  (void)state;
+  fixture *f = setup_default();
+  kvf_receiver *r = NULL;
+  raw_msg rm;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 93, &r), 0);
+  assert_int_equal(recv_raw(f->pull, &rm), 0); /* M1 */
+  raw_free(&rm);
+  init_one(r);
+  assert_int_equal(recv_raw(f->pull, &rm), 0); /* M2 */
+  raw_free(&rm);
+  atomic_store(&g_m3_held, 0);
+  atomic_store(&g_m3_go, 0);
+  atomic_store(&kvf__dec_m3_checked, hold_m3_of_93);
+  send_m3(f, 93, WIRE_STATUS_SUCCESS, 0, 5, NULL, 0); /* answers the first init */
+  for (int i = 0; i < 5000 && !atomic_load(&g_m3_held); i++) usleep(1000);
+  assert_true(atomic_load(&g_m3_held));
+  int64_t pages2[1] = {3};
+  assert_int_equal(kvf_receiver_init(r, pages2, 1, 0, 0, NULL, 0), 0); /* the next request */
+  assert_int_equal(recv_raw(f->pull, &rm), 0);                         /* its M2 */
+  raw_free(&rm);
+  kvf_manager_stats s;
+  stats(f, &s);
+  atomic_store(&g_m3_go, 1);
+  assert_int_equal(wait_counter(f, offsetof(kvf_manager_stats, messages_unknown_room), s.messages_unknown_room + 1,
+                                5),
+                   s.messages_unknown_room + 1);
+  atomic_store(&kvf__dec_m3_checked, NULL);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  send_m3(f, 93, WIRE_STATUS_SUCCESS, 0, 6, NULL, 0);
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  int64_t tok = 0;
+  size_t n = 0;
+  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &n), 0);
+  assert_int_equal(tok, 6);
+  kvf_receiver_destroy(r);
+  teardown(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(shared_engine_register_failure),
@@ -1266,6 +1337,7 @@ int main(void) {
       cmocka_unit_test(late_m3_before_init_does_not_count),
       cmocka_unit_test(m3_rank_must_be_planned),
       cmocka_unit_test(reinit_forgets_earlier_responses),
+      cmocka_unit_test(m3_checked_before_a_reinit_does_not_complete_it),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

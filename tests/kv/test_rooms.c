@@ -88,7 +88,7 @@ static void early_rooms_are_not_live(void **state) {
   assert_int_equal(kvf__rooms_get_status(t, 1, &s), KVF_ENOTFOUND);
   assert_int_equal(kvf__rooms_update(t, 1, ROOM_SUCCESS, NULL), KVF_ENOTFOUND);
   assert_int_equal(kvf__rooms_fail(t, 1, "x"), KVF_ENOTFOUND);
-  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 5, NULL, 0, NULL), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 0, 5, NULL, 0, NULL), KVF_ENOTFOUND);
   assert_int_equal(live_count(t), 0);
   assert_int_equal(kvf__rooms_get_user(t, 1, &u), 0);
   assert_ptr_equal(u, &a);
@@ -145,7 +145,7 @@ static void reuse_after_clear(void **state) {
   assert_int_equal(kvf__rooms_create(t, room, ROOM_BOOTSTRAPPING), 0);
   assert_int_equal(kvf__rooms_create(t, room, ROOM_BOOTSTRAPPING), KVF_EEXIST);
   assert_int_equal(kvf__rooms_set_required(t, room, 2), 0);
-  assert_int_equal(kvf__rooms_record_response(t, room, 0, 1734, NULL, 0, NULL), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, 0, 1734, NULL, 0, NULL), 0);
   assert_int_equal(kvf__rooms_fail(t, room, "first life"), 0);
   int dummy = 5;
   assert_int_equal(kvf__rooms_set_user(t, room, &dummy), 0);
@@ -171,7 +171,7 @@ static void reuse_after_clear(void **state) {
   assert_string_equal(buf, "");
   /* With the default of one responder a single Success completes it. */
   int became = 0;
-  assert_int_equal(kvf__rooms_record_response(t, room, 0, 42, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, 0, 42, NULL, 0, &became), 0);
   assert_int_equal(became, 1);
   int64_t tok;
   assert_int_equal(pop_token(t, room, &tok), 0);
@@ -221,7 +221,7 @@ static void unknown_room_messages_dropped(void **state) {
   assert_int_equal(kvf__rooms_fail(t, 9, "Failed to get kvcache from prefill instance, it might be dead"),
                    KVF_ENOTFOUND);
   int became = 7;
-  assert_int_equal(kvf__rooms_record_response(t, 9, 0, 5, cands, 2, &became), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_record_response(t, 9, 0, 0, 5, cands, 2, &became), KVF_ENOTFOUND);
   assert_int_equal(became, 7); /* outputs untouched on failure */
   assert_int_equal(live_count(t), 0);
   int s;
@@ -245,6 +245,50 @@ static void unknown_room_messages_dropped(void **state) {
   kvf__rooms_table_free(t, NULL);
 }
 
+static int any_user(void *user, void *arg) {
+  (void)user, (void)arg;
+  return 1;
+}
+
+/* A message checked against one use of a room id acts on that use only:
+ * after a reset (the decode's repeated init) or a clear and create, its
+ * Success or Failed is dropped as for an unknown room; on the use it was
+ * checked against it counts. */
+static void answers_act_on_the_use_they_were_checked_against(void **state) {
+  (void)state;
+  rooms *t = new_table(0);
+  uint64_t u1 = 0, u2 = 0, u3 = 0, u4 = 0;
+  assert_int_equal(kvf__rooms_create(t, 8, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_with_user_use(t, 8, any_user, NULL, &u1), 1);
+  assert_true(u1 != 0);
+  assert_int_equal(kvf__rooms_reset_responses(t, 8, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_with_user_use(t, 8, any_user, NULL, &u2), 1);
+  assert_true(u2 != u1);
+  rooms_stats st;
+  kvf__rooms_get_stats(t, &st);
+  uint64_t dropped = st.dropped_unknown;
+  assert_int_equal(kvf__rooms_record_response(t, 8, u1, 0, 7, NULL, 0, NULL), KVF_ENOTFOUND);
+  assert_int_equal(kvf__rooms_fail_use(t, 8, u1, "stale"), KVF_ENOTFOUND);
+  assert_int_equal(status_of(t, 8), ROOM_BOOTSTRAPPED);
+  kvf__rooms_get_stats(t, &st);
+  assert_int_equal(st.dropped_unknown, dropped + 2);
+  /* Cleared and created again: another use again. */
+  assert_int_equal(kvf__rooms_clear(t, 8, NULL), 0);
+  assert_int_equal(kvf__rooms_create(t, 8, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_with_user_use(t, 8, any_user, NULL, &u3), 1);
+  assert_true(u3 != u1 && u3 != u2);
+  assert_int_equal(kvf__rooms_record_response(t, 8, u2, 0, 7, NULL, 0, NULL), KVF_ENOTFOUND);
+  assert_int_equal(status_of(t, 8), ROOM_BOOTSTRAPPED);
+  /* The use it was checked against, or any (0): it counts. */
+  assert_int_equal(kvf__rooms_record_response(t, 8, u3, 0, 7, NULL, 0, NULL), 0);
+  assert_int_equal(status_of(t, 8), ROOM_SUCCESS);
+  assert_int_equal(kvf__rooms_reset_responses(t, 8, ROOM_BOOTSTRAPPED), 0);
+  assert_int_equal(kvf__rooms_with_user_use(t, 8, any_user, NULL, &u4), 1);
+  assert_int_equal(kvf__rooms_fail_use(t, 8, u4, "now"), 0);
+  assert_int_equal(status_of(t, 8), ROOM_FAILED);
+  kvf__rooms_table_free(t, NULL);
+}
+
 /* Two responders expected; a duplicate counts once; the first valid token
  * and candidates win even when they come from the first responder; nothing
  * is published before the count is reached. */
@@ -256,9 +300,9 @@ static void first_token_wins_two_responders(void **state) {
   assert_int_equal(kvf__rooms_set_required(t, room, 2), 0);
   int became = -1;
   /* Rank 1 first, with no token: must not block rank 0's token later. */
-  assert_int_equal(kvf__rooms_record_response(t, room, 1, -1, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, 1, -1, NULL, 0, &became), 0);
   assert_int_equal(became, 0);
-  assert_int_equal(kvf__rooms_record_response(t, room, 1, 1734, a, 3, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, 1, 1734, a, 3, &became), 0);
   assert_int_equal(became, 0);
   assert_int_equal(status_of(t, room), ROOM_BOOTSTRAPPED);
   int64_t tok;
@@ -273,7 +317,7 @@ static void first_token_wins_two_responders(void **state) {
   assert_int_equal(info.responded, 1);
   assert_int_equal(info.required, 2);
   /* Rank 0 completes the set; its different token/candidates lose. */
-  assert_int_equal(kvf__rooms_record_response(t, room, 0, 555, b, 2, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, 0, 555, b, 2, &became), 0);
   assert_int_equal(became, 1);
   assert_int_equal(status_of(t, room), ROOM_SUCCESS);
   /* Candidate buffer too small: nothing is taken. */
@@ -290,7 +334,7 @@ static void first_token_wins_two_responders(void **state) {
   kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.duplicate_responses, 1);
   /* A further report after Success does not report a second transition. */
-  assert_int_equal(kvf__rooms_record_response(t, room, 0, -1, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, room, 0, 0, -1, NULL, 0, &became), 0);
   assert_int_equal(became, 0);
   kvf__rooms_table_free(t, NULL);
 }
@@ -303,10 +347,10 @@ static void high_ranks_and_bounds(void **state) {
   assert_int_equal(kvf__rooms_set_required(t, 1, 0), KVF_EINVAL);
   assert_int_equal(kvf__rooms_set_required(t, 1, ROOMS_MAX_RANKS + 1), KVF_EINVAL);
   assert_int_equal(kvf__rooms_set_required(t, 2, 1), KVF_ENOTFOUND);
-  assert_int_equal(kvf__rooms_record_response(t, 1, -1, 5, NULL, 0, NULL), KVF_EINVAL);
-  assert_int_equal(kvf__rooms_record_response(t, 1, ROOMS_MAX_RANKS, 5, NULL, 0, NULL), KVF_EINVAL);
-  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 5, c, ROOMS_MAX_CANDS + 1, NULL), KVF_ETOOBIG);
-  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 5, NULL, 2, NULL), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, -1, 5, NULL, 0, NULL), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, ROOMS_MAX_RANKS, 5, NULL, 0, NULL), KVF_EINVAL);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 0, 5, c, ROOMS_MAX_CANDS + 1, NULL), KVF_ETOOBIG);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 0, 5, NULL, 2, NULL), KVF_EINVAL);
   rooms_stats st;
   kvf__rooms_get_stats(t, &st);
   assert_int_equal(st.rejected_invalid, 4);
@@ -315,11 +359,11 @@ static void high_ranks_and_bounds(void **state) {
   assert_int_equal(info.responded, 0);
   /* Ranks on both sides of the inline word, and the top rank. */
   int became = 0;
-  assert_int_equal(kvf__rooms_record_response(t, 1, 63, -1, NULL, 0, &became), 0);
-  assert_int_equal(kvf__rooms_record_response(t, 1, 64, -1, c, ROOMS_MAX_CANDS, &became), 0);
-  assert_int_equal(kvf__rooms_record_response(t, 1, 64, -1, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 63, -1, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 64, -1, c, ROOMS_MAX_CANDS, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 64, -1, NULL, 0, &became), 0);
   assert_int_equal(became, 0);
-  assert_int_equal(kvf__rooms_record_response(t, 1, ROOMS_MAX_RANKS - 1, 9, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, ROOMS_MAX_RANKS - 1, 9, NULL, 0, &became), 0);
   assert_int_equal(became, 1);
   int64_t tok;
   assert_int_equal(pop_token(t, 1, &tok), 0);
@@ -369,14 +413,14 @@ static void failed_room_ignores_success(void **state) {
   assert_int_equal(kvf__rooms_create(t, 4, ROOM_BOOTSTRAPPED), 0);
   assert_int_equal(kvf__rooms_fail(t, 4, "Losing connection"), 0);
   int became = -1;
-  assert_int_equal(kvf__rooms_record_response(t, 4, 0, 11, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 4, 0, 0, 11, NULL, 0, &became), 0);
   assert_int_equal(became, 0);
   assert_int_equal(status_of(t, 4), ROOM_FAILED);
   /* Failed overrides Success; the first reason stays (a later one is a
    * consequence of the failure, e.g. the prefill's failed M3 for a room
    * the decode fenced). */
   assert_int_equal(kvf__rooms_create(t, 5, ROOM_BOOTSTRAPPED), 0);
-  assert_int_equal(kvf__rooms_record_response(t, 5, 0, 11, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 5, 0, 0, 11, NULL, 0, &became), 0);
   assert_int_equal(became, 1);
   assert_int_equal(kvf__rooms_fail(t, 5, "one"), 0);
   assert_int_equal(kvf__rooms_fail(t, 5, "two"), 0);
@@ -472,8 +516,8 @@ static void token_visible_when_success_seen(void **state) {
   pthread_t th;
   assert_int_equal(pthread_create(&th, NULL, poller, &c), 0);
   for (int64_t r = 0; r < PUB_ROOMS; r++) {
-    assert_int_equal(kvf__rooms_record_response(c.t, r, 0, 1000 + r, NULL, 0, NULL), 0);
-    assert_int_equal(kvf__rooms_record_response(c.t, r, 1, 77, NULL, 0, NULL), 0);
+    assert_int_equal(kvf__rooms_record_response(c.t, r, 0, 0, 1000 + r, NULL, 0, NULL), 0);
+    assert_int_equal(kvf__rooms_record_response(c.t, r, 0, 1, 77, NULL, 0, NULL), 0);
   }
   pthread_join(th, NULL);
   assert_int_equal(atomic_load(&c.bad), 0);
@@ -501,8 +545,8 @@ static void *hammer(void *arg) {
     if (kvf__rooms_create(t, own, ROOM_BOOTSTRAPPING) != 0) abort();
     kvf__rooms_set_required(t, own, 2);
     kvf__rooms_update(t, own, ROOM_BOOTSTRAPPED, NULL);
-    kvf__rooms_record_response(t, own, 0, i, cands, 4, NULL);
-    kvf__rooms_record_response(t, own, 1, -1, NULL, 0, NULL);
+    kvf__rooms_record_response(t, own, 0, 0, i, cands, 4, NULL);
+    kvf__rooms_record_response(t, own, 0, 1, -1, NULL, 0, NULL);
     if (kvf__rooms_get_status(t, own, &s) != 0 || s != ROOM_SUCCESS) abort();
     int64_t tok;
     int32_t got[ROOMS_MAX_CANDS];
@@ -516,7 +560,7 @@ static void *hammer(void *arg) {
     kvf__rooms_add_early(t, SHARED + shared, h);
     if (i % 3 == 0) kvf__rooms_create(t, SHARED + shared, ROOM_BOOTSTRAPPING);
     kvf__rooms_update(t, shared, (i + h->id) % (ROOM_STATUS_MAX + 1), NULL);
-    kvf__rooms_record_response(t, shared, h->id, i, cands, (size_t)(i % 5), NULL);
+    kvf__rooms_record_response(t, shared, 0, h->id, i, cands, (size_t)(i % 5), NULL);
     if (i % 7 == 0) kvf__rooms_fail(t, shared, "shared failure");
     if (i % 11 == h->id) kvf__rooms_clear(t, shared, NULL);
     if (i % 5 == h->id) kvf__rooms_clear(t, SHARED + shared, NULL);
@@ -589,10 +633,10 @@ static void change_events(void **state) {
   assert_false(readable(fd));
   /* Success by the last of two responses, not by the first. */
   assert_int_equal(kvf__rooms_set_required(t, 1, 2), 0);
-  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 5, NULL, 0, NULL), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 0, 5, NULL, 0, NULL), 0);
   assert_false(readable(fd));
   int became = 0;
-  assert_int_equal(kvf__rooms_record_response(t, 1, 1, 5, NULL, 0, &became), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 1, 0, 1, 5, NULL, 0, &became), 0);
   assert_true(became);
   assert_true(readable(fd));
   kvf__rooms_event_clear(t);
@@ -632,6 +676,7 @@ int main(void) {
       cmocka_unit_test(many_rooms_created_and_cleared),
       cmocka_unit_test(live_room_bound),
       cmocka_unit_test(unknown_room_messages_dropped),
+      cmocka_unit_test(answers_act_on_the_use_they_were_checked_against),
       cmocka_unit_test(first_token_wins_two_responders),
       cmocka_unit_test(high_ranks_and_bounds),
       cmocka_unit_test(prefill_publishes_metadata_once),

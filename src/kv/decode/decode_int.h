@@ -205,6 +205,11 @@ const trace_live *kvf__dec_trace_of(void *user);
 
 /* status_listener.c */
 void kvf__dec_on_trailer(void *arg, const unsigned char *data, size_t len, const char *peer);
+/* Test seam (tests/kv/test_decode.c; NULL in every shipped program): called
+ * on the status listener's thread between an M3's origin check and what
+ * the M3 does to its room. */
+typedef void (*kvf__dec_m3_checked_fn)(int64_t room);
+extern _Atomic(kvf__dec_m3_checked_fn) kvf__dec_m3_checked;
 
 /* heartbeat.c */
 void kvf__dec_hb_peer_free(hb_peer *p);

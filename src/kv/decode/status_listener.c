@@ -12,6 +12,8 @@ typedef struct m3_origin {
   uint64_t epoch; /* the fence epoch the M3 answers (frame 6); 0: not said */
 } m3_origin;
 
+_Atomic(kvf__dec_m3_checked_fn) kvf__dec_m3_checked;
+
 /* from_planned_rank's verdict for an M3 that answers an earlier use of the
  * room id (its fence epoch is not the one the room's last M2s carried). */
 #define M3_STALE 2
@@ -38,10 +40,26 @@ static int from_planned_rank(void *user, void *arg) {
   return 0;
 }
 
+/* Under the room table's lock: did the room's M2s ask for a completion
+ * trailer? M3_STALE when the trailer's M3 names another fence epoch: it
+ * answers an earlier use of the room id (over UCX write mode a trailer is
+ * handed over outside the room's fence, so a late one can meet the next). */
 static int asked_fast(void *user, void *arg) {
-  (void)arg;
   const kvf_receiver *r = user;
-  return r && atomic_load(&r->asked_fast);
+  const uint64_t *epoch = arg;
+  if (!r || !atomic_load(&r->asked_fast)) return 0;
+  return *epoch && *epoch != atomic_load(&r->m2_epoch) ? M3_STALE : 1;
+}
+
+/* An M3 or trailer that answers an earlier use of the room id: counted
+ * with the unknown rooms, logged once. */
+static void drop_stale(kvf_manager *m, int64_t room, const char *peer, const char *kind) {
+  atomic_fetch_add(&m->stats.messages_unknown_room, 1);
+  if (kvf__log_first_time(kvf__hash_str("decode-stale-m3", (uint64_t)(uintptr_t)m)))
+    LOG_INFO("kv",
+             "room %" PRId64 ": %s from %s answers an earlier use of the room id (fence epoch); dropped "
+             "(further ones are counted, not logged)",
+             room, kind, peer);
 }
 
 /* The engine's trailer callback (a transport thread, after the bytes of the
@@ -62,7 +80,12 @@ void kvf__dec_on_trailer(void *arg, const unsigned char *data, size_t len, const
     kvf__manager_reject(m, peer, "completion trailer", *why ? why : "malformed");
     return;
   }
-  if (kvf__rooms_with_user(m->rooms, m3.room, asked_fast, NULL) != 1) {
+  int asked = kvf__rooms_with_user(m->rooms, m3.room, asked_fast, &m3.fence_epoch);
+  if (asked == M3_STALE) {
+    drop_stale(m, m3.room, peer, "completion trailer");
+    return;
+  }
+  if (asked != 1) {
     kvf__manager_reject_forged(m, peer, "completion trailer", "for a room that did not ask for one (no M2 yet)");
     return;
   }
@@ -89,14 +112,12 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
   }
   m3_origin origin = {m, peer, m3.prefill_rank,
                       m3.status == WIRE_STATUS_SUCCESS || m3.status == WIRE_STATUS_FAILED, m3.fence_epoch};
-  int rc = kvf__rooms_with_user(m->rooms, m3.room, from_planned_rank, &origin);
+  /* What follows acts on the use of the room id checked here only
+   * (rooms.h, "Uses"): the caller may end it and start the next meanwhile. */
+  uint64_t use = 0;
+  int rc = kvf__rooms_with_user_use(m->rooms, m3.room, from_planned_rank, &origin, &use);
   if (rc == M3_STALE) { /* e.g. a deferred duplicate M3 Success arriving after a re-init */
-    atomic_fetch_add(&m->stats.messages_unknown_room, 1);
-    if (kvf__log_first_time(kvf__hash_str("decode-stale-m3", (uint64_t)(uintptr_t)m)))
-      LOG_INFO("kv",
-               "room %" PRId64 ": M3 from %s answers an earlier use of the room id (fence epoch); dropped "
-               "(further ones are counted, not logged)",
-               m3.room, peer);
+    drop_stale(m, m3.room, peer, "M3");
     return;
   }
   if (rc == 0) {
@@ -105,6 +126,8 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
                                "or not one this room was planned with and asked");
     return;
   }
+  kvf__dec_m3_checked_fn seam = atomic_load(&kvf__dec_m3_checked);
+  if (seam) seam(m3.room);
   if (m3.status == WIRE_STATUS_SUCCESS) {
     int32_t cands[ROOMS_MAX_CANDS];
     if (m3.candidates.count > ROOMS_MAX_CANDS || m3.prefill_rank >= ROOMS_MAX_RANKS) {
@@ -117,7 +140,7 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
     /* The bytes the prefill wrote must be visible before anyone sees Success. */
     kvf_engine_sync(m->engine);
     kvf__integ_on_success(m, m3.room, m3.prefill_rank);
-    rc = kvf__rooms_record_response(m->rooms, m3.room, (int)m3.prefill_rank, m3.bootstrap_token, cands,
+    rc = kvf__rooms_record_response(m->rooms, m3.room, use, (int)m3.prefill_rank, m3.bootstrap_token, cands,
                                     m3.candidates.count, NULL);
   } else if (m3.status == WIRE_STATUS_FAILED && m3.reason_len) {
     /* A kvferry prefill says why (M3 frame 5); keep it printable. */
@@ -128,9 +151,10 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
     kvf__dec_set_reason(reason, sizeof reason, "Failed to get kvcache from prefill rank %" PRId64 " (%s): %s",
                         m3.prefill_rank, peer, said);
     if (strstr(said, WIRE_REASON_UNREGISTERED)) kvf__dec_forget_registration(m, m3.room);
-    rc = kvf__rooms_fail(m->rooms, m3.room, reason);
+    rc = kvf__rooms_fail_use(m->rooms, m3.room, use, reason);
   } else if (m3.status == WIRE_STATUS_FAILED) {
-    rc = kvf__rooms_fail(m->rooms, m3.room, "Failed to get kvcache from prefill instance, it might be dead");
+    rc = kvf__rooms_fail_use(m->rooms, m3.room, use,
+                             "Failed to get kvcache from prefill instance, it might be dead");
   } else {
     rc = kvf__rooms_update(m->rooms, m3.room, m3.status, NULL);
   }

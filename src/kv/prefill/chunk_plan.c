@@ -373,7 +373,11 @@ static size_t completion_trailer(prefill_state *ps, const pf_send *s, unsigned c
                 .status = ROOM_SUCCESS,
                 .prefill_rank = ps->m->tp_rank,
                 .bootstrap_token = c->token,
-                .candidates = wire_array_of(c->cands, c->cands ? c->ncand : 0)};
+                .candidates = wire_array_of(c->cands, c->cands ? c->ncand : 0),
+                /* The use of the room id it answers, as on the M3 (frame 6):
+                 * a trailer the decode handles after that M3 completed the
+                 * room, and after the room id's next M2, is stale there. */
+                .fence_epoch = s->info->m2->fence_epoch};
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   if (kvf__wire_m3_encode(&m3, &msg, why)) return 0;
