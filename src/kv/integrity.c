@@ -218,7 +218,7 @@ static int landed_matches(const integ_state *s, const manager_buffers *b, size_t
 }
 
 void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer,
-                           int (*from_planned)(kvf_manager *m, int64_t room, const char *peer)) {
+                           int (*from_planned)(kvf_manager *m, int64_t room, const char *peer, uint64_t *use)) {
   integ_state *s = m->integ;
   wire_digests dg;
   char why[WIRE_REASON_LEN] = "";
@@ -230,13 +230,14 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
     kvf__manager_reject(m, peer, "digests", "prefill rank out of range");
     return;
   }
-  if (!from_planned(m, dg.room, peer)) {
+  uint64_t use = 0;
+  if (!from_planned(m, dg.room, peer, &use)) {
     kvf__manager_reject_forged(m, peer, "digests", "the sender is not a prefill rank this room was planned with");
     return;
   }
   pthread_mutex_lock(&s->lock);
   integ_room *x = kvf__map_get(&s->rooms, (uint64_t)dg.room);
-  int known = x && x->epoch == dg.epoch, verify = known && x->verify;
+  int known = use && x && x->epoch == dg.epoch, verify = known && x->verify;
   if (known) x->ranks[dg.prefill_rank / 8] |= (uint8_t)(1u << (dg.prefill_rank % 8));
   pthread_mutex_unlock(&s->lock);
   if (!known) {
@@ -273,18 +274,28 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
                dg.prefill_rank);
     }
     LOG_WARN("kv", "room %" PRId64 ": %s", dg.room, reason);
-    if (kvf__rooms_fail(m->rooms, dg.room, reason) == 0) atomic_fetch_add(&m->stats.verify_failures, 1);
+    if (kvf__rooms_fail_use(m->rooms, dg.room, use, reason) == 0) atomic_fetch_add(&m->stats.verify_failures, 1);
     return;
   }
+}
+
+static int any_use(void *user, void *arg) {
+  (void)user, (void)arg;
+  return 1;
 }
 
 void kvf__integ_on_refused(void *arg, uint64_t tag, uint64_t epoch, int err, const char *peer) {
   kvf_manager *m = arg;
   integ_state *s = m->integ;
   int64_t room = (int64_t)(tag ^ manager_room_tag(0));
+  /* The room's use first, then the epoch: the use a repeated init starts
+   * comes after its new epoch (receiver.c), so a refusal for the earlier
+   * epoch fails at most the earlier use (rooms.h, "Uses"). */
+  uint64_t use = 0;
+  kvf__rooms_with_user_use(m->rooms, room, any_use, NULL, &use);
   pthread_mutex_lock(&s->lock);
   integ_room *x = kvf__map_get(&s->rooms, (uint64_t)room);
-  int known = x && x->epoch == epoch;
+  int known = use && x && x->epoch == epoch;
   pthread_mutex_unlock(&s->lock);
   if (!known) return;
   char reason[ROOMS_REASON_MAX];
@@ -293,7 +304,7 @@ void kvf__integ_on_refused(void *arg, uint64_t tag, uint64_t epoch, int err, con
            "(%s); "
            "refused, nothing of it landed",
            peer, kvf_strerror(err));
-  if (kvf__rooms_fail(m->rooms, room, reason) == 0) {
+  if (kvf__rooms_fail_use(m->rooms, room, use, reason) == 0) {
     atomic_fetch_add(&m->stats.messages_forged, 1);
     if (kvf__log_first_time_for_host(peer, "kv-refused-chunk"))
       LOG_WARN("kv", "room %" PRId64 ": %s (further ones from this host are not logged)", room, reason);

@@ -59,10 +59,11 @@ void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_
                            const char *reason);
 /* Listener: a digests message (verifies the landed bytes; dropped as forged
  * unless from_planned says the sender is a rank of the room's plan, as for
- * an M3); an M3 Success
+ * an M3, and fails the room only in the use from_planned saw, *use, 0: no
+ * live room; rooms.h, "Uses"); an M3 Success
  * from `rank` (counts a Success without digests when verify was asked). */
 void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer,
-                           int (*from_planned)(kvf_manager *m, int64_t room, const char *peer));
+                           int (*from_planned)(kvf_manager *m, int64_t room, const char *peer, uint64_t *use));
 void kvf__integ_on_success(kvf_manager *m, int64_t room, int64_t rank);
 /* Engine refusal callback (engine/async.h; arg: the manager): a chunk for
  * the room's open fence came outside its bounds or the decode's memory, so

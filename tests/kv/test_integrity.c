@@ -73,13 +73,23 @@ static int teardown(void **state) {
   return 0;
 }
 
-static int planned(kvf_manager *m, int64_t room, const char *peer) {
-  (void)m, (void)room, (void)peer;
+static int any_user(void *user, void *arg) {
+  (void)user, (void)arg;
   return 1;
 }
 
-static int not_planned(kvf_manager *m, int64_t room, const char *peer) {
+/* As the decode's check answers for a planned rank: yes, and the room's
+ * current use (0 when it is not live). */
+static int planned(kvf_manager *m, int64_t room, const char *peer, uint64_t *use) {
+  (void)peer;
+  *use = 0;
+  kvf__rooms_with_user_use(m->rooms, room, any_user, NULL, use);
+  return 1;
+}
+
+static int not_planned(kvf_manager *m, int64_t room, const char *peer, uint64_t *use) {
   (void)m, (void)room, (void)peer;
+  *use = 0;
   return 0;
 }
 
@@ -105,7 +115,7 @@ static wire_digest page_digest(const unsigned char *buf, size_t page) {
 
 /* Hand the listener a digests message from rank 0, as it arrives. */
 static void deliver(fixture *f, int64_t room, uint64_t epoch, const wire_digest *d, size_t n,
-                    int (*from)(kvf_manager *, int64_t, const char *)) {
+                    int (*from)(kvf_manager *, int64_t, const char *, uint64_t *)) {
   wire_digests dg = {.room = room, .prefill_rank = 0, .epoch = epoch, .entries = wire_array_of(d, n)};
   wire_msg msg;
   char why[WIRE_REASON_LEN] = "";

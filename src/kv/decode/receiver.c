@@ -117,9 +117,9 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
   char reason[ROOMS_REASON_MAX] = "";
   int rc = 0;
   uint64_t room_flags = 0;
-  if (atomic_load(&r->m2_out)) { /* a repeated init: a new request in the same room */
+  int again = atomic_load(&r->m2_out); /* a repeated init: a new request in the same room */
+  if (again) {
     if (r->fence_epoch) kvf__integ_room_close(m, r->room, r->fence_epoch, 0, 1);
-    kvf__rooms_reset_responses(m->rooms, r->room, ROOM_BOOTSTRAPPED);
     kvf__trace_add(&r->tr, TRACE_RETRIES, 1);
   }
   trace_peers(r, npages);
@@ -135,6 +135,11 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
   atomic_store(&r->asked_fast, m->decode->fast && p->kvferry_peer && !(room_flags & WIRE_ROOM_VERIFY));
   atomic_store(&r->m2_epoch, r->fence_epoch);
   atomic_store(&r->m2_out, 1);
+  /* The new use of the room id starts only now, after the new epoch is the
+   * one M3s must name (rooms.h, "Uses"): an answer to the earlier use that
+   * the status listener checked before this point acts on the earlier use,
+   * whose responses this forgets, and one checked after it is stale. */
+  if (again) kvf__rooms_reset_responses(m->rooms, r->room, ROOM_BOOTSTRAPPED);
   if (kvf__trace_on(&r->tr)) kvf__trace_at_last(&r->tr, KVF_TRACE_M2_SENT, clock_now_ns()); /* the last init's */
   for (int i = 0; i < p->ntargets && !rc; i++) {
     const pool_target *t = &p->targets[i];

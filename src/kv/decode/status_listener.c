@@ -94,9 +94,10 @@ void kvf__dec_on_trailer(void *arg, const unsigned char *data, size_t len, const
 }
 
 /* The same check for a kvferry digests message. */
-static int from_planned(kvf_manager *m, int64_t room, const char *peer) {
+static int from_planned(kvf_manager *m, int64_t room, const char *peer, uint64_t *use) {
   m3_origin origin = {m, peer, -1, 0, 0};
-  return kvf__rooms_with_user(m->rooms, room, from_planned_rank, &origin) != 0;
+  *use = 0;
+  return kvf__rooms_with_user_use(m->rooms, room, from_planned_rank, &origin, use) != 0;
 }
 
 void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, const char *peer) {
@@ -116,8 +117,14 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
    * (rooms.h, "Uses"): the caller may end it and start the next meanwhile. */
   uint64_t use = 0;
   int rc = kvf__rooms_with_user_use(m->rooms, m3.room, from_planned_rank, &origin, &use);
+  kvf__dec_m3_checked_fn seam = atomic_load(&kvf__dec_m3_checked);
+  if (seam) seam(m3.room);
   if (rc == M3_STALE) { /* e.g. a deferred duplicate M3 Success arriving after a re-init */
     drop_stale(m, m3.room, peer, "M3");
+    return;
+  }
+  if (rc < 0) { /* no live room: nothing of what follows may act on a use made after this check */
+    atomic_fetch_add(&m->stats.messages_unknown_room, 1);
     return;
   }
   if (rc == 0) {
@@ -126,8 +133,6 @@ void kvf__decode_on_message(kvf_manager *m, const wire_frame *frames, size_t n, 
                                "or not one this room was planned with and asked");
     return;
   }
-  kvf__dec_m3_checked_fn seam = atomic_load(&kvf__dec_m3_checked);
-  if (seam) seam(m3.room);
   if (m3.status == WIRE_STATUS_SUCCESS) {
     int32_t cands[ROOMS_MAX_CANDS];
     if (m3.candidates.count > ROOMS_MAX_CANDS || m3.prefill_rank >= ROOMS_MAX_RANKS) {
