@@ -245,6 +245,15 @@ static int poll_final(kvf_receiver *r, double limit_s) {
   return s;
 }
 
+/* The room ends Success (within 5 s) with first token `want`, popped. */
+static void expect_success_and_token(kvf_receiver *r, int64_t want) {
+  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
+  int64_t tok = 0;
+  size_t n = 0;
+  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &n), 0);
+  assert_int_equal(tok, want);
+}
+
 static void stats(fixture *f, kvf_manager_stats *s) { kvf_manager_get_stats(f->m, s); }
 
 /* Wait until the counter read by `get` reaches `want` (bounded). */
@@ -807,11 +816,7 @@ static void control_token_mac(void **state) {
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
   mac[MANAGER_MAC_LEN - 1] ^= 1;
   send_m3_mac(f, 90, mac);
-  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
-  int64_t tok = 0;
-  size_t nc = 0;
-  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &nc), 0);
-  assert_int_equal(tok, 9);
+  expect_success_and_token(r, 9);
   kvf_receiver_destroy(r);
   teardown(f);
 }
@@ -1014,11 +1019,7 @@ static void hetero_tp_fragments(void **state) {
   wait_counter(f, offsetof(kvf_manager_stats, messages_received), 2, 3);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
   send_m3(f, 80, WIRE_STATUS_SUCCESS, 0, -1, NULL, 0);
-  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
-  int64_t tok = 0;
-  size_t n = 0;
-  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &n), 0);
-  assert_int_equal(tok, 77); /* first valid token wins */
+  expect_success_and_token(r, 77); /* first valid token wins */
   kvf_receiver_destroy(r);
   teardown(f);
 }
@@ -1201,11 +1202,7 @@ static void late_m3_before_init_does_not_count(void **state) {
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
   init_one(r);
   send_m3(f, 90, WIRE_STATUS_SUCCESS, 0, 6, NULL, 0);
-  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
-  int64_t tok = 0;
-  size_t n = 0;
-  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &n), 0);
-  assert_int_equal(tok, 6);
+  expect_success_and_token(r, 6);
   kvf_receiver_destroy(r);
   teardown(f);
 }
@@ -1326,11 +1323,7 @@ static void m3_held_across_a_new_use(int kvferry_prefill, int recreate) {
   atomic_store(&kvf__dec_m3_checked, NULL);
   assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
   send_m3_msg(f, &(wire_m3){.room = 93, .status = WIRE_STATUS_SUCCESS, .bootstrap_token = 6, .fence_epoch = e2});
-  assert_int_equal(poll_final(r, 5), KVF_POLL_SUCCESS);
-  int64_t tok = 0;
-  size_t n = 0;
-  assert_int_equal(kvf_receiver_pop_metadata(r, &tok, NULL, 0, &n), 0);
-  assert_int_equal(tok, 6);
+  expect_success_and_token(r, 6);
   kvf_receiver_destroy(r);
   teardown(f);
 }
