@@ -406,8 +406,11 @@ KVF_API void kvf_send_params_init(kvf_send_params *p);
  * past the KV layer count, a params struct not set up by
  * kvf_send_params_init); KVF_ETOOBIG (more than KVF_MAX_CANDIDATES
  * candidates, lists or index_begin past the wire limits, too many chunks
- * waiting for the M2); KVF_ESTATE after the last chunk. The sender's
- * thread. */
+ * waiting for the M2, the transfer queue full); KVF_ENOMEM; KVF_ESTATE after
+ * the last chunk. A chunk refused for lack of room (waiting for the M2, the
+ * queue full, no memory) fails the room with a reason and its decodes are
+ * told: a later chunk would otherwise take its place and the room could
+ * end Success without its pages. The sender's thread. */
 KVF_API int kvf_sender_send(kvf_sender *s, const kvf_send_params *p);
 
 /* Publish the room's first token (-1 none) and speculative ids (the

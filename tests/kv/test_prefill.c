@@ -37,6 +37,7 @@
 #include "bootstrap/bootstrap.h"
 #include "engine/async.h"
 #include "kv/manager.h"
+#include "kv/prefill/prefill_int.h" /* PF_MAX_PENDING */
 #include "kvferry/bootstrap.h"
 #include "kvferry/kv.h"
 #include "sockets.h"
@@ -1395,6 +1396,41 @@ static void count_trailer(void *arg, const unsigned char *data, size_t len, cons
   atomic_fetch_add((atomic_int *)arg, 1);
 }
 
+/* A chunk the sender cannot take (here: one more than PF_MAX_PENDING
+ * waiting for the M2) fails the room with a reason, and the decode that
+ * asks next hears Failed: a later chunk would otherwise take its place in
+ * the index slice and the room could end Success without its pages. */
+static void refused_chunk_fails_the_room(void **state) {
+  (void)state;
+  g_transport = "tcp";
+  fixture f;
+  fx_setup(&f, "");
+  send_m1(&f);
+  wait_received(&f, 1);
+  kvf_sender *s = new_sender(&f, 97);
+  int64_t page = 1;
+  int rc = 0;
+  size_t i = 0;
+  for (; i <= PF_MAX_PENDING && !rc; i++) rc = send_chunk(s, &page, 1, 0, -1, -1, NULL, 0, NULL, 0);
+  assert_int_equal(rc, KVF_ETOOBIG);
+  assert_int_equal(i, PF_MAX_PENDING + 1);
+  assert_int_equal(kvf_sender_poll(s), KVF_POLL_FAILED);
+  char why[256];
+  kvf_sender_failure(s, why, sizeof why);
+  assert_non_null(strstr(why, "could not take a chunk"));
+  int64_t dst[] = {0};
+  send_m2(&f, 97, dst, 1);
+  wire_m3 m3;
+  int32_t c[KVF_MAX_CANDIDATES];
+  size_t nc;
+  recv_m3(&f, &m3, c, &nc);
+  assert_int_equal(m3.room, 97);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  kvf_sender_destroy(s);
+  fx_teardown(&f);
+  g_transport = NULL;
+}
+
 /* A trailer's M3 as the decode reads it (a copy taken in the engine's
  * callback: the bytes are the engine's only during the call). */
 typedef struct {
@@ -2167,6 +2203,7 @@ int main(void) {
       cmocka_unit_test(fanout_last_chunk_with_failed_window),
       cmocka_unit_test(late_destination_gets_no_trailer),
       cmocka_unit_test(trailer_names_the_fence_epoch),
+      cmocka_unit_test(refused_chunk_fails_the_room),
       cmocka_unit_test(token_after_landing),
       cmocka_unit_test(token_before_landing),
       cmocka_unit_test(token_never_published),

@@ -253,9 +253,13 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
    * that succeeded had every M2 it needed: this one (a decode that asked
    * again) is served by nothing. */
   int st = ROOM_FAILED, tell_failed = 0;
+  pf_dest told; /* copied under the lock: once it is let go the room (and x with it) may be freed */
   if (r->has_sender && !r->dead && !x->is_dummy && !kvf__rooms_get_status(m->rooms, r->room, &st) &&
       (st == ROOM_FAILED || st == ROOM_SUCCESS)) {
     tell_failed = 1;
+    snprintf(told.host, sizeof told.host, "%s", x->endpoint);
+    told.port = x->dst_port;
+    told.epoch = x->fence_epoch;
     if (st == ROOM_SUCCESS)
       snprintf(why, sizeof why, "prefill rank %d: the room had completed before this transfer request came",
                m->cfg.engine_rank);
@@ -278,7 +282,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   pthread_mutex_unlock(&ps->lock);
   if (fd) kvf__pf_tell_others_failed(m, room, fd, nfd, why);
   if (qd) kvf__pf_send_failed_all(m, room, qd, nqd, qwhy);
-  if (tell_failed) kvf__pf_send_m3_failed(m, x->endpoint, x->dst_port, x->fence_epoch, x->room, why);
+  if (tell_failed) kvf__pf_send_m3_failed(m, told.host, told.port, told.epoch, room, why);
   if (direct) { /* the room's only chunk waited for this M2: send it from here */
     kvf__pf_direct_run(ps, dj, direct);
     pthread_mutex_lock(&ps->lock);

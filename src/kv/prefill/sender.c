@@ -111,6 +111,30 @@ static void hash_pages(prefill_state *ps, pf_chunk *c) {
   if (atomic_exchange(&c->hold, PF_HOLD_NONE) == PF_HOLD_FREED) kvf__pf_chunk_free(ps, c);
 }
 
+/* ps->lock held: a chunk of the room could not be taken (no memory, too
+ * many waiting for the M2, a full queue). The room fails: a later chunk
+ * would take its place in the index slice, and the room could end Success
+ * without its pages. The destinations to tell once the lock is let go
+ * (kvf__pf_send_failed_all with *why), or NULL. */
+static pf_dest *chunk_refused_locked(kvf_sender *s, int rc, char *why, size_t cap, size_t *n) {
+  *n = 0;
+  snprintf(why, cap, "prefill rank %d could not take a chunk of the request (%s)", s->m->cfg.engine_rank,
+           kvf_strerror(rc));
+  return s->r->dead ? NULL : kvf__pf_fail_room_locked(s->m->prefill, s->r, why, NULL, n);
+}
+
+/* The same, ps->lock not held; returns rc. */
+static int chunk_refused(kvf_sender *s, int rc) {
+  prefill_state *ps = s->m->prefill;
+  char why[ROOMS_REASON_MAX];
+  size_t n = 0;
+  pthread_mutex_lock(&ps->lock);
+  pf_dest *d = chunk_refused_locked(s, rc, why, sizeof why, &n);
+  pthread_mutex_unlock(&ps->lock);
+  if (d) kvf__pf_send_failed_all(s->m, s->room, d, n, why);
+  return rc;
+}
+
 /* Both send calls: copy and queue (or park) one chunk, given as a view of
  * the caller's arrays (in->r is the sender's room; pages, candidates and
  * state slots are copied, not kept). in->pos is the index_slice start;
@@ -139,7 +163,7 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
     }
   }
   pf_chunk *c = kvf__pf_chunk_new(ps);
-  if (!c) return KVF_ENOMEM;
+  if (!c) return chunk_refused(s, KVF_ENOMEM);
   c->pages = npages <= PF_CHUNK_INLINE_PAGES ? c->pages_inline : malloc(npages * sizeof *c->pages);
   c->cands = is_last && ncand ? c->cands_inline : NULL; /* ncand <= KVF_MAX_CANDIDATES (checked) */
   c->state_slots = !nstate                           ? NULL
@@ -147,7 +171,7 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
                                                      : malloc(nstate * sizeof *c->state_slots);
   if (!c->pages || (nstate && !c->state_slots)) {
     kvf__pf_chunk_free(ps, c);
-    return KVF_ENOMEM;
+    return chunk_refused(s, KVF_ENOMEM);
   }
   if (npages) memcpy(c->pages, in->pages, npages * sizeof *in->pages);
   c->npages = npages;
@@ -165,8 +189,11 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
   int rc = s->m->cfg.verify ? hash_prepare(s->m, c) : 0, hashing = 0;
   if (rc) {
     kvf__pf_chunk_free(ps, c);
-    return rc;
+    return chunk_refused(s, rc);
   }
+  pf_dest *refused = NULL; /* the chunk was refused: the room failed, these are told */
+  size_t nrefused = 0;
+  char why[ROOMS_REASON_MAX];
 
   int st = ROOM_FAILED;
   pf_room *r = s->r;
@@ -178,6 +205,7 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
   if (!r->bootstrapped && r->npending >= PF_MAX_PENDING) {
     kvf__pf_chunk_free(ps, c);
     rc = KVF_ETOOBIG;
+    refused = chunk_refused_locked(s, rc, why, sizeof why, &nrefused);
     goto out;
   }
   c->r = r;
@@ -191,6 +219,7 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
       atomic_store(&c->hold, PF_HOLD_NONE), hashing = 0;
       kvf__pf_chunk_release_locked(ps, c);
       rc = KVF_ETOOBIG;
+      refused = chunk_refused_locked(s, rc, why, sizeof why, &nrefused);
       goto out;
     }
   } else {
@@ -202,6 +231,7 @@ static int sender_submit(kvf_sender *s, const pf_chunk *in) {
   }
 out:
   pthread_mutex_unlock(&ps->lock);
+  if (refused) kvf__pf_send_failed_all(s->m, s->room, refused, nrefused, why);
   if (hashing) hash_pages(ps, c);
   if (!rc) {
     if (s->curr < in->pos + (int64_t)npages) s->curr = in->pos + (int64_t)npages;
