@@ -1499,13 +1499,13 @@ static void trailer_names_the_fence_epoch(void **state) {
   g_transport = NULL;
 }
 
-/* A completion trailer is the decode's Success, so it goes only to a
- * destination that had every chunk of the room: each one of a fan-out gets
- * its own (issue 22), but a decode session whose M2 came once the room's
- * chunks were being written (a restarted decode under a new session, a
- * stray rank) missed the earlier ones and gets none, though the last chunk
- * still goes to it. Rank A asks first; B only after A's first chunk landed. */
-static void late_destination_gets_no_trailer(void **state) {
+/* A decode session whose M2 comes once the room has every request it needs
+ * (a restarted decode under a new session, a stray rank; here after the
+ * first chunk landed) would miss the earlier chunks and never get its M3:
+ * it is told Failed at once and nothing goes to it, and the room goes on
+ * for the others, whose completion trailer still rides the data. Rank A
+ * asks first (required_dst_info_num 1); B after A's first chunk landed. */
+static void extra_destination_is_refused(void **state) {
   (void)state;
   g_transport = "tcp";
   fixture f, g;
@@ -1530,13 +1530,19 @@ static void late_destination_gets_no_trailer(void **state) {
     kvf_engine_get_stats(f.eng, &es);
   assert_true(es.batches_received >= 1); /* A's first chunk landed: the room's chunks are being written */
   send_m2(&g, 95, dst[1], 4);
-  wait_received(&f, 4);
+  wire_m3 m3;
+  int32_t c[KVF_MAX_CANDIDATES];
+  size_t nc;
+  recv_m3(&g, &m3, c, &nc);
+  assert_int_equal(m3.room, 95);
+  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  assert_non_null(strstr(g_last_reason, "required_dst_info_num"));
   assert_int_equal(send_chunk(s, src + 2, 2, 1, 0, 7, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s, 8000), KVF_POLL_SUCCESS);
   expect_success_m3(&f, 95, 7, NULL, 0);
   check_pages(&f, src, dst[0], 4);
   kvf_engine_get_stats(g.eng, &es);
-  assert_true(es.batches_received >= 1); /* B had the last chunk, and no trailer with it */
+  assert_int_equal(es.batches_received, 0); /* nothing went to B */
   assert_int_equal(atomic_load(&g_trailers[0]), 1);
   assert_int_equal(atomic_load(&g_trailers[1]), 0);
   kvf_sender_destroy(s);
@@ -2201,7 +2207,7 @@ int main(void) {
       cmocka_unit_test(fence_refusal_fails_only_that_room),
       cmocka_unit_test(fence_refusal_fails_only_that_room_verify),
       cmocka_unit_test(fanout_last_chunk_with_failed_window),
-      cmocka_unit_test(late_destination_gets_no_trailer),
+      cmocka_unit_test(extra_destination_is_refused),
       cmocka_unit_test(trailer_names_the_fence_epoch),
       cmocka_unit_test(refused_chunk_fails_the_room),
       cmocka_unit_test(token_after_landing),

@@ -207,6 +207,30 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   int open = r->has_sender && !r->dead && !kvf__rooms_get_status(m->rooms, r->room, &st0) && st0 != ROOM_SUCCESS &&
              st0 != ROOM_FAILED;
   int moved = open && k < r->ninfos && r->bootstrapped && r->nchunks > 0;
+  if (k == r->ninfos && r->bootstrapped) {
+    /* Another decode session once the room had every request it needs
+     * (required_dst_info_num): the room's Success counts the first ones, so
+     * this one would never get its M3 (the reference leaves it to its
+     * timeout), and once chunks went out it would get only the rest of the
+     * KV. Refused and told so; nothing is written to it. */
+    pf_dest told;
+    snprintf(told.host, sizeof told.host, "%s", x->endpoint);
+    told.port = x->dst_port;
+    told.epoch = x->fence_epoch;
+    int64_t room = r->room;
+    size_t have = r->ninfos;
+    pthread_mutex_unlock(&ps->lock);
+    snprintf(why, sizeof why,
+             "prefill rank %d refused the transfer request of decode session %.200s: the room already has the %zu "
+             "it needs (required_dst_info_num)",
+             m->cfg.engine_rank, x->session, have);
+    if (kvf__log_first_time_for_host(peer ? peer : "?", "prefill-extra-m2"))
+      LOG_WARN("kv", "room %" PRId64 ": %s (further ones from this host are not logged)", room, why);
+    if (!x->is_dummy) kvf__pf_send_m3_failed(m, told.host, told.port, told.epoch, room, why);
+    kvf__pf_info_unref(ps, info);
+    atomic_fetch_add(&m->stats.messages_received, 1);
+    return;
+  }
   info->late = r->written;
   if (k < r->ninfos) {
     kvf__trace_add(&r->tr, TRACE_RETRIES, 1);
