@@ -1431,6 +1431,53 @@ static void refused_chunk_fails_the_room(void **state) {
   g_transport = NULL;
 }
 
+/* A decode session that registers again (M1) after asking for a room:
+ * with the same buffers (a repeated M1) the room goes on; with other ones
+ * (a decode restarted under the same session id) the room's page indices
+ * name memory that is gone, so the room fails instead of writing there. */
+static void reregistration_with_other_buffers_fails_earlier_requests(void **state) {
+  (void)state;
+  g_transport = "tcp";
+  fixture f;
+  fx_setup(&f, "");
+  send_m1(&f);
+  wait_received(&f, 1);
+  int64_t src[] = {2, 4}, dst[] = {1, 3};
+  for (int other = 0; other < 2; other++) {
+    int64_t room = 110 + other;
+    kvf_sender *s = new_sender(&f, room);
+    send_m2(&f, room, dst, 2);
+    wait_received(&f, 2 + 2 * (size_t)other);
+    if (other) { /* the buffers swapped: the same memory, other addresses per buffer */
+      uint8_t *t = f.dbuf[0];
+      f.dbuf[0] = f.dbuf[1], f.dbuf[1] = t;
+    }
+    send_m1(&f);
+    wait_received(&f, 3 + 2 * (size_t)other);
+    assert_int_equal(send_chunk(s, src, 2, 1, 0, 7, NULL, 0, NULL, 0), 0);
+    if (!other) {
+      assert_int_equal(wait_final(s, 8000), KVF_POLL_SUCCESS);
+      expect_success_m3(&f, room, 7, NULL, 0);
+      check_pages(&f, src, dst, 2);
+    } else {
+      assert_int_equal(wait_final(s, 8000), KVF_POLL_FAILED);
+      char why[256];
+      kvf_sender_failure(s, why, sizeof why);
+      assert_non_null(strstr(why, "registered other buffers"));
+      wire_m3 m3;
+      int32_t c[KVF_MAX_CANDIDATES];
+      size_t nc;
+      recv_m3(&f, &m3, c, &nc);
+      assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+      uint8_t *t = f.dbuf[0];
+      f.dbuf[0] = f.dbuf[1], f.dbuf[1] = t;
+    }
+    kvf_sender_destroy(s);
+  }
+  fx_teardown(&f);
+  g_transport = NULL;
+}
+
 /* A trailer's M3 as the decode reads it (a copy taken in the engine's
  * callback: the bytes are the engine's only during the call). */
 typedef struct {
@@ -2210,6 +2257,7 @@ int main(void) {
       cmocka_unit_test(extra_destination_is_refused),
       cmocka_unit_test(trailer_names_the_fence_epoch),
       cmocka_unit_test(refused_chunk_fails_the_room),
+      cmocka_unit_test(reregistration_with_other_buffers_fails_earlier_requests),
       cmocka_unit_test(token_after_landing),
       cmocka_unit_test(token_before_landing),
       cmocka_unit_test(token_never_published),

@@ -276,6 +276,13 @@ int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, cons
 
   pthread_mutex_lock(&ps->lock);
   pf_reg *reg = kvf__pf_usable_reg_locked(ps, x->session, now, why, whycap);
+  if (reg && reg->mem != info->reg_mem) {
+    snprintf(why, whycap,
+             "decode session %.200s registered other buffers after this request (restarted under the same "
+             "session id?): its page indices name memory that is gone",
+             x->session);
+    reg = NULL;
+  }
   if (reg) {
     nsptr = reg->m1->state_ptrs.count;
     for (size_t i = 0; i < b->n_kv; i++) sc->dptr[i] = wire_u64_at(reg->m1->kv_ptrs, i);

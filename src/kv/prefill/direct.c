@@ -83,7 +83,7 @@ static void direct_done(void *arg, int status) {
     char why[ROOMS_REASON_MAX];
     int res = kvf__pf_xfer_failed(dj->r, d->info->m2, status, why, sizeof why);
     atomic_store(&dj->failed, 1);
-    kvf__pf_fail_dest(dj->ps, dj->r, d->info->m2, why, res == DEST_XFER_FAIL);
+    kvf__pf_fail_dest(dj->ps, dj->r, d->info, why, res == DEST_XFER_FAIL);
   }
   direct_release(dj);
 }
@@ -141,7 +141,7 @@ void kvf__pf_direct_run(prefill_state *ps, pf_direct *dj, const pf_chunk *c) {
     if (res != DEST_OK) { /* the callback will not run */
       atomic_fetch_sub(&dj->left, 1);
       atomic_store(&dj->failed, 1);
-      kvf__pf_fail_dest(ps, dj->r, x, why, res == DEST_XFER_FAIL);
+      kvf__pf_fail_dest(ps, dj->r, dj->d[i].info, why, res == DEST_XFER_FAIL);
       break; /* §6.11 step 5: stop processing this chunk */
     }
     dj->bytes += snd.bytes;

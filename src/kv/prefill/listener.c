@@ -42,6 +42,12 @@ static int regs_drop_oldest_locked(prefill_state *ps, const char *peer) {
   return 0;
 }
 
+uint64_t kvf__pf_reg_mem(const wire_m1 *m1) {
+  uint64_t h = m1->kv_ptrs.count ? kvf__hash64(m1->kv_ptrs.data, m1->kv_ptrs.count * 8) : 0;
+  if (m1->state_ptrs.count) h = h * 31 + kvf__hash64(m1->state_ptrs.data, m1->state_ptrs.count * 8);
+  return h;
+}
+
 static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, size_t n, const char *peer) {
   wire_m1 d;
   wire_m1 *copy = NULL;
@@ -75,6 +81,8 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   reg->m1 = copy;
   reg->used_ns = clock_now_ns();
   reg->failed_ns = 0; /* a new registration clears the failed mark (§3.3, §7.4) */
+  reg->gen = ++ps->reg_gen;
+  reg->mem = kvf__pf_reg_mem(copy);
   pthread_mutex_unlock(&ps->lock);
   if (d.kv_ptrs.count != m->bufs.n_kv)
     LOG_WARN("kv", "decode session %s registered %zu KV buffers, this prefill rank has %zu: its rooms will fail",
@@ -132,6 +140,8 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
     return;
   }
   reg->used_ns = clock_now_ns();
+  info->reg_gen = reg->gen;
+  info->reg_mem = reg->mem;
   int mismatch = !x->is_dummy && reg->m1->kv_ptrs.count != m->bufs.n_kv;
   int64_t now = clock_now_ns();
   kvf__pf_expire_early(ps, now);

@@ -158,7 +158,13 @@ typedef struct pf_reg { /* one decode registration (M1) */
   size_t nearly;        /* early rooms charged to this session */
   size_t early_bytes;   /* their M2 copies' bytes */
   int64_t used_ns;      /* its last M1 or M2: the table, when full, drops the oldest */
+  uint64_t gen;         /* which M1 of the session this is (prefill_state.reg_gen at it) */
+  uint64_t mem;         /* a digest of its buffer addresses (kvf__pf_reg_mem) */
 } pf_reg;
+/* A digest of the buffer addresses an M1 registers: an M2 planned against
+ * other ones (the session registered again, e.g. a restarted decode under
+ * the same session id) names pages of memory that is no longer there. */
+uint64_t kvf__pf_reg_mem(const wire_m1 *m1);
 
 typedef struct pf_info { /* one M2, shared with workers */
   int refs;
@@ -174,6 +180,10 @@ typedef struct pf_info { /* one M2, shared with workers */
   /* It came once the room's chunks were being written (pf_room.written):
    * the earlier ones did not go to it, so no completion trailer does. */
   int late;
+  /* The registration (pf_reg.gen) in place when it came: a failed write
+   * marks the session failed only while that one still is. */
+  uint64_t reg_gen;
+  uint64_t reg_mem; /* and its pf_reg.mem: planned only against those buffers */
 } pf_info;
 
 /* Per destination of a chunk (fan-out), grow-only: its transfer info
@@ -428,6 +438,7 @@ typedef struct prefill_state {
   kvf_sender *sender_spare; /* destroyed senders' records, under lock */
   size_t nsender_spare;
   smap regs;                        /* session -> pf_reg */
+  uint64_t reg_gen;                 /* the last pf_reg.gen given (ps->lock) */
   size_t nearly, early_bytes;       /* early rooms, and their M2 copies' bytes */
   int64_t early_swept_ns;           /* the listener's last sweep of idle early rooms (prefill_tick) */
   pf_room *early_head, *early_tail; /* least recently used first */
@@ -633,7 +644,10 @@ int kvf__pf_verify_send(prefill_state *ps, pf_scratch *sc, pf_send *s, char *why
 int kvf__pf_recheck_chunk(prefill_state *ps, const pf_chunk *c, char *why, size_t whycap);
 
 /* workers.c */
-void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const char *why, int mark);
+/* Fail the room for its destination `info` (the one whose transfer
+ * failed); `mark`: a transfer error, which marks the decode session failed
+ * (§7.4) while the registration the M2 came under is still in place. */
+void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const pf_info *info, const char *why, int mark);
 
 /* direct.c */
 pf_direct *kvf__pf_direct_take_locked(prefill_state *ps, pf_room *r, const pf_chunk *c, size_t prior);

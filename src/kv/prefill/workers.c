@@ -32,14 +32,17 @@
 
 /* Fail the room (if it is still this room) and tell its destinations: the
  * one whose transfer failed, and (when this failed the room) the others. */
-void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const wire_m2 *x, const char *why, int mark) {
+void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const pf_info *info, const char *why, int mark) {
   kvf_manager *m = ps->m;
+  const wire_m2 *x = info->m2;
   pf_dest *d = NULL;
   size_t nd = 0;
   pthread_mutex_lock(&ps->lock);
   if (mark && m->cfg.failed_session_ttl_s > 0) {
     pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
-    if (reg) reg->failed_ns = clock_now_ns();
+    /* Not a registration that came after the M2 (a decode restarted under
+     * the same session id): its new process has not failed. */
+    if (reg && reg->gen == info->reg_gen) reg->failed_ns = clock_now_ns();
   }
   int live = !r->dead;
   if (live) {
@@ -112,7 +115,7 @@ static void flight_finish_oldest(prefill_state *ps, pf_worker *w) {
     int err = ok ? kvf_batch_wait(f->dw.batches[i], -1) : 0;
     if (ok && err) {
       int res = kvf__pf_xfer_failed(c->r, f->dw.infos[i]->m2, err, why, sizeof why);
-      kvf__pf_fail_dest(ps, c->r, f->dw.infos[i]->m2, why, res == DEST_XFER_FAIL);
+      kvf__pf_fail_dest(ps, c->r, f->dw.infos[i], why, res == DEST_XFER_FAIL);
       ok = 0;
     } else if (ok) {
       bytes += f->dw.dbytes[i];
@@ -307,7 +310,7 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
       if (err) rc = kvf__pf_xfer_failed(r, x, err, why, sizeof why);
     }
     if (rc != DEST_OK) {
-      kvf__pf_fail_dest(ps, r, x, why, rc == DEST_XFER_FAIL);
+      kvf__pf_fail_dest(ps, r, infos[i], why, rc == DEST_XFER_FAIL);
       ok = 0; /* §6.11 step 5: stop processing this chunk */
       break;
     }
