@@ -104,7 +104,12 @@ static int fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int timeout_
   atomic_store(&x->cut, 1);
   while (x->inflight) {
     struct timespec ts = clock_ts_from_ns(until);
-    if (pthread_cond_timedwait(&e->fences.cv, &e->fences.lock, &ts) && x->inflight) {
+    int timed_out = pthread_cond_timedwait(&e->fences.cv, &e->fences.lock, &ts) != 0;
+    /* Dropped meanwhile, by another closer of the pair or by its last
+     * receiver after an earlier close timed out: closed, nothing in flight,
+     * and x may already serve another pair. */
+    if (kvf__map_get(&e->fences.open, epoch) != x) goto out;
+    if (timed_out && x->inflight) {
       /* A receiver that does not come back is stuck outside a receive call;
        * it drops the entry when it leaves. */
       LOG_ERROR("engine", "fence of tag %llu: %d write(s) still in progress after %d ms", (unsigned long long)tag,
