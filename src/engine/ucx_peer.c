@@ -13,6 +13,7 @@
 #include "base/addr.h"
 #include "base/clock.h"
 #include "base/hash.h"
+#include "base/hostmem.h"
 #include "base/log.h"
 #include "engine/tcp_proto.h"
 #include "engine/ucx.h"
@@ -322,7 +323,13 @@ int kvf__ucx_regions_unpack(ucp_ep_h ep, const ucx_info_hdr *h, const char *body
     r->base = d.base;
     r->len = d.len;
     void *ptr = NULL;
-    if (same_host && ucp_rkey_ptr(r->rkey, d.base, &ptr) == UCS_OK) r->ptr = ptr;
+    /* Loaded from directly only when the whole region the peer names is
+     * mapped here: a length past its segment would have the loads fault
+     * (a region that is not is read through process_vm_readv or UCX, which
+     * refuse what is not there). */
+    if (same_host && ucp_rkey_ptr(r->rkey, d.base, &ptr) == UCS_OK &&
+        kvf__host_readable((uint64_t)(uintptr_t)ptr, d.len) == 1)
+      r->ptr = ptr;
     n++;
   }
   if (rc) {
