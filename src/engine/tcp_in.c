@@ -90,12 +90,17 @@ static size_t stage_take(tcp_inbound *in, struct iovec **iov, int *cnt, size_t n
   return n;
 }
 
-/* Send the acknowledgements held back; 0 or KVF_ECLOSED. */
-static int acks_flush(tcp_inbound *in) {
+/* Send the acknowledgements held back, within `ms` overall (a peer that
+ * reads its acknowledgements a byte at a time does not hold this thread,
+ * and the pins and fence of a chunk in progress, longer); 0 or an error. */
+static int acks_flush_within(tcp_inbound *in, int ms) {
   int n = in->nack;
   in->nack = 0;
-  return n ? kvf__tcp_send_all(in->fd, in->acks, (size_t)n * sizeof *in->acks) : 0;
+  return n ? kvf__fd_send_all(in->fd, in->acks, (size_t)n * sizeof *in->acks, clock_deadline_ms(ms)) : 0;
 }
+
+/* The same within the engine's timeout. */
+static int acks_flush(tcp_inbound *in) { return acks_flush_within(in, in->t->e->cfg.timeout_ms); }
 
 /* Receive into iov[cnt] (advanced as bytes arrive). The socket's receive
  * timeout is one tick (TCP_READER_TICK_MS), so every call ends within it and
@@ -465,7 +470,7 @@ static void inbound_end(void *arg, evpool_item *it) {
   tcp_inbound *in = (tcp_inbound *)(void *)((char *)it - offsetof(tcp_inbound, item));
   (void)arg;
   if (!atomic_load(&in->handed)) {
-    acks_flush(in); /* chunks that landed before an error are still answered */
+    acks_flush_within(in, TCP_READER_TICK_MS); /* chunks that landed before an error are still answered */
     shutdown(in->fd, SHUT_RDWR);
   }
   inbound_park_free(in);
