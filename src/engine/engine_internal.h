@@ -90,6 +90,9 @@ void kvf__fence_destroy(engine_fences *f);
 /* Admit a tagged chunk: the open fence entry with inflight raised, or NULL
  * (counted in chunks_fenced) when the pair is not open. */
 engine_fence *kvf__fence_enter(struct kvf_engine *e, uint64_t tag, uint64_t epoch);
+/* The same, not counted: the pair of a chunk already admitted, entered
+ * again to hand its trailer over (tcp_in.c). */
+engine_fence *kvf__fence_reenter(struct kvf_engine *e, uint64_t tag, uint64_t epoch);
 void kvf__fence_leave(struct kvf_engine *e, engine_fence *x);
 /* A chunk of `bytes` for the pair began landing at t0 and landed at t1 (ns,
  * clock_now_ns); `how` is KVF__FENCE_TCP or KVF__FENCE_READ (async.h). Called

@@ -164,12 +164,17 @@ int kvf__fence_snapshot(kvf_engine *e, uint64_t *next, uint64_t **epochs, size_t
   return rc;
 }
 
-engine_fence *kvf__fence_enter(kvf_engine *e, uint64_t tag, uint64_t epoch) {
+engine_fence *kvf__fence_reenter(kvf_engine *e, uint64_t tag, uint64_t epoch) {
   pthread_mutex_lock(&e->fences.lock);
   engine_fence *x = kvf__map_get(&e->fences.open, epoch);
   if (x && (x->closed || x->tag != tag)) x = NULL;
   if (x) x->inflight++;
   pthread_mutex_unlock(&e->fences.lock);
+  return x;
+}
+
+engine_fence *kvf__fence_enter(kvf_engine *e, uint64_t tag, uint64_t epoch) {
+  engine_fence *x = kvf__fence_reenter(e, tag, epoch);
   if (!x) atomic_fetch_add(&e->stats.chunks_fenced, 1);
   return x;
 }

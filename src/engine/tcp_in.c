@@ -208,9 +208,14 @@ static void in_frame_error(tcp_inbound *in, kvf_engine *e, int verdict) {
 
 /* A chunk's trailer, after its payload, within the chunk's deadline: read
  * it whole (bounded) and, when the payload was written (`landed`), hand it
- * to the trailer callback with the peer's IP address. Non-zero ends the
+ * to the trailer callback with the peer's IP address; for a tagged chunk
+ * (`pair`, its fence already left) only inside the pair again, so once
+ * kvf_engine_fence_close has returned no trailer of that epoch arrives (a
+ * room id used again must not see the last use's completion), and a writer
+ * slow to send the trailer does not hold a close. Non-zero ends the
  * connection. */
-static int inbound_trailer(tcp_inbound *in, kvf_engine *e, int landed, int64_t *deadline) {
+static int inbound_trailer(tcp_inbound *in, kvf_engine *e, int landed, const tcp_chunk_tag *pair,
+                           int64_t *deadline) {
   tcp_trailer t;
   unsigned char buf[KVF_ENGINE_MAX_TRAILER];
   int rc = in_recv(in, &t, sizeof t, deadline, 0);
@@ -222,7 +227,10 @@ static int inbound_trailer(tcp_inbound *in, kvf_engine *e, int landed, int64_t *
   }
   if ((rc = in_recv(in, buf, t.len, deadline, 0))) return rc;
   char ip[KVF_ADDR_HOST_LEN];
-  if (landed && !kvf__addr_host(in->peer, ip, sizeof ip)) kvf__engine_deliver_trailer(e, buf, t.len, ip);
+  engine_fence *x = landed && pair ? kvf__fence_reenter(e, pair->tag, pair->epoch) : NULL;
+  if (landed && (!pair || x) && !kvf__addr_host(in->peer, ip, sizeof ip))
+    kvf__engine_deliver_trailer(e, buf, t.len, ip);
+  if (x) kvf__fence_leave(e, x);
   return 0;
 }
 
@@ -343,14 +351,12 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
     for (size_t i = 0; i < pins.n; i++) kvf__region_unpin(&e->regions, pinv[i]);
     int cut = rc == 2 && pins.fence && atomic_load(&pins.fence->cut);
     if (!rc && pins.fence) kvf__fence_landed(pins.fence, t_land, clock_now_ns(), h->total_bytes, KVF__FENCE_TCP);
-    /* A landed chunk's trailer is handed over before the fence is left: once
-     * kvf_engine_fence_close has returned, no trailer of that epoch arrives
-     * (a room id used again must not see the last use's completion). */
-    if (!rc && has_trailer) {
-      rc = inbound_trailer(in, e, 1, deadline);
+    const tcp_chunk_tag *pair = pins.fence ? tag : NULL;
+    if (pins.fence) kvf__fence_leave(e, pins.fence); /* from here the chunk writes nothing more */
+    if (!rc && has_trailer) {                        /* handed over inside its pair only (inbound_trailer) */
+      rc = inbound_trailer(in, e, 1, pair, deadline);
       *trailer_read = 1;
     }
-    if (pins.fence) kvf__fence_leave(e, pins.fence); /* from here the chunk writes nothing more */
     if (cut) {
       atomic_fetch_add(&e->stats.chunks_fenced, 1);
       fenced = 1;
@@ -448,7 +454,8 @@ static int inbound_turn(void *arg, evpool_item *it) {
     int status = 0, trailer_read = 0;
     rc = inbound_chunk(in, e, &h, h.magic == TCP_CHUNK_TAGGED_MAGIC ? &tag : NULL, has_trailer, in->descs,
                        in->pins, &deadline, &status, &trailer_read);
-    if (!rc && has_trailer && !trailer_read) rc = inbound_trailer(in, e, 0, &deadline); /* read, not delivered */
+    if (!rc && has_trailer && !trailer_read)
+      rc = inbound_trailer(in, e, 0, NULL, &deadline); /* read, not delivered */
     if (rc) goto out_err;
     in->acks[in->nack++] = (tcp_ack){h.seq, status, TCP_ACK_MAGIC};
     /* Held back only while more staged chunks follow (one send answers
