@@ -267,7 +267,7 @@ static void ctl_cut(ucx_ctl *c) {
 
 /* Built and sent under send_mu: a fence message (ucx_fence_close) for a
  * pair this info still shows open comes after it on the connection. */
-static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out) {
+static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out, int ms) {
   char *m;
   size_t len;
   pthread_mutex_lock(&c->send_mu);
@@ -276,7 +276,7 @@ static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out) {
     const ucx_info_hdr *h = (const ucx_info_hdr *)(const void *)m;
     if (gen_out) *gen_out = h->gen;
     if (!c->info_ns) c->info_ns = h->clock_ns;
-    rc = kvf__fd_send_all(c->fd, m, len, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+    rc = kvf__fd_send_all(c->fd, m, len, clock_deadline_ms(ms));
     free(m);
   }
   pthread_mutex_unlock(&c->send_mu);
@@ -291,7 +291,7 @@ static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out) {
 static void push_info(ucx_state *u, uint64_t gen, int wait) {
   pthread_mutex_lock(&u->ctl_mu);
   for (ucx_ctl *c = u->ctls; c; c = c->next)
-    if (!c->read_mode) ctl_send_info(u, c, NULL);
+    if (!c->read_mode) ctl_send_info(u, c, NULL, UCX_CTL_LOCKED_SEND_MS);
   int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
   for (int pending = wait; pending;) {
     pending = 0;
@@ -330,7 +330,8 @@ static int ucx_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t 
   for (ucx_ctl *c = u->ctls; c; c = c->next) {
     if (c->read_mode) continue;
     pthread_mutex_lock(&c->send_mu);
-    if (kvf__fd_send_all(c->fd, &m, sizeof m, until)) ctl_cut(c);
+    int64_t by = clock_deadline_ms(UCX_CTL_LOCKED_SEND_MS);
+    if (kvf__fd_send_all(c->fd, &m, sizeof m, by < until ? by : until)) ctl_cut(c);
     pthread_mutex_unlock(&c->send_mu);
   }
   for (;;) {
@@ -450,7 +451,7 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
       log_malformed(e, c->peer);
       return KVF_ECLOSED;
     }
-    rc = ctl_send_info(u, c, NULL);
+    rc = ctl_send_info(u, c, NULL, UCX_CTL_TIMEOUT_MS);
   }
   kvf__ucx_ctl_flush(c); /* reads that were done are still answered */
   if (rc == KVF_EPROTO) log_malformed(e, c->peer);
@@ -523,7 +524,7 @@ static int ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fla
   int read_mode = c->read_mode;
   pthread_mutex_lock(&u->ctl_mu);
   int full = u->nctls >= UCX_MAX_RENDEZVOUS && !u->ctl_stopping;
-  int rc = full || u->ctl_stopping ? KVF_EBUSY : ctl_send_info(u, c, &c->acked);
+  int rc = full || u->ctl_stopping ? KVF_EBUSY : ctl_send_info(u, c, &c->acked, UCX_CTL_LOCKED_SEND_MS);
   if (!rc) {
     c->fence_acked = u->fence_seq; /* its snapshot shows every fence closed so far */
     /* Listed first: a worker may take it at once (the pool hands it over

@@ -91,6 +91,11 @@
 #define UCX_POPULATE_MAX (1ull << 30)
 /* A rendezvous message must arrive whole within this once it has started. */
 #define UCX_CTL_TIMEOUT_MS 5000
+/* A send to one writer while the rendezvous list's lock (ctl_mu) is held
+ * (an info to a new or every connection, a fence close) must go within
+ * this, or that writer is cut: a socket that full belongs to a writer that
+ * does not read it, and every other writer's control waits on the lock. */
+#define UCX_CTL_LOCKED_SEND_MS 1000
 #define UCX_REFRESH_ROUNDS 3 /* region refreshes before a write outside them is refused (ucx_write.c) */
 /* The progress thread's tick while batches are in flight (deadline checks). */
 #define UCX_TICK_MS 50
