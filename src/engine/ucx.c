@@ -276,6 +276,7 @@ static int ctl_send_info(ucx_state *u, ucx_ctl *c, uint64_t *gen_out, int ms) {
     const ucx_info_hdr *h = (const ucx_info_hdr *)(const void *)m;
     if (gen_out) *gen_out = h->gen;
     if (!c->info_ns) c->info_ns = h->clock_ns;
+    if (h->gen > atomic_load(&c->sent_gen)) atomic_store(&c->sent_gen, h->gen);
     rc = kvf__fd_send_all(c->fd, m, len, clock_deadline_ms(ms));
     free(m);
   }
@@ -331,6 +332,7 @@ static int ucx_fence_close(kvf_engine *e, uint64_t tag, uint64_t epoch, int64_t 
     if (c->read_mode) continue;
     pthread_mutex_lock(&c->send_mu);
     int64_t by = clock_deadline_ms(UCX_CTL_LOCKED_SEND_MS);
+    atomic_store(&c->sent_fence, m.seq);
     if (kvf__fd_send_all(c->fd, &m, sizeof m, by < until ? by : until)) ctl_cut(c);
     pthread_mutex_unlock(&c->send_mu);
   }
@@ -429,6 +431,8 @@ static int ctl_turn(ucx_state *u, ucx_ctl *c) {
     if (r.magic == UCX_ACK_MAGIC || r.magic == UCX_FENCE_ACK_MAGIC) {
       pthread_mutex_lock(&u->ctl_mu);
       uint64_t *acked = r.magic == UCX_ACK_MAGIC ? &c->acked : &c->fence_acked;
+      uint64_t sent = atomic_load(r.magic == UCX_ACK_MAGIC ? &c->sent_gen : &c->sent_fence);
+      if (r.gen > sent) r.gen = sent; /* not ahead of what it was sent */
       if (r.gen > *acked) *acked = r.gen;
       pthread_cond_broadcast(&u->ctl_cv);
       pthread_mutex_unlock(&u->ctl_mu);

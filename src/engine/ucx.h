@@ -342,6 +342,10 @@ typedef struct ucx_ctl {
   pthread_mutex_t send_mu;
   uint64_t acked;       /* generation the writer has applied (under ctl_mu) */
   uint64_t fence_acked; /* highest fence seq the writer confirmed (under ctl_mu) */
+  /* The highest generation and fence seq sent to it (set before the send):
+   * a confirmation is taken up to these only, so a writer cannot confirm
+   * ahead and skip the waits of later unregisters and closes. */
+  _Atomic uint64_t sent_gen, sent_fence;
   char peer[KVF_ADDR_LEN];
   int read_mode;
   /* Set before this engine shuts the connection down: a read under way then
