@@ -52,11 +52,33 @@ _Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame s
 
 #define MANAGER_SWEEP_NS 1000000000ll /* how often the listener looks for idle PUSH sockets */
 
+/* One cached PUSH socket. Senders find it under push_lock and count
+ * themselves in `users`, then send under its own lock with push_lock let
+ * go: a sender waiting on a peer that does not read (up to the socket's
+ * send timeout) holds up only the senders to that peer. Taken out of the
+ * map (forgotten, idle), it is freed by whoever is last: the remover when
+ * no sender holds it, else the last sender (`gone`). */
 typedef struct manager_push {
   pthread_mutex_t lock;
   void *sock;
   _Atomic int64_t used_ns; /* the last send's start */
+  int users;               /* senders that found it (push_lock) */
+  int gone;                /* out of the map (push_lock) */
 } manager_push;
+
+static void push_free(manager_push *p) {
+  zmq_close(p->sock);
+  pthread_mutex_destroy(&p->lock);
+  free(p);
+}
+
+/* A sender is done with p; frees it when it was the last of a removed one. */
+static void push_release(kvf_manager *m, manager_push *p) {
+  pthread_mutex_lock(&m->push_lock);
+  int last = --p->users == 0 && p->gone;
+  pthread_mutex_unlock(&m->push_lock);
+  if (last) push_free(p);
+}
 
 int kvf__control_socket_limit(void) { return MANAGER_MAX_PUSHES + 1; }
 
@@ -226,12 +248,13 @@ int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, cons
       return KVF_EIO;
     }
   }
+  p->users++;
+  atomic_store(&p->used_ns, clock_now_ns());
+  pthread_mutex_unlock(&m->push_lock);
   unsigned char mac[MANAGER_MAC_LEN];
   size_t nsend = msg->nframes + (m->ctl_keylen ? 1 : 0);
   if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
   pthread_mutex_lock(&p->lock);
-  pthread_mutex_unlock(&m->push_lock);
-  atomic_store(&p->used_ns, clock_now_ns());
   for (size_t i = 0; i < nsend && !rc; i++) {
     int flags = i + 1 < nsend ? ZMQ_SNDMORE : 0;
     const void *data = i < msg->nframes ? msg->frames[i].data : mac;
@@ -239,6 +262,7 @@ int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, cons
     if (zmq_send(p->sock, data, len, flags) < 0) rc = zmq_errno() == EAGAIN ? KVF_ETIMEDOUT : KVF_EIO;
   }
   pthread_mutex_unlock(&p->lock);
+  push_release(m, p);
   if (rc) LOG_WARN("kv", "sending to %s failed: %s", key, kvf_strerror(rc));
   return rc;
 }
@@ -248,17 +272,11 @@ void kvf__manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {
   if (push_key(key, sizeof key, host, port)) return;
   void *v = NULL;
   pthread_mutex_lock(&m->push_lock);
-  int had = kvf__smap_del(&m->pushes, key, &v);
+  manager_push *p = kvf__smap_del(&m->pushes, key, &v) ? v : NULL;
+  int now = p && p->users == 0;
+  if (p) p->gone = 1; /* a sender still holding it frees it (push_release) */
   pthread_mutex_unlock(&m->push_lock);
-  if (had) {
-    manager_push *p = v;
-    /* A sender may still hold p->lock: take it before closing. */
-    pthread_mutex_lock(&p->lock);
-    zmq_close(p->sock);
-    pthread_mutex_unlock(&p->lock);
-    pthread_mutex_destroy(&p->lock);
-    free(p);
-  }
+  if (now) push_free(p);
 }
 
 /* Idle PUSH sockets. A connected PUSH socket costs about 27 KiB at each end
@@ -283,19 +301,13 @@ size_t kvf__control_close_idle_pushes(kvf_manager *m, int64_t now_ns) {
   void *v;
   while (n < SWEEP_MAX && kvf__smap_next(&m->pushes, &it, &k, &v)) {
     manager_push *p = v;
-    /* Senders take p->lock under push_lock: one that holds it is sending,
-     * and none can be between finding p and locking it. */
-    if (now_ns - atomic_load(&p->used_ns) < m->push_idle_ns || pthread_mutex_trylock(&p->lock)) continue;
-    kvf__smap_del(&m->pushes, k, NULL); /* the iterator tolerates it */
+    if (now_ns - atomic_load(&p->used_ns) < m->push_idle_ns || p->users) continue; /* in use: next sweep */
+    kvf__smap_del(&m->pushes, k, NULL);                                            /* the iterator tolerates it */
+    p->gone = 1;
     gone[n++] = p;
   }
   pthread_mutex_unlock(&m->push_lock);
-  for (size_t i = 0; i < n; i++) { /* out of the map: no sender can find them */
-    zmq_close(gone[i]->sock);
-    pthread_mutex_unlock(&gone[i]->lock);
-    pthread_mutex_destroy(&gone[i]->lock);
-    free(gone[i]);
-  }
+  for (size_t i = 0; i < n; i++) push_free(gone[i]); /* out of the map, no sender: none can find them */
   if (n) LOG_DEBUG("kv", "closed %zu PUSH socket(s) idle for %.0f s", n, (double)m->push_idle_ns / 1e9);
   /* libzmq frees a closed socket's buffers on its reaper thread within the
    * linger time: one sweep later, hand the freed pages back to the kernel
@@ -310,12 +322,7 @@ void kvf__control_close_pushes(kvf_manager *m) {
   map_iter it;
   kvf__map_iter_init(&it);
   void *v;
-  while (kvf__smap_next(&m->pushes, &it, NULL, &v)) {
-    manager_push *p = v;
-    zmq_close(p->sock);
-    pthread_mutex_destroy(&p->lock);
-    free(p);
-  }
+  while (kvf__smap_next(&m->pushes, &it, NULL, &v)) push_free(v);
   kvf__smap_free(&m->pushes);
 }
 

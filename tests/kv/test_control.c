@@ -6,7 +6,10 @@
  * per endpoint, reconnects after a forget and closes idle sockets; engine trailers pack and
  * unpack byte-exact and malformed ones are refused; the peer-address check
  * compares what it can. */
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <pthread.h>
+#include <sys/socket.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -287,6 +290,74 @@ static void push_cache_keeps_order_per_endpoint(void **state) {
   kvf_manager_destroy(m);
 }
 
+/* A peer that never reads (a TCP listener that never accepts: ZeroMQ
+ * queues for it up to the send high-water mark, then each send waits out
+ * the socket's 1 s send timeout) holds up only the senders to it: 50
+ * messages to a reading peer go through meanwhile (they waited on the
+ * cache's lock behind the stalled senders, about 1 s each). */
+typedef struct stall_arg {
+  kvf_manager *m;
+  uint16_t port;
+} stall_arg;
+
+static void *send_to_stalled(void *arg) {
+  stall_arg *a = arg;
+  for (int i = 0; i < 2; i++) {
+    wire_msg msg;
+    m3_for(700000 + i, &msg);
+    kvf__manager_push_send(a->m, "127.0.0.1", a->port, &msg); /* times out: not checked */
+    kvf__wire_msg_free(&msg);
+  }
+  return NULL;
+}
+
+static void a_stalled_peer_holds_up_only_its_own_sends(void **state) {
+  (void)state;
+  kvf_manager *m = make_manager(NULL);
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001)};
+  socklen_t al = sizeof a;
+  assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(lfd, 4), 0);
+  assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &al), 0);
+  stall_arg sa = {m, ntohs(a.sin_port)};
+  wire_msg msg;
+  m3_for(1, &msg);
+  int queued = 0; /* up to the high-water mark, at once */
+  while (queued < 5000 && kvf__manager_push_send(m, "127.0.0.1", sa.port, &msg) == 0) queued++;
+  kvf__wire_msg_free(&msg);
+  assert_true(queued < 5000); /* it did fill */
+  pthread_t th[2];
+  for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, send_to_stalled, &sa), 0);
+  usleep(100000); /* both are waiting on the stalled peer */
+  void *zctx = zmq_ctx_new();
+  void *pull = zmq_socket(zctx, ZMQ_PULL);
+  int tmo = 5000;
+  zmq_setsockopt(pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
+  assert_int_equal(zmq_bind(pull, "tcp://127.0.0.1:*"), 0);
+  char ep[128];
+  size_t len = sizeof ep;
+  assert_int_equal(zmq_getsockopt(pull, ZMQ_LAST_ENDPOINT, ep, &len), 0);
+  uint16_t good = (uint16_t)atoi(strrchr(ep, ':') + 1);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int i = 0; i < 50; i++) {
+    m3_for(800000 + i, &msg);
+    assert_int_equal(kvf__manager_push_send(m, "127.0.0.1", good, &msg), 0);
+    kvf__wire_msg_free(&msg);
+  }
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double took = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  fprintf(stderr, "50 sends to a reading peer beside a stalled one: %.3f s\n", took);
+  assert_true(took < 1.5); /* the stalled senders take about 4 s */
+  for (int i = 0; i < 50; i++) assert_int_equal(recv_room(pull), 800000 + i);
+  for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  zmq_close(pull);
+  zmq_ctx_term(zctx);
+  kvf_manager_destroy(m);
+  close(lfd);
+}
+
 /* More peers than ZeroMQ's default of 1023 sockets per context: the cache
  * opens a PUSH socket for each of 1100 addresses (distinct hosts of
  * 127.0.0.0/8, all reaching one PULL socket) and every message arrives. */
@@ -558,6 +629,7 @@ static void peer_address_check(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(messages_from_many_peers),
+      cmocka_unit_test(a_stalled_peer_holds_up_only_its_own_sends),
       cmocka_unit_test(frames_past_any_message_are_ignored),
       cmocka_unit_test(control_token_admits_only_good_macs),
       cmocka_unit_test(push_cache_keeps_order_per_endpoint),
