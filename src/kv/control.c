@@ -227,7 +227,12 @@ int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, cons
   int rc = 0;
   if (!p) {
     if (smap_size(&m->pushes) >= MANAGER_MAX_PUSHES || !(p = calloc(1, sizeof *p))) {
+      int full = smap_size(&m->pushes) >= MANAGER_MAX_PUSHES;
       pthread_mutex_unlock(&m->push_lock);
+      if (kvf__log_first_time(kvf__hash_str("control-pushes-full", (uint64_t)(uintptr_t)m)))
+        LOG_WARN("kv", "message to %s dropped: %s (further ones are not logged)", key,
+                 full ? "PUSH sockets are open to as many endpoints as allowed (MANAGER_MAX_PUSHES)"
+                      : "out of memory");
       return KVF_ENOMEM;
     }
     pthread_mutex_init(&p->lock, NULL);

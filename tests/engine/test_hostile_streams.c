@@ -644,10 +644,13 @@ static void trailer_held_back_does_not_hold_a_close(void **state) {
   int fd = raw_connect(kvf_engine_port(t->e));
   assert_true(fd >= 0);
   assert_int_equal(send(fd, s.b, s.n, MSG_NOSIGNAL), (ssize_t)s.n);
-  for (int i = 0; i < 2000 && t->base[63] != 7; i++) { /* landed (a racy look, only to know when) */
+  kvf__fence_stats fs = {0};
+  for (int i = 0; i < 2000 && fs.bytes < 64; i++) { /* the payload landed */
     usleep(1000);
-    kvf_engine_sync(t->e);
+    assert_int_equal(kvf__engine_fence_stats(t->e, OPEN_TAG, t->epoch, &fs), 0);
   }
+  assert_int_equal(fs.bytes, 64);
+  kvf_engine_sync(t->e);
   assert_int_equal(t->base[63], 7);
   usleep(50000); /* the receiver now waits for the trailer */
   struct timespec t0, t1;
