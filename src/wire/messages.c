@@ -219,6 +219,9 @@ int kvf__wire_buffer_kind_parse(const char *name) {
   return -1;
 }
 
+/* Commas one fragment brings to its list: 9 between its 10 keys, 1 before
+ * the next fragment; one more of slack. */
+#define WIRE_FRAG_VALUES 11
 static const char *const frag_keys[10] = {"buffer_index",    "buffer_kind",           "src_rank",
                                           "dst_rank",        "src_page_stride_bytes", "dst_page_stride_bytes",
                                           "src_byte_offset", "dst_byte_offset",       "bytes_per_page",
@@ -258,6 +261,20 @@ static int parse_fragments(const uint8_t *json, size_t len, wire_fragment **out,
   }
   if (len > WIRE_MAX_JSON) {
     why(reason, "%s%zu bytes, at most %d allowed", pre, len, WIRE_MAX_JSON);
+    goto err;
+  }
+  /* What the parse would allocate is bounded before it runs (it takes tens
+   * of bytes per JSON value): a fragment is one object of 10 integers, so a
+   * list of at most WIRE_MAX_FRAGMENTS holds at most that many '{' and
+   * WIRE_FRAG_VALUES times that many ','. */
+  size_t braces = 0, commas = 0;
+  for (size_t i = 0; i < len; i++) braces += json[i] == '{', commas += json[i] == ',';
+  if (braces > WIRE_MAX_FRAGMENTS) {
+    why(reason, "%s%zu fragments, at most %d allowed", pre, braces, WIRE_MAX_FRAGMENTS);
+    goto err;
+  }
+  if (commas > (size_t)WIRE_MAX_FRAGMENTS * WIRE_FRAG_VALUES) {
+    why(reason, "%s%zu values, more than %d fragments hold", pre, commas + 1, WIRE_MAX_FRAGMENTS);
     goto err;
   }
   json_error_t jerr;

@@ -1026,6 +1026,15 @@ static void fragment_bounds(void **state) {
   assert_string_equal(reason, "4097 fragments, at most 4096 allowed");
   free(more);
   free(json);
+  /* A list of more values than 4096 fragments hold is refused before the
+   * parse allocates them (tens of bytes each). */
+  size_t nv = 300000, fl = 2 * nv + 1;
+  char *flat = malloc(fl);
+  flat[0] = '[';
+  for (size_t k = 0; k < nv; k++) flat[1 + 2 * k] = '1', flat[2 + 2 * k] = k + 1 < nv ? ',' : ']';
+  assert_int_equal(kvf__wire_fragments_parse((const uint8_t *)flat, fl, &back, &nback, reason), KVF_EPROTO);
+  assert_string_equal(reason, "300000 values, more than 4096 fragments hold");
+  free(flat);
   /* More than 1 MiB of JSON is refused before parsing. */
   size_t big = (size_t)WIRE_MAX_JSON + 1;
   char *pad = malloc(big);
