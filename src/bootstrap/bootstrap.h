@@ -31,6 +31,11 @@ typedef struct bootstrap_client_opts {
  * (libcurl could not initialise). Any thread. */
 int kvf__bootstrap_client_create(const char *addr, const bootstrap_client_opts *opts, bootstrap_client **out);
 void kvf__bootstrap_client_destroy(bootstrap_client *c);
+/* Every request from now on ends by `until_ns` (CLOCK_MONOTONIC; 0: no
+ * overall limit, each request has its own timeout): a caller that makes
+ * several requests in a row bounds them all together. A request started
+ * past it fails at once with KVF_ETIMEDOUT. */
+void kvf__bootstrap_client_set_deadline(bootstrap_client *c, int64_t until_ns);
 
 /* PUT /route with `reg`. Retries with exponential backoff (50 ms doubling to
  * 1 s) while the failure is one a later try can fix — connection refused,

@@ -31,6 +31,7 @@ struct bootstrap_client {
   char *base; /* "http://<addr>" */
   char *auth; /* "Authorization: Bearer <token>", NULL without a token */
   int connect_timeout_ms, timeout_ms;
+  int64_t until_ns; /* kvf__bootstrap_client_set_deadline; 0: none */
   /* Reply of the request in progress. */
   char *buf;
   size_t len, cap;
@@ -96,6 +97,10 @@ err_free_addr:
 err_free_client:
   free(c);
   return rc;
+}
+
+void kvf__bootstrap_client_set_deadline(bootstrap_client *c, int64_t until_ns) {
+  if (c) c->until_ns = until_ns;
 }
 
 void kvf__bootstrap_client_destroy(bootstrap_client *c) {
@@ -164,6 +169,12 @@ static int map_status(long status) {
 static int perform(bootstrap_client *c, const char *method, const char *path, const char *body, size_t body_len,
                    int connect_ms, int total_ms, long *status) {
   CURL *h = c->curl;
+  if (c->until_ns) { /* the caller's overall deadline caps this request */
+    int64_t left_ms = (c->until_ns - clock_now_ns()) / 1000000;
+    if (left_ms <= 0) return KVF_ETIMEDOUT;
+    if (total_ms > left_ms) total_ms = (int)left_ms;
+    if (connect_ms > total_ms) connect_ms = total_ms;
+  }
   c->len = 0;
   c->overflow = 0;
   c->errbuf[0] = '\0';

@@ -825,6 +825,19 @@ static void client_times_out_on_a_silent_server(void **state) {
   route_parallel_info p;
   assert_int_equal(kvf__bootstrap_client_get_parallel_info(c, &p), KVF_ETIMEDOUT);
 
+  /* With an overall deadline, requests in a row end by it together: 20
+   * GETs of 300 ms each (6 s), under a 400 ms deadline, take about 400 ms,
+   * and one started past it fails at once. */
+  kvf__bootstrap_client_set_deadline(c, clock_deadline_ms(400));
+  t0 = clock_now_ns();
+  for (int i = 0; i < 20; i++) assert_int_equal(kvf__bootstrap_client_health(c), KVF_ETIMEDOUT);
+  took = ms_since(t0);
+  assert_true(took >= 350 && took < 400 + LOAD_SLACK_MS);
+  t0 = clock_now_ns();
+  assert_int_equal(kvf__bootstrap_client_get_rank(c, 0, 0, ip, sizeof ip, &port), KVF_ETIMEDOUT);
+  assert_true(ms_since(t0) < 50 + LOAD_SLACK_MS);
+  kvf__bootstrap_client_set_deadline(c, 0);
+
   /* The PUT retries timeouts but never past its deadline. */
   route_reg r;
   reg_init(&r, 1, 1, 0, "10.0.0.1", 39001);

@@ -44,6 +44,10 @@ static bootstrap_client *lookup_client(kvf_manager *m, const char *addr) {
   if (o.timeout_ms < DECODE_HB_CONNECT_MS) o.connect_timeout_ms = o.timeout_ms;
   bootstrap_client *c = NULL;
   if (kvf__bootstrap_client_create(addr, &o, &c)) return NULL;
+  /* One discovery (parallel info, then each target rank's address) ends
+   * within the HTTP timeout as a whole: a bootstrap server that answers
+   * each request just in time must not hold the caller for every target. */
+  kvf__bootstrap_client_set_deadline(c, clock_deadline_ms(m->cfg.http_timeout_ms));
   return c;
 }
 
