@@ -231,6 +231,10 @@ static int probe_addr(kvf_manager *m, const char *addr, char *why, size_t cap) {
                              .connect_timeout_ms = ms_capped(DECODE_HB_CONNECT_MS, interval),
                              .timeout_ms = ms_capped(DECODE_HB_TIMEOUT_MS, interval)};
   kvf__bootstrap_client_create(addr, &o, &c);
+  /* /health and the ranks' revalidation share one budget: a bootstrap
+   * server answering each request just in time must not delay the round's
+   * verdicts on every other prefill by one timeout per rank. */
+  kvf__bootstrap_client_set_deadline(c, clock_deadline_ms(o.timeout_ms));
   int rc = c ? kvf__bootstrap_client_health(c) : KVF_EIO;
   if (!rc) revalidate_ranks(m, c, addr);
   kvf__bootstrap_client_destroy(c);
