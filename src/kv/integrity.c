@@ -279,11 +279,6 @@ void kvf__integ_on_digests(kvf_manager *m, const wire_frame *frames, size_t n, c
   }
 }
 
-static int any_use(void *user, void *arg) {
-  (void)user, (void)arg;
-  return 1;
-}
-
 void kvf__integ_on_refused(void *arg, uint64_t tag, uint64_t epoch, int err, const char *peer) {
   kvf_manager *m = arg;
   integ_state *s = m->integ;
@@ -292,7 +287,7 @@ void kvf__integ_on_refused(void *arg, uint64_t tag, uint64_t epoch, int err, con
    * comes after its new epoch (receiver.c), so a refusal for the earlier
    * epoch fails at most the earlier use (rooms.h, "Uses"). */
   uint64_t use = 0;
-  kvf__rooms_with_user_use(m->rooms, room, any_use, NULL, &use);
+  kvf__rooms_get_use(m->rooms, room, &use);
   pthread_mutex_lock(&s->lock);
   integ_room *x = kvf__map_get(&s->rooms, (uint64_t)room);
   int known = use && x && x->epoch == epoch;

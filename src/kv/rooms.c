@@ -516,6 +516,9 @@ static int with_entry(rooms *t, int64_t room, int any, void (*fn)(room_entry *e,
 static void put_user(room_entry *e, void *arg) { e->user = arg; }
 static void take_user(room_entry *e, void *arg) { *(void **)arg = e->user; }
 static void put_init_time(room_entry *e, void *arg) { e->init_time_ns = *(const int64_t *)arg; }
+static void take_use(room_entry *e, void *arg) { *(uint64_t *)arg = e->use; }
+
+int kvf__rooms_get_use(rooms *t, int64_t room, uint64_t *use) { return with_entry(t, room, 0, take_use, use); }
 
 int kvf__rooms_set_user(rooms *t, int64_t room, void *user) { return with_entry(t, room, 1, put_user, user); }
 

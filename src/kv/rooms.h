@@ -192,7 +192,11 @@ int kvf__rooms_get_user(rooms *t, int64_t room, void **user);
  * table). Returns pred's answer (pred returns 0 or more), KVF_ENOTFOUND if
  * not live. */
 int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg);
-/* The same, and *use (may be NULL) gets the stamp of the use pred saw. */
+/* The stamp of the live room's current use ("Uses"); KVF_ENOTFOUND if not
+ * live. */
+int kvf__rooms_get_use(rooms *t, int64_t room, uint64_t *use);
+/* kvf__rooms_with_user, and *use (may be NULL) gets the stamp of the use
+ * pred saw. */
 int kvf__rooms_with_user_use(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg, uint64_t *use);
 /* Time (any clock the caller chooses, e.g. clock_now_ns) the last transfer
  * request was sent, for the waiting timeout. */

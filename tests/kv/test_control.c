@@ -244,6 +244,19 @@ static int64_t recv_room(void *pull) {
   return room;
 }
 
+/* A PULL socket of zctx bound to `ep` (a "tcp://IP:*"), receiving with a
+ * timeout of `tmo_ms`; *port gets the port the kernel chose. */
+static void *bind_pull(void *zctx, const char *ep, int tmo_ms, uint16_t *port) {
+  void *pull = zmq_socket(zctx, ZMQ_PULL);
+  zmq_setsockopt(pull, ZMQ_RCVTIMEO, &tmo_ms, sizeof tmo_ms);
+  assert_int_equal(zmq_bind(pull, ep), 0);
+  char last[128];
+  size_t len = sizeof last;
+  assert_int_equal(zmq_getsockopt(pull, ZMQ_LAST_ENDPOINT, last, &len), 0);
+  *port = (uint16_t)atoi(strrchr(last, ':') + 1);
+  return pull;
+}
+
 /* The PUSH cache: one socket per endpoint, so each of 16 endpoints gets its
  * 50 messages in the order sent; after a forget the next send opens a new
  * socket and still arrives. Bad endpoints are refused. */
@@ -254,14 +267,7 @@ static void push_cache_keeps_order_per_endpoint(void **state) {
   void *pull[ENDPOINTS];
   uint16_t port[ENDPOINTS];
   for (int e = 0; e < ENDPOINTS; e++) {
-    pull[e] = zmq_socket(zctx, ZMQ_PULL);
-    int tmo = (int)(DEADLINE_S * 1000);
-    zmq_setsockopt(pull[e], ZMQ_RCVTIMEO, &tmo, sizeof tmo);
-    assert_int_equal(zmq_bind(pull[e], "tcp://127.0.0.1:*"), 0);
-    char ep[128];
-    size_t len = sizeof ep;
-    assert_int_equal(zmq_getsockopt(pull[e], ZMQ_LAST_ENDPOINT, ep, &len), 0);
-    port[e] = (uint16_t)atoi(strrchr(ep, ':') + 1);
+    pull[e] = bind_pull(zctx, "tcp://127.0.0.1:*", (int)(DEADLINE_S * 1000), &port[e]);
   }
   for (int i = 0; i < PER_ENDPOINT; i++)
     for (int e = 0; e < ENDPOINTS; e++) {
@@ -331,14 +337,8 @@ static void a_stalled_peer_holds_up_only_its_own_sends(void **state) {
   for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, send_to_stalled, &sa), 0);
   usleep(100000); /* both are waiting on the stalled peer */
   void *zctx = zmq_ctx_new();
-  void *pull = zmq_socket(zctx, ZMQ_PULL);
-  int tmo = 5000;
-  zmq_setsockopt(pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
-  assert_int_equal(zmq_bind(pull, "tcp://127.0.0.1:*"), 0);
-  char ep[128];
-  size_t len = sizeof ep;
-  assert_int_equal(zmq_getsockopt(pull, ZMQ_LAST_ENDPOINT, ep, &len), 0);
-  uint16_t good = (uint16_t)atoi(strrchr(ep, ':') + 1);
+  uint16_t good = 0;
+  void *pull = bind_pull(zctx, "tcp://127.0.0.1:*", 5000, &good);
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   for (int i = 0; i < 50; i++) {
@@ -372,14 +372,8 @@ static void push_cache_holds_more_peers_than_zeromq_default(void **state) {
   }
   kvf_manager *m = make_manager(NULL);
   void *zctx = zmq_ctx_new();
-  void *pull = zmq_socket(zctx, ZMQ_PULL);
-  int tmo = (int)(DEADLINE_S * 1000);
-  zmq_setsockopt(pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
-  assert_int_equal(zmq_bind(pull, "tcp://0.0.0.0:*"), 0);
-  char ep[128];
-  size_t len = sizeof ep;
-  assert_int_equal(zmq_getsockopt(pull, ZMQ_LAST_ENDPOINT, ep, &len), 0);
-  uint16_t port = (uint16_t)atoi(strrchr(ep, ':') + 1);
+  uint16_t port = 0;
+  void *pull = bind_pull(zctx, "tcp://0.0.0.0:*", (int)(DEADLINE_S * 1000), &port);
   for (int i = 0; i < MANY_PEERS; i++) {
     char host[32];
     snprintf(host, sizeof host, "127.0.%d.%d", i / 250, i % 250 + 1);

@@ -1420,12 +1420,7 @@ static void refused_chunk_fails_the_room(void **state) {
   assert_non_null(strstr(why, "could not take a chunk"));
   int64_t dst[] = {0};
   send_m2(&f, 97, dst, 1);
-  wire_m3 m3;
-  int32_t c[KVF_MAX_CANDIDATES];
-  size_t nc;
-  recv_m3(&f, &m3, c, &nc);
-  assert_int_equal(m3.room, 97);
-  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  expect_failed_m3(&f, 97);
   kvf_sender_destroy(s);
   fx_teardown(&f);
   g_transport = NULL;
@@ -1464,11 +1459,7 @@ static void reregistration_with_other_buffers_fails_earlier_requests(void **stat
       char why[256];
       kvf_sender_failure(s, why, sizeof why);
       assert_non_null(strstr(why, "registered other buffers"));
-      wire_m3 m3;
-      int32_t c[KVF_MAX_CANDIDATES];
-      size_t nc;
-      recv_m3(&f, &m3, c, &nc);
-      assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+      expect_failed_m3(&f, room);
       uint8_t *t = f.dbuf[0];
       f.dbuf[0] = f.dbuf[1], f.dbuf[1] = t;
     }
@@ -1577,12 +1568,7 @@ static void extra_destination_is_refused(void **state) {
     kvf_engine_get_stats(f.eng, &es);
   assert_true(es.batches_received >= 1); /* A's first chunk landed: the room's chunks are being written */
   send_m2(&g, 95, dst[1], 4);
-  wire_m3 m3;
-  int32_t c[KVF_MAX_CANDIDATES];
-  size_t nc;
-  recv_m3(&g, &m3, c, &nc);
-  assert_int_equal(m3.room, 95);
-  assert_int_equal(m3.status, WIRE_STATUS_FAILED);
+  expect_failed_m3(&g, 95);
   assert_non_null(strstr(g_last_reason, "required_dst_info_num"));
   assert_int_equal(send_chunk(s, src + 2, 2, 1, 0, 7, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s, 8000), KVF_POLL_SUCCESS);

@@ -284,6 +284,9 @@ static void answers_act_on_the_use_they_were_checked_against(void **state) {
   assert_int_equal(status_of(t, 8), ROOM_SUCCESS);
   assert_int_equal(kvf__rooms_reset_responses(t, 8, ROOM_BOOTSTRAPPED), 0);
   assert_int_equal(kvf__rooms_with_user_use(t, 8, any_user, NULL, &u4), 1);
+  uint64_t now = 0;
+  assert_int_equal(kvf__rooms_get_use(t, 8, &now), 0);
+  assert_true(now == u4);
   assert_int_equal(kvf__rooms_fail_use(t, 8, u4, "now"), 0);
   assert_int_equal(status_of(t, 8), ROOM_FAILED);
   kvf__rooms_table_free(t, NULL);

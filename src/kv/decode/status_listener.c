@@ -96,7 +96,6 @@ void kvf__dec_on_trailer(void *arg, const unsigned char *data, size_t len, const
 /* The same check for a kvferry digests message. */
 static int from_planned(kvf_manager *m, int64_t room, const char *peer, uint64_t *use) {
   m3_origin origin = {m, peer, -1, 0, 0};
-  *use = 0;
   return kvf__rooms_with_user_use(m->rooms, room, from_planned_rank, &origin, use) != 0;
 }
 

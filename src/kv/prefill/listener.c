@@ -224,9 +224,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
      * timeout), and once chunks went out it would get only the rest of the
      * KV. Refused and told so; nothing is written to it. */
     pf_dest told;
-    snprintf(told.host, sizeof told.host, "%s", x->endpoint);
-    told.port = x->dst_port;
-    told.epoch = x->fence_epoch;
+    kvf__pf_dest_of(x, &told);
     int64_t room = r->room;
     size_t have = r->ninfos;
     pthread_mutex_unlock(&ps->lock);
@@ -291,9 +289,7 @@ static void on_m2(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   if (r->has_sender && !r->dead && !x->is_dummy && !kvf__rooms_get_status(m->rooms, r->room, &st) &&
       (st == ROOM_FAILED || st == ROOM_SUCCESS)) {
     tell_failed = 1;
-    snprintf(told.host, sizeof told.host, "%s", x->endpoint);
-    told.port = x->dst_port;
-    told.epoch = x->fence_epoch;
+    kvf__pf_dest_of(x, &told);
     if (st == ROOM_SUCCESS)
       snprintf(why, sizeof why, "prefill rank %d: the room had completed before this transfer request came",
                m->cfg.engine_rank);

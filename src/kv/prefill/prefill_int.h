@@ -293,6 +293,9 @@ typedef struct pf_dest { /* where an M3 goes */
   uint64_t epoch; /* the fence epoch of that decode's M2 (0: none), sent back in M3 frame 6 */
 } pf_dest;
 
+/* Where the M3 for the decode that sent x goes (copied: x may be freed). */
+void kvf__pf_dest_of(const wire_m2 *x, pf_dest *d);
+
 /* An M3's contents (kvf__pf_send_m3). */
 typedef struct pf_m3_msg {
   int64_t room;

@@ -166,12 +166,15 @@ pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n) {
   for (size_t i = 0; i < r->ninfos; i++) {
     const wire_m2 *x = r->infos[i]->m2;
     if (x->is_dummy || (except && !strcmp(x->session, except))) continue;
-    snprintf(d[*n].host, sizeof d[*n].host, "%s", x->endpoint);
-    d[*n].port = x->dst_port;
-    d[*n].epoch = x->fence_epoch;
-    (*n)++;
+    kvf__pf_dest_of(x, &d[(*n)++]);
   }
   return d;
+}
+
+void kvf__pf_dest_of(const wire_m2 *x, pf_dest *d) {
+  snprintf(d->host, sizeof d->host, "%s", x->endpoint);
+  d->port = x->dst_port;
+  d->epoch = x->fence_epoch;
 }
 
 pf_dest *kvf__pf_fail_room_locked(prefill_state *ps, pf_room *r, const char *why, const char *except, size_t *n) {

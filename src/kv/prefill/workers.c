@@ -339,12 +339,7 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
         if (fin != ROOM_FAILED) {
           pf_dest *d = calloc(ndone, sizeof *d);
           if (d) {
-            for (size_t k = 0; k < ndone; k++) {
-              const wire_m2 *y = infos[done[k]]->m2;
-              snprintf(d[k].host, sizeof d[k].host, "%s", y->endpoint);
-              d[k].port = y->dst_port;
-              d[k].epoch = y->fence_epoch;
-            }
+            for (size_t k = 0; k < ndone; k++) kvf__pf_dest_of(infos[done[k]]->m2, &d[k]);
             free(r->park); /* a later, larger completed list replaces it */
             r->park = d, r->npark = ndone, r->landed_ns = clock_now_ns();
             parked = 1;
