@@ -98,7 +98,12 @@ static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
   /* No ack comes on a closed connection: fail them now, not at their
    * deadline (when a reconnected peer would be taken for the late one). */
   kvf__ucx_tacks_fail_locked(p, atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED);
+  /* Nor an answer to a notice: they end now, not at their lease (the
+   * progress thread, which would have read the target's end of this
+   * connection, no longer watches it). */
+  kvf__ucx_reads_closed_locked(p, p->conn_id);
   pthread_mutex_unlock(&u->wmu);
+  kvf__ucx_wake(u);
 }
 
 void kvf__ucx_peers_free(ucx_state *u) {
@@ -696,6 +701,7 @@ static int partial_expired(ucx_state *u, ucx_peer *p, int64_t now) {
     LOG_WARN("ucx", "peer %s sent part of a message and stopped for %d ms; its connection is dropped", p->id,
              UCX_CTL_TIMEOUT_MS);
   if (p->fd >= 0) epoll_ctl(u->epfd, EPOLL_CTL_DEL, p->fd, NULL);
+  kvf__ucx_reads_closed(u, p, p->conn_id); /* its answers are no longer read */
   partial_clear(u, p);
   return 1;
 }
@@ -725,9 +731,6 @@ static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
      * nothing to do now: the reads below never wait on the target. */
     int got = kvf__ucx_rbuf_hold(&p->rb, UCX_PEER_RBUF) ? KVF_ENOMEM : rb_whole_message(u, p, fd);
     rc = got > 0 ? kvf__ucx_rbuf_recv(fd, &p->rb, &h.magic, sizeof h.magic, until) : got == 0 ? 1 : got;
-    /* The target closed the connection (or its process is gone): it reads
-     * nothing more for this connection's notices (ucx_read.c). */
-    if (got == KVF_ECLOSED) kvf__ucx_reads_closed(u, p, p->conn_id);
     if (!rc && (h.magic == UCX_READ_DONE_MAGIC || h.magic == UCX_CLOCK_MAGIC)) {
       ucx_req rest;
       rc = kvf__ucx_rbuf_recv(fd, &p->rb, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic,
@@ -776,6 +779,10 @@ static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
   if (fd >= 0 && rc < 0) {
     LOG_INFO("ucx", "rendezvous connection to %s ended: %s", p->id, kvf_strerror(rc));
     epoll_ctl(u->epfd, EPOLL_CTL_DEL, fd, NULL);
+    /* The target closed it (or its process is gone, or it sent what ends
+     * the connection): no answer to this connection's notices is read any
+     * more (ucx_read.c). */
+    kvf__ucx_reads_closed(u, p, p->conn_id);
     kvf__ucx_peer_mark_dead(u, p, KVF_ECLOSED);
   }
   int more = !rc && rb_more_locked(p);

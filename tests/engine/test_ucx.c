@@ -818,6 +818,64 @@ static void stopped_target_past_its_lease_counts_nothing(void **state) {
   engine_peer_stop(&peer);
 }
 
+/* Read mode: a notice the target has not answered, then the writer drops
+ * that rendezvous connection itself before its progress thread read the
+ * target's end of it (a submit reconnects a peer marked dead: the race of
+ * a decode that exits right after a send failed). No answer can come on a
+ * closed connection, so the batch ends at once, not at its lease (30 s by
+ * default: a prefill's failed room stayed unfinished that long). */
+static void notice_on_a_dropped_connection_ends_at_once(void **state) {
+  (void)state;
+  SKIP_WITHOUT_UCX();
+#ifdef KVF_HAVE_UCX
+  if (!read_mode()) skip();
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  setenv("KVFERRY_READ_LEASE_MS", "20000", 1);
+  kvf_engine *e = make_engine("ucx", 20000);
+  unsetenv("KVFERRY_READ_LEASE_MS");
+  unsigned char *src = calloc(1, 4 * PAGE);
+  assert_non_null(src);
+  assert_int_equal(kvf_engine_register(e, src, 4 * PAGE), 0);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), 0); /* rendezvous done, read mode set */
+  const char *pt = NULL, *pm = NULL;
+  assert_int_equal(kvf__engine_peer_path(e, peer.session, &pt, &pm), 0);
+  if (strcmp(pm, "read")) {
+    printf("SKIP: the path is %s/%s, not read mode\n", pt, pm);
+    engine_peer_stop(&peer);
+    kvf_engine_destroy(e);
+    free(src);
+    skip();
+  }
+  assert_int_equal(kill(peer.p.pid, SIGSTOP), 0);
+  assert_int_equal(kvf_test_wait_stopped(peer.p.pid, 5000), 0);
+  kvf_batch *b1 = NULL, *b2 = NULL;
+  assert_int_equal(kvf_engine_submit(e, peer.session, &w, 1, &b1), 0); /* told, never answered */
+  usleep(50000);
+  ucx_peer *p = NULL;
+  assert_int_equal(kvf__ucx_peer_get(e->ucx, peer.session, &p), 0);
+  kvf__ucx_peer_mark_dead(e->ucx, p, KVF_ECLOSED);
+  int64_t t0 = clock_now_ns();
+  /* Reconnects: the old connection is closed here, unread. */
+  assert_int_equal(kvf_engine_submit(e, peer.session, &w, 1, &b2), 0);
+  int rc = kvf_batch_wait(b1, 10000);
+  double waited = (double)(clock_now_ns() - t0) / 1e9;
+  printf("notice on the dropped connection ended after %.3f s: %s\n", waited, kvf_strerror(rc));
+  assert_int_equal(rc, KVF_ECLOSED); /* before: KVF_ETIMEDOUT, the wait's 10 s, the lease's 20 */
+  assert_int_equal(kill(peer.p.pid, SIGCONT), 0);
+  kvf_batch_wait(b2, -1); /* the reconnection either way */
+  kvf_batch_destroy(b1);
+  kvf_batch_destroy(b2);
+  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), 0); /* the pair works again */
+  kvf_engine_unregister(e, src);
+  kvf_engine_destroy(e);
+  free(src);
+  engine_peer_stop(&peer);
+#endif
+}
+
 #ifdef KVF_HAVE_UCX
 /* Send a crafted ready notice on the writer's rendezvous connection. */
 static void send_notice(kvf_engine *w, const char *session, const ucx_notice *n, const kvf_write *d) {
@@ -1077,6 +1135,7 @@ static void notice_piece_count_allocation_bounded(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(stopped_target_past_its_lease_counts_nothing),
+      cmocka_unit_test(notice_on_a_dropped_connection_ends_at_once),
       cmocka_unit_test(hostile_ready_notices_refused),
       cmocka_unit_test(plain_and_strided_land_exact),
       cmocka_unit_test(private_memory_read_directly),
