@@ -748,16 +748,15 @@ static void *progress_main(void *arg) {
     kvf_engine_sync(u->e);
     ucs_status_t st = ucp_worker_arm(u->w);
     int busy = u->ops != NULL || atomic_load(&u->npartial), trailers = u->tq != NULL;
-    pthread_mutex_unlock(&u->wmu);
     /* Sleep only when the worker is armed and no flushed chunk waits to send
      * its trailer (the progress above may have completed one); with batches
      * in flight wake at least every tick to check their deadlines, and idle
      * at least every UCX_IDLE_TICK_MS (the first op linked while this thread
-     * sleeps wakes it: kvf__ucx_op_link). */
-    int n = epoll_wait(u->epfd, ev, 16,
-                       st == UCS_ERR_BUSY || trailers ? 0
-                       : busy                         ? UCX_TICK_MS
-                                                      : UCX_IDLE_TICK_MS);
+     * sleeps wakes it when due sooner: kvf__ucx_op_link). */
+    int wait_ms = st == UCS_ERR_BUSY || trailers ? 0 : busy ? UCX_TICK_MS : UCX_IDLE_TICK_MS;
+    u->wake_by_ns = clock_now_ns() + (int64_t)wait_ms * 1000000;
+    pthread_mutex_unlock(&u->wmu);
+    int n = epoll_wait(u->epfd, ev, 16, wait_ms);
     for (int i = 0; i < n; i++) {
       void *tag = ev[i].data.ptr;
       if (tag == u) {

@@ -416,6 +416,10 @@ typedef struct ucx_state {
    * and serves writers in write mode, where UCX moves device memory. */
   atomic_int device_regs;
   atomic_int npartial; /* peers with a partial_ns set */
+  /* Under wmu: the latest time the progress thread wakes by itself, set
+   * before each of its waits (kvf__ucx_op_link wakes it only for an op due
+   * sooner). */
+  int64_t wake_by_ns;
   /* rendezvous connections this engine serves, under ctl_mu */
   pthread_mutex_t ctl_mu;
   pthread_cond_t ctl_cv; /* an ack arrived or a connection ended */

@@ -46,8 +46,12 @@ void kvf__ucx_op_unlink(ucx_op *op) {
 void kvf__ucx_op_link(ucx_op *op) {
   ucx_op **head = op_list(op);
   /* The first op in flight: the progress thread, perhaps in its idle wait
-   * (UCX_IDLE_TICK_MS), ticks from now on to watch its deadline. */
-  if (!*head && head == &op->u->ops) kvf__ucx_wake(op->u);
+   * (UCX_IDLE_TICK_MS), ticks from now on to watch its deadline. A read op
+   * (a notice) needs nothing else from it, so it is woken only when the
+   * lease ends before it would wake anyway: with one notice in flight at a
+   * time, a wake-up per notice put two context switches and a contended
+   * wmu on each notice's way out. */
+  if (!*head && head == &op->u->ops && (!op->read || op->lease_end_ns < op->u->wake_by_ns)) kvf__ucx_wake(op->u);
   op->next = *head;
   if (*head) (*head)->prev = op;
   *head = op;
