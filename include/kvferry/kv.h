@@ -304,7 +304,9 @@ KVF_API int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npag
  * the failure to fence is logged ("could not fence late writes"): it starts
  * no new write for the room when it runs again, but what it had already
  * posted may land then, so reuse those pages only once that prefill process
- * is gone (kvf_engine_fence_close). Otherwise never blocks. */
+ * is gone (kvf_engine_fence_close). Otherwise never blocks: the notice that
+ * tells a kvferry prefill of the Failed room is dropped, not waited for,
+ * when that prefill does not drain its queue (the fence holds without it). */
 KVF_API kvf_poll_status kvf_receiver_poll(kvf_receiver *r);
 /* Copy the failure reason (empty if none) into buf (cap bytes, always
  * terminated). The receiver's thread. */

@@ -20,6 +20,7 @@
 #include <malloc.h>
 #include <poll.h>
 #include <sodium.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -219,7 +220,20 @@ static int push_key(char *key, size_t cap, const char *host, uint16_t port) {
   return kvf__addr_format(key, cap, host, port);
 }
 
-int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
+/* How long kvf__manager_push_post waits for another sender to the same
+ * peer to let the socket go before it drops its message. */
+#define MANAGER_POST_LOCK_MS 5
+
+static int push_lock_within(pthread_mutex_t *mu, int ms) {
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until); /* pthread_mutex_timedlock's clock */
+  until.tv_nsec += (long)ms * 1000000L;
+  until.tv_sec += until.tv_nsec / 1000000000L;
+  until.tv_nsec %= 1000000000L;
+  return pthread_mutex_timedlock(mu, &until);
+}
+
+static int push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg, int post) {
   char key[KVF_ADDR_LEN];
   if (!host || !*host || !port || push_key(key, sizeof key, host, port)) return KVF_EINVAL;
   pthread_mutex_lock(&m->push_lock);
@@ -259,17 +273,36 @@ int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, cons
   unsigned char mac[MANAGER_MAC_LEN];
   size_t nsend = msg->nframes + (m->ctl_keylen ? 1 : 0);
   if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
-  pthread_mutex_lock(&p->lock);
-  for (size_t i = 0; i < nsend && !rc; i++) {
-    int flags = i + 1 < nsend ? ZMQ_SNDMORE : 0;
-    const void *data = i < msg->nframes ? msg->frames[i].data : mac;
-    size_t len = i < msg->nframes ? msg->frames[i].len : sizeof mac;
-    if (zmq_send(p->sock, data, len, flags) < 0) rc = zmq_errno() == EAGAIN ? KVF_ETIMEDOUT : KVF_EIO;
+  if (post && push_lock_within(&p->lock, MANAGER_POST_LOCK_MS)) {
+    rc = KVF_ETIMEDOUT; /* another sender holds it, perhaps for its whole send timeout */
+  } else {
+    if (!post) pthread_mutex_lock(&p->lock);
+    /* Posted: the first frame goes only if the peer's queue has room; the
+     * rest of a message whose first frame went in always follows it. */
+    for (size_t i = 0; i < nsend && !rc; i++) {
+      int flags = (i + 1 < nsend ? ZMQ_SNDMORE : 0) | (post && i == 0 ? ZMQ_DONTWAIT : 0);
+      const void *data = i < msg->nframes ? msg->frames[i].data : mac;
+      size_t len = i < msg->nframes ? msg->frames[i].len : sizeof mac;
+      if (zmq_send(p->sock, data, len, flags) < 0) rc = zmq_errno() == EAGAIN ? KVF_ETIMEDOUT : KVF_EIO;
+    }
+    pthread_mutex_unlock(&p->lock);
   }
-  pthread_mutex_unlock(&p->lock);
   push_release(m, p);
-  if (rc) LOG_WARN("kv", "sending to %s failed: %s", key, kvf_strerror(rc));
+  if (rc && !post) LOG_WARN("kv", "sending to %s failed: %s", key, kvf_strerror(rc));
+  if (rc && post && kvf__log_first_time_for_host(key, "control-post"))
+    LOG_WARN("kv",
+             "message to %s dropped: %s (its queue is full or another send to it waits; further ones are not "
+             "logged)",
+             key, kvf_strerror(rc));
   return rc;
+}
+
+int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
+  return push_send(m, host, port, msg, 0);
+}
+
+int kvf__manager_push_post(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg) {
+  return push_send(m, host, port, msg, 1);
 }
 
 void kvf__manager_push_forget(kvf_manager *m, const char *host, uint16_t port) {

@@ -153,7 +153,7 @@ void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_
     LOG_WARN("kv", "room %" PRId64 ": cannot encode the fence notice: %s", room, why);
     return;
   }
-  kvf__manager_push_send(m, ip, port, &msg);
+  kvf__manager_push_post(m, ip, port, &msg); /* from poll and destroy: never waits on the prefill */
   kvf__wire_msg_free(&msg);
 }
 

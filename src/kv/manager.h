@@ -133,6 +133,12 @@ struct kvf_manager {
  * endpoint). Never blocks longer than about a second: a peer that does not
  * drain gets KVF_ETIMEDOUT. Any thread. */
 int kvf__manager_push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg);
+/* The same for a message that may be lost (a fence notice: the engine's
+ * fence already holds without it), sent from a call that must not wait on
+ * the network: never waits on the peer, and at most MANAGER_POST_LOCK_MS for
+ * another sender to the same peer; dropped (KVF_ETIMEDOUT, logged once per
+ * peer) when the peer's queue is full or that sender holds on. */
+int kvf__manager_push_post(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg);
 /* Forget the cached PUSH socket to host:port (after the peer restarted). */
 void kvf__manager_push_forget(kvf_manager *m, const char *host, uint16_t port);
 

@@ -358,6 +358,42 @@ static void a_stalled_peer_holds_up_only_its_own_sends(void **state) {
   close(lfd);
 }
 
+/* A message that may be lost (a fence notice, sent from kvf_receiver_poll
+ * and destroy) to a peer that never reads: with the queue full, and with
+ * another thread waiting out its send to the same peer, each post returns
+ * at once, dropped (KVF_ETIMEDOUT); a send would wait 1 s each. */
+static void a_posted_message_never_waits_on_a_stalled_peer(void **state) {
+  (void)state;
+  kvf_manager *m = make_manager(NULL);
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001)};
+  socklen_t al = sizeof a;
+  assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(lfd, 4), 0);
+  assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &al), 0);
+  stall_arg sa = {m, ntohs(a.sin_port)};
+  wire_msg msg;
+  m3_for(1, &msg);
+  int queued = 0;
+  while (queued < 5000 && kvf__manager_push_post(m, "127.0.0.1", sa.port, &msg) == 0) queued++;
+  assert_true(queued < 5000); /* the queue filled, and the post that found it full returned */
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, send_to_stalled, &sa), 0);
+  usleep(100000); /* it waits on the stalled peer, holding the socket */
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int i = 0; i < 20; i++)
+    assert_int_equal(kvf__manager_push_post(m, "127.0.0.1", sa.port, &msg), KVF_ETIMEDOUT);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double took = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  fprintf(stderr, "20 posts to a stalled peer: %.3f s\n", took);
+  assert_true(took < 1.0); /* sends: 20 s */
+  kvf__wire_msg_free(&msg);
+  pthread_join(th, NULL);
+  kvf_manager_destroy(m);
+  close(lfd);
+}
+
 /* More peers than ZeroMQ's default of 1023 sockets per context: the cache
  * opens a PUSH socket for each of 1100 addresses (distinct hosts of
  * 127.0.0.0/8, all reaching one PULL socket) and every message arrives. */
@@ -624,6 +660,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(messages_from_many_peers),
       cmocka_unit_test(a_stalled_peer_holds_up_only_its_own_sends),
+      cmocka_unit_test(a_posted_message_never_waits_on_a_stalled_peer),
       cmocka_unit_test(frames_past_any_message_are_ignored),
       cmocka_unit_test(control_token_admits_only_good_macs),
       cmocka_unit_test(push_cache_keeps_order_per_endpoint),
