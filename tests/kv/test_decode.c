@@ -460,10 +460,43 @@ static void happy_path(void **state) {
   /* Negative pages are refused before anything is sent. */
   int64_t bad[1] = {-1};
   assert_int_equal(kvf_receiver_init(r, bad, 1, 0, 0, NULL, 0), KVF_EINVAL);
+  /* So are negative state slots (one would have left the others out of
+   * the room's fence bounds). */
+  int64_t slots[2] = {-1, 0};
+  assert_int_equal(kvf_receiver_init(r, pages, 1, 0, 0, slots, 2), KVF_EINVAL);
   kvf_receiver_destroy(r);
   kvf_manager_stats s;
   stats(f, &s);
   assert_int_equal(s.live_rooms, 0);
+  teardown(f);
+}
+
+/* A destroyed receiver kept for reuse does not keep the room-bounds arrays
+ * of a long, scattered room (KV buffers x page runs: they would stay
+ * allocated in every spare that once served one). */
+static void spare_receivers_drop_large_bounds(void **state) {
+  (void)state;
+  static const int64_t layout[2] = {1, 1}; /* a kvferry prefill: the room gets a fence, and its bounds */
+  g_layout = layout;
+  fixture *f = setup_default();
+  g_layout = NULL;
+  enum { N = 16384 };
+  int64_t *pages = malloc(N * sizeof *pages);
+  assert_non_null(pages);
+  for (int i = 0; i < N; i++) pages[i] = 2 * (int64_t)i; /* every run one page long */
+  kvf_receiver *r = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 30, &r), 0);
+  assert_int_equal(kvf_receiver_init(r, pages, N, 0, 0, NULL, 0), 0);
+  size_t grown = r->sorted_cap * sizeof *r->sorted;
+  kvf_receiver_destroy(r);
+  assert_true(grown >= N * sizeof(int64_t)); /* it did grow */
+  kvf_receiver *again = NULL;
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 31, &again), 0);
+  assert_ptr_equal(again, r); /* the spare */
+  assert_true(again->sorted_cap * sizeof *again->sorted <= (64u << 10));
+  assert_true(again->bounds_cap * sizeof *again->bounds <= (64u << 10));
+  kvf_receiver_destroy(again);
+  free(pages);
   teardown(f);
 }
 
@@ -1346,6 +1379,7 @@ int main(void) {
       cmocka_unit_test(shared_engine_register_failure),
       cmocka_unit_test(happy_path),
       cmocka_unit_test(completion_trailer_rules),
+      cmocka_unit_test(spare_receivers_drop_large_bounds),
       cmocka_unit_test(failed_m3),
       cmocka_unit_test(unregistered_answer_registers_again),
       cmocka_unit_test(malformed_and_unknown),

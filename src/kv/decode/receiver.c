@@ -4,6 +4,10 @@
 #include "kv/decode/decode_int.h"
 
 #define DECODE_SPARE_MAX 4096 /* destroyed receivers kept for reuse: no allocation per room */
+/* A spare keeps its room-bounds arrays up to this many bytes each: one long,
+ * scattered room's (KV buffers x page runs) would otherwise stay allocated
+ * in every spare that once served one. */
+#define DECODE_SPARE_ARRAY_MAX (64u << 10)
 
 static kvf_receiver *receiver_take(struct decode_state *ds) {
   pthread_mutex_lock(&ds->lock);
@@ -20,6 +24,10 @@ static kvf_receiver *receiver_take(struct decode_state *ds) {
 }
 
 static void receiver_give(struct decode_state *ds, kvf_receiver *r) {
+  if (r->bounds_cap * sizeof *r->bounds > DECODE_SPARE_ARRAY_MAX)
+    free(r->bounds), r->bounds = NULL, r->bounds_cap = 0;
+  if (r->sorted_cap * sizeof *r->sorted > DECODE_SPARE_ARRAY_MAX)
+    free(r->sorted), r->sorted = NULL, r->sorted_cap = 0;
   pthread_mutex_lock(&ds->lock);
   int keep = ds->nspare < DECODE_SPARE_MAX;
   if (keep) {
@@ -109,6 +117,8 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
   if (npages > WIRE_MAX_PAGES || nstate > WIRE_MAX_PAGES) return KVF_ETOOBIG;
   for (size_t i = 0; i < npages; i++)
     if (pages[i] < 0) return KVF_EINVAL;
+  for (size_t i = 0; i < nstate; i++)
+    if (state_slots[i] < 0) return KVF_EINVAL;
   kvf_manager *m = r->m;
   int status = ROOM_FAILED;
   if (!r->pool || kvf__rooms_get_status(m->rooms, r->room, &status) || status == ROOM_FAILED)
