@@ -292,7 +292,7 @@ typedef struct ucx_peer {
   uint64_t info_sent_gen;
   int64_t target_clock_ns; /* clock_ns of the target's last info, echoed in ours */
   uint64_t next_read_id;   /* under wmu */
-  /* Under wmu: the last connection whose notices can no longer be answered
+  /* Under wmu: the last connection the target closed
    * (kvf__ucx_reads_closed_locked); a notice linked on it afterwards ends
    * at once instead of at its lease. */
   uint64_t reads_closed_conn;
@@ -571,10 +571,11 @@ void kvf__ucx_read_done(ucx_state *u, ucx_peer *p, uint64_t conn_id, uint64_t id
 /* Writer, p->rw held: resend this engine's info to the target when its
  * registrations changed since the last one sent (read mode). */
 int kvf__ucx_writer_info_refresh(ucx_state *u, ucx_peer *p);
-/* Writer: connection `conn_id` is closed (by the target, or here: no answer
- * can come on it any more); its notices, and any linked on it later, fail
- * at the reaper's next round, which this wakes. The _locked form with wmu
- * held (and wakes nobody). */
+/* Writer: the target closed connection `conn_id` (it reads nothing more
+ * for it; this side closing it is not enough: a live target still reads
+ * what is in its socket, so those notices keep their lease). Its notices,
+ * and any linked on it later, fail at the reaper's next round, which this
+ * wakes. The _locked form with wmu held (and wakes nobody). */
 void kvf__ucx_reads_closed(ucx_state *u, ucx_peer *p, uint64_t conn_id);
 void kvf__ucx_reads_closed_locked(ucx_peer *p, uint64_t conn_id);
 /* Target, serving thread of `c`: the writer's info (UCX_INFO_WRITER), a

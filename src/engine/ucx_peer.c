@@ -80,9 +80,33 @@ static void partial_clear(ucx_state *u, ucx_peer *p) {
   atomic_fetch_sub(&u->npartial, 1);
 }
 
+/* Has the target closed the rendezvous connection `fd` (its end arrived,
+ * or a reset), as far as what has arrived shows? What arrived before the
+ * end is dropped (bounded: UCX_RESET_DRAIN_BYTES). Never waits. */
+#define UCX_RESET_DRAIN_BYTES (256u << 10)
+static int target_closed(int fd) {
+  char buf[4096];
+  for (size_t got = 0; got < UCX_RESET_DRAIN_BYTES;) {
+    ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n > 0) {
+      got += (size_t)n;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    return n == 0 || errno == ECONNRESET || errno == EPIPE;
+  }
+  return 0;
+}
+
 /* With p->rw held for writing: drop the endpoint, the rkeys and the
  * rendezvous connection. Flushes still pending fail (UCS_ERR_CANCELED). */
 static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
+  /* The target closed the connection and the progress thread has not read
+   * its end yet (a decode that exited just now): nothing reads this
+   * connection's notices any more, so they end now (below). Otherwise a
+   * live target may still read those already in its socket after this
+   * side closed it, and they keep their lease. */
+  int closed_there = p->fd >= 0 && target_closed(p->fd);
   if (p->fd >= 0) {
     epoll_ctl(u->epfd, EPOLL_CTL_DEL, p->fd, NULL);
     close(p->fd);
@@ -98,12 +122,9 @@ static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
   /* No ack comes on a closed connection: fail them now, not at their
    * deadline (when a reconnected peer would be taken for the late one). */
   kvf__ucx_tacks_fail_locked(p, atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED);
-  /* Nor an answer to a notice: they end now, not at their lease (the
-   * progress thread, which would have read the target's end of this
-   * connection, no longer watches it). */
-  kvf__ucx_reads_closed_locked(p, p->conn_id);
+  if (closed_there) kvf__ucx_reads_closed_locked(p, p->conn_id);
   pthread_mutex_unlock(&u->wmu);
-  kvf__ucx_wake(u);
+  if (closed_there) kvf__ucx_wake(u);
 }
 
 void kvf__ucx_peers_free(ucx_state *u) {
@@ -701,7 +722,6 @@ static int partial_expired(ucx_state *u, ucx_peer *p, int64_t now) {
     LOG_WARN("ucx", "peer %s sent part of a message and stopped for %d ms; its connection is dropped", p->id,
              UCX_CTL_TIMEOUT_MS);
   if (p->fd >= 0) epoll_ctl(u->epfd, EPOLL_CTL_DEL, p->fd, NULL);
-  kvf__ucx_reads_closed(u, p, p->conn_id); /* its answers are no longer read */
   partial_clear(u, p);
   return 1;
 }
@@ -731,6 +751,10 @@ static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
      * nothing to do now: the reads below never wait on the target. */
     int got = kvf__ucx_rbuf_hold(&p->rb, UCX_PEER_RBUF) ? KVF_ENOMEM : rb_whole_message(u, p, fd);
     rc = got > 0 ? kvf__ucx_rbuf_recv(fd, &p->rb, &h.magic, sizeof h.magic, until) : got == 0 ? 1 : got;
+    /* The target closed the connection (or its process is gone): it reads
+     * nothing more for this connection's notices (ucx_read.c). Only then:
+     * a target this side stops reading may still read them. */
+    if (got == KVF_ECLOSED) kvf__ucx_reads_closed(u, p, p->conn_id);
     if (!rc && (h.magic == UCX_READ_DONE_MAGIC || h.magic == UCX_CLOCK_MAGIC)) {
       ucx_req rest;
       rc = kvf__ucx_rbuf_recv(fd, &p->rb, (char *)&rest + sizeof rest.magic, sizeof rest - sizeof rest.magic,
@@ -779,10 +803,6 @@ static int peer_event_one(ucx_state *u, ucx_peer *p, uint32_t events) {
   if (fd >= 0 && rc < 0) {
     LOG_INFO("ucx", "rendezvous connection to %s ended: %s", p->id, kvf_strerror(rc));
     epoll_ctl(u->epfd, EPOLL_CTL_DEL, fd, NULL);
-    /* The target closed it (or its process is gone, or it sent what ends
-     * the connection): no answer to this connection's notices is read any
-     * more (ucx_read.c). */
-    kvf__ucx_reads_closed(u, p, p->conn_id);
     kvf__ucx_peer_mark_dead(u, p, KVF_ECLOSED);
   }
   int more = !rc && rb_more_locked(p);

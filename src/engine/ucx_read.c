@@ -97,10 +97,10 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
   /* From the link on, `op` belongs to the progress thread (an answer or the
    * reaper may free it at once): only its id is used here. */
   pthread_mutex_lock(&u->wmu);
-  uint64_t id = op->id = ++p->next_read_id, op_conn = op->conn_id;
-  /* Its connection already seen closed (the progress thread read the
-   * target's end between this thread's checks and here): no answer comes. */
-  if (op->conn_id <= p->reads_closed_conn) op->gone = KVF_ECLOSED;
+  uint64_t id = op->id = ++p->next_read_id;
+  /* Its connection already closed by the target (the progress thread read
+   * its end between this thread's checks and here): nothing reads it. */
+  if (op->conn_id == p->reads_closed_conn) op->gone = KVF_ECLOSED;
   kvf__ucx_op_link(op); /* the progress thread checks its lease at its next tick (UCX_IDLE_TICK_MS at most) */
   pthread_mutex_unlock(&u->wmu);
   ucx_notice n = {UCX_NOTICE_MAGIC,
@@ -118,13 +118,17 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
   rc = fd < 0 ? KVF_ECLOSED : sendv_all(fd, iov, c->tlen ? 3 : 2, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
   pthread_mutex_unlock(&p->mu);
   if (rc) {
-    /* Cut short by a timeout: the target may have the notice whole and
-     * read it, so the chunk waits for the lease (or the target closing)
-     * like any other. With no connection, or one the kernel says is broken
-     * (the target closed it: no answer can come on it), the connection's
-     * notices end at once. */
+    /* Cut short: the target may have the notice whole and read it, so the
+     * chunk waits for the lease (or the target closing) like any other;
+     * with no connection at all nothing went out. */
     kvf__ucx_peer_mark_dead(u, p, rc);
-    if (rc == KVF_ECLOSED) kvf__ucx_reads_closed(u, p, op_conn);
+    if (fd < 0) { /* the reaper fails it at once (if nothing ended it yet) */
+      pthread_mutex_lock(&u->wmu);
+      for (ucx_op *o = u->ops; o; o = o->next)
+        if (o->read && o->p == p && o->id == id && !o->gone) o->gone = rc;
+      pthread_mutex_unlock(&u->wmu);
+      kvf__ucx_wake(u);
+    }
   }
   kvf__chunk_release(c); /* the send's reference */
 }
@@ -147,7 +151,7 @@ void kvf__ucx_reads_closed_locked(ucx_peer *p, uint64_t conn_id) {
   ucx_state *u = p->u;
   if (conn_id > p->reads_closed_conn) p->reads_closed_conn = conn_id;
   for (ucx_op *op = u->ops; op; op = op->next)
-    if (op->read && op->p == p && op->conn_id <= conn_id && !op->gone) op->gone = KVF_ECLOSED;
+    if (op->read && op->p == p && op->conn_id == conn_id && !op->gone) op->gone = KVF_ECLOSED;
 }
 
 void kvf__ucx_reads_closed(ucx_state *u, ucx_peer *p, uint64_t conn_id) {

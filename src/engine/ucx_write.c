@@ -51,7 +51,8 @@ void kvf__ucx_op_link(ucx_op *op) {
    * lease ends before it would wake anyway: with one notice in flight at a
    * time, a wake-up per notice put two context switches and a contended
    * wmu on each notice's way out. */
-  if (!*head && head == &op->u->ops && (!op->read || op->lease_end_ns < op->u->wake_by_ns)) kvf__ucx_wake(op->u);
+  if (!*head && head == &op->u->ops && (!op->read || op->gone || op->lease_end_ns < op->u->wake_by_ns))
+    kvf__ucx_wake(op->u);
   op->next = *head;
   if (*head) (*head)->prev = op;
   *head = op;

@@ -13,7 +13,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <cmocka.h>
 
@@ -818,13 +820,17 @@ static void stopped_target_past_its_lease_counts_nothing(void **state) {
   engine_peer_stop(&peer);
 }
 
-/* Read mode: a notice the target has not answered, then the writer drops
- * that rendezvous connection itself before its progress thread read the
- * target's end of it (a submit reconnects a peer marked dead: the race of
- * a decode that exits right after a send failed). No answer can come on a
- * closed connection, so the batch ends at once, not at its lease (30 s by
- * default: a prefill's failed room stayed unfinished that long). */
-static void notice_on_a_dropped_connection_ends_at_once(void **state) {
+/* Read mode, a notice the target has not answered when the writer drops
+ * its rendezvous connection (a submit reconnects a peer marked dead).
+ * A live target (stopped here) may still read what is in its socket after
+ * this side closed it, so the notice keeps its lease: it fails only at the
+ * lease's end, and the target, resumed after that, counts nothing and
+ * writes nothing. A target whose process is gone, with its end of the
+ * connection not yet read by the writer's progress thread (a decode that
+ * exited just after a send failed), reads nothing more: the notice ends at
+ * once, not at its lease (a prefill's failed room stayed unfinished for the
+ * default 30 s lease). */
+static void notice_on_a_dropped_connection_keeps_its_lease_unless_the_target_is_gone(void **state) {
   (void)state;
   SKIP_WITHOUT_UCX();
 #ifdef KVF_HAVE_UCX
@@ -832,14 +838,17 @@ static void notice_on_a_dropped_connection_ends_at_once(void **state) {
   engine_peer peer;
   const char *args[] = {"--transport", "ucx", NULL};
   assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
-  setenv("KVFERRY_READ_LEASE_MS", "20000", 1);
+  setenv("KVFERRY_READ_LEASE_MS", "1500", 1);
   kvf_engine *e = make_engine("ucx", 20000);
   unsetenv("KVFERRY_READ_LEASE_MS");
-  unsigned char *src = calloc(1, 4 * PAGE);
+  enum { N = 4 };
+  unsigned char *src = calloc(1, (N + 1) * PAGE); /* the last page stays 0: the warm-up writes' source */
   assert_non_null(src);
-  assert_int_equal(kvf_engine_register(e, src, 4 * PAGE), 0);
-  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
-  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), 0); /* rendezvous done, read mode set */
+  assert_int_equal(kvf_engine_register(e, src, (N + 1) * PAGE), 0);
+  char reply[64];
+  assert_int_equal(proc_ask(&peer.p, "fill 0", reply, sizeof reply, 5000), 0);
+  kvf_write warm = {.src = (uint64_t)(uintptr_t)(src + N * PAGE), .dst = peer.base, .len = PAGE};
+  assert_int_equal(kvf_engine_write(e, peer.session, &warm, 1), 0); /* rendezvous done, read mode set */
   const char *pt = NULL, *pm = NULL;
   assert_int_equal(kvf__engine_peer_path(e, peer.session, &pt, &pm), 0);
   if (strcmp(pm, "read")) {
@@ -849,26 +858,71 @@ static void notice_on_a_dropped_connection_ends_at_once(void **state) {
     free(src);
     skip();
   }
+  unsigned long long got0, late0, ref0, got, late, ref;
+  peer_reads(&peer, &got0, &late0, &ref0);
+  ucx_peer *p = NULL;
+  assert_int_equal(kvf__ucx_peer_get(e->ucx, peer.session, &p), 0);
+
+  /* A live target: the notice keeps its lease. */
+  memset(src, 0x11, N * PAGE);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base + PAGE, .len = (N - 1) * PAGE};
   assert_int_equal(kill(peer.p.pid, SIGSTOP), 0);
   assert_int_equal(kvf_test_wait_stopped(peer.p.pid, 5000), 0);
   kvf_batch *b1 = NULL, *b2 = NULL;
-  assert_int_equal(kvf_engine_submit(e, peer.session, &w, 1, &b1), 0); /* told, never answered */
-  usleep(50000);
-  ucx_peer *p = NULL;
-  assert_int_equal(kvf__ucx_peer_get(e->ucx, peer.session, &p), 0);
-  kvf__ucx_peer_mark_dead(e->ucx, p, KVF_ECLOSED);
   int64_t t0 = clock_now_ns();
-  /* Reconnects: the old connection is closed here, unread. */
-  assert_int_equal(kvf_engine_submit(e, peer.session, &w, 1, &b2), 0);
-  int rc = kvf_batch_wait(b1, 10000);
+  assert_int_equal(kvf_engine_submit(e, peer.session, &w, 1, &b1), 0); /* in its socket, not read */
+  usleep(50000);
+  kvf__ucx_peer_mark_dead(e->ucx, p, KVF_ECLOSED);
+  assert_int_equal(kvf_engine_submit(e, peer.session, &warm, 1, &b2), 0); /* reconnects: closes the old one */
+  int rc = kvf_batch_wait(b1, -1);
   double waited = (double)(clock_now_ns() - t0) / 1e9;
-  printf("notice on the dropped connection ended after %.3f s: %s\n", waited, kvf_strerror(rc));
-  assert_int_equal(rc, KVF_ECLOSED); /* before: KVF_ETIMEDOUT, the wait's 10 s, the lease's 20 */
+  printf("notice to a stopped target, its connection dropped here: ended after %.3f s: %s\n", waited,
+         kvf_strerror(rc));
+  assert_int_equal(rc, KVF_ETIMEDOUT);
+  assert_true(waited >= 1.4);  /* the lease, not the reconnection */
+  memset(src, 0x22, N * PAGE); /* the sources are reused */
+  usleep(200000);
   assert_int_equal(kill(peer.p.pid, SIGCONT), 0);
-  kvf_batch_wait(b2, -1); /* the reconnection either way */
+  kvf_batch_wait(b2, -1); /* the reconnection, either way */
   kvf_batch_destroy(b1);
   kvf_batch_destroy(b2);
-  assert_int_equal(kvf_engine_write(e, peer.session, &w, 1), 0); /* the pair works again */
+  int64_t until = clock_now_ns() + 5000000000ll;
+  do {
+    usleep(20000);
+    peer_reads(&peer, &got, &late, &ref);
+  } while (late == late0 && clock_now_ns() < until);
+  printf("target after SIGCONT: counted %llu, late %llu\n", got - got0, late - late0);
+  assert_true(late > late0);
+  assert_int_equal(proc_ask(&peer.p, "untouched 0", reply, sizeof reply, 5000), 0); /* nothing landed */
+  assert_string_equal(reply, "ok");
+
+  /* A target that is gone, its end not read here yet: the notice ends at once. */
+  assert_int_equal(kvf_engine_write(e, peer.session, &warm, 1), 0); /* connected again */
+  assert_int_equal(kill(peer.p.pid, SIGSTOP), 0);
+  assert_int_equal(kvf_test_wait_stopped(peer.p.pid, 5000), 0);
+  assert_int_equal(kvf_engine_submit(e, peer.session, &w, 1, &b1), 0);
+  usleep(50000);
+  pthread_rwlock_rdlock(&p->rw);
+  int pfd = p->fd;
+  assert_true(pfd >= 0);
+  epoll_ctl(((ucx_state *)e->ucx)->epfd, EPOLL_CTL_DEL, pfd, NULL); /* the progress thread does not see the end */
+  pthread_rwlock_unlock(&p->rw);
+  assert_int_equal(kill(peer.p.pid, SIGKILL), 0);
+  int st = 0;
+  assert_int_equal(waitpid(peer.p.pid, &st, 0), peer.p.pid);
+  peer.p.pid = -1; /* reaped: engine_peer_stop finds no child left to wait for */
+  usleep(50000);   /* its sockets are closed */
+  kvf__ucx_peer_mark_dead(e->ucx, p, KVF_ECLOSED);
+  t0 = clock_now_ns();
+  assert_int_equal(kvf_engine_submit(e, peer.session, &warm, 1, &b2), 0); /* the reconnection's reset */
+  rc = kvf_batch_wait(b1, -1);
+  waited = (double)(clock_now_ns() - t0) / 1e9;
+  printf("notice to a target that is gone: ended after %.3f s: %s\n", waited, kvf_strerror(rc));
+  assert_int_equal(rc, KVF_ECLOSED);
+  assert_true(waited < 1.0); /* its lease: 1.5 s (30 s by default) */
+  kvf_batch_wait(b2, -1);
+  kvf_batch_destroy(b1);
+  kvf_batch_destroy(b2);
   kvf_engine_unregister(e, src);
   kvf_engine_destroy(e);
   free(src);
@@ -1135,7 +1189,7 @@ static void notice_piece_count_allocation_bounded(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(stopped_target_past_its_lease_counts_nothing),
-      cmocka_unit_test(notice_on_a_dropped_connection_ends_at_once),
+      cmocka_unit_test(notice_on_a_dropped_connection_keeps_its_lease_unless_the_target_is_gone),
       cmocka_unit_test(hostile_ready_notices_refused),
       cmocka_unit_test(plain_and_strided_land_exact),
       cmocka_unit_test(private_memory_read_directly),
