@@ -36,6 +36,11 @@ void kvf__bootstrap_client_destroy(bootstrap_client *c);
  * several requests in a row bounds them all together. A request started
  * past it fails at once with KVF_ETIMEDOUT. */
 void kvf__bootstrap_client_set_deadline(bootstrap_client *c, int64_t until_ns);
+/* A request of c in progress ends (KVF_ESTATE) within about a second of
+ * stop(arg) returning nonzero, and one started after fails at once: for a
+ * caller whose owner is shutting down (libcurl asks at least once a
+ * second while a request waits). NULL: none. */
+void kvf__bootstrap_client_set_stop(bootstrap_client *c, int (*stop)(void *arg), void *arg);
 
 /* PUT /route with `reg`. Retries with exponential backoff (50 ms doubling to
  * 1 s) while the failure is one a later try can fix — connection refused,

@@ -31,7 +31,9 @@ struct bootstrap_client {
   char *base; /* "http://<addr>" */
   char *auth; /* "Authorization: Bearer <token>", NULL without a token */
   int connect_timeout_ms, timeout_ms;
-  int64_t until_ns; /* kvf__bootstrap_client_set_deadline; 0: none */
+  int64_t until_ns;    /* kvf__bootstrap_client_set_deadline; 0: none */
+  int (*stop)(void *); /* kvf__bootstrap_client_set_stop; NULL: none */
+  void *stop_arg;
   /* Reply of the request in progress. */
   char *buf;
   size_t len, cap;
@@ -99,6 +101,19 @@ err_free_client:
   return rc;
 }
 
+void kvf__bootstrap_client_set_stop(bootstrap_client *c, int (*stop)(void *arg), void *arg) {
+  if (!c) return;
+  c->stop = stop;
+  c->stop_arg = arg;
+}
+
+/* libcurl's progress callback, on the caller's thread: nonzero aborts. */
+static int on_progress(void *arg, curl_off_t dltotal, curl_off_t dlnow, curl_off_t ultotal, curl_off_t ulnow) {
+  (void)dltotal, (void)dlnow, (void)ultotal, (void)ulnow;
+  bootstrap_client *c = arg;
+  return c->stop(c->stop_arg);
+}
+
 void kvf__bootstrap_client_set_deadline(bootstrap_client *c, int64_t until_ns) {
   if (c) c->until_ns = until_ns;
 }
@@ -143,6 +158,7 @@ static int map_curl_error(CURLcode cc) {
     case CURLE_RECV_ERROR:
     case CURLE_SEND_ERROR:
     case CURLE_PARTIAL_FILE: return KVF_ECLOSED;
+    case CURLE_ABORTED_BY_CALLBACK: return KVF_ESTATE; /* kvf__bootstrap_client_set_stop */
     case CURLE_OUT_OF_MEMORY: return KVF_ENOMEM;
     case CURLE_WRITE_ERROR:
     case CURLE_WEIRD_SERVER_REPLY:
@@ -169,6 +185,7 @@ static int map_status(long status) {
 static int perform(bootstrap_client *c, const char *method, const char *path, const char *body, size_t body_len,
                    int connect_ms, int total_ms, long *status) {
   CURL *h = c->curl;
+  if (c->stop && c->stop(c->stop_arg)) return KVF_ESTATE;
   if (c->until_ns) { /* the caller's overall deadline caps this request */
     int64_t left_ms = (c->until_ns - clock_now_ns()) / 1000000;
     if (left_ms <= 0) return KVF_ETIMEDOUT;
@@ -214,6 +231,11 @@ static int perform(bootstrap_client *c, const char *method, const char *path, co
   curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_data);
   curl_easy_setopt(h, CURLOPT_WRITEDATA, c);
   curl_easy_setopt(h, CURLOPT_ERRORBUFFER, c->errbuf);
+  if (c->stop) {
+    curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, on_progress);
+    curl_easy_setopt(h, CURLOPT_XFERINFODATA, c);
+    curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+  }
   if (!strcmp(method, "GET")) {
     curl_easy_setopt(h, CURLOPT_HTTPGET, 1L);
   } else if (!strcmp(method, "HEAD")) {

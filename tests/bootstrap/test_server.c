@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -849,6 +850,48 @@ static void client_times_out_on_a_silent_server(void **state) {
   close(fd);
 }
 
+/* A request to a server that never answers ends soon after the client's
+ * stop test turns true (its owner shutting down), not at its timeout, and
+ * the next request fails at once. */
+static atomic_int g_stop_flag;
+static int stop_flag(void *arg) {
+  (void)arg;
+  return atomic_load(&g_stop_flag);
+}
+static void *raise_stop_later(void *arg) {
+  (void)arg;
+  usleep(200000);
+  atomic_store(&g_stop_flag, 1);
+  return NULL;
+}
+
+static void client_stops_when_asked(void **state) {
+  (void)state;
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(fd, 16), 0);
+  socklen_t l = sizeof a;
+  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &l), 0);
+  bootstrap_client *c = client_for_port(ntohs(a.sin_port), NULL, 8000);
+  atomic_store(&g_stop_flag, 0);
+  kvf__bootstrap_client_set_stop(c, stop_flag, NULL);
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, raise_stop_later, NULL), 0);
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(kvf__bootstrap_client_health(c), KVF_ESTATE);
+  double took = ms_since(t0);
+  printf("a request to a silent server, stopped after 200 ms: %.0f ms\n", took);
+  assert_true(took >= 150 && took < 1200 + LOAD_SLACK_MS); /* the timeout is 8 s */
+  pthread_join(th, NULL);
+  t0 = clock_now_ns();
+  assert_int_equal(kvf__bootstrap_client_health(c), KVF_ESTATE);
+  assert_true(ms_since(t0) < 50 + LOAD_SLACK_MS);
+  kvf__bootstrap_client_destroy(c);
+  close(fd);
+}
+
 static void start_errors(void **state) {
   kvf_bootstrap_server *srv = start_server(NULL, 0, 0);
   kvf_bootstrap_server_config cfg;
@@ -997,6 +1040,7 @@ int main(void) {
       cmocka_unit_test(token_guards_put_only),
       cmocka_unit_test(put_retries_until_the_server_appears),
       cmocka_unit_test(client_times_out_on_a_silent_server),
+      cmocka_unit_test(client_stops_when_asked),
       cmocka_unit_test(start_errors),
       cmocka_unit_test(ipv6_loopback_when_available),
       cmocka_unit_test(put_body_round_trips),

@@ -193,6 +193,16 @@ static int ms_capped(int ms, double cap_s) {
   return cap_ms < ms ? (cap_ms < 1 ? 1 : (int)cap_ms) : ms;
 }
 
+static int hb_stopping(struct decode_state *ds) {
+  pthread_mutex_lock(&ds->hb_lock);
+  int stop = ds->hb_stop;
+  pthread_mutex_unlock(&ds->hb_lock);
+  return stop;
+}
+
+/* kvf__bootstrap_client_set_stop's test: the manager is being destroyed. */
+static int hb_stop_cb(void *ds) { return hb_stopping(ds); }
+
 /* One heartbeat probe of `addr` (issue 13, defects 1 and 2). The rule: when
  * the address has cached target ranks, the ranks decide. Any rank that does
  * not answer with a ZMTP greeting (refused, closed, or nothing within the
@@ -221,6 +231,7 @@ static int probe_addr(kvf_manager *m, const char *addr, char *why, size_t cap) {
     atomic_fetch_add(&m->stats.heartbeat_failures, 1);
     return KVF_ECLOSED;
   }
+  if (hb_stopping(m->decode)) return 0; /* the verdict would not be acted on */
   /* A client (and a connection) per probe, closed after it: one kept per
    * prefill address held a keep-alive connection, an HTTP session on the
    * bootstrap server and libcurl's socket pair, three descriptors and about
@@ -235,10 +246,11 @@ static int probe_addr(kvf_manager *m, const char *addr, char *why, size_t cap) {
    * server answering each request just in time must not delay the round's
    * verdicts on every other prefill by one timeout per rank. */
   kvf__bootstrap_client_set_deadline(c, clock_deadline_ms(o.timeout_ms));
+  kvf__bootstrap_client_set_stop(c, hb_stop_cb, m->decode); /* kvf_manager_destroy does not wait it out */
   int rc = c ? kvf__bootstrap_client_health(c) : KVF_EIO;
   if (!rc) revalidate_ranks(m, c, addr);
   kvf__bootstrap_client_destroy(c);
-  if (!rc) return 0;
+  if (!rc || hb_stopping(m->decode)) return 0;
   atomic_fetch_add(&m->stats.heartbeat_failures, 1);
   kvf__dec_set_reason(why, cap, "its bootstrap server does not answer /health (%s)", kvf_strerror(rc));
   if (n) {
@@ -263,13 +275,6 @@ typedef struct hb_round {
   size_t n;
   atomic_size_t next;
 } hb_round;
-
-static int hb_stopping(struct decode_state *ds) {
-  pthread_mutex_lock(&ds->hb_lock);
-  int stop = ds->hb_stop;
-  pthread_mutex_unlock(&ds->hb_lock);
-  return stop;
-}
 
 static void *hb_round_worker(void *arg) {
   kvf__thread_name("kvf-hb-probe");
