@@ -861,9 +861,14 @@ void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
   pthread_rwlock_unlock(&p->rw);
   if (rc) return;
   pthread_mutex_lock(&p->mu);
-  while (p->infos == seen && !atomic_load(&p->dead)) {
-    struct timespec ts = clock_ts_from_ns(until);
-    if (pthread_cond_timedwait(&p->cv, &p->mu, &ts) == ETIMEDOUT) break;
+  /* In slices: an engine being destroyed (its connectors told to stop, its
+   * progress thread, which would apply the answer, perhaps gone) does not
+   * wait out the rest. */
+  while (p->infos == seen && !atomic_load(&p->dead) && !atomic_load(&u->stopping) &&
+         !atomic_load(&u->e->connect_stop) && clock_now_ns() < until) {
+    int64_t slice = clock_deadline_ms(100);
+    struct timespec ts = clock_ts_from_ns(slice < until ? slice : until);
+    pthread_cond_timedwait(&p->cv, &p->mu, &ts);
   }
   pthread_mutex_unlock(&p->mu);
 }

@@ -114,7 +114,9 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
                   0};
   struct iovec iov[3] = {{&n, sizeof n}, {c->writes, c->n * sizeof *c->writes}, {c->trailer, c->tlen}};
   pthread_mutex_lock(&p->mu);
-  int fd = p->fd;
+  /* Marked dead meanwhile (another notice cut short: a whole one must not
+   * follow it on the stream): nothing goes out, as with no connection. */
+  int fd = atomic_load(&p->dead) ? -1 : p->fd;
   rc = fd < 0 ? KVF_ECLOSED : sendv_all(fd, iov, c->tlen ? 3 : 2, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
   pthread_mutex_unlock(&p->mu);
   if (rc) {

@@ -83,7 +83,12 @@ static int trailer_send(ucx_peer *p, const chunk *c) {
   ucx_req h = {UCX_TRAILER_MAGIC, c->tlen, 0};
   int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
   pthread_mutex_lock(&p->mu);
-  int rc = p->fd < 0 ? KVF_ECLOSED : kvf__fd_send_all(p->fd, &h, sizeof h, until);
+  /* A peer marked dead gets no more: its connection is reset before the
+   * next use, and one trailer cut short (a full socket) must not hold the
+   * progress thread UCX_CTL_TIMEOUT_MS again for each trailer queued
+   * behind it, nor be followed on the stream by a whole one. */
+  int dead = atomic_load(&p->dead);
+  int rc = dead ? dead : p->fd < 0 ? KVF_ECLOSED : kvf__fd_send_all(p->fd, &h, sizeof h, until);
   if (!rc) rc = kvf__fd_send_all(p->fd, c->trailer, c->tlen, until);
   pthread_mutex_unlock(&p->mu);
   return rc;
@@ -233,6 +238,9 @@ static int fence_gate(ucx_state *u, ucx_peer *p, uint64_t epoch, int *locked, in
     pthread_rwlock_rdlock(&p->rw);
     if (puts) atomic_fetch_sub(&p->gated, 1);
     if (atomic_load(&p->dead) || !p->ep) return atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ECLOSED;
+    /* The progress thread, which would read it, is gone (the engine stops
+     * and joins it before the copiers that may be in here). */
+    if (atomic_load(&u->stopping)) return KVF_ECLOSED;
     if (clock_now_ns() > deadline_ns) return KVF_ETIMEDOUT;
   }
   return kvf__ucx_fence_refused(p, epoch) ? KVF_ESTATE : 0;
