@@ -20,7 +20,10 @@
  *   kvf_receiver_create   on a cache miss, HTTP GETs to the bootstrap server
  *                         (parallel info, then each target rank's address;
  *                         each bounded by http_timeout_ms), then one ZMQ
- *                         send of M1 per target rank (1 s send timeout each)
+ *                         send of M1 per target rank (1 s send timeout each);
+ *                         after such a lookup timed out, creates for that
+ *                         bootstrap address fail at once, with the same
+ *                         reason, for one heartbeat_interval_s
  *   kvf_receiver_init     one ZMQ send of M2 per target rank (1 s each)
  *   kvf_sender_set_metadata, kvf_sender_poll, kvf_sender_abort
  *                         may send M3s: one ZMQ send per decode destination

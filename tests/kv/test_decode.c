@@ -665,6 +665,51 @@ static void lookup_failures(void **state) {
   teardown(f);
 }
 
+/* A bootstrap address whose server accepts and never answers (as a host
+ * that is down, whose connection attempts time out): the first receiver
+ * waits the HTTP timeout (2 s here) and fails; those created for it within
+ * the next heartbeat interval fail at once with the same reason, and other
+ * prefills' receivers are not affected. */
+static void silent_bootstrap_costs_one_timeout(void **state) {
+  (void)state;
+  fixture *f = setup_default(); /* heartbeat interval 5 s */
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001)};
+  socklen_t al = sizeof a;
+  assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(lfd, 16), 0);
+  assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &al), 0);
+  char silent[64];
+  snprintf(silent, sizeof silent, "127.0.0.1:%u", (unsigned)ntohs(a.sin_port));
+  kvf_receiver *r = NULL;
+  int64_t t0 = clock_now_ns();
+  assert_int_equal(kvf_receiver_create(f->m, silent, 70, &r), 0);
+  double first = secs_since(t0);
+  assert_true(first >= 1.5);
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_FAILED);
+  char reason[256], want[256];
+  kvf_receiver_failure(r, want, sizeof want);
+  kvf_receiver_destroy(r);
+  double next = 0;
+  for (int i = 0; i < 3; i++) {
+    t0 = clock_now_ns();
+    assert_int_equal(kvf_receiver_create(f->m, silent, 71 + i, &r), 0);
+    double took = secs_since(t0);
+    if (took > next) next = took;
+    assert_int_equal(kvf_receiver_poll(r), KVF_POLL_FAILED);
+    kvf_receiver_failure(r, reason, sizeof reason);
+    assert_string_equal(reason, want);
+    kvf_receiver_destroy(r);
+  }
+  printf("silent bootstrap server: first create %.3f s, the next three at most %.3f s\n", first, next);
+  assert_true(next < 1.0);                                         /* each waited the 2 s again before */
+  assert_int_equal(kvf_receiver_create(f->m, f->addr, 74, &r), 0); /* another prefill */
+  assert_int_equal(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPED);
+  kvf_receiver_destroy(r);
+  teardown(f);
+  close(lfd);
+}
+
 /* The receiver takes every bootstrap address the library's parser takes, up
  * to the longest ("[" 255-byte IPv6 host "]:65535", KVF_ADDR_MAX bytes),
  * and names it whole in the failure reason; one byte more is a caller
@@ -1385,6 +1430,7 @@ int main(void) {
       cmocka_unit_test(malformed_and_unknown),
       cmocka_unit_test(waiting_timeout_fires),
       cmocka_unit_test(lookup_failures),
+      cmocka_unit_test(silent_bootstrap_costs_one_timeout),
       cmocka_unit_test(longest_bootstrap_address),
       cmocka_unit_test(heartbeat_node_failure),
       cmocka_unit_test(heartbeat_bootstrap_down_ranks_alive),

@@ -113,10 +113,11 @@ typedef struct hb_peer {
 
 struct decode_state {
   int fast;             /* this manager holds the engine's trailer callback: M2s ask for the fast completion */
-  pthread_mutex_t lock; /* guards infos, pools, next_epoch, spare */
+  pthread_mutex_t lock; /* guards infos, down, pools, next_epoch, spare */
   struct kvf_receiver *spare; /* destroyed receivers kept for the next rooms (DECODE_SPARE_MAX) */
   size_t nspare;
   smap infos; /* bootstrap addr -> addr_entry */
+  smap down;  /* bootstrap addr -> addr_down: its discovery timed out lately (discovery.c) */
   smap pools; /* pool key -> pool_entry (one reference held by the map) */
   uint64_t next_epoch;
   int refusals; /* this manager has the engine's refusal callback (integrity.c) */

@@ -39,6 +39,65 @@ void kvf__dec_fail_room(kvf_manager *m, int64_t room, const char *reason) {
   kvf__rooms_fail(m->rooms, room, reason);
 }
 
+/* A bootstrap address whose discovery timed out (a host that is down drops
+ * the connection attempts; a server that accepts and never answers) is
+ * remembered for one heartbeat interval: the receivers created for it
+ * meanwhile fail at once with the same reason, instead of each holding the
+ * scheduler's thread for the HTTP timeout while the other prefills'
+ * requests wait behind it. Only timeouts are remembered: a refusal or an
+ * answer costs no wait, and a prefill that registers later is found by the
+ * next create. */
+typedef struct addr_down {
+  int64_t until_ns;
+  char reason[ROOMS_REASON_MAX];
+} addr_down;
+
+/* 1 with the remembered reason when `addr` timed out lately. */
+static int addr_is_down(struct decode_state *ds, const char *addr, char *reason, size_t rcap) {
+  pthread_mutex_lock(&ds->lock);
+  addr_down *d = kvf__smap_get(&ds->down, addr);
+  int down = d && clock_now_ns() < d->until_ns;
+  if (down) kvf__dec_set_reason(reason, rcap, "%s", d->reason);
+  pthread_mutex_unlock(&ds->lock);
+  return down;
+}
+
+/* After a discovery of `addr`: remember a timeout (bounded as the address
+ * cache, expired entries dropped first), forget the address otherwise. */
+static void addr_note(kvf_manager *m, const char *addr, int rc, const char *reason) {
+  struct decode_state *ds = m->decode;
+  void *v = NULL;
+  pthread_mutex_lock(&ds->lock);
+  if (rc != KVF_ETIMEDOUT) {
+    if (kvf__smap_del(&ds->down, addr, &v)) free(v);
+    pthread_mutex_unlock(&ds->lock);
+    return;
+  }
+  int64_t now = clock_now_ns();
+  addr_down *d = kvf__smap_get(&ds->down, addr);
+  if (!d && smap_size(&ds->down) >= DECODE_MAX_ADDRS) { /* full: drop the expired ones */
+    map_iter it;
+    const char *key;
+    kvf__map_iter_init(&it);
+    while (kvf__smap_next(&ds->down, &it, &key, &v)) /* deleting the current entry is allowed */
+      if (((addr_down *)v)->until_ns <= now) {
+        char k[KVF_ADDR_LEN];
+        snprintf(k, sizeof k, "%s", key);
+        if (kvf__smap_del(&ds->down, k, &v)) free(v);
+      }
+  }
+  if (!d && smap_size(&ds->down) < DECODE_MAX_ADDRS && (d = calloc(1, sizeof *d)) &&
+      kvf__smap_put(&ds->down, addr, d, NULL)) {
+    free(d);
+    d = NULL;
+  }
+  if (d) {
+    d->until_ns = now + (int64_t)(m->cfg.heartbeat_interval_s * 1e9);
+    snprintf(d->reason, sizeof d->reason, "%s", reason);
+  }
+  pthread_mutex_unlock(&ds->lock);
+}
+
 static bootstrap_client *lookup_client(kvf_manager *m, const char *addr) {
   bootstrap_client_opts o = {.token = "", .connect_timeout_ms = 0, .timeout_ms = m->cfg.http_timeout_ms};
   if (o.timeout_ms < DECODE_HB_CONNECT_MS) o.connect_timeout_ms = o.timeout_ms;
@@ -270,7 +329,13 @@ int kvf__dec_resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, siz
   pthread_mutex_unlock(&ds->lock);
   if (!a) {
     /* Miss: fetch without the lock, then insert unless another thread won. */
-    if ((rc = fetch_addr_entry(m, &client, r->addr, &fresh, reason, rcap))) goto cleanup;
+    if (addr_is_down(ds, r->addr, reason, rcap)) {
+      rc = KVF_ETIMEDOUT;
+      goto cleanup;
+    }
+    rc = fetch_addr_entry(m, &client, r->addr, &fresh, reason, rcap);
+    addr_note(m, r->addr, rc, reason);
+    if (rc) goto cleanup;
     pthread_mutex_lock(&ds->lock);
     if (!kvf__smap_get(&ds->infos, r->addr)) {
       if (smap_size(&ds->infos) >= DECODE_MAX_ADDRS) {
@@ -328,7 +393,13 @@ int kvf__dec_resolve_receiver(kvf_manager *m, kvf_receiver *r, char *reason, siz
   /* Lookups and M1 happen before the entry is published, so no other
    * receiver can send an M2 ahead of this M1. Two racing creators both send
    * M1, which the prefill simply overwrites. */
-  if ((rc = resolve_and_register(m, &client, np, group, &r->tr, reason, rcap))) goto cleanup;
+  if (addr_is_down(ds, r->addr, reason, rcap)) {
+    rc = KVF_ETIMEDOUT;
+    goto cleanup;
+  }
+  rc = resolve_and_register(m, &client, np, group, &r->tr, reason, rcap);
+  addr_note(m, r->addr, rc, reason);
+  if (rc) goto cleanup;
 
   pthread_mutex_lock(&ds->lock);
   a = kvf__smap_get(&ds->infos, r->addr);

@@ -10,6 +10,9 @@ static void free_state(struct decode_state *ds) {
   while (kvf__smap_next(&ds->infos, &it, NULL, &v)) kvf__dec_addr_entry_free(v);
   kvf__smap_free(&ds->infos);
   kvf__map_iter_init(&it);
+  while (kvf__smap_next(&ds->down, &it, NULL, &v)) free(v);
+  kvf__smap_free(&ds->down);
+  kvf__map_iter_init(&it);
   while (kvf__smap_next(&ds->pools, &it, NULL, &v)) kvf__dec_pool_unref(v);
   kvf__smap_free(&ds->pools);
   kvf__map_iter_init(&it);
@@ -34,7 +37,7 @@ int kvf__decode_start(kvf_manager *m) {
   pthread_mutex_init(&ds->lock, NULL);
   pthread_mutex_init(&ds->hb_lock, NULL);
   clock_cond_init(&ds->hb_cond);
-  if (smap_init(&ds->infos) || smap_init(&ds->pools) || smap_init(&ds->hb_peers)) goto fail;
+  if (smap_init(&ds->infos) || smap_init(&ds->down) || smap_init(&ds->pools) || smap_init(&ds->hb_peers)) goto fail;
   const manager_buffers *b = &m->bufs;
   ds->d_kv_item = kvf__dec_to_i64(b->kv_item_lens, b->n_kv);
   ds->d_kv_unit = kvf__dec_to_i64(b->kv_unit_lens, b->n_kv);
