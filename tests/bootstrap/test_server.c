@@ -21,6 +21,7 @@
 
 #include "base/clock.h"
 #include "bootstrap/bootstrap.h"
+#include "sockets.h"
 #include "bootstrap/metrics_text.h"
 #include "kvferry.h"
 #include "wire/route_json.h"
@@ -804,14 +805,10 @@ static void put_retries_until_the_server_appears(void **state) {
 /* A socket that listens but never accepts: the kernel completes the TCP
  * handshake, the request is sent, no reply ever comes. */
 static void client_times_out_on_a_silent_server(void **state) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  char where[64];
+  int fd = kvf_test_silent_listener(where, sizeof where);
   assert_true(fd >= 0);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-  assert_int_equal(listen(fd, 16), 0);
-  socklen_t l = sizeof a;
-  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &l), 0);
-  bootstrap_client *c = client_for_port(ntohs(a.sin_port), NULL, 300);
+  bootstrap_client *c = client_for_port((uint16_t)atoi(strrchr(where, ':') + 1), NULL, 300);
 
   int64_t t0 = clock_now_ns();
   char ip[64];
@@ -867,14 +864,10 @@ static void *raise_stop_later(void *arg) {
 
 static void client_stops_when_asked(void **state) {
   (void)state;
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  char where[64];
+  int fd = kvf_test_silent_listener(where, sizeof where);
   assert_true(fd >= 0);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-  assert_int_equal(listen(fd, 16), 0);
-  socklen_t l = sizeof a;
-  assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &l), 0);
-  bootstrap_client *c = client_for_port(ntohs(a.sin_port), NULL, 8000);
+  bootstrap_client *c = client_for_port((uint16_t)atoi(strrchr(where, ':') + 1), NULL, 8000);
   atomic_store(&g_stop_flag, 0);
   kvf__bootstrap_client_set_stop(c, stop_flag, NULL);
   pthread_t th;

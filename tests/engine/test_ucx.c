@@ -760,6 +760,35 @@ static void peer_reads(engine_peer *peer, unsigned long long *got, unsigned long
   assert_int_equal(sscanf(reply, "reads %llu %llu %llu", got, late, refused), 3);
 }
 
+/* The resumed target refused a chunk read after its lease (counted late,
+ * within 5 s) and nothing landed in its memory (every byte still 0). Its
+ * count of chunks read in *got. */
+static void expect_late_and_untouched(engine_peer *peer, unsigned long long got0, unsigned long long late0,
+                                      unsigned long long *got) {
+  unsigned long long late, ref;
+  char reply[64];
+  int64_t until = clock_now_ns() + 5000000000ll;
+  do {
+    usleep(20000);
+    peer_reads(peer, got, &late, &ref);
+  } while (late == late0 && clock_now_ns() < until);
+  printf("target after SIGCONT: counted %llu, late %llu\n", *got - got0, late - late0);
+  assert_true(late > late0);
+  assert_int_equal(proc_ask(&peer->p, "untouched 0", reply, sizeof reply, 5000), 0);
+  assert_string_equal(reply, "ok");
+}
+
+/* A target process over UCX, and a writer engine here whose chunks have a
+ * read lease of `lease_ms` and a 20 s deadline. */
+static kvf_engine *reading_target_and_writer(engine_peer *peer, const char *lease_ms) {
+  const char *args[] = {"--transport", "ucx", NULL};
+  assert_int_equal(engine_peer_start_args(peer, PEER_BYTES, NULL, args), 0);
+  setenv("KVFERRY_READ_LEASE_MS", lease_ms, 1);
+  kvf_engine *e = make_engine("ucx", 20000);
+  unsetenv("KVFERRY_READ_LEASE_MS");
+  return e;
+}
+
 /* Read mode: a target stopped (SIGSTOP) past the lease of a chunk it was
  * told about. The writer's batch fails at the lease's end, the writer
  * reuses its sources with a new pattern, the target resumes: it does not
@@ -770,11 +799,7 @@ static void stopped_target_past_its_lease_counts_nothing(void **state) {
   SKIP_WITHOUT_UCX();
   if (!read_mode()) skip();
   engine_peer peer;
-  const char *args[] = {"--transport", "ucx", NULL};
-  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
-  setenv("KVFERRY_READ_LEASE_MS", "500", 1);
-  kvf_engine *e = make_engine("ucx", 20000);
-  unsetenv("KVFERRY_READ_LEASE_MS");
+  kvf_engine *e = reading_target_and_writer(&peer, "500");
   enum { N = 64 };
   unsigned char *src = malloc(N * PAGE);
   assert_non_null(src);
@@ -784,7 +809,7 @@ static void stopped_target_past_its_lease_counts_nothing(void **state) {
   memset(src, 0, PAGE);
   kvf_write warm = {.src = (uint64_t)(uintptr_t)src, .dst = peer.base, .len = PAGE};
   assert_int_equal(kvf_engine_write(e, peer.session, &warm, 1), 0); /* rendezvous done, read mode set */
-  unsigned long long got0, late0, ref0, got, late, ref;
+  unsigned long long got0, late0, ref0, got;
   peer_reads(&peer, &got0, &late0, &ref0);
 
   memset(src, 0x11, N * PAGE);
@@ -803,16 +828,8 @@ static void stopped_target_past_its_lease_counts_nothing(void **state) {
   memset(src, 0x22, N * PAGE);                /* the sources are reused */
   usleep(200000);                             /* the target stays stopped past the lease */
   assert_int_equal(kill(peer.p.pid, SIGCONT), 0);
-  int64_t until = clock_now_ns() + 5000000000ll;
-  do {
-    usleep(20000);
-    peer_reads(&peer, &got, &late, &ref);
-  } while (late == late0 && clock_now_ns() < until);
-  printf("target after SIGCONT: counted %llu, late %llu\n", got - got0, late - late0);
-  assert_true(late > late0);
+  expect_late_and_untouched(&peer, got0, late0, &got);
   assert_int_equal(got, got0);
-  assert_int_equal(proc_ask(&peer.p, "untouched 0", reply, sizeof reply, 5000), 0);
-  assert_string_equal(reply, "ok");
   assert_int_equal(kvf_engine_write(e, peer.session, &warm, 1), 0); /* the pair works again */
   kvf_engine_unregister(e, src);
   kvf_engine_destroy(e);
@@ -836,11 +853,7 @@ static void notice_on_a_dropped_connection_keeps_its_lease_unless_the_target_is_
 #ifdef KVF_HAVE_UCX
   if (!read_mode()) skip();
   engine_peer peer;
-  const char *args[] = {"--transport", "ucx", NULL};
-  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
-  setenv("KVFERRY_READ_LEASE_MS", "1500", 1);
-  kvf_engine *e = make_engine("ucx", 20000);
-  unsetenv("KVFERRY_READ_LEASE_MS");
+  kvf_engine *e = reading_target_and_writer(&peer, "1500");
   enum { N = 4 };
   unsigned char *src = calloc(1, (N + 1) * PAGE); /* the last page stays 0: the warm-up writes' source */
   assert_non_null(src);
@@ -858,7 +871,7 @@ static void notice_on_a_dropped_connection_keeps_its_lease_unless_the_target_is_
     free(src);
     skip();
   }
-  unsigned long long got0, late0, ref0, got, late, ref;
+  unsigned long long got0, late0, ref0, got;
   peer_reads(&peer, &got0, &late0, &ref0);
   ucx_peer *p = NULL;
   assert_int_equal(kvf__ucx_peer_get(e->ucx, peer.session, &p), 0);
@@ -886,15 +899,7 @@ static void notice_on_a_dropped_connection_keeps_its_lease_unless_the_target_is_
   kvf_batch_wait(b2, -1); /* the reconnection, either way */
   kvf_batch_destroy(b1);
   kvf_batch_destroy(b2);
-  int64_t until = clock_now_ns() + 5000000000ll;
-  do {
-    usleep(20000);
-    peer_reads(&peer, &got, &late, &ref);
-  } while (late == late0 && clock_now_ns() < until);
-  printf("target after SIGCONT: counted %llu, late %llu\n", got - got0, late - late0);
-  assert_true(late > late0);
-  assert_int_equal(proc_ask(&peer.p, "untouched 0", reply, sizeof reply, 5000), 0); /* nothing landed */
-  assert_string_equal(reply, "ok");
+  expect_late_and_untouched(&peer, got0, late0, &got);
 
   /* A target that is gone, its end not read here yet: the notice ends at once. */
   assert_int_equal(kvf_engine_write(e, peer.session, &warm, 1), 0); /* connected again */

@@ -26,6 +26,7 @@
 #include "kv/probe.h"
 #include "kvferry.h"
 #include "procfs.h"
+#include "sockets.h"
 #include "wire/messages.h"
 
 #define PEERS 32        /* PUSH sockets sending to one manager at once */
@@ -306,6 +307,28 @@ typedef struct stall_arg {
   uint16_t port;
 } stall_arg;
 
+/* A peer that never reads: kvf_test_silent_listener, its port in *port. */
+static int stalled_peer(uint16_t *port) {
+  char where[64];
+  int fd = kvf_test_silent_listener(where, sizeof where);
+  assert_true(fd >= 0);
+  *port = (uint16_t)atoi(strrchr(where, ':') + 1);
+  return fd;
+}
+
+/* Messages to the stalled peer at `port` until one is not taken: the queue
+ * is full (up to the high-water mark, at once), and the call that found it
+ * full returned. */
+static void fill_queue_to(kvf_manager *m, uint16_t port,
+                          int (*send)(kvf_manager *, const char *, uint16_t, const wire_msg *)) {
+  wire_msg msg;
+  m3_for(1, &msg);
+  int queued = 0;
+  while (queued < 5000 && send(m, "127.0.0.1", port, &msg) == 0) queued++;
+  kvf__wire_msg_free(&msg);
+  assert_true(queued < 5000);
+}
+
 static void *send_to_stalled(void *arg) {
   stall_arg *a = arg;
   for (int i = 0; i < 2; i++) {
@@ -320,19 +343,10 @@ static void *send_to_stalled(void *arg) {
 static void a_stalled_peer_holds_up_only_its_own_sends(void **state) {
   (void)state;
   kvf_manager *m = make_manager(NULL);
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001)};
-  socklen_t al = sizeof a;
-  assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
-  assert_int_equal(listen(lfd, 4), 0);
-  assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &al), 0);
-  stall_arg sa = {m, ntohs(a.sin_port)};
+  stall_arg sa = {m, 0};
+  int lfd = stalled_peer(&sa.port);
   wire_msg msg;
-  m3_for(1, &msg);
-  int queued = 0; /* up to the high-water mark, at once */
-  while (queued < 5000 && kvf__manager_push_send(m, "127.0.0.1", sa.port, &msg) == 0) queued++;
-  kvf__wire_msg_free(&msg);
-  assert_true(queued < 5000); /* it did fill */
+  fill_queue_to(m, sa.port, kvf__manager_push_send);
   pthread_t th[2];
   for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, send_to_stalled, &sa), 0);
   usleep(100000); /* both are waiting on the stalled peer */
@@ -365,18 +379,11 @@ static void a_stalled_peer_holds_up_only_its_own_sends(void **state) {
 static void a_posted_message_never_waits_on_a_stalled_peer(void **state) {
   (void)state;
   kvf_manager *m = make_manager(NULL);
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001)};
-  socklen_t al = sizeof a;
-  assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
-  assert_int_equal(listen(lfd, 4), 0);
-  assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &al), 0);
-  stall_arg sa = {m, ntohs(a.sin_port)};
+  stall_arg sa = {m, 0};
+  int lfd = stalled_peer(&sa.port);
+  fill_queue_to(m, sa.port, kvf__manager_push_post);
   wire_msg msg;
   m3_for(1, &msg);
-  int queued = 0;
-  while (queued < 5000 && kvf__manager_push_post(m, "127.0.0.1", sa.port, &msg) == 0) queued++;
-  assert_true(queued < 5000); /* the queue filled, and the post that found it full returned */
   pthread_t th;
   assert_int_equal(pthread_create(&th, NULL, send_to_stalled, &sa), 0);
   usleep(100000); /* it waits on the stalled peer, holding the socket */

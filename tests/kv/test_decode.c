@@ -27,6 +27,7 @@
 #include "engine/async.h"
 #include "kv/decode/decode_int.h"
 #include "kv/manager.h"
+#include "sockets.h"
 #include "kvferry.h"
 #include "wire/messages.h"
 #include "wire/route_json.h"
@@ -673,14 +674,9 @@ static void lookup_failures(void **state) {
 static void silent_bootstrap_costs_one_timeout(void **state) {
   (void)state;
   fixture *f = setup_default(); /* heartbeat interval 5 s */
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001)};
-  socklen_t al = sizeof a;
-  assert_int_equal(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
-  assert_int_equal(listen(lfd, 16), 0);
-  assert_int_equal(getsockname(lfd, (struct sockaddr *)&a, &al), 0);
   char silent[64];
-  snprintf(silent, sizeof silent, "127.0.0.1:%u", (unsigned)ntohs(a.sin_port));
+  int lfd = kvf_test_silent_listener(silent, sizeof silent);
+  assert_true(lfd >= 0);
   kvf_receiver *r = NULL;
   int64_t t0 = clock_now_ns();
   assert_int_equal(kvf_receiver_create(f->m, silent, 70, &r), 0);
