@@ -37,7 +37,8 @@ int kvf__decode_start(kvf_manager *m) {
   pthread_mutex_init(&ds->lock, NULL);
   pthread_mutex_init(&ds->hb_lock, NULL);
   clock_cond_init(&ds->hb_cond);
-  if (smap_init(&ds->infos) || smap_init(&ds->down) || smap_init(&ds->pools) || smap_init(&ds->hb_peers)) goto fail;
+  if (smap_init(&ds->infos) || smap_init(&ds->down) || smap_init(&ds->pools) || smap_init(&ds->hb_peers))
+    goto fail;
   const manager_buffers *b = &m->bufs;
   ds->d_kv_item = kvf__dec_to_i64(b->kv_item_lens, b->n_kv);
   ds->d_kv_unit = kvf__dec_to_i64(b->kv_unit_lens, b->n_kv);
