@@ -450,7 +450,11 @@ void kvf_sender_destroy(kvf_sender *s) {
   }
   kvf__rooms_clear(s->m->rooms, s->room, NULL); /* the table held r: nothing else names it by id now */
   r->dead = 1;
-  r->dead_told = told;
+  /* A room that failed before had its decodes told then (whoever failed it
+   * sent the M3s): its last chunk, still queued and dropped now, must not
+   * tell them again (a duplicate Failed that could meet the next use of the
+   * room id at a decode that cannot tell uses apart). */
+  r->dead_told = told || (known && st == ROOM_FAILED);
   pf_chunk *c = r->pend_head;
   r->pend_head = r->pend_tail = NULL;
   r->npending = 0;
