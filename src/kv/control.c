@@ -273,10 +273,10 @@ static int push_send(kvf_manager *m, const char *host, uint16_t port, const wire
   unsigned char mac[MANAGER_MAC_LEN];
   size_t nsend = msg->nframes + (m->ctl_keylen ? 1 : 0);
   if (m->ctl_keylen) kvf__control_mac(m, msg->frames, msg->nframes, mac);
-  if (post && push_lock_within(&p->lock, MANAGER_POST_LOCK_MS)) {
-    rc = KVF_ETIMEDOUT; /* another sender holds it, perhaps for its whole send timeout */
+  /* Posted: another sender may hold the socket for its whole send timeout. */
+  if (post ? push_lock_within(&p->lock, MANAGER_POST_LOCK_MS) : pthread_mutex_lock(&p->lock)) {
+    rc = KVF_ETIMEDOUT;
   } else {
-    if (!post) pthread_mutex_lock(&p->lock);
     /* Posted: the first frame goes only if the peer's queue has room; the
      * rest of a message whose first frame went in always follows it. */
     for (size_t i = 0; i < nsend && !rc; i++) {

@@ -257,6 +257,15 @@ static void send_m1_as(fixture *f, const char *session, int nkv) {
 
 static void send_m1(fixture *f) { send_m1_as(f, f->session, NKV); }
 
+/* Over the TCP engine (g_transport, which the test resets), the fake
+ * decode registered (its M1 received). */
+static void fx_setup_tcp_registered(fixture *f) {
+  g_transport = "tcp";
+  fx_setup(f, "");
+  send_m1(f);
+  wait_received(f, 1);
+}
+
 static void send_m2_full(fixture *f, int64_t room, const int64_t *dst, size_t n, int64_t prefix,
                          const int64_t *mamba, size_t nmamba) {
   wire_m2 m2;
@@ -1195,11 +1204,8 @@ static void refused_write_in_window_fails_room(void **state) {
 static void fence_refusal(int verify) {
   g_verify = verify;
   g_room_flags = verify ? WIRE_ROOM_VERIFY : 0;
-  g_transport = "tcp";
   fixture f;
-  fx_setup(&f, "");
-  send_m1(&f);
-  wait_received(&f, 1);
+  fx_setup_tcp_registered(&f);
   /* in this order, each finished before the next starts */
   const struct {
     int64_t room;
@@ -1402,11 +1408,8 @@ static void count_trailer(void *arg, const unsigned char *data, size_t len, cons
  * the index slice and the room could end Success without its pages. */
 static void refused_chunk_fails_the_room(void **state) {
   (void)state;
-  g_transport = "tcp";
   fixture f;
-  fx_setup(&f, "");
-  send_m1(&f);
-  wait_received(&f, 1);
+  fx_setup_tcp_registered(&f);
   kvf_sender *s = new_sender(&f, 97);
   int64_t page = 1;
   int rc = 0;
@@ -1432,11 +1435,8 @@ static void refused_chunk_fails_the_room(void **state) {
  * name memory that is gone, so the room fails instead of writing there. */
 static void reregistration_with_other_buffers_fails_earlier_requests(void **state) {
   (void)state;
-  g_transport = "tcp";
   fixture f;
-  fx_setup(&f, "");
-  send_m1(&f);
-  wait_received(&f, 1);
+  fx_setup_tcp_registered(&f);
   int64_t src[] = {2, 4}, dst[] = {1, 3};
   for (int other = 0; other < 2; other++) {
     int64_t room = 110 + other;
