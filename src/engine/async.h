@@ -145,14 +145,35 @@ int kvf__engine_peer_path(kvf_engine *engine, const char *session, const char **
  * round trip to each of them. Any thread. */
 int kvf__engine_fence_retire(kvf_engine *engine, uint64_t tag, uint64_t epoch, int timeout_ms);
 
+/* A fence's bounds in the shape of a room: the same runs of item indices
+ * (pages, or state slots) in each of a set of buffers. It costs
+ * O(buffers + runs) to hold and one search per piece to check, where the
+ * byte ranges it stands for number buffers x runs (a scattered room of 32k
+ * pages over 160 KV buffers: 5 million ranges, 82 MB, built per room).
+ * A piece lies in the grid when it lies inside one run of one buffer:
+ * [base + first * item, base + (first + count) * item), cut at the last
+ * whole item of the buffer. */
+typedef struct kvf__fence_grid {
+  const uint64_t *bufs;  /* nbufs (base, len, item) triples, sorted by base; they may overlap */
+  const uint64_t *reach; /* nbufs: reach[i] is the largest base + len of bufs 0..i */
+  size_t nbufs;
+  const uint64_t *runs; /* nruns (first, count) pairs of item indices, sorted by first, disjoint */
+  size_t nruns;
+} kvf__fence_grid;
+
 /* Bound what a tagged batch for the open pair (tag, epoch) may write (or,
  * in UCX read mode, have read) here: every destination piece must lie
- * inside one of the n ranges (base, len pairs: ranges[2i], ranges[2i+1]),
- * sorted by base and disjoint; a chunk outside them is refused whole
- * (KVF_ERANGE) before any byte lands. The ranges are not copied: they must
- * stay valid and unchanged until the pair's kvf_engine_fence_close or
- * kvf__engine_fence_retire returned. n == 0 removes the bound.
- * KVF_ENOTFOUND when the pair is not open. Any thread. */
+ * inside one run of one buffer of one of the n grids; a chunk outside them
+ * is refused whole (KVF_ERANGE) before any byte lands. Nothing is copied:
+ * the grids and what they point to must stay valid and unchanged until the
+ * pair's kvf_engine_fence_close or kvf__engine_fence_retire returned. n == 0
+ * removes the bound; grids without runs let nothing land. KVF_ENOTFOUND
+ * when the pair is not open. Any thread. */
+int kvf__engine_fence_bound_grids(kvf_engine *engine, uint64_t tag, uint64_t epoch, const kvf__fence_grid *grids,
+                                  size_t n);
+/* The same with n plain byte ranges (base, len pairs: ranges[2i],
+ * ranges[2i+1]), sorted by base and disjoint: one grid whose only buffer is
+ * the whole address space with 1-byte items. */
 int kvf__engine_fence_bound(kvf_engine *engine, uint64_t tag, uint64_t epoch, const uint64_t *ranges, size_t n);
 
 /* What landed here for the open pair (tag, epoch) so far (room traces,

@@ -66,11 +66,13 @@ typedef struct engine_fence {
   int closed;     /* kvf_engine_fence_close ran: admit nothing more */
   int abandoned;  /* the closer timed out: the last receiver frees it */
   atomic_int cut; /* read without the lock by receivers between receive calls */
-  /* kvf__engine_fence_bound: nbounds sorted, disjoint (base, len) pairs
-   * that a chunk's destinations must lie in (the room's own pages), owned
-   * by the caller until the pair is closed; read under the table's lock. */
-  const uint64_t *bounds;
-  size_t nbounds;
+  /* kvf__engine_fence_bound_grids: where a chunk's destinations must lie
+   * (the room's own pages), owned by the caller until the pair is closed
+   * (`ranges`, kvf__engine_fence_bound's, for a grid of byte ranges);
+   * read under the table's lock. ngrids == 0: not bounded. */
+  const kvf__fence_grid *grids;
+  size_t ngrids;
+  kvf__fence_grid ranges;
   /* What landed for the pair (kvf__fence_landed; room traces, issue 25):
    * atomics, written by receivers while they hold the pair (inflight). */
   _Atomic int64_t first_ns, last_ns;

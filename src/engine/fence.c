@@ -179,14 +179,32 @@ engine_fence *kvf__fence_enter(kvf_engine *e, uint64_t tag, uint64_t epoch) {
   return x;
 }
 
+int kvf__engine_fence_bound_grids(kvf_engine *e, uint64_t tag, uint64_t epoch, const kvf__fence_grid *grids,
+                                  size_t n) {
+  if (!e || !tag || !epoch || (n && !grids)) return KVF_EINVAL;
+  pthread_mutex_lock(&e->fences.lock);
+  engine_fence *x = kvf__map_get(&e->fences.open, epoch);
+  int rc = x && x->tag == tag && !x->closed ? 0 : KVF_ENOTFOUND;
+  if (!rc) {
+    x->grids = n ? grids : NULL;
+    x->ngrids = n;
+  }
+  pthread_mutex_unlock(&e->fences.lock);
+  return rc;
+}
+
+/* The one buffer of a grid of byte ranges: all of memory, 1-byte items. */
+static const uint64_t all_memory[3] = {0, UINT64_MAX, 1}, all_memory_reach[1] = {UINT64_MAX};
+
 int kvf__engine_fence_bound(kvf_engine *e, uint64_t tag, uint64_t epoch, const uint64_t *ranges, size_t n) {
   if (!e || !tag || !epoch || (n && !ranges)) return KVF_EINVAL;
   pthread_mutex_lock(&e->fences.lock);
   engine_fence *x = kvf__map_get(&e->fences.open, epoch);
   int rc = x && x->tag == tag && !x->closed ? 0 : KVF_ENOTFOUND;
   if (!rc) {
-    x->bounds = n ? ranges : NULL;
-    x->nbounds = n;
+    x->ranges = (kvf__fence_grid){all_memory, all_memory_reach, 1, ranges, n};
+    x->grids = n ? &x->ranges : NULL;
+    x->ngrids = n ? 1 : 0;
   }
   pthread_mutex_unlock(&e->fences.lock);
   return rc;
@@ -199,26 +217,54 @@ int kvf__fence_bounds_begin(kvf_engine *e, engine_fence *x) {
 
 void kvf__fence_bounds_end(kvf_engine *e) { pthread_mutex_unlock(&e->fences.lock); }
 
-/* Is [a, a+len) inside one of the sorted bounds? Then *end (may be NULL)
- * is that bound's end. */
-static int in_bounds(const engine_fence *x, uint64_t a, uint64_t len, uint64_t *end) {
-  size_t lo = 0, hi = x->nbounds;
-  while (lo < hi) { /* the last bound starting at or below a */
+/* Is [a, a+len) inside one run of one of the grid's buffers that hold a?
+ * Then *end (may be NULL) is that run's end. One search for the buffers,
+ * one per buffer holding a for its run (one, unless buffers overlap). */
+static int grid_holds(const kvf__fence_grid *g, uint64_t a, uint64_t len, uint64_t *end) {
+  size_t lo = 0, hi = g->nbufs;
+  while (lo < hi) { /* past the last buffer starting at or below a */
     size_t mid = (lo + hi) / 2;
-    if (x->bounds[2 * mid] <= a) lo = mid + 1;
+    if (g->bufs[3 * mid] <= a) lo = mid + 1;
     else hi = mid;
   }
-  if (lo == 0) return 0;
-  uint64_t base = x->bounds[2 * (lo - 1)], blen = x->bounds[2 * (lo - 1) + 1];
-  if (end) *end = base + blen;
-  return a - base <= blen && len <= blen - (a - base);
+  /* Buffers 0..lo-1 start at or below a; none before j reaches past a once
+   * reach[j] <= a. */
+  for (size_t j = lo; j-- > 0 && g->reach[j] > a;) {
+    uint64_t base = g->bufs[3 * j], blen = g->bufs[3 * j + 1], item = g->bufs[3 * j + 2];
+    if (!item || a - base >= blen) continue;
+    uint64_t idx = (a - base) / item, whole = blen / item;
+    if (idx >= whole) continue; /* in the buffer's tail, past its last whole item */
+    size_t rl = 0, rh = g->nruns;
+    while (rl < rh) { /* past the last run starting at or below idx */
+      size_t mid = (rl + rh) / 2;
+      if (g->runs[2 * mid] <= idx) rl = mid + 1;
+      else rh = mid;
+    }
+    if (!rl) continue;
+    uint64_t first = g->runs[2 * (rl - 1)], count = g->runs[2 * (rl - 1) + 1];
+    if (idx - first >= count) continue;
+    /* first <= idx < whole: no overflow, and the end lies inside the buffer */
+    uint64_t stop = base + (count > whole - first ? whole : first + count) * item;
+    if (len > stop - a) continue;
+    if (end) *end = stop;
+    return 1;
+  }
+  return 0;
+}
+
+/* Is [a, a+len) inside the fence's bounds? Then *end (may be NULL) is the
+ * end of the run that holds it. */
+static int in_bounds(const engine_fence *x, uint64_t a, uint64_t len, uint64_t *end) {
+  for (size_t i = 0; i < x->ngrids; i++)
+    if (grid_holds(&x->grids[i], a, len, end)) return 1;
+  return 0;
 }
 
 /* Called with the fence table's lock held, on counts the peer chose: the
  * cost is one search per bound the pieces cross, never one per piece (a
  * descriptor of 2^62 pieces would otherwise hold the lock for good). */
 int kvf__fence_bounds_ok(const engine_fence *x, uint64_t dst, uint64_t len, uint64_t count, uint64_t stride) {
-  if (!x->bounds || !len) return 1; /* no bounds, or nothing written */
+  if (!x->grids || !len) return 1; /* no bounds, or nothing written */
   if (count <= 1 || !stride) return in_bounds(x, dst, len, NULL);
   uint64_t last;
   if (__builtin_mul_overflow(count - 1, stride, &last) || __builtin_add_overflow(dst, last, &last) ||

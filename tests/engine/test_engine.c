@@ -1090,11 +1090,68 @@ static void tagged_batches_land_only_while_their_fence_is_open(void **state) {
   free(dst);
 }
 
+/* A fence bounded by grids (a room's page runs over its buffers, as a
+ * decode bounds a room): a piece is inside when it lies within one run of
+ * one buffer; a run stops at the buffer's last whole page; buffers that
+ * overlap are each tried; a piece that crosses from one buffer into the
+ * next is outside even when both ends are the room's pages (no planner
+ * writes across buffers); a strided block is checked piece by piece. */
+static void fence_grids_hold_a_rooms_pages_only(void **state) {
+  (void)state;
+  enum { IT = 256, NP = 16 };
+  const uint64_t A = 0x100000, B = A + IT * NP, C = 0x200000 + 128; /* A and B touch; C overlaps D */
+  const uint64_t D = 0x200000;
+  /* sorted by base; B's length is not a whole number of pages */
+  const uint64_t kv[3 * 4] = {A, IT * NP, IT, B, IT * NP + 100, IT, D, IT * NP, IT, C, IT * NP, IT};
+  const uint64_t kv_reach[4] = {A + IT * NP, B + IT * NP + 100, D + IT * NP, C + IT * NP};
+  const uint64_t runs[2 * 3] = {2, 3, 9, 1, 15, 5}; /* pages 2-4, 9, 15-19 (16-19 past every buffer's end) */
+  const uint64_t st[3] = {0x300000, 64 * 8, 64}, st_reach[1] = {0x300000 + 64 * 8}, sruns[2] = {7, 1};
+  kvf__fence_grid g[2] = {{kv, kv_reach, 4, runs, 3}, {st, st_reach, 1, sruns, 1}};
+  engine_fence x = {.grids = g, .ngrids = 2};
+  assert_true(kvf__fence_bounds_ok(&x, A + 2 * IT, 3 * IT, 1, 0));       /* pages 2-4 whole */
+  assert_false(kvf__fence_bounds_ok(&x, A + 2 * IT, 3 * IT + 1, 1, 0));  /* one byte into page 5 */
+  assert_false(kvf__fence_bounds_ok(&x, A + 1 * IT + 255, 2, 1, 0));     /* from page 1 into 2 */
+  assert_true(kvf__fence_bounds_ok(&x, B + 9 * IT + 10, IT - 10, 1, 0)); /* the end of page 9 */
+  assert_false(kvf__fence_bounds_ok(&x, B + 8 * IT, 1, 1, 0));           /* page 8 */
+  assert_true(kvf__fence_bounds_ok(&x, A + 15 * IT, IT, 1, 0));          /* page 15, A's last */
+  assert_false(kvf__fence_bounds_ok(&x, A + 15 * IT, IT + 1, 1, 0));     /* ... on into B's page 0 */
+  assert_false(kvf__fence_bounds_ok(&x, B + 15 * IT, IT + 1, 1, 0));     /* into B's tail of 100 bytes */
+  assert_false(kvf__fence_bounds_ok(&x, B + 16 * IT, 1, 1, 0));          /* the tail itself */
+  /* Strided: pages 2, 3, 4 of A at 16 bytes each; one more reaches page 5. */
+  assert_true(kvf__fence_bounds_ok(&x, A + 2 * IT + 8, 16, 3, IT));
+  assert_false(kvf__fence_bounds_ok(&x, A + 2 * IT + 8, 16, 4, IT));
+  assert_false(kvf__fence_bounds_ok(&x, A + 2 * IT, 16, UINT64_MAX / IT, IT)); /* stops at page 5 */
+  /* Overlapping buffers (C starts 128 bytes into D): each holding the
+   * piece is tried. D + 2 * IT is D's page 2 (the room's) and C's page 1
+   * (not): inside through D, though C is found first. C's page 4 is the
+   * room's and runs 128 bytes into D's page 5 (not): inside through C.
+   * D + 5 * IT + 200 is D's page 5 and C's page 5: outside. */
+  assert_true(kvf__fence_bounds_ok(&x, D + 2 * IT, 16, 1, 0));
+  assert_true(kvf__fence_bounds_ok(&x, C + 4 * IT, IT, 1, 0));
+  assert_false(kvf__fence_bounds_ok(&x, C + 4 * IT, IT + 1, 1, 0));
+  assert_false(kvf__fence_bounds_ok(&x, D + 5 * IT + 200, 1, 1, 0));
+  assert_true(kvf__fence_bounds_ok(&x, D + 9 * IT + IT - 1, 1, 1, 0)); /* D's page 9 (C's 8, not the room's) */
+  /* The state grid: slot 7 only. */
+  assert_true(kvf__fence_bounds_ok(&x, 0x300000 + 7 * 64, 64, 1, 0));
+  assert_false(kvf__fence_bounds_ok(&x, 0x300000 + 6 * 64, 64, 1, 0));
+  assert_false(kvf__fence_bounds_ok(&x, 0x300000 + 7 * 64, 65, 1, 0));
+  /* Outside every buffer; nothing written is always fine. */
+  assert_false(kvf__fence_bounds_ok(&x, 0x50, 1, 1, 0));
+  assert_false(kvf__fence_bounds_ok(&x, UINT64_MAX - 1, 1, 1, 0));
+  assert_true(kvf__fence_bounds_ok(&x, 0x50, 0, 1, 0));
+  /* Grids without runs let nothing land; no grids bound nothing. */
+  kvf__fence_grid empty[2] = {{kv, kv_reach, 4, runs, 0}, {st, st_reach, 1, sruns, 0}};
+  engine_fence none = {.grids = empty, .ngrids = 2}, open = {0};
+  assert_false(kvf__fence_bounds_ok(&none, A + 2 * IT, 1, 1, 0));
+  assert_true(kvf__fence_bounds_ok(&open, A + 2 * IT, 1, 1, 0));
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(scattered_pages_land_byte_exact, setup, teardown),
       cmocka_unit_test(trailer_after_bytes),
+      cmocka_unit_test(fence_grids_hold_a_rooms_pages_only),
       cmocka_unit_test(small_batches_in_a_burst_keep_their_trailers),
       cmocka_unit_test(a_group_waits_for_every_batch_once),
       cmocka_unit_test(a_poke_ends_a_pokeable_wait_only),

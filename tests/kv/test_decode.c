@@ -25,7 +25,9 @@
 #include "base/clock.h"
 #include "bootstrap/bootstrap.h"
 #include "engine/async.h"
+#include "engine/engine_internal.h"
 #include "kv/decode/decode_int.h"
+#include "kv/integrity.h"
 #include "kv/manager.h"
 #include "sockets.h"
 #include "kvferry.h"
@@ -499,6 +501,89 @@ static void spare_receivers_drop_large_bounds(void **state) {
   kvf_receiver_destroy(again);
   free(pages);
   teardown(f);
+}
+
+/* A room's fence bounds cost its pages, not buffers x page runs: a
+ * scattered room (every other page) over 64 KV buffers and a state buffer
+ * holds one (first, count) pair per run, and the engine refuses a piece of
+ * any page the room was not given, in every buffer. Before, the bounds
+ * were one (base, len) pair per run per buffer: 64 x 8192 here, 8 MiB
+ * built at every init. */
+static void room_bounds_cost_pages_not_buffers(void **state) {
+  (void)state;
+  enum { NB = 64, NP = 16384, IT = 32, RUNS = NP / 2, SIT = 16, SN = 8 };
+  unsigned char *arena = calloc((size_t)NB * NP, IT), *st = calloc(SN, SIT);
+  assert_non_null(arena);
+  assert_non_null(st);
+  void *ptrs[NB], *sptrs[1] = {st};
+  uint64_t lens[NB], items[NB], slens[1] = {SN * SIT}, sitems[1] = {SIT};
+  for (int i = 0; i < NB; i++) { /* in reverse address order: the grid sorts them */
+    ptrs[i] = arena + (size_t)(NB - 1 - i) * NP * IT;
+    lens[i] = (uint64_t)NP * IT;
+    items[i] = IT;
+  }
+  kvf_kv_buffers b = {.n_kv = NB,
+                      .kv_ptrs = ptrs,
+                      .kv_lens = lens,
+                      .kv_item_lens = items,
+                      .n_state = 1,
+                      .state_ptrs = sptrs,
+                      .state_lens = slens,
+                      .state_item_lens = sitems};
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  cfg.role = KVF_ROLE_DECODE;
+  cfg.heartbeat_interval_s = 60;
+  kvf_engine_config ec;
+  kvf_engine_config_init(&ec);
+  ec.transport = "tcp";
+  ec.auth_token = "";
+  cfg.engine_cfg = &ec;
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&cfg, &b, &m), 0);
+  int64_t *pages = malloc(RUNS * sizeof *pages), slots[2] = {5, 3};
+  assert_non_null(pages);
+  for (int i = 0; i < RUNS; i++) pages[i] = 2 * (int64_t)(RUNS - 1 - i); /* even pages, unsorted */
+  const int64_t room = 41;
+  assert_int_equal(kvf__rooms_create(m->rooms, room, ROOM_TRANSFERRING), 0);
+  kvf_receiver *r = calloc(1, sizeof *r);
+  assert_non_null(r);
+  r->m = m;
+  r->room = room;
+  uint64_t flags = 0;
+  kvf__integ_room_open(m, room, 1, &flags, &r->fence_epoch);
+  assert_true(r->fence_epoch != 0);
+  assert_int_equal(kvf__dec_room_bound(m, r, pages, RUNS, slots, 2), 0);
+  /* (first, count) pairs for the runs: at most 4 words a page or slot once
+   * grown, against 2 x NB words a run before. */
+  assert_true(r->bounds_cap <= 4 * (RUNS + 2 + 1));
+  engine_fence *x = kvf__fence_reenter(m->engine, manager_room_tag(room), r->fence_epoch);
+  assert_non_null(x);
+  assert_int_equal(kvf__fence_bounds_begin(m->engine, x), 0);
+  for (int i = 0; i < NB; i += 7) {
+    uint64_t base = (uint64_t)(uintptr_t)ptrs[i];
+    for (int p = 0; p < NP; p += 1021) {
+      int mine = p % 2 == 0;
+      assert_int_equal(kvf__fence_bounds_ok(x, base + (uint64_t)p * IT, IT, 1, 0), mine);
+      assert_false(kvf__fence_bounds_ok(x, base + (uint64_t)p * IT, IT + 1, 1, 0)); /* into the next page */
+    }
+    assert_true(kvf__fence_bounds_ok(x, base + (uint64_t)(NP - 2) * IT, IT, 1, 0)); /* the last even page */
+    assert_false(kvf__fence_bounds_ok(x, base + (uint64_t)(NP - 1) * IT, 1, 1, 0));
+  }
+  uint64_t sb = (uint64_t)(uintptr_t)st;
+  assert_true(kvf__fence_bounds_ok(x, sb + 3 * SIT, SIT, 1, 0));
+  assert_true(kvf__fence_bounds_ok(x, sb + 5 * SIT, SIT, 1, 0));
+  assert_false(kvf__fence_bounds_ok(x, sb + 4 * SIT, SIT, 1, 0));
+  assert_false(kvf__fence_bounds_ok(x, sb + 3 * SIT, 2 * SIT, 1, 0));
+  kvf__fence_bounds_end(m->engine);
+  kvf__fence_leave(m->engine, x);
+  kvf__integ_room_close(m, room, r->fence_epoch, 0, 1);
+  kvf__rooms_clear(m->rooms, room, NULL);
+  kvf__dec_receiver_free(r);
+  kvf_manager_destroy(m);
+  free(pages);
+  free(arena);
+  free(st);
 }
 
 static void failed_m3(void **state) {
@@ -1421,6 +1506,7 @@ int main(void) {
       cmocka_unit_test(happy_path),
       cmocka_unit_test(completion_trailer_rules),
       cmocka_unit_test(spare_receivers_drop_large_bounds),
+      cmocka_unit_test(room_bounds_cost_pages_not_buffers),
       cmocka_unit_test(failed_m3),
       cmocka_unit_test(unregistered_answer_registers_again),
       cmocka_unit_test(malformed_and_unknown),

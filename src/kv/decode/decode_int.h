@@ -111,6 +111,14 @@ typedef struct hb_peer {
   int seen; /* still in the probe set this round */
 } hb_peer;
 
+/* One kind of a manager's buffers (KV, or state) as fence grids hold them
+ * (engine/async.h, kvf__fence_grid): n (base, len, item) triples sorted by
+ * base, and each one's reach. */
+typedef struct bound_bufs {
+  uint64_t *bufs, *reach;
+  size_t n;
+} bound_bufs;
+
 struct decode_state {
   int fast;             /* this manager holds the engine's trailer callback: M2s ask for the fast completion */
   pthread_mutex_t lock; /* guards infos, down, pools, next_epoch, spare */
@@ -122,6 +130,10 @@ struct decode_state {
   uint64_t next_epoch;
   int refusals; /* this manager has the engine's refusal callback (integrity.c) */
   int landed;   /* and its landed callback (verify mode: pages hashed as they land) */
+
+  /* The KV and state buffers sorted by address, as the rooms' fence
+   * bounds use them (room_bounds.c). */
+  bound_bufs bound_kv, bound_state;
 
   /* Planner inputs that never change, converted once (the layout by the
    * manager: m->bufs.kv_layout). */
@@ -166,10 +178,12 @@ struct kvf_receiver {
    * `fenced` once it was closed on Failed. The receiver's thread only. */
   uint64_t fence_epoch;
   int fenced;
-  /* The room's own pages as (base, len) pairs, the fence's bounds
-   * (room_bounds.c): what a prefill may write, or have read, here. Kept
+  /* The fence's bounds (room_bounds.c): what a prefill may write, or have
+   * read, here: the room's runs of pages, then of state slots, as (first,
+   * count) pairs in `bounds`, over the manager's buffers (`grids`). Kept
    * across reuse of the receiver (grow-only, no allocation per room once
    * warm); valid until the fence is closed. */
+  kvf__fence_grid grids[2];
   uint64_t *bounds;
   size_t bounds_cap;
   int64_t *sorted; /* scratch: the room's pages, sorted */
@@ -182,6 +196,10 @@ struct kvf_receiver {
 };
 
 /* room_bounds.c */
+/* The manager's KV and state buffers as the fence grids' buffers, once, at
+ * start (ds->bound_kv, ds->bound_state); _free frees them. */
+int kvf__dec_bound_bufs_build(struct decode_state *ds, const manager_buffers *b);
+void kvf__dec_bound_bufs_free(struct decode_state *ds);
 /* Bound the room's fence to its own pages (every KV buffer's pages, every
  * state buffer's slots): a chunk for the room landing elsewhere is refused
  * by this engine. KVF_ENOMEM leaves the fence without bounds. */

@@ -24,6 +24,7 @@ static void free_state(struct decode_state *ds) {
     kvf__dec_receiver_free(r);
   }
   free(ds->d_kv_item), free(ds->d_kv_unit), free(ds->d_state_item), free(ds->d_state_unit);
+  kvf__dec_bound_bufs_free(ds);
   pthread_mutex_destroy(&ds->lock);
   pthread_mutex_destroy(&ds->hb_lock);
   pthread_cond_destroy(&ds->hb_cond);
@@ -45,6 +46,7 @@ int kvf__decode_start(kvf_manager *m) {
   ds->d_state_item = kvf__dec_to_i64(b->state_item_lens, b->n_state);
   ds->d_state_unit = kvf__dec_to_i64(b->state_unit_lens, b->n_state);
   if (!ds->d_kv_item || !ds->d_kv_unit || !ds->d_state_item || !ds->d_state_unit) goto fail;
+  if (kvf__dec_bound_bufs_build(ds, b)) goto fail;
   ds->layout = b->kv_layout;
   m->decode = ds;
   /* A shared engine has one trailer callback: the first decode manager gets it. */
