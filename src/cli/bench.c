@@ -488,6 +488,7 @@ int cli_bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *b
     if (!(slots[i].pages = malloc(c->pages * sizeof(int64_t)))) goto out;
   long long wake_peer0 = peer_wakeups(peer);
   uint64_t wake_here0 = kvf_wakeups();
+  long long cpu_here0 = proc_cpu_ns(0), cpu_peer0 = proc_cpu_ns(peer->pid);
   /* With one room in flight, whose latency this loop measures, it sleeps on
    * the manager's event fd (and the peer's lines when some are due), as a
    * scheduler waiting for its one request would: clear it, poll the rooms,
@@ -551,6 +552,10 @@ int cli_bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *b
     }
   }
   double dt = cli_now_s() - t0;
+  long long cpu_here1 = proc_cpu_ns(0), cpu_peer1 = proc_cpu_ns(peer->pid);
+  c->cpu_us_per_room = cpu_here0 >= 0 && cpu_peer0 >= 0 && cpu_here1 >= cpu_here0 && cpu_peer1 >= cpu_peer0
+                           ? (double)(cpu_here1 - cpu_here0 + cpu_peer1 - cpu_peer0) / 1e3 / c->rooms
+                           : -1;
   uint64_t wake_here = kvf_wakeups() - wake_here0;
   long long wake_peer1 = peer_wakeups(peer);
   c->wakeups_per_room = wake_peer0 >= 0 && wake_peer1 >= wake_peer0
@@ -818,21 +823,21 @@ static int bench_rooms(const bench_opts *o) {
   mc.engine = eng;
   if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
   rooms_case cases[] = {
-      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0, 0, 0},
-      {"rooms_1page_inflight1_m3_only", 1, 1, o->quick ? 300 : 2000, 1, 0, 0, 0, 0},
-      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0, 0, 0},
-      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0, 0, 0},
-      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0, 0, 0},
+      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0, 0, 0, 0},
+      {"rooms_1page_inflight1_m3_only", 1, 1, o->quick ? 300 : 2000, 1, 0, 0, 0, 0, 0},
+      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0, 0, 0, 0},
+      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0, 0, 0, 0},
+      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0, 0, 0, 0},
   };
   size_t nc = sizeof cases / sizeof cases[0];
   if (o->room_pages) { /* a single custom case replaces the standard ones */
     int n = o->rooms > 0 ? o->rooms : o->quick ? 100 : 1000;
-    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0, 0, 0};
+    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0, 0, 0, 0};
     nc = 1;
   }
   if (o->fanout_only) nc = 0;
   int64_t base = 1;
-  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0, 0};
+  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0, 0, 0};
   if (nc && cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   mc.fast_completion = 0;
@@ -854,7 +859,7 @@ static int bench_rooms(const bench_opts *o) {
     double t_off = 0, t_on = 0, n_off = 0, n_on = 0;
     for (int k = 0; k < 6; k++) {
       int on = k % 2;
-      rooms_case oc = {on ? "overhead_on" : "overhead_off", 1, 64, o->quick ? 500 : 3000, 0, 0, 0, 0, 0};
+      rooms_case oc = {on ? "overhead_on" : "overhead_off", 1, 64, o->quick ? 500 : 3000, 0, 0, 0, 0, 0, 0};
       fprintf(peer.in, "trace %d\n", on);
       kvf_manager_trace_enable(m, on);
       if (cli_bench_rooms_case(m, &pool, &peer, baddr, &oc, base)) goto out_mgr;
@@ -882,9 +887,10 @@ static int bench_rooms(const bench_opts *o) {
       double ideal =
           hot_gbps > 0 ? cases[i].pages * ROOMS_ITEM * 2.0 * ROOMS_LAYERS / (hot_gbps * 1e3) + rtt_us : 0;
       printf("%s{\"name\":\"%s\",\"rooms\":%d,\"rooms_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
-             "\"p50_over_zmq_rtt\":%.2f,\"wakeups_per_room\":%.2f,\"ideal_us\":%.1f,\"p50_over_ideal\":%.2f",
+             "\"p50_over_zmq_rtt\":%.2f,\"wakeups_per_room\":%.2f,\"cpu_us_per_room\":%.1f,\"ideal_us\":%.1f,"
+             "\"p50_over_ideal\":%.2f",
              i ? "," : "", cases[i].name, cases[i].rooms, cases[i].rooms_per_s, cases[i].p50_us, cases[i].p99_us,
-             rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room, ideal,
+             rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room, cases[i].cpu_us_per_room, ideal,
              ideal > 0 ? cases[i].p50_us / ideal : 0);
       rooms_trace_print(&rt[i], 1);
       printf("}");
@@ -916,13 +922,13 @@ static int bench_rooms(const bench_opts *o) {
       printf("baseline: ZeroMQ PUSH/PULL round trip between two processes, p50 %.1f us; one cache-hot TCP stream\n"
              "          %.2f GB/s (ideal = room bytes / that + one round trip)\n",
              rtt_us, hot_gbps);
-      printf("%-28s %8s %12s %10s %10s %12s %10s\n", "case", "rooms", "rooms/s", "p50 us", "p99 us", "p50/zmq rtt",
-             "wakeups/room");
+      printf("%-28s %8s %12s %10s %10s %12s %12s %12s\n", "case", "rooms", "rooms/s", "p50 us", "p99 us",
+             "p50/zmq rtt", "wakeups/room", "cpu us/room");
     }
     for (size_t i = 0; i < nc; i++)
-      printf("%-28s %8d %12.0f %10.1f %10.1f %12.2f %10.2f\n", cases[i].name, cases[i].rooms, cases[i].rooms_per_s,
-             cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0,
-             cases[i].wakeups_per_room);
+      printf("%-28s %8d %12.0f %10.1f %10.1f %12.2f %12.2f %12.1f\n", cases[i].name, cases[i].rooms,
+             cases[i].rooms_per_s, cases[i].p50_us, cases[i].p99_us, rtt_us > 0 ? cases[i].p50_us / rtt_us : 0,
+             cases[i].wakeups_per_room, cases[i].cpu_us_per_room);
     if (over_ratio > 0)
       printf("trace_overhead_ratio %.3f: 1 page, 64 in flight, %.0f rooms/s with room traces off, %.0f on "
              "(6 runs alternating)\n",

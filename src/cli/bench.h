@@ -20,6 +20,7 @@ typedef struct rooms_case {
   int m3_only; /* through a decode that completes rooms by M3 only, as against a tokenspeed prefill */
   double rooms_per_s, p50_us, p99_us;
   double wakeups_per_room; /* library thread wake-ups, both processes, per room */
+  double cpu_us_per_room;  /* CPU time of both processes (every thread) per room; -1 unknown */
 } rooms_case;
 
 /* One case: `rooms` requests of `pages` pages, `inflight` at a time, room

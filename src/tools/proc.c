@@ -158,3 +158,21 @@ int proc_usage_get(pid_t pid, proc_usage *u) {
   *u = v;
   return 0;
 }
+
+long long proc_cpu_ns(pid_t pid) {
+  char path[64], buf[1024];
+  if (pid) snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  else snprintf(path, sizeof path, "/proc/self/stat");
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  /* Fields after the command name (which may hold spaces, in parentheses):
+   * state is the 3rd field; utime and stime the 14th and 15th. */
+  const char *p = strrchr(buf, ')');
+  unsigned long long ut = 0, st = 0;
+  if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2) return -1;
+  long hz = sysconf(_SC_CLK_TCK);
+  return hz > 0 ? (long long)((ut + st) * (1000000000ull / (unsigned long long)hz)) : -1;
+}

@@ -44,5 +44,8 @@ typedef struct proc_usage {
 } proc_usage;
 /* pid 0 = this process. 0 or -1 (the process is gone or /proc unreadable). */
 int proc_usage_get(pid_t pid, proc_usage *u);
+/* CPU time (user + system, every thread) the process has used, in ns; pid
+ * 0 = this process. -1 when /proc cannot say. */
+long long proc_cpu_ns(pid_t pid);
 
 #endif
