@@ -35,3 +35,16 @@ int kvf__ct_equal(const void *a, size_t alen, const void *b, size_t blen) {
   for (size_t i = 0; i < alen; i++) diff |= (unsigned char)(x[i] ^ (blen ? y[i < blen ? i : 0] : 0));
   return diff == 0;
 }
+
+size_t kvf__fmt_i64(char *out, int64_t v) {
+  char rev[KVF_I64_DIGITS_MAX];
+  size_t n = 0, k = 0;
+  uint64_t u = v < 0 ? 0 - (uint64_t)v : (uint64_t)v; /* INT64_MIN too */
+  do {
+    rev[n++] = (char)('0' + u % 10);
+    u /= 10;
+  } while (u);
+  if (v < 0) out[k++] = '-';
+  while (n) out[k++] = rev[--n];
+  return k;
+}

@@ -22,6 +22,11 @@ enum { KVF_INT_OK = 0, KVF_INT_EMPTY, KVF_INT_SYNTAX, KVF_INT_NONCANON, KVF_INT_
  * written only on KVF_INT_OK. */
 int kvf__parse_i64(const char *s, size_t len, unsigned flags, int64_t *out);
 
+/* Write v in decimal to out (at least KVF_I64_DIGITS_MAX bytes; no NUL),
+ * exactly as printf's "%" PRId64 does; returns the length. */
+#define KVF_I64_DIGITS_MAX 20
+size_t kvf__fmt_i64(char *out, int64_t v);
+
 /* 1 when a[0..alen) equals b[0..blen), in time that depends only on alen
  * (the secret's length), never on where the inputs differ. */
 int kvf__ct_equal(const void *a, size_t alen, const void *b, size_t blen);

@@ -118,6 +118,10 @@ int kvf__manager_peer_is(const kvf_manager *m, const char *peer, const char *ip)
   unsigned char a[16], b[16];
   char host[KVF_ADDR_HOST_LEN];
   if (!m->check_peer_ip || !ip) return 1;
+  /* The usual case, without parsing (four inet_pton per M2 before): the
+   * peer's address literally is the one named, or its host part, IPv4. */
+  size_t pl = peer ? strlen(peer) : 0;
+  if (pl && !strncmp(ip, peer, pl) && (!ip[pl] || (ip[pl] == ':' && !memchr(peer, ':', pl)))) return 1;
   /* "ip:port" names ip (PROTOCOL §3: where M3 goes); a bare IP literal or
    * host name is itself */
   if (!kvf__addr_host(ip, host, sizeof host)) ip = host;

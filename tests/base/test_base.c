@@ -1,5 +1,7 @@
 /* Unit tests for the base layer: hash maps, env parsing, error texts. */
+#include <inttypes.h>
 #include <setjmp.h>
+#include <stdio.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -149,6 +151,25 @@ static void parse_i64_rules_and_ct_equal(void **state) {
   assert_true(kvf__hash_str(NULL, 3) == kvf__hash_str("", 3));
 }
 
+/* The one integer formatter prints what printf's PRId64 prints, and what
+ * the parser reads back. */
+static void fmt_i64_matches_printf(void **state) {
+  (void)state;
+  const int64_t vals[] = {0,   1,         -1,         9,         10,        -10,          99,
+                          100, 123456789, -987654321, INT64_MAX, INT64_MIN, INT64_MIN + 1};
+  for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++) {
+    char want[32], got[KVF_I64_DIGITS_MAX + 1];
+    int wl = snprintf(want, sizeof want, "%" PRId64, vals[i]);
+    size_t gl = kvf__fmt_i64(got, vals[i]);
+    got[gl] = 0;
+    assert_int_equal(gl, (size_t)wl);
+    assert_string_equal(got, want);
+    int64_t back = 0;
+    assert_int_equal(kvf__parse_i64(got, gl, KVF_INT_CANONICAL, &back), KVF_INT_OK);
+    assert_true(back == vals[i]);
+  }
+}
+
 static void error_texts_and_log_once(void **state) {
   assert_string_equal(kvf_strerror(KVF_ERANGE), "address range outside registered memory");
   assert_string_equal(kvf_strerror(12345), "unknown error");
@@ -179,6 +200,7 @@ int main(void) {
       cmocka_unit_test(spare_list_recycles_zeroed_and_bounded),
       cmocka_unit_test(env_parsing_keeps_default_on_garbage),
       cmocka_unit_test(parse_i64_rules_and_ct_equal),
+      cmocka_unit_test(fmt_i64_matches_printf),
       cmocka_unit_test(error_texts_and_log_once),
       cmocka_unit_test(log_once_per_host_ignores_the_port),
   };

@@ -925,6 +925,10 @@ static void peer_address_rule(void **state) {
   assert_true(kvf__manager_peer_is(f->m, "10.0.0.9", "prefill-0.local"));
   assert_true(kvf__manager_peer_is(f->m, "10.0.0.9", "0.0.0.0"));
   assert_false(kvf__manager_peer_is(f->m, "127.0.0.2", "127.0.0.1"));
+  assert_false(kvf__manager_peer_is(f->m, "10.0.0.1", "10.0.0.12"));      /* a prefix is not the host */
+  assert_false(kvf__manager_peer_is(f->m, "10.0.0.1", "10.0.0.12:7000")); /* nor of host:port */
+  assert_true(kvf__manager_peer_is(f->m, "::1", "[::1]:7000"));
+  assert_false(kvf__manager_peer_is(f->m, "::1", "[::2]:7000"));
   assert_false(kvf__manager_peer_is(f->m, "?", "127.0.0.1"));
   assert_false(kvf__manager_peer_is(f->m, "::1", "127.0.0.1"));
   assert_false(kvf__manager_peer_is(f->m, NULL, "10.0.0.2"));
