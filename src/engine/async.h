@@ -81,6 +81,21 @@ enum { KVF__GROUP_ENDED = 1, KVF__GROUP_POKED = 2 };
 int kvf__batch_group_wait_pokeable(kvf__batch_group *g, int64_t until_ns);
 void kvf__batch_group_poke(kvf__batch_group *g);
 
+/* Holding a burst's small sends: a thread about to submit several chunks
+ * in a row (the prefill's listener, one per M2 of a burst) asks the
+ * transports to hold what each would send on its own (UCX read notices go
+ * with MSG_MORE) and push it all at kvf__engine_hold_end, so the burst
+ * costs the target one segment and one wake-up, not one per chunk. The
+ * held bytes are already in the kernel's socket buffers: nothing but the
+ * push waits on this thread, and a send from any other thread pushes them
+ * too. Thread-local; _end outside a hold does nothing. */
+void kvf__engine_hold_begin(void);
+void kvf__engine_hold_end(void);
+/* For transports: while this thread holds, register push(arg) to run at
+ * kvf__engine_hold_end (once per pair) and answer 1: send with the data
+ * held. 0 outside a hold or when the hold's list is full: send as usual. */
+int kvf__engine_hold_add(void (*push)(void *), void *arg);
+
 /* Target side: bytes [dst, dst + len) of a tagged chunk for the open pair
  * (tag, epoch) are in place, called on the thread that put them there
  * right after it did (so they are still in its cache), before the chunk is

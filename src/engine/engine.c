@@ -894,3 +894,39 @@ int kvf_engine_write_ex(kvf_engine *e, const char *session, const kvf_write *wri
   kvf_batch_destroy(b);
   return rc;
 }
+
+/* ---- holding a burst's small sends (async.h) ---- */
+
+#define ENGINE_HOLD_MAX 16 /* peers one hold pushes; past them, sends go as usual */
+/* Every this many held sends one goes as usual, which pushes its socket:
+ * the first chunk of a long burst does not wait for the whole burst. */
+#define ENGINE_HOLD_SENDS 16
+
+static _Thread_local struct {
+  int on;
+  unsigned n, sends;
+  struct {
+    void (*push)(void *);
+    void *arg;
+  } held[ENGINE_HOLD_MAX];
+} engine_hold;
+
+void kvf__engine_hold_begin(void) { engine_hold.on = 1; }
+
+int kvf__engine_hold_add(void (*push)(void *), void *arg) {
+  if (!engine_hold.on || ++engine_hold.sends % ENGINE_HOLD_SENDS == 0) return 0;
+  for (unsigned i = 0; i < engine_hold.n; i++)
+    if (engine_hold.held[i].push == push && engine_hold.held[i].arg == arg) return 1;
+  if (engine_hold.n == ENGINE_HOLD_MAX) return 0;
+  engine_hold.held[engine_hold.n].push = push;
+  engine_hold.held[engine_hold.n].arg = arg;
+  engine_hold.n++;
+  return 1;
+}
+
+void kvf__engine_hold_end(void) {
+  engine_hold.on = 0;
+  engine_hold.sends = 0;
+  for (unsigned i = 0; i < engine_hold.n; i++) engine_hold.held[i].push(engine_hold.held[i].arg);
+  engine_hold.n = 0;
+}

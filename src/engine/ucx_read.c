@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -50,11 +52,12 @@
 
 /* ------------------------------------------------------------ writer */
 
-/* Send the iovecs whole before the deadline (a partial send resumes). */
-static int sendv_all(int fd, struct iovec *iov, int cnt, int64_t deadline_ns) {
+/* Send the iovecs whole before the deadline (a partial send resumes);
+ * `more`: MSG_MORE, the kernel holds them for what follows (a hold). */
+static int sendv_all(int fd, struct iovec *iov, int cnt, int64_t deadline_ns, int more) {
   while (cnt > 0) {
     struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
-    ssize_t r = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t r = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT | (more ? MSG_MORE : 0));
     if (r < 0) {
       if (errno == EINTR) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) return KVF_ECLOSED;
@@ -70,6 +73,18 @@ static int sendv_all(int fd, struct iovec *iov, int cnt, int64_t deadline_ns) {
     if (cnt > 0) iov->iov_base = (char *)iov->iov_base + n, iov->iov_len -= n;
   }
   return 0;
+}
+
+/* The end of a hold (kvf__engine_hold_end): what this thread's notices
+ * left held on the peer's connection goes out (setting TCP_NODELAY pushes
+ * a socket's pending data). A connection reset since held nothing: its
+ * socket closed with it. */
+static void notices_push(void *arg) {
+  ucx_peer *p = arg;
+  pthread_mutex_lock(&p->mu);
+  int one = 1;
+  if (p->fd >= 0) setsockopt(p->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  pthread_mutex_unlock(&p->mu);
 }
 
 void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
@@ -117,7 +132,10 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
   /* Marked dead meanwhile (another notice cut short: a whole one must not
    * follow it on the stream): nothing goes out, as with no connection. */
   int fd = atomic_load(&p->dead) ? -1 : p->fd;
-  rc = fd < 0 ? KVF_ECLOSED : sendv_all(fd, iov, c->tlen ? 3 : 2, clock_deadline_ms(UCX_CTL_TIMEOUT_MS));
+  /* In a burst (kvf__engine_hold_begin) the notice waits in the kernel for
+   * the next ones (the peer's own lock is taken in the push, never under it). */
+  int held = fd >= 0 && kvf__engine_hold_add(notices_push, p);
+  rc = fd < 0 ? KVF_ECLOSED : sendv_all(fd, iov, c->tlen ? 3 : 2, clock_deadline_ms(UCX_CTL_TIMEOUT_MS), held);
   pthread_mutex_unlock(&p->mu);
   if (rc) {
     /* Cut short: the target may have the notice whole and read it, so the
