@@ -20,6 +20,7 @@
 #include <cmocka.h>
 
 #include "procfs.h"
+#include "sockets.h"
 
 #include "base/clock.h"
 #include "bootstrap/bootstrap.h"
@@ -221,6 +222,52 @@ static void large_batch_is_one_notice_in_read_mode(void **state) {
   assert_int_equal(sscanf(reply, "reads %llu %llu %llu %llu", &got1, &x1, &x2, &x3), 4);
   printf("path %s/%s: second batch arrived as %llu message(s)\n", path_t, path_m, got1 - got0);
   if (!strcmp(path_m, "read")) assert_int_equal(got1 - got0, 1); /* what a writing target counts differs */
+  kvf_engine_unregister(e, pool);
+  kvf_engine_destroy(e);
+  munmap(pool, bytes);
+  engine_peer_stop(&peer);
+}
+
+/* Notices submitted while this thread holds (kvf__engine_hold_begin, as
+ * the prefill's listener does for a burst of M2s) wait in the kernel
+ * (MSG_MORE: queued on the rendezvous socket, unsent) and go at
+ * kvf__engine_hold_end: nothing stays unsent, the batches complete and land
+ * byte-exact. Without the push the kernel would send them only after its
+ * cork ceiling (200 ms here). */
+static void held_notices_go_at_the_hold_end(void **state) {
+  SKIP_WITHOUT_UCX();
+  engine_peer peer;
+  size_t bytes = 8u << 20;
+  unsigned char *pool;
+  kvf_engine *e = ucx_writer_with_peer(&peer, bytes, &pool);
+  write_and_verify(e, &peer, pool, 41); /* connects */
+  const char *path_t = NULL, *path_m = NULL;
+  assert_int_equal(kvf__engine_peer_path(e, peer.session, &path_t, &path_m), 0);
+  unsigned port = (unsigned)atoi(strrchr(peer.session, ':') + 1);
+  enum { N = 3 };
+  kvf_batch *b[N];
+  char line[256];
+  int off = snprintf(line, sizeof line, "verify 42 %u ", PAGE);
+  kvf__engine_hold_begin();
+  for (int i = 0; i < N; i++) {
+    pattern_fill(pool + (uint64_t)i * PAGE, PAGE, 42, 700 + (uint64_t)i);
+    kvf_write w =
+        {(uint64_t)(uintptr_t)(pool + (uint64_t)i * PAGE), peer.base + (700 + (uint64_t)i) * PAGE, PAGE, 1, 0, 0};
+    assert_int_equal(kvf_engine_submit(e, peer.session, &w, 1, &b[i]), 0);
+    off += snprintf(line + off, sizeof line - (size_t)off, "%s%d:%d", i ? "," : "", 700 + i, 700 + i);
+  }
+  long held = kvf_test_unsent_to(port);
+  kvf__engine_hold_end();
+  long after = kvf_test_unsent_to(port);
+  printf("path %s/%s: %ld bytes held, %ld unsent after the push\n", path_t, path_m, held, after);
+  assert_true(after <= 0);
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(kvf_batch_wait(b[i], 4000), 0);
+    kvf_batch_destroy(b[i]);
+  }
+  char reply[64];
+  assert_int_equal(proc_ask(&peer.p, line, reply, sizeof reply, 20000), 0);
+  assert_string_equal(reply, "ok 3");
   kvf_engine_unregister(e, pool);
   kvf_engine_destroy(e);
   munmap(pool, bytes);
@@ -1200,6 +1247,7 @@ int main(void) {
       cmocka_unit_test(private_memory_read_directly),
       cmocka_unit_test(allocated_pools_land_exact),
       cmocka_unit_test(large_batch_is_one_notice_in_read_mode),
+      cmocka_unit_test(held_notices_go_at_the_hold_end),
       cmocka_unit_test(device_memory_turns_read_mode_off),
       cmocka_unit_test(target_stopping_mid_answer_delays_no_other_peer),
       cmocka_unit_test(explicit_ucx_never_falls_back),

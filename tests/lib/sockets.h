@@ -11,4 +11,9 @@
  * socket (closing it resets the connections waiting in its backlog), or -1. */
 int kvf_test_silent_listener(char *session, size_t cap);
 
+/* Bytes this process has queued but not yet sent on its TCP connections to
+ * 127.0.0.1:port (SIOCOUTQNSD, summed over every such socket), or -1 when
+ * it has none. */
+long kvf_test_unsent_to(unsigned port);
+
 #endif
