@@ -88,9 +88,17 @@ void kvf__batch_group_poke(kvf__batch_group *g);
  * costs the target one segment and one wake-up, not one per chunk. The
  * held bytes are already in the kernel's socket buffers: nothing but the
  * push waits on this thread, and a send from any other thread pushes them
- * too. Thread-local; _end outside a hold does nothing. */
+ * too. What a blocking send on this thread would delay is bounded by the
+ * kernel's own hold (about 200 ms): kvf__engine_hold_flush before such a
+ * send where the caller can (the listener's blocking control sends), and
+ * a notice to a full socket, which waits under its peer's lock, goes
+ * without MSG_MORE and pushes its own. Thread-local; _end outside a hold
+ * does nothing. */
 void kvf__engine_hold_begin(void);
 void kvf__engine_hold_end(void);
+/* Push what is held so far and hold on: before this thread does anything
+ * that may wait (a blocking control-plane send), with no engine lock held. */
+void kvf__engine_hold_flush(void);
 /* For transports: while this thread holds, register push(arg) to run at
  * kvf__engine_hold_end (once per pair) and answer 1: send with the data
  * held. 0 outside a hold or when the hold's list is full: send as usual. */

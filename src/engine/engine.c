@@ -924,9 +924,13 @@ int kvf__engine_hold_add(void (*push)(void *), void *arg) {
   return 1;
 }
 
-void kvf__engine_hold_end(void) {
-  engine_hold.on = 0;
-  engine_hold.sends = 0;
+void kvf__engine_hold_flush(void) {
   for (unsigned i = 0; i < engine_hold.n; i++) engine_hold.held[i].push(engine_hold.held[i].arg);
   engine_hold.n = 0;
+}
+
+void kvf__engine_hold_end(void) {
+  kvf__engine_hold_flush();
+  engine_hold.on = 0;
+  engine_hold.sends = 0;
 }

@@ -81,10 +81,12 @@ static int sendv_all(int fd, struct iovec *iov, int cnt, int64_t deadline_ns, in
  * socket closed with it. */
 static void notices_push(void *arg) {
   ucx_peer *p = arg;
+  pthread_rwlock_rdlock(&p->rw); /* fd changes under it (reset, reconnect) */
   pthread_mutex_lock(&p->mu);
   int one = 1;
   if (p->fd >= 0) setsockopt(p->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   pthread_mutex_unlock(&p->mu);
+  pthread_rwlock_unlock(&p->rw);
 }
 
 void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {

@@ -241,6 +241,7 @@ static int push_lock_within(pthread_mutex_t *mu, int ms) {
 static int push_send(kvf_manager *m, const char *host, uint16_t port, const wire_msg *msg, int post) {
   char key[KVF_ADDR_LEN];
   if (!host || !*host || !port || push_key(key, sizeof key, host, port)) return KVF_EINVAL;
+  if (!post) kvf__engine_hold_flush(); /* a send may wait (SNDTIMEO): what this thread holds goes first */
   pthread_mutex_lock(&m->push_lock);
   manager_push *p = kvf__smap_get(&m->pushes, key);
   int rc = 0;

@@ -89,6 +89,28 @@ void kvf__integ_stop(kvf_manager *m) {
   m->integ = NULL;
 }
 
+void kvf__integ_close_open_fences(kvf_manager *m) {
+  integ_state *s = m->integ;
+  if (!s) return;
+  map_iter it;
+  uint64_t room;
+  void *v;
+  /* Listed under the lock, closed outside it: a close waits for the
+   * receivers still inside a fence, whose landing calls take it. */
+  pthread_mutex_lock(&s->lock);
+  size_t n = 0, cap = kvf__map_size(&s->rooms);
+  uint64_t(*open)[2] = cap ? malloc(cap * sizeof *open) : NULL;
+  kvf__map_iter_init(&it);
+  while (open && kvf__map_next(&s->rooms, &it, &room, &v)) {
+    integ_room *x = v;
+    if (x->epoch && n < cap) open[n][0] = room, open[n][1] = x->epoch, n++;
+  }
+  pthread_mutex_unlock(&s->lock);
+  for (size_t i = 0; i < n; i++)
+    kvf_engine_fence_close(m->engine, manager_room_tag((int64_t)open[i][0]), open[i][1], 1000);
+  free(open);
+}
+
 /* ------------------------------------------------------------ decode */
 
 void kvf__integ_room_open(kvf_manager *m, int64_t room, int kvferry, uint64_t *flags, uint64_t *epoch) {

@@ -41,6 +41,11 @@ extern _Atomic(kvf__integ_source_fn) kvf__integ_source_tamper;
 
 int kvf__integ_start(kvf_manager *m);
 void kvf__integ_stop(kvf_manager *m);
+/* At kvf_manager_destroy, before the role stops: close the engine fence of
+ * every room still open (receivers the caller did not destroy first), so
+ * no chunk lands for them, or reads their bounds, once the manager is gone
+ * (the engine may be shared and outlive it). */
+void kvf__integ_close_open_fences(kvf_manager *m);
 
 /* ---- decode ---- */
 

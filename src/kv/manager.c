@@ -405,6 +405,7 @@ void kvf_manager_destroy(kvf_manager *m) {
   atomic_store(&m->stopping, 1);
   kvf__control_wake(m);
   if (m->listener_started) pthread_join(m->listener, NULL);
+  kvf__integ_close_open_fences(m); /* their bounds point into the role's state */
   m->role->stop(m);
   kvf__integ_stop(m);
   zmq_close(m->pull);

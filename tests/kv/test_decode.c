@@ -586,6 +586,53 @@ static void room_bounds_cost_pages_not_buffers(void **state) {
   free(st);
 }
 
+/* A manager destroyed with a room still open (its receiver not destroyed
+ * first, against the API's rule) on an engine that outlives it: the room's
+ * fence is closed by the destroy, so the engine never reads its bounds,
+ * which point into the destroyed manager's state. */
+static void destroy_closes_fences_left_open(void **state) {
+  (void)state;
+  enum { IT = 64, NP = 64 };
+  unsigned char *k = calloc(NP, IT), *v = calloc(NP, IT);
+  assert_non_null(k);
+  assert_non_null(v);
+  void *ptrs[2] = {k, v};
+  uint64_t lens[2] = {NP * IT, NP * IT}, items[2] = {IT, IT};
+  kvf_kv_buffers b = {.n_kv = 2, .kv_ptrs = ptrs, .kv_lens = lens, .kv_item_lens = items};
+  kvf_engine_config ec;
+  kvf_engine_config_init(&ec);
+  ec.transport = "tcp";
+  ec.auth_token = "";
+  kvf_engine *e = NULL;
+  assert_int_equal(kvf_engine_create(&ec, &e), 0);
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  cfg.role = KVF_ROLE_DECODE;
+  cfg.heartbeat_interval_s = 60;
+  cfg.engine = e;
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&cfg, &b, &m), 0);
+  const int64_t room = 43, pages[3] = {1, 2, 9};
+  assert_int_equal(kvf__rooms_create(m->rooms, room, ROOM_TRANSFERRING), 0);
+  kvf_receiver *r = calloc(1, sizeof *r);
+  assert_non_null(r);
+  r->m = m;
+  r->room = room;
+  uint64_t flags = 0;
+  kvf__integ_room_open(m, room, 1, &flags, &r->fence_epoch);
+  assert_true(r->fence_epoch != 0);
+  assert_int_equal(kvf__dec_room_bound(m, r, pages, 3, NULL, 0), 0);
+  engine_fence *x = kvf__fence_reenter(e, manager_room_tag(room), r->fence_epoch);
+  assert_non_null(x); /* open, and bounded */
+  kvf__fence_leave(e, x);
+  kvf_manager_destroy(m);
+  assert_null(kvf__fence_reenter(e, manager_room_tag(room), r->fence_epoch)); /* closed with the manager */
+  kvf__dec_receiver_free(r);
+  kvf_engine_destroy(e);
+  free(k);
+  free(v);
+}
+
 static void failed_m3(void **state) {
   (void)state;
   fixture *f = setup_default();
@@ -1511,6 +1558,7 @@ int main(void) {
       cmocka_unit_test(completion_trailer_rules),
       cmocka_unit_test(spare_receivers_drop_large_bounds),
       cmocka_unit_test(room_bounds_cost_pages_not_buffers),
+      cmocka_unit_test(destroy_closes_fences_left_open),
       cmocka_unit_test(failed_m3),
       cmocka_unit_test(unregistered_answer_registers_again),
       cmocka_unit_test(malformed_and_unknown),

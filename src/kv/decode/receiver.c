@@ -5,8 +5,8 @@
 
 #define DECODE_SPARE_MAX 4096 /* destroyed receivers kept for reuse: no allocation per room */
 /* A spare keeps its room-bounds arrays up to this many bytes each: one long,
- * scattered room's (KV buffers x page runs) would otherwise stay allocated
- * in every spare that once served one. */
+ * scattered room's (16 bytes a page for the sorted pages and for their
+ * runs) would otherwise stay allocated in every spare that once served one. */
 #define DECODE_SPARE_ARRAY_MAX (64u << 10)
 
 static kvf_receiver *receiver_take(struct decode_state *ds) {
