@@ -198,6 +198,17 @@ static void allocated_pools_land_exact(void **state) {
   engine_peer_stop(&peer);
 }
 
+/* ucx_writer_with_peer with 8 MiB, connected by a first checked write
+ * (`seed`); *mode is the connection's UCX mode ("read" or "write"). */
+static kvf_engine *connected_ucx_writer(engine_peer *peer, unsigned char **pool, uint64_t seed,
+                                        const char **mode) {
+  kvf_engine *e = ucx_writer_with_peer(peer, 8u << 20, pool);
+  write_and_verify(e, peer, *pool, seed);
+  const char *path_t = NULL;
+  assert_int_equal(kvf__engine_peer_path(e, peer->session, &path_t, mode), 0);
+  return e;
+}
+
 /* A batch large enough to be cut across connections (conns_per_peer 2) goes
  * to a reading target as one notice: its notices are served in order on one
  * connection, and the target splits a large one over its own copiers, so a
@@ -207,12 +218,9 @@ static void allocated_pools_land_exact(void **state) {
 static void large_batch_is_one_notice_in_read_mode(void **state) {
   SKIP_WITHOUT_UCX();
   engine_peer peer;
-  size_t bytes = 8u << 20;
   unsigned char *pool;
-  kvf_engine *e = ucx_writer_with_peer(&peer, bytes, &pool);
-  write_and_verify(e, &peer, pool, 31); /* connects; 864 KiB */
-  const char *path_t = NULL, *path_m = NULL;
-  assert_int_equal(kvf__engine_peer_path(e, peer.session, &path_t, &path_m), 0);
+  const char *path_m = NULL;
+  kvf_engine *e = connected_ucx_writer(&peer, &pool, 31, &path_m); /* 864 KiB */
   char reply[128];
   unsigned long long got0 = 0, got1 = 0, x1, x2, x3;
   assert_int_equal(proc_ask(&peer.p, "reads", reply, sizeof reply, 5000), 0);
@@ -220,11 +228,11 @@ static void large_batch_is_one_notice_in_read_mode(void **state) {
   write_and_verify(e, &peer, pool, 32);
   assert_int_equal(proc_ask(&peer.p, "reads", reply, sizeof reply, 5000), 0);
   assert_int_equal(sscanf(reply, "reads %llu %llu %llu %llu", &got1, &x1, &x2, &x3), 4);
-  printf("path %s/%s: second batch arrived as %llu message(s)\n", path_t, path_m, got1 - got0);
+  printf("path ucx/%s: second batch arrived as %llu message(s)\n", path_m, got1 - got0);
   if (!strcmp(path_m, "read")) assert_int_equal(got1 - got0, 1); /* what a writing target counts differs */
   kvf_engine_unregister(e, pool);
   kvf_engine_destroy(e);
-  munmap(pool, bytes);
+  munmap(pool, 8u << 20);
   engine_peer_stop(&peer);
 }
 
@@ -237,12 +245,9 @@ static void large_batch_is_one_notice_in_read_mode(void **state) {
 static void held_notices_go_at_the_hold_end(void **state) {
   SKIP_WITHOUT_UCX();
   engine_peer peer;
-  size_t bytes = 8u << 20;
   unsigned char *pool;
-  kvf_engine *e = ucx_writer_with_peer(&peer, bytes, &pool);
-  write_and_verify(e, &peer, pool, 41); /* connects */
-  const char *path_t = NULL, *path_m = NULL;
-  assert_int_equal(kvf__engine_peer_path(e, peer.session, &path_t, &path_m), 0);
+  const char *path_m = NULL;
+  kvf_engine *e = connected_ucx_writer(&peer, &pool, 41, &path_m);
   unsigned port = (unsigned)atoi(strrchr(peer.session, ':') + 1);
   enum { N = 3 };
   kvf_batch *b[N];
@@ -259,7 +264,7 @@ static void held_notices_go_at_the_hold_end(void **state) {
   long held = kvf_test_unsent_to(port);
   kvf__engine_hold_end();
   long after = kvf_test_unsent_to(port);
-  printf("path %s/%s: %ld bytes held, %ld unsent after the push\n", path_t, path_m, held, after);
+  printf("path ucx/%s: %ld bytes held, %ld unsent after the push\n", path_m, held, after);
   assert_true(after <= 0);
   if (!strcmp(path_m, "read")) assert_true(held > 0); /* write mode puts: no notices to hold */
   for (int i = 0; i < N; i++) {
@@ -271,7 +276,7 @@ static void held_notices_go_at_the_hold_end(void **state) {
   assert_string_equal(reply, "ok 3");
   kvf_engine_unregister(e, pool);
   kvf_engine_destroy(e);
-  munmap(pool, bytes);
+  munmap(pool, 8u << 20);
   engine_peer_stop(&peer);
 }
 

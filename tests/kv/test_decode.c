@@ -503,6 +503,40 @@ static void spare_receivers_drop_large_bounds(void **state) {
   teardown(f);
 }
 
+/* A decode manager over `b` on the TCP engine, or on `shared` (not owned). */
+static kvf_manager *decode_over(const kvf_kv_buffers *b, kvf_engine *shared) {
+  kvf_manager_config cfg;
+  kvf_manager_config_init(&cfg);
+  cfg.role = KVF_ROLE_DECODE;
+  cfg.heartbeat_interval_s = 60;
+  kvf_engine_config ec;
+  kvf_engine_config_init(&ec);
+  ec.transport = "tcp";
+  ec.auth_token = "";
+  cfg.engine_cfg = &ec;
+  cfg.engine = shared;
+  kvf_manager *m = NULL;
+  assert_int_equal(kvf_manager_create(&cfg, b, &m), 0);
+  return m;
+}
+
+/* A live room as kvf_receiver_init leaves it for a kvferry prefill: its
+ * fence open and bounded to `pages` and `slots` (the receiver is a bare
+ * one: free it with kvf__dec_receiver_free). */
+static kvf_receiver *bounded_room(kvf_manager *m, int64_t room, const int64_t *pages, size_t npages,
+                                  const int64_t *slots, size_t nslots) {
+  assert_int_equal(kvf__rooms_create(m->rooms, room, ROOM_TRANSFERRING), 0);
+  kvf_receiver *r = calloc(1, sizeof *r);
+  assert_non_null(r);
+  r->m = m;
+  r->room = room;
+  uint64_t flags = 0;
+  kvf__integ_room_open(m, room, 1, &flags, &r->fence_epoch);
+  assert_true(r->fence_epoch != 0);
+  assert_int_equal(kvf__dec_room_bound(m, r, pages, npages, slots, nslots), 0);
+  return r;
+}
+
 /* A room's fence bounds cost its pages, not buffers x page runs: a
  * scattered room (every other page) over 64 KV buffers and a state buffer
  * holds one (first, count) pair per run, and the engine refuses a piece of
@@ -530,30 +564,12 @@ static void room_bounds_cost_pages_not_buffers(void **state) {
                       .state_ptrs = sptrs,
                       .state_lens = slens,
                       .state_item_lens = sitems};
-  kvf_manager_config cfg;
-  kvf_manager_config_init(&cfg);
-  cfg.role = KVF_ROLE_DECODE;
-  cfg.heartbeat_interval_s = 60;
-  kvf_engine_config ec;
-  kvf_engine_config_init(&ec);
-  ec.transport = "tcp";
-  ec.auth_token = "";
-  cfg.engine_cfg = &ec;
-  kvf_manager *m = NULL;
-  assert_int_equal(kvf_manager_create(&cfg, &b, &m), 0);
+  kvf_manager *m = decode_over(&b, NULL);
   int64_t *pages = malloc(RUNS * sizeof *pages), slots[2] = {5, 3};
   assert_non_null(pages);
   for (int i = 0; i < RUNS; i++) pages[i] = 2 * (int64_t)(RUNS - 1 - i); /* even pages, unsorted */
   const int64_t room = 41;
-  assert_int_equal(kvf__rooms_create(m->rooms, room, ROOM_TRANSFERRING), 0);
-  kvf_receiver *r = calloc(1, sizeof *r);
-  assert_non_null(r);
-  r->m = m;
-  r->room = room;
-  uint64_t flags = 0;
-  kvf__integ_room_open(m, room, 1, &flags, &r->fence_epoch);
-  assert_true(r->fence_epoch != 0);
-  assert_int_equal(kvf__dec_room_bound(m, r, pages, RUNS, slots, 2), 0);
+  kvf_receiver *r = bounded_room(m, room, pages, RUNS, slots, 2);
   /* (first, count) pairs for the runs: at most 4 words a page or slot once
    * grown, against 2 x NB words a run before. */
   assert_true(r->bounds_cap <= 4 * (RUNS + 2 + 1));
@@ -605,23 +621,9 @@ static void destroy_closes_fences_left_open(void **state) {
   ec.auth_token = "";
   kvf_engine *e = NULL;
   assert_int_equal(kvf_engine_create(&ec, &e), 0);
-  kvf_manager_config cfg;
-  kvf_manager_config_init(&cfg);
-  cfg.role = KVF_ROLE_DECODE;
-  cfg.heartbeat_interval_s = 60;
-  cfg.engine = e;
-  kvf_manager *m = NULL;
-  assert_int_equal(kvf_manager_create(&cfg, &b, &m), 0);
+  kvf_manager *m = decode_over(&b, e);
   const int64_t room = 43, pages[3] = {1, 2, 9};
-  assert_int_equal(kvf__rooms_create(m->rooms, room, ROOM_TRANSFERRING), 0);
-  kvf_receiver *r = calloc(1, sizeof *r);
-  assert_non_null(r);
-  r->m = m;
-  r->room = room;
-  uint64_t flags = 0;
-  kvf__integ_room_open(m, room, 1, &flags, &r->fence_epoch);
-  assert_true(r->fence_epoch != 0);
-  assert_int_equal(kvf__dec_room_bound(m, r, pages, 3, NULL, 0), 0);
+  kvf_receiver *r = bounded_room(m, room, pages, 3, NULL, 0);
   engine_fence *x = kvf__fence_reenter(e, manager_room_tag(room), r->fence_epoch);
   assert_non_null(x); /* open, and bounded */
   kvf__fence_leave(e, x);
