@@ -474,6 +474,39 @@ static long long peer_wakeups(proc *peer) {
   return n;
 }
 
+/* What each thread of one side used between two snapshots, per room, into
+ * out; the side's total beyond its live threads goes to "(ended threads)". */
+static void cpu_side(rooms_cpu *out, const char *side, const proc_threads_cpu *a, const proc_threads_cpu *b,
+                     long long total_ns, int rooms) {
+  long long live = 0;
+  for (size_t i = 0; i < b->n; i++) {
+    long long before = 0;
+    for (size_t j = 0; j < a->n; j++)
+      if (!strcmp(a->t[j].name, b->t[i].name)) before = a->t[j].ns;
+    long long d = b->t[i].ns - before;
+    if (d <= 0) continue;
+    live += d;
+    if (out->n < ROOMS_CPU_MAX) {
+      out->t[out->n].side = side;
+      char *nm = out->t[out->n].thread;
+      snprintf(nm, sizeof out->t[out->n].thread, "%s", b->t[i].name);
+      for (char *q = nm; *q; q++)
+        if (*q == '"' || *q == '\\' || (unsigned char)*q < 0x20) *q = '?'; /* printed in JSON as is */
+      out->t[out->n++].us_per_room = d / 1e3 / rooms;
+    }
+  }
+  if (total_ns > live && out->n < ROOMS_CPU_MAX) {
+    out->t[out->n].side = side;
+    snprintf(out->t[out->n].thread, sizeof out->t[out->n].thread, "(ended threads)");
+    out->t[out->n++].us_per_room = (total_ns - live) / 1e3 / rooms;
+  }
+}
+
+static int cmp_cpu(const void *a, const void *b) {
+  double x = ((const rooms_cpu_thread *)a)->us_per_room, y = ((const rooms_cpu_thread *)b)->us_per_room;
+  return x < y ? 1 : x > y ? -1 : 0;
+}
+
 /* One case: `rooms` requests of `pages` pages, `inflight` at a time. */
 int cli_bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *baddr, rooms_case *c,
                          int64_t base_room) {
@@ -488,6 +521,8 @@ int cli_bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *b
     if (!(slots[i].pages = malloc(c->pages * sizeof(int64_t)))) goto out;
   long long wake_peer0 = peer_wakeups(peer);
   uint64_t wake_here0 = kvf_wakeups();
+  proc_threads_cpu th_here0, th_peer0, th_here1, th_peer1;
+  int by_thread = c->cpu && !proc_threads_cpu_get(0, &th_here0) && !proc_threads_cpu_get(peer->pid, &th_peer0);
   long long cpu_here0 = proc_cpu_ns(0), cpu_peer0 = proc_cpu_ns(peer->pid);
   /* With one room in flight, whose latency this loop measures, it sleeps on
    * the manager's event fd (and the peer's lines when some are due), as a
@@ -556,6 +591,15 @@ int cli_bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *b
   c->cpu_us_per_room = cpu_here0 >= 0 && cpu_peer0 >= 0 && cpu_here1 >= cpu_here0 && cpu_peer1 >= cpu_peer0
                            ? (double)(cpu_here1 - cpu_here0 + cpu_peer1 - cpu_peer0) / 1e3 / c->rooms
                            : -1;
+  if (by_thread && c->cpu_us_per_room >= 0 && !proc_threads_cpu_get(0, &th_here1) &&
+      !proc_threads_cpu_get(peer->pid, &th_peer1)) {
+    c->cpu->n = 0;
+    cpu_side(c->cpu, "decode", &th_here0, &th_here1, cpu_here1 - cpu_here0, c->rooms);
+    cpu_side(c->cpu, "prefill", &th_peer0, &th_peer1, cpu_peer1 - cpu_peer0, c->rooms);
+    qsort(c->cpu->t, c->cpu->n, sizeof c->cpu->t[0], cmp_cpu);
+  } else if (c->cpu) {
+    c->cpu->n = 0;
+  }
   uint64_t wake_here = kvf_wakeups() - wake_here0;
   long long wake_peer1 = peer_wakeups(peer);
   c->wakeups_per_room = wake_peer0 >= 0 && wake_peer1 >= wake_peer0
@@ -779,6 +823,22 @@ static void rooms_trace_take(rooms_trace *rt, kvf_manager *m, proc *peer, int64_
 }
 
 /* Both sides' breakdowns: a JSON member of the case's object, or tables. */
+/* A case's CPU by thread: a JSON member "cpu_by_thread" (list, largest
+ * first), or indented lines. Nothing when it was not measured. */
+static void rooms_cpu_print(const rooms_cpu *c, int json) {
+  if (!c || !c->n) return;
+  if (json) printf(",\"cpu_by_thread\":[");
+  else printf("  CPU by thread, us per room (both processes):\n");
+  for (size_t i = 0; i < c->n; i++) {
+    if (json)
+      printf("%s{\"side\":\"%s\",\"thread\":\"%s\",\"us_per_room\":%.2f}", i ? "," : "", c->t[i].side,
+             c->t[i].thread, c->t[i].us_per_room);
+    else if (c->t[i].us_per_room >= 0.05)
+      printf("    %-8s %-16s %8.2f\n", c->t[i].side, c->t[i].thread, c->t[i].us_per_room);
+  }
+  if (json) printf("]");
+}
+
 static void rooms_trace_print(const rooms_trace *rt, int json) {
   if (json) printf(",\"breakdown\":{\"decode\":");
   cli_breakdown_print(rt->t, rt->n, KVF_ROLE_DECODE, rt->lo, rt->hi, json, "  ");
@@ -810,6 +870,7 @@ static int bench_rooms(const bench_opts *o) {
    * configuration, so what the overhead runs measure): the decode's here,
    * the prefill's through the peer's `traces` command. */
   rooms_trace rt[8] = {{0}};
+  static rooms_cpu cpu[8]; /* each case's CPU by thread */
   double over_ratio = 0, over_off = 0, over_on = 0;
   if (proc_read_line(&peer, line, sizeof line, 20000) || sscanf(line, "ready " CLI_ADDR_SCAN, baddr) != 1) {
     fprintf(stderr, "bench rooms: the prefill peer did not start\n");
@@ -823,21 +884,22 @@ static int bench_rooms(const bench_opts *o) {
   mc.engine = eng;
   if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
   rooms_case cases[] = {
-      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0, 0, 0, 0},
-      {"rooms_1page_inflight1_m3_only", 1, 1, o->quick ? 300 : 2000, 1, 0, 0, 0, 0, 0},
-      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0, 0, 0, 0},
-      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0, 0, 0, 0},
-      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0, 0, 0, 0},
+      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0, 0, 0, 0, NULL},
+      {"rooms_1page_inflight1_m3_only", 1, 1, o->quick ? 300 : 2000, 1, 0, 0, 0, 0, 0, NULL},
+      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0, 0, 0, 0, NULL},
+      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0, 0, 0, 0, NULL},
+      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0, 0, 0, 0, NULL},
   };
   size_t nc = sizeof cases / sizeof cases[0];
   if (o->room_pages) { /* a single custom case replaces the standard ones */
     int n = o->rooms > 0 ? o->rooms : o->quick ? 100 : 1000;
-    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0, 0, 0, 0};
+    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0, 0, 0, 0, NULL};
     nc = 1;
   }
   if (o->fanout_only) nc = 0;
+  for (size_t i = 0; i < nc && i < sizeof cpu / sizeof cpu[0]; i++) cases[i].cpu = &cpu[i];
   int64_t base = 1;
-  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0, 0, 0};
+  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0, 0, 0, NULL};
   if (nc && cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   mc.fast_completion = 0;
@@ -859,7 +921,7 @@ static int bench_rooms(const bench_opts *o) {
     double t_off = 0, t_on = 0, n_off = 0, n_on = 0;
     for (int k = 0; k < 6; k++) {
       int on = k % 2;
-      rooms_case oc = {on ? "overhead_on" : "overhead_off", 1, 64, o->quick ? 500 : 3000, 0, 0, 0, 0, 0, 0};
+      rooms_case oc = {on ? "overhead_on" : "overhead_off", 1, 64, o->quick ? 500 : 3000, 0, 0, 0, 0, 0, 0, NULL};
       fprintf(peer.in, "trace %d\n", on);
       kvf_manager_trace_enable(m, on);
       if (cli_bench_rooms_case(m, &pool, &peer, baddr, &oc, base)) goto out_mgr;
@@ -893,6 +955,7 @@ static int bench_rooms(const bench_opts *o) {
              rtt_us > 0 ? cases[i].p50_us / rtt_us : 0, cases[i].wakeups_per_room, cases[i].cpu_us_per_room, ideal,
              ideal > 0 ? cases[i].p50_us / ideal : 0);
       rooms_trace_print(&rt[i], 1);
+      rooms_cpu_print(cases[i].cpu, 1);
       printf("}");
     }
     printf("]");
@@ -936,6 +999,7 @@ static int bench_rooms(const bench_opts *o) {
     for (size_t i = 0; i < nc; i++) {
       printf("per-step breakdown, %s (the rooms still in each side's ring):\n", cases[i].name);
       rooms_trace_print(&rt[i], 0);
+      rooms_cpu_print(cases[i].cpu, 0);
     }
     if (nfo) {
       printf("fan-out: MLA requests of %d pages in chunks of %d (%llu B per destination), prefill workers;\n"

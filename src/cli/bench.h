@@ -12,6 +12,21 @@
 #include "tools/kvpool.h"
 #include "tools/proc.h"
 
+/* Where a rooms case's CPU went: per room, by process side ("decode": the
+ * bench process, its decode manager and its loop; "prefill": the kv-peer)
+ * and thread name, largest first; "(ended threads)" holds what threads
+ * that ended during the case used. */
+#define ROOMS_CPU_MAX 24
+typedef struct rooms_cpu_thread {
+  const char *side;
+  char thread[16];
+  double us_per_room;
+} rooms_cpu_thread;
+typedef struct rooms_cpu {
+  size_t n;
+  rooms_cpu_thread t[ROOMS_CPU_MAX];
+} rooms_cpu;
+
 typedef struct rooms_case {
   const char *name;
   size_t pages;
@@ -21,6 +36,7 @@ typedef struct rooms_case {
   double rooms_per_s, p50_us, p99_us;
   double wakeups_per_room; /* library thread wake-ups, both processes, per room */
   double cpu_us_per_room;  /* CPU time of both processes (every thread) per room; -1 unknown */
+  rooms_cpu *cpu;          /* when set: filled with that time by thread */
 } rooms_case;
 
 /* One case: `rooms` requests of `pages` pages, `inflight` at a time, room

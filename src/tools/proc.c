@@ -159,10 +159,10 @@ int proc_usage_get(pid_t pid, proc_usage *u) {
   return 0;
 }
 
-long long proc_cpu_ns(pid_t pid) {
-  char path[64], buf[1024];
-  if (pid) snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  else snprintf(path, sizeof path, "/proc/self/stat");
+/* One /proc stat file: CPU time (utime + stime) in ns and, when `name`,
+ * the command name (up to 15 bytes); -1 when unreadable. */
+static long long stat_cpu_ns(const char *path, char *name, size_t cap) {
+  char buf[1024];
   FILE *f = fopen(path, "r");
   if (!f) return -1;
   size_t n = fread(buf, 1, sizeof buf - 1, f);
@@ -170,9 +170,45 @@ long long proc_cpu_ns(pid_t pid) {
   buf[n] = 0;
   /* Fields after the command name (which may hold spaces, in parentheses):
    * state is the 3rd field; utime and stime the 14th and 15th. */
-  const char *p = strrchr(buf, ')');
+  const char *open = strchr(buf, '('), *p = strrchr(buf, ')');
   unsigned long long ut = 0, st = 0;
-  if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2) return -1;
+  if (!open || !p || p < open ||
+      sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
+    return -1;
+  if (name) snprintf(name, cap, "%.*s", (int)(p - open - 1), open + 1);
   long hz = sysconf(_SC_CLK_TCK);
   return hz > 0 ? (long long)((ut + st) * (1000000000ull / (unsigned long long)hz)) : -1;
+}
+
+long long proc_cpu_ns(pid_t pid) {
+  char path[64];
+  if (pid) snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  else snprintf(path, sizeof path, "/proc/self/stat");
+  return stat_cpu_ns(path, NULL, 0);
+}
+
+int proc_threads_cpu_get(pid_t pid, proc_threads_cpu *out) {
+  char dir[64], path[64 + sizeof((struct dirent *)0)->d_name + 8];
+  if (pid) snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
+  else snprintf(dir, sizeof dir, "/proc/self/task");
+  DIR *d = opendir(dir);
+  if (!d) return -1;
+  out->n = 0;
+  for (struct dirent *e; (e = readdir(d));) {
+    if (e->d_name[0] == '.') continue;
+    char name[PROC_THREAD_NAME_LEN];
+    snprintf(path, sizeof path, "%s/%s/stat", dir, e->d_name);
+    long long ns = stat_cpu_ns(path, name, sizeof name);
+    if (ns < 0) continue; /* ended meanwhile */
+    size_t i = 0;
+    while (i < out->n && strcmp(out->t[i].name, name)) i++;
+    if (i == out->n) {
+      if (out->n == PROC_THREAD_NAMES_MAX) continue;
+      snprintf(out->t[out->n].name, sizeof out->t[out->n].name, "%s", name);
+      out->t[out->n++].ns = 0;
+    }
+    out->t[i].ns += ns;
+  }
+  closedir(d);
+  return 0;
 }

@@ -48,4 +48,20 @@ int proc_usage_get(pid_t pid, proc_usage *u);
  * 0 = this process. -1 when /proc cannot say. */
 long long proc_cpu_ns(pid_t pid);
 
+/* CPU time of a process's live threads, summed by thread name (what
+ * pthread_setname_np set: "kvf-pool-work", "ZMQbg/IO/0", the process's own
+ * name for its main thread); pid 0 = this process. Threads that ended are
+ * not in it (proc_cpu_ns counts them). At most PROC_THREAD_NAMES_MAX names;
+ * the rest are left out. 0 or -1. */
+#define PROC_THREAD_NAMES_MAX 32
+#define PROC_THREAD_NAME_LEN 16
+typedef struct proc_threads_cpu {
+  size_t n;
+  struct {
+    char name[PROC_THREAD_NAME_LEN];
+    long long ns;
+  } t[PROC_THREAD_NAMES_MAX];
+} proc_threads_cpu;
+int proc_threads_cpu_get(pid_t pid, proc_threads_cpu *out);
+
 #endif
