@@ -591,14 +591,12 @@ int cli_bench_rooms_case(kvf_manager *m, kvpool *pool, proc *peer, const char *b
   c->cpu_us_per_room = cpu_here0 >= 0 && cpu_peer0 >= 0 && cpu_here1 >= cpu_here0 && cpu_peer1 >= cpu_peer0
                            ? (double)(cpu_here1 - cpu_here0 + cpu_peer1 - cpu_peer0) / 1e3 / c->rooms
                            : -1;
+  if (c->cpu) c->cpu->n = 0;
   if (by_thread && c->cpu_us_per_room >= 0 && !proc_threads_cpu_get(0, &th_here1) &&
       !proc_threads_cpu_get(peer->pid, &th_peer1)) {
-    c->cpu->n = 0;
     cpu_side(c->cpu, "decode", &th_here0, &th_here1, cpu_here1 - cpu_here0, c->rooms);
     cpu_side(c->cpu, "prefill", &th_peer0, &th_peer1, cpu_peer1 - cpu_peer0, c->rooms);
     qsort(c->cpu->t, c->cpu->n, sizeof c->cpu->t[0], cmp_cpu);
-  } else if (c->cpu) {
-    c->cpu->n = 0;
   }
   uint64_t wake_here = kvf_wakeups() - wake_here0;
   long long wake_peer1 = peer_wakeups(peer);
@@ -822,7 +820,6 @@ static void rooms_trace_take(rooms_trace *rt, kvf_manager *m, proc *peer, int64_
       rt->npf++;
 }
 
-/* Both sides' breakdowns: a JSON member of the case's object, or tables. */
 /* A case's CPU by thread: a JSON member "cpu_by_thread" (list, largest
  * first), or indented lines. Nothing when it was not measured. */
 static void rooms_cpu_print(const rooms_cpu *c, int json) {
@@ -839,6 +836,7 @@ static void rooms_cpu_print(const rooms_cpu *c, int json) {
   if (json) printf("]");
 }
 
+/* Both sides' breakdowns: a JSON member of the case's object, or tables. */
 static void rooms_trace_print(const rooms_trace *rt, int json) {
   if (json) printf(",\"breakdown\":{\"decode\":");
   cli_breakdown_print(rt->t, rt->n, KVF_ROLE_DECODE, rt->lo, rt->hi, json, "  ");

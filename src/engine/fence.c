@@ -179,12 +179,20 @@ engine_fence *kvf__fence_enter(kvf_engine *e, uint64_t tag, uint64_t epoch) {
   return x;
 }
 
-int kvf__engine_fence_bound_grids(kvf_engine *e, uint64_t tag, uint64_t epoch, const kvf__fence_grid *grids,
-                                  size_t n) {
-  if (!e || !tag || !epoch || (n && !grids)) return KVF_EINVAL;
+/* The one buffer of a grid of byte ranges: all of memory, 1-byte items. */
+static const uint64_t all_memory[3] = {0, UINT64_MAX, 1}, all_memory_reach[1] = {UINT64_MAX};
+
+/* Bound the open pair with n grids, or with n byte ranges (`ranges` set:
+ * the fence's own grid over all memory holds them); n == 0 unbinds it. */
+static int fence_bound(kvf_engine *e, uint64_t tag, uint64_t epoch, const kvf__fence_grid *grids,
+                       const uint64_t *ranges, size_t n) {
   pthread_mutex_lock(&e->fences.lock);
   engine_fence *x = kvf__map_get(&e->fences.open, epoch);
   int rc = x && x->tag == tag && !x->closed ? 0 : KVF_ENOTFOUND;
+  if (!rc && ranges) {
+    x->ranges = (kvf__fence_grid){all_memory, all_memory_reach, 1, ranges, n};
+    grids = &x->ranges, n = n ? 1 : 0;
+  }
   if (!rc) {
     x->grids = n ? grids : NULL;
     x->ngrids = n;
@@ -193,21 +201,15 @@ int kvf__engine_fence_bound_grids(kvf_engine *e, uint64_t tag, uint64_t epoch, c
   return rc;
 }
 
-/* The one buffer of a grid of byte ranges: all of memory, 1-byte items. */
-static const uint64_t all_memory[3] = {0, UINT64_MAX, 1}, all_memory_reach[1] = {UINT64_MAX};
+int kvf__engine_fence_bound_grids(kvf_engine *e, uint64_t tag, uint64_t epoch, const kvf__fence_grid *grids,
+                                  size_t n) {
+  if (!e || !tag || !epoch || (n && !grids)) return KVF_EINVAL;
+  return fence_bound(e, tag, epoch, grids, NULL, n);
+}
 
 int kvf__engine_fence_bound(kvf_engine *e, uint64_t tag, uint64_t epoch, const uint64_t *ranges, size_t n) {
   if (!e || !tag || !epoch || (n && !ranges)) return KVF_EINVAL;
-  pthread_mutex_lock(&e->fences.lock);
-  engine_fence *x = kvf__map_get(&e->fences.open, epoch);
-  int rc = x && x->tag == tag && !x->closed ? 0 : KVF_ENOTFOUND;
-  if (!rc) {
-    x->ranges = (kvf__fence_grid){all_memory, all_memory_reach, 1, ranges, n};
-    x->grids = n ? &x->ranges : NULL;
-    x->ngrids = n ? 1 : 0;
-  }
-  pthread_mutex_unlock(&e->fences.lock);
-  return rc;
+  return fence_bound(e, tag, epoch, NULL, n ? ranges : NULL, n); /* n == 0: unbound */
 }
 
 int kvf__fence_bounds_begin(kvf_engine *e, engine_fence *x) {

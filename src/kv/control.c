@@ -34,9 +34,9 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/parse.h"
-#include "engine/async.h"
 #include "base/thread.h"
 #include "base/wake.h"
+#include "engine/async.h"
 #include "kv/integrity.h"
 
 #define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */

@@ -131,11 +131,16 @@ const char *proc_testpeer_exe(void) {
   return "kvferry-testpeer"; /* execv fails: the caller reports that the peer did not start */
 }
 
+/* "/proc/PID/leaf", or "/proc/self/leaf" for pid 0. */
+static void proc_path(char *out, size_t cap, pid_t pid, const char *leaf) {
+  if (pid) snprintf(out, cap, "/proc/%d/%s", (int)pid, leaf);
+  else snprintf(out, cap, "/proc/self/%s", leaf);
+}
+
 int proc_usage_get(pid_t pid, proc_usage *u) {
   char path[64], line[256];
   proc_usage v = {.threads = -1, .rss_kb = -1};
-  if (pid) snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-  else snprintf(path, sizeof path, "/proc/self/status");
+  proc_path(path, sizeof path, pid, "status");
   FILE *f = fopen(path, "r");
   if (!f) return -1;
   while (fgets(line, sizeof line, f)) {
@@ -146,8 +151,7 @@ int proc_usage_get(pid_t pid, proc_usage *u) {
     else if (!strncmp(line, "RssFile:", 8)) v.rss_file_kb = strtol(line + 8, NULL, 10);
   }
   fclose(f);
-  if (pid) snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
-  else snprintf(path, sizeof path, "/proc/self/fd");
+  proc_path(path, sizeof path, pid, "fd");
   DIR *d = opendir(path);
   if (!d) return -1;
   for (struct dirent *e; (e = readdir(d));)
@@ -182,15 +186,13 @@ static long long stat_cpu_ns(const char *path, char *name, size_t cap) {
 
 long long proc_cpu_ns(pid_t pid) {
   char path[64];
-  if (pid) snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  else snprintf(path, sizeof path, "/proc/self/stat");
+  proc_path(path, sizeof path, pid, "stat");
   return stat_cpu_ns(path, NULL, 0);
 }
 
 int proc_threads_cpu_get(pid_t pid, proc_threads_cpu *out) {
   char dir[64], path[64 + sizeof((struct dirent *)0)->d_name + 8];
-  if (pid) snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
-  else snprintf(dir, sizeof dir, "/proc/self/task");
+  proc_path(dir, sizeof dir, pid, "task");
   DIR *d = opendir(dir);
   if (!d) return -1;
   out->n = 0;
