@@ -40,6 +40,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "base/copy.h"
 #include "base/log.h"
 #include "engine/ucx.h"
 
@@ -578,8 +579,9 @@ static int cma_read(int pid, const ucx_load *l, size_t from, size_t to, uint64_t
 
 /* Copy loads [from, to), the fence checked before each slice, or before
  * each run of remote slices read with one call (at most
- * UCX_CMA_BATCH_SLICES slices, UCX_CMA_BATCH_BYTES bytes). */
-static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size_t to) {
+ * UCX_CMA_BATCH_SLICES slices, UCX_CMA_BATCH_BYTES bytes); with `stream`,
+ * mapped slices past the cache (base/copy.h). */
+static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size_t to, int stream) {
   for (size_t i = from, j; i < to; i = j) {
     int rc = read_stop(r);
     if (rc) return rc;
@@ -590,6 +592,8 @@ static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size
         bytes += l[j].len;
       if ((rc = cma_read(r->c->cma_pid, l, i, j, bytes))) return rc;
       atomic_fetch_add_explicit(&r->u->e->stats.bytes_read_direct, bytes, memory_order_relaxed);
+    } else if (stream) {
+      kvf__copy_stream(l[i].dst, l[i].src, l[i].len);
     } else {
       memcpy(l[i].dst, l[i].src, l[i].len);
     }
@@ -605,14 +609,14 @@ typedef struct load_share {
   const notice_read *r;
   const ucx_load *l;
   size_t from, to;
-  int rc, done;
+  int stream, rc, done;
   pthread_mutex_t mu;
   pthread_cond_t cv;
 } load_share;
 
 static void load_share_run(void *arg) {
   load_share *s = arg;
-  int rc = loads_copy(s->r, s->l, s->from, s->to);
+  int rc = loads_copy(s->r, s->l, s->from, s->to, s->stream);
   pthread_mutex_lock(&s->mu);
   s->rc = rc;
   s->done = 1;
@@ -639,15 +643,18 @@ static void load_share_run(void *arg) {
  * to share: the writer's copiers split a large write the same way. */
 static int loads_run(const notice_read *r, const ucx_load *l, size_t n, uint64_t total) {
   ucx_state *u = r->u;
-  if (n < 2 || total < UCX_LOADS_SPLIT_BYTES || !u->ncopiers) return loads_copy(r, l, 0, n);
+  /* A large window streams, unless the landing hash wants its bytes in cache. */
+  const int stream =
+      total >= KVF_COPY_STREAM_MIN_BATCH && !(r->fence && atomic_load_explicit(&u->e->landed_on, memory_order_relaxed));
+  if (n < 2 || total < UCX_LOADS_SPLIT_BYTES || !u->ncopiers) return loads_copy(r, l, 0, n, stream);
   size_t half = 0;
   for (uint64_t acc = 0; half < n && acc < total / 2; half++) acc += l[half].len;
-  load_share s = {.r = r, .l = l, .from = half, .to = n};
+  load_share s = {.r = r, .l = l, .from = half, .to = n, .stream = stream};
   pthread_mutex_init(&s.mu, NULL);
   pthread_cond_init(&s.cv, NULL);
   s.job = (ucx_job){.fn = load_share_run, .arg = &s};
   int queued = !kvf__ucx_copier_queue(u, &s.job);
-  int rc = loads_copy(r, l, 0, queued ? half : n);
+  int rc = loads_copy(r, l, 0, queued ? half : n, stream);
   if (queued) {
     pthread_mutex_lock(&s.mu);
     while (!s.done) pthread_cond_wait(&s.cv, &s.mu);

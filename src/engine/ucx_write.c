@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/copy.h"
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/thread.h"
@@ -278,8 +279,11 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
         status = KVF_ERANGE;
         break;
       }
-      if (r->ptr) {
-        memcpy(r->ptr + (dst - r->base), (const void *)(uintptr_t)src, w->len);
+      if (r->ptr) { /* a large chunk past the cache (base/copy.h) */
+        if (c->bytes >= KVF_COPY_STREAM_MIN_BATCH)
+          kvf__copy_stream(r->ptr + (dst - r->base), (const void *)(uintptr_t)src, w->len);
+        else
+          memcpy(r->ptr + (dst - r->base), (const void *)(uintptr_t)src, w->len);
         continue;
       }
       if (!locked) pthread_mutex_lock(&u->wmu);
