@@ -648,6 +648,7 @@ typedef struct fanout_case {
   int prefill_tp, decode_tp;
   double p50_us, p99_us; /* transfer: the later of the last send and the decode's M2, to Success */
   double req_p50_us;     /* the whole request as the decode sees it: its M2 to its Success */
+  double cpu_us;         /* CPU time of both processes (every thread) per request, mean */
 } fanout_case;
 
 /* One request through the trio: its transfer time (the later of the last
@@ -698,11 +699,19 @@ static int bench_fanout(fanout_case *cases, size_t nc, int runs) {
   for (size_t c = 0; c < nc; c++) /* warm-up: connections, pools, caches */
     for (int i = 0; i < 5; i++)
       if (fanout_request(&pp[c], room++, &w, &wr)) goto out;
+  /* CPU per request: what the two processes of a case ran while its
+   * requests ran (the other cases' processes idle meanwhile; schedstat, as
+   * a request is too short for clock ticks), so a case that is CPU-bound
+   * on these cores says so next to its latency. */
+  long long cpu_ns[FANOUT_MAX_CASES] = {0};
   for (int i = 0; i < runs; i++)
-    for (size_t c = 0; c < nc; c++)
+    for (size_t c = 0; c < nc; c++) {
+      long long c0 = proc_threads_run_ns(pp[c].prefill.pid) + proc_threads_run_ns(pp[c].decode.pid);
       if (fanout_request(&pp[c], room++, &t[c * (size_t)runs + (size_t)i],
                          &t[(nc + c) * (size_t)runs + (size_t)i]))
         goto out;
+      cpu_ns[c] += proc_threads_run_ns(pp[c].prefill.pid) + proc_threads_run_ns(pp[c].decode.pid) - c0;
+    }
   for (size_t c = 0; c < nc; c++) {
     double *v = t + c * (size_t)runs;
     qsort(v, (size_t)runs, sizeof *v, cmp_dbl);
@@ -711,6 +720,7 @@ static int bench_fanout(fanout_case *cases, size_t nc, int runs) {
     v = t + (nc + c) * (size_t)runs;
     qsort(v, (size_t)runs, sizeof *v, cmp_dbl);
     cases[c].req_p50_us = v[runs / 2];
+    cases[c].cpu_us = cpu_ns[c] / 1e3 / runs;
   }
   rc = 0;
 out:
@@ -929,11 +939,11 @@ static int bench_rooms(const bench_opts *o) {
     }
     over_off = n_off / t_off, over_on = n_on / t_on, over_ratio = over_off / over_on;
   }
-  fanout_case fo[] = {{"fanout_1to1_base", 1, 1, 0, 0, 0},
-                      {"fanout_1to2_mla", 1, 2, 0, 0, 0},
-                      {"fanout_1to4_mla", 1, 4, 0, 0, 0},
-                      {"fanout_1to8_mla", 1, 8, 0, 0, 0},
-                      {"fanout_4to1_mla", 4, 1, 0, 0, 0}};
+  fanout_case fo[] = {{"fanout_1to1_base", 1, 1, 0, 0, 0, 0},
+                      {"fanout_1to2_mla", 1, 2, 0, 0, 0, 0},
+                      {"fanout_1to4_mla", 1, 4, 0, 0, 0, 0},
+                      {"fanout_1to8_mla", 1, 8, 0, 0, 0, 0},
+                      {"fanout_4to1_mla", 4, 1, 0, 0, 0, 0}};
   size_t nfo = o->room_pages ? 0 : sizeof fo / sizeof fo[0];
   if (nfo && bench_fanout(fo, nfo, o->quick ? 30 : 200)) goto out_mgr;
   if (o->json) {
@@ -968,10 +978,12 @@ static int bench_rooms(const bench_opts *o) {
              (unsigned long long)FANOUT_BYTES_PER_DEST);
       for (size_t i = 0; i < nfo; i++)
         printf("%s{\"name\":\"%s\",\"prefill_tp\":%d,\"decode_tp\":%d,\"p50_us\":%.1f,\"p99_us\":%.1f,"
-               "\"p50_over_base\":%.2f,\"req_p50_us\":%.1f,\"req_p50_over_base\":%.2f}",
+               "\"p50_over_base\":%.2f,\"req_p50_us\":%.1f,\"req_p50_over_base\":%.2f,\"cpu_us_per_request\":%.1f,"
+               "\"cpu_over_base\":%.2f}",
                i ? "," : "", fo[i].name, fo[i].prefill_tp, fo[i].decode_tp, fo[i].p50_us, fo[i].p99_us,
                fo[0].p50_us > 0 ? fo[i].p50_us / fo[0].p50_us : 0, fo[i].req_p50_us,
-               fo[0].req_p50_us > 0 ? fo[i].req_p50_us / fo[0].req_p50_us : 0);
+               fo[0].req_p50_us > 0 ? fo[i].req_p50_us / fo[0].req_p50_us : 0, fo[i].cpu_us,
+               fo[0].cpu_us > 0 ? fo[i].cpu_us / fo[0].cpu_us : 0);
       printf("]}");
     }
     printf("}\n");
@@ -1003,12 +1015,13 @@ static int bench_rooms(const bench_opts *o) {
       printf("fan-out: MLA requests of %d pages in chunks of %d (%llu B per destination), prefill workers;\n"
              "         baseline: the same requests between TP 1 and TP 1\n",
              FANOUT_PAGES, FANOUT_CHUNK_PAGES, (unsigned long long)FANOUT_BYTES_PER_DEST);
-      printf("%-28s %10s %10s %10s %10s %12s %12s\n", "case", "prefill tp", "decode tp", "p50 us", "p50/base",
-             "request p50", "request/base");
+      printf("%-28s %10s %10s %10s %10s %12s %12s %12s %9s\n", "case", "prefill tp", "decode tp", "p50 us",
+             "p50/base", "request p50", "request/base", "cpu us/req", "cpu/base");
       for (size_t i = 0; i < nfo; i++)
-        printf("%-28s %10d %10d %10.1f %10.2f %12.1f %12.2f\n", fo[i].name, fo[i].prefill_tp, fo[i].decode_tp,
-               fo[i].p50_us, fo[0].p50_us > 0 ? fo[i].p50_us / fo[0].p50_us : 0, fo[i].req_p50_us,
-               fo[0].req_p50_us > 0 ? fo[i].req_p50_us / fo[0].req_p50_us : 0);
+        printf("%-28s %10d %10d %10.1f %10.2f %12.1f %12.2f %12.1f %9.2f\n", fo[i].name, fo[i].prefill_tp,
+               fo[i].decode_tp, fo[i].p50_us, fo[0].p50_us > 0 ? fo[i].p50_us / fo[0].p50_us : 0, fo[i].req_p50_us,
+               fo[0].req_p50_us > 0 ? fo[i].req_p50_us / fo[0].req_p50_us : 0, fo[i].cpu_us,
+               fo[0].cpu_us > 0 ? fo[i].cpu_us / fo[0].cpu_us : 0);
     }
   }
   rc = 0;

@@ -644,8 +644,8 @@ static void load_share_run(void *arg) {
 static int loads_run(const notice_read *r, const ucx_load *l, size_t n, uint64_t total) {
   ucx_state *u = r->u;
   /* A large window streams, unless the landing hash wants its bytes in cache. */
-  const int stream =
-      total >= KVF_COPY_STREAM_MIN_BATCH && !(r->fence && atomic_load_explicit(&u->e->landed_on, memory_order_relaxed));
+  const int stream = total >= KVF_COPY_STREAM_MIN_BATCH &&
+                     !(r->fence && atomic_load_explicit(&u->e->landed_on, memory_order_relaxed));
   if (n < 2 || total < UCX_LOADS_SPLIT_BYTES || !u->ncopiers) return loads_copy(r, l, 0, n, stream);
   size_t half = 0;
   for (uint64_t acc = 0; half < n && acc < total / 2; half++) acc += l[half].len;

@@ -282,8 +282,7 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
       if (r->ptr) { /* a large chunk past the cache (base/copy.h) */
         if (c->bytes >= KVF_COPY_STREAM_MIN_BATCH)
           kvf__copy_stream(r->ptr + (dst - r->base), (const void *)(uintptr_t)src, w->len);
-        else
-          memcpy(r->ptr + (dst - r->base), (const void *)(uintptr_t)src, w->len);
+        else memcpy(r->ptr + (dst - r->base), (const void *)(uintptr_t)src, w->len);
         continue;
       }
       if (!locked) pthread_mutex_lock(&u->wmu);

@@ -2,8 +2,9 @@
 the fan-out cases run, MLA prefill TP 1 to decode TP 1 (the baseline), 2, 4
 and 8, and prefill TP 4 to decode TP 1, each a bootstrap + prefill + decode
 trio. Checks the JSON's shape and that every request of every case
-succeeded (the bench fails otherwise), never a speed: the figures are only
-required to be there and sane."""
+succeeded (the bench fails otherwise), never a speed: the figures (latency,
+and the CPU both processes of a case ran per request) are only required to
+be there and sane."""
 
 import json
 import math
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(not CLI or not os.path.exists(CLI), reason="KVFE
 CASES = [("fanout_1to1_base", 1, 1), ("fanout_1to2_mla", 1, 2), ("fanout_1to4_mla", 1, 4),
          ("fanout_1to8_mla", 1, 8), ("fanout_4to1_mla", 4, 1)]
 CASE_KEYS = {"name", "prefill_tp", "decode_tp", "p50_us", "p99_us", "p50_over_base", "req_p50_us",
-             "req_p50_over_base"}
+             "req_p50_over_base", "cpu_us_per_request", "cpu_over_base"}
 
 
 def run(*args, timeout=240):
@@ -43,6 +44,7 @@ def test_fanout_only_json(transport):
             assert math.isfinite(c[k]) and c[k] > 0, (k, c)
         assert c["p99_us"] >= c["p50_us"]
     assert fo["cases"][0]["p50_over_base"] == 1.0
+    assert fo["cases"][0]["cpu_over_base"] == 1.0
 
 
 def test_fanout_only_text_and_usage():
