@@ -198,6 +198,44 @@ static void allocated_pools_land_exact(void **state) {
   engine_peer_stop(&peer);
 }
 
+/* A batch of 1 MiB or more is stored past the cache where the bytes are
+ * copied with the CPU (read mode: the target's loads from the mapped pool;
+ * write mode: the writer's stores into the target's mapped pool;
+ * base/copy.h): 96 scattered 32 KiB pages (3 MiB) from an allocated pool
+ * land byte-exact, twice over the same mapping. */
+static void large_batches_stream_and_land_exact(void **state) {
+  SKIP_WITHOUT_UCX();
+  enum { BIG = 32768, N = 96 };
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", "--pool", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  kvf_engine *e = make_engine("ucx", 5000);
+  void *mem = NULL;
+  assert_int_equal(kvf_engine_alloc_pool(e, 8u << 20, &mem), 0);
+  unsigned char *pool = mem;
+  kvf_write w[N];
+  char line[8192];
+  for (int round = 0; round < 2; round++) {
+    uint64_t seed = 40 + (uint64_t)round;
+    int off = snprintf(line, sizeof line, "verify %llu %u ", (unsigned long long)seed, (unsigned)BIG);
+    for (int i = 0; i < N; i++) {
+      uint64_t sp = (uint64_t)(N - 1 - i) * 2 + (uint64_t)round, d = (uint64_t)i * 5 % 499 + 1;
+      pattern_fill(pool + sp * BIG, BIG, seed, 7000 + d);
+      w[i] = (kvf_write){.src = (uint64_t)(uintptr_t)(pool + sp * BIG), .dst = peer.base + d * BIG, .len = BIG};
+      off += snprintf(line + off, sizeof line - (size_t)off, "%s%llu:%llu", i ? "," : "", (unsigned long long)d,
+                      (unsigned long long)(7000 + d));
+    }
+    assert_int_equal(kvf_engine_write(e, peer.session, w, N), 0);
+    char reply[64], want[32];
+    assert_int_equal(proc_ask(&peer.p, line, reply, sizeof reply, 20000), 0);
+    snprintf(want, sizeof want, "ok %d", N);
+    assert_string_equal(reply, want);
+  }
+  assert_int_equal(kvf_engine_free_pool(e, mem), 0);
+  kvf_engine_destroy(e);
+  engine_peer_stop(&peer);
+}
+
 /* ucx_writer_with_peer with 8 MiB, connected by a first checked write
  * (`seed`); *mode is the connection's UCX mode ("read" or "write"). */
 static kvf_engine *connected_ucx_writer(engine_peer *peer, unsigned char **pool, uint64_t seed,
@@ -1252,6 +1290,7 @@ int main(void) {
       cmocka_unit_test(plain_and_strided_land_exact),
       cmocka_unit_test(private_memory_read_directly),
       cmocka_unit_test(allocated_pools_land_exact),
+      cmocka_unit_test(large_batches_stream_and_land_exact),
       cmocka_unit_test(large_batch_is_one_notice_in_read_mode),
       cmocka_unit_test(held_notices_go_at_the_hold_end),
       cmocka_unit_test(device_memory_turns_read_mode_off),
