@@ -648,7 +648,7 @@ typedef struct fanout_case {
   int prefill_tp, decode_tp;
   double p50_us, p99_us; /* transfer: the later of the last send and the decode's M2, to Success */
   double req_p50_us;     /* the whole request as the decode sees it: its M2 to its Success */
-  double cpu_us;         /* CPU time of both processes (every thread) per request, mean */
+  double cpu_us;         /* CPU time of both processes (every thread) per request, mean; -1: unknown */
 } fanout_case;
 
 /* One request through the trio: its transfer time (the later of the last
@@ -700,17 +700,20 @@ static int bench_fanout(fanout_case *cases, size_t nc, int runs) {
     for (int i = 0; i < 5; i++)
       if (fanout_request(&pp[c], room++, &w, &wr)) goto out;
   /* CPU per request: what the two processes of a case ran while its
-   * requests ran (the other cases' processes idle meanwhile; schedstat, as
-   * a request is too short for clock ticks), so a case that is CPU-bound
-   * on these cores says so next to its latency. */
+   * requests ran (the other cases' processes idle meanwhile; their CPU-time
+   * clocks, as a request is too short for clock ticks), so a case that is
+   * CPU-bound on these cores says so next to its latency; -1 when the
+   * clocks cannot say. */
   long long cpu_ns[FANOUT_MAX_CASES] = {0};
   for (int i = 0; i < runs; i++)
     for (size_t c = 0; c < nc; c++) {
-      long long c0 = proc_threads_run_ns(pp[c].prefill.pid) + proc_threads_run_ns(pp[c].decode.pid);
+      long long p0 = proc_cpu_exact_ns(pp[c].prefill.pid), d0 = proc_cpu_exact_ns(pp[c].decode.pid);
       if (fanout_request(&pp[c], room++, &t[c * (size_t)runs + (size_t)i],
                          &t[(nc + c) * (size_t)runs + (size_t)i]))
         goto out;
-      cpu_ns[c] += proc_threads_run_ns(pp[c].prefill.pid) + proc_threads_run_ns(pp[c].decode.pid) - c0;
+      long long p1 = proc_cpu_exact_ns(pp[c].prefill.pid), d1 = proc_cpu_exact_ns(pp[c].decode.pid);
+      if (p0 < 0 || d0 < 0 || p1 < p0 || d1 < d0) cpu_ns[c] = -1; /* the clocks cannot say: no figure */
+      if (cpu_ns[c] >= 0) cpu_ns[c] += p1 - p0 + d1 - d0;
     }
   for (size_t c = 0; c < nc; c++) {
     double *v = t + c * (size_t)runs;
@@ -720,7 +723,7 @@ static int bench_fanout(fanout_case *cases, size_t nc, int runs) {
     v = t + (nc + c) * (size_t)runs;
     qsort(v, (size_t)runs, sizeof *v, cmp_dbl);
     cases[c].req_p50_us = v[runs / 2];
-    cases[c].cpu_us = cpu_ns[c] / 1e3 / runs;
+    cases[c].cpu_us = cpu_ns[c] >= 0 ? cpu_ns[c] / 1e3 / runs : -1;
   }
   rc = 0;
 out:
@@ -983,7 +986,7 @@ static int bench_rooms(const bench_opts *o) {
                i ? "," : "", fo[i].name, fo[i].prefill_tp, fo[i].decode_tp, fo[i].p50_us, fo[i].p99_us,
                fo[0].p50_us > 0 ? fo[i].p50_us / fo[0].p50_us : 0, fo[i].req_p50_us,
                fo[0].req_p50_us > 0 ? fo[i].req_p50_us / fo[0].req_p50_us : 0, fo[i].cpu_us,
-               fo[0].cpu_us > 0 ? fo[i].cpu_us / fo[0].cpu_us : 0);
+               fo[0].cpu_us > 0 && fo[i].cpu_us >= 0 ? fo[i].cpu_us / fo[0].cpu_us : -1);
       printf("]}");
     }
     printf("}\n");
@@ -1021,7 +1024,7 @@ static int bench_rooms(const bench_opts *o) {
         printf("%-28s %10d %10d %10.1f %10.2f %12.1f %12.2f %12.1f %9.2f\n", fo[i].name, fo[i].prefill_tp,
                fo[i].decode_tp, fo[i].p50_us, fo[0].p50_us > 0 ? fo[i].p50_us / fo[0].p50_us : 0, fo[i].req_p50_us,
                fo[0].req_p50_us > 0 ? fo[i].req_p50_us / fo[0].req_p50_us : 0, fo[i].cpu_us,
-               fo[0].cpu_us > 0 ? fo[i].cpu_us / fo[0].cpu_us : 0);
+               fo[0].cpu_us > 0 && fo[i].cpu_us >= 0 ? fo[i].cpu_us / fo[0].cpu_us : -1);
     }
   }
   rc = 0;

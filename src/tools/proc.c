@@ -190,18 +190,6 @@ long long proc_cpu_ns(pid_t pid) {
   return stat_cpu_ns(path, NULL, 0);
 }
 
-/* One thread's time on a CPU in ns, from its schedstat; -1 when unreadable. */
-static long long task_run_ns(const char *taskdir, const char *tid) {
-  char path[64 + sizeof((struct dirent *)0)->d_name + 16];
-  snprintf(path, sizeof path, "%s/%s/schedstat", taskdir, tid);
-  FILE *f = fopen(path, "r");
-  unsigned long long ns = 0;
-  if (!f) return -1;
-  int ok = fscanf(f, "%llu", &ns) == 1;
-  fclose(f);
-  return ok ? (long long)ns : -1;
-}
-
 int proc_threads_cpu_get(pid_t pid, proc_threads_cpu *out) {
   char dir[64], path[64 + sizeof((struct dirent *)0)->d_name + 8];
   proc_path(dir, sizeof dir, pid, "task");
@@ -227,16 +215,9 @@ int proc_threads_cpu_get(pid_t pid, proc_threads_cpu *out) {
   return 0;
 }
 
-long long proc_threads_run_ns(pid_t pid) {
-  char dir[64];
-  proc_path(dir, sizeof dir, pid, "task");
-  DIR *d = opendir(dir);
-  if (!d) return -1;
-  long long sum = 0;
-  for (struct dirent *e; (e = readdir(d));) {
-    long long ns = e->d_name[0] == '.' ? -1 : task_run_ns(dir, e->d_name);
-    if (ns > 0) sum += ns; /* -1: ended meanwhile */
-  }
-  closedir(d);
-  return sum;
+long long proc_cpu_exact_ns(pid_t pid) {
+  clockid_t clk;
+  struct timespec ts;
+  if (clock_getcpuclockid(pid ? pid : getpid(), &clk) || clock_gettime(clk, &ts)) return -1;
+  return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }

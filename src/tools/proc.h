@@ -64,10 +64,10 @@ typedef struct proc_threads_cpu {
 } proc_threads_cpu;
 int proc_threads_cpu_get(pid_t pid, proc_threads_cpu *out);
 
-/* Time the process's live threads have run on a CPU, in ns, summed from
- * /proc/PID/task/TID/schedstat: exact where proc_cpu_ns counts clock
- * ticks (10 ms here), for a figure over a short window; threads that ended
- * are not in it. pid 0 = this process. -1 when /proc cannot say. */
-long long proc_threads_run_ns(pid_t pid);
+/* CPU time (user + system, every thread, ended ones too) the process has
+ * used, in ns, from its CPU-time clock (clock_getcpuclockid): exact where
+ * proc_cpu_ns counts clock ticks (10 ms here), for a figure over a short
+ * window. pid 0 = this process. -1 when the clock cannot be read. */
+long long proc_cpu_exact_ns(pid_t pid);
 
 #endif
