@@ -172,16 +172,23 @@ static void private_memory_read_directly(void **state) {
   }
 }
 
+/* A target process over UCX with its own pool (--pool) and a writer engine
+ * here with a pool of `bytes` from kvf_engine_alloc_pool (*pool). */
+static kvf_engine *pool_writer_with_peer(engine_peer *peer, size_t bytes, void **pool) {
+  const char *args[] = {"--transport", "ucx", "--pool", NULL};
+  assert_int_equal(engine_peer_start_args(peer, PEER_BYTES, NULL, args), 0);
+  kvf_engine *e = make_engine("ucx", 5000);
+  assert_int_equal(kvf_engine_alloc_pool(e, bytes, pool), 0);
+  return e;
+}
+
 /* Pools allocated by the engines: same bytes; with shared memory allowed the
  * peer's pool is mapped here and written with plain stores. */
 static void allocated_pools_land_exact(void **state) {
   SKIP_WITHOUT_UCX();
   engine_peer peer;
-  const char *args[] = {"--transport", "ucx", "--pool", NULL};
-  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
-  kvf_engine *e = make_engine("ucx", 5000);
   void *pool = NULL;
-  assert_int_equal(kvf_engine_alloc_pool(e, 8u << 20, &pool), 0);
+  kvf_engine *e = pool_writer_with_peer(&peer, 8u << 20, &pool);
   write_and_verify(e, &peer, pool, 12);
   write_and_verify(e, &peer, pool, 13); /* again, over the same mapping */
   char why[256];
@@ -208,11 +215,8 @@ static void large_batches_stream_and_land_exact(void **state) {
   SKIP_WITHOUT_UCX();
   enum { BIG = 32768, N = 160 };
   engine_peer peer;
-  const char *args[] = {"--transport", "ucx", "--pool", NULL};
-  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
-  kvf_engine *e = make_engine("ucx", 5000);
   void *mem = NULL;
-  assert_int_equal(kvf_engine_alloc_pool(e, 16u << 20, &mem), 0);
+  kvf_engine *e = pool_writer_with_peer(&peer, 16u << 20, &mem);
   unsigned char *pool = mem;
   kvf_write w[N];
   char line[8192];
