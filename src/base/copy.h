@@ -13,10 +13,10 @@
 
 #include <stddef.h>
 
-/* A batch of copies this large (bytes in all) streams: past twice a core's
- * share of L2, where the first slices are out of the cache before the
- * batch ends anyway. Below it, memcpy keeps the bytes in cache for whoever
- * reads them next (a small room's page, a landing hash). */
+/* A batch of copies this large (bytes in all) streams: half a core's L2
+ * here (2 MiB), so a larger batch's first slices would mostly leave the
+ * cache before anyone read them. Below it, memcpy keeps the bytes in cache
+ * for whoever reads them next (a small room's page, a landing hash). */
 #define KVF_COPY_STREAM_MIN_BATCH (1u << 20)
 
 /* memcpy(dst, src, len), the destination written with non-temporal stores
