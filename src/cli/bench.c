@@ -895,22 +895,27 @@ static int bench_rooms(const bench_opts *o) {
   mc.engine = eng;
   if (kvf_manager_create(&mc, &pool.bufs, &m)) goto out_pool;
   rooms_case cases[] = {
-      {"rooms_1page_inflight1", 1, 1, o->quick ? 300 : 2000, 0, 0, 0, 0, 0, 0, NULL},
-      {"rooms_1page_inflight1_m3_only", 1, 1, o->quick ? 300 : 2000, 1, 0, 0, 0, 0, 0, NULL},
-      {"rooms_1page_inflight64", 1, 64, o->quick ? 1000 : 10000, 0, 0, 0, 0, 0, 0, NULL},
-      {"rooms_256page_inflight1", 256, 1, o->quick ? 50 : 300, 0, 0, 0, 0, 0, 0, NULL},
-      {"rooms_256page_inflight64", 256, 64, o->quick ? 100 : 600, 0, 0, 0, 0, 0, 0, NULL},
+      {.name = "rooms_1page_inflight1", .pages = 1, .inflight = 1, .rooms = o->quick ? 300 : 2000},
+      {.name = "rooms_1page_inflight1_m3_only",
+       .pages = 1,
+       .inflight = 1,
+       .rooms = o->quick ? 300 : 2000,
+       .m3_only = 1},
+      {.name = "rooms_1page_inflight64", .pages = 1, .inflight = 64, .rooms = o->quick ? 1000 : 10000},
+      {.name = "rooms_256page_inflight1", .pages = 256, .inflight = 1, .rooms = o->quick ? 50 : 300},
+      {.name = "rooms_256page_inflight64", .pages = 256, .inflight = 64, .rooms = o->quick ? 100 : 600},
   };
   size_t nc = sizeof cases / sizeof cases[0];
   if (o->room_pages) { /* a single custom case replaces the standard ones */
     int n = o->rooms > 0 ? o->rooms : o->quick ? 100 : 1000;
-    cases[0] = (rooms_case){"rooms_custom", (size_t)o->room_pages, o->inflight, n, 0, 0, 0, 0, 0, 0, NULL};
+    cases[0] =
+        (rooms_case){.name = "rooms_custom", .pages = (size_t)o->room_pages, .inflight = o->inflight, .rooms = n};
     nc = 1;
   }
   if (o->fanout_only) nc = 0;
   for (size_t i = 0; i < nc && i < sizeof cpu / sizeof cpu[0]; i++) cases[i].cpu = &cpu[i];
   int64_t base = 1;
-  rooms_case warm = {"warmup", 1, 8, 200, 0, 0, 0, 0, 0, 0, NULL};
+  rooms_case warm = {.name = "warmup", .pages = 1, .inflight = 8, .rooms = 200};
   if (nc && cli_bench_rooms_case(m, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
   mc.fast_completion = 0;
@@ -932,7 +937,10 @@ static int bench_rooms(const bench_opts *o) {
     double t_off = 0, t_on = 0, n_off = 0, n_on = 0;
     for (int k = 0; k < 6; k++) {
       int on = k % 2;
-      rooms_case oc = {on ? "overhead_on" : "overhead_off", 1, 64, o->quick ? 500 : 3000, 0, 0, 0, 0, 0, 0, NULL};
+      rooms_case oc = {.name = on ? "overhead_on" : "overhead_off",
+                       .pages = 1,
+                       .inflight = 64,
+                       .rooms = o->quick ? 500 : 3000};
       fprintf(peer.in, "trace %d\n", on);
       kvf_manager_trace_enable(m, on);
       if (cli_bench_rooms_case(m, &pool, &peer, baddr, &oc, base)) goto out_mgr;
@@ -942,11 +950,11 @@ static int bench_rooms(const bench_opts *o) {
     }
     over_off = n_off / t_off, over_on = n_on / t_on, over_ratio = over_off / over_on;
   }
-  fanout_case fo[] = {{"fanout_1to1_base", 1, 1, 0, 0, 0, 0},
-                      {"fanout_1to2_mla", 1, 2, 0, 0, 0, 0},
-                      {"fanout_1to4_mla", 1, 4, 0, 0, 0, 0},
-                      {"fanout_1to8_mla", 1, 8, 0, 0, 0, 0},
-                      {"fanout_4to1_mla", 4, 1, 0, 0, 0, 0}};
+  fanout_case fo[] = {{.name = "fanout_1to1_base", .prefill_tp = 1, .decode_tp = 1},
+                      {.name = "fanout_1to2_mla", .prefill_tp = 1, .decode_tp = 2},
+                      {.name = "fanout_1to4_mla", .prefill_tp = 1, .decode_tp = 4},
+                      {.name = "fanout_1to8_mla", .prefill_tp = 1, .decode_tp = 8},
+                      {.name = "fanout_4to1_mla", .prefill_tp = 4, .decode_tp = 1}};
   size_t nfo = o->room_pages ? 0 : sizeof fo / sizeof fo[0];
   if (nfo && bench_fanout(fo, nfo, o->quick ? 30 : 200)) goto out_mgr;
   if (o->json) {

@@ -397,9 +397,9 @@ static int peers_rounds(peers_step *s, const peers_pair *meas, const peers_pair 
   double p50[PEERS_REPS], p99[PEERS_REPS], ratio[PEERS_REPS];
   int reps = quick ? 1 : PEERS_REPS;
   for (int k = 0; k < reps; k++) {
-    rooms_case rate = {"rate", 1, 64, quick ? 1000 : 10000, 0, 0, 0, 0, 0, 0, NULL};
+    rooms_case rate = {.name = "rate", .pages = 1, .inflight = 64, .rooms = quick ? 1000 : 10000};
     rooms_case crate = rate;
-    rooms_case lat = {"p50", 1, 1, quick ? 200 : 2000, 0, 0, 0, 0, 0, 0, NULL};
+    rooms_case lat = {.name = "p50", .pages = 1, .inflight = 1, .rooms = quick ? 200 : 2000};
     if (k % 2 && peers_case(ctl, &crate, base))
       return snprintf(s->error, sizeof s->error, "control rooms failed at 64 in flight"), -1;
     if (peers_case(meas, &rate, base))
@@ -482,7 +482,7 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
   peers_pair meas = {m, &pool, &peer, baddr};
   peers_pair ctl = run->reverse ? (peers_pair){cm, &cpool, &peer, baddr} : (peers_pair){m, &pool, &cpeer, cbaddr};
   int64_t base = 1;
-  rooms_case warm = {"warmup", 1, 8, quick ? 1000 : 3000, 0, 0, 0, 0, 0, 0, NULL};
+  rooms_case warm = {.name = "warmup", .pages = 1, .inflight = 8, .rooms = quick ? 1000 : 3000};
   rooms_case cwarm = warm;
   if (peers_case(&meas, &warm, &base) || peers_case(&ctl, &cwarm, &base)) goto out_cmgr;
   usleep(300000);
@@ -523,7 +523,7 @@ static int peers_run_one(peers_run *run, const int *want, int nwant, int quick) 
      * PEERS_REPS rounds of each pair: the best rates (other tenants only ever
      * slow a round down), the median ratio to the control and the median
      * round's latencies. */
-    rooms_case warm_up = {"warmup", 1, 64, quick ? 300 : PEERS_WARM_ROOMS, 0, 0, 0, 0, 0, 0, NULL};
+    rooms_case warm_up = {.name = "warmup", .pages = 1, .inflight = 64, .rooms = quick ? 300 : PEERS_WARM_ROOMS};
     rooms_case cwarm_up = warm_up;
     if (peers_case(&meas, &warm_up, &base) || peers_case(&ctl, &cwarm_up, &base)) {
       snprintf(s->error, sizeof s->error, "rooms failed at 64 in flight (warm-up)");

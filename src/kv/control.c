@@ -416,19 +416,18 @@ void *kvf__control_listener_main(void *arg) {
   size_t fdlen = sizeof fd;
   if (zmq_getsockopt(m->pull, ZMQ_FD, &fd, &fdlen)) fd = -1;
   unsigned since_tick = 0;
-  int holding = 0; /* a burst's transfers held for one push (kvf__engine_hold_begin) */
   while (!atomic_load(&m->stopping)) {
     if (m->role->tick && ++since_tick >= MANAGER_TICK_MSGS) { /* a listener that never waits still ticks */
       since_tick = 0;
-      if (holding) kvf__engine_hold_end(), holding = 0;
+      kvf__engine_hold_end(); /* nothing outside a hold */
       m->role->tick(m);
     }
     /* Messages already queued are taken without a wait or a readiness check
      * (a check costs two system calls in libzmq): one wake-up drains a
      * burst, and the first receive that finds nothing leads to the wait. */
     if (zmq_msg_recv(&parts[0], m->pull, ZMQ_DONTWAIT) < 0) {
-      if (holding) kvf__engine_hold_end(), holding = 0; /* the burst's notices go out before any wait */
-      listener_wait(m, fd);                             /* EAGAIN; any other error waits too, rather than spin */
+      kvf__engine_hold_end(); /* the burst's notices go out before any wait */
+      listener_wait(m, fd);   /* EAGAIN; any other error waits too, rather than spin */
       int64_t now = clock_now_ns();
       if (now - m->push_swept_ns >= MANAGER_SWEEP_NS) {
         m->push_swept_ns = now;
@@ -467,9 +466,9 @@ void *kvf__control_listener_main(void *arg) {
     /* From the second message of a burst on: the first one's transfers go
      * at once (one message alone costs no push), the rest at the burst's
      * end or every ENGINE_HOLD_SENDS (engine.c). */
-    if (!holding) kvf__engine_hold_begin(), holding = 1;
+    kvf__engine_hold_begin();
   }
-  if (holding) kvf__engine_hold_end();
+  kvf__engine_hold_end();
   for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_close(&parts[i]);
   return NULL;
 }
