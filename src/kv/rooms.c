@@ -21,7 +21,9 @@
 
 typedef struct room_entry {
   int early; /* an early room: only `user` is meaningful, not live */
-  int status;
+  /* Written under t->mu; also read without it through
+   * kvf__rooms_status_cell, so atomic. */
+  atomic_int status;
   int required; /* 0 = never set, which means 1 */
   int nresponded;
   uint64_t resp_lo;      /* responder bits for ranks 0..63 */
@@ -37,7 +39,6 @@ typedef struct room_entry {
   int published; /* prefill: kvf__rooms_publish_metadata stored final_* */
   char *reason;
   void *user;
-  int64_t init_time_ns;
   uint64_t use; /* this use of the room id (rooms.h, "Uses") */
   struct room_entry *next_spare;
 } room_entry;
@@ -155,7 +156,6 @@ static int insert(rooms *t, int64_t room, int status, int early, void *user) {
   e->status = status;
   e->pending_token = -1;
   e->final_token = -1;
-  e->init_time_ns = -1;
   e->use = ++t->uses;
   e->user = user;
   int rc = kvf__map_put(&t->m, (uint64_t)room, e, NULL);
@@ -218,6 +218,13 @@ int kvf__rooms_update(rooms *t, int64_t room, int status, int *new_status) {
   return rc;
 }
 
+const atomic_int *kvf__rooms_status_cell(rooms *t, int64_t room) {
+  pthread_mutex_lock(&t->mu);
+  room_entry *e = find(t, room);
+  pthread_mutex_unlock(&t->mu);
+  return e ? &e->status : NULL;
+}
+
 int kvf__rooms_get_status(rooms *t, int64_t room, int *status) {
   int rc = KVF_ENOTFOUND, s = 0;
   pthread_mutex_lock(&t->mu);
@@ -237,7 +244,6 @@ static void fill_info(const room_entry *e, rooms_info *out) {
   out->responded = e->nresponded;
   out->has_reason = e->reason != NULL;
   out->has_token = e->final_token != -1;
-  out->init_time_ns = e->init_time_ns;
   out->user = e->user;
 }
 
@@ -515,7 +521,6 @@ static int with_entry(rooms *t, int64_t room, int any, void (*fn)(room_entry *e,
 
 static void put_user(room_entry *e, void *arg) { e->user = arg; }
 static void take_user(room_entry *e, void *arg) { *(void **)arg = e->user; }
-static void put_init_time(room_entry *e, void *arg) { e->init_time_ns = *(const int64_t *)arg; }
 static void take_use(room_entry *e, void *arg) { *(uint64_t *)arg = e->use; }
 
 int kvf__rooms_get_use(rooms *t, int64_t room, uint64_t *use) { return with_entry(t, room, 0, take_use, use); }
@@ -539,10 +544,6 @@ int kvf__rooms_with_user_use(rooms *t, int64_t room, int (*pred)(void *user, voi
 
 int kvf__rooms_with_user(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg) {
   return kvf__rooms_with_user_use(t, room, pred, arg, NULL);
-}
-
-int kvf__rooms_set_init_time(rooms *t, int64_t room, int64_t ns) {
-  return with_entry(t, room, 0, put_init_time, &ns);
 }
 
 int kvf__rooms_clear(rooms *t, int64_t room, void **user) {

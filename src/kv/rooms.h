@@ -46,6 +46,7 @@
 #ifndef KVF_KV_ROOMS_H
 #define KVF_KV_ROOMS_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -85,6 +86,15 @@ typedef struct rooms_stats {
   uint64_t duplicate_responses; /* Success reports from a rank already counted */
 } rooms_stats;
 
+/* The live room's status, readable without the table's lock: what
+ * kvf__rooms_get_status would say, at the cost of one atomic load (a
+ * scheduler polls every room it has in flight, often). The cell stays valid
+ * until the room is cleared, which only the room's owner does (its
+ * receiver's or sender's destroy; kvf__rooms_clear_all at teardown), so the
+ * owner may keep it. NULL if the room is not live. The reason and the
+ * rest are still read through the calls below. */
+const atomic_int *kvf__rooms_status_cell(rooms *t, int64_t room);
+
 /* A snapshot of one room, for polling, timeouts and the heartbeat. */
 typedef struct rooms_info {
   int status;
@@ -92,7 +102,6 @@ typedef struct rooms_info {
   int responded; /* distinct prefill ranks that reported Success */
   int has_reason;
   int has_token;        /* a published (final) token is waiting to be popped */
-  int64_t init_time_ns; /* as set by kvf__rooms_set_init_time; -1 = never */
   void *user;
 } rooms_info;
 
@@ -198,9 +207,6 @@ int kvf__rooms_get_use(rooms *t, int64_t room, uint64_t *use);
 /* kvf__rooms_with_user, and *use (may be NULL) gets the stamp of the use
  * pred saw. */
 int kvf__rooms_with_user_use(rooms *t, int64_t room, int (*pred)(void *user, void *arg), void *arg, uint64_t *use);
-/* Time (any clock the caller chooses, e.g. clock_now_ns) the last transfer
- * request was sent, for the waiting timeout. */
-int kvf__rooms_set_init_time(rooms *t, int64_t room, int64_t ns);
 
 /* Remove the room (live or early) and everything it holds; the id may then
  * be created anew. *user (may be NULL) gets the stored user pointer, which

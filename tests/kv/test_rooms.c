@@ -164,7 +164,6 @@ static void reuse_after_clear(void **state) {
   assert_int_equal(info.responded, 0);
   assert_int_equal(info.has_reason, 0);
   assert_int_equal(info.has_token, 0);
-  assert_int_equal(info.init_time_ns, -1);
   assert_null(info.user);
   char buf[64];
   assert_int_equal(kvf__rooms_get_reason(t, room, buf, sizeof buf), 0);
@@ -461,7 +460,6 @@ static void fail_matching(void **state) {
     assert_int_equal(kvf__rooms_set_user(t, r, r < 4 ? (void *)&tag_a : (void *)&tag_b), 0);
   }
   assert_int_equal(kvf__rooms_update(t, 0, ROOM_SUCCESS, NULL), 0);
-  assert_int_equal(kvf__rooms_set_init_time(t, 1, 12345), 0);
   size_t n = 0;
   assert_int_equal(
       kvf__rooms_fail_matching(t, is_tagged, &tag_a,
@@ -476,7 +474,6 @@ static void fail_matching(void **state) {
   assert_string_equal(buf, "Losing connection with prefill instance (bootstrap_addr: 10.0.0.1:8998)");
   rooms_info info;
   assert_int_equal(kvf__rooms_get_info(t, 1, &info), 0);
-  assert_int_equal(info.init_time_ns, 12345);
   assert_int_equal(info.has_reason, 1);
   void *u = NULL;
   assert_int_equal(kvf__rooms_get_user(t, 4, &u), 0);
@@ -509,7 +506,25 @@ static void *poller(void *arg) {
   return NULL;
 }
 
-static void token_visible_when_success_seen(void **state) {
+/* The same through the rooms' status cells, as kvf_receiver_poll reads
+ * them: no lock until the token is popped. */
+static void *cell_poller(void *arg) {
+  pub_ctx *c = arg;
+  for (int64_t r = 0; r < PUB_ROOMS; r++) {
+    const atomic_int *cell = kvf__rooms_status_cell(c->t, r);
+    if (!cell) {
+      atomic_fetch_add(&c->bad, 1);
+      continue;
+    }
+    while (atomic_load_explicit(cell, memory_order_acquire) != ROOM_SUCCESS) {
+    }
+    int64_t tok = -1;
+    if (pop_token(c->t, r, &tok) != 0 || tok != 1000 + r) atomic_fetch_add(&c->bad, 1);
+  }
+  return NULL;
+}
+
+static void token_visible_when_success_seen_in(void *(*poll_fn)(void *)) {
   pub_ctx c = {.t = new_table(0)};
   atomic_init(&c.bad, 0);
   for (int64_t r = 0; r < PUB_ROOMS; r++) {
@@ -517,7 +532,7 @@ static void token_visible_when_success_seen(void **state) {
     assert_int_equal(kvf__rooms_set_required(c.t, r, 2), 0);
   }
   pthread_t th;
-  assert_int_equal(pthread_create(&th, NULL, poller, &c), 0);
+  assert_int_equal(pthread_create(&th, NULL, poll_fn, &c), 0);
   for (int64_t r = 0; r < PUB_ROOMS; r++) {
     assert_int_equal(kvf__rooms_record_response(c.t, r, 0, 0, 1000 + r, NULL, 0, NULL), 0);
     assert_int_equal(kvf__rooms_record_response(c.t, r, 0, 1, 77, NULL, 0, NULL), 0);
@@ -525,6 +540,62 @@ static void token_visible_when_success_seen(void **state) {
   pthread_join(th, NULL);
   assert_int_equal(atomic_load(&c.bad), 0);
   kvf__rooms_table_free(c.t, NULL);
+}
+
+static void token_visible_when_success_seen(void **state) {
+  (void)state;
+  token_visible_when_success_seen_in(poller);
+}
+
+static void token_visible_when_success_seen_in_the_cell(void **state) {
+  (void)state;
+  token_visible_when_success_seen_in(cell_poller);
+}
+
+/* A live room's status cell says what kvf__rooms_get_status says, through
+ * every change, until the room is cleared; unknown and early rooms have
+ * none. */
+static void status_cell_follows_the_room(void **state) {
+  (void)state;
+  rooms *t = new_table(0);
+  int user = 0;
+  assert_null(kvf__rooms_status_cell(t, 7));
+  assert_int_equal(kvf__rooms_add_early(t, 7, &user), 0);
+  assert_null(kvf__rooms_status_cell(t, 7)); /* early: not live */
+  assert_int_equal(kvf__rooms_create(t, 7, ROOM_BOOTSTRAPPING), 0);
+  const atomic_int *cell = kvf__rooms_status_cell(t, 7);
+  assert_non_null(cell);
+  assert_int_equal(atomic_load(cell), ROOM_BOOTSTRAPPING);
+  const int steps[] = {ROOM_BOOTSTRAPPED, ROOM_WAITING_FOR_INPUT, ROOM_TRANSFERRING};
+  for (size_t i = 0; i < sizeof steps / sizeof steps[0]; i++) {
+    assert_int_equal(kvf__rooms_update(t, 7, steps[i], NULL), 0);
+    assert_int_equal(atomic_load(cell), steps[i]);
+    assert_int_equal(atomic_load(cell), status_of(t, 7));
+  }
+  assert_int_equal(kvf__rooms_reset_responses(t, 7, ROOM_BOOTSTRAPPED), 0); /* a repeated init */
+  assert_int_equal(atomic_load(cell), status_of(t, 7));
+  assert_int_equal(kvf__rooms_fail(t, 7, "gone"), 0);
+  assert_int_equal(atomic_load(cell), ROOM_FAILED);
+  assert_int_equal(kvf__rooms_update(t, 7, ROOM_SUCCESS, NULL), 0); /* Failed stays */
+  assert_int_equal(atomic_load(cell), ROOM_FAILED);
+
+  assert_int_equal(kvf__rooms_create(t, 8, ROOM_BOOTSTRAPPED), 0);
+  const atomic_int *cell8 = kvf__rooms_status_cell(t, 8);
+  assert_non_null(cell8);
+  assert_ptr_not_equal(cell8, cell);
+  assert_int_equal(kvf__rooms_set_required(t, 8, 2), 0);
+  assert_int_equal(kvf__rooms_record_response(t, 8, 0, 0, 5, NULL, 0, NULL), 0);
+  assert_int_equal(atomic_load(cell8), ROOM_BOOTSTRAPPED); /* one of two */
+  assert_int_equal(kvf__rooms_record_response(t, 8, 0, 1, 5, NULL, 0, NULL), 0);
+  assert_int_equal(atomic_load(cell8), ROOM_SUCCESS);
+
+  assert_int_equal(kvf__rooms_clear(t, 7, NULL), 0);
+  assert_null(kvf__rooms_status_cell(t, 7));
+  assert_int_equal(kvf__rooms_create(t, 7, ROOM_BOOTSTRAPPING), 0); /* anew, maybe in a recycled entry */
+  cell = kvf__rooms_status_cell(t, 7);
+  assert_non_null(cell);
+  assert_int_equal(atomic_load(cell), ROOM_BOOTSTRAPPING);
+  kvf__rooms_table_free(t, NULL);
 }
 
 /* Four threads hammer private and shared rooms at once; afterwards the
@@ -686,6 +757,8 @@ int main(void) {
       cmocka_unit_test(failed_room_ignores_success),
       cmocka_unit_test(fail_matching),
       cmocka_unit_test(token_visible_when_success_seen),
+      cmocka_unit_test(token_visible_when_success_seen_in_the_cell),
+      cmocka_unit_test(status_cell_follows_the_room),
       cmocka_unit_test(concurrent_updates_and_clears),
       cmocka_unit_test(change_events),
   };

@@ -193,6 +193,12 @@ struct kvf_receiver {
    * (what landed, read at the first final poll). */
   trace_live tr;
   int final_seen; /* a poll returned Success or Failed */
+  /* What kvf_receiver_poll reads, without the room table's lock: the
+   * room's status cell (kvf__rooms_status_cell, valid until destroy clears
+   * the room) and when the last init sent its M2s (0: not yet), which
+   * starts the waiting timeout. The receiver's thread only. */
+  const atomic_int *status;
+  int64_t init_ns;
 };
 
 /* room_bounds.c */

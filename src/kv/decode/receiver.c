@@ -58,6 +58,7 @@ int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room
     return rc;
   }
   kvf__rooms_set_user(m->rooms, room, r);
+  r->status = kvf__rooms_status_cell(m->rooms, room); /* live until destroy clears it */
   char reason[ROOMS_REASON_MAX] = "";
   if (kvf__dec_resolve_receiver(m, r, reason, sizeof reason)) {
     kvf__dec_fail_room(m, room, reason);
@@ -190,7 +191,7 @@ int kvf_receiver_init(kvf_receiver *r, const int64_t *pages, size_t npages, int6
     kvf__dec_fail_room(m, r->room, reason);
     return 0;
   }
-  kvf__rooms_set_init_time(m->rooms, r->room, clock_now_ns());
+  r->init_ns = clock_now_ns();
   return 0;
 }
 
@@ -226,26 +227,20 @@ kvf_poll_status kvf_receiver_poll(kvf_receiver *r) {
 static kvf_poll_status poll_room(kvf_receiver *r) {
   if (!r) return KVF_POLL_FAILED;
   kvf_manager *m = r->m;
-  rooms_info info;
-  if (kvf__rooms_get_info(m->rooms, r->room, &info)) return KVF_POLL_FAILED;
-  if (info.status == ROOM_SUCCESS || info.status == ROOM_FAILED) return (kvf_poll_status)info.status;
-  if (info.init_time_ns >= 0) {
-    double waited = (double)(clock_now_ns() - info.init_time_ns) / 1e9;
-    if (waited >= m->cfg.waiting_timeout_s) {
-      char reason[ROOMS_REASON_MAX];
-      kvf__dec_set_reason(reason, sizeof reason,
-                          "Request %" PRId64 " timed out after %.1fs in TransferPoll.WaitingForInput", r->room,
-                          waited);
-      /* Fail only if Success did not win the race. */
-      int failed = 0;
-      kvf__rooms_fail_unless_success(m->rooms, r->room, reason, &failed);
-      if (failed) LOG_WARN("kv", "%s", reason);
-      int s = ROOM_FAILED;
-      kvf__rooms_get_status(m->rooms, r->room, &s);
-      return (kvf_poll_status)s;
-    }
-  }
-  return (kvf_poll_status)info.status;
+  /* One atomic load, no lock: a scheduler polls every room it has in
+   * flight, often. */
+  int st = atomic_load_explicit(r->status, memory_order_acquire);
+  if (st == ROOM_SUCCESS || st == ROOM_FAILED || !r->init_ns) return (kvf_poll_status)st;
+  double waited = (double)(clock_now_ns() - r->init_ns) / 1e9;
+  if (waited < m->cfg.waiting_timeout_s) return (kvf_poll_status)st;
+  char reason[ROOMS_REASON_MAX];
+  kvf__dec_set_reason(reason, sizeof reason, "Request %" PRId64 " timed out after %.1fs in TransferPoll.WaitingForInput",
+                      r->room, waited);
+  /* Fail only if Success did not win the race. */
+  int failed = 0;
+  kvf__rooms_fail_unless_success(m->rooms, r->room, reason, &failed);
+  if (failed) LOG_WARN("kv", "%s", reason);
+  return (kvf_poll_status)atomic_load_explicit(r->status, memory_order_acquire);
 }
 
 void kvf_receiver_failure(kvf_receiver *r, char *buf, size_t cap) {

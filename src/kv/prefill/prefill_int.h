@@ -342,6 +342,7 @@ typedef struct pf_room {
   /* PF_TOKEN_LATER: the last chunk landed, waiting for the token */
   pf_dest *park; /* the completed destinations, NULL when not parked */
   size_t npark;
+  atomic_int parked; /* park != NULL: kvf_sender_poll reads it without ps->lock */
   int64_t landed_ns;
   struct pf_room *next_spare; /* on ps->room_spare once unreferenced */
   /* The room's trace (kv/trace.h), finished when its last reference goes
@@ -401,6 +402,9 @@ struct kvf_sender {
   int64_t curr; /* next index_slice start (§6.2) */
   int last_sent;
   struct kvf_sender *next_spare; /* on ps->sender_spare once destroyed */
+  /* The room's status cell (kvf__rooms_status_cell), for kvf_sender_poll
+   * without a lock; valid until destroy clears the room. */
+  const atomic_int *status;
 };
 
 /* One destination of a direct chunk: the engine callback's argument. */

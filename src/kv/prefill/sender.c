@@ -61,6 +61,7 @@ int kvf_sender_create(kvf_manager *m, int64_t room, kvf_sender **out) {
   s->m = m;
   s->r = r;
   s->room = room;
+  s->status = kvf__rooms_status_cell(m->rooms, room); /* live until destroy clears it */
   *out = s;
   return 0;
 
@@ -306,6 +307,7 @@ int kvf_sender_set_metadata(kvf_sender *s, int64_t bootstrap_token, const int32_
     if (r->park) { /* the KV landed: Success now (§6.11 step 6) */
       d = r->park, nd = r->npark;
       r->park = NULL, r->npark = 0;
+      atomic_store(&r->parked, 0);
       if (st != ROOM_FAILED) {
         kvf__rooms_update(s->m->rooms, s->room, ROOM_SUCCESS, NULL);
         kvf__rooms_get_status(s->m->rooms, s->room, &st);
@@ -340,11 +342,17 @@ static kvf_poll_status poll_room(kvf_sender *s) {
   prefill_state *ps = s->m->prefill;
   pf_dest *d = NULL;
   size_t nd = 0;
-  int st = ROOM_FAILED;
-  /* Success is final and has nothing left to check: answered from the room
-   * table alone, without ps->lock, which the listener and the completion
-   * threads take for every room (a scheduler polls often). */
-  if (!kvf__rooms_get_status(s->m->rooms, s->room, &st) && st == ROOM_SUCCESS) return KVF_POLL_SUCCESS;
+  /* Answered from the room's status cell alone, without a lock (ps->lock
+   * is taken by the listener and the completion threads for every room, and
+   * a scheduler polls every room it has in flight, often), unless there is
+   * something to check: Success is final; a room not Failed and not parked
+   * has no deadline to apply but the bootstrap timeout's. */
+  int st = atomic_load_explicit(s->status, memory_order_acquire);
+  if (st == ROOM_SUCCESS) return KVF_POLL_SUCCESS;
+  if (st != ROOM_FAILED && !atomic_load_explicit(&s->r->parked, memory_order_acquire) &&
+      (st != ROOM_BOOTSTRAPPING ||
+       clock_now_ns() - s->r->create_ns < (int64_t)(s->m->cfg.bootstrap_timeout_s * 1e9)))
+    return (kvf_poll_status)st;
   pthread_mutex_lock(&ps->lock);
   if (kvf__rooms_get_status(s->m->rooms, s->room, &st)) st = ROOM_FAILED;
   double limit = s->m->cfg.bootstrap_timeout_s;
@@ -370,6 +378,7 @@ static kvf_poll_status poll_room(kvf_sender *s) {
     if (st == ROOM_FAILED) { /* timed out, or failed another way without telling these */
       d = s->r->park, nd = s->r->npark;
       s->r->park = NULL, s->r->npark = 0;
+      atomic_store(&s->r->parked, 0);
     }
   }
   /* Failed is reported once no transfer of the room may still read its
@@ -419,6 +428,7 @@ void kvf_sender_abort(kvf_sender *s, const char *reason) {
   pf_dest *d = kvf__pf_collect_dests(s->r, NULL, &nd);
   free(s->r->park); /* the parked destinations are told here */
   s->r->park = NULL, s->r->npark = 0;
+  atomic_store(&s->r->parked, 0);
   pthread_mutex_unlock(&ps->lock);
   if (d) kvf__pf_send_failed_all(s->m, s->room, d, nd, NULL);
 }

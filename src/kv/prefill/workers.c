@@ -342,6 +342,7 @@ static int process_chunk(prefill_state *ps, pf_worker *w, pf_chunk *c) {
             for (size_t k = 0; k < ndone; k++) kvf__pf_dest_of(infos[done[k]]->m2, &d[k]);
             free(r->park); /* a later, larger completed list replaces it */
             r->park = d, r->npark = ndone, r->landed_ns = clock_now_ns();
+            atomic_store(&r->parked, 1);
             parked = 1;
           } else {
             kvf__rooms_fail(m->rooms, r->room, "Out of memory in the transfer worker");
