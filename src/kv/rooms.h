@@ -101,7 +101,7 @@ typedef struct rooms_info {
   int required;  /* responses needed for Success (1 when never set) */
   int responded; /* distinct prefill ranks that reported Success */
   int has_reason;
-  int has_token;        /* a published (final) token is waiting to be popped */
+  int has_token; /* a published (final) token is waiting to be popped */
   void *user;
 } rooms_info;
 

@@ -234,8 +234,9 @@ static kvf_poll_status poll_room(kvf_receiver *r) {
   double waited = (double)(clock_now_ns() - r->init_ns) / 1e9;
   if (waited < m->cfg.waiting_timeout_s) return (kvf_poll_status)st;
   char reason[ROOMS_REASON_MAX];
-  kvf__dec_set_reason(reason, sizeof reason, "Request %" PRId64 " timed out after %.1fs in TransferPoll.WaitingForInput",
-                      r->room, waited);
+  kvf__dec_set_reason(reason, sizeof reason,
+                      "Request %" PRId64 " timed out after %.1fs in TransferPoll.WaitingForInput", r->room,
+                      waited);
   /* Fail only if Success did not win the race. */
   int failed = 0;
   kvf__rooms_fail_unless_success(m->rooms, r->room, reason, &failed);
