@@ -367,6 +367,7 @@ static int64_t skew_bound(const ucx_ctl *c, int64_t now) {
 static void clock_ask(ucx_ctl *c, int64_t now) {
   if (now - c->skew_at_ns < UCX_CLOCK_PING_NS) return;
   if (c->ping_ns && now - c->ping_ns < (int64_t)UCX_CTL_TIMEOUT_MS * 1000000) return;
+  now = clock_now_ns(); /* the question's time, as late as can be: the tighter the bound */
   ucx_req q = {UCX_CLOCK_MAGIC, 0, (uint64_t)now};
   pthread_mutex_lock(&c->send_mu);
   if (!kvf__fd_send_all(c->fd, &q, sizeof q, clock_deadline_ms(UCX_CTL_TIMEOUT_MS))) c->ping_ns = now;
@@ -384,17 +385,33 @@ typedef struct notice_read {
   int64_t lease_end; /* on this engine's clock */
 } notice_read;
 
-/* Should the read stop, and with what? Checked between slices. */
-static int read_stop(const notice_read *r) {
+/* Was the read cut, and with what: the fence closed, a pinned region
+ * unregistered, the connection or the engine closing? Atomic loads only:
+ * checked before every slice. */
+static int read_cut(const notice_read *r) {
   kvf_engine *e = r->u->e;
   if (r->fence && atomic_load(&r->fence->cut)) return KVF_ESTATE;
   if (atomic_load(&e->regions.revocations) != r->gen)
     for (size_t i = 0; i < r->npins; i++)
       if (atomic_load(&r->c->pins[i]->revoked)) return KVF_ERANGE;
   if (atomic_load(&r->c->closing) || atomic_load(&r->u->stopping)) return KVF_ECLOSED;
-  if (clock_now_ns() >= r->lease_end) return KVF_ETIMEDOUT;
   return 0;
 }
+
+/* read_cut, or the lease over at `now` (the reader's clock). */
+static int read_stop_at(const notice_read *r, int64_t now) {
+  int rc = read_cut(r);
+  return rc ? rc : now >= r->lease_end ? KVF_ETIMEDOUT : 0;
+}
+
+static int read_stop(const notice_read *r) { return read_stop_at(r, clock_now_ns()); }
+
+/* Loads read the clock for the lease once per this many bytes, not before
+ * every slice: a clock read costs as much as a small slice's copy (a
+ * 1-page room is ~64 slices of 16 KiB). Stopping early is only a saving:
+ * whether a read counts is decided once every byte is in place, against
+ * the clock read then. */
+#define UCX_LEASE_CLOCK_BYTES (1u << 20)
 
 /* The span a strided block covers from `base`, or 0 on overflow. */
 static int block_span(uint64_t len, uint64_t count, uint64_t stride, uint64_t *span) {
@@ -582,9 +599,12 @@ static int cma_read(int pid, const ucx_load *l, size_t from, size_t to, uint64_t
  * UCX_CMA_BATCH_SLICES slices, UCX_CMA_BATCH_BYTES bytes); with `stream`,
  * mapped slices past the cache (base/copy.h). */
 static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size_t to, int stream) {
+  uint64_t unclocked = 0; /* bytes copied since the lease's clock was read */
   for (size_t i = from, j; i < to; i = j) {
-    int rc = read_stop(r);
+    int clock = i == from || unclocked >= UCX_LEASE_CLOCK_BYTES;
+    int rc = clock ? read_stop(r) : read_cut(r);
     if (rc) return rc;
+    if (clock) unclocked = 0;
     j = i + 1;
     if (l[i].remote) {
       uint64_t bytes = l[i].len;
@@ -592,10 +612,13 @@ static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size
         bytes += l[j].len;
       if ((rc = cma_read(r->c->cma_pid, l, i, j, bytes))) return rc;
       atomic_fetch_add_explicit(&r->u->e->stats.bytes_read_direct, bytes, memory_order_relaxed);
+      unclocked += bytes;
     } else if (stream) {
       kvf__copy_stream(l[i].dst, l[i].src, l[i].len);
+      unclocked += l[i].len;
     } else {
       memcpy(l[i].dst, l[i].src, l[i].len);
+      unclocked += l[i].len;
     }
     for (size_t k = i; r->fence && k < j; k++) /* cache-hot */
       kvf__engine_deliver_landed(r->u->e, r->n->tag, r->n->epoch, l[k].dst, l[k].len);
@@ -686,7 +709,7 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
       uint64_t s = w[i].src + k * w[i].src_stride, d = w[i].dst + k * w[i].dst_stride;
       for (uint64_t off = 0; !rc && off < w[i].len; off += UCX_READ_SLICE) {
         uint32_t len = (uint32_t)(w[i].len - off < UCX_READ_SLICE ? w[i].len - off : UCX_READ_SLICE);
-        if ((rc = read_stop(r))) break;
+        if ((rc = read_cut(r))) break; /* listing reads nothing: the lease is checked where bytes move */
         src = src && s + off >= src->base && s + off + len <= src->base + src->len
                   ? src
                   : kvf__ucx_rregion_find(c->wregs, c->nwregs, s + off, len);
@@ -827,13 +850,14 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   }
   /* Done reading: it counts only if that was within the lease (by the
    * bound on the writer's clock, taken now) and nothing cut it. */
-  if (!status && c->have_skew) r.lease_end = n.sent_ns + n.lease_ns - skew_bound(c, clock_now_ns());
-  if (!status) status = read_stop(&r);
+  int64_t t_done = clock_now_ns();
+  if (!status && c->have_skew) r.lease_end = n.sent_ns + n.lease_ns - skew_bound(c, t_done);
+  if (!status) status = read_stop_at(&r, t_done);
   if (!status) {
     kvf_engine_sync(e); /* the bytes read, before the trailer's reader looks at them */
     atomic_fetch_add(&e->stats.batches_received, 1);
     atomic_fetch_add(&e->stats.bytes_received, bytes);
-    if (r.fence) kvf__fence_landed(r.fence, t_land, clock_now_ns(), bytes, KVF__FENCE_READ);
+    if (r.fence) kvf__fence_landed(r.fence, t_land, t_done, bytes, KVF__FENCE_READ);
     if (n.tlen) {
       /* Handed over before the fence is left, as over tcp: once a fence
        * close returned, no trailer of that epoch arrives. */
@@ -848,7 +872,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
    * gives the pair up. */
   if (r.fence && (status == KVF_ERANGE || status == KVF_EPROTO) && !checked)
     kvf__engine_deliver_refusal(e, n.tag, n.epoch, status, c->peer);
-  if (c->have_skew) clock_ask(c, clock_now_ns());
+  if (c->have_skew) clock_ask(c, t_done);
   kvf__ucx_done_cut_fn cut = atomic_load(&kvf__ucx_done_cut);
   size_t part = cut ? cut(e) : 0;
   if (part > 0 && part < sizeof(ucx_req)) { /* the test seam: part of the answer, and nothing more */
