@@ -1,6 +1,8 @@
 /* See parse.h. */
 #include "base/parse.h"
 
+#include <string.h>
+
 static int is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
 int kvf__parse_i64(const char *s, size_t len, unsigned flags, int64_t *out) {
@@ -47,4 +49,12 @@ size_t kvf__fmt_i64(char *out, int64_t v) {
   if (v < 0) out[k++] = '-';
   while (n) out[k++] = rev[--n];
   return k;
+}
+
+size_t kvf__str_copy(char *dst, size_t cap, const char *src) {
+  if (!cap) return 0;
+  size_t n = src ? strnlen(src, cap - 1) : 0;
+  memcpy(dst, src ? src : "", n);
+  dst[n] = 0;
+  return n;
 }

@@ -1,7 +1,8 @@
 /* Strict parsing and comparison of untrusted text, one definition each for
  * the whole library: the decimal integer parser (environment and config
- * values, wire frames, route JSON, HTTP headers) and the constant-time
- * comparison of secrets (bootstrap bearer tokens, control-plane MACs).
+ * values, wire frames, route JSON, HTTP headers), the constant-time
+ * comparison of secrets (bootstrap bearer tokens, control-plane MACs), and
+ * the bounded string copy.
  * Pure functions, any thread, no allocation. */
 #ifndef KVF_BASE_PARSE_H
 #define KVF_BASE_PARSE_H
@@ -30,5 +31,11 @@ size_t kvf__fmt_i64(char *out, int64_t v);
 /* 1 when a[0..alen) equals b[0..blen), in time that depends only on alen
  * (the secret's length), never on where the inputs differ. */
 int kvf__ct_equal(const void *a, size_t alen, const void *b, size_t blen);
+
+/* Copy the string src (NULL: "") into dst of `cap` bytes, truncated to
+ * cap - 1 and always NUL-terminated when cap > 0; returns the length
+ * copied. What snprintf(dst, cap, "%s", src) does, without the format
+ * machinery (per-message and per-room paths copy peer names). */
+size_t kvf__str_copy(char *dst, size_t cap, const char *src);
 
 #endif

@@ -22,6 +22,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "base/thread.h"
+#include "base/parse.h"
 #include "engine/engine_internal.h"
 
 /* Sessions connecting at once, each with its own thread. Past it a submit
@@ -183,7 +184,7 @@ static int connector_queue(kvf_engine *e, const char *session, chunk **chunks, s
   int started = 0;
   if ((k = calloc(1, sizeof *k))) {
     k->e = e;
-    snprintf(k->session, sizeof k->session, "%s", session);
+    kvf__str_copy(k->session, sizeof k->session, session);
     k->head = k->tail = j;
     started = kvf__thread_start_detached(connector_main, k) == 0;
   }

@@ -16,6 +16,7 @@
 #include "base/env.h"
 #include "base/log.h"
 #include "base/wake.h"
+#include "base/parse.h"
 #include "engine/async.h"
 #include "engine/engine_internal.h"
 
@@ -116,14 +117,14 @@ int kvf_engine_create(const kvf_engine_config *cfg_in, kvf_engine **out) {
   pthread_mutex_init(&e->spare_mu, NULL);
   pthread_mutex_init(&e->conn_mu, NULL);
   clock_cond_init(&e->conn_cv);
-  snprintf(e->host, sizeof e->host, "%s", cfg.host);
+  kvf__str_copy(e->host, sizeof e->host, cfg.host);
   const char *tok = cfg.auth_token ? cfg.auth_token : getenv("KVFERRY_AUTH_TOKEN");
   if (tok && strlen(tok) >= sizeof e->auth_token) {
     LOG_ERROR("engine", "auth token longer than %zu bytes", sizeof e->auth_token - 1);
     rc = KVF_EINVAL;
     goto err_regions;
   }
-  snprintf(e->auth_token, sizeof e->auth_token, "%s", tok ? tok : "");
+  kvf__str_copy(e->auth_token, sizeof e->auth_token, tok ? tok : "");
   cfg.host = e->host;
   cfg.auth_token = e->auth_token;
   e->cfg = cfg;

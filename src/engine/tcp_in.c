@@ -16,6 +16,7 @@
  * pinned region's unregistering cuts it. */
 #include "engine/tcp_int.h"
 #include "base/thread.h"
+#include "base/parse.h"
 
 /* Where an inbound connection stands, for eviction when every slot is taken.
  * The worker holding the connection moves HELLO → IDLE → BUSY → IDLE ...; the accept
@@ -620,7 +621,7 @@ void *kvf__tcp_accept_main(void *arg) {
     in->item.fd = fd;
     in->accepted_ns = now;
     atomic_init(&in->phase, IN_HELLO);
-    snprintf(in->peer, sizeof in->peer, "%s", peer);
+    kvf__str_copy(in->peer, sizeof in->peer, peer);
     /* Listed before it is parked, so eviction sees every connection. */
     pthread_mutex_lock(&t->in_lock);
     in->next = t->inbound;

@@ -11,6 +11,7 @@
  * idle connection (conn_check_idle) and connects again if it has. */
 #include "engine/tcp_int.h"
 #include "base/thread.h"
+#include "base/parse.h"
 
 static void list_push(chunk **head, chunk **tail, chunk *c) {
   c->next = NULL;
@@ -302,7 +303,7 @@ static int conn_open(kvf_engine *e, tcp_session *s, int64_t deadline_ns, tcp_con
   atomic_init(&c->refs, 1);
   c->fd = fd;
   c->timeout_ms = e->cfg.timeout_ms;
-  snprintf(c->peer, sizeof c->peer, "%s", s->id);
+  kvf__str_copy(c->peer, sizeof c->peer, s->id);
   pthread_mutex_init(&c->send_lock, NULL);
   pthread_mutex_init(&c->q_lock, NULL);
   clock_cond_init(&c->q_cv);
@@ -335,7 +336,7 @@ static int session_get(tcp_state *t, const char *id, tcp_session **out) {
       goto out;
     }
     pthread_mutex_init(&s->lock, NULL);
-    snprintf(s->id, sizeof s->id, "%s", id);
+    kvf__str_copy(s->id, sizeof s->id, id);
   }
   *out = s;
 out:

@@ -28,6 +28,7 @@
 #include "base/hostmem.h"
 #include "base/log.h"
 #include "base/thread.h"
+#include "base/parse.h"
 #include "engine/tcp_proto.h"
 
 int kvf__ucx_status(ucs_status_t st) {
@@ -161,7 +162,7 @@ static void host_identity(char *out, size_t cap) {
    * their own identity. */
   const char *forced = getenv("KVFERRY_UCX_HOST_ID");
   if (forced && *forced) {
-    snprintf(out, cap, "%s", forced);
+    kvf__str_copy(out, cap, forced);
     return;
   }
   char boot[64], host[64] = "", ipc[64] = "", net[64] = "";
@@ -520,7 +521,7 @@ static int ucx_serve(kvf_engine *e, int fd, const char *peer, unsigned hello_fla
   ucx_ctl *c = calloc(1, sizeof *c);
   if (!c) return 0;
   c->fd = fd;
-  snprintf(c->peer, sizeof c->peer, "%s", peer);
+  kvf__str_copy(c->peer, sizeof c->peer, peer);
   c->read_mode = e->ucx_read && (hello_flags & TCP_HELLO_CAN_READ) && !atomic_load(&u->device_regs);
   pthread_mutex_init(&c->send_mu, NULL);
   /* The writer applies the first info before it writes: it counts as acked. */

@@ -15,6 +15,7 @@
 #include "base/hash.h"
 #include "base/hostmem.h"
 #include "base/log.h"
+#include "base/parse.h"
 #include "engine/tcp_proto.h"
 #include "engine/ucx.h"
 
@@ -36,7 +37,7 @@ int kvf__ucx_peer_get(ucx_state *u, const char *id, ucx_peer **out) {
       rc = KVF_EINVAL;
       goto out;
     }
-    snprintf(p->id, sizeof p->id, "%s", id);
+    kvf__str_copy(p->id, sizeof p->id, id);
     p->u = u;
     p->fd = -1;
     pthread_mutex_init(&p->conn_mu, NULL);
@@ -171,7 +172,7 @@ static int tls_allows(const char *tls, const char *const *names) {
   if (!tls || !*tls) return 1;
   int negate = tls[0] == '^';
   char buf[256];
-  snprintf(buf, sizeof buf, "%s", tls + negate);
+  kvf__str_copy(buf, sizeof buf, tls + negate);
   int hit = 0;
   for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
     for (const char *const *n = names; *n; n++)
@@ -483,7 +484,7 @@ static void set_route(ucx_state *u, ucx_peer *p, ucx_route route, const char *wh
   pthread_mutex_lock(&p->mu);
   int same = p->route == route && !strcmp(p->why, why);
   p->route = route;
-  snprintf(p->why, sizeof p->why, "%s", why);
+  kvf__str_copy(p->why, sizeof p->why, why);
   pthread_mutex_unlock(&p->mu);
   if (same) return;
   atomic_fetch_add(route == ROUTE_UCX ? &u->e->stats.peers_ucx : &u->e->stats.peers_tcp, 1);

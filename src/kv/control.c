@@ -438,7 +438,7 @@ void *kvf__control_listener_main(void *arg) {
     size_t n = 1, extra = 0;
     char peer[KVF_ADDR_HOST_LEN] = "?"; /* libzmq's Peer-Address: the IP, no port */
     const char *pa = zmq_msg_gets(&parts[0], "Peer-Address");
-    if (pa) snprintf(peer, sizeof peer, "%s", pa);
+    if (pa) kvf__str_copy(peer, sizeof peer, pa);
     /* The rest of a multipart message is already here (ZeroMQ delivers
      * messages whole). */
     for (int more = zmq_msg_more(&parts[0]); more;) {

@@ -8,6 +8,7 @@
 
 #include "base/hash.h"
 #include "base/log.h"
+#include "base/parse.h"
 #include "engine/async.h"
 #include "kvferry/engine.h"
 
@@ -167,8 +168,8 @@ void kvf__integ_send_fence(kvf_manager *m, const char *ip, uint16_t port, int64_
   memset(&f, 0, sizeof f);
   f.room = room;
   f.epoch = epoch;
-  snprintf(f.session, sizeof f.session, "%s", kvf_manager_session_id(m));
-  snprintf(f.reason, sizeof f.reason, "%s", reason ? reason : "");
+  kvf__str_copy(f.session, sizeof f.session, kvf_manager_session_id(m));
+  kvf__str_copy(f.reason, sizeof f.reason, reason ? reason : "");
   wire_msg msg;
   char why[WIRE_REASON_LEN];
   if (kvf__wire_fence_encode(&f, &msg, why)) {

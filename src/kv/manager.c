@@ -21,6 +21,7 @@
 #include "base/hostmem.h"
 #include "base/log.h"
 #include "base/wake.h"
+#include "base/parse.h"
 #include "kv/integrity.h"
 
 void kvf_manager_config_init(kvf_manager_config *cfg) {
@@ -289,12 +290,12 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
     LOG_ERROR("kv", "the host or the bootstrap address is longer than an address can be");
     goto err_free;
   }
-  snprintf(m->host, sizeof m->host, "%s", c->host && *c->host ? c->host : "127.0.0.1");
+  kvf__str_copy(m->host, sizeof m->host, c->host && *c->host ? c->host : "127.0.0.1");
   c->host = m->host;
-  snprintf(m->bootstrap_addr, sizeof m->bootstrap_addr, "%s", c->bootstrap_addr ? c->bootstrap_addr : "");
+  kvf__str_copy(m->bootstrap_addr, sizeof m->bootstrap_addr, c->bootstrap_addr ? c->bootstrap_addr : "");
   c->bootstrap_addr = m->bootstrap_addr;
   const char *tok = c->bootstrap_token ? c->bootstrap_token : getenv("KVFERRY_BOOTSTRAP_TOKEN");
-  snprintf(m->bootstrap_token, sizeof m->bootstrap_token, "%s", tok ? tok : "");
+  kvf__str_copy(m->bootstrap_token, sizeof m->bootstrap_token, tok ? tok : "");
   c->bootstrap_token = m->bootstrap_token;
   const char *ctl = c->control_token ? c->control_token : getenv("KVFERRY_CONTROL_TOKEN");
   m->ctl_keylen = ctl ? strlen(ctl) : 0;

@@ -18,6 +18,7 @@
 #include "base/clock.h"
 #include "base/log.h"
 #include "base/thread.h"
+#include "base/parse.h"
 #include "kv/manager.h"
 
 static const char *const step_names[KVF_TRACE_NSTEPS] = {
@@ -225,7 +226,7 @@ void kvf__trace_snapshot(kvf_manager *m, const trace_live *tl, int64_t room, kvf
   out->room = room;
   out->side = m->cfg.role;
   out->rank = m->tp_rank;
-  snprintf(out->engine, sizeof out->engine, "%s", kvf_manager_session_id(m));
+  kvf__str_copy(out->engine, sizeof out->engine, kvf_manager_session_id(m));
   for (int i = 0; i < KVF_TRACE_NSTEPS; i++) out->t_ns[i] = atomic_load(&tl->t[i]);
   out->bytes = atomic_load(&tl->n[TRACE_BYTES]);
   out->descs = atomic_load(&tl->n[TRACE_DESCS]);
@@ -270,7 +271,7 @@ void kvf__trace_finish(kvf_manager *m, trace_live *tl, int64_t room, int status,
   kvf__trace_snapshot(m, tl, room, &t);
   t.status = status;
   t.finished = 1;
-  snprintf(t.reason, sizeof t.reason, "%s", reason ? reason : "");
+  kvf__str_copy(t.reason, sizeof t.reason, reason ? reason : "");
   pthread_mutex_lock(&r->mu);
   r->slots[r->n % r->cap] = t;
   r->n++;
@@ -407,7 +408,7 @@ size_t kvf_trace_format_json(const kvf_room_trace *t, char *buf, size_t cap) {
 
 static void copy_str(char *dst, size_t cap, json_t *v) {
   const char *s = json_is_string(v) ? json_string_value(v) : "";
-  snprintf(dst, cap, "%s", s);
+  kvf__str_copy(dst, cap, s);
 }
 
 int kvf_trace_parse_json(const char *line, kvf_room_trace *out) {

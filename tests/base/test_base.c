@@ -170,6 +170,31 @@ static void fmt_i64_matches_printf(void **state) {
   }
 }
 
+/* The bounded string copy does what snprintf(dst, cap, "%s", src) does:
+ * every length around the capacity, NUL-terminated, nothing past cap. */
+static void str_copy_matches_snprintf(void **state) {
+  (void)state;
+  const char *src = "0123456789abcdef";
+  for (size_t cap = 1; cap <= 20; cap++) {
+    for (size_t len = 0; len <= 16; len++) {
+      char s[17], want[24], got[24];
+      memcpy(s, src, len);
+      s[len] = 0;
+      memset(want, '#', sizeof want);
+      memset(got, '#', sizeof got);
+      int wl = snprintf(want, cap, "%s", s);
+      size_t gl = kvf__str_copy(got, cap, s);
+      assert_int_equal(gl, (size_t)wl < cap ? (size_t)wl : cap - 1);
+      assert_memory_equal(got, want, sizeof got); /* the guard bytes past cap included */
+    }
+  }
+  char g[4] = "###";
+  assert_int_equal(kvf__str_copy(g, 0, "x"), 0); /* no room: nothing written */
+  assert_string_equal(g, "###");
+  assert_int_equal(kvf__str_copy(g, sizeof g, NULL), 0);
+  assert_string_equal(g, "");
+}
+
 static void error_texts_and_log_once(void **state) {
   assert_string_equal(kvf_strerror(KVF_ERANGE), "address range outside registered memory");
   assert_string_equal(kvf_strerror(12345), "unknown error");
@@ -201,6 +226,7 @@ int main(void) {
       cmocka_unit_test(env_parsing_keeps_default_on_garbage),
       cmocka_unit_test(parse_i64_rules_and_ct_equal),
       cmocka_unit_test(fmt_i64_matches_printf),
+      cmocka_unit_test(str_copy_matches_snprintf),
       cmocka_unit_test(error_texts_and_log_once),
       cmocka_unit_test(log_once_per_host_ignores_the_port),
   };

@@ -54,6 +54,7 @@
 
 #include "base/clock.h"
 #include "base/log.h"
+#include "base/parse.h"
 #include "bootstrap/bootstrap.h"
 #include "engine/async.h"
 #include "kv/integrity.h"

@@ -82,7 +82,7 @@ static void addr_note(kvf_manager *m, const char *addr, int rc, const char *reas
     while (kvf__smap_next(&ds->down, &it, &key, &v)) /* deleting the current entry is allowed */
       if (((addr_down *)v)->until_ns <= now) {
         char k[KVF_ADDR_LEN];
-        snprintf(k, sizeof k, "%s", key);
+        kvf__str_copy(k, sizeof k, key);
         if (kvf__smap_del(&ds->down, k, &v)) free(v);
       }
   }
@@ -93,7 +93,7 @@ static void addr_note(kvf_manager *m, const char *addr, int rc, const char *reas
   }
   if (d) {
     d->until_ns = now + (int64_t)(m->cfg.heartbeat_interval_s * 1e9);
-    snprintf(d->reason, sizeof d->reason, "%s", reason);
+    kvf__str_copy(d->reason, sizeof d->reason, reason);
   }
   pthread_mutex_unlock(&ds->lock);
 }
@@ -142,7 +142,7 @@ static int fetch_addr_entry(kvf_manager *m, bootstrap_client **client, const cha
       rc = KVF_EINVAL;
     } else {
       rc = kvf__plan_route_legacy_mla(m->tp_size, m->tp_rank, (int)a->tp_p, pi.enable_mla_l1_5_cache, &a->plan);
-      if (rc) snprintf(err, sizeof err, "%s", kvf_strerror(rc));
+      if (rc) kvf__str_copy(err, sizeof err, kvf_strerror(rc));
     }
   } else {
     const route_lens *L = pi.lists;
@@ -232,7 +232,7 @@ static pool_entry *pool_from_plan(const addr_entry *a, const char *addr) {
   pool_entry *p = calloc(1, sizeof *p);
   if (!p) return NULL;
   atomic_init(&p->refs, 1);
-  snprintf(p->addr, sizeof p->addr, "%s", addr);
+  kvf__str_copy(p->addr, sizeof p->addr, addr);
   p->ntargets = a->plan.ntargets;
   p->targets = calloc((size_t)p->ntargets, sizeof *p->targets);
   p->fragmented = !a->plan.is_identity && a->plan.nfrags > 0;
@@ -260,9 +260,9 @@ static pool_entry *pool_from_plan(const addr_entry *a, const char *addr) {
 
 void kvf__dec_fill_self(kvf_manager *m, char *endpoint, uint16_t *dst_port, char *session,
                         uint16_t *session_port) {
-  snprintf(endpoint, WIRE_STR_MAX + 1, "%s", m->host);
+  kvf__str_copy(endpoint, WIRE_STR_MAX + 1, m->host);
   *dst_port = m->rank_port;
-  snprintf(session, WIRE_STR_MAX + 1, "%s", kvf_manager_session_id(m));
+  kvf__str_copy(session, WIRE_STR_MAX + 1, kvf_manager_session_id(m));
   int sp = 0;
   kvf__plan_session_port(session, &sp);
   *session_port = (uint16_t)sp;

@@ -6,6 +6,7 @@
 
 #include "base/hash.h"
 #include "base/thread.h"
+#include "base/parse.h"
 
 typedef struct dead_addr {
   const char *addr;
@@ -179,7 +180,7 @@ static kvf__probe_target *collect_ranks(kvf_manager *m, const char *addr, size_t
         t = nt, cap = nc;
       }
       t[*n] = (kvf__probe_target){.port = pt->port, .rank = pt->rank};
-      snprintf(t[*n].ip, sizeof t[*n].ip, "%s", pt->ip);
+      kvf__str_copy(t[*n].ip, sizeof t[*n].ip, pt->ip);
       (*n)++;
     }
   }

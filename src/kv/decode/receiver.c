@@ -48,7 +48,7 @@ int kvf_receiver_create(kvf_manager *m, const char *bootstrap_addr, int64_t room
   if (!r) return KVF_ENOMEM;
   r->m = m;
   r->room = room;
-  snprintf(r->addr, sizeof r->addr, "%s", bootstrap_addr);
+  kvf__str_copy(r->addr, sizeof r->addr, bootstrap_addr);
   kvf__trace_begin(m, &r->tr); /* before the room is visible to the listener */
   kvf__trace_now(&r->tr, KVF_TRACE_CREATED);
   int rc = kvf__rooms_create(m->rooms, room, ROOM_BOOTSTRAPPING);
@@ -107,8 +107,8 @@ static void trace_landed(kvf_receiver *r, int status) {
   if (!fs.how && status == ROOM_SUCCESS && !strcmp(engine, "ucx") && r->fence_epoch)
     tr = "ucx", mode = "write"; /* landed without this engine's CPU: one-sided puts */
   for (uint32_t i = 0; i < tl->npeers; i++) {
-    snprintf(tl->peers[i].transport, sizeof tl->peers[i].transport, "%s", tr);
-    snprintf(tl->peers[i].mode, sizeof tl->peers[i].mode, "%s", mode);
+    kvf__str_copy(tl->peers[i].transport, sizeof tl->peers[i].transport, tr);
+    kvf__str_copy(tl->peers[i].mode, sizeof tl->peers[i].mode, mode);
   }
 }
 

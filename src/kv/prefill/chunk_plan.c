@@ -298,7 +298,7 @@ int kvf__pf_plan_dest(prefill_state *ps, pf_scratch *sc, const pf_chunk *c, cons
     return ret;
   }
   if (info->tokens < 1) { /* the plan was refused when the M2 arrived */
-    snprintf(why, whycap, "%s", info->plan_why);
+    kvf__str_copy(why, whycap, info->plan_why);
     return ret;
   }
 
@@ -404,9 +404,9 @@ static void trace_peer(prefill_state *ps, trace_live *tl, const char *session) {
   kvf_trace_peer *p = &tl->peers[tl->npeers];
   const char *transport = "", *mode = "";
   kvf__engine_peer_path(ps->m->engine, session, &transport, &mode); /* unknown yet: left empty */
-  snprintf(p->peer, sizeof p->peer, "%s", session);
-  snprintf(p->transport, sizeof p->transport, "%s", transport);
-  snprintf(p->mode, sizeof p->mode, "%s", mode);
+  kvf__str_copy(p->peer, sizeof p->peer, session);
+  kvf__str_copy(p->transport, sizeof p->transport, transport);
+  kvf__str_copy(p->mode, sizeof p->mode, mode);
   tl->npeers++;
 }
 

@@ -12,7 +12,7 @@ static int put_route(kvf_manager *m) {
   snprintf(reg.role, sizeof reg.role, "Prefill");
   reg.world_size = m->cfg.world_size;
   reg.dp_size = m->cfg.dp_size;
-  snprintf(reg.rank_ip, sizeof reg.rank_ip, "%s", m->host);
+  kvf__str_copy(reg.rank_ip, sizeof reg.rank_ip, m->host);
   reg.rank_port = m->rank_port;
   reg.engine_rank = m->cfg.engine_rank;
   /* kvferry's page layout: our MHA pages are token-major (§6.5.7 caveat). */

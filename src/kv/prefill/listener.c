@@ -30,7 +30,7 @@ static int regs_drop_oldest_locked(prefill_state *ps, const char *peer) {
   }
   if (!victim) return KVF_ENOMEM;
   char session[WIRE_STR_MAX + 1];
-  snprintf(session, sizeof session, "%s", vkey);
+  kvf__str_copy(session, sizeof session, vkey);
   kvf__smap_del(&ps->regs, session, NULL);
   free(victim->m1);
   free(victim);

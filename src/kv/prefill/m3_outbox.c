@@ -72,7 +72,7 @@ static int m3_defer(prefill_state *ps, const char *host, uint16_t port, uint64_t
     return 0;
   }
   pf_m3 *x = &ps->m3q[k];
-  snprintf(x->d.host, sizeof x->d.host, "%s", host);
+  kvf__str_copy(x->d.host, sizeof x->d.host, host);
   x->d.port = port;
   x->d.epoch = epoch;
   x->room = msg->room;

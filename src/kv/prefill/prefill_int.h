@@ -116,6 +116,7 @@
 #include "base/hash.h"
 #include "base/log.h"
 #include "base/map.h"
+#include "base/parse.h"
 #include "base/wake.h"
 #include "bootstrap/bootstrap.h"
 #include "engine/async.h"

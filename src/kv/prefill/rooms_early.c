@@ -172,7 +172,7 @@ pf_dest *kvf__pf_collect_dests(pf_room *r, const char *except, size_t *n) {
 }
 
 void kvf__pf_dest_of(const wire_m2 *x, pf_dest *d) {
-  snprintf(d->host, sizeof d->host, "%s", x->endpoint);
+  kvf__str_copy(d->host, sizeof d->host, x->endpoint);
   d->port = x->dst_port;
   d->epoch = x->fence_epoch;
 }
