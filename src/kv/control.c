@@ -38,8 +38,8 @@
 #include "base/wake.h"
 #include "engine/async.h"
 #include "kv/integrity.h"
+#include "wire/zmtp.h"
 
-#define MANAGER_MAX_FRAME_BYTES (64ll << 20) /* ZMQ_MAXMSGSIZE: bigger frames drop the peer */
 #define MANAGER_MAX_PUSHES 4096
 #define MANAGER_MAC_LABEL "kvferry-control-mac-v1"
 #define MANAGER_MAC_WINDOW_S 300 /* clock skew and delivery delay accepted, seconds */
@@ -407,11 +407,140 @@ void kvf__control_wake(kvf_manager *m) {
   (void)r;
 }
 
+/* One connection to the control port (a peer's PUSH socket, or a probe),
+ * known by the routing id ZMQ_STREAM gave it: its ZMTP state and the peer's
+ * address. The listener thread's alone. */
+#define CTL_ID_MAX 7
+typedef struct ctl_conn {
+  unsigned char id[CTL_ID_MAX];
+  size_t idlen;
+  char peer[KVF_ADDR_HOST_LEN];
+  zmtp_rx rx;
+} ctl_conn;
+
+/* The listener's connections, by routing id. */
+typedef struct ctl_conns {
+  kvf_manager *m;
+  map by_id;
+} ctl_conns;
+
+/* A connection's messages whole and bounded (wire/zmtp.h): frames beyond
+ * MANAGER_MAX_RECV_FRAMES are counted as extra (the codecs reject such a
+ * message); more than MANAGER_MAX_MSG_FRAMES frames, or more than
+ * MANAGER_MAX_MSG_BYTES bytes, end the connection. */
+#define MANAGER_MAX_MSG_FRAMES 1024
+#define MANAGER_MAX_MSG_BYTES (64u << 20)
+/* Connections at once; more are closed as they come (logged once). */
+#define MANAGER_MAX_CONNS 8192
+_Static_assert(MANAGER_MAX_RECV_FRAMES <= ZMTP_KEPT_FRAMES_MAX, "zmtp keeps every frame a manager reads");
+
+/* ZMQ_STREAM's routing ids are 5 bytes (libzmq): a 64-bit key holds one,
+ * with its length. */
+static int conn_key(zmq_msg_t *id, uint64_t *key) {
+  size_t n = zmq_msg_size(id);
+  if (!n || n > CTL_ID_MAX) return 0;
+  uint64_t k = n;
+  memcpy((unsigned char *)&k + 1, zmq_msg_data(id), n);
+  *key = k;
+  return 1;
+}
+
+/* Bytes to the peer of c (greeting, PONG): 0, or -1 when they could not go. */
+static int conn_send(void *m_pull, const ctl_conn *c, const void *bytes, size_t len) {
+  if (zmq_send(m_pull, c->id, c->idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) return -1;
+  return zmq_send(m_pull, bytes, len, ZMQ_DONTWAIT) < 0 ? -1 : 0;
+}
+
+typedef struct conn_turn {
+  ctl_conns *cs;
+  ctl_conn *c;
+} conn_turn;
+
+static int turn_send(void *arg, const void *bytes, size_t len) {
+  conn_turn *t = arg;
+  return conn_send(t->cs->m->pull, t->c, bytes, len);
+}
+
+static void turn_message(void *arg, const wire_frame *frames, size_t n, size_t extra) {
+  conn_turn *t = arg;
+  kvf__manager_dispatch(t->cs->m, frames, n, extra, t->c->peer);
+  /* From the second message of a burst on: the first one's transfers go
+   * at once (one message alone costs no push), the rest at the burst's
+   * end or every ENGINE_HOLD_SENDS (engine.c). */
+  kvf__engine_hold_begin();
+}
+
+static void conn_free(ctl_conns *cs, uint64_t key, ctl_conn *c) {
+  kvf__map_del(&cs->by_id, key, NULL);
+  kvf__zmtp_rx_free(&c->rx);
+  free(c);
+}
+
+/* End a connection from this side (ZMQ_STREAM closes it on an empty message). */
+static void conn_close(ctl_conns *cs, uint64_t key, ctl_conn *c) {
+  conn_send(cs->m->pull, c, "", 0);
+  conn_free(cs, key, c);
+}
+
+/* A peer connected: greet it as a PULL socket does. */
+static void conn_open(ctl_conns *cs, uint64_t key, zmq_msg_t *id, zmq_msg_t *note) {
+  kvf_manager *m = cs->m;
+  const char *pa = zmq_msg_gets(note, "Peer-Address"); /* the IP, no port */
+  ctl_conn *c = calloc(1, sizeof *c);
+  if (!c || kvf__map_size(&cs->by_id) >= MANAGER_MAX_CONNS || kvf__map_put(&cs->by_id, key, c, NULL)) {
+    if (c) {
+      memcpy(c->id, zmq_msg_data(id), zmq_msg_size(id));
+      c->idlen = zmq_msg_size(id);
+      conn_send(m->pull, c, "", 0);
+      free(c);
+    }
+    if (kvf__log_first_time(kvf__hash_str("control-conns-full", (uint64_t)(uintptr_t)m)))
+      LOG_WARN("kv", "control port: %zu connections open, closing a new one from %s (further ones are not logged)",
+               kvf__map_size(&cs->by_id), pa ? pa : "?");
+    return;
+  }
+  memcpy(c->id, zmq_msg_data(id), zmq_msg_size(id));
+  c->idlen = zmq_msg_size(id);
+  kvf__str_copy(c->peer, sizeof c->peer, pa ? pa : "?");
+  const zmtp_limits lim = {.kept_frames = MANAGER_MAX_RECV_FRAMES,
+                           .max_frames = MANAGER_MAX_MSG_FRAMES,
+                           .max_msg_bytes = MANAGER_MAX_MSG_BYTES};
+  kvf__zmtp_rx_init(&c->rx, &lim);
+  unsigned char hello[ZMTP_HELLO_MAX];
+  size_t n = kvf__zmtp_hello(hello, "PULL");
+  if (conn_send(m->pull, c, hello, n)) conn_free(cs, key, c); /* gone already */
+}
+
+/* What ZMQ_STREAM handed over: a connection's routing id, then what the
+ * peer sent (empty: it connected, or went away). */
+static void conn_input(ctl_conns *cs, zmq_msg_t *id, zmq_msg_t *data) {
+  uint64_t key;
+  if (!conn_key(id, &key)) return;
+  ctl_conn *c = kvf__map_get(&cs->by_id, key);
+  size_t n = zmq_msg_size(data);
+  if (!n) {
+    if (c) conn_free(cs, key, c); /* it went away */
+    else conn_open(cs, key, id, data);
+    return;
+  }
+  if (!c) return; /* bytes queued before this side closed it */
+  conn_turn t = {cs, c};
+  const zmtp_sink sink = {.arg = &t, .message = turn_message, .send = turn_send};
+  char why[192];
+  if (kvf__zmtp_rx_feed(&c->rx, zmq_msg_data(data), n, &sink, why, sizeof why)) {
+    kvf__manager_reject(cs->m, c->peer, "connection", why);
+    conn_close(cs, key, c);
+  }
+}
+
 void *kvf__control_listener_main(void *arg) {
   kvf__thread_name("kvf-listen");
   kvf_manager *m = arg;
-  zmq_msg_t parts[MANAGER_MAX_RECV_FRAMES];
-  for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_init(&parts[i]);
+  ctl_conns cs = {.m = m};
+  kvf__map_init(&cs.by_id);
+  zmq_msg_t id, data;
+  zmq_msg_init(&id);
+  zmq_msg_init(&data);
   int fd = -1;
   size_t fdlen = sizeof fd;
   if (zmq_getsockopt(m->pull, ZMQ_FD, &fd, &fdlen)) fd = -1;
@@ -422,10 +551,10 @@ void *kvf__control_listener_main(void *arg) {
       kvf__engine_hold_end(); /* nothing outside a hold */
       m->role->tick(m);
     }
-    /* Messages already queued are taken without a wait or a readiness check
+    /* What is already queued is taken without a wait or a readiness check
      * (a check costs two system calls in libzmq): one wake-up drains a
      * burst, and the first receive that finds nothing leads to the wait. */
-    if (zmq_msg_recv(&parts[0], m->pull, ZMQ_DONTWAIT) < 0) {
+    if (zmq_msg_recv(&id, m->pull, ZMQ_DONTWAIT) < 0) {
       kvf__engine_hold_end(); /* the burst's notices go out before any wait */
       listener_wait(m, fd);   /* EAGAIN; any other error waits too, rather than spin */
       int64_t now = clock_now_ns();
@@ -435,52 +564,34 @@ void *kvf__control_listener_main(void *arg) {
       }
       continue;
     }
-    size_t n = 1, extra = 0;
-    char peer[KVF_ADDR_HOST_LEN] = "?"; /* libzmq's Peer-Address: the IP, no port */
-    const char *pa = zmq_msg_gets(&parts[0], "Peer-Address");
-    if (pa) kvf__str_copy(peer, sizeof peer, pa);
-    /* The rest of a multipart message is already here (ZeroMQ delivers
+    /* ZMQ_STREAM: always the id, then one data part (ZeroMQ delivers
      * messages whole). */
-    for (int more = zmq_msg_more(&parts[0]); more;) {
-      zmq_msg_t *part = n < MANAGER_MAX_RECV_FRAMES ? &parts[n] : NULL;
-      zmq_msg_t sink;
-      if (!part) {
-        zmq_msg_init(&sink);
-        part = &sink;
-      }
-      if (zmq_msg_recv(part, m->pull, 0) < 0) {
-        if (part == &sink) zmq_msg_close(&sink);
-        break;
-      }
-      more = zmq_msg_more(part);
-      if (part == &sink) {
-        zmq_msg_close(&sink);
-        extra++;
-      } else {
-        n++;
-      }
-    }
-    wire_frame frames[MANAGER_MAX_RECV_FRAMES];
-    for (size_t i = 0; i < n; i++) frames[i] = (wire_frame){zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])};
-    kvf__manager_dispatch(m, frames, n, extra, peer);
-    /* From the second message of a burst on: the first one's transfers go
-     * at once (one message alone costs no push), the rest at the burst's
-     * end or every ENGINE_HOLD_SENDS (engine.c). */
-    kvf__engine_hold_begin();
+    if (!zmq_msg_more(&id) || zmq_msg_recv(&data, m->pull, 0) < 0) continue;
+    conn_input(&cs, &id, &data);
   }
   kvf__engine_hold_end();
-  for (size_t i = 0; i < MANAGER_MAX_RECV_FRAMES; i++) zmq_msg_close(&parts[i]);
+  map_iter it;
+  kvf__map_iter_init(&it);
+  uint64_t key;
+  void *v;
+  while (kvf__map_next(&cs.by_id, &it, &key, &v)) {
+    kvf__zmtp_rx_free(&((ctl_conn *)v)->rx);
+    free(v);
+  }
+  kvf__map_free(&cs.by_id);
+  zmq_msg_close(&id);
+  zmq_msg_close(&data);
   return NULL;
 }
 
 /* Bind to an ephemeral port chosen by the kernel (no bind-then-release race
  * as in the reference) and read back which one. */
 int kvf__control_bind_pull(kvf_manager *m) {
-  m->pull = zmq_socket(m->zctx, ZMQ_PULL);
+  /* The PULL side of ZMTP is spoken here (wire/zmtp.h), over raw bytes,
+   * so that a peer's message is bounded as a whole, not only its frames. */
+  m->pull = zmq_socket(m->zctx, ZMQ_STREAM);
   if (!m->pull) return KVF_EIO;
-  int64_t maxmsg = MANAGER_MAX_FRAME_BYTES;
   int linger = 0, ipv6 = kvf__addr_is_ipv6(m->host), hwm = 10000;
-  zmq_setsockopt(m->pull, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
   zmq_setsockopt(m->pull, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(m->pull, ZMQ_IPV6, &ipv6, sizeof ipv6);
   zmq_setsockopt(m->pull, ZMQ_RCVHWM, &hwm, sizeof hwm);

@@ -7,6 +7,7 @@
  * unpack byte-exact and malformed ones are refused; the peer-address check
  * compares what it can. */
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <sys/socket.h>
@@ -28,6 +29,7 @@
 #include "procfs.h"
 #include "sockets.h"
 #include "wire/messages.h"
+#include "wire/zmtp.h"
 
 #define PEERS 32        /* PUSH sockets sending to one manager at once */
 #define PER_PEER 20     /* valid messages each */
@@ -189,6 +191,89 @@ static void frames_past_any_message_are_ignored(void **state) {
   send_frames(s, msg.frames, 2);
   kvf__wire_msg_free(&msg);
   wait_counts(m, (expect){0, 1, 1, 0});
+  zmq_close(s);
+  zmq_ctx_term(zctx);
+  kvf_manager_destroy(m);
+}
+
+/* A raw TCP connection to the manager's control port, its ZMTP greeting
+ * and READY read, ours (a PUSH socket's) sent. */
+static int zmtp_client(uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+  struct timeval tv = {.tv_sec = 10};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  unsigned char hello[ZMTP_HELLO_MAX], got[ZMTP_HELLO_MAX];
+  size_t len = kvf__zmtp_hello(hello, "PUSH");
+  assert_int_equal(send(fd, hello, len, MSG_NOSIGNAL), (ssize_t)len);
+  size_t have = 0;
+  while (have < 64 + 2 + 26) { /* the manager's: a PULL socket's greeting and READY */
+    ssize_t n = recv(fd, got + have, 64 + 2 + 26 - have, 0);
+    assert_true(n > 0);
+    have += (size_t)n;
+  }
+  assert_int_equal(got[0], 0xFF);
+  assert_memory_equal(got + 64 + 2 + 22, "PULL", 4);
+  return fd;
+}
+
+/* Send frames of `frame` bytes, all with the MORE flag, until the manager
+ * drops the connection (or `most` bytes went): the bytes that went. */
+static uint64_t flood(int fd, size_t frame, uint64_t most) {
+  unsigned char *b = calloc(1, frame + 9);
+  assert_non_null(b);
+  b[0] = 3; /* MORE | LONG */
+  for (int i = 0; i < 8; i++) b[1 + i] = (unsigned char)((uint64_t)frame >> (8 * (7 - i)));
+  uint64_t sent = 0;
+  while (sent < most) {
+    ssize_t n = send(fd, b, frame + 9, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    sent += (uint64_t)n;
+  }
+  free(b);
+  return sent;
+}
+
+/* Wait (bounded) until the peer closed fd: 1 then. */
+static int closed_by_peer(int fd) {
+  unsigned char sink[4096];
+  double t0 = now_s();
+  while (now_s() - t0 < DEADLINE_S) {
+    ssize_t n = recv(fd, sink, sizeof sink, 0);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return 1;
+  }
+  return 0;
+}
+
+/* A message that never ends (frames with the MORE flag, forever: libzmq's
+ * PULL socket kept them all, 3.5 GB in 10 s) ends its connection at the
+ * manager's bound, by frames or by bytes, counted as malformed; the
+ * listener goes on serving other peers. */
+static void a_message_that_never_ends_drops_its_peer(void **state) {
+  (void)state;
+  kvf_manager *m = make_manager(NULL);
+  int fd = zmtp_client(m->rank_port);
+  uint64_t went = flood(fd, 0, 64ull << 20); /* empty frames: the frame bound (1024) */
+  assert_true(closed_by_peer(fd));
+  assert_true(went < (64ull << 20));
+  close(fd);
+  fd = zmtp_client(m->rank_port);
+  went = flood(fd, 1 << 20, 1ull << 30); /* 1 MiB frames: the byte bound (64 MiB), far below 1 GiB */
+  assert_true(closed_by_peer(fd));
+  printf("the byte flood stopped after %llu MiB\n", (unsigned long long)(went >> 20));
+  assert_true(went < (1ull << 30));
+  close(fd);
+  void *zctx = zmq_ctx_new(); /* a well-behaved peer is still served */
+  void *s = push_to(zctx, m->rank_port);
+  wire_msg msg;
+  m3_for(9, &msg);
+  send_frames(s, msg.frames, msg.nframes);
+  kvf__wire_msg_free(&msg);
+  wait_counts(m, (expect){0, 2, 1, 0});
   zmq_close(s);
   zmq_ctx_term(zctx);
   kvf_manager_destroy(m);
@@ -669,6 +754,7 @@ int main(void) {
       cmocka_unit_test(a_stalled_peer_holds_up_only_its_own_sends),
       cmocka_unit_test(a_posted_message_never_waits_on_a_stalled_peer),
       cmocka_unit_test(frames_past_any_message_are_ignored),
+      cmocka_unit_test(a_message_that_never_ends_drops_its_peer),
       cmocka_unit_test(control_token_admits_only_good_macs),
       cmocka_unit_test(push_cache_keeps_order_per_endpoint),
       cmocka_unit_test(push_cache_holds_more_peers_than_zeromq_default),
