@@ -1,7 +1,8 @@
 /* The manager's control plane, shared by both roles: the PULL listener
  * thread (receives M1/M2/M3 and fence messages and dispatches them to the
- * role), the PUSH socket cache per peer endpoint, the rejection log, and
- * the trailer packing.
+ * role; it speaks ZMTP's receiving side itself over a ZMQ_STREAM socket, so
+ * that every message is bounded as a whole: wire/zmtp.h), the PUSH socket
+ * cache per peer endpoint, the rejection log, and the trailer packing.
  *
  * Control-plane authentication (issue 13 defect 5, docs/WIRE-EXTENSIONS.md).
  * With a control token set, every message sent carries one more frame,

@@ -101,7 +101,10 @@ struct kvf_manager {
   manager_counters stats;
 
   void *zctx;
-  void *pull;         /* owned by the listener thread once it runs */
+  /* The control port: a ZMQ_STREAM socket on which the listener speaks
+   * ZMTP's PULL side itself (wire/zmtp.h, control.c), to bound each message
+   * as a whole. Owned by the listener thread once it runs. */
+  void *pull;
   uint16_t rank_port; /* the PULL socket's port */
   pthread_t listener;
   int listener_started;

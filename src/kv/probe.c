@@ -4,7 +4,8 @@
  * prefill rank exposes, kvferry's and tokenspeed's alike, is its ZMQ PULL
  * socket at the (rank_ip, rank_port) it registered. A ZMTP peer sends its
  * greeting signature (0xFF, 8 bytes, 0x7F) as soon as a connection is
- * accepted, from libzmq's I/O thread, so reading those 10 bytes within a
+ * accepted (tokenspeed's from libzmq's I/O thread, kvferry's from its
+ * listener thread: kv/control.c), so reading those 10 bytes within a
  * deadline tells a live rank (greeting), a dead one (refused, reset, closed)
  * and a stopped or unreachable one (no greeting in time: a stopped process's
  * kernel still completes the TCP handshake, but nobody sends a greeting)
