@@ -416,6 +416,7 @@ typedef struct ctl_conn {
   unsigned char id[CTL_ID_MAX];
   size_t idlen;
   char peer[KVF_ADDR_HOST_LEN];
+  int64_t since_ns; /* when it connected */
   zmtp_rx rx;
 } ctl_conn;
 
@@ -433,6 +434,11 @@ typedef struct ctl_conns {
 #define MANAGER_MAX_MSG_BYTES (64u << 20)
 /* Connections at once; more are closed as they come (logged once). */
 #define MANAGER_MAX_CONNS 8192
+/* A connection that has not opened (greeting and READY) this long after it
+ * came is closed: libzmq's own handshake timeout (ZMQ_HANDSHAKE_IVL's
+ * default), so that idle connections cannot fill the table. A probe reads
+ * the greeting and goes within its own timeout. */
+#define MANAGER_HANDSHAKE_NS (30 * 1000000000ll)
 _Static_assert(MANAGER_MAX_RECV_FRAMES <= ZMTP_KEPT_FRAMES_MAX, "zmtp keeps every frame a manager reads");
 
 /* ZMQ_STREAM's routing ids are 5 bytes (libzmq): a 64-bit key holds one,
@@ -503,6 +509,7 @@ static void conn_open(ctl_conns *cs, uint64_t key, zmq_msg_t *id, zmq_msg_t *not
   memcpy(c->id, zmq_msg_data(id), zmq_msg_size(id));
   c->idlen = zmq_msg_size(id);
   kvf__str_copy(c->peer, sizeof c->peer, pa ? pa : "?");
+  c->since_ns = clock_now_ns();
   const zmtp_limits lim = {.kept_frames = MANAGER_MAX_RECV_FRAMES,
                            .max_frames = MANAGER_MAX_MSG_FRAMES,
                            .max_msg_bytes = MANAGER_MAX_MSG_BYTES};
@@ -534,6 +541,30 @@ static void conn_input(ctl_conns *cs, zmq_msg_t *id, zmq_msg_t *data) {
   }
 }
 
+/* Close the connections that did not open in time (about once a second). */
+static void conns_sweep(ctl_conns *cs, int64_t now) {
+  map_iter it;
+  kvf__map_iter_init(&it);
+  uint64_t key;
+  void *v;
+  while (kvf__map_next(&cs->by_id, &it, &key, &v)) { /* the iteration tolerates a delete */
+    ctl_conn *c = v;
+    if (kvf__zmtp_rx_open(&c->rx) || now - c->since_ns < MANAGER_HANDSHAKE_NS) continue;
+    kvf__manager_reject(cs->m, c->peer, "connection", "no ZMTP greeting and READY within 30 s");
+    conn_close(cs, key, c);
+  }
+}
+
+/* The listener's timed chores, about once a second. */
+static void listener_sweep(ctl_conns *cs) {
+  kvf_manager *m = cs->m;
+  int64_t now = clock_now_ns();
+  if (now - m->push_swept_ns < MANAGER_SWEEP_NS) return;
+  m->push_swept_ns = now;
+  kvf__control_close_idle_pushes(m, now);
+  conns_sweep(cs, now);
+}
+
 void *kvf__control_listener_main(void *arg) {
   kvf__thread_name("kvf-listen");
   kvf_manager *m = arg;
@@ -551,6 +582,7 @@ void *kvf__control_listener_main(void *arg) {
       since_tick = 0;
       kvf__engine_hold_end(); /* nothing outside a hold */
       m->role->tick(m);
+      listener_sweep(&cs);
     }
     /* What is already queued is taken without a wait or a readiness check
      * (a check costs two system calls in libzmq): one wake-up drains a
@@ -558,11 +590,7 @@ void *kvf__control_listener_main(void *arg) {
     if (zmq_msg_recv(&id, m->pull, ZMQ_DONTWAIT) < 0) {
       kvf__engine_hold_end(); /* the burst's notices go out before any wait */
       listener_wait(m, fd);   /* EAGAIN; any other error waits too, rather than spin */
-      int64_t now = clock_now_ns();
-      if (now - m->push_swept_ns >= MANAGER_SWEEP_NS) {
-        m->push_swept_ns = now;
-        kvf__control_close_idle_pushes(m, now);
-      }
+      listener_sweep(&cs);
       continue;
     }
     /* ZMQ_STREAM: always the id, then one data part (ZeroMQ delivers

@@ -39,6 +39,8 @@ void kvf__zmtp_rx_free(zmtp_rx *rx) {
   rx->len = rx->cap = 0;
 }
 
+int kvf__zmtp_rx_open(const zmtp_rx *rx) { return rx->stage == STAGE_OPEN; }
+
 static int fail(zmtp_rx *rx, int rc, char *why, size_t whycap, const char *text) {
   rx->stage = STAGE_BROKEN;
   if (why && whycap) snprintf(why, whycap, "%s", text);
