@@ -279,6 +279,64 @@ static void a_message_that_never_ends_drops_its_peer(void **state) {
   kvf_manager_destroy(m);
 }
 
+/* Events of `ev` kinds a socket monitor reported so far (non-blocking). */
+static int monitor_count(void *mon, int ev) {
+  int n = 0;
+  for (;;) {
+    zmq_msg_t a, b;
+    zmq_msg_init(&a);
+    if (zmq_msg_recv(&a, mon, ZMQ_DONTWAIT) < 0) {
+      zmq_msg_close(&a);
+      return n;
+    }
+    uint16_t what = 0;
+    if (zmq_msg_size(&a) >= 2) memcpy(&what, zmq_msg_data(&a), 2);
+    n += (what & ev) != 0;
+    zmq_msg_close(&a);
+    zmq_msg_init(&b);
+    zmq_msg_recv(&b, mon, 0); /* the endpoint part */
+    zmq_msg_close(&b);
+  }
+}
+
+/* A libzmq peer with ZMTP heartbeats on (PING every 20 ms, gone after
+ * 100 ms without an answer) stays connected to the control port, which
+ * answers each PING with its PONG, and its messages arrive. */
+static void heartbeating_peers_stay_connected(void **state) {
+  (void)state;
+  kvf_manager *m = make_manager(NULL);
+  void *zctx = zmq_ctx_new();
+  void *s = zmq_socket(zctx, ZMQ_PUSH);
+  int ivl = 20, tmo = 100, linger = 1000;
+  assert_int_equal(zmq_setsockopt(s, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl), 0);
+  assert_int_equal(zmq_setsockopt(s, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo), 0);
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  assert_int_equal(zmq_socket_monitor(s, "inproc://hb-mon", ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED), 0);
+  void *mon = zmq_socket(zctx, ZMQ_PAIR);
+  assert_int_equal(zmq_connect(mon, "inproc://hb-mon"), 0);
+  char ep[64];
+  snprintf(ep, sizeof ep, "tcp://127.0.0.1:%u", m->rank_port);
+  assert_int_equal(zmq_connect(s, ep), 0);
+  int connected = 0, dropped = 0;
+  for (double t0 = now_s(); now_s() - t0 < 1.0;) { /* ~50 PINGs */
+    connected += monitor_count(mon, ZMQ_EVENT_CONNECTED);
+    usleep(20000);
+  }
+  wire_msg msg;
+  m3_for(10, &msg);
+  send_frames(s, msg.frames, msg.nframes);
+  kvf__wire_msg_free(&msg);
+  wait_counts(m, (expect){0, 0, 1, 0});
+  dropped = monitor_count(mon, ZMQ_EVENT_DISCONNECTED);
+  assert_int_equal(connected, 1);
+  assert_int_equal(dropped, 0);
+  zmq_socket_monitor(s, NULL, 0);
+  zmq_close(mon);
+  zmq_close(s);
+  zmq_ctx_term(zctx);
+  kvf_manager_destroy(m);
+}
+
 /* With a control token, a message reaches the role only with a good MAC
  * under the same token: one from a manager with another token, one without
  * a MAC and one whose MAC was altered are counted as forged. */
@@ -755,6 +813,7 @@ int main(void) {
       cmocka_unit_test(a_posted_message_never_waits_on_a_stalled_peer),
       cmocka_unit_test(frames_past_any_message_are_ignored),
       cmocka_unit_test(a_message_that_never_ends_drops_its_peer),
+      cmocka_unit_test(heartbeating_peers_stay_connected),
       cmocka_unit_test(control_token_admits_only_good_macs),
       cmocka_unit_test(push_cache_keeps_order_per_endpoint),
       cmocka_unit_test(push_cache_holds_more_peers_than_zeromq_default),
