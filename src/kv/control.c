@@ -50,7 +50,7 @@
  * Without a wake descriptor it checks `stopping` every MANAGER_WAIT_NOWAKE_MS. */
 #define MANAGER_WAIT_MS 1000
 #define MANAGER_WAIT_NOWAKE_MS 100
-#define MANAGER_TICK_MSGS 64 /* messages between two role ticks when the listener is never idle */
+#define MANAGER_TICK_MSGS 64 /* reads and messages between two role ticks when the listener is never idle */
 _Static_assert(MANAGER_MAC_LEN == 8 + crypto_auth_hmacsha256_BYTES, "MAC frame size");
 
 #define MANAGER_SWEEP_NS 1000000000ll /* how often the listener looks for idle PUSH sockets */
@@ -417,6 +417,9 @@ typedef struct ctl_conn {
   size_t idlen;
   char peer[KVF_ADDR_HOST_LEN];
   int64_t since_ns; /* when it connected */
+  int64_t heard_ns; /* when its last bytes came, or it was last asked (conns_sweep) */
+  int closing;      /* this side closed it, but the close could not go yet (conns_sweep retries) */
+  size_t held;      /* its unfinished message's bytes, as counted in ctl_conns.held */
   zmtp_rx rx;
 } ctl_conn;
 
@@ -424,14 +427,19 @@ typedef struct ctl_conn {
 typedef struct ctl_conns {
   kvf_manager *m;
   map by_id;
+  uint64_t held;  /* bytes of unfinished messages, all connections */
+  unsigned turns; /* reads and messages since the last tick */
 } ctl_conns;
 
 /* A connection's messages whole and bounded (wire/zmtp.h): frames beyond
  * MANAGER_MAX_RECV_FRAMES are counted as extra (the codecs reject such a
  * message); more than MANAGER_MAX_MSG_FRAMES frames, or more than
- * MANAGER_MAX_MSG_BYTES bytes, end the connection. */
+ * MANAGER_MAX_MSG_BYTES bytes, end the connection, and so does the one
+ * whose bytes would take all connections' unfinished messages past
+ * MANAGER_MAX_HELD_BYTES. */
 #define MANAGER_MAX_MSG_FRAMES 1024
 #define MANAGER_MAX_MSG_BYTES (64u << 20)
+#define MANAGER_MAX_HELD_BYTES (256u << 20)
 /* Connections at once; more are closed as they come (logged once). */
 #define MANAGER_MAX_CONNS 8192
 /* A connection that has not opened (greeting and READY) this long after it
@@ -439,6 +447,18 @@ typedef struct ctl_conns {
  * default), so that idle connections cannot fill the table. A probe reads
  * the greeting and goes within its own timeout. */
 #define MANAGER_HANDSHAKE_NS (30 * 1000000000ll)
+/* An open connection quiet this long is asked whether it is still there (a
+ * ZMTP PING; libzmq peers answer PONG): libzmq drops the notice that a
+ * connection went away when that connection's inbound queue is full, and
+ * the send tells a routing id that is gone. */
+#define MANAGER_QUIET_NS (10 * 1000000000ll)
+/* Reads of at most 8 KiB each that libzmq queues per connection while the
+ * listener is behind (ZMQ_RCVHWM). */
+#define MANAGER_RCVHWM 1000
+/* Messages (MANAGER_SNDHWM) and kernel bytes (MANAGER_SNDBUF) queued to
+ * one connection. */
+#define MANAGER_SNDHWM 100
+#define MANAGER_SNDBUF (64 << 10)
 _Static_assert(MANAGER_MAX_RECV_FRAMES <= ZMTP_KEPT_FRAMES_MAX, "zmtp keeps every frame a manager reads");
 
 /* ZMQ_STREAM's routing ids are 5 bytes (libzmq): a 64-bit key holds one,
@@ -452,10 +472,16 @@ static int conn_key(zmq_msg_t *id, uint64_t *key) {
   return 1;
 }
 
-/* Bytes to the peer of c (greeting, PONG): 0, or -1 when they could not go. */
-static int conn_send(void *m_pull, const ctl_conn *c, const void *bytes, size_t len) {
-  if (zmq_send(m_pull, c->id, c->idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) return -1;
-  return zmq_send(m_pull, bytes, len, ZMQ_DONTWAIT) < 0 ? -1 : 0;
+/* What conn_send did. */
+enum { SENT = 0, SEND_FULL = 1, SEND_GONE = -1 };
+
+/* Bytes to the peer of c (greeting, PONG, PING; none: close it). SEND_FULL
+ * when its queue is full (a peer that does not read), SEND_GONE when the
+ * connection is no more. */
+static int conn_send(void *port, const ctl_conn *c, const void *bytes, size_t len) {
+  if (zmq_send(port, c->id, c->idlen, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) /* the id frame picks the queue */
+    return zmq_errno() == EAGAIN ? SEND_FULL : SEND_GONE;
+  return zmq_send(port, bytes, len, ZMQ_DONTWAIT) < 0 ? SEND_GONE : SENT;
 }
 
 typedef struct conn_turn {
@@ -463,13 +489,14 @@ typedef struct conn_turn {
   ctl_conn *c;
 } conn_turn;
 
-static int turn_send(void *arg, const void *bytes, size_t len) {
+static void turn_send(void *arg, const void *bytes, size_t len) {
   conn_turn *t = arg;
-  return conn_send(t->cs->m->pull, t->c, bytes, len);
+  conn_send(t->cs->m->pull, t->c, bytes, len);
 }
 
 static void turn_message(void *arg, const wire_frame *frames, size_t n, size_t extra) {
   conn_turn *t = arg;
+  t->cs->turns++;
   kvf__manager_dispatch(t->cs->m, frames, n, extra, t->c->peer);
   /* From the second message of a burst on: the first one's transfers go
    * at once (one message alone costs no push), the rest at the burst's
@@ -477,16 +504,29 @@ static void turn_message(void *arg, const wire_frame *frames, size_t n, size_t e
   kvf__engine_hold_begin();
 }
 
-static void conn_free(ctl_conns *cs, uint64_t key, ctl_conn *c) {
-  kvf__map_del(&cs->by_id, key, NULL);
+/* Forget c's unfinished message, in the count of all connections'. */
+static void conn_drop_message(ctl_conns *cs, ctl_conn *c) {
+  cs->held -= c->held;
+  c->held = 0;
   kvf__zmtp_rx_free(&c->rx);
+}
+
+static void conn_free(ctl_conns *cs, uint64_t key, ctl_conn *c) {
+  conn_drop_message(cs, c);
+  kvf__map_del(&cs->by_id, key, NULL);
   free(c);
 }
 
-/* End a connection from this side (ZMQ_STREAM closes it on an empty message). */
+/* End a connection from this side (ZMQ_STREAM closes it on an empty
+ * message). When its queue is full the close cannot go yet: its bytes are
+ * ignored meanwhile and conns_sweep tries again. */
 static void conn_close(ctl_conns *cs, uint64_t key, ctl_conn *c) {
-  conn_send(cs->m->pull, c, "", 0);
-  conn_free(cs, key, c);
+  if (conn_send(cs->m->pull, c, "", 0) != SEND_FULL) {
+    conn_free(cs, key, c);
+    return;
+  }
+  conn_drop_message(cs, c);
+  c->closing = 1;
 }
 
 /* A peer connected: greet it as a PULL socket does. */
@@ -494,29 +534,26 @@ static void conn_open(ctl_conns *cs, uint64_t key, zmq_msg_t *id, zmq_msg_t *not
   kvf_manager *m = cs->m;
   const char *pa = zmq_msg_gets(note, "Peer-Address"); /* the IP, no port */
   ctl_conn *c = calloc(1, sizeof *c);
-  if (!c || kvf__map_size(&cs->by_id) >= MANAGER_MAX_CONNS || kvf__map_put(&cs->by_id, key, c, NULL)) {
-    if (c) {
-      memcpy(c->id, zmq_msg_data(id), zmq_msg_size(id));
-      c->idlen = zmq_msg_size(id);
-      conn_send(m->pull, c, "", 0);
-      free(c);
-    }
+  if (!c) return; /* unknown here: its bytes are ignored until it goes */
+  memcpy(c->id, zmq_msg_data(id), zmq_msg_size(id));
+  c->idlen = zmq_msg_size(id);
+  if (kvf__map_size(&cs->by_id) >= MANAGER_MAX_CONNS || kvf__map_put(&cs->by_id, key, c, NULL)) {
+    conn_send(m->pull, c, "", 0);
+    free(c);
     if (kvf__log_first_time(kvf__hash_str("control-conns-full", (uint64_t)(uintptr_t)m)))
       LOG_WARN("kv", "control port: %zu connections open, closing a new one from %s (further ones are not logged)",
                kvf__map_size(&cs->by_id), pa ? pa : "?");
     return;
   }
-  memcpy(c->id, zmq_msg_data(id), zmq_msg_size(id));
-  c->idlen = zmq_msg_size(id);
   kvf__str_copy(c->peer, sizeof c->peer, pa ? pa : "?");
-  c->since_ns = clock_now_ns();
+  c->since_ns = c->heard_ns = clock_now_ns();
   const zmtp_limits lim = {.kept_frames = MANAGER_MAX_RECV_FRAMES,
                            .max_frames = MANAGER_MAX_MSG_FRAMES,
                            .max_msg_bytes = MANAGER_MAX_MSG_BYTES};
   kvf__zmtp_rx_init(&c->rx, &lim);
   unsigned char hello[ZMTP_HELLO_MAX];
   size_t n = kvf__zmtp_hello(hello, "PULL");
-  if (conn_send(m->pull, c, hello, n)) conn_free(cs, key, c); /* gone already */
+  if (conn_send(m->pull, c, hello, n) == SEND_GONE) conn_free(cs, key, c);
 }
 
 /* What ZMQ_STREAM handed over: a connection's routing id, then what the
@@ -531,27 +568,49 @@ static void conn_input(ctl_conns *cs, zmq_msg_t *id, zmq_msg_t *data) {
     else conn_open(cs, key, id, data);
     return;
   }
-  if (!c) return; /* bytes queued before this side closed it */
+  if (!c || c->closing) return; /* bytes queued before this side closed it */
+  c->heard_ns = 0;              /* heard now: conns_sweep stamps it when it next looks */
   conn_turn t = {cs, c};
   const zmtp_sink sink = {.arg = &t, .message = turn_message, .send = turn_send};
   char why[192];
-  if (kvf__zmtp_rx_feed(&c->rx, zmq_msg_data(data), n, &sink, why, sizeof why)) {
+  int rc = kvf__zmtp_rx_feed(&c->rx, zmq_msg_data(data), n, &sink, why, sizeof why);
+  cs->held = cs->held - c->held + c->rx.len;
+  c->held = c->rx.len;
+  if (!rc && cs->held > MANAGER_MAX_HELD_BYTES) {
+    snprintf(why, sizeof why, "the control port holds %u MiB of unfinished messages",
+             MANAGER_MAX_HELD_BYTES >> 20);
+    rc = KVF_ENOMEM;
+  }
+  if (rc) {
     kvf__manager_reject(cs->m, c->peer, "connection", why);
     conn_close(cs, key, c);
   }
 }
 
-/* Close the connections that did not open in time (about once a second). */
+/* About once a second: retry the closes that could not go; close the
+ * connections that did not open in time; ask the quiet ones whether they
+ * are still there, and forget those that are gone. */
 static void conns_sweep(ctl_conns *cs, int64_t now) {
   map_iter it;
   kvf__map_iter_init(&it);
   uint64_t key;
   void *v;
+  unsigned char ping[ZMTP_PING_LEN];
+  kvf__zmtp_ping(ping);
   while (kvf__map_next(&cs->by_id, &it, &key, &v)) { /* the iteration tolerates a delete */
     ctl_conn *c = v;
-    if (kvf__zmtp_rx_open(&c->rx) || now - c->since_ns < MANAGER_HANDSHAKE_NS) continue;
-    kvf__manager_reject(cs->m, c->peer, "connection", "no ZMTP greeting and READY within 30 s");
-    conn_close(cs, key, c);
+    if (c->closing) {
+      if (conn_send(cs->m->pull, c, "", 0) != SEND_FULL) conn_free(cs, key, c);
+    } else if (!kvf__zmtp_rx_open(&c->rx)) {
+      if (now - c->since_ns < MANAGER_HANDSHAKE_NS) continue;
+      kvf__manager_reject(cs->m, c->peer, "connection", "no ZMTP greeting and READY within 30 s");
+      conn_close(cs, key, c);
+    } else if (!c->heard_ns) {
+      c->heard_ns = now; /* bytes came since the last look */
+    } else if (now - c->heard_ns >= MANAGER_QUIET_NS) {
+      c->heard_ns = now;
+      if (conn_send(cs->m->pull, c, ping, sizeof ping) == SEND_GONE) conn_free(cs, key, c);
+    }
   }
 }
 
@@ -576,12 +635,11 @@ void *kvf__control_listener_main(void *arg) {
   int fd = -1;
   size_t fdlen = sizeof fd;
   if (zmq_getsockopt(m->pull, ZMQ_FD, &fd, &fdlen)) fd = -1;
-  unsigned since_tick = 0;
   while (!atomic_load(&m->stopping)) {
-    if (m->role->tick && ++since_tick >= MANAGER_TICK_MSGS) { /* a listener that never waits still ticks */
-      since_tick = 0;
+    if (cs.turns >= MANAGER_TICK_MSGS) { /* a listener that never waits still ticks and sweeps */
+      cs.turns = 0;
       kvf__engine_hold_end(); /* nothing outside a hold */
-      m->role->tick(m);
+      if (m->role->tick) m->role->tick(m);
       listener_sweep(&cs);
     }
     /* What is already queued is taken without a wait or a readiness check
@@ -595,6 +653,7 @@ void *kvf__control_listener_main(void *arg) {
     }
     /* ZMQ_STREAM: always the id, then one data part (ZeroMQ delivers
      * messages whole). */
+    cs.turns++;
     if (!zmq_msg_more(&id) || zmq_msg_recv(&data, m->pull, 0) < 0) continue;
     conn_input(&cs, &id, &data);
   }
@@ -620,10 +679,15 @@ int kvf__control_bind_pull(kvf_manager *m) {
    * so that a peer's message is bounded as a whole, not only its frames. */
   m->pull = zmq_socket(m->zctx, ZMQ_STREAM);
   if (!m->pull) return KVF_EIO;
-  int linger = 0, ipv6 = kvf__addr_is_ipv6(m->host), hwm = 10000;
+  int linger = 0, ipv6 = kvf__addr_is_ipv6(m->host), hwm = MANAGER_RCVHWM;
   zmq_setsockopt(m->pull, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(m->pull, ZMQ_IPV6, &ipv6, sizeof ipv6);
   zmq_setsockopt(m->pull, ZMQ_RCVHWM, &hwm, sizeof hwm);
+  /* What this side sends is small (greetings, PONGs, PINGs): what it keeps
+   * for a peer that does not read stays small too. */
+  int sndhwm = MANAGER_SNDHWM, sndbuf = MANAGER_SNDBUF;
+  zmq_setsockopt(m->pull, ZMQ_SNDHWM, &sndhwm, sizeof sndhwm);
+  zmq_setsockopt(m->pull, ZMQ_SNDBUF, &sndbuf, sizeof sndbuf);
   /* Many decode ranks probe this port at once each heartbeat round (a new
    * connection per probe): ZeroMQ's backlog of 100 dropped SYNs past that,
    * and a dropped SYN waits 1 s — the probe's whole timeout. The kernel

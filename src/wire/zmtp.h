@@ -12,7 +12,8 @@
  * other), its READY command (Socket-Type PUSH, the one type that sends to a
  * PULL), then messages: frames, each with its MORE, LONG and COMMAND flags,
  * a 1- or 8-byte size and its bytes. A command between messages is answered
- * (PING gets its PONG) or ignored; ERROR ends the connection. A message is
+ * (PING gets its PONG, its context cut to 16 bytes as libzmq does) or
+ * ignored; ERROR ends the connection. A message is
  * handed over whole once its last frame is in; until then its bytes are
  * kept, growing with what arrived (never sized from a header), up to
  * zmtp_limits. Whatever breaks the protocol or a limit ends the connection
@@ -53,18 +54,20 @@ typedef struct zmtp_rx {
   uint64_t msg_bytes; /* all its frames' bytes, counted ones included */
   size_t nframes, extra;
   size_t flen[ZMTP_KEPT_FRAMES_MAX];
-  /* a command frame being read (READY, PING, ...) */
+  /* a command frame being read (READY, PING, ...): in cmd_small when it
+   * fits, else in a buffer of its size freed once it is handled */
   unsigned char *cmd;
   size_t cmd_len;
+  unsigned char cmd_small[64];
 } zmtp_rx;
 
 /* What a connection's bytes produce: whole messages, and bytes to send back
- * (our PONGs). `send` returns 0, or nonzero when it could not send (the
- * connection then ends). */
+ * (our PONGs; one that cannot go now is dropped: the peer's heartbeat is
+ * its own to miss). */
 typedef struct zmtp_sink {
   void *arg;
   void (*message)(void *arg, const wire_frame *frames, size_t n, size_t extra);
-  int (*send)(void *arg, const void *bytes, size_t len);
+  void (*send)(void *arg, const void *bytes, size_t len);
 } zmtp_sink;
 
 void kvf__zmtp_rx_init(zmtp_rx *rx, const zmtp_limits *lim);
@@ -76,6 +79,11 @@ int kvf__zmtp_rx_open(const zmtp_rx *rx);
 /* Feed n bytes that arrived on the connection. 0, or KVF_EPROTO with the
  * reason in why (the connection must end; nothing more may be fed). */
 int kvf__zmtp_rx_feed(zmtp_rx *rx, const void *bytes, size_t n, const zmtp_sink *sink, char *why, size_t whycap);
+
+/* A PING command (no TTL, no context), to see whether a quiet peer is
+ * still there: a ZMTP 3 peer answers PONG. */
+#define ZMTP_PING_LEN 9
+void kvf__zmtp_ping(unsigned char out[ZMTP_PING_LEN]);
 
 /* What this end sends as soon as a peer connects: its greeting (version 3.0,
  * NULL) and its READY command (Socket-Type `socket_type`, e.g. "PULL").

@@ -42,13 +42,12 @@ static void on_message(void *arg, const wire_frame *f, size_t n, size_t extra) {
   t->messages++;
 }
 
-static int on_send(void *arg, const void *p, size_t len) {
+static void on_send(void *arg, const void *p, size_t len) {
   trace *t = arg;
   FUZZ_CHECK(len >= 7 && len <= 7 + 16); /* a PONG: flags, size, name, up to 16 bytes of context */
   kvf__hash_update(&t->h, "pong", 4);
   kvf__hash_update(&t->h, p, len);
   t->answers++;
-  return 0;
 }
 
 /* Feed `bytes` in pieces of `piece` (0: at once); the verdict. */
