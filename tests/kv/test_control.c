@@ -198,13 +198,19 @@ static void frames_past_any_message_are_ignored(void **state) {
 
 /* A raw TCP connection to the manager's control port, its ZMTP greeting
  * and READY read, ours (a PUSH socket's) sent. */
-static int zmtp_client_rcvbuf(uint16_t port, int rcvbuf) {
+/* A plain TCP connection to 127.0.0.1:port (rcvbuf 0: the default). */
+static int raw_connect(uint16_t port, int rcvbuf) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   assert_true(fd >= 0);
   if (rcvbuf) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof rcvbuf); /* before connect: the window */
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+  return fd;
+}
+
+static int zmtp_client_rcvbuf(uint16_t port, int rcvbuf) {
+  int fd = raw_connect(port, rcvbuf);
   struct timeval tv = {.tv_sec = 10};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
@@ -292,10 +298,7 @@ static void silent_and_quiet_connections_are_swept(void **state) {
   kvf_manager *m = make_manager(NULL);
   double t0 = now_s();
   int quiet = zmtp_client(m->rank_port);
-  int silent = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(m->rank_port)};
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  assert_int_equal(connect(silent, (struct sockaddr *)&a, sizeof a), 0);
+  int silent = raw_connect(m->rank_port, 0);
   unsigned char got[64], want[ZMTP_PING_LEN];
   kvf__zmtp_ping(want);
   size_t have = 0;

@@ -117,13 +117,19 @@ static int after_hello(const void *rest, size_t n, seen *s, char *why, size_t wh
   return rc;
 }
 
+/* A PING command frame (TTL 10) with `ctx` as its context. */
+static size_t put_ping(unsigned char *out, const char *ctx) {
+  unsigned char body[64];
+  size_t cl = strlen(ctx);
+  memcpy(body, "\x04PING\x00\x0a", 7);
+  memcpy(body + 7, ctx, cl);
+  return put_frame(out, 4, body, 7 + cl, 0);
+}
+
 static void ping_gets_its_pong_and_frames_past_the_kept_are_counted(void **state) {
   (void)state;
   unsigned char b[512];
-  size_t o = put_frame(b, 4,
-                       "\x04PING\x00\x0a"
-                       "ctx",
-                       5 + 2 + 3, 0);
+  size_t o = put_ping(b, "ctx");
   const char *parts[] = {"1", "2", "3", "4", "5", "6"};
   for (int i = 0; i < 6; i++) o += put_frame(b + o, i < 5 ? 1u : 0u, parts[i], 1, 0);
   seen s = {0};
@@ -184,10 +190,7 @@ static void breaches_end_the_connection(void **state) {
 static void long_ping_context_is_cut(void **state) {
   (void)state;
   unsigned char b[64];
-  size_t o = put_frame(b, 4,
-                       "\x04PING\x00\x01"
-                       "0123456789abcdefXYZ",
-                       5 + 2 + 19, 0);
+  size_t o = put_ping(b, "0123456789abcdefXYZ");
   seen s = {0};
   char why[128] = "";
   assert_int_equal(after_hello(b, o, &s, why, sizeof why), 0);
