@@ -198,12 +198,24 @@ static void long_ping_context_is_cut(void **state) {
   assert_memory_equal(s.sent, "\x04\x15\x04PONG0123456789abcdef", 7 + 16);
 }
 
+/* Bytes from a connection's start that must end it with a reason
+ * containing `reason_part`, handing nothing over. */
+static void expect_refused(const unsigned char *b, size_t len, const char *reason_part) {
+  zmtp_rx rx;
+  kvf__zmtp_rx_init(&rx, &lim);
+  seen s = {0};
+  zmtp_sink sink = {.arg = &s, .message = on_message, .send = on_send};
+  char why[192] = "";
+  assert_int_equal(kvf__zmtp_rx_feed(&rx, b, len, &sink, why, sizeof why), KVF_EPROTO);
+  if (!strstr(why, reason_part)) fail_msg("reason \"%s\" lacks \"%s\"", why, reason_part);
+  assert_int_equal(s.messages, 0);
+  kvf__zmtp_rx_free(&rx);
+}
+
 /* The opening: greetings and READYs that do not open a connection. */
 static void openings_refused(void **state) {
   (void)state;
   unsigned char b[256];
-  char why[192];
-  zmtp_limits l = lim;
   struct {
     size_t at;
     unsigned char val;
@@ -218,37 +230,13 @@ static void openings_refused(void **state) {
   for (size_t i = 0; i < sizeof edits / sizeof edits[0]; i++) {
     size_t len = kvf__zmtp_hello(b, "PUSH");
     b[edits[i].at] = edits[i].val;
-    zmtp_rx rx;
-    kvf__zmtp_rx_init(&rx, &l);
-    seen s = {0};
-    zmtp_sink sink = {.arg = &s, .message = on_message, .send = on_send};
-    why[0] = 0;
-    assert_int_equal(kvf__zmtp_rx_feed(&rx, b, len, &sink, why, sizeof why), KVF_EPROTO);
-    if (!strstr(why, edits[i].why)) fail_msg("case %zu: reason \"%s\" lacks \"%s\"", i, why, edits[i].why);
-    kvf__zmtp_rx_free(&rx);
+    expect_refused(b, len, edits[i].why);
   }
-  /* a peer that is not a PUSH socket, and a message before any READY */
-  const char *types[] = {"PULL", "PUB", "DEALER"};
-  for (size_t i = 0; i < 3; i++) {
-    size_t len = kvf__zmtp_hello(b, types[i]);
-    zmtp_rx rx;
-    kvf__zmtp_rx_init(&rx, &l);
-    seen s = {0};
-    zmtp_sink sink = {.arg = &s, .message = on_message, .send = on_send};
-    assert_int_equal(kvf__zmtp_rx_feed(&rx, b, len, &sink, why, sizeof why), KVF_EPROTO);
-    assert_non_null(strstr(why, "cannot send to this PULL socket"));
-    kvf__zmtp_rx_free(&rx);
-  }
-  size_t len = kvf__zmtp_hello(b, "PUSH");
-  len = 64 + put_frame(b + 64, 0, "m", 1, 0); /* the greeting, then a message */
-  zmtp_rx rx;
-  kvf__zmtp_rx_init(&rx, &l);
-  seen s = {0};
-  zmtp_sink sink = {.arg = &s, .message = on_message, .send = on_send};
-  assert_int_equal(kvf__zmtp_rx_feed(&rx, b, len, &sink, why, sizeof why), KVF_EPROTO);
-  assert_non_null(strstr(why, "a message before the peer's READY"));
-  assert_int_equal(s.messages, 0);
-  kvf__zmtp_rx_free(&rx);
+  const char *types[] = {"PULL", "PUB", "DEALER"}; /* a peer that is not a PUSH socket */
+  for (size_t i = 0; i < 3; i++)
+    expect_refused(b, kvf__zmtp_hello(b, types[i]), "cannot send to this PULL socket");
+  kvf__zmtp_hello(b, "PUSH");
+  expect_refused(b, 64 + put_frame(b + 64, 0, "m", 1, 0), "a message before the peer's READY"); /* no READY */
 }
 
 /* The hello this end sends is what RFC 23 lays out: checked byte by byte
