@@ -1,6 +1,9 @@
 /* End to end: prefill instances as real processes (`kvferry-testpeer kv-peer`: a
  * bootstrap server and prefill ranks), a decode manager in this process,
  * real libzmq, real HTTP and the real engine over 127.0.0.1. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -9,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -368,6 +372,28 @@ static void dead_prefill_detected_while_bootstrap_lives(void **state) {
   unsetenv("KVFERRY_HEARTBEAT_MIN_S");
 }
 
+/* Once the process that had addr's port is gone, hold the port (bound, not
+ * listening: a connect is refused, as for a dead server) so that no other
+ * test's server can take it: the decode's heartbeat would then read that
+ * server's ranks and see its own prefill "restarted" (seen once under
+ * ctest -j2). Returns the descriptor, or -1 if the port never came free
+ * within 5 s. */
+static int hold_port_of(const char *addr) {
+  const char *colon = strrchr(addr, ':');
+  assert_non_null(colon);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  for (double t0 = now_s(); now_s() - t0 < 5;) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    assert_true(fd >= 0);
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (!bind(fd, (struct sockaddr *)&a, sizeof a)) return fd;
+    close(fd);
+    usleep(500);
+  }
+  return -1;
+}
+
 /* Defect 2, decode side: the bootstrap server stops answering (SIGSTOP),
  * then dies (SIGKILL), while the prefill ranks live. No room is failed for
  * it, and the waiting room completes byte-exact afterwards. */
@@ -383,8 +409,10 @@ static void silent_bootstrap_condemns_no_live_prefill(void **state) {
   begin(&d, &pp, &ok, 20, 8, &rng, 0);
   finish(&d, &ok, 1);
   begin_waiting(&d, &pp, &w, 21, 6, &rng);
+  int held = -1;
   for (int phase = 0; phase < 2; phase++) {
     kill(bs.p.pid, phase ? SIGKILL : SIGSTOP);
+    if (phase) held = hold_port_of(bs.addr);
     double t0 = now_s();
     while (now_s() - t0 < DETECT_BOUND_S + 0.5) {
       assert_int_equal(kvf_receiver_poll(w.rx), KVF_POLL_BOOTSTRAPPED);
@@ -400,6 +428,7 @@ static void silent_bootstrap_condemns_no_live_prefill(void **state) {
   proc_stop(&pp.p, 5000);
   bootstrap_proc_stop(&bs);
   decode_stop_side(&d);
+  if (held >= 0) close(held); /* the decode's heartbeat has stopped */
   unsetenv("KVFERRY_HEARTBEAT_MIN_S");
 }
 
