@@ -13,6 +13,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "base/parse.h"
 #include "kvferry/common.h"
 
 #define FLAG_MORE 1u
@@ -50,7 +51,7 @@ int kvf__zmtp_rx_open(const zmtp_rx *rx) { return rx->stage == STAGE_OPEN; }
 
 static int fail(zmtp_rx *rx, int rc, char *why, size_t whycap, const char *text) {
   rx->stage = STAGE_BROKEN;
-  if (why && whycap) snprintf(why, whycap, "%s", text);
+  if (why) kvf__str_copy(why, whycap, text);
   return rc;
 }
 

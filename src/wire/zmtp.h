@@ -76,8 +76,9 @@ void kvf__zmtp_rx_free(zmtp_rx *rx);
 /* 1 once the peer's greeting and READY are in (messages may come). */
 int kvf__zmtp_rx_open(const zmtp_rx *rx);
 
-/* Feed n bytes that arrived on the connection. 0, or KVF_EPROTO with the
- * reason in why (the connection must end; nothing more may be fed). */
+/* Feed n bytes that arrived on the connection. 0, or KVF_EPROTO (a breach
+ * of the protocol or a limit) or KVF_ENOMEM, with the reason in why: the
+ * connection must end (a later feed returns KVF_EPROTO). */
 int kvf__zmtp_rx_feed(zmtp_rx *rx, const void *bytes, size_t n, const zmtp_sink *sink, char *why, size_t whycap);
 
 /* A PING command (no TTL, no context), to see whether a quiet peer is
