@@ -55,19 +55,35 @@ struct rooms {
   rooms_stats st;
   room_entry *spare;
   size_t nspare;
-  atomic_int efd; /* kvf__rooms_event_fd's eventfd; -1 until asked for */
-  int signaled;   /* efd written since the last kvf__rooms_event_clear */
-  uint64_t uses;  /* the last use stamp given */
+  atomic_int efd;        /* kvf__rooms_event_fd's eventfd; -1 until asked for */
+  atomic_int signaled;   /* efd written and not drained since (set and cleared under ev_mu) */
+  pthread_mutex_t ev_mu; /* pairs each efd write with its drain; never taken with mu held */
+  uint64_t uses;         /* the last use stamp given */
 };
 
-/* Under t->mu: a room changed; wake whoever sleeps on the event fd (one
- * write per clear). */
-static void changed_locked(rooms *t) {
+/* A room changed (its status is stored): wake whoever sleeps on the event
+ * fd, with one write until the next kvf__rooms_event_clear. Called once
+ * t->mu is let go: the write wakes a thread, and with the table's lock held
+ * every other user of the table (the listener, the transfer threads, the
+ * scheduler's calls) waited for that wake-up.
+ *
+ * No change is missed: the fence below pairs with kvf__rooms_event_clear's
+ * (seq_cst fences, as in Dekker's algorithm): either this sees the clear's
+ * `signaled` = 0 and writes, or the polls that follow the clear see this
+ * change's status. */
+static void signal_change(rooms *t) {
   int fd = atomic_load_explicit(&t->efd, memory_order_relaxed);
-  if (fd < 0 || t->signaled) return;
-  t->signaled = 1;
-  uint64_t one = 1;
-  if (write(fd, &one, sizeof one) < 0) t->signaled = 0; /* cannot fail short of a bug: next change retries */
+  if (fd < 0) return;
+  atomic_thread_fence(memory_order_seq_cst);
+  if (atomic_load_explicit(&t->signaled, memory_order_relaxed)) return; /* a write is pending */
+  pthread_mutex_lock(&t->ev_mu);
+  if (!atomic_load_explicit(&t->signaled, memory_order_relaxed)) {
+    atomic_store_explicit(&t->signaled, 1, memory_order_relaxed);
+    uint64_t one = 1;
+    if (write(fd, &one, sizeof one) < 0) /* cannot fail short of a bug: the next change retries */
+      atomic_store_explicit(&t->signaled, 0, memory_order_relaxed);
+  }
+  pthread_mutex_unlock(&t->ev_mu);
 }
 
 static int status_valid(int s) { return s >= ROOM_FAILED && s <= ROOM_STATUS_MAX; }
@@ -90,7 +106,12 @@ int kvf__rooms_table_new(size_t max_rooms, rooms **out) {
   if (!t) goto err;
   if (kvf__map_init(&t->m) != 0) goto err_free_table;
   if (pthread_mutex_init(&t->mu, NULL) != 0) goto err_free_map;
+  if (pthread_mutex_init(&t->ev_mu, NULL) != 0) {
+    pthread_mutex_destroy(&t->mu);
+    goto err_free_map;
+  }
   atomic_init(&t->efd, -1);
+  atomic_init(&t->signaled, 0);
   t->max_rooms = max_rooms ? max_rooms : ROOMS_DEFAULT_MAX;
   *out = t;
   return 0;
@@ -119,6 +140,7 @@ void kvf__rooms_table_free(rooms *t, void (*free_user)(void *)) {
   }
   kvf__map_free(&t->m);
   pthread_mutex_destroy(&t->mu);
+  pthread_mutex_destroy(&t->ev_mu);
   if (atomic_load(&t->efd) >= 0) close(atomic_load(&t->efd));
   free(t);
 }
@@ -199,7 +221,7 @@ int kvf__rooms_add_early(rooms *t, int64_t room, void *user) {
 }
 
 int kvf__rooms_update(rooms *t, int64_t room, int status, int *new_status) {
-  int rc = 0, now = 0;
+  int rc = 0, now = 0, changed = 0;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
   if (!status_valid(status)) {
@@ -210,10 +232,11 @@ int kvf__rooms_update(rooms *t, int64_t room, int status, int *new_status) {
     rc = KVF_ENOTFOUND;
   } else {
     now = merge_status(e->status, status);
-    if (now != e->status) changed_locked(t);
+    changed = now != e->status;
     e->status = now;
   }
   pthread_mutex_unlock(&t->mu);
+  if (changed) signal_change(t);
   if (rc == 0 && new_status) *new_status = now;
   return rc;
 }
@@ -274,22 +297,24 @@ static char *reason_dup(const char *reason) {
 
 /* Caller holds the lock; takes ownership of r. Failed is final and its
  * first reason stays: a later one (the prefill's failed M3 for a room the
- * decode already failed and fenced) is a consequence, not the cause. */
-static void fail_entry(rooms *t, room_entry *e, char *r) {
-  if (e->status != ROOM_FAILED) changed_locked(t);
+ * decode already failed and fenced) is a consequence, not the cause. 1 when
+ * the status changed (the caller signals it once the lock is let go). */
+static int fail_entry(room_entry *e, char *r) {
+  int changed = e->status != ROOM_FAILED;
   if (e->status == ROOM_FAILED && e->reason && *e->reason) {
     free(r);
-    return;
+    return changed;
   }
   free(e->reason);
   e->reason = r;
   e->status = ROOM_FAILED;
+  return changed;
 }
 
 /* kvf__rooms_fail and kvf__rooms_fail_unless_success. */
 static int fail_room(rooms *t, int64_t room, uint64_t use, const char *reason, int spare_success, int *failed) {
   char *r = reason_dup(reason);
-  int rc = 0, did = 0;
+  int rc = 0, did = 0, changed = 0;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find_use(t, room, use);
   if (!e) {
@@ -298,11 +323,12 @@ static int fail_room(rooms *t, int64_t room, uint64_t use, const char *reason, i
   } else if (!spare_success || e->status != ROOM_SUCCESS) {
     /* Without memory for the text the room still fails: the status is what
      * stops a hang; the reason is a courtesy. */
-    fail_entry(t, e, r);
+    changed = fail_entry(e, r);
     r = NULL;
     did = 1;
   }
   pthread_mutex_unlock(&t->mu);
+  if (changed) signal_change(t);
   free(r);
   if (failed) *failed = did;
   return rc;
@@ -320,7 +346,7 @@ int kvf__rooms_fail_unless_success(rooms *t, int64_t room, const char *reason, i
 
 int kvf__rooms_reset_responses(rooms *t, int64_t room, int status) {
   if (!status_valid(status)) return KVF_EINVAL;
-  int rc = 0;
+  int rc = 0, changed = 0;
   pthread_mutex_lock(&t->mu);
   room_entry *e = find(t, room);
   if (!e) {
@@ -334,10 +360,11 @@ int kvf__rooms_reset_responses(rooms *t, int64_t room, int status) {
     e->use = ++t->uses;
     if (e->status != ROOM_FAILED && e->status != status) {
       e->status = status;
-      changed_locked(t);
+      changed = 1;
     }
   }
   pthread_mutex_unlock(&t->mu);
+  if (changed) signal_change(t);
   return rc;
 }
 
@@ -438,9 +465,9 @@ int kvf__rooms_record_response(rooms *t, int64_t room, uint64_t use, int prefill
   int before = e->status;
   e->status = merge_status(e->status, ROOM_SUCCESS);
   became = before != ROOM_SUCCESS && e->status == ROOM_SUCCESS;
-  if (became) changed_locked(t);
 out_unlock:
   pthread_mutex_unlock(&t->mu);
+  if (became) signal_change(t);
   if (rc == 0 && became_success) *became_success = became;
   return rc;
 }
@@ -603,6 +630,7 @@ void kvf__rooms_get_stats(rooms *t, rooms_stats *out) {
 int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, void *arg), void *arg,
                              const char *reason, size_t *nfailed) {
   size_t n = 0;
+  int changed = 0;
   map_iter it;
   kvf__map_iter_init(&it);
   uint64_t key;
@@ -613,10 +641,11 @@ int kvf__rooms_fail_matching(rooms *t, int (*pred)(int64_t room, void *user, voi
     if (e->early || e->status == ROOM_SUCCESS || !pred((int64_t)key, e->user, arg)) continue;
     /* One copy per room, because each room owns its reason; a failed copy
      * still fails the room (see kvf__rooms_fail). */
-    fail_entry(t, e, reason_dup(reason));
+    changed |= fail_entry(e, reason_dup(reason));
     n++;
   }
   pthread_mutex_unlock(&t->mu);
+  if (changed) signal_change(t);
   if (nfailed) *nfailed = n;
   return 0;
 }
@@ -633,20 +662,19 @@ int kvf__rooms_event_fd(rooms *t) {
 }
 
 void kvf__rooms_event_clear(rooms *t) {
-  pthread_mutex_lock(&t->mu);
-  int fd = atomic_load(&t->efd);
-  if (fd >= 0 && t->signaled) {
-    uint64_t v;
-    if (read(fd, &v, sizeof v) < 0) { /* EAGAIN: nothing was pending */
+  int fd = atomic_load_explicit(&t->efd, memory_order_relaxed);
+  if (fd < 0) return;
+  if (atomic_load_explicit(&t->signaled, memory_order_relaxed)) {
+    pthread_mutex_lock(&t->ev_mu); /* a write under way is done before its drain */
+    if (atomic_load_explicit(&t->signaled, memory_order_relaxed)) {
+      uint64_t v;
+      if (read(fd, &v, sizeof v) < 0) { /* EAGAIN: nothing was pending */
+      }
+      atomic_store_explicit(&t->signaled, 0, memory_order_relaxed);
     }
-    t->signaled = 0;
+    pthread_mutex_unlock(&t->ev_mu);
   }
-  pthread_mutex_unlock(&t->mu);
+  atomic_thread_fence(memory_order_seq_cst); /* signal_change's pair: before the caller's polls */
 }
 
-void kvf__rooms_notify(rooms *t) {
-  if (atomic_load_explicit(&t->efd, memory_order_relaxed) < 0) return; /* nobody listens: no lock */
-  pthread_mutex_lock(&t->mu);
-  changed_locked(t);
-  pthread_mutex_unlock(&t->mu);
-}
+void kvf__rooms_notify(rooms *t) { signal_change(t); }

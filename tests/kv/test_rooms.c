@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include <poll.h>
+#include <sched.h>
 #include <pthread.h>
 #include <stdatomic.h>
 
@@ -742,6 +743,64 @@ static void change_events(void **state) {
   kvf__rooms_table_free(t, NULL);
 }
 
+/* The event fd's promise with changes from another thread (the status
+ * listener, a transfer thread): a scheduler that clears, polls its rooms
+ * and then sleeps on the fd is always woken by a change it has not seen.
+ * The changer signals after letting the table's lock go, so its signal and
+ * the poller's clear race here, at random offsets. A missed wake-up leaves
+ * the poller asleep for its whole bound while a room it waits for is
+ * Success, and the test fails. */
+enum { EVENT_RACE_ROOMS = 20000 };
+#define EVENT_RACE_SLEEP_MS 3000 /* a wake-up missed, not a slow machine: the changer ends in milliseconds */
+
+typedef struct event_race {
+  rooms *t;
+  atomic_int done; /* the changer made every change */
+} event_race;
+
+static void *event_race_changer(void *arg) {
+  event_race *x = arg;
+  uint64_t rng = 0x9e3779b97f4a7c15ULL;
+  for (int i = 0; i < EVENT_RACE_ROOMS; i++) {
+    if (i % 2) kvf__rooms_update(x->t, i, ROOM_SUCCESS, NULL);
+    else kvf__rooms_record_response(x->t, i, 0, 0, -1, NULL, 0, NULL);
+    rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+    unsigned spin = (unsigned)(rng >> 56); /* 0..255: the next change lands anywhere in the poller's turn */
+    for (volatile unsigned k = 0; k < spin * 8; k++) {
+    }
+    if (spin < 32) sched_yield();
+  }
+  atomic_store(&x->done, 1);
+  return NULL;
+}
+
+static void no_change_is_missed_by_a_sleeping_poller(void **state) {
+  (void)state;
+  event_race x = {.t = new_table(EVENT_RACE_ROOMS + 1)};
+  for (int i = 0; i < EVENT_RACE_ROOMS; i++) assert_int_equal(kvf__rooms_create(x.t, i, ROOM_TRANSFERRING), 0);
+  int fd = kvf__rooms_event_fd(x.t);
+  assert_true(fd >= 0);
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, event_race_changer, &x), 0);
+  int next = 0, sleeps = 0, missed = 0;
+  for (;;) {
+    kvf__rooms_event_clear(x.t);
+    while (next < EVENT_RACE_ROOMS && status_of(x.t, next) == ROOM_SUCCESS) next++;
+    if (next == EVENT_RACE_ROOMS) break;
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    sleeps++;
+    if (poll(&p, 1, EVENT_RACE_SLEEP_MS) == 0) { /* asleep the whole bound */
+      missed = status_of(x.t, next) == ROOM_SUCCESS || atomic_load(&x.done);
+      break;
+    }
+  }
+  pthread_join(th, NULL);
+  assert_int_equal(missed, 0);
+  assert_int_equal(next, EVENT_RACE_ROOMS);
+  assert_true(sleeps > 0);
+  kvf__rooms_table_free(x.t, NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(update_rule_table),
@@ -761,6 +820,7 @@ int main(void) {
       cmocka_unit_test(status_cell_follows_the_room),
       cmocka_unit_test(concurrent_updates_and_clears),
       cmocka_unit_test(change_events),
+      cmocka_unit_test(no_change_is_missed_by_a_sleeping_poller),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
