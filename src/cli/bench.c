@@ -53,6 +53,7 @@
 #include <zmq.h>
 
 #include "bench.h"
+#include "bench_floor.h"
 #include "bench_ucx.h"
 #include "cli.h"
 #include "kvferry.h"
@@ -256,6 +257,7 @@ typedef struct engine_case {
   const char *mode;  /* UCX: "read" (the target reads, the default) or "write"; NULL over tcp */
   double write_gbps; /* a read case: its write twin's figure of this run */
   double tcp_base;   /* its TCP baseline: through huge pages for a _pool case over TCP */
+  double cma2;       /* private memory over UCX: two threads' process_vm_readv of the same blocks */
 } engine_case;
 
 /* Over UCX (explicit, or auto between two processes here) the same-run
@@ -290,14 +292,14 @@ static int bench_engine(const bench_opts *o) {
   int rc = 1, failed = 0;
   /* Over UCX every case runs in read mode and in write mode, the read case
    * first with its write twin's figure beside it. */
-  engine_case cases[8] = {{"engine_1MiB_blocks", 1 << 20, 16, 0, 0, 0, 0, NULL, 0, 0},
-                          {"engine_256x32KiB_scattered", 32 << 10, 256, 0, 0, 0, 0, NULL, 0, 0},
-                          {"engine_1MiB_blocks_pool", 1 << 20, 16, 1, 0, 0, 0, NULL, 0, 0},
-                          {"engine_256x32KiB_scattered_pool", 32 << 10, 256, 1, 0, 0, 0, NULL, 0, 0}};
+  engine_case cases[8] = {{"engine_1MiB_blocks", 1 << 20, 16, 0, 0, 0, 0, NULL, 0, 0, 0},
+                          {"engine_256x32KiB_scattered", 32 << 10, 256, 0, 0, 0, 0, NULL, 0, 0, 0},
+                          {"engine_1MiB_blocks_pool", 1 << 20, 16, 1, 0, 0, 0, NULL, 0, 0, 0},
+                          {"engine_256x32KiB_scattered_pool", 32 << 10, 256, 1, 0, 0, 0, NULL, 0, 0, 0}};
   size_t nc = 4;
   if (o->block) { /* a single custom case (and its pool twin) replaces the standard ones */
-    cases[0] = (engine_case){"engine_custom", o->block, (size_t)o->per_batch, 0, 0, 0, 0, NULL, 0, 0};
-    cases[1] = (engine_case){"engine_custom_pool", o->block, (size_t)o->per_batch, 1, 0, 0, 0, NULL, 0, 0};
+    cases[0] = (engine_case){"engine_custom", o->block, (size_t)o->per_batch, 0, 0, 0, 0, NULL, 0, 0, 0};
+    cases[1] = (engine_case){"engine_custom_pool", o->block, (size_t)o->per_batch, 1, 0, 0, 0, NULL, 0, 0, 0};
     nc = 2;
   }
   if (ucx) {
@@ -335,6 +337,7 @@ static int bench_engine(const bench_opts *o) {
     cases[i].tcp_base = cases[i].alloc && base_huge > 0 ? base_huge : base;
     if (ucx && i % 2) { /* the write twin: same baselines */
       cases[i].memcpy2 = cases[i - 1].memcpy2, cases[i].ucx_raw = cases[i - 1].ucx_raw;
+      cases[i].cma2 = cases[i - 1].cma2;
       cases[i - 1].write_gbps = cases[i].gbps;
       continue;
     }
@@ -342,6 +345,8 @@ static int bench_engine(const bench_opts *o) {
     if (ucx)
       cases[i].ucx_raw = bench_ucx_raw_gbps(pool_bytes, cases[i].block, cases[i].per_batch, o->inflight, o->bytes,
                                             cases[i].alloc);
+    if (ucx && !cases[i].alloc) /* private memory on one host comes down to CMA: its floor */
+      cases[i].cma2 = bench_cma2_gbps(pool_bytes, cases[i].block, cases[i].per_batch, o->bytes);
   }
   const char *tls = getenv("UCX_TLS");
   const char *transport = getenv("KVFERRY_TRANSPORT") ? getenv("KVFERRY_TRANSPORT") : "auto";
@@ -360,12 +365,15 @@ static int bench_engine(const bench_opts *o) {
         printf(",\"mode\":\"%s\",\"ucx_raw_gbps\":%.3f,\"ucx_ratio\":%.3f", c->mode, c->ucx_raw,
                c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
       if (ucx && c->write_gbps > 0) printf(",\"read_over_write\":%.3f", c->gbps / c->write_gbps);
+      if (c->cma2 > 0) printf(",\"cma2_gbps\":%.3f,\"cma_ratio\":%.3f", c->cma2, c->gbps / c->cma2);
       printf("}");
     }
     printf("],\"pool_bytes\":%llu,\"baseline\":\"plain TCP loopback, one stream, 1 MiB writes through a pool of "
            "pool_bytes at both ends\",\"memcpy2\":\"2-thread memcpy of the same blocks between two pools of "
            "pool_bytes\",\"ucx_raw\":\"raw UCP put loop of the same blocks into a child process, same "
-           "UCX_TLS\",\"baseline_hot_gbps\":%.3f,\"baseline_huge_gbps\":%.3f,\"baseline_huge\":\"the same "
+           "UCX_TLS\",\"cma2\":\"private-memory cases: 2 threads read the same blocks from a child process with "
+           "process_vm_readv (the kernel's cross-memory attach), no kvferry "
+           "code\",\"baseline_hot_gbps\":%.3f,\"baseline_huge_gbps\":%.3f,\"baseline_huge\":\"the same "
            "stream through pools on transparent huge pages: the baseline of the _pool cases over TCP\"}\n",
            (unsigned long long)pool_bytes, base_hot, base_huge);
   } else {
@@ -377,11 +385,13 @@ static int bench_engine(const bench_opts *o) {
            (unsigned long long)(pool_bytes >> 20), base, base_hot,
            ucx ? "ucx raw:  a raw UCP put loop of the same blocks into a child process, same UCX_TLS\n"
                  "mode:     read = the target reads each chunk (the default), write = the writer puts\n"
+                 "cma2:     private-memory cases: 2 threads process_vm_readv the same blocks from a child "
+                 "process\n"
                : "");
     if (base_huge > 0)
       printf("          (same through pools on huge pages, the _pool cases' baseline: %.2f GB/s)\n", base_huge);
     printf("%-38s %8s %8s %6s %8s %6s", "case", "GB/s", "tcp", "ratio", "memcpy2", "ratio");
-    if (ucx) printf(" %8s %6s %6s", "ucx raw", "ratio", "r/w");
+    if (ucx) printf(" %8s %6s %6s %8s %6s", "ucx raw", "ratio", "r/w", "cma2", "ratio");
     printf("\n");
     for (size_t i = 0; i < nc; i++) {
       engine_case *c = &cases[i];
@@ -392,6 +402,8 @@ static int bench_engine(const bench_opts *o) {
              c->memcpy2 > 0 ? c->gbps / c->memcpy2 : 0);
       if (ucx) printf(" %8.2f %6.2f", c->ucx_raw, c->ucx_raw > 0 ? c->gbps / c->ucx_raw : 0);
       if (ucx && c->write_gbps > 0) printf(" %6.2f", c->gbps / c->write_gbps);
+      else if (ucx) printf(" %6s", "-");
+      if (c->cma2 > 0) printf(" %8.2f %6.2f", c->cma2, c->gbps / c->cma2);
       printf("\n");
     }
   }
@@ -1107,7 +1119,7 @@ out:
  * KVFERRY_VERIFY=1 (both of its processes hash, send and check digests);
  * requests alternate between the pairs so the machine's noise hits both. */
 static int e2e_verify_pair(pd_pair *pp, size_t tokens, int runs, int64_t *room, double *p50, double *best,
-                           double *v50, double *vbest, char *vtrace, size_t vcap) {
+                           double *v50, double *vbest, double *plain_decode_cpu_s, char *vtrace, size_t vcap) {
   pd_pair pv;
   char err[256];
   const uint64_t pages = tokens / E2E_PAGE_TOKENS;
@@ -1122,8 +1134,16 @@ static int e2e_verify_pair(pd_pair *pp, size_t tokens, int runs, int64_t *room, 
   }
   double *t = calloc(2 * (size_t)runs, sizeof *t), w, wm;
   rc = !t || e2e_case(&pv, tokens, 1, room, &w, &wm); /* warm up the verify pair too */
-  for (int i = 0; !rc && i < runs; i++)
-    rc = e2e_case(pp, tokens, 1, room, &t[i], &w) || e2e_case(&pv, tokens, 1, room, &t[runs + i], &w);
+  long long cpu_ns = 0;                               /* the plain pair's decode, over its requests */
+  for (int i = 0; !rc && i < runs; i++) {
+    long long d0 = proc_cpu_exact_ns(pp->decode.pid);
+    rc = e2e_case(pp, tokens, 1, room, &t[i], &w);
+    long long d1 = proc_cpu_exact_ns(pp->decode.pid);
+    if (d0 < 0 || d1 < d0) cpu_ns = -1; /* the clock cannot say: no figure */
+    if (cpu_ns >= 0) cpu_ns += d1 - d0;
+    rc = rc || e2e_case(&pv, tokens, 1, room, &t[runs + i], &w);
+  }
+  *plain_decode_cpu_s = cpu_ns >= 0 && runs > 0 ? cpu_ns / 1e9 / runs : -1;
   if (!rc) {
     qsort(t, (size_t)runs, sizeof *t, cmp_dbl);
     qsort(t + runs, (size_t)runs, sizeof *t, cmp_dbl);
@@ -1159,9 +1179,11 @@ static int bench_e2e(const bench_opts *o) {
   /* Warm up: the decode's M1 registration, connections, first-touch of the
    * engine's buffers. */
   int rc = e2e_case(&pp, tokens, 1, &room, &w50, &wmin);
-  double v50 = 0, vbest = 0;
+  double v50 = 0, vbest = 0, dec_cpu = -1;
+  bench_hash_cost hc = {0, 0};
   if (!rc && o->verify) {
-    rc = e2e_verify_pair(&pp, tokens, runs, &room, &p50, &best, &v50, &vbest, vpath, sizeof vpath);
+    rc = e2e_verify_pair(&pp, tokens, runs, &room, &p50, &best, &v50, &vbest, &dec_cpu, vpath, sizeof vpath);
+    if (!rc && bench_hash_floor(bytes, &hc)) hc.cold_s = hc.hot_s = 0;
   } else if (!rc) {
     rc = e2e_case(&pp, tokens, runs, &room, &p50, &best);
   }
@@ -1194,6 +1216,13 @@ static int bench_e2e(const bench_opts *o) {
     return 1;
   }
   double ideal = base > 0 ? bytes / (base * 1e9) : 0, gbps = p50 > 0 ? bytes / p50 / 1e9 : 0;
+  /* Verify mode's floor here: its two digest passes and the plain
+   * request's decode CPU, spread perfectly over every core, can take no
+   * less than this (bench/README.md, "Platform floors"). */
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  double floor_s =
+      dec_cpu >= 0 && cores > 0 && hc.cold_s > 0 ? (dec_cpu + hc.cold_s + hc.hot_s) / (double)cores : 0;
+  double floor_ratio = p50 > 0 && floor_s > 0 ? (floor_s > p50 ? floor_s / p50 : 1.0) : 0;
   if (o->json) {
     printf("{\"bench\":\"e2e\"");
     cli_bench_path(stdout, NULL, 1);
@@ -1210,8 +1239,11 @@ static int bench_e2e(const bench_opts *o) {
       printf(",\"plain_memory\":{\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"gbps\":%.3f,\"ratio\":%.3f}",
              plain50, plainbest, plain50 > 0 ? bytes / plain50 / 1e9 : 0, plain50 > 0 ? ideal / plain50 : 0);
     if (o->verify) /* the verify pair's figures belong to the same object */
-      printf(",\"verify\":{\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"overhead_ratio\":%.3f}", v50, vbest,
-             p50 > 0 ? v50 / p50 : 0);
+      printf(",\"verify\":{\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"overhead_ratio\":%.3f,"
+             "\"hash_cold_ms\":%.2f,\"hash_hot_ms\":%.2f,\"plain_decode_cpu_ms\":%.2f,\"cores\":%ld,"
+             "\"cpu_floor_ratio\":%.3f}",
+             v50, vbest, p50 > 0 ? v50 / p50 : 0, hc.cold_s * 1e3, hc.hot_s * 1e3, dec_cpu * 1e3, cores,
+             floor_ratio);
     cli_breakdown_file(tpath, 2, 1); /* room 1 warmed up */
     printf("}\n");
   } else {
@@ -1248,6 +1280,11 @@ static int bench_e2e(const bench_opts *o) {
              "between a pair in verify mode and one without, in the same run\n",
              "e2e_llama8b_4096tok_verify", v50 * 1e3, vbest * 1e3, v50 > 0 ? bytes / v50 / 1e9 : 0, "-", "-",
              v50 * 1e3, p50 * 1e3, ratio, (ratio - 1) * 100);
+    if (!o->json && floor_ratio > 0)
+      printf("floor: the digests on one thread cost %.1f ms from memory (send) and %.1f ms from cache (landing);\n"
+             "with the plain request's decode CPU (%.1f ms) spread over all %ld cores, verify mode cannot take\n"
+             "less than %.3f x the plain p50 here (cpu_floor_ratio)\n",
+             hc.cold_s * 1e3, hc.hot_s * 1e3, dec_cpu * 1e3, cores, floor_ratio);
   }
   cli_breakdown_file(tpath, 2, 0);      /* text mode (the JSON object has it already); room 1 warmed up */
   if (*vpath && o->json) unlink(vpath); /* text mode only */
@@ -1395,6 +1432,16 @@ static int bench_layerwise(const bench_opts *o) {
   double hidden = transfer_s > 0 ? 1 - lw_after / transfer_s : 0;
   if (hidden < 0) hidden = 0;
   if (hidden > 1) hidden = 1;
+  /* The floor of this machine's memory (bench/README.md, "Platform
+   * floors"): with the compute per layer set to the transfer alone's, a
+   * layer copied r times slower after an idle wait than back to back leaves
+   * (r - 1) of the transfer, and the last layer, after the compute. */
+  double idle_ratio = 0, ceiling = -1;
+  if (o->layer_ms < 0 && !bench_copy_after_idle(bytes / E2E_LAYERS, 8, layer_ms, &idle_ratio) && idle_ratio > 0) {
+    ceiling = 1 - (idle_ratio - 1) - idle_ratio / E2E_LAYERS;
+    if (ceiling < 0) ceiling = 0;
+    if (ceiling > 1) ceiling = 1;
+  }
   double layer_xfer_ms = transfer_s * 1e3 / E2E_LAYERS;
   if (o->json) {
     printf("{\"bench\":\"layerwise\"");
@@ -1404,11 +1451,12 @@ static int bench_layerwise(const bench_opts *o) {
            "\"layer_ms\":%.3f,\"compute_ms\":%.2f,\"transfer_alone_ms\":%.2f,\"transfer_per_layer_ms\":%.3f,"
            "\"whole_success_after_compute_ms\":%.2f,\"whole_time_to_success_ms\":%.2f,"
            "\"layerwise_success_after_last_layer_ms\":%.2f,\"layerwise_time_to_success_ms\":%.2f,"
-           "\"hidden_fraction\":%.3f,\"baseline_rtt_us\":%.1f,\"compute\":\"%s\","
+           "\"hidden_fraction\":%.3f,\"copy_after_idle_ratio\":%.3f,\"hidden_ceiling\":%.3f,"
+           "\"baseline_rtt_us\":%.1f,\"compute\":\"%s\","
            "\"after_last_layer_over_layer_plus_rtt\":%.2f}\n",
            tokens, E2E_LAYERS, (unsigned long long)bytes, runs, layer_ms, compute_s * 1e3, transfer_s * 1e3,
-           layer_xfer_ms, whole_after * 1e3, whole_ttft * 1e3, lw_after * 1e3, lw_ttft * 1e3, hidden, rtt_us,
-           o->idle_compute ? "sleep" : "busy", lw_after * 1e3 / (layer_xfer_ms + rtt_us / 1e3));
+           layer_xfer_ms, whole_after * 1e3, whole_ttft * 1e3, lw_after * 1e3, lw_ttft * 1e3, hidden, idle_ratio,
+           ceiling, rtt_us, o->idle_compute ? "sleep" : "busy", lw_after * 1e3 / (layer_xfer_ms + rtt_us / 1e3));
   } else {
     cli_bench_path(stdout, m, 0);
     printf("layerwise: one llama-3.1-8b request of %zu tokens (%d layers, %llu MiB), prefill computing each "
@@ -1424,6 +1472,11 @@ static int bench_layerwise(const bench_opts *o) {
     printf("each layer when computed:    Success %8.2f ms after the compute, %8.2f ms after its start\n",
            lw_after * 1e3, lw_ttft * 1e3);
     printf("hidden_fraction (transfer finished inside the compute): %.3f\n", hidden);
+    if (ceiling >= 0)
+      printf("floor: one thread copies a layer %.3f x as long after a %.3f ms idle wait as back to back;\n"
+             "with the compute per layer set by the transfer alone, hidden_fraction cannot pass %.3f here "
+             "(hidden_ceiling)\n",
+             idle_ratio, layer_ms, ceiling);
   }
   rc = 0;
 out_mgr:
