@@ -552,6 +552,9 @@ void kvf__ucx_copier_start(ucx_state *u);
 /* Queue a job for the copier threads (0, or KVF_ENOMEM / KVF_EBUSY when
  * there are none: the caller does the work itself). */
 int kvf__ucx_copier_queue(ucx_state *u, ucx_job *j);
+/* Take a queued job back: 1 when no copier had taken it yet (it never runs),
+ * 0 when one has (it runs or ran: its owner waits for it as it would). */
+int kvf__ucx_copier_unqueue(ucx_state *u, ucx_job *j);
 /* Progress thread, no lock held: send the trailers of flushed chunks (tq)
  * and finish those chunks. */
 void kvf__ucx_trailers_send(ucx_state *u);

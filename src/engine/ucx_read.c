@@ -626,22 +626,37 @@ static int loads_copy(const notice_read *r, const ucx_load *l, size_t from, size
   return 0;
 }
 
-/* A share of the loads that a copier thread copies. */
+/* A notice's loads copied by two threads, the serving one and a copier:
+ * each claims the next `per` loads (about UCX_LOADS_CLAIM_BYTES) until none
+ * are left, so a copier that starts late (its wake-up, tens of µs on a VM
+ * whose vCPU had halted) takes less, and neither waits for the other's
+ * fixed half at the end. */
 typedef struct load_share {
   ucx_job job;
   const notice_read *r;
   const ucx_load *l;
-  size_t from, to;
-  int stream, rc, done;
+  size_t n, per;
+  atomic_size_t next; /* the first load not claimed yet */
+  atomic_int rc;      /* the first failure; the others stop claiming */
+  int stream, done;   /* done: under mu, the copier is through */
   pthread_mutex_t mu;
   pthread_cond_t cv;
 } load_share;
 
+static void load_share_work(load_share *s) {
+  while (!atomic_load_explicit(&s->rc, memory_order_relaxed)) {
+    size_t i = atomic_fetch_add_explicit(&s->next, s->per, memory_order_relaxed);
+    if (i >= s->n) return;
+    int rc = loads_copy(s->r, s->l, i, s->n - i < s->per ? s->n : i + s->per, s->stream);
+    int none = 0;
+    if (rc) atomic_compare_exchange_strong(&s->rc, &none, rc);
+  }
+}
+
 static void load_share_run(void *arg) {
   load_share *s = arg;
-  int rc = loads_copy(s->r, s->l, s->from, s->to, s->stream);
+  load_share_work(s);
   pthread_mutex_lock(&s->mu);
-  s->rc = rc;
   s->done = 1;
   pthread_cond_signal(&s->cv);
   pthread_mutex_unlock(&s->mu);
@@ -657,6 +672,11 @@ static void load_share_run(void *arg) {
  * alternating runs; e2e and 256-page rooms unchanged within noise. */
 #define UCX_LOADS_SPLIT_BYTES (4u << 20)
 
+/* What each of the two threads claims at a time: the lease's clock is read
+ * once a claim (UCX_LEASE_CLOCK_BYTES), and a late copier leaves at most
+ * one claim for the serving thread to wait on. */
+#define UCX_LOADS_CLAIM_BYTES (1u << 20)
+
 /* A notice's loads are copied once this many slices are listed (and at its
  * end): the list costs 24 bytes a slice, and a writer chooses the counts (a
  * 48-byte descriptor of 2^22 one-byte pieces listed 96 MiB before). */
@@ -670,23 +690,24 @@ static int loads_run(const notice_read *r, const ucx_load *l, size_t n, uint64_t
   const int stream = total >= KVF_COPY_STREAM_MIN_BATCH &&
                      !(r->fence && atomic_load_explicit(&u->e->landed_on, memory_order_relaxed));
   if (n < 2 || total < UCX_LOADS_SPLIT_BYTES || !u->ncopiers) return loads_copy(r, l, 0, n, stream);
-  size_t half = 0;
-  for (uint64_t acc = 0; half < n && acc < total / 2; half++) acc += l[half].len;
-  load_share s = {.r = r, .l = l, .from = half, .to = n, .stream = stream};
+  uint64_t per = (uint64_t)n * UCX_LOADS_CLAIM_BYTES / total;
+  load_share s = {.r = r, .l = l, .n = n, .per = per ? (size_t)per : 1, .stream = stream};
+  atomic_init(&s.next, 0);
+  atomic_init(&s.rc, 0);
   pthread_mutex_init(&s.mu, NULL);
   pthread_cond_init(&s.cv, NULL);
   s.job = (ucx_job){.fn = load_share_run, .arg = &s};
   int queued = !kvf__ucx_copier_queue(u, &s.job);
-  int rc = loads_copy(r, l, 0, queued ? half : n, stream);
-  if (queued) {
+  load_share_work(&s);
+  /* A copier that has not taken the job by now has nothing left to do. */
+  if (queued && !kvf__ucx_copier_unqueue(u, &s.job)) {
     pthread_mutex_lock(&s.mu);
     while (!s.done) pthread_cond_wait(&s.cv, &s.mu);
     pthread_mutex_unlock(&s.mu);
-    if (!rc) rc = s.rc;
   }
   pthread_cond_destroy(&s.cv);
   pthread_mutex_destroy(&s.mu);
-  return rc;
+  return atomic_load(&s.rc);
 }
 
 /* Read every piece of the notice into this engine's memory: loads from a

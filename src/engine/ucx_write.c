@@ -395,6 +395,20 @@ int kvf__ucx_copier_queue(ucx_state *u, ucx_job *j) {
   return 0;
 }
 
+int kvf__ucx_copier_unqueue(ucx_state *u, ucx_job *j) {
+  int found = 0;
+  pthread_mutex_lock(&u->q_mu);
+  for (ucx_job **pp = &u->q_head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next)
+    if (*pp == j) {
+      *pp = j->next;
+      if (u->q_tail == j) u->q_tail = prev;
+      found = 1;
+      break;
+    }
+  pthread_mutex_unlock(&u->q_mu);
+  return found;
+}
+
 int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks) {
   ucx_state *u = e->ucx;
   ucx_peer *p;

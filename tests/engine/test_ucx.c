@@ -209,7 +209,8 @@ static void allocated_pools_land_exact(void **state) {
  * copied with the CPU (read mode: the target's loads from the mapped pool;
  * write mode: the writer's stores into the target's mapped pool;
  * base/copy.h): 160 scattered 32 KiB pages (5 MiB, one notice in read
- * mode, past UCX_LOADS_SPLIT_BYTES: half of it streamed by a copier thread)
+ * mode, past UCX_LOADS_SPLIT_BYTES: shared with a copier thread, each
+ * claiming about 1 MiB at a time)
  * from an allocated pool land byte-exact, twice over the same mapping. */
 static void large_batches_stream_and_land_exact(void **state) {
   SKIP_WITHOUT_UCX();
