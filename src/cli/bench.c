@@ -345,7 +345,7 @@ static int bench_engine(const bench_opts *o) {
     if (ucx)
       cases[i].ucx_raw = bench_ucx_raw_gbps(pool_bytes, cases[i].block, cases[i].per_batch, o->inflight, o->bytes,
                                             cases[i].alloc);
-    if (ucx && !cases[i].alloc) /* private memory on one host comes down to CMA: its floor */
+    if (ucx && !cases[i].alloc) /* private memory on one host comes down to CMA: the bare figure */
       cases[i].cma2 = bench_cma2_gbps(pool_bytes, cases[i].block, cases[i].per_batch, o->bytes);
   }
   const char *tls = getenv("UCX_TLS");
