@@ -18,6 +18,7 @@
 #include <xxh_x86dispatch.h> /* the library's digests use the same dispatch (src/base/hash.c) */
 #endif
 
+#include "bench_ucx.h"
 #include "cli.h"
 
 #define FLOOR_PIECE (1u << 20) /* a hot digest's piece: one slice as the landing thread hashes it */
@@ -158,12 +159,8 @@ double bench_cma2_gbps(uint64_t pool_bytes, uint64_t block, size_t per_batch, ui
   size_t half = per_batch > 1 ? per_batch / 2 : 1;
   cma_reader c[2] = {{pid, remote, local, pool_bytes / block, block, total / 2, 0x12345678, half, 0},
                      {pid, remote, local, pool_bytes / block, block, total / 2, 0x87654321, half, 0}};
-  pthread_t th;
-  double t0 = cli_now_s();
-  int two = pthread_create(&th, NULL, cma_main, &c[1]) == 0;
-  cma_main(&c[0]);
-  if (two) pthread_join(th, NULL);
-  double dt = cli_now_s() - t0;
+  int two;
+  double dt = bench_run_pair(cma_main, &c[1], &c[0], &two);
   uint64_t moved = two ? c[0].total + c[1].total : c[0].total;
   if (!c[0].failed && !c[1].failed && dt > 0) gbps = moved / dt / 1e9;
 out:

@@ -35,6 +35,15 @@ static void *copier_main(void *arg) {
   return NULL;
 }
 
+double bench_run_pair(void *(*fn)(void *), void *a, void *b, int *two) {
+  pthread_t th;
+  double t0 = cli_now_s();
+  *two = pthread_create(&th, NULL, fn, a) == 0;
+  fn(b);
+  if (*two) pthread_join(th, NULL);
+  return cli_now_s() - t0;
+}
+
 double bench_memcpy2_gbps(uint64_t pool_bytes, uint64_t block, size_t per_batch, uint64_t total) {
   unsigned char *a = mmap(NULL, pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   unsigned char *b = mmap(NULL, pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -46,12 +55,8 @@ double bench_memcpy2_gbps(uint64_t pool_bytes, uint64_t block, size_t per_batch,
     size_t half = per_batch > 1 ? per_batch / 2 : 1;
     copier c[2] = {{a, b, pool_bytes / block, block, total / 2, 0x12345678, half},
                    {a, b, pool_bytes / block, block, total / 2, 0x87654321, half}};
-    pthread_t th;
-    double t0 = cli_now_s();
-    int two = pthread_create(&th, NULL, copier_main, &c[1]) == 0;
-    copier_main(&c[0]);
-    if (two) pthread_join(th, NULL);
-    double dt = cli_now_s() - t0;
+    int two;
+    double dt = bench_run_pair(copier_main, &c[1], &c[0], &two);
     uint64_t moved = two ? c[0].total + c[1].total : c[0].total;
     gbps = dt > 0 ? moved / dt / 1e9 : 0;
   }

@@ -6,6 +6,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Run fn(a) on a second thread and fn(b) on this one; the seconds both took.
+ * *two = 0 when the second thread could not start (then only fn(b) ran). */
+double bench_run_pair(void *(*fn)(void *), void *a, void *b, int *two);
 /* Two threads copy `total` bytes as random `block`-sized blocks between two
  * pools of `pool_bytes`, `per_batch` blocks a batch. */
 double bench_memcpy2_gbps(uint64_t pool_bytes, uint64_t block, size_t per_batch, uint64_t total);
