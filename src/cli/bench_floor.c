@@ -21,7 +21,9 @@
 #include "bench_ucx.h"
 #include "cli.h"
 
-#define FLOOR_PIECE (1u << 20) /* a hot digest's piece: one slice as the landing thread hashes it */
+/* The pieces digested (and, for a hot digest, copied just before): the
+ * decode digests each page as it lands, and 1 MiB stays in cache as well. */
+#define FLOOR_PIECE (1u << 20)
 
 static void *map_filled(uint64_t n, int c) {
   void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -37,7 +39,7 @@ int bench_hash_floor(uint64_t bytes, bench_hash_cost *out) {
   if (a && b) {
     volatile uint64_t sink = 0;
     /* Cold: every byte from memory (the buffer is far larger than any
-     * cache, and was written last before b), in the pages' 1 MiB pieces. */
+     * cache, and b was written after it), in 1 MiB pieces. */
     double t0 = cli_now_s();
     for (uint64_t off = 0; off < bytes; off += FLOOR_PIECE)
       sink ^= XXH3_64bits(a + off, bytes - off < FLOOR_PIECE ? bytes - off : FLOOR_PIECE);
