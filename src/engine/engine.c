@@ -14,6 +14,7 @@
 #include "base/clock.h"
 #include "base/config.h"
 #include "base/env.h"
+#include "base/hostmem.h"
 #include "base/log.h"
 #include "base/wake.h"
 #include "base/parse.h"
@@ -221,7 +222,16 @@ int kvf_engine_register(kvf_engine *e, void *addr, size_t len) {
     rc = span_push(&e->nested, &e->nnested, &e->cap_nested, (engine_span){base, len});
   pthread_mutex_unlock(&e->pools_mu);
   if (rc != KVF_EEXIST) return rc; /* inside a pool, already registered whole */
-  rc = kvf__regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len);
+  /* Device memory (not a readable host mapping; cannot tell: host) can be
+   * moved only by a UCX built with CUDA: kvferry's TCP refuses writes into
+   * it and batches from it rather than copy with the CPU. */
+  int device = kvf__host_readable(base, len) == 0;
+  if (device && !e->ops->reg && kvf__log_first_time(0x74637064u))
+    LOG_WARN("engine",
+             "%p+%zu is not readable host memory (device memory?): transport %s copies with the CPU and refuses "
+             "writes into or out of it; device memory needs transport ucx with a UCX built with CUDA",
+             addr, len, e->ops->name);
+  rc = kvf__regions_add(&e->regions, base, len, device);
   if (!rc && e->ops->reg && (rc = e->ops->reg(e, addr, len)))
     kvf__regions_remove(&e->regions, (uint64_t)(uintptr_t)addr);
   if (rc) LOG_WARN("engine", "register %p+%zu failed: %s", addr, len, kvf_strerror(rc));
@@ -393,9 +403,10 @@ uint64_t kvf__write_block_bytes(const kvf_write *w) { return w->len * (w->count 
 
 /* Every source piece must lie in locally registered memory, as Mooncake
  * requires; it catches a caller's stale pointer before it reaches a peer. */
-static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *total) {
+static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *total, int *device_src) {
   uint64_t sum = 0;
   int rc = 0;
+  *device_src = 0;
   pthread_rwlock_rdlock(&e->regions.lock);
   for (size_t i = 0; i < n; i++) {
     uint64_t count = w[i].count > 1 ? w[i].count : 1, bytes;
@@ -410,12 +421,14 @@ static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *t
       rc = KVF_EINVAL;
       break;
     }
-    if (!kvf__regions_block_ok_locked(&e->regions, w[i].src, w[i].len, count, w[i].src_stride)) {
+    region *r = kvf__regions_find_block_locked(&e->regions, w[i].src, w[i].len, count, w[i].src_stride);
+    if (!r) {
       LOG_WARN("engine", "write %zu: source 0x%llx+%llu is not in registered memory", i,
                (unsigned long long)w[i].src, (unsigned long long)bytes);
       rc = KVF_ERANGE;
       break;
     }
+    *device_src |= r->device;
   }
   pthread_rwlock_unlock(&e->regions.lock);
   if (!rc) *total = sum;
@@ -695,7 +708,8 @@ static int engine_submit(kvf_engine *e, const kvf__submit *s, kvf_batch **out) {
     return KVF_EINVAL;
   }
   uint64_t total = 0;
-  int rc = check_writes(e, writes, n, &total);
+  int device_src = 0;
+  int rc = check_writes(e, writes, n, &total, &device_src);
   if (rc) return rc;
 
   pthread_mutex_lock(&e->spare_mu);
@@ -708,6 +722,7 @@ static int engine_submit(kvf_engine *e, const kvf__submit *s, kvf_batch **out) {
   b->tag = opts.tag;
   b->epoch = opts.epoch;
   b->bytes = total;
+  b->device_src = device_src;
   b->deadline_ns = clock_deadline_ms(e->cfg.timeout_ms);
   b->on_done = on_done;
   b->on_done_arg = arg;

@@ -21,6 +21,7 @@ typedef struct region {
   uint64_t len;
   atomic_int pins;    /* inbound writes in progress into it */
   atomic_int revoked; /* unregistered: pinned writers stop at their next tick */
+  int device;         /* not a readable host mapping here (device memory): the CPU never copies into it */
 } region;
 
 typedef struct region_table {
@@ -34,7 +35,10 @@ typedef struct region_table {
 
 int kvf__regions_init(region_table *t);
 void kvf__regions_destroy(region_table *t);
-int kvf__regions_add(region_table *t, uint64_t base, uint64_t len);
+/* `device`: the range is not readable host memory of this process (what
+ * cuMemAlloc memory looks like to the CPU); kvferry's TCP refuses writes
+ * into it (TCP_FRAME_DEVICE_MEMORY) instead of copying into it. */
+int kvf__regions_add(region_table *t, uint64_t base, uint64_t len, int device);
 /* Take the region out of the table, then wait until no receiver holds a pin
  * on it (about one receive tick at most). */
 int kvf__regions_remove(region_table *t, uint64_t base);
@@ -124,7 +128,8 @@ typedef struct kvf_batch {
   int status;  /* first error, or 0 */
   int64_t deadline_ns;
   uint64_t bytes;
-  int counted; /* stats recorded once */
+  int device_src; /* a source lies in device memory (region.device): kvferry's TCP refuses the batch */
+  int counted;    /* stats recorded once */
   /* kvf__engine_submit_cb: called once when pending reaches 0, then the
    * batch is freed (no handle was given out) */
   void (*on_done)(void *arg, int status);

@@ -47,12 +47,13 @@ static size_t upper_bound(const region_table *t, uint64_t addr) {
   return lo;
 }
 
-int kvf__regions_add(region_table *t, uint64_t base, uint64_t len) {
+int kvf__regions_add(region_table *t, uint64_t base, uint64_t len, int device) {
   if (len == 0 || base + len < base) return KVF_EINVAL;
   region *r = calloc(1, sizeof *r);
   if (!r) return KVF_ENOMEM;
   r->base = base;
   r->len = len;
+  r->device = device;
   int rc = 0;
   pthread_rwlock_wrlock(&t->lock);
   size_t i = upper_bound(t, base);

@@ -20,13 +20,17 @@ static const char *const reasons[TCP_FRAME_NVERDICTS] = {
     [TCP_FRAME_OVERFLOW] = "descriptor sizes overflow",
     [TCP_FRAME_TOTAL_MISMATCH] = "chunk descriptors do not add up",
     [TCP_FRAME_OUT_OF_RANGE] = "write outside registered memory",
+    [TCP_FRAME_DEVICE_MEMORY] =
+        "write into device memory, which kvferry's TCP cannot copy into (UCX with CUDA can)",
 };
 
 const char *kvf__tcp_frame_reason(int v) {
   return v >= 0 && v < TCP_FRAME_NVERDICTS ? reasons[v] : "unknown verdict";
 }
 
-int kvf__tcp_frame_fatal(int v) { return v != TCP_FRAME_OK && v != TCP_FRAME_OUT_OF_RANGE; }
+int kvf__tcp_frame_fatal(int v) {
+  return v != TCP_FRAME_OK && v != TCP_FRAME_OUT_OF_RANGE && v != TCP_FRAME_DEVICE_MEMORY;
+}
 
 int kvf__tcp_frame_hello(const tcp_hello *h) {
   /* A data connection's hello, or a UCX rendezvous (ucx.c): same layout. */
@@ -62,6 +66,7 @@ int kvf__tcp_frame_ranges_locked(const region_table *t, const tcp_desc *d, uint3
     if (!d[i].len) continue;
     region *r = kvf__regions_find_block_locked(t, d[i].dst, d[i].len, d[i].count, d[i].stride);
     if (!r) return TCP_FRAME_OUT_OF_RANGE;
+    if (r->device) return TCP_FRAME_DEVICE_MEMORY;
     if (pins && (k == 0 || pins[k - 1] != r)) pins[k++] = r;
   }
   if (npins) *npins = k;

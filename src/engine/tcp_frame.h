@@ -25,12 +25,14 @@ typedef enum tcp_frame_verdict {
   TCP_FRAME_OVERFLOW,       /* len * count or the sum overflows 64 bits */
   TCP_FRAME_TOTAL_MISMATCH, /* descriptors do not add up to total_bytes */
   TCP_FRAME_OUT_OF_RANGE,   /* a destination outside registered memory: refused, stream stays in step */
+  TCP_FRAME_DEVICE_MEMORY,  /* a destination in device memory, which the CPU cannot write: refused likewise */
   TCP_FRAME_NVERDICTS
 } tcp_frame_verdict;
 
 /* A short fixed reason for a verdict (static string). */
 const char *kvf__tcp_frame_reason(int verdict);
-/* Does the verdict end the connection (every rejection but OUT_OF_RANGE)? */
+/* Does the verdict end the connection (every rejection but OUT_OF_RANGE and
+ * DEVICE_MEMORY, whose chunk is drained and refused)? */
 int kvf__tcp_frame_fatal(int verdict);
 
 /* The hello: magic, version, token length. */

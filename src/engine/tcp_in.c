@@ -369,6 +369,10 @@ static int inbound_chunk(tcp_inbound *in, kvf_engine *e, const tcp_chunk_hdr *h,
     } else {
       left = 0;
     }
+  } else if (v == TCP_FRAME_DEVICE_MEMORY) {
+    log_peer_once(in->peer, "device",
+                  "write into device memory refused: kvferry's TCP copies with the CPU, which "
+                  "cannot write it (use transport ucx with a UCX built with CUDA)");
   } else if (v) {
     log_peer_once(in->peer, "range", "write outside registered memory (or its room's pages) refused");
   }

@@ -373,6 +373,14 @@ static int send_inline(tcp_conn *c, chunk *ch) {
 
 int kvf__tcp_submit(kvf_engine *e, const char *session, chunk **chunks, size_t nchunks) {
   tcp_state *t = e->transport;
+  if (chunks[0]->batch->device_src) { /* sendmsg would copy from it with the CPU */
+    if (kvf__log_first_time(0x74637073u))
+      LOG_WARN("tcp",
+               "a batch to %s reads from device memory, which kvferry's TCP cannot copy from: refused (device "
+               "memory needs transport ucx with a UCX built with CUDA)",
+               session);
+    return KVF_EINVAL;
+  }
   tcp_session *s;
   int rc = session_get(t, session, &s);
   if (rc) return rc;

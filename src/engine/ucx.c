@@ -215,7 +215,7 @@ int kvf__ucx_build_info(ucx_state *u, uint32_t flags, int64_t echo_ns, char **ou
   pthread_mutex_lock(&u->reg_mu);
   size_t body = u->addr_len + sizeof snap + nopen * sizeof *open + (cma ? sizeof(ucx_cma_probe) : 0), nadv = 0;
   for (size_t i = 0; regions && i < u->nregs; i++)
-    if (u->regs[i].pool != REG_POOL) {
+    if (u->regs[i].pool != REG_POOL && u->regs[i].rkey_buf) {
       body += sizeof(ucx_region_desc) + u->regs[i].rkey_len;
       nadv++;
     }
@@ -240,7 +240,7 @@ int kvf__ucx_build_info(ucx_state *u, uint32_t flags, int64_t echo_ns, char **ou
   p += u->addr_len;
   for (size_t i = 0; regions && i < u->nregs; i++) {
     const ucx_reg *r = &u->regs[i];
-    if (r->pool == REG_POOL) continue;
+    if (r->pool == REG_POOL || !r->rkey_buf) continue; /* a pool's own entry; device memory UCX cannot reach */
     ucx_region_desc d = {r->base, r->len, (uint32_t)r->rkey_len, 0};
     memcpy(p, &d, sizeof d);
     memcpy(p + sizeof d, r->rkey_buf, r->rkey_len);
@@ -620,10 +620,20 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   /* A pool this engine allocated is host memory; other memory when it is a
    * readable mapping here (device memory is not; cannot tell: host). */
   int host = !owned || kvf__host_readable(base, len) != 0;
+  /* Device memory and a UCX without CUDA: UCX would reach it only with the
+   * CPU (its tcp copies on the target's progress thread), so it is not
+   * mapped nor advertised, and writes into it find no region. */
+  int unreachable = !host && !u->cuda_memory;
+  if (unreachable && kvf__log_first_time(0x75637564u))
+    LOG_WARN("ucx",
+             "%p+%zu is not readable host memory (device memory?) and this UCX does not know CUDA memory "
+             "(ucx_info "
+             "-v lists --with-cuda when it does): transfers into or out of it are refused",
+             addr, len);
   void *rkey = NULL;
   size_t rkey_len = 0;
   pthread_mutex_lock(&u->wmu);
-  if (owned) {
+  if (owned && !unreachable) {
     ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
                                .address = addr,
                                .length = len};
@@ -633,7 +643,7 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
       rc = KVF_EIO;
     }
   }
-  if (!rc) {
+  if (!rc && !unreachable) {
     ucs_status_t st = ucp_rkey_pack(u->ctx, memh, &rkey, &rkey_len);
     if (st != UCS_OK || rkey_len > UCX_MAX_RKEY_LEN) {
       LOG_WARN("ucx", "ucp_rkey_pack %p+%zu: %s", addr, len, ucs_status_string(st));
@@ -650,8 +660,8 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   pthread_mutex_unlock(&u->reg_mu);
   if (rc) {
     pthread_mutex_lock(&u->wmu);
-    ucp_rkey_buffer_release(rkey);
-    if (owned) ucp_mem_unmap(u->ctx, memh);
+    if (rkey) ucp_rkey_buffer_release(rkey);
+    if (owned && memh) ucp_mem_unmap(u->ctx, memh);
     pthread_mutex_unlock(&u->wmu);
     return rc;
   }
@@ -683,8 +693,8 @@ static void ucx_dereg_hook(kvf_engine *e, void *addr) {
    * RDMA engine. */
   push_info(u, gen, 1);
   pthread_mutex_lock(&u->wmu);
-  ucp_rkey_buffer_release(gone.rkey_buf);
-  if (gone.pool == REG_PLAIN) ucp_mem_unmap(u->ctx, gone.memh);
+  if (gone.rkey_buf) ucp_rkey_buffer_release(gone.rkey_buf);
+  if (gone.pool == REG_PLAIN && gone.memh) ucp_mem_unmap(u->ctx, gone.memh);
   pthread_mutex_unlock(&u->wmu);
 }
 
@@ -792,7 +802,7 @@ static void ucx_teardown(ucx_state *u) {
     pthread_mutex_unlock(&u->wmu);
     for (size_t i = 0; i < u->nregs; i++) {
       if (u->regs[i].rkey_buf) ucp_rkey_buffer_release(u->regs[i].rkey_buf);
-      if (u->regs[i].pool != REG_IN_POOL) ucp_mem_unmap(u->ctx, u->regs[i].memh);
+      if (u->regs[i].pool != REG_IN_POOL && u->regs[i].memh) ucp_mem_unmap(u->ctx, u->regs[i].memh);
     }
     if (u->addr) ucp_worker_release_address(u->w, u->addr);
     ucp_worker_destroy(u->w);
@@ -831,6 +841,8 @@ static int ucx_init(ucx_state *u) {
   st = ucp_init(&pp, conf, &u->ctx);
   ucp_config_release(conf);
   if (st != UCS_OK) goto fail;
+  ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+  u->cuda_memory = ucp_context_query(u->ctx, &ca) == UCS_OK && (ca.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
   ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                             .thread_mode = UCS_THREAD_MODE_SERIALIZED};
   if ((st = ucp_worker_create(u->ctx, &wp, &u->w)) != UCS_OK) goto fail;

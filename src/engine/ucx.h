@@ -415,6 +415,10 @@ typedef struct ucx_state {
    * with the reader's CPU, which cannot touch device memory): it connects
    * and serves writers in write mode, where UCX moves device memory. */
   atomic_int device_regs;
+  /* This UCX knows CUDA memory (ucp_context_query: UCS_MEMORY_TYPE_CUDA).
+   * Without it, device memory is neither advertised to writers nor written
+   * from: UCX would reach it only with the CPU (kvf_engine_register). */
+  int cuda_memory;
   atomic_int npartial; /* peers with a partial_ns set */
   /* Under wmu: the latest time the progress thread wakes by itself, set
    * before each of its waits (kvf__ucx_op_link wakes it only for an op due

@@ -443,7 +443,7 @@ static int notice_check(notice_read *r, const kvf_write *w, uint32_t ndesc) {
       break;
     }
     region *dr = kvf__regions_find_block_locked(&e->regions, w[i].dst, w[i].len, count, w[i].dst_stride);
-    if (!dr || !kvf__ucx_rregion_find(c->wregs, c->nwregs, w[i].src, sspan) ||
+    if (!dr || dr->device || !kvf__ucx_rregion_find(c->wregs, c->nwregs, w[i].src, sspan) ||
         (r->fence && !kvf__fence_bounds_ok(r->fence, w[i].dst, w[i].len, count, w[i].dst_stride))) {
       rc = KVF_ERANGE;
       break;

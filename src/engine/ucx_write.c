@@ -419,6 +419,12 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
   rc = kvf__ucx_peer_ensure(u, p, deadline, &route);
   if (rc) return rc;
   if (route == ROUTE_TCP) return kvf__tcp_transport_ops.submit(e, session, chunks, nchunks);
+  if (chunks[0]->batch->device_src && !u->cuda_memory) { /* UCX would read it with the CPU */
+    if (kvf__log_first_time(0x75637373u))
+      LOG_WARN("ucx", "a batch to %s reads from device memory and this UCX does not know CUDA memory: refused",
+               session);
+    return KVF_EINVAL;
+  }
   /* The whole batch is checked before any byte moves, as the TCP target
    * does: a region registered since the last message is fetched once. In
    * read mode the target checks every notice itself. */

@@ -53,7 +53,7 @@ static void build(const frame *f, stream *s) {
 
 static int setup(void **state) {
   region_table *t = calloc(1, sizeof *t);
-  if (kvf__regions_init(t) || kvf__regions_add(t, REGION_BASE, REGION_LEN)) return -1;
+  if (kvf__regions_init(t) || kvf__regions_add(t, REGION_BASE, REGION_LEN, 0)) return -1;
   *state = t;
   return 0;
 }
@@ -134,7 +134,7 @@ static void out_of_range_refused_stream_continues(void **state) {
 /* The stage function the receiver uses reports the distinct regions to pin. */
 static void ranges_report_regions_to_pin(void **state) {
   region_table *t = *state;
-  assert_int_equal(kvf__regions_add(t, REGION_BASE + REGION_LEN, REGION_LEN), 0);
+  assert_int_equal(kvf__regions_add(t, REGION_BASE + REGION_LEN, REGION_LEN, 0), 0);
   tcp_desc d[4] = {{REGION_BASE, 8, 1, 0},
                    {REGION_BASE + 8, 8, 1, 0},
                    {REGION_BASE + REGION_LEN, 8, 1, 0},

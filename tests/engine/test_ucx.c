@@ -3,7 +3,6 @@
  * tcp), plus two engines in one process where that is enough. Skipped with
  * a message when the library was built without UCX. */
 #include <dirent.h>
-#include <dlfcn.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -641,56 +640,6 @@ static void unregister_during_traffic_is_safe(void **state) {
   munmap(src, len);
 }
 
-/* GPU memory: register CUDA device memory and move bytes into it. Needs a
- * GPU, the CUDA runtime and a UCX built with CUDA (Debian's is not). */
-typedef int (*cuda_malloc_fn)(void **, size_t);
-typedef int (*cuda_free_fn)(void *);
-typedef int (*cuda_memcpy_fn)(void *, const void *, size_t, int);
-
-static void gpu_memory_moves(void **state) {
-  SKIP_WITHOUT_UCX();
-#ifdef KVF_HAVE_UCX
-  ucp_config_t *conf = NULL;
-  ucp_context_h ctx = NULL;
-  ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_RMA};
-  ucp_context_attr_t attr = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
-  int cuda_ucx = ucp_config_read(NULL, NULL, &conf) == UCS_OK && ucp_init(&pp, conf, &ctx) == UCS_OK &&
-                 ucp_context_query(ctx, &attr) == UCS_OK && (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
-  if (ctx) ucp_cleanup(ctx);
-  if (conf) ucp_config_release(conf);
-  void *cudart = dlopen("libcudart.so", RTLD_NOW);
-  if (!cudart) cudart = dlopen("libcudart.so.12", RTLD_NOW);
-  if (!cuda_ucx || !cudart) {
-    printf("SKIP: GPU test needs the CUDA runtime and a CUDA-enabled UCX (cuda runtime: %s, UCX with CUDA: %s)\n",
-           cudart ? "yes" : "no", cuda_ucx ? "yes" : "no");
-    if (cudart) dlclose(cudart);
-    skip();
-  }
-  cuda_malloc_fn cmalloc = (cuda_malloc_fn)dlsym(cudart, "cudaMalloc");
-  cuda_free_fn cfree = (cuda_free_fn)dlsym(cudart, "cudaFree");
-  cuda_memcpy_fn cmemcpy = (cuda_memcpy_fn)dlsym(cudart, "cudaMemcpy");
-  assert_true(cmalloc && cfree && cmemcpy);
-  size_t len = 4u << 20;
-  void *dev = NULL;
-  assert_int_equal(cmalloc(&dev, len), 0);
-  kvf_engine *t = make_engine("ucx", 10000), *w = make_engine("ucx", 10000);
-  unsigned char *src = malloc(len), *back = malloc(len);
-  for (size_t p = 0; p < len / PAGE; p++) pattern_fill(src + p * PAGE, PAGE, 77, p);
-  assert_int_equal(kvf_engine_register(t, dev, len), 0);
-  assert_int_equal(kvf_engine_register(w, src, len), 0);
-  kvf_write wr = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)dev, .len = len};
-  assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t), &wr, 1), 0);
-  assert_int_equal(cmemcpy(back, dev, len, 2 /* cudaMemcpyDeviceToHost */), 0);
-  assert_int_equal(memcmp(src, back, len), 0);
-  kvf_engine_destroy(w);
-  kvf_engine_destroy(t);
-  cfree(dev);
-  free(src);
-  free(back);
-  dlclose(cudart);
-#endif
-}
-
 /* ---- completion trailers over UCX (two engines in this process) ---- */
 
 enum { TR_THREADS = 4, TR_PER = 200 };
@@ -1306,7 +1255,6 @@ int main(void) {
       cmocka_unit_test(registering_inside_a_pool_is_counted),
       cmocka_unit_test(routes_show_in_metrics),
       cmocka_unit_test(unregister_during_traffic_is_safe),
-      cmocka_unit_test(gpu_memory_moves),
       cmocka_unit_test(trailer_acks_match_their_batches),
       cmocka_unit_test(destroy_fails_batches_waiting_for_a_trailer_ack),
       cmocka_unit_test(unregister_prompt_after_the_writer_gave_up),
