@@ -428,7 +428,7 @@ static int check_writes(kvf_engine *e, const kvf_write *w, size_t n, uint64_t *t
       rc = KVF_ERANGE;
       break;
     }
-    *device_src |= r->device;
+    if (r->device > *device_src) *device_src = r->device;
   }
   pthread_rwlock_unlock(&e->regions.lock);
   if (!rc) *total = sum;

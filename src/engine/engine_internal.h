@@ -21,7 +21,10 @@ typedef struct region {
   uint64_t len;
   atomic_int pins;    /* inbound writes in progress into it */
   atomic_int revoked; /* unregistered: pinned writers stop at their next tick */
-  int device;         /* not a readable host mapping here (device memory): the CPU never copies into it */
+  /* 0: host memory; 1: not a readable host mapping here (device memory),
+   * which the CPU never copies into or out of; 2: device memory that no
+   * transport of this engine can move (kvf__regions_mark_unmovable). */
+  int device;
 } region;
 
 typedef struct region_table {
@@ -39,6 +42,9 @@ void kvf__regions_destroy(region_table *t);
  * cuMemAlloc memory looks like to the CPU); kvferry's TCP refuses writes
  * into it (TCP_FRAME_DEVICE_MEMORY) instead of copying into it. */
 int kvf__regions_add(region_table *t, uint64_t base, uint64_t len, int device);
+/* The region at `base` is device memory no transport here can move (UCX
+ * without CUDA, or memory the CUDA driver does not know): device = 2. */
+void kvf__regions_mark_unmovable(region_table *t, uint64_t base);
 /* Take the region out of the table, then wait until no receiver holds a pin
  * on it (about one receive tick at most). */
 int kvf__regions_remove(region_table *t, uint64_t base);
@@ -128,7 +134,7 @@ typedef struct kvf_batch {
   int status;  /* first error, or 0 */
   int64_t deadline_ns;
   uint64_t bytes;
-  int device_src; /* a source lies in device memory (region.device): kvferry's TCP refuses the batch */
+  int device_src; /* the highest region.device of its sources: TCP refuses 1 and 2, UCX 2 */
   int counted;    /* stats recorded once */
   /* kvf__engine_submit_cb: called once when pending reaches 0, then the
    * batch is freed (no handle was given out) */

@@ -82,6 +82,13 @@ out_unlock:
   return rc;
 }
 
+void kvf__regions_mark_unmovable(region_table *t, uint64_t base) {
+  pthread_rwlock_wrlock(&t->lock);
+  size_t i = upper_bound(t, base);
+  if (i > 0 && t->items[i - 1]->base == base) t->items[i - 1]->device = 2;
+  pthread_rwlock_unlock(&t->lock);
+}
+
 int kvf__regions_remove(region_table *t, uint64_t base) {
   region *r = NULL;
   pthread_rwlock_wrlock(&t->lock);

@@ -620,19 +620,21 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   /* A pool this engine allocated is host memory; other memory when it is a
    * readable mapping here (device memory is not; cannot tell: host). */
   int host = !owned || kvf__host_readable(base, len) != 0;
-  /* Device memory and a UCX without CUDA: UCX would reach it only with the
-   * CPU (its tcp copies on the target's progress thread), so it is not
-   * mapped nor advertised, and writes into it find no region. */
-  int unreachable = !host && !u->cuda_memory;
+  /* Device memory that UCX cannot move (a UCX without CUDA, or memory the
+   * CUDA driver does not know): UCX would reach it only with the CPU (its
+   * tcp copies on the target's progress thread), so it is not mapped nor
+   * advertised, writes into it find no region, and batches from it are
+   * refused (kvf__regions_mark_unmovable). */
+  int unreachable = !host && (!u->cuda_memory || kvf__ucx_cuda_adopt(u, addr, len) < 0);
+  if (unreachable) kvf__regions_mark_unmovable(&e->regions, base);
   if (unreachable && kvf__log_first_time(0x75637564u))
-    LOG_WARN("ucx",
-             "%p+%zu is not readable host memory (device memory?) and this UCX does not know CUDA memory "
-             "(ucx_info "
-             "-v lists --with-cuda when it does): transfers into or out of it are refused",
-             addr, len);
+    LOG_WARN("ucx", "%p+%zu is not readable host memory and %s: transfers into or out of it are refused", addr,
+             len,
+             u->cuda_memory ? "not memory the CUDA driver knows"
+                            : "this UCX does not know CUDA memory (ucx_info -v lists --with-cuda when it does)");
   void *rkey = NULL;
   size_t rkey_len = 0;
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   if (owned && !unreachable) {
     ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
                                .address = addr,
@@ -659,7 +661,7 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   uint64_t gen = rc ? 0 : ++u->gen;
   pthread_mutex_unlock(&u->reg_mu);
   if (rc) {
-    pthread_mutex_lock(&u->wmu);
+    kvf__ucx_wlock(u);
     if (rkey) ucp_rkey_buffer_release(rkey);
     if (owned && memh) ucp_mem_unmap(u->ctx, memh);
     pthread_mutex_unlock(&u->wmu);
@@ -692,7 +694,7 @@ static void ucx_dereg_hook(kvf_engine *e, void *addr) {
    * stay mapped until the owner knows no batch is in flight, as with any
    * RDMA engine. */
   push_info(u, gen, 1);
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   if (gone.rkey_buf) ucp_rkey_buffer_release(gone.rkey_buf);
   if (gone.pool == REG_PLAIN && gone.memh) ucp_mem_unmap(u->ctx, gone.memh);
   pthread_mutex_unlock(&u->wmu);
@@ -707,7 +709,7 @@ static int ucx_alloc_pool(kvf_engine *e, size_t len, void **out) {
                              .flags = UCP_MEM_MAP_ALLOCATE};
   ucp_mem_h memh;
   ucp_mem_attr_t attr = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH};
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   ucs_status_t st = ucp_mem_map(u->ctx, &mp, &memh);
   if (st == UCS_OK && (st = ucp_mem_query(memh, &attr)) != UCS_OK) ucp_mem_unmap(u->ctx, memh);
   pthread_mutex_unlock(&u->wmu);
@@ -719,7 +721,7 @@ static int ucx_alloc_pool(kvf_engine *e, size_t len, void **out) {
   int rc = add_reg(u, (ucx_reg){(uint64_t)(uintptr_t)attr.address, len, memh, NULL, 0, REG_POOL, 1});
   pthread_mutex_unlock(&u->reg_mu);
   if (rc) {
-    pthread_mutex_lock(&u->wmu);
+    kvf__ucx_wlock(u);
     ucp_mem_unmap(u->ctx, memh);
     pthread_mutex_unlock(&u->wmu);
     return rc;
@@ -736,7 +738,7 @@ static int ucx_free_pool(kvf_engine *e, void *addr) {
   if (r) del_reg(u, r);
   pthread_mutex_unlock(&u->reg_mu);
   if (!memh) return KVF_ENOTFOUND;
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   ucp_mem_unmap(u->ctx, memh);
   pthread_mutex_unlock(&u->wmu);
   return 0;
@@ -749,7 +751,7 @@ static void *progress_main(void *arg) {
   ucx_state *u = arg;
   struct epoll_event ev[16];
   while (!atomic_load(&u->stopping)) {
-    pthread_mutex_lock(&u->wmu);
+    kvf__ucx_wlock(u);
     /* Progress may write peers' bytes into registered memory (RMA that the
      * target carries out, as over tcp): order it after the owner's last
      * local change and publish it to the owner's next sync, as tcp_in.c does. */
@@ -796,7 +798,7 @@ static void ucx_teardown(ucx_state *u) {
      * (a stopped peer's) are cancelled, but their callbacks, which free
      * each flush's ucx_op, run only inside progress. Bounded: a few idle
      * rounds in a row end it. */
-    pthread_mutex_lock(&u->wmu);
+    kvf__ucx_wlock(u);
     for (int i = 0, idle = 0; i < UCX_TEARDOWN_ROUNDS && idle < 3; i++)
       idle = ucp_worker_progress(u->w) ? 0 : idle + 1;
     pthread_mutex_unlock(&u->wmu);
@@ -811,6 +813,7 @@ static void ucx_teardown(ucx_state *u) {
   for (size_t i = 0; i < u->nquarantine; i++) free(u->quarantine[i]);
   free(u->quarantine);
   if (u->ctx) ucp_cleanup(u->ctx);
+  kvf__ucx_cuda_release(u);
   if (u->epfd >= 0) close(u->epfd);
   if (u->wake_fd >= 0) close(u->wake_fd);
   free(u->regs);
@@ -834,15 +837,32 @@ static int ucx_init(ucx_state *u) {
    * only: kvferry's own TCP serves the peers UCX's tcp would (see decide()
    * in ucx_peer.c), and with tcp present UCX may pick it over CMA. */
   const char *tls = getenv("UCX_TLS");
-  if ((!tls || !*tls) && (st = ucp_config_modify(conf, "TLS", "^tcp")) != UCS_OK) goto fail;
+  if ((!tls || !*tls) && (st = ucp_config_modify(conf, "TLS", "^tcp")) != UCS_OK) {
+    ucp_config_release(conf);
+    goto fail;
+  }
   ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
                      .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
                      .mt_workers_shared = 0};
   st = ucp_init(&pp, conf, &u->ctx);
+  if (st == UCS_OK) {
+    ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+    u->cuda_memory = ucp_context_query(u->ctx, &ca) == UCS_OK && (ca.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
+    /* A UCX that knows CUDA memory runs its newer protocols unless the user
+     * chose (UCX_PROTO_ENABLE; the default from UCX 1.16): the older ones
+     * copy device memory with the CPU in places (the software RMA's put
+     * handler; seen killing the target, host to device, on an H200 with UCX
+     * 1.13.1), where the newer ones move it with cuda_copy and cuda_ipc
+     * (scripts/gpu/README.md). */
+    const char *proto = getenv("UCX_PROTO_ENABLE");
+    if (u->cuda_memory && (!proto || !*proto) && ucp_config_modify(conf, "PROTO_ENABLE", "y") == UCS_OK) {
+      ucp_cleanup(u->ctx);
+      u->ctx = NULL;
+      st = ucp_init(&pp, conf, &u->ctx);
+    }
+  }
   ucp_config_release(conf);
   if (st != UCS_OK) goto fail;
-  ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
-  u->cuda_memory = ucp_context_query(u->ctx, &ca) == UCS_OK && (ca.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
   ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                             .thread_mode = UCS_THREAD_MODE_SERIALIZED};
   if ((st = ucp_worker_create(u->ctx, &wp, &u->w)) != UCS_OK) goto fail;

@@ -419,6 +419,10 @@ typedef struct ucx_state {
    * Without it, device memory is neither advertised to writers nor written
    * from: UCX would reach it only with the CPU (kvf_engine_register). */
   int cuda_memory;
+  /* The primary CUDA context of the device the first registered device
+   * memory is on (ucx_cuda.c), or NULL; cuda_dev is that device. */
+  _Atomic(void *) cuda_ctx;
+  int cuda_dev;
   atomic_int npartial; /* peers with a partial_ns set */
   /* Under wmu: the latest time the progress thread wakes by itself, set
    * before each of its waits (kvf__ucx_op_link wakes it only for an op due
@@ -463,6 +467,22 @@ int kvf__ucx_tls_allow_shm(void);
  * writes). Caller frees *out. */
 int kvf__ucx_build_info(ucx_state *u, uint32_t flags, int64_t echo_ns, char **out, size_t *out_len);
 void kvf__ucx_wake(ucx_state *u);
+
+/* CUDA contexts for UCX's CUDA transports (ucx_cuda.c). adopt: the CUDA
+ * device of registered device memory (-1: not memory the CUDA driver knows,
+ * or no driver), whose primary context the engine's threads then take
+ * (the first device's); enter: make it current in a thread that has none;
+ * release it when the engine stops. */
+int kvf__ucx_cuda_adopt(ucx_state *u, const void *addr, size_t len);
+void kvf__ucx_cuda_enter(ucx_state *u);
+void kvf__ucx_cuda_release(ucx_state *u);
+
+/* Take the UCX worker (wmu), which every call into UCX holds; with device
+ * memory registered, the thread gets a CUDA context first. */
+static inline void kvf__ucx_wlock(ucx_state *u) {
+  pthread_mutex_lock(&u->wmu);
+  if (atomic_load_explicit(&u->cuda_ctx, memory_order_relaxed)) kvf__ucx_cuda_enter(u);
+}
 /* Receive exactly `len` bytes from fd through the read-ahead r (its buffer
  * allocated, or NULL: straight from fd) before the deadline. */
 int kvf__ucx_rbuf_recv(int fd, ucx_rbuf *r, void *buf, size_t len, int64_t deadline_ns);

@@ -117,7 +117,7 @@ static void peer_reset_locked(ucx_state *u, ucx_peer *p) {
   p->rb = (ucx_rbuf){0};
   atomic_store(&p->rb_held, 0);
   partial_clear(u, p);
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   kvf__ucx_regs_free_locked(p);
   kvf__ucx_ep_close_locked(u, p);
   /* No ack comes on a closed connection: fail them now, not at their
@@ -377,7 +377,7 @@ static int info_apply(ucx_state *u, ucx_peer *p, const ucx_info_hdr *h, const ch
   int rc = 0;
   ucx_rregion *regs = NULL;
   size_t n = 0, off = h->addr_len;
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   if (create_ep && !p->ep) rc = kvf__ucx_ep_create(u, body, p->same_host, ep_error_cb, p, p->id, &p->ep);
   if (!rc && p->ep) rc = kvf__ucx_regions_unpack(p->ep, h, body, &off, p->same_host, p->id, &regs, &n);
   if (!rc && p->ep) rc = fence_snap_apply(p, h, body, off);
@@ -603,7 +603,7 @@ static int fence_msg_apply(ucx_state *u, ucx_peer *p, int fd, const ucx_fence_ms
    * pair are those of its flushes in flight (which now end KVF_ESTATE) and
    * those of writers paused in fence_gate. None: nothing to wait for,
    * whatever else is in flight. */
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   inflight = kvf__ucx_ops_fence_locked(u, p, f->epoch) + atomic_load(&p->gated);
   pthread_mutex_unlock(&u->wmu);
 out_unlock:
@@ -612,7 +612,7 @@ out_unlock:
   /* Under wmu alone: p->ep changes only under it. Puts already posted
    * complete before the flush does; progress here runs their callbacks. */
   int64_t until = clock_deadline_ms(UCX_CTL_TIMEOUT_MS);
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   if (inflight && p->ep) rc = kvf__ucx_flush_wait_locked(u, p, until);
   pthread_mutex_unlock(&u->wmu);
   if (rc) return rc; /* not confirmed: the target cuts the connection at its deadline */

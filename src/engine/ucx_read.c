@@ -114,7 +114,7 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
   atomic_fetch_add(&c->refs, 1);
   /* From the link on, `op` belongs to the progress thread (an answer or the
    * reaper may free it at once): only its id is used here. */
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   uint64_t id = op->id = ++p->next_read_id;
   /* Its connection already closed by the target (the progress thread read
    * its end between this thread's checks and here): nothing reads it. */
@@ -146,7 +146,7 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
      * with no connection at all nothing went out. */
     kvf__ucx_peer_mark_dead(u, p, rc);
     if (fd < 0) { /* the reaper fails it at once (if nothing ended it yet) */
-      pthread_mutex_lock(&u->wmu);
+      kvf__ucx_wlock(u);
       for (ucx_op *o = u->ops; o; o = o->next)
         if (o->read && o->p == p && o->id == id && !o->gone) o->gone = rc;
       pthread_mutex_unlock(&u->wmu);
@@ -158,7 +158,7 @@ void kvf__ucx_notice_send(ucx_state *u, ucx_peer *p, chunk *c) {
 
 void kvf__ucx_read_done(ucx_state *u, ucx_peer *p, uint64_t conn_id, uint64_t id, int status) {
   if (status > 0) status = KVF_EPROTO;
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   ucx_op *op = u->ops;
   while (op && !(op->read && op->p == p && op->id == id && op->conn_id == conn_id)) op = op->next;
   if (op) kvf__ucx_op_unlink(op);
@@ -178,7 +178,7 @@ void kvf__ucx_reads_closed_locked(ucx_peer *p, uint64_t conn_id) {
 }
 
 void kvf__ucx_reads_closed(ucx_state *u, ucx_peer *p, uint64_t conn_id) {
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   kvf__ucx_reads_closed_locked(p, conn_id);
   pthread_mutex_unlock(&u->wmu);
   kvf__ucx_wake(u);
@@ -318,7 +318,7 @@ int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   }
   memcpy(keep, &h, sizeof h);
   memcpy(keep + sizeof h, body, h.body_len);
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   if (c->ep) reader_ep_cancel_locked(u, c, NULL); /* new regions: keys on a fresh endpoint */
   free(c->waddr);
   c->waddr = keep;
@@ -521,7 +521,7 @@ static int gets_wait_locked(notice_read *r) {
       if (++idle < 64) sched_yield();
       else usleep(20);
     }
-    pthread_mutex_lock(&u->wmu);
+    kvf__ucx_wlock(u);
     if (stop) break;
   }
   if (stop) {
@@ -550,7 +550,7 @@ typedef struct bounce_slice {
 static int bounce_drain(notice_read *r, bounce_slice *pend, unsigned *np, uint32_t *used) {
   ucx_state *u = r->u;
   ucx_ctl *c = r->c;
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   int rc = gets_wait_locked(r); /* with no endpoint left, nothing is in progress */
   pthread_mutex_unlock(&u->wmu);
   for (unsigned i = 0; !rc && i < *np; i++) {
@@ -775,7 +775,7 @@ static int notice_copy(notice_read *r, const kvf_write *w, uint32_t ndesc, uint6
           rc = KVF_ENOMEM;
           break;
         }
-        pthread_mutex_lock(&u->wmu);
+        kvf__ucx_wlock(u);
         ucs_status_ptr_t sp = c->ep ? ucp_get_nbx(c->ep, c->bounce + used, len, s + off, src->rkey, &prm)
                                     : UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED);
         pthread_mutex_unlock(&u->wmu);
@@ -856,7 +856,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   int status = 0;
   if (n.tag && !(r.fence = kvf__fence_enter(e, n.tag, n.epoch))) status = KVF_ESTATE;
   if (!status && (!c->ep || atomic_load(&c->ep_failed))) { /* again after a cancel: the regions come with it */
-    pthread_mutex_lock(&u->wmu);
+    kvf__ucx_wlock(u);
     status = reader_ep_make_locked(u, c, NULL);
     pthread_mutex_unlock(&u->wmu);
     if (!status) populate(c);
@@ -908,7 +908,7 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
 }
 
 void kvf__ucx_ctl_reader_free(ucx_state *u, ucx_ctl *c) {
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   reader_ep_cancel_locked(u, c, NULL);
   pthread_mutex_unlock(&u->wmu);
   free(c->waddr);

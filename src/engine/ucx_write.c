@@ -134,7 +134,7 @@ static void trailer_out(ucx_state *u, ucx_peer *p, chunk *c, ucx_op *op) {
   }
   *op = (ucx_op){.c = c, .p = p, .u = u};
   pthread_mutex_lock(&p->tmu);
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   kvf__ucx_op_link(op);
   if (p->tacks_tail) p->tacks_tail->tnext = op;
   else p->tacks = op;
@@ -143,7 +143,7 @@ static void trailer_out(ucx_state *u, ucx_peer *p, chunk *c, ucx_op *op) {
   int rc = trailer_send(p, c);
   pthread_mutex_unlock(&p->tmu);
   if (!rc) return;
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   chunk *cc = op->c;
   if (cc) { /* failed now: an orphan on the FIFO until the peer is reset */
     kvf__ucx_op_unlink(op);
@@ -172,7 +172,7 @@ void kvf__ucx_tacks_fail_locked(ucx_peer *p, int err) {
 }
 
 void kvf__ucx_trailer_acked(ucx_state *u, ucx_peer *p) {
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   ucx_op *op = p->tacks;
   chunk *c = NULL;
   if (op) {
@@ -187,7 +187,7 @@ void kvf__ucx_trailer_acked(ucx_state *u, ucx_peer *p) {
 }
 
 void kvf__ucx_trailers_send(ucx_state *u) {
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   ucx_op *list = u->tq;
   u->tq = NULL;
   pthread_mutex_unlock(&u->wmu);
@@ -212,7 +212,7 @@ int kvf__ucx_flush_wait_locked(ucx_state *u, ucx_peer *p, int64_t until_ns) {
     if (!ucp_worker_progress(u->w)) { /* let the progress thread and other writers in */
       pthread_mutex_unlock(&u->wmu);
       sched_yield();
-      pthread_mutex_lock(&u->wmu);
+      kvf__ucx_wlock(u);
     }
   ucp_request_free(sp); /* released when done if it still runs */
   if (st == UCS_INPROGRESS) return atomic_load(&p->dead) ? atomic_load(&p->dead) : KVF_ETIMEDOUT;
@@ -285,7 +285,7 @@ static void do_chunk(ucx_state *u, ucx_peer *p, chunk *c) {
         else memcpy(r->ptr + (dst - r->base), (const void *)(uintptr_t)src, w->len);
         continue;
       }
-      if (!locked) pthread_mutex_lock(&u->wmu);
+      if (!locked) kvf__ucx_wlock(u);
       locked = 1;
       ucs_status_ptr_t sp = ucp_put_nbx(p->ep, (const void *)(uintptr_t)src, w->len, dst, r->rkey, &prm);
       if (UCS_PTR_IS_ERR(sp)) {
@@ -419,9 +419,9 @@ int kvf__ucx_submit(kvf_engine *e, const char *session, chunk **chunks, size_t n
   rc = kvf__ucx_peer_ensure(u, p, deadline, &route);
   if (rc) return rc;
   if (route == ROUTE_TCP) return kvf__tcp_transport_ops.submit(e, session, chunks, nchunks);
-  if (chunks[0]->batch->device_src && !u->cuda_memory) { /* UCX would read it with the CPU */
+  if (chunks[0]->batch->device_src > 1) { /* UCX would read it with the CPU */
     if (kvf__log_first_time(0x75637373u))
-      LOG_WARN("ucx", "a batch to %s reads from device memory and this UCX does not know CUDA memory: refused",
+      LOG_WARN("ucx", "a batch to %s reads from device memory that UCX cannot move (ucx_reg_hook): refused",
                session);
     return KVF_EINVAL;
   }
@@ -479,7 +479,7 @@ void kvf__ucx_reap(ucx_state *u) {
   int any_dead = 0;
   /* A flush past its deadline, or on an endpoint whose peer is gone, fails
    * its chunk now; the late callback only frees the op. */
-  pthread_mutex_lock(&u->wmu);
+  kvf__ucx_wlock(u);
   for (ucx_op *op = u->ops, *next; op; op = next) {
     next = op->next;
     if (op->read) { /* read mode: only the target's answer, its closing or the lease ends it */
@@ -536,7 +536,7 @@ void kvf__ucx_reap(ucx_state *u) {
     ucx_peer *p = dead[i];
     pthread_rwlock_wrlock(&p->rw);
     if (atomic_load(&p->dead)) {
-      pthread_mutex_lock(&u->wmu);
+      kvf__ucx_wlock(u);
       kvf__ucx_regs_free_locked(p);
       kvf__ucx_ep_close_locked(u, p);
       pthread_mutex_unlock(&u->wmu);
