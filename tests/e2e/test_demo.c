@@ -126,6 +126,23 @@ static void verify_mode_names_a_source_page_reused_too_early(void **state) {
   demo_has(out, "demo FAILED");
 }
 
+/* Verify mode with the send-time digests of a large chunk on several
+ * threads (on machines of 4 cores or more by default): clean runs pass and
+ * a source page reused after it was hashed is still named. */
+static void verify_mode_hashes_on_several_threads(void **state) {
+  (void)state;
+  static char out[65536];
+  setenv("KVFERRY_VERIFY_HASH_THREADS", "4", 1);
+  int clean = run_demo("--short --verify", out, sizeof out);
+  demo_has(out, "demo OK: 6 requests, every byte");
+  int reused = run_demo("--short --verify --reuse-early", out, sizeof out);
+  unsetenv("KVFERRY_VERIFY_HASH_THREADS");
+  demo_int_equal(clean, 0);
+  demo_int_equal(reused, 1);
+  demo_has(out, "Integrity check failed");
+  demo_lacks(out, "MISMATCH");
+}
+
 static void verify_mode_passes_clean_runs(void **state) {
   (void)state;
   static char out[65536];
@@ -199,6 +216,7 @@ int main(void) {
       cmocka_unit_test(verify_mode_fails_a_corrupted_page_prefill_tp2),
       cmocka_unit_test(verify_mode_names_a_source_page_reused_too_early),
       cmocka_unit_test(verify_mode_passes_clean_runs),
+      cmocka_unit_test(verify_mode_hashes_on_several_threads),
       cmocka_unit_test(short_demo_prefill_tp2_decode_tp1),
       cmocka_unit_test(short_demo_prefill_tp1_decode_tp2),
       cmocka_unit_test(short_demo_deepseek_v3_mla),

@@ -4,6 +4,13 @@
  * token timeouts), abort and destroy. */
 #include "kv/prefill/prefill_int.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "base/env.h"
+
 /* ----------------------------------------------------------------- sender */
 
 /* ps->lock held: keep a sender's record for the next room (PF_SPARE_ROOMS). */
@@ -89,26 +96,114 @@ static int hash_prepare(kvf_manager *m, pf_chunk *c) {
   return 0;
 }
 
-/* Verify mode: digest every (page, buffer) the chunk sends, in page order,
- * on the sending thread and before kvf_sender_send returns, so while the
- * caller still guarantees the pages hold the request's KV; but after the
- * chunk was queued, so its first parts are on the wire meanwhile and the
- * worker waits only for the pages of the part it finishes
- * (kvf__pf_wait_hashed). Then the chunk's hold ends (freed here when
- * someone released it meanwhile). */
-static void hash_pages(prefill_state *ps, pf_chunk *c) {
-  for (size_t k = 0; k < c->npages;) {
-    size_t e = c->npages - k < PF_HASH_STEP ? c->npages : k + PF_HASH_STEP;
-    int first = k == 0;
-    for (; k < e; k++)
-      for (size_t j = 0; j < c->ndig; j++)
-        kvf__integ_page_digest(ps->m, c->dig_bufs[j], c->pages[k], &c->digests[k * c->ndig + j]); /* checked */
-    if (first && c->ndig) kvf__integ_source_hashed(ps->m, c->r->room, c->dig_bufs[0], c->pages[0]);
-    atomic_store(&c->hashed, k);
-    pthread_mutex_lock(&ps->hash_mu);
-    pthread_cond_broadcast(&ps->hash_cv);
-    pthread_mutex_unlock(&ps->hash_mu);
+/* Verify mode, a large chunk: the sending thread hashes with up to
+ * PF_HASH_HELPERS threads of its own (started for the chunk, joined before
+ * kvf_sender_send returns), each claiming the next block of about
+ * PF_HASH_BLOCK_BYTES; a chunk of fewer than PF_HASH_PAR_MIN_BYTES is
+ * hashed by the sending thread alone. One thread's hashing was the
+ * critical path of a large verified transfer: on 16 cores, 512 MiB
+ * requests, verify-mode p50 85.3 -> 76.3 ms (medians of 5 alternating
+ * pairs; `kvferry bench e2e --verify`). */
+#define PF_HASH_HELPERS 7
+#define PF_HASH_BLOCK_BYTES (1u << 20)
+#define PF_HASH_PAR_MIN_BYTES (16u << 20)
+
+typedef struct hash_job {
+  prefill_state *ps;
+  pf_chunk *c;
+  size_t block; /* pages per block */
+  size_t nblocks;
+  atomic_size_t next; /* the next block to claim */
+  atomic_uchar *done; /* per block: hashed */
+  size_t prefix;      /* blocks [0, prefix) all done; under ps->hash_mu */
+} hash_job;
+
+/* Hash pages [k, e) of the chunk (every buffer of its layers). */
+static void hash_range(prefill_state *ps, pf_chunk *c, size_t k, size_t e) {
+  for (; k < e; k++)
+    for (size_t j = 0; j < c->ndig; j++)
+      kvf__integ_page_digest(ps->m, c->dig_bufs[j], c->pages[k], &c->digests[k * c->ndig + j]); /* checked */
+}
+
+/* Publish that pages [0, upto) are hashed to the workers waiting for them. */
+static void hashed_publish_locked(prefill_state *ps, pf_chunk *c, size_t upto) {
+  atomic_store(&c->hashed, upto);
+  pthread_cond_broadcast(&ps->hash_cv);
+}
+
+/* Claim and hash blocks until none is left; the digests of the contiguous
+ * prefix of finished blocks are published as they complete. */
+static void *hash_claim(void *arg) {
+  hash_job *h = arg;
+  pf_chunk *c = h->c;
+  for (;;) {
+    size_t b = atomic_fetch_add(&h->next, 1);
+    if (b >= h->nblocks) break;
+    size_t k = b * h->block, e = k + h->block < c->npages ? k + h->block : c->npages;
+    hash_range(h->ps, c, k, e);
+    if (b == 0 && c->ndig) kvf__integ_source_hashed(h->ps->m, c->r->room, c->dig_bufs[0], c->pages[0]);
+    atomic_store(&h->done[b], 1);
+    pthread_mutex_lock(&h->ps->hash_mu);
+    size_t p = h->prefix;
+    while (p < h->nblocks && atomic_load(&h->done[p])) p++;
+    if (p != h->prefix) {
+      h->prefix = p;
+      hashed_publish_locked(h->ps, c, p * h->block < c->npages ? p * h->block : c->npages);
+    }
+    pthread_mutex_unlock(&h->ps->hash_mu);
   }
+  return NULL;
+}
+
+/* How many threads hash a chunk of `bytes` digested bytes in `nblocks`
+ * blocks: 1 (the sending thread alone) below PF_HASH_PAR_MIN_BYTES; else
+ * KVFERRY_VERIFY_HASH_THREADS when set, or one per two cores from 4 cores
+ * (with fewer the transfer's own threads need them); at most
+ * PF_HASH_HELPERS + 1. */
+static size_t hash_threads(uint64_t bytes, size_t nblocks) {
+  static atomic_long want; /* 0: not read yet */
+  long n = atomic_load(&want);
+  if (!n) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    n = kvf__env_get_int("KVFERRY_VERIFY_HASH_THREADS", cores >= 4 ? cores / 2 : 1);
+    if (n < 1) n = 1;
+    if (n > PF_HASH_HELPERS + 1) n = PF_HASH_HELPERS + 1;
+    atomic_store(&want, n);
+  }
+  if (bytes < PF_HASH_PAR_MIN_BYTES) return 1;
+  return (size_t)n < nblocks ? (size_t)n : nblocks;
+}
+
+/* Verify mode: digest every (page, buffer) the chunk sends on the sending
+ * thread (and its helpers for a large chunk) before kvf_sender_send
+ * returns, so while the caller still guarantees the pages hold the
+ * request's KV; but after the chunk was queued, so its first parts are on
+ * the wire meanwhile and the worker waits only for the pages of the part it
+ * finishes (kvf__pf_wait_hashed: the prefix of pages hashed). Then the
+ * chunk's hold ends (freed here when someone released it meanwhile). */
+static void hash_pages(prefill_state *ps, pf_chunk *c) {
+  uint64_t page_bytes = 0;
+  for (size_t j = 0; j < c->ndig; j++) page_bytes += ps->m->bufs.kv_item_lens[c->dig_bufs[j]];
+  size_t block = page_bytes && page_bytes < PF_HASH_BLOCK_BYTES ? PF_HASH_BLOCK_BYTES / page_bytes : 1;
+  if (block < PF_HASH_STEP) block = PF_HASH_STEP;
+  size_t nblocks = (c->npages + block - 1) / block;
+  size_t nthreads = hash_threads(page_bytes * c->npages, nblocks);
+  atomic_uchar few[64];
+  hash_job h = {.ps = ps, .c = c, .block = nthreads > 1 ? block : PF_HASH_STEP};
+  h.nblocks = (c->npages + h.block - 1) / h.block;
+  h.done = h.nblocks <= 64 ? few : malloc(h.nblocks * sizeof *h.done);
+  if (!h.done) { /* no memory for the flags: one thread, in steps */
+    h.done = few, h.block = c->npages, h.nblocks = 1, nthreads = 1;
+  }
+  for (size_t i = 0; i < h.nblocks; i++) atomic_init(&h.done[i], 0);
+  atomic_init(&h.next, 0);
+  pthread_t helpers[PF_HASH_HELPERS];
+  size_t started = 0;
+  for (; started + 1 < nthreads; started++)
+    if (pthread_create(&helpers[started], NULL, hash_claim, &h)) break; /* fewer helpers: still correct */
+  hash_claim(&h);
+  for (size_t i = 0; i < started; i++) pthread_join(helpers[i], NULL);
+  if (h.done != few) free(h.done);
   if (atomic_exchange(&c->hold, PF_HOLD_NONE) == PF_HOLD_FREED) kvf__pf_chunk_free(ps, c);
 }
 
