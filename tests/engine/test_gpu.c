@@ -128,14 +128,20 @@ static int ucx_has_cuda(void) {
     }                                                                                                 \
   } while (0)
 
-static kvf_engine *make_engine(const char *transport) {
+/* An engine of `transport` without auth, or NULL. */
+static kvf_engine *engine_new(const char *transport) {
   kvf_engine_config cfg;
   kvf_engine_config_init(&cfg);
   cfg.transport = transport;
   cfg.timeout_ms = 10000;
   cfg.auth_token = "";
   kvf_engine *e = NULL;
-  assert_int_equal(kvf_engine_create(&cfg, &e), 0);
+  return kvf_engine_create(&cfg, &e) ? NULL : e;
+}
+
+static kvf_engine *make_engine(const char *transport) {
+  kvf_engine *e = engine_new(transport);
+  assert_non_null(e);
   return e;
 }
 
@@ -212,14 +218,9 @@ static int gpu_target_main(int device) {
     printf("error %s\n", g_gpu_why);
     return 1;
   }
-  kvf_engine_config cfg;
-  kvf_engine_config_init(&cfg);
-  cfg.transport = "ucx";
-  cfg.timeout_ms = 10000;
-  cfg.auth_token = "";
-  kvf_engine *t = NULL;
+  kvf_engine *t = engine_new("ucx");
   side dst;
-  if (kvf_engine_create(&cfg, &t)) {
+  if (!t) {
     printf("error engine\n");
     return 1;
   }
