@@ -204,6 +204,7 @@ static int reversed_mismatch(side *dst, uint64_t seed) {
 
 static void move_reversed(kvf_engine *w, kvf_engine *t, side *src, side *dst, uint64_t seed) {
   write_reversed(w, kvf_engine_session_id(t), src, side_addr(dst), seed);
+  kvf_engine_sync(t); /* the target's landed bytes, published to this thread */
   assert_int_equal(reversed_mismatch(dst, seed), -1);
 }
 
