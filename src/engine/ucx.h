@@ -417,7 +417,7 @@ typedef struct ucx_state {
   atomic_int device_regs;
   /* This UCX knows CUDA memory (ucp_context_query: UCS_MEMORY_TYPE_CUDA).
    * Without it, device memory is neither advertised to writers nor written
-   * from: UCX would reach it only with the CPU (kvf_engine_register). */
+   * from: UCX would reach it only with the CPU (ucx_reg_hook). */
   int cuda_memory;
   /* The primary CUDA context of the device the first registered device
    * memory is on (ucx_cuda.c), or NULL; cuda_dev is that device. */
@@ -483,6 +483,7 @@ static inline void kvf__ucx_wlock(ucx_state *u) {
   pthread_mutex_lock(&u->wmu);
   if (atomic_load_explicit(&u->cuda_ctx, memory_order_relaxed)) kvf__ucx_cuda_enter(u);
 }
+
 /* Receive exactly `len` bytes from fd through the read-ahead r (its buffer
  * allocated, or NULL: straight from fd) before the deadline. */
 int kvf__ucx_rbuf_recv(int fd, ucx_rbuf *r, void *buf, size_t len, int64_t deadline_ns);

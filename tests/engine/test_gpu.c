@@ -1,8 +1,8 @@
-/* GPU memory (cuMemAlloc) in the transfer engine: the checks that need a
- * GPU. Each case skips, saying why, without the CUDA driver
- * (libcuda.so.1) or a device; the UCX cases also without a UCX built with
- * CUDA (Debian's is not). On a machine without a GPU the TCP case still
- * runs with a PROT_NONE mapping standing in for device memory.
+/* GPU memory (cuMemAlloc) in the transfer engine. The cases that need a
+ * GPU skip, saying why, without the CUDA driver (libcuda.so.1) or a
+ * device; the UCX moves also without a UCX built with CUDA (Debian's is
+ * not). The two refusal cases run everywhere: on a machine without a GPU a
+ * PROT_NONE mapping stands in for device memory.
  *
  * The driver API is loaded with dlopen, so nothing here links against
  * CUDA and any driver's libcuda.so.1 serves (no runtime version to match).
