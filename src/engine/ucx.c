@@ -25,7 +25,6 @@
 
 #include "base/clock.h"
 #include "base/env.h"
-#include "base/hostmem.h"
 #include "base/log.h"
 #include "base/thread.h"
 #include "base/parse.h"
@@ -617,9 +616,15 @@ static int ucx_reg_hook(kvf_engine *e, void *addr, size_t len) {
   if (advertised >= UCX_MAX_REGIONS) return KVF_ENOMEM;
   int rc = 0;
   int owned = !memh;
-  /* A pool this engine allocated is host memory; other memory when it is a
-   * readable mapping here (device memory is not; cannot tell: host). */
-  int host = !owned || kvf__host_readable(base, len) != 0;
+  /* A pool this engine allocated is host memory; other memory as
+   * kvf_engine_register found it (region.device: not a readable mapping). */
+  int host = 1;
+  if (owned) {
+    pthread_rwlock_rdlock(&e->regions.lock);
+    region *r = kvf__regions_find_locked(&e->regions, base, len);
+    host = !r || !r->device;
+    pthread_rwlock_unlock(&e->regions.lock);
+  }
   /* Device memory that UCX cannot move (a UCX without CUDA, or memory the
    * CUDA driver does not know): UCX would reach it only with the CPU (its
    * tcp copies on the target's progress thread), so it is not mapped nor
