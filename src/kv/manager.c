@@ -347,6 +347,7 @@ int kvf_manager_create(const kvf_manager_config *cfg_in, const kvf_kv_buffers *b
   }
   c->engine = m->engine;
   c->engine_cfg = NULL; /* the caller's, read only during create */
+  kvf__trace_ring_engine(m->trace, m->engine);
   if ((rc = register_buffers(m))) goto err_engine;
 
   pthread_mutex_init(&m->push_lock, NULL);
@@ -389,6 +390,7 @@ err_lock:
   pthread_mutex_destroy(&m->push_lock);
   unregister_buffers(m);
 err_engine:
+  kvf__trace_ring_stop(m->trace); /* its writer asks the engine for routes */
   if (m->own_engine) kvf_engine_destroy(m->engine);
 err_rooms:
   kvf__rooms_table_free(m->rooms, NULL);
@@ -414,6 +416,7 @@ void kvf_manager_destroy(kvf_manager *m) {
   zmq_ctx_term(m->zctx);
   pthread_mutex_destroy(&m->push_lock);
   unregister_buffers(m);
+  kvf__trace_ring_stop(m->trace); /* every record is finished; its writer asks the engine for routes */
   if (m->own_engine) kvf_engine_destroy(m->engine);
   kvf__rooms_table_free(m->rooms, NULL);
   kvf__trace_ring_free(m->trace);

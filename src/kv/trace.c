@@ -19,6 +19,7 @@
 #include "base/log.h"
 #include "base/thread.h"
 #include "base/parse.h"
+#include "engine/async.h"
 #include "kv/manager.h"
 
 static const char *const step_names[KVF_TRACE_NSTEPS] = {
@@ -99,8 +100,9 @@ struct trace_ring {
   pthread_t writer;
   pthread_cond_t cv; /* the writer waits here: a backlog, or stop */
   int stop;
-  uint64_t written; /* records handed to the file (or dropped) */
-  uint64_t dropped; /* overwritten in the ring before the writer took them */
+  uint64_t written;             /* records handed to the file (or dropped) */
+  uint64_t dropped;             /* overwritten in the ring before the writer took them */
+  _Atomic(kvf_engine *) engine; /* kvf__trace_ring_engine */
 };
 
 /* Records the writer takes per write(): at most this many lines at once,
@@ -116,6 +118,25 @@ static void hist_observe(hist *h, const hist_def *d, double v) {
   while (i < d->nbounds && v > d->bounds[i]) i++;
   atomic_fetch_add_explicit(&h->bucket[i], 1, memory_order_relaxed);
   atomic_fetch_add_explicit(&h->sum, (unsigned long long)(v * d->scale + 0.5), memory_order_relaxed);
+}
+
+/* A prefill's destination whose route the engine had not chosen yet when
+ * its write was submitted (the first room to a peer: the connector picks
+ * the route while the write waits) has an empty transport and mode in the
+ * room's live record; they are filled here, from the engine's route to that
+ * session, as the finished record leaves the ring (the file's writer, the
+ * trace getters), with no lock of the library held: the engine's peer
+ * locks must not nest inside the prefill's or the callbacks' (a room's
+ * record is finished under the prefill's lock). */
+static void trace_routes_fill(kvf_engine *e, kvf_room_trace *t) {
+  if (!e || t->side != KVF_ROLE_PREFILL) return;
+  for (uint32_t i = 0; i < t->npeers && i < KVF_TRACE_MAX_PEERS; i++) {
+    kvf_trace_peer *p = &t->peers[i];
+    const char *transport = "", *mode = "";
+    if (p->transport[0] || kvf__engine_peer_path(e, p->peer, &transport, &mode)) continue;
+    kvf__str_copy(p->transport, sizeof p->transport, transport);
+    kvf__str_copy(p->mode, sizeof p->mode, mode);
+  }
 }
 
 /* KVFERRY_TRACE's thread: copies the records finished since the last
@@ -147,7 +168,11 @@ static void *trace_writer_main(void *arg) {
     for (; k < TRACE_WRITE_BATCH && r->written < r->n; k++, r->written++) batch[k] = r->slots[r->written % r->cap];
     pthread_mutex_unlock(&r->mu);
     size_t len = 0;
-    for (size_t i = 0; i < k; i++) len += kvf_trace_format_json(&batch[i], buf + len, TRACE_LINE_MAX);
+    kvf_engine *e = atomic_load(&r->engine);
+    for (size_t i = 0; i < k; i++) {
+      trace_routes_fill(e, &batch[i]);
+      len += kvf_trace_format_json(&batch[i], buf + len, TRACE_LINE_MAX);
+    }
     if (len && write(r->fd, buf, len) != (ssize_t)len)
       LOG_WARN("kv", "KVFERRY_TRACE: trace lines could not be written whole");
     pthread_mutex_lock(&r->mu);
@@ -184,16 +209,25 @@ int kvf__trace_ring_new(size_t cap, trace_ring **out) {
   return 0;
 }
 
+void kvf__trace_ring_engine(trace_ring *r, kvf_engine *e) {
+  if (r) atomic_store(&r->engine, e);
+}
+
+void kvf__trace_ring_stop(trace_ring *r) {
+  if (!r || r->fd < 0) return;
+  /* the writer appends what is left, then ends */
+  pthread_mutex_lock(&r->mu);
+  r->stop = 1;
+  pthread_cond_signal(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+  pthread_join(r->writer, NULL);
+  close(r->fd);
+  r->fd = -1;
+}
+
 void kvf__trace_ring_free(trace_ring *r) {
   if (!r) return;
-  if (r->fd >= 0) { /* the writer appends what is left, then ends */
-    pthread_mutex_lock(&r->mu);
-    r->stop = 1;
-    pthread_cond_signal(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    pthread_join(r->writer, NULL);
-    close(r->fd);
-  }
+  kvf__trace_ring_stop(r);
   pthread_cond_destroy(&r->cv);
   pthread_mutex_destroy(&r->mu);
   free(r->slots);
@@ -306,6 +340,7 @@ int kvf_manager_trace_get(kvf_manager *m, int64_t room, kvf_room_trace *out) {
     kvf__rooms_get_status(m->rooms, room, &st);
     t.status = st;
     kvf__rooms_get_reason(m->rooms, room, t.reason, sizeof t.reason);
+    trace_routes_fill(m->engine, &t);
     *out = t;
     return 0;
   }
@@ -317,6 +352,7 @@ int kvf_manager_trace_get(kvf_manager *m, int64_t room, kvf_room_trace *out) {
     if (s->room == room) *out = *s, rc = 0;
   }
   pthread_mutex_unlock(&r->mu);
+  if (!rc) trace_routes_fill(m->engine, out);
   return rc;
 }
 
@@ -327,6 +363,7 @@ size_t kvf_manager_trace_copy(kvf_manager *m, kvf_room_trace *out, size_t cap) {
   size_t kept = r->n < r->cap ? (size_t)r->n : r->cap, k = kept < cap ? kept : cap;
   for (size_t i = 0; i < k; i++) out[i] = r->slots[(r->n - k + i) % r->cap];
   pthread_mutex_unlock(&r->mu);
+  for (size_t i = 0; i < k; i++) trace_routes_fill(m->engine, &out[i]);
   return k;
 }
 

@@ -26,6 +26,7 @@
 #include "kvferry/trace.h"
 
 struct kvf_manager;
+struct kvf_engine;
 typedef struct trace_ring trace_ring;
 
 /* Counters of a live record (kvf__trace_add). */
@@ -44,6 +45,12 @@ typedef struct trace_live {
 /* Manager create / destroy: the ring of `cap` finished records (0: no
  * ring, tracing off), the histograms and the KVFERRY_TRACE file. */
 int kvf__trace_ring_new(size_t cap, trace_ring **out);
+/* The engine whose routes fill a prefill record's missing transport and
+ * mode as the record leaves the ring (trace_routes_fill): set once the
+ * manager has its engine. kvf__trace_ring_stop appends what is left to the
+ * KVFERRY_TRACE file and ends its writer: before the engine is destroyed. */
+void kvf__trace_ring_engine(trace_ring *r, struct kvf_engine *e);
+void kvf__trace_ring_stop(trace_ring *r);
 void kvf__trace_ring_free(trace_ring *r);
 
 /* Start a room's record (its first step comes next): recorded only while

@@ -43,8 +43,9 @@ typedef struct rig {
   kvf_manager *pm, *dm;
 } rig;
 
-/* trace_rooms of each side (0 off); waiting_s: the decode's waiting timeout. */
-static void rig_start(rig *g, size_t p_trace, size_t d_trace, double waiting_s) {
+/* trace_rooms of each side (0 off); waiting_s: the decode's waiting
+ * timeout; both engines on `transport`. */
+static void rig_start_on(rig *g, size_t p_trace, size_t d_trace, double waiting_s, const char *transport) {
   memset(g, 0, sizeof *g);
   kvf_bootstrap_server_config bc;
   kvf_bootstrap_server_config_init(&bc);
@@ -57,7 +58,7 @@ static void rig_start(rig *g, size_t p_trace, size_t d_trace, double waiting_s) 
   assert_int_equal(kvpool_init(&g->dpool, LAYERS, PAGES, ITEM), 0);
   kvf_engine_config ec;
   kvf_engine_config_init(&ec);
-  ec.transport = "tcp"; /* what each side can observe depends on it: see docs/TRACE.md */
+  ec.transport = transport; /* what each side can observe depends on it: see docs/TRACE.md */
   ec.auth_token = "";
   kvf_manager_config c;
   kvf_manager_config_init(&c);
@@ -73,6 +74,11 @@ static void rig_start(rig *g, size_t p_trace, size_t d_trace, double waiting_s) 
   c.trace_rooms = d_trace;
   c.waiting_timeout_s = waiting_s;
   assert_int_equal(kvf_manager_create(&c, &g->dpool.bufs, &g->dm), 0);
+}
+
+/* The TCP engine, whose landings each side observes. */
+static void rig_start(rig *g, size_t p_trace, size_t d_trace, double waiting_s) {
+  rig_start_on(g, p_trace, d_trace, waiting_s, "tcp");
 }
 
 static void rig_stop(rig *g) {
@@ -260,6 +266,62 @@ static void success_rooms_have_every_step_in_order(void **state) {
   rig_stop(&g);
 }
 
+/* The first room to a decode is submitted before the UCX engine's
+ * connector has chosen the route to it; the prefill's record still names
+ * the route the room took (filled as the record leaves the ring), in the
+ * getters and in the KVFERRY_TRACE file alike. */
+static void prefill_record_names_the_route_of_a_peers_first_room(void **state) {
+  (void)state;
+#ifndef KVF_HAVE_UCX
+  skip();
+#else
+  char path[] = "/tmp/kvf-test-trace-route-XXXXXX";
+  int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  close(fd);
+  setenv("KVFERRY_TRACE", path, 1);
+  rig g;
+  rig_start_on(&g, 1024, 1024, 30, "ucx");
+  unsetenv("KVFERRY_TRACE");
+  int64_t t0, t1;
+  assert_int_equal(run_room(&g, 300, 1, 4, RUN_OK, &t0, &t1), KVF_POLL_SUCCESS); /* direct */
+  assert_int_equal(run_room(&g, 301, 3, 8, RUN_OK, &t0, &t1), KVF_POLL_SUCCESS); /* the workers */
+  const char *transport = "", *mode = "";
+  for (int64_t room = 300; room <= 301; room++) {
+    kvf_room_trace p, d, all[4];
+    get_finished(g.pm, room, &p);
+    get_finished(g.dm, room, &d);
+    assert_int_equal(p.npeers, 1);
+    assert_string_equal(p.peers[0].transport, "ucx");
+    assert_true(!strcmp(p.peers[0].mode, "read") || !strcmp(p.peers[0].mode, "write"));
+    assert_string_equal(p.peers[0].mode, d.peers[0].mode); /* as the decode saw it land */
+    size_t n = kvf_manager_trace_copy(g.pm, all, 4);
+    int seen = 0;
+    for (size_t i = 0; i < n; i++)
+      if (all[i].room == room) assert_string_equal(all[i].peers[0].transport, "ucx"), seen = 1;
+    assert_true(seen);
+    transport = "ucx", mode = d.peers[0].mode;
+  }
+  rig_stop(&g); /* the file's writer has appended every record */
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  static char line[65536];
+  int prefill_lines = 0;
+  while (fgets(line, sizeof line, f)) {
+    kvf_room_trace t;
+    assert_int_equal(kvf_trace_parse_json(line, &t), 0);
+    if (t.side != KVF_ROLE_PREFILL) continue;
+    prefill_lines++;
+    assert_int_equal(t.npeers, 1);
+    assert_string_equal(t.peers[0].transport, transport);
+    assert_string_equal(t.peers[0].mode, mode);
+  }
+  fclose(f);
+  unlink(path);
+  assert_int_equal(prefill_lines, 2);
+#endif
+}
+
 static void failed_room_records_the_reason_on_both_sides(void **state) {
   (void)state;
   rig g;
@@ -434,6 +496,7 @@ static void off_records_nothing(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(success_rooms_have_every_step_in_order),
+      cmocka_unit_test(prefill_record_names_the_route_of_a_peers_first_room),
       cmocka_unit_test(failed_room_records_the_reason_on_both_sides),
       cmocka_unit_test(timed_out_room_ends_at_its_deadline),
       cmocka_unit_test(ring_keeps_the_last_n_and_the_file_matches),
