@@ -1145,8 +1145,10 @@ static void refused_write_fails_room(void **state) {
   send_m2(&f, 10, ok_dst, 1);
   assert_int_equal(send_chunk(s2, src, 1, 1, 0, -1, NULL, 0, NULL, 0), 0);
   assert_int_equal(wait_final(s2, 5000), KVF_POLL_FAILED);
-  kvf_sender_failure(s2, why, sizeof why);
-  assert_non_null(strstr(why, "is not alive"));
+  char why2[512];
+  kvf_sender_failure(s2, why2, sizeof why2);
+  assert_non_null(strstr(why2, "is not alive"));
+  assert_non_null(strstr(why2, want)); /* and why: the first room's failure */
   recv_m3(&f, &m3, c, &nc);
   assert_int_equal(m3.status, WIRE_STATUS_FAILED);
   /* a new M1 clears the mark */

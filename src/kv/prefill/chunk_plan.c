@@ -101,7 +101,12 @@ pf_reg *kvf__pf_usable_reg_locked(prefill_state *ps, const char *session, int64_
     snprintf(why, whycap, "Decode session %s is not registered", session);
   } else if (reg->failed_ns && m->cfg.failed_session_ttl_s > 0 &&
              now - reg->failed_ns < (int64_t)(m->cfg.failed_session_ttl_s * 1e9)) {
-    snprintf(why, whycap, "Decode instance could be dead, remote mooncake session %s is not alive", session);
+    /* The reference's words, then the failure that marked the session
+     * (otherwise only in the log of the room it failed). */
+    snprintf(why, whycap,
+             "Decode instance could be dead, remote mooncake session %s is not alive (a transfer to it failed "
+             "%.1f s ago: %s)",
+             session, (double)(now - reg->failed_ns) / 1e9, reg->failed_why);
   } else if (reg->m1->kv_ptrs.count != m->bufs.n_kv) {
     snprintf(why, whycap, "Decode session %s registered %zu KV buffers, this prefill rank has %zu", session,
              reg->m1->kv_ptrs.count, m->bufs.n_kv);

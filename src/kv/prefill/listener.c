@@ -81,6 +81,7 @@ static void on_m1(kvf_manager *m, prefill_state *ps, const wire_frame *frames, s
   reg->m1 = copy;
   reg->used_ns = clock_now_ns();
   reg->failed_ns = 0; /* a new registration clears the failed mark (§3.3, §7.4) */
+  reg->failed_why[0] = '\0';
   reg->gen = ++ps->reg_gen;
   reg->mem = kvf__pf_reg_mem(copy);
   pthread_mutex_unlock(&ps->lock);

@@ -153,14 +153,19 @@
 #define PF_M3_BATCH 32         /* deferred M3s held at most; a full queue goes out at once */
 #define PF_M3_DEFER_MS 2       /* a deferred M3 goes out within about this long (m3_outbox.c) */
 
-typedef struct pf_reg { /* one decode registration (M1) */
-  wire_m1 *m1;          /* heap copy (kvf__wire_m1_dup) */
-  int64_t failed_ns;    /* monotonic time of the last transfer error; 0 = not failed (§7.4) */
-  size_t nearly;        /* early rooms charged to this session */
-  size_t early_bytes;   /* their M2 copies' bytes */
-  int64_t used_ns;      /* its last M1 or M2: the table, when full, drops the oldest */
-  uint64_t gen;         /* which M1 of the session this is (prefill_state.reg_gen at it) */
-  uint64_t mem;         /* a digest of its buffer addresses (kvf__pf_reg_mem) */
+/* Bytes of a failed session's first reason kept (with NUL): the rooms the
+ * failed-session TTL fails quote it after the reference's own words. */
+#define PF_FAILED_WHY_MAX 192
+
+typedef struct pf_reg {               /* one decode registration (M1) */
+  wire_m1 *m1;                        /* heap copy (kvf__wire_m1_dup) */
+  int64_t failed_ns;                  /* monotonic time of the last transfer error; 0 = not failed (§7.4) */
+  char failed_why[PF_FAILED_WHY_MAX]; /* that error, quoted by the rooms the TTL then fails */
+  size_t nearly;                      /* early rooms charged to this session */
+  size_t early_bytes;                 /* their M2 copies' bytes */
+  int64_t used_ns;                    /* its last M1 or M2: the table, when full, drops the oldest */
+  uint64_t gen;                       /* which M1 of the session this is (prefill_state.reg_gen at it) */
+  uint64_t mem;                       /* a digest of its buffer addresses (kvf__pf_reg_mem) */
 } pf_reg;
 /* A digest of the buffer addresses an M1 registers: an M2 planned against
  * other ones (the session registered again, e.g. a restarted decode under

@@ -42,7 +42,10 @@ void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const pf_info *info, const
     pf_reg *reg = kvf__smap_get(&ps->regs, x->session);
     /* Not a registration that came after the M2 (a decode restarted under
      * the same session id): its new process has not failed. */
-    if (reg && reg->gen == info->reg_gen) reg->failed_ns = clock_now_ns();
+    if (reg && reg->gen == info->reg_gen) {
+      if (!reg->failed_ns) kvf__str_copy(reg->failed_why, sizeof reg->failed_why, why); /* the first cause */
+      reg->failed_ns = clock_now_ns();
+    }
   }
   int live = !r->dead;
   if (live) {
