@@ -262,8 +262,10 @@ KVF_API const char *kvf_engine_transports(void);
  * that auto routes there). Owned by the library. Any thread. */
 KVF_API const char *kvf_engine_transport(const kvf_engine *engine);
 /* Which transport batches to `session` use and why, e.g. "ucx: same host:
- * UCX shared memory", into out (cap bytes, NUL-terminated). KVF_ENOTFOUND
- * before the first batch to that peer. Any thread. */
+ * UCX shared memory", into out (cap bytes, NUL-terminated); once this
+ * engine has device memory registered it also says how that moves (UCX's
+ * CUDA transports, or not at all over TCP). KVF_ENOTFOUND before the first
+ * batch to that peer. Any thread. */
 KVF_API int kvf_engine_peer_transport(kvf_engine *engine, const char *session, char *out, size_t cap);
 /* Every peer this engine has chosen a transport for, one line each:
  * "<session> <tcp|ucx> <why>\n" (the why as kvf_engine_peer_transport

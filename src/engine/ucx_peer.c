@@ -874,24 +874,40 @@ void kvf__ucx_peer_refresh(ucx_state *u, ucx_peer *p, int64_t deadline_ns) {
   pthread_mutex_unlock(&p->mu);
 }
 
+/* What the route text adds for this engine's device memory (region.device
+ * 1), which UCX moves through its CUDA transports, never through the
+ * shared memory or CMA the route names, and kvferry's TCP refuses. Read
+ * before the peer locks: the region table's lock does not nest in them. */
+static const char *device_note(kvf_engine *e, ucx_route route) {
+  int device = 0;
+  pthread_rwlock_rdlock(&e->regions.lock);
+  for (size_t i = 0; i < e->regions.n && !device; i++) device = e->regions.items[i]->device == 1;
+  pthread_rwlock_unlock(&e->regions.lock);
+  if (!device) return "";
+  return route == ROUTE_UCX ? "; device memory through UCX's CUDA transports (cuda_ipc, cuda_copy)"
+                            : "; device memory cannot move on this route";
+}
+
 int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap) {
   ucx_state *u = e->ucx;
   size_t n = 0;
   int lines = 0;
+  const char *dev_ucx = device_note(e, ROUTE_UCX), *dev_tcp = device_note(e, ROUTE_TCP);
   pthread_mutex_lock(&u->peers_mu);
   map_iter it;
   kvf__map_iter_init(&it);
   void *v;
   while (kvf__smap_next(&u->peers, &it, NULL, &v)) {
     ucx_peer *p = v;
-    char line[sizeof p->id + sizeof p->why + 64];
+    char line[sizeof p->id + sizeof p->why + 160];
     pthread_mutex_lock(&p->mu);
     int w = p->route == ROUTE_UNKNOWN
                 ? 0
-                : snprintf(line, sizeof line, "%s %s %s%s\n", p->id, p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
-                           p->mapped ? "; its pool is mapped here (plain stores)" : "");
+                : snprintf(line, sizeof line, "%s %s %s%s%s\n", p->id, p->route == ROUTE_UCX ? "ucx" : "tcp",
+                           p->why, p->mapped ? "; its pool is mapped here (plain stores)" : "",
+                           p->route == ROUTE_UCX ? dev_ucx : dev_tcp);
     pthread_mutex_unlock(&p->mu);
-    if (w <= 0 || (size_t)w >= cap - n) continue;
+    if (w <= 0 || (size_t)w >= sizeof line || (size_t)w >= cap - n) continue;
     memcpy(out + n, line, (size_t)w + 1);
     n += (size_t)w;
     lines++;
@@ -902,14 +918,16 @@ int kvf__ucx_routes(kvf_engine *e, char *out, size_t cap) {
 
 int kvf__ucx_describe(kvf_engine *e, const char *session, char *out, size_t cap) {
   ucx_state *u = e->ucx;
+  const char *dev_ucx = device_note(e, ROUTE_UCX), *dev_tcp = device_note(e, ROUTE_TCP);
   pthread_mutex_lock(&u->peers_mu);
   ucx_peer *p = kvf__smap_get(&u->peers, session);
   int rc = KVF_ENOTFOUND;
   if (p) {
     pthread_mutex_lock(&p->mu);
     if (p->route != ROUTE_UNKNOWN) {
-      snprintf(out, cap, "%s: %s%s", p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
-               p->mapped ? "; its pool is mapped here (plain stores)" : ""); /* why names the mode */
+      snprintf(out, cap, "%s: %s%s%s", p->route == ROUTE_UCX ? "ucx" : "tcp", p->why,
+               p->mapped ? "; its pool is mapped here (plain stores)" : "", /* why names the mode */
+               p->route == ROUTE_UCX ? dev_ucx : dev_tcp);
       rc = 0;
     }
     pthread_mutex_unlock(&p->mu);

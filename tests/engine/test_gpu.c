@@ -340,6 +340,8 @@ static void run_ucx(int src_device, int dst_device) {
   printf("%s to %s: path %s/%s (%s)\n", src_device ? "device" : "host", dst_device ? "device" : "host", pt, pm,
          why);
   assert_string_equal(pm, "write");
+  /* the route text says how this engine's own device memory moves */
+  assert_true(!src_device || strstr(why, "device memory through UCX's CUDA transports"));
   kvf_engine_destroy(w);
   side_close(&src);
   target_stop(&tp);
