@@ -1118,8 +1118,24 @@ out:
 /* Verify mode against none, in the same run: a second pair started with
  * KVFERRY_VERIFY=1 (both of its processes hash, send and check digests);
  * requests alternate between the pairs so the machine's noise hits both. */
+/* CPU time per request of each process of the two pairs (seconds; -1 when
+ * the clocks cannot say), over the alternated requests: where verify
+ * mode's time goes on a machine whose cores are all busy. */
+typedef struct e2e_cpu {
+  double plain_decode, plain_prefill, verify_decode, verify_prefill;
+} e2e_cpu;
+
+/* Adds the CPU `pid` used since `*t0` (read again into *t0) to *sum; *sum
+ * becomes -1 for good once a reading fails. */
+static void cpu_since(pid_t pid, long long *t0, long long *sum) {
+  long long t1 = proc_cpu_exact_ns(pid);
+  if (*t0 < 0 || t1 < *t0) *sum = -1;
+  if (*sum >= 0) *sum += t1 - *t0;
+  *t0 = t1;
+}
+
 static int e2e_verify_pair(pd_pair *pp, size_t tokens, int runs, int64_t *room, double *p50, double *best,
-                           double *v50, double *vbest, double *plain_decode_cpu_s, char *vtrace, size_t vcap) {
+                           double *v50, double *vbest, e2e_cpu *cpu, char *vtrace, size_t vcap) {
   pd_pair pv;
   char err[256];
   const uint64_t pages = tokens / E2E_PAGE_TOKENS;
@@ -1134,16 +1150,18 @@ static int e2e_verify_pair(pd_pair *pp, size_t tokens, int runs, int64_t *room, 
   }
   double *t = calloc(2 * (size_t)runs, sizeof *t), w, wm;
   rc = !t || e2e_case(&pv, tokens, 1, room, &w, &wm); /* warm up the verify pair too */
-  long long cpu_ns = 0;                               /* the plain pair's decode, over its requests */
+  const pid_t pids[4] = {pp->decode.pid, pp->prefill.pid, pv.decode.pid, pv.prefill.pid};
+  long long sum[4] = {0, 0, 0, 0}, t0[4];
   for (int i = 0; !rc && i < runs; i++) {
-    long long d0 = proc_cpu_exact_ns(pp->decode.pid);
+    for (int k = 0; k < 4; k++) t0[k] = proc_cpu_exact_ns(pids[k]);
     rc = e2e_case(pp, tokens, 1, room, &t[i], &w);
-    long long d1 = proc_cpu_exact_ns(pp->decode.pid);
-    if (d0 < 0 || d1 < d0) cpu_ns = -1; /* the clock cannot say: no figure */
-    if (cpu_ns >= 0) cpu_ns += d1 - d0;
+    for (int k = 0; k < 2; k++) cpu_since(pids[k], &t0[k], &sum[k]);
+    for (int k = 2; k < 4; k++) t0[k] = proc_cpu_exact_ns(pids[k]); /* only its own requests */
     rc = rc || e2e_case(&pv, tokens, 1, room, &t[runs + i], &w);
+    for (int k = 2; k < 4; k++) cpu_since(pids[k], &t0[k], &sum[k]);
   }
-  *plain_decode_cpu_s = cpu_ns >= 0 && runs > 0 ? cpu_ns / 1e9 / runs : -1;
+  double *out[4] = {&cpu->plain_decode, &cpu->plain_prefill, &cpu->verify_decode, &cpu->verify_prefill};
+  for (int k = 0; k < 4; k++) *out[k] = sum[k] >= 0 && runs > 0 ? sum[k] / 1e9 / runs : -1;
   if (!rc) {
     qsort(t, (size_t)runs, sizeof *t, cmp_dbl);
     qsort(t + runs, (size_t)runs, sizeof *t, cmp_dbl);
@@ -1179,10 +1197,11 @@ static int bench_e2e(const bench_opts *o) {
   /* Warm up: the decode's M1 registration, connections, first-touch of the
    * engine's buffers. */
   int rc = e2e_case(&pp, tokens, 1, &room, &w50, &wmin);
-  double v50 = 0, vbest = 0, dec_cpu = -1;
+  double v50 = 0, vbest = 0;
+  e2e_cpu cpu = {-1, -1, -1, -1};
   bench_hash_cost hc = {0, 0};
   if (!rc && o->verify) {
-    rc = e2e_verify_pair(&pp, tokens, runs, &room, &p50, &best, &v50, &vbest, &dec_cpu, vpath, sizeof vpath);
+    rc = e2e_verify_pair(&pp, tokens, runs, &room, &p50, &best, &v50, &vbest, &cpu, vpath, sizeof vpath);
     if (!rc && bench_hash_floor(bytes, &hc)) hc.cold_s = hc.hot_s = 0;
   } else if (!rc) {
     rc = e2e_case(&pp, tokens, runs, &room, &p50, &best);
@@ -1220,6 +1239,7 @@ static int bench_e2e(const bench_opts *o) {
    * request's decode CPU, spread perfectly over every core, can take no
    * less than this (bench/README.md, "Platform floors"). */
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  const double dec_cpu = cpu.plain_decode;
   double floor_s =
       dec_cpu >= 0 && cores > 0 && hc.cold_s > 0 ? (dec_cpu + hc.cold_s + hc.hot_s) / (double)cores : 0;
   double floor_ratio = p50 > 0 && floor_s > 0 ? (floor_s > p50 ? floor_s / p50 : 1.0) : 0;
@@ -1241,9 +1261,10 @@ static int bench_e2e(const bench_opts *o) {
     if (o->verify) /* the verify pair's figures belong to the same object */
       printf(",\"verify\":{\"transfer_s_p50\":%.4f,\"transfer_s_min\":%.4f,\"overhead_ratio\":%.3f,"
              "\"hash_cold_ms\":%.2f,\"hash_hot_ms\":%.2f,\"plain_decode_cpu_ms\":%.2f,\"cores\":%ld,"
-             "\"cpu_floor_ratio\":%.3f}",
+             "\"cpu_floor_ratio\":%.3f,\"plain_prefill_cpu_ms\":%.2f,\"verify_decode_cpu_ms\":%.2f,"
+             "\"verify_prefill_cpu_ms\":%.2f}",
              v50, vbest, p50 > 0 ? v50 / p50 : 0, hc.cold_s * 1e3, hc.hot_s * 1e3, dec_cpu * 1e3, cores,
-             floor_ratio);
+             floor_ratio, cpu.plain_prefill * 1e3, cpu.verify_decode * 1e3, cpu.verify_prefill * 1e3);
     cli_breakdown_file(tpath, 2, 1); /* room 1 warmed up */
     printf("}\n");
   } else {
@@ -1285,6 +1306,11 @@ static int bench_e2e(const bench_opts *o) {
              "with the plain request's decode CPU (%.1f ms) spread over all %ld cores, verify mode cannot take\n"
              "less than %.3f x the plain p50 here (cpu_floor_ratio)\n",
              hc.cold_s * 1e3, hc.hot_s * 1e3, dec_cpu * 1e3, cores, floor_ratio);
+    if (!o->json && cpu.verify_decode >= 0)
+      printf("CPU per request (ms, every thread of the process): plain decode %.1f, prefill %.1f; verify decode "
+             "%.1f,\nprefill %.1f (its send-time digests, then the recheck of its sources after the M3s: two "
+             "passes\nover the request's bytes, slower than hash_cold_ms alone while the decode copies)\n",
+             cpu.plain_decode * 1e3, cpu.plain_prefill * 1e3, cpu.verify_decode * 1e3, cpu.verify_prefill * 1e3);
   }
   cli_breakdown_file(tpath, 2, 0);      /* text mode (the JSON object has it already); room 1 warmed up */
   if (*vpath && o->json) unlink(vpath); /* text mode only */
