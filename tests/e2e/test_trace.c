@@ -81,6 +81,18 @@ static void rig_start(rig *g, size_t p_trace, size_t d_trace, double waiting_s) 
   rig_start_on(g, p_trace, d_trace, waiting_s, "tcp");
 }
 
+/* Both sides append their records to a new file made from the mkstemp
+ * template `path` (KVFERRY_TRACE); the prefill's ring keeps 1024, the
+ * decode's d_trace. */
+static void rig_start_to_file(rig *g, char *path, size_t d_trace, const char *transport) {
+  int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  close(fd);
+  setenv("KVFERRY_TRACE", path, 1);
+  rig_start_on(g, 1024, d_trace, 30, transport);
+  unsetenv("KVFERRY_TRACE");
+}
+
 static void rig_stop(rig *g) {
   kvf_manager_destroy(g->dm);
   kvf_manager_destroy(g->pm);
@@ -276,13 +288,8 @@ static void prefill_record_names_the_route_of_a_peers_first_room(void **state) {
   skip();
 #else
   char path[] = "/tmp/kvf-test-trace-route-XXXXXX";
-  int fd = mkstemp(path);
-  assert_true(fd >= 0);
-  close(fd);
-  setenv("KVFERRY_TRACE", path, 1);
   rig g;
-  rig_start_on(&g, 1024, 1024, 30, "ucx");
-  unsetenv("KVFERRY_TRACE");
+  rig_start_to_file(&g, path, 1024, "ucx");
   int64_t t0, t1;
   assert_int_equal(run_room(&g, 300, 1, 4, RUN_OK, &t0, &t1), KVF_POLL_SUCCESS); /* direct */
   assert_int_equal(run_room(&g, 301, 3, 8, RUN_OK, &t0, &t1), KVF_POLL_SUCCESS); /* the workers */
@@ -376,13 +383,8 @@ static void timed_out_room_ends_at_its_deadline(void **state) {
 static void ring_keeps_the_last_n_and_the_file_matches(void **state) {
   (void)state;
   char path[] = "/tmp/kvf-trace-XXXXXX";
-  int fd = mkstemp(path);
-  assert_true(fd >= 0);
-  close(fd);
-  setenv("KVFERRY_TRACE", path, 1);
   rig g;
-  rig_start(&g, 1024, 4, 30); /* the decode keeps 4 */
-  unsetenv("KVFERRY_TRACE");
+  rig_start_to_file(&g, path, 4, "tcp"); /* the decode keeps 4 */
   int64_t t0, t1;
   for (int i = 0; i < 7; i++) assert_int_equal(run_room(&g, 400 + i, 1, 2, RUN_OK, &t0, &t1), KVF_POLL_SUCCESS);
   kvf_room_trace ring[8], two[2];
