@@ -43,8 +43,11 @@ void kvf__pf_fail_dest(prefill_state *ps, pf_room *r, const pf_info *info, const
     /* Not a registration that came after the M2 (a decode restarted under
      * the same session id): its new process has not failed. */
     if (reg && reg->gen == info->reg_gen) {
-      if (!reg->failed_ns) kvf__str_copy(reg->failed_why, sizeof reg->failed_why, why); /* the first cause */
-      reg->failed_ns = clock_now_ns();
+      int64_t now = clock_now_ns();
+      /* The first cause of a streak: not marked, or its TTL ran out since */
+      if (!reg->failed_ns || now - reg->failed_ns >= (int64_t)(m->cfg.failed_session_ttl_s * 1e9))
+        kvf__str_copy(reg->failed_why, sizeof reg->failed_why, why);
+      reg->failed_ns = now;
     }
   }
   int live = !r->dead;
