@@ -1115,9 +1115,6 @@ out:
   return rc;
 }
 
-/* Verify mode against none, in the same run: a second pair started with
- * KVFERRY_VERIFY=1 (both of its processes hash, send and check digests);
- * requests alternate between the pairs so the machine's noise hits both. */
 /* CPU time per request of each process of the two pairs (seconds; -1 when
  * the clocks cannot say), over the alternated requests: where verify
  * mode's time goes on a machine whose cores are all busy. */
@@ -1134,6 +1131,9 @@ static void cpu_since(pid_t pid, long long *t0, long long *sum) {
   *t0 = t1;
 }
 
+/* Verify mode against none, in the same run: a second pair started with
+ * KVFERRY_VERIFY=1 (both of its processes hash, send and check digests);
+ * requests alternate between the pairs so the machine's noise hits both. */
 static int e2e_verify_pair(pd_pair *pp, size_t tokens, int runs, int64_t *room, double *p50, double *best,
                            double *v50, double *vbest, e2e_cpu *cpu, char *vtrace, size_t vcap) {
   pd_pair pv;

@@ -261,9 +261,10 @@ typedef struct kvf_engine {
    * per transfer once warm). Under spare_mu. */
   pthread_mutex_t spare_mu;
   spare_list spare_batches, spare_chunks;
-  /* Descriptor arrays of large chunks (ENGINE_KEPT_WRITES each), kept for
-   * the next ones: freed, glibc gave such arrays back to the kernel and
-   * every large transfer faulted them in again (engine.c, chunk_new). */
+  /* Descriptor arrays of large chunks (ENGINE_MAX_DESC_PER_CHUNK each, at
+   * most ENGINE_KEEP_WRITES, linked through their first bytes) kept for the
+   * next ones: freed, glibc gave such arrays back to the kernel and every
+   * large transfer faulted them in again (engine.c, chunk_new). */
   void *spare_writes;
   size_t nspare_writes;
   /* Submits that must connect first, one connector thread per session being

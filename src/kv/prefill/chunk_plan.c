@@ -408,8 +408,9 @@ static void trace_peer(prefill_state *ps, trace_live *tl, const char *session) {
   if (tl->npeers >= KVF_TRACE_MAX_PEERS) return;
   kvf_trace_peer *p = &tl->peers[tl->npeers];
   const char *transport = "", *mode = "";
-  kvf__engine_peer_path(ps->m->engine, session, &transport,
-                        &mode); /* not chosen yet: filled as the record leaves the ring (trace.c) */
+  /* Not chosen yet (a peer's first room): filled as the record leaves the
+   * ring (trace.c, trace_routes_fill). */
+  kvf__engine_peer_path(ps->m->engine, session, &transport, &mode);
   kvf__str_copy(p->peer, sizeof p->peer, session);
   kvf__str_copy(p->transport, sizeof p->transport, transport);
   kvf__str_copy(p->mode, sizeof p->mode, mode);
