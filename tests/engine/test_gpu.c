@@ -335,7 +335,7 @@ static void run_ucx(int src_device, int dst_device) {
   }
   const char *pt = NULL, *pm = NULL;
   assert_int_equal(kvf__engine_peer_path(w, tp.session, &pt, &pm), 0);
-  char why[256] = "";
+  char why[512] = ""; /* room for a user's UCX_TLS and the device note */
   kvf_engine_peer_transport(w, tp.session, why, sizeof why);
   printf("%s to %s: path %s/%s (%s)\n", src_device ? "device" : "host", dst_device ? "device" : "host", pt, pm,
          why);
