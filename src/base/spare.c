@@ -4,11 +4,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-void *kvf__spare_take(spare_list *l, size_t size) {
+void *kvf__spare_pop(spare_list *l) {
   void *p = l->head;
-  if (!p) return calloc(1, size);
+  if (!p) return NULL;
   memcpy(&l->head, p, sizeof l->head);
   l->n--;
+  return p;
+}
+
+void *kvf__spare_take(spare_list *l, size_t size) {
+  void *p = kvf__spare_pop(l);
+  if (!p) return calloc(1, size);
   memset(p, 0, size);
   return p;
 }

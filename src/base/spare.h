@@ -17,6 +17,8 @@ typedef struct spare_list {
 /* A zeroed object of `size` bytes (at least a pointer's): a spare one or a
  * new one; NULL when out of memory. */
 void *kvf__spare_take(spare_list *l, size_t size);
+/* A kept object as it was left (not zeroed), or NULL when none is kept. */
+void *kvf__spare_pop(spare_list *l);
 /* Keep p for a later take (or free it when the list is full); p may be NULL. */
 void kvf__spare_give(spare_list *l, void *p);
 /* Free every object kept. */

@@ -175,10 +175,7 @@ void kvf_engine_destroy(kvf_engine *e) {
   free(e->nested);
   kvf__spare_free(&e->spare_batches); /* the transport is stopped: every batch and chunk came back */
   kvf__spare_free(&e->spare_chunks);
-  for (void *p = e->spare_writes, *next; p; p = next) {
-    memcpy(&next, p, sizeof next);
-    free(p);
-  }
+  kvf__spare_free(&e->spare_writes);
   pthread_mutex_destroy(&e->spare_mu);
   pthread_mutex_destroy(&e->conn_mu);
   pthread_cond_destroy(&e->conn_cv);
@@ -458,25 +455,13 @@ void kvf__chunk_free(chunk *c) {
   }
   kvf_write *drop = c->writes != c->inline_writes ? c->writes : NULL;
   pthread_mutex_lock(&e->spare_mu);
-  if (drop && c->writes_kept && e->nspare_writes < ENGINE_KEEP_WRITES) {
-    memcpy(drop, &e->spare_writes, sizeof e->spare_writes); /* linked through its first bytes */
-    e->spare_writes = drop;
-    e->nspare_writes++;
+  if (drop && c->writes_kept && e->spare_writes.n < ENGINE_KEEP_WRITES) {
+    kvf__spare_give(&e->spare_writes, drop);
     drop = NULL;
   }
   kvf__spare_give(&e->spare_chunks, c);
   pthread_mutex_unlock(&e->spare_mu);
   free(drop);
-}
-
-/* An array of ENGINE_MAX_DESC_PER_CHUNK descriptors: a kept one, or a new
- * one. Under spare_mu. */
-static kvf_write *writes_take_locked(kvf_engine *e) {
-  void *p = e->spare_writes;
-  if (!p) return malloc(ENGINE_MAX_DESC_PER_CHUNK * sizeof(kvf_write));
-  memcpy(&e->spare_writes, p, sizeof e->spare_writes);
-  e->nspare_writes--;
-  return p;
 }
 
 void kvf__chunk_release(chunk *c) {
@@ -504,18 +489,16 @@ static chunk *chunk_new(kvf_batch *b, size_t cap) {
   if (b->engine) {
     pthread_mutex_lock(&b->engine->spare_mu);
     c = kvf__spare_take(&b->engine->spare_chunks, sizeof *c);
-    if (c && keep) kept = writes_take_locked(b->engine);
+    if (c && keep) kept = kvf__spare_pop(&b->engine->spare_writes); /* its contents are overwritten */
     pthread_mutex_unlock(&b->engine->spare_mu);
   } else {
     c = calloc(1, sizeof *c);
   }
   if (!c) return NULL;
   c->batch = b;
-  c->writes_kept = kept != NULL;
-  c->writes = kept                         ? kept
-              : cap <= CHUNK_INLINE_WRITES ? c->inline_writes
-              : keep                       ? NULL /* no memory for a kept array */
-                                           : malloc(cap * sizeof *c->writes);
+  c->writes_kept = keep;
+  if (keep) c->writes = kept ? kept : malloc(ENGINE_MAX_DESC_PER_CHUNK * sizeof *c->writes);
+  else c->writes = cap <= CHUNK_INLINE_WRITES ? c->inline_writes : malloc(cap * sizeof *c->writes);
   if (!c->writes) {
     kvf__chunk_free(c);
     return NULL;

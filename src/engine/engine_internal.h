@@ -156,7 +156,7 @@ typedef struct chunk {
   atomic_int status; /* its first error (kvf__chunk_finish, kvf__chunk_fail), or 0 */
   kvf_batch *batch;
   kvf_write *writes; /* inline_writes, or allocated when more are needed */
-  int writes_kept;   /* writes is one of the engine's kept arrays (spare_writes) */
+  int writes_kept;   /* writes holds ENGINE_MAX_DESC_PER_CHUNK and goes back to spare_writes */
   size_t n;
   uint64_t bytes;
   uint64_t seq;
@@ -262,11 +262,10 @@ typedef struct kvf_engine {
   pthread_mutex_t spare_mu;
   spare_list spare_batches, spare_chunks;
   /* Descriptor arrays of large chunks (ENGINE_MAX_DESC_PER_CHUNK each, at
-   * most ENGINE_KEEP_WRITES, linked through their first bytes) kept for the
-   * next ones: freed, glibc gave such arrays back to the kernel and every
-   * large transfer faulted them in again (engine.c, chunk_new). */
-  void *spare_writes;
-  size_t nspare_writes;
+   * most ENGINE_KEEP_WRITES) kept for the next ones: freed, glibc gave such
+   * arrays back to the kernel and every large transfer faulted them in
+   * again (engine.c, chunk_new). */
+  spare_list spare_writes;
   /* Submits that must connect first, one connector thread per session being
    * connected (connector.c). Under conn_mu; connect_stop ends them. */
   pthread_mutex_t conn_mu;
