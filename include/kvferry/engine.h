@@ -110,8 +110,10 @@ typedef struct kvf_engine_stats {
                                target side, writers this engine reads from */
   uint64_t reads_refused;   /* target side, read mode: notices refused (fence closed, outside memory or bounds) */
   uint64_t reads_late;      /* target side, read mode: chunks read after their lease ended (not counted) */
-  uint64_t bytes_read_direct; /* target side, read mode: bytes read from a same-host writer's private memory
+  uint64_t bytes_read_direct;  /* target side, read mode: bytes read from a same-host writer's private memory
                                  with process_vm_readv (KVFERRY_UCX_CMA; its pools are loaded, elsewhere UCX gets) */
+  uint64_t bytes_mapped_ahead; /* target side, read mode: bytes of same-host writers' pools this engine mapped and
+                                  read once ahead of its reads (at most 1 GiB per writer; docs/WIRE-EXTENSIONS.md) */
 } kvf_engine_stats;
 
 /* Options of one batch (kvf_engine_submit_ex, kvf_engine_write_ex). Always

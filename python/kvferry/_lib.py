@@ -58,6 +58,7 @@ class kvf_engine_stats(ctypes.Structure):
             "reads_refused",
             "reads_late",
             "bytes_read_direct",
+            "bytes_mapped_ahead",
         )
     ]
 

@@ -14,6 +14,7 @@
  *   kvf-pool-ev    engine/evpool.c  a connection pool's event thread (kvf-pool-work: its workers)
  *   kvf-ucx-prog   engine/ucx.c     the UCX engine's progress thread
  *   kvf-ucx-copy   engine/ucx_write.c  a copier of stores into a mapped pool
+ *   kvf-ucx-warm   engine/ucx_warm.c   maps same-host writers' pools ahead of reads (ends when done)
  *   kvf-bs-guard   bootstrap/server.c  the bootstrap server's deadline guard */
 #ifndef KVF_BASE_THREAD_H
 #define KVF_BASE_THREAD_H

@@ -473,6 +473,22 @@ static int bench_decode_pool(kvpool *pool, size_t layers, size_t pages, uint64_t
   return rc ? -1 : 0;
 }
 
+/* Once connected to a writer on this host, a UCX reader maps the writer's
+ * pools ahead on a thread of its own (ucx_warm.c), taking up to a few
+ * hundred ms of a core; rooms read meanwhile still fault their pages in
+ * themselves. A long-running decode is past that, so a benchmark of its
+ * steady state waits (at most 5 s) until the engine's bytes_mapped_ahead
+ * stops growing. */
+static void bench_wait_mapped_ahead(kvf_engine *e) {
+  kvf_engine_stats a, b;
+  kvf_engine_get_stats(e, &a);
+  for (double until = cli_now_s() + 5; cli_now_s() < until; a = b) {
+    usleep(20 * 1000);
+    kvf_engine_get_stats(e, &b);
+    if (b.bytes_mapped_ahead == a.bytes_mapped_ahead) break;
+  }
+}
+
 /* The prefill peer's wake-up counter (its `wakeups` command); -1 on failure. */
 static long long peer_wakeups(proc *peer) {
   char line[128];
@@ -941,6 +957,7 @@ static int bench_rooms(const bench_opts *o) {
   warm.m3_only = 1;
   if (nc && cli_bench_rooms_case(m3only, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
+  if (nc) bench_wait_mapped_ahead(kvf_manager_engine(m)), bench_wait_mapped_ahead(kvf_manager_engine(m3only));
   for (size_t i = 0; i < nc; i++) {
     kvf_manager *cm = cases[i].m3_only ? m3only : m;
     if (cli_bench_rooms_case(cm, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;

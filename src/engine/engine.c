@@ -407,6 +407,7 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *o) {
   o->reads_refused = atomic_load(&c->reads_refused);
   o->reads_late = atomic_load(&c->reads_late);
   o->bytes_read_direct = atomic_load(&c->bytes_read_direct);
+  o->bytes_mapped_ahead = atomic_load(&c->bytes_mapped_ahead);
 }
 
 uint64_t kvf__write_block_bytes(const kvf_write *w) { return w->len * (w->count > 1 ? w->count : 1); }

@@ -216,7 +216,7 @@ typedef struct engine_counters {
   atomic_ullong conns_timed_out, conns_evicted;
   atomic_ullong peers_ucx, peers_tcp; /* writer side: routing decisions per peer */
   atomic_ullong chunks_fenced;
-  atomic_ullong peers_read, reads_refused, reads_late, bytes_read_direct;
+  atomic_ullong peers_read, reads_refused, reads_late, bytes_read_direct, bytes_mapped_ahead;
 } engine_counters;
 
 /* An address range (pools from kvf_engine_alloc_pool, registrations

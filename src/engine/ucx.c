@@ -797,6 +797,7 @@ static void *progress_main(void *arg) {
 #define UCX_TEARDOWN_ROUNDS 10000 /* progress calls at most, to run cancelled flushes' callbacks */
 
 static void ucx_teardown(ucx_state *u) {
+  kvf__ucx_warm_fini(u); /* every connection ended before: no mapping is loaded from */
   kvf__ucx_peers_free(u);
   if (u->w) {
     /* The peers' endpoints were closed with FORCE: flushes still pending
@@ -908,6 +909,7 @@ static int ucx_start(kvf_engine *e) {
   pthread_mutex_init(&u->peers_mu, NULL);
   pthread_mutex_init(&u->q_mu, NULL);
   pthread_cond_init(&u->q_cv, NULL);
+  kvf__ucx_warm_init(u);
   int rc = smap_init(&u->peers);
   if (!rc) rc = ucx_init(u);
   if (!rc)

@@ -84,11 +84,15 @@
 #define UCX_MAX_RKEY_LEN (64u * 1024u)
 #define UCX_RKEY_PARSE_PAD (64u * 1024u) /* zeroed bytes behind a received info body (ucx_peer.c) */
 #define UCX_MAX_INFO_BODY (16u << 20)
-/* A reader maps at most this much of one writer's pools ahead, at connect
- * (ucx_read.c populate): each mapped GiB costs the reader ~2 MiB of page
- * tables and ~0.1-0.3 s here, per writer; what lies past it faults in on its
- * first read. Same-host writers only (a host holds a few ranks, not hundreds). */
+/* A reader maps at most this much of one writer's pools ahead, after
+ * connect (ucx_warm.c): each mapped GiB costs the reader ~2 MiB of page
+ * tables and ~0.1-0.5 s of one thread here, per writer; what lies past it
+ * faults in on its first read. Same-host writers only (a host holds a few
+ * ranks, not hundreds). */
 #define UCX_POPULATE_MAX (1ull << 30)
+/* ...a slice at a time: a stop (the writer's keys released) waits at most
+ * for one slice (about 0.1 ms here). */
+#define UCX_WARM_SLICE (256u * 1024u)
 /* A rendezvous message must arrive whole within this once it has started. */
 #define UCX_CTL_TIMEOUT_MS 5000
 /* A send to one writer while the rendezvous list's lock (ctl_mu) is held
@@ -364,7 +368,8 @@ typedef struct ucx_ctl {
   int cma_pid;        /* the writer's pid where its probe read back (process_vm_readv works); 0 otherwise */
   ucx_rregion *wregs; /* the writer's regions (sorted), their rkeys on ep */
   size_t nwregs;
-  int have_skew; /* skew_ns bounds (writer's clock - this clock) from above */
+  struct ucx_warm_job *warm; /* mapping wregs ahead (ucx_warm.c), under the state's warm_mu */
+  int have_skew;             /* skew_ns bounds (writer's clock - this clock) from above */
   int64_t skew_ns, skew_at_ns, ping_ns;
   unsigned char *buf; /* a notice's descriptors and trailer */
   size_t cap;
@@ -449,7 +454,24 @@ typedef struct ucx_state {
    * data there, so they are freed only after the worker is gone. Under wmu. */
   void **quarantine;
   size_t nquarantine, cap_quarantine;
+  /* Mapping same-host writers' pools ahead (ucx_warm.c, which states the
+   * lock rules): jobs queued and the one under way, under warm_mu. */
+  pthread_mutex_t warm_mu;
+  pthread_cond_t warm_cv; /* the thread left a job */
+  struct ucx_warm_job *warm_q, *warm_cur;
+  pthread_t warm_thread;
+  int warm_running;  /* the thread is on the queue (it clears this last, as it ends) */
+  int warm_joinable; /* warm_thread was started and not joined yet */
 } ucx_state;
+
+/* ucx_warm.c: map the same-host writer's pools of a connection ahead of
+ * its first reads (with wmu held, once its regions are in c->wregs); stop
+ * that before the regions are released (returns once no load of them is
+ * under way); at the engine's end, once every connection stopped. */
+void kvf__ucx_warm_init(ucx_state *u);
+void kvf__ucx_warm_start(ucx_state *u, ucx_ctl *c);
+void kvf__ucx_warm_stop(ucx_state *u, ucx_ctl *c);
+void kvf__ucx_warm_fini(ucx_state *u);
 
 /* ucx.c */
 int kvf__ucx_status(ucs_status_t st);

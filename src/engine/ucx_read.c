@@ -208,6 +208,7 @@ static void reader_ep_cancel_locked(ucx_state *u, ucx_ctl *c, void *req) {
   for (int i = 0; i < 100000 && req && ucp_request_check_status(req) == UCS_INPROGRESS; i++)
     ucp_worker_progress(u->w);
   if (req) ucp_request_free(req);
+  kvf__ucx_warm_stop(u, c);                    /* the keys' mappings end with them */
   kvf__ucx_rregions_free(c->wregs, c->nwregs); /* their keys belonged to the endpoint */
   c->wregs = NULL;
   c->nwregs = 0;
@@ -237,36 +238,6 @@ static int reader_ep_make_locked(ucx_state *u, ucx_ctl *c, const char *padded) {
   if (!rc) rc = kvf__ucx_regions_unpack(c->ep, h, padded, &off, c->same_host, c->peer, &c->wregs, &c->nwregs);
   free(copy);
   return rc;
-}
-
-/* Map the pages of the writer's pools that UCX mapped here up front: a
- * load that first touches a page faults (tens of microseconds each on a
- * virtual machine, seen as most of a small room's time), one populate call
- * per region at connect costs a fraction of that per page. At most
- * UCX_POPULATE_MAX per writer, an even share of it from each region's
- * start: a reader beside writers with large host pools would otherwise hold
- * page tables for all of them and spend seconds at each connect. Best
- * effort. */
-static void populate(const ucx_ctl *c) {
-#ifdef MADV_POPULATE_READ
-  long pg = sysconf(_SC_PAGESIZE);
-  size_t mapped = 0;
-  for (size_t i = 0; i < c->nwregs; i++) mapped += c->wregs[i].ptr != NULL;
-  /* An even share of the budget per region (KV pages of one index sit in
-   * every layer's buffer), whole OS pages. */
-  uint64_t share = mapped && pg > 0 ? UCX_POPULATE_MAX / mapped / (uint64_t)pg * (uint64_t)pg : 0;
-  for (size_t i = 0; i < c->nwregs && share; i++) {
-    if (!c->wregs[i].ptr) continue;
-    uintptr_t a = (uintptr_t)c->wregs[i].ptr & ~(uintptr_t)(pg - 1);
-    size_t len = (size_t)((uintptr_t)c->wregs[i].ptr + c->wregs[i].len - a);
-    if (len > share) len = (size_t)share;
-    if (madvise((void *)a, len, MADV_POPULATE_READ) && kvf__log_first_time_for_host(c->peer, "ucx-populate"))
-      LOG_INFO("ucx", "writer %s: could not map its pool ahead (%s); first reads fault it in", c->peer,
-               strerror(errno));
-  }
-#else
-  (void)c;
-#endif
 }
 
 /* The writer's pid if its info offers direct reads (UCX_INFO_CMA) and its
@@ -326,9 +297,9 @@ int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   c->same_host = !strcmp(h.host_id, u->host_id);
   c->cma_pid = cma_check(u, c, &h, body);
   rc = reader_ep_make_locked(u, c, body);
+  if (!rc) kvf__ucx_warm_start(u, c);
   pthread_mutex_unlock(&u->wmu);
   free(body);
-  if (!rc) populate(c);
   /* The answer to this engine's first info bounds the writer's clock. */
   if (!rc && c->info_ns && h.echo_ns == c->info_ns && h.clock_ns >= c->info_ns - UCX_CLOCK_SKEW_MAX_NS &&
       h.clock_ns <= c->info_ns + UCX_CLOCK_SKEW_MAX_NS) {
@@ -858,8 +829,8 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   if (!status && (!c->ep || atomic_load(&c->ep_failed))) { /* again after a cancel: the regions come with it */
     kvf__ucx_wlock(u);
     status = reader_ep_make_locked(u, c, NULL);
+    if (!status) kvf__ucx_warm_start(u, c);
     pthread_mutex_unlock(&u->wmu);
-    if (!status) populate(c);
   }
   if (!status) status = notice_check(&r, w, n.ndesc);
   int checked = !status; /* a refusal from here on is this engine's (an unregister), not the writer's */

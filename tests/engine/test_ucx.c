@@ -445,6 +445,66 @@ static void target_stopping_mid_answer_delays_no_other_peer(void **state) {
 #endif
 }
 
+/* bytes_mapped_ahead once it reaches `want` (or after 20 s). */
+static uint64_t mapped_ahead(kvf_engine *t, uint64_t want) {
+  kvf_engine_stats st;
+  for (int64_t until = clock_deadline_ms(20000);; usleep(10 * 1000)) {
+    kvf_engine_get_stats(t, &st);
+    if (st.bytes_mapped_ahead >= want || clock_now_ns() >= until) return st.bytes_mapped_ahead;
+  }
+}
+
+/* A reader maps a same-host writer's pools ahead of its reads on a thread
+ * of its own (ucx_warm.c): all of them, again when the writer's regions
+ * change (its info comes again), and it stops before those mappings end,
+ * here by the reader's destroy right after a large pool came (under ASan a
+ * load after the end would be caught). Where UCX maps nothing (UCX_TLS
+ * without shared memory, write mode) nothing is counted. */
+static void writer_pools_mapped_ahead(void **state) {
+  SKIP_WITHOUT_UCX();
+  const char *tls = getenv("UCX_TLS"), *mode = getenv("KVFERRY_UCX_MODE");
+  int maps = (!mode || strcmp(mode, "write")) &&
+             (!tls || strstr(tls, "posix") || strstr(tls, "sysv") || strstr(tls, "sm"));
+  enum { SMALL = 8u << 20, BIG = 128u << 20 };
+  kvf_engine *t = make_engine("ucx", 10000), *w = make_engine("ucx", 10000);
+  unsigned char *dst = mmap(NULL, 2 * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  assert_int_equal(kvf_engine_register(t, dst, 2 * PAGE), 0);
+  void *p1 = NULL, *p2 = NULL, *p3 = NULL;
+  assert_int_equal(kvf_engine_alloc_pool(w, SMALL, &p1), 0);
+  memset(p1, 0x11, PAGE);
+  kvf_write wr = {.src = (uint64_t)(uintptr_t)p1, .dst = (uint64_t)(uintptr_t)dst, .len = PAGE};
+  assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t), &wr, 1), 0);
+  assert_int_equal(dst[PAGE - 1], 0x11);
+  if (!maps) {
+    usleep(100 * 1000);
+    assert_int_equal(mapped_ahead(t, 0), 0);
+  } else {
+    assert_int_equal(mapped_ahead(t, SMALL), SMALL);
+    /* A new pool: the writer's info again, and both pools mapped ahead anew. */
+    assert_int_equal(kvf_engine_alloc_pool(w, BIG, &p2), 0);
+    memset((unsigned char *)p2 + BIG - PAGE, 0x22, PAGE);
+    wr = (kvf_write){.src = (uint64_t)(uintptr_t)p2 + BIG - PAGE,
+                     .dst = (uint64_t)(uintptr_t)dst + PAGE,
+                     .len = PAGE};
+    assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t), &wr, 1), 0);
+    assert_int_equal(dst[2 * PAGE - 1], 0x22);
+    assert_int_equal(mapped_ahead(t, SMALL + SMALL + BIG), SMALL + SMALL + BIG);
+  }
+  /* Another pool, read from, and the reader gone while it maps them ahead. */
+  assert_int_equal(kvf_engine_alloc_pool(w, BIG, &p3), 0);
+  memset(p3, 0x33, PAGE);
+  wr = (kvf_write){.src = (uint64_t)(uintptr_t)p3, .dst = (uint64_t)(uintptr_t)dst, .len = PAGE};
+  assert_int_equal(kvf_engine_write(w, kvf_engine_session_id(t), &wr, 1), 0);
+  assert_int_equal(dst[0], 0x33);
+  kvf_engine_stats st;
+  kvf_engine_get_stats(t, &st);
+  printf("mapped ahead when the reader was destroyed: %llu MiB\n",
+         (unsigned long long)(st.bytes_mapped_ahead >> 20));
+  kvf_engine_destroy(t);
+  kvf_engine_destroy(w);
+  munmap(dst, 2 * PAGE);
+}
+
 /* A manager registers the memory it is given: a range inside an allocated
  * pool (or the whole pool) is counted, not refused as overlapping, and its
  * unregister leaves the pool registered; a range crossing the pool's end
@@ -1253,6 +1313,7 @@ int main(void) {
       cmocka_unit_test(explicit_ucx_never_falls_back),
       cmocka_unit_test(other_host_without_rdma),
       cmocka_unit_test(registering_inside_a_pool_is_counted),
+      cmocka_unit_test(writer_pools_mapped_ahead),
       cmocka_unit_test(routes_show_in_metrics),
       cmocka_unit_test(unregister_during_traffic_is_safe),
       cmocka_unit_test(trailer_acks_match_their_batches),
