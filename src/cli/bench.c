@@ -732,6 +732,7 @@ static int bench_fanout(fanout_case *cases, size_t nc, int runs) {
   for (size_t c = 0; c < nc; c++) /* warm-up: connections, pools, caches */
     for (int i = 0; i < 5; i++)
       if (fanout_request(&pp[c], room++, &w, &wr)) goto out;
+  for (size_t c = 0; c < nc; c++) pd_settle(&pp[c]);
   /* CPU per request: what the two processes of a case ran while its
    * requests ran (the other cases' processes idle meanwhile; their CPU-time
    * clocks, as a request is too short for clock ticks), so a case that is
@@ -1172,6 +1173,7 @@ static int e2e_verify_pair(pd_pair *pp, size_t tokens, int runs, int64_t *room, 
   }
   double *t = calloc(2 * (size_t)runs, sizeof *t), w, wm;
   rc = !t || e2e_case(&pv, tokens, 1, room, &w, &wm); /* warm up the verify pair too */
+  pd_settle(&pv);
   const pid_t pids[4] = {pp->decode.pid, pp->prefill.pid, pv.decode.pid, pv.prefill.pid};
   long long sum[4] = {0, 0, 0, 0}, t0[4];
   for (int i = 0; !rc && i < runs; i++) {
@@ -1219,6 +1221,7 @@ static int bench_e2e(const bench_opts *o) {
   /* Warm up: the decode's M1 registration, connections, first-touch of the
    * engine's buffers. */
   int rc = e2e_case(&pp, tokens, 1, &room, &w50, &wmin);
+  pd_settle(&pp);
   double v50 = 0, vbest = 0;
   e2e_cpu cpu = {-1, -1, -1, -1};
   bench_hash_cost hc = {0, 0};
@@ -1244,6 +1247,7 @@ static int bench_e2e(const bench_opts *o) {
       rc = 1;
     } else {
       rc = e2e_case(&pp, tokens, 1, &room, &w50, &wmin);
+      pd_settle(&pp);
       if (!rc) rc = e2e_case(&pp, tokens, runs, &room, &plain50, &plainbest);
       pd_stop(&pp);
     }
@@ -1464,9 +1468,9 @@ static int bench_layerwise(const bench_opts *o) {
   lw_run warm, alone, whole, lw;
   /* Warm-up (connections, first touch), then the transfer alone: the whole
    * request sent with no compute before it. */
-  if (lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, 0, 1, &warm) ||
-      lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, 0, runs, &alone))
-    goto out_mgr;
+  if (lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, 0, 1, &warm)) goto out_mgr;
+  bench_wait_mapped_ahead(kvf_manager_engine(m));
+  if (lw_case(m, &pool, &peer, baddr, &room, npages, 0, 0, 0, runs, &alone)) goto out_mgr;
   double transfer_s = alone.success - alone.last_send;
   /* Default: compute per layer = transfer per layer, as measured. */
   double layer_ms = o->layer_ms >= 0 ? o->layer_ms : transfer_s * 1e3 / E2E_LAYERS;
@@ -1598,6 +1602,7 @@ static int bench_plot(const bench_opts *o) {
   int64_t room = 1;
   double p50, best;
   int bad = e2e_case(&pp, min_tokens, 1, &room, &p50, &best); /* warm-up */
+  pd_settle(&pp);
   for (size_t tokens = min_tokens; !bad && tokens <= max_tokens; tokens *= 2) {
     bad = e2e_case(&pp, tokens, o->quick ? 2 : 3, &room, &p50, &best);
     double gbps = bad || p50 <= 0 ? 0 : tokens / E2E_PAGE_TOKENS * E2E_PAGE_BYTES / p50 / 1e9;

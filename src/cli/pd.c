@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "kvferry.h"
@@ -201,6 +202,28 @@ int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap) {
 err:
   pd_stop(pp);
   return -1;
+}
+
+/* Idle: under PD_SETTLE_BUSY_NS of CPU over PD_SETTLE_WINDOW_MS (5 % of a
+ * core), waited for at most PD_SETTLE_MAX_MS. */
+#define PD_SETTLE_WINDOW_MS 100
+#define PD_SETTLE_BUSY_NS 5000000LL
+#define PD_SETTLE_MAX_MS 5000
+
+void pd_settle(pd_pair *pp) {
+  pid_t pid[2] = {pp->up & 2 ? pp->prefill.pid : 0, pp->up & 4 ? pp->decode.pid : 0};
+  long long was[2];
+  for (int i = 0; i < 2; i++) was[i] = pid[i] > 0 ? proc_cpu_exact_ns(pid[i]) : -1;
+  for (double until = cli_now_s() + PD_SETTLE_MAX_MS / 1e3; cli_now_s() < until;) {
+    usleep(PD_SETTLE_WINDOW_MS * 1000);
+    int busy = 0;
+    for (int i = 0; i < 2; i++) {
+      long long now = was[i] >= 0 ? proc_cpu_exact_ns(pid[i]) : -1;
+      busy |= now >= 0 && now - was[i] >= PD_SETTLE_BUSY_NS;
+      was[i] = now;
+    }
+    if (!busy) return;
+  }
 }
 
 void pd_stop(pd_pair *pp) {

@@ -128,6 +128,12 @@ int pd_start_layout(pd_pair *pp, const pd_layout *lo, char *err, size_t cap);
 /* Plain pools, TP 1 on both sides. */
 int pd_start(pd_pair *pp, int layers, uint64_t item, uint64_t pages, char *err, size_t cap);
 void pd_stop(pd_pair *pp);
+/* After a pair's first requests, wait (at most 5 s) until both instances
+ * are idle, so what they start at connect and finish in the background (a
+ * UCX reader maps its writers' pools ahead, engine/ucx_warm.c; at most a
+ * few hundred ms of a core) does not run in what a benchmark then measures:
+ * a running server is long past it. */
+void pd_settle(pd_pair *pp);
 /* Ask the decode for the pages (M2), then the prefill to send them. */
 int pd_issue(pd_pair *pp, const pd_req *r);
 /* The same to one process of each side; baddr: the prefill's bootstrap
