@@ -958,7 +958,10 @@ static int bench_rooms(const bench_opts *o) {
   warm.m3_only = 1;
   if (nc && cli_bench_rooms_case(m3only, &pool, &peer, baddr, &warm, base)) goto out_mgr;
   base += warm.rooms;
-  if (nc) bench_wait_mapped_ahead(kvf_manager_engine(m)), bench_wait_mapped_ahead(kvf_manager_engine(m3only));
+  if (nc) {
+    bench_wait_mapped_ahead(kvf_manager_engine(m));
+    bench_wait_mapped_ahead(kvf_manager_engine(m3only));
+  }
   for (size_t i = 0; i < nc; i++) {
     kvf_manager *cm = cases[i].m3_only ? m3only : m;
     if (cli_bench_rooms_case(cm, &pool, &peer, baddr, &cases[i], base)) goto out_mgr;

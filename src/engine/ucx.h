@@ -465,7 +465,8 @@ typedef struct ucx_state {
 } ucx_state;
 
 /* ucx_warm.c: map the same-host writer's pools of a connection ahead of
- * its first reads (with wmu held, once its regions are in c->wregs); stop
+ * its first reads (with wmu held, once its regions are in c->wregs:
+ * reader_ep_make_locked); stop
  * that before the regions are released (returns once no load of them is
  * under way); at the engine's end, once every connection stopped. */
 void kvf__ucx_warm_init(ucx_state *u);

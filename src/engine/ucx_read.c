@@ -219,7 +219,8 @@ static void reader_ep_cancel_locked(ucx_state *u, ucx_ctl *c, void *req) {
  * body as received (kvf__ucx_info_read_rest pads it), or NULL to pad a
  * copy of the kept one here. The kept copy has no pad: 64 KiB of zeros per
  * writer, held for the connection's life, were most of what an idle peer
- * cost (issue 24). */
+ * cost (issue 24). The regions UCX mapped here are then mapped ahead
+ * (ucx_warm.c), until reader_ep_cancel_locked releases them. */
 static int reader_ep_make_locked(ucx_state *u, ucx_ctl *c, const char *padded) {
   if (c->ep && !atomic_load(&c->ep_failed)) return 0;
   if (c->ep) reader_ep_cancel_locked(u, c, NULL);
@@ -236,6 +237,7 @@ static int reader_ep_make_locked(ucx_state *u, ucx_ctl *c, const char *padded) {
   size_t off = h->addr_len;
   if (!rc) rc = kvf__ucx_regions_unpack(c->ep, h, padded, &off, c->same_host, c->peer, &c->wregs, &c->nwregs);
   free(copy);
+  if (!rc) kvf__ucx_warm_start(u, c);
   return rc;
 }
 
@@ -296,7 +298,6 @@ int kvf__ucx_serve_writer_info(ucx_state *u, ucx_ctl *c) {
   c->same_host = !strcmp(h.host_id, u->host_id);
   c->cma_pid = cma_check(u, c, &h, body);
   rc = reader_ep_make_locked(u, c, body);
-  if (!rc) kvf__ucx_warm_start(u, c);
   pthread_mutex_unlock(&u->wmu);
   free(body);
   /* The answer to this engine's first info bounds the writer's clock. */
@@ -828,7 +829,6 @@ int kvf__ucx_serve_notice(ucx_state *u, ucx_ctl *c) {
   if (!status && (!c->ep || atomic_load(&c->ep_failed))) { /* again after a cancel: the regions come with it */
     kvf__ucx_wlock(u);
     status = reader_ep_make_locked(u, c, NULL);
-    if (!status) kvf__ucx_warm_start(u, c);
     pthread_mutex_unlock(&u->wmu);
   }
   if (!status) status = notice_check(&r, w, n.ndesc);
