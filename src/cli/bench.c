@@ -256,10 +256,10 @@ static int engine_rig_start(engine_rig *g, uint64_t pool_bytes, int alloc) {
    * (bench_floor.c). On these VMs the kernel's first store into a page is
    * slow even after the process itself stored to it (bench/README.md,
    * "Memory"): a private-memory read, whose target's kernel copies into the
-   * pool (process_vm_readv), ran at 6.3-6.7 GB/s into pages it had not
-   * written before against 15-18 GB/s after (two threads, a throwaway
-   * test), and random blocks left about a third of the pool for the timed
-   * case to warm. */
+   * pool (process_vm_readv), ran at 5.6-6.7 GB/s into pages the kernel had
+   * not stored to before against 13.7-18.1 GB/s after (two threads, a
+   * throwaway test), and random blocks left about a third of the pool for
+   * the timed case to warm. */
   int failed = 0;
   engine_case_run(g->e, &g->peer, g->pool, g->pool_bytes, 1 << 20, 16, 2, g->pool_bytes, 1, &failed);
   return 0;
