@@ -2,6 +2,8 @@
 #include "base/hostmem.h"
 
 #include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
 
 int kvf__maps_readable(FILE *maps, uint64_t a, uint64_t len) {
   uint64_t lo, hi, want = a;
@@ -20,6 +22,33 @@ int kvf__host_readable(uint64_t a, uint64_t len) {
   FILE *maps = fopen("/proc/self/maps", "re");
   if (!maps) return -1;
   int rc = kvf__maps_readable(maps, a, len);
+  fclose(maps);
+  return rc;
+}
+
+int kvf__maps_sysv_shared(FILE *maps, uint64_t a, uint64_t len) {
+  char *line = NULL;
+  size_t cap = 0;
+  uint64_t want = a;
+  rewind(maps);
+  while (want < a + len && getline(&line, &cap, maps) > 0) {
+    uint64_t lo, hi;
+    char perms[8];
+    int path = 0; /* lo-hi perms offset dev inode, then the path (none: anonymous) */
+    if (sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %*s %*s %*s %n", &lo, &hi, perms, &path) < 3 || !path) continue;
+    if (lo <= want && want < hi) {
+      if (perms[0] != 'r' || perms[3] != 's' || strncmp(line + path, "/SYSV", 5)) break;
+      want = hi;
+    }
+  }
+  free(line);
+  return want >= a + len;
+}
+
+int kvf__host_sysv_shared(uint64_t a, uint64_t len) {
+  FILE *maps = fopen("/proc/self/maps", "re");
+  if (!maps) return -1;
+  int rc = kvf__maps_sysv_shared(maps, a, len);
   fclose(maps);
   return rc;
 }

@@ -351,12 +351,21 @@ int kvf__ucx_regions_unpack(ucp_ep_h ep, const ucx_info_hdr *h, const char *body
     r->len = d.len;
     void *ptr = NULL;
     /* Loaded from directly only when the whole region the peer names is
-     * mapped here: a length past its segment would have the loads fault
-     * (a region that is not is read through process_vm_readv or UCX, which
-     * refuse what is not there). */
-    if (same_host && ucp_rkey_ptr(r->rkey, d.base, &ptr) == UCS_OK &&
-        kvf__host_readable((uint64_t)(uintptr_t)ptr, d.len) == 1)
-      r->ptr = ptr;
+     * mapped here, from System V segments: a length past its segment would
+     * have the loads fault, and a file the peer can shrink (UCX's POSIX
+     * shared memory) would have them die of SIGBUS once it did (a region
+     * that is not is read through process_vm_readv or UCX, which refuse
+     * what is not there). */
+    if (same_host && ucp_rkey_ptr(r->rkey, d.base, &ptr) == UCS_OK) {
+      if (kvf__host_sysv_shared((uint64_t)(uintptr_t)ptr, d.len) == 1) r->ptr = ptr;
+      else if (kvf__log_first_time_for_host(who, "ucx-mapped-shrinkable"))
+        LOG_INFO("ucx",
+                 "peer %s: region 0x%llx+%llu is not mapped here as System V shared memory (its owner could "
+                 "shrink "
+                 "it under the loads); read through process_vm_readv or UCX instead (further ones from it are not "
+                 "logged)",
+                 who, (unsigned long long)d.base, (unsigned long long)d.len);
+    }
     n++;
   }
   if (rc) {

@@ -11,6 +11,7 @@
 
 #include "base/env.h"
 #include "base/hash.h"
+#include "base/hostmem.h"
 #include "base/log.h"
 #include "base/map.h"
 #include "base/parse.h"
@@ -218,6 +219,44 @@ static void log_once_per_host_ignores_the_port(void **state) {
   assert_int_equal(kvf__log_first_time_for_host("fd00::4", "frame"), 0);
 }
 
+/* What may be loaded from directly in another process's shared memory:
+ * only readable System V segments cover the range (a POSIX shared memory
+ * file, a memfd, private or anonymous memory, a gap, a long path before
+ * the range all say no or are passed over). */
+static void sysv_shared_ranges_only(void **state) {
+  (void)state;
+  char long_path[1024];
+  memset(long_path, 'x', sizeof long_path - 1);
+  long_path[sizeof long_path - 1] = 0;
+  char text[4096];
+  snprintf(text, sizeof text,
+           "00400000-00401000 r-xp 00000000 08:01 42 /usr/bin/%s\n"
+           "10000000-10200000 rw-s 00000000 00:01 5 /SYSV00000000 (deleted)\n"
+           "10200000-10400000 rw-s 00000000 00:01 6 /SYSV00000000 (deleted)\n"
+           "10400000-10600000 rw-s 00000000 00:19 7 /dev/shm/ucx_shm_posix_1234 (deleted)\n"
+           "10600000-10800000 rw-s 00000000 00:01 8 /memfd:pool (deleted)\n"
+           "10800000-10a00000 rw-p 00000000 00:00 0 \n"
+           "10a00000-10c00000 ---s 00000000 00:01 9 /SYSV00000001 (deleted)\n"
+           "10e00000-11000000 rw-s 00000000 00:01 10 /SYSV00000002 (deleted)\n",
+           long_path);
+  FILE *maps = fmemopen(text, strlen(text), "r");
+  assert_non_null(maps);
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10000000, 0x200000), 1);
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10100000, 0x200000), 1); /* across two segments */
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10300000, 0x200000), 0); /* into POSIX shared memory */
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10400000, 0x1000), 0);
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10600000, 0x1000), 0); /* a memfd */
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10800000, 0x1000), 0); /* anonymous, private */
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10a00000, 0x1000), 0); /* not readable */
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10c00000, 0x1000), 0); /* not mapped */
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10e00000, 0x200000), 1);
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10e00000, 0x200001), 0); /* past its end */
+  assert_int_equal(kvf__maps_readable(maps, 0x10300000, 0x200000), 1);    /* readable, all the same */
+  fclose(maps);
+  /* This process's own memory is not shared. */
+  assert_int_equal(kvf__host_sysv_shared((uint64_t)(uintptr_t)text, sizeof text), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(map_put_get_delete_many),
@@ -229,6 +268,7 @@ int main(void) {
       cmocka_unit_test(str_copy_matches_snprintf),
       cmocka_unit_test(error_texts_and_log_once),
       cmocka_unit_test(log_once_per_host_ignores_the_port),
+      cmocka_unit_test(sysv_shared_ranges_only),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -171,6 +171,98 @@ static void private_memory_read_directly(void **state) {
   }
 }
 
+#ifdef KVF_HAVE_UCX
+/* The descriptor of the file behind this process's mapping at `addr` (one
+ * of its own), or -1: the path in /proc/self/maps, matched among the
+ * links in /proc/self/fd. */
+static int fd_behind(const void *addr) {
+  FILE *maps = fopen("/proc/self/maps", "re");
+  char line[512], path[256] = "";
+  uint64_t a = (uint64_t)(uintptr_t)addr;
+  while (maps && fgets(line, sizeof line, maps)) {
+    unsigned long long lo, hi;
+    int at = 0;
+    if (sscanf(line, "%llx-%llx %*s %*s %*s %*s %n", &lo, &hi, &at) >= 2 && at && lo <= a && a < hi) {
+      snprintf(path, sizeof path, "%s", line + at);
+      path[strcspn(path, "\n")] = 0;
+      break;
+    }
+  }
+  if (maps) fclose(maps);
+  DIR *d = *path ? opendir("/proc/self/fd") : NULL;
+  int fd = -1;
+  for (struct dirent *de; d && fd < 0 && (de = readdir(d));) {
+    char link[300], to[256];
+    snprintf(link, sizeof link, "/proc/self/fd/%s", de->d_name);
+    ssize_t n = readlink(link, to, sizeof to - 1);
+    if (n > 0 && (to[n] = 0, !strcmp(to, path))) fd = atoi(de->d_name);
+  }
+  if (d) closedir(d);
+  printf("mapping at %p: '%s' (fd %d)\n", addr, path, fd);
+  return fd;
+}
+#endif
+
+/* A same-host writer whose pool is a file it can shrink (UCX's POSIX shared
+ * memory, UCX_ALLOC_PRIO=md:posix) is never loaded from directly: its bytes
+ * come through process_vm_readv (bytes_read_direct), and once the writer
+ * shrinks the file under the reader's mapping, a read fails instead of
+ * killing the reader (SIGBUS on the first load past the new end). */
+static void shrinkable_pool_not_loaded_directly(void **state) {
+  SKIP_WITHOUT_UCX();
+#ifdef KVF_HAVE_UCX
+  const char *mode = getenv("KVFERRY_UCX_MODE");
+  if ((mode && !strcmp(mode, "write")) || !kvf__ucx_tls_allow_shm()) {
+    printf("SKIP: read mode with UCX shared memory only\n");
+    skip();
+  }
+  engine_peer peer;
+  const char *args[] = {"--transport", "ucx", NULL};
+  assert_int_equal(engine_peer_start_args(&peer, PEER_BYTES, NULL, args), 0);
+  setenv("UCX_ALLOC_PRIO", "md:posix", 1);
+  kvf_engine *e = make_engine("ucx", 5000);
+  unsetenv("UCX_ALLOC_PRIO");
+  enum { BYTES = 8u << 20 };
+  void *mem = NULL;
+  assert_int_equal(kvf_engine_alloc_pool(e, BYTES, &mem), 0);
+  unsigned char *pool = mem;
+  int fd = fd_behind(pool);
+  if (fd < 0) { /* UCX gave no file: nothing to shrink */
+    kvf_engine_free_pool(e, mem);
+    kvf_engine_destroy(e);
+    engine_peer_stop(&peer);
+    printf("SKIP: UCX allocated no POSIX shared memory here\n");
+    skip();
+  }
+  write_and_verify(e, &peer, pool, 41);
+  char reply[128];
+  unsigned long long got = 0, late = 0, refused = 0, cma = 0;
+  assert_int_equal(proc_ask(&peer.p, "reads", reply, sizeof reply, 5000), 0);
+  assert_int_equal(sscanf(reply, "reads %llu %llu %llu %llu", &got, &late, &refused, &cma), 4);
+  assert_int_equal(cma, (200 + 16) * PAGE);
+  /* The writer shrinks its pool; this process no longer touches it. */
+  assert_int_equal(ftruncate(fd, 0), 0);
+  kvf_write w = {.src = (uint64_t)(uintptr_t)(pool + 4 * PAGE), .dst = peer.base, .len = PAGE};
+  int rc = kvf_engine_write(e, peer.session, &w, 1);
+  printf("read after the shrink: %s\n", kvf_strerror(rc));
+  assert_int_not_equal(rc, 0);
+  assert_int_equal(proc_ask(&peer.p, "reads", reply, sizeof reply, 5000), 0); /* the reader lives */
+  assert_int_equal(sscanf(reply, "reads %llu %llu %llu %llu", &got, &late, &refused, &cma), 4);
+  assert_int_equal(kvf_engine_free_pool(e, mem), 0);
+  kvf_engine_destroy(e);
+  engine_peer_stop(&peer);
+#endif
+}
+
+/* Are pools from kvf_engine_alloc_pool mapped by their same-host peers?
+ * Only System V segments are (engine/ucx_peer.c): UCX allocates pools
+ * there unless UCX_TLS leaves System V out (posix,cma: POSIX shared
+ * memory, read and written through process_vm_readv/writev instead). */
+static int pools_mapped_by_peers(void) {
+  const char *tls = getenv("UCX_TLS");
+  return !tls || !*tls || strstr(tls, "sysv") || strstr(tls, "sm") || strstr(tls, "shm") || strstr(tls, "mm");
+}
+
 /* A target process over UCX with its own pool (--pool) and a writer engine
  * here with a pool of `bytes` from kvf_engine_alloc_pool (*pool). */
 static kvf_engine *pool_writer_with_peer(engine_peer *peer, size_t bytes, void **pool) {
@@ -193,11 +285,10 @@ static void allocated_pools_land_exact(void **state) {
   char why[256];
   assert_int_equal(kvf_engine_peer_transport(e, peer.session, why, sizeof why), 0);
   printf("route: %s\n", why);
-  const char *tls = getenv("UCX_TLS"), *mode = getenv("KVFERRY_UCX_MODE");
+  const char *mode = getenv("KVFERRY_UCX_MODE");
   if (!mode || strcmp(mode, "write")) /* read mode: the target maps this pool and reads it */
     assert_non_null(strstr(why, "read mode"));
-  else if (!tls || strstr(tls, "posix") || strstr(tls, "sysv") || strstr(tls, "sm"))
-    assert_non_null(strstr(why, "mapped here"));
+  else if (pools_mapped_by_peers()) assert_non_null(strstr(why, "mapped here"));
   assert_int_equal(kvf_engine_free_pool(e, pool), 0);
   assert_int_equal(kvf_engine_free_pool(e, pool), KVF_ENOTFOUND);
   kvf_engine_destroy(e);
@@ -458,13 +549,12 @@ static uint64_t mapped_ahead(kvf_engine *t, uint64_t want) {
  * of its own (ucx_warm.c): all of them, again when the writer's regions
  * change (its info comes again), and it stops before those mappings end,
  * here by the reader's destroy right after a large pool came (under ASan a
- * load after the end would be caught). Where UCX maps nothing (UCX_TLS
- * without shared memory, write mode) nothing is counted. */
+ * load after the end would be caught). Where nothing is mapped (UCX_TLS
+ * without System V shared memory, write mode) nothing is counted. */
 static void writer_pools_mapped_ahead(void **state) {
   SKIP_WITHOUT_UCX();
-  const char *tls = getenv("UCX_TLS"), *mode = getenv("KVFERRY_UCX_MODE");
-  int maps = (!mode || strcmp(mode, "write")) &&
-             (!tls || strstr(tls, "posix") || strstr(tls, "sysv") || strstr(tls, "sm"));
+  const char *mode = getenv("KVFERRY_UCX_MODE");
+  int maps = (!mode || strcmp(mode, "write")) && pools_mapped_by_peers();
   enum { SMALL = 8u << 20, BIG = 128u << 20 };
   kvf_engine *t = make_engine("ucx", 10000), *w = make_engine("ucx", 10000);
   unsigned char *dst = mmap(NULL, 2 * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -1305,6 +1395,7 @@ int main(void) {
       cmocka_unit_test(plain_and_strided_land_exact),
       cmocka_unit_test(private_memory_read_directly),
       cmocka_unit_test(allocated_pools_land_exact),
+      cmocka_unit_test(shrinkable_pool_not_loaded_directly),
       cmocka_unit_test(large_batches_stream_and_land_exact),
       cmocka_unit_test(large_batch_is_one_notice_in_read_mode),
       cmocka_unit_test(held_notices_go_at_the_hold_end),
