@@ -8,6 +8,7 @@
 int kvf__maps_readable(FILE *maps, uint64_t a, uint64_t len) {
   uint64_t lo, hi, want = a;
   char perms[8];
+  if (a + len < a) return 0; /* past the end of the address space */
   rewind(maps);
   while (want < a + len && fscanf(maps, "%" SCNx64 "-%" SCNx64 " %7s%*[^\n]", &lo, &hi, perms) == 3) {
     if (lo <= want && want < hi) {
@@ -30,6 +31,7 @@ int kvf__maps_sysv_shared(FILE *maps, uint64_t a, uint64_t len) {
   char *line = NULL;
   size_t cap = 0;
   uint64_t want = a;
+  if (a + len < a) return 0; /* past the end of the address space */
   rewind(maps);
   while (want < a + len && getline(&line, &cap, maps) > 0) {
     uint64_t lo, hi;

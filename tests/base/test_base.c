@@ -252,6 +252,9 @@ static void sysv_shared_ranges_only(void **state) {
   assert_int_equal(kvf__maps_sysv_shared(maps, 0x10e00000, 0x200000), 1);
   assert_int_equal(kvf__maps_sysv_shared(maps, 0x10e00000, 0x200001), 0); /* past its end */
   assert_int_equal(kvf__maps_readable(maps, 0x10300000, 0x200000), 1);    /* readable, all the same */
+  /* A length that wraps past the end of the address space covers nothing. */
+  assert_int_equal(kvf__maps_sysv_shared(maps, 0x10000000, UINT64_MAX - 0x1000), 0);
+  assert_int_equal(kvf__maps_readable(maps, 0x10000000, UINT64_MAX - 0x1000), 0);
   fclose(maps);
   /* This process's own memory is not shared. */
   assert_int_equal(kvf__host_sysv_shared((uint64_t)(uintptr_t)text, sizeof text), 0);
