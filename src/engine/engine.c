@@ -224,11 +224,11 @@ static int in_pool_locked(const kvf_engine *e, uint64_t base, uint64_t len) {
 }
 
 int kvf_engine_register(kvf_engine *e, void *addr, size_t len) {
-  if (!e || !addr || !len) return KVF_EINVAL;
   uint64_t base = (uint64_t)(uintptr_t)addr;
+  if (!e || !addr || !len || base + len < base) return KVF_EINVAL;
   int rc = KVF_EEXIST;
   pthread_mutex_lock(&e->pools_mu);
-  if (base + len >= base && in_pool_locked(e, base, len))
+  if (in_pool_locked(e, base, len))
     rc = span_push(&e->nested, &e->nnested, &e->cap_nested, (engine_span){base, len});
   pthread_mutex_unlock(&e->pools_mu);
   if (rc != KVF_EEXIST) return rc; /* inside a pool, already registered whole */

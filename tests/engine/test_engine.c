@@ -414,6 +414,7 @@ static void register_unregister_rules(void **state) {
   assert_int_equal(kvf_engine_register(target, buf, 4 * PAGE), 0);
   assert_int_equal(kvf_engine_register(target, buf + PAGE, PAGE), KVF_EEXIST);
   assert_int_equal(kvf_engine_register(target, buf, 0), KVF_EINVAL);
+  assert_int_equal(kvf_engine_register(target, buf + 8 * PAGE, SIZE_MAX - 4 * PAGE), KVF_EINVAL); /* wraps */
   assert_int_equal(kvf_engine_register(writer, src, PAGE), 0);
   memset(src, 0x11, PAGE);
   kvf_write w = {.src = (uint64_t)(uintptr_t)src, .dst = (uint64_t)(uintptr_t)buf + PAGE, .len = PAGE};
