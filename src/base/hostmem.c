@@ -19,13 +19,16 @@ int kvf__maps_readable(FILE *maps, uint64_t a, uint64_t len) {
   return want >= a + len;
 }
 
-int kvf__host_readable(uint64_t a, uint64_t len) {
+/* `check` over this process's maps; -1 when they cannot be read. */
+static int self_maps(int (*check)(FILE *, uint64_t, uint64_t), uint64_t a, uint64_t len) {
   FILE *maps = fopen("/proc/self/maps", "re");
   if (!maps) return -1;
-  int rc = kvf__maps_readable(maps, a, len);
+  int rc = check(maps, a, len);
   fclose(maps);
   return rc;
 }
+
+int kvf__host_readable(uint64_t a, uint64_t len) { return self_maps(kvf__maps_readable, a, len); }
 
 int kvf__maps_sysv_shared(FILE *maps, uint64_t a, uint64_t len) {
   char *line = NULL;
@@ -47,10 +50,4 @@ int kvf__maps_sysv_shared(FILE *maps, uint64_t a, uint64_t len) {
   return want >= a + len;
 }
 
-int kvf__host_sysv_shared(uint64_t a, uint64_t len) {
-  FILE *maps = fopen("/proc/self/maps", "re");
-  if (!maps) return -1;
-  int rc = kvf__maps_sysv_shared(maps, a, len);
-  fclose(maps);
-  return rc;
-}
+int kvf__host_sysv_shared(uint64_t a, uint64_t len) { return self_maps(kvf__maps_sysv_shared, a, len); }
