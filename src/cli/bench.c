@@ -157,9 +157,9 @@ done:
  * block-aligned offsets of a 256 MiB pool on both sides (with `sweep`, block
  * k of one pool to block k of the other instead, in order), `inflight`
  * batches in flight, until `total` bytes have been confirmed. */
-static double engine_case_run(kvf_engine *e, engine_peer *peer, unsigned char *pool, uint64_t pool_bytes,
-                              uint64_t block, size_t per_batch, int inflight, uint64_t total, int sweep,
-                              int *failed) {
+static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char *pool, uint64_t pool_bytes,
+                                uint64_t block, size_t per_batch, int inflight, uint64_t total, int sweep,
+                                int *failed) {
   uint64_t slots = pool_bytes / block, rng = 0x12345678, k = 0;
   size_t nb = (size_t)inflight;
   kvf_write *w = calloc(nb * per_batch, sizeof *w);
@@ -203,11 +203,6 @@ static double engine_case_run(kvf_engine *e, engine_peer *peer, unsigned char *p
   free(w);
   free(b);
   return *failed ? 0 : done / dt / 1e9;
-}
-
-static double bench_engine_case(kvf_engine *e, engine_peer *peer, unsigned char *pool, uint64_t pool_bytes,
-                                uint64_t block, size_t per_batch, int inflight, uint64_t total, int *failed) {
-  return engine_case_run(e, peer, pool, pool_bytes, block, per_batch, inflight, total, 0, failed);
 }
 
 /* An engine, a registered 256 MiB pool and a peer process with its own:
@@ -261,7 +256,7 @@ static int engine_rig_start(engine_rig *g, uint64_t pool_bytes, int alloc) {
    * throwaway test), and random blocks left about a third of the pool for
    * the timed case to warm. */
   int failed = 0;
-  engine_case_run(g->e, &g->peer, g->pool, g->pool_bytes, 1 << 20, 16, 2, g->pool_bytes, 1, &failed);
+  bench_engine_case(g->e, &g->peer, g->pool, g->pool_bytes, 1 << 20, 16, 2, g->pool_bytes, 1, &failed);
   return 0;
 }
 
@@ -343,7 +338,7 @@ static int bench_engine(const bench_opts *o) {
       for (size_t i = 0; i < nc && !failed; i++)
         if (cases[i].alloc == alloc && (!ucx || !strcmp(cases[i].mode, modes[m])))
           cases[i].gbps = bench_engine_case(g.e, &g.peer, g.pool, pool_bytes, cases[i].block, cases[i].per_batch,
-                                            o->inflight, o->bytes, &failed);
+                                            o->inflight, o->bytes, 0, &failed);
       engine_rig_stop(&g);
     }
   if (failed) {
@@ -1604,7 +1599,7 @@ static int bench_plot(const bench_opts *o) {
     int failed = 0;
     size_t per = (size_t)((8u << 20) / block); /* 8 MiB batches */
     double gbps =
-        bench_engine_case(g.e, &g.peer, g.pool, g.pool_bytes, block, per, o->inflight, case_bytes, &failed);
+        bench_engine_case(g.e, &g.peer, g.pool, g.pool_bytes, block, per, o->inflight, case_bytes, 0, &failed);
     if (failed) {
       engine_rig_stop(&g);
       goto out;

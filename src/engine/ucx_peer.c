@@ -360,10 +360,9 @@ int kvf__ucx_regions_unpack(ucp_ep_h ep, const ucx_info_hdr *h, const char *body
       if (kvf__host_sysv_shared((uint64_t)(uintptr_t)ptr, d.len) == 1) r->ptr = ptr;
       else if (kvf__log_first_time_for_host(who, "ucx-mapped-shrinkable"))
         LOG_INFO("ucx",
-                 "peer %s: region 0x%llx+%llu is not mapped here as System V shared memory (its owner could "
-                 "shrink "
-                 "it under the loads); read through process_vm_readv or UCX instead (further ones from it are not "
-                 "logged)",
+                 "peer %s: region 0x%llx+%llu is not mapped here as System V shared memory "
+                 "(its owner could shrink it under the loads); read through process_vm_readv "
+                 "or UCX instead (further ones from it are not logged)",
                  who, (unsigned long long)d.base, (unsigned long long)d.len);
     }
     n++;
